@@ -1,1 +1,2 @@
-//! placeholder
+//! kvferry-p2p (work in progress): the producer/consumer connector.
+pub mod proto;

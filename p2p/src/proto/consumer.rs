@@ -1,0 +1,205 @@
+//! The consumer's protocol state machine for one producer connection (DESIGN.md §4),
+//! without sockets or clocks.
+//!
+//! Every load has two deadlines: the reply deadline (`reply_timeout` after the
+//! request or after the last CONTINUE) and the overall deadline (`max_wait` after
+//! the request; CONTINUE never extends past it). A missed deadline or a lost
+//! connection fails the load with its reason and marks the socket for rebuilding
+//! (the `zeromq` crate's DEALER does not reconnect by itself). A load is never
+//! retried: KV is never fetched twice for one request.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use super::msg::{decode_reply, encode, MsgError, Reply, Status, TransferRequest};
+
+/// Why a load failed before any verdict (transport or producer side).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FailReason {
+    /// No reply within the reply deadline.
+    #[error("no reply from the producer within {0:?} (lost reply or dead producer)")]
+    NoReply(Duration),
+    /// The producer kept answering CONTINUE past the overall deadline.
+    #[error("producer did not finish within {0:?}")]
+    Overall(Duration),
+    /// The connection to the producer broke (producer died or restarted).
+    #[error("connection to the producer lost: {0}")]
+    ConnectionLost(String),
+    /// The producer answered ERROR.
+    #[error("producer error: {0}")]
+    Producer(String),
+}
+
+/// Result of feeding a message to [`ConsumerMachine::on_message`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum ConsumerEvent {
+    /// The load ended with FINISH; the reply carries the payload.
+    Finished {
+        /// The load.
+        load_id: u64,
+        /// The producer's reply.
+        reply: Reply,
+    },
+    /// The load failed (ERROR reply).
+    Failed {
+        /// The load.
+        load_id: u64,
+        /// Why.
+        reason: FailReason,
+    },
+    /// CONTINUE: the producer is alive and the reply deadline moved.
+    Progress {
+        /// The load.
+        load_id: u64,
+    },
+    /// A reply for no pending load (late, after the load timed out): ignored.
+    Stale {
+        /// The load id in the reply.
+        load_id: u64,
+    },
+    /// An undecodable message: ignored (no load can be blamed).
+    Invalid(MsgError),
+}
+
+struct Pending {
+    request_id: String,
+    reply_deadline: Instant,
+    deadline: Instant,
+    continued: bool,
+}
+
+/// The loads in flight on one producer connection.
+pub struct ConsumerMachine {
+    reply_timeout: Duration,
+    max_wait: Duration,
+    next_load_id: u64,
+    pending: HashMap<u64, Pending>,
+    needs_rebuild: bool,
+}
+
+impl ConsumerMachine {
+    /// `reply_timeout`: longest silence from the producer; `max_wait`: longest load overall.
+    /// `first_load_id` seeds the load ids (the shell uses a random one, so that ids of a
+    /// rebuilt or restarted consumer do not collide with earlier ones).
+    pub fn new(reply_timeout: Duration, max_wait: Duration, first_load_id: u64) -> Self {
+        ConsumerMachine {
+            reply_timeout,
+            max_wait: max_wait.max(reply_timeout),
+            next_load_id: first_load_id,
+            pending: HashMap::new(),
+            needs_rebuild: false,
+        }
+    }
+
+    /// Registers a load: assigns `request.load_id` and returns it with the encoded request.
+    pub fn start(&mut self, now: Instant, mut request: TransferRequest) -> (u64, Vec<u8>) {
+        let load_id = self.next_load_id;
+        self.next_load_id = self.next_load_id.wrapping_add(1);
+        request.load_id = load_id;
+        self.pending.insert(
+            load_id,
+            Pending {
+                request_id: request.request_id.clone(),
+                reply_deadline: now + self.reply_timeout,
+                deadline: now + self.max_wait,
+                continued: false,
+            },
+        );
+        (load_id, encode(&request))
+    }
+
+    /// Loads in flight.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// A message arrived from the producer.
+    pub fn on_message(&mut self, now: Instant, bytes: &[u8]) -> ConsumerEvent {
+        let reply = match decode_reply(bytes) {
+            Ok(r) => r,
+            Err(e) => return ConsumerEvent::Invalid(e),
+        };
+        let load_id = reply.load_id;
+        let Some(p) = self.pending.get_mut(&load_id) else {
+            return ConsumerEvent::Stale { load_id };
+        };
+        if p.request_id != reply.request_id {
+            return ConsumerEvent::Invalid(MsgError::Malformed(format!(
+                "reply for load {load_id} names request {:?}, the load is for {:?}",
+                reply.request_id, p.request_id
+            )));
+        }
+        match reply.status() {
+            Status::Continue => {
+                p.reply_deadline = (now + self.reply_timeout).min(p.deadline);
+                p.continued = true;
+                ConsumerEvent::Progress { load_id }
+            }
+            Status::Finish => {
+                self.pending.remove(&load_id);
+                ConsumerEvent::Finished { load_id, reply }
+            }
+            Status::Error => {
+                self.pending.remove(&load_id);
+                let why = reply
+                    .error
+                    .unwrap_or_else(|| "ERROR without a reason".to_string());
+                ConsumerEvent::Failed {
+                    load_id,
+                    reason: FailReason::Producer(why),
+                }
+            }
+        }
+    }
+
+    /// Time passed: loads past a deadline fail; the socket must then be rebuilt.
+    pub fn on_tick(&mut self, now: Instant) -> Vec<(u64, FailReason)> {
+        let mut failed = Vec::new();
+        let (reply_timeout, max_wait) = (self.reply_timeout, self.max_wait);
+        self.pending.retain(|id, p| {
+            if p.reply_deadline > now {
+                return true;
+            }
+            // CONTINUE clamps the reply deadline to the overall one.
+            if p.continued && p.reply_deadline >= p.deadline {
+                failed.push((*id, FailReason::Overall(max_wait)));
+            } else {
+                failed.push((*id, FailReason::NoReply(reply_timeout)));
+            }
+            false
+        });
+        if !failed.is_empty() {
+            self.needs_rebuild = true;
+        }
+        failed.sort_by_key(|(id, _)| *id);
+        failed
+    }
+
+    /// The connection broke: every pending load fails; the socket must be rebuilt.
+    pub fn on_connection_lost(&mut self, why: &str) -> Vec<(u64, FailReason)> {
+        self.needs_rebuild = true;
+        let mut failed: Vec<_> = self
+            .pending
+            .drain()
+            .map(|(id, _)| (id, FailReason::ConnectionLost(why.to_string())))
+            .collect();
+        failed.sort_by_key(|(id, _)| *id);
+        failed
+    }
+
+    /// Whether the socket should be rebuilt now: after a failure, once no load is
+    /// in flight on it (rebuilding earlier would drop replies the others wait for).
+    pub fn should_rebuild(&self) -> bool {
+        self.needs_rebuild && self.pending.is_empty()
+    }
+
+    /// The shell rebuilt the socket.
+    pub fn rebuilt(&mut self) {
+        self.needs_rebuild = false;
+    }
+
+    /// The earliest deadline of a pending load.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.pending.values().map(|p| p.reply_deadline).min()
+    }
+}

@@ -1,0 +1,278 @@
+//! Wire messages of the control channel (DESIGN.md §4): msgpack maps with field
+//! names (`rmp_serde::to_vec_named`), a `version` field checked first, unknown
+//! fields ignored, status codes as vLLM's MooncakeConnector (FINISH=0,
+//! CONTINUE=1, ERROR=2). Decoding never panics on any input.
+
+use serde::{Deserialize, Serialize};
+
+/// Version of the control-channel protocol this crate speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest control message accepted (bytes). Block tables of long prompts fit
+/// easily; anything larger is refused before decoding.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// `kind` of a consumer → producer transfer request.
+pub const KIND_TRANSFER_REQUEST: &str = "transfer_request";
+/// `kind` of a producer → consumer reply.
+pub const KIND_REPLY: &str = "reply";
+
+/// Reply status, numbered as vLLM's MooncakeConnector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Status {
+    /// 0: the blocks were written; the reply carries the checksum payload.
+    Finish,
+    /// 1: the producer has the request but is not done (e.g. not yet published).
+    Continue,
+    /// 2: the load failed; the reply's `error` says why.
+    Error,
+}
+
+impl Status {
+    /// The wire code (0, 1, 2).
+    pub fn code(self) -> u8 {
+        match self {
+            Status::Finish => 0,
+            Status::Continue => 1,
+            Status::Error => 2,
+        }
+    }
+
+    /// Parses a wire code; `None` for anything but 0, 1, 2.
+    pub fn from_code(code: u8) -> Option<Status> {
+        match code {
+            0 => Some(Status::Finish),
+            1 => Some(Status::Continue),
+            2 => Some(Status::Error),
+            _ => None,
+        }
+    }
+}
+
+/// Errors decoding a control message. Each is a value, never a panic.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MsgError {
+    /// The message is larger than [`MAX_MESSAGE_BYTES`].
+    #[error("control message of {0} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")]
+    TooLarge(usize),
+    /// Not a msgpack map with the expected fields.
+    #[error("malformed control message: {0}")]
+    Malformed(String),
+    /// A `version` other than [`PROTOCOL_VERSION`] (or none at all).
+    #[error("control message version {got:?}, this peer speaks version {PROTOCOL_VERSION}")]
+    WrongVersion {
+        /// The version found, `None` when the field is missing.
+        got: Option<u64>,
+    },
+    /// A `kind` other than the one expected on this socket.
+    #[error("control message kind {got:?}, expected {expected:?}")]
+    WrongKind {
+        /// The kind found.
+        got: Option<String>,
+        /// The kind this socket accepts.
+        expected: &'static str,
+    },
+    /// A `status` other than 0, 1, 2.
+    #[error("reply status {0} is not FINISH=0, CONTINUE=1 or ERROR=2")]
+    BadStatus(u8),
+}
+
+/// A layer's cache array geometry on the wire: the checksum crate's `Geometry`
+/// (DESIGN.md §2.2) flattened into plain numbers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireGeometry {
+    /// Layout text, e.g. `"KV B N H D"`.
+    pub layout: String,
+    /// B: kernel blocks in the array.
+    pub num_kernel_blocks: u64,
+    /// N: tokens per kernel block.
+    pub tokens_per_kernel_block: u64,
+    /// H: KV heads on this rank (1 when the layout has none).
+    pub heads: u64,
+    /// D: elements per head.
+    pub head_dim: u64,
+    /// Bytes per element: 1, 2, 4 or 8.
+    pub elem_bytes: u64,
+    /// Kernel blocks per logical block.
+    pub kernel_blocks_per_block: u64,
+    /// Byte stride per layout dimension, outermost first.
+    pub strides: Vec<u64>,
+}
+
+/// One layer of one consumer rank: where its array lives and how it is laid out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireLayer {
+    /// Layer name (`model.layers.12.self_attn.attn`); pairs the layer with the producer's.
+    pub name: String,
+    /// Base address of the layer's array in the consumer's memory (registered with its engine).
+    pub addr: u64,
+    /// Bytes the array spans.
+    pub len: u64,
+    /// The array's geometry on the consumer.
+    pub geometry: WireGeometry,
+}
+
+/// One KV cache group's layers on one consumer rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireRankGroup {
+    /// KV cache group id.
+    pub group_id: u32,
+    /// Layers of the group held by this rank.
+    pub layers: Vec<WireLayer>,
+}
+
+/// One consumer rank: its transfer engine segment and its KV memory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireRank {
+    /// TP rank.
+    pub tp_rank: u32,
+    /// PP rank.
+    pub pp_rank: u32,
+    /// The rank's transfer engine segment name (`host:port`).
+    pub segment: String,
+    /// The rank's groups.
+    pub groups: Vec<WireRankGroup>,
+}
+
+/// Which blocks of one group to write: parallel lists, one entry per block.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireBlocks {
+    /// KV cache group id.
+    pub group_id: u32,
+    /// Block size (tokens) on the consumer; must equal the producer's.
+    pub block_size: u64,
+    /// Block positions in the request (block `p` holds tokens `[p·block_size, (p+1)·block_size)`).
+    pub positions: Vec<u64>,
+    /// The producer's block id at each position, as the consumer was told it.
+    pub remote_blocks: Vec<u64>,
+    /// The consumer's block id at each position (the write target).
+    pub local_blocks: Vec<u64>,
+}
+
+/// Consumer → producer: "write request `request_id`'s blocks into my memory".
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferRequest {
+    /// [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// [`KIND_TRANSFER_REQUEST`].
+    pub kind: String,
+    /// The request whose KV is loaded.
+    pub request_id: String,
+    /// Consumer-chosen id of this load, echoed in replies (a stale reply never matches another load).
+    pub load_id: u64,
+    /// Consumer TP size.
+    pub tp_size: u32,
+    /// Consumer PP size.
+    pub pp_size: u32,
+    /// Tokens the consumer already holds (local prefix hit); not loaded.
+    pub num_local_computed: u64,
+    /// Tokens of the request's KV (num_computed after the load).
+    pub num_tokens: u64,
+    /// Blocks to write, per group.
+    pub blocks: Vec<WireBlocks>,
+    /// The consumer's ranks.
+    pub ranks: Vec<WireRank>,
+}
+
+/// Producer → consumer reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reply {
+    /// [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// [`KIND_REPLY`].
+    pub kind: String,
+    /// Status code: [`Status::code`].
+    pub status: u8,
+    /// The request this answers.
+    pub request_id: String,
+    /// The load this answers ([`TransferRequest::load_id`]).
+    pub load_id: u64,
+    /// Why the load failed (ERROR) or what the producer waits for (CONTINUE).
+    #[serde(default)]
+    pub error: Option<String>,
+    /// The producer's checksum payload (DESIGN.md §2.4), raw bytes: the connector-owned carrier.
+    #[serde(default, with = "serde_bytes")]
+    pub checksums: Option<Vec<u8>>,
+    /// Bytes the producer wrote for this load.
+    #[serde(default)]
+    pub bytes_written: u64,
+}
+
+impl Reply {
+    /// A reply with `status` and nothing else.
+    pub fn new(status: Status, request_id: &str, load_id: u64) -> Reply {
+        Reply {
+            version: PROTOCOL_VERSION,
+            kind: KIND_REPLY.to_string(),
+            status: status.code(),
+            request_id: request_id.to_string(),
+            load_id,
+            error: None,
+            checksums: None,
+            bytes_written: 0,
+        }
+    }
+
+    /// An ERROR reply with a reason.
+    pub fn error(request_id: &str, load_id: u64, why: impl Into<String>) -> Reply {
+        let mut r = Reply::new(Status::Error, request_id, load_id);
+        r.error = Some(why.into());
+        r
+    }
+
+    /// The parsed status (checked at decode time).
+    pub fn status(&self) -> Status {
+        Status::from_code(self.status).unwrap_or(Status::Error)
+    }
+}
+
+#[derive(Deserialize)]
+struct Header {
+    #[serde(default)]
+    version: Option<u64>,
+    #[serde(default)]
+    kind: Option<String>,
+}
+
+fn check_header(bytes: &[u8], expected: &'static str) -> Result<(), MsgError> {
+    if bytes.len() > MAX_MESSAGE_BYTES {
+        return Err(MsgError::TooLarge(bytes.len()));
+    }
+    let header: Header =
+        rmp_serde::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
+    if header.version != Some(PROTOCOL_VERSION as u64) {
+        return Err(MsgError::WrongVersion {
+            got: header.version,
+        });
+    }
+    if header.kind.as_deref() != Some(expected) {
+        return Err(MsgError::WrongKind {
+            got: header.kind,
+            expected,
+        });
+    }
+    Ok(())
+}
+
+/// Encodes a message as a msgpack map with field names.
+pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+    // Serializing these plain structs to a Vec cannot fail.
+    rmp_serde::to_vec_named(msg).unwrap_or_default()
+}
+
+/// Decodes a transfer request: size, version and kind are checked before the body.
+pub fn decode_request(bytes: &[u8]) -> Result<TransferRequest, MsgError> {
+    check_header(bytes, KIND_TRANSFER_REQUEST)?;
+    rmp_serde::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))
+}
+
+/// Decodes a reply: size, version and kind are checked before the body; the status must be 0, 1 or 2.
+pub fn decode_reply(bytes: &[u8]) -> Result<Reply, MsgError> {
+    check_header(bytes, KIND_REPLY)?;
+    let reply: Reply =
+        rmp_serde::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
+    if Status::from_code(reply.status).is_none() {
+        return Err(MsgError::BadStatus(reply.status));
+    }
+    Ok(reply)
+}

@@ -1,0 +1,518 @@
+//! State-machine and message tests, driven by events and a fake clock (no network).
+
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+use serde::Serialize;
+
+use super::consumer::{ConsumerEvent, ConsumerMachine, FailReason};
+use super::msg::*;
+use super::plan::{pair_ranges, Copy, PlanError};
+use super::producer::{Effect, ProducerMachine, ProducerTimeouts, PublishError, ReleaseReason};
+
+fn request(id: &str, load_id: u64) -> TransferRequest {
+    TransferRequest {
+        version: PROTOCOL_VERSION,
+        kind: KIND_TRANSFER_REQUEST.to_string(),
+        request_id: id.to_string(),
+        load_id,
+        tp_size: 1,
+        pp_size: 1,
+        num_local_computed: 0,
+        num_tokens: 40,
+        blocks: vec![WireBlocks {
+            group_id: 0,
+            block_size: 16,
+            positions: vec![0, 1, 2],
+            remote_blocks: vec![5, 6, 7],
+            local_blocks: vec![1, 2, 3],
+        }],
+        ranks: vec![WireRank {
+            tp_rank: 0,
+            pp_rank: 0,
+            segment: "127.0.0.1:1".into(),
+            groups: vec![WireRankGroup {
+                group_id: 0,
+                layers: vec![WireLayer {
+                    name: "model.layers.0.attn".into(),
+                    addr: 4096,
+                    len: 8192,
+                    geometry: WireGeometry {
+                        layout: "KV B N H D".into(),
+                        num_kernel_blocks: 8,
+                        tokens_per_kernel_block: 16,
+                        heads: 2,
+                        head_dim: 8,
+                        elem_bytes: 2,
+                        kernel_blocks_per_block: 1,
+                        strides: vec![4096, 512, 32, 16, 2],
+                    },
+                }],
+            }],
+        }],
+    }
+}
+
+fn timeouts() -> ProducerTimeouts {
+    ProducerTimeouts {
+        lease: Duration::from_secs(10),
+        publish_wait: Duration::from_secs(5),
+        tombstone: Duration::from_secs(100),
+    }
+}
+
+type Machine = ProducerMachine<u32, &'static str>;
+
+fn replies(effects: &[Effect<u32, &'static str>]) -> Vec<(u32, Status, Option<String>)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Reply { peer, reply } => Some((*peer, reply.status(), reply.error.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn serves(effects: &[Effect<u32, &'static str>]) -> Vec<(u32, String, &'static str)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Serve {
+                peer,
+                request,
+                lease,
+            } => Some((*peer, request.request_id.clone(), *lease)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn request_round_trips_as_named_map() {
+    let r = request("req-1", 9);
+    let bytes = encode(&r);
+    // A map with field names, not an array of positions.
+    let v = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
+    let map = v.as_map().expect("msgpack map");
+    assert!(map.iter().any(|(k, _)| k.as_str() == Some("request_id")));
+    assert_eq!(decode_request(&bytes).unwrap(), r);
+}
+
+#[test]
+fn reply_checksums_travel_as_msgpack_bin() {
+    let mut r = Reply::new(Status::Finish, "req", 3);
+    r.checksums = Some(vec![1, 2, 3, 255]);
+    let bytes = encode(&r);
+    let v = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
+    let map = v.as_map().unwrap();
+    let (_, c) = map
+        .iter()
+        .find(|(k, _)| k.as_str() == Some("checksums"))
+        .unwrap();
+    assert_eq!(c.as_slice(), Some(&[1u8, 2, 3, 255][..]));
+    assert_eq!(decode_reply(&bytes).unwrap(), r);
+}
+
+#[derive(Serialize)]
+struct ReplyPlus {
+    version: u32,
+    kind: &'static str,
+    status: u8,
+    request_id: &'static str,
+    load_id: u64,
+    from_the_future: Vec<u32>,
+}
+
+#[test]
+fn unknown_fields_are_ignored_and_optional_fields_default() {
+    let bytes = rmp_serde::to_vec_named(&ReplyPlus {
+        version: PROTOCOL_VERSION,
+        kind: KIND_REPLY,
+        status: 1,
+        request_id: "r",
+        load_id: 4,
+        from_the_future: vec![1, 2],
+    })
+    .unwrap();
+    let r = decode_reply(&bytes).unwrap();
+    assert_eq!(r.status(), Status::Continue);
+    assert_eq!(r.checksums, None);
+    assert_eq!(r.error, None);
+}
+
+#[test]
+fn wrong_version_and_kind_and_status_are_clear_errors() {
+    let mut r = Reply::new(Status::Finish, "r", 1);
+    r.version = 2;
+    assert_eq!(
+        decode_reply(&encode(&r)),
+        Err(MsgError::WrongVersion { got: Some(2) })
+    );
+    let q = request("r", 1);
+    assert!(matches!(
+        decode_reply(&encode(&q)),
+        Err(MsgError::WrongKind { .. })
+    ));
+    assert!(matches!(
+        decode_request(&encode(&Reply::new(Status::Finish, "r", 1))),
+        Err(MsgError::WrongKind { .. })
+    ));
+    let mut r = Reply::new(Status::Finish, "r", 1);
+    r.status = 7;
+    assert_eq!(decode_reply(&encode(&r)), Err(MsgError::BadStatus(7)));
+    let err = decode_reply(&[0xc1]).unwrap_err();
+    assert!(matches!(err, MsgError::Malformed(_)));
+    assert!(matches!(
+        decode_reply(&vec![0u8; MAX_MESSAGE_BYTES + 1]),
+        Err(MsgError::TooLarge(_))
+    ));
+}
+
+proptest! {
+    #[test]
+    fn decoding_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _ = decode_reply(&bytes);
+        let _ = decode_request(&bytes);
+    }
+
+    #[test]
+    fn decoding_truncated_messages_never_panics(cut in 0usize..400) {
+        let bytes = encode(&request("req-x", 1));
+        let cut = cut.min(bytes.len());
+        let _ = decode_request(&bytes[..cut]);
+        let _ = decode_reply(&bytes[..cut]);
+    }
+}
+
+#[test]
+fn published_lease_is_served_once() {
+    let t0 = Instant::now();
+    let mut m = Machine::new(timeouts());
+    assert!(m.publish(t0, "a", "blocks-a").unwrap().is_empty());
+    let e = m.on_request(t0, 1, request("a", 1));
+    assert_eq!(serves(&e), vec![(1, "a".to_string(), "blocks-a")]);
+    // A second request while serving: ERROR, not served again.
+    let e = m.on_request(t0, 2, request("a", 2));
+    assert_eq!(serves(&e), vec![]);
+    assert_eq!(replies(&e)[0].1, Status::Error);
+    let e = m.on_served(t0, 1, "a", 1, Ok((100, Some(vec![9]))));
+    let r = replies(&e);
+    assert_eq!(r[0].1, Status::Finish);
+    assert!(e.contains(&Effect::Released {
+        request_id: "a".into(),
+        reason: ReleaseReason::Served
+    }));
+    // And after it was served.
+    let e = m.on_request(t0 + Duration::from_secs(1), 3, request("a", 3));
+    let r = replies(&e);
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].1, Status::Error);
+    assert!(r[0].2.as_ref().unwrap().contains("already loaded"));
+    assert_eq!(serves(&e), vec![]);
+}
+
+#[test]
+fn expired_lease_is_released_and_refused() {
+    let t0 = Instant::now();
+    let mut m = Machine::new(timeouts());
+    m.publish(t0, "a", "blocks-a").unwrap();
+    assert_eq!(m.next_deadline(), Some(t0 + Duration::from_secs(10)));
+    assert!(m.on_tick(t0 + Duration::from_secs(9)).is_empty());
+    let e = m.on_tick(t0 + Duration::from_secs(10));
+    assert_eq!(
+        e,
+        vec![Effect::Released {
+            request_id: "a".into(),
+            reason: ReleaseReason::Expired
+        }]
+    );
+    assert_eq!(m.held(), 0);
+    let e = m.on_request(t0 + Duration::from_secs(11), 1, request("a", 1));
+    assert_eq!(serves(&e), vec![]);
+    let r = replies(&e);
+    assert_eq!(r[0].1, Status::Error);
+    assert!(r[0].2.as_ref().unwrap().contains("lease expired"));
+    // Publishing the same id again is refused: its blocks were freed.
+    assert_eq!(
+        m.publish(t0, "a", "x"),
+        Err(PublishError::Duplicate("a".into()))
+    );
+}
+
+#[test]
+fn request_before_publish_waits_then_is_served() {
+    let t0 = Instant::now();
+    let mut m = Machine::new(timeouts());
+    let e = m.on_request(t0, 7, request("early", 1));
+    assert_eq!(
+        replies(&e),
+        vec![(7, Status::Continue, replies(&e)[0].2.clone())]
+    );
+    assert_eq!(m.next_deadline(), Some(t0 + Duration::from_secs(5)));
+    // A duplicate while parked: ERROR.
+    let e = m.on_request(t0, 8, request("early", 2));
+    assert_eq!(replies(&e)[0].1, Status::Error);
+    let e = m
+        .publish(t0 + Duration::from_secs(2), "early", "blocks")
+        .unwrap();
+    assert_eq!(serves(&e), vec![(7, "early".to_string(), "blocks")]);
+    // Serving leases do not expire.
+    assert!(m.on_tick(t0 + Duration::from_secs(60)).is_empty());
+}
+
+#[test]
+fn request_never_published_gets_error_at_deadline() {
+    let t0 = Instant::now();
+    let mut m = Machine::new(timeouts());
+    m.on_request(t0, 7, request("never", 1));
+    assert!(replies(&m.on_tick(t0 + Duration::from_millis(4999))).is_empty());
+    let e = m.on_tick(t0 + Duration::from_secs(5));
+    let r = replies(&e);
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].1, Status::Error);
+    assert!(r[0].2.as_ref().unwrap().contains("not published"));
+    // Published later: held normally, nobody is served by the stale wait.
+    assert!(serves(
+        &m.publish(t0 + Duration::from_secs(6), "never", "b")
+            .unwrap()
+    )
+    .is_empty());
+}
+
+#[test]
+fn failed_serve_is_final() {
+    let t0 = Instant::now();
+    let mut m = Machine::new(timeouts());
+    m.publish(t0, "a", "b").unwrap();
+    m.on_request(t0, 1, request("a", 1));
+    let e = m.on_served(t0, 1, "a", 1, Err("peer gone".into()));
+    assert_eq!(replies(&e)[0].1, Status::Error);
+    assert!(e.contains(&Effect::Released {
+        request_id: "a".into(),
+        reason: ReleaseReason::Failed("peer gone".into())
+    }));
+    let e = m.on_request(t0, 1, request("a", 2));
+    assert_eq!(serves(&e), vec![]);
+    assert_eq!(replies(&e)[0].1, Status::Error);
+}
+
+#[test]
+fn tombstones_are_forgotten() {
+    let t0 = Instant::now();
+    let mut m = Machine::new(timeouts());
+    m.publish(t0, "a", "b").unwrap();
+    m.on_tick(t0 + Duration::from_secs(10));
+    m.on_tick(t0 + Duration::from_secs(200));
+    assert_eq!(m.next_deadline(), None);
+}
+
+proptest! {
+    /// Whatever the order of events, each publish is served at most once and
+    /// never after its lease expired.
+    #[test]
+    fn never_served_twice_nor_after_expiry(events in proptest::collection::vec((0u8..4, 0u64..30), 1..60)) {
+        let t0 = Instant::now();
+        let mut m = Machine::new(timeouts());
+        let mut now = t0;
+        let mut served = 0;
+        let mut published = false;
+        let mut expired = false;
+        let mut load = 0;
+        for (kind, dt) in events {
+            now += Duration::from_secs(dt);
+            let effects = match kind {
+                0 => { let r = m.publish(now, "a", "b"); if r.is_ok() { published = true; expired = false; served = 0; } r.unwrap_or_default() }
+                1 | 2 => { load += 1; m.on_request(now, 1, request("a", load)) }
+                _ => m.on_tick(now),
+            };
+            for e in &effects {
+                match e {
+                    Effect::Serve { .. } => { served += 1; prop_assert!(!expired); prop_assert!(published); }
+                    Effect::Released { reason: ReleaseReason::Expired, .. } => expired = true,
+                    _ => {}
+                }
+            }
+        }
+        prop_assert!(served <= 1);
+    }
+}
+
+#[test]
+fn consumer_finish_and_error_and_stale() {
+    let t0 = Instant::now();
+    let mut c = ConsumerMachine::new(Duration::from_secs(2), Duration::from_secs(10), 100);
+    let (id, bytes) = c.start(t0, request("a", 0));
+    assert_eq!(id, 100);
+    assert_eq!(decode_request(&bytes).unwrap().load_id, 100);
+    let mut fin = Reply::new(Status::Finish, "a", id);
+    fin.checksums = Some(vec![1]);
+    match c.on_message(t0, &encode(&fin)) {
+        ConsumerEvent::Finished { load_id, reply } => {
+            assert_eq!(load_id, 100);
+            assert_eq!(reply.checksums, Some(vec![1]));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.pending(), 0);
+    // The same reply again is stale.
+    assert_eq!(
+        c.on_message(t0, &encode(&fin)),
+        ConsumerEvent::Stale { load_id: 100 }
+    );
+    let (id2, _) = c.start(t0, request("b", 0));
+    let ev = c.on_message(t0, &encode(&Reply::error("b", id2, "nope")));
+    assert_eq!(
+        ev,
+        ConsumerEvent::Failed {
+            load_id: id2,
+            reason: FailReason::Producer("nope".into())
+        }
+    );
+    // A reply naming another request for a pending load is not accepted.
+    let (id3, _) = c.start(t0, request("c", 0));
+    assert!(matches!(
+        c.on_message(t0, &encode(&Reply::new(Status::Finish, "zzz", id3))),
+        ConsumerEvent::Invalid(_)
+    ));
+    assert_eq!(c.pending(), 1);
+    assert!(matches!(
+        c.on_message(t0, b"garbage"),
+        ConsumerEvent::Invalid(_)
+    ));
+}
+
+#[test]
+fn consumer_lost_reply_times_out_and_rebuilds() {
+    let t0 = Instant::now();
+    let mut c = ConsumerMachine::new(Duration::from_secs(2), Duration::from_secs(10), 0);
+    let (id, _) = c.start(t0, request("a", 0));
+    assert_eq!(c.next_deadline(), Some(t0 + Duration::from_secs(2)));
+    assert!(c.on_tick(t0 + Duration::from_millis(1999)).is_empty());
+    assert!(!c.should_rebuild());
+    let failed = c.on_tick(t0 + Duration::from_secs(2));
+    assert_eq!(
+        failed,
+        vec![(id, FailReason::NoReply(Duration::from_secs(2)))]
+    );
+    assert!(c.should_rebuild());
+    c.rebuilt();
+    assert!(!c.should_rebuild());
+    // A reply arriving after the timeout is stale, never a late success.
+    assert_eq!(
+        c.on_message(t0, &encode(&Reply::new(Status::Finish, "a", id))),
+        ConsumerEvent::Stale { load_id: id }
+    );
+}
+
+#[test]
+fn consumer_continue_extends_but_not_past_overall_deadline() {
+    let t0 = Instant::now();
+    let mut c = ConsumerMachine::new(Duration::from_secs(2), Duration::from_secs(5), 0);
+    let (id, _) = c.start(t0, request("a", 0));
+    let cont = encode(&Reply::new(Status::Continue, "a", id));
+    assert_eq!(
+        c.on_message(t0 + Duration::from_millis(1500), &cont),
+        ConsumerEvent::Progress { load_id: id }
+    );
+    assert!(c.on_tick(t0 + Duration::from_millis(3000)).is_empty());
+    c.on_message(t0 + Duration::from_millis(3400), &cont);
+    c.on_message(t0 + Duration::from_millis(4500), &cont);
+    assert_eq!(c.next_deadline(), Some(t0 + Duration::from_secs(5)));
+    let failed = c.on_tick(t0 + Duration::from_secs(5));
+    assert_eq!(
+        failed,
+        vec![(id, FailReason::Overall(Duration::from_secs(5)))]
+    );
+}
+
+#[test]
+fn consumer_rebuild_waits_for_other_loads() {
+    let t0 = Instant::now();
+    let mut c = ConsumerMachine::new(Duration::from_secs(2), Duration::from_secs(10), 0);
+    let (a, _) = c.start(t0, request("a", 0));
+    let (b, _) = c.start(t0 + Duration::from_secs(1), request("b", 0));
+    assert_eq!(
+        c.on_tick(t0 + Duration::from_secs(2)),
+        vec![(a, FailReason::NoReply(Duration::from_secs(2)))]
+    );
+    assert!(!c.should_rebuild(), "load b still waits on this socket");
+    c.on_message(t0, &encode(&Reply::new(Status::Finish, "b", b)));
+    assert!(c.should_rebuild());
+}
+
+#[test]
+fn consumer_connection_lost_fails_all() {
+    let t0 = Instant::now();
+    let mut c = ConsumerMachine::new(Duration::from_secs(2), Duration::from_secs(10), 0);
+    let (a, _) = c.start(t0, request("a", 0));
+    let (b, _) = c.start(t0, request("b", 0));
+    let failed = c.on_connection_lost("reset");
+    assert_eq!(failed.iter().map(|f| f.0).collect::<Vec<_>>(), vec![a, b]);
+    assert!(c.should_rebuild());
+}
+
+#[test]
+fn pair_ranges_cuts_at_both_sides_boundaries() {
+    let mut out = Vec::new();
+    let n = pair_ranges(1000, &[0..10, 20..30], 5000, &[0..5, 100..115], &mut out).unwrap();
+    assert_eq!(n, 20);
+    assert_eq!(
+        out,
+        vec![
+            Copy {
+                src: 1000,
+                dst: 5000,
+                len: 5
+            },
+            Copy {
+                src: 1005,
+                dst: 5100,
+                len: 5
+            },
+            Copy {
+                src: 1020,
+                dst: 5105,
+                len: 10
+            },
+        ]
+    );
+    // Contiguous on both sides merges into one copy.
+    let mut out = Vec::new();
+    pair_ranges(0, &[0..4, 4..8], 100, &[0..8], &mut out).unwrap();
+    assert_eq!(
+        out,
+        vec![Copy {
+            src: 0,
+            dst: 100,
+            len: 8
+        }]
+    );
+    assert_eq!(
+        pair_ranges(0, &[0..4], 0, &[0..5], &mut Vec::new()),
+        Err(PlanError::LengthDiffers { src: 4, dst: 5 })
+    );
+}
+
+proptest! {
+    #[test]
+    fn pair_ranges_maps_byte_k_to_byte_k(cuts_a in proptest::collection::vec(1u64..20, 1..8), cuts_b in proptest::collection::vec(1u64..20, 1..8)) {
+        // Build two range lists of equal total length with gaps between ranges.
+        let total: u64 = cuts_a.iter().sum();
+        let mut b = cuts_b.clone();
+        let sb: u64 = b.iter().sum();
+        if sb < total { b.push(total - sb); } else {
+            let mut acc = 0; let mut bb = Vec::new();
+            for x in b { if acc + x >= total { bb.push(total - acc); break; } acc += x; bb.push(x); }
+            b = bb.into_iter().filter(|x| *x > 0).collect();
+        }
+        let mk = |cuts: &[u64]| { let mut o = 0; cuts.iter().map(|c| { let r = o..o + c; o += c + 3; r }).collect::<Vec<_>>() };
+        let (ra, rb) = (mk(&cuts_a), mk(&b));
+        let mut out = Vec::new();
+        pair_ranges(0, &ra, 10_000, &rb, &mut out).unwrap();
+        let flat = |r: &[std::ops::Range<u64>]| r.iter().flat_map(|r| r.clone()).collect::<Vec<_>>();
+        let (fa, fb) = (flat(&ra), flat(&rb));
+        let mut k = 0;
+        for c in &out { for x in 0..c.len { prop_assert_eq!(c.src + x, fa[k]); prop_assert_eq!(c.dst + x - 10_000, fb[k]); k += 1; } }
+        prop_assert_eq!(k as u64, total);
+    }
+}

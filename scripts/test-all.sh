@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what it needs, builds,
+# runs the unit/integration tests, the demo's end-to-end checks, and the
+# soft-RoCE suite in a QEMU guest. Fails on the first failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+log() { printf '\n==> %s\n' "$*" >&2; }
+
+need_pkgs=()
+command -v cmake >/dev/null || need_pkgs+=(cmake)
+[ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/llvm-*/lib/libclang*.so >/dev/null 2>&1 || need_pkgs+=(libclang-dev)
+command -v pkg-config >/dev/null || need_pkgs+=(pkg-config)
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+  log "installing build dependencies: ${need_pkgs[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
+fi
+
+log "build (release)"
+cargo build --release --workspace --all-targets
+
+log "unit and integration tests"
+cargo test --release --workspace
+
+log "demo end-to-end checks"
+bash scripts/demo-checks.sh target/release/kvferry
+
+if [ "${KVFERRY_SKIP_SOFTROCE:-0}" = "1" ]; then
+  log "soft-RoCE suite skipped (KVFERRY_SKIP_SOFTROCE=1)"
+else
+  log "soft-RoCE suite (QEMU guest)"
+  bash tests/softroce/run.sh
+fi
+log "all green"

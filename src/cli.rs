@@ -1,0 +1,232 @@
+//! Command-line arguments of `kvferry` (DESIGN.md §6), parsed with clap.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+
+/// kvferry: peer-to-peer KV-cache transfer for prefill/decode disaggregation
+/// that verifies every load.
+#[derive(Debug, Parser)]
+#[command(name = "kvferry", version, about, propagate_version = true)]
+pub struct Cli {
+    /// Log filter (tracing's env-filter syntax), also read from KVFERRY_LOG.
+    #[arg(long, global = true)]
+    pub log: Option<String>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// The main job: a producer and a consumer on loopback move a real model's KV
+    /// for many requests and verify every load.
+    Demo(DemoArgs),
+    /// Run the producer (prefill) role: publish requests' KV and serve loads.
+    Serve(ServeArgs),
+    /// Run the consumer (decode) role against a `kvferry serve` producer.
+    Load(LoadArgs),
+    /// Transfer throughput sweep (block size × batch × threads).
+    Bench(BenchArgs),
+    /// Evaluate the checksum definition on KV tensors dumped to files.
+    Checksum(ChecksumArgs),
+    /// Convert a checksum payload between base64 and JSON.
+    Payload {
+        #[command(subcommand)]
+        action: PayloadAction,
+    },
+}
+
+/// Which transport the transfer engine uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TransportArg {
+    /// RDMA when a usable device exists, TCP otherwise.
+    Auto,
+    /// Force TCP.
+    Tcp,
+    /// Force RDMA (an error when no device exists).
+    Rdma,
+}
+
+/// Where the KV caches live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceArg {
+    /// Host memory; checksums on the CPU.
+    Cpu,
+    /// GPU memory of device 0; checksums with the CUDA kernels.
+    Cuda,
+}
+
+/// The load failure policy under fail-closed (DESIGN.md §2.7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FailurePolicyArg {
+    /// The request ends with an error.
+    Fail,
+    /// The consumer discards the loaded KV and recomputes the prompt.
+    Recompute,
+}
+
+/// Options shared by the roles: model, ranks, transport, policy.
+#[derive(Debug, Clone, Args)]
+pub struct CommonArgs {
+    /// Model shape: qwen3-0.6b, llama3-8b, deepseek-v2-lite (MLA), tiny.
+    #[arg(long, default_value = "qwen3-0.6b")]
+    pub model: String,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u64,
+    /// KV cache layout (dimension order, outermost first), e.g. "KV B N H D" (FlashAttention),
+    /// "B KV N H D" (FlashInfer), "B KV H N D" (HND). MLA models always use "B N D".
+    #[arg(long, default_value = "KV B N H D")]
+    pub layout: String,
+    /// Transport of the transfer engine.
+    #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
+    pub transport: TransportArg,
+    /// Where the KV caches live.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+    /// Treat a mismatch or an unverified load as a load failure.
+    #[arg(long)]
+    pub fail_closed: bool,
+    /// What a load failure does under fail-closed.
+    #[arg(long, value_enum, default_value_t = FailurePolicyArg::Fail)]
+    pub load_failure_policy: FailurePolicyArg,
+    /// Seconds a load may take before it fails (request, transfer and reply).
+    #[arg(long, default_value_t = 60.0)]
+    pub timeout: f64,
+}
+
+/// `kvferry demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// Number of requests.
+    #[arg(long, default_value_t = 64)]
+    pub requests: u32,
+    /// Shortest prompt, in tokens.
+    #[arg(long, default_value_t = 100)]
+    pub min_tokens: u64,
+    /// Longest prompt, in tokens.
+    #[arg(long, default_value_t = 4000)]
+    pub max_tokens: u64,
+    /// Seed of the prompt lengths, the KV bytes and the corruption.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Flip one random bit in N landed loads, after the transfer and before verification.
+    #[arg(long, default_value_t = 0)]
+    pub corrupt: u32,
+    /// TP ranks of the producer (prefill).
+    #[arg(long, default_value_t = 1)]
+    pub prefill_tp: u32,
+    /// TP ranks of the consumer (decode).
+    #[arg(long, default_value_t = 1)]
+    pub decode_tp: u32,
+    /// PP stages of the producer.
+    #[arg(long, default_value_t = 1)]
+    pub prefill_pp: u32,
+    /// PP stages of the consumer.
+    #[arg(long, default_value_t = 1)]
+    pub decode_pp: u32,
+    /// Print one JSON object instead of the readable summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kvferry serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// Address the control channel (ZeroMQ ROUTER) binds, HOST:PORT.
+    #[arg(long, default_value = "127.0.0.1:17100")]
+    pub bind: String,
+    /// Number of requests published (the consumer must use the same).
+    #[arg(long, default_value_t = 8)]
+    pub requests: u32,
+    /// Shortest prompt, in tokens.
+    #[arg(long, default_value_t = 100)]
+    pub min_tokens: u64,
+    /// Longest prompt, in tokens.
+    #[arg(long, default_value_t = 4000)]
+    pub max_tokens: u64,
+    /// Seed of the prompt lengths and KV bytes (the consumer must use the same).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Exit after serving this many loads (0: serve until interrupted).
+    #[arg(long, default_value_t = 0)]
+    pub exit_after: u32,
+}
+
+/// `kvferry load`.
+#[derive(Debug, Clone, Args)]
+pub struct LoadArgs {
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// The producer's control channel, HOST:PORT.
+    #[arg(long)]
+    pub producer: String,
+    /// Number of requests to load.
+    #[arg(long, default_value_t = 8)]
+    pub requests: u32,
+    /// Shortest prompt, in tokens (as the producer).
+    #[arg(long, default_value_t = 100)]
+    pub min_tokens: u64,
+    /// Longest prompt, in tokens (as the producer).
+    #[arg(long, default_value_t = 4000)]
+    pub max_tokens: u64,
+    /// Seed (as the producer).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Print one JSON object instead of the readable summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kvferry bench`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// Transport of the transfer engine.
+    #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
+    pub transport: TransportArg,
+    /// Request sizes in bytes (comma separated; K/M suffixes).
+    #[arg(long, default_value = "64K,1M")]
+    pub block_sizes: String,
+    /// Requests per batch (comma separated).
+    #[arg(long, default_value = "128")]
+    pub batch: String,
+    /// Submitting threads (comma separated).
+    #[arg(long, default_value = "1")]
+    pub threads: String,
+    /// Seconds per point of the sweep.
+    #[arg(long, default_value_t = 2.0)]
+    pub seconds: f64,
+    /// Also checksum every landed batch (CPU backend) and report the overhead.
+    #[arg(long)]
+    pub checksum: bool,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+    /// Write the results as CSV to this file.
+    #[arg(long)]
+    pub csv_out: Option<PathBuf>,
+    /// Print one JSON object on stdout instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kvferry checksum`.
+#[derive(Debug, Clone, Args)]
+pub struct ChecksumArgs {
+    /// The spec file (JSON) describing the KV tensors and blocks.
+    #[arg(long)]
+    pub spec: PathBuf,
+}
+
+/// `kvferry payload …`.
+#[derive(Debug, Clone, Subcommand)]
+pub enum PayloadAction {
+    /// Base64 payload text on stdin → JSON on stdout.
+    Decode,
+    /// JSON on stdin → base64 payload text on stdout.
+    Encode,
+}

@@ -1,0 +1,134 @@
+//! Model shapes for the demo and the benchmark: the KV cache geometry of real
+//! models (layer count, KV heads, head size, dtype), split over TP/PP ranks.
+//!
+//! Sources: the models' published configs (Qwen3-0.6B: 28 layers, 8 KV heads,
+//! head_dim 128; Llama-3-8B: 32 layers, 8 KV heads, head_dim 128;
+//! DeepSeek-V2-Lite: 27 layers, MLA latent cache kv_lora_rank 512 + rope 64),
+//! DESIGN.md §2.2 (layouts) and §2.3 (replicas).
+
+use std::fmt;
+
+/// The shape of one model's KV cache (the unsharded model).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelShape {
+    /// Short name used on the command line (`--model`).
+    pub name: &'static str,
+    /// Number of attention layers, each with one KV cache.
+    pub layers: u32,
+    /// KV heads per layer (1 for MLA: one latent "head").
+    pub kv_heads: u32,
+    /// Elements per head and part (head_dim, or the MLA latent width).
+    pub head_dim: u64,
+    /// Bytes per element (2 for bf16).
+    pub elem_bytes: u64,
+    /// `torch` dtype name, used in fingerprints.
+    pub dtype: &'static str,
+    /// True for MLA: one part (no separate K and V), held whole by every TP rank.
+    pub mla: bool,
+}
+
+impl ModelShape {
+    /// KV bytes per token over the whole model: layers × heads × parts × head_dim × elem.
+    pub fn bytes_per_token(&self) -> u64 {
+        let parts = if self.mla { 1 } else { 2 };
+        self.layers as u64 * self.kv_heads as u64 * parts * self.head_dim * self.elem_bytes
+    }
+
+    /// vLLM's KV cache spec class name for this model's attention layers.
+    pub fn kind(&self) -> &'static str {
+        if self.mla {
+            "MLAAttentionSpec"
+        } else {
+            "FullAttentionSpec"
+        }
+    }
+
+    /// The layer module name vLLM gives layer `i`.
+    pub fn layer_name(&self, i: u32) -> String {
+        format!("model.layers.{i}.self_attn.attn")
+    }
+}
+
+impl fmt::Display for ModelShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} ({} layers, {} KV heads, head size {}, {}{})",
+            self.name,
+            self.layers,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype.trim_start_matches("torch."),
+            if self.mla { ", MLA" } else { "" }
+        )
+    }
+}
+
+/// Every model shape the CLI knows, by `--model` name.
+pub const MODELS: &[ModelShape] = &[
+    ModelShape {
+        name: "qwen3-0.6b",
+        layers: 28,
+        kv_heads: 8,
+        head_dim: 128,
+        elem_bytes: 2,
+        dtype: "torch.bfloat16",
+        mla: false,
+    },
+    ModelShape {
+        name: "llama3-8b",
+        layers: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        elem_bytes: 2,
+        dtype: "torch.bfloat16",
+        mla: false,
+    },
+    ModelShape {
+        name: "deepseek-v2-lite",
+        layers: 27,
+        kv_heads: 1,
+        head_dim: 576,
+        elem_bytes: 2,
+        dtype: "torch.bfloat16",
+        mla: true,
+    },
+    // A tiny shape for tests and emulated links (soft-RoCE under TCG).
+    ModelShape {
+        name: "tiny",
+        layers: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        elem_bytes: 2,
+        dtype: "torch.bfloat16",
+        mla: false,
+    },
+];
+
+/// Looks a model up by name.
+///
+/// Errors: an unknown name, with the list of known ones.
+pub fn model_by_name(name: &str) -> Result<&'static ModelShape, String> {
+    MODELS.iter().find(|m| m.name == name).ok_or_else(|| {
+        let known: Vec<_> = MODELS.iter().map(|m| m.name).collect();
+        format!("unknown --model {name:?}; known: {}", known.join(", "))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qwen_bytes_per_token() {
+        // 28 layers × 8 heads × (K+V) × 128 × 2 bytes
+        assert_eq!(model_by_name("qwen3-0.6b").unwrap().bytes_per_token(), 28 * 8 * 2 * 128 * 2);
+        assert_eq!(model_by_name("deepseek-v2-lite").unwrap().bytes_per_token(), 27 * 576 * 2);
+    }
+
+    #[test]
+    fn unknown_model_lists_known() {
+        let e = model_by_name("gpt-9").unwrap_err();
+        assert!(e.contains("llama3-8b"), "{e}");
+    }
+}

@@ -1,1 +1,31 @@
-//! placeholder
+//! kvferry-kernels: checksum backends (DESIGN.md §5). The [`ChecksumBackend`] trait takes
+//! [`GroupJob`]s (one KV cache group's selected blocks over its layers) and yields
+//! [`GroupResult`]s (one u64 per block position and replica key, §2.1/§2.3). [`CpuBackend`]
+//! evaluates the fast additive form of kvferry-checksum on host memory.
+
+pub mod backend;
+pub mod cpu;
+
+use std::sync::Arc;
+
+pub use backend::{
+    validate_job, ChecksumBackend, Device, GroupJob, GroupResult, KernelError, LayerInput, Pending,
+    PendingChecksums,
+};
+pub use cpu::CpuBackend;
+
+/// The backend for KV on `device`: CPU for host memory. For a CUDA device, the CUDA backend when
+/// it is usable, else the CPU backend with one info line (its jobs for device memory then fail
+/// with [`KernelError::InvalidJob`]). Never panics.
+pub fn backend_for(device: Device) -> Arc<dyn ChecksumBackend> {
+    match device {
+        Device::Cpu => Arc::new(CpuBackend::default()),
+        Device::Cuda(ordinal) => {
+            tracing::info!(
+                ordinal,
+                "no CUDA checksum backend in this build; using the CPU backend"
+            );
+            Arc::new(CpuBackend::default())
+        }
+    }
+}

@@ -1,0 +1,246 @@
+//! The checksum backend trait and its job/result types (DESIGN.md §5, docs/interfaces.md).
+//!
+//! A job checksums one KV cache group's selected blocks over all its layers; the result holds one
+//! u64 per (block position, replica key), the worker's part of §2.1's block values.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvferry_checksum::group::{LayerSpec, ReplicaKey};
+use kvferry_checksum::select::BlockSelection;
+use thiserror::Error;
+
+/// One layer's cache array as a backend reads it: its spec and where its bytes are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerInput {
+    /// Layer number, global heads, geometry, replica key.
+    pub spec: LayerSpec,
+    /// Address of the layer's array (host pointer, or device pointer for [`Device::Cuda`]).
+    pub addr: u64,
+    /// Bytes valid from `addr` (at least `spec.geometry.byte_len()`).
+    pub len: u64,
+}
+
+/// Where a job's KV lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// Host memory.
+    Cpu,
+    /// CUDA device with this ordinal.
+    Cuda(u32),
+}
+
+/// Checksum one group's selected blocks over all its layers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupJob {
+    /// KV cache group id.
+    pub group_id: u32,
+    /// Tokens per logical block (every layer's `geometry.block_size()`).
+    pub block_size: u64,
+    /// The group's layers on this worker.
+    pub layers: Vec<LayerInput>,
+    /// Block ids and the position of the first.
+    pub selection: BlockSelection,
+    /// Request tokens; slots at or past it are excluded (§2.1).
+    pub num_tokens: u64,
+    /// Where the layers' arrays live.
+    pub device: Device,
+}
+
+/// A job's result: replica key → one value per position from `start` (`selection.block_ids.len()`
+/// values). Keys are those of the job's layers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupResult {
+    /// KV cache group id.
+    pub group_id: u32,
+    /// Position of the first value.
+    pub start: u64,
+    /// Replica key → values.
+    pub values: BTreeMap<ReplicaKey, Vec<u64>>,
+}
+
+/// Errors of a backend.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum KernelError {
+    /// The job cannot be run as given (wrong device, short array, block id out of range, ...).
+    #[error("group {group_id}: {why}")]
+    InvalidJob { group_id: u32, why: String },
+    /// The device or driver failed.
+    #[error("device error: {0}")]
+    Device(String),
+    /// `wait` ran out of time; the result may still arrive through `poll`.
+    #[error("checksums not ready after {0:?}")]
+    Timeout(Duration),
+    /// The worker computing the result went away without one.
+    #[error("checksum worker ended without a result")]
+    Lost,
+}
+
+/// A checksum backend: CPU or CUDA.
+pub trait ChecksumBackend: Send + Sync {
+    /// `"cpu"` or `"cuda"`.
+    fn name(&self) -> &'static str;
+
+    /// Starts checksumming `jobs`; the result is taken from the returned [`PendingChecksums`].
+    ///
+    /// # Safety
+    /// Every `LayerInput`'s `[addr, addr + len)` must be valid, readable memory of the job's
+    /// `device` until the result has been taken (or the pending value dropped and its work ended),
+    /// and nothing may write it meanwhile if the values are to mean anything.
+    unsafe fn submit(&self, jobs: Vec<GroupJob>) -> Result<PendingChecksums, KernelError>;
+}
+
+/// A backend's in-flight work. Implemented by each backend; wrapped in [`PendingChecksums`].
+pub trait Pending: Send {
+    /// The result if ready (taken once); `None` while still running.
+    fn poll(&mut self) -> Option<Result<Vec<GroupResult>, KernelError>>;
+    /// Blocks until the result is ready or `timeout` passes ([`KernelError::Timeout`]).
+    fn wait(&mut self, timeout: Duration) -> Result<Vec<GroupResult>, KernelError>;
+}
+
+/// Checksums being computed: poll or wait (with a deadline) for the results, one per job in
+/// submission order.
+pub struct PendingChecksums {
+    inner: Box<dyn Pending>,
+}
+
+impl std::fmt::Debug for PendingChecksums {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PendingChecksums")
+    }
+}
+
+impl PendingChecksums {
+    /// Wraps a backend's pending work.
+    pub fn new(inner: Box<dyn Pending>) -> PendingChecksums {
+        PendingChecksums { inner }
+    }
+
+    /// Already computed results.
+    pub fn ready(result: Result<Vec<GroupResult>, KernelError>) -> PendingChecksums {
+        PendingChecksums::new(Box::new(Ready(Some(result))))
+    }
+
+    /// Results computed by another thread that sends them on `rx`.
+    pub fn from_channel(
+        rx: mpsc::Receiver<Result<Vec<GroupResult>, KernelError>>,
+    ) -> PendingChecksums {
+        PendingChecksums::new(Box::new(Channel { rx, taken: false }))
+    }
+
+    /// The results if ready (once); `None` while running.
+    pub fn poll(&mut self) -> Option<Result<Vec<GroupResult>, KernelError>> {
+        self.inner.poll()
+    }
+
+    /// Waits at most `timeout` for the results.
+    pub fn wait(mut self, timeout: Duration) -> Result<Vec<GroupResult>, KernelError> {
+        self.inner.wait(timeout)
+    }
+}
+
+struct Ready(Option<Result<Vec<GroupResult>, KernelError>>);
+
+impl Pending for Ready {
+    fn poll(&mut self) -> Option<Result<Vec<GroupResult>, KernelError>> {
+        self.0.take()
+    }
+    fn wait(&mut self, _timeout: Duration) -> Result<Vec<GroupResult>, KernelError> {
+        self.0.take().unwrap_or(Err(KernelError::Lost))
+    }
+}
+
+struct Channel {
+    rx: mpsc::Receiver<Result<Vec<GroupResult>, KernelError>>,
+    taken: bool,
+}
+
+impl Pending for Channel {
+    fn poll(&mut self) -> Option<Result<Vec<GroupResult>, KernelError>> {
+        if self.taken {
+            return None;
+        }
+        match self.rx.try_recv() {
+            Ok(r) => {
+                self.taken = true;
+                Some(r)
+            }
+            Err(mpsc::TryRecvError::Empty) => None,
+            Err(mpsc::TryRecvError::Disconnected) => {
+                self.taken = true;
+                Some(Err(KernelError::Lost))
+            }
+        }
+    }
+    fn wait(&mut self, timeout: Duration) -> Result<Vec<GroupResult>, KernelError> {
+        if self.taken {
+            return Err(KernelError::Lost);
+        }
+        let deadline = Instant::now() + timeout;
+        match self
+            .rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            Ok(r) => {
+                self.taken = true;
+                r
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(KernelError::Timeout(timeout)),
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(KernelError::Lost),
+        }
+    }
+}
+
+/// Checks a job against its layers before any byte is read: every layer's array fits in its
+/// `len`, has whole pieces and the job's block size, and every block id exists.
+pub fn validate_job(job: &GroupJob) -> Result<(), KernelError> {
+    let bad = |why: String| {
+        Err(KernelError::InvalidJob {
+            group_id: job.group_id,
+            why,
+        })
+    };
+    for l in &job.layers {
+        let g = &l.spec.geometry;
+        if g.pieces_per_cell().is_none() {
+            return bad(format!(
+                "layer {}: cell of {} bytes is not whole 8-byte pieces",
+                l.spec.name,
+                g.cell_bytes()
+            ));
+        }
+        if g.block_size() != job.block_size {
+            return bad(format!(
+                "layer {}: block size {} != group block size {}",
+                l.spec.name,
+                g.block_size(),
+                job.block_size
+            ));
+        }
+        if g.byte_len() > l.len {
+            return bad(format!(
+                "layer {}: array spans {} bytes but only {} are given",
+                l.spec.name,
+                g.byte_len(),
+                l.len
+            ));
+        }
+        if l.addr.checked_add(l.len).is_none() {
+            return bad(format!("layer {}: address range overflows", l.spec.name));
+        }
+        if let Some(&id) = job
+            .selection
+            .block_ids
+            .iter()
+            .find(|&&id| id >= g.num_blocks())
+        {
+            return bad(format!(
+                "layer {}: block id {id} out of range (blocks: {})",
+                l.spec.name,
+                g.num_blocks()
+            ));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,403 @@
+//! Thin owners of CUDA driver objects (context, stream, event, memory, module) over
+//! cudarc's raw bindings (`cudarc::driver::sys`), each released on drop with its context
+//! made current first. Errors are driver error names with what was being done.
+
+use cudarc::driver::sys;
+use std::ffi::c_void;
+
+/// A driver call's failure: what was being done and the driver's error name.
+pub type DriverResult<T> = Result<T, String>;
+
+pub(crate) fn check(what: &str, r: sys::CUresult) -> DriverResult<()> {
+    r.result().map_err(|e| format!("{what}: {e}"))
+}
+
+/// The device's primary context (shared with the CUDA runtime, PyTorch, etc.), retained
+/// for as long as this value lives.
+pub struct Context {
+    ctx: sys::CUcontext,
+    dev: sys::CUdevice,
+    ordinal: u32,
+}
+
+// SAFETY: driver handles may be used from any thread once the context is made current there.
+unsafe impl Send for Context {}
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// Initialises the driver and retains device `ordinal`'s primary context.
+    /// Errors when the driver fails or the device does not exist.
+    pub fn new(ordinal: u32) -> DriverResult<Context> {
+        unsafe {
+            check("cuInit", sys::cuInit(0))?;
+            let mut n = 0i32;
+            check("cuDeviceGetCount", sys::cuDeviceGetCount(&mut n))?;
+            if ordinal as i64 >= n as i64 {
+                return Err(format!("cuda:{ordinal} does not exist ({n} devices)"));
+            }
+            let mut dev = 0;
+            check("cuDeviceGet", sys::cuDeviceGet(&mut dev, ordinal as i32))?;
+            let mut ctx = std::ptr::null_mut();
+            check("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
+            let c = Context { ctx, dev, ordinal };
+            c.bind()?;
+            Ok(c)
+        }
+    }
+
+    /// Makes the context current on the calling thread (cheap; every entry point calls it).
+    pub fn bind(&self) -> DriverResult<()> {
+        unsafe { check("cuCtxSetCurrent", sys::cuCtxSetCurrent(self.ctx)) }
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal
+    }
+
+    /// An integer attribute of the device.
+    pub fn attribute(&self, a: sys::CUdevice_attribute) -> DriverResult<i32> {
+        let mut v = 0;
+        unsafe { check("cuDeviceGetAttribute", sys::cuDeviceGetAttribute(&mut v, a, self.dev))? };
+        Ok(v)
+    }
+
+    /// Compute capability (major, minor).
+    pub fn compute_capability(&self) -> DriverResult<(i32, i32)> {
+        Ok((
+            self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ))
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> String {
+        let mut buf = [0 as std::ffi::c_char; 128];
+        unsafe {
+            if sys::cuDeviceGetName(buf.as_mut_ptr(), 128, self.dev) != sys::CUresult::CUDA_SUCCESS {
+                return "unknown".into();
+            }
+            std::ffi::CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned()
+        }
+    }
+
+    pub(crate) fn raw(&self) -> sys::CUcontext {
+        self.ctx
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = sys::cuDevicePrimaryCtxRelease_v2(self.dev);
+        }
+    }
+}
+
+fn bind_raw(ctx: sys::CUcontext) {
+    unsafe {
+        let _ = sys::cuCtxSetCurrent(ctx);
+    }
+}
+
+/// A stream that does not synchronise with the legacy default stream.
+pub struct Stream {
+    pub(crate) raw: sys::CUstream,
+    ctx: sys::CUcontext,
+}
+unsafe impl Send for Stream {}
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// Creates a non-blocking stream in `ctx` (which must be current).
+    pub fn new(ctx: &Context) -> DriverResult<Stream> {
+        let mut s = std::ptr::null_mut();
+        unsafe {
+            check(
+                "cuStreamCreate",
+                sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
+            )?
+        };
+        Ok(Stream { raw: s, ctx: ctx.raw() })
+    }
+
+    /// The raw handle, for [`super::CudaBackend::submit_after`] and the tools.
+    pub fn raw(&self) -> sys::CUstream {
+        self.raw
+    }
+
+    /// Blocks until the stream's work is done (tests and benchmarks only).
+    pub fn synchronize(&self) -> DriverResult<()> {
+        unsafe { check("cuStreamSynchronize", sys::cuStreamSynchronize(self.raw)) }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        bind_raw(self.ctx);
+        unsafe {
+            let _ = sys::cuStreamDestroy_v2(self.raw);
+        }
+    }
+}
+
+/// A CUDA event.
+pub struct Event {
+    pub(crate) raw: sys::CUevent,
+    ctx: sys::CUcontext,
+}
+unsafe impl Send for Event {}
+unsafe impl Sync for Event {}
+
+/// State of an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventState {
+    /// All work before the record has completed (or the event was never recorded).
+    Done,
+    /// Work before the record is still running.
+    Pending,
+}
+
+impl Event {
+    /// Creates an event; `timing` false creates it with timing disabled (cheaper).
+    pub fn new(ctx: &Context, timing: bool) -> DriverResult<Event> {
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
+        let mut e = std::ptr::null_mut();
+        unsafe { check("cuEventCreate", sys::cuEventCreate(&mut e, flags as u32))? };
+        Ok(Event { raw: e, ctx: ctx.raw() })
+    }
+
+    /// Records the event on `stream`.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this event's context.
+    pub unsafe fn record(&self, stream: sys::CUstream) -> DriverResult<()> {
+        check("cuEventRecord", sys::cuEventRecord(self.raw, stream))
+    }
+
+    /// Whether the work before the last record has completed; never blocks.
+    pub fn query(&self) -> DriverResult<EventState> {
+        match unsafe { sys::cuEventQuery(self.raw) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(EventState::Done),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(EventState::Pending),
+            e => check("cuEventQuery", e).map(|_| EventState::Done),
+        }
+    }
+
+    /// Blocks until the event completes (tests and benchmarks only).
+    pub fn synchronize(&self) -> DriverResult<()> {
+        unsafe { check("cuEventSynchronize", sys::cuEventSynchronize(self.raw)) }
+    }
+
+    /// Milliseconds between two completed timing events.
+    pub fn elapsed_ms(start: &Event, end: &Event) -> DriverResult<f32> {
+        let mut ms = 0f32;
+        unsafe { check("cuEventElapsedTime", sys::cuEventElapsedTime(&mut ms, start.raw, end.raw))? };
+        Ok(ms)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        bind_raw(self.ctx);
+        unsafe {
+            let _ = sys::cuEventDestroy_v2(self.raw);
+        }
+    }
+}
+
+/// Device memory from a plain `cuMemAlloc` (never managed memory).
+pub struct DeviceBuffer {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    ctx: sys::CUcontext,
+}
+unsafe impl Send for DeviceBuffer {}
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// Allocates `len` bytes (at least 1) of device memory, 256-byte aligned.
+    pub fn new(ctx: &Context, len: usize) -> DriverResult<DeviceBuffer> {
+        let mut ptr = 0;
+        unsafe { check("cuMemAlloc", sys::cuMemAlloc_v2(&mut ptr, len.max(1)))? };
+        Ok(DeviceBuffer { ptr, len, ctx: ctx.raw() })
+    }
+
+    /// Device address of the first byte.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        bind_raw(self.ctx);
+        unsafe {
+            let _ = sys::cuMemFree_v2(self.ptr);
+        }
+    }
+}
+
+/// Page-locked host memory from `cuMemHostAlloc`, so copies to and from it are truly
+/// asynchronous.
+pub struct PinnedBuffer {
+    ptr: *mut u8,
+    len: usize,
+    ctx: sys::CUcontext,
+}
+unsafe impl Send for PinnedBuffer {}
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Allocates `len` bytes (at least 1) of pinned host memory, zeroed.
+    pub fn new(ctx: &Context, len: usize) -> DriverResult<PinnedBuffer> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        unsafe {
+            check("cuMemHostAlloc", sys::cuMemHostAlloc(&mut p, len.max(1), 0))?;
+            std::ptr::write_bytes(p as *mut u8, 0, len.max(1));
+        }
+        Ok(PinnedBuffer { ptr: p as *mut u8, len, ctx: ctx.raw() })
+    }
+
+    /// Host address of the first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        bind_raw(self.ctx);
+        unsafe {
+            let _ = sys::cuMemFreeHost(self.ptr as *mut c_void);
+        }
+    }
+}
+
+/// A loaded module (CUBIN or PTX image).
+pub struct Module {
+    raw: sys::CUmodule,
+    ctx: sys::CUcontext,
+}
+unsafe impl Send for Module {}
+unsafe impl Sync for Module {}
+
+/// A kernel of a [`Module`]; valid while the module lives.
+#[derive(Clone, Copy)]
+pub struct Function(pub(crate) sys::CUfunction);
+unsafe impl Send for Function {}
+unsafe impl Sync for Function {}
+
+impl Module {
+    /// Loads a CUBIN, or a NUL-terminated PTX text, into the current context.
+    pub fn load(ctx: &Context, image: &[u8]) -> DriverResult<Module> {
+        let mut m = std::ptr::null_mut();
+        unsafe { check("cuModuleLoadData", sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void))? };
+        Ok(Module { raw: m, ctx: ctx.raw() })
+    }
+
+    /// The `extern "C"` kernel named `name`.
+    pub fn function(&self, name: &str) -> DriverResult<Function> {
+        let c = std::ffi::CString::new(name).map_err(|e| e.to_string())?;
+        let mut f = std::ptr::null_mut();
+        unsafe { check(&format!("cuModuleGetFunction({name})"), sys::cuModuleGetFunction(&mut f, self.raw, c.as_ptr()))? };
+        Ok(Function(f))
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        bind_raw(self.ctx);
+        unsafe {
+            let _ = sys::cuModuleUnload(self.raw);
+        }
+    }
+}
+
+impl Function {
+    /// Launches the kernel; `params` point at the argument values, in order.
+    ///
+    /// # Safety
+    /// The arguments match the kernel's signature and the memory they name is valid
+    /// until the launch completes.
+    pub unsafe fn launch(
+        &self,
+        stream: sys::CUstream,
+        grid: u32,
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> DriverResult<()> {
+        check(
+            "cuLaunchKernel",
+            sys::cuLaunchKernel(self.0, grid, 1, 1, block, 1, 1, 0, stream, params.as_mut_ptr(), std::ptr::null_mut()),
+        )
+    }
+
+    /// Resident blocks per multiprocessor at `block` threads and no dynamic shared memory.
+    pub fn occupancy(&self, block: u32) -> DriverResult<u32> {
+        let mut n = 0;
+        unsafe {
+            check(
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, self.0, block as i32, 0),
+            )?
+        };
+        Ok(n.max(1) as u32)
+    }
+}
+
+/// `cuMemcpyHtoDAsync` of `len` bytes.
+///
+/// # Safety
+/// Both ranges are valid; `src` stays valid until the copy completes (pinned for true asynchrony).
+pub unsafe fn copy_htod_async(dst: u64, src: *const u8, len: usize, stream: sys::CUstream) -> DriverResult<()> {
+    check("cuMemcpyHtoDAsync", sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, len, stream))
+}
+
+/// `cuMemcpyDtoHAsync` of `len` bytes.
+///
+/// # Safety
+/// Both ranges are valid; `dst` stays valid until the copy completes.
+pub unsafe fn copy_dtoh_async(dst: *mut u8, src: u64, len: usize, stream: sys::CUstream) -> DriverResult<()> {
+    check("cuMemcpyDtoHAsync", sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, len, stream))
+}
+
+/// `cuMemsetD8Async` of `len` bytes to `value`.
+///
+/// # Safety
+/// The range is valid device memory.
+pub unsafe fn memset_async(dst: u64, value: u8, len: usize, stream: sys::CUstream) -> DriverResult<()> {
+    check("cuMemsetD8Async", sys::cuMemsetD8Async(dst, value, len, stream))
+}
+
+/// Makes `stream` wait for `event` on the device (no host blocking).
+///
+/// # Safety
+/// Both are live handles of one context.
+pub unsafe fn stream_wait(stream: sys::CUstream, event: &Event) -> DriverResult<()> {
+    check("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream, event.raw, 0))
+}

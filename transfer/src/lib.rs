@@ -1,1 +1,31 @@
-//! placeholder
+//! kvferry transfer engine (DESIGN.md §3): a memory registry, segments named `host:port` found
+//! by a P2P TCP handshake, batches of READ/WRITE requests cut into slices, and transports behind
+//! one small trait (`transport::Transport`): TCP (always) and RDMA (`transport::rdma`).
+//!
+//! Threading: the engine runs its own std threads (handshake listener, TCP data listener and
+//! connection threads); it owns no async runtime. Every sync call (`submit`, `wait`,
+//! `open_segment`, the `*_sync_*` helpers) uses only std blocking primitives with deadlines, so
+//! it never panics inside a tokio runtime (it does block that thread: from async code, call
+//! `submit` and then `wait_async`, or wrap sync helpers in `spawn_blocking`).
+
+#![warn(unsafe_op_in_unsafe_fn)]
+
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod handshake;
+pub mod memory;
+pub mod segment;
+pub mod transport;
+pub mod types;
+
+#[cfg(kvferry_gpu_module)]
+pub mod gpu;
+
+pub use config::{EngineConfig, RdmaConfig, TcpConfig};
+pub use engine::TransferEngine;
+pub use error::{Result, TransferError};
+pub use memory::{MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys};
+pub use segment::{BufferDesc, SegmentDescriptor, SegmentHandle};
+pub use transport::{CompletionSink, Slice, Transport, TransportContext, TransportInfo};
+pub use types::{BatchId, BatchStatus, Location, Op, TransferRequest, TransportKind};

@@ -1,0 +1,144 @@
+//! Engine configuration (DESIGN.md §3; timeouts after Mooncake, notes/anchors.md).
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::TransportKind;
+
+/// Configuration of one `TransferEngine`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EngineConfig {
+    /// Host (IP or name) the handshake and data listeners bind, and the host part of this
+    /// engine's segment name. Must be an address peers can reach (not `0.0.0.0`).
+    pub host: String,
+    /// Handshake listener port; 0 = let the OS pick. The segment name is `host:port`.
+    pub port: u16,
+    /// Transport choice (see `TransportKind`).
+    pub transport: TransportKind,
+    /// RDMA settings, read only by the RDMA transport.
+    pub rdma: RdmaConfig,
+    /// TCP settings, read only by the TCP transport.
+    pub tcp: TcpConfig,
+    /// Deadline of one handshake exchange (connect + request + reply). Default 5 s (Mooncake).
+    pub handshake_timeout: Duration,
+    /// Base deadline of the sync helpers (`transfer_sync_*`); the helpers wait
+    /// `transfer_timeout + transfer_timeout_per_byte * bytes`. Default 30 s (Mooncake).
+    pub transfer_timeout: Duration,
+    /// Per-byte part of the sync helpers' deadline. Default 1 ns per byte (Mooncake).
+    pub transfer_timeout_per_byte: Duration,
+    /// Requests are cut into slices of at most this many bytes (never crossing a memory
+    /// region); a tail of at most `slice_size / 4` is merged into the previous slice, as in
+    /// Mooncake. Default 64 KiB. Must be > 0.
+    pub slice_size: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            transport: TransportKind::Auto,
+            rdma: RdmaConfig::default(),
+            tcp: TcpConfig::default(),
+            handshake_timeout: Duration::from_secs(5),
+            transfer_timeout: Duration::from_secs(30),
+            transfer_timeout_per_byte: Duration::from_nanos(1),
+            slice_size: 64 * 1024,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The sync helpers' deadline for `bytes` bytes: base + per-byte × bytes (saturating).
+    pub fn sync_timeout(&self, bytes: u64) -> Duration {
+        let per = self
+            .transfer_timeout_per_byte
+            .as_nanos()
+            .saturating_mul(bytes as u128)
+            .min(u64::MAX as u128) as u64;
+        self.transfer_timeout
+            .saturating_add(Duration::from_nanos(per))
+    }
+}
+
+/// RDMA transport settings (DESIGN.md §3; defaults after Mooncake, notes/anchors.md).
+/// Owned by the RDMA transport; fields may be added there.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RdmaConfig {
+    /// RDMA device names to use (e.g. `["mlx5_0"]`, `["rxe0"]`); empty = all usable devices.
+    pub devices: Vec<String>,
+    /// GID index to use; `None` = pick automatically (IPv4-mapped RoCEv2 first).
+    pub gid_index: Option<u32>,
+    /// RC QPs per endpoint (peer × device). Default 2.
+    pub qps_per_endpoint: usize,
+    /// Work requests outstanding per QP at most. Default 256.
+    pub max_wr: usize,
+    /// Times a failed slice is retried on a fresh endpoint. Default 3.
+    pub max_retries: u32,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        RdmaConfig {
+            devices: Vec::new(),
+            gid_index: None,
+            qps_per_endpoint: 2,
+            max_wr: 256,
+            max_retries: 3,
+        }
+    }
+}
+
+/// TCP transport settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TcpConfig {
+    /// Data connections opened to one peer (slices are spread over them). Default 4.
+    pub connections_per_peer: usize,
+    /// Slices in flight per data connection (pipelined, acknowledged in order). Default 32.
+    pub inflight_per_connection: usize,
+    /// Deadline of one socket operation (connect, one read, one write) on data connections.
+    /// A dead peer yields an error within about this time. Default 10 s.
+    pub io_timeout: Duration,
+    /// A data connection that carries no request for this long is closed (both sides).
+    /// Default 60 s.
+    pub idle_timeout: Duration,
+    /// Largest payload one data frame may carry; larger slices are refused. Default 64 MiB.
+    pub max_frame_payload: u64,
+    /// Accepted connections served at once per listener (handshake or data); more are closed
+    /// at once. Default 256.
+    pub max_server_connections: usize,
+    /// Socket send/receive buffer size in bytes (SO_SNDBUF/SO_RCVBUF); 0 = OS default.
+    /// Default 4 MiB.
+    pub socket_buffer: usize,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            connections_per_peer: 4,
+            inflight_per_connection: 32,
+            io_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            max_frame_payload: 64 << 20,
+            max_server_connections: 256,
+            socket_buffer: 4 << 20,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sync_timeout_is_base_plus_per_byte_and_saturates() {
+        let c = EngineConfig::default();
+        assert_eq!(c.sync_timeout(0), Duration::from_secs(30));
+        assert_eq!(c.sync_timeout(2_000_000_000), Duration::from_secs(32));
+        let _ = c.sync_timeout(u64::MAX); // no overflow panic
+    }
+}

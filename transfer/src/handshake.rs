@@ -1,0 +1,363 @@
+//! The handshake channel (DESIGN.md §3 "Handshake over TCP"; frame shape after Mooncake's P2P
+//! handshake, notes/anchors.md): one TCP listener per engine at its segment name `host:port`.
+//!
+//! Frame: `u64` body length (little-endian), `u8` frame type, then the body (at most
+//! [`MAX_FRAME_BODY`] bytes). The initiator sends one request frame and reads one reply frame;
+//! the reply has the request's type on success or [`FrameType::Error`] with the error text
+//! (UTF-8) as body. Every read and write on either side has a deadline
+//! (`EngineConfig::handshake_timeout`). A malformed frame (unknown type, length over the limit)
+//! gets an error reply and the connection is closed.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::error::{Result, TransferError};
+
+/// Largest handshake frame body, bytes (1 MiB, as Mooncake's default).
+pub const MAX_FRAME_BODY: u64 = 1 << 20;
+
+/// Handshake frame types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameType {
+    /// Transport-specific connection set-up (RDMA QP exchange); handled by
+    /// `Transport::on_handshake`.
+    Connect = 0,
+    /// Descriptor query: empty request body; the reply body is the JSON `SegmentDescriptor`.
+    Descriptor = 1,
+    /// Error reply: the body is the error text.
+    Error = 0xFF,
+}
+
+impl FrameType {
+    /// The frame type for a wire byte, `None` for unknown values.
+    pub fn from_u8(b: u8) -> Option<FrameType> {
+        match b {
+            0 => Some(FrameType::Connect),
+            1 => Some(FrameType::Descriptor),
+            0xFF => Some(FrameType::Error),
+            _ => None,
+        }
+    }
+}
+
+/// Sets the read and write timeouts of `s` to what is left until `deadline`;
+/// `Timeout` when nothing is left.
+fn arm(s: &TcpStream, deadline: Instant, what: &str) -> Result<()> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(TransferError::Io(format!("{what}: deadline passed")));
+    }
+    s.set_read_timeout(Some(left))
+        .and_then(|_| s.set_write_timeout(Some(left)))
+        .map_err(|e| TransferError::io(what, e))
+}
+
+/// `read_exact` that never runs past `deadline`, even against a peer trickling bytes.
+pub(crate) fn read_exact_by(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+    what: &str,
+) -> Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        arm(s, deadline, what)?;
+        match s.read(&mut buf[got..]) {
+            Ok(0) => {
+                return Err(TransferError::Io(format!(
+                    "{what}: connection closed by peer"
+                )))
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(TransferError::io(what, e)),
+        }
+    }
+    Ok(())
+}
+
+/// `write_all` that never runs past `deadline`.
+pub(crate) fn write_all_by(
+    s: &mut TcpStream,
+    buf: &[u8],
+    deadline: Instant,
+    what: &str,
+) -> Result<()> {
+    let mut sent = 0;
+    while sent < buf.len() {
+        arm(s, deadline, what)?;
+        match s.write(&buf[sent..]) {
+            Ok(0) => {
+                return Err(TransferError::Io(format!(
+                    "{what}: connection closed by peer"
+                )))
+            }
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(TransferError::io(what, e)),
+        }
+    }
+    Ok(())
+}
+
+fn encode(ty: FrameType, body: &[u8]) -> Vec<u8> {
+    let mut f = Vec::with_capacity(9 + body.len());
+    f.extend_from_slice(&(body.len() as u64).to_le_bytes());
+    f.push(ty as u8);
+    f.extend_from_slice(body);
+    f
+}
+
+/// Reads one frame; `Ok(None)` on a clean EOF before the first header byte.
+/// A length over `MAX_FRAME_BODY` is a `Protocol` error (nothing of the body is read).
+fn read_frame(s: &mut TcpStream, deadline: Instant, what: &str) -> Result<Option<(u8, Vec<u8>)>> {
+    let mut hdr = [0u8; 9];
+    arm(s, deadline, what)?;
+    let first = loop {
+        match s.read(&mut hdr) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(TransferError::io(what, e)),
+        }
+    };
+    if first == 0 {
+        return Ok(None);
+    }
+    read_exact_by(s, &mut hdr[first..], deadline, what)?;
+    let len = u64::from_le_bytes(hdr[..8].try_into().expect("8 bytes"));
+    if len > MAX_FRAME_BODY {
+        return Err(TransferError::Protocol(format!(
+            "{what}: frame body of {len} bytes exceeds the {MAX_FRAME_BODY}-byte limit"
+        )));
+    }
+    let mut body = vec![0u8; len as usize];
+    read_exact_by(s, &mut body, deadline, what)?;
+    Ok(Some((hdr[8], body)))
+}
+
+/// Sends one request frame of type `ty` to the handshake listener at `peer` (`host:port`) and
+/// returns the reply body. The whole exchange (resolve, connect, write, read) finishes within
+/// `timeout`. Errors: `Handshake { peer, reason }` for connect failures, an error reply (reason =
+/// the peer's text), a reply of another type, a malformed reply, or the deadline.
+/// This is the client helper transports use for their `Connect` frames.
+pub fn request(peer: &str, ty: FrameType, body: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+    let fail = |reason: String| TransferError::Handshake {
+        peer: peer.to_string(),
+        reason,
+    };
+    if body.len() as u64 > MAX_FRAME_BODY {
+        return Err(fail(format!(
+            "request body of {} bytes exceeds the limit",
+            body.len()
+        )));
+    }
+    let deadline = Instant::now() + timeout;
+    let addrs: Vec<SocketAddr> = peer
+        .to_socket_addrs()
+        .map_err(|e| fail(format!("cannot resolve: {e}")))?
+        .collect();
+    let mut last = String::from("no address");
+    let mut stream = None;
+    for a in addrs {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        match TcpStream::connect_timeout(&a, left) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = format!("connect to {a}: {e}"),
+        }
+    }
+    let mut s = stream.ok_or_else(|| fail(last))?;
+    let _ = s.set_nodelay(true);
+    write_all_by(
+        &mut s,
+        &encode(ty, body),
+        deadline,
+        "send handshake request",
+    )
+    .map_err(|e| fail(e.to_string()))?;
+    let reply =
+        read_frame(&mut s, deadline, "read handshake reply").map_err(|e| fail(e.to_string()))?;
+    let _ = s.shutdown(Shutdown::Both);
+    match reply {
+        None => Err(fail("connection closed before the reply".into())),
+        Some((t, b)) if t == ty as u8 => Ok(b),
+        Some((t, b)) if t == FrameType::Error as u8 => {
+            Err(fail(String::from_utf8_lossy(&b).into_owned()))
+        }
+        Some((t, _)) => Err(fail(format!(
+            "reply has frame type {t}, expected {}",
+            ty as u8
+        ))),
+    }
+}
+
+/// Answers one request frame: `(type, body, peer) -> reply body`; an `Err` becomes an error frame.
+pub(crate) type Handler = dyn Fn(FrameType, &[u8], SocketAddr) -> Result<Vec<u8>> + Send + Sync;
+
+struct ServerShared {
+    stop: AtomicBool,
+    active: AtomicUsize,
+    max_connections: usize,
+    timeout: Duration,
+    handler: Arc<Handler>,
+}
+
+/// The handshake listener: an accept thread and one thread per connection (at most
+/// `max_connections` at once; more are closed at once). Stops when dropped.
+pub(crate) struct HandshakeServer {
+    shared: Arc<ServerShared>,
+    addr: SocketAddr,
+    accept: Option<std::thread::JoinHandle<()>>,
+}
+
+impl HandshakeServer {
+    /// Serves `listener` with `handler`; each connection's frames must arrive within `timeout`.
+    pub(crate) fn start(
+        listener: TcpListener,
+        handler: Arc<Handler>,
+        timeout: Duration,
+        max_connections: usize,
+    ) -> Result<Self> {
+        let addr = listener
+            .local_addr()
+            .map_err(|e| TransferError::io("handshake listener address", e))?;
+        let shared = Arc::new(ServerShared {
+            stop: AtomicBool::new(false),
+            active: AtomicUsize::new(0),
+            max_connections: max_connections.max(1),
+            timeout,
+            handler,
+        });
+        let sh = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("kvferry-handshake".into())
+            .spawn(move || accept_loop(listener, sh))
+            .map_err(|e| TransferError::io("spawn handshake thread", e))?;
+        Ok(HandshakeServer {
+            shared,
+            addr,
+            accept: Some(accept),
+        })
+    }
+}
+
+impl Drop for HandshakeServer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        // wake the blocking accept
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(500));
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn accept_loop(listener: TcpListener, sh: Arc<ServerShared>) {
+    for conn in listener.incoming() {
+        if sh.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let s = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!("handshake accept: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        if sh.active.fetch_add(1, Ordering::SeqCst) >= sh.max_connections {
+            sh.active.fetch_sub(1, Ordering::SeqCst);
+            tracing::warn!("handshake: too many connections, closing one");
+            continue;
+        }
+        let sh2 = sh.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvferry-handshake-conn".into())
+            .spawn(move || {
+                serve_conn(s, &sh2);
+                sh2.active.fetch_sub(1, Ordering::SeqCst);
+            });
+        if let Err(e) = spawned {
+            sh.active.fetch_sub(1, Ordering::SeqCst);
+            tracing::warn!("handshake: cannot spawn connection thread: {e}");
+        }
+    }
+}
+
+/// Runs the handler; a panic in it (a transport bug) becomes an error reply, not a dead thread.
+fn call_handler(sh: &ServerShared, t: FrameType, body: &[u8], peer: SocketAddr) -> Result<Vec<u8>> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (sh.handler)(t, body, peer)))
+        .unwrap_or_else(|_| {
+            Err(TransferError::Protocol(
+                "internal error while handling the frame".into(),
+            ))
+        })
+}
+
+fn serve_conn(mut s: TcpStream, sh: &ServerShared) {
+    let peer = match s.peer_addr() {
+        Ok(p) => p,
+        Err(_) => return,
+    };
+    let _ = s.set_nodelay(true);
+    loop {
+        let deadline = Instant::now() + sh.timeout;
+        let (ty, body) = match read_frame(&mut s, deadline, "read handshake request") {
+            Ok(Some(f)) => f,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(%peer, "handshake: {e}");
+                if matches!(e, TransferError::Protocol(_)) {
+                    let _ = write_all_by(
+                        &mut s,
+                        &encode(FrameType::Error, e.to_string().as_bytes()),
+                        deadline,
+                        "send handshake error",
+                    );
+                }
+                let _ = s.shutdown(Shutdown::Both);
+                return;
+            }
+        };
+        let (reply_ty, reply, keep) = match FrameType::from_u8(ty) {
+            Some(t @ (FrameType::Connect | FrameType::Descriptor)) => {
+                match call_handler(sh, t, &body, peer) {
+                    Ok(b) if b.len() as u64 <= MAX_FRAME_BODY => (t, b, true),
+                    Ok(b) => (
+                        FrameType::Error,
+                        format!("reply of {} bytes exceeds the frame limit", b.len()).into_bytes(),
+                        true,
+                    ),
+                    Err(e) => (FrameType::Error, e.to_string().into_bytes(), true),
+                }
+            }
+            _ => (
+                FrameType::Error,
+                format!("unknown handshake frame type {ty}").into_bytes(),
+                false,
+            ),
+        };
+        let deadline = Instant::now() + sh.timeout;
+        if write_all_by(
+            &mut s,
+            &encode(reply_ty, &reply),
+            deadline,
+            "send handshake reply",
+        )
+        .is_err()
+            || !keep
+        {
+            let _ = s.shutdown(Shutdown::Both);
+            return;
+        }
+    }
+}

@@ -1,0 +1,314 @@
+//! Memory regions: the registry of what this engine exposes, and access to non-host memory
+//! (DESIGN.md §3: "register_memory(addr, len, location)"; only registered memory is ever
+//! read or written by a peer).
+
+use std::collections::BTreeMap;
+use std::sync::RwLock;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TransferError};
+use crate::types::Location;
+
+/// A registered range of memory: `len` bytes from virtual address `addr` of this process,
+/// living at `location` (device pointers for `cuda:N`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MemoryRegion {
+    pub addr: u64,
+    pub len: u64,
+    pub location: Location,
+}
+
+impl MemoryRegion {
+    /// One past the last byte (`addr + len`; registration guarantees no overflow).
+    pub fn end(&self) -> u64 {
+        self.addr + self.len
+    }
+
+    /// True when `[addr, addr+len)` lies wholly inside this region (`len` may be 0).
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.end())
+    }
+}
+
+/// What a transport hands out for one registered region, published to peers in the segment
+/// descriptor. RDMA: `rkeys[i]` is the rkey of the region's memory region on device `i` of the
+/// transport's `TransportInfo` device list. TCP: empty.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionKeys {
+    pub rkeys: Vec<u32>,
+}
+
+/// One registered region with the keys its transport returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegistryEntry {
+    pub region: MemoryRegion,
+    pub keys: RegionKeys,
+}
+
+/// The engine's table of registered regions: non-overlapping, keyed by start address.
+/// Shared (behind `Arc`) by the engine and its transport; the TCP target serves a request only
+/// while holding the read lock on the region it checked, so `remove` returns only after every
+/// in-progress access to that region ended.
+#[derive(Debug, Default)]
+pub struct MemoryRegistry {
+    regions: RwLock<BTreeMap<u64, RegistryEntry>>,
+}
+
+impl MemoryRegistry {
+    /// Empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Checks that `region` has len > 0, does not wrap the address space and overlaps no
+    /// registered region; then calls `register` (the transport's hook) and records the region
+    /// with the keys it returns. Errors: `InvalidArgument` for zero length, overflow or overlap;
+    /// whatever `register` returns (nothing is recorded then).
+    pub fn insert(
+        &self,
+        region: MemoryRegion,
+        register: impl FnOnce(&MemoryRegion) -> Result<RegionKeys>,
+    ) -> Result<RegionKeys> {
+        if region.len == 0 {
+            return Err(TransferError::InvalidArgument(format!(
+                "memory region at {:#x} has zero length",
+                region.addr
+            )));
+        }
+        if region.addr.checked_add(region.len).is_none() {
+            return Err(TransferError::InvalidArgument(format!(
+                "memory region [{:#x}, +{}) wraps the address space",
+                region.addr, region.len
+            )));
+        }
+        let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
+        let before = map.range(..region.end()).next_back();
+        if let Some((_, e)) = before {
+            if e.region.end() > region.addr {
+                return Err(TransferError::InvalidArgument(format!(
+                    "memory region [{:#x}, +{}) overlaps registered region [{:#x}, +{})",
+                    region.addr, region.len, e.region.addr, e.region.len
+                )));
+            }
+        }
+        let keys = register(&region)?;
+        map.insert(
+            region.addr,
+            RegistryEntry {
+                region,
+                keys: keys.clone(),
+            },
+        );
+        Ok(keys)
+    }
+
+    /// Removes the region that starts at `addr` (after every in-progress target-side access to
+    /// it ended) and returns it. `InvalidArgument` when no region starts there.
+    pub fn remove(&self, addr: u64) -> Result<RegistryEntry> {
+        let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
+        map.remove(&addr).ok_or_else(|| {
+            TransferError::InvalidArgument(format!("no memory region registered at {addr:#x}"))
+        })
+    }
+
+    /// All regions, ascending by address.
+    pub fn snapshot(&self) -> Vec<RegistryEntry> {
+        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        map.values().cloned().collect()
+    }
+
+    /// The region that wholly contains `[addr, addr+len)`, if any.
+    pub fn find(&self, addr: u64, len: u64) -> Option<RegistryEntry> {
+        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        find_in(&map, addr, len).cloned()
+    }
+
+    /// Runs `f` on the region that wholly contains `[addr, addr+len)` while holding the
+    /// registry's read lock (the region cannot be removed meanwhile); `None` when no region
+    /// contains the range (then `f` is not called).
+    pub fn with_region<R>(
+        &self,
+        addr: u64,
+        len: u64,
+        f: impl FnOnce(&RegistryEntry) -> R,
+    ) -> Option<R> {
+        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        find_in(&map, addr, len).map(f)
+    }
+
+    /// Cuts `[addr, addr+len)` at region boundaries: the pieces `(addr, len, entry)` covering
+    /// it in order, when registered regions cover it without a gap; `None` otherwise.
+    pub fn cover(&self, addr: u64, len: u64) -> Option<Vec<(u64, u64, RegistryEntry)>> {
+        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        let entries: Vec<&RegistryEntry> = map.values().collect();
+        cover_sorted(&entries, |e| &e.region, addr, len)
+            .map(|v| v.into_iter().map(|(a, l, e)| (a, l, e.clone())).collect())
+    }
+}
+
+fn find_in(map: &BTreeMap<u64, RegistryEntry>, addr: u64, len: u64) -> Option<&RegistryEntry> {
+    let (_, e) = map.range(..=addr).next_back()?;
+    e.region.contains(addr, len).then_some(e)
+}
+
+/// Cuts `[addr, addr+len)` at the boundaries of `items` (sorted by address, non-overlapping):
+/// `(piece addr, piece len, item)` in order, or `None` when some byte is not covered or the
+/// range wraps. Shared by the local registry and peers' advertised buffers.
+pub(crate) fn cover_sorted<'a, T>(
+    items: &[&'a T],
+    region_of: impl Fn(&T) -> &MemoryRegion,
+    addr: u64,
+    len: u64,
+) -> Option<Vec<(u64, u64, &'a T)>> {
+    let end = addr.checked_add(len)?;
+    let mut out = Vec::new();
+    let mut cur = addr;
+    // first item whose end is past `addr`
+    let mut i = items.partition_point(|t| region_of(t).end() <= addr);
+    while cur < end {
+        let t = *items.get(i)?;
+        let r = region_of(t);
+        if r.addr > cur {
+            return None;
+        }
+        let piece_end = r.end().min(end);
+        out.push((cur, piece_end - cur, t));
+        cur = piece_end;
+        i += 1;
+    }
+    Some(out)
+}
+
+/// Copies between host buffers and memory that the host cannot address directly (GPU memory).
+/// The TCP transport uses it for every region whose location is not `Cpu` (host regions are
+/// read and written in place). The GPU helper provides an implementation in `src/gpu/`
+/// (`gpu::memory_access()`, staging through pinned host buffers); without it,
+/// `HostMemoryAccess` refuses non-host locations with `Unsupported`.
+pub trait MemoryAccess: Send + Sync + 'static {
+    /// Short name for logs (`"host"`, `"cuda"`).
+    fn name(&self) -> &'static str;
+
+    /// Ok when this backend can copy to and from `location`; `Unsupported` with a clear text
+    /// otherwise. Called at registration, so an unusable region is refused early.
+    fn check(&self, location: Location) -> Result<()>;
+
+    /// Copies `dst.len()` bytes starting at `src_addr` (memory at `location`) into `dst`.
+    ///
+    /// # Safety
+    /// `[src_addr, src_addr + dst.len())` is valid memory of `location` for the duration.
+    unsafe fn copy_from(&self, location: Location, src_addr: u64, dst: &mut [u8]) -> Result<()>;
+
+    /// Copies `src` to `dst_addr` (memory at `location`); returns after the bytes are in
+    /// place (a device copy is synchronised before returning).
+    ///
+    /// # Safety
+    /// `[dst_addr, dst_addr + src.len())` is valid, writable memory of `location`.
+    unsafe fn copy_to(&self, location: Location, dst_addr: u64, src: &[u8]) -> Result<()>;
+}
+
+/// The built-in `MemoryAccess`: host memory only; `cuda:N` is `Unsupported`.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HostMemoryAccess;
+
+impl HostMemoryAccess {
+    fn refuse(location: Location) -> TransferError {
+        TransferError::Unsupported(format!(
+            "memory at {location} cannot be moved by this transport: GPU memory needs the GPU \
+             memory backend (transfer/src/gpu, cuda support), which is not available in this build"
+        ))
+    }
+}
+
+impl MemoryAccess for HostMemoryAccess {
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    fn check(&self, location: Location) -> Result<()> {
+        match location {
+            Location::Cpu => Ok(()),
+            other => Err(Self::refuse(other)),
+        }
+    }
+
+    unsafe fn copy_from(&self, location: Location, src_addr: u64, dst: &mut [u8]) -> Result<()> {
+        self.check(location)?;
+        // SAFETY: the caller promises the source range is valid host memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src_addr as *const u8, dst.as_mut_ptr(), dst.len())
+        };
+        Ok(())
+    }
+
+    unsafe fn copy_to(&self, location: Location, dst_addr: u64, src: &[u8]) -> Result<()> {
+        self.check(location)?;
+        // SAFETY: the caller promises the destination range is valid, writable host memory.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst_addr as *mut u8, src.len()) };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(addr: u64, len: u64) -> MemoryRegion {
+        MemoryRegion {
+            addr,
+            len,
+            location: Location::Cpu,
+        }
+    }
+
+    #[test]
+    fn insert_rejects_zero_len_wrap_and_every_overlap() {
+        let reg = MemoryRegistry::new();
+        let ok = |_: &MemoryRegion| Ok(RegionKeys::default());
+        reg.insert(r(1000, 100), ok).unwrap();
+        assert!(reg.insert(r(2000, 0), ok).is_err());
+        assert!(reg.insert(r(u64::MAX - 10, 20), ok).is_err());
+        for (a, l) in [(1000, 100), (999, 2), (1099, 1), (900, 1000), (1050, 10)] {
+            assert!(reg.insert(r(a, l), ok).is_err(), "[{a}, +{l}) overlaps");
+        }
+        reg.insert(r(1100, 10), ok).unwrap(); // adjacent is fine
+        reg.insert(r(990, 10), ok).unwrap();
+        assert_eq!(reg.snapshot().len(), 3);
+    }
+
+    #[test]
+    fn failed_transport_registration_records_nothing() {
+        let reg = MemoryRegistry::new();
+        let e = reg.insert(r(0x1000, 10), |_| Err(TransferError::Rdma("reg_mr".into())));
+        assert!(e.is_err());
+        assert!(reg.snapshot().is_empty());
+    }
+
+    #[test]
+    fn find_and_cover() {
+        let reg = MemoryRegistry::new();
+        let ok = |_: &MemoryRegion| Ok(RegionKeys::default());
+        reg.insert(r(100, 100), ok).unwrap();
+        reg.insert(r(200, 50), ok).unwrap();
+        reg.insert(r(300, 10), ok).unwrap();
+        assert!(reg.find(150, 50).is_some());
+        assert!(reg.find(150, 51).is_none());
+        assert!(reg.find(99, 1).is_none());
+        let c = reg.cover(150, 80).unwrap();
+        assert_eq!(
+            c.iter().map(|(a, l, _)| (*a, *l)).collect::<Vec<_>>(),
+            vec![(150, 50), (200, 30)]
+        );
+        assert!(reg.cover(240, 70).is_none(), "gap 250..300");
+        assert!(reg.cover(u64::MAX, 2).is_none());
+        assert!(reg.remove(200).is_ok());
+        assert!(reg.remove(200).is_err());
+        assert!(reg.cover(150, 80).is_none());
+    }
+
+    #[test]
+    fn host_access_refuses_gpu_memory() {
+        let e = HostMemoryAccess.check(Location::Cuda(0)).unwrap_err();
+        assert!(e.to_string().contains("GPU memory"), "{e}");
+    }
+}

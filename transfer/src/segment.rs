@@ -1,0 +1,58 @@
+//! Segments: a peer engine named `host:port`, described by the descriptor it returns to a
+//! handshake query (DESIGN.md §3 "Segments").
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::memory::{MemoryRegion, RegionKeys};
+use crate::transport::TransportInfo;
+
+/// One buffer a segment advertises: a registered memory region and its transport keys.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BufferDesc {
+    pub region: MemoryRegion,
+    pub keys: RegionKeys,
+}
+
+/// What a segment tells its peers (JSON on the handshake channel, frame type `Descriptor`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentDescriptor {
+    /// The segment name, `host:port` of its handshake listener.
+    pub name: String,
+    /// Random id of the engine instance; changes when the peer restarts on the same port, so a
+    /// stale descriptor is detected (TCP data requests carry it and the target checks it).
+    pub instance_id: u64,
+    /// The segment's transport and its connection facts (devices, data port).
+    pub transport: TransportInfo,
+    /// Registered buffers, ascending by address, non-overlapping.
+    pub buffers: Vec<BufferDesc>,
+}
+
+impl SegmentDescriptor {
+    /// The buffer that wholly contains `[addr, addr+len)`, if any.
+    pub fn find_buffer(&self, addr: u64, len: u64) -> Option<&BufferDesc> {
+        let i = self.buffers.partition_point(|b| b.region.addr <= addr);
+        let b = self.buffers.get(i.checked_sub(1)?)?;
+        b.region.contains(addr, len).then_some(b)
+    }
+}
+
+/// An opened segment (returned by `TransferEngine::open_segment`): its name and the descriptor
+/// fetched by the handshake (cached by the engine). Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct SegmentHandle {
+    pub(crate) descriptor: Arc<SegmentDescriptor>,
+}
+
+impl SegmentHandle {
+    /// `host:port` of the segment.
+    pub fn name(&self) -> &str {
+        &self.descriptor.name
+    }
+
+    /// The descriptor this handle was opened with.
+    pub fn descriptor(&self) -> &SegmentDescriptor {
+        &self.descriptor
+    }
+}

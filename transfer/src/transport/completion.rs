@@ -1,0 +1,265 @@
+//! Per-batch completion accounting: transports report slices, waiters wait (Mooncake: a task is
+//! done when success + failed slices = slices).
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::TransferError;
+use crate::types::BatchStatus;
+
+#[derive(Debug)]
+struct Counts {
+    succeeded: u32,
+    failed: u32,
+    first_error: Option<String>,
+    reported: Vec<bool>,
+    timed_out: bool,
+}
+
+/// Shared state of one batch: slice counts, the first error, and wake-ups for sync (`Condvar`)
+/// and async (`tokio::sync::Notify`, usable without a runtime on the notifying side) waiters.
+#[derive(Debug)]
+pub(crate) struct BatchState {
+    total: u32,
+    counts: Mutex<Counts>,
+    cond: Condvar,
+    notify: tokio::sync::Notify,
+}
+
+impl BatchState {
+    pub(crate) fn new(total: u32) -> Arc<Self> {
+        Arc::new(BatchState {
+            total,
+            counts: Mutex::new(Counts {
+                succeeded: 0,
+                failed: 0,
+                first_error: None,
+                reported: vec![false; total as usize],
+                timed_out: false,
+            }),
+            cond: Condvar::new(),
+            notify: tokio::sync::Notify::new(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
+        self.counts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Current status (a timed-out batch stays `Timeout`).
+    pub(crate) fn status(&self) -> BatchStatus {
+        let c = self.lock();
+        Self::status_of(self.total, &c)
+    }
+
+    fn status_of(total: u32, c: &Counts) -> BatchStatus {
+        if c.timed_out {
+            return BatchStatus::Timeout;
+        }
+        let done = c.succeeded + c.failed;
+        if done >= total {
+            match &c.first_error {
+                None => BatchStatus::Completed,
+                Some(e) => BatchStatus::Failed(if c.failed > 1 {
+                    format!("{e} (and {} more failed slices of {total})", c.failed - 1)
+                } else {
+                    e.clone()
+                }),
+            }
+        } else if done == 0 {
+            BatchStatus::Waiting
+        } else {
+            BatchStatus::Pending
+        }
+    }
+
+    fn finish(status: BatchStatus, timeout: Duration) -> Result<(), TransferError> {
+        match status {
+            BatchStatus::Completed => Ok(()),
+            BatchStatus::Failed(e) => Err(TransferError::Failed(e)),
+            BatchStatus::Timeout => Err(TransferError::Timeout(timeout)),
+            BatchStatus::Invalid | BatchStatus::Waiting | BatchStatus::Pending => {
+                Err(TransferError::Failed("batch in an unexpected state".into()))
+            }
+        }
+    }
+
+    /// Blocks the calling thread until every slice is reported or `timeout` passes (then the
+    /// batch becomes `Timeout`). Uses only std primitives: fine on any thread (it does block a
+    /// runtime worker if called from async code; use `wait_async` there).
+    pub(crate) fn wait(&self, timeout: Duration) -> Result<(), TransferError> {
+        let deadline = Instant::now().checked_add(timeout);
+        let mut c = self.lock();
+        loop {
+            let s = Self::status_of(self.total, &c);
+            if s.is_final() {
+                return Self::finish(s, timeout);
+            }
+            let left = match deadline {
+                Some(d) => d.saturating_duration_since(Instant::now()),
+                None => Duration::from_secs(3600),
+            };
+            if left.is_zero() {
+                c.timed_out = true;
+                return Err(TransferError::Timeout(timeout));
+            }
+            c = self
+                .cond
+                .wait_timeout(c, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Async twin of `wait`; needs a tokio runtime with timers (the caller's).
+    pub(crate) async fn wait_async(&self, timeout: Duration) -> Result<(), TransferError> {
+        let fut = async {
+            loop {
+                let notified = self.notify.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                let s = self.status();
+                if s.is_final() {
+                    return s;
+                }
+                notified.await;
+            }
+        };
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(s) => Self::finish(s, timeout),
+            Err(_) => {
+                let mut c = self.lock();
+                let s = Self::status_of(self.total, &c);
+                if s.is_final() {
+                    return Self::finish(s, timeout);
+                }
+                c.timed_out = true;
+                Err(TransferError::Timeout(timeout))
+            }
+        }
+    }
+
+    fn report(&self, id: u32, result: Result<(), TransferError>) {
+        let mut c = self.lock();
+        let Some(seen) = c.reported.get_mut(id as usize) else {
+            tracing::warn!(
+                slice = id,
+                total = self.total,
+                "completion for an unknown slice id ignored"
+            );
+            return;
+        };
+        if std::mem::replace(seen, true) {
+            tracing::warn!(slice = id, "second completion for a slice ignored");
+            return;
+        }
+        match result {
+            Ok(()) => c.succeeded += 1,
+            Err(e) => {
+                c.failed += 1;
+                if c.first_error.is_none() {
+                    c.first_error = Some(e.to_string());
+                }
+            }
+        }
+        let all = c.succeeded + c.failed == self.total;
+        drop(c);
+        if all {
+            self.cond.notify_all();
+            self.notify.notify_waiters();
+        }
+    }
+}
+
+/// Where a transport reports finished slices (one sink per `post` call; cheap to clone, usable
+/// from any thread). The first report for a slice id counts; later ones and unknown ids are
+/// ignored with a warning.
+#[derive(Debug, Clone)]
+pub struct CompletionSink {
+    state: Arc<BatchState>,
+}
+
+impl CompletionSink {
+    pub(crate) fn new(state: Arc<BatchState>) -> Self {
+        CompletionSink { state }
+    }
+
+    /// Reports slice `id` finished: `Ok(())` when its bytes are in place, else the error.
+    pub fn complete(&self, id: u32, result: Result<(), TransferError>) {
+        self.state.report(id, result);
+    }
+
+    /// Reports every id in `ids` failed with (a copy of) `err`.
+    pub fn fail_all(&self, ids: impl IntoIterator<Item = u32>, err: &TransferError) {
+        for id in ids {
+            self.state.report(id, Err(err.clone()));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_dedupes_and_reports_first_error() {
+        let st = BatchState::new(3);
+        let sink = CompletionSink::new(st.clone());
+        assert_eq!(st.status(), BatchStatus::Waiting);
+        sink.complete(0, Ok(()));
+        sink.complete(0, Err(TransferError::Io("late".into()))); // ignored
+        sink.complete(9, Ok(())); // unknown id: ignored
+        assert_eq!(st.status(), BatchStatus::Pending);
+        sink.complete(2, Err(TransferError::Io("boom".into())));
+        assert_eq!(st.status(), BatchStatus::Pending);
+        sink.complete(1, Ok(()));
+        match st.status() {
+            BatchStatus::Failed(e) => assert!(e.contains("boom"), "{e}"),
+            s => panic!("{s:?}"),
+        }
+        assert!(matches!(
+            st.wait(Duration::from_millis(1)),
+            Err(TransferError::Failed(_))
+        ));
+    }
+
+    #[test]
+    fn wait_times_out_and_stays_timeout() {
+        let st = BatchState::new(1);
+        let e = st.wait(Duration::from_millis(20)).unwrap_err();
+        assert!(matches!(e, TransferError::Timeout(_)));
+        CompletionSink::new(st.clone()).complete(0, Ok(()));
+        assert_eq!(st.status(), BatchStatus::Timeout);
+    }
+
+    #[test]
+    fn wait_wakes_on_completion_from_another_thread() {
+        let st = BatchState::new(2);
+        let sink = CompletionSink::new(st.clone());
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            sink.complete(1, Ok(()));
+            sink.complete(0, Ok(()));
+        });
+        st.wait(Duration::from_secs(10)).unwrap();
+        t.join().unwrap();
+    }
+
+    #[tokio::test]
+    async fn wait_async_wakes_and_times_out() {
+        let st = BatchState::new(1);
+        let sink = CompletionSink::new(st.clone());
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            sink.complete(0, Ok(()));
+        });
+        st.wait_async(Duration::from_secs(10)).await.unwrap();
+        t.join().unwrap();
+        let st2 = BatchState::new(1);
+        assert!(matches!(
+            st2.wait_async(Duration::from_millis(10)).await,
+            Err(TransferError::Timeout(_))
+        ));
+        assert_eq!(st2.status(), BatchStatus::Timeout);
+    }
+}

@@ -1,0 +1,169 @@
+//! The transport interface: one small trait that moves slices between this engine's registered
+//! memory and a peer segment's advertised buffers, in the manner of NCCL's net plugin and
+//! Mooncake's `Transport` (DESIGN.md §3). Two implementations: TCP (`tcp`, always built) and
+//! RDMA (`rdma`, provided by the rdma helper in `transport/rdma/`).
+//!
+//! # How the engine drives a transport
+//!
+//! 1. **Creation.** The engine binds its handshake listener (so its segment name is known),
+//!    builds a [`TransportContext`] and creates the transport: TCP with `tcp::TcpTransport::new`,
+//!    RDMA with `rdma::create(&ctx)`. With `TransportKind::Auto` the engine first calls
+//!    `rdma::probe(&ctx.config.rdma)`.
+//! 2. **Registration.** `TransferEngine::register_memory` checks the region (len > 0, no overlap)
+//!    and then calls [`Transport::register`] under the registry's write lock; the returned
+//!    [`RegionKeys`] are published with the region in this engine's [`SegmentDescriptor`].
+//!    `unregister_memory` calls [`Transport::deregister`] the same way.
+//! 3. **Descriptor.** A peer's `open_segment` sends a `Descriptor` handshake frame; the engine
+//!    answers with `{name, instance_id, transport: local_info(), buffers}` itself.
+//! 4. **Connect frames.** Any other connection set-up a transport needs (RDMA: QP numbers, PSNs,
+//!    GIDs, LIDs, active MTUs) travels as a `Connect` handshake frame: the initiating transport
+//!    sends it with [`crate::handshake::request`]`(&peer.name, FrameType::Connect, body,
+//!    timeout)` and gets the reply body back; on the target the engine hands the body to
+//!    [`Transport::on_handshake`] and sends back what it returns (or an error frame with the
+//!    error's text, which the initiator receives as `TransferError::Handshake`). The body format
+//!    is the transport's own (JSON recommended); it must be at most 1 MiB.
+//! 5. **Transfers.** `submit` validates every request (local range covered by registered memory,
+//!    remote range covered by the peer's advertised buffers), cuts it into [`Slice`]s and calls
+//!    [`Transport::post`] once per submit with all slices of the batch. The transport executes
+//!    them asynchronously and reports each slice exactly once to the [`CompletionSink`]. The batch
+//!    is done when success + failed slices = slices (as in Mooncake).
+//! 6. **Shutdown.** When the engine is dropped it calls [`Transport::shutdown`].
+//!
+//! # What the RDMA module must provide (`transport/rdma/mod.rs`)
+//!
+//! ```ignore
+//! /// Some(one-line description of the usable device(s), e.g. "rxe0 port 1, RoCEv2 GID 1,
+//! /// MTU 1024") when at least one device (restricted to `config.devices` when non-empty) can be
+//! /// opened and has an ACTIVE port; None otherwise. Quick, never panics, no side effects.
+//! pub fn probe(config: &crate::config::RdmaConfig) -> Option<String>;
+//! /// The RDMA transport. Errors: `TransferError::Rdma` / `Config` with a clear text.
+//! pub fn create(ctx: &crate::transport::TransportContext)
+//!     -> Result<std::sync::Arc<dyn crate::transport::Transport>, crate::error::TransferError>;
+//! ```
+//! The module is compiled when `transport/rdma/mod.rs` exists (`build.rs` sets
+//! `cfg(kvferry_rdma_module)`); before that the engine treats RDMA as absent.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::EngineConfig;
+use crate::error::{Result, TransferError};
+use crate::memory::{MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys};
+use crate::segment::SegmentDescriptor;
+use crate::types::Op;
+
+pub mod completion;
+pub mod tcp;
+mod wire;
+
+#[cfg(kvferry_rdma_module)]
+pub mod rdma;
+
+pub use completion::CompletionSink;
+
+/// The transport part of a segment descriptor: which transport the segment speaks and what a
+/// peer needs to reach it. `kind` is the transport's `name()` (`"tcp"` | `"rdma"`); `details` is
+/// the transport's own JSON object. TCP: `{"data_port": u16}` (host = the segment's host).
+/// RDMA (defined by the rdma module), e.g. `{"devices": [{"name", "gid", "lid", "port",
+/// "active_mtu"}...]}`; `RegionKeys::rkeys[i]` refers to `devices[i]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransportInfo {
+    pub kind: String,
+    pub details: serde_json::Value,
+}
+
+/// Everything a transport gets from the engine at creation.
+#[derive(Clone)]
+pub struct TransportContext {
+    /// The engine's configuration (`rdma`, `tcp`, timeouts, `host`).
+    pub config: EngineConfig,
+    /// This engine's segment name (`host:port` of the handshake listener).
+    pub segment_name: String,
+    /// This engine instance's random id (`SegmentDescriptor::instance_id`).
+    pub instance_id: u64,
+    /// The engine's registered regions. A target-side transport that serves requests in code
+    /// (TCP) checks every request against it (`with_region` holds the lock while serving).
+    pub registry: Arc<MemoryRegistry>,
+    /// Copies to/from memory the host cannot address (`cuda:N`); see `MemoryAccess`.
+    pub memory: Arc<dyn MemoryAccess>,
+}
+
+/// One piece of a request, as the engine hands it to `post`. Guarantees:
+/// `[local_addr, local_addr+len)` lies inside `local_region` (registered here) and
+/// `[remote_addr, remote_addr+len)` inside `peer.buffers[remote_buffer].region`; `len` > 0 and
+/// at most `slice_size + slice_size/4` (the merged tail) — or the rest of a region, which is
+/// never crossed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slice {
+    /// Index of this slice within its `post` call: 0..slices.len(). Report it to the sink.
+    pub id: u32,
+    /// `Write`: local → remote. `Read`: remote → local.
+    pub op: Op,
+    pub local_addr: u64,
+    /// The registered local region that contains the slice (RDMA: look up its lkey by `addr`).
+    pub local_region: MemoryRegion,
+    pub remote_addr: u64,
+    /// Index into `peer.buffers` of the buffer that contains the remote side
+    /// (RDMA: its `keys.rkeys[device]`).
+    pub remote_buffer: usize,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// A transport: moves slices between this engine's registered memory and peer segments.
+/// Implementations are shared across threads (`Send + Sync`) and called concurrently.
+pub trait Transport: Send + Sync + 'static {
+    /// `"tcp"` or `"rdma"`; also `TransportInfo::kind`. Two segments talk only when their
+    /// transports have the same name.
+    fn name(&self) -> &'static str;
+
+    /// What goes in this engine's segment descriptor (see `TransportInfo`). Called for every
+    /// descriptor query; cheap and infallible.
+    fn local_info(&self) -> TransportInfo;
+
+    /// Makes `region` accessible to peers (RDMA: `ibv_reg_mr`/dma-buf on every device, with
+    /// remote read and write access; keep the lkeys internally, keyed by `region.addr`) and
+    /// returns the keys to publish. TCP: checks the location is servable, returns empty keys.
+    /// Called with the registry write-locked; the region is already checked (len > 0, no
+    /// overlap). On error nothing must stay registered.
+    fn register(&self, region: &MemoryRegion) -> Result<RegionKeys>;
+
+    /// Undoes `register` for the region (same `addr`, `len`, `location`). Called with the
+    /// registry write-locked, after the engine removed the region (no TCP target access to it
+    /// is in progress). Errors are logged by the engine; the region is gone either way.
+    fn deregister(&self, region: &MemoryRegion) -> Result<()>;
+
+    /// Handles a `Connect` handshake frame from `peer` and returns the reply body. Runs on the
+    /// handshake server's thread for that connection; must return within
+    /// `config.handshake_timeout`. An `Err` is sent back as an error frame with its text.
+    /// Must not panic whatever `body` holds. TCP: always `Unsupported`.
+    fn on_handshake(&self, peer: SocketAddr, body: &[u8]) -> Result<Vec<u8>>;
+
+    /// Starts the slices (all to segment `peer`, any mix of ops) and returns without waiting for
+    /// the network (it may block briefly on internal locks or a bounded queue). Each slice must
+    /// be reported exactly once with `done.complete(slice.id, result)` — from any thread, in any
+    /// order, possibly before `post` returns — with `Ok(())` only when the bytes are in place
+    /// (WRITE: applied at the target; READ: in local memory), else an error naming the cause.
+    /// A transport that cannot reach the peer reports every slice failed within its own
+    /// deadlines (never holds a slice forever). `peer.transport.kind == self.name()` is already
+    /// checked by the engine.
+    fn post(&self, peer: &Arc<SegmentDescriptor>, slices: Vec<Slice>, done: CompletionSink);
+
+    /// Drops cached connections/endpoints to segment `name` (the engine calls it when the peer's
+    /// descriptor changed, e.g. the peer restarted). Default: nothing.
+    fn disconnect(&self, _name: &str) {}
+
+    /// Stops the transport's threads and closes its connections; in-flight slices are reported
+    /// failed. Called once, when the engine is dropped. Default: nothing.
+    fn shutdown(&self) {}
+}
+
+/// Returns the error `post` should report for a slice whose peer speaks another transport.
+pub(crate) fn kind_mismatch(local: &str, peer: &SegmentDescriptor) -> TransferError {
+    TransferError::Unsupported(format!(
+        "segment {} uses transport {:?}, this engine uses {:?}",
+        peer.name, peer.transport.kind, local
+    ))
+}

@@ -1,0 +1,846 @@
+//! TCP transport (DESIGN.md §3 "TCP transport"): the default where no RDMA device exists.
+//!
+//! Target side: a data listener (its port goes in `TransportInfo::details.data_port`), one
+//! thread per accepted connection. Every request is checked against the registry in code: a
+//! range not inside one registered region is refused (`ST_OUT_OF_RANGE`) and nothing is written;
+//! a WRITE is acknowledged only after its payload is in place. Host memory is read and written
+//! in place (no staging copy); other locations go through `MemoryAccess`.
+//!
+//! Initiator side: per peer, a pool of `TcpConfig::connections_per_peer` connections; slices of a
+//! post are spread round-robin over them. Each connection has a writer thread (sends requests,
+//! WRITE payloads straight from registered memory with one vectored write) and a reader thread
+//! (reads replies in order, READ data straight into registered memory); at most
+//! `inflight_per_connection` slices are in flight per connection. Every socket operation has a
+//! deadline (`io_timeout`): a dead peer fails the slices within it. A broken connection fails its
+//! slices and is replaced on the next post.
+
+use std::collections::HashMap;
+use std::io::{IoSlice, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::wire::{self, Request};
+use super::{kind_mismatch, CompletionSink, Slice, Transport, TransportContext, TransportInfo};
+use crate::config::TcpConfig;
+use crate::error::{Result, TransferError};
+use crate::memory::{MemoryRegion, RegionKeys};
+use crate::segment::SegmentDescriptor;
+use crate::types::{Location, Op};
+
+/// The TCP transport. Create with [`TcpTransport::new`]; the engine owns it behind `Arc`.
+pub struct TcpTransport {
+    ctx: TransportContext,
+    data_port: u16,
+    server: Arc<ServerShared>,
+    accept: Mutex<Option<std::thread::JoinHandle<()>>>,
+    listen_addr: SocketAddr,
+    peers: Mutex<HashMap<String, Arc<PeerPool>>>,
+}
+
+impl TcpTransport {
+    /// Binds the data listener on `ctx.config.host`, port chosen by the OS, and starts serving.
+    /// Errors: `Config` when the host cannot be bound.
+    pub fn new(ctx: TransportContext) -> Result<Self> {
+        let host = ctx.config.host.clone();
+        let listener = TcpListener::bind((strip_brackets(&host), 0)).map_err(|e| {
+            TransferError::Config(format!("cannot bind TCP data listener on {host}: {e}"))
+        })?;
+        let listen_addr = listener
+            .local_addr()
+            .map_err(|e| TransferError::io("data listener address", e))?;
+        let server = Arc::new(ServerShared {
+            ctx: ctx.clone(),
+            stop: AtomicBool::new(false),
+            active: AtomicUsize::new(0),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(0),
+        });
+        let sh = server.clone();
+        let accept = std::thread::Builder::new()
+            .name("kvferry-tcp-accept".into())
+            .spawn(move || accept_loop(listener, sh))
+            .map_err(|e| TransferError::io("spawn TCP accept thread", e))?;
+        Ok(TcpTransport {
+            ctx,
+            data_port: listen_addr.port(),
+            server,
+            accept: Mutex::new(Some(accept)),
+            listen_addr,
+            peers: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Port of the data listener.
+    pub fn data_port(&self) -> u16 {
+        self.data_port
+    }
+
+    fn pool_for(&self, peer: &SegmentDescriptor) -> Result<Arc<PeerPool>> {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = peers.get(&peer.name) {
+            if p.instance == peer.instance_id {
+                return Ok(p.clone());
+            }
+        }
+        let port = peer
+            .transport
+            .details
+            .get("data_port")
+            .and_then(|v| v.as_u64())
+            .filter(|p| *p > 0 && *p <= u16::MAX as u64)
+            .ok_or_else(|| {
+                TransferError::Protocol(format!(
+                    "segment {} advertises no valid TCP data_port",
+                    peer.name
+                ))
+            })?;
+        let host = peer.name.rsplit_once(':').map(|(h, _)| h).ok_or_else(|| {
+            TransferError::InvalidArgument(format!("segment name {:?} is not host:port", peer.name))
+        })?;
+        let pool = Arc::new(PeerPool {
+            segment: peer.name.clone(),
+            addr: format!("{host}:{port}"),
+            instance: peer.instance_id,
+            cfg: self.ctx.config.tcp.clone(),
+            ctx: self.ctx.clone(),
+            conns: Mutex::new(Vec::new()),
+            next: AtomicUsize::new(0),
+        });
+        if let Some(old) = peers.insert(peer.name.clone(), pool.clone()) {
+            old.close();
+        }
+        Ok(pool)
+    }
+}
+
+fn strip_brackets(host: &str) -> &str {
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+}
+
+impl Transport for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn local_info(&self) -> TransportInfo {
+        TransportInfo {
+            kind: "tcp".into(),
+            details: json!({ "data_port": self.data_port }),
+        }
+    }
+
+    fn register(&self, region: &MemoryRegion) -> Result<RegionKeys> {
+        self.ctx.memory.check(region.location)?;
+        Ok(RegionKeys::default())
+    }
+
+    fn deregister(&self, _region: &MemoryRegion) -> Result<()> {
+        Ok(())
+    }
+
+    fn on_handshake(&self, _peer: SocketAddr, _body: &[u8]) -> Result<Vec<u8>> {
+        Err(TransferError::Unsupported(
+            "the tcp transport takes no connect frames".into(),
+        ))
+    }
+
+    fn post(&self, peer: &Arc<SegmentDescriptor>, slices: Vec<Slice>, done: CompletionSink) {
+        if peer.transport.kind != self.name() {
+            let e = kind_mismatch(self.name(), peer);
+            return done.fail_all(slices.iter().map(|s| s.id), &e);
+        }
+        let pool = match self.pool_for(peer) {
+            Ok(p) => p,
+            Err(e) => return done.fail_all(slices.iter().map(|s| s.id), &e),
+        };
+        for s in slices {
+            pool.send(Job {
+                slice: s,
+                sink: done.clone(),
+            });
+        }
+    }
+
+    fn disconnect(&self, name: &str) {
+        let old = self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+        if let Some(p) = old {
+            p.close();
+        }
+    }
+
+    fn shutdown(&self) {
+        let pools: Vec<_> = self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .map(|(_, p)| p)
+            .collect();
+        for p in pools {
+            p.close();
+        }
+        self.server.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect_timeout(&self.listen_addr, Duration::from_millis(500));
+        if let Some(t) = self.accept.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+        // Close served connections so no thread touches registered memory after we return.
+        for (_, s) in self
+            .server
+            .conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+        {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        let deadline = Instant::now() + self.ctx.config.tcp.io_timeout;
+        while self.server.active.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        if !self.server.stop.load(Ordering::SeqCst) {
+            self.shutdown();
+        }
+    }
+}
+
+// ---------------------------------------------------------------- socket helpers
+
+fn set_buffers(s: &TcpStream, bytes: usize) {
+    if bytes == 0 {
+        return;
+    }
+    let v = bytes.min(i32::MAX as usize) as libc::c_int;
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: plain setsockopt on a valid fd with a c_int value.
+        unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                &v as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    }
+}
+
+fn prepare(s: &TcpStream, cfg: &TcpConfig, what: &str) -> Result<()> {
+    s.set_nodelay(true)
+        .map_err(|e| TransferError::io(what, e))?;
+    s.set_read_timeout(Some(cfg.io_timeout))
+        .map_err(|e| TransferError::io(what, e))?;
+    s.set_write_timeout(Some(cfg.io_timeout))
+        .map_err(|e| TransferError::io(what, e))?;
+    set_buffers(s, cfg.socket_buffer);
+    Ok(())
+}
+
+fn read_full(s: &mut TcpStream, buf: &mut [u8], what: &str) -> Result<()> {
+    s.read_exact(buf).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => {
+            TransferError::Io(format!("{what}: connection closed by peer"))
+        }
+        _ => TransferError::io(what, e),
+    })
+}
+
+fn write_full(s: &mut TcpStream, buf: &[u8], what: &str) -> Result<()> {
+    s.write_all(buf).map_err(|e| TransferError::io(what, e))
+}
+
+/// Writes all of `parts` with vectored writes (header and payload in one syscall).
+fn write_vectored_full(s: &mut TcpStream, parts: &mut [IoSlice<'_>], what: &str) -> Result<()> {
+    let mut parts = parts;
+    while !parts.is_empty() {
+        match s.write_vectored(parts) {
+            Ok(0) => {
+                return Err(TransferError::Io(format!(
+                    "{what}: connection closed by peer"
+                )))
+            }
+            Ok(n) => IoSlice::advance_slices(&mut parts, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(TransferError::io(what, e)),
+        }
+    }
+    Ok(())
+}
+
+/// Reads and discards `n` bytes (keeps the stream in step after a refused WRITE).
+fn drain(s: &mut TcpStream, mut n: u64, what: &str) -> Result<()> {
+    let mut scratch = vec![0u8; (n.min(1 << 20)) as usize];
+    while n > 0 {
+        let k = n.min(scratch.len() as u64) as usize;
+        read_full(s, &mut scratch[..k], what)?;
+        n -= k as u64;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- target side
+
+struct ServerShared {
+    ctx: TransportContext,
+    stop: AtomicBool,
+    active: AtomicUsize,
+    /// Clones of served sockets, to close them at shutdown.
+    conns: Mutex<HashMap<u64, TcpStream>>,
+    next_conn: AtomicU64,
+}
+
+fn accept_loop(listener: TcpListener, sh: Arc<ServerShared>) {
+    let max = sh.ctx.config.tcp.max_server_connections.max(1);
+    for conn in listener.incoming() {
+        if sh.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let s = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!("tcp accept: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        if sh.active.fetch_add(1, Ordering::SeqCst) >= max {
+            sh.active.fetch_sub(1, Ordering::SeqCst);
+            tracing::warn!("tcp data listener: too many connections, closing one");
+            continue;
+        }
+        let id = sh.next_conn.fetch_add(1, Ordering::SeqCst);
+        if let Ok(c) = s.try_clone() {
+            sh.conns
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, c);
+        }
+        let sh2 = sh.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvferry-tcp-serve".into())
+            .spawn(move || {
+                let peer = s.peer_addr().ok();
+                if let Err(e) = serve_conn(s, &sh2) {
+                    tracing::debug!(?peer, "tcp data connection closed: {e}");
+                }
+                sh2.conns
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&id);
+                sh2.active.fetch_sub(1, Ordering::SeqCst);
+            });
+        if let Err(e) = spawned {
+            sh.conns
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
+            sh.active.fetch_sub(1, Ordering::SeqCst);
+            tracing::warn!("tcp data listener: cannot spawn a thread: {e}");
+        }
+    }
+}
+
+/// Waits for the first byte of the next request for at most `idle` (clean close on EOF or
+/// idleness), then reads the rest of the header under the normal deadline.
+fn read_request(s: &mut TcpStream, cfg: &TcpConfig, idle: Duration) -> Result<Option<Request>> {
+    let mut hdr = [0u8; wire::REQ_LEN];
+    s.set_read_timeout(Some(idle))
+        .map_err(|e| TransferError::io("set timeout", e))?;
+    let n = loop {
+        match s.read(&mut hdr) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Ok(None)
+            }
+            Err(e) => return Err(TransferError::io("read request", e)),
+        }
+    };
+    if n == 0 {
+        return Ok(None);
+    }
+    s.set_read_timeout(Some(cfg.io_timeout))
+        .map_err(|e| TransferError::io("set timeout", e))?;
+    read_full(s, &mut hdr[n..], "read request header")?;
+    Request::decode(&hdr).map(Some)
+}
+
+fn reply_error(s: &mut TcpStream, status: u8, text: &str) -> Result<()> {
+    let t = &text.as_bytes()[..text.len().min(wire::MAX_ERROR_TEXT as usize)];
+    let h = wire::encode_reply(status, t.len() as u64);
+    write_vectored_full(
+        s,
+        &mut [IoSlice::new(&h), IoSlice::new(t)],
+        "send error reply",
+    )
+}
+
+fn serve_conn(mut s: TcpStream, sh: &ServerShared) -> Result<()> {
+    let cfg = &sh.ctx.config.tcp;
+    prepare(&s, cfg, "prepare served connection")?;
+    let idle = cfg.idle_timeout.saturating_mul(2);
+    let instance = sh.ctx.instance_id;
+    loop {
+        if sh.stop.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let Some(req) = read_request(&mut s, cfg, idle)? else {
+            return Ok(());
+        };
+        let is_write = match req.op {
+            wire::OP_WRITE => true,
+            wire::OP_READ => false,
+            op => {
+                let _ = reply_error(&mut s, wire::ST_BAD_REQUEST, &format!("unknown op {op}"));
+                return Err(TransferError::Protocol(format!("unknown op {op}")));
+            }
+        };
+        if req.len == 0 || req.len > cfg.max_frame_payload {
+            let text = format!(
+                "request length {} is outside 1..={}",
+                req.len, cfg.max_frame_payload
+            );
+            let _ = reply_error(&mut s, wire::ST_BAD_REQUEST, &text);
+            return Err(TransferError::Protocol(text));
+        }
+        if req.instance != instance {
+            if is_write {
+                drain(&mut s, req.len, "drain refused payload")?;
+            }
+            reply_error(
+                &mut s,
+                wire::ST_STALE,
+                &format!("request names instance {:#x}, this segment is instance {instance:#x} (restarted?)", req.instance),
+            )?;
+            continue;
+        }
+        // The read lock is held while the region's memory is accessed: unregister waits for it.
+        let served = sh.ctx.registry.with_region(req.addr, req.len, |entry| {
+            if is_write {
+                serve_write(&mut s, sh, req, entry.region.location)
+            } else {
+                serve_read(&mut s, sh, req, entry.region.location)
+            }
+        });
+        match served {
+            Some(r) => r?,
+            None => {
+                if is_write {
+                    drain(&mut s, req.len, "drain refused payload")?;
+                }
+                reply_error(
+                    &mut s,
+                    wire::ST_OUT_OF_RANGE,
+                    &format!(
+                        "range [{:#x}, +{}) is not inside a registered memory region",
+                        req.addr, req.len
+                    ),
+                )?;
+            }
+        }
+    }
+}
+
+fn serve_write(s: &mut TcpStream, sh: &ServerShared, req: Request, loc: Location) -> Result<()> {
+    match loc {
+        Location::Cpu => {
+            // SAFETY: the range lies in a registered host region (checked under the read lock,
+            // which is held now); registration promises it is valid writable memory.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(req.addr as *mut u8, req.len as usize) };
+            read_full(s, dst, "read WRITE payload")?;
+        }
+        other => {
+            let mut staging = vec![0u8; req.len as usize];
+            read_full(s, &mut staging, "read WRITE payload")?;
+            // SAFETY: as above, for memory at `other`.
+            if let Err(e) = unsafe { sh.ctx.memory.copy_to(other, req.addr, &staging) } {
+                return reply_error(s, wire::ST_SERVER_ERROR, &e.to_string());
+            }
+        }
+    }
+    write_full(s, &wire::encode_reply(wire::ST_OK, 0), "send WRITE ack")
+}
+
+fn serve_read(s: &mut TcpStream, sh: &ServerShared, req: Request, loc: Location) -> Result<()> {
+    let h = wire::encode_reply(wire::ST_OK, req.len);
+    match loc {
+        Location::Cpu => {
+            // SAFETY: the range lies in a registered host region, held registered by the lock.
+            let src =
+                unsafe { std::slice::from_raw_parts(req.addr as *const u8, req.len as usize) };
+            write_vectored_full(
+                s,
+                &mut [IoSlice::new(&h), IoSlice::new(src)],
+                "send READ data",
+            )
+        }
+        other => {
+            let mut staging = vec![0u8; req.len as usize];
+            // SAFETY: as above, for memory at `other`.
+            if let Err(e) = unsafe { sh.ctx.memory.copy_from(other, req.addr, &mut staging) } {
+                return reply_error(s, wire::ST_SERVER_ERROR, &e.to_string());
+            }
+            write_vectored_full(
+                s,
+                &mut [IoSlice::new(&h), IoSlice::new(&staging)],
+                "send READ data",
+            )
+        }
+    }
+}
+
+// ---------------------------------------------------------------- initiator side
+
+struct Job {
+    slice: Slice,
+    sink: CompletionSink,
+}
+
+/// The connections to one peer instance.
+struct PeerPool {
+    segment: String,
+    addr: String,
+    instance: u64,
+    cfg: TcpConfig,
+    ctx: TransportContext,
+    conns: Mutex<Vec<Arc<Conn>>>,
+    next: AtomicUsize,
+}
+
+/// One data connection: a job queue feeding its writer thread. `tx` is `None` once the
+/// connection stopped taking jobs (broken, idle or closed); jobs already queued are still
+/// reported by the writer.
+struct Conn {
+    tx: Mutex<Option<Sender<Job>>>,
+    stream: Mutex<Option<TcpStream>>,
+}
+
+impl Conn {
+    fn close(&self) {
+        self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(s) = self
+            .stream
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl PeerPool {
+    fn send(self: &Arc<Self>, mut job: Job) {
+        let want = self.cfg.connections_per_peer.max(1);
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % want;
+        // two tries: the chosen connection may have just gone idle or broken
+        for _ in 0..2 {
+            let conn = {
+                let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+                while conns.len() < want {
+                    conns.push(self.spawn_conn());
+                }
+                conns[i].clone()
+            };
+            let r = {
+                let tx = conn.tx.lock().unwrap_or_else(|e| e.into_inner());
+                match tx.as_ref() {
+                    Some(tx) => tx.send(job).map_err(|e| e.0),
+                    None => Err(job),
+                }
+            };
+            match r {
+                Ok(()) => return,
+                Err(j) => {
+                    job = j;
+                    let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+                    if conns.get(i).is_some_and(|c| Arc::ptr_eq(c, &conn)) {
+                        conns[i] = self.spawn_conn();
+                    }
+                }
+            }
+        }
+        job.sink.complete(
+            job.slice.id,
+            Err(TransferError::Io(format!(
+                "no usable TCP connection to segment {}",
+                self.segment
+            ))),
+        );
+    }
+
+    fn spawn_conn(self: &Arc<Self>) -> Arc<Conn> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let conn = Arc::new(Conn {
+            tx: Mutex::new(Some(tx)),
+            stream: Mutex::new(None),
+        });
+        let pool = self.clone();
+        let c = conn.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvferry-tcp-writer".into())
+            .spawn(move || pool.writer(c, rx));
+        if let Err(e) = spawned {
+            tracing::warn!("cannot spawn a TCP writer thread: {e}");
+            conn.close();
+        }
+        conn
+    }
+
+    fn close(&self) {
+        for c in self
+            .conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            c.close();
+        }
+    }
+
+    fn connect(&self) -> Result<TcpStream> {
+        let what = format!(
+            "connect to TCP data port {} of segment {}",
+            self.addr, self.segment
+        );
+        let addrs: Vec<SocketAddr> = self
+            .addr
+            .to_socket_addrs()
+            .map_err(|e| TransferError::io(&what, e))?
+            .collect();
+        let mut last = TransferError::Io(format!("{what}: no address"));
+        for a in addrs {
+            match TcpStream::connect_timeout(&a, self.cfg.io_timeout) {
+                Ok(s) => {
+                    prepare(&s, &self.cfg, &what)?;
+                    return Ok(s);
+                }
+                Err(e) => last = TransferError::io(&what, e),
+            }
+        }
+        Err(last)
+    }
+
+    /// Stops taking jobs, then fails every job still queued with `err`.
+    fn retire(conn: &Conn, rx: &Receiver<Job>, err: &TransferError) {
+        conn.close();
+        while let Ok(j) = rx.try_recv() {
+            j.sink.complete(j.slice.id, Err(err.clone()));
+        }
+    }
+
+    fn writer(self: Arc<Self>, conn: Arc<Conn>, rx: Receiver<Job>) {
+        let mut s = match self.connect() {
+            Ok(s) => s,
+            Err(e) => return Self::retire(&conn, &rx, &e),
+        };
+        let read_half = match s.try_clone() {
+            Ok(r) => r,
+            Err(e) => return Self::retire(&conn, &rx, &TransferError::io("clone socket", e)),
+        };
+        if let Ok(c) = s.try_clone() {
+            *conn.stream.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
+        }
+        let (ftx, frx) = mpsc::sync_channel::<Job>(self.cfg.inflight_per_connection.max(1));
+        let pool = self.clone();
+        let c2 = conn.clone();
+        let reader = std::thread::Builder::new()
+            .name("kvferry-tcp-reader".into())
+            .spawn(move || pool.reader(c2, read_half, frx));
+        if let Err(e) = reader {
+            return Self::retire(&conn, &rx, &TransferError::io("spawn TCP reader thread", e));
+        }
+        loop {
+            let job = match rx.recv_timeout(self.cfg.idle_timeout) {
+                Ok(j) => j,
+                Err(RecvTimeoutError::Timeout) => {
+                    // idle: stop taking jobs, then serve any that slipped in before
+                    conn.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+                    let mut ok = true;
+                    while let Ok(j) = rx.try_recv() {
+                        if ok {
+                            ok = self.send_one(&mut s, &ftx, j, &conn, &rx);
+                        } else {
+                            j.sink.complete(
+                                j.slice.id,
+                                Err(TransferError::Io("connection closed".into())),
+                            );
+                        }
+                    }
+                    break;
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
+            if !self.send_one(&mut s, &ftx, job, &conn, &rx) {
+                return;
+            }
+        }
+        // dropping `ftx` lets the reader finish the in-flight replies and exit
+    }
+
+    /// Sends one job; on failure retires the connection and returns false.
+    fn send_one(
+        &self,
+        s: &mut TcpStream,
+        ftx: &SyncSender<Job>,
+        job: Job,
+        conn: &Conn,
+        rx: &Receiver<Job>,
+    ) -> bool {
+        let sl = job.slice;
+        let req = Request {
+            op: if sl.op == Op::Write {
+                wire::OP_WRITE
+            } else {
+                wire::OP_READ
+            },
+            instance: self.instance,
+            addr: sl.remote_addr,
+            len: sl.len,
+        };
+        let hdr = req.encode();
+        let mut staging = Vec::new();
+        let payload: &[u8] = match (sl.op, sl.local_region.location) {
+            (Op::Read, _) => &[],
+            (Op::Write, Location::Cpu) => {
+                // SAFETY: the engine checked the slice lies in a registered host region, which
+                // the caller keeps valid until the batch finishes.
+                unsafe { std::slice::from_raw_parts(sl.local_addr as *const u8, sl.len as usize) }
+            }
+            (Op::Write, loc) => {
+                staging.resize(sl.len as usize, 0);
+                // SAFETY: as above, for memory at `loc`.
+                if let Err(e) =
+                    unsafe { self.ctx.memory.copy_from(loc, sl.local_addr, &mut staging) }
+                {
+                    job.sink.complete(sl.id, Err(e));
+                    return true;
+                }
+                &staging
+            }
+        };
+        // in flight before sending, so the reader expects the reply; blocks when the window is full
+        let sink = job.sink.clone();
+        if ftx.send(job).is_err() {
+            let e = TransferError::Io(format!("TCP connection to segment {} broke", self.segment));
+            sink.complete(sl.id, Err(e.clone()));
+            Self::retire(conn, rx, &e);
+            return false;
+        }
+        let what = format!("send to segment {}", self.segment);
+        if let Err(e) =
+            write_vectored_full(s, &mut [IoSlice::new(&hdr), IoSlice::new(payload)], &what)
+        {
+            // the reader fails the in-flight slices when its read breaks
+            let _ = s.shutdown(Shutdown::Both);
+            Self::retire(conn, rx, &e);
+            return false;
+        }
+        true
+    }
+
+    fn reader(self: Arc<Self>, conn: Arc<Conn>, mut s: TcpStream, frx: Receiver<Job>) {
+        let mut broken: Option<TransferError> = None;
+        for job in frx.iter() {
+            if let Some(e) = &broken {
+                job.sink.complete(job.slice.id, Err(e.clone()));
+                continue;
+            }
+            match self.read_reply(&mut s, &job.slice) {
+                Ok(result) => job.sink.complete(job.slice.id, result),
+                Err(e) => {
+                    job.sink.complete(job.slice.id, Err(e.clone()));
+                    conn.close();
+                    broken = Some(e);
+                }
+            }
+        }
+        let _ = s.shutdown(Shutdown::Both);
+    }
+
+    /// Reads one reply. Outer `Err`: the connection is unusable. Inner: the slice's result.
+    fn read_reply(&self, s: &mut TcpStream, sl: &Slice) -> Result<Result<()>> {
+        let what = format!("reply from segment {}", self.segment);
+        let mut h = [0u8; wire::REP_LEN];
+        read_full(s, &mut h, &what)?;
+        let (status, len) = wire::decode_reply(&h)?;
+        if status != wire::ST_OK {
+            if len > wire::MAX_ERROR_TEXT {
+                return Err(TransferError::Protocol(format!(
+                    "{what}: error text of {len} bytes"
+                )));
+            }
+            let mut t = vec![0u8; len as usize];
+            read_full(s, &mut t, &what)?;
+            let text = String::from_utf8_lossy(&t).into_owned();
+            let err = match status {
+                wire::ST_OUT_OF_RANGE => TransferError::RemoteOutOfRange {
+                    segment: self.segment.clone(),
+                    addr: sl.remote_addr,
+                    len: sl.len,
+                },
+                wire::ST_STALE => {
+                    TransferError::Failed(format!("segment {}: {text}", self.segment))
+                }
+                _ => TransferError::Failed(format!(
+                    "segment {} refused the request: {text}",
+                    self.segment
+                )),
+            };
+            if status == wire::ST_BAD_REQUEST {
+                return Err(err); // the target closes after a bad request
+            }
+            return Ok(Err(err));
+        }
+        let expect = if sl.op == Op::Read { sl.len } else { 0 };
+        if len != expect {
+            return Err(TransferError::Protocol(format!(
+                "{what}: {len} data bytes, expected {expect}"
+            )));
+        }
+        if sl.op == Op::Read {
+            match sl.local_region.location {
+                Location::Cpu => {
+                    // SAFETY: the slice lies in a registered host region (checked by the engine).
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(sl.local_addr as *mut u8, sl.len as usize)
+                    };
+                    read_full(s, dst, &what)?;
+                }
+                loc => {
+                    let mut staging = vec![0u8; sl.len as usize];
+                    read_full(s, &mut staging, &what)?;
+                    // SAFETY: as above, for memory at `loc`.
+                    if let Err(e) = unsafe { self.ctx.memory.copy_to(loc, sl.local_addr, &staging) }
+                    {
+                        return Ok(Err(e));
+                    }
+                }
+            }
+        }
+        Ok(Ok(()))
+    }
+}

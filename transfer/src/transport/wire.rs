@@ -1,0 +1,112 @@
+//! The TCP data protocol (DESIGN.md §3 "TCP transport"): fixed little-endian headers.
+//!
+//! Request (32 bytes): magic `u32` = `REQ_MAGIC`, op `u8` (1 WRITE, 2 READ), 3 zero bytes,
+//! target instance id `u64`, remote addr `u64`, len `u64`; a WRITE is followed by `len` payload
+//! bytes. Reply (16 bytes): magic `u32` = `REP_MAGIC`, status `u8`, 3 zero bytes, len `u64`;
+//! followed by `len` bytes: the data of an OK READ, nothing for an OK WRITE, the error text for
+//! any other status. Replies come in request order. The target replies OK to a WRITE only after
+//! the payload is in place (Mooncake once acknowledged before applying: silent loss).
+
+use crate::error::{Result, TransferError};
+
+pub(crate) const REQ_MAGIC: u32 = 0x5446_564b; // "KVFT"
+pub(crate) const REP_MAGIC: u32 = 0x5246_564b; // "KVFR"
+pub(crate) const REQ_LEN: usize = 32;
+pub(crate) const REP_LEN: usize = 16;
+/// Largest error text a reply may carry.
+pub(crate) const MAX_ERROR_TEXT: u64 = 4096;
+
+pub(crate) const OP_WRITE: u8 = 1;
+pub(crate) const OP_READ: u8 = 2;
+
+/// Reply status codes.
+pub(crate) const ST_OK: u8 = 0;
+/// The range is not inside one registered region of the target: refused, nothing written.
+pub(crate) const ST_OUT_OF_RANGE: u8 = 1;
+/// The request names another instance id: the initiator's descriptor is stale.
+pub(crate) const ST_STALE: u8 = 2;
+/// The request is malformed (zero length, over the frame limit); the target closes after it.
+pub(crate) const ST_BAD_REQUEST: u8 = 3;
+/// The target could not access its memory (e.g. GPU copy failed).
+pub(crate) const ST_SERVER_ERROR: u8 = 4;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Request {
+    pub op: u8,
+    pub instance: u64,
+    pub addr: u64,
+    pub len: u64,
+}
+
+impl Request {
+    pub(crate) fn encode(&self) -> [u8; REQ_LEN] {
+        let mut b = [0u8; REQ_LEN];
+        b[0..4].copy_from_slice(&REQ_MAGIC.to_le_bytes());
+        b[4] = self.op;
+        b[8..16].copy_from_slice(&self.instance.to_le_bytes());
+        b[16..24].copy_from_slice(&self.addr.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Parses a header; `Protocol` error on a wrong magic (the stream cannot be resynchronised).
+    pub(crate) fn decode(b: &[u8; REQ_LEN]) -> Result<Request> {
+        let magic = u32::from_le_bytes(b[0..4].try_into().expect("4"));
+        if magic != REQ_MAGIC {
+            return Err(TransferError::Protocol(format!(
+                "data request with bad magic {magic:#010x}"
+            )));
+        }
+        Ok(Request {
+            op: b[4],
+            instance: u64::from_le_bytes(b[8..16].try_into().expect("8")),
+            addr: u64::from_le_bytes(b[16..24].try_into().expect("8")),
+            len: u64::from_le_bytes(b[24..32].try_into().expect("8")),
+        })
+    }
+}
+
+pub(crate) fn encode_reply(status: u8, len: u64) -> [u8; REP_LEN] {
+    let mut b = [0u8; REP_LEN];
+    b[0..4].copy_from_slice(&REP_MAGIC.to_le_bytes());
+    b[4] = status;
+    b[8..16].copy_from_slice(&len.to_le_bytes());
+    b
+}
+
+/// Parses a reply header into (status, len); `Protocol` error on a wrong magic.
+pub(crate) fn decode_reply(b: &[u8; REP_LEN]) -> Result<(u8, u64)> {
+    let magic = u32::from_le_bytes(b[0..4].try_into().expect("4"));
+    if magic != REP_MAGIC {
+        return Err(TransferError::Protocol(format!(
+            "data reply with bad magic {magic:#010x}"
+        )));
+    }
+    Ok((b[4], u64::from_le_bytes(b[8..16].try_into().expect("8"))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_and_bad_magic_is_refused() {
+        let r = Request {
+            op: OP_READ,
+            instance: 7,
+            addr: 0xdead_beef,
+            len: 123,
+        };
+        assert_eq!(Request::decode(&r.encode()).unwrap(), r);
+        let mut b = r.encode();
+        b[0] ^= 1;
+        assert!(Request::decode(&b).is_err());
+        assert_eq!(
+            decode_reply(&encode_reply(ST_STALE, 9)).unwrap(),
+            (ST_STALE, 9)
+        );
+        let mut b = encode_reply(ST_OK, 0);
+        b[3] = 0;
+        assert!(decode_reply(&b).is_err());
+    }
+}

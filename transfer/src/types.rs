@@ -1,0 +1,167 @@
+//! Small value types of the transfer API (docs/interfaces.md, DESIGN.md §3).
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::TransferError;
+
+/// Where a memory region lives. Written `"cpu"` or `"cuda:N"` (N = CUDA device ordinal) in
+/// configs, descriptors and on the wire (serde uses that text form).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Location {
+    /// Host memory addressable by this process.
+    Cpu,
+    /// Device memory of CUDA device N (a device pointer, not host-addressable).
+    Cuda(u32),
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Location::Cpu => f.write_str("cpu"),
+            Location::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl FromStr for Location {
+    type Err = TransferError;
+    /// Parses `"cpu"` or `"cuda:N"`; anything else is `InvalidArgument`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        if t.eq_ignore_ascii_case("cpu") {
+            return Ok(Location::Cpu);
+        }
+        if let Some(n) = t.strip_prefix("cuda:") {
+            if let Ok(n) = n.parse::<u32>() {
+                return Ok(Location::Cuda(n));
+            }
+        }
+        Err(TransferError::InvalidArgument(format!(
+            "location {s:?}: expected \"cpu\" or \"cuda:N\""
+        )))
+    }
+}
+
+impl Serialize for Location {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Location {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Which transport the engine uses. `Auto` takes RDMA when `rdma::probe()` finds a usable
+/// device, TCP otherwise (one info line says which); `Rdma` with no device is a `Config` error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    #[default]
+    Auto,
+    Tcp,
+    Rdma,
+}
+
+impl FromStr for TransportKind {
+    type Err = TransferError;
+    /// Parses `"auto"`, `"tcp"` or `"rdma"` (case-insensitive).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(TransportKind::Auto),
+            "tcp" => Ok(TransportKind::Tcp),
+            "rdma" => Ok(TransportKind::Rdma),
+            _ => Err(TransferError::InvalidArgument(format!(
+                "transport {s:?}: expected auto, tcp or rdma"
+            ))),
+        }
+    }
+}
+
+/// Direction of a transfer, seen from the initiator: `Write` moves local → remote,
+/// `Read` moves remote → local (Mooncake's opcode WRITE/READ).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Op {
+    Read,
+    Write,
+}
+
+/// One request of a batch: `len` bytes between `local_addr` (in memory registered with this
+/// engine) and `remote_addr` (in a buffer the target segment advertised). Addresses are
+/// virtual addresses in the owning process (device pointers for `cuda:N` regions).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferRequest {
+    pub op: Op,
+    pub local_addr: u64,
+    pub remote_addr: u64,
+    /// Bytes; must be > 0.
+    pub len: u64,
+}
+
+/// Handle of a submitted batch (returned by `TransferEngine::submit`). Ids are never reused
+/// within one engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BatchId(pub u64);
+
+/// State of a batch (Mooncake's WAITING / PENDING / COMPLETED / FAILED / TIMEOUT / INVALID).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchStatus {
+    /// Submitted; no slice has finished yet.
+    Waiting,
+    /// Some but not all slices have finished.
+    Pending,
+    /// Every slice succeeded: the bytes are in place at the target (TCP: applied before the ACK;
+    /// RDMA: the work completion arrived).
+    Completed,
+    /// Every slice finished and at least one failed; the text is the first failure.
+    Failed(String),
+    /// A `wait` on the batch ran past its deadline. Slices still in flight may land later.
+    Timeout,
+    /// Unknown id (never issued, or freed after a finished wait).
+    Invalid,
+}
+
+impl BatchStatus {
+    /// True for `Completed`, `Failed`, `Timeout` and `Invalid`: nothing more will change.
+    pub fn is_final(&self) -> bool {
+        !matches!(self, BatchStatus::Waiting | BatchStatus::Pending)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn location_text_round_trips_and_rejects_junk() {
+        for l in [Location::Cpu, Location::Cuda(0), Location::Cuda(7)] {
+            assert_eq!(l.to_string().parse::<Location>().unwrap(), l);
+            let j = serde_json::to_string(&l).unwrap();
+            assert_eq!(serde_json::from_str::<Location>(&j).unwrap(), l);
+        }
+        assert_eq!(
+            serde_json::to_string(&Location::Cuda(3)).unwrap(),
+            "\"cuda:3\""
+        );
+        for bad in ["", "gpu", "cuda:", "cuda:x", "cuda:-1", "cuda"] {
+            assert!(bad.parse::<Location>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn transport_kind_parses() {
+        assert_eq!("TCP".parse::<TransportKind>().unwrap(), TransportKind::Tcp);
+        assert_eq!(
+            "rdma".parse::<TransportKind>().unwrap(),
+            TransportKind::Rdma
+        );
+        assert!("ib".parse::<TransportKind>().is_err());
+    }
+}

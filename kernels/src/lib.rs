@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod cpu;
+pub mod cuda;
 
 use std::sync::Arc;
 
@@ -20,12 +21,12 @@ pub use cpu::CpuBackend;
 pub fn backend_for(device: Device) -> Arc<dyn ChecksumBackend> {
     match device {
         Device::Cpu => Arc::new(CpuBackend::default()),
-        Device::Cuda(ordinal) => {
-            tracing::info!(
-                ordinal,
-                "no CUDA checksum backend in this build; using the CPU backend"
-            );
-            Arc::new(CpuBackend::default())
-        }
+        Device::Cuda(ordinal) => match cuda::CudaBackend::shared(ordinal) {
+            Ok(b) => Arc::new(b),
+            Err(e) => {
+                tracing::info!(ordinal, reason = %e, "CUDA checksum backend unusable; using the CPU backend");
+                Arc::new(CpuBackend::default())
+            }
+        },
     }
 }

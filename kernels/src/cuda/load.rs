@@ -28,7 +28,9 @@ pub(crate) fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> R
 /// Whether the CUDA driver library (`libcuda.so.1`) can be loaded.
 pub fn driver_library_present() -> bool {
     static P: OnceLock<bool> = OnceLock::new();
-    *P.get_or_init(|| catch_unwind(|| unsafe { cudarc::driver::sys::is_culib_present() }).unwrap_or(false))
+    *P.get_or_init(|| {
+        catch_unwind(|| unsafe { cudarc::driver::sys::is_culib_present() }).unwrap_or(false)
+    })
 }
 
 /// Directories where a CUDA toolkit's NVRTC often lives but the loader may not look.
@@ -62,6 +64,17 @@ pub fn nvrtc_library_present() -> bool {
             for name in ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"] {
                 let path = format!("{dir}/{name}");
                 if std::path::Path::new(&path).exists() {
+                    // NVRTC dlopens its builtins by soname at compile time: load them first.
+                    if let Ok(rd) = std::fs::read_dir(&dir) {
+                        for f in rd.flatten() {
+                            let n = f.file_name().to_string_lossy().into_owned();
+                            if n.starts_with("libnvrtc-builtins.so") {
+                                if let Ok(lib) = unsafe { libloading::Library::new(f.path()) } {
+                                    std::mem::forget(lib);
+                                }
+                            }
+                        }
+                    }
                     if let Ok(lib) = unsafe { libloading::Library::new(&path) } {
                         // Kept loaded for the process's life: cudarc holds its own handle by soname.
                         std::mem::forget(lib);
@@ -84,10 +97,10 @@ pub fn compile(src: &str, name: &str, cc: (i32, i32)) -> Result<Vec<u8>, String>
         return Err("libnvrtc not found (set KVFERRY_NVRTC_DIR or LD_LIBRARY_PATH)".into());
     }
     guarded("nvrtc", || {
-        let sm = format!("--gpu-arch=sm_{}{}", cc.0, cc.1);
+        let sm = format!("--gpu-architecture=sm_{}{}", cc.0, cc.1);
         match compile_with(src, name, &sm, true) {
             Ok(cubin) => Ok(cubin),
-            Err(e) => compile_with(src, name, "--gpu-arch=compute_90", false)
+            Err(e) => compile_with(src, name, "--gpu-architecture=compute_90", false)
                 .map_err(|e2| format!("{e}; PTX fallback: {e2}")),
         }
     })
@@ -96,8 +109,13 @@ pub fn compile(src: &str, name: &str, cc: (i32, i32)) -> Result<Vec<u8>, String>
 fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8>, String> {
     let csrc = CString::new(src).map_err(|e| e.to_string())?;
     let cname = CString::new(name).map_err(|e| e.to_string())?;
-    let prog = nvrtc::create_program(&csrc, Some(&cname)).map_err(|e| format!("nvrtcCreateProgram: {e:?}"))?;
-    let opts = [arch.to_string(), "--std=c++17".to_string(), "-lineinfo".to_string()];
+    let prog = nvrtc::create_program(&csrc, Some(&cname))
+        .map_err(|e| format!("nvrtcCreateProgram: {e:?}"))?;
+    let opts = [
+        arch.to_string(),
+        "--std=c++17".to_string(),
+        "-lineinfo".to_string(),
+    ];
     let out = unsafe {
         match nvrtc::compile_program(prog, &opts) {
             Ok(()) => {
@@ -108,10 +126,13 @@ fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8
                         .map_err(|e| format!("nvrtcGetCUBINSize: {e:?}"))
                         .and_then(|_| {
                             let mut buf = vec![0u8; n];
-                            nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char)
-                                .result()
-                                .map(|_| buf)
-                                .map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))
+                            nvrtc_sys::nvrtcGetCUBIN(
+                                prog,
+                                buf.as_mut_ptr() as *mut std::ffi::c_char,
+                            )
+                            .result()
+                            .map(|_| buf)
+                            .map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))
                         })
                 } else {
                     nvrtc::get_ptx(prog)
@@ -122,7 +143,11 @@ fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8
             Err(e) => {
                 let log = nvrtc::get_program_log(prog)
                     .map(|l| {
-                        let b: Vec<u8> = l.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+                        let b: Vec<u8> = l
+                            .iter()
+                            .take_while(|&&c| c != 0)
+                            .map(|&c| c as u8)
+                            .collect();
                         String::from_utf8_lossy(&b).into_owned()
                     })
                     .unwrap_or_default();
@@ -148,7 +173,10 @@ mod tests {
             eprintln!("SKIPPED kernels_compile_with_nvrtc: libnvrtc not found");
             return;
         }
-        for (name, src) in [("checksum.cu", super::super::CHECKSUM_SRC), ("tools.cu", super::super::TOOLS_SRC)] {
+        for (name, src) in [
+            ("checksum.cu", super::super::CHECKSUM_SRC),
+            ("tools.cu", super::super::TOOLS_SRC),
+        ] {
             let cubin = compile(src, name, (9, 0)).unwrap_or_else(|e| panic!("{e}"));
             assert!(cubin.len() > 1000, "{name}: {} bytes", cubin.len());
         }

@@ -91,7 +91,11 @@ impl std::fmt::Display for PlanError {
 }
 
 fn to_u32(what: &str, layer: &str, v: u64) -> Result<u32, PlanError> {
-    u32::try_from(v).map_err(|_| PlanError(format!("layer {layer}: {what} = {v} exceeds the kernel's 32-bit range")))
+    u32::try_from(v).map_err(|_| {
+        PlanError(format!(
+            "layer {layer}: {what} = {v} exceeds the kernel's 32-bit range"
+        ))
+    })
 }
 
 /// Builds the view of one layer whose array starts at device address `addr` and spans
@@ -100,13 +104,23 @@ fn to_u32(what: &str, layer: &str, v: u64) -> Result<u32, PlanError> {
 pub fn layer_view(spec: &LayerSpec, addr: u64, len: u64) -> Result<LayerView, PlanError> {
     let g = &spec.geometry;
     let name = spec.name.as_str();
-    let pieces = g
-        .pieces_per_cell()
-        .ok_or_else(|| PlanError(format!("layer {name}: cell of {} bytes is not whole 8-byte pieces", g.cell_bytes())))?;
+    let pieces = g.pieces_per_cell().ok_or_else(|| {
+        PlanError(format!(
+            "layer {name}: cell of {} bytes is not whole 8-byte pieces",
+            g.cell_bytes()
+        ))
+    })?;
     if g.byte_len() > len {
-        return Err(PlanError(format!("layer {name}: array spans {} bytes but only {len} are given", g.byte_len())));
+        return Err(PlanError(format!(
+            "layer {name}: array spans {} bytes but only {len} are given",
+            g.byte_len()
+        )));
     }
-    if g.kernel_blocks_per_block == 0 || g.tokens_per_kernel_block == 0 || g.heads == 0 || g.head_dim == 0 {
+    if g.kernel_blocks_per_block == 0
+        || g.tokens_per_kernel_block == 0
+        || g.heads == 0
+        || g.head_dim == 0
+    {
         return Err(PlanError(format!("layer {name}: zero-sized dimension")));
     }
     let e = g.elem.get();
@@ -117,13 +131,21 @@ pub fn layer_view(spec: &LayerSpec, addr: u64, len: u64) -> Result<LayerView, Pl
     let row_bytes = d
         .checked_mul(e)
         .ok_or_else(|| PlanError(format!("layer {name}: D * elem overflows")))?;
-    let (s_block, s_part, s_tok, s_head, s_d) =
-        (g.stride_of(Dim::B), g.stride_of(Dim::Kv), g.stride_of(Dim::N), g.stride_of(Dim::H), g.stride_of(Dim::D));
+    let (s_block, s_part, s_tok, s_head, s_d) = (
+        g.stride_of(Dim::B),
+        g.stride_of(Dim::Kv),
+        g.stride_of(Dim::N),
+        g.stride_of(Dim::H),
+        g.stride_of(Dim::D),
+    );
     // Rows are (token, head) pairs; the one with the smaller stride goes inner so a warp's
     // chunks are adjacent in memory.
     let outer_is_token = heads > 1 && s_head <= s_tok;
-    let (n_outer, n_inner, s_outer, s_inner) =
-        if outer_is_token { (tokens, heads, s_tok, s_head) } else { (heads, tokens, s_head, s_tok) };
+    let (n_outer, n_inner, s_outer, s_inner) = if outer_is_token {
+        (tokens, heads, s_tok, s_head)
+    } else {
+        (heads, tokens, s_head, s_tok)
+    };
     let contiguous_d = d == 1 || s_d == e;
     let aligned = |a: u64| {
         addr % a == 0
@@ -140,9 +162,17 @@ pub fn layer_view(spec: &LayerSpec, addr: u64, len: u64) -> Result<LayerView, Pl
         MODE_GENERIC
     };
     let kbpb = g.kernel_blocks_per_block;
-    let tiles_per_block = if mode == MODE_GENERIC { kbpb } else { kbpb * parts };
+    let tiles_per_block = if mode == MODE_GENERIC {
+        kbpb
+    } else {
+        kbpb * parts
+    };
     // The generic path counts (row, piece) pairs of a kernel block in 32 bits.
-    to_u32("tokens * heads * pieces", name, tokens.saturating_mul(heads).saturating_mul(pieces))?;
+    to_u32(
+        "tokens * heads * pieces",
+        name,
+        tokens.saturating_mul(heads).saturating_mul(pieces),
+    )?;
     Ok(LayerView {
         base: addr,
         s_block,
@@ -192,10 +222,16 @@ pub fn group_plan(
         let mut v = layer_view(spec, *addr, *len)?;
         let nblocks = spec.geometry.num_blocks();
         if let Some(&bad) = block_ids.iter().find(|&&b| b >= nblocks) {
-            return Err(PlanError(format!("layer {}: block id {bad} outside its {nblocks} blocks", spec.name)));
+            return Err(PlanError(format!(
+                "layer {}: block id {bad} outside its {nblocks} blocks",
+                spec.name
+            )));
         }
         if spec.head_offset as u64 + spec.geometry.heads - 1 > u32::MAX as u64 {
-            return Err(PlanError(format!("layer {}: head index past u32", spec.name)));
+            return Err(PlanError(format!(
+                "layer {}: head index past u32",
+                spec.name
+            )));
         }
         v.tile_begin = to_u32("tiles", "(group)", tiles)?;
         v.slot = keys.binary_search(&spec.replica).unwrap_or(0) as u32;
@@ -205,9 +241,23 @@ pub fn group_plan(
     let total_tiles = to_u32("tiles", "(group)", tiles)?;
     if nb == 0 {
         // No tiles: every layer would share tile_begin 0; the launch is skipped.
-        return Ok(GroupPlan { views, block_ids: Vec::new(), start, num_tokens, keys, total_tiles: 0 });
+        return Ok(GroupPlan {
+            views,
+            block_ids: Vec::new(),
+            start,
+            num_tokens,
+            keys,
+            total_tiles: 0,
+        });
     }
-    Ok(GroupPlan { views, block_ids: block_ids.to_vec(), start, num_tokens, keys, total_tiles })
+    Ok(GroupPlan {
+        views,
+        block_ids: block_ids.to_vec(),
+        start,
+        num_tokens,
+        keys,
+        total_tiles,
+    })
 }
 
 #[cfg(test)]
@@ -233,7 +283,16 @@ mod tests {
 
     /// CPU replay of tile_vec<V> for one thread.
     #[allow(clippy::too_many_arguments)]
-    fn tile_vec(l: &LayerView, mem: &[u8], base: u64, part: u32, t0: u64, nt: u32, v: u32, tid: u32) -> u64 {
+    fn tile_vec(
+        l: &LayerView,
+        mem: &[u8],
+        base: u64,
+        part: u32,
+        t0: u64,
+        nt: u32,
+        v: u32,
+        tid: u32,
+    ) -> u64 {
         let r = l.d * l.elem / v;
         let p_part = part as u64 * ((l.d * l.elem) >> 3) as u64;
         let n_o = if l.outer_is_token != 0 { nt } else { l.n_outer };
@@ -308,7 +367,9 @@ mod tests {
                 }
                 let jj = (t0 + n as u64) * l.pieces + pc as u64;
                 acc = acc.wrapping_add(
-                    l.m_base.wrapping_add(2 * h as u64).wrapping_mul(x.wrapping_mul(jj.wrapping_mul(2).wrapping_add(1))),
+                    l.m_base
+                        .wrapping_add(2 * h as u64)
+                        .wrapping_mul(x.wrapping_mul(jj.wrapping_mul(2).wrapping_add(1))),
                 );
             }
             q += THREADS;
@@ -321,12 +382,20 @@ mod tests {
         let ns = plan.keys.len();
         let mut out = vec![0u64; plan.block_ids.len() * ns];
         for tile in 0..plan.total_tiles {
-            let li = plan.views.iter().rposition(|v| v.tile_begin <= tile).unwrap();
+            let li = plan
+                .views
+                .iter()
+                .rposition(|v| v.tile_begin <= tile)
+                .unwrap();
             let l = &plan.views[li];
             let local = tile - l.tile_begin;
             let bidx = local / l.tiles_per_block;
             let r = local % l.tiles_per_block;
-            let (kk, part) = if l.mode == MODE_GENERIC { (r, 0) } else { (r / l.parts, r % l.parts) };
+            let (kk, part) = if l.mode == MODE_GENERIC {
+                (r, 0)
+            } else {
+                (r / l.parts, r % l.parts)
+            };
             let bs = l.kb_per_block as u64 * l.tokens as u64;
             let t0 = (plan.start + bidx as u64) * bs + kk as u64 * l.tokens as u64;
             if t0 >= plan.num_tokens {
@@ -350,14 +419,31 @@ mod tests {
         out
     }
 
-    const LAYOUTS: [&str; 7] = ["KV B N H D", "B KV N H D", "B KV H N D", "B H N KV D", "B N D", "B N H D", "H B N KV D"];
+    const LAYOUTS: [&str; 7] = [
+        "KV B N H D",
+        "B KV N H D",
+        "B KV H N D",
+        "B H N KV D",
+        "B N D",
+        "B N H D",
+        "H B N KV D",
+    ];
 
     fn random_spec(rng: &mut ChaCha8Rng, layer: u32, replica: ReplicaKey) -> LayerSpec {
         loop {
             let layout = Layout::parse(LAYOUTS[rng.random_range(0..LAYOUTS.len())]).unwrap();
-            let elem = [ElemBytes::One, ElemBytes::Two, ElemBytes::Four, ElemBytes::Eight][rng.random_range(0..4)];
+            let elem = [
+                ElemBytes::One,
+                ElemBytes::Two,
+                ElemBytes::Four,
+                ElemBytes::Eight,
+            ][rng.random_range(0..4)];
             let d = [1u64, 2, 3, 4, 8, 16, 24, 64][rng.random_range(0..8)];
-            let h = if layout.has_heads() { rng.random_range(1..4) } else { 1 };
+            let h = if layout.has_heads() {
+                rng.random_range(1..4)
+            } else {
+                1
+            };
             let n = rng.random_range(1..6);
             let kbpb = rng.random_range(1..4);
             let b = kbpb * rng.random_range(1..5);
@@ -372,7 +458,12 @@ mod tests {
                 let mut strides = vec![0u64; dims.len()];
                 let mut span = elem as u64;
                 for k in (0..dims.len()).rev() {
-                    strides[k] = span + if k + 1 == dims.len() { 0 } else { pad * rng.random_range(0..2) };
+                    strides[k] = span
+                        + if k + 1 == dims.len() {
+                            0
+                        } else {
+                            pad * rng.random_range(0..2)
+                        };
                     span = strides[k] * g.size_of(dims[k]);
                 }
                 match g.clone().with_strides(strides) {
@@ -400,23 +491,48 @@ mod tests {
         let mut modes = [0usize; 3];
         for case in 0..300 {
             let nl = rng.random_range(1..4);
-            let rk = if rng.random_bool(0.3) { ReplicaKey { replicas: 2, index: 1 } } else { ReplicaKey::NONE };
+            let rk = if rng.random_bool(0.3) {
+                ReplicaKey {
+                    replicas: 2,
+                    index: 1,
+                }
+            } else {
+                ReplicaKey::NONE
+            };
             let specs: Vec<LayerSpec> = (0..nl)
-                .map(|l| random_spec(&mut rng, l as u32 * 3 + 1, if l == 0 { ReplicaKey::NONE } else { rk }))
+                .map(|l| {
+                    random_spec(
+                        &mut rng,
+                        l as u32 * 3 + 1,
+                        if l == 0 { ReplicaKey::NONE } else { rk },
+                    )
+                })
                 .collect();
             // Base addresses: 16-aligned, or shifted by 8 to force the 8-byte / generic paths.
             let shift = [0u64, 8, 1][rng.random_range(0..3)];
-            let mems: Vec<Vec<u8>> =
-                specs.iter().map(|s| (0..s.geometry.byte_len()).map(|_| rng.random::<u8>()).collect()).collect();
-            let bases: Vec<u64> = (0..nl as u64).map(|l| (l + 1) * (1 << 40) + shift).collect();
+            let mems: Vec<Vec<u8>> = specs
+                .iter()
+                .map(|s| {
+                    (0..s.geometry.byte_len())
+                        .map(|_| rng.random::<u8>())
+                        .collect()
+                })
+                .collect();
+            let bases: Vec<u64> = (0..nl as u64)
+                .map(|l| (l + 1) * (1 << 40) + shift)
+                .collect();
             let nblocks = specs.iter().map(|s| s.geometry.num_blocks()).min().unwrap();
             let count = rng.random_range(0..=nblocks);
             let block_ids: Vec<u64> = (0..count).map(|_| rng.random_range(0..nblocks)).collect();
             let start = rng.random_range(0..3);
             let bs = specs[0].geometry.block_size();
-            let num_tokens = (start + count) * bs - rng.random_range(0..bs.max(1));
-            let layers: Vec<(&LayerSpec, u64, u64)> =
-                specs.iter().zip(&bases).zip(&mems).map(|((s, &b), m)| (s, b, m.len() as u64)).collect();
+            let num_tokens = ((start + count) * bs).saturating_sub(rng.random_range(0..bs.max(1)));
+            let layers: Vec<(&LayerSpec, u64, u64)> = specs
+                .iter()
+                .zip(&bases)
+                .zip(&mems)
+                .map(|((s, &b), m)| (s, b, m.len() as u64))
+                .collect();
             let plan = group_plan(&layers, &block_ids, start, num_tokens).unwrap();
             for v in &plan.views {
                 modes[v.mode as usize] += 1;
@@ -429,10 +545,21 @@ mod tests {
                     let mut want = 0u64;
                     for (s, m) in specs.iter().zip(&mems) {
                         if s.replica == *key {
-                            want = want.wrapping_add(layer_block_checksum_direct(s, m, b, start + bi as u64, num_tokens));
+                            want = want.wrapping_add(layer_block_checksum_direct(
+                                s,
+                                m,
+                                b,
+                                start + bi as u64,
+                                num_tokens,
+                            ));
                         }
                     }
-                    assert_eq!(got[bi * ns + k], want, "case {case} block {bi} key {key:?} views {:?}", plan.views);
+                    assert_eq!(
+                        got[bi * ns + k],
+                        want,
+                        "case {case} block {bi} key {key:?} views {:?}",
+                        plan.views
+                    );
                 }
             }
         }

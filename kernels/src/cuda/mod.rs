@@ -1,0 +1,580 @@
+//! The CUDA checksum backend (DESIGN.md §5).
+//!
+//! * Kernels are CUDA C (`kernels/cuda/*.cu`), compiled at run time by NVRTC for the
+//!   device's architecture; the driver and NVRTC are loaded dynamically (cudarc), and
+//!   their absence is detected, never a panic ([`CudaBackend::new`] returns an error and
+//!   `backend_for` falls back to the CPU backend).
+//! * One launch per group checksums every layer of the group over its block list
+//!   ([`view`] builds the table of layer views the kernel reads).
+//! * Asynchrony: work runs on a side stream of the backend, ordered after the caller's
+//!   stream by an event when one is given ([`CudaBackend::submit_after`]); parameters go
+//!   up and results come back through pinned host memory, and an event recorded after
+//!   the copy back is polled ([`CudaPending::poll`]). Nothing synchronises the caller's
+//!   stream and nothing blocks the host on the submit path.
+
+pub mod driver;
+pub mod load;
+pub mod tools;
+pub mod view;
+
+use crate::backend::{validate_job, ChecksumBackend, Pending, PendingChecksums};
+use crate::{Device, GroupJob, GroupResult, KernelError};
+use cudarc::driver::sys;
+use driver::{Context, DeviceBuffer, Event, EventState, Function, Module, PinnedBuffer, Stream};
+use kvferry_checksum::group::{LayerSpec, ReplicaKey};
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+use view::{group_plan, GroupPlan, LayerView};
+
+/// Source of the checksum kernel (`kernels/cuda/checksum.cu`).
+pub const CHECKSUM_SRC: &str = include_str!("../../cuda/checksum.cu");
+/// Source of the test/benchmark helper kernels (`kernels/cuda/tools.cu`).
+pub const TOOLS_SRC: &str = include_str!("../../cuda/tools.cu");
+
+/// A raw CUDA stream handle of the caller (e.g. PyTorch's `torch.cuda.current_stream().cuda_stream`
+/// cast to a pointer). The null handle is the legacy default stream.
+pub type RawStream = sys::CUstream;
+
+const THREADS: u32 = 256;
+
+fn kerr(msg: impl Into<String>) -> KernelError {
+    KernelError::Device(msg.into())
+}
+
+/// Why CUDA cannot be used here, or `None` when the driver and NVRTC load and at least
+/// one device exists. Never panics.
+pub fn unavailable_reason() -> Option<String> {
+    if !load::driver_library_present() {
+        return Some("libcuda not found".into());
+    }
+    if !load::nvrtc_library_present() {
+        return Some("libnvrtc not found".into());
+    }
+    let count = load::guarded("cuInit", || unsafe {
+        driver::check("cuInit", sys::cuInit(0))?;
+        let mut n = 0;
+        driver::check("cuDeviceGetCount", sys::cuDeviceGetCount(&mut n))?;
+        Ok(n)
+    });
+    match count {
+        Ok(0) => Some("no CUDA device".into()),
+        Ok(_) => None,
+        Err(e) => Some(e),
+    }
+}
+
+/// Buffers of one submission: parameters (views, block ids) then outputs, in pinned host
+/// memory and device memory at the same offsets, and its events.
+struct Slot {
+    host: PinnedBuffer,
+    dev: DeviceBuffer,
+    ready: Event,
+    done: Event,
+    kstart: Event,
+    kend: Event,
+    timed: bool,
+}
+
+#[derive(Default)]
+struct Pool {
+    free: Vec<Slot>,
+    /// Slots whose pending result was dropped before completion: reused once `done` completes.
+    retiring: Vec<Slot>,
+}
+
+// Field order is drop order: the context goes last.
+struct Inner {
+    stream: Stream,
+    _module: Module,
+    kernel: Function,
+    grid_cap: u32,
+    pool: Mutex<Pool>,
+    timing: AtomicBool,
+    ctx: Context,
+}
+
+/// The CUDA checksum backend for one device. Cheap to clone; `Send + Sync`.
+#[derive(Clone)]
+pub struct CudaBackend {
+    inner: Arc<Inner>,
+}
+
+struct PendingGroup {
+    group_id: u32,
+    start: u64,
+    keys: Vec<ReplicaKey>,
+    blocks: usize,
+    out_off: usize,
+}
+
+/// Checksums submitted to a [`CudaBackend`] and not yet taken. Dropping it before it
+/// completes is safe: its buffers are reused only after the device is done with them.
+pub struct CudaPending {
+    inner: Arc<Inner>,
+    slot: Option<Slot>,
+    groups: Vec<PendingGroup>,
+    kernel_ms: Option<f32>,
+}
+
+fn align(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`: loads the driver and NVRTC, retains the primary context,
+    /// creates the side stream and compiles the kernel for the device's architecture.
+    /// Errors (never panics) when any of that fails, e.g. on a machine without CUDA.
+    pub fn new(ordinal: u32) -> Result<CudaBackend, KernelError> {
+        if let Some(why) = unavailable_reason() {
+            return Err(kerr(why));
+        }
+        load::guarded("cuda backend", || {
+            let ctx = Context::new(ordinal)?;
+            let cc = ctx.compute_capability()?;
+            let image = load::compile(CHECKSUM_SRC, "checksum.cu", cc)?;
+            let module = Module::load(&ctx, &image)?;
+            let kernel = module.function("kvf_checksum")?;
+            let sms = ctx
+                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+                .max(1) as u32;
+            let grid_cap = sms * kernel.occupancy(THREADS)?;
+            let stream = Stream::new(&ctx)?;
+            Ok(CudaBackend {
+                inner: Arc::new(Inner {
+                    ctx,
+                    stream,
+                    _module: module,
+                    kernel,
+                    grid_cap,
+                    pool: Mutex::new(Pool::default()),
+                    timing: AtomicBool::new(false),
+                }),
+            })
+        })
+        .map_err(kerr)
+    }
+
+    /// The process-wide backend of device `ordinal`, created on first use (compiling
+    /// the kernel once). Errors as [`CudaBackend::new`]; a failure is remembered.
+    pub fn shared(ordinal: u32) -> Result<CudaBackend, KernelError> {
+        static ALL: OnceLock<Mutex<HashMap<u32, Result<CudaBackend, String>>>> = OnceLock::new();
+        let mut all = ALL
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        all.entry(ordinal)
+            .or_insert_with(|| CudaBackend::new(ordinal).map_err(|e| e.to_string()))
+            .clone()
+            .map_err(kerr)
+    }
+
+    /// The device's context (for allocating test data and the tools).
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    /// The side stream the checksums run on.
+    pub fn side_stream(&self) -> RawStream {
+        self.inner.stream.raw()
+    }
+
+    /// Records device-side kernel time for each later submission ([`CudaPending::kernel_ms`]);
+    /// for benchmarks.
+    pub fn set_kernel_timing(&self, on: bool) {
+        self.inner.timing.store(on, Ordering::Relaxed);
+    }
+
+    /// Submits `jobs` (one launch per group) on the side stream, ordered after the work
+    /// already queued on `after` (the caller's stream) by an event, or unordered when
+    /// `after` is `None` (the data is already in place as far as the host knows, e.g. it
+    /// landed by RDMA). Returns at once; the caller's stream is never synchronised and the
+    /// host never blocks on the device here.
+    ///
+    /// Errors: a job for another device, a layer the kernel cannot read (see
+    /// [`view::group_plan`]), or a driver failure.
+    ///
+    /// # Safety
+    /// Every layer's `[addr, addr + len)` is device memory of this device that stays
+    /// valid until the result is taken (or the pending value is dropped and the device
+    /// is done with it); `after` is a live stream of this device's primary context.
+    pub unsafe fn submit_after(
+        &self,
+        jobs: Vec<GroupJob>,
+        after: Option<RawStream>,
+    ) -> Result<CudaPending, KernelError> {
+        let inner = &self.inner;
+        let ordinal = inner.ctx.ordinal();
+        let mut plans: Vec<(u32, GroupPlan)> = Vec::with_capacity(jobs.len());
+        for job in &jobs {
+            if job.device != Device::Cuda(ordinal) {
+                return Err(KernelError::InvalidJob {
+                    group_id: job.group_id,
+                    why: format!(
+                        "job for {:?} given to the cuda:{ordinal} backend",
+                        job.device
+                    ),
+                });
+            }
+            validate_job(job)?;
+            let layers: Vec<(&LayerSpec, u64, u64)> = job
+                .layers
+                .iter()
+                .map(|l| (&l.spec, l.addr, l.len))
+                .collect();
+            let plan = group_plan(
+                &layers,
+                &job.selection.block_ids,
+                job.selection.start,
+                job.num_tokens,
+            )
+            .map_err(|e| KernelError::InvalidJob {
+                group_id: job.group_id,
+                why: e.0,
+            })?;
+            plans.push((job.group_id, plan));
+        }
+        // Byte layout of the slot: [views, block ids]* then [outputs]*.
+        let mut off = 0usize;
+        let mut param_offs = Vec::with_capacity(plans.len());
+        for (_, p) in &plans {
+            let v = align(off, 16);
+            let ids = align(v + p.views.len() * std::mem::size_of::<LayerView>(), 8);
+            off = ids + p.block_ids.len() * 8;
+            param_offs.push((v, ids));
+        }
+        let params_len = off;
+        let out_base = align(params_len, 256);
+        let mut out_offs = Vec::with_capacity(plans.len());
+        let mut o = out_base;
+        for (_, p) in &plans {
+            out_offs.push(o);
+            o += p.block_ids.len() * p.keys.len() * 8;
+        }
+        let out_len = o - out_base;
+        inner.ctx.bind().map_err(kerr)?;
+        let slot = inner.take_slot(o)?;
+        let host = slot.host.as_ptr();
+        for ((_, p), &(v, ids)) in plans.iter().zip(&param_offs) {
+            std::ptr::copy_nonoverlapping(
+                p.views.as_ptr() as *const u8,
+                host.add(v),
+                p.views.len() * std::mem::size_of::<LayerView>(),
+            );
+            std::ptr::copy_nonoverlapping(
+                p.block_ids.as_ptr() as *const u8,
+                host.add(ids),
+                p.block_ids.len() * 8,
+            );
+        }
+        let timed = inner.timing.load(Ordering::Relaxed);
+        let r = inner.enqueue(
+            &slot,
+            &plans,
+            &param_offs,
+            &out_offs,
+            params_len,
+            out_base,
+            out_len,
+            after,
+            timed,
+        );
+        let mut slot = slot;
+        slot.timed = timed;
+        if let Err(e) = r {
+            // Whatever was queued may still run: retire the slot behind a fresh record.
+            let _ = slot.done.record(inner.stream.raw());
+            inner
+                .pool
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .retiring
+                .push(slot);
+            return Err(kerr(e));
+        }
+        let groups = plans
+            .into_iter()
+            .zip(out_offs)
+            .map(|((group_id, p), out_off)| PendingGroup {
+                group_id,
+                start: p.start,
+                blocks: p.block_ids.len(),
+                keys: p.keys,
+                out_off,
+            })
+            .collect();
+        Ok(CudaPending {
+            inner: self.inner.clone(),
+            slot: Some(slot),
+            groups,
+            kernel_ms: None,
+        })
+    }
+}
+
+impl Inner {
+    fn take_slot(&self, need: usize) -> Result<Slot, KernelError> {
+        {
+            let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+            let mut k = 0;
+            while k < pool.retiring.len() {
+                if matches!(pool.retiring[k].done.query(), Ok(EventState::Done)) {
+                    let s = pool.retiring.swap_remove(k);
+                    pool.free.push(s);
+                } else {
+                    k += 1;
+                }
+            }
+            let best = pool
+                .free
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.host.len() >= need)
+                .min_by_key(|(_, s)| s.host.len())
+                .map(|(i, _)| i);
+            if let Some(i) = best {
+                return Ok(pool.free.swap_remove(i));
+            }
+        }
+        // Allocation happens only when the pool has no slot large enough (first use, growth).
+        let cap = need.next_power_of_two().max(64 << 10);
+        let ctx = &self.ctx;
+        let mk = || -> Result<Slot, String> {
+            Ok(Slot {
+                host: PinnedBuffer::new(ctx, cap)?,
+                dev: DeviceBuffer::new(ctx, cap)?,
+                ready: Event::new(ctx, false)?,
+                done: Event::new(ctx, false)?,
+                kstart: Event::new(ctx, true)?,
+                kend: Event::new(ctx, true)?,
+                timed: false,
+            })
+        };
+        mk().map_err(kerr)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn enqueue(
+        &self,
+        slot: &Slot,
+        plans: &[(u32, GroupPlan)],
+        param_offs: &[(usize, usize)],
+        out_offs: &[usize],
+        params_len: usize,
+        out_base: usize,
+        out_len: usize,
+        after: Option<RawStream>,
+        timed: bool,
+    ) -> Result<(), String> {
+        let s = self.stream.raw();
+        if let Some(caller) = after {
+            slot.ready.record(caller)?;
+            driver::stream_wait(s, &slot.ready)?;
+        }
+        let dev = slot.dev.ptr();
+        if params_len > 0 {
+            driver::copy_htod_async(dev, slot.host.as_ptr(), params_len, s)?;
+        }
+        if out_len > 0 {
+            driver::memset_async(dev + out_base as u64, 0, out_len, s)?;
+        }
+        if timed {
+            slot.kstart.record(s)?;
+        }
+        for (((_, p), &(v, ids)), &out) in plans.iter().zip(param_offs).zip(out_offs) {
+            if p.total_tiles == 0 {
+                continue;
+            }
+            let mut a_views = dev + v as u64;
+            let mut a_nl = p.views.len() as u32;
+            let mut a_ids = dev + ids as u64;
+            let mut a_nb = p.block_ids.len() as u32;
+            let mut a_start = p.start;
+            let mut a_nt = p.num_tokens;
+            let mut a_ns = p.keys.len() as u32;
+            let mut a_tiles = p.total_tiles;
+            let mut a_out = dev + out as u64;
+            let mut args: [*mut c_void; 9] = [
+                &mut a_views as *mut u64 as *mut c_void,
+                &mut a_nl as *mut u32 as *mut c_void,
+                &mut a_ids as *mut u64 as *mut c_void,
+                &mut a_nb as *mut u32 as *mut c_void,
+                &mut a_start as *mut u64 as *mut c_void,
+                &mut a_nt as *mut u64 as *mut c_void,
+                &mut a_ns as *mut u32 as *mut c_void,
+                &mut a_tiles as *mut u32 as *mut c_void,
+                &mut a_out as *mut u64 as *mut c_void,
+            ];
+            let grid = p.total_tiles.min(self.grid_cap).max(1);
+            self.kernel.launch(s, grid, THREADS, &mut args)?;
+        }
+        if timed {
+            slot.kend.record(s)?;
+        }
+        if out_len > 0 {
+            driver::copy_dtoh_async(
+                slot.host.as_ptr().add(out_base),
+                dev + out_base as u64,
+                out_len,
+                s,
+            )?;
+        }
+        slot.done.record(s)?;
+        Ok(())
+    }
+}
+
+impl CudaPending {
+    /// The results if the device has finished (never blocks): `None` while running,
+    /// `Some(Ok(results))` once, in job order; later calls give `Some(Err(..))`.
+    pub fn poll(&mut self) -> Option<Result<Vec<GroupResult>, KernelError>> {
+        let Some(slot) = self.slot.as_ref() else {
+            return Some(Err(kerr("results already taken")));
+        };
+        if let Err(e) = self.inner.ctx.bind() {
+            return Some(Err(kerr(e)));
+        }
+        match slot.done.query() {
+            Ok(EventState::Pending) => None,
+            Err(e) => {
+                let slot = self.slot.take().expect("checked above");
+                self.inner
+                    .pool
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .retiring
+                    .push(slot);
+                Some(Err(kerr(e)))
+            }
+            Ok(EventState::Done) => {
+                let slot = self.slot.take().expect("checked above");
+                if slot.timed {
+                    self.kernel_ms = Event::elapsed_ms(&slot.kstart, &slot.kend).ok();
+                }
+                let host = slot.host.as_ptr();
+                let results = self
+                    .groups
+                    .iter()
+                    .map(|g| {
+                        let ns = g.keys.len();
+                        let mut values = BTreeMap::new();
+                        for (k, key) in g.keys.iter().enumerate() {
+                            let v: Vec<u64> = (0..g.blocks)
+                                .map(|b| unsafe {
+                                    std::ptr::read_unaligned(
+                                        host.add(g.out_off + (b * ns + k) * 8) as *const u64
+                                    )
+                                })
+                                .collect();
+                            values.insert(*key, v);
+                        }
+                        GroupResult {
+                            group_id: g.group_id,
+                            start: g.start,
+                            values,
+                        }
+                    })
+                    .collect();
+                self.inner
+                    .pool
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .free
+                    .push(slot);
+                Some(Ok(results))
+            }
+        }
+    }
+
+    /// Waits up to `timeout` for the results (polling the completion event, sleeping
+    /// briefly between polls). Errors with [`KernelError::Timeout`] when the deadline passes.
+    pub fn wait(mut self, timeout: Duration) -> Result<Vec<GroupResult>, KernelError> {
+        self.wait_mut(timeout)
+    }
+
+    /// [`CudaPending::wait`] without consuming the value (so [`CudaPending::kernel_ms`] can be read after).
+    pub fn wait_mut(&mut self, timeout: Duration) -> Result<Vec<GroupResult>, KernelError> {
+        let deadline = Instant::now() + timeout;
+        let mut spins = 0u32;
+        loop {
+            if let Some(r) = self.poll() {
+                return r;
+            }
+            if Instant::now() >= deadline {
+                return Err(KernelError::Timeout(timeout));
+            }
+            spins += 1;
+            if spins < 64 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+    }
+
+    /// Makes `stream` wait (on the device) until these results are in host memory,
+    /// without blocking the host. For callers that order later device work after the
+    /// checksums, and for benchmarks.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this device's primary context.
+    pub unsafe fn order_before(&self, stream: RawStream) -> Result<(), KernelError> {
+        match &self.slot {
+            Some(s) => driver::stream_wait(stream, &s.done).map_err(kerr),
+            None => Ok(()),
+        }
+    }
+
+    /// Device time of the kernel launches in milliseconds, once the results were taken
+    /// and only when kernel timing was on ([`CudaBackend::set_kernel_timing`]).
+    pub fn kernel_ms(&self) -> Option<f32> {
+        self.kernel_ms
+    }
+}
+
+impl Drop for CudaPending {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.inner
+                .pool
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .retiring
+                .push(slot);
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // Buffers may still be in use by queued work: wait for the side stream before freeing.
+        let _ = self.stream.synchronize();
+    }
+}
+
+impl Pending for CudaPending {
+    fn poll(&mut self) -> Option<Result<Vec<GroupResult>, KernelError>> {
+        CudaPending::poll(self)
+    }
+    fn wait(&mut self, timeout: Duration) -> Result<Vec<GroupResult>, KernelError> {
+        self.wait_mut(timeout)
+    }
+}
+
+impl ChecksumBackend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    /// [`CudaBackend::submit_after`] with no caller stream: the KV must already be in place
+    /// as far as the host knows (landed by RDMA/TCP, or its writer's stream synchronised).
+    /// Callers that write KV on a stream use `submit_after` with that stream.
+    unsafe fn submit(&self, jobs: Vec<GroupJob>) -> Result<PendingChecksums, KernelError> {
+        Ok(PendingChecksums::new(Box::new(
+            self.submit_after(jobs, None)?,
+        )))
+    }
+}

@@ -72,9 +72,32 @@ struct WireGroup(u32, u64, u64, u64, #[serde(with = "serde_bytes")] Vec<u8>);
 #[derive(Serialize)]
 struct Wire(u32, u32, u64, Vec<WireGroup>);
 
-// Read with the version first, as a wide integer, so that a wrong version is reported as such.
-#[derive(Deserialize)]
-struct WireHead(u64, serde::de::IgnoredAny);
+/// The version of an array of any length (first element), so that a payload of another version
+/// is reported as such whatever its other fields are.
+struct WireHead(u64);
+
+impl<'de> Deserialize<'de> for WireHead {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = WireHead;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an array starting with the version")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<WireHead, A::Error> {
+                let v: u64 = seq
+                    .next_element()?
+                    .ok_or_else(|| serde::de::Error::custom("empty array"))?;
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(WireHead(v))
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
 
 #[derive(Deserialize)]
 struct WireIn(serde::de::IgnoredAny, u32, u64, Vec<WireGroup>);

@@ -160,10 +160,12 @@ fn compare_group(
     else {
         return Err(UnverifiedReason::OneSideOnly);
     };
-    if p.fingerprint != *fingerprint {
+    let (pbs, cbs, cstart) = (p.block_size, *cbs, *cstart);
+    // The layer fingerprint hashes the block size (§2.3), so it is comparable only between equal
+    // block sizes; with different ones the per-position values alone decide.
+    if pbs == cbs && p.fingerprint != *fingerprint {
         return Err(UnverifiedReason::FingerprintDiffers);
     }
-    let (pbs, cbs, cstart) = (p.block_size, *cbs, *cstart);
     if cbs == 0 || pbs == 0 {
         return Err(UnverifiedReason::BlockSizesIncompatible);
     }

@@ -1,2 +1,54 @@
-//! kvferry-p2p (work in progress): the producer/consumer connector.
+//! kvferry-p2p: the producer/consumer connector (DESIGN.md §4), push as vLLM's
+//! MooncakeConnector: the consumer asks, the producer WRITEs the KV blocks into
+//! the consumer's memory through its transfer engine, then replies on the ZeroMQ
+//! control channel with the status and the checksum payload (the connector-owned
+//! carrier, DESIGN.md §2.4). The consumer checksums the landed blocks, compares,
+//! applies the policy (§2.7), and only then reports the load.
+//!
+//! # Layers
+//! * [`proto`] — sans-I/O: wire messages (msgpack maps, versioned, FINISH=0 /
+//!   CONTINUE=1 / ERROR=2) and the producer/consumer state machines (leases,
+//!   deadlines, one load per request), tested without a network.
+//! * [`shell`] — the thin tokio shell: a ROUTER for the producer, a DEALER per
+//!   producer for the consumer; every await has a timeout.
+//! * [`worker`] — one TP/PP rank: its engine, KV memory and checksum backend;
+//!   [`checksum`] runs a rank's checksums and sums the ranks (§2.3).
+//!
+//! # The API (what an embedder uses)
+//! ```text
+//! // Each side: one Worker per TP×PP rank; the embedder owns and registers the memory.
+//! Worker { rank: RankInfo, engine: Arc<TransferEngine>, device: Device,
+//!          groups: Vec<WorkerGroup>, backend: Arc<dyn ChecksumBackend> }
+//! WorkerGroup { group_id, block_size, layers: Vec<LayerInput>, sliding_window: Option<u64>,
+//!               skipped: Option<SkipReason> }
+//!
+//! Producer::start(ProducerConfig, Vec<Worker>).await -> Result<Producer, P2pError>
+//! producer.endpoint() -> &str                                   // "tcp://127.0.0.1:40123"
+//! producer.publish(request_id, blocks: Vec<Vec<Option<u64>>>, num_tokens).await
+//!     -> Result<PublishInfo, P2pError>                          // blocks[g]: group g's block table
+//! producer.released() -> Vec<Released>                          // leases served / failed / expired
+//! producer.shutdown().await
+//!
+//! Consumer::new(ConsumerConfig, Vec<Worker>) -> Result<Consumer, P2pError>
+//! consumer.set_landed_hook(Some(Arc::new(|landed: &Landed| { .. })))   // fault injection
+//! consumer.load(LoadSpec { request_id, producer, groups: Vec<LoadGroup>,
+//!                          num_local_computed, num_tokens }).await
+//!     -> Result<LoadOutcome, LoadError>   // LoadOutcome { verdict, action, bytes, .. }
+//! ```
+//! Equal TP and PP sizes on both sides are required for now (a clear error
+//! otherwise); producer rank r writes its blocks to consumer rank r.
+
+pub mod checksum;
+pub mod error;
 pub mod proto;
+pub mod shell;
+pub mod wire;
+pub mod worker;
+
+pub use error::{LoadError, P2pError};
+pub use proto::producer::{ProducerTimeouts, ReleaseReason};
+pub use shell::consumer::{
+    Consumer, ConsumerConfig, Landed, LandedGroup, LandedHook, LoadGroup, LoadOutcome, LoadSpec,
+};
+pub use shell::producer::{Producer, ProducerConfig, PublishInfo, Released};
+pub use worker::{Worker, WorkerGroup};

@@ -187,6 +187,16 @@ impl ConsumerMachine {
         failed
     }
 
+    /// Sending the request of `load_id` failed: the load fails (the producer never
+    /// got it), and the socket must be rebuilt. `None` when the load is not pending.
+    pub fn on_send_failed(&mut self, load_id: u64, why: &str) -> Option<FailReason> {
+        self.pending.remove(&load_id)?;
+        self.needs_rebuild = true;
+        Some(FailReason::ConnectionLost(format!(
+            "request not sent: {why}"
+        )))
+    }
+
     /// Whether the socket should be rebuilt now: after a failure, once no load is
     /// in flight on it (rebuilding earlier would drop replies the others wait for).
     pub fn should_rebuild(&self) -> bool {

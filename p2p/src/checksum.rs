@@ -1,0 +1,121 @@
+//! Running the checksums of one side (DESIGN.md §2.3, §2.5): each worker checksums
+//! its own layers of the selected blocks on its backend and reports a record; the
+//! caller (the side's coordinator) sums the records with the checksum crate.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use kvferry_checksum::fingerprint::layer_fingerprint;
+use kvferry_checksum::record::{GroupRecord, WorkerRecord};
+use kvferry_checksum::select::BlockSelection;
+use kvferry_kernels::GroupJob;
+
+use crate::worker::{Worker, WorkerGroup};
+
+/// One rank's part of a group's fingerprint: the sum of its layers' fingerprints
+/// for `block_size` (§2.3); `None` when a layer has no kind or dtype.
+pub fn group_fingerprint(group: &WorkerGroup) -> Option<u64> {
+    group.layers.iter().try_fold(0u64, |acc, l| {
+        let (kind, dtype) = (l.spec.kind.as_deref()?, l.spec.dtype.as_deref()?);
+        Some(acc.wrapping_add(layer_fingerprint(
+            &l.spec.name,
+            kind,
+            group.block_size,
+            dtype,
+        )))
+    })
+}
+
+/// Checksums the blocks `select(group)` picks (`None` or empty: the group is left
+/// out of the record) of every group of `worker`, tokens `< num_tokens`, on the
+/// worker's backend, and returns the worker's record. Skipped groups are reported
+/// skipped. Errors (as text) when the backend fails or exceeds `timeout`.
+pub async fn worker_record(
+    worker: &Worker,
+    select: &dyn Fn(&WorkerGroup) -> Option<BlockSelection>,
+    num_tokens: u64,
+    timeout: Duration,
+) -> Result<WorkerRecord, String> {
+    let mut jobs = Vec::new();
+    let mut skipped = Vec::new();
+    let mut meta = BTreeMap::new();
+    for g in &worker.groups {
+        if let Some(reason) = g.skipped {
+            skipped.push((g.group_id, reason));
+            continue;
+        }
+        let Some(selection) = select(g).filter(|s| !s.block_ids.is_empty()) else {
+            continue;
+        };
+        meta.insert(g.group_id, (g.block_size, group_fingerprint(g)));
+        jobs.push(GroupJob {
+            group_id: g.group_id,
+            block_size: g.block_size,
+            layers: g.layers.clone(),
+            selection,
+            num_tokens,
+            device: worker.device,
+        });
+    }
+    let mut record = WorkerRecord {
+        rank: worker.rank,
+        groups: Vec::new(),
+        skipped,
+    };
+    if jobs.is_empty() {
+        return Ok(record);
+    }
+    let backend = worker.backend.clone();
+    let run = tokio::task::spawn_blocking(move || {
+        // SAFETY: every LayerInput describes memory the embedder keeps valid while
+        // the worker is in use (the Worker contract); the result is taken here.
+        let pending = unsafe { backend.submit(jobs) }.map_err(|e| e.to_string())?;
+        pending.wait(timeout).map_err(|e| e.to_string())
+    });
+    let results = match tokio::time::timeout(timeout + Duration::from_secs(1), run).await {
+        Err(_) => return Err(format!("checksums did not finish within {timeout:?}")),
+        Ok(Err(join)) => return Err(format!("checksum task failed: {join}")),
+        Ok(Ok(r)) => r?,
+    };
+    for r in results {
+        let Some(&(block_size, fingerprint)) = meta.get(&r.group_id) else {
+            return Err(format!(
+                "backend returned group {} that was not asked for",
+                r.group_id
+            ));
+        };
+        record.groups.push(GroupRecord {
+            group_id: r.group_id,
+            block_size,
+            start: r.start,
+            fingerprint,
+            values: r.values,
+        });
+    }
+    Ok(record)
+}
+
+/// Runs [`worker_record`] on every worker concurrently. Returns the records of
+/// the workers that reported and, for each that did not, its rank and why.
+pub async fn all_records(
+    workers: &[Worker],
+    select: &(dyn Fn(&WorkerGroup) -> Option<BlockSelection> + Sync),
+    num_tokens: u64,
+    timeout: Duration,
+) -> (Vec<WorkerRecord>, Vec<String>) {
+    let runs = workers
+        .iter()
+        .map(|w| async move { (w.rank, worker_record(w, select, num_tokens, timeout).await) });
+    let mut records = Vec::new();
+    let mut missing = Vec::new();
+    for (rank, r) in futures::future::join_all(runs).await {
+        match r {
+            Ok(rec) => records.push(rec),
+            Err(e) => missing.push(format!(
+                "tp_rank={} pp_rank={}: {e}",
+                rank.tp_rank, rank.pp_rank
+            )),
+        }
+    }
+    (records, missing)
+}

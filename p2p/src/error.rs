@@ -1,0 +1,97 @@
+//! Errors of the connector's API (DESIGN.md §4): setup errors and load failures.
+
+use kvferry_checksum::policy::{Action, LoadFailurePolicy, Policy};
+
+use crate::proto::consumer::FailReason;
+
+/// Setup and publish errors.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum P2pError {
+    /// The workers do not form a TP×PP grid, disagree on groups, or describe memory wrongly.
+    #[error("workers: {0}")]
+    Workers(String),
+    /// A configuration that cannot work (e.g. checksums fail-closed with no carrier).
+    #[error("config: {0}")]
+    Config(String),
+    /// The control socket could not be bound.
+    #[error("bind {endpoint}: {why}")]
+    Bind {
+        /// The endpoint asked for.
+        endpoint: String,
+        /// Why.
+        why: String,
+    },
+    /// A publish that cannot be accepted (duplicate id, wrong block table).
+    #[error("publish {request_id:?}: {why}")]
+    Publish {
+        /// The request.
+        request_id: String,
+        /// Why.
+        why: String,
+    },
+    /// The producer's event loop is gone (shut down or crashed).
+    #[error("producer is shut down")]
+    Closed,
+}
+
+/// Why a load ended without an outcome. The blocks the load targeted hold no
+/// usable KV; [`LoadError::action`] says what the embedder does (§2.7).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    /// The load spec is inconsistent with the workers (unknown group, missing block, ...).
+    #[error("load {request_id:?}: bad load spec: {why}")]
+    Spec {
+        /// The request.
+        request_id: String,
+        /// Why.
+        why: String,
+    },
+    /// The control connection could not be made.
+    #[error("load {request_id:?}: cannot reach producer {producer}: {why}")]
+    Connect {
+        /// The request.
+        request_id: String,
+        /// The producer's endpoint.
+        producer: String,
+        /// Why.
+        why: String,
+    },
+    /// The transfer failed: ERROR reply, no reply, or a lost connection.
+    #[error("load {request_id:?}: {reason}")]
+    Failed {
+        /// The request.
+        request_id: String,
+        /// Why.
+        reason: FailReason,
+    },
+    /// Checksumming the landed blocks failed to run at all (fail-closed treats it as a load failure).
+    #[error("load {request_id:?}: consumer checksums failed: {why}")]
+    Checksum {
+        /// The request.
+        request_id: String,
+        /// Why.
+        why: String,
+    },
+}
+
+impl LoadError {
+    /// The request this error belongs to.
+    pub fn request_id(&self) -> &str {
+        match self {
+            LoadError::Spec { request_id, .. }
+            | LoadError::Connect { request_id, .. }
+            | LoadError::Failed { request_id, .. }
+            | LoadError::Checksum { request_id, .. } => request_id,
+        }
+    }
+
+    /// What the embedder does about a failed load: the load failure policy
+    /// (`fail` → [`Action::Fail`], `recompute` → [`Action::Recompute`]), fail-open
+    /// or not — a load that did not land is never completed (§2.7).
+    pub fn action(&self, policy: &Policy) -> Action {
+        match policy.load_failure {
+            LoadFailurePolicy::Fail => Action::Fail,
+            LoadFailurePolicy::Recompute => Action::Recompute,
+        }
+    }
+}

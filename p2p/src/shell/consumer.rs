@@ -1,0 +1,659 @@
+//! The consumer (DESIGN.md §4): one DEALER per producer (rebuilt after a failure:
+//! the `zeromq` crate's DEALER does not reconnect by itself), the load state
+//! machine of [`crate::proto::consumer`], and verification of every landed load
+//! (§2.5–§2.7) before it is reported.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use kvferry_checksum::payload::Payload;
+use kvferry_checksum::policy::{Action, CarrierCheck, Policy};
+use kvferry_checksum::record::consumer_sums;
+use kvferry_checksum::select::consumer_blocks;
+use kvferry_checksum::verdict::{compare, UnverifiedReason, Verdict};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tracing::{debug, error, info, warn};
+use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::checksum::all_records;
+use crate::error::{LoadError, P2pError};
+use crate::proto::consumer::{ConsumerEvent, ConsumerMachine, FailReason};
+use crate::proto::msg::{
+    Reply, TransferRequest, WireBlocks, WireLayer, WireRank, WireRankGroup, KIND_TRANSFER_REQUEST,
+    PROTOCOL_VERSION,
+};
+use crate::wire::to_wire;
+use crate::worker::{validate, Worker, WorkerGroup};
+
+/// Consumer settings.
+#[derive(Debug, Clone)]
+pub struct ConsumerConfig {
+    /// Fail-open / fail-closed and the load failure policy (§2.7).
+    pub policy: Policy,
+    /// Verify loads with checksums.
+    pub checksums: bool,
+    /// Whether the producer's payload can reach this consumer. The connector-owned
+    /// carrier (the control-channel reply) always exists, so this is `true` unless an
+    /// embedder strips payloads; checksums without a carrier are refused at startup
+    /// when fail-closed, disabled with a warning when fail-open (§2.7).
+    pub carrier: bool,
+    /// Longest silence from the producer while a load waits (a CONTINUE restarts it).
+    pub reply_timeout: Duration,
+    /// Longest a load may wait for its reply in total.
+    pub max_wait: Duration,
+    /// Deadline of one rank's checksums of the landed blocks.
+    pub checksum_timeout: Duration,
+    /// Deadline of connecting the DEALER to a producer.
+    pub connect_timeout: Duration,
+    /// Deadline of handing one request to the DEALER.
+    pub send_timeout: Duration,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        ConsumerConfig {
+            policy: Policy::default(),
+            checksums: true,
+            carrier: true,
+            reply_timeout: Duration::from_secs(30),
+            max_wait: Duration::from_secs(480),
+            checksum_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(5),
+            send_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// One group of a load: the block tables of both sides, position by position
+/// from the request's first token (`None` = null block).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadGroup {
+    /// KV cache group id.
+    pub group_id: u32,
+    /// The producer's block table, as it announced it (e.g. in kv_transfer_params).
+    pub remote_blocks: Vec<Option<u64>>,
+    /// The consumer's block table for the request.
+    pub local_blocks: Vec<Option<u64>>,
+}
+
+/// What to load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadSpec {
+    /// The request whose KV is loaded.
+    pub request_id: String,
+    /// The producer's control endpoint ([`crate::Producer::endpoint`]).
+    pub producer: String,
+    /// Groups to load; groups of the workers not listed are not loaded.
+    pub groups: Vec<LoadGroup>,
+    /// Tokens the consumer already holds (a local prefix hit): blocks wholly below it are not loaded nor compared.
+    pub num_local_computed: u64,
+    /// Tokens of KV the consumer holds after the load (num_computed).
+    pub num_tokens: u64,
+}
+
+/// The blocks one group's load wrote (consumer block ids at request positions).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LandedGroup {
+    /// KV cache group id.
+    pub group_id: u32,
+    /// Block positions written.
+    pub positions: Vec<u64>,
+    /// The consumer block written at each position.
+    pub local_blocks: Vec<u64>,
+}
+
+/// What the landed hook sees: the transfer finished, verification has not started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Landed {
+    /// The request.
+    pub request_id: String,
+    /// Blocks written, per group.
+    pub groups: Vec<LandedGroup>,
+}
+
+/// Called after a load's transfer finished and before its verification (fault
+/// injection: the demo flips bits here). Runs on the loading task; keep it short.
+pub type LandedHook = Arc<dyn Fn(&Landed) + Send + Sync>;
+
+/// The result of a load that landed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadOutcome {
+    /// The request.
+    pub request_id: String,
+    /// The verdict (§2.6); `None` when checksums are disabled.
+    pub verdict: Option<Verdict>,
+    /// What the embedder does now (§2.7): complete, fail the request, or recompute.
+    pub action: Action,
+    /// Bytes the producer wrote.
+    pub bytes: u64,
+    /// Seconds from sending the request to the producer's FINISH.
+    pub transfer_seconds: f64,
+    /// Seconds spent checksumming the landed blocks and comparing.
+    pub checksum_seconds: f64,
+}
+
+enum ConnFailure {
+    Connect(String),
+    Failed(FailReason),
+}
+
+struct LoadCmd {
+    request: TransferRequest,
+    respond: oneshot::Sender<Result<Reply, ConnFailure>>,
+}
+
+/// A consumer: TP×PP workers and a DEALER per producer.
+pub struct Consumer {
+    config: ConsumerConfig,
+    checksums: bool,
+    workers: Arc<Vec<Worker>>,
+    tp: u32,
+    pp: u32,
+    conns: tokio::sync::Mutex<HashMap<String, mpsc::UnboundedSender<LoadCmd>>>,
+    hook: RwLock<Option<LandedHook>>,
+    warned: Mutex<HashSet<UnverifiedReason>>,
+}
+
+impl Consumer {
+    /// Validates the workers (one TP×PP grid, agreeing groups) and the carrier
+    /// check (§2.7). Errors: [`P2pError::Workers`]; [`P2pError::Config`] when
+    /// checksums are enabled fail-closed with no carrier.
+    pub fn new(config: ConsumerConfig, workers: Vec<Worker>) -> Result<Consumer, P2pError> {
+        let (tp, pp, workers) = validate(workers)?;
+        let checksums = carrier_check(&config)?;
+        Ok(Consumer {
+            config,
+            checksums,
+            workers: Arc::new(workers),
+            tp,
+            pp,
+            conns: tokio::sync::Mutex::new(HashMap::new()),
+            hook: RwLock::new(None),
+            warned: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// Whether loads are verified (checksums enabled and a carrier present).
+    pub fn checksums_enabled(&self) -> bool {
+        self.checksums
+    }
+
+    /// Installs (or with `None` removes) the hook run after each transfer and before verification.
+    pub fn set_landed_hook(&self, hook: Option<LandedHook>) {
+        *self.hook.write().unwrap_or_else(|p| p.into_inner()) = hook;
+    }
+
+    /// Loads `spec`: asks the producer to WRITE the blocks, waits for its reply
+    /// (bounded by `reply_timeout` / `max_wait`), runs the landed hook, checksums
+    /// the landed blocks on every rank (tokens `[num_local_computed, num_tokens)`),
+    /// compares with the producer's payload, logs the verdict, applies the policy
+    /// and only then returns. `Err` when the load did not land (bad spec, producer
+    /// unreachable, ERROR, no reply): see [`LoadError::action`]. A load is never
+    /// retried (KV is never fetched twice).
+    pub async fn load(&self, spec: LoadSpec) -> Result<LoadOutcome, LoadError> {
+        let (request, landed) = self.build_request(&spec)?;
+        let rid = spec.request_id.clone();
+        let started = Instant::now();
+        let reply = self
+            .send(&spec.producer, request)
+            .await
+            .map_err(|f| match f {
+                ConnFailure::Connect(why) => LoadError::Connect {
+                    request_id: rid.clone(),
+                    producer: spec.producer.clone(),
+                    why,
+                },
+                ConnFailure::Failed(reason) => LoadError::Failed {
+                    request_id: rid.clone(),
+                    reason,
+                },
+            })?;
+        let transfer_seconds = started.elapsed().as_secs_f64();
+        let hook = self.hook.read().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(hook) = hook {
+            hook(&landed);
+        }
+        if !self.checksums {
+            return Ok(LoadOutcome {
+                request_id: rid,
+                verdict: None,
+                action: Action::Complete,
+                bytes: reply.bytes_written,
+                transfer_seconds,
+                checksum_seconds: 0.0,
+            });
+        }
+        let started = Instant::now();
+        let verdict = self.verify(&spec, &reply).await;
+        let checksum_seconds = started.elapsed().as_secs_f64();
+        self.log_verdict(&rid, &verdict);
+        let action = self.config.policy.decide(&verdict);
+        if action != Action::Complete {
+            warn!(
+                request_id = rid,
+                ?action,
+                "load not completed (fail-closed)"
+            );
+        }
+        Ok(LoadOutcome {
+            request_id: rid,
+            verdict: Some(verdict),
+            action,
+            bytes: reply.bytes_written,
+            transfer_seconds,
+            checksum_seconds,
+        })
+    }
+
+    fn group(&self, id: u32) -> Option<&WorkerGroup> {
+        self.workers[0].groups.iter().find(|g| g.group_id == id)
+    }
+
+    fn build_request(&self, spec: &LoadSpec) -> Result<(TransferRequest, Landed), LoadError> {
+        let bad = |why: String| LoadError::Spec {
+            request_id: spec.request_id.clone(),
+            why,
+        };
+        if spec.num_local_computed >= spec.num_tokens {
+            return Err(bad(format!(
+                "nothing to load: num_local_computed {} >= num_tokens {}",
+                spec.num_local_computed, spec.num_tokens
+            )));
+        }
+        let mut blocks = Vec::new();
+        let mut landed = Landed {
+            request_id: spec.request_id.clone(),
+            groups: Vec::new(),
+        };
+        let mut seen = HashSet::new();
+        for lg in &spec.groups {
+            let g = self
+                .group(lg.group_id)
+                .ok_or_else(|| bad(format!("no group {}", lg.group_id)))?;
+            if !seen.insert(lg.group_id) {
+                return Err(bad(format!("group {} listed twice", lg.group_id)));
+            }
+            let bs = g.block_size;
+            let mut wb = WireBlocks {
+                group_id: lg.group_id,
+                block_size: bs,
+                positions: Vec::new(),
+                remote_blocks: Vec::new(),
+                local_blocks: Vec::new(),
+            };
+            for (p, local) in lg.local_blocks.iter().enumerate() {
+                let (Some(local), p) = (*local, p as u64) else {
+                    continue;
+                };
+                let first = p.saturating_mul(bs);
+                if first.saturating_add(bs) <= spec.num_local_computed || first >= spec.num_tokens {
+                    continue;
+                }
+                let remote = lg
+                    .remote_blocks
+                    .get(p as usize)
+                    .copied()
+                    .flatten()
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "group {} position {p}: a local block but no producer block",
+                            lg.group_id
+                        ))
+                    })?;
+                wb.positions.push(p);
+                wb.remote_blocks.push(remote);
+                wb.local_blocks.push(local);
+            }
+            landed.groups.push(LandedGroup {
+                group_id: lg.group_id,
+                positions: wb.positions.clone(),
+                local_blocks: wb.local_blocks.clone(),
+            });
+            blocks.push(wb);
+        }
+        let ranks = self
+            .workers
+            .iter()
+            .map(|w| WireRank {
+                tp_rank: w.rank.tp_rank,
+                pp_rank: w.rank.pp_rank,
+                segment: w.engine.segment_name(),
+                groups: w
+                    .groups
+                    .iter()
+                    .filter(|g| seen.contains(&g.group_id))
+                    .map(|g| WireRankGroup {
+                        group_id: g.group_id,
+                        layers: g
+                            .layers
+                            .iter()
+                            .map(|l| WireLayer {
+                                name: l.spec.name.clone(),
+                                addr: l.addr,
+                                len: l.len,
+                                geometry: to_wire(&l.spec.geometry),
+                            })
+                            .collect(),
+                    })
+                    .collect(),
+            })
+            .collect();
+        let request = TransferRequest {
+            version: PROTOCOL_VERSION,
+            kind: KIND_TRANSFER_REQUEST.to_string(),
+            request_id: spec.request_id.clone(),
+            load_id: 0,
+            tp_size: self.tp,
+            pp_size: self.pp,
+            num_local_computed: spec.num_local_computed,
+            num_tokens: spec.num_tokens,
+            blocks,
+            ranks,
+        };
+        Ok((request, landed))
+    }
+
+    async fn send(&self, producer: &str, request: TransferRequest) -> Result<Reply, ConnFailure> {
+        let (respond, answer) = oneshot::channel();
+        let mut cmd = LoadCmd { request, respond };
+        {
+            let mut conns = self.conns.lock().await;
+            for _ in 0..2 {
+                let tx = conns.entry(producer.to_string()).or_insert_with(|| {
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    tokio::spawn(Connection::new(producer.to_string(), &self.config).run(rx));
+                    tx
+                });
+                match tx.send(cmd) {
+                    Ok(()) => break,
+                    Err(mpsc::error::SendError(c)) => {
+                        // The connection task is gone; start a fresh one.
+                        cmd = c;
+                        conns.remove(producer);
+                    }
+                }
+            }
+        }
+        // The connection enforces the deadlines; this outer bound only guards against its loss.
+        let bound = self.config.max_wait
+            + self.config.connect_timeout
+            + self.config.send_timeout
+            + Duration::from_secs(5);
+        match tokio::time::timeout(bound, answer).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(ConnFailure::Failed(FailReason::ConnectionLost(
+                "connection task ended".into(),
+            ))),
+            Err(_) => Err(ConnFailure::Failed(FailReason::Overall(bound))),
+        }
+    }
+
+    async fn verify(&self, spec: &LoadSpec, reply: &Reply) -> Verdict {
+        let tables: HashMap<u32, &LoadGroup> =
+            spec.groups.iter().map(|g| (g.group_id, g)).collect();
+        let (lc, nt) = (spec.num_local_computed, spec.num_tokens);
+        let select = |g: &WorkerGroup| {
+            let t = tables.get(&g.group_id)?;
+            consumer_blocks(&t.local_blocks, lc, nt, g.block_size, g.sliding_window)
+        };
+        let (records, missing) =
+            all_records(&self.workers, &select, nt, self.config.checksum_timeout).await;
+        if !missing.is_empty() {
+            warn!(
+                request_id = spec.request_id,
+                "not every worker reported: {}",
+                missing.join("; ")
+            );
+            return Verdict::Unverified(vec![(None, UnverifiedReason::NotEveryWorkerReported)]);
+        }
+        let mut sums = match consumer_sums(&records, self.tp, self.pp, nt) {
+            Ok(s) => s,
+            Err(reason) => return Verdict::Unverified(vec![(None, reason)]),
+        };
+        for g in &self.workers[0].groups {
+            if g.skipped.is_some() {
+                continue;
+            }
+            if let Some(sel) = select(g).filter(|s| !s.block_ids.is_empty()) {
+                sums.expect_blocks(g.group_id, &sel);
+            }
+        }
+        match reply.checksums.as_deref().map(Payload::from_bytes) {
+            None => compare(Ok(None), &sums),
+            Some(Ok(p)) => compare(Ok(Some(&p)), &sums),
+            Some(Err(e)) => compare(Err(&e), &sums),
+        }
+    }
+
+    fn log_verdict(&self, request_id: &str, verdict: &Verdict) {
+        match verdict {
+            Verdict::Verified => debug!(request_id, "load verified"),
+            Verdict::Mismatch { mismatches, .. } => {
+                for m in mismatches {
+                    error!(request_id, group_id = m.group_id, positions = ?m.positions, "KV checksum mismatch");
+                }
+            }
+            Verdict::Unverified(_) => {}
+        }
+        let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+        for (group, reason) in verdict.unverified() {
+            if warned.insert(*reason) {
+                warn!("load unverified: {reason} (logged once per reason)");
+            }
+            debug!(request_id, ?group, "load unverified: {reason}");
+        }
+    }
+}
+
+/// §2.7: checksums with no carrier verify nothing (the checksum crate's
+/// [`Policy::check_carrier`]). Returns whether checksums run.
+fn carrier_check(config: &ConsumerConfig) -> Result<bool, P2pError> {
+    if !config.checksums {
+        return Ok(false);
+    }
+    match config.policy.check_carrier(config.carrier) {
+        Ok(CarrierCheck::Enabled) => Ok(true),
+        Ok(CarrierCheck::DisabledWithWarning(text)) => {
+            warn!("{text}");
+            Ok(false)
+        }
+        Err(e) => Err(P2pError::Config(e.to_string())),
+    }
+}
+
+enum SockEvent {
+    Message(Bytes),
+    Lost(String),
+}
+
+/// A connected DEALER; dropping it closes the socket (its reader is aborted).
+struct Sock {
+    send: zeromq::DealerSendHalf,
+    reader: JoinHandle<()>,
+}
+
+impl Drop for Sock {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+struct Connection {
+    endpoint: String,
+    machine: ConsumerMachine,
+    connect_timeout: Duration,
+    send_timeout: Duration,
+    sock: Option<Sock>,
+    generation: u64,
+    waiters: HashMap<u64, oneshot::Sender<Result<Reply, ConnFailure>>>,
+}
+
+fn seed() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    (t ^ ((std::process::id() as u64) << 32)) & 0x000f_ffff_ffff_ffff
+}
+
+impl Connection {
+    fn new(endpoint: String, c: &ConsumerConfig) -> Connection {
+        Connection {
+            endpoint,
+            machine: ConsumerMachine::new(c.reply_timeout, c.max_wait, seed()),
+            connect_timeout: c.connect_timeout,
+            send_timeout: c.send_timeout,
+            sock: None,
+            generation: 0,
+            waiters: HashMap::new(),
+        }
+    }
+
+    async fn connect(
+        &mut self,
+        events: &mpsc::UnboundedSender<(u64, SockEvent)>,
+    ) -> Result<(), String> {
+        let mut options = SocketOptions::default();
+        options.connect_timeout(self.connect_timeout);
+        let mut socket = zeromq::DealerSocket::with_options(options);
+        let mut monitor = socket.monitor();
+        match tokio::time::timeout(self.connect_timeout, socket.connect(&self.endpoint)).await {
+            Err(_) => {
+                return Err(format!(
+                    "connect did not finish within {:?}",
+                    self.connect_timeout
+                ))
+            }
+            Ok(Err(e)) => return Err(e.to_string()),
+            Ok(Ok(())) => {}
+        }
+        self.generation += 1;
+        let generation = self.generation;
+        let (send, mut recv) = socket.split();
+        let events = events.clone();
+        let reader = tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    m = recv.recv() => match m {
+                        Ok(m) => {
+                            if let Some(body) = m.into_vec().pop() {
+                                let _ = events.send((generation, SockEvent::Message(body)));
+                            }
+                        }
+                        Err(e) => {
+                            let _ = events.send((generation, SockEvent::Lost(e.to_string())));
+                            break;
+                        }
+                    },
+                    ev = monitor.next() => match ev {
+                        Some(SocketEvent::Disconnected(_)) | None => {
+                            let _ = events.send((generation, SockEvent::Lost("producer disconnected".into())));
+                            break;
+                        }
+                        Some(_) => {}
+                    },
+                }
+            }
+        });
+        self.sock = Some(Sock { send, reader });
+        debug!(endpoint = self.endpoint, generation, "DEALER connected");
+        Ok(())
+    }
+
+    fn fail(&mut self, failed: Vec<(u64, FailReason)>) {
+        for (id, reason) in failed {
+            if let Some(w) = self.waiters.remove(&id) {
+                let _ = w.send(Err(ConnFailure::Failed(reason)));
+            }
+        }
+    }
+
+    fn rebuild_if_needed(&mut self) {
+        if self.machine.should_rebuild() {
+            if self.sock.take().is_some() {
+                info!(
+                    endpoint = self.endpoint,
+                    "rebuilding the DEALER after a failure"
+                );
+            }
+            self.machine.rebuilt();
+        }
+    }
+
+    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<LoadCmd>) {
+        let (ev_tx, mut events) = mpsc::unbounded_channel::<(u64, SockEvent)>();
+        loop {
+            let deadline = self.machine.next_deadline();
+            let sleep = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                cmd = commands.recv() => {
+                    let Some(LoadCmd { request, respond }) = cmd else { break };
+                    self.rebuild_if_needed();
+                    if self.sock.is_none() {
+                        if let Err(e) = self.connect(&ev_tx).await {
+                            let _ = respond.send(Err(ConnFailure::Connect(e)));
+                            continue;
+                        }
+                    }
+                    let (load_id, bytes) = self.machine.start(Instant::now(), request);
+                    self.waiters.insert(load_id, respond);
+                    let Some(sock) = self.sock.as_mut() else { continue };
+                    let sent = tokio::time::timeout(self.send_timeout, sock.send.send(ZmqMessage::from(bytes))).await;
+                    let why = match sent {
+                        Ok(Ok(())) => None,
+                        Ok(Err(e)) => Some(e.to_string()),
+                        Err(_) => Some(format!("send did not finish within {:?}", self.send_timeout)),
+                    };
+                    if let Some(why) = why {
+                        let failed = self.machine.on_send_failed(load_id, &why).map(|r| (load_id, r));
+                        self.fail(failed.into_iter().collect());
+                        self.rebuild_if_needed();
+                    }
+                }
+                ev = events.recv() => {
+                    let Some((generation, ev)) = ev else { break };
+                    if generation != self.generation {
+                        continue; // from a socket already replaced
+                    }
+                    match ev {
+                        SockEvent::Message(body) => match self.machine.on_message(Instant::now(), &body) {
+                            ConsumerEvent::Finished { load_id, reply } => {
+                                if let Some(w) = self.waiters.remove(&load_id) {
+                                    let _ = w.send(Ok(reply));
+                                }
+                            }
+                            ConsumerEvent::Failed { load_id, reason } => self.fail(vec![(load_id, reason)]),
+                            ConsumerEvent::Progress { load_id } => debug!(load_id, "producer: CONTINUE"),
+                            ConsumerEvent::Stale { load_id } => warn!(load_id, "late reply for a load that already ended; ignored"),
+                            ConsumerEvent::Invalid(e) => warn!(endpoint = self.endpoint, "bad reply ignored: {e}"),
+                        },
+                        SockEvent::Lost(why) => {
+                            warn!(endpoint = self.endpoint, "control connection lost: {why}");
+                            let failed = self.machine.on_connection_lost(&why);
+                            self.fail(failed);
+                            self.rebuild_if_needed();
+                        }
+                    }
+                    self.rebuild_if_needed();
+                }
+                _ = sleep => {
+                    let failed = self.machine.on_tick(Instant::now());
+                    for (id, reason) in &failed {
+                        warn!(endpoint = self.endpoint, load_id = id, "load failed: {reason}");
+                    }
+                    self.fail(failed);
+                    self.rebuild_if_needed();
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,6 @@
+//! The thin tokio shell around the [`crate::proto`] state machines: sockets,
+//! timers and the transfer engine calls. Every await has a deadline.
+
+pub mod consumer;
+pub mod producer;
+mod serve;

@@ -1,0 +1,424 @@
+//! The producer (DESIGN.md §4): a ZeroMQ ROUTER serving transfer requests, the
+//! lease state machine of [`crate::proto::producer`], and the publish path that
+//! checksums a request's blocks when its KV is complete.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvferry_checksum::record::producer_payload;
+use kvferry_checksum::select::producer_blocks;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::checksum::all_records;
+use crate::error::P2pError;
+use crate::proto::msg::{decode_request, encode, Reply, MAX_MESSAGE_BYTES};
+use crate::proto::producer::{Effect, ProducerMachine, ProducerTimeouts, ReleaseReason};
+use crate::shell::serve::{plan, write_all, Published};
+use crate::worker::{validate, Worker};
+
+/// Producer settings.
+#[derive(Debug, Clone)]
+pub struct ProducerConfig {
+    /// ZeroMQ endpoint to bind, e.g. `tcp://127.0.0.1:0` (port 0: any; [`Producer::endpoint`] reports the real one).
+    pub bind: String,
+    /// Lease, publish-wait and tombstone durations (§4 "Leases").
+    pub timeouts: ProducerTimeouts,
+    /// Deadline of one load's WRITEs per rank (segment open + batch wait).
+    pub transfer_timeout: Duration,
+    /// Deadline of one rank's checksums at publish.
+    pub checksum_timeout: Duration,
+    /// Checksum published blocks and send the payload (the carrier); `false` sends none.
+    pub checksums: bool,
+    /// Deadline of sending one reply on the ROUTER.
+    pub send_timeout: Duration,
+}
+
+impl Default for ProducerConfig {
+    fn default() -> Self {
+        ProducerConfig {
+            bind: "tcp://127.0.0.1:0".into(),
+            timeouts: ProducerTimeouts::default(),
+            transfer_timeout: Duration::from_secs(30),
+            checksum_timeout: Duration::from_secs(30),
+            checksums: true,
+            send_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What [`Producer::publish`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PublishInfo {
+    /// Whether a checksum payload will travel with the load.
+    pub checksummed: bool,
+    /// Seconds spent checksumming (wall clock, all ranks concurrently).
+    pub checksum_seconds: f64,
+    /// Why no payload will be sent, when checksums are enabled but none will be.
+    pub warning: Option<String>,
+    /// Size of the encoded payload in bytes (0 without one).
+    pub payload_bytes: usize,
+}
+
+/// A lease whose blocks the embedder may reuse now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Released {
+    /// The request.
+    pub request_id: String,
+    /// Served, failed, or expired.
+    pub reason: ReleaseReason,
+}
+
+enum Command {
+    Publish {
+        request_id: String,
+        data: Published,
+        respond: oneshot::Sender<Result<(), String>>,
+    },
+    Served {
+        peer: Bytes,
+        request_id: String,
+        load_id: u64,
+        result: Result<(u64, Option<Vec<u8>>), String>,
+    },
+    Shutdown,
+}
+
+/// A running producer: one ROUTER, one event loop task, TP×PP workers.
+pub struct Producer {
+    endpoint: String,
+    commands: mpsc::UnboundedSender<Command>,
+    released: Arc<Mutex<Vec<Released>>>,
+    workers: Arc<Vec<Worker>>,
+    tp: u32,
+    pp: u32,
+    config: ProducerConfig,
+    task: JoinHandle<()>,
+}
+
+impl Producer {
+    /// Validates the workers (one TP×PP grid, agreeing groups), binds the ROUTER
+    /// and starts the event loop. Must be called inside a tokio runtime.
+    /// Errors: [`P2pError::Workers`], [`P2pError::Bind`].
+    pub async fn start(config: ProducerConfig, workers: Vec<Worker>) -> Result<Producer, P2pError> {
+        let (tp, pp, workers) = validate(workers)?;
+        let mut socket = zeromq::RouterSocket::new();
+        let bind_err = |why: String| P2pError::Bind {
+            endpoint: config.bind.clone(),
+            why,
+        };
+        let endpoint = tokio::time::timeout(Duration::from_secs(10), socket.bind(&config.bind))
+            .await
+            .map_err(|_| bind_err("timed out".into()))?
+            .map_err(|e| bind_err(e.to_string()))?
+            .to_string();
+        let (send, recv) = socket.split();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let released = Arc::new(Mutex::new(Vec::new()));
+        let workers = Arc::new(workers);
+        let task = tokio::spawn(
+            EventLoop {
+                machine: ProducerMachine::new(config.timeouts),
+                send,
+                commands: tx.clone(),
+                released: released.clone(),
+                workers: workers.clone(),
+                tp,
+                pp,
+                transfer_timeout: config.transfer_timeout,
+                send_timeout: config.send_timeout,
+            }
+            .run(recv, rx),
+        );
+        info!(%endpoint, tp, pp, "producer listening");
+        Ok(Producer {
+            endpoint,
+            commands: tx,
+            released,
+            workers,
+            tp,
+            pp,
+            config,
+            task,
+        })
+    }
+
+    /// The bound control endpoint, e.g. `tcp://127.0.0.1:40123`: what consumers connect to.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// A prompt's KV is complete: checksums its blocks now (every rank, tokens
+    /// `[0, num_tokens)`, §2.5), then holds them under a lease until a consumer
+    /// loads them or the lease expires. `blocks[g]` is group `g`'s block table
+    /// (position → block id, `None` = null block); every group id of the workers
+    /// must have an entry. A rank that fails to checksum makes the producer send
+    /// no checksums for this request (a warning, in [`PublishInfo::warning`]).
+    /// Errors: a missing group entry, a duplicate request id, a stopped producer.
+    pub async fn publish(
+        &self,
+        request_id: &str,
+        blocks: Vec<Vec<Option<u64>>>,
+        num_tokens: u64,
+    ) -> Result<PublishInfo, P2pError> {
+        let perr = |why: String| P2pError::Publish {
+            request_id: request_id.to_string(),
+            why,
+        };
+        for g in &self.workers[0].groups {
+            if blocks.len() <= g.group_id as usize {
+                return Err(perr(format!("no block table for group {}", g.group_id)));
+            }
+        }
+        let started = Instant::now();
+        let mut info = PublishInfo {
+            checksummed: false,
+            checksum_seconds: 0.0,
+            warning: None,
+            payload_bytes: 0,
+        };
+        let mut payload = None;
+        if self.config.checksums {
+            let select = |g: &crate::worker::WorkerGroup| {
+                producer_blocks(
+                    &blocks[g.group_id as usize],
+                    num_tokens,
+                    g.block_size,
+                    g.sliding_window,
+                )
+            };
+            let (records, missing) = all_records(
+                &self.workers,
+                &select,
+                num_tokens,
+                self.config.checksum_timeout,
+            )
+            .await;
+            if !missing.is_empty() {
+                info.warning = Some(format!(
+                    "not every worker reported, sending no checksums: {}",
+                    missing.join("; ")
+                ));
+            } else {
+                match producer_payload(&records, self.tp, self.pp, num_tokens) {
+                    Ok(p) => {
+                        let bytes = p.to_bytes();
+                        info.payload_bytes = bytes.len();
+                        info.checksummed = true;
+                        payload = Some(bytes);
+                    }
+                    Err(e) => info.warning = Some(format!("sending no checksums: {e}")),
+                }
+            }
+            info.checksum_seconds = started.elapsed().as_secs_f64();
+            if let Some(w) = &info.warning {
+                warn!(request_id, "{w}");
+            }
+        }
+        let (respond, answer) = oneshot::channel();
+        let data = Published {
+            blocks,
+            num_tokens,
+            payload,
+        };
+        self.commands
+            .send(Command::Publish {
+                request_id: request_id.to_string(),
+                data,
+                respond,
+            })
+            .map_err(|_| P2pError::Closed)?;
+        match tokio::time::timeout(Duration::from_secs(10), answer).await {
+            Ok(Ok(Ok(()))) => Ok(info),
+            Ok(Ok(Err(why))) => Err(perr(why)),
+            _ => Err(P2pError::Closed),
+        }
+    }
+
+    /// Takes the leases released since the last call (served, failed, expired):
+    /// their blocks may be reused by the embedder.
+    pub fn released(&self) -> Vec<Released> {
+        std::mem::take(&mut *self.released.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Stops the event loop and closes the ROUTER (loads in flight get no reply).
+    pub async fn shutdown(self) {
+        let _ = self.commands.send(Command::Shutdown);
+        let mut task = self.task;
+        if tokio::time::timeout(Duration::from_secs(5), &mut task)
+            .await
+            .is_err()
+        {
+            task.abort();
+        }
+    }
+}
+
+struct EventLoop {
+    machine: ProducerMachine<Bytes, Published>,
+    send: zeromq::RouterSendHalf,
+    commands: mpsc::UnboundedSender<Command>,
+    released: Arc<Mutex<Vec<Released>>>,
+    workers: Arc<Vec<Worker>>,
+    tp: u32,
+    pp: u32,
+    transfer_timeout: Duration,
+    send_timeout: Duration,
+}
+
+#[derive(serde::Deserialize, Default)]
+struct Ids {
+    #[serde(default)]
+    request_id: Option<String>,
+    #[serde(default)]
+    load_id: Option<u64>,
+}
+
+impl EventLoop {
+    async fn run(
+        mut self,
+        mut recv: zeromq::RouterRecvHalf,
+        mut commands: mpsc::UnboundedReceiver<Command>,
+    ) {
+        let (in_tx, mut inbound) = mpsc::channel::<ZmqMessage>(1024);
+        // A separate reader keeps the socket's receive side off the select below.
+        let reader = tokio::spawn(async move {
+            while let Ok(m) = recv.recv().await {
+                if in_tx.send(m).await.is_err() {
+                    break;
+                }
+            }
+        });
+        loop {
+            let deadline = self.machine.next_deadline();
+            let sleep = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                m = inbound.recv() => match m {
+                    Some(m) => self.on_message(m).await,
+                    None => { warn!("producer control socket closed"); break; }
+                },
+                c = commands.recv() => match c {
+                    None | Some(Command::Shutdown) => break,
+                    Some(Command::Publish { request_id, data, respond }) => {
+                        match self.machine.publish(Instant::now(), &request_id, data) {
+                            Ok(effects) => { let _ = respond.send(Ok(())); self.apply(effects).await; }
+                            Err(e) => { let _ = respond.send(Err(e.to_string())); }
+                        }
+                    }
+                    Some(Command::Served { peer, request_id, load_id, result }) => {
+                        if let Err(e) = &result { warn!(request_id, "load failed: {e}"); }
+                        let effects = self.machine.on_served(Instant::now(), peer, &request_id, load_id, result);
+                        self.apply(effects).await;
+                    }
+                },
+                _ = sleep => {
+                    let effects = self.machine.on_tick(Instant::now());
+                    self.apply(effects).await;
+                }
+            }
+        }
+        reader.abort();
+    }
+
+    async fn on_message(&mut self, m: ZmqMessage) {
+        let frames = m.into_vec();
+        // ROUTER gives [identity, (empty delimiter,)? payload].
+        let (Some(peer), Some(body)) = (frames.first().cloned(), frames.last().cloned()) else {
+            return;
+        };
+        if frames.len() < 2 {
+            warn!("control message without a body, dropped");
+            return;
+        }
+        match decode_request(&body) {
+            Ok(req) => {
+                debug!(
+                    request_id = req.request_id,
+                    load_id = req.load_id,
+                    "transfer request"
+                );
+                let effects = self.machine.on_request(Instant::now(), peer, req);
+                self.apply(effects).await;
+            }
+            Err(e) => {
+                // Answer what can be attributed, so the consumer fails fast with the reason.
+                let ids: Ids = if body.len() <= MAX_MESSAGE_BYTES {
+                    rmp_serde::from_slice(&body).unwrap_or_default()
+                } else {
+                    Ids::default()
+                };
+                warn!(request_id = ?ids.request_id, "bad transfer request: {e}");
+                let reply = Reply::error(
+                    ids.request_id.as_deref().unwrap_or(""),
+                    ids.load_id.unwrap_or(0),
+                    format!("bad transfer request: {e}"),
+                );
+                self.send(peer, reply).await;
+            }
+        }
+    }
+
+    async fn apply(&mut self, effects: Vec<Effect<Bytes, Published>>) {
+        for e in effects {
+            match e {
+                Effect::Reply { peer, reply } => self.send(peer, reply).await,
+                Effect::Released { request_id, reason } => {
+                    debug!(request_id, ?reason, "lease released");
+                    if reason == ReleaseReason::Expired {
+                        warn!(
+                            request_id,
+                            "lease expired before any consumer came; blocks freed"
+                        );
+                    }
+                    self.released
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(Released { request_id, reason });
+                }
+                Effect::Serve {
+                    peer,
+                    request,
+                    lease,
+                } => {
+                    let workers = self.workers.clone();
+                    let commands = self.commands.clone();
+                    let (tp, pp, timeout) = (self.tp, self.pp, self.transfer_timeout);
+                    tokio::spawn(async move {
+                        let result = match plan(&workers, tp, pp, &lease, &request) {
+                            Err(e) => Err(e),
+                            Ok(plan) => write_all(workers, plan, timeout).await,
+                        };
+                        let result = result.map(|bytes| (bytes, lease.payload));
+                        let _ = commands.send(Command::Served {
+                            peer,
+                            request_id: request.request_id,
+                            load_id: request.load_id,
+                            result,
+                        });
+                    });
+                }
+            }
+        }
+    }
+
+    async fn send(&mut self, peer: Bytes, reply: Reply) {
+        let mut msg = ZmqMessage::from(peer);
+        msg.push_back(Bytes::from(encode(&reply)));
+        match tokio::time::timeout(self.send_timeout, self.send.send(msg)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(request_id = reply.request_id, "reply not sent: {e}"),
+            Err(_) => warn!(
+                request_id = reply.request_id,
+                "reply not sent within {:?}", self.send_timeout
+            ),
+        }
+    }
+}

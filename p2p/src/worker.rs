@@ -1,0 +1,141 @@
+//! One TP/PP rank of a producer or consumer (DESIGN.md §4 "Ranks"): its transfer
+//! engine, its KV memory (groups → layers) and its checksum backend.
+
+use std::sync::Arc;
+
+use kvferry_checksum::group::{RankInfo, SkipReason};
+use kvferry_kernels::{ChecksumBackend, Device, LayerInput};
+use kvferry_transfer::TransferEngine;
+
+use crate::error::P2pError;
+
+/// One KV cache group as one rank holds it.
+#[derive(Debug, Clone)]
+pub struct WorkerGroup {
+    /// KV cache group id (the index into the block tables passed to publish/load).
+    pub group_id: u32,
+    /// Tokens per block (same on every rank of one side).
+    pub block_size: u64,
+    /// The rank's layers of this group: spec (name, layer number, head offset,
+    /// geometry, replica key) plus the base address and byte length of the layer's
+    /// array. The memory is owned by the embedder and must stay valid (and
+    /// registered with `Worker::engine`) while the worker is in use.
+    pub layers: Vec<LayerInput>,
+    /// Sliding window in tokens, `None` for full attention (§2.5).
+    pub sliding_window: Option<u64>,
+    /// `Some(reason)` when the group cannot be checksummed (§2.3): its blocks are
+    /// still transferred, the record reports it skipped.
+    pub skipped: Option<SkipReason>,
+}
+
+/// One TP/PP rank.
+#[derive(Clone)]
+pub struct Worker {
+    /// TP/PP place of this rank.
+    pub rank: RankInfo,
+    /// The rank's transfer engine; its memory regions must cover every layer array.
+    pub engine: Arc<TransferEngine>,
+    /// Where the layer arrays live (checksum jobs run there).
+    pub device: Device,
+    /// The rank's KV cache groups.
+    pub groups: Vec<WorkerGroup>,
+    /// The rank's checksum backend (CPU or CUDA).
+    pub backend: Arc<dyn ChecksumBackend>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("rank", &self.rank)
+            .field("segment", &self.engine.segment_name())
+            .field("device", &self.device)
+            .field("groups", &self.groups)
+            .field("backend", &self.backend.name())
+            .finish()
+    }
+}
+
+/// Checks that `workers` are exactly the ranks of one TP×PP grid, each once, in
+/// any order, that they agree on group ids and block sizes, and that each layer's
+/// length covers its geometry. Returns (tp_size, pp_size) and the workers sorted
+/// by (pp_rank, tp_rank).
+pub fn validate(mut workers: Vec<Worker>) -> Result<(u32, u32, Vec<Worker>), P2pError> {
+    let first = workers
+        .first()
+        .ok_or_else(|| P2pError::Workers("no workers".into()))?;
+    let (tp, pp) = (first.rank.tp_size, first.rank.pp_size);
+    if tp == 0 || pp == 0 {
+        return Err(P2pError::Workers(format!(
+            "tp_size {tp} / pp_size {pp} must be at least 1"
+        )));
+    }
+    if workers.len() as u64 != tp as u64 * pp as u64 {
+        return Err(P2pError::Workers(format!(
+            "{} workers for TP {tp} × PP {pp}",
+            workers.len()
+        )));
+    }
+    workers.sort_by_key(|w| (w.rank.pp_rank, w.rank.tp_rank));
+    for (i, w) in workers.iter().enumerate() {
+        let want = ((i as u32) / tp, (i as u32) % tp);
+        if w.rank.tp_size != tp || w.rank.pp_size != pp || (w.rank.pp_rank, w.rank.tp_rank) != want
+        {
+            return Err(P2pError::Workers(format!(
+                "worker {:?} does not fit a TP {tp} × PP {pp} grid (each rank exactly once)",
+                w.rank
+            )));
+        }
+    }
+    let groups = |w: &Worker| {
+        w.groups
+            .iter()
+            .map(|g| (g.group_id, g.block_size))
+            .collect::<Vec<_>>()
+    };
+    let reference = groups(&workers[0]);
+    let mut ids: Vec<u32> = reference.iter().map(|g| g.0).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    if ids.len() != reference.len() {
+        return Err(P2pError::Workers("a group id appears twice".into()));
+    }
+    for w in &workers {
+        if groups(w) != reference {
+            return Err(P2pError::Workers(format!(
+                "rank {:?} has groups {:?}, rank 0 has {:?} (ids and block sizes must agree)",
+                w.rank,
+                groups(w),
+                reference
+            )));
+        }
+        for g in &w.groups {
+            if g.block_size == 0 {
+                return Err(P2pError::Workers(format!(
+                    "group {}: block_size 0",
+                    g.group_id
+                )));
+            }
+            for l in &g.layers {
+                let geo = &l.spec.geometry;
+                if geo.byte_len() > l.len {
+                    return Err(P2pError::Workers(format!(
+                        "layer {}: geometry spans {} bytes but len is {}",
+                        l.spec.name,
+                        geo.byte_len(),
+                        l.len
+                    )));
+                }
+                if geo.block_size() != g.block_size {
+                    return Err(P2pError::Workers(format!(
+                        "layer {}: block size {} but group {} has {}",
+                        l.spec.name,
+                        geo.block_size(),
+                        g.group_id,
+                        g.block_size
+                    )));
+                }
+            }
+        }
+    }
+    Ok((tp, pp, workers))
+}

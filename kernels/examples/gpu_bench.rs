@@ -1,0 +1,339 @@
+//! GPU checksum benchmark (DESIGN.md §5, §7; method: the device workplace's METHOD.md).
+//!
+//! Llama-3-8B's KV cache shape (32 layers, 8 KV heads, head 128, bf16), one request of
+//! 4096 tokens in 16-token blocks scattered over a large cache (one array per layer, as
+//! vLLM holds it). Bytes are counted first; every time is a median of many runs timed with
+//! device events; each run checksums a fresh random block list (so no run reads what the
+//! last one left in L2) and the cache is refilled with new random data between batches.
+//!
+//! Reported as ratios to baselines measured in the same run on the same device:
+//! * read bandwidth: a plain u64 sum over the same number of contiguous bytes (16-byte
+//!   loads, grid-stride) — the device's read ceiling;
+//! * same-bytes read: the same plain sum over exactly the byte ranges the checksum reads;
+//! * transfer: the same bytes at 50 GB/s (a fast NIC), for the checksum's share of a load.
+//!
+//! Run: `gpu_bench [--runs N] [--tokens T] [--cache-blocks B]` on a machine with CUDA;
+//! prints `SKIPPED: <reason>` and exits 0 elsewhere.
+
+use kvferry_checksum::group::{LayerSpec, ReplicaKey};
+use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
+use kvferry_checksum::select::BlockSelection;
+use kvferry_kernels::cuda::driver::{DeviceBuffer, Event};
+use kvferry_kernels::cuda::tools::Tools;
+use kvferry_kernels::cuda::{unavailable_reason, CudaBackend};
+use kvferry_kernels::{Device, GroupJob, LayerInput};
+use rand::seq::index::sample;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use std::time::{Duration, Instant};
+
+struct Args {
+    runs: usize,
+    tokens: u64,
+    cache_blocks: u64,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        runs: 60,
+        tokens: 4096,
+        cache_blocks: 8192,
+    };
+    let v: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i + 1 < v.len() {
+        let n: u64 = v[i + 1]
+            .parse()
+            .unwrap_or_else(|_| panic!("{} needs a number", v[i]));
+        match v[i].as_str() {
+            "--runs" => a.runs = n as usize,
+            "--tokens" => a.tokens = n,
+            "--cache-blocks" => a.cache_blocks = n,
+            o => panic!("unknown option {o}"),
+        }
+        i += 2;
+    }
+    a
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn spread(v: &[f64]) -> (f64, f64) {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    (s[s.len() / 10], s[s.len() * 9 / 10])
+}
+
+struct Shape {
+    name: &'static str,
+    layout: &'static str,
+    elem: ElemBytes,
+}
+
+struct Row {
+    name: String,
+    bytes: u64,
+    read_ms: f64,
+    ranges_ms: f64,
+    kernel_ms: f64,
+    kernel_p10_p90: (f64, f64),
+    pipeline_ms: f64,
+    submit_us: f64,
+}
+
+fn main() {
+    let a = args();
+    if let Some(why) = unavailable_reason() {
+        println!("SKIPPED: {why}");
+        if std::env::var_os("KVFERRY_REQUIRE_GPU").is_some() {
+            std::process::exit(1);
+        }
+        return;
+    }
+    let backend = CudaBackend::new(0).expect("cuda backend");
+    let tools = Tools::new(&backend).expect("tools");
+    let ctx = backend.context();
+    println!("device: {} (cuda:0)", ctx.name());
+    let shapes = [
+        Shape {
+            name: "llama3-8b KV B N H D (vLLM flash)",
+            layout: "KV B N H D",
+            elem: ElemBytes::Two,
+        },
+        Shape {
+            name: "llama3-8b B KV H N D (HND)",
+            layout: "B KV H N D",
+            elem: ElemBytes::Two,
+        },
+        Shape {
+            name: "llama3-8b B KV N H D fp8",
+            layout: "B KV N H D",
+            elem: ElemBytes::One,
+        },
+    ];
+    let mut rows = Vec::new();
+    for shape in &shapes {
+        rows.push(run_shape(&backend, &tools, shape, &a));
+    }
+    println!();
+    println!("| shape | bytes/request | read BW GB/s | checksum GB/s | ratio vs read BW | ratio vs same-bytes read | kernel ms (p10-p90) | per request ms (device) | submit us (host) | 50 GB/s transfer ms | checksum/transfer |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        let gbs = |ms: f64| r.bytes as f64 / (ms * 1e-3) / 1e9;
+        let xfer_ms = r.bytes as f64 / 50e9 * 1e3;
+        println!(
+            "| {} | {} | {:.0} | {:.0} | {:.3} | {:.3} | {:.4} ({:.4}-{:.4}) | {:.4} | {:.1} | {:.2} | {:.4} |",
+            r.name,
+            r.bytes,
+            gbs(r.read_ms),
+            gbs(r.kernel_ms),
+            r.read_ms / r.kernel_ms,
+            r.ranges_ms / r.kernel_ms,
+            r.kernel_ms,
+            r.kernel_p10_p90.0,
+            r.kernel_p10_p90.1,
+            r.pipeline_ms,
+            r.submit_us,
+            xfer_ms,
+            r.pipeline_ms / xfer_ms,
+        );
+    }
+}
+
+fn run_shape(backend: &CudaBackend, tools: &Tools, shape: &Shape, a: &Args) -> Row {
+    let (layers, heads, d, n) = (32u32, 8u64, 128u64, 16u64);
+    let geometry = Geometry::contiguous(
+        Layout::parse(shape.layout).unwrap(),
+        a.cache_blocks,
+        n,
+        heads,
+        d,
+        shape.elem,
+        1,
+    )
+    .unwrap();
+    let layer_bytes = geometry.byte_len();
+    let blocks = a.tokens.div_ceil(n);
+    // Count the bytes first: every byte of every selected block of every layer, once.
+    let bytes: u64 = layers as u64
+        * blocks
+        * geometry
+            .block_byte_ranges(0)
+            .iter()
+            .map(|r| r.end - r.start)
+            .sum::<u64>();
+    println!(
+        "{}: {layers} layers x {blocks} blocks of {n} tokens, cache {} blocks/layer ({:.1} GiB total), {bytes} bytes/request",
+        shape.name,
+        a.cache_blocks,
+        (layer_bytes * layers as u64) as f64 / (1u64 << 30) as f64
+    );
+    let stream = tools.stream().unwrap();
+    let s = stream.raw();
+    let arrays: Vec<DeviceBuffer> = (0..layers)
+        .map(|_| tools.alloc(layer_bytes as usize).unwrap())
+        .collect();
+    let refill = |seed: u64| {
+        for (i, b) in arrays.iter().enumerate() {
+            tools
+                .fill_random(b.ptr(), b.len(), seed * 1000 + i as u64, s)
+                .unwrap();
+        }
+    };
+    let specs: Vec<LayerSpec> = (0..layers)
+        .map(|l| LayerSpec {
+            name: format!("model.layers.{l}.self_attn.attn"),
+            layer: l,
+            head_offset: 0,
+            geometry: geometry.clone(),
+            kind: None,
+            dtype: None,
+            replica: ReplicaKey::NONE,
+        })
+        .collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(2026);
+    let new_job = |rng: &mut ChaCha8Rng| {
+        let ids: Vec<u64> = sample(rng, a.cache_blocks as usize, blocks as usize)
+            .into_iter()
+            .map(|x| x as u64)
+            .collect();
+        GroupJob {
+            group_id: 0,
+            block_size: n,
+            layers: specs
+                .iter()
+                .zip(&arrays)
+                .map(|(sp, b)| LayerInput {
+                    spec: sp.clone(),
+                    addr: b.ptr(),
+                    len: b.len() as u64,
+                })
+                .collect(),
+            selection: BlockSelection {
+                start: 0,
+                block_ids: ids,
+            },
+            num_tokens: a.tokens,
+            device: Device::Cuda(0),
+        }
+    };
+    let out = tools.alloc(8).unwrap();
+    let (e0, e1) = (tools.event(true).unwrap(), tools.event(true).unwrap());
+    let time = |f: &dyn Fn()| -> f64 {
+        unsafe { e0.record(s).unwrap() };
+        f();
+        unsafe { e1.record(s).unwrap() };
+        e1.synchronize().unwrap();
+        Event::elapsed_ms(&e0, &e1).unwrap() as f64
+    };
+    // Ranges of one job, as a device table for the same-bytes baseline.
+    let range_table = |job: &GroupJob| -> (DeviceBuffer, DeviceBuffer, u32) {
+        let mut addrs = Vec::new();
+        let mut lens = Vec::new();
+        for l in &job.layers {
+            for &id in &job.selection.block_ids {
+                for r in l.spec.geometry.block_byte_ranges(id) {
+                    addrs.extend_from_slice(&(l.addr + r.start).to_le_bytes());
+                    lens.extend_from_slice(&(r.end - r.start).to_le_bytes());
+                }
+            }
+        }
+        let (da, dl) = (
+            tools.alloc(addrs.len()).unwrap(),
+            tools.alloc(lens.len()).unwrap(),
+        );
+        tools.upload(da.ptr(), &addrs).unwrap();
+        tools.upload(dl.ptr(), &lens).unwrap();
+        (da, dl, (addrs.len() / 8) as u32)
+    };
+    refill(1);
+    stream.synchronize().unwrap();
+    // Warm-up: module load, slot allocation, clocks.
+    for _ in 0..5 {
+        let job = new_job(&mut rng);
+        unsafe { backend.submit_after(vec![job], Some(s)) }
+            .unwrap()
+            .wait(Duration::from_secs(10))
+            .unwrap();
+        time(&|| {
+            tools
+                .read_sum(
+                    arrays[0].ptr(),
+                    bytes.min(layer_bytes) as usize / 16 * 16,
+                    out.ptr(),
+                    s,
+                )
+                .unwrap()
+        });
+    }
+    backend.set_kernel_timing(true);
+    let (mut read, mut ranges, mut kernel, mut pipeline, mut submit) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    let per_layer = (bytes / layers as u64) as usize / 16 * 16;
+    for run in 0..a.runs {
+        if run % 10 == 0 {
+            refill(run as u64 + 2);
+        }
+        // Read bandwidth: the same byte count, contiguous, in one launch, from a layer
+        // array the previous runs did not touch last.
+        read.push(if bytes <= layer_bytes {
+            let b = &arrays[(run * 7) % arrays.len()];
+            time(&|| {
+                tools
+                    .read_sum(b.ptr(), bytes as usize / 16 * 16, out.ptr(), s)
+                    .unwrap()
+            })
+        } else {
+            time(&|| {
+                for b in &arrays {
+                    tools.read_sum(b.ptr(), per_layer, out.ptr(), s).unwrap();
+                }
+            })
+        });
+        let job = new_job(&mut rng);
+        let (da, dl, nr) = range_table(&job);
+        ranges.push(time(&|| {
+            tools
+                .read_ranges(da.ptr(), dl.ptr(), nr, out.ptr(), s)
+                .unwrap()
+        }));
+        let job = new_job(&mut rng);
+        // Per request on the device: ordered after `s`, then `s` waits for the results.
+        unsafe { e0.record(s).unwrap() };
+        let t = Instant::now();
+        let mut p = unsafe { backend.submit_after(vec![job], Some(s)) }.unwrap();
+        submit.push(t.elapsed().as_secs_f64() * 1e6);
+        unsafe { p.order_before(s).unwrap() };
+        unsafe { e1.record(s).unwrap() };
+        let r = p.wait_mut(Duration::from_secs(10)).unwrap();
+        assert_eq!(r[0].values[&ReplicaKey::NONE].len(), blocks as usize);
+        e1.synchronize().unwrap();
+        pipeline.push(Event::elapsed_ms(&e0, &e1).unwrap() as f64);
+        kernel.push(p.kernel_ms().expect("kernel timing on") as f64);
+    }
+    backend.set_kernel_timing(false);
+    let row = Row {
+        name: shape.name.to_string(),
+        bytes,
+        read_ms: median(read.clone()),
+        ranges_ms: median(ranges.clone()),
+        kernel_ms: median(kernel.clone()),
+        kernel_p10_p90: spread(&kernel),
+        pipeline_ms: median(pipeline.clone()),
+        submit_us: median(submit),
+    };
+    println!(
+        "  medians over {} runs: read {:.4} ms (p10-p90 {:.4}-{:.4}), same-bytes read {:.4} ms, checksum kernel {:.4} ms, per request {:.4} ms",
+        a.runs,
+        row.read_ms,
+        spread(&read).0,
+        spread(&read).1,
+        row.ranges_ms,
+        row.kernel_ms,
+        row.pipeline_ms
+    );
+    row
+}

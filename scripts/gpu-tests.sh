@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# GPU tests and benchmark of the CUDA checksum backend (DESIGN.md §5, §7).
+#
+#   scripts/gpu-tests.sh build   # on a machine with Rust: release test binaries + bench -> .dev/gpu/
+#   scripts/gpu-tests.sh run     # on the GPU machine (no Rust needed): runs .dev/gpu/*, logs to $OUT or .dev/gpu/out
+#   scripts/gpu-tests.sh         # both, on a machine with Rust and a GPU
+#
+# The tests print "SKIPPED: <reason>" and pass where no CUDA device exists. NVRTC is found
+# through LD_LIBRARY_PATH, /usr/local/cuda, or a Python wheel (nvidia-cuda-nvrtc).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=.dev/gpu
+mode=${1:-all}
+
+build() {
+    export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
+    mkdir -p "$DIR"
+    rm -f "$DIR"/test-* "$DIR"/gpu_bench
+    cargo test --no-run --release -p kvferry-kernels 2>&1 | tee "$DIR/build.log" >&2
+    grep 'Executable' "$DIR/build.log" | grep -o '(/[^)]*)' | tr -d '()' | while read -r path; do
+        base=$(basename "$path"); base=${base%-*}
+        cp "$path" "$DIR/test-$base"
+    done
+    cargo build --release -p kvferry-kernels --example gpu_bench >&2
+    cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" "$DIR/"
+    if command -v strip >/dev/null; then strip "$DIR"/test-* "$DIR"/gpu_bench; fi
+    ls -la "$DIR" >&2
+}
+
+find_nvrtc() {
+    local d
+    for d in ${KVFERRY_NVRTC_DIR:-} /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+        if ls "$d"/libnvrtc.so* >/dev/null 2>&1; then echo "$d"; return; fi
+    done
+    d=$(find /usr /opt -name 'libnvrtc.so.1[0-9]*' 2>/dev/null | grep -v alt | head -1)
+    [ -n "$d" ] && dirname "$d"
+}
+
+run() {
+    local out=${OUT:-$DIR/out}
+    mkdir -p "$out"
+    local nv
+    nv=$(find_nvrtc || true)
+    if [ -n "$nv" ]; then
+        export KVFERRY_NVRTC_DIR=$nv
+        export LD_LIBRARY_PATH=$nv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    fi
+    if ! ldconfig -p 2>/dev/null | grep -q 'libcuda.so.1'; then
+        local cu
+        cu=$(find /usr/local/nvidia /usr/lib /usr/lib64 -name 'libcuda.so.1' 2>/dev/null | head -1 || true)
+        [ -n "$cu" ] && export LD_LIBRARY_PATH=$(dirname "$cu")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    fi
+    # On a machine with a GPU, a test that would skip fails instead.
+    if nvidia-smi -L >/dev/null 2>&1; then export KVFERRY_REQUIRE_GPU=1; fi
+    {
+        echo "== device"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 || true
+        echo "nvrtc dir: ${nv:-none}; LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+        # Resource report of the kernels (registers, spills) where nvcc exists.
+        if command -v nvcc >/dev/null; then
+            nvcc -arch=sm_90 -Xptxas -v -cubin -o /tmp/kvf_checksum.cubin kernels/cuda/checksum.cu 2>&1 | grep -E "registers|spill|error" || true
+            command -v cuobjdump >/dev/null && echo "128-bit loads in SASS: $(cuobjdump -sass /tmp/kvf_checksum.cubin | grep -c 'LDG.E.*128' || true)"
+        fi
+    } 2>&1 | tee "$out/device.txt"
+    local rc=0 t
+    for t in "$DIR"/test-*; do
+        echo "== $t"
+        # --nocapture shows the SKIPPED and coverage lines of passing tests.
+        "$t" --test-threads 4 --nocapture 2>&1 | tee "$out/$(basename "$t").log" | grep -vE "^test .* ok$" || rc=1
+        grep -E "^test result" "$out/$(basename "$t").log" || true
+    done
+    echo "== gpu_bench"
+    "$DIR/gpu_bench" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.txt" || rc=1
+    echo "== done rc=$rc"
+    return $rc
+}
+
+case "$mode" in
+    build) build ;;
+    run) run ;;
+    all) build && run ;;
+    *) echo "usage: $0 [build|run]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,130 @@
+//! A small model on loopback for the connector's integration tests: 2 layers,
+//! 2 KV heads, head size 8, bf16, block size 16, layout `KV B N H D`, held by
+//! TP×PP ranks on each side; every rank has its own TCP transfer engine and CPU
+//! checksum backend, and host memory registered with its engine.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use kvferry_checksum::group::{plan_group, CacheDesc, GroupPlan, RankInfo};
+use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
+use kvferry_kernels::{CpuBackend, Device, LayerInput};
+use kvferry_p2p::{Worker, WorkerGroup};
+use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransportKind};
+use rand::RngCore;
+use rand_chacha::rand_core::SeedableRng;
+
+pub const LAYERS: u32 = 2;
+pub const KV_HEADS: u64 = 2;
+pub const HEAD_DIM: u64 = 8;
+pub const BLOCK: u64 = 16;
+
+/// One side (producer or consumer): workers and the memory they point into.
+/// `workers` is declared first so the engines drop before the memory.
+pub struct Side {
+    pub workers: Vec<Worker>,
+    /// `memory[rank][layer]`: the layer's array, in worker order.
+    pub memory: Vec<Vec<Box<[u8]>>>,
+}
+
+impl Side {
+    /// Builds a side of `tp × pp` ranks whose arrays hold `num_blocks` blocks,
+    /// filled with seeded random bytes (`seed = None`: zeros).
+    pub fn new(tp: u32, pp: u32, num_blocks: u64, seed: Option<u64>) -> Side {
+        let mut workers = Vec::new();
+        let mut memory = Vec::new();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed.unwrap_or(0));
+        for pp_rank in 0..pp {
+            for tp_rank in 0..tp {
+                let rank = RankInfo {
+                    tp_rank,
+                    tp_size: tp,
+                    pp_rank,
+                    pp_size: pp,
+                };
+                let heads = KV_HEADS / tp as u64;
+                let layout = Layout::parse("KV B N H D").unwrap();
+                let geometry = Geometry::contiguous(
+                    layout,
+                    num_blocks,
+                    BLOCK,
+                    heads,
+                    HEAD_DIM,
+                    ElemBytes::Two,
+                    1,
+                )
+                .unwrap();
+                let layers: Vec<u32> = (0..LAYERS).filter(|l| l % pp == pp_rank).collect();
+                let caches: Vec<CacheDesc> = layers
+                    .iter()
+                    .map(|l| {
+                        CacheDesc::new(
+                            format!("model.layers.{l}.self_attn.attn"),
+                            Some("FullAttentionSpec"),
+                            Some("torch.bfloat16"),
+                            geometry.clone(),
+                        )
+                    })
+                    .collect();
+                let GroupPlan::Checksum { layers: specs, .. } =
+                    plan_group(0, BLOCK, &caches, rank, Some(KV_HEADS as u32))
+                else {
+                    panic!("group skipped");
+                };
+                let engine = TransferEngine::new(EngineConfig {
+                    host: "127.0.0.1".into(),
+                    port: 0,
+                    transport: TransportKind::Tcp,
+                    ..EngineConfig::default()
+                })
+                .unwrap();
+                let mut bufs = Vec::new();
+                let mut inputs = Vec::new();
+                for spec in specs {
+                    let len = spec.geometry.byte_len();
+                    let mut buf = vec![0u8; len as usize].into_boxed_slice();
+                    if seed.is_some() {
+                        rng.fill_bytes(&mut buf);
+                    }
+                    let addr = buf.as_ptr() as u64;
+                    // SAFETY: the buffer lives in `memory` until after the engine is dropped.
+                    unsafe { engine.register_memory(addr, len, Location::Cpu).unwrap() };
+                    inputs.push(LayerInput { spec, addr, len });
+                    bufs.push(buf);
+                }
+                workers.push(Worker {
+                    rank,
+                    engine,
+                    device: Device::Cpu,
+                    groups: vec![WorkerGroup {
+                        group_id: 0,
+                        block_size: BLOCK,
+                        layers: inputs,
+                        sliding_window: None,
+                        skipped: None,
+                    }],
+                    backend: Arc::new(CpuBackend::new(1)),
+                });
+                memory.push(bufs);
+            }
+        }
+        Side { workers, memory }
+    }
+
+    /// The bytes of logical block `block` of layer index `layer` on worker `rank`.
+    pub fn block_bytes(&self, rank: usize, layer: usize, block: u64) -> Vec<u8> {
+        let g = &self.workers[rank].groups[0].layers[layer].spec.geometry;
+        let buf = &self.memory[rank][layer];
+        g.block_byte_ranges(block)
+            .into_iter()
+            .flat_map(|r| buf[r.start as usize..r.end as usize].to_vec())
+            .collect()
+    }
+
+    /// Address of the first byte of token `token` (within the block), K part, head 0, element 0,
+    /// of block `block` of layer index `layer` on worker `rank`.
+    pub fn token_addr(&self, rank: usize, layer: usize, block: u64, token: u64) -> u64 {
+        let l = &self.workers[rank].groups[0].layers[layer];
+        l.addr + l.spec.geometry.byte_offset(0, block, token, 0, 0)
+    }
+}

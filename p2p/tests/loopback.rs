@@ -1,0 +1,530 @@
+//! Producer and consumer in one process over real loopback sockets (ZeroMQ
+//! control channel + TCP transfer engine), small KV caches, TP1 / TP2 / PP2.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{Side, BLOCK};
+use kvferry_checksum::policy::{Action, LoadFailurePolicy, Policy};
+use kvferry_checksum::verdict::{UnverifiedReason, Verdict};
+use kvferry_p2p::proto::consumer::FailReason;
+use kvferry_p2p::{
+    Consumer, ConsumerConfig, Landed, LoadError, LoadGroup, LoadSpec, Producer, ProducerConfig,
+    ProducerTimeouts, ReleaseReason,
+};
+
+const PRODUCER_BLOCKS: u64 = 8;
+const CONSUMER_BLOCKS: u64 = 12;
+
+fn producer_config() -> ProducerConfig {
+    ProducerConfig {
+        transfer_timeout: Duration::from_secs(10),
+        ..ProducerConfig::default()
+    }
+}
+
+fn consumer_config(policy: Policy) -> ConsumerConfig {
+    ConsumerConfig {
+        policy,
+        reply_timeout: Duration::from_secs(10),
+        max_wait: Duration::from_secs(20),
+        ..ConsumerConfig::default()
+    }
+}
+
+fn fail_closed(load_failure: LoadFailurePolicy) -> Policy {
+    Policy {
+        fail_closed: true,
+        load_failure,
+    }
+}
+
+/// 40 tokens in 3 blocks on both sides, at different block ids.
+const NUM_TOKENS: u64 = 40;
+fn remote_table() -> Vec<Option<u64>> {
+    vec![Some(3), Some(5), Some(1)]
+}
+fn local_table() -> Vec<Option<u64>> {
+    vec![Some(7), Some(2), Some(10)]
+}
+
+struct Pair {
+    producer: Producer,
+    consumer: Consumer,
+    p: Side,
+    c: Side,
+}
+
+async fn pair(tp: u32, pp: u32, pcfg: ProducerConfig, policy: Policy) -> Pair {
+    let p = Side::new(tp, pp, PRODUCER_BLOCKS, Some(7));
+    let c = Side::new(tp, pp, CONSUMER_BLOCKS, Some(99));
+    let producer = Producer::start(pcfg, p.workers.clone()).await.unwrap();
+    let consumer = Consumer::new(consumer_config(policy), c.workers.clone()).unwrap();
+    Pair {
+        producer,
+        consumer,
+        p,
+        c,
+    }
+}
+
+fn spec(request_id: &str, producer: &Producer) -> LoadSpec {
+    LoadSpec {
+        request_id: request_id.into(),
+        producer: producer.endpoint().to_string(),
+        groups: vec![LoadGroup {
+            group_id: 0,
+            remote_blocks: remote_table(),
+            local_blocks: local_table(),
+        }],
+        num_local_computed: 0,
+        num_tokens: NUM_TOKENS,
+    }
+}
+
+/// Every landed block equals the producer's, on every rank and layer.
+fn assert_blocks_landed(pair: &Pair) {
+    for rank in 0..pair.p.workers.len() {
+        for layer in 0..pair.p.memory[rank].len() {
+            for (r, l) in remote_table().iter().zip(local_table()) {
+                assert_eq!(
+                    pair.p.block_bytes(rank, layer, r.unwrap()),
+                    pair.c.block_bytes(rank, layer, l.unwrap()),
+                    "rank {rank} layer {layer} block {r:?} → {l:?}"
+                );
+            }
+        }
+    }
+}
+
+async fn load_verifies(tp: u32, pp: u32) {
+    let pair = pair(tp, pp, producer_config(), Policy::default()).await;
+    let info = pair
+        .producer
+        .publish("req-1", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    assert!(info.checksummed, "{info:?}");
+    // Before the load, the consumer's blocks differ from the producer's.
+    assert_ne!(pair.p.block_bytes(0, 0, 3), pair.c.block_bytes(0, 0, 7));
+    let out = pair
+        .consumer
+        .load(spec("req-1", &pair.producer))
+        .await
+        .unwrap();
+    assert_eq!(out.verdict, Some(Verdict::Verified));
+    assert_eq!(out.action, Action::Complete);
+    let per_rank_layer = 3 * 2 * BLOCK * (common::KV_HEADS / tp as u64) * common::HEAD_DIM * 2;
+    let layers_per_rank = common::LAYERS as u64 / pp as u64;
+    assert_eq!(
+        out.bytes,
+        per_rank_layer * layers_per_rank * (tp * pp) as u64
+    );
+    assert_blocks_landed(&pair);
+    assert_eq!(pair.producer.released()[0].reason, ReleaseReason::Served);
+    pair.producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tp1_load_verifies() {
+    load_verifies(1, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tp2_load_verifies() {
+    load_verifies(2, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pp2_load_verifies() {
+    load_verifies(1, 2).await;
+}
+
+/// Flips one bit of the landed KV (rank `rank`, layer 0, position 1, token 3) in the hook.
+fn flip_bit_hook(pair: &Pair, rank: usize) {
+    let addr = pair.c.token_addr(rank, 0, local_table()[1].unwrap(), 3);
+    pair.consumer
+        .set_landed_hook(Some(Arc::new(move |landed: &Landed| {
+            assert_eq!(landed.groups[0].local_blocks, vec![7, 2, 10]);
+            // SAFETY: addr is inside the consumer's layer array, which the test keeps alive.
+            unsafe { *(addr as *mut u8) ^= 0x10 };
+        })));
+}
+
+async fn corrupted_load(policy: Policy, tp: u32) -> (Verdict, Action) {
+    let pair = pair(tp, 1, producer_config(), policy).await;
+    pair.producer
+        .publish("req-c", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    flip_bit_hook(&pair, tp as usize - 1);
+    let out = pair
+        .consumer
+        .load(spec("req-c", &pair.producer))
+        .await
+        .unwrap();
+    pair.producer.shutdown().await;
+    (out.verdict.unwrap(), out.action)
+}
+
+fn assert_mismatch_at_position_1(v: &Verdict) {
+    match v {
+        Verdict::Mismatch { mismatches, .. } => {
+            assert_eq!(mismatches.len(), 1);
+            assert_eq!(mismatches[0].group_id, 0);
+            assert_eq!(mismatches[0].positions, vec![1]);
+        }
+        other => panic!("expected a mismatch, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flipped_bit_fail_open_completes_with_mismatch() {
+    let (v, a) = corrupted_load(Policy::default(), 1).await;
+    assert_mismatch_at_position_1(&v);
+    assert_eq!(a, Action::Complete);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flipped_bit_on_tp_rank_1_fail_closed_fails() {
+    let (v, a) = corrupted_load(fail_closed(LoadFailurePolicy::Fail), 2).await;
+    assert_mismatch_at_position_1(&v);
+    assert_eq!(a, Action::Fail);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flipped_bit_fail_closed_recompute() {
+    let (v, a) = corrupted_load(fail_closed(LoadFailurePolicy::Recompute), 1).await;
+    assert_mismatch_at_position_1(&v);
+    assert_eq!(a, Action::Recompute);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flipped_bit_in_local_prefix_is_not_compared() {
+    // The consumer holds the first block (16 tokens) already: position 0 is neither
+    // loaded nor compared, so corrupting it changes nothing; position 1 still verifies.
+    let pair = pair(1, 1, producer_config(), Policy::default()).await;
+    pair.producer
+        .publish("req-p", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    let addr = pair.c.token_addr(0, 0, 7, 0);
+    let before = pair.c.block_bytes(0, 0, 7);
+    pair.consumer
+        .set_landed_hook(Some(Arc::new(move |l: &Landed| {
+            assert_eq!(l.groups[0].positions, vec![1, 2]);
+            unsafe { *(addr as *mut u8) ^= 1 };
+        })));
+    let mut s = spec("req-p", &pair.producer);
+    s.num_local_computed = BLOCK;
+    let out = pair.consumer.load(s).await.unwrap();
+    assert_eq!(out.verdict, Some(Verdict::Verified));
+    // Block 7 (position 0) was not written by the load.
+    let mut after = pair.c.block_bytes(0, 0, 7);
+    after[0] ^= 1;
+    assert_eq!(after, before);
+    pair.producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_payload_is_unverified() {
+    let pcfg = ProducerConfig {
+        checksums: false,
+        ..producer_config()
+    };
+    for (policy, action) in [
+        (Policy::default(), Action::Complete),
+        (fail_closed(LoadFailurePolicy::Recompute), Action::Recompute),
+    ] {
+        let pair = pair(1, 1, pcfg.clone(), policy).await;
+        let info = pair
+            .producer
+            .publish("req-n", vec![remote_table()], NUM_TOKENS)
+            .await
+            .unwrap();
+        assert!(!info.checksummed);
+        let out = pair
+            .consumer
+            .load(spec("req-n", &pair.producer))
+            .await
+            .unwrap();
+        assert_eq!(
+            out.verdict,
+            Some(Verdict::Unverified(vec![(
+                None,
+                UnverifiedReason::NoChecksums
+            )]))
+        );
+        assert_eq!(out.action, action);
+        assert_blocks_landed(&pair);
+        pair.producer.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_load_of_a_request_gets_error() {
+    let pair = pair(1, 1, producer_config(), Policy::default()).await;
+    pair.producer
+        .publish("req-2", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    pair.consumer
+        .load(spec("req-2", &pair.producer))
+        .await
+        .unwrap();
+    let err = pair
+        .consumer
+        .load(spec("req-2", &pair.producer))
+        .await
+        .unwrap_err();
+    match &err {
+        LoadError::Failed {
+            reason: FailReason::Producer(why),
+            ..
+        } => assert!(why.contains("already loaded"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        err.action(&fail_closed(LoadFailurePolicy::Recompute)),
+        Action::Recompute
+    );
+    pair.producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_lease_gets_error_and_is_released() {
+    let pcfg = ProducerConfig {
+        timeouts: ProducerTimeouts {
+            lease: Duration::from_millis(200),
+            ..ProducerTimeouts::default()
+        },
+        ..producer_config()
+    };
+    let pair = pair(1, 1, pcfg, Policy::default()).await;
+    pair.producer
+        .publish("req-e", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    let before = pair.c.block_bytes(0, 0, 7);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(pair.producer.released()[0].reason, ReleaseReason::Expired);
+    let err = pair
+        .consumer
+        .load(spec("req-e", &pair.producer))
+        .await
+        .unwrap_err();
+    match &err {
+        LoadError::Failed {
+            reason: FailReason::Producer(why),
+            ..
+        } => assert!(why.contains("lease expired"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    // No stale block was written.
+    assert_eq!(pair.c.block_bytes(0, 0, 7), before);
+    pair.producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_before_publish_waits_for_it() {
+    let pair = pair(1, 1, producer_config(), Policy::default()).await;
+    let (producer, consumer) = (&pair.producer, &pair.consumer);
+    let load = consumer.load(spec("req-w", producer));
+    let publish = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        producer
+            .publish("req-w", vec![remote_table()], NUM_TOKENS)
+            .await
+            .unwrap()
+    };
+    let (out, _) = tokio::join!(load, publish);
+    assert_eq!(out.unwrap().verdict, Some(Verdict::Verified));
+    assert_blocks_landed(&pair);
+    pair.producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_producer_block_id_is_refused() {
+    let pair = pair(1, 1, producer_config(), Policy::default()).await;
+    pair.producer
+        .publish("req-b", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    let mut s = spec("req-b", &pair.producer);
+    s.groups[0].remote_blocks[1] = Some(4);
+    let err = pair.consumer.load(s).await.unwrap_err();
+    assert!(
+        matches!(&err, LoadError::Failed { reason: FailReason::Producer(w), .. } if w.contains("position 1")),
+        "{err}"
+    );
+    pair.producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn different_tp_is_refused_with_a_clear_error() {
+    let p = Side::new(2, 1, PRODUCER_BLOCKS, Some(7));
+    let c = Side::new(1, 1, CONSUMER_BLOCKS, Some(99));
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let consumer = Consumer::new(consumer_config(Policy::default()), c.workers.clone()).unwrap();
+    producer
+        .publish("req-t", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    let err = consumer.load(spec("req-t", &producer)).await.unwrap_err();
+    assert!(
+        err.to_string().contains("TP/PP sizes are not supported"),
+        "{err}"
+    );
+    producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_producer_fails_within_the_reply_deadline() {
+    use zeromq::{Socket, SocketRecv};
+    // A ROUTER that takes requests and never answers: a lost reply.
+    let mut router = zeromq::RouterSocket::new();
+    let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let sink = tokio::spawn(async move { while router.recv().await.is_ok() {} });
+    let c = Side::new(1, 1, CONSUMER_BLOCKS, None);
+    let cfg = ConsumerConfig {
+        reply_timeout: Duration::from_millis(500),
+        ..consumer_config(Policy::default())
+    };
+    let consumer = Consumer::new(cfg, c.workers.clone()).unwrap();
+    let mut s = LoadSpec {
+        request_id: "req-s".into(),
+        producer: endpoint,
+        groups: vec![LoadGroup {
+            group_id: 0,
+            remote_blocks: remote_table(),
+            local_blocks: local_table(),
+        }],
+        num_local_computed: 0,
+        num_tokens: NUM_TOKENS,
+    };
+    let started = Instant::now();
+    let err = tokio::time::timeout(Duration::from_secs(10), consumer.load(s.clone()))
+        .await
+        .expect("load hung")
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            LoadError::Failed {
+                reason: FailReason::NoReply(_),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(started.elapsed() >= Duration::from_millis(500));
+    sink.abort();
+    // Nobody listens any more: the next load fails with a clear reason too, within its deadlines.
+    s.request_id = "req-s2".into();
+    let err = tokio::time::timeout(Duration::from_secs(20), consumer.load(s))
+        .await
+        .expect("load hung")
+        .unwrap_err();
+    assert!(
+        matches!(err, LoadError::Connect { .. } | LoadError::Failed { .. }),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_producer_fails_the_load_and_a_restarted_one_is_reached() {
+    let p = Side::new(1, 1, PRODUCER_BLOCKS, Some(7));
+    let c = Side::new(1, 1, CONSUMER_BLOCKS, Some(99));
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let endpoint = producer.endpoint().to_string();
+    let cfg = ConsumerConfig {
+        reply_timeout: Duration::from_secs(2),
+        connect_timeout: Duration::from_secs(1),
+        ..consumer_config(Policy::default())
+    };
+    let consumer = Consumer::new(cfg, c.workers.clone()).unwrap();
+    producer
+        .publish("r1", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    consumer.load(spec("r1", &producer)).await.unwrap();
+    // The producer dies with a request published: the load fails, within its deadline.
+    producer
+        .publish("r2", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    producer.shutdown().await;
+    let mut s = LoadSpec {
+        producer: endpoint.clone(),
+        ..spec_for("r2", &endpoint)
+    };
+    let started = Instant::now();
+    let err = tokio::time::timeout(Duration::from_secs(10), consumer.load(s.clone()))
+        .await
+        .expect("load hung")
+        .unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    eprintln!("dead producer: {err}");
+    // A new producer on the same endpoint: the consumer rebuilds its socket and loads.
+    let producer = Producer::start(
+        ProducerConfig {
+            bind: endpoint.clone(),
+            ..producer_config()
+        },
+        p.workers.clone(),
+    )
+    .await
+    .unwrap();
+    producer
+        .publish("r3", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    s.request_id = "r3".into();
+    let out = consumer.load(s).await.unwrap();
+    assert_eq!(out.verdict, Some(Verdict::Verified));
+    producer.shutdown().await;
+}
+
+fn spec_for(request_id: &str, endpoint: &str) -> LoadSpec {
+    LoadSpec {
+        request_id: request_id.into(),
+        producer: endpoint.into(),
+        groups: vec![LoadGroup {
+            group_id: 0,
+            remote_blocks: remote_table(),
+            local_blocks: local_table(),
+        }],
+        num_local_computed: 0,
+        num_tokens: NUM_TOKENS,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_closed_without_carrier_is_refused_at_startup() {
+    let c = Side::new(1, 1, CONSUMER_BLOCKS, None);
+    let cfg = ConsumerConfig {
+        carrier: false,
+        ..consumer_config(fail_closed(LoadFailurePolicy::Fail))
+    };
+    assert!(matches!(
+        Consumer::new(cfg, c.workers.clone()),
+        Err(kvferry_p2p::P2pError::Config(_))
+    ));
+    let cfg = ConsumerConfig {
+        carrier: false,
+        ..consumer_config(Policy::default())
+    };
+    assert!(!Consumer::new(cfg, c.workers.clone())
+        .unwrap()
+        .checksums_enabled());
+}

@@ -20,7 +20,7 @@ use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
 use kvferry_checksum::select::BlockSelection;
 use kvferry_kernels::cuda::driver::{DeviceBuffer, Event};
 use kvferry_kernels::cuda::tools::Tools;
-use kvferry_kernels::cuda::{unavailable_reason, CudaBackend};
+use kvferry_kernels::cuda::{unavailable_reason, CudaBackend, KernelVariant};
 use kvferry_kernels::{Device, GroupJob, LayerInput};
 use rand::seq::index::sample;
 use rand::SeedableRng;
@@ -42,9 +42,7 @@ fn args() -> Args {
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i + 1 < v.len() {
-        let n: u64 = v[i + 1]
-            .parse()
-            .unwrap_or_else(|_| panic!("{} needs a number", v[i]));
+        let n: u64 = v[i + 1].parse().unwrap_or_else(|_| panic!("{} needs a number", v[i]));
         match v[i].as_str() {
             "--runs" => a.runs = n as usize,
             "--tokens" => a.tokens = n,
@@ -93,8 +91,12 @@ fn main() {
         }
         return;
     }
-    let backend = CudaBackend::new(0).expect("cuda backend");
-    let tools = Tools::new(&backend).expect("tools");
+    let backends: Vec<(KernelVariant, CudaBackend)> = KernelVariant::ALL
+        .iter()
+        .map(|&v| (v, CudaBackend::with_variant(0, v).expect("cuda backend")))
+        .collect();
+    let backend = &backends[0].1;
+    let tools = Tools::new(backend).expect("tools");
     let ctx = backend.context();
     println!("device: {} (cuda:0)", ctx.name());
     let shapes = [
@@ -116,7 +118,7 @@ fn main() {
     ];
     let mut rows = Vec::new();
     for shape in &shapes {
-        rows.push(run_shape(&backend, &tools, shape, &a));
+        rows.extend(run_shape(&backends, &tools, shape, &a));
     }
     println!();
     println!("| shape | bytes/request | read BW GB/s | checksum GB/s | ratio vs read BW | ratio vs same-bytes read | kernel ms (p10-p90) | per request ms (device) | submit us (host) | 50 GB/s transfer ms | checksum/transfer |");
@@ -143,7 +145,7 @@ fn main() {
     }
 }
 
-fn run_shape(backend: &CudaBackend, tools: &Tools, shape: &Shape, a: &Args) -> Row {
+fn run_shape(backends: &[(KernelVariant, CudaBackend)], tools: &Tools, shape: &Shape, a: &Args) -> Vec<Row> {
     let (layers, heads, d, n) = (32u32, 8u64, 128u64, 16u64);
     let geometry = Geometry::contiguous(
         Layout::parse(shape.layout).unwrap(),
@@ -178,9 +180,7 @@ fn run_shape(backend: &CudaBackend, tools: &Tools, shape: &Shape, a: &Args) -> R
         .collect();
     let refill = |seed: u64| {
         for (i, b) in arrays.iter().enumerate() {
-            tools
-                .fill_random(b.ptr(), b.len(), seed * 1000 + i as u64, s)
-                .unwrap();
+            tools.fill_random(b.ptr(), b.len(), seed * 1000 + i as u64, s).unwrap();
         }
     };
     let specs: Vec<LayerSpec> = (0..layers)
@@ -241,10 +241,7 @@ fn run_shape(backend: &CudaBackend, tools: &Tools, shape: &Shape, a: &Args) -> R
                 }
             }
         }
-        let (da, dl) = (
-            tools.alloc(addrs.len()).unwrap(),
-            tools.alloc(lens.len()).unwrap(),
-        );
+        let (da, dl) = (tools.alloc(addrs.len()).unwrap(), tools.alloc(lens.len()).unwrap());
         tools.upload(da.ptr(), &addrs).unwrap();
         tools.upload(dl.ptr(), &lens).unwrap();
         (da, dl, (addrs.len() / 8) as u32)
@@ -253,25 +250,25 @@ fn run_shape(backend: &CudaBackend, tools: &Tools, shape: &Shape, a: &Args) -> R
     stream.synchronize().unwrap();
     // Warm-up: module load, slot allocation, clocks.
     for _ in 0..5 {
-        let job = new_job(&mut rng);
-        unsafe { backend.submit_after(vec![job], Some(s)) }
-            .unwrap()
-            .wait(Duration::from_secs(10))
-            .unwrap();
+        for (_, backend) in backends {
+            let job = new_job(&mut rng);
+            unsafe { backend.submit_after(vec![job], Some(s)) }
+                .unwrap()
+                .wait(Duration::from_secs(10))
+                .unwrap();
+        }
         time(&|| {
             tools
-                .read_sum(
-                    arrays[0].ptr(),
-                    bytes.min(layer_bytes) as usize / 16 * 16,
-                    out.ptr(),
-                    s,
-                )
+                .read_sum(arrays[0].ptr(), bytes.min(layer_bytes) as usize / 16 * 16, out.ptr(), s)
                 .unwrap()
         });
     }
-    backend.set_kernel_timing(true);
-    let (mut read, mut ranges, mut kernel, mut pipeline, mut submit) =
-        (vec![], vec![], vec![], vec![], vec![]);
+    let nv = backends.len();
+    for (_, b) in backends {
+        b.set_kernel_timing(true);
+    }
+    let (mut read, mut ranges) = (vec![], vec![]);
+    let (mut kernel, mut pipeline, mut submit) = (vec![vec![]; nv], vec![vec![]; nv], vec![vec![]; nv]);
     let per_layer = (bytes / layers as u64) as usize / 16 * 16;
     for run in 0..a.runs {
         if run % 10 == 0 {
@@ -281,11 +278,7 @@ fn run_shape(backend: &CudaBackend, tools: &Tools, shape: &Shape, a: &Args) -> R
         // array the previous runs did not touch last.
         read.push(if bytes <= layer_bytes {
             let b = &arrays[(run * 7) % arrays.len()];
-            time(&|| {
-                tools
-                    .read_sum(b.ptr(), bytes as usize / 16 * 16, out.ptr(), s)
-                    .unwrap()
-            })
+            time(&|| tools.read_sum(b.ptr(), bytes as usize / 16 * 16, out.ptr(), s).unwrap())
         } else {
             time(&|| {
                 for b in &arrays {
@@ -296,44 +289,55 @@ fn run_shape(backend: &CudaBackend, tools: &Tools, shape: &Shape, a: &Args) -> R
         let job = new_job(&mut rng);
         let (da, dl, nr) = range_table(&job);
         ranges.push(time(&|| {
-            tools
-                .read_ranges(da.ptr(), dl.ptr(), nr, out.ptr(), s)
-                .unwrap()
+            tools.read_ranges(da.ptr(), dl.ptr(), nr, out.ptr(), s).unwrap()
         }));
-        let job = new_job(&mut rng);
-        // Per request on the device: ordered after `s`, then `s` waits for the results.
-        unsafe { e0.record(s).unwrap() };
-        let t = Instant::now();
-        let mut p = unsafe { backend.submit_after(vec![job], Some(s)) }.unwrap();
-        submit.push(t.elapsed().as_secs_f64() * 1e6);
-        unsafe { p.order_before(s).unwrap() };
-        unsafe { e1.record(s).unwrap() };
-        let r = p.wait_mut(Duration::from_secs(10)).unwrap();
-        assert_eq!(r[0].values[&ReplicaKey::NONE].len(), blocks as usize);
-        e1.synchronize().unwrap();
-        pipeline.push(Event::elapsed_ms(&e0, &e1).unwrap() as f64);
-        kernel.push(p.kernel_ms().expect("kernel timing on") as f64);
+        // The variants take turns, each on a fresh block list.
+        for (vi, (_, backend)) in backends.iter().enumerate() {
+            let job = new_job(&mut rng);
+            // Per request on the device: ordered after `s`, then `s` waits for the results.
+            unsafe { e0.record(s).unwrap() };
+            let t = Instant::now();
+            let mut p = unsafe { backend.submit_after(vec![job], Some(s)) }.unwrap();
+            submit[vi].push(t.elapsed().as_secs_f64() * 1e6);
+            unsafe { p.order_before(s).unwrap() };
+            unsafe { e1.record(s).unwrap() };
+            let r = p.wait_mut(Duration::from_secs(10)).unwrap();
+            assert_eq!(r[0].values[&ReplicaKey::NONE].len(), blocks as usize);
+            e1.synchronize().unwrap();
+            pipeline[vi].push(Event::elapsed_ms(&e0, &e1).unwrap() as f64);
+            kernel[vi].push(p.kernel_ms().expect("kernel timing on") as f64);
+        }
     }
-    backend.set_kernel_timing(false);
-    let row = Row {
-        name: shape.name.to_string(),
-        bytes,
-        read_ms: median(read.clone()),
-        ranges_ms: median(ranges.clone()),
-        kernel_ms: median(kernel.clone()),
-        kernel_p10_p90: spread(&kernel),
-        pipeline_ms: median(pipeline.clone()),
-        submit_us: median(submit),
-    };
+    for (_, b) in backends {
+        b.set_kernel_timing(false);
+    }
     println!(
-        "  medians over {} runs: read {:.4} ms (p10-p90 {:.4}-{:.4}), same-bytes read {:.4} ms, checksum kernel {:.4} ms, per request {:.4} ms",
+        "  medians over {} runs: read {:.4} ms (p10-p90 {:.4}-{:.4}), same-bytes read {:.4} ms",
         a.runs,
-        row.read_ms,
+        median(read.clone()),
         spread(&read).0,
         spread(&read).1,
-        row.ranges_ms,
-        row.kernel_ms,
-        row.pipeline_ms
+        median(ranges.clone()),
     );
-    row
+    backends
+        .iter()
+        .enumerate()
+        .map(|(vi, (v, _))| {
+            let row = Row {
+                name: format!("{} [{v:?}]", shape.name),
+                bytes,
+                read_ms: median(read.clone()),
+                ranges_ms: median(ranges.clone()),
+                kernel_ms: median(kernel[vi].clone()),
+                kernel_p10_p90: spread(&kernel[vi]),
+                pipeline_ms: median(pipeline[vi].clone()),
+                submit_us: median(submit[vi].clone()),
+            };
+            println!(
+                "  {v:?}: checksum kernel {:.4} ms, per request {:.4} ms",
+                row.kernel_ms, row.pipeline_ms
+            );
+            row
+        })
+        .collect()
 }

@@ -12,16 +12,23 @@ use kvferry_checksum::select::BlockSelection;
 use kvferry_kernels::cuda::driver::{DeviceBuffer, EventState};
 use kvferry_kernels::cuda::tools::Tools;
 use kvferry_kernels::cuda::view::{group_plan, MODE_GENERIC, MODE_VEC16, MODE_VEC8};
-use kvferry_kernels::cuda::{unavailable_reason, CudaBackend};
+use kvferry_kernels::cuda::{unavailable_reason, CudaBackend, KernelVariant};
 use kvferry_kernels::{
-    backend_for, ChecksumBackend, CpuBackend, Device, GroupJob, GroupResult, KernelError,
-    LayerInput,
+    backend_for, ChecksumBackend, CpuBackend, Device, GroupJob, GroupResult, KernelError, LayerInput,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(30);
+
+/// GPU tests run one at a time: another test's cuMemFree may wait for the whole device
+/// (and hold the driver's locks meanwhile), which would blur the asynchrony test.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 fn gpu(test: &str) -> Option<(CudaBackend, Tools)> {
     if let Some(why) = unavailable_reason() {
@@ -32,10 +39,18 @@ fn gpu(test: &str) -> Option<(CudaBackend, Tools)> {
         eprintln!("SKIPPED {test}: {why}");
         return None;
     }
-    let b =
-        CudaBackend::new(0).unwrap_or_else(|e| panic!("CUDA present but the backend failed: {e}"));
+    let b = CudaBackend::new(0).unwrap_or_else(|e| panic!("CUDA present but the backend failed: {e}"));
     let t = Tools::new(&b).unwrap_or_else(|e| panic!("tools: {e}"));
     Some((b, t))
+}
+
+/// Backends for the kernel variants other than the default.
+fn other_variants() -> Vec<CudaBackend> {
+    KernelVariant::ALL
+        .iter()
+        .filter(|&&v| v != KernelVariant::DEFAULT)
+        .map(|&v| CudaBackend::with_variant(0, v).unwrap())
+        .collect()
 }
 
 const LAYOUTS: [&str; 9] = [
@@ -55,18 +70,9 @@ const LAYOUTS: [&str; 9] = [
 fn random_geometry(rng: &mut ChaCha8Rng, n: u64, kbpb: u64, nblocks: u64) -> Geometry {
     loop {
         let layout = Layout::parse(LAYOUTS[rng.random_range(0..LAYOUTS.len())]).unwrap();
-        let elem = [
-            ElemBytes::One,
-            ElemBytes::Two,
-            ElemBytes::Four,
-            ElemBytes::Eight,
-        ][rng.random_range(0..4)];
+        let elem = [ElemBytes::One, ElemBytes::Two, ElemBytes::Four, ElemBytes::Eight][rng.random_range(0..4)];
         let d = [1u64, 2, 3, 4, 8, 12, 16, 64, 128, 96][rng.random_range(0..10)];
-        let h = if layout.has_heads() {
-            rng.random_range(1..5)
-        } else {
-            1
-        };
+        let h = if layout.has_heads() { rng.random_range(1..5) } else { 1 };
         let g = Geometry::contiguous(layout, kbpb * nblocks, n, h, d, elem, kbpb).unwrap();
         if g.pieces_per_cell().is_none() {
             continue;
@@ -111,23 +117,13 @@ fn random_case(rng: &mut ChaCha8Rng) -> Case {
     let nl = rng.random_range(1..5);
     let replica_choices = [
         ReplicaKey::NONE,
-        ReplicaKey {
-            replicas: 2,
-            index: 0,
-        },
-        ReplicaKey {
-            replicas: 2,
-            index: 1,
-        },
+        ReplicaKey { replicas: 2, index: 0 },
+        ReplicaKey { replicas: 2, index: 1 },
     ];
     let mut specs = Vec::new();
     for l in 0..nl {
         // Same block size for every layer; sometimes one kernel block holds the whole block.
-        let (n_l, k_l) = if rng.random_bool(0.2) {
-            (n * kbpb, 1)
-        } else {
-            (n, kbpb)
-        };
+        let (n_l, k_l) = if rng.random_bool(0.2) { (n * kbpb, 1) } else { (n, kbpb) };
         let g = random_geometry(rng, n_l, k_l, nblocks);
         let layer = rng.random_range(0..80u32) + 100 * l;
         specs.push(LayerSpec {
@@ -146,11 +142,7 @@ fn random_case(rng: &mut ChaCha8Rng) -> Case {
     }
     let host: Vec<Vec<u8>> = specs
         .iter()
-        .map(|s| {
-            (0..s.geometry.byte_len())
-                .map(|_| rng.random::<u8>())
-                .collect()
-        })
+        .map(|s| (0..s.geometry.byte_len()).map(|_| rng.random::<u8>()).collect())
         .collect();
     // Offsets in one device buffer: 256-aligned, or shifted by 8 or by an odd amount.
     let mut offsets = Vec::new();
@@ -206,8 +198,7 @@ fn job(case: &Case, group_id: u32, device: Device, addrs: &[u64]) -> GroupJob {
 }
 
 fn upload_case(tools: &Tools, case: &Case) -> (DeviceBuffer, Vec<u64>) {
-    let total = case.offsets.last().copied().unwrap_or(0)
-        + case.host.last().map(|h| h.len() as u64).unwrap_or(0);
+    let total = case.offsets.last().copied().unwrap_or(0) + case.host.last().map(|h| h.len() as u64).unwrap_or(0);
     let buf = tools.alloc(total as usize + 256).unwrap();
     for (h, &o) in case.host.iter().zip(&case.offsets) {
         tools.upload(buf.ptr() + o, h).unwrap();
@@ -225,17 +216,16 @@ fn cpu_results(cases: &[Case]) -> Vec<GroupResult> {
             job(c, i as u32, Device::Cpu, &addrs)
         })
         .collect();
-    unsafe { CpuBackend::new(2).submit(jobs) }
-        .unwrap()
-        .wait(WAIT)
-        .unwrap()
+    unsafe { CpuBackend::new(2).submit(jobs) }.unwrap().wait(WAIT).unwrap()
 }
 
 #[test]
 fn gpu_matches_cpu_on_random_layouts() {
+    let _serial = serial();
     let Some((backend, tools)) = gpu("gpu_matches_cpu_on_random_layouts") else {
         return;
     };
+    let others = other_variants();
     let mut rng = ChaCha8Rng::seed_from_u64(0x6b76_6665);
     let mut modes = [0usize; 3];
     let mut elems = [0usize; 9];
@@ -244,9 +234,7 @@ fn gpu_matches_cpu_on_random_layouts() {
     let mut compared = 0usize;
     for round in 0..150 {
         // Several groups in one submission: one launch each.
-        let cases: Vec<Case> = (0..rng.random_range(1..4))
-            .map(|_| random_case(&mut rng))
-            .collect();
+        let cases: Vec<Case> = (0..rng.random_range(1..4)).map(|_| random_case(&mut rng)).collect();
         let mut bufs = Vec::new();
         let mut jobs = Vec::new();
         for (i, c) in cases.iter().enumerate() {
@@ -258,10 +246,7 @@ fn gpu_matches_cpu_on_random_layouts() {
                 .zip(&c.host)
                 .map(|((s, &a), h)| (s, a, h.len() as u64))
                 .collect();
-            for v in group_plan(&layers, &c.block_ids, c.start, c.num_tokens)
-                .unwrap()
-                .views
-            {
+            for v in group_plan(&layers, &c.block_ids, c.start, c.num_tokens).unwrap().views {
                 modes[v.mode as usize] += 1;
             }
             for s in &c.specs {
@@ -273,15 +258,13 @@ fn gpu_matches_cpu_on_random_layouts() {
             bufs.push(buf);
         }
         let want = cpu_results(&cases);
-        let got = unsafe { backend.submit(jobs) }.unwrap().wait(WAIT).unwrap();
-        assert_eq!(got.len(), want.len());
-        for (g, w) in got.iter().zip(&want) {
-            assert_eq!(
-                g, w,
-                "round {round}: specs {:?}",
-                cases[g.group_id as usize].specs
-            );
-            compared += w.values.values().map(|v| v.len()).sum::<usize>();
+        for b in std::iter::once(&backend).chain(&others) {
+            let got = unsafe { b.submit(jobs.clone()) }.unwrap().wait(WAIT).unwrap();
+            assert_eq!(got.len(), want.len());
+            for (g, w) in got.iter().zip(&want) {
+                assert_eq!(g, w, "round {round}: specs {:?}", cases[g.group_id as usize].specs);
+                compared += w.values.values().map(|v| v.len()).sum::<usize>();
+            }
         }
     }
     eprintln!(
@@ -289,19 +272,8 @@ fn gpu_matches_cpu_on_random_layouts() {
          partial last blocks {partial}; replicated layers {replicated}",
         [elems[1], elems[2], elems[4], elems[8]]
     );
-    assert!(
-        modes[MODE_VEC16 as usize] > 20
-            && modes[MODE_VEC8 as usize] > 20
-            && modes[MODE_GENERIC as usize] > 20
-    );
-    assert!(
-        elems[1] > 0
-            && elems[2] > 0
-            && elems[4] > 0
-            && elems[8] > 0
-            && partial > 0
-            && replicated > 0
-    );
+    assert!(modes[MODE_VEC16 as usize] > 20 && modes[MODE_VEC8 as usize] > 20 && modes[MODE_GENERIC as usize] > 20);
+    assert!(elems[1] > 0 && elems[2] > 0 && elems[4] > 0 && elems[8] > 0 && partial > 0 && replicated > 0);
 }
 
 fn fixed_case(
@@ -319,16 +291,7 @@ fn fixed_case(
             name: format!("model.layers.{l}.self_attn.attn"),
             layer: l,
             head_offset: 8,
-            geometry: Geometry::contiguous(
-                Layout::parse(layout).unwrap(),
-                nblocks,
-                n,
-                h,
-                d,
-                elem,
-                1,
-            )
-            .unwrap(),
+            geometry: Geometry::contiguous(Layout::parse(layout).unwrap(), nblocks, n, h, d, elem, 1).unwrap(),
             kind: None,
             dtype: None,
             replica: ReplicaKey::NONE,
@@ -336,11 +299,7 @@ fn fixed_case(
         .collect();
     let host: Vec<Vec<u8>> = specs
         .iter()
-        .map(|s| {
-            (0..s.geometry.byte_len())
-                .map(|_| rng.random::<u8>())
-                .collect()
-        })
+        .map(|s| (0..s.geometry.byte_len()).map(|_| rng.random::<u8>()).collect())
         .collect();
     let mut offsets = Vec::new();
     let mut off = 0;
@@ -367,9 +326,11 @@ fn fixed_case(
 /// threads), fp8.
 #[test]
 fn gpu_matches_cpu_on_model_shapes() {
+    let _serial = serial();
     let Some((backend, tools)) = gpu("gpu_matches_cpu_on_model_shapes") else {
         return;
     };
+    let others = other_variants();
     let mut rng = ChaCha8Rng::seed_from_u64(99);
     let shapes: Vec<(&str, u64, u64, u64, ElemBytes)> = vec![
         ("KV B N H D", 16, 8, 128, ElemBytes::Two),
@@ -384,11 +345,13 @@ fn gpu_matches_cpu_on_model_shapes() {
         let case = fixed_case(&mut rng, layout, 40, n, h, d, e, 3);
         let (buf, addrs) = upload_case(&tools, &case);
         let want = cpu_results(std::slice::from_ref(&case));
-        let got = unsafe { backend.submit(vec![job(&case, 0, Device::Cuda(0), &addrs)]) }
-            .unwrap()
-            .wait(WAIT)
-            .unwrap();
-        assert_eq!(got, want, "{layout} n={n} h={h} d={d} e={e:?}");
+        for b in std::iter::once(&backend).chain(&others) {
+            let got = unsafe { b.submit(vec![job(&case, 0, Device::Cuda(0), &addrs)]) }
+                .unwrap()
+                .wait(WAIT)
+                .unwrap();
+            assert_eq!(got, want, "{layout} n={n} h={h} d={d} e={e:?}");
+        }
         drop(buf);
     }
 }
@@ -399,6 +362,7 @@ fn gpu_matches_cpu_on_model_shapes() {
 /// CPU's over the refilled bytes show the work was ordered after the caller's stream.
 #[test]
 fn gpu_submit_never_synchronises_the_caller_stream() {
+    let _serial = serial();
     let Some((backend, tools)) = gpu("gpu_submit_never_synchronises_the_caller_stream") else {
         return;
     };
@@ -408,6 +372,11 @@ fn gpu_submit_never_synchronises_the_caller_stream() {
     let caller = tools.stream().unwrap();
     let flag = tools.alloc(8).unwrap();
     tools.upload(flag.ptr(), &[0u8; 8]).unwrap();
+    // Warm: the first submission may load lazily-initialised driver state.
+    unsafe { backend.submit_after(vec![job(&case, 0, Device::Cuda(0), &addrs)], Some(caller.raw())) }
+        .unwrap()
+        .wait(WAIT)
+        .unwrap();
     let spun = tools.event(false).unwrap();
     tools.spin(2_000_000_000, flag.ptr(), caller.raw()).unwrap();
     unsafe { spun.record(caller.raw()).unwrap() };
@@ -417,13 +386,13 @@ fn gpu_submit_never_synchronises_the_caller_stream() {
             .fill_random(a - (a % 8), h.len() / 8 * 8, 77, caller.raw())
             .unwrap();
     }
-    let mut pending = unsafe {
-        backend.submit_after(
-            vec![job(&case, 0, Device::Cuda(0), &addrs)],
-            Some(caller.raw()),
-        )
-    }
-    .unwrap();
+    let t = std::time::Instant::now();
+    let mut pending =
+        unsafe { backend.submit_after(vec![job(&case, 0, Device::Cuda(0), &addrs)], Some(caller.raw())) }.unwrap();
+    eprintln!(
+        "submit_after returned after {:?} with a 2 s spin queued on the caller's stream",
+        t.elapsed()
+    );
     assert_eq!(
         spun.query().unwrap(),
         EventState::Pending,
@@ -435,19 +404,12 @@ fn gpu_submit_never_synchronises_the_caller_stream() {
     );
     let got = pending.wait_mut(WAIT).unwrap();
     assert_eq!(spun.query().unwrap(), EventState::Done);
-    assert_eq!(
-        tools.download(flag.ptr(), 8).unwrap()[0],
-        1,
-        "spin kernel did not run"
-    );
+    assert_eq!(tools.download(flag.ptr(), 8).unwrap()[0], 1, "spin kernel did not run");
     for (h, &a) in case.host.iter_mut().zip(&addrs) {
         *h = tools.download(a, h.len()).unwrap();
     }
     let want = cpu_results(std::slice::from_ref(&case));
-    assert_eq!(
-        got, want,
-        "checksums did not see the caller stream's writes"
-    );
+    assert_eq!(got, want, "checksums did not see the caller stream's writes");
     drop(buf);
 }
 
@@ -455,6 +417,7 @@ fn gpu_submit_never_synchronises_the_caller_stream() {
 /// buffers early: later submissions stay correct.
 #[test]
 fn gpu_dropped_pending_is_safe() {
+    let _serial = serial();
     let Some((backend, tools)) = gpu("gpu_dropped_pending_is_safe") else {
         return;
     };
@@ -466,13 +429,8 @@ fn gpu_dropped_pending_is_safe() {
     let flag = tools.alloc(8).unwrap();
     tools.spin(200_000_000, flag.ptr(), caller.raw()).unwrap();
     for _ in 0..8 {
-        let p = unsafe {
-            backend.submit_after(
-                vec![job(&case, 0, Device::Cuda(0), &addrs)],
-                Some(caller.raw()),
-            )
-        }
-        .unwrap();
+        let p =
+            unsafe { backend.submit_after(vec![job(&case, 0, Device::Cuda(0), &addrs)], Some(caller.raw())) }.unwrap();
         drop(p);
     }
     for _ in 0..8 {
@@ -488,6 +446,7 @@ fn gpu_dropped_pending_is_safe() {
 
 #[test]
 fn gpu_rejects_bad_jobs() {
+    let _serial = serial();
     let Some((backend, tools)) = gpu("gpu_rejects_bad_jobs") else {
         return;
     };

@@ -170,7 +170,10 @@ mod tests {
     #[test]
     fn kernels_compile_with_nvrtc() {
         if !nvrtc_library_present() {
-            assert!(std::env::var_os("KVFERRY_REQUIRE_GPU").is_none(), "KVFERRY_REQUIRE_GPU set but no libnvrtc");
+            assert!(
+                std::env::var_os("KVFERRY_REQUIRE_GPU").is_none(),
+                "KVFERRY_REQUIRE_GPU set but no libnvrtc"
+            );
             eprintln!("SKIPPED kernels_compile_with_nvrtc: libnvrtc not found");
             return;
         }

@@ -40,6 +40,31 @@ pub type RawStream = sys::CUstream;
 
 const THREADS: u32 = 256;
 
+/// Which build of the checksum kernel a backend launches (both compute the same values;
+/// they differ in loads in flight per thread, for the benchmark to compare).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KernelVariant {
+    /// Four 16-byte loads in flight per thread (`kvf_checksum`).
+    Unroll4,
+    /// Eight 16-byte loads in flight per thread (`kvf_checksum_u8`).
+    Unroll8,
+}
+
+impl KernelVariant {
+    /// Both variants.
+    pub const ALL: [KernelVariant; 2] = [KernelVariant::Unroll4, KernelVariant::Unroll8];
+    /// The default, the faster on the H200 in `gpu_bench`.
+    pub const DEFAULT: KernelVariant = KernelVariant::Unroll8;
+
+    /// The kernel's name in `checksum.cu`.
+    pub fn function(self) -> &'static str {
+        match self {
+            KernelVariant::Unroll4 => "kvf_checksum",
+            KernelVariant::Unroll8 => "kvf_checksum_u8",
+        }
+    }
+}
+
 fn kerr(msg: impl Into<String>) -> KernelError {
     KernelError::Device(msg.into())
 }
@@ -65,6 +90,12 @@ pub fn unavailable_reason() -> Option<String> {
         Err(e) => Some(e),
     }
 }
+
+/// Slots allocated with the backend (submissions in flight at once without allocating).
+const PREALLOCATED_SLOTS: usize = 4;
+/// Bytes per preallocated slot: views, block ids and outputs of a typical submission
+/// (e.g. 64 layers and 4096 blocks).
+const PREALLOCATED_BYTES: usize = 256 << 10;
 
 /// Buffers of one submission: parameters (views, block ids) then outputs, in pinned host
 /// memory and device memory at the same offsets, and its events.
@@ -128,6 +159,11 @@ impl CudaBackend {
     /// creates the side stream and compiles the kernel for the device's architecture.
     /// Errors (never panics) when any of that fails, e.g. on a machine without CUDA.
     pub fn new(ordinal: u32) -> Result<CudaBackend, KernelError> {
+        CudaBackend::with_variant(ordinal, KernelVariant::DEFAULT)
+    }
+
+    /// [`CudaBackend::new`] launching kernel `variant`.
+    pub fn with_variant(ordinal: u32, variant: KernelVariant) -> Result<CudaBackend, KernelError> {
         if let Some(why) = unavailable_reason() {
             return Err(kerr(why));
         }
@@ -136,22 +172,34 @@ impl CudaBackend {
             let cc = ctx.compute_capability()?;
             let image = load::compile(CHECKSUM_SRC, "checksum.cu", cc)?;
             let module = Module::load(&ctx, &image)?;
-            let kernel = module.function("kvf_checksum")?;
+            let kernel = module.function(variant.function())?;
             let sms = ctx
                 .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
                 .max(1) as u32;
             let grid_cap = sms * kernel.occupancy(THREADS)?;
             let stream = Stream::new(&ctx)?;
+            let inner = Inner {
+                ctx,
+                stream,
+                _module: module,
+                kernel,
+                grid_cap,
+                pool: Mutex::new(Pool::default()),
+                timing: AtomicBool::new(false),
+            };
+            // Allocate slots now: allocating pinned or device memory may synchronise the
+            // device, which must not happen on the submit path.
+            let slots = (0..PREALLOCATED_SLOTS)
+                .map(|_| inner.new_slot(PREALLOCATED_BYTES))
+                .collect::<Result<Vec<_>, _>>()?;
+            inner
+                .pool
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .free
+                .extend(slots);
             Ok(CudaBackend {
-                inner: Arc::new(Inner {
-                    ctx,
-                    stream,
-                    _module: module,
-                    kernel,
-                    grid_cap,
-                    pool: Mutex::new(Pool::default()),
-                    timing: AtomicBool::new(false),
-                }),
+                inner: Arc::new(inner),
             })
         })
         .map_err(kerr)
@@ -338,21 +386,23 @@ impl Inner {
                 return Ok(pool.free.swap_remove(i));
             }
         }
-        // Allocation happens only when the pool has no slot large enough (first use, growth).
-        let cap = need.next_power_of_two().max(64 << 10);
+        // Allocation happens only when the pool has no free slot large enough (more
+        // submissions in flight than slots, or a larger one than before).
+        self.new_slot(need.next_power_of_two().max(PREALLOCATED_BYTES))
+            .map_err(kerr)
+    }
+
+    fn new_slot(&self, cap: usize) -> Result<Slot, String> {
         let ctx = &self.ctx;
-        let mk = || -> Result<Slot, String> {
-            Ok(Slot {
-                host: PinnedBuffer::new(ctx, cap)?,
-                dev: DeviceBuffer::new(ctx, cap)?,
-                ready: Event::new(ctx, false)?,
-                done: Event::new(ctx, false)?,
-                kstart: Event::new(ctx, true)?,
-                kend: Event::new(ctx, true)?,
-                timed: false,
-            })
-        };
-        mk().map_err(kerr)
+        Ok(Slot {
+            host: PinnedBuffer::new(ctx, cap)?,
+            dev: DeviceBuffer::new(ctx, cap)?,
+            ready: Event::new(ctx, false)?,
+            done: Event::new(ctx, false)?,
+            kstart: Event::new(ctx, true)?,
+            kend: Event::new(ctx, true)?,
+            timed: false,
+        })
     }
 
     #[allow(clippy::too_many_arguments)]

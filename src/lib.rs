@@ -1,1 +1,19 @@
-//! kvferry facade
+//! kvferry: the `kvferry` command's library (DESIGN.md §6) — a facade over the
+//! workspace crates plus the demo, the two roles, the benchmark and the file tools.
+//!
+//! * [`checksum`], [`kernels`], [`transfer`], [`p2p`]: the crates, re-exported.
+//! * [`demo`] — the main job on loopback; [`roles`] — `serve`/`load` as two processes;
+//!   [`bench`] — the throughput sweep; [`spec`] — `checksum --spec`; [`payload_json`] — payload ⇄ JSON.
+
+pub use kvferry_checksum as checksum;
+pub use kvferry_kernels as kernels;
+pub use kvferry_p2p as p2p;
+pub use kvferry_transfer as transfer;
+
+pub mod bench;
+pub mod cli;
+pub mod demo;
+pub mod models;
+pub mod roles;
+pub mod setup;
+pub mod world;

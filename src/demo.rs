@@ -1,0 +1,330 @@
+//! `kvferry demo`: the main job. A producer (prefill) and a consumer (decode),
+//! each a TP×PP grid of ranks with its own KV memory and transfer engine, talk
+//! only through loopback sockets (ZeroMQ control channel + the transfer engine).
+//! For each request the producer "prefills" (seeded pseudo-random KV), publishes
+//! (checksums now), the consumer loads (the producer WRITEs, replies with the
+//! payload), the consumer verifies, the policy decides.
+//!
+//! Sources: DESIGN.md §4 (flow), §2.7 (policy), §6 (the CLI); issue 2 and 3.
+
+use std::collections::BTreeSet;
+use std::io::IsTerminal;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use kvferry_checksum::policy::{Action, LoadFailurePolicy, Policy};
+use kvferry_checksum::verdict::Verdict;
+use kvferry_p2p::{Consumer, ConsumerConfig, Landed, LoadGroup, LoadSpec, Producer, ProducerConfig};
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::cli::{CommonArgs, DemoArgs, FailurePolicyArg};
+use crate::models::model_by_name;
+use crate::setup::{engine_config, side_workers, transport_kind};
+use crate::world::{blocks_equal, build_side, fill_request, flip_bit, BlockPool, RankKv, SideConfig, GROUP_ID};
+
+/// The demo's result, printed as JSON with `--json`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct DemoReport {
+    /// Transport the engines used ("tcp" or "rdma").
+    pub transport: String,
+    /// Checksum backend ("cpu" or "cuda").
+    pub checksum_backend: String,
+    /// Model shape.
+    pub model: String,
+    /// Producer TP×PP and consumer TP×PP.
+    pub prefill_tp: u32,
+    /// See `prefill_tp`.
+    pub prefill_pp: u32,
+    /// See `prefill_tp`.
+    pub decode_tp: u32,
+    /// See `prefill_tp`.
+    pub decode_pp: u32,
+    /// Requests loaded.
+    pub requests: u32,
+    /// Prompt tokens over all requests.
+    pub tokens: u64,
+    /// Loads whose verdict was Verified.
+    pub verified: u32,
+    /// Loads whose verdict was Mismatch.
+    pub mismatch: u32,
+    /// Loads whose verdict was Unverified.
+    pub unverified: u32,
+    /// Loads that ended with an error (fail-closed + `fail`, or a transport failure).
+    pub failed: u32,
+    /// Loads the consumer recomputed (fail-closed + `recompute`).
+    pub recomputed: u32,
+    /// Loads that completed (the loaded KV used).
+    pub completed: u32,
+    /// Corruptions injected (`--corrupt`).
+    pub corrupted: u32,
+    /// After each recompute, the consumer's KV of that request equals the producer's
+    /// (null when nothing was recomputed).
+    pub kv_equal_after_recompute: Option<bool>,
+    /// KV bytes moved by the transfer engines.
+    pub bytes: u64,
+    /// Wall seconds of the loads (request, transfer, reply, verification).
+    pub seconds: f64,
+    /// bytes / seconds, in GB/s (10^9).
+    pub gb_per_s: f64,
+    /// Seconds spent checksumming (producer at publish + consumer after landing).
+    pub checksum_seconds: f64,
+    /// Seconds the producer spent "prefilling" (generating KV), not counted in `seconds`.
+    pub prefill_seconds: f64,
+}
+
+pub(crate) fn policy_of(c: &CommonArgs) -> Policy {
+    Policy {
+        fail_closed: c.fail_closed,
+        load_failure: match c.load_failure_policy {
+            FailurePolicyArg::Fail => LoadFailurePolicy::Fail,
+            FailurePolicyArg::Recompute => LoadFailurePolicy::Recompute,
+        },
+    }
+}
+
+/// Prompt lengths of `n` requests, spread over [min, max] (seeded).
+pub fn prompt_lengths(n: u32, min: u64, max: u64, seed: u64) -> Vec<u64> {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ 0x5eed_1e57);
+    (0..n).map(|_| rng.random_range(min..=max)).collect()
+}
+
+/// Runs the demo and prints its report.
+///
+/// Errors: bad arguments, a side that cannot be built, a producer that cannot start.
+pub fn run(args: &DemoArgs) -> Result<(), String> {
+    let report = run_report(args)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report).map_err(|e| e.to_string())?);
+    } else {
+        print_summary(&report);
+    }
+    Ok(())
+}
+
+fn check_args(args: &DemoArgs) -> Result<(), String> {
+    if args.min_tokens == 0 || args.min_tokens > args.max_tokens {
+        return Err(format!("--min-tokens {} / --max-tokens {}: need 1 <= min <= max", args.min_tokens, args.max_tokens));
+    }
+    if args.corrupt > args.requests {
+        return Err(format!("--corrupt {}: at most --requests ({})", args.corrupt, args.requests));
+    }
+    if args.common.block_size == 0 {
+        return Err("--block-size 0: must be at least 1".into());
+    }
+    if args.prefill_tp != args.decode_tp || args.prefill_pp != args.decode_pp {
+        return Err(format!(
+            "producer TP{}×PP{} vs consumer TP{}×PP{}: different TP/PP sizes need head mapping in the transfer, not supported yet",
+            args.prefill_tp, args.prefill_pp, args.decode_tp, args.decode_pp
+        ));
+    }
+    Ok(())
+}
+
+/// Runs the demo and returns its report (the tests use this).
+pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
+    check_args(args)?;
+    let c = &args.common;
+    let model = model_by_name(&c.model)?.clone();
+    let lengths = prompt_lengths(args.requests, args.min_tokens, args.max_tokens, args.seed);
+    let blocks_per_req = |t: u64| t.div_ceil(c.block_size);
+    let max_blocks = lengths.iter().map(|&t| blocks_per_req(t)).max().unwrap_or(1);
+    // Room for a couple of requests in flight on each side.
+    let num_blocks = max_blocks * 2 + 1;
+    let transport = transport_kind(c.transport);
+    let engine_cfg = engine_config(c);
+    let side = |tp, pp| SideConfig {
+        model: model.clone(),
+        tp,
+        pp,
+        block_size: c.block_size,
+        layout: c.layout.clone(),
+        num_blocks,
+        transport,
+    };
+    let mut prod_ranks = build_side(&side(args.prefill_tp, args.prefill_pp), &engine_cfg)?;
+    let cons_ranks = build_side(&side(args.decode_tp, args.decode_pp), &engine_cfg)?;
+    let transport_name = prod_ranks[0].engine.transport_name().to_string();
+    let (prod_workers, backend_name) = side_workers(&prod_ranks, c)?;
+    let (cons_workers, _) = side_workers(&cons_ranks, c)?;
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("starting the async runtime: {e}"))?;
+
+    // Which requests get a flipped bit, and where.
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(args.seed ^ 0xc0ff_ee00);
+    let corrupt: BTreeSet<u32> = {
+        let mut ids: Vec<u32> = (0..args.requests).collect();
+        use rand::seq::SliceRandom;
+        ids.shuffle(&mut rng);
+        ids.into_iter().take(args.corrupt as usize).collect()
+    };
+
+    let timeout = Duration::from_secs_f64(c.timeout);
+    let policy = policy_of(c);
+    let producer = rt
+        .block_on(Producer::start(ProducerConfig::default(), prod_workers))
+        .map_err(|e| format!("starting the producer: {e}"))?;
+    let endpoint = producer.endpoint().to_string();
+    let consumer = Consumer::new(ConsumerConfig { policy, reply_timeout: timeout, ..ConsumerConfig::default() }, cons_workers)
+        .map_err(|e| format!("starting the consumer: {e}"))?;
+
+    // The consumer's memory, shared with the landed hook (fault injection).
+    let cons_ranks = Arc::new(Mutex::new(cons_ranks));
+    let pending_flip: Arc<Mutex<Option<Flip>>> = Arc::new(Mutex::new(None));
+    {
+        let ranks = cons_ranks.clone();
+        let pending = pending_flip.clone();
+        consumer.set_landed_hook(Some(Arc::new(move |_landed: &Landed| {
+            if let Some(f) = pending.lock().unwrap().take() {
+                let mut r = ranks.lock().unwrap();
+                flip_bit(&mut r[f.rank], f.layer, &f.blocks, f.token, f.head, f.part, f.byte, f.bit);
+            }
+        })));
+    }
+
+    let mut prod_pool = BlockPool::new(num_blocks, args.seed);
+    let mut cons_pool = BlockPool::new(num_blocks, args.seed ^ 1);
+    let mut report = DemoReport {
+        transport: transport_name,
+        checksum_backend: backend_name,
+        model: model.name.to_string(),
+        prefill_tp: args.prefill_tp,
+        prefill_pp: args.prefill_pp,
+        decode_tp: args.decode_tp,
+        decode_pp: args.decode_pp,
+        requests: args.requests,
+        ..DemoReport::default()
+    };
+    let bar = if std::io::stderr().is_terminal() && !args.json {
+        let b = ProgressBar::new(args.requests as u64);
+        b.set_style(ProgressStyle::with_template("{spinner} {bar:40} {pos}/{len} loads {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+        b
+    } else {
+        ProgressBar::hidden()
+    };
+    let mut kv_equal: Option<bool> = None;
+    for (i, &tokens) in lengths.iter().enumerate() {
+        let i = i as u32;
+        let nb = blocks_per_req(tokens) as usize;
+        let pblocks = prod_pool.alloc(nb).ok_or("producer block pool exhausted")?;
+        let cblocks = cons_pool.alloc(nb).ok_or("consumer block pool exhausted")?;
+        let t0 = Instant::now();
+        for r in prod_ranks.iter_mut() {
+            fill_request(r, args.seed, i as u64, &pblocks);
+        }
+        report.prefill_seconds += t0.elapsed().as_secs_f64();
+        let request_id = format!("req-{i}");
+        let info = rt
+            .block_on(producer.publish(&request_id, vec![pblocks.iter().map(|&b| Some(b)).collect()], tokens))
+            .map_err(|e| format!("publishing {request_id}: {e}"))?;
+        report.checksum_seconds += info.checksum_seconds;
+        if corrupt.contains(&i) {
+            let ranks = cons_ranks.lock().unwrap();
+            *pending_flip.lock().unwrap() = Some(Flip::random(&mut rng, &ranks, &cblocks, tokens));
+            report.corrupted += 1;
+        }
+        let spec = LoadSpec {
+            request_id: request_id.clone(),
+            producer: endpoint.clone(),
+            groups: vec![LoadGroup { group_id: GROUP_ID, remote_blocks: pblocks.iter().map(|&b| Some(b)).collect(), local_blocks: cblocks.iter().map(|&b| Some(b)).collect() }],
+            num_local_computed: 0,
+            num_tokens: tokens,
+        };
+        let t1 = Instant::now();
+        let outcome = rt.block_on(consumer.load(spec));
+        report.seconds += t1.elapsed().as_secs_f64();
+        report.tokens += tokens;
+        match outcome {
+            Ok(o) => {
+                report.bytes += o.bytes;
+                report.checksum_seconds += o.checksum_seconds;
+                match &o.verdict {
+                    Some(Verdict::Verified) => report.verified += 1,
+                    Some(Verdict::Mismatch { .. }) => report.mismatch += 1,
+                    Some(Verdict::Unverified(_)) | None => report.unverified += 1,
+                }
+                match o.action {
+                    Action::Complete => report.completed += 1,
+                    Action::Fail => report.failed += 1,
+                    Action::Recompute => {
+                        report.recomputed += 1;
+                        // The embedder's job: recompute the prompt locally (same seeded KV),
+                        // then the consumer's KV must equal the producer's.
+                        let mut ranks = cons_ranks.lock().unwrap();
+                        for r in ranks.iter_mut() {
+                            fill_request(r, args.seed, i as u64, &cblocks);
+                        }
+                        let equal = prod_ranks.iter().zip(ranks.iter()).all(|(p, cr)| blocks_equal(p, &pblocks, cr, &cblocks));
+                        kv_equal = Some(kv_equal.unwrap_or(true) && equal);
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::error!(request = %request_id, "load failed: {e}");
+                report.failed += 1;
+            }
+        }
+        cons_pool.free(&cblocks);
+        // The load is over (served, failed or refused): the producer's blocks can be reused.
+        prod_pool.free(&pblocks);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    rt.block_on(producer.shutdown());
+    report.kv_equal_after_recompute = kv_equal;
+    report.gb_per_s = if report.seconds > 0.0 { report.bytes as f64 / report.seconds / 1e9 } else { 0.0 };
+    Ok(report)
+}
+
+/// Where the landed hook flips a bit: a byte of a token the prompt holds.
+#[derive(Debug, Clone)]
+struct Flip {
+    rank: usize,
+    layer: usize,
+    blocks: Vec<u64>,
+    token: u64,
+    head: u64,
+    part: u64,
+    byte: u64,
+    bit: u8,
+}
+
+impl Flip {
+    fn random(rng: &mut impl Rng, ranks: &[RankKv], blocks: &[u64], tokens: u64) -> Flip {
+        let rank = rng.random_range(0..ranks.len());
+        let layer = rng.random_range(0..ranks[rank].layers.len());
+        let g = &ranks[rank].layers[layer].spec.geometry;
+        Flip {
+            rank,
+            layer,
+            blocks: blocks.to_vec(),
+            token: rng.random_range(0..tokens),
+            head: rng.random_range(0..g.heads),
+            part: rng.random_range(0..g.parts()),
+            byte: rng.random_range(0..g.head_dim * g.elem.get()),
+            bit: rng.random_range(0..8),
+        }
+    }
+}
+
+fn print_summary(r: &DemoReport) {
+    println!("kvferry demo: {} — producer TP{}×PP{} → consumer TP{}×PP{}", r.model, r.prefill_tp, r.prefill_pp, r.decode_tp, r.decode_pp);
+    println!("  transport {}, checksums on {}", r.transport, r.checksum_backend);
+    println!("  {} requests, {} prompt tokens, {:.2} GB of KV moved", r.requests, r.tokens, r.bytes as f64 / 1e9);
+    println!("  loads: {:.3} s, {:.2} GB/s; checksums {:.3} s; prefill (KV generation) {:.3} s", r.seconds, r.gb_per_s, r.checksum_seconds, r.prefill_seconds);
+    println!(
+        "  verdicts: {} verified, {} mismatch, {} unverified; actions: {} completed, {} failed, {} recomputed",
+        r.verified, r.mismatch, r.unverified, r.completed, r.failed, r.recomputed
+    );
+    if r.corrupted > 0 {
+        println!("  {} corruptions injected", r.corrupted);
+    }
+    if let Some(eq) = r.kv_equal_after_recompute {
+        println!("  consumer KV equals producer KV after recovery: {}", if eq { "yes" } else { "NO" });
+    }
+}

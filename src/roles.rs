@@ -1,0 +1,169 @@
+//! `kvferry serve` (producer) and `kvferry load` (consumer) as two processes,
+//! for use across machines. The producer prefills and publishes `--requests`
+//! requests, then serves loads on its ZeroMQ ROUTER; the consumer loads each one.
+//!
+//! What a proxy would carry between them in a serving deployment (the producer's
+//! block ids and token counts, vLLM's kv_transfer_params) is derived on both
+//! sides from the shared `--seed`, `--requests` and token range: both replay the
+//! same prompt lengths and the same block allocation.
+
+use std::time::{Duration, Instant};
+
+use kvferry_checksum::policy::Action;
+use kvferry_checksum::verdict::Verdict;
+use kvferry_p2p::{Consumer, ConsumerConfig, LoadGroup, LoadSpec, Producer, ProducerConfig};
+use serde::Serialize;
+
+use crate::cli::{LoadArgs, ServeArgs};
+use crate::demo::{policy_of, prompt_lengths};
+use crate::models::model_by_name;
+use crate::setup::{engine_config, side_workers, transport_kind};
+use crate::world::{build_side, fill_request, BlockPool, SideConfig, GROUP_ID};
+
+/// The producer's block table of every request: lengths and block ids, replayed
+/// identically by both roles.
+fn producer_tables(requests: u32, min: u64, max: u64, seed: u64, block_size: u64) -> Result<(Vec<u64>, Vec<Vec<u64>>, u64), String> {
+    if min == 0 || min > max || block_size == 0 {
+        return Err(format!("--min-tokens {min} / --max-tokens {max} / --block-size {block_size}: need 1 <= min <= max and a block size >= 1"));
+    }
+    let lengths = prompt_lengths(requests, min, max, seed);
+    let total: u64 = lengths.iter().map(|t| t.div_ceil(block_size)).sum();
+    let mut pool = BlockPool::new(total.max(1), seed);
+    let tables = lengths
+        .iter()
+        .map(|t| pool.alloc(t.div_ceil(block_size) as usize).expect("pool sized for all requests"))
+        .collect();
+    Ok((lengths, tables, total.max(1)))
+}
+
+/// `kvferry serve`: prefill and publish every request, then serve loads until
+/// `--exit-after` loads were served (or forever).
+///
+/// Errors: bad arguments, an address that cannot be bound, a side that cannot be built.
+pub fn serve(args: &ServeArgs) -> Result<(), String> {
+    let c = &args.common;
+    let model = model_by_name(&c.model)?.clone();
+    let (lengths, tables, num_blocks) = producer_tables(args.requests, args.min_tokens, args.max_tokens, args.seed, c.block_size)?;
+    let side = SideConfig { model, tp: 1, pp: 1, block_size: c.block_size, layout: c.layout.clone(), num_blocks, transport: transport_kind(c.transport) };
+    let mut ranks = build_side(&side, &engine_config(c))?;
+    let (workers, backend) = side_workers(&ranks, c)?;
+    let rt = tokio::runtime::Runtime::new().map_err(|e| format!("starting the async runtime: {e}"))?;
+    for (i, blocks) in tables.iter().enumerate() {
+        for r in ranks.iter_mut() {
+            fill_request(r, args.seed, i as u64, blocks);
+        }
+    }
+    let mut cfg = ProducerConfig::default();
+    cfg.bind = format!("tcp://{}", args.bind);
+    let producer = rt.block_on(Producer::start(cfg, workers)).map_err(|e| format!("starting the producer on {}: {e}", args.bind))?;
+    for (i, (blocks, &tokens)) in tables.iter().zip(&lengths).enumerate() {
+        rt.block_on(producer.publish(&format!("req-{i}"), vec![blocks.iter().map(|&b| Some(b)).collect()], tokens))
+            .map_err(|e| format!("publishing req-{i}: {e}"))?;
+    }
+    eprintln!(
+        "kvferry serve: {} requests published on {} (transport {}, checksums on {backend})",
+        args.requests,
+        producer.endpoint(),
+        ranks[0].engine.transport_name()
+    );
+    let mut served = 0u32;
+    loop {
+        std::thread::sleep(Duration::from_millis(50));
+        served += producer.released().len() as u32;
+        if args.exit_after > 0 && served >= args.exit_after {
+            break;
+        }
+    }
+    rt.block_on(producer.shutdown());
+    eprintln!("kvferry serve: {served} loads served, exiting");
+    Ok(())
+}
+
+/// Result of `kvferry load`, printed as JSON with `--json`.
+#[derive(Debug, Default, Serialize)]
+pub struct LoadReport {
+    /// Transport the engine used.
+    pub transport: String,
+    /// Requests loaded.
+    pub requests: u32,
+    /// Verdict counts.
+    pub verified: u32,
+    /// See `verified`.
+    pub mismatch: u32,
+    /// See `verified`.
+    pub unverified: u32,
+    /// Loads that failed.
+    pub failed: u32,
+    /// Loads to recompute.
+    pub recomputed: u32,
+    /// KV bytes moved.
+    pub bytes: u64,
+    /// Wall seconds of the loads.
+    pub seconds: f64,
+    /// bytes / seconds in GB/s.
+    pub gb_per_s: f64,
+}
+
+/// `kvferry load`: load every request from a `kvferry serve` producer and verify it.
+///
+/// Errors: bad arguments, a side that cannot be built. Failed loads are counted, not errors.
+pub fn load(args: &LoadArgs) -> Result<(), String> {
+    let c = &args.common;
+    let model = model_by_name(&c.model)?.clone();
+    let (lengths, tables, _) = producer_tables(args.requests, args.min_tokens, args.max_tokens, args.seed, c.block_size)?;
+    let max_blocks = lengths.iter().map(|t| t.div_ceil(c.block_size)).max().unwrap_or(1);
+    let side = SideConfig { model, tp: 1, pp: 1, block_size: c.block_size, layout: c.layout.clone(), num_blocks: max_blocks, transport: transport_kind(c.transport) };
+    let ranks = build_side(&side, &engine_config(c))?;
+    let (workers, _) = side_workers(&ranks, c)?;
+    let rt = tokio::runtime::Runtime::new().map_err(|e| format!("starting the async runtime: {e}"))?;
+    let consumer = Consumer::new(
+        ConsumerConfig { policy: policy_of(c), reply_timeout: Duration::from_secs_f64(c.timeout), ..ConsumerConfig::default() },
+        workers,
+    )
+    .map_err(|e| format!("starting the consumer: {e}"))?;
+    let producer = if args.producer.starts_with("tcp://") { args.producer.clone() } else { format!("tcp://{}", args.producer) };
+    let mut report = LoadReport { transport: ranks[0].engine.transport_name().to_string(), requests: args.requests, ..LoadReport::default() };
+    let local: Vec<Option<u64>> = (0..max_blocks).map(Some).collect();
+    for (i, (blocks, &tokens)) in tables.iter().zip(&lengths).enumerate() {
+        let spec = LoadSpec {
+            request_id: format!("req-{i}"),
+            producer: producer.clone(),
+            groups: vec![LoadGroup { group_id: GROUP_ID, remote_blocks: blocks.iter().map(|&b| Some(b)).collect(), local_blocks: local[..blocks.len()].to_vec() }],
+            num_local_computed: 0,
+            num_tokens: tokens,
+        };
+        let t = Instant::now();
+        let outcome = rt.block_on(consumer.load(spec));
+        report.seconds += t.elapsed().as_secs_f64();
+        match outcome {
+            Ok(o) => {
+                report.bytes += o.bytes;
+                match o.verdict {
+                    Some(Verdict::Verified) => report.verified += 1,
+                    Some(Verdict::Mismatch { .. }) => report.mismatch += 1,
+                    Some(Verdict::Unverified(_)) | None => report.unverified += 1,
+                }
+                match o.action {
+                    Action::Complete => {}
+                    Action::Fail => report.failed += 1,
+                    Action::Recompute => report.recomputed += 1,
+                }
+            }
+            Err(e) => {
+                eprintln!("kvferry load: req-{i}: {e}");
+                report.failed += 1;
+            }
+        }
+    }
+    report.gb_per_s = if report.seconds > 0.0 { report.bytes as f64 / report.seconds / 1e9 } else { 0.0 };
+    if args.json {
+        println!("{}", serde_json::to_string(&report).map_err(|e| e.to_string())?);
+    } else {
+        println!(
+            "kvferry load: {} requests over {}: {} verified, {} mismatch, {} unverified, {} failed, {} recomputed; {:.2} GB in {:.3} s ({:.2} GB/s)",
+            report.requests, report.transport, report.verified, report.mismatch, report.unverified, report.failed, report.recomputed,
+            report.bytes as f64 / 1e9, report.seconds, report.gb_per_s
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,65 @@
+//! Turning command-line options into engine configs and p2p workers (shared by
+//! `demo`, `serve` and `load`).
+
+use std::time::Duration;
+
+use kvferry_kernels::{backend_for, Device, LayerInput};
+use kvferry_p2p::{Worker, WorkerGroup};
+use kvferry_transfer::{EngineConfig, TransportKind};
+
+use crate::cli::{CommonArgs, DeviceArg, TransportArg};
+use crate::world::{RankKv, GROUP_ID};
+
+/// The engine's transport choice for a `--transport` value.
+pub fn transport_kind(t: TransportArg) -> TransportKind {
+    match t {
+        TransportArg::Auto => TransportKind::Auto,
+        TransportArg::Tcp => TransportKind::Tcp,
+        TransportArg::Rdma => TransportKind::Rdma,
+    }
+}
+
+/// The transfer engine configuration for the common options (loopback host,
+/// port picked by the OS, `--timeout` as the transfer deadline).
+pub fn engine_config(c: &CommonArgs) -> EngineConfig {
+    EngineConfig {
+        transport: transport_kind(c.transport),
+        transfer_timeout: Duration::from_secs_f64(c.timeout),
+        ..EngineConfig::default()
+    }
+}
+
+/// The p2p workers of one side's ranks, and the checksum backend's name.
+///
+/// Errors: `--device cuda` with host-memory ranks (GPU KV memory is set up by the
+/// GPU path, not here).
+pub fn side_workers(ranks: &[RankKv], c: &CommonArgs) -> Result<(Vec<Worker>, String), String> {
+    let device = match c.device {
+        DeviceArg::Cpu => Device::Cpu,
+        DeviceArg::Cuda => return Err("--device cuda: GPU KV memory is not available in this build of the demo".into()),
+    };
+    let backend = backend_for(device);
+    let name = backend.name().to_string();
+    let workers = ranks
+        .iter()
+        .map(|r| Worker {
+            rank: r.rank,
+            engine: r.engine.clone(),
+            device,
+            groups: vec![WorkerGroup {
+                group_id: GROUP_ID,
+                block_size: r.layers.first().map(|l| l.spec.geometry.block_size()).unwrap_or(1),
+                layers: r
+                    .layers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, l)| LayerInput { spec: l.spec.clone(), addr: r.layer_addr(i), len: l.spec.geometry.byte_len() })
+                    .collect(),
+                sliding_window: None,
+                skipped: None,
+            }],
+            backend: backend.clone(),
+        })
+        .collect();
+    Ok((workers, name))
+}

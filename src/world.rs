@@ -1,0 +1,319 @@
+//! One side's KV caches as a serving engine would hold them: a worker per TP×PP
+//! rank, each with its own memory (one arena holding all its layers' arrays),
+//! its own transfer engine, and the layers it holds (PP splits layers, TP splits
+//! KV heads or replicates them). Used by `demo`, `serve` and `load`.
+//!
+//! Sources: DESIGN.md §2.2 (layouts), §2.3 (replicas), §3 (registration), §4 (ranks).
+
+use std::sync::Arc;
+
+use kvferry_checksum::group::{plan_group, CacheDesc, GroupPlan, LayerSpec, RankInfo};
+use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
+use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransportKind};
+use memmap2::MmapMut;
+use rand::{RngCore, SeedableRng};
+
+use crate::models::ModelShape;
+
+/// The group id every demo layer belongs to (one full-attention group).
+pub const GROUP_ID: u32 = 0;
+
+/// What shapes one side (producer or consumer) of the demo.
+#[derive(Debug, Clone)]
+pub struct SideConfig {
+    /// The model whose KV caches are held.
+    pub model: ModelShape,
+    /// TP ranks.
+    pub tp: u32,
+    /// PP stages.
+    pub pp: u32,
+    /// Tokens per block.
+    pub block_size: u64,
+    /// Layout of each layer's array (ignored for MLA, which is always `B N D`).
+    pub layout: String,
+    /// Logical blocks per layer array.
+    pub num_blocks: u64,
+    /// Transport of each rank's engine.
+    pub transport: TransportKind,
+}
+
+/// One layer's array inside a rank's arena.
+#[derive(Debug, Clone)]
+pub struct LayerAlloc {
+    /// The layer as the checksum sees it (global heads, replica key).
+    pub spec: LayerSpec,
+    /// Byte offset of the array in the arena.
+    pub offset: u64,
+}
+
+/// One rank's KV memory and transfer engine.
+pub struct RankKv {
+    /// TP/PP place of this rank.
+    pub rank: RankInfo,
+    /// The rank's layers, in layer order.
+    pub layers: Vec<LayerAlloc>,
+    /// The memory every layer lives in (host memory, registered with `engine`).
+    arena: MmapMut,
+    /// The rank's transfer engine.
+    pub engine: Arc<TransferEngine>,
+}
+
+impl RankKv {
+    /// Base address of the arena.
+    pub fn base(&self) -> u64 {
+        self.arena.as_ptr() as u64
+    }
+
+    /// Address of layer `i`'s array.
+    pub fn layer_addr(&self, i: usize) -> u64 {
+        self.base() + self.layers[i].offset
+    }
+
+    /// The arena's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.arena
+    }
+
+    /// The arena's bytes, writable (filling, fault injection).
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.arena
+    }
+
+    /// Layer `i`'s array.
+    pub fn layer_bytes(&self, i: usize) -> &[u8] {
+        let l = &self.layers[i];
+        &self.arena[l.offset as usize..(l.offset + l.spec.geometry.byte_len()) as usize]
+    }
+}
+
+/// Errors building a side.
+pub type WorldError = String;
+
+/// Which layers PP stage `stage` of `pp` holds: a contiguous run, earlier stages
+/// taking one more when the count does not divide.
+pub fn stage_layers(layers: u32, pp: u32, stage: u32) -> std::ops::Range<u32> {
+    let base = layers / pp;
+    let extra = layers % pp;
+    let start = stage * base + stage.min(extra);
+    let len = base + u32::from(stage < extra);
+    start..start + len
+}
+
+/// Builds the ranks of one side: plans each rank's layers (global heads,
+/// replicas) with the checksum crate, allocates and registers each rank's arena
+/// with a new transfer engine.
+///
+/// Errors: a TP size the model's heads cannot be split into, a bad layout, a
+/// layer the checksum cannot cover, an engine or registration failure.
+pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<RankKv>, WorldError> {
+    if cfg.tp == 0 || cfg.pp == 0 || cfg.pp > cfg.model.layers {
+        return Err(format!("TP {} / PP {}: both must be at least 1 and PP at most the layer count {}", cfg.tp, cfg.pp, cfg.model.layers));
+    }
+    let m = &cfg.model;
+    if !m.mla && m.kv_heads > cfg.tp && m.kv_heads % cfg.tp != 0 {
+        return Err(format!("TP {}: {} KV heads do not split evenly", cfg.tp, m.kv_heads));
+    }
+    if !m.mla && cfg.tp > m.kv_heads && cfg.tp % m.kv_heads != 0 {
+        return Err(format!("TP {}: not a multiple of the {} KV heads", cfg.tp, m.kv_heads));
+    }
+    let layout_text = if m.mla { "B N D" } else { cfg.layout.as_str() };
+    let layout = Layout::parse(layout_text).map_err(|e| e.to_string())?;
+    if m.mla == layout.has_kv() {
+        return Err(format!("layout {layout_text:?}: {} needs {}", m.name, if m.mla { "no KV dimension" } else { "a KV dimension" }));
+    }
+    let heads_per_rank = if m.mla { 1 } else { (m.kv_heads / cfg.tp).max(1) } as u64;
+    if !layout.has_heads() && heads_per_rank != 1 {
+        return Err(format!("layout {layout_text:?} has no H dimension but each rank holds {heads_per_rank} heads"));
+    }
+    let elem = ElemBytes::new(m.elem_bytes).map_err(|e| e.to_string())?;
+    let mut ranks = Vec::new();
+    for pp_rank in 0..cfg.pp {
+        for tp_rank in 0..cfg.tp {
+            let rank = RankInfo { tp_rank, tp_size: cfg.tp, pp_rank, pp_size: cfg.pp };
+            let mut caches = Vec::new();
+            for layer in stage_layers(m.layers, cfg.pp, pp_rank) {
+                let g = Geometry::contiguous(layout.clone(), cfg.num_blocks, cfg.block_size, heads_per_rank, m.head_dim, elem, 1)
+                    .map_err(|e| e.to_string())?;
+                caches.push(CacheDesc::new(m.layer_name(layer), Some(m.kind()), Some(m.dtype), g));
+            }
+            let specs = match plan_group(GROUP_ID, cfg.block_size, &caches, rank, Some(m.kv_heads)) {
+                GroupPlan::Checksum { layers, .. } => layers,
+                GroupPlan::Skipped { reason, .. } => return Err(format!("rank {rank:?}: the KV cache group cannot be checksummed: {reason}")),
+            };
+            let mut layers = Vec::with_capacity(specs.len());
+            let mut offset = 0u64;
+            for spec in specs {
+                let len = spec.geometry.byte_len();
+                layers.push(LayerAlloc { spec, offset });
+                offset += len.next_multiple_of(4096);
+            }
+            let arena = MmapMut::map_anon(offset.max(4096) as usize).map_err(|e| format!("allocating {offset} bytes of KV memory: {e}"))?;
+            let mut ecfg = engine_cfg.clone();
+            ecfg.transport = cfg.transport;
+            let engine = TransferEngine::new(ecfg).map_err(|e| format!("starting the transfer engine of rank {rank:?}: {e}"))?;
+            // SAFETY: the arena lives as long as the RankKv, which owns the engine handle;
+            // the engine is told to forget the region in Drop below.
+            unsafe { engine.register_memory(arena.as_ptr() as u64, arena.len() as u64, Location::Cpu) }
+                .map_err(|e| format!("registering KV memory of rank {rank:?}: {e}"))?;
+            ranks.push(RankKv { rank, layers, arena, engine });
+        }
+    }
+    Ok(ranks)
+}
+
+impl Drop for RankKv {
+    fn drop(&mut self) {
+        // The engine may outlive this arena (shared Arc): make it forget the memory first.
+        let _ = self.engine.unregister_memory(self.base());
+    }
+}
+
+/// Seed of one (request, layer, global head, block position) stretch of KV, so
+/// that any rank holding the head, and a consumer recomputing it, make the same bytes.
+fn stretch_seed(seed: u64, request: u64, layer: u32, head: u64, position: u64) -> u64 {
+    // SplitMix64 over the fields: cheap, well mixed, deterministic.
+    let mut x = seed ^ 0x9E37_79B9_7F4A_7C15;
+    for v in [request, layer as u64, head, position] {
+        x = x.wrapping_add(v.wrapping_mul(0xBF58_476D_1CE4_E5B9)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^= x >> 31;
+    }
+    x
+}
+
+/// "Prefill": writes request `request`'s KV into `blocks` (block ids in request
+/// order) of every layer of `rank`, every slot of every block (also those past the
+/// prompt's end), from seeded pseudo-random bytes that depend only on (seed,
+/// request, layer, global head, block position). Returns the bytes written.
+pub fn fill_request(rank: &mut RankKv, seed: u64, request: u64, blocks: &[u64]) -> u64 {
+    let mut written = 0u64;
+    let layers = rank.layers.clone();
+    let arena = rank.bytes_mut();
+    let mut buf = Vec::new();
+    for l in &layers {
+        let g = &l.spec.geometry;
+        let chunk = (g.head_dim * g.elem.get()) as usize;
+        let n = g.tokens_per_kernel_block;
+        let kb_per_block = g.kernel_blocks_per_block;
+        let cells = (g.block_size() * g.parts()) as usize;
+        buf.resize(cells * chunk, 0);
+        for (position, &block) in blocks.iter().enumerate() {
+            for h in 0..g.heads {
+                let global = l.spec.head_offset as u64 + h;
+                let mut rng = rand::rngs::SmallRng::seed_from_u64(stretch_seed(seed, request, l.spec.layer, global, position as u64));
+                rng.fill_bytes(&mut buf);
+                let mut src = 0;
+                for t in 0..g.block_size() {
+                    let kb = block * kb_per_block + t / n;
+                    for part in 0..g.parts() {
+                        let at = (l.offset + g.byte_offset(part, kb, t % n, h, 0)) as usize;
+                        arena[at..at + chunk].copy_from_slice(&buf[src..src + chunk]);
+                        src += chunk;
+                    }
+                }
+                written += buf.len() as u64;
+            }
+        }
+    }
+    written
+}
+
+/// Flips bit `bit` (0..8) of the byte of token `token` (< the prompt's tokens)
+/// of `rank`'s layer `layer`, head `head`, part `part`, element byte `byte`, in
+/// the block `blocks[token / block_size]`: a corruption the checksum must see.
+pub fn flip_bit(rank: &mut RankKv, layer: usize, blocks: &[u64], token: u64, head: u64, part: u64, byte: u64, bit: u8) {
+    let l = rank.layers[layer].clone();
+    let g = &l.spec.geometry;
+    let block = blocks[(token / g.block_size()) as usize];
+    let t = token % g.block_size();
+    let kb = block * g.kernel_blocks_per_block + t / g.tokens_per_kernel_block;
+    let at = l.offset + g.byte_offset(part, kb, t % g.tokens_per_kernel_block, head, 0) + byte;
+    rank.bytes_mut()[at as usize] ^= 1 << bit;
+}
+
+/// True when `blocks_a` of rank `a` and `blocks_b` of rank `b` hold equal bytes in
+/// every layer (same layer set and geometry expected).
+pub fn blocks_equal(a: &RankKv, blocks_a: &[u64], b: &RankKv, blocks_b: &[u64]) -> bool {
+    if a.layers.len() != b.layers.len() || blocks_a.len() != blocks_b.len() {
+        return false;
+    }
+    for (i, (la, lb)) in a.layers.iter().zip(&b.layers).enumerate() {
+        let (ba, bb) = (a.layer_bytes(i), b.layer_bytes(i));
+        for (&x, &y) in blocks_a.iter().zip(blocks_b) {
+            let ra = la.spec.geometry.block_byte_ranges(x);
+            let rb = lb.spec.geometry.block_byte_ranges(y);
+            if ra.len() != rb.len() {
+                return false;
+            }
+            for (r1, r2) in ra.iter().zip(&rb) {
+                if ba[r1.start as usize..r1.end as usize] != bb[r2.start as usize..r2.end as usize] {
+                    return false;
+                }
+            }
+        }
+    }
+    true
+}
+
+/// A fixed pool of block ids (a side's block allocator), handing out scattered ids.
+pub struct BlockPool {
+    free: Vec<u64>,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` blocks, shuffled with `seed` so requests get scattered blocks.
+    pub fn new(num_blocks: u64, seed: u64) -> BlockPool {
+        use rand::seq::SliceRandom;
+        let mut free: Vec<u64> = (0..num_blocks).collect();
+        free.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed));
+        BlockPool { free }
+    }
+
+    /// Takes `n` blocks, or `None` when fewer are free.
+    pub fn alloc(&mut self, n: usize) -> Option<Vec<u64>> {
+        if n > self.free.len() {
+            return None;
+        }
+        Some(self.free.split_off(self.free.len() - n))
+    }
+
+    /// Returns blocks to the pool.
+    pub fn free(&mut self, blocks: &[u64]) {
+        self.free.extend_from_slice(blocks);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stages_cover_all_layers_once() {
+        for layers in 1..40 {
+            for pp in 1..=layers.min(5) {
+                let mut next = 0;
+                for s in 0..pp {
+                    let r = stage_layers(layers, pp, s);
+                    assert_eq!(r.start, next);
+                    assert!(!r.is_empty());
+                    next = r.end;
+                }
+                assert_eq!(next, layers);
+            }
+        }
+    }
+
+    #[test]
+    fn pool_hands_out_distinct_blocks() {
+        let mut p = BlockPool::new(10, 3);
+        let a = p.alloc(4).unwrap();
+        let b = p.alloc(6).unwrap();
+        assert!(p.alloc(1).is_none());
+        let mut all: Vec<_> = a.iter().chain(&b).copied().collect();
+        all.sort();
+        assert_eq!(all, (0..10).collect::<Vec<_>>());
+        p.free(&a);
+        assert_eq!(p.alloc(4).unwrap().len(), 4);
+    }
+}

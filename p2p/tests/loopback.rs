@@ -528,3 +528,166 @@ async fn fail_closed_without_carrier_is_refused_at_startup() {
         .unwrap()
         .checksums_enabled());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_keep_a_waiting_load_alive_past_the_silence_deadline() {
+    let pcfg = ProducerConfig {
+        timeouts: ProducerTimeouts {
+            heartbeat: Duration::from_millis(100),
+            ..ProducerTimeouts::default()
+        },
+        ..producer_config()
+    };
+    let p = Side::new(1, 1, PRODUCER_BLOCKS, Some(7));
+    let c = Side::new(1, 1, CONSUMER_BLOCKS, Some(99));
+    let producer = Producer::start(pcfg, p.workers.clone()).await.unwrap();
+    let cfg = ConsumerConfig {
+        reply_timeout: Duration::from_millis(400),
+        ..consumer_config(Policy::default())
+    };
+    let consumer = Consumer::new(cfg, c.workers.clone()).unwrap();
+    let load = consumer.load(spec("req-h", &producer));
+    let publish = async {
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        producer
+            .publish("req-h", vec![remote_table()], NUM_TOKENS)
+            .await
+            .unwrap()
+    };
+    let (out, _) = tokio::join!(load, publish);
+    assert_eq!(out.unwrap().verdict, Some(Verdict::Verified));
+    producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_protocol_version_gets_a_clear_error_reply() {
+    use bytes::Bytes;
+    use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+    let p = Side::new(1, 1, PRODUCER_BLOCKS, Some(7));
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    #[derive(serde::Serialize)]
+    struct Future {
+        version: u32,
+        kind: &'static str,
+        request_id: &'static str,
+        load_id: u64,
+        something_new: bool,
+    }
+    let body = rmp_serde::to_vec_named(&Future {
+        version: 9,
+        kind: "transfer_request",
+        request_id: "req-v",
+        load_id: 77,
+        something_new: true,
+    })
+    .unwrap();
+    let mut dealer = zeromq::DealerSocket::new();
+    dealer.connect(producer.endpoint()).await.unwrap();
+    dealer
+        .send(ZmqMessage::from(Bytes::from(body)))
+        .await
+        .unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(5), dealer.recv())
+        .await
+        .expect("no reply")
+        .unwrap();
+    let reply = kvferry_p2p::proto::msg::decode_reply(reply.get(reply.len() - 1).unwrap()).unwrap();
+    assert_eq!(reply.status(), kvferry_p2p::proto::msg::Status::Error);
+    assert_eq!((reply.request_id.as_str(), reply.load_id), ("req-v", 77));
+    assert!(reply.error.unwrap().contains("version"));
+    producer.shutdown().await;
+}
+
+/// A backend that always fails: a worker that does not report.
+struct BrokenBackend;
+impl kvferry_kernels::ChecksumBackend for BrokenBackend {
+    fn name(&self) -> &'static str {
+        "broken"
+    }
+    unsafe fn submit(
+        &self,
+        _jobs: Vec<kvferry_kernels::GroupJob>,
+    ) -> Result<kvferry_kernels::PendingChecksums, kvferry_kernels::KernelError> {
+        Err(kvferry_kernels::KernelError::Device("test: broken".into()))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producer_worker_not_reporting_sends_no_checksums() {
+    let mut p = Side::new(2, 1, PRODUCER_BLOCKS, Some(7));
+    let c = Side::new(2, 1, CONSUMER_BLOCKS, Some(99));
+    p.workers[1].backend = Arc::new(BrokenBackend);
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let consumer = Consumer::new(consumer_config(Policy::default()), c.workers.clone()).unwrap();
+    let info = producer
+        .publish("req-x", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    assert!(!info.checksummed);
+    assert!(info.warning.unwrap().contains("not every worker reported"));
+    let out = consumer.load(spec("req-x", &producer)).await.unwrap();
+    assert_eq!(
+        out.verdict,
+        Some(Verdict::Unverified(vec![(
+            None,
+            UnverifiedReason::NoChecksums
+        )]))
+    );
+    producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_worker_not_reporting_is_unverified() {
+    let p = Side::new(2, 1, PRODUCER_BLOCKS, Some(7));
+    let mut c = Side::new(2, 1, CONSUMER_BLOCKS, Some(99));
+    c.workers[0].backend = Arc::new(BrokenBackend);
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let consumer = Consumer::new(
+        consumer_config(fail_closed(LoadFailurePolicy::Fail)),
+        c.workers.clone(),
+    )
+    .unwrap();
+    producer
+        .publish("req-y", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    let out = consumer.load(spec("req-y", &producer)).await.unwrap();
+    assert_eq!(
+        out.verdict,
+        Some(Verdict::Unverified(vec![(
+            None,
+            UnverifiedReason::NotEveryWorkerReported
+        )]))
+    );
+    assert_eq!(out.action, Action::Fail);
+    producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_errors_are_clear() {
+    let p = Side::new(1, 1, PRODUCER_BLOCKS, Some(7));
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    producer
+        .publish("dup", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    let e = producer
+        .publish("dup", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("already published"), "{e}");
+    let e = producer
+        .publish("no-groups", vec![], NUM_TOKENS)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("no block table for group 0"), "{e}");
+    producer.shutdown().await;
+}

@@ -16,13 +16,16 @@ use super::msg::{decode_reply, encode, MsgError, Reply, Status, TransferRequest}
 /// Why a load failed before any verdict (transport or producer side).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FailReason {
-    /// No reply within the reply deadline.
+    /// No reply within the reply deadline. A live producer whose control channel
+    /// broke could still write into the load's blocks until the request's budget
+    /// ends (`max_wait` after the request): do not reuse them before.
     #[error("no reply from the producer within {0:?} (lost reply or dead producer)")]
     NoReply(Duration),
     /// The producer kept answering CONTINUE past the overall deadline.
     #[error("producer did not finish within {0:?}")]
     Overall(Duration),
-    /// The connection to the producer broke (producer died or restarted).
+    /// The connection to the producer broke (producer died or restarted). As for
+    /// `NoReply`, the load's blocks are safe to reuse only after `max_wait`.
     #[error("connection to the producer lost: {0}")]
     ConnectionLost(String),
     /// The producer answered ERROR.
@@ -91,11 +94,19 @@ impl ConsumerMachine {
         }
     }
 
+    /// The budget sent with each request: `max_wait` less a grace for the request's
+    /// trip (1 s, at most a quarter of `max_wait`), so that the producer's last write
+    /// ends before this side's overall deadline.
+    pub fn budget(&self) -> Duration {
+        self.max_wait - (self.max_wait / 4).min(Duration::from_secs(1))
+    }
+
     /// Registers a load: assigns `request.load_id` and returns it with the encoded request.
     pub fn start(&mut self, now: Instant, mut request: TransferRequest) -> (u64, Vec<u8>) {
         let load_id = self.next_load_id;
         self.next_load_id = self.next_load_id.wrapping_add(1);
         request.load_id = load_id;
+        request.budget_ms = self.budget().as_millis().min(u64::MAX as u128) as u64;
         self.pending.insert(
             load_id,
             Pending {

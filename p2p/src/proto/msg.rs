@@ -168,6 +168,11 @@ pub struct TransferRequest {
     pub num_local_computed: u64,
     /// Tokens of the request's KV (num_computed after the load).
     pub num_tokens: u64,
+    /// Milliseconds, from the producer's receipt, within which the consumer still
+    /// accepts the blocks; the producer starts no transfer that could end later.
+    /// 0: no budget.
+    #[serde(default)]
+    pub budget_ms: u64,
     /// Blocks to write, per group.
     pub blocks: Vec<WireBlocks>,
     /// The consumer's ranks.

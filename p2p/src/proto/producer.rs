@@ -7,6 +7,11 @@
 //!   fetched twice); a second request, or one for an expired lease, gets ERROR.
 //! * A request that arrives before its publish waits (bounded by `publish_wait`);
 //!   the consumer gets CONTINUE meanwhile and ERROR when the wait runs out.
+//! * While a request waits or is being served, the consumer gets a CONTINUE every
+//!   `heartbeat`, so that its silence deadline only fires for a dead producer.
+//! * A request carries the consumer's budget (`budget_ms`): a transfer is started
+//!   only if it can end (within `serve_margin`) before the consumer gives up, so
+//!   the producer never writes into blocks the consumer already abandoned.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -23,6 +28,8 @@ pub struct ProducerTimeouts {
     /// How long a finished request's id is remembered, so that a late request
     /// for it gets a precise error (served / expired / failed) instead of waiting.
     pub tombstone: Duration,
+    /// Interval of CONTINUE messages to a consumer whose request waits or is served.
+    pub heartbeat: Duration,
 }
 
 impl Default for ProducerTimeouts {
@@ -31,6 +38,7 @@ impl Default for ProducerTimeouts {
             lease: Duration::from_secs(120),
             publish_wait: Duration::from_secs(30),
             tombstone: Duration::from_secs(600),
+            heartbeat: Duration::from_secs(1),
         }
     }
 }
@@ -56,7 +64,8 @@ pub enum Effect<P, T> {
         /// The message.
         reply: Reply,
     },
-    /// Write the blocks of `lease` as `request` asks, then call [`ProducerMachine::on_served`].
+    /// Write the blocks of `lease` as `request` asks, finishing by `deadline`,
+    /// then call [`ProducerMachine::on_served`].
     Serve {
         /// The consumer connection.
         peer: P,
@@ -64,6 +73,8 @@ pub enum Effect<P, T> {
         request: TransferRequest,
         /// The published data, moved out of the lease (it is served once).
         lease: T,
+        /// When the writes must be done (the serve margin from now).
+        deadline: Instant,
     },
     /// The blocks of `request_id` may be reused by the embedder.
     Released {
@@ -82,30 +93,49 @@ pub enum PublishError {
     Duplicate(String),
 }
 
-enum Entry<T> {
-    Held { data: T, expires: Instant },
-    Serving,
-    Done { why: String, forget_at: Instant },
+enum Entry<P, T> {
+    Held {
+        data: T,
+        expires: Instant,
+    },
+    Serving {
+        peer: P,
+        load_id: u64,
+        next_beat: Instant,
+    },
+    Done {
+        why: String,
+        forget_at: Instant,
+    },
 }
 
 struct Parked<P> {
     peer: P,
     request: TransferRequest,
+    /// When waiting for the publish stops (publish wait, or the consumer's budget).
     deadline: Instant,
+    /// The consumer's own deadline, if it sent a budget.
+    consumer_deadline: Option<Instant>,
+    next_beat: Instant,
 }
 
 /// The producer's state: leases, requests waiting for their publish, finished ids.
 pub struct ProducerMachine<P, T> {
     timeouts: ProducerTimeouts,
-    entries: HashMap<String, Entry<T>>,
+    serve_margin: Duration,
+    entries: HashMap<String, Entry<P, T>>,
     parked: Vec<Parked<P>>,
 }
 
+const TWICE: &str = "is already being loaded (KV is never fetched twice)";
+
 impl<P: Clone, T> ProducerMachine<P, T> {
-    /// An empty machine.
-    pub fn new(timeouts: ProducerTimeouts) -> Self {
+    /// An empty machine; `serve_margin` is the longest a transfer may take (the
+    /// shell's transfer timeout): no transfer starts with less left of the consumer's budget.
+    pub fn new(timeouts: ProducerTimeouts, serve_margin: Duration) -> Self {
         ProducerMachine {
             timeouts,
+            serve_margin,
             entries: HashMap::new(),
             parked: Vec::new(),
         }
@@ -117,6 +147,47 @@ impl<P: Clone, T> ProducerMachine<P, T> {
             .values()
             .filter(|e| matches!(e, Entry::Held { .. }))
             .count()
+    }
+
+    fn consumer_deadline(now: Instant, request: &TransferRequest) -> Option<Instant> {
+        (request.budget_ms > 0).then(|| now + Duration::from_millis(request.budget_ms))
+    }
+
+    /// `Some(ERROR)` when a transfer started now could outlast the consumer's budget.
+    fn too_late(
+        &self,
+        now: Instant,
+        request: &TransferRequest,
+        consumer_deadline: Option<Instant>,
+    ) -> Option<Reply> {
+        let d = consumer_deadline?;
+        (now + self.serve_margin > d).then(|| {
+            Reply::error(
+                &request.request_id,
+                request.load_id,
+                format!(
+                    "the consumer's budget leaves less than the {:?} a transfer may take; not started",
+                    self.serve_margin
+                ),
+            )
+        })
+    }
+
+    fn serve(&mut self, now: Instant, peer: P, request: TransferRequest, lease: T) -> Effect<P, T> {
+        self.entries.insert(
+            request.request_id.clone(),
+            Entry::Serving {
+                peer: peer.clone(),
+                load_id: request.load_id,
+                next_beat: now + self.timeouts.heartbeat,
+            },
+        );
+        Effect::Serve {
+            peer,
+            request,
+            lease,
+            deadline: now + self.serve_margin,
+        }
     }
 
     /// Puts `data` under a lease for `request_id`; serves a request already waiting for it.
@@ -135,31 +206,31 @@ impl<P: Clone, T> ProducerMachine<P, T> {
             .drain(..)
             .partition(|p| p.request.request_id == request_id);
         self.parked = rest;
-        let mut waiting = waiting.into_iter();
-        match waiting.next() {
-            Some(first) => {
-                self.entries.insert(request_id.to_string(), Entry::Serving);
-                effects.push(Effect::Serve {
-                    peer: first.peer,
-                    request: first.request,
-                    lease: data,
+        let mut data = Some(data);
+        for w in waiting {
+            if data.is_none() {
+                let reply = Reply::error(
+                    request_id,
+                    w.request.load_id,
+                    format!("request {request_id:?} {TWICE}"),
+                );
+                effects.push(Effect::Reply {
+                    peer: w.peer,
+                    reply,
                 });
-            }
-            None => {
-                let expires = now + self.timeouts.lease;
-                self.entries
-                    .insert(request_id.to_string(), Entry::Held { data, expires });
+            } else if let Some(reply) = self.too_late(now, &w.request, w.consumer_deadline) {
+                effects.push(Effect::Reply {
+                    peer: w.peer,
+                    reply,
+                });
+            } else if let Some(d) = data.take() {
+                effects.push(self.serve(now, w.peer, w.request, d));
             }
         }
-        for other in waiting {
-            effects.push(Effect::Reply {
-                peer: other.peer,
-                reply: Reply::error(
-                    request_id,
-                    other.request.load_id,
-                    format!("request {request_id:?} is already being loaded by another transfer request"),
-                ),
-            });
+        if let Some(data) = data {
+            let expires = now + self.timeouts.lease;
+            self.entries
+                .insert(request_id.to_string(), Entry::Held { data, expires });
         }
         Ok(effects)
     }
@@ -173,27 +244,20 @@ impl<P: Clone, T> ProducerMachine<P, T> {
     ) -> Vec<Effect<P, T>> {
         let id = request.request_id.clone();
         let load_id = request.load_id;
+        let consumer_deadline = Self::consumer_deadline(now, &request);
         match self.entries.remove(&id) {
-            Some(Entry::Held { data, .. }) => {
-                self.entries.insert(id, Entry::Serving);
-                vec![Effect::Serve {
-                    peer,
-                    request,
-                    lease: data,
-                }]
+            Some(Entry::Held { data, expires }) => {
+                if let Some(reply) = self.too_late(now, &request, consumer_deadline) {
+                    // Nothing was written: the lease stays for a consumer with time left.
+                    self.entries.insert(id, Entry::Held { data, expires });
+                    return vec![Effect::Reply { peer, reply }];
+                }
+                vec![self.serve(now, peer, request, data)]
             }
-            Some(Entry::Serving) => {
-                self.entries.insert(id.clone(), Entry::Serving);
-                vec![Effect::Reply {
-                    peer,
-                    reply: Reply::error(
-                        &id,
-                        load_id,
-                        format!(
-                            "request {id:?} is already being loaded (KV is never fetched twice)"
-                        ),
-                    ),
-                }]
+            Some(e @ Entry::Serving { .. }) => {
+                self.entries.insert(id.clone(), e);
+                let reply = Reply::error(&id, load_id, format!("request {id:?} {TWICE}"));
+                vec![Effect::Reply { peer, reply }]
             }
             Some(Entry::Done { why, forget_at }) => {
                 let reply = Reply::error(&id, load_id, format!("request {id:?}: {why}"));
@@ -202,21 +266,34 @@ impl<P: Clone, T> ProducerMachine<P, T> {
             }
             None => {
                 if self.parked.iter().any(|p| p.request.request_id == id) {
-                    return vec![Effect::Reply {
-                        peer,
-                        reply: Reply::error(&id, load_id, format!("request {id:?} is already being loaded (KV is never fetched twice)")),
-                    }];
+                    let reply = Reply::error(&id, load_id, format!("request {id:?} {TWICE}"));
+                    return vec![Effect::Reply { peer, reply }];
                 }
-                let deadline = now + self.timeouts.publish_wait;
+                let mut deadline = now + self.timeouts.publish_wait;
+                if let Some(d) = consumer_deadline {
+                    match d.checked_sub(self.serve_margin) {
+                        Some(last_start) if last_start > now => deadline = deadline.min(last_start),
+                        _ => {
+                            let reply = self.too_late(now, &request, consumer_deadline);
+                            return reply
+                                .map(|reply| Effect::Reply { peer, reply })
+                                .into_iter()
+                                .collect();
+                        }
+                    }
+                }
                 let mut reply = Reply::new(Status::Continue, &id, load_id);
                 reply.error = Some(format!(
                     "request {id:?} not published yet; waiting up to {:?}",
-                    self.timeouts.publish_wait
+                    deadline.saturating_duration_since(now)
                 ));
+                let next_beat = now + self.timeouts.heartbeat;
                 self.parked.push(Parked {
                     peer: peer.clone(),
                     request,
                     deadline,
+                    consumer_deadline,
+                    next_beat,
                 });
                 vec![Effect::Reply { peer, reply }]
             }
@@ -261,15 +338,29 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         ]
     }
 
-    /// Time passed: expire leases and waits, forget old ids.
+    /// Time passed: expire leases and waits, send heartbeats, forget old ids.
     pub fn on_tick(&mut self, now: Instant) -> Vec<Effect<P, T>> {
         let mut effects = Vec::new();
-        let expired: Vec<String> = self
-            .entries
-            .iter()
-            .filter(|(_, e)| matches!(e, Entry::Held { expires, .. } if *expires <= now))
-            .map(|(k, _)| k.clone())
-            .collect();
+        let beat = self.timeouts.heartbeat;
+        let mut expired = Vec::new();
+        for (id, e) in self.entries.iter_mut() {
+            match e {
+                Entry::Held { expires, .. } if *expires <= now => expired.push(id.clone()),
+                Entry::Serving {
+                    peer,
+                    load_id,
+                    next_beat,
+                } if *next_beat <= now => {
+                    *next_beat = now + beat;
+                    effects.push(Effect::Reply {
+                        peer: peer.clone(),
+                        reply: Reply::new(Status::Continue, id, *load_id),
+                    });
+                }
+                _ => {}
+            }
+        }
+        expired.sort();
         for id in expired {
             self.entries.insert(
                 id.clone(),
@@ -292,16 +383,21 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         self.parked = keep;
         for p in late {
             let id = p.request.request_id;
+            let reply = Reply::error(
+                &id,
+                p.request.load_id,
+                format!("request {id:?} was not published in time (publish wait {:?} or the consumer's budget)", self.timeouts.publish_wait),
+            );
             effects.push(Effect::Reply {
-                reply: Reply::error(
-                    &id,
-                    p.request.load_id,
-                    format!(
-                        "request {id:?} was not published within {:?}",
-                        self.timeouts.publish_wait
-                    ),
-                ),
                 peer: p.peer,
+                reply,
+            });
+        }
+        for p in self.parked.iter_mut().filter(|p| p.next_beat <= now) {
+            p.next_beat = now + beat;
+            effects.push(Effect::Reply {
+                peer: p.peer.clone(),
+                reply: Reply::new(Status::Continue, &p.request.request_id, p.request.load_id),
             });
         }
         effects
@@ -309,11 +405,13 @@ impl<P: Clone, T> ProducerMachine<P, T> {
 
     /// The earliest time at which [`Self::on_tick`] has something to do.
     pub fn next_deadline(&self) -> Option<Instant> {
-        let leases = self.entries.values().filter_map(|e| match e {
-            Entry::Held { expires, .. } => Some(*expires),
-            Entry::Done { forget_at, .. } => Some(*forget_at),
-            Entry::Serving => None,
+        let entries = self.entries.values().map(|e| match e {
+            Entry::Held { expires, .. } => *expires,
+            Entry::Done { forget_at, .. } => *forget_at,
+            Entry::Serving { next_beat, .. } => *next_beat,
         });
-        leases.chain(self.parked.iter().map(|p| p.deadline)).min()
+        entries
+            .chain(self.parked.iter().map(|p| p.deadline.min(p.next_beat)))
+            .min()
     }
 }

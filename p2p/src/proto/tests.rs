@@ -20,6 +20,7 @@ fn request(id: &str, load_id: u64) -> TransferRequest {
         pp_size: 1,
         num_local_computed: 0,
         num_tokens: 40,
+        budget_ms: 0,
         blocks: vec![WireBlocks {
             group_id: 0,
             block_size: 16,
@@ -58,6 +59,7 @@ fn timeouts() -> ProducerTimeouts {
         lease: Duration::from_secs(10),
         publish_wait: Duration::from_secs(5),
         tombstone: Duration::from_secs(100),
+        heartbeat: Duration::from_secs(1000),
     }
 }
 
@@ -81,6 +83,7 @@ fn serves(effects: &[Effect<u32, &'static str>]) -> Vec<(u32, String, &'static s
                 peer,
                 request,
                 lease,
+                ..
             } => Some((*peer, request.request_id.clone(), *lease)),
             _ => None,
         })
@@ -187,7 +190,7 @@ proptest! {
 #[test]
 fn published_lease_is_served_once() {
     let t0 = Instant::now();
-    let mut m = Machine::new(timeouts());
+    let mut m = Machine::new(timeouts(), Duration::from_secs(2));
     assert!(m.publish(t0, "a", "blocks-a").unwrap().is_empty());
     let e = m.on_request(t0, 1, request("a", 1));
     assert_eq!(serves(&e), vec![(1, "a".to_string(), "blocks-a")]);
@@ -214,7 +217,7 @@ fn published_lease_is_served_once() {
 #[test]
 fn expired_lease_is_released_and_refused() {
     let t0 = Instant::now();
-    let mut m = Machine::new(timeouts());
+    let mut m = Machine::new(timeouts(), Duration::from_secs(2));
     m.publish(t0, "a", "blocks-a").unwrap();
     assert_eq!(m.next_deadline(), Some(t0 + Duration::from_secs(10)));
     assert!(m.on_tick(t0 + Duration::from_secs(9)).is_empty());
@@ -242,7 +245,7 @@ fn expired_lease_is_released_and_refused() {
 #[test]
 fn request_before_publish_waits_then_is_served() {
     let t0 = Instant::now();
-    let mut m = Machine::new(timeouts());
+    let mut m = Machine::new(timeouts(), Duration::from_secs(2));
     let e = m.on_request(t0, 7, request("early", 1));
     assert_eq!(
         replies(&e),
@@ -263,7 +266,7 @@ fn request_before_publish_waits_then_is_served() {
 #[test]
 fn request_never_published_gets_error_at_deadline() {
     let t0 = Instant::now();
-    let mut m = Machine::new(timeouts());
+    let mut m = Machine::new(timeouts(), Duration::from_secs(2));
     m.on_request(t0, 7, request("never", 1));
     assert!(replies(&m.on_tick(t0 + Duration::from_millis(4999))).is_empty());
     let e = m.on_tick(t0 + Duration::from_secs(5));
@@ -282,7 +285,7 @@ fn request_never_published_gets_error_at_deadline() {
 #[test]
 fn failed_serve_is_final() {
     let t0 = Instant::now();
-    let mut m = Machine::new(timeouts());
+    let mut m = Machine::new(timeouts(), Duration::from_secs(2));
     m.publish(t0, "a", "b").unwrap();
     m.on_request(t0, 1, request("a", 1));
     let e = m.on_served(t0, 1, "a", 1, Err("peer gone".into()));
@@ -299,7 +302,7 @@ fn failed_serve_is_final() {
 #[test]
 fn tombstones_are_forgotten() {
     let t0 = Instant::now();
-    let mut m = Machine::new(timeouts());
+    let mut m = Machine::new(timeouts(), Duration::from_secs(2));
     m.publish(t0, "a", "b").unwrap();
     m.on_tick(t0 + Duration::from_secs(10));
     m.on_tick(t0 + Duration::from_secs(200));
@@ -312,7 +315,7 @@ proptest! {
     #[test]
     fn never_served_twice_nor_after_expiry(events in proptest::collection::vec((0u8..4, 0u64..30), 1..60)) {
         let t0 = Instant::now();
-        let mut m = Machine::new(timeouts());
+        let mut m = Machine::new(timeouts(), Duration::from_secs(2));
         let mut now = t0;
         let mut served = 0;
         let mut published = false;
@@ -515,4 +518,92 @@ proptest! {
         for c in &out { for x in 0..c.len { prop_assert_eq!(c.src + x, fa[k]); prop_assert_eq!(c.dst + x - 10_000, fb[k]); k += 1; } }
         prop_assert_eq!(k as u64, total);
     }
+}
+
+fn beating() -> ProducerTimeouts {
+    ProducerTimeouts {
+        heartbeat: Duration::from_secs(1),
+        ..timeouts()
+    }
+}
+
+fn continues(effects: &[Effect<u32, &'static str>]) -> Vec<u32> {
+    replies(effects)
+        .into_iter()
+        .filter(|r| r.1 == Status::Continue)
+        .map(|r| r.0)
+        .collect()
+}
+
+#[test]
+fn waiting_and_serving_requests_get_heartbeats() {
+    let t0 = Instant::now();
+    let mut m = Machine::new(beating(), Duration::from_secs(2));
+    m.on_request(t0, 1, request("early", 1));
+    m.publish(t0, "a", "blocks").unwrap();
+    assert_eq!(serves(&m.on_request(t0, 2, request("a", 2))).len(), 1);
+    assert_eq!(m.next_deadline(), Some(t0 + Duration::from_secs(1)));
+    let mut beats = continues(&m.on_tick(t0 + Duration::from_secs(1)));
+    beats.sort();
+    assert_eq!(beats, vec![1, 2]);
+    // Once served, no more heartbeats for it.
+    m.on_served(t0, 2, "a", 2, Ok((1, None)));
+    assert_eq!(continues(&m.on_tick(t0 + Duration::from_secs(2))), vec![1]);
+}
+
+#[test]
+fn no_transfer_starts_that_could_outlast_the_consumers_budget() {
+    let t0 = Instant::now();
+    let mut m = Machine::new(timeouts(), Duration::from_secs(2));
+    m.publish(t0, "a", "blocks").unwrap();
+    let mut short = request("a", 1);
+    short.budget_ms = 1500;
+    let e = m.on_request(t0, 1, short);
+    assert!(serves(&e).is_empty());
+    assert!(
+        replies(&e)[0].2.as_ref().unwrap().contains("budget"),
+        "{e:?}"
+    );
+    // Nothing was written, so the lease is still there for a consumer with time left.
+    let mut long = request("a", 2);
+    long.budget_ms = 10_000;
+    match &m.on_request(t0, 2, long)[..] {
+        [Effect::Serve { deadline, .. }] => assert_eq!(*deadline, t0 + Duration::from_secs(2)),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn waiting_for_publish_stops_when_the_budget_would_run_out() {
+    let t0 = Instant::now();
+    let mut m = Machine::new(timeouts(), Duration::from_secs(2));
+    let mut r = request("w", 1);
+    r.budget_ms = 4000; // the last transfer may start at t0 + 2 s (publish wait is 5 s)
+    m.on_request(t0, 1, r);
+    assert_eq!(m.next_deadline(), Some(t0 + Duration::from_secs(2)));
+    let e = m.on_tick(t0 + Duration::from_secs(2));
+    assert_eq!(replies(&e)[0].1, Status::Error);
+    // A publish just before that still serves it.
+    let mut m = Machine::new(timeouts(), Duration::from_secs(2));
+    let mut r = request("w", 1);
+    r.budget_ms = 4000;
+    m.on_request(t0, 1, r);
+    assert_eq!(
+        serves(
+            &m.publish(t0 + Duration::from_millis(1900), "w", "b")
+                .unwrap()
+        )
+        .len(),
+        1
+    );
+}
+
+#[test]
+fn consumer_sends_a_budget_that_ends_before_its_own_deadline() {
+    let t0 = Instant::now();
+    let mut c = ConsumerMachine::new(Duration::from_secs(2), Duration::from_secs(10), 0);
+    let (_, bytes) = c.start(t0, request("a", 0));
+    let sent = decode_request(&bytes).unwrap();
+    assert_eq!(sent.budget_ms, 9000);
+    assert!(Duration::from_millis(sent.budget_ms) < Duration::from_secs(10));
 }

@@ -351,6 +351,7 @@ impl Consumer {
             pp_size: self.pp,
             num_local_computed: spec.num_local_computed,
             num_tokens: spec.num_tokens,
+            budget_ms: 0, // set by the connection's state machine
             blocks,
             ranks,
         };

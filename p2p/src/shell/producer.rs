@@ -27,7 +27,8 @@ pub struct ProducerConfig {
     pub bind: String,
     /// Lease, publish-wait and tombstone durations (§4 "Leases").
     pub timeouts: ProducerTimeouts,
-    /// Deadline of one load's WRITEs per rank (segment open + batch wait).
+    /// Deadline of one load's WRITEs (segment open + batch wait, all ranks). No
+    /// transfer starts unless this much is left of the consumer's budget.
     pub transfer_timeout: Duration,
     /// Deadline of one rank's checksums at publish.
     pub checksum_timeout: Duration,
@@ -121,14 +122,13 @@ impl Producer {
         let workers = Arc::new(workers);
         let task = tokio::spawn(
             EventLoop {
-                machine: ProducerMachine::new(config.timeouts),
+                machine: ProducerMachine::new(config.timeouts, config.transfer_timeout),
                 send,
                 commands: tx.clone(),
                 released: released.clone(),
                 workers: workers.clone(),
                 tp,
                 pp,
-                transfer_timeout: config.transfer_timeout,
                 send_timeout: config.send_timeout,
             }
             .run(recv, rx),
@@ -265,7 +265,6 @@ struct EventLoop {
     workers: Arc<Vec<Worker>>,
     tp: u32,
     pp: u32,
-    transfer_timeout: Duration,
     send_timeout: Duration,
 }
 
@@ -387,14 +386,15 @@ impl EventLoop {
                     peer,
                     request,
                     lease,
+                    deadline,
                 } => {
                     let workers = self.workers.clone();
                     let commands = self.commands.clone();
-                    let (tp, pp, timeout) = (self.tp, self.pp, self.transfer_timeout);
+                    let (tp, pp) = (self.tp, self.pp);
                     tokio::spawn(async move {
                         let result = match plan(&workers, tp, pp, &lease, &request) {
                             Err(e) => Err(e),
-                            Ok(plan) => write_all(workers, plan, timeout).await,
+                            Ok(plan) => write_all(workers, plan, deadline).await,
                         };
                         let result = result.map(|bytes| (bytes, lease.payload));
                         let _ = commands.send(Command::Served {

@@ -3,7 +3,7 @@
 //! consumer's, and WRITE them rank r → rank r through each rank's engine.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::Instant;
 
 use kvferry_transfer::{Op, TransferRequest as EngineRequest};
 
@@ -167,16 +167,16 @@ fn rank_copies(w: &Worker, target: &WireRank, req: &TransferRequest) -> Result<V
     Ok(copies)
 }
 
-/// WRITEs every rank's copies through the rank's engine, ranks concurrently, each
-/// bounded by `timeout`. Returns the bytes written.
+/// WRITEs every rank's copies through the rank's engine, ranks concurrently, all
+/// done by `deadline`. Returns the bytes written.
 pub(crate) async fn write_all(
     workers: Arc<Vec<Worker>>,
     plan: Vec<(String, Vec<Copy>)>,
-    timeout: Duration,
+    deadline: Instant,
 ) -> Result<u64, String> {
     let runs = plan.into_iter().enumerate().map(|(i, (segment, copies))| {
         let workers = workers.clone();
-        async move { write_rank(&workers[i], segment, copies, timeout).await }
+        async move { write_rank(&workers[i], segment, copies, deadline).await }
     });
     let mut total = 0u64;
     for r in futures::future::join_all(runs).await {
@@ -189,11 +189,13 @@ async fn write_rank(
     w: &Worker,
     segment: String,
     copies: Vec<Copy>,
-    timeout: Duration,
+    deadline: Instant,
 ) -> Result<u64, String> {
     if copies.is_empty() {
         return Ok(0);
     }
+    let rank = w.rank;
+    let at = |what: String| format!("rank tp={} pp={}: {what}", rank.tp_rank, rank.pp_rank);
     let bytes: u64 = copies.iter().map(|c| c.len).sum();
     let engine = w.engine.clone();
     let requests: Vec<EngineRequest> = copies
@@ -205,7 +207,6 @@ async fn write_rank(
             len: c.len,
         })
         .collect();
-    let rank = w.rank;
     let submit = tokio::task::spawn_blocking(move || {
         let handle = engine
             .open_segment(&segment)
@@ -214,21 +215,20 @@ async fn write_rank(
             .submit(&handle, &requests)
             .map_err(|e| format!("submit to {segment}: {e}"))
     });
-    let batch = match tokio::time::timeout(timeout, submit).await {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let batch = match tokio::time::timeout(left, submit).await {
         Err(_) => {
-            return Err(format!(
-                "rank tp={} pp={}: opening the consumer segment took over {timeout:?}",
-                rank.tp_rank, rank.pp_rank
-            ))
+            return Err(at(format!(
+                "opening the consumer segment took over {left:?}"
+            )))
         }
-        Ok(Err(e)) => return Err(format!("rank tp={} pp={}: {e}", rank.tp_rank, rank.pp_rank)),
-        Ok(Ok(r)) => r?,
+        Ok(Err(e)) => return Err(at(e.to_string())),
+        Ok(Ok(r)) => r.map_err(at)?,
     };
-    w.engine.wait_async(batch, timeout).await.map_err(|e| {
-        format!(
-            "rank tp={} pp={}: transfer: {e}",
-            rank.tp_rank, rank.pp_rank
-        )
-    })?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    w.engine
+        .wait_async(batch, left)
+        .await
+        .map_err(|e| at(format!("transfer: {e}")))?;
     Ok(bytes)
 }

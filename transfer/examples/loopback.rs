@@ -1,7 +1,7 @@
 //! Loopback throughput of the TCP transport, as a ratio to plain TCP on the same machine in the
 //! same run (the baseline: one socket, `write_all` of the same bytes, reader discarding them).
 //!
-//! `cargo run --release -p kvferry-transfer --example loopback -- [total_MiB] [request_KiB] [batch]`
+//! `cargo run --release -p kvferry-transfer --example loopback -- [total_MiB] [request_KiB] [batch] [slice_KiB] [connections]`
 //! Prints GB/s of engine WRITE, engine READ and the baseline, and the ratios.
 
 use std::io::{Read, Write};
@@ -47,14 +47,20 @@ fn main() {
     let req_kib = args.get(1).copied().unwrap_or(1024);
     let batch = args.get(2).copied().unwrap_or(64);
     let size = (total_mib << 20) as usize;
-    let cfg = EngineConfig {
+    let mut cfg = EngineConfig {
         transport: TransportKind::Tcp,
         ..EngineConfig::default()
     };
+    if let Some(&k) = args.get(3) {
+        cfg.slice_size = k << 10;
+    }
+    if let Some(&c) = args.get(4) {
+        cfg.tcp.connections_per_peer = c as usize;
+    }
     let a = TransferEngine::new(cfg.clone()).unwrap();
     let b = TransferEngine::new(cfg).unwrap();
     let src = vec![7u8; size];
-    let dst = vec![0u8; size];
+    let dst = vec![1u8; size]; // touched: page faults are not the transport's cost
     unsafe {
         a.register_memory(src.as_ptr() as u64, size as u64, Location::Cpu)
             .unwrap();
@@ -64,7 +70,7 @@ fn main() {
     let seg = a.open_segment(&b.segment_name()).unwrap();
     let req_len = req_kib << 10;
     let rounds = 3;
-    let mut run = |op: Op| -> f64 {
+    let run = |op: Op| -> f64 {
         let t = Instant::now();
         for _ in 0..rounds {
             let mut off = 0u64;

@@ -78,6 +78,19 @@ pub struct RdmaConfig {
     pub max_wr: usize,
     /// Times a failed slice is retried on a fresh endpoint. Default 3.
     pub max_retries: u32,
+    /// Caps the active MTU this engine advertises, in bytes (256, 512, 1024, 2048 or 4096);
+    /// `None` = the port's active MTU. The path MTU of a connection is the smaller of both
+    /// sides' values (tests force a low one to exercise mixed-MTU peers).
+    pub mtu: Option<u32>,
+    /// QP local ACK timeout exponent: 4.096 µs × 2^qp_timeout per try (IB spec). Default 14
+    /// (about 67 ms, as Mooncake); with `retry_count` it bounds how fast a dead peer errors.
+    pub qp_timeout: u8,
+    /// QP transport retries (0..=7) before a work request fails with a retry-exceeded
+    /// status. Default 7.
+    pub retry_count: u8,
+    /// Safety net: a work request with no completion after this long fails its endpoint
+    /// (its QPs are moved to the error state, which flushes them). Default 20 s.
+    pub completion_timeout: Duration,
 }
 
 impl Default for RdmaConfig {
@@ -88,6 +101,10 @@ impl Default for RdmaConfig {
             qps_per_endpoint: 2,
             max_wr: 256,
             max_retries: 3,
+            mtu: None,
+            qp_timeout: 14,
+            retry_count: 7,
+            completion_timeout: Duration::from_secs(20),
         }
     }
 }
@@ -106,7 +123,10 @@ pub struct TcpConfig {
     /// A data connection that carries no request for this long is closed (both sides).
     /// Default 60 s.
     pub idle_timeout: Duration,
-    /// Largest payload one data frame may carry; larger slices are refused. Default 64 MiB.
+    /// Consecutive slices of one request are sent as one data frame of up to this many bytes
+    /// (each slice is still reported). Default 1 MiB; a value ≤ `slice_size` disables merging.
+    pub coalesce_bytes: u64,
+    /// Largest payload one data frame may carry; larger frames are refused. Default 64 MiB.
     pub max_frame_payload: u64,
     /// Accepted connections served at once per listener (handshake or data); more are closed
     /// at once. Default 256.
@@ -123,6 +143,7 @@ impl Default for TcpConfig {
             inflight_per_connection: 32,
             io_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
+            coalesce_bytes: 1 << 20,
             max_frame_payload: 64 << 20,
             max_server_connections: 256,
             socket_buffer: 4 << 20,

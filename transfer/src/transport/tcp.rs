@@ -161,11 +161,8 @@ impl Transport for TcpTransport {
             Ok(p) => p,
             Err(e) => return done.fail_all(slices.iter().map(|s| s.id), &e),
         };
-        for s in slices {
-            pool.send(Job {
-                slice: s,
-                sink: done.clone(),
-            });
+        for job in coalesce(slices, self.ctx.config.tcp.coalesce_bytes, &done) {
+            pool.send(job);
         }
     }
 
@@ -514,9 +511,50 @@ fn serve_read(s: &mut TcpStream, sh: &ServerShared, req: Request, loc: Location)
 
 // ---------------------------------------------------------------- initiator side
 
+/// One data frame: consecutive slices (contiguous on both sides, same op and regions) merged
+/// into `slice`, reported per original id in `ids`.
 struct Job {
     slice: Slice,
+    ids: std::ops::Range<u32>,
     sink: CompletionSink,
+}
+
+impl Job {
+    fn complete(&self, result: Result<()>) {
+        for id in self.ids.clone() {
+            self.sink.complete(id, result.clone());
+        }
+    }
+}
+
+/// Merges runs of slices that continue each other on both sides (same op, same local region and
+/// remote buffer, consecutive ids) into frames of at most `limit` bytes: fewer headers, acks and
+/// syscalls per byte. Slices longer than `limit` stay whole.
+fn coalesce(slices: Vec<Slice>, limit: u64, sink: &CompletionSink) -> Vec<Job> {
+    let mut jobs: Vec<Job> = Vec::new();
+    for s in slices {
+        if let Some(j) = jobs.last_mut() {
+            let m = &mut j.slice;
+            let continues = m.op == s.op
+                && m.local_region == s.local_region
+                && m.remote_buffer == s.remote_buffer
+                && m.local_addr + m.len == s.local_addr
+                && m.remote_addr + m.len == s.remote_addr
+                && j.ids.end == s.id
+                && m.len + s.len <= limit;
+            if continues {
+                m.len += s.len;
+                j.ids.end += 1;
+                continue;
+            }
+        }
+        jobs.push(Job {
+            slice: s,
+            ids: s.id..s.id + 1,
+            sink: sink.clone(),
+        });
+    }
+    jobs
 }
 
 /// The connections to one peer instance.
@@ -583,13 +621,10 @@ impl PeerPool {
                 }
             }
         }
-        job.sink.complete(
-            job.slice.id,
-            Err(TransferError::Io(format!(
-                "no usable TCP connection to segment {}",
-                self.segment
-            ))),
-        );
+        job.complete(Err(TransferError::Io(format!(
+            "no usable TCP connection to segment {}",
+            self.segment
+        ))));
     }
 
     fn spawn_conn(self: &Arc<Self>) -> Arc<Conn> {
@@ -648,7 +683,7 @@ impl PeerPool {
     fn retire(conn: &Conn, rx: &Receiver<Job>, err: &TransferError) {
         conn.close();
         while let Ok(j) = rx.try_recv() {
-            j.sink.complete(j.slice.id, Err(err.clone()));
+            j.complete(Err(err.clone()));
         }
     }
 
@@ -684,10 +719,7 @@ impl PeerPool {
                         if ok {
                             ok = self.send_one(&mut s, &ftx, j, &conn, &rx);
                         } else {
-                            j.sink.complete(
-                                j.slice.id,
-                                Err(TransferError::Io("connection closed".into())),
-                            );
+                            j.complete(Err(TransferError::Io("connection closed".into())));
                         }
                     }
                     break;
@@ -736,17 +768,16 @@ impl PeerPool {
                 if let Err(e) =
                     unsafe { self.ctx.memory.copy_from(loc, sl.local_addr, &mut staging) }
                 {
-                    job.sink.complete(sl.id, Err(e));
+                    job.complete(Err(e));
                     return true;
                 }
                 &staging
             }
         };
         // in flight before sending, so the reader expects the reply; blocks when the window is full
-        let sink = job.sink.clone();
-        if ftx.send(job).is_err() {
+        if let Err(mpsc::SendError(job)) = ftx.send(job) {
             let e = TransferError::Io(format!("TCP connection to segment {} broke", self.segment));
-            sink.complete(sl.id, Err(e.clone()));
+            job.complete(Err(e.clone()));
             Self::retire(conn, rx, &e);
             return false;
         }
@@ -766,13 +797,13 @@ impl PeerPool {
         let mut broken: Option<TransferError> = None;
         for job in frx.iter() {
             if let Some(e) = &broken {
-                job.sink.complete(job.slice.id, Err(e.clone()));
+                job.complete(Err(e.clone()));
                 continue;
             }
             match self.read_reply(&mut s, &job.slice) {
-                Ok(result) => job.sink.complete(job.slice.id, result),
+                Ok(result) => job.complete(result),
                 Err(e) => {
-                    job.sink.complete(job.slice.id, Err(e.clone()));
+                    job.complete(Err(e.clone()));
                     conn.close();
                     broken = Some(e);
                 }
@@ -842,5 +873,54 @@ impl PeerPool {
             }
         }
         Ok(Ok(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::completion::BatchState;
+
+    #[test]
+    fn coalesce_merges_only_continuing_slices_up_to_the_limit() {
+        let region = MemoryRegion {
+            addr: 0,
+            len: 1 << 30,
+            location: Location::Cpu,
+        };
+        let mk = |id: u32, op: Op, l: u64, r: u64, len: u64, buf: usize| Slice {
+            id,
+            op,
+            local_addr: l,
+            local_region: region,
+            remote_addr: r,
+            remote_buffer: buf,
+            len,
+        };
+        let slices = vec![
+            mk(0, Op::Write, 0, 1000, 100, 0),
+            mk(1, Op::Write, 100, 1100, 100, 0), // continues 0
+            mk(2, Op::Write, 200, 1300, 100, 0), // remote gap
+            mk(3, Op::Read, 300, 1400, 100, 0),  // other op
+            mk(4, Op::Read, 400, 1500, 100, 1),  // other buffer
+            mk(5, Op::Read, 500, 1600, 100, 1),  // continues 4
+            mk(6, Op::Read, 600, 1700, 100, 1),  // would exceed 250
+        ];
+        let sink = CompletionSink::new(BatchState::new(7));
+        let jobs = coalesce(slices, 250, &sink);
+        let got: Vec<(std::ops::Range<u32>, u64, u64)> = jobs
+            .iter()
+            .map(|j| (j.ids.clone(), j.slice.local_addr, j.slice.len))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0..2, 0, 200),
+                (2..3, 200, 100),
+                (3..4, 300, 100),
+                (4..6, 400, 200),
+                (6..7, 600, 100)
+            ]
+        );
     }
 }

@@ -315,14 +315,21 @@ fn a_silent_handshake_peer_fails_within_the_deadline() {
 /// A fake segment: answers descriptor queries itself (its descriptor names `data_port`), so the
 /// data port can be a black hole.
 fn fake_segment(buffer: (u64, u64), data_port: u16) -> String {
+    fake_segment_with(|name| {
+        serde_json::to_vec(&serde_json::json!({
+            "name": name, "instance_id": 42,
+            "transport": {"kind": "tcp", "details": {"data_port": data_port}},
+            "buffers": [{"region": {"addr": buffer.0, "len": buffer.1, "location": "cpu"}, "keys": {"rkeys": []}}],
+        }))
+        .unwrap()
+    })
+}
+
+/// A fake segment answering every descriptor query with `body(name)`.
+fn fake_segment_with(body: impl FnOnce(&str) -> Vec<u8>) -> String {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let name = l.local_addr().unwrap().to_string();
-    let desc = serde_json::json!({
-        "name": name, "instance_id": 42,
-        "transport": {"kind": "tcp", "details": {"data_port": data_port}},
-        "buffers": [{"region": {"addr": buffer.0, "len": buffer.1, "location": "cpu"}, "keys": {"rkeys": []}}],
-    });
-    let body = serde_json::to_vec(&desc).unwrap();
+    let body = body(&name);
     std::thread::spawn(move || {
         for mut s in l.incoming().flatten() {
             if read_handshake_frame(&mut s).is_some() {
@@ -331,6 +338,55 @@ fn fake_segment(buffer: (u64, u64), data_port: u16) -> String {
         }
     });
     name
+}
+
+#[test]
+fn bad_peer_descriptors_are_refused_with_clear_errors() {
+    let a = engine();
+    let src = Buf::new(4096, 1);
+    src.register(&a);
+    let desc = |kind: &str, details: serde_json::Value, bufs: serde_json::Value| {
+        let (kind, details, bufs) = (kind.to_string(), details, bufs);
+        move |name: &str| {
+            serde_json::to_vec(&serde_json::json!({
+                "name": name, "instance_id": 1,
+                "transport": {"kind": kind, "details": details}, "buffers": bufs,
+            }))
+            .unwrap()
+        }
+    };
+    let buf = serde_json::json!([{"region": {"addr": 4096, "len": 4096, "location": "cpu"}, "keys": {"rkeys": [1]}}]);
+    // another transport: refused before anything is sent
+    let n = fake_segment_with(desc(
+        "rdma",
+        serde_json::json!({"devices": []}),
+        buf.clone(),
+    ));
+    let e = a.transfer_sync_write(&n, src.addr(), 4096, 10).unwrap_err();
+    assert!(
+        matches!(e, TransferError::Unsupported(ref t) if t.contains("rdma")),
+        "{e}"
+    );
+    // no data port: the transfer fails with a clear error
+    let n = fake_segment_with(desc("tcp", serde_json::json!({}), buf.clone()));
+    let e = a.transfer_sync_write(&n, src.addr(), 4096, 10).unwrap_err();
+    assert!(e.to_string().contains("data_port"), "{e}");
+    // overlapping, wrapping, unknown location, not JSON
+    for bufs in [
+        serde_json::json!([{"region": {"addr": 0, "len": 10, "location": "cpu"}, "keys": {"rkeys": []}},
+                           {"region": {"addr": 5, "len": 10, "location": "cpu"}, "keys": {"rkeys": []}}]),
+        serde_json::json!([{"region": {"addr": u64::MAX, "len": 10, "location": "cpu"}, "keys": {"rkeys": []}}]),
+        serde_json::json!([{"region": {"addr": 0, "len": 10, "location": "tpu:0"}, "keys": {"rkeys": []}}]),
+    ] {
+        let n = fake_segment_with(desc("tcp", serde_json::json!({"data_port": 1}), bufs));
+        let e = a.open_segment(&n).unwrap_err();
+        assert!(matches!(e, TransferError::Handshake { .. }), "{e}");
+    }
+    let n = fake_segment_with(|_| b"{not json".to_vec());
+    assert!(matches!(
+        a.open_segment(&n),
+        Err(TransferError::Handshake { .. })
+    ));
 }
 
 #[test]

@@ -66,7 +66,7 @@ fn write_then_read_many_sizes_at_unaligned_offsets() {
             &format!("read {len}"),
         );
         assert!(
-            back.bytes[0] == 0 && back.bytes[1 + n..].iter().all(|&x| x == 0),
+            back.bytes[0] == 0 && common::all_zero(&back.bytes[1 + n..]),
             "read {len} wrote outside its range"
         );
     }

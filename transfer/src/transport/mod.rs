@@ -93,8 +93,8 @@ pub struct TransportContext {
 /// One piece of a request, as the engine hands it to `post`. Guarantees:
 /// `[local_addr, local_addr+len)` lies inside `local_region` (registered here) and
 /// `[remote_addr, remote_addr+len)` inside `peer.buffers[remote_buffer].region`; `len` > 0 and
-/// at most `slice_size + slice_size/4` (the merged tail) — or the rest of a region, which is
-/// never crossed.
+/// at most `slice_size + slice_size/4` (a merged tail). Ids of one `post` are 0..n, in request
+/// order; consecutive slices of one request are contiguous on both sides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Slice {
     /// Index of this slice within its `post` call: 0..slices.len(). Report it to the sink.

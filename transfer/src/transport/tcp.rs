@@ -47,6 +47,13 @@ impl TcpTransport {
     /// Binds the data listener on `ctx.config.host`, port chosen by the OS, and starts serving.
     /// Errors: `Config` when the host cannot be bound.
     pub fn new(ctx: TransportContext) -> Result<Self> {
+        let (slice, tcp) = (ctx.config.slice_size, &ctx.config.tcp);
+        if slice.saturating_add(slice / 4) > tcp.max_frame_payload {
+            return Err(TransferError::Config(format!(
+                "slice_size {slice} (+ a merged tail of up to a quarter) exceeds tcp.max_frame_payload {}",
+                tcp.max_frame_payload
+            )));
+        }
         let host = ctx.config.host.clone();
         let listener = TcpListener::bind((strip_brackets(&host), 0)).map_err(|e| {
             TransferError::Config(format!("cannot bind TCP data listener on {host}: {e}"))
@@ -161,7 +168,8 @@ impl Transport for TcpTransport {
             Ok(p) => p,
             Err(e) => return done.fail_all(slices.iter().map(|s| s.id), &e),
         };
-        for job in coalesce(slices, self.ctx.config.tcp.coalesce_bytes, &done) {
+        let tcp = &self.ctx.config.tcp;
+        for job in coalesce(slices, tcp.coalesce_bytes.min(tcp.max_frame_payload), &done) {
             pool.send(job);
         }
     }

@@ -77,7 +77,16 @@ impl Buf {
 /// Asserts two byte ranges are equal, reporting the first differing offset.
 pub fn assert_same(got: &[u8], want: &[u8], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
+    if got == want {
+        return; // memcmp; the byte search below only runs on a failure
+    }
     if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
         panic!("{what}: first difference at byte {i} of {}", got.len());
     }
+}
+
+/// True when every byte is zero (compared in blocks, fast in debug builds).
+pub fn all_zero(b: &[u8]) -> bool {
+    static ZERO: [u8; 4096] = [0; 4096];
+    b.chunks(4096).all(|c| c == &ZERO[..c.len()])
 }

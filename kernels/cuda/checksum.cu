@@ -20,7 +20,7 @@ typedef unsigned int u32;
 // Layer tables up to this many layers are staged in shared memory.
 #define KVF_SMEM_LAYERS 64
 
-// Mirrors `LayerView` in kernels/src/cuda/view.rs (repr(C), 112 bytes).
+// Mirrors `LayerView` in kernels/src/cuda/view.rs (repr(C), 120 bytes).
 struct LayerView {
     u64 base;       // device address of the layer's array
     u64 s_block;    // byte stride of the kernel-block dim B
@@ -40,8 +40,11 @@ struct LayerView {
     u32 kb_per_block;
     u32 mode;       // 0: 16-byte vector loads, 1: 8-byte loads, 2: generic byte gather
     u32 tiles_per_block;
-    u32 tile_begin; // first tile index of this layer in the launch
+    u32 tile_begin; // first tile of this layer within a block's tiles
     u32 slot;       // replica-key slot of this layer's output
+    u32 regular;    // 0, or 1 | log2(R) << 8 | log2(n_inner) << 16 when each thread keeps
+                    // one chunk column and inner index for the whole tile (see tile_regular)
+    u32 pad;
 };
 
 __device__ __forceinline__ u64 warp_sum(u64 v) {
@@ -64,14 +67,16 @@ struct Tile {
     u32 layer, bidx, kk, part;
 };
 
-__device__ __forceinline__ Tile decode(const LayerView* tab, u32 num_layers, u32 tile) {
+// Tiles are numbered block-major: tile = bidx * tiles_per_group + r, where r runs over
+// every layer's tiles of that block (layer l owns r in [tile_begin, tile_begin + tiles_per_block)).
+__device__ __forceinline__ Tile decode(const LayerView* tab, u32 num_layers, u32 tiles_per_group, u32 tile) {
     Tile t;
-    t.layer = find_layer(tab, num_layers, tile);
+    t.bidx = tile / tiles_per_group;
+    const u32 r = tile - t.bidx * tiles_per_group;
+    t.layer = find_layer(tab, num_layers, r);
     const LayerView& L = tab[t.layer];
-    const u32 local = tile - L.tile_begin;
-    t.bidx = local / L.tiles_per_block;
-    const u32 r = local - t.bidx * L.tiles_per_block;
-    if (L.mode == 2) { t.kk = r; t.part = 0; } else { t.kk = r / L.parts; t.part = r - t.kk * L.parts; }
+    const u32 local = r - L.tile_begin;
+    if (L.mode == 2) { t.kk = local; t.part = 0; } else { t.kk = local / L.parts; t.part = local - t.kk * L.parts; }
     return t;
 }
 
@@ -150,6 +155,77 @@ __device__ __forceinline__ u64 tile_vec(const LayerView& L, u64 base, u32 part, 
     return acc;
 }
 
+// The regular case of tile_vec: rows of R = 2^rs chunks, an inner dim of n_i = 2^nis,
+// and blockDim.x a multiple of R * n_i. Each thread then keeps one chunk column c and
+// one inner index i for the whole tile while the outer index o steps by `so`, so the
+// weights factor out of the loop: the thread sums y = x0 + x1 (the chunk's two pieces),
+// o*y, x1 and o*x1 with additions and one small multiply each, and applies m and
+// (2j + 1) once at the end. OT: the outer dim is the token (inner is the head).
+//   term = m_h * (y * (2j + 1) + 2 x1),  j = (t0 + n) * P + q,  q = part * D*elem/8 + c * V/8
+//   OT:  sum = M * ((2 t0 P + 2q + 1) U + 2P W + 2X)            (M = m of head i)
+//   !OT: sum = m0 (J U + 2X) + 2 (J W + 2Y)                     (J = 2 (t0 + i) P + 2q + 1)
+// with U = sum y, W = sum o y, X = sum x1, Y = sum o x1 (x1 = 0 when V = 8).
+template <int V, int U, bool OT>
+__device__ __forceinline__ u64 tile_regular(const LayerView& L, u64 base, u32 part, u64 t0, u32 nt) {
+    const u32 rs = (L.regular >> 8) & 0xffu, nis = (L.regular >> 16) & 0xffu;
+    const u32 c = threadIdx.x & ((1u << rs) - 1u);
+    const u32 row = threadIdx.x >> rs;
+    const u32 i = row & ((1u << nis) - 1u);
+    u32 o = row >> nis;
+    const u32 so = (blockDim.x >> rs) >> nis;
+    const u32 n_o = OT ? nt : L.n_outer;
+    if (!OT && i >= nt) return 0;  // this thread's token is past num_tokens
+    const u64 step = (u64)so * L.s_outer;
+    u64 a = base + (u64)o * L.s_outer + (u64)i * L.s_inner + (u64)c * V;
+    u64 su = 0, sw = 0, sx = 0, sy = 0;
+    while (o < n_o) {
+        if (V == 16) {
+            ulonglong2 x[U];
+#pragma unroll
+            for (int k = 0; k < U; ++k)
+                x[k] = (o + k * so < n_o) ? __ldcs((const ulonglong2*)(a + k * step)) : make_ulonglong2(0ull, 0ull);
+#pragma unroll
+            for (int k = 0; k < U; ++k) {
+                const u64 ok = o + k * so;
+                const u64 y = x[k].x + x[k].y;
+                su += y;
+                sw += ok * y;
+                sx += x[k].y;
+                if (!OT) sy += ok * x[k].y;
+            }
+        } else {
+            u64 x[U];
+#pragma unroll
+            for (int k = 0; k < U; ++k) x[k] = (o + k * so < n_o) ? __ldcs((const u64*)(a + k * step)) : 0ull;
+#pragma unroll
+            for (int k = 0; k < U; ++k) {
+                su += x[k];
+                sw += (u64)(o + k * so) * x[k];
+            }
+        }
+        o += U * so;
+        a += U * step;
+    }
+    const u64 P = L.pieces;
+    const u64 q = (u64)part * ((L.d * L.elem) >> 3) + (u64)c * (V / 8);
+    if (OT) {
+        const u64 M = L.m_base + 2ull * i;
+        return M * ((2ull * t0 * P + 2ull * q + 1ull) * su + 2ull * P * sw + 2ull * sx);
+    } else {
+        const u64 J = 2ull * (t0 + i) * P + 2ull * q + 1ull;
+        return L.m_base * (J * su + 2ull * sx) + 2ull * (J * sw + 2ull * sy);
+    }
+}
+
+template <int V, int U>
+__device__ __forceinline__ u64 tile_fast(const LayerView& L, u64 base, u32 part, u64 t0, u32 nt) {
+    if (L.regular) {
+        return L.outer_is_token ? tile_regular<V, U, true>(L, base, part, t0, nt)
+                                : tile_regular<V, U, false>(L, base, part, t0, nt);
+    }
+    return tile_vec<V, 4>(L, base, part, t0, nt);
+}
+
 // Any strides and any D*elem: each piece is gathered byte by byte (pieces may straddle
 // K and V, elements may be strided). Correct everywhere, fast nowhere; used only when
 // the vector paths' conditions fail.
@@ -184,15 +260,22 @@ __device__ u64 tile_generic(const LayerView& L, u64 base, u64 t0, u32 nt) {
     return acc;
 }
 
-// layers: num_layers views sorted by tile_begin; block_ids: num_blocks logical block
+__device__ __forceinline__ void flush(u64 acc, u64 oi, u64* out) {
+    acc = warp_sum(acc);
+    if ((threadIdx.x & 31u) == 0 && acc != 0 && oi != ~0ull) atomicAdd(&out[oi], acc);
+}
+
+// layers: num_layers views (tile_begin ascending); block_ids: num_blocks logical block
 // ids, block_ids[b] at position start + b; out: num_blocks * num_slots u64, zeroed
-// before the launch. Grid-stride over total_tiles tiles; the next tile's block id is
-// loaded while the current tile is read. Each warp adds its sum with one atomicAdd:
-// no barrier inside the loop, so warps run ahead independently.
+// before the launch. The num_blocks * tiles_per_group tiles are split into one
+// contiguous range per thread block; tiles are block-major, so consecutive tiles mostly
+// add into the same output: each thread keeps a running sum in a register and its warp
+// flushes it (shuffle reduction, one atomicAdd) only when the output changes. No
+// barrier inside the loop: warps run ahead independently.
 template <int U>
 __device__ __forceinline__ void checksum_tiles(const LayerView* __restrict__ layers, u32 num_layers,
                                                const u64* __restrict__ block_ids, u32 num_blocks, u64 start,
-                                               u64 num_tokens, u32 num_slots, u32 total_tiles,
+                                               u64 num_tokens, u32 num_slots, u32 tiles_per_group,
                                                u64* __restrict__ out) {
     __shared__ LayerView sl[KVF_SMEM_LAYERS];
     const LayerView* tab = layers;
@@ -204,52 +287,58 @@ __device__ __forceinline__ void checksum_tiles(const LayerView* __restrict__ lay
         __syncthreads();
         tab = sl;
     }
-    u32 tile = blockIdx.x;
-    if (tile >= total_tiles) return;
-    Tile cur = decode(tab, num_layers, tile);
-    u64 bid = block_ids[cur.bidx];
-    const u32 lane = threadIdx.x & 31u;
-    for (;;) {
-        const u32 nt_tile = tile + gridDim.x;
-        const bool more = nt_tile < total_tiles;
-        Tile nxt = cur;
-        u64 nbid = 0;
-        if (more) {
-            nxt = decode(tab, num_layers, nt_tile);
-            nbid = block_ids[nxt.bidx];
+    const u64 total = (u64)num_blocks * tiles_per_group;
+    const u32 lo = (u32)((u64)blockIdx.x * total / gridDim.x);
+    const u32 hi = (u32)((u64)(blockIdx.x + 1) * total / gridDim.x);
+    u64 acc = 0, oi = ~0ull, bid = 0;
+    u32 last_bidx = ~0u;
+    if (lo >= hi) return;
+    // Full decode of the first tile; later tiles advance (layer, local, bidx) by one.
+    const Tile first = decode(tab, num_layers, tiles_per_group, lo);
+    u32 bidx = first.bidx, layer = first.layer, local = lo - first.bidx * tiles_per_group - tab[first.layer].tile_begin;
+    for (u32 tile = lo; tile < hi; ++tile) {
+        const LayerView& L = tab[layer];
+        u32 kk, part;
+        if (L.mode == 2) { kk = local; part = 0; } else { kk = L.parts == 2 ? local >> 1 : local; part = local - kk * L.parts; }
+        const u64 o = (u64)bidx * num_slots + L.slot;
+        if (o != oi) {
+            flush(acc, oi, out);
+            acc = 0;
+            oi = o;
         }
-        const LayerView& L = tab[cur.layer];
         const u64 block_size = (u64)L.kb_per_block * L.tokens;
-        const u64 t0 = (start + cur.bidx) * block_size + (u64)cur.kk * L.tokens;
-        if (t0 < num_tokens && cur.bidx < num_blocks) {  // uniform across the block
+        const u64 t0 = (start + bidx) * block_size + (u64)kk * L.tokens;
+        if (t0 < num_tokens) {  // uniform across the block
+            if (bidx != last_bidx) {
+                bid = block_ids[bidx];
+                last_bidx = bidx;
+            }
             const u64 left = num_tokens - t0;
             const u32 nt = left < (u64)L.tokens ? (u32)left : L.tokens;
-            const u64 kb = bid * L.kb_per_block + cur.kk;
-            const u64 base = L.base + kb * L.s_block + (u64)cur.part * L.s_part;
-            u64 acc;
-            if (L.mode == 0) acc = tile_vec<16, U>(L, base, cur.part, t0, nt);
-            else if (L.mode == 1) acc = tile_vec<8, U>(L, base, cur.part, t0, nt);
-            else acc = tile_generic(L, base, t0, nt);
-            acc = warp_sum(acc);
-            if (lane == 0 && acc != 0) atomicAdd(&out[(u64)cur.bidx * num_slots + L.slot], acc);
+            const u64 kb = bid * L.kb_per_block + kk;
+            const u64 base = L.base + kb * L.s_block + (u64)part * L.s_part;
+            if (L.mode == 0) acc += tile_fast<16, U>(L, base, part, t0, nt);
+            else if (L.mode == 1) acc += tile_fast<8, U>(L, base, part, t0, nt);
+            else acc += tile_generic(L, base, t0, nt);
         }
-        if (!more) break;
-        tile = nt_tile;
-        cur = nxt;
-        bid = nbid;
+        if (++local == L.tiles_per_block) {
+            local = 0;
+            if (++layer == num_layers) { layer = 0; ++bidx; }
+        }
     }
+    flush(acc, oi, out);
 }
 
-// Four 16-byte loads in flight per thread.
+// Four loads in flight per thread on the regular path.
 extern "C" __global__ void __launch_bounds__(KVF_THREADS)
 kvf_checksum(const LayerView* __restrict__ layers, u32 num_layers, const u64* __restrict__ block_ids, u32 num_blocks,
-             u64 start, u64 num_tokens, u32 num_slots, u32 total_tiles, u64* __restrict__ out) {
-    checksum_tiles<4>(layers, num_layers, block_ids, num_blocks, start, num_tokens, num_slots, total_tiles, out);
+             u64 start, u64 num_tokens, u32 num_slots, u32 tiles_per_group, u64* __restrict__ out) {
+    checksum_tiles<4>(layers, num_layers, block_ids, num_blocks, start, num_tokens, num_slots, tiles_per_group, out);
 }
 
-// Eight 16-byte loads in flight per thread.
-extern "C" __global__ void __launch_bounds__(KVF_THREADS, 4)
+// Eight loads in flight per thread on the regular path.
+extern "C" __global__ void __launch_bounds__(KVF_THREADS)
 kvf_checksum_u8(const LayerView* __restrict__ layers, u32 num_layers, const u64* __restrict__ block_ids, u32 num_blocks,
-                u64 start, u64 num_tokens, u32 num_slots, u32 total_tiles, u64* __restrict__ out) {
-    checksum_tiles<8>(layers, num_layers, block_ids, num_blocks, start, num_tokens, num_slots, total_tiles, out);
+                u64 start, u64 num_tokens, u32 num_slots, u32 tiles_per_group, u64* __restrict__ out) {
+    checksum_tiles<8>(layers, num_layers, block_ids, num_blocks, start, num_tokens, num_slots, tiles_per_group, out);
 }

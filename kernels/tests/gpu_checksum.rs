@@ -228,6 +228,7 @@ fn gpu_matches_cpu_on_random_layouts() {
     let others = other_variants();
     let mut rng = ChaCha8Rng::seed_from_u64(0x6b76_6665);
     let mut modes = [0usize; 3];
+    let mut regular = 0usize;
     let mut elems = [0usize; 9];
     let mut partial = 0;
     let mut replicated = 0;
@@ -248,6 +249,7 @@ fn gpu_matches_cpu_on_random_layouts() {
                 .collect();
             for v in group_plan(&layers, &c.block_ids, c.start, c.num_tokens).unwrap().views {
                 modes[v.mode as usize] += 1;
+                regular += (v.regular != 0) as usize;
             }
             for s in &c.specs {
                 elems[s.geometry.elem as usize] += 1;
@@ -268,11 +270,16 @@ fn gpu_matches_cpu_on_random_layouts() {
         }
     }
     eprintln!(
-        "compared {compared} values; views per path (vec16, vec8, generic) = {modes:?}; elem sizes 1/2/4/8 = {:?}; \
+        "compared {compared} values; views per path (vec16, vec8, generic) = {modes:?} ({regular} regular); elem sizes 1/2/4/8 = {:?}; \
          partial last blocks {partial}; replicated layers {replicated}",
         [elems[1], elems[2], elems[4], elems[8]]
     );
-    assert!(modes[MODE_VEC16 as usize] > 20 && modes[MODE_VEC8 as usize] > 20 && modes[MODE_GENERIC as usize] > 20);
+    assert!(
+        modes[MODE_VEC16 as usize] > 20
+            && modes[MODE_VEC8 as usize] > 20
+            && modes[MODE_GENERIC as usize] > 20
+            && regular > 20
+    );
     assert!(elems[1] > 0 && elems[2] > 0 && elems[4] > 0 && elems[8] > 0 && partial > 0 && replicated > 0);
 }
 

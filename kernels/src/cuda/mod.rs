@@ -192,15 +192,8 @@ impl CudaBackend {
             let slots = (0..PREALLOCATED_SLOTS)
                 .map(|_| inner.new_slot(PREALLOCATED_BYTES))
                 .collect::<Result<Vec<_>, _>>()?;
-            inner
-                .pool
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .free
-                .extend(slots);
-            Ok(CudaBackend {
-                inner: Arc::new(inner),
-            })
+            inner.pool.lock().unwrap_or_else(|p| p.into_inner()).free.extend(slots);
+            Ok(CudaBackend { inner: Arc::new(inner) })
         })
         .map_err(kerr)
     }
@@ -260,28 +253,18 @@ impl CudaBackend {
             if job.device != Device::Cuda(ordinal) {
                 return Err(KernelError::InvalidJob {
                     group_id: job.group_id,
-                    why: format!(
-                        "job for {:?} given to the cuda:{ordinal} backend",
-                        job.device
-                    ),
+                    why: format!("job for {:?} given to the cuda:{ordinal} backend", job.device),
                 });
             }
             validate_job(job)?;
-            let layers: Vec<(&LayerSpec, u64, u64)> = job
-                .layers
-                .iter()
-                .map(|l| (&l.spec, l.addr, l.len))
-                .collect();
-            let plan = group_plan(
-                &layers,
-                &job.selection.block_ids,
-                job.selection.start,
-                job.num_tokens,
-            )
-            .map_err(|e| KernelError::InvalidJob {
-                group_id: job.group_id,
-                why: e.0,
-            })?;
+            let layers: Vec<(&LayerSpec, u64, u64)> = job.layers.iter().map(|l| (&l.spec, l.addr, l.len)).collect();
+            let plan =
+                group_plan(&layers, &job.selection.block_ids, job.selection.start, job.num_tokens).map_err(|e| {
+                    KernelError::InvalidJob {
+                        group_id: job.group_id,
+                        why: e.0,
+                    }
+                })?;
             plans.push((job.group_id, plan));
         }
         // Byte layout of the slot: [views, block ids]* then [outputs]*.
@@ -311,11 +294,7 @@ impl CudaBackend {
                 host.add(v),
                 p.views.len() * std::mem::size_of::<LayerView>(),
             );
-            std::ptr::copy_nonoverlapping(
-                p.block_ids.as_ptr() as *const u8,
-                host.add(ids),
-                p.block_ids.len() * 8,
-            );
+            std::ptr::copy_nonoverlapping(p.block_ids.as_ptr() as *const u8, host.add(ids), p.block_ids.len() * 8);
         }
         let timed = inner.timing.load(Ordering::Relaxed);
         let r = inner.enqueue(
@@ -334,12 +313,7 @@ impl CudaBackend {
         if let Err(e) = r {
             // Whatever was queued may still run: retire the slot behind a fresh record.
             let _ = slot.done.record(inner.stream.raw());
-            inner
-                .pool
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .retiring
-                .push(slot);
+            inner.pool.lock().unwrap_or_else(|p| p.into_inner()).retiring.push(slot);
             return Err(kerr(e));
         }
         let groups = plans
@@ -444,7 +418,7 @@ impl Inner {
             let mut a_start = p.start;
             let mut a_nt = p.num_tokens;
             let mut a_ns = p.keys.len() as u32;
-            let mut a_tiles = p.total_tiles;
+            let mut a_tpg = p.tiles_per_group;
             let mut a_out = dev + out as u64;
             let mut args: [*mut c_void; 9] = [
                 &mut a_views as *mut u64 as *mut c_void,
@@ -454,7 +428,7 @@ impl Inner {
                 &mut a_start as *mut u64 as *mut c_void,
                 &mut a_nt as *mut u64 as *mut c_void,
                 &mut a_ns as *mut u32 as *mut c_void,
-                &mut a_tiles as *mut u32 as *mut c_void,
+                &mut a_tpg as *mut u32 as *mut c_void,
                 &mut a_out as *mut u64 as *mut c_void,
             ];
             let grid = p.total_tiles.min(self.grid_cap).max(1);
@@ -464,12 +438,7 @@ impl Inner {
             slot.kend.record(s)?;
         }
         if out_len > 0 {
-            driver::copy_dtoh_async(
-                slot.host.as_ptr().add(out_base),
-                dev + out_base as u64,
-                out_len,
-                s,
-            )?;
+            driver::copy_dtoh_async(slot.host.as_ptr().add(out_base), dev + out_base as u64, out_len, s)?;
         }
         slot.done.record(s)?;
         Ok(())
@@ -513,9 +482,7 @@ impl CudaPending {
                         for (k, key) in g.keys.iter().enumerate() {
                             let v: Vec<u64> = (0..g.blocks)
                                 .map(|b| unsafe {
-                                    std::ptr::read_unaligned(
-                                        host.add(g.out_off + (b * ns + k) * 8) as *const u64
-                                    )
+                                    std::ptr::read_unaligned(host.add(g.out_off + (b * ns + k) * 8) as *const u64)
                                 })
                                 .collect();
                             values.insert(*key, v);
@@ -623,8 +590,6 @@ impl ChecksumBackend for CudaBackend {
     /// as far as the host knows (landed by RDMA/TCP, or its writer's stream synchronised).
     /// Callers that write KV on a stream use `submit_after` with that stream.
     unsafe fn submit(&self, jobs: Vec<GroupJob>) -> Result<PendingChecksums, KernelError> {
-        Ok(PendingChecksums::new(Box::new(
-            self.submit_after(jobs, None)?,
-        )))
+        Ok(PendingChecksums::new(Box::new(self.submit_after(jobs, None)?)))
     }
 }

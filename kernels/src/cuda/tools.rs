@@ -29,9 +29,7 @@ impl Tools {
         ctx.bind()?;
         let image = load::compile(TOOLS_SRC, "tools.cu", ctx.compute_capability()?)?;
         let module = Module::load(ctx, &image)?;
-        let sms = ctx.attribute(
-            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-        )?;
+        let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let read_sum = module.function("kvf_read_sum")?;
         let grid = sms.max(1) as u32 * read_sum.occupancy(256)?;
         Ok(Tools {
@@ -64,13 +62,7 @@ impl Tools {
     }
 
     /// Fills the first `len / 8` words at `ptr` with splitmix64(seed + i), on `stream`.
-    pub fn fill_random(
-        &self,
-        ptr: u64,
-        len: usize,
-        seed: u64,
-        stream: RawStream,
-    ) -> Result<(), String> {
+    pub fn fill_random(&self, ptr: u64, len: usize, seed: u64, stream: RawStream) -> Result<(), String> {
         self.backend.context().bind()?;
         let (mut p, mut n, mut s) = (ptr, (len / 8) as u64, seed);
         let mut args = [arg(&mut p), arg(&mut n), arg(&mut s)];
@@ -79,13 +71,7 @@ impl Tools {
 
     /// Adds the u64 sum of `len` bytes at `ptr` (16-byte aligned, `len % 16 == 0`) into the
     /// u64 at device address `out`, on `stream`: one read of every byte, 16-byte loads.
-    pub fn read_sum(
-        &self,
-        ptr: u64,
-        len: usize,
-        out: u64,
-        stream: RawStream,
-    ) -> Result<(), String> {
+    pub fn read_sum(&self, ptr: u64, len: usize, out: u64, stream: RawStream) -> Result<(), String> {
         self.backend.context().bind()?;
         let (mut p, mut n, mut o) = (ptr, (len / 16) as u64, out);
         let mut args = [arg(&mut p), arg(&mut n), arg(&mut o)];
@@ -94,21 +80,11 @@ impl Tools {
 
     /// Like [`Tools::read_sum`] over `n` ranges whose device addresses and lengths are the u64
     /// arrays at device addresses `addrs` and `lens`.
-    pub fn read_ranges(
-        &self,
-        addrs: u64,
-        lens: u64,
-        n: u32,
-        out: u64,
-        stream: RawStream,
-    ) -> Result<(), String> {
+    pub fn read_ranges(&self, addrs: u64, lens: u64, n: u32, out: u64, stream: RawStream) -> Result<(), String> {
         self.backend.context().bind()?;
         let (mut a, mut l, mut c, mut o) = (addrs, lens, n, out);
         let mut args = [arg(&mut a), arg(&mut l), arg(&mut c), arg(&mut o)];
-        unsafe {
-            self.read_ranges
-                .launch(stream, n.min(self.grid).max(1), 256, &mut args)
-        }
+        unsafe { self.read_ranges.launch(stream, n.min(self.grid).max(1), 256, &mut args) }
     }
 
     /// Queues a one-thread kernel that spins `ns` nanoseconds, then writes 1 to the u64 at `flag`.

@@ -9,7 +9,7 @@ use kvferry_checksum::group::{LayerSpec, ReplicaKey};
 use kvferry_checksum::layout::Dim;
 
 /// One layer as the kernel sees it. Mirrors `struct LayerView` in
-/// `kernels/cuda/checksum.cu` field for field (`repr(C)`, 112 bytes).
+/// `kernels/cuda/checksum.cu` field for field (`repr(C)`, 120 bytes).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct LayerView {
@@ -49,11 +49,19 @@ pub struct LayerView {
     pub mode: u32,
     /// Tiles per logical block: `kb_per_block * parts` on the vector paths, `kb_per_block` on the generic one.
     pub tiles_per_block: u32,
-    /// Index of this layer's first tile in the launch.
+    /// Index of this layer's first tile among one block's tiles (tiles are block-major).
     pub tile_begin: u32,
     /// Output slot (index of this layer's replica key in [`GroupPlan::keys`]).
     pub slot: u32,
+    /// 0, or `1 | log2(R) << 8 | log2(n_inner) << 16` when rows of `R` chunks and the
+    /// inner dimension tile the 256 threads exactly (the kernel's regular path).
+    pub regular: u32,
+    /// Keeps the size a multiple of 8.
+    pub pad: u32,
 }
+
+/// Threads per block of the checksum kernel (`KVF_THREADS` in checksum.cu).
+pub const THREADS: u32 = 256;
 
 /// Rows are whole 16-byte vectors, 16-byte aligned: 128-bit loads.
 pub const MODE_VEC16: u32 = 0;
@@ -62,8 +70,8 @@ pub const MODE_VEC8: u32 = 1;
 /// Anything else (strided `D`, pieces straddling K and V, odd alignment): bytes gathered one by one.
 pub const MODE_GENERIC: u32 = 2;
 
-/// A group's launch: its views (sorted by `tile_begin`), block ids, replica keys (one
-/// output slot each) and tile count.
+/// A group's launch: its views (`tile_begin` ascending), block ids, replica keys (one
+/// output slot each) and tile counts. Tile `t` is block `t / tiles_per_group`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupPlan {
     /// One view per layer, in the job's layer order.
@@ -76,7 +84,9 @@ pub struct GroupPlan {
     pub num_tokens: u64,
     /// Distinct replica keys, ascending; the output holds `block_ids.len() * keys.len()` values.
     pub keys: Vec<ReplicaKey>,
-    /// Tiles in the launch (the kernel's grid-stride range).
+    /// Tiles of one block over all layers.
+    pub tiles_per_group: u32,
+    /// Tiles in the launch: `block_ids.len() * tiles_per_group`.
     pub total_tiles: u32,
 }
 
@@ -91,11 +101,7 @@ impl std::fmt::Display for PlanError {
 }
 
 fn to_u32(what: &str, layer: &str, v: u64) -> Result<u32, PlanError> {
-    u32::try_from(v).map_err(|_| {
-        PlanError(format!(
-            "layer {layer}: {what} = {v} exceeds the kernel's 32-bit range"
-        ))
-    })
+    u32::try_from(v).map_err(|_| PlanError(format!("layer {layer}: {what} = {v} exceeds the kernel's 32-bit range")))
 }
 
 /// Builds the view of one layer whose array starts at device address `addr` and spans
@@ -116,11 +122,7 @@ pub fn layer_view(spec: &LayerSpec, addr: u64, len: u64) -> Result<LayerView, Pl
             g.byte_len()
         )));
     }
-    if g.kernel_blocks_per_block == 0
-        || g.tokens_per_kernel_block == 0
-        || g.heads == 0
-        || g.head_dim == 0
-    {
+    if g.kernel_blocks_per_block == 0 || g.tokens_per_kernel_block == 0 || g.heads == 0 || g.head_dim == 0 {
         return Err(PlanError(format!("layer {name}: zero-sized dimension")));
     }
     let e = g.elem.get();
@@ -162,11 +164,7 @@ pub fn layer_view(spec: &LayerSpec, addr: u64, len: u64) -> Result<LayerView, Pl
         MODE_GENERIC
     };
     let kbpb = g.kernel_blocks_per_block;
-    let tiles_per_block = if mode == MODE_GENERIC {
-        kbpb
-    } else {
-        kbpb * parts
-    };
+    let tiles_per_block = if mode == MODE_GENERIC { kbpb } else { kbpb * parts };
     // The generic path counts (row, piece) pairs of a kernel block in 32 bits.
     to_u32(
         "tokens * heads * pieces",
@@ -194,12 +192,30 @@ pub fn layer_view(spec: &LayerSpec, addr: u64, len: u64) -> Result<LayerView, Pl
         tiles_per_block: to_u32("tiles per block", name, tiles_per_block)?,
         tile_begin: 0,
         slot: 0,
+        regular: regular(mode, row_bytes, n_inner),
+        pad: 0,
         // row_bytes fits because d and e do and D*e was checked above
     })
     .and_then(|v| {
         to_u32("D * elem", name, row_bytes)?;
         Ok(v)
     })
+}
+
+/// The regular-path code of a layer (see [`LayerView::regular`]).
+fn regular(mode: u32, row_bytes: u64, n_inner: u64) -> u32 {
+    let v = match mode {
+        MODE_VEC16 => 16,
+        MODE_VEC8 => 8,
+        _ => return 0,
+    };
+    let r = row_bytes / v;
+    let t = THREADS as u64;
+    if r.is_power_of_two() && r <= t && n_inner.is_power_of_two() && (t / r) % n_inner == 0 {
+        1 | (r.trailing_zeros() << 8) | (n_inner.trailing_zeros() << 16)
+    } else {
+        0
+    }
 }
 
 /// Builds a group's launch from its layers `(spec, device address, byte length)` and
@@ -228,34 +244,22 @@ pub fn group_plan(
             )));
         }
         if spec.head_offset as u64 + spec.geometry.heads - 1 > u32::MAX as u64 {
-            return Err(PlanError(format!(
-                "layer {}: head index past u32",
-                spec.name
-            )));
+            return Err(PlanError(format!("layer {}: head index past u32", spec.name)));
         }
         v.tile_begin = to_u32("tiles", "(group)", tiles)?;
         v.slot = keys.binary_search(&spec.replica).unwrap_or(0) as u32;
-        tiles += nb * v.tiles_per_block as u64;
+        tiles += v.tiles_per_block as u64;
         views.push(v);
     }
-    let total_tiles = to_u32("tiles", "(group)", tiles)?;
-    if nb == 0 {
-        // No tiles: every layer would share tile_begin 0; the launch is skipped.
-        return Ok(GroupPlan {
-            views,
-            block_ids: Vec::new(),
-            start,
-            num_tokens,
-            keys,
-            total_tiles: 0,
-        });
-    }
+    let tiles_per_group = to_u32("tiles per block", "(group)", tiles)?;
+    let total_tiles = to_u32("tiles", "(group)", tiles * nb)?;
     Ok(GroupPlan {
         views,
         block_ids: block_ids.to_vec(),
         start,
         num_tokens,
         keys,
+        tiles_per_group,
         total_tiles,
     })
 }
@@ -283,16 +287,7 @@ mod tests {
 
     /// CPU replay of tile_vec<V> for one thread.
     #[allow(clippy::too_many_arguments)]
-    fn tile_vec(
-        l: &LayerView,
-        mem: &[u8],
-        base: u64,
-        part: u32,
-        t0: u64,
-        nt: u32,
-        v: u32,
-        tid: u32,
-    ) -> u64 {
+    fn tile_vec(l: &LayerView, mem: &[u8], base: u64, part: u32, t0: u64, nt: u32, v: u32, tid: u32) -> u64 {
         let r = l.d * l.elem / v;
         let p_part = part as u64 * ((l.d * l.elem) >> 3) as u64;
         let n_o = if l.outer_is_token != 0 { nt } else { l.n_outer };
@@ -377,24 +372,65 @@ mod tests {
         acc
     }
 
+    /// CPU replay of tile_regular for one thread.
+    #[allow(clippy::too_many_arguments)]
+    fn tile_regular(l: &LayerView, mem: &[u8], base: u64, part: u32, t0: u64, nt: u32, v: u32, tid: u32) -> u64 {
+        let rs = (l.regular >> 8) & 0xff;
+        let nis = (l.regular >> 16) & 0xff;
+        let c = tid & ((1 << rs) - 1);
+        let row = tid >> rs;
+        let i = row & ((1 << nis) - 1);
+        let mut o = row >> nis;
+        let so = (THREADS >> rs) >> nis;
+        let ot = l.outer_is_token != 0;
+        let n_o = if ot { nt } else { l.n_outer };
+        if !ot && i >= nt {
+            return 0;
+        }
+        let (mut su, mut sw, mut sx, mut sy) = (0u64, 0u64, 0u64, 0u64);
+        while o < n_o {
+            let a = base + o as u64 * l.s_outer + i as u64 * l.s_inner + c as u64 * v as u64;
+            let x0 = rd(mem, l.base, a, 8);
+            let x1 = if v == 16 { rd(mem, l.base, a + 8, 8) } else { 0 };
+            let y = x0.wrapping_add(x1);
+            su = su.wrapping_add(y);
+            sw = sw.wrapping_add((o as u64).wrapping_mul(y));
+            sx = sx.wrapping_add(x1);
+            sy = sy.wrapping_add((o as u64).wrapping_mul(x1));
+            o += so;
+        }
+        let p = l.pieces;
+        let q = part as u64 * ((l.d * l.elem) >> 3) as u64 + c as u64 * (v as u64 / 8);
+        if ot {
+            let m = l.m_base.wrapping_add(2 * i as u64);
+            let k = (2u64.wrapping_mul(t0).wrapping_mul(p)).wrapping_add(2 * q + 1);
+            m.wrapping_mul(
+                k.wrapping_mul(su)
+                    .wrapping_add(2u64.wrapping_mul(p).wrapping_mul(sw))
+                    .wrapping_add(sx.wrapping_mul(2)),
+            )
+        } else {
+            let j = 2u64.wrapping_mul(t0 + i as u64).wrapping_mul(p).wrapping_add(2 * q + 1);
+            l.m_base
+                .wrapping_mul(j.wrapping_mul(su).wrapping_add(sx.wrapping_mul(2)))
+                .wrapping_add(2u64.wrapping_mul(j.wrapping_mul(sw).wrapping_add(sy.wrapping_mul(2))))
+        }
+    }
+
     /// CPU replay of kvf_checksum over all tiles; `mems[l]` backs layer l.
     fn replay(plan: &GroupPlan, mems: &[&[u8]]) -> Vec<u64> {
         let ns = plan.keys.len();
         let mut out = vec![0u64; plan.block_ids.len() * ns];
         for tile in 0..plan.total_tiles {
-            let li = plan
-                .views
-                .iter()
-                .rposition(|v| v.tile_begin <= tile)
-                .unwrap();
+            let bidx = tile / plan.tiles_per_group;
+            let r = tile % plan.tiles_per_group;
+            let li = plan.views.iter().rposition(|v| v.tile_begin <= r).unwrap();
             let l = &plan.views[li];
-            let local = tile - l.tile_begin;
-            let bidx = local / l.tiles_per_block;
-            let r = local % l.tiles_per_block;
+            let local = r - l.tile_begin;
             let (kk, part) = if l.mode == MODE_GENERIC {
-                (r, 0)
+                (local, 0)
             } else {
-                (r / l.parts, r % l.parts)
+                (local / l.parts, local % l.parts)
             };
             let bs = l.kb_per_block as u64 * l.tokens as u64;
             let t0 = (plan.start + bidx as u64) * bs + kk as u64 * l.tokens as u64;
@@ -407,6 +443,8 @@ mod tests {
             let mut sum = 0u64;
             for tid in 0..THREADS {
                 let a = match l.mode {
+                    MODE_VEC16 if l.regular != 0 => tile_regular(l, mems[li], base, part, t0, nt, 16, tid),
+                    MODE_VEC8 if l.regular != 0 => tile_regular(l, mems[li], base, part, t0, nt, 8, tid),
                     MODE_VEC16 => tile_vec(l, mems[li], base, part, t0, nt, 16, tid),
                     MODE_VEC8 => tile_vec(l, mems[li], base, part, t0, nt, 8, tid),
                     _ => tile_generic(l, mems[li], base, t0, nt, tid),
@@ -432,18 +470,9 @@ mod tests {
     fn random_spec(rng: &mut ChaCha8Rng, layer: u32, replica: ReplicaKey) -> LayerSpec {
         loop {
             let layout = Layout::parse(LAYOUTS[rng.random_range(0..LAYOUTS.len())]).unwrap();
-            let elem = [
-                ElemBytes::One,
-                ElemBytes::Two,
-                ElemBytes::Four,
-                ElemBytes::Eight,
-            ][rng.random_range(0..4)];
+            let elem = [ElemBytes::One, ElemBytes::Two, ElemBytes::Four, ElemBytes::Eight][rng.random_range(0..4)];
             let d = [1u64, 2, 3, 4, 8, 16, 24, 64][rng.random_range(0..8)];
-            let h = if layout.has_heads() {
-                rng.random_range(1..4)
-            } else {
-                1
-            };
+            let h = if layout.has_heads() { rng.random_range(1..4) } else { 1 };
             let n = rng.random_range(1..6);
             let kbpb = rng.random_range(1..4);
             let b = kbpb * rng.random_range(1..5);
@@ -489,38 +518,25 @@ mod tests {
     fn replayed_kernel_matches_definition() {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
         let mut modes = [0usize; 3];
+        let mut regular = 0usize;
+        let mut regular_head_outer = 0usize;
         for case in 0..300 {
             let nl = rng.random_range(1..4);
             let rk = if rng.random_bool(0.3) {
-                ReplicaKey {
-                    replicas: 2,
-                    index: 1,
-                }
+                ReplicaKey { replicas: 2, index: 1 }
             } else {
                 ReplicaKey::NONE
             };
             let specs: Vec<LayerSpec> = (0..nl)
-                .map(|l| {
-                    random_spec(
-                        &mut rng,
-                        l as u32 * 3 + 1,
-                        if l == 0 { ReplicaKey::NONE } else { rk },
-                    )
-                })
+                .map(|l| random_spec(&mut rng, l as u32 * 3 + 1, if l == 0 { ReplicaKey::NONE } else { rk }))
                 .collect();
             // Base addresses: 16-aligned, or shifted by 8 to force the 8-byte / generic paths.
             let shift = [0u64, 8, 1][rng.random_range(0..3)];
             let mems: Vec<Vec<u8>> = specs
                 .iter()
-                .map(|s| {
-                    (0..s.geometry.byte_len())
-                        .map(|_| rng.random::<u8>())
-                        .collect()
-                })
+                .map(|s| (0..s.geometry.byte_len()).map(|_| rng.random::<u8>()).collect())
                 .collect();
-            let bases: Vec<u64> = (0..nl as u64)
-                .map(|l| (l + 1) * (1 << 40) + shift)
-                .collect();
+            let bases: Vec<u64> = (0..nl as u64).map(|l| (l + 1) * (1 << 40) + shift).collect();
             let nblocks = specs.iter().map(|s| s.geometry.num_blocks()).min().unwrap();
             let count = rng.random_range(0..=nblocks);
             let block_ids: Vec<u64> = (0..count).map(|_| rng.random_range(0..nblocks)).collect();
@@ -536,6 +552,8 @@ mod tests {
             let plan = group_plan(&layers, &block_ids, start, num_tokens).unwrap();
             for v in &plan.views {
                 modes[v.mode as usize] += 1;
+                regular += (v.regular != 0) as usize;
+                regular_head_outer += (v.regular != 0 && v.outer_is_token == 0 && v.n_outer > 1) as usize;
             }
             let slices: Vec<&[u8]> = mems.iter().map(|m| m.as_slice()).collect();
             let got = replay(&plan, &slices);
@@ -545,13 +563,8 @@ mod tests {
                     let mut want = 0u64;
                     for (s, m) in specs.iter().zip(&mems) {
                         if s.replica == *key {
-                            want = want.wrapping_add(layer_block_checksum_direct(
-                                s,
-                                m,
-                                b,
-                                start + bi as u64,
-                                num_tokens,
-                            ));
+                            want =
+                                want.wrapping_add(layer_block_checksum_direct(s, m, b, start + bi as u64, num_tokens));
                         }
                     }
                     assert_eq!(
@@ -565,6 +578,7 @@ mod tests {
         }
         // Every load path was exercised.
         assert!(modes.iter().all(|&m| m > 10), "modes {modes:?}");
+        assert!(regular > 10 && regular_head_outer > 5, "regular {regular}, with heads outer {regular_head_outer}");
     }
 
     #[test]
@@ -579,7 +593,7 @@ mod tests {
     }
 
     #[test]
-    fn view_is_112_bytes() {
-        assert_eq!(std::mem::size_of::<LayerView>(), 112);
+    fn view_is_120_bytes() {
+        assert_eq!(std::mem::size_of::<LayerView>(), 120);
     }
 }

@@ -691,3 +691,73 @@ async fn publish_errors_are_clear() {
     assert!(e.to_string().contains("no block table for group 0"), "{e}");
     producer.shutdown().await;
 }
+
+/// Two groups: full attention (`KV B N H D`) and a sliding window of 16 tokens in
+/// the FlashInfer layout (`B KV N H D`) whose first block is out of the window
+/// (a null block on both sides). A flipped bit in the window group's last block
+/// is a mismatch there, and only there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_window_group_with_null_blocks() {
+    for corrupt in [false, true] {
+        let p = common::Side::with_window(2, 1, PRODUCER_BLOCKS, Some(5));
+        let c = common::Side::with_window(2, 1, CONSUMER_BLOCKS, Some(6));
+        let producer = Producer::start(producer_config(), p.workers.clone())
+            .await
+            .unwrap();
+        let consumer =
+            Consumer::new(consumer_config(Policy::default()), c.workers.clone()).unwrap();
+        let window_remote = vec![None, Some(4), Some(6)];
+        let window_local = vec![None, Some(8), Some(11)];
+        producer
+            .publish(
+                "req-sw",
+                vec![remote_table(), window_remote.clone()],
+                NUM_TOKENS,
+            )
+            .await
+            .unwrap();
+        if corrupt {
+            let addr = c.group_token_addr(1, 1, 1, 11, 5);
+            consumer.set_landed_hook(Some(Arc::new(move |l: &Landed| {
+                assert_eq!(l.groups[1].positions, vec![1, 2]);
+                unsafe { *(addr as *mut u8) ^= 0x80 };
+            })));
+        }
+        let mut s = spec("req-sw", &producer);
+        s.groups.push(LoadGroup {
+            group_id: 1,
+            remote_blocks: window_remote,
+            local_blocks: window_local,
+        });
+        let out = consumer.load(s).await.unwrap();
+        if corrupt {
+            match out.verdict.unwrap() {
+                Verdict::Mismatch {
+                    mismatches,
+                    unverified,
+                } => {
+                    assert_eq!(mismatches.len(), 1);
+                    assert_eq!(
+                        (mismatches[0].group_id, mismatches[0].positions.clone()),
+                        (1, vec![2])
+                    );
+                    assert!(unverified.is_empty());
+                }
+                other => panic!("{other:?}"),
+            }
+        } else {
+            assert_eq!(out.verdict, Some(Verdict::Verified));
+            for rank in 0..2 {
+                for layer in 0..2 {
+                    for (r, l) in [(4, 8), (6, 11)] {
+                        assert_eq!(
+                            p.group_block_bytes(rank, 1, layer, r),
+                            c.group_block_bytes(rank, 1, layer, l)
+                        );
+                    }
+                }
+            }
+        }
+        producer.shutdown().await;
+    }
+}

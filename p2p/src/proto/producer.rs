@@ -329,12 +329,13 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         };
         self.entries
             .insert(request_id.to_string(), Entry::Done { why, forget_at });
+        // Released first: the writes are over; the embedder learns it no later than the consumer.
         vec![
-            Effect::Reply { peer, reply },
             Effect::Released {
                 request_id: request_id.to_string(),
                 reason,
             },
+            Effect::Reply { peer, reply },
         ]
     }
 

@@ -638,7 +638,11 @@ impl Connection {
                             ConsumerEvent::Invalid(e) => warn!(endpoint = self.endpoint, "bad reply ignored: {e}"),
                         },
                         SockEvent::Lost(why) => {
-                            warn!(endpoint = self.endpoint, "control connection lost: {why}");
+                            if self.machine.pending() > 0 {
+                                warn!(endpoint = self.endpoint, "control connection lost: {why}");
+                            } else {
+                                debug!(endpoint = self.endpoint, "control connection closed while idle: {why}");
+                            }
                             let failed = self.machine.on_connection_lost(&why);
                             self.fail(failed);
                             self.rebuild_if_needed();

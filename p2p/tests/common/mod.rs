@@ -18,12 +18,13 @@ pub const LAYERS: u32 = 2;
 pub const KV_HEADS: u64 = 2;
 pub const HEAD_DIM: u64 = 8;
 pub const BLOCK: u64 = 16;
+pub const WINDOW: u64 = 16;
 
 /// One side (producer or consumer): workers and the memory they point into.
 /// `workers` is declared first so the engines drop before the memory.
 pub struct Side {
     pub workers: Vec<Worker>,
-    /// `memory[rank][layer]`: the layer's array, in worker order.
+    /// `memory[rank][i]`: the arrays of the rank's layers, group by group, in worker order.
     pub memory: Vec<Vec<Box<[u8]>>>,
 }
 
@@ -31,6 +32,16 @@ impl Side {
     /// Builds a side of `tp × pp` ranks whose arrays hold `num_blocks` blocks,
     /// filled with seeded random bytes (`seed = None`: zeros).
     pub fn new(tp: u32, pp: u32, num_blocks: u64, seed: Option<u64>) -> Side {
+        Side::build(tp, pp, num_blocks, seed, false)
+    }
+
+    /// As [`Side::new`], plus group 1: a sliding-window group (window [`WINDOW`]
+    /// tokens) in the FlashInfer layout `B KV N H D`, layers named `...sliding`.
+    pub fn with_window(tp: u32, pp: u32, num_blocks: u64, seed: Option<u64>) -> Side {
+        Side::build(tp, pp, num_blocks, seed, true)
+    }
+
+    fn build(tp: u32, pp: u32, num_blocks: u64, seed: Option<u64>, windowed: bool) -> Side {
         let mut workers = Vec::new();
         let mut memory = Vec::new();
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed.unwrap_or(0));
@@ -43,34 +54,6 @@ impl Side {
                     pp_size: pp,
                 };
                 let heads = KV_HEADS / tp as u64;
-                let layout = Layout::parse("KV B N H D").unwrap();
-                let geometry = Geometry::contiguous(
-                    layout,
-                    num_blocks,
-                    BLOCK,
-                    heads,
-                    HEAD_DIM,
-                    ElemBytes::Two,
-                    1,
-                )
-                .unwrap();
-                let layers: Vec<u32> = (0..LAYERS).filter(|l| l % pp == pp_rank).collect();
-                let caches: Vec<CacheDesc> = layers
-                    .iter()
-                    .map(|l| {
-                        CacheDesc::new(
-                            format!("model.layers.{l}.self_attn.attn"),
-                            Some("FullAttentionSpec"),
-                            Some("torch.bfloat16"),
-                            geometry.clone(),
-                        )
-                    })
-                    .collect();
-                let GroupPlan::Checksum { layers: specs, .. } =
-                    plan_group(0, BLOCK, &caches, rank, Some(KV_HEADS as u32))
-                else {
-                    panic!("group skipped");
-                };
                 let engine = TransferEngine::new(EngineConfig {
                     host: "127.0.0.1".into(),
                     port: 0,
@@ -79,30 +62,74 @@ impl Side {
                 })
                 .unwrap();
                 let mut bufs = Vec::new();
-                let mut inputs = Vec::new();
-                for spec in specs {
-                    let len = spec.geometry.byte_len();
-                    let mut buf = vec![0u8; len as usize].into_boxed_slice();
-                    if seed.is_some() {
-                        rng.fill_bytes(&mut buf);
+                let mut groups = Vec::new();
+                let kinds: &[(u32, &str, &str, Option<u64>)] = if windowed {
+                    &[
+                        (0, "KV B N H D", "attn", None),
+                        (1, "B KV N H D", "sliding", Some(WINDOW)),
+                    ]
+                } else {
+                    &[(0, "KV B N H D", "attn", None)]
+                };
+                for &(group_id, layout, suffix, sliding_window) in kinds {
+                    let layout = Layout::parse(layout).unwrap();
+                    let geometry = Geometry::contiguous(
+                        layout,
+                        num_blocks,
+                        BLOCK,
+                        heads,
+                        HEAD_DIM,
+                        ElemBytes::Two,
+                        1,
+                    )
+                    .unwrap();
+                    let layers: Vec<u32> = (0..LAYERS).filter(|l| l % pp == pp_rank).collect();
+                    let caches: Vec<CacheDesc> = layers
+                        .iter()
+                        .map(|l| {
+                            CacheDesc::new(
+                                format!("model.layers.{l}.self_attn.{suffix}"),
+                                Some(if sliding_window.is_some() {
+                                    "SlidingWindowSpec"
+                                } else {
+                                    "FullAttentionSpec"
+                                }),
+                                Some("torch.bfloat16"),
+                                geometry.clone(),
+                            )
+                        })
+                        .collect();
+                    let GroupPlan::Checksum { layers: specs, .. } =
+                        plan_group(group_id, BLOCK, &caches, rank, Some(KV_HEADS as u32))
+                    else {
+                        panic!("group skipped");
+                    };
+                    let mut inputs = Vec::new();
+                    for spec in specs {
+                        let len = spec.geometry.byte_len();
+                        let mut buf = vec![0u8; len as usize].into_boxed_slice();
+                        if seed.is_some() {
+                            rng.fill_bytes(&mut buf);
+                        }
+                        let addr = buf.as_ptr() as u64;
+                        // SAFETY: the buffer lives in `memory` until after the engine is dropped.
+                        unsafe { engine.register_memory(addr, len, Location::Cpu).unwrap() };
+                        inputs.push(LayerInput { spec, addr, len });
+                        bufs.push(buf);
                     }
-                    let addr = buf.as_ptr() as u64;
-                    // SAFETY: the buffer lives in `memory` until after the engine is dropped.
-                    unsafe { engine.register_memory(addr, len, Location::Cpu).unwrap() };
-                    inputs.push(LayerInput { spec, addr, len });
-                    bufs.push(buf);
+                    groups.push(WorkerGroup {
+                        group_id,
+                        block_size: BLOCK,
+                        layers: inputs,
+                        sliding_window,
+                        skipped: None,
+                    });
                 }
                 workers.push(Worker {
                     rank,
                     engine,
                     device: Device::Cpu,
-                    groups: vec![WorkerGroup {
-                        group_id: 0,
-                        block_size: BLOCK,
-                        layers: inputs,
-                        sliding_window: None,
-                        skipped: None,
-                    }],
+                    groups,
                     backend: Arc::new(CpuBackend::new(1)),
                 });
                 memory.push(bufs);
@@ -113,9 +140,23 @@ impl Side {
 
     /// The bytes of logical block `block` of layer index `layer` on worker `rank`.
     pub fn block_bytes(&self, rank: usize, layer: usize, block: u64) -> Vec<u8> {
-        let g = &self.workers[rank].groups[0].layers[layer].spec.geometry;
-        let buf = &self.memory[rank][layer];
-        g.block_byte_ranges(block)
+        self.group_block_bytes(rank, 0, layer, block)
+    }
+
+    /// The bytes of logical block `block` of layer index `layer` of group `group` on worker `rank`.
+    pub fn group_block_bytes(
+        &self,
+        rank: usize,
+        group: usize,
+        layer: usize,
+        block: u64,
+    ) -> Vec<u8> {
+        let l = &self.workers[rank].groups[group].layers[layer];
+        // SAFETY: the layer's array is one of this side's live buffers.
+        let buf = unsafe { std::slice::from_raw_parts(l.addr as *const u8, l.len as usize) };
+        l.spec
+            .geometry
+            .block_byte_ranges(block)
             .into_iter()
             .flat_map(|r| buf[r.start as usize..r.end as usize].to_vec())
             .collect()
@@ -124,7 +165,19 @@ impl Side {
     /// Address of the first byte of token `token` (within the block), K part, head 0, element 0,
     /// of block `block` of layer index `layer` on worker `rank`.
     pub fn token_addr(&self, rank: usize, layer: usize, block: u64, token: u64) -> u64 {
-        let l = &self.workers[rank].groups[0].layers[layer];
+        self.group_token_addr(rank, 0, layer, block, token)
+    }
+
+    /// As [`Side::token_addr`] in group `group`.
+    pub fn group_token_addr(
+        &self,
+        rank: usize,
+        group: usize,
+        layer: usize,
+        block: u64,
+        token: u64,
+    ) -> u64 {
+        let l = &self.workers[rank].groups[group].layers[layer];
         l.addr + l.spec.geometry.byte_offset(0, block, token, 0, 0)
     }
 }

@@ -7,6 +7,18 @@
 //! `open_segment`, the `*_sync_*` helpers) uses only std blocking primitives with deadlines, so
 //! it never panics inside a tokio runtime (it does block that thread: from async code, call
 //! `submit` and then `wait_async`, or wrap sync helpers in `spawn_blocking`).
+//!
+//! Extension points filled by other modules, compiled when their files exist (`build.rs`):
+//! - `transport/rdma/mod.rs`: `pub fn probe(&RdmaConfig) -> Option<String>` and
+//!   `pub fn create(&TransportContext) -> Result<Arc<dyn Transport>>` (see `transport`).
+//! - `gpu/mod.rs`: `pub fn memory_access() -> Arc<dyn MemoryAccess>`: copies to and from
+//!   `cuda:N` memory (pinned staging) for the TCP transport; it must fall back to refusing
+//!   `cuda:N` with `Unsupported` when CUDA is absent, never panic. Without it, registering
+//!   `cuda:N` memory on TCP is `Unsupported` ("GPU memory needs the GPU memory backend").
+//!
+//! Security model: as in Mooncake, any host that reaches the listeners may READ and WRITE the
+//! registered regions (no authentication); the target checks every TCP request against its
+//! registered regions in code, so nothing outside them is ever read or written.
 
 #![warn(unsafe_op_in_unsafe_fn)]
 

@@ -118,6 +118,7 @@ impl TcpTransport {
             ctx: self.ctx.clone(),
             conns: Mutex::new(Vec::new()),
             next: AtomicUsize::new(0),
+            down: Mutex::new(None),
         });
         if let Some(old) = peers.insert(peer.name.clone(), pool.clone()) {
             old.close();
@@ -574,6 +575,9 @@ struct PeerPool {
     ctx: TransportContext,
     conns: Mutex<Vec<Arc<Conn>>>,
     next: AtomicUsize,
+    /// Set when a connect failed: until the instant, jobs fail at once with that error instead
+    /// of each spawning a connection attempt.
+    down: Mutex<Option<(Instant, TransferError)>>,
 }
 
 /// One data connection: a job queue feeding its writer thread. `tx` is `None` once the
@@ -600,6 +604,11 @@ impl Conn {
 
 impl PeerPool {
     fn send(self: &Arc<Self>, mut job: Job) {
+        if let Some((until, e)) = self.down.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            if Instant::now() < *until {
+                return job.complete(Err(e.clone()));
+            }
+        }
         let want = self.cfg.connections_per_peer.max(1);
         let i = self.next.fetch_add(1, Ordering::Relaxed) % want;
         // two tries: the chosen connection may have just gone idle or broken
@@ -698,7 +707,11 @@ impl PeerPool {
     fn writer(self: Arc<Self>, conn: Arc<Conn>, rx: Receiver<Job>) {
         let mut s = match self.connect() {
             Ok(s) => s,
-            Err(e) => return Self::retire(&conn, &rx, &e),
+            Err(e) => {
+                let until = Instant::now() + self.cfg.io_timeout.min(Duration::from_secs(1));
+                *self.down.lock().unwrap_or_else(|e| e.into_inner()) = Some((until, e.clone()));
+                return Self::retire(&conn, &rx, &e);
+            }
         };
         let read_half = match s.try_clone() {
             Ok(r) => r,

@@ -180,7 +180,7 @@ fn run_shape(backends: &[(KernelVariant, CudaBackend)], tools: &Tools, shape: &S
         .collect();
     let refill = |seed: u64| {
         for (i, b) in arrays.iter().enumerate() {
-            tools.fill_random(b.ptr(), b.len(), seed * 1000 + i as u64, s).unwrap();
+            unsafe { tools.fill_random(b.ptr(), b.len(), seed * 1000 + i as u64, s) }.unwrap();
         }
     };
     let specs: Vec<LayerSpec> = (0..layers)
@@ -258,9 +258,7 @@ fn run_shape(backends: &[(KernelVariant, CudaBackend)], tools: &Tools, shape: &S
                 .unwrap();
         }
         time(&|| {
-            tools
-                .read_sum(arrays[0].ptr(), bytes.min(layer_bytes) as usize / 16 * 16, out.ptr(), s)
-                .unwrap()
+            unsafe { tools.read_sum(arrays[0].ptr(), bytes.min(layer_bytes) as usize / 16 * 16, out.ptr(), s) }.unwrap()
         });
     }
     let nv = backends.len();
@@ -278,18 +276,18 @@ fn run_shape(backends: &[(KernelVariant, CudaBackend)], tools: &Tools, shape: &S
         // array the previous runs did not touch last.
         read.push(if bytes <= layer_bytes {
             let b = &arrays[(run * 7) % arrays.len()];
-            time(&|| tools.read_sum(b.ptr(), bytes as usize / 16 * 16, out.ptr(), s).unwrap())
+            time(&|| unsafe { tools.read_sum(b.ptr(), bytes as usize / 16 * 16, out.ptr(), s) }.unwrap())
         } else {
             time(&|| {
                 for b in &arrays {
-                    tools.read_sum(b.ptr(), per_layer, out.ptr(), s).unwrap();
+                    unsafe { tools.read_sum(b.ptr(), per_layer, out.ptr(), s) }.unwrap();
                 }
             })
         });
         let job = new_job(&mut rng);
         let (da, dl, nr) = range_table(&job);
         ranges.push(time(&|| {
-            tools.read_ranges(da.ptr(), dl.ptr(), nr, out.ptr(), s).unwrap()
+            unsafe { tools.read_ranges(da.ptr(), dl.ptr(), nr, out.ptr(), s) }.unwrap()
         }));
         // The variants take turns, each on a fresh block list.
         for (vi, (_, backend)) in backends.iter().enumerate() {

@@ -283,6 +283,7 @@ fn gpu_matches_cpu_on_random_layouts() {
     assert!(elems[1] > 0 && elems[2] > 0 && elems[4] > 0 && elems[8] > 0 && partial > 0 && replicated > 0);
 }
 
+#[allow(clippy::too_many_arguments)]
 fn fixed_case(
     rng: &mut ChaCha8Rng,
     layout: &str,
@@ -385,13 +386,11 @@ fn gpu_submit_never_synchronises_the_caller_stream() {
         .wait(WAIT)
         .unwrap();
     let spun = tools.event(false).unwrap();
-    tools.spin(2_000_000_000, flag.ptr(), caller.raw()).unwrap();
+    unsafe { tools.spin(2_000_000_000, flag.ptr(), caller.raw()) }.unwrap();
     unsafe { spun.record(caller.raw()).unwrap() };
     // Rewrite every layer after the spin, on the caller's stream.
     for (h, &a) in case.host.iter().zip(&addrs) {
-        tools
-            .fill_random(a - (a % 8), h.len() / 8 * 8, 77, caller.raw())
-            .unwrap();
+        unsafe { tools.fill_random(a - (a % 8), h.len() / 8 * 8, 77, caller.raw()) }.unwrap();
     }
     let t = std::time::Instant::now();
     let mut pending =
@@ -434,7 +433,7 @@ fn gpu_dropped_pending_is_safe() {
     let want = cpu_results(std::slice::from_ref(&case));
     let caller = tools.stream().unwrap();
     let flag = tools.alloc(8).unwrap();
-    tools.spin(200_000_000, flag.ptr(), caller.raw()).unwrap();
+    unsafe { tools.spin(200_000_000, flag.ptr(), caller.raw()) }.unwrap();
     for _ in 0..8 {
         let p =
             unsafe { backend.submit_after(vec![job(&case, 0, Device::Cuda(0), &addrs)], Some(caller.raw())) }.unwrap();

@@ -40,29 +40,37 @@ pub type RawStream = sys::CUstream;
 
 const THREADS: u32 = 256;
 
-/// Which build of the checksum kernel a backend launches (both compute the same values;
-/// they differ in loads in flight per thread, for the benchmark to compare).
+/// Which build of the checksum kernel a backend launches. All compute the same values;
+/// they differ in loads in flight per thread on the regular path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KernelVariant {
     /// Four 16-byte loads in flight per thread (`kvf_checksum`).
     Unroll4,
     /// Eight 16-byte loads in flight per thread (`kvf_checksum_u8`).
     Unroll8,
+    /// Per launch: `Unroll4` when no thread has more than four chunks per tile, else
+    /// `Unroll8` (an unroll past a thread's chunks only adds predicated-off loads).
+    Auto,
 }
 
 impl KernelVariant {
-    /// Both variants.
-    pub const ALL: [KernelVariant; 2] = [KernelVariant::Unroll4, KernelVariant::Unroll8];
-    /// The default, the faster on the H200 in `gpu_bench`.
-    pub const DEFAULT: KernelVariant = KernelVariant::Unroll8;
+    /// Every variant (for tests and the benchmark).
+    pub const ALL: [KernelVariant; 3] = [KernelVariant::Auto, KernelVariant::Unroll4, KernelVariant::Unroll8];
+    /// The default.
+    pub const DEFAULT: KernelVariant = KernelVariant::Auto;
+}
 
-    /// The kernel's name in `checksum.cu`.
-    pub fn function(self) -> &'static str {
-        match self {
-            KernelVariant::Unroll4 => "kvf_checksum",
-            KernelVariant::Unroll8 => "kvf_checksum_u8",
-        }
-    }
+/// Chunks one thread reads per tile, at most, over the plan's vector-path layers.
+fn chunks_per_thread(plan: &GroupPlan) -> u32 {
+    plan.views
+        .iter()
+        .filter(|v| v.mode != view::MODE_GENERIC)
+        .map(|v| {
+            let r = v.d * v.elem / if v.mode == view::MODE_VEC16 { 16 } else { 8 };
+            (v.n_outer as u64 * v.n_inner as u64 * r as u64).div_ceil(THREADS as u64) as u32
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 fn kerr(msg: impl Into<String>) -> KernelError {
@@ -120,8 +128,9 @@ struct Pool {
 struct Inner {
     stream: Stream,
     _module: Module,
-    kernel: Function,
-    grid_cap: u32,
+    /// `kvf_checksum` (unroll 4) and `kvf_checksum_u8`, with their grid caps.
+    kernels: [(Function, u32); 2],
+    variant: KernelVariant,
     pool: Mutex<Pool>,
     timing: AtomicBool,
     ctx: Context,
@@ -172,18 +181,19 @@ impl CudaBackend {
             let cc = ctx.compute_capability()?;
             let image = load::compile(CHECKSUM_SRC, "checksum.cu", cc)?;
             let module = Module::load(&ctx, &image)?;
-            let kernel = module.function(variant.function())?;
             let sms = ctx
                 .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
                 .max(1) as u32;
-            let grid_cap = sms * kernel.occupancy(THREADS)?;
+            let k4 = module.function("kvf_checksum")?;
+            let k8 = module.function("kvf_checksum_u8")?;
+            let kernels = [(k4, sms * k4.occupancy(THREADS)?), (k8, sms * k8.occupancy(THREADS)?)];
             let stream = Stream::new(&ctx)?;
             let inner = Inner {
                 ctx,
                 stream,
                 _module: module,
-                kernel,
-                grid_cap,
+                kernels,
+                variant,
                 pool: Mutex::new(Pool::default()),
                 timing: AtomicBool::new(false),
             };
@@ -431,8 +441,14 @@ impl Inner {
                 &mut a_tpg as *mut u32 as *mut c_void,
                 &mut a_out as *mut u64 as *mut c_void,
             ];
-            let grid = p.total_tiles.min(self.grid_cap).max(1);
-            self.kernel.launch(s, grid, THREADS, &mut args)?;
+            let u8 = match self.variant {
+                KernelVariant::Unroll4 => false,
+                KernelVariant::Unroll8 => true,
+                KernelVariant::Auto => chunks_per_thread(p) > 4,
+            };
+            let (kernel, grid_cap) = self.kernels[u8 as usize];
+            let grid = p.total_tiles.min(grid_cap).max(1);
+            kernel.launch(s, grid, THREADS, &mut args)?;
         }
         if timed {
             slot.kend.record(s)?;

@@ -62,37 +62,53 @@ impl Tools {
     }
 
     /// Fills the first `len / 8` words at `ptr` with splitmix64(seed + i), on `stream`.
-    pub fn fill_random(&self, ptr: u64, len: usize, seed: u64, stream: RawStream) -> Result<(), String> {
+    ///
+    /// # Safety
+    /// The device addresses are valid for what the kernel reads and writes, and `stream` is a
+    /// live stream of the backend's context.
+    pub unsafe fn fill_random(&self, ptr: u64, len: usize, seed: u64, stream: RawStream) -> Result<(), String> {
         self.backend.context().bind()?;
         let (mut p, mut n, mut s) = (ptr, (len / 8) as u64, seed);
         let mut args = [arg(&mut p), arg(&mut n), arg(&mut s)];
-        unsafe { self.fill.launch(stream, self.grid, 256, &mut args) }
+        self.fill.launch(stream, self.grid, 256, &mut args)
     }
 
     /// Adds the u64 sum of `len` bytes at `ptr` (16-byte aligned, `len % 16 == 0`) into the
     /// u64 at device address `out`, on `stream`: one read of every byte, 16-byte loads.
-    pub fn read_sum(&self, ptr: u64, len: usize, out: u64, stream: RawStream) -> Result<(), String> {
+    ///
+    /// # Safety
+    /// The device addresses are valid for what the kernel reads and writes, and `stream` is a
+    /// live stream of the backend's context.
+    pub unsafe fn read_sum(&self, ptr: u64, len: usize, out: u64, stream: RawStream) -> Result<(), String> {
         self.backend.context().bind()?;
         let (mut p, mut n, mut o) = (ptr, (len / 16) as u64, out);
         let mut args = [arg(&mut p), arg(&mut n), arg(&mut o)];
-        unsafe { self.read_sum.launch(stream, self.grid, 256, &mut args) }
+        self.read_sum.launch(stream, self.grid, 256, &mut args)
     }
 
     /// Like [`Tools::read_sum`] over `n` ranges whose device addresses and lengths are the u64
     /// arrays at device addresses `addrs` and `lens`.
-    pub fn read_ranges(&self, addrs: u64, lens: u64, n: u32, out: u64, stream: RawStream) -> Result<(), String> {
+    ///
+    /// # Safety
+    /// The device addresses are valid for what the kernel reads and writes, and `stream` is a
+    /// live stream of the backend's context.
+    pub unsafe fn read_ranges(&self, addrs: u64, lens: u64, n: u32, out: u64, stream: RawStream) -> Result<(), String> {
         self.backend.context().bind()?;
         let (mut a, mut l, mut c, mut o) = (addrs, lens, n, out);
         let mut args = [arg(&mut a), arg(&mut l), arg(&mut c), arg(&mut o)];
-        unsafe { self.read_ranges.launch(stream, n.min(self.grid).max(1), 256, &mut args) }
+        self.read_ranges.launch(stream, n.min(self.grid).max(1), 256, &mut args)
     }
 
     /// Queues a one-thread kernel that spins `ns` nanoseconds, then writes 1 to the u64 at `flag`.
-    pub fn spin(&self, ns: u64, flag: u64, stream: RawStream) -> Result<(), String> {
+    ///
+    /// # Safety
+    /// The device addresses are valid for what the kernel reads and writes, and `stream` is a
+    /// live stream of the backend's context.
+    pub unsafe fn spin(&self, ns: u64, flag: u64, stream: RawStream) -> Result<(), String> {
         self.backend.context().bind()?;
         let (mut t, mut f) = (ns, flag);
         let mut args = [arg(&mut t), arg(&mut f)];
-        unsafe { self.spin.launch(stream, 1, 1, &mut args) }
+        self.spin.launch(stream, 1, 1, &mut args)
     }
 
     /// Copies host bytes to device address `dst` (synchronous; tests only).

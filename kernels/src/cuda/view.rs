@@ -578,7 +578,10 @@ mod tests {
         }
         // Every load path was exercised.
         assert!(modes.iter().all(|&m| m > 10), "modes {modes:?}");
-        assert!(regular > 10 && regular_head_outer > 5, "regular {regular}, with heads outer {regular_head_outer}");
+        assert!(
+            regular > 10 && regular_head_outer > 5,
+            "regular {regular}, with heads outer {regular_head_outer}"
+        );
     }
 
     #[test]

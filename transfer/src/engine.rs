@@ -199,6 +199,15 @@ impl TransferEngine {
     /// Errors: `Config` for a bad config (slice_size 0, host not bindable, port in use, transport
     /// `rdma` with no usable device).
     pub fn new(config: EngineConfig) -> Result<Arc<TransferEngine>> {
+        Self::with_memory_access(config, memory_access())
+    }
+
+    /// As `new`, with an explicit `MemoryAccess` for memory the host cannot address (`cuda:N`)
+    /// instead of the built-in choice (`gpu::memory_access()` when built, else host only).
+    pub fn with_memory_access(
+        config: EngineConfig,
+        memory: Arc<dyn MemoryAccess>,
+    ) -> Result<Arc<TransferEngine>> {
         if config.slice_size == 0 {
             return Err(TransferError::Config("slice_size must be > 0".into()));
         }
@@ -229,7 +238,7 @@ impl TransferEngine {
             segment_name: name.clone(),
             instance_id,
             registry: registry.clone(),
-            memory: memory_access(),
+            memory,
         };
         let (transport, why) = choose_transport(&ctx)?;
         tracing::info!(segment = %name, "kvferry transfer engine: transport {} ({why})", transport.name());

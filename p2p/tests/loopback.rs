@@ -761,3 +761,42 @@ async fn sliding_window_group_with_null_blocks() {
         producer.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producer_dying_during_a_load_fails_it_promptly() {
+    let p = Side::new(1, 1, PRODUCER_BLOCKS, Some(7));
+    let c = Side::new(1, 1, CONSUMER_BLOCKS, Some(99));
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let cfg = ConsumerConfig {
+        reply_timeout: Duration::from_secs(5),
+        ..consumer_config(Policy::default())
+    };
+    let consumer = Consumer::new(cfg, c.workers.clone()).unwrap();
+    let s = spec("never-published", &producer);
+    let started = Instant::now();
+    let load = consumer.load(s);
+    let kill = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        producer.shutdown().await;
+    };
+    let (out, _) = tokio::join!(load, kill);
+    let err = out.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            LoadError::Failed {
+                reason: FailReason::ConnectionLost(_),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // The disconnect is noticed, not waited out.
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}

@@ -73,6 +73,12 @@ pub struct Released {
     pub reason: ReleaseReason,
 }
 
+enum Event {
+    Message(zeromq::ZmqResult<ZmqMessage>),
+    Command(Option<Command>),
+    Tick,
+}
+
 enum Command {
     Publish {
         request_id: String,
@@ -116,14 +122,13 @@ impl Producer {
             .map_err(|_| bind_err("timed out".into()))?
             .map_err(|e| bind_err(e.to_string()))?
             .to_string();
-        let (send, recv) = socket.split();
         let (tx, rx) = mpsc::unbounded_channel();
         let released = Arc::new(Mutex::new(Vec::new()));
         let workers = Arc::new(workers);
         let task = tokio::spawn(
             EventLoop {
                 machine: ProducerMachine::new(config.timeouts, config.transfer_timeout),
-                send,
+                socket,
                 commands: tx.clone(),
                 released: released.clone(),
                 workers: workers.clone(),
@@ -131,7 +136,7 @@ impl Producer {
                 pp,
                 send_timeout: config.send_timeout,
             }
-            .run(recv, rx),
+            .run(rx),
         );
         info!(%endpoint, tp, pp, "producer listening");
         Ok(Producer {
@@ -259,7 +264,7 @@ impl Producer {
 
 struct EventLoop {
     machine: ProducerMachine<Bytes, Published>,
-    send: zeromq::RouterSendHalf,
+    socket: zeromq::RouterSocket,
     commands: mpsc::UnboundedSender<Command>,
     released: Arc<Mutex<Vec<Released>>>,
     workers: Arc<Vec<Worker>>,
@@ -277,20 +282,7 @@ struct Ids {
 }
 
 impl EventLoop {
-    async fn run(
-        mut self,
-        mut recv: zeromq::RouterRecvHalf,
-        mut commands: mpsc::UnboundedReceiver<Command>,
-    ) {
-        let (in_tx, mut inbound) = mpsc::channel::<ZmqMessage>(1024);
-        // A separate reader keeps the socket's receive side off the select below.
-        let reader = tokio::spawn(async move {
-            while let Ok(m) = recv.recv().await {
-                if in_tx.send(m).await.is_err() {
-                    break;
-                }
-            }
-        });
+    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
         loop {
             let deadline = self.machine.next_deadline();
             let sleep = async {
@@ -299,32 +291,60 @@ impl EventLoop {
                     None => std::future::pending().await,
                 }
             };
-            tokio::select! {
-                m = inbound.recv() => match m {
-                    Some(m) => self.on_message(m).await,
-                    None => { warn!("producer control socket closed"); break; }
-                },
-                c = commands.recv() => match c {
-                    None | Some(Command::Shutdown) => break,
-                    Some(Command::Publish { request_id, data, respond }) => {
-                        match self.machine.publish(Instant::now(), &request_id, data) {
-                            Ok(effects) => { let _ = respond.send(Ok(())); self.apply(effects).await; }
-                            Err(e) => { let _ = respond.send(Err(e.to_string())); }
-                        }
-                    }
-                    Some(Command::Served { peer, request_id, load_id, result }) => {
-                        if let Err(e) = &result { warn!(request_id, "load failed: {e}"); }
-                        let effects = self.machine.on_served(Instant::now(), peer, &request_id, load_id, result);
+            // The socket's recv is cancel-safe (a message is taken only when returned),
+            // so one task can both receive and, after the select, send.
+            let event = tokio::select! {
+                m = self.socket.recv() => Event::Message(m),
+                c = commands.recv() => Event::Command(c),
+                _ = sleep => Event::Tick,
+            };
+            match event {
+                Event::Message(Ok(m)) => self.on_message(m).await,
+                Event::Message(Err(e)) => {
+                    warn!("producer control socket failed: {e}");
+                    break;
+                }
+                Event::Command(None | Some(Command::Shutdown)) => break,
+                Event::Command(Some(Command::Publish {
+                    request_id,
+                    data,
+                    respond,
+                })) => match self.machine.publish(Instant::now(), &request_id, data) {
+                    Ok(effects) => {
+                        let _ = respond.send(Ok(()));
                         self.apply(effects).await;
                     }
+                    Err(e) => {
+                        let _ = respond.send(Err(e.to_string()));
+                    }
                 },
-                _ = sleep => {
+                Event::Command(Some(Command::Served {
+                    peer,
+                    request_id,
+                    load_id,
+                    result,
+                })) => {
+                    if let Err(e) = &result {
+                        warn!(request_id, "load failed: {e}");
+                    }
+                    let effects =
+                        self.machine
+                            .on_served(Instant::now(), peer, &request_id, load_id, result);
+                    self.apply(effects).await;
+                }
+                Event::Tick => {
                     let effects = self.machine.on_tick(Instant::now());
                     self.apply(effects).await;
                 }
             }
         }
-        reader.abort();
+        // Close the listener before returning, so the endpoint can be bound again at once.
+        let errors = tokio::time::timeout(Duration::from_secs(5), self.socket.close()).await;
+        if let Ok(errors) = errors {
+            for e in errors {
+                warn!("closing the producer socket: {e}");
+            }
+        }
     }
 
     async fn on_message(&mut self, m: ZmqMessage) {
@@ -412,7 +432,7 @@ impl EventLoop {
     async fn send(&mut self, peer: Bytes, reply: Reply) {
         let mut msg = ZmqMessage::from(peer);
         msg.push_back(Bytes::from(encode(&reply)));
-        match tokio::time::timeout(self.send_timeout, self.send.send(msg)).await {
+        match tokio::time::timeout(self.send_timeout, self.socket.send(msg)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => warn!(request_id = reply.request_id, "reply not sent: {e}"),
             Err(_) => warn!(

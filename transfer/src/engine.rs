@@ -10,7 +10,7 @@ use std::time::Duration;
 use crate::config::{EngineConfig, RdmaConfig};
 use crate::error::{Result, TransferError};
 use crate::handshake::{self, FrameType, HandshakeServer, MAX_FRAME_BODY};
-use crate::memory::{cover_sorted, HostMemoryAccess, MemoryAccess, MemoryRegion, MemoryRegistry};
+use crate::memory::{cover_sorted, MemoryAccess, MemoryRegion, MemoryRegistry};
 use crate::segment::{BufferDesc, SegmentDescriptor, SegmentHandle};
 use crate::transport::completion::BatchState;
 use crate::transport::tcp::TcpTransport;
@@ -81,7 +81,7 @@ fn memory_access() -> Arc<dyn MemoryAccess> {
 }
 #[cfg(not(kvferry_gpu_module))]
 fn memory_access() -> Arc<dyn MemoryAccess> {
-    Arc::new(HostMemoryAccess)
+    Arc::new(crate::memory::HostMemoryAccess)
 }
 
 /// Picks the transport per `config.transport`; returns it with the reason for the info line.
@@ -482,8 +482,8 @@ impl TransferEngine {
     }
 
     /// Blocks until the batch finishes or `timeout` passes. `Ok` when every slice succeeded;
-    /// `Failed` (first error and count), `Timeout` (the batch stays `Timeout`; slices in flight
-    /// may still land later), `UnknownBatch`. A finished (completed or failed) batch is freed.
+    /// `Failed` (first error and count), `Timeout` (the batch stays `Timeout`; its slices not yet
+    /// sent are skipped, slices already on the wire may still land), `UnknownBatch`. A finished (completed or failed) batch is freed.
     pub fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
         let r = self.batch(batch)?.wait(timeout);
         if !matches!(r, Err(TransferError::Timeout(_))) {
@@ -501,12 +501,17 @@ impl TransferEngine {
         r
     }
 
-    /// Forgets a batch (its status becomes `Invalid`); slices still in flight finish unobserved.
+    /// Forgets a batch (its status becomes `Invalid`). Its slices not yet sent are skipped;
+    /// slices already on the wire finish unobserved.
     pub fn free_batch(&self, batch: BatchId) {
-        self.batches
+        let b = self
+            .batches
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&batch.0);
+        if let Some(b) = b {
+            b.cancel(); // slices not yet sent are skipped
+        }
     }
 
     fn sync(&self, target: &str, op: Op, reqs: &[(u64, u64, u64)]) -> Result<()> {

@@ -24,6 +24,8 @@ pub(crate) struct BatchState {
     counts: Mutex<Counts>,
     cond: Condvar,
     notify: tokio::sync::Notify,
+    /// Set when nobody waits any more (timed out or freed): transports skip slices not yet sent.
+    cancelled: std::sync::atomic::AtomicBool,
 }
 
 impl BatchState {
@@ -39,11 +41,18 @@ impl BatchState {
             }),
             cond: Condvar::new(),
             notify: tokio::sync::Notify::new(),
+            cancelled: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
         self.counts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Asks transports to skip the batch's slices they have not sent yet.
+    pub(crate) fn cancel(&self) {
+        self.cancelled
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Current status (a timed-out batch stays `Timeout`).
@@ -101,6 +110,7 @@ impl BatchState {
             };
             if left.is_zero() {
                 c.timed_out = true;
+                self.cancel();
                 return Err(TransferError::Timeout(timeout));
             }
             c = self
@@ -134,6 +144,7 @@ impl BatchState {
                     return Self::finish(s, timeout);
                 }
                 c.timed_out = true;
+                self.cancel();
                 Err(TransferError::Timeout(timeout))
             }
         }
@@ -187,6 +198,21 @@ impl CompletionSink {
     /// Reports slice `id` finished: `Ok(())` when its bytes are in place, else the error.
     pub fn complete(&self, id: u32, result: Result<(), TransferError>) {
         self.state.report(id, result);
+    }
+
+    /// True once the batch timed out or was freed: nobody waits for it any more. A transport
+    /// should then fail slices it has not started (`cancelled_error()`) instead of sending them,
+    /// so a late transfer cannot land in memory the caller has already reused. Slices already
+    /// on the wire may still land.
+    pub fn is_cancelled(&self) -> bool {
+        self.state
+            .cancelled
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The error for a slice skipped because its batch was cancelled.
+    pub fn cancelled_error() -> TransferError {
+        TransferError::Failed("batch timed out or was freed before this slice was sent".into())
     }
 
     /// Reports every id in `ids` failed with (a copy of) `err`.

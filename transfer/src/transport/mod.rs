@@ -148,7 +148,8 @@ pub trait Transport: Send + Sync + 'static {
     /// (WRITE: applied at the target; READ: in local memory), else an error naming the cause.
     /// A transport that cannot reach the peer reports every slice failed within its own
     /// deadlines (never holds a slice forever). `peer.transport.kind == self.name()` is already
-    /// checked by the engine.
+    /// checked by the engine. Before starting a slice, check `done.is_cancelled()`: a cancelled
+    /// batch's unsent slices are reported with `CompletionSink::cancelled_error()`, not sent.
     fn post(&self, peer: &Arc<SegmentDescriptor>, slices: Vec<Slice>, done: CompletionSink);
 
     /// Drops cached connections/endpoints to segment `name` (the engine calls it when the peer's

@@ -763,6 +763,10 @@ impl PeerPool {
         conn: &Conn,
         rx: &Receiver<Job>,
     ) -> bool {
+        if job.sink.is_cancelled() {
+            job.complete(Err(CompletionSink::cancelled_error()));
+            return true;
+        }
         let sl = job.slice;
         let req = Request {
             op: if sl.op == Op::Write {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 /// kvferry: peer-to-peer KV-cache transfer for prefill/decode disaggregation
 /// that verifies every load.
 #[derive(Debug, Parser)]
-#[command(name = "kvferry", version, about, propagate_version = true)]
+#[command(name = "kvferry", version, about, propagate_version = true, args_override_self = true)]
 pub struct Cli {
     /// Log filter (tracing's env-filter syntax), also read from KVFERRY_LOG.
     #[arg(long, global = true)]

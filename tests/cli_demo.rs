@@ -1,0 +1,149 @@
+//! End-to-end checks of `kvferry demo`, `serve`/`load` and the file tools, run
+//! as a user runs them: the built binary, its JSON output (issue 2 and 3's
+//! "done when" counts).
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+
+fn kvferry() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kvferry"));
+    c.env("KVFERRY_LOG", "warn");
+    c
+}
+
+/// Runs `kvferry demo --json` with `args` on a small but real model shape and
+/// returns the report.
+fn demo(args: &[&str]) -> Value {
+    let out = kvferry()
+        .args(["demo", "--json", "--model", "tiny", "--requests", "10", "--min-tokens", "20", "--max-tokens", "300"])
+        .args(args)
+        .output()
+        .expect("run kvferry");
+    assert!(out.status.success(), "demo {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("demo {args:?}: bad JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+fn n(v: &Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("field {key} missing or not a count in {v}"))
+}
+
+#[test]
+fn demo_verifies_every_load_and_reports_the_contract_fields() {
+    let r = demo(&[]);
+    for key in ["transport", "requests", "verified", "mismatch", "unverified", "failed", "recomputed", "bytes", "seconds", "gb_per_s", "checksum_seconds"] {
+        assert!(r.get(key).is_some(), "field {key} missing in {r}");
+    }
+    assert_eq!(n(&r, "requests"), 10);
+    assert_eq!(n(&r, "verified"), 10);
+    assert_eq!((n(&r, "mismatch"), n(&r, "unverified"), n(&r, "failed"), n(&r, "recomputed")), (0, 0, 0, 0));
+    assert!(n(&r, "bytes") > 0);
+    assert_eq!(r["transport"], "tcp", "no RDMA device here: the engine must fall back to TCP");
+}
+
+#[test]
+fn corrupt_fail_open_reports_mismatches_and_completes_all() {
+    let r = demo(&["--corrupt", "3"]);
+    assert_eq!(n(&r, "mismatch"), 3);
+    assert_eq!(n(&r, "verified"), 7);
+    assert_eq!(n(&r, "completed"), 10);
+    assert_eq!((n(&r, "failed"), n(&r, "recomputed")), (0, 0));
+}
+
+#[test]
+fn corrupt_fail_closed_fail_ends_the_corrupted_loads() {
+    let r = demo(&["--corrupt", "3", "--fail-closed", "--load-failure-policy", "fail"]);
+    assert_eq!(n(&r, "failed"), 3);
+    assert_eq!(n(&r, "completed"), 7);
+    assert_eq!(n(&r, "recomputed"), 0);
+}
+
+#[test]
+fn corrupt_fail_closed_recompute_restores_the_producers_kv() {
+    let r = demo(&["--corrupt", "3", "--fail-closed", "--load-failure-policy", "recompute"]);
+    assert_eq!(n(&r, "recomputed"), 3);
+    assert_eq!(n(&r, "failed"), 0);
+    assert_eq!(r["kv_equal_after_recompute"], Value::Bool(true), "{r}");
+}
+
+#[test]
+fn demo_with_tp2_and_pp2_verifies_and_detects() {
+    for ranks in [["--prefill-tp", "2", "--decode-tp", "2"], ["--prefill-pp", "2", "--decode-pp", "2"]] {
+        let r = demo(&ranks);
+        assert_eq!(n(&r, "verified"), 10, "{ranks:?}: {r}");
+        let mut args = ranks.to_vec();
+        args.extend(["--corrupt", "2", "--fail-closed", "--load-failure-policy", "fail"]);
+        let r = demo(&args);
+        assert_eq!((n(&r, "mismatch"), n(&r, "failed")), (2, 2), "{ranks:?}: {r}");
+    }
+}
+
+#[test]
+fn demo_mla_with_tp2_checks_every_replica() {
+    let base = ["--model", "deepseek-v2-lite", "--prefill-tp", "2", "--decode-tp", "2", "--requests", "4", "--max-tokens", "200"];
+    let r = demo(&base);
+    assert_eq!(n(&r, "verified"), 4, "{r}");
+    // One flipped bit lands in one rank's copy only; the other copy is intact.
+    let mut args = base.to_vec();
+    args.extend(["--corrupt", "4"]);
+    let r = demo(&args);
+    assert_eq!(n(&r, "mismatch"), 4, "{r}");
+}
+
+#[test]
+fn demo_layouts_all_verify() {
+    for layout in ["KV B N H D", "B KV N H D", "B KV H N D", "B H N KV D"] {
+        let r = demo(&["--layout", layout, "--requests", "3"]);
+        assert_eq!(n(&r, "verified"), 3, "{layout}: {r}");
+    }
+}
+
+#[test]
+fn demo_rejects_bad_arguments_with_a_clear_error() {
+    for (args, needle) in [
+        (vec!["--model", "gpt-9"], "unknown --model"),
+        (vec!["--corrupt", "11"], "--corrupt"),
+        (vec!["--min-tokens", "0"], "--min-tokens"),
+        (vec!["--prefill-tp", "2"], "TP"),
+        (vec!["--layout", "KV B N Q D"], "Q"),
+    ] {
+        let out = kvferry()
+            .args(["demo", "--json", "--model", "tiny", "--requests", "10"])
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} should fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: error should mention {needle:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn serve_and_load_as_two_processes() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let common = ["--model", "tiny", "--requests", "5", "--min-tokens", "20", "--max-tokens", "200", "--seed", "7"];
+    let mut server = kvferry()
+        .args(["serve", "--bind", &format!("127.0.0.1:{port}"), "--exit-after", "5"])
+        .args(common)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The consumer retries within its deadline while the producer starts.
+    std::thread::sleep(Duration::from_millis(500));
+    let out = kvferry()
+        .args(["load", "--json", "--producer", &format!("127.0.0.1:{port}")])
+        .args(common)
+        .output()
+        .unwrap();
+    let status = server.wait().unwrap();
+    assert!(out.status.success(), "load failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(status.success(), "serve failed");
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(n(&r, "verified"), 5, "{r}");
+}

@@ -11,10 +11,18 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{assert_same, Buf};
+use common::Buf;
 use kvferry_transfer::{
-    EngineConfig, Location, Op, RdmaConfig, TransferEngine, TransferError, TransferRequest, TransportKind,
+    EngineConfig, Location, Op, RdmaConfig, TransferEngine, TransferError, TransferRequest,
+    TransportKind,
 };
+
+/// Asserts equal bytes; memcmp first (the guest runs under TCG: byte loops over 64 MiB are slow).
+fn assert_same(got: &[u8], want: &[u8], what: &str) {
+    if got != want {
+        common::assert_same(got, want, what);
+    }
+}
 
 /// True when an RDMA device is usable; else prints the skip reason (or panics when
 /// `KVFERRY_REQUIRE_RDMA=1`).
@@ -35,7 +43,10 @@ fn rdma_or_skip(test: &str) -> bool {
 }
 
 fn config() -> EngineConfig {
-    let mut c = EngineConfig { transport: TransportKind::Rdma, ..EngineConfig::default() };
+    let mut c = EngineConfig {
+        transport: TransportKind::Rdma,
+        ..EngineConfig::default()
+    };
     c.handshake_timeout = Duration::from_secs(5);
     c.transfer_timeout = Duration::from_secs(60);
     c
@@ -87,9 +98,17 @@ fn rdma_write_then_read_many_sizes_at_unaligned_offsets() {
         a.transfer_sync_write(&target, src.addr() + lo, dst.addr() + ro, len)
             .unwrap_or_else(|e| panic!("write {len}: {e}"));
         let (l, r, n) = (lo as usize, ro as usize, len as usize);
-        assert_same(&dst.bytes[r..r + n], &src.bytes[l..l + n], &format!("written {len}"));
+        assert_same(
+            &dst.bytes[r..r + n],
+            &src.bytes[l..l + n],
+            &format!("written {len}"),
+        );
         assert_same(&dst.bytes[..r], &before[..r], "bytes before the range");
-        assert_same(&dst.bytes[r + n..], &before[r + n..], "bytes after the range");
+        assert_same(
+            &dst.bytes[r + n..],
+            &before[r + n..],
+            "bytes after the range",
+        );
 
         // READ back from another remote offset holding other bytes
         dst.fill(100 + i as u64);
@@ -98,9 +117,19 @@ fn rdma_write_then_read_many_sizes_at_unaligned_offsets() {
         a.transfer_sync_read(&target, back.addr() + lo, dst.addr() + ro2, len)
             .unwrap_or_else(|e| panic!("read {len}: {e}"));
         let r2 = ro2 as usize;
-        assert_same(&back.bytes[l..l + n], &dst.bytes[r2..r2 + n], &format!("read {len}"));
-        assert!(back.bytes[..l].iter().all(|&x| x == 0), "read {len}: bytes before the local range changed");
-        assert!(back.bytes[l + n..].iter().all(|&x| x == 0), "read {len}: bytes after the local range changed");
+        assert_same(
+            &back.bytes[l..l + n],
+            &dst.bytes[r2..r2 + n],
+            &format!("read {len}"),
+        );
+        assert!(
+            back.bytes[..l].iter().all(|&x| x == 0),
+            "read {len}: bytes before the local range changed"
+        );
+        assert!(
+            back.bytes[l + n..].iter().all(|&x| x == 0),
+            "read {len}: bytes after the local range changed"
+        );
     }
 }
 
@@ -124,22 +153,42 @@ fn rdma_batches_of_1_to_512_requests() {
         dst.fill(1000 + n);
         // request k: local slot k, remote slot n_max*2-1-k (reversed, so a mix-up shows)
         let reqs: Vec<(u64, u64, u64)> = (0..n)
-            .map(|k| (src.addr() + k * REQ, dst.addr() + (2 * n_max - 1 - k) * REQ, REQ))
+            .map(|k| {
+                (
+                    src.addr() + k * REQ,
+                    dst.addr() + (2 * n_max - 1 - k) * REQ,
+                    REQ,
+                )
+            })
             .collect();
         a.batch_transfer_sync_write(&target, &reqs)
             .unwrap_or_else(|e| panic!("batch write of {n}: {e}"));
         for k in 0..n as usize {
             let r = (2 * n_max as usize - 1 - k) * REQ as usize;
             let l = k * REQ as usize;
-            assert_same(&dst.bytes[r..r + REQ as usize], &src.bytes[l..l + REQ as usize], &format!("batch {n} request {k}"));
+            assert_same(
+                &dst.bytes[r..r + REQ as usize],
+                &src.bytes[l..l + REQ as usize],
+                &format!("batch {n} request {k}"),
+            );
         }
         back.bytes.fill(0);
-        let reads: Vec<(u64, u64, u64)> = reqs.iter().map(|&(l, r, len)| (l - src.addr() + back.addr(), r, len)).collect();
+        let reads: Vec<(u64, u64, u64)> = reqs
+            .iter()
+            .map(|&(l, r, len)| (l - src.addr() + back.addr(), r, len))
+            .collect();
         a.batch_transfer_sync_read(&target, &reads)
             .unwrap_or_else(|e| panic!("batch read of {n}: {e}"));
         let used = (n * REQ) as usize;
-        assert_same(&back.bytes[..used], &src.bytes[..used], &format!("batch {n} read back"));
-        assert!(back.bytes[used..].iter().all(|&x| x == 0), "batch {n}: read past the requests");
+        assert_same(
+            &back.bytes[..used],
+            &src.bytes[..used],
+            &format!("batch {n} read back"),
+        );
+        assert!(
+            back.bytes[used..].iter().all(|&x| x == 0),
+            "batch {n}: read past the requests"
+        );
     }
 }
 
@@ -157,23 +206,48 @@ fn rdma_request_spanning_two_remote_regions_and_async_submit() {
     let half = 300_000u64;
     unsafe {
         b.register_memory(dst.addr(), half, Location::Cpu).unwrap();
-        b.register_memory(dst.addr() + half, dst.len() - half, Location::Cpu).unwrap();
+        b.register_memory(dst.addr() + half, dst.len() - half, Location::Cpu)
+            .unwrap();
     }
     let seg = a.open_segment(&b.segment_name()).unwrap();
     let reqs = [
-        TransferRequest { op: Op::Write, local_addr: src.addr() + 11, remote_addr: dst.addr() + 1000, len: 700_001 },
-        TransferRequest { op: Op::Write, local_addr: src.addr() + 800_000, remote_addr: dst.addr() + 800_000, len: 100 },
+        TransferRequest {
+            op: Op::Write,
+            local_addr: src.addr() + 11,
+            remote_addr: dst.addr() + 1000,
+            len: 700_001,
+        },
+        TransferRequest {
+            op: Op::Write,
+            local_addr: src.addr() + 800_000,
+            remote_addr: dst.addr() + 800_000,
+            len: 100,
+        },
     ];
     let id = a.submit(&seg, &reqs).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    rt.block_on(a.wait_async(id, Duration::from_secs(60))).unwrap();
-    assert_same(&dst.bytes[1000..701_001], &src.bytes[11..700_012], "spanning request");
-    assert_same(&dst.bytes[800_000..800_100], &src.bytes[800_000..800_100], "second request");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(a.wait_async(id, Duration::from_secs(60)))
+        .unwrap();
+    assert_same(
+        &dst.bytes[1000..701_001],
+        &src.bytes[11..700_012],
+        "spanning request",
+    );
+    assert_same(
+        &dst.bytes[800_000..800_100],
+        &src.bytes[800_000..800_100],
+        "second request",
+    );
 }
 
 #[test]
 fn rdma_stale_rkey_is_refused_with_the_completion_status_and_recovers_after_refresh() {
-    if !rdma_or_skip("rdma_stale_rkey_is_refused_with_the_completion_status_and_recovers_after_refresh") {
+    if !rdma_or_skip(
+        "rdma_stale_rkey_is_refused_with_the_completion_status_and_recovers_after_refresh",
+    ) {
         return;
     }
     let a = engine();
@@ -183,7 +257,8 @@ fn rdma_stale_rkey_is_refused_with_the_completion_status_and_recovers_after_refr
     src.register(&a);
     dst.register(&b);
     let target = b.segment_name();
-    a.transfer_sync_write(&target, src.addr(), dst.addr(), 4096).unwrap();
+    a.transfer_sync_write(&target, src.addr(), dst.addr(), 4096)
+        .unwrap();
     // b registers the same memory again: a's cached descriptor now holds a dead rkey
     b.unregister_memory(dst.addr()).unwrap();
     dst.register(&b);
@@ -193,13 +268,24 @@ fn rdma_stale_rkey_is_refused_with_the_completion_status_and_recovers_after_refr
         .expect_err("a WRITE with a stale rkey must fail");
     let text = e.to_string();
     eprintln!("stale rkey error: {text}");
-    assert!(matches!(e, TransferError::Failed(_)), "a clear failure, not a timeout: {e:?}");
-    assert!(text.contains("remote access error"), "the work completion status is named: {text}");
+    assert!(
+        matches!(e, TransferError::Failed(_)),
+        "a clear failure, not a timeout: {e:?}"
+    );
+    assert!(
+        text.contains("remote access error"),
+        "the work completion status is named: {text}"
+    );
     assert_same(&dst.bytes, &before, "nothing written through a stale rkey");
     // a fresh descriptor carries the new rkey
     a.refresh_segment(&target).unwrap();
-    a.transfer_sync_write(&target, src.addr() + 1, dst.addr() + 8192, 100_000).unwrap();
-    assert_same(&dst.bytes[8192..108_192], &src.bytes[1..100_001], "after refresh");
+    a.transfer_sync_write(&target, src.addr() + 1, dst.addr() + 8192, 100_000)
+        .unwrap();
+    assert_same(
+        &dst.bytes[8192..108_192],
+        &src.bytes[1..100_001],
+        "after refresh",
+    );
 }
 
 #[test]
@@ -214,7 +300,8 @@ fn rdma_dead_peer_fails_within_the_deadline() {
     src.register(&a);
     dst.register(&b);
     let target = b.segment_name();
-    a.transfer_sync_write(&target, src.addr(), dst.addr(), 65_536).unwrap();
+    a.transfer_sync_write(&target, src.addr(), dst.addr(), 65_536)
+        .unwrap();
     drop(b); // QPs, memory regions and the handshake listener go away
     let e = a
         .transfer_sync_write(&target, src.addr(), dst.addr(), 1 << 20)
@@ -239,16 +326,24 @@ fn rdma_mixed_mtu_peers_move_data_both_ways() {
     y.register(&b);
     let (ta, tb) = (a.segment_name(), b.segment_name());
     // a (MTU 256) initiates WRITE and READ towards b (port MTU)
-    a.transfer_sync_write(&tb, x.addr() + 3, y.addr() + 5, (1 << 20) + 50).unwrap();
-    assert_same(&y.bytes[5..(1 << 20) + 55], &x.bytes[3..(1 << 20) + 53], "a→b write");
-    a.transfer_sync_read(&tb, xb.addr(), y.addr(), (1 << 20) + 77).unwrap();
+    a.transfer_sync_write(&tb, x.addr() + 3, y.addr() + 5, (1 << 20) + 50)
+        .unwrap();
+    assert_same(
+        &y.bytes[5..(1 << 20) + 55],
+        &x.bytes[3..(1 << 20) + 53],
+        "a→b write",
+    );
+    a.transfer_sync_read(&tb, xb.addr(), y.addr(), (1 << 20) + 77)
+        .unwrap();
     assert_same(&xb.bytes, &y.bytes, "a←b read");
     // b (port MTU) initiates towards a (MTU 256)
     let z = Buf::new((1 << 20) + 77, 53);
     z.register(&b);
     xb.fill(54);
-    b.transfer_sync_write(&ta, z.addr(), xb.addr(), (1 << 20) + 77).unwrap();
+    b.transfer_sync_write(&ta, z.addr(), xb.addr(), (1 << 20) + 77)
+        .unwrap();
     assert_same(&xb.bytes, &z.bytes, "b→a write");
-    b.transfer_sync_read(&ta, z.addr() + 1, x.addr(), 1 << 20).unwrap();
+    b.transfer_sync_read(&ta, z.addr() + 1, x.addr(), 1 << 20)
+        .unwrap();
     assert_same(&z.bytes[1..(1 << 20) + 1], &x.bytes[..1 << 20], "b←a read");
 }

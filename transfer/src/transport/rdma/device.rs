@@ -1,0 +1,344 @@
+//! RDMA device discovery and the per-device resources (DESIGN.md §3): context, protection
+//! domain, one completion queue with its channel, and the table of work requests in flight.
+
+use std::net::Ipv6Addr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use sideway::ibverbs::address::Gid;
+use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel};
+use sideway::ibverbs::device::{DeviceInfo, DeviceList};
+use sideway::ibverbs::device_context::{DeviceContext, LinkLayer, PortState};
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+
+use super::verbs;
+use super::InFlight;
+use crate::config::RdmaConfig;
+use crate::error::{Result, TransferError};
+
+/// What a peer needs to address one port (published in the descriptor and in Connect frames).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PortInfo {
+    /// Device name (`mlx5_0`, `rxe0`).
+    pub name: String,
+    /// Port number (from 1).
+    pub port: u8,
+    /// GID index used on that port.
+    pub gid_index: u32,
+    /// The GID, as IPv6 text (`::ffff:10.99.0.1` for an IPv4-mapped RoCEv2 GID).
+    pub gid: String,
+    /// Port LID (0 on RoCE).
+    pub lid: u16,
+    /// Active MTU advertised, bytes (the port's, capped by `RdmaConfig::mtu`).
+    pub active_mtu: u32,
+    /// `true` on RoCE (Ethernet link layer: addressing by GID, a GRH on every packet).
+    pub ethernet: bool,
+}
+
+impl PortInfo {
+    /// The GID parsed from its text. Error: `Protocol` naming the bad text.
+    pub fn gid_value(&self) -> Result<Gid> {
+        self.gid.parse::<Ipv6Addr>().map(Gid::from).map_err(|_| {
+            TransferError::Protocol(format!("bad GID {:?} for device {:?}", self.gid, self.name))
+        })
+    }
+}
+
+/// A usable port found on a device: the port, its GID choice and limits.
+pub(crate) struct PortChoice {
+    pub info: PortInfo,
+    pub max_qp_rd_atom: u8,
+    pub max_qp_init_rd_atom: u8,
+    pub max_cqe: u32,
+    pub max_qp_wr: u32,
+    pub max_mr_size: u64,
+}
+
+/// Lists devices with libibverbs; Err(text) when the library is absent or listing fails.
+pub(crate) fn list_devices() -> std::result::Result<DeviceList, String> {
+    DeviceList::new().map_err(|e| {
+        let src = std::error::Error::source(&e)
+            .map(|s| s.to_string())
+            .unwrap_or_default();
+        format!("{e}: {src} (libibverbs missing or no RDMA support)")
+    })
+}
+
+/// Picks the GID index on `port`: `config.gid_index` when set (must be non-zero), else on
+/// Ethernet the best of IPv4-mapped RoCEv2 > other RoCEv2 (not link-local) > link-local RoCEv2
+/// > RoCEv1; on InfiniBand index 0.
+fn choose_gid(
+    ctx: &DeviceContext,
+    port: u8,
+    tbl_len: i32,
+    ethernet: bool,
+    config: &RdmaConfig,
+) -> Option<(u32, Gid)> {
+    if let Some(i) = config.gid_index {
+        let g = ctx.query_gid(port, i).ok()?;
+        return (!g.is_zero()).then_some((i, g));
+    }
+    if !ethernet {
+        let g = ctx.query_gid(port, 0).ok()?;
+        return Some((0, g));
+    }
+    let mut best: Option<(u8, u32, Gid)> = None;
+    for i in 0..tbl_len.max(0) as u32 {
+        let Ok(g) = ctx.query_gid(port, i) else {
+            continue;
+        };
+        if g.is_zero() {
+            continue;
+        }
+        let v2 = ctx.query_gid_type(port, i).map(|t| t == 1).unwrap_or(false);
+        let v4mapped = Ipv6Addr::from(g).to_ipv4_mapped().is_some();
+        let score = match (v2, v4mapped, g.is_unicast_link_local()) {
+            (true, true, _) => 4,
+            (true, false, false) => 3,
+            (true, false, true) => 2,
+            (false, _, _) => 1,
+        };
+        if best.as_ref().is_none_or(|b| score > b.0) {
+            best = Some((score, i, g));
+        }
+    }
+    best.map(|(_, i, g)| (i, g))
+}
+
+/// The first ACTIVE port of an open device with a usable GID, or why there is none.
+pub(crate) fn choose_port(
+    ctx: &DeviceContext,
+    config: &RdmaConfig,
+) -> std::result::Result<PortChoice, String> {
+    let name = ctx.name();
+    let attr = ctx
+        .query_device()
+        .map_err(|e| format!("{name}: query device: {e}"))?;
+    let mut why = format!("{name}: no ACTIVE port");
+    for port in 1..=attr.phys_port_cnt() {
+        let Ok(p) = ctx.query_port(port) else {
+            continue;
+        };
+        if p.port_state() != PortState::Active {
+            continue;
+        }
+        let ethernet = p.link_layer() == LinkLayer::Ethernet;
+        let Some((gid_index, gid)) = choose_gid(ctx, port, p.gid_tbl_len(), ethernet, config)
+        else {
+            why = format!(
+                "{name} port {port}: no usable GID (gid_index {:?})",
+                config.gid_index
+            );
+            continue;
+        };
+        let mut mtu = verbs::mtu_bytes(p.active_mtu());
+        if let Some(cap) = config.mtu {
+            mtu = mtu.min(cap);
+        }
+        return Ok(PortChoice {
+            info: PortInfo {
+                name: name.clone(),
+                port,
+                gid_index,
+                gid: Ipv6Addr::from(gid).to_string(),
+                lid: p.lid(),
+                active_mtu: mtu,
+                ethernet,
+            },
+            max_qp_rd_atom: attr.max_qp_rd_atom().clamp(0, 255) as u8,
+            max_qp_init_rd_atom: attr.max_qp_init_rd_atom().clamp(0, 255) as u8,
+            max_cqe: attr.max_cqe().max(1) as u32,
+            max_qp_wr: attr.max_qp_wr().max(1) as u32,
+            max_mr_size: attr.max_mr_size(),
+        });
+    }
+    Err(why)
+}
+
+/// Checks `config.mtu`: one of the IB MTUs.
+pub(crate) fn check_config(config: &RdmaConfig) -> Result<()> {
+    if let Some(m) = config.mtu {
+        if verbs::mtu_from_bytes(m).is_none() {
+            return Err(TransferError::Config(format!(
+                "rdma.mtu {m}: expected 256, 512, 1024, 2048 or 4096"
+            )));
+        }
+    }
+    if config.qps_per_endpoint == 0 || config.qps_per_endpoint > 64 {
+        return Err(TransferError::Config(format!(
+            "rdma.qps_per_endpoint {}: expected 1..=64",
+            config.qps_per_endpoint
+        )));
+    }
+    if config.max_wr == 0 {
+        return Err(TransferError::Config("rdma.max_wr must be > 0".into()));
+    }
+    if config.retry_count > 7 || config.qp_timeout > 31 {
+        return Err(TransferError::Config(format!(
+            "rdma.retry_count {} (0..=7) / qp_timeout {} (0..=31) out of range",
+            config.retry_count, config.qp_timeout
+        )));
+    }
+    Ok(())
+}
+
+/// Table of work requests in flight on one device, indexed by the low 32 bits of the wr_id;
+/// the high 32 bits are a generation so a stale id never matches a reused slot.
+#[derive(Default)]
+pub(crate) struct InFlightTable {
+    slots: Vec<(u32, Option<InFlight>)>,
+    free: Vec<u32>,
+    pub count: usize,
+}
+
+impl InFlightTable {
+    pub fn insert(&mut self, v: InFlight) -> u64 {
+        let i = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.slots.push((0, None));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let slot = &mut self.slots[i as usize];
+        slot.0 = slot.0.wrapping_add(1);
+        slot.1 = Some(v);
+        self.count += 1;
+        ((slot.0 as u64) << 32) | i as u64
+    }
+
+    pub fn remove(&mut self, wr_id: u64) -> Option<InFlight> {
+        let i = (wr_id & 0xffff_ffff) as usize;
+        let gen = (wr_id >> 32) as u32;
+        let slot = self.slots.get_mut(i)?;
+        if slot.0 != gen {
+            return None;
+        }
+        let v = slot.1.take()?;
+        self.free.push(i as u32);
+        self.count -= 1;
+        Some(v)
+    }
+
+    /// Every entry (for the watchdog and shutdown).
+    pub fn iter(&self) -> impl Iterator<Item = &InFlight> {
+        self.slots.iter().filter_map(|s| s.1.as_ref())
+    }
+
+    pub fn drain(&mut self) -> Vec<InFlight> {
+        let out: Vec<InFlight> = self.slots.iter_mut().filter_map(|s| s.1.take()).collect();
+        self.slots.clear();
+        self.free.clear();
+        self.count = 0;
+        out
+    }
+}
+
+/// One opened device: its port choice, PD, CQ (shared by every QP on it) and in-flight table.
+pub(crate) struct Device {
+    /// Position in the transport's device list (= index into `RegionKeys::rkeys`).
+    pub index: usize,
+    pub info: PortInfo,
+    pub max_rd_atomic: u8,
+    pub max_mr_size: u64,
+    pub max_qp_wr: u32,
+    pub ctx: Arc<DeviceContext>,
+    pub pd: Arc<ProtectionDomain>,
+    pub cq: Arc<BasicCompletionQueue>,
+    pub channel: Arc<CompletionChannel>,
+    /// CQ entries: the most signalled work requests that may be outstanding on this device.
+    pub cq_depth: usize,
+    /// Outstanding signalled work requests on this device (never above `cq_depth`).
+    pub outstanding: AtomicUsize,
+    pub inflight: Mutex<InFlightTable>,
+}
+
+impl Device {
+    /// Opens device `name` (from `list`), picks its port and GID, allocates PD, channel, CQ.
+    pub fn open(
+        index: usize,
+        list: &DeviceList,
+        name: &str,
+        config: &RdmaConfig,
+    ) -> Result<Device> {
+        let dev = list
+            .iter()
+            .find(|d| d.name() == name)
+            .ok_or_else(|| TransferError::Rdma(format!("device {name} disappeared")))?;
+        let ctx = dev
+            .open()
+            .map_err(|e| TransferError::Rdma(format!("open {name}: {e}")))?;
+        let choice = choose_port(&ctx, config).map_err(TransferError::Rdma)?;
+        let pd = ctx
+            .alloc_pd()
+            .map_err(|e| TransferError::Rdma(format!("{name}: alloc PD: {e}")))?;
+        let channel = ctx
+            .create_comp_channel()
+            .map_err(|e| TransferError::Rdma(format!("{name}: create completion channel: {e}")))?;
+        verbs::set_nonblocking(std::os::fd::AsRawFd::as_raw_fd(&*channel))
+            .map_err(|e| TransferError::Rdma(format!("{name}: completion channel: {e}")))?;
+        let cq_depth = choice.max_cqe.min(65536) as usize;
+        let cq = ctx
+            .create_cq_builder()
+            .setup_cqe(cq_depth as u32)
+            .setup_comp_channel(&channel, 0)
+            .build()
+            .map_err(|e| TransferError::Rdma(format!("{name}: create CQ of {cq_depth}: {e}")))?;
+        verbs::set_nonblocking(verbs::async_fd(&ctx))
+            .map_err(|e| TransferError::Rdma(format!("{name}: async event fd: {e}")))?;
+        Ok(Device {
+            index,
+            info: choice.info,
+            max_rd_atomic: choice
+                .max_qp_rd_atom
+                .min(choice.max_qp_init_rd_atom)
+                .clamp(1, 16),
+            max_mr_size: choice.max_mr_size,
+            max_qp_wr: choice.max_qp_wr,
+            ctx,
+            pd,
+            cq,
+            channel,
+            cq_depth,
+            outstanding: AtomicUsize::new(0),
+            inflight: Mutex::new(InFlightTable::default()),
+        })
+    }
+
+    /// Takes one CQ credit if the device has room for another signalled work request.
+    pub fn take_credit(&self) -> bool {
+        self.outstanding
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.cq_depth).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    pub fn return_credit(&self) {
+        let _ = self
+            .outstanding
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                Some(n.saturating_sub(1))
+            });
+    }
+
+    pub fn lock_inflight(&self) -> std::sync::MutexGuard<'_, InFlightTable> {
+        self.inflight.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Names of the devices to use: `config.devices` when non-empty (in that order), else all.
+pub(crate) fn wanted_names(list: &DeviceList, config: &RdmaConfig) -> Vec<String> {
+    let all: Vec<String> = list.iter().map(|d| d.name()).collect();
+    if config.devices.is_empty() {
+        all
+    } else {
+        config
+            .devices
+            .iter()
+            .filter(|n| all.contains(n))
+            .cloned()
+            .collect()
+    }
+}

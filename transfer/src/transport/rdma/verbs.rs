@@ -1,0 +1,233 @@
+//! The few verbs calls sideway 0.4.3 does not wrap (raw CQ polling, CQ notification, async
+//! events, status texts), via rdma-mummy-sys, which loads libibverbs with `dlopen` at start-up:
+//! with no libibverbs every call reports `EOPNOTSUPP` instead of crashing.
+
+use std::ffi::CStr;
+use std::os::fd::RawFd;
+use std::time::Duration;
+
+use rdma_mummy_sys as sys;
+use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue};
+use sideway::ibverbs::device_context::{DeviceContext, Mtu};
+
+pub(crate) use sys::ibv_wc as WorkCompletion;
+
+/// Work completion status values (`enum ibv_wc_status`, libibverbs/verbs.h).
+pub(crate) mod wc {
+    pub const SUCCESS: u32 = 0;
+    pub const LOC_LEN_ERR: u32 = 1;
+    pub const LOC_PROT_ERR: u32 = 4;
+    pub const WR_FLUSH_ERR: u32 = 5;
+    pub const LOC_ACCESS_ERR: u32 = 8;
+    pub const REM_INV_REQ_ERR: u32 = 9;
+    pub const REM_ACCESS_ERR: u32 = 10;
+}
+
+/// libibverbs' text for a work completion status, with the number: "remote access error (10)".
+pub(crate) fn wc_status_text(status: u32) -> String {
+    // SAFETY: ibv_wc_status_str returns a static string (or NULL when libibverbs is absent).
+    let p = unsafe { sys::ibv_wc_status_str(status) };
+    let s = if p.is_null() {
+        "unknown status".to_string()
+    } else {
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    };
+    format!("{s} ({status})")
+}
+
+/// Polls up to `out.capacity()` completions into `out` (cleared first). Err(errno) on failure.
+pub(crate) fn poll_cq(
+    cq: &BasicCompletionQueue,
+    out: &mut Vec<WorkCompletion>,
+) -> Result<usize, i32> {
+    out.clear();
+    let cap = out.capacity().min(i32::MAX as usize) as i32;
+    // SAFETY: `out` has room for `cap` entries; the CQ outlives the call.
+    let n = unsafe { sys::ibv_poll_cq(cq.cq().as_ptr(), cap, out.as_mut_ptr()) };
+    if n < 0 {
+        return Err(-n);
+    }
+    // SAFETY: the provider filled `n` entries.
+    unsafe { out.set_len(n as usize) };
+    Ok(n as usize)
+}
+
+/// Arms the CQ so its next completion raises an event on its channel.
+pub(crate) fn req_notify_cq(cq: &BasicCompletionQueue) -> Result<(), i32> {
+    // SAFETY: valid CQ.
+    match unsafe { sys::ibv_req_notify_cq(cq.cq().as_ptr(), 0) } {
+        0 => Ok(()),
+        e => Err(e),
+    }
+}
+
+/// Waits up to `timeout` for the channel's fd to become readable; then consumes and acks every
+/// pending CQ event (the fd is non-blocking). Returns whether an event came.
+pub(crate) fn wait_cq_event(channel: &CompletionChannel, timeout: Duration) -> bool {
+    let fd = std::os::fd::AsRawFd::as_raw_fd(channel);
+    if !wait_readable(fd, timeout) {
+        return false;
+    }
+    let mut got = false;
+    loop {
+        let mut cq: *mut sys::ibv_cq = std::ptr::null_mut();
+        let mut ctx: *mut std::os::raw::c_void = std::ptr::null_mut();
+        // SAFETY: valid channel; out-pointers are valid.
+        let rc =
+            unsafe { sys::ibv_get_cq_event(channel.comp_channel().as_ptr(), &mut cq, &mut ctx) };
+        if rc != 0 || cq.is_null() {
+            return got;
+        }
+        // ibv_destroy_cq waits for every event to be acked: ack at once.
+        unsafe { sys::ibv_ack_cq_events(cq, 1) };
+        got = true;
+    }
+}
+
+/// poll(2) on one fd for readability, up to `timeout`.
+pub(crate) fn wait_readable(fd: RawFd, timeout: Duration) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: one valid pollfd.
+    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    n > 0 && (p.revents & libc::POLLIN) != 0
+}
+
+/// Sets O_NONBLOCK on `fd`.
+pub(crate) fn set_nonblocking(fd: RawFd) -> std::io::Result<()> {
+    // SAFETY: fcntl on an fd we own a reference to.
+    unsafe {
+        let fl = libc::fcntl(fd, libc::F_GETFL);
+        if fl < 0 || libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// The context's async event fd.
+pub(crate) fn async_fd(ctx: &DeviceContext) -> RawFd {
+    // SAFETY: the context is open for the lifetime of `ctx`.
+    unsafe { ctx.context().as_ref().async_fd }
+}
+
+/// Same layout as `struct ibv_async_event`, with the event type kept as a raw number (reading
+/// an unknown value into a Rust enum would be undefined behaviour).
+#[repr(C)]
+struct RawAsyncEvent {
+    element: usize,
+    event_type: u32,
+}
+
+/// Takes one async event if one is pending (the fd must be non-blocking), acks it and returns
+/// (event type number, element: QP number / port number / 0).
+pub(crate) fn take_async_event(ctx: &DeviceContext) -> Option<(u32, u64)> {
+    let mut ev = RawAsyncEvent {
+        element: 0,
+        event_type: u32::MAX,
+    };
+    // SAFETY: RawAsyncEvent has ibv_async_event's size and layout (a pointer-sized union, an
+    // enum of C int size, padding).
+    let rc = unsafe {
+        sys::ibv_get_async_event(
+            ctx.context().as_ptr(),
+            &mut ev as *mut RawAsyncEvent as *mut sys::ibv_async_event,
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    let t = ev.event_type;
+    let element = match t {
+        // QP events: the element is a QP; report its number
+        1..=7 | 16 => {
+            let qp = ev.element as *const sys::ibv_qp;
+            if qp.is_null() {
+                0
+            } else {
+                unsafe { (*qp).qp_num as u64 }
+            }
+        }
+        // port events: the element is the port number
+        9..=13 | 17 | 18 | 20 => ev.element as u32 as u64,
+        _ => 0,
+    };
+    // SAFETY: acks the event just taken, same memory.
+    unsafe { sys::ibv_ack_async_event(&mut ev as *mut RawAsyncEvent as *mut sys::ibv_async_event) };
+    Some((t, element))
+}
+
+/// Name of an async event type (`enum ibv_event_type`).
+pub(crate) fn async_event_name(t: u32) -> &'static str {
+    const NAMES: [&str; 21] = [
+        "CQ error",
+        "QP fatal",
+        "QP request error",
+        "QP access error",
+        "communication established",
+        "SQ drained",
+        "path migrated",
+        "path migration error",
+        "device fatal",
+        "port active",
+        "port error",
+        "LID change",
+        "P_Key change",
+        "SM change",
+        "SRQ error",
+        "SRQ limit reached",
+        "QP last WQE reached",
+        "client reregister",
+        "GID change",
+        "WQ fatal",
+        "device speed change",
+    ];
+    NAMES.get(t as usize).copied().unwrap_or("unknown event")
+}
+
+/// MTU in bytes of a verbs MTU value.
+pub(crate) fn mtu_bytes(m: Mtu) -> u32 {
+    match m {
+        Mtu::Mtu256 => 256,
+        Mtu::Mtu512 => 512,
+        Mtu::Mtu1024 => 1024,
+        Mtu::Mtu2048 => 2048,
+        Mtu::Mtu4096 => 4096,
+    }
+}
+
+/// The verbs MTU for a byte count (exact IB MTUs only).
+pub(crate) fn mtu_from_bytes(b: u32) -> Option<Mtu> {
+    Some(match b {
+        256 => Mtu::Mtu256,
+        512 => Mtu::Mtu512,
+        1024 => Mtu::Mtu1024,
+        2048 => Mtu::Mtu2048,
+        4096 => Mtu::Mtu4096,
+        _ => return None,
+    })
+}
+
+/// Random bytes from the kernel (getrandom(2)); falls back to time and address bits.
+pub(crate) fn random_u64() -> u64 {
+    let mut v = 0u64;
+    // SAFETY: writes 8 bytes into `v`.
+    let n = unsafe { libc::getrandom(&mut v as *mut u64 as *mut libc::c_void, 8, 0) };
+    if n == 8 {
+        return v;
+    }
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ ((&v as *const u64 as u64).rotate_left(29)) ^ (std::process::id() as u64) << 40
+}
+
+/// A random 24-bit packet sequence number.
+pub(crate) fn random_psn() -> u32 {
+    (random_u64() & 0x00ff_ffff) as u32
+}

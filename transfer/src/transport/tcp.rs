@@ -146,7 +146,7 @@ impl Transport for TcpTransport {
     }
 
     fn register(&self, region: &MemoryRegion) -> Result<RegionKeys> {
-        self.ctx.memory.check(region.location)?;
+        self.ctx.memory.check_region(region)?;
         Ok(RegionKeys::default())
     }
 
@@ -365,10 +365,11 @@ fn accept_loop(listener: TcpListener, sh: Arc<ServerShared>) {
 
 /// Waits for the first byte of the next request for at most `idle` (clean close on EOF or
 /// idleness), then reads the rest of the header under the normal deadline.
-fn read_request(s: &mut TcpStream, cfg: &TcpConfig, idle: Duration) -> Result<Option<Request>> {
+fn read_request(s: &mut TcpStream, idle: Duration) -> Result<Option<Request>> {
     let mut hdr = [0u8; wire::REQ_LEN];
-    s.set_read_timeout(Some(idle))
-        .map_err(|e| TransferError::io("set timeout", e))?;
+    // The socket's read timeout stays `io_timeout` (no per-request setsockopt); waiting for the
+    // first byte simply tolerates timeouts until `idle` has passed.
+    let start = Instant::now();
     let n = loop {
         match s.read(&mut hdr) {
             Ok(n) => break n,
@@ -379,7 +380,9 @@ fn read_request(s: &mut TcpStream, cfg: &TcpConfig, idle: Duration) -> Result<Op
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                 ) =>
             {
-                return Ok(None)
+                if start.elapsed() >= idle {
+                    return Ok(None);
+                }
             }
             Err(e) => return Err(TransferError::io("read request", e)),
         }
@@ -387,8 +390,6 @@ fn read_request(s: &mut TcpStream, cfg: &TcpConfig, idle: Duration) -> Result<Op
     if n == 0 {
         return Ok(None);
     }
-    s.set_read_timeout(Some(cfg.io_timeout))
-        .map_err(|e| TransferError::io("set timeout", e))?;
     read_full(s, &mut hdr[n..], "read request header")?;
     Request::decode(&hdr).map(Some)
 }
@@ -412,7 +413,7 @@ fn serve_conn(mut s: TcpStream, sh: &ServerShared) -> Result<()> {
         if sh.stop.load(Ordering::SeqCst) {
             return Ok(());
         }
-        let Some(req) = read_request(&mut s, cfg, idle)? else {
+        let Some(req) = read_request(&mut s, idle)? else {
             return Ok(());
         };
         let is_write = match req.op {

@@ -87,3 +87,88 @@ pub fn compatible(a: &Geometry, b: &Geometry) -> Result<(), String> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn geo(layout: &str, b: u64, h: u64) -> Geometry {
+        Geometry::contiguous(
+            Layout::parse(layout).unwrap(),
+            b,
+            16,
+            h,
+            8,
+            ElemBytes::Two,
+            1,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn geometry_round_trips() {
+        for l in [
+            "KV B N H D",
+            "B KV N H D",
+            "B KV H N D",
+            "B H N KV D",
+            "B N D",
+        ] {
+            let h = if l.contains('H') { 4 } else { 1 };
+            let g = geo(l, 10, h);
+            assert_eq!(from_wire(&to_wire(&g)).unwrap(), g);
+        }
+    }
+
+    #[test]
+    fn compatible_allows_other_block_counts_only() {
+        assert_eq!(
+            compatible(&geo("KV B N H D", 8, 2), &geo("KV B N H D", 12, 2)),
+            Ok(())
+        );
+        assert!(
+            compatible(&geo("KV B N H D", 8, 2), &geo("B KV N H D", 8, 2))
+                .unwrap_err()
+                .contains("layouts differ")
+        );
+        assert!(
+            compatible(&geo("KV B N H D", 8, 2), &geo("KV B N H D", 8, 1))
+                .unwrap_err()
+                .contains("KV heads")
+        );
+        // Strides that put a dimension out of layout order.
+        let g = geo("B N H D", 8, 2);
+        let odd = g.clone().with_strides(vec![512, 2, 256, 32]).unwrap();
+        assert!(compatible(&g, &odd).unwrap_err().contains("strides"));
+    }
+
+    #[test]
+    fn bad_wire_geometry_is_an_error() {
+        let mut w = to_wire(&geo("KV B N H D", 8, 2));
+        w.layout = "KV B X".into();
+        assert!(from_wire(&w).is_err());
+        let mut w = to_wire(&geo("KV B N H D", 8, 2));
+        w.strides.pop();
+        assert!(from_wire(&w).is_err());
+        let mut w = to_wire(&geo("KV B N H D", 8, 2));
+        w.elem_bytes = 3;
+        assert!(from_wire(&w).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn from_wire_never_panics(
+            b in any::<u64>(), n in any::<u64>(), h in any::<u64>(), d in any::<u64>(),
+            e in 0u64..10, k in any::<u64>(), strides in proptest::collection::vec(any::<u64>(), 0..6),
+        ) {
+            let w = WireGeometry {
+                layout: "KV B N H D".into(), num_kernel_blocks: b, tokens_per_kernel_block: n,
+                heads: h, head_dim: d, elem_bytes: e, kernel_blocks_per_block: k, strides,
+            };
+            if let Ok(g) = from_wire(&w) {
+                let _ = g.byte_len();
+            }
+        }
+    }
+}

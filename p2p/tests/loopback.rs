@@ -800,3 +800,17 @@ async fn producer_dying_during_a_load_fails_it_promptly() {
         started.elapsed()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_block_outside_its_array_is_refused() {
+    let pair = pair(1, 1, producer_config(), Policy::default()).await;
+    pair.producer
+        .publish("req-o", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    let mut s = spec("req-o", &pair.producer);
+    s.groups[0].local_blocks[2] = Some(CONSUMER_BLOCKS);
+    let err = pair.consumer.load(s).await.unwrap_err();
+    assert!(err.to_string().contains("outside the arrays"), "{err}");
+    pair.producer.shutdown().await;
+}

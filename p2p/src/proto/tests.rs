@@ -1,4 +1,5 @@
 //! State-machine and message tests, driven by events and a fake clock (no network).
+#![allow(clippy::single_range_in_vec_init)] // ranges lists of one range are the point here
 
 use std::time::{Duration, Instant};
 

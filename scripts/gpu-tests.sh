@@ -16,7 +16,9 @@ build() {
     export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
     mkdir -p "$DIR"
     rm -f "$DIR"/test-* "$DIR"/gpu_bench
-    cargo test --no-run --release -p kvferry-kernels 2>&1 | tee "$DIR/build.log" >&2
+    { cargo test --no-run --release -p kvferry-kernels 2>&1
+      cargo test --no-run --release -p kvferry-transfer --test gpu_memory --test hardening --test transfer_tcp 2>&1
+    } | tee "$DIR/build.log" >&2
     grep 'Executable' "$DIR/build.log" | grep -o '(/[^)]*)' | tr -d '()' | while read -r path; do
         base=$(basename "$path"); base=${base%-*}
         cp "$path" "$DIR/test-$base"

@@ -193,6 +193,13 @@ pub trait MemoryAccess: Send + Sync + 'static {
     /// otherwise. Called at registration, so an unusable region is refused early.
     fn check(&self, location: Location) -> Result<()>;
 
+    /// Ok when this backend can copy to and from the whole of `region` (e.g. for `cuda:N`:
+    /// the range is device memory of device N). Called at registration. Default:
+    /// [`MemoryAccess::check`] of the region's location.
+    fn check_region(&self, region: &MemoryRegion) -> Result<()> {
+        self.check(region.location)
+    }
+
     /// Copies `dst.len()` bytes starting at `src_addr` (memory at `location`) into `dst`.
     ///
     /// # Safety

@@ -1,0 +1,437 @@
+//! GPU memory for the transfer engine (DESIGN.md §3 "GPU memory").
+//!
+//! * [`memory_access`]: the engine's [`MemoryAccess`] for `cuda:N` regions, used by the TCP
+//!   transport: copies between device memory (any plain `cuMemAlloc` allocation) and the
+//!   transport's host buffers through pinned staging buffers, double-buffered on a stream
+//!   of their own. Where CUDA is absent it refuses `cuda:N` with `Unsupported` (never
+//!   panics): cudarc loads `libcuda` lazily and panics when it is missing, so the library
+//!   is probed first and the first calls run inside `catch_unwind`.
+//! * [`export_dmabuf`]: `cuMemGetHandleForAddressRange` → a dma-buf fd for a device range,
+//!   which the RDMA transport registers with `ibv_reg_dmabuf_mr` (installed as its exporter
+//!   by [`memory_access`] when the RDMA module is built).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys;
+
+use crate::error::{Result, TransferError};
+use crate::memory::{MemoryAccess, MemoryRegion};
+use crate::types::Location;
+
+/// Bytes per staging half: a copy moves in chunks of this size, one chunk in flight on the
+/// device while the previous one is copied on the host.
+const CHUNK: usize = 1 << 20;
+/// Longest wait for one chunk's device copy.
+const COPY_DEADLINE: Duration = Duration::from_secs(30);
+
+/// The `MemoryAccess` for `cuda:N` (and host) memory; installs the dma-buf exporter for the
+/// RDMA transport when it is built. Never panics; CUDA is probed on first use.
+pub fn memory_access() -> Arc<dyn MemoryAccess> {
+    #[cfg(kvferry_rdma_module)]
+    {
+        let _ = crate::transport::rdma::set_dmabuf_exporter(rdma_exporter);
+    }
+    Arc::new(CudaMemoryAccess)
+}
+
+#[cfg(kvferry_rdma_module)]
+fn rdma_exporter(region: &MemoryRegion) -> Result<crate::transport::rdma::DmabufRange> {
+    let (fd, offset) = export_dmabuf(region)?;
+    Ok(crate::transport::rdma::DmabufRange { fd, offset })
+}
+
+fn check(what: &str, r: sys::CUresult) -> std::result::Result<(), String> {
+    r.result().map_err(|e| format!("{what}: {e:?}"))
+}
+
+fn guarded<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, String>) -> std::result::Result<T, String> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => Err(format!(
+            "{what}: {}",
+            p.downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default()
+        )),
+    }
+}
+
+/// Whether the CUDA driver is usable here; `Err` says why not.
+pub fn cuda_available() -> std::result::Result<u32, String> {
+    static P: OnceLock<std::result::Result<u32, String>> = OnceLock::new();
+    P.get_or_init(|| {
+        if !catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false) {
+            return Err("libcuda not found".into());
+        }
+        guarded("cuInit", || unsafe {
+            check("cuInit", sys::cuInit(0))?;
+            let mut n = 0;
+            check("cuDeviceGetCount", sys::cuDeviceGetCount(&mut n))?;
+            Ok(n.max(0) as u32)
+        })
+    })
+    .clone()
+}
+
+/// Pinned host memory in two halves with an event each, and a stream: one copy at a time.
+struct Staging {
+    host: *mut u8,
+    stream: sys::CUstream,
+    events: [sys::CUevent; 2],
+}
+
+// SAFETY: the raw handles are used by one copy at a time (the pool hands a set to one caller).
+unsafe impl Send for Staging {}
+
+/// One device's primary context and its staging pool (kept for the process's life).
+struct DeviceState {
+    ctx: sys::CUcontext,
+    dev: sys::CUdevice,
+    pool: Mutex<Vec<Staging>>,
+}
+
+// SAFETY: driver handles are usable from any thread once the context is current there.
+unsafe impl Send for DeviceState {}
+unsafe impl Sync for DeviceState {}
+
+fn device(n: u32) -> Result<&'static DeviceState> {
+    static ALL: OnceLock<Mutex<HashMap<u32, std::result::Result<&'static DeviceState, String>>>> = OnceLock::new();
+    let count = cuda_available().map_err(|why| unsupported(Location::Cuda(n), &why))?;
+    let mut all = ALL
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let r = all.entry(n).or_insert_with(|| {
+        if n >= count {
+            return Err(format!("cuda:{n} does not exist ({count} devices)"));
+        }
+        guarded("cuda device", || unsafe {
+            let mut dev = 0;
+            check("cuDeviceGet", sys::cuDeviceGet(&mut dev, n as i32))?;
+            let mut ctx = std::ptr::null_mut();
+            check("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
+            let state: &'static DeviceState = Box::leak(Box::new(DeviceState {
+                ctx,
+                dev,
+                pool: Mutex::new(Vec::new()),
+            }));
+            Ok(state)
+        })
+    });
+    r.clone().map_err(|why| unsupported(Location::Cuda(n), &why))
+}
+
+fn unsupported(location: Location, why: &str) -> TransferError {
+    TransferError::Unsupported(format!("memory at {location} cannot be used: {why}"))
+}
+
+impl DeviceState {
+    fn bind(&self) -> Result<()> {
+        unsafe { check("cuCtxSetCurrent", sys::cuCtxSetCurrent(self.ctx)) }.map_err(TransferError::Io)
+    }
+
+    fn take(&self) -> Result<Staging> {
+        if let Some(s) = self.pool.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Ok(s);
+        }
+        // First use (or more concurrent copies than before): allocate a staging set.
+        unsafe {
+            let mut host: *mut c_void = std::ptr::null_mut();
+            check("cuMemHostAlloc", sys::cuMemHostAlloc(&mut host, 2 * CHUNK, 0)).map_err(TransferError::Io)?;
+            let mut stream = std::ptr::null_mut();
+            let mut events = [std::ptr::null_mut(); 2];
+            let made = (|| {
+                check(
+                    "cuStreamCreate",
+                    sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
+                )?;
+                for e in events.iter_mut() {
+                    check(
+                        "cuEventCreate",
+                        sys::cuEventCreate(e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
+                    )?;
+                }
+                Ok::<(), String>(())
+            })();
+            if let Err(e) = made {
+                let _ = sys::cuMemFreeHost(host);
+                return Err(TransferError::Io(e));
+            }
+            Ok(Staging {
+                host: host as *mut u8,
+                stream,
+                events,
+            })
+        }
+    }
+
+    fn give(&self, s: Staging) {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+    }
+}
+
+impl Staging {
+    fn half(&self, k: usize) -> *mut u8 {
+        // SAFETY: the allocation holds two halves of CHUNK bytes.
+        unsafe { self.host.add((k % 2) * CHUNK) }
+    }
+
+    unsafe fn record(&self, k: usize) -> Result<()> {
+        unsafe { check("cuEventRecord", sys::cuEventRecord(self.events[k % 2], self.stream)) }
+            .map_err(TransferError::Io)
+    }
+
+    /// Waits (polling, with a deadline) until the work recorded on half `k` is done.
+    fn wait(&self, k: usize) -> Result<()> {
+        let deadline = Instant::now() + COPY_DEADLINE;
+        let mut spins = 0u32;
+        loop {
+            match unsafe { sys::cuEventQuery(self.events[k % 2]) } {
+                sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                e => return Err(TransferError::Io(format!("GPU copy failed: {e:?}"))),
+            }
+            if Instant::now() >= deadline {
+                return Err(TransferError::Timeout(COPY_DEADLINE));
+            }
+            spins += 1;
+            if spins < 256 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(5));
+            }
+        }
+    }
+}
+
+/// `MemoryAccess` through CUDA: host memory in place, `cuda:N` memory through pinned
+/// staging. Each copy is complete (device work waited for) when the call returns.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CudaMemoryAccess;
+
+impl MemoryAccess for CudaMemoryAccess {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn check(&self, location: Location) -> Result<()> {
+        match location {
+            Location::Cpu => Ok(()),
+            Location::Cuda(n) => device(n).map(|_| ()),
+        }
+    }
+
+    fn check_region(&self, region: &MemoryRegion) -> Result<()> {
+        let Location::Cuda(n) = region.location else {
+            return Ok(());
+        };
+        let d = device(n)?;
+        d.bind()?;
+        let (start, size, ordinal) = allocation_of(region.addr).map_err(|why| {
+            TransferError::InvalidArgument(format!(
+                "[{:#x}, +{}) is not cuda:{n} memory: {why}",
+                region.addr, region.len
+            ))
+        })?;
+        if ordinal != n as i32 || region.end() > start + size {
+            return Err(TransferError::InvalidArgument(format!(
+                "[{:#x}, +{}) is not inside one allocation of cuda:{n} memory (allocation [{start:#x}, +{size}) \
+                 on cuda:{ordinal})",
+                region.addr, region.len
+            )));
+        }
+        Ok(())
+    }
+
+    unsafe fn copy_from(&self, location: Location, src_addr: u64, dst: &mut [u8]) -> Result<()> {
+        let n = match location {
+            Location::Cpu => {
+                // SAFETY: the caller promises the source range is valid host memory.
+                unsafe { std::ptr::copy_nonoverlapping(src_addr as *const u8, dst.as_mut_ptr(), dst.len()) };
+                return Ok(());
+            }
+            Location::Cuda(n) => n,
+        };
+        let d = device(n)?;
+        d.bind()?;
+        let st = d.take()?;
+        // Chunk k goes device -> half k%2 while chunk k-1 goes half -> dst.
+        let r = (|| -> Result<()> {
+            let chunks: Vec<(usize, usize)> = (0..dst.len())
+                .step_by(CHUNK)
+                .map(|o| (o, CHUNK.min(dst.len() - o)))
+                .collect();
+            for (k, &(off, len)) in chunks.iter().enumerate() {
+                unsafe {
+                    check(
+                        "cuMemcpyDtoHAsync",
+                        sys::cuMemcpyDtoHAsync_v2(st.half(k) as *mut c_void, src_addr + off as u64, len, st.stream),
+                    )
+                    .map_err(TransferError::Io)?;
+                    st.record(k)?;
+                }
+                if k > 0 {
+                    let (po, pl) = chunks[k - 1];
+                    st.wait(k - 1)?;
+                    // SAFETY: the half holds the previous chunk, which the device finished writing.
+                    unsafe { std::ptr::copy_nonoverlapping(st.half(k - 1), dst.as_mut_ptr().add(po), pl) };
+                }
+            }
+            if let Some(&(lo, ll)) = chunks.last() {
+                let k = chunks.len() - 1;
+                st.wait(k)?;
+                unsafe { std::ptr::copy_nonoverlapping(st.half(k), dst.as_mut_ptr().add(lo), ll) };
+            }
+            Ok(())
+        })();
+        // A staging set whose copy failed may still be in use by the device: drop it, never reuse.
+        if r.is_ok() {
+            d.give(st);
+        }
+        r
+    }
+
+    unsafe fn copy_to(&self, location: Location, dst_addr: u64, src: &[u8]) -> Result<()> {
+        let n = match location {
+            Location::Cpu => {
+                // SAFETY: the caller promises the destination range is valid, writable host memory.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst_addr as *mut u8, src.len()) };
+                return Ok(());
+            }
+            Location::Cuda(n) => n,
+        };
+        let d = device(n)?;
+        d.bind()?;
+        let st = d.take()?;
+        // Chunk k goes src -> half k%2 -> device; a half is refilled only after its last copy ended.
+        let r = (|| -> Result<()> {
+            let mut last = None;
+            for (k, off) in (0..src.len()).step_by(CHUNK).enumerate() {
+                let len = CHUNK.min(src.len() - off);
+                if k >= 2 {
+                    st.wait(k)?;
+                }
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src.as_ptr().add(off), st.half(k), len);
+                    check(
+                        "cuMemcpyHtoDAsync",
+                        sys::cuMemcpyHtoDAsync_v2(dst_addr + off as u64, st.half(k) as *const c_void, len, st.stream),
+                    )
+                    .map_err(TransferError::Io)?;
+                    st.record(k)?;
+                }
+                last = Some(k);
+            }
+            // Stream order: the last chunk's event completes after every earlier copy.
+            if let Some(k) = last {
+                st.wait(k)?;
+            }
+            Ok(())
+        })();
+        if r.is_ok() {
+            d.give(st);
+        }
+        r
+    }
+}
+
+/// The allocation holding device address `addr`: (start, size, device ordinal).
+fn allocation_of(addr: u64) -> std::result::Result<(u64, u64, i32), String> {
+    let mut start: u64 = 0;
+    let mut size: usize = 0;
+    let mut ordinal: i32 = -1;
+    unsafe {
+        check(
+            "cuPointerGetAttribute(RANGE_START_ADDR)",
+            sys::cuPointerGetAttribute(
+                &mut start as *mut u64 as *mut c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                addr,
+            ),
+        )?;
+        check(
+            "cuPointerGetAttribute(RANGE_SIZE)",
+            sys::cuPointerGetAttribute(
+                &mut size as *mut usize as *mut c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                addr,
+            ),
+        )?;
+        check(
+            "cuPointerGetAttribute(DEVICE_ORDINAL)",
+            sys::cuPointerGetAttribute(
+                &mut ordinal as *mut i32 as *mut c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                addr,
+            ),
+        )?;
+    }
+    Ok((start, size as u64, ordinal))
+}
+
+/// Exports the device range of `region` (a `cuda:N` region inside one `cuMemAlloc`
+/// allocation) as a dma-buf: the fd, and the region's offset inside it (the exported range
+/// is widened to host pages). Errors: `Unsupported` without CUDA or where the device or
+/// driver lacks dma-buf support, `InvalidArgument` for a host region.
+pub fn export_dmabuf(region: &MemoryRegion) -> Result<(OwnedFd, u64)> {
+    let Location::Cuda(n) = region.location else {
+        return Err(TransferError::InvalidArgument(format!(
+            "dma-buf export of {} memory: only cuda:N memory is exported",
+            region.location
+        )));
+    };
+    let d = device(n)?;
+    d.bind()?;
+    let mut supported = 0;
+    unsafe {
+        check(
+            "cuDeviceGetAttribute",
+            sys::cuDeviceGetAttribute(
+                &mut supported,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
+                d.dev,
+            ),
+        )
+        .map_err(TransferError::Io)?
+    };
+    if supported == 0 {
+        return Err(unsupported(
+            region.location,
+            "the device or driver does not support dma-buf",
+        ));
+    }
+    let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        p if p > 0 => p as u64,
+        _ => 4096,
+    };
+    let start = region.addr & !(page - 1);
+    let end = region.end().div_ceil(page) * page;
+    let mut fd: i32 = -1;
+    unsafe {
+        check(
+            "cuMemGetHandleForAddressRange",
+            sys::cuMemGetHandleForAddressRange(
+                &mut fd as *mut i32 as *mut c_void,
+                start,
+                (end - start) as usize,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            ),
+        )
+        .map_err(|e| unsupported(region.location, &e))?;
+    }
+    if fd < 0 {
+        return Err(unsupported(
+            region.location,
+            "cuMemGetHandleForAddressRange returned no fd",
+        ));
+    }
+    // SAFETY: the driver returned a fresh fd that nothing else owns.
+    Ok((unsafe { OwnedFd::from_raw_fd(fd) }, region.addr - start))
+}

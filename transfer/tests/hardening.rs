@@ -450,15 +450,22 @@ fn a_killed_peer_gives_an_error_not_a_hang() {
 
 #[test]
 fn a_timed_out_batch_sends_none_of_its_remaining_slices() {
-    let a = engine();
+    // one connection, one frame in flight: frames go out in order, one round trip each
+    let a = engine_with(|c| {
+        c.tcp.connections_per_peer = 1;
+        c.tcp.inflight_per_connection = 1;
+        c.tcp.coalesce_bytes = 64 * 1024;
+    });
     let b = engine();
     let n = 256usize << 20;
     let src = Buf {
         bytes: vec![0xAB; n],
     };
     let dst = Buf::zeroed(n);
+    let barrier = Buf::zeroed(4096);
     src.register(&a);
     dst.register(&b);
+    barrier.register(&b);
     let seg = a.open_segment(&b.segment_name()).unwrap();
     let req = TransferRequest {
         op: Op::Write,
@@ -471,22 +478,15 @@ fn a_timed_out_batch_sends_none_of_its_remaining_slices() {
         a.wait(id, Duration::from_millis(1)),
         Err(TransferError::Timeout(_))
     ));
-    // let whatever was already on the wire land
-    std::thread::sleep(Duration::from_secs(2));
+    // queued behind every frame of the timed-out batch on the same connection
+    a.transfer_sync_write(&b.segment_name(), src.addr(), barrier.addr(), 4096)
+        .unwrap();
+    assert!(barrier.bytes.iter().all(|&x| x == 0xAB));
     let tail = &dst.bytes[n - (16 << 20)..];
     assert!(
         common::all_zero(tail),
         "slices of a timed-out batch were still sent"
     );
-    // the engine and its connections are fine afterwards
-    a.transfer_sync_write(
-        &b.segment_name(),
-        src.addr(),
-        dst.addr() + n as u64 - 4096,
-        4096,
-    )
-    .unwrap();
-    assert!(dst.bytes[n - 4096..].iter().all(|&x| x == 0xAB));
 }
 
 #[test]
@@ -803,4 +803,40 @@ fn configuration_and_registration_errors_are_clear() {
             "{bad}"
         );
     }
+}
+
+#[test]
+fn connection_floods_are_capped_and_the_engine_recovers() {
+    let b = engine_with(|c| c.tcp.max_server_connections = 3);
+    let dst = Buf::zeroed(4096);
+    dst.register(&b);
+    for addr in [data_addr(&b), b.segment_name()] {
+        let held: Vec<TcpStream> = (0..3).map(|_| connect(&addr)).collect();
+        std::thread::sleep(Duration::from_millis(100)); // let the server take them
+        let mut extra = connect(&addr);
+        extra
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        assert!(
+            closed_by_peer(&mut extra),
+            "{addr}: a connection over the cap is closed at once"
+        );
+        drop(held);
+    }
+    // once the flood is gone, transfers work again (server threads notice the closes)
+    let a = engine_with(|c| c.tcp.connections_per_peer = 2);
+    let src = Buf::new(4096, 15);
+    src.register(&a);
+    let t = Instant::now();
+    loop {
+        match a.transfer_sync_write(&b.segment_name(), src.addr(), dst.addr(), 4096) {
+            Ok(()) => break,
+            Err(e) if t.elapsed() < Duration::from_secs(5) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("engine did not recover: {e}"),
+        }
+    }
+    assert_same(&dst.bytes, &src.bytes, "after the flood");
 }

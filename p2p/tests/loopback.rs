@@ -814,3 +814,20 @@ async fn consumer_block_outside_its_array_is_refused() {
     assert!(err.to_string().contains("outside the arrays"), "{err}");
     pair.producer.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn different_layouts_are_refused_not_copied_byte_for_byte() {
+    let p = Side::new(1, 1, PRODUCER_BLOCKS, Some(7));
+    let c = Side::with_layout(1, 1, CONSUMER_BLOCKS, Some(99), "B KV N H D");
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let consumer = Consumer::new(consumer_config(Policy::default()), c.workers.clone()).unwrap();
+    producer
+        .publish("req-l", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    let err = consumer.load(spec("req-l", &producer)).await.unwrap_err();
+    assert!(err.to_string().contains("layouts differ"), "{err}");
+    producer.shutdown().await;
+}

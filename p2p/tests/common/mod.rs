@@ -32,16 +32,34 @@ impl Side {
     /// Builds a side of `tp × pp` ranks whose arrays hold `num_blocks` blocks,
     /// filled with seeded random bytes (`seed = None`: zeros).
     pub fn new(tp: u32, pp: u32, num_blocks: u64, seed: Option<u64>) -> Side {
-        Side::build(tp, pp, num_blocks, seed, false)
+        Side::build(tp, pp, num_blocks, seed, false, "KV B N H D")
+    }
+
+    /// As [`Side::new`] with group 0 in `layout`.
+    pub fn with_layout(
+        tp: u32,
+        pp: u32,
+        num_blocks: u64,
+        seed: Option<u64>,
+        layout: &'static str,
+    ) -> Side {
+        Side::build(tp, pp, num_blocks, seed, false, layout)
     }
 
     /// As [`Side::new`], plus group 1: a sliding-window group (window [`WINDOW`]
     /// tokens) in the FlashInfer layout `B KV N H D`, layers named `...sliding`.
     pub fn with_window(tp: u32, pp: u32, num_blocks: u64, seed: Option<u64>) -> Side {
-        Side::build(tp, pp, num_blocks, seed, true)
+        Side::build(tp, pp, num_blocks, seed, true, "KV B N H D")
     }
 
-    fn build(tp: u32, pp: u32, num_blocks: u64, seed: Option<u64>, windowed: bool) -> Side {
+    fn build(
+        tp: u32,
+        pp: u32,
+        num_blocks: u64,
+        seed: Option<u64>,
+        windowed: bool,
+        layout0: &'static str,
+    ) -> Side {
         let mut workers = Vec::new();
         let mut memory = Vec::new();
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed.unwrap_or(0));
@@ -65,11 +83,11 @@ impl Side {
                 let mut groups = Vec::new();
                 let kinds: &[(u32, &str, &str, Option<u64>)] = if windowed {
                     &[
-                        (0, "KV B N H D", "attn", None),
+                        (0, layout0, "attn", None),
                         (1, "B KV N H D", "sliding", Some(WINDOW)),
                     ]
                 } else {
-                    &[(0, "KV B N H D", "attn", None)]
+                    &[(0, layout0, "attn", None)]
                 };
                 for &(group_id, layout, suffix, sliding_window) in kinds {
                     let layout = Layout::parse(layout).unwrap();

@@ -276,3 +276,15 @@ async fn sync_helpers_inside_a_current_thread_runtime() {
         .unwrap();
     assert_same(&dst.bytes, &src.bytes, "sync write inside a runtime");
 }
+
+#[test]
+fn an_engine_can_target_its_own_segment() {
+    let a = engine();
+    let src = Buf::new(300_000, 51);
+    let dst = Buf::zeroed(300_000);
+    src.register(&a);
+    dst.register(&a);
+    a.transfer_sync_write(&a.segment_name(), src.addr(), dst.addr(), 300_000)
+        .unwrap();
+    assert_same(&dst.bytes, &src.bytes, "write to self");
+}

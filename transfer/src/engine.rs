@@ -306,6 +306,8 @@ impl TransferEngine {
     /// it, and local requests may use it. Errors: `InvalidArgument` for len 0, a range that wraps
     /// or overlaps a registered region; `Unsupported` when the transport cannot serve the
     /// location (GPU memory without the GPU backend); transport errors (RDMA registration).
+    /// Takes the registry's write lock, so it may wait for TCP target-side accesses in progress
+    /// (each bounded by `tcp.io_timeout` per socket operation).
     ///
     /// # Safety
     /// The range must be valid memory of `location` (writable) until `unregister_memory(addr)`

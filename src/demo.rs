@@ -19,7 +19,7 @@ use kvferry_p2p::{Consumer, ConsumerConfig, Landed, LoadGroup, LoadSpec, Produce
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::cli::{CommonArgs, DemoArgs, FailurePolicyArg};
+use crate::cli::{CommonArgs, DemoArgs, DeviceArg, FailurePolicyArg};
 use crate::models::model_by_name;
 use crate::setup::{engine_config, side_workers, transport_kind};
 use crate::world::{blocks_equal, build_side, fill_request, flip_bit, BlockPool, RankKv, SideConfig, GROUP_ID};
@@ -142,6 +142,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
         layout: c.layout.clone(),
         num_blocks,
         transport,
+        cuda: (c.device == DeviceArg::Cuda).then_some(0),
     };
     let mut prod_ranks = build_side(&side(args.prefill_tp, args.prefill_pp), &engine_cfg)?;
     let cons_ranks = build_side(&side(args.decode_tp, args.decode_pp), &engine_cfg)?;
@@ -182,7 +183,9 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
         consumer.set_landed_hook(Some(Arc::new(move |_landed: &Landed| {
             if let Some(f) = pending.lock().unwrap().take() {
                 let mut r = ranks.lock().unwrap();
-                flip_bit(&mut r[f.rank], f.layer, &f.blocks, f.token, f.head, f.part, f.byte, f.bit);
+                if let Err(e) = flip_bit(&mut r[f.rank], f.layer, &f.blocks, f.token, f.head, f.part, f.byte, f.bit) {
+                    tracing::error!("fault injection failed: {e}");
+                }
             }
         })));
     }
@@ -215,7 +218,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
         let cblocks = cons_pool.alloc(nb).ok_or("consumer block pool exhausted")?;
         let t0 = Instant::now();
         for r in prod_ranks.iter_mut() {
-            fill_request(r, args.seed, i as u64, &pblocks);
+            fill_request(r, args.seed, i as u64, &pblocks)?;
         }
         report.prefill_seconds += t0.elapsed().as_secs_f64();
         let request_id = format!("req-{i}");
@@ -257,7 +260,11 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
                         // then the consumer's KV must equal the producer's.
                         let mut ranks = cons_ranks.lock().unwrap();
                         for r in ranks.iter_mut() {
-                            fill_request(r, args.seed, i as u64, &cblocks);
+                            fill_request(r, args.seed, i as u64, &cblocks)?;
+                            r.download_blocks(&cblocks)?;
+                        }
+                        for p in prod_ranks.iter_mut() {
+                            p.download_blocks(&pblocks)?;
                         }
                         let equal = prod_ranks.iter().zip(ranks.iter()).all(|(p, cr)| blocks_equal(p, &pblocks, cr, &cblocks));
                         kv_equal = Some(kv_equal.unwrap_or(true) && equal);

@@ -14,7 +14,7 @@ use kvferry_checksum::verdict::Verdict;
 use kvferry_p2p::{Consumer, ConsumerConfig, LoadGroup, LoadSpec, Producer, ProducerConfig};
 use serde::Serialize;
 
-use crate::cli::{LoadArgs, ServeArgs};
+use crate::cli::{DeviceArg, LoadArgs, ServeArgs};
 use crate::demo::{policy_of, prompt_lengths};
 use crate::models::model_by_name;
 use crate::setup::{engine_config, side_workers, transport_kind};
@@ -44,13 +44,13 @@ pub fn serve(args: &ServeArgs) -> Result<(), String> {
     let c = &args.common;
     let model = model_by_name(&c.model)?.clone();
     let (lengths, tables, num_blocks) = producer_tables(args.requests, args.min_tokens, args.max_tokens, args.seed, c.block_size)?;
-    let side = SideConfig { model, tp: 1, pp: 1, block_size: c.block_size, layout: c.layout.clone(), num_blocks, transport: transport_kind(c.transport) };
+    let side = SideConfig { model, tp: 1, pp: 1, block_size: c.block_size, layout: c.layout.clone(), num_blocks, transport: transport_kind(c.transport), cuda: (c.device == DeviceArg::Cuda).then_some(0) };
     let mut ranks = build_side(&side, &engine_config(c))?;
     let (workers, backend) = side_workers(&ranks, c)?;
     let rt = tokio::runtime::Runtime::new().map_err(|e| format!("starting the async runtime: {e}"))?;
     for (i, blocks) in tables.iter().enumerate() {
         for r in ranks.iter_mut() {
-            fill_request(r, args.seed, i as u64, blocks);
+            fill_request(r, args.seed, i as u64, blocks)?;
         }
     }
     let mut cfg = ProducerConfig::default();
@@ -112,7 +112,7 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
     let model = model_by_name(&c.model)?.clone();
     let (lengths, tables, _) = producer_tables(args.requests, args.min_tokens, args.max_tokens, args.seed, c.block_size)?;
     let max_blocks = lengths.iter().map(|t| t.div_ceil(c.block_size)).max().unwrap_or(1);
-    let side = SideConfig { model, tp: 1, pp: 1, block_size: c.block_size, layout: c.layout.clone(), num_blocks: max_blocks, transport: transport_kind(c.transport) };
+    let side = SideConfig { model, tp: 1, pp: 1, block_size: c.block_size, layout: c.layout.clone(), num_blocks: max_blocks, transport: transport_kind(c.transport), cuda: (c.device == DeviceArg::Cuda).then_some(0) };
     let ranks = build_side(&side, &engine_config(c))?;
     let (workers, _) = side_workers(&ranks, c)?;
     let rt = tokio::runtime::Runtime::new().map_err(|e| format!("starting the async runtime: {e}"))?;

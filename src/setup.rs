@@ -31,15 +31,18 @@ pub fn engine_config(c: &CommonArgs) -> EngineConfig {
 
 /// The p2p workers of one side's ranks, and the checksum backend's name.
 ///
-/// Errors: `--device cuda` with host-memory ranks (GPU KV memory is set up by the
-/// GPU path, not here).
+/// Errors: `--device cuda` where the CUDA checksum backend is unusable (the ranks'
+/// memory is on the GPU, so the CPU backend cannot read it).
 pub fn side_workers(ranks: &[RankKv], c: &CommonArgs) -> Result<(Vec<Worker>, String), String> {
     let device = match c.device {
         DeviceArg::Cpu => Device::Cpu,
-        DeviceArg::Cuda => return Err("--device cuda: GPU KV memory is not available in this build of the demo".into()),
+        DeviceArg::Cuda => Device::Cuda(0),
     };
     let backend = backend_for(device);
     let name = backend.name().to_string();
+    if device != Device::Cpu && name == "cpu" {
+        return Err("--device cuda: the CUDA checksum backend is unusable here (see the log)".into());
+    }
     let workers = ranks
         .iter()
         .map(|r| Worker {

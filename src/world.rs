@@ -9,6 +9,8 @@ use std::sync::Arc;
 
 use kvferry_checksum::group::{plan_group, CacheDesc, GroupPlan, LayerSpec, RankInfo};
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
+use kvferry_kernels::cuda::driver::{copy_dtoh_async, copy_htod_async, DeviceBuffer, Stream};
+use kvferry_kernels::cuda::CudaBackend;
 use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransportKind};
 use memmap2::MmapMut;
 use rand::{RngCore, SeedableRng};
@@ -35,6 +37,8 @@ pub struct SideConfig {
     pub num_blocks: u64,
     /// Transport of each rank's engine.
     pub transport: TransportKind,
+    /// `Some(n)`: the KV caches live in the memory of GPU `n` (else host memory).
+    pub cuda: Option<u32>,
 }
 
 /// One layer's array inside a rank's arena.
@@ -46,22 +50,73 @@ pub struct LayerAlloc {
     pub offset: u64,
 }
 
+/// GPU memory of a rank: the device arena, a host shadow the demo writes KV into
+/// before uploading it (the "prefill"), and the stream the copies run on.
+struct GpuArena {
+    dev: DeviceBuffer,
+    stream: Stream,
+    // Keeps the device's context alive as long as the buffer.
+    _backend: CudaBackend,
+}
+
 /// One rank's KV memory and transfer engine.
 pub struct RankKv {
     /// TP/PP place of this rank.
     pub rank: RankInfo,
     /// The rank's layers, in layer order.
     pub layers: Vec<LayerAlloc>,
-    /// The memory every layer lives in (host memory, registered with `engine`).
+    /// Host memory every layer lives in (registered with `engine`); with GPU memory,
+    /// the host shadow of the device arena.
     arena: MmapMut,
+    /// The device arena, when the KV lives on a GPU (registered with `engine` instead).
+    gpu: Option<GpuArena>,
     /// The rank's transfer engine.
     pub engine: Arc<TransferEngine>,
 }
 
 impl RankKv {
-    /// Base address of the arena.
+    /// Base address of the arena (a device address with GPU memory).
     pub fn base(&self) -> u64 {
-        self.arena.as_ptr() as u64
+        match &self.gpu {
+            Some(g) => g.dev.ptr(),
+            None => self.arena.as_ptr() as u64,
+        }
+    }
+
+    /// Copies the byte ranges of `blocks` of every layer between the host shadow and
+    /// the device arena (`up`: host → device). No-op for host memory.
+    fn copy_blocks(&mut self, blocks: &[u64], up: bool) -> Result<(), WorldError> {
+        let Some(g) = &self.gpu else { return Ok(()) };
+        for l in &self.layers {
+            for &b in blocks {
+                for r in l.spec.geometry.block_byte_ranges(b) {
+                    let (off, len) = ((l.offset + r.start) as usize, (r.end - r.start) as usize);
+                    // SAFETY: both ranges lie inside their arenas (same layout); the
+                    // stream is synchronised before the host buffer is touched again.
+                    unsafe {
+                        if up {
+                            copy_htod_async(g.dev.ptr() + off as u64, self.arena.as_ptr().add(off), len, g.stream.raw())?;
+                        } else {
+                            copy_dtoh_async(self.arena.as_mut_ptr().add(off), g.dev.ptr() + off as u64, len, g.stream.raw())?;
+                        }
+                    }
+                }
+            }
+        }
+        g.stream.synchronize()
+    }
+
+    /// Makes the host view of `blocks` current (downloads them from the GPU).
+    pub fn download_blocks(&mut self, blocks: &[u64]) -> Result<(), WorldError> {
+        self.copy_blocks(blocks, false)
+    }
+
+    /// Where the memory lives, in words ("host memory" or "cuda:N").
+    pub fn location(&self) -> String {
+        match &self.gpu {
+            Some(_) => "cuda".into(),
+            None => "host memory".into(),
+        }
     }
 
     /// Address of layer `i`'s array.
@@ -69,17 +124,7 @@ impl RankKv {
         self.base() + self.layers[i].offset
     }
 
-    /// The arena's bytes.
-    pub fn bytes(&self) -> &[u8] {
-        &self.arena
-    }
-
-    /// The arena's bytes, writable (filling, fault injection).
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.arena
-    }
-
-    /// Layer `i`'s array.
+    /// Layer `i`'s array (the host view).
     pub fn layer_bytes(&self, i: usize) -> &[u8] {
         let l = &self.layers[i];
         &self.arena[l.offset as usize..(l.offset + l.spec.geometry.byte_len()) as usize]
@@ -148,14 +193,27 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
                 offset += len.next_multiple_of(4096);
             }
             let arena = MmapMut::map_anon(offset.max(4096) as usize).map_err(|e| format!("allocating {offset} bytes of KV memory: {e}"))?;
+            let gpu = match cfg.cuda {
+                None => None,
+                Some(n) => {
+                    let backend = CudaBackend::shared(n).map_err(|e| format!("--device cuda: GPU {n} unusable: {e}"))?;
+                    let dev = DeviceBuffer::new(backend.context(), arena.len()).map_err(|e| format!("allocating {} bytes on cuda:{n}: {e}", arena.len()))?;
+                    let stream = Stream::new(backend.context())?;
+                    Some(GpuArena { dev, stream, _backend: backend })
+                }
+            };
             let mut ecfg = engine_cfg.clone();
             ecfg.transport = cfg.transport;
             let engine = TransferEngine::new(ecfg).map_err(|e| format!("starting the transfer engine of rank {rank:?}: {e}"))?;
-            // SAFETY: the arena lives as long as the RankKv, which owns the engine handle;
+            let (addr, location) = match (&gpu, cfg.cuda) {
+                (Some(g), Some(n)) => (g.dev.ptr(), Location::Cuda(n)),
+                _ => (arena.as_ptr() as u64, Location::Cpu),
+            };
+            // SAFETY: the memory lives as long as the RankKv, which owns the engine handle;
             // the engine is told to forget the region in Drop below.
-            unsafe { engine.register_memory(arena.as_ptr() as u64, arena.len() as u64, Location::Cpu) }
+            unsafe { engine.register_memory(addr, arena.len() as u64, location) }
                 .map_err(|e| format!("registering KV memory of rank {rank:?}: {e}"))?;
-            ranks.push(RankKv { rank, layers, arena, engine });
+            ranks.push(RankKv { rank, layers, arena, gpu, engine });
         }
     }
     Ok(ranks)
@@ -186,10 +244,12 @@ fn stretch_seed(seed: u64, request: u64, layer: u32, head: u64, position: u64) -
 /// order) of every layer of `rank`, every slot of every block (also those past the
 /// prompt's end), from seeded pseudo-random bytes that depend only on (seed,
 /// request, layer, global head, block position). Returns the bytes written.
-pub fn fill_request(rank: &mut RankKv, seed: u64, request: u64, blocks: &[u64]) -> u64 {
+///
+/// Errors: a failed upload to GPU memory.
+pub fn fill_request(rank: &mut RankKv, seed: u64, request: u64, blocks: &[u64]) -> Result<u64, WorldError> {
     let mut written = 0u64;
     let layers = rank.layers.clone();
-    let arena = rank.bytes_mut();
+    let arena = &mut rank.arena[..];
     let mut buf = Vec::new();
     for l in &layers {
         let g = &l.spec.geometry;
@@ -216,24 +276,45 @@ pub fn fill_request(rank: &mut RankKv, seed: u64, request: u64, blocks: &[u64]) 
             }
         }
     }
-    written
+    rank.copy_blocks(blocks, true)?;
+    Ok(written)
 }
 
 /// Flips bit `bit` (0..8) of the byte of token `token` (< the prompt's tokens)
 /// of `rank`'s layer `layer`, head `head`, part `part`, element byte `byte`, in
 /// the block `blocks[token / block_size]`: a corruption the checksum must see.
-pub fn flip_bit(rank: &mut RankKv, layer: usize, blocks: &[u64], token: u64, head: u64, part: u64, byte: u64, bit: u8) {
+/// With GPU memory the byte is flipped in device memory.
+///
+/// Errors: a failed copy to or from GPU memory.
+#[allow(clippy::too_many_arguments)]
+pub fn flip_bit(rank: &mut RankKv, layer: usize, blocks: &[u64], token: u64, head: u64, part: u64, byte: u64, bit: u8) -> Result<(), WorldError> {
     let l = rank.layers[layer].clone();
     let g = &l.spec.geometry;
     let block = blocks[(token / g.block_size()) as usize];
     let t = token % g.block_size();
     let kb = block * g.kernel_blocks_per_block + t / g.tokens_per_kernel_block;
-    let at = l.offset + g.byte_offset(part, kb, t % g.tokens_per_kernel_block, head, 0) + byte;
-    rank.bytes_mut()[at as usize] ^= 1 << bit;
+    let at = (l.offset + g.byte_offset(part, kb, t % g.tokens_per_kernel_block, head, 0) + byte) as usize;
+    match &rank.gpu {
+        None => rank.arena[at] ^= 1 << bit,
+        Some(gpu) => {
+            let mut b = [0u8; 1];
+            // SAFETY: `at` lies inside the device arena; the stream is synchronised
+            // before `b` is read or dropped.
+            unsafe {
+                copy_dtoh_async(b.as_mut_ptr(), gpu.dev.ptr() + at as u64, 1, gpu.stream.raw())?;
+                gpu.stream.synchronize()?;
+                b[0] ^= 1 << bit;
+                copy_htod_async(gpu.dev.ptr() + at as u64, b.as_ptr(), 1, gpu.stream.raw())?;
+                gpu.stream.synchronize()?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// True when `blocks_a` of rank `a` and `blocks_b` of rank `b` hold equal bytes in
-/// every layer (same layer set and geometry expected).
+/// every layer (same layer set and geometry expected). With GPU memory, call
+/// [`RankKv::download_blocks`] first: this compares the host views.
 pub fn blocks_equal(a: &RankKv, blocks_a: &[u64], b: &RankKv, blocks_b: &[u64]) -> bool {
     if a.layers.len() != b.layers.len() || blocks_a.len() != blocks_b.len() {
         return false;

@@ -119,47 +119,57 @@ pub fn layer_block_checksum(
     let contiguous_rows =
         row_bytes % 8 == 0 && (g.head_dim == 1 || g.stride_of(Dim::D) == g.elem.get());
     if contiguous_rows {
-        // Index (part, head, q): a part's row of one head is q = 0..Q contiguous pieces.
+        // Column sums C[part, head, q] (q = 0..Q pieces of a part's row) and, per (part, head),
+        // running sums of the token row sums R_t: Σ_t x·(2j+1) = Σ_q (2(t0·P + part·Q + q)+1)·C
+        // + 2P·Σ_t t·R_t. One add per piece into C and one into a register row sum.
         let q = row_bytes / 8;
         let merged = heads == 1 || g.stride_of(Dim::H) == row_bytes;
-        for t in 0..n {
-            let (kb, tt) = (kb0 + t / nk, t % nk);
-            for k in 0..parts {
-                if merged {
-                    let off = g.byte_offset(k, kb, tt, 0, 0) as usize;
-                    let len = (heads * row_bytes) as usize;
-                    let base = (k * heads * q) as usize;
-                    accumulate(
-                        &bytes[off..off + len],
-                        &mut acc[base..base + len / 8],
-                        &mut tot[base..base + len / 8],
-                    );
-                } else {
-                    for h in 0..heads {
-                        let off = g.byte_offset(k, kb, tt, h, 0) as usize;
-                        let base = ((k * heads + h) * q) as usize;
-                        let len = row_bytes as usize;
-                        accumulate(
-                            &bytes[off..off + len],
-                            &mut acc[base..base + len / 8],
-                            &mut tot[base..base + len / 8],
-                        );
-                    }
+        let (row_groups, heads_per_row) = if merged { (1, heads) } else { (heads, 1) };
+        let mut colsum = vec![0u64; (parts * heads * q) as usize];
+        let mut ra = vec![0u64; (parts * heads) as usize];
+        let mut rs = vec![0u64; (parts * heads) as usize];
+        let mut offsets = vec![0usize; n as usize];
+        for k in 0..parts {
+            for hg in 0..row_groups {
+                for (t, off) in offsets.iter_mut().enumerate() {
+                    let t = t as u64;
+                    *off = g.byte_offset(k, kb0 + t / nk, t % nk, hg, 0) as usize;
                 }
+                let h0 = (k * heads + hg) as usize;
+                let hn = heads_per_row as usize;
+                rows(
+                    bytes,
+                    &offsets,
+                    q as usize,
+                    &mut colsum[h0 * q as usize..(h0 + hn) * q as usize],
+                    &mut ra[h0..h0 + hn],
+                    &mut rs[h0..h0 + hn],
+                );
             }
         }
-        combine(
-            layer,
-            position * bs,
-            n,
-            p,
-            |h, piece| {
-                let (k, qq) = (piece / q, piece % q);
-                ((k * heads + h) * q + qq) as usize
-            },
-            &acc,
-            &tot,
-        )
+        let t0 = position * bs;
+        let two_p = p.wrapping_mul(2);
+        let mut c = 0u64;
+        for h in 0..heads {
+            let mut s = 0u64;
+            for k in 0..parts {
+                let kh = (k * heads + h) as usize;
+                for qq in 0..q {
+                    let piece = k * q + qq;
+                    let w = t0
+                        .wrapping_mul(p)
+                        .wrapping_add(piece)
+                        .wrapping_mul(2)
+                        .wrapping_add(1);
+                    s = s.wrapping_add(w.wrapping_mul(colsum[kh * q as usize + qq as usize]));
+                }
+                let weighted = n.wrapping_mul(ra[kh]).wrapping_sub(rs[kh]); // Σ_t t·R_t
+                s = s.wrapping_add(two_p.wrapping_mul(weighted));
+            }
+            let head = layer.head_offset.wrapping_add(h as u32);
+            c = c.wrapping_add(head_factor(layer.layer, head).wrapping_mul(s));
+        }
+        c
     } else {
         // Pieces may straddle elements of K and V or D may be strided: gather each cell.
         let elem = g.elem.get() as usize;
@@ -191,6 +201,119 @@ pub fn layer_block_checksum(
             &acc,
             &tot,
         )
+    }
+}
+
+/// For rows starting at `offsets` (one per token, in token order) that hold `ra.len()` heads of
+/// `q` pieces each: adds each piece into its column sum `colsum[head·q + i]`; per head, adds the
+/// row's sum R_t into `ra` and `ra` into `rs` (so `n·ra − rs = Σ_t t·R_t`). The inner loop is
+/// loads and adds over 8 lanes, which vectorizes.
+#[inline(always)]
+fn rows(
+    bytes: &[u8],
+    offsets: &[usize],
+    q: usize,
+    colsum: &mut [u64],
+    ra: &mut [u64],
+    rs: &mut [u64],
+) {
+    if q % 8 == 0 {
+        rows_by_chunks(bytes, offsets, q / 8, colsum, ra, rs);
+        return;
+    }
+    for &off in offsets {
+        for (h, (c, (a, s))) in colsum
+            .chunks_exact_mut(q)
+            .zip(ra.iter_mut().zip(rs.iter_mut()))
+            .enumerate()
+        {
+            let row = &bytes[off + h * q * 8..off + (h + 1) * q * 8];
+            let mut r = [0u64; 8];
+            let whole = q / 8 * 8;
+            let (c_main, c_rest) = c.split_at_mut(whole);
+            for (x, cc) in row[..whole * 8]
+                .chunks_exact(64)
+                .zip(c_main.chunks_exact_mut(8))
+            {
+                for l in 0..8 {
+                    let v = u64::from_le_bytes(x[l * 8..l * 8 + 8].try_into().expect("8 bytes"));
+                    cc[l] = cc[l].wrapping_add(v);
+                    r[l] = r[l].wrapping_add(v);
+                }
+            }
+            let mut sum = r.iter().fold(0u64, |a, b| a.wrapping_add(*b));
+            for (x, cc) in row[whole * 8..].chunks_exact(8).zip(c_rest.iter_mut()) {
+                let v = u64::from_le_bytes(x.try_into().expect("8 bytes"));
+                *cc = cc.wrapping_add(v);
+                sum = sum.wrapping_add(v);
+            }
+            *a = a.wrapping_add(sum);
+            *s = s.wrapping_add(*a);
+        }
+    }
+}
+
+/// Sum of 8 lanes as a tree (vectorizes).
+#[inline(always)]
+fn fold8(r: &[u64; 8]) -> u64 {
+    let a: [u64; 4] = std::array::from_fn(|i| r[i].wrapping_add(r[i + 4]));
+    let b: [u64; 2] = std::array::from_fn(|i| a[i].wrapping_add(a[i + 2]));
+    b[0].wrapping_add(b[1])
+}
+
+/// Bytes of rows taken per tile: a tile is read from memory once (row sums) and then from L1
+/// (column sums).
+const TILE_BYTES: usize = 16 << 10;
+
+/// [`rows`] when a head's row is whole 8-piece chunks (the hot loop of the CPU backend). Rows
+/// are taken a tile at a time, in two passes with only loads and adds: first each row in memory
+/// order with its head sums in registers (as fast as a plain read, and it brings the tile into
+/// L1), then the column sums, 8 columns at a time in registers, from L1.
+#[inline(always)]
+fn rows_by_chunks(
+    bytes: &[u8],
+    offsets: &[usize],
+    chunks_per_head: usize,
+    colsum: &mut [u64],
+    ra: &mut [u64],
+    rs: &mut [u64],
+) {
+    let len = colsum.len() * 8;
+    let tile = (TILE_BYTES / len.max(1)).max(1);
+    for tile_offsets in offsets.chunks(tile) {
+        for &off in tile_offsets {
+            let row = &bytes[off..off + len];
+            for ((head, a), s) in row
+                .chunks_exact(chunks_per_head * 64)
+                .zip(ra.iter_mut())
+                .zip(rs.iter_mut())
+            {
+                let mut r = [0u64; 8];
+                for x in head.chunks_exact(64) {
+                    for l in 0..8 {
+                        r[l] = r[l].wrapping_add(u64::from_le_bytes(
+                            x[l * 8..l * 8 + 8].try_into().expect("8 bytes"),
+                        ));
+                    }
+                }
+                *a = a.wrapping_add(fold8(&r));
+                *s = s.wrapping_add(*a);
+            }
+        }
+        for (ci, cc) in colsum.chunks_exact_mut(8).enumerate() {
+            let mut c = [0u64; 8];
+            for &off in tile_offsets {
+                let x = &bytes[off + ci * 64..off + ci * 64 + 64];
+                for l in 0..8 {
+                    c[l] = c[l].wrapping_add(u64::from_le_bytes(
+                        x[l * 8..l * 8 + 8].try_into().expect("8 bytes"),
+                    ));
+                }
+            }
+            for l in 0..8 {
+                cc[l] = cc[l].wrapping_add(c[l]);
+            }
+        }
     }
 }
 

@@ -21,7 +21,7 @@ use kvferry_checksum::select::BlockSelection;
 use kvferry_kernels::cuda::driver::{DeviceBuffer, Event};
 use kvferry_kernels::cuda::tools::Tools;
 use kvferry_kernels::cuda::{unavailable_reason, CudaBackend, KernelVariant};
-use kvferry_kernels::{Device, GroupJob, LayerInput};
+use kvferry_kernels::{ChecksumBackend, CpuBackend, Device, GroupJob, LayerInput};
 use rand::seq::index::sample;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -145,6 +145,66 @@ fn main() {
     }
 }
 
+/// The CPU backend's values for `job`: the selected blocks are downloaded into a compact
+/// host copy of each layer (same layout, one kernel block per selected block) and
+/// checksummed there with the same positions.
+fn cpu_reference(tools: &Tools, job: &GroupJob) -> Vec<kvferry_kernels::GroupResult> {
+    let nb = job.selection.block_ids.len() as u64;
+    let mut hosts = Vec::new();
+    let mut layers = Vec::new();
+    for l in &job.layers {
+        let g = &l.spec.geometry;
+        let compact = Geometry::contiguous(
+            g.layout.clone(),
+            nb * g.kernel_blocks_per_block,
+            g.tokens_per_kernel_block,
+            g.heads,
+            g.head_dim,
+            g.elem,
+            g.kernel_blocks_per_block,
+        )
+        .unwrap();
+        let mut host = vec![0u8; compact.byte_len() as usize];
+        for (i, &id) in job.selection.block_ids.iter().enumerate() {
+            for (src, dst) in g
+                .block_byte_ranges(id)
+                .into_iter()
+                .zip(compact.block_byte_ranges(i as u64))
+            {
+                let bytes = tools
+                    .download(l.addr + src.start, (src.end - src.start) as usize)
+                    .unwrap();
+                host[dst.start as usize..dst.end as usize].copy_from_slice(&bytes);
+            }
+        }
+        let mut spec = l.spec.clone();
+        spec.geometry = compact;
+        hosts.push(host);
+        layers.push(spec);
+    }
+    let cpu_job = GroupJob {
+        layers: layers
+            .into_iter()
+            .zip(&hosts)
+            .map(|(spec, h)| LayerInput {
+                spec,
+                addr: h.as_ptr() as u64,
+                len: h.len() as u64,
+            })
+            .collect(),
+        selection: BlockSelection {
+            start: job.selection.start,
+            block_ids: (0..nb).collect(),
+        },
+        device: Device::Cpu,
+        ..job.clone()
+    };
+    unsafe { CpuBackend::default().submit(vec![cpu_job]) }
+        .unwrap()
+        .wait(Duration::from_secs(120))
+        .unwrap()
+}
+
 fn run_shape(backends: &[(KernelVariant, CudaBackend)], tools: &Tools, shape: &Shape, a: &Args) -> Vec<Row> {
     let (layers, heads, d, n) = (32u32, 8u64, 128u64, 16u64);
     let geometry = Geometry::contiguous(
@@ -248,6 +308,20 @@ fn run_shape(backends: &[(KernelVariant, CudaBackend)], tools: &Tools, shape: &S
     };
     refill(1);
     stream.synchronize().unwrap();
+    // At full scale, once: every variant equals the CPU backend bit for bit.
+    let job = new_job(&mut rng);
+    let want = cpu_reference(tools, &job);
+    for (v, backend) in backends {
+        let got = unsafe { backend.submit_after(vec![job.clone()], Some(s)) }
+            .unwrap()
+            .wait(Duration::from_secs(30))
+            .unwrap();
+        assert_eq!(got, want, "{v:?} differs from the CPU backend");
+    }
+    println!(
+        "  {} values of one request equal the CPU backend's for every variant",
+        blocks
+    );
     // Warm-up: module load, slot allocation, clocks.
     for _ in 0..5 {
         for (_, backend) in backends {

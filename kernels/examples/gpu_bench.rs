@@ -47,7 +47,9 @@ fn args() -> Args {
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i + 1 < v.len() {
-        let n: u64 = v[i + 1].parse().unwrap_or_else(|_| panic!("{} needs a number", v[i]));
+        let n: u64 = v[i + 1]
+            .parse()
+            .unwrap_or_else(|_| panic!("{} needs a number", v[i]));
         match v[i].as_str() {
             "--runs" => a.runs = n as usize,
             "--tokens" => a.tokens = n,
@@ -210,7 +212,12 @@ fn cpu_reference(tools: &Tools, job: &GroupJob) -> Vec<kvferry_kernels::GroupRes
         .unwrap()
 }
 
-fn run_shape(backends: &[(KernelVariant, CudaBackend)], tools: &Tools, shape: &Shape, a: &Args) -> Vec<Row> {
+fn run_shape(
+    backends: &[(KernelVariant, CudaBackend)],
+    tools: &Tools,
+    shape: &Shape,
+    a: &Args,
+) -> Vec<Row> {
     let (layers, heads, d, n) = (32u32, 8u64, 128u64, 16u64);
     let geometry = Geometry::contiguous(
         Layout::parse(shape.layout).unwrap(),
@@ -306,7 +313,10 @@ fn run_shape(backends: &[(KernelVariant, CudaBackend)], tools: &Tools, shape: &S
                 }
             }
         }
-        let (da, dl) = (tools.alloc(addrs.len()).unwrap(), tools.alloc(lens.len()).unwrap());
+        let (da, dl) = (
+            tools.alloc(addrs.len()).unwrap(),
+            tools.alloc(lens.len()).unwrap(),
+        );
         tools.upload(da.ptr(), &addrs).unwrap();
         tools.upload(dl.ptr(), &lens).unwrap();
         (da, dl, (addrs.len() / 8) as u32)
@@ -337,7 +347,15 @@ fn run_shape(backends: &[(KernelVariant, CudaBackend)], tools: &Tools, shape: &S
                 .unwrap();
         }
         time(&|| {
-            unsafe { tools.read_sum(arrays[0].ptr(), bytes.min(layer_bytes) as usize / 16 * 16, out.ptr(), s) }.unwrap()
+            unsafe {
+                tools.read_sum(
+                    arrays[0].ptr(),
+                    bytes.min(layer_bytes) as usize / 16 * 16,
+                    out.ptr(),
+                    s,
+                )
+            }
+            .unwrap()
         });
     }
     let nv = backends.len();
@@ -345,7 +363,8 @@ fn run_shape(backends: &[(KernelVariant, CudaBackend)], tools: &Tools, shape: &S
         b.set_kernel_timing(true);
     }
     let (mut read, mut ranges) = (vec![], vec![]);
-    let (mut kernel, mut pipeline, mut submit) = (vec![vec![]; nv], vec![vec![]; nv], vec![vec![]; nv]);
+    let (mut kernel, mut pipeline, mut submit) =
+        (vec![vec![]; nv], vec![vec![]; nv], vec![vec![]; nv]);
     let per_layer = (bytes / layers as u64) as usize / 16 * 16;
     for run in 0..a.runs {
         if run % 10 == 0 {
@@ -355,7 +374,9 @@ fn run_shape(backends: &[(KernelVariant, CudaBackend)], tools: &Tools, shape: &S
         // array the previous runs did not touch last.
         read.push(if bytes <= layer_bytes {
             let b = &arrays[(run * 7) % arrays.len()];
-            time(&|| unsafe { tools.read_sum(b.ptr(), bytes as usize / 16 * 16, out.ptr(), s) }.unwrap())
+            time(&|| {
+                unsafe { tools.read_sum(b.ptr(), bytes as usize / 16 * 16, out.ptr(), s) }.unwrap()
+            })
         } else {
             time(&|| {
                 for b in &arrays {

@@ -14,7 +14,8 @@ use kvferry_kernels::cuda::tools::Tools;
 use kvferry_kernels::cuda::view::{group_plan, MODE_GENERIC, MODE_VEC16, MODE_VEC8};
 use kvferry_kernels::cuda::{unavailable_reason, CudaBackend, KernelVariant};
 use kvferry_kernels::{
-    backend_for, ChecksumBackend, CpuBackend, Device, GroupJob, GroupResult, KernelError, LayerInput,
+    backend_for, ChecksumBackend, CpuBackend, Device, GroupJob, GroupResult, KernelError,
+    LayerInput,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -39,7 +40,8 @@ fn gpu(test: &str) -> Option<(CudaBackend, Tools)> {
         eprintln!("SKIPPED {test}: {why}");
         return None;
     }
-    let b = CudaBackend::new(0).unwrap_or_else(|e| panic!("CUDA present but the backend failed: {e}"));
+    let b =
+        CudaBackend::new(0).unwrap_or_else(|e| panic!("CUDA present but the backend failed: {e}"));
     let t = Tools::new(&b).unwrap_or_else(|e| panic!("tools: {e}"));
     Some((b, t))
 }
@@ -70,9 +72,18 @@ const LAYOUTS: [&str; 9] = [
 fn random_geometry(rng: &mut ChaCha8Rng, n: u64, kbpb: u64, nblocks: u64) -> Geometry {
     loop {
         let layout = Layout::parse(LAYOUTS[rng.random_range(0..LAYOUTS.len())]).unwrap();
-        let elem = [ElemBytes::One, ElemBytes::Two, ElemBytes::Four, ElemBytes::Eight][rng.random_range(0..4)];
+        let elem = [
+            ElemBytes::One,
+            ElemBytes::Two,
+            ElemBytes::Four,
+            ElemBytes::Eight,
+        ][rng.random_range(0..4)];
         let d = [1u64, 2, 3, 4, 8, 12, 16, 64, 128, 96][rng.random_range(0..10)];
-        let h = if layout.has_heads() { rng.random_range(1..5) } else { 1 };
+        let h = if layout.has_heads() {
+            rng.random_range(1..5)
+        } else {
+            1
+        };
         let g = Geometry::contiguous(layout, kbpb * nblocks, n, h, d, elem, kbpb).unwrap();
         if g.pieces_per_cell().is_none() {
             continue;
@@ -117,13 +128,23 @@ fn random_case(rng: &mut ChaCha8Rng) -> Case {
     let nl = rng.random_range(1..5);
     let replica_choices = [
         ReplicaKey::NONE,
-        ReplicaKey { replicas: 2, index: 0 },
-        ReplicaKey { replicas: 2, index: 1 },
+        ReplicaKey {
+            replicas: 2,
+            index: 0,
+        },
+        ReplicaKey {
+            replicas: 2,
+            index: 1,
+        },
     ];
     let mut specs = Vec::new();
     for l in 0..nl {
         // Same block size for every layer; sometimes one kernel block holds the whole block.
-        let (n_l, k_l) = if rng.random_bool(0.2) { (n * kbpb, 1) } else { (n, kbpb) };
+        let (n_l, k_l) = if rng.random_bool(0.2) {
+            (n * kbpb, 1)
+        } else {
+            (n, kbpb)
+        };
         let g = random_geometry(rng, n_l, k_l, nblocks);
         let layer = rng.random_range(0..80u32) + 100 * l;
         specs.push(LayerSpec {
@@ -142,7 +163,11 @@ fn random_case(rng: &mut ChaCha8Rng) -> Case {
     }
     let host: Vec<Vec<u8>> = specs
         .iter()
-        .map(|s| (0..s.geometry.byte_len()).map(|_| rng.random::<u8>()).collect())
+        .map(|s| {
+            (0..s.geometry.byte_len())
+                .map(|_| rng.random::<u8>())
+                .collect()
+        })
         .collect();
     // Offsets in one device buffer: 256-aligned, or shifted by 8 or by an odd amount.
     let mut offsets = Vec::new();
@@ -198,7 +223,8 @@ fn job(case: &Case, group_id: u32, device: Device, addrs: &[u64]) -> GroupJob {
 }
 
 fn upload_case(tools: &Tools, case: &Case) -> (DeviceBuffer, Vec<u64>) {
-    let total = case.offsets.last().copied().unwrap_or(0) + case.host.last().map(|h| h.len() as u64).unwrap_or(0);
+    let total = case.offsets.last().copied().unwrap_or(0)
+        + case.host.last().map(|h| h.len() as u64).unwrap_or(0);
     let buf = tools.alloc(total as usize + 256).unwrap();
     for (h, &o) in case.host.iter().zip(&case.offsets) {
         tools.upload(buf.ptr() + o, h).unwrap();
@@ -216,7 +242,10 @@ fn cpu_results(cases: &[Case]) -> Vec<GroupResult> {
             job(c, i as u32, Device::Cpu, &addrs)
         })
         .collect();
-    unsafe { CpuBackend::new(2).submit(jobs) }.unwrap().wait(WAIT).unwrap()
+    unsafe { CpuBackend::new(2).submit(jobs) }
+        .unwrap()
+        .wait(WAIT)
+        .unwrap()
 }
 
 #[test]
@@ -235,7 +264,9 @@ fn gpu_matches_cpu_on_random_layouts() {
     let mut compared = 0usize;
     for round in 0..150 {
         // Several groups in one submission: one launch each.
-        let cases: Vec<Case> = (0..rng.random_range(1..4)).map(|_| random_case(&mut rng)).collect();
+        let cases: Vec<Case> = (0..rng.random_range(1..4))
+            .map(|_| random_case(&mut rng))
+            .collect();
         let mut bufs = Vec::new();
         let mut jobs = Vec::new();
         for (i, c) in cases.iter().enumerate() {
@@ -247,7 +278,10 @@ fn gpu_matches_cpu_on_random_layouts() {
                 .zip(&c.host)
                 .map(|((s, &a), h)| (s, a, h.len() as u64))
                 .collect();
-            for v in group_plan(&layers, &c.block_ids, c.start, c.num_tokens).unwrap().views {
+            for v in group_plan(&layers, &c.block_ids, c.start, c.num_tokens)
+                .unwrap()
+                .views
+            {
                 modes[v.mode as usize] += 1;
                 regular += (v.regular != 0) as usize;
             }
@@ -261,10 +295,17 @@ fn gpu_matches_cpu_on_random_layouts() {
         }
         let want = cpu_results(&cases);
         for b in std::iter::once(&backend).chain(&others) {
-            let got = unsafe { b.submit(jobs.clone()) }.unwrap().wait(WAIT).unwrap();
+            let got = unsafe { b.submit(jobs.clone()) }
+                .unwrap()
+                .wait(WAIT)
+                .unwrap();
             assert_eq!(got.len(), want.len());
             for (g, w) in got.iter().zip(&want) {
-                assert_eq!(g, w, "round {round}: specs {:?}", cases[g.group_id as usize].specs);
+                assert_eq!(
+                    g, w,
+                    "round {round}: specs {:?}",
+                    cases[g.group_id as usize].specs
+                );
                 compared += w.values.values().map(|v| v.len()).sum::<usize>();
             }
         }
@@ -280,7 +321,14 @@ fn gpu_matches_cpu_on_random_layouts() {
             && modes[MODE_GENERIC as usize] > 20
             && regular > 20
     );
-    assert!(elems[1] > 0 && elems[2] > 0 && elems[4] > 0 && elems[8] > 0 && partial > 0 && replicated > 0);
+    assert!(
+        elems[1] > 0
+            && elems[2] > 0
+            && elems[4] > 0
+            && elems[8] > 0
+            && partial > 0
+            && replicated > 0
+    );
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -299,7 +347,16 @@ fn fixed_case(
             name: format!("model.layers.{l}.self_attn.attn"),
             layer: l,
             head_offset: 8,
-            geometry: Geometry::contiguous(Layout::parse(layout).unwrap(), nblocks, n, h, d, elem, 1).unwrap(),
+            geometry: Geometry::contiguous(
+                Layout::parse(layout).unwrap(),
+                nblocks,
+                n,
+                h,
+                d,
+                elem,
+                1,
+            )
+            .unwrap(),
             kind: None,
             dtype: None,
             replica: ReplicaKey::NONE,
@@ -307,7 +364,11 @@ fn fixed_case(
         .collect();
     let host: Vec<Vec<u8>> = specs
         .iter()
-        .map(|s| (0..s.geometry.byte_len()).map(|_| rng.random::<u8>()).collect())
+        .map(|s| {
+            (0..s.geometry.byte_len())
+                .map(|_| rng.random::<u8>())
+                .collect()
+        })
         .collect();
     let mut offsets = Vec::new();
     let mut off = 0;
@@ -381,10 +442,15 @@ fn gpu_submit_never_synchronises_the_caller_stream() {
     let flag = tools.alloc(8).unwrap();
     tools.upload(flag.ptr(), &[0u8; 8]).unwrap();
     // Warm: the first submission may load lazily-initialised driver state.
-    unsafe { backend.submit_after(vec![job(&case, 0, Device::Cuda(0), &addrs)], Some(caller.raw())) }
-        .unwrap()
-        .wait(WAIT)
-        .unwrap();
+    unsafe {
+        backend.submit_after(
+            vec![job(&case, 0, Device::Cuda(0), &addrs)],
+            Some(caller.raw()),
+        )
+    }
+    .unwrap()
+    .wait(WAIT)
+    .unwrap();
     let spun = tools.event(false).unwrap();
     unsafe { tools.spin(2_000_000_000, flag.ptr(), caller.raw()) }.unwrap();
     unsafe { spun.record(caller.raw()).unwrap() };
@@ -393,8 +459,13 @@ fn gpu_submit_never_synchronises_the_caller_stream() {
         unsafe { tools.fill_random(a - (a % 8), h.len() / 8 * 8, 77, caller.raw()) }.unwrap();
     }
     let t = std::time::Instant::now();
-    let mut pending =
-        unsafe { backend.submit_after(vec![job(&case, 0, Device::Cuda(0), &addrs)], Some(caller.raw())) }.unwrap();
+    let mut pending = unsafe {
+        backend.submit_after(
+            vec![job(&case, 0, Device::Cuda(0), &addrs)],
+            Some(caller.raw()),
+        )
+    }
+    .unwrap();
     eprintln!(
         "submit_after returned after {:?} with a 2 s spin queued on the caller's stream",
         t.elapsed()
@@ -410,12 +481,19 @@ fn gpu_submit_never_synchronises_the_caller_stream() {
     );
     let got = pending.wait_mut(WAIT).unwrap();
     assert_eq!(spun.query().unwrap(), EventState::Done);
-    assert_eq!(tools.download(flag.ptr(), 8).unwrap()[0], 1, "spin kernel did not run");
+    assert_eq!(
+        tools.download(flag.ptr(), 8).unwrap()[0],
+        1,
+        "spin kernel did not run"
+    );
     for (h, &a) in case.host.iter_mut().zip(&addrs) {
         *h = tools.download(a, h.len()).unwrap();
     }
     let want = cpu_results(std::slice::from_ref(&case));
-    assert_eq!(got, want, "checksums did not see the caller stream's writes");
+    assert_eq!(
+        got, want,
+        "checksums did not see the caller stream's writes"
+    );
     drop(buf);
 }
 
@@ -435,8 +513,13 @@ fn gpu_dropped_pending_is_safe() {
     let flag = tools.alloc(8).unwrap();
     unsafe { tools.spin(200_000_000, flag.ptr(), caller.raw()) }.unwrap();
     for _ in 0..8 {
-        let p =
-            unsafe { backend.submit_after(vec![job(&case, 0, Device::Cuda(0), &addrs)], Some(caller.raw())) }.unwrap();
+        let p = unsafe {
+            backend.submit_after(
+                vec![job(&case, 0, Device::Cuda(0), &addrs)],
+                Some(caller.raw()),
+            )
+        }
+        .unwrap();
         drop(p);
     }
     for _ in 0..8 {

@@ -147,7 +147,9 @@ fn registration_checks_device_ranges() {
         m.check_region(&region(dev.ptr + 4096, 1 << 20)),
         Err(TransferError::InvalidArgument(_))
     ));
-    let e = m.check_region(&region(host.as_ptr() as u64, 4096)).unwrap_err();
+    let e = m
+        .check_region(&region(host.as_ptr() as u64, 4096))
+        .unwrap_err();
     assert!(
         matches!(e, TransferError::InvalidArgument(ref t) if t.contains("cuda:0")),
         "{e}"
@@ -157,7 +159,8 @@ fn registration_checks_device_ranges() {
         assert!(a
             .register_memory(host.as_ptr() as u64, 4096, Location::Cuda(0))
             .is_err());
-        a.register_memory(dev.ptr, 1 << 20, Location::Cuda(0)).unwrap();
+        a.register_memory(dev.ptr, 1 << 20, Location::Cuda(0))
+            .unwrap();
     }
     a.unregister_memory(dev.ptr).unwrap();
 }
@@ -178,29 +181,38 @@ fn tcp_moves_gpu_blocks_between_engines() {
     unsafe {
         m.copy_to(Location::Cuda(0), src.ptr, &data).unwrap();
         m.copy_to(Location::Cuda(0), dst.ptr, &before).unwrap();
-        a.register_memory(src.ptr, len as u64, Location::Cuda(0)).unwrap();
-        a.register_memory(back.ptr, len as u64, Location::Cuda(0)).unwrap();
-        b.register_memory(dst.ptr, len as u64, Location::Cuda(0)).unwrap();
+        a.register_memory(src.ptr, len as u64, Location::Cuda(0))
+            .unwrap();
+        a.register_memory(back.ptr, len as u64, Location::Cuda(0))
+            .unwrap();
+        b.register_memory(dst.ptr, len as u64, Location::Cuda(0))
+            .unwrap();
     }
     let host = Buf::new(1 << 16, 9);
     host.register(&a);
     let target = b.segment_name();
     let (lo, ro, n) = (1000u64, 5000u64, (4 << 20) + 333);
-    a.transfer_sync_write(&target, src.ptr + lo, dst.ptr + ro, n).unwrap();
+    a.transfer_sync_write(&target, src.ptr + lo, dst.ptr + ro, n)
+        .unwrap();
     let mut got = vec![0u8; len];
     unsafe { m.copy_from(Location::Cuda(0), dst.ptr, &mut got) }.unwrap();
     let (lo_u, ro_u, n_u) = (lo as usize, ro as usize, n as usize);
-    assert!(got[ro_u..ro_u + n_u] == data[lo_u..lo_u + n_u], "written bytes");
+    assert!(
+        got[ro_u..ro_u + n_u] == data[lo_u..lo_u + n_u],
+        "written bytes"
+    );
     assert!(
         got[..ro_u] == before[..ro_u] && got[ro_u + n_u..] == before[ro_u + n_u..],
         "bytes around the range"
     );
-    a.transfer_sync_read(&target, back.ptr, dst.ptr + ro, n).unwrap();
+    a.transfer_sync_read(&target, back.ptr, dst.ptr + ro, n)
+        .unwrap();
     let mut read = vec![0u8; n_u];
     unsafe { m.copy_from(Location::Cuda(0), back.ptr, &mut read) }.unwrap();
     assert!(read[..] == data[lo_u..lo_u + n_u], "read back");
     // Host memory on one side, GPU memory on the other.
-    a.transfer_sync_write(&target, host.addr(), dst.ptr, 1 << 16).unwrap();
+    a.transfer_sync_write(&target, host.addr(), dst.ptr, 1 << 16)
+        .unwrap();
     let mut g = vec![0u8; 1 << 16];
     unsafe { m.copy_from(Location::Cuda(0), dst.ptr, &mut g) }.unwrap();
     assert!(g == host.bytes, "host to GPU");

@@ -38,7 +38,10 @@ impl Context {
             let mut dev = 0;
             check("cuDeviceGet", sys::cuDeviceGet(&mut dev, ordinal as i32))?;
             let mut ctx = std::ptr::null_mut();
-            check("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
+            check(
+                "cuDevicePrimaryCtxRetain",
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+            )?;
             let c = Context { ctx, dev, ordinal };
             c.bind()?;
             Ok(c)
@@ -58,7 +61,12 @@ impl Context {
     /// An integer attribute of the device.
     pub fn attribute(&self, a: sys::CUdevice_attribute) -> DriverResult<i32> {
         let mut v = 0;
-        unsafe { check("cuDeviceGetAttribute", sys::cuDeviceGetAttribute(&mut v, a, self.dev))? };
+        unsafe {
+            check(
+                "cuDeviceGetAttribute",
+                sys::cuDeviceGetAttribute(&mut v, a, self.dev),
+            )?
+        };
         Ok(v)
     }
 
@@ -74,10 +82,13 @@ impl Context {
     pub fn name(&self) -> String {
         let mut buf = [0 as std::ffi::c_char; 128];
         unsafe {
-            if sys::cuDeviceGetName(buf.as_mut_ptr(), 128, self.dev) != sys::CUresult::CUDA_SUCCESS {
+            if sys::cuDeviceGetName(buf.as_mut_ptr(), 128, self.dev) != sys::CUresult::CUDA_SUCCESS
+            {
                 return "unknown".into();
             }
-            std::ffi::CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned()
+            std::ffi::CStr::from_ptr(buf.as_ptr())
+                .to_string_lossy()
+                .into_owned()
         }
     }
 
@@ -118,7 +129,10 @@ impl Stream {
                 sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
             )?
         };
-        Ok(Stream { raw: s, ctx: ctx.raw() })
+        Ok(Stream {
+            raw: s,
+            ctx: ctx.raw(),
+        })
     }
 
     /// The raw handle, for [`super::CudaBackend::submit_after`] and the tools.
@@ -168,7 +182,10 @@ impl Event {
         };
         let mut e = std::ptr::null_mut();
         unsafe { check("cuEventCreate", sys::cuEventCreate(&mut e, flags as u32))? };
-        Ok(Event { raw: e, ctx: ctx.raw() })
+        Ok(Event {
+            raw: e,
+            ctx: ctx.raw(),
+        })
     }
 
     /// Records the event on `stream`.
@@ -335,7 +352,10 @@ impl Module {
                 sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void),
             )?
         };
-        Ok(Module { raw: m, ctx: ctx.raw() })
+        Ok(Module {
+            raw: m,
+            ctx: ctx.raw(),
+        })
     }
 
     /// The `extern "C"` kernel named `name`.
@@ -409,7 +429,12 @@ impl Function {
 ///
 /// # Safety
 /// Both ranges are valid; `src` stays valid until the copy completes (pinned for true asynchrony).
-pub unsafe fn copy_htod_async(dst: u64, src: *const u8, len: usize, stream: sys::CUstream) -> DriverResult<()> {
+pub unsafe fn copy_htod_async(
+    dst: u64,
+    src: *const u8,
+    len: usize,
+    stream: sys::CUstream,
+) -> DriverResult<()> {
     check(
         "cuMemcpyHtoDAsync",
         sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, len, stream),
@@ -420,7 +445,12 @@ pub unsafe fn copy_htod_async(dst: u64, src: *const u8, len: usize, stream: sys:
 ///
 /// # Safety
 /// Both ranges are valid; `dst` stays valid until the copy completes.
-pub unsafe fn copy_dtoh_async(dst: *mut u8, src: u64, len: usize, stream: sys::CUstream) -> DriverResult<()> {
+pub unsafe fn copy_dtoh_async(
+    dst: *mut u8,
+    src: u64,
+    len: usize,
+    stream: sys::CUstream,
+) -> DriverResult<()> {
     check(
         "cuMemcpyDtoHAsync",
         sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, len, stream),
@@ -431,8 +461,16 @@ pub unsafe fn copy_dtoh_async(dst: *mut u8, src: u64, len: usize, stream: sys::C
 ///
 /// # Safety
 /// The range is valid device memory.
-pub unsafe fn memset_async(dst: u64, value: u8, len: usize, stream: sys::CUstream) -> DriverResult<()> {
-    check("cuMemsetD8Async", sys::cuMemsetD8Async(dst, value, len, stream))
+pub unsafe fn memset_async(
+    dst: u64,
+    value: u8,
+    len: usize,
+    stream: sys::CUstream,
+) -> DriverResult<()> {
+    check(
+        "cuMemsetD8Async",
+        sys::cuMemsetD8Async(dst, value, len, stream),
+    )
 }
 
 /// Makes `stream` wait for `event` on the device (no host blocking).
@@ -440,5 +478,8 @@ pub unsafe fn memset_async(dst: u64, value: u8, len: usize, stream: sys::CUstrea
 /// # Safety
 /// Both are live handles of one context.
 pub unsafe fn stream_wait(stream: sys::CUstream, event: &Event) -> DriverResult<()> {
-    check("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream, event.raw, 0))
+    check(
+        "cuStreamWaitEvent",
+        sys::cuStreamWaitEvent(stream, event.raw, 0),
+    )
 }

@@ -28,7 +28,9 @@ pub(crate) fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> R
 /// Whether the CUDA driver library (`libcuda.so.1`) can be loaded.
 pub fn driver_library_present() -> bool {
     static P: OnceLock<bool> = OnceLock::new();
-    *P.get_or_init(|| catch_unwind(|| unsafe { cudarc::driver::sys::is_culib_present() }).unwrap_or(false))
+    *P.get_or_init(|| {
+        catch_unwind(|| unsafe { cudarc::driver::sys::is_culib_present() }).unwrap_or(false)
+    })
 }
 
 /// Directories where a CUDA toolkit's NVRTC often lives but the loader may not look.
@@ -107,8 +109,13 @@ pub fn compile(src: &str, name: &str, cc: (i32, i32)) -> Result<Vec<u8>, String>
 fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8>, String> {
     let csrc = CString::new(src).map_err(|e| e.to_string())?;
     let cname = CString::new(name).map_err(|e| e.to_string())?;
-    let prog = nvrtc::create_program(&csrc, Some(&cname)).map_err(|e| format!("nvrtcCreateProgram: {e:?}"))?;
-    let opts = [arch.to_string(), "--std=c++17".to_string(), "-lineinfo".to_string()];
+    let prog = nvrtc::create_program(&csrc, Some(&cname))
+        .map_err(|e| format!("nvrtcCreateProgram: {e:?}"))?;
+    let opts = [
+        arch.to_string(),
+        "--std=c++17".to_string(),
+        "-lineinfo".to_string(),
+    ];
     let out = unsafe {
         match nvrtc::compile_program(prog, &opts) {
             Ok(()) => {
@@ -119,10 +126,13 @@ fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8
                         .map_err(|e| format!("nvrtcGetCUBINSize: {e:?}"))
                         .and_then(|_| {
                             let mut buf = vec![0u8; n];
-                            nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char)
-                                .result()
-                                .map(|_| buf)
-                                .map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))
+                            nvrtc_sys::nvrtcGetCUBIN(
+                                prog,
+                                buf.as_mut_ptr() as *mut std::ffi::c_char,
+                            )
+                            .result()
+                            .map(|_| buf)
+                            .map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))
                         })
                 } else {
                     nvrtc::get_ptx(prog)
@@ -133,7 +143,11 @@ fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8
             Err(e) => {
                 let log = nvrtc::get_program_log(prog)
                     .map(|l| {
-                        let b: Vec<u8> = l.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+                        let b: Vec<u8> = l
+                            .iter()
+                            .take_while(|&&c| c != 0)
+                            .map(|&c| c as u8)
+                            .collect();
                         String::from_utf8_lossy(&b).into_owned()
                     })
                     .unwrap_or_default();

@@ -55,7 +55,11 @@ pub enum KernelVariant {
 
 impl KernelVariant {
     /// Every variant (for tests and the benchmark).
-    pub const ALL: [KernelVariant; 3] = [KernelVariant::Auto, KernelVariant::Unroll4, KernelVariant::Unroll8];
+    pub const ALL: [KernelVariant; 3] = [
+        KernelVariant::Auto,
+        KernelVariant::Unroll4,
+        KernelVariant::Unroll8,
+    ];
     /// The default.
     pub const DEFAULT: KernelVariant = KernelVariant::Auto;
 }
@@ -186,7 +190,10 @@ impl CudaBackend {
                 .max(1) as u32;
             let k4 = module.function("kvf_checksum")?;
             let k8 = module.function("kvf_checksum_u8")?;
-            let kernels = [(k4, sms * k4.occupancy(THREADS)?), (k8, sms * k8.occupancy(THREADS)?)];
+            let kernels = [
+                (k4, sms * k4.occupancy(THREADS)?),
+                (k8, sms * k8.occupancy(THREADS)?),
+            ];
             let stream = Stream::new(&ctx)?;
             let inner = Inner {
                 ctx,
@@ -202,8 +209,15 @@ impl CudaBackend {
             let slots = (0..PREALLOCATED_SLOTS)
                 .map(|_| inner.new_slot(PREALLOCATED_BYTES))
                 .collect::<Result<Vec<_>, _>>()?;
-            inner.pool.lock().unwrap_or_else(|p| p.into_inner()).free.extend(slots);
-            Ok(CudaBackend { inner: Arc::new(inner) })
+            inner
+                .pool
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .free
+                .extend(slots);
+            Ok(CudaBackend {
+                inner: Arc::new(inner),
+            })
         })
         .map_err(kerr)
     }
@@ -263,18 +277,28 @@ impl CudaBackend {
             if job.device != Device::Cuda(ordinal) {
                 return Err(KernelError::InvalidJob {
                     group_id: job.group_id,
-                    why: format!("job for {:?} given to the cuda:{ordinal} backend", job.device),
+                    why: format!(
+                        "job for {:?} given to the cuda:{ordinal} backend",
+                        job.device
+                    ),
                 });
             }
             validate_job(job)?;
-            let layers: Vec<(&LayerSpec, u64, u64)> = job.layers.iter().map(|l| (&l.spec, l.addr, l.len)).collect();
-            let plan =
-                group_plan(&layers, &job.selection.block_ids, job.selection.start, job.num_tokens).map_err(|e| {
-                    KernelError::InvalidJob {
-                        group_id: job.group_id,
-                        why: e.0,
-                    }
-                })?;
+            let layers: Vec<(&LayerSpec, u64, u64)> = job
+                .layers
+                .iter()
+                .map(|l| (&l.spec, l.addr, l.len))
+                .collect();
+            let plan = group_plan(
+                &layers,
+                &job.selection.block_ids,
+                job.selection.start,
+                job.num_tokens,
+            )
+            .map_err(|e| KernelError::InvalidJob {
+                group_id: job.group_id,
+                why: e.0,
+            })?;
             plans.push((job.group_id, plan));
         }
         // Byte layout of the slot: [views, block ids]* then [outputs]*.
@@ -304,7 +328,11 @@ impl CudaBackend {
                 host.add(v),
                 p.views.len() * std::mem::size_of::<LayerView>(),
             );
-            std::ptr::copy_nonoverlapping(p.block_ids.as_ptr() as *const u8, host.add(ids), p.block_ids.len() * 8);
+            std::ptr::copy_nonoverlapping(
+                p.block_ids.as_ptr() as *const u8,
+                host.add(ids),
+                p.block_ids.len() * 8,
+            );
         }
         let timed = inner.timing.load(Ordering::Relaxed);
         let r = inner.enqueue(
@@ -323,7 +351,12 @@ impl CudaBackend {
         if let Err(e) = r {
             // Whatever was queued may still run: retire the slot behind a fresh record.
             let _ = slot.done.record(inner.stream.raw());
-            inner.pool.lock().unwrap_or_else(|p| p.into_inner()).retiring.push(slot);
+            inner
+                .pool
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .retiring
+                .push(slot);
             return Err(kerr(e));
         }
         let groups = plans
@@ -454,7 +487,12 @@ impl Inner {
             slot.kend.record(s)?;
         }
         if out_len > 0 {
-            driver::copy_dtoh_async(slot.host.as_ptr().add(out_base), dev + out_base as u64, out_len, s)?;
+            driver::copy_dtoh_async(
+                slot.host.as_ptr().add(out_base),
+                dev + out_base as u64,
+                out_len,
+                s,
+            )?;
         }
         slot.done.record(s)?;
         Ok(())
@@ -498,7 +536,9 @@ impl CudaPending {
                         for (k, key) in g.keys.iter().enumerate() {
                             let v: Vec<u64> = (0..g.blocks)
                                 .map(|b| unsafe {
-                                    std::ptr::read_unaligned(host.add(g.out_off + (b * ns + k) * 8) as *const u64)
+                                    std::ptr::read_unaligned(
+                                        host.add(g.out_off + (b * ns + k) * 8) as *const u64
+                                    )
                                 })
                                 .collect();
                             values.insert(*key, v);
@@ -606,6 +646,8 @@ impl ChecksumBackend for CudaBackend {
     /// as far as the host knows (landed by RDMA/TCP, or its writer's stream synchronised).
     /// Callers that write KV on a stream use `submit_after` with that stream.
     unsafe fn submit(&self, jobs: Vec<GroupJob>) -> Result<PendingChecksums, KernelError> {
-        Ok(PendingChecksums::new(Box::new(self.submit_after(jobs, None)?)))
+        Ok(PendingChecksums::new(Box::new(
+            self.submit_after(jobs, None)?,
+        )))
     }
 }

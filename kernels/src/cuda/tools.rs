@@ -29,7 +29,9 @@ impl Tools {
         ctx.bind()?;
         let image = load::compile(TOOLS_SRC, "tools.cu", ctx.compute_capability()?)?;
         let module = Module::load(ctx, &image)?;
-        let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let sms = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )?;
         let read_sum = module.function("kvf_read_sum")?;
         let grid = sms.max(1) as u32 * read_sum.occupancy(256)?;
         Ok(Tools {
@@ -66,7 +68,13 @@ impl Tools {
     /// # Safety
     /// The device addresses are valid for what the kernel reads and writes, and `stream` is a
     /// live stream of the backend's context.
-    pub unsafe fn fill_random(&self, ptr: u64, len: usize, seed: u64, stream: RawStream) -> Result<(), String> {
+    pub unsafe fn fill_random(
+        &self,
+        ptr: u64,
+        len: usize,
+        seed: u64,
+        stream: RawStream,
+    ) -> Result<(), String> {
         self.backend.context().bind()?;
         let (mut p, mut n, mut s) = (ptr, (len / 8) as u64, seed);
         let mut args = [arg(&mut p), arg(&mut n), arg(&mut s)];
@@ -79,7 +87,13 @@ impl Tools {
     /// # Safety
     /// The device addresses are valid for what the kernel reads and writes, and `stream` is a
     /// live stream of the backend's context.
-    pub unsafe fn read_sum(&self, ptr: u64, len: usize, out: u64, stream: RawStream) -> Result<(), String> {
+    pub unsafe fn read_sum(
+        &self,
+        ptr: u64,
+        len: usize,
+        out: u64,
+        stream: RawStream,
+    ) -> Result<(), String> {
         self.backend.context().bind()?;
         let (mut p, mut n, mut o) = (ptr, (len / 16) as u64, out);
         let mut args = [arg(&mut p), arg(&mut n), arg(&mut o)];
@@ -92,11 +106,19 @@ impl Tools {
     /// # Safety
     /// The device addresses are valid for what the kernel reads and writes, and `stream` is a
     /// live stream of the backend's context.
-    pub unsafe fn read_ranges(&self, addrs: u64, lens: u64, n: u32, out: u64, stream: RawStream) -> Result<(), String> {
+    pub unsafe fn read_ranges(
+        &self,
+        addrs: u64,
+        lens: u64,
+        n: u32,
+        out: u64,
+        stream: RawStream,
+    ) -> Result<(), String> {
         self.backend.context().bind()?;
         let (mut a, mut l, mut c, mut o) = (addrs, lens, n, out);
         let mut args = [arg(&mut a), arg(&mut l), arg(&mut c), arg(&mut o)];
-        self.read_ranges.launch(stream, n.min(self.grid).max(1), 256, &mut args)
+        self.read_ranges
+            .launch(stream, n.min(self.grid).max(1), 256, &mut args)
     }
 
     /// Queues a one-thread kernel that spins `ns` nanoseconds, then writes 1 to the u64 at `flag`.

@@ -101,7 +101,11 @@ impl std::fmt::Display for PlanError {
 }
 
 fn to_u32(what: &str, layer: &str, v: u64) -> Result<u32, PlanError> {
-    u32::try_from(v).map_err(|_| PlanError(format!("layer {layer}: {what} = {v} exceeds the kernel's 32-bit range")))
+    u32::try_from(v).map_err(|_| {
+        PlanError(format!(
+            "layer {layer}: {what} = {v} exceeds the kernel's 32-bit range"
+        ))
+    })
 }
 
 /// Builds the view of one layer whose array starts at device address `addr` and spans
@@ -122,7 +126,11 @@ pub fn layer_view(spec: &LayerSpec, addr: u64, len: u64) -> Result<LayerView, Pl
             g.byte_len()
         )));
     }
-    if g.kernel_blocks_per_block == 0 || g.tokens_per_kernel_block == 0 || g.heads == 0 || g.head_dim == 0 {
+    if g.kernel_blocks_per_block == 0
+        || g.tokens_per_kernel_block == 0
+        || g.heads == 0
+        || g.head_dim == 0
+    {
         return Err(PlanError(format!("layer {name}: zero-sized dimension")));
     }
     let e = g.elem.get();
@@ -164,7 +172,11 @@ pub fn layer_view(spec: &LayerSpec, addr: u64, len: u64) -> Result<LayerView, Pl
         MODE_GENERIC
     };
     let kbpb = g.kernel_blocks_per_block;
-    let tiles_per_block = if mode == MODE_GENERIC { kbpb } else { kbpb * parts };
+    let tiles_per_block = if mode == MODE_GENERIC {
+        kbpb
+    } else {
+        kbpb * parts
+    };
     // The generic path counts (row, piece) pairs of a kernel block in 32 bits.
     to_u32(
         "tokens * heads * pieces",
@@ -244,7 +256,10 @@ pub fn group_plan(
             )));
         }
         if spec.head_offset as u64 + spec.geometry.heads - 1 > u32::MAX as u64 {
-            return Err(PlanError(format!("layer {}: head index past u32", spec.name)));
+            return Err(PlanError(format!(
+                "layer {}: head index past u32",
+                spec.name
+            )));
         }
         v.tile_begin = to_u32("tiles", "(group)", tiles)?;
         v.slot = keys.binary_search(&spec.replica).unwrap_or(0) as u32;
@@ -287,7 +302,16 @@ mod tests {
 
     /// CPU replay of tile_vec<V> for one thread.
     #[allow(clippy::too_many_arguments)]
-    fn tile_vec(l: &LayerView, mem: &[u8], base: u64, part: u32, t0: u64, nt: u32, v: u32, tid: u32) -> u64 {
+    fn tile_vec(
+        l: &LayerView,
+        mem: &[u8],
+        base: u64,
+        part: u32,
+        t0: u64,
+        nt: u32,
+        v: u32,
+        tid: u32,
+    ) -> u64 {
         let r = l.d * l.elem / v;
         let p_part = part as u64 * ((l.d * l.elem) >> 3) as u64;
         let n_o = if l.outer_is_token != 0 { nt } else { l.n_outer };
@@ -374,7 +398,16 @@ mod tests {
 
     /// CPU replay of tile_regular for one thread.
     #[allow(clippy::too_many_arguments)]
-    fn tile_regular(l: &LayerView, mem: &[u8], base: u64, part: u32, t0: u64, nt: u32, v: u32, tid: u32) -> u64 {
+    fn tile_regular(
+        l: &LayerView,
+        mem: &[u8],
+        base: u64,
+        part: u32,
+        t0: u64,
+        nt: u32,
+        v: u32,
+        tid: u32,
+    ) -> u64 {
         let rs = (l.regular >> 8) & 0xff;
         let nis = (l.regular >> 16) & 0xff;
         let c = tid & ((1 << rs) - 1);
@@ -391,7 +424,11 @@ mod tests {
         while o < n_o {
             let a = base + o as u64 * l.s_outer + i as u64 * l.s_inner + c as u64 * v as u64;
             let x0 = rd(mem, l.base, a, 8);
-            let x1 = if v == 16 { rd(mem, l.base, a + 8, 8) } else { 0 };
+            let x1 = if v == 16 {
+                rd(mem, l.base, a + 8, 8)
+            } else {
+                0
+            };
             let y = x0.wrapping_add(x1);
             su = su.wrapping_add(y);
             sw = sw.wrapping_add((o as u64).wrapping_mul(y));
@@ -410,10 +447,15 @@ mod tests {
                     .wrapping_add(sx.wrapping_mul(2)),
             )
         } else {
-            let j = 2u64.wrapping_mul(t0 + i as u64).wrapping_mul(p).wrapping_add(2 * q + 1);
+            let j = 2u64
+                .wrapping_mul(t0 + i as u64)
+                .wrapping_mul(p)
+                .wrapping_add(2 * q + 1);
             l.m_base
                 .wrapping_mul(j.wrapping_mul(su).wrapping_add(sx.wrapping_mul(2)))
-                .wrapping_add(2u64.wrapping_mul(j.wrapping_mul(sw).wrapping_add(sy.wrapping_mul(2))))
+                .wrapping_add(
+                    2u64.wrapping_mul(j.wrapping_mul(sw).wrapping_add(sy.wrapping_mul(2))),
+                )
         }
     }
 
@@ -443,8 +485,12 @@ mod tests {
             let mut sum = 0u64;
             for tid in 0..THREADS {
                 let a = match l.mode {
-                    MODE_VEC16 if l.regular != 0 => tile_regular(l, mems[li], base, part, t0, nt, 16, tid),
-                    MODE_VEC8 if l.regular != 0 => tile_regular(l, mems[li], base, part, t0, nt, 8, tid),
+                    MODE_VEC16 if l.regular != 0 => {
+                        tile_regular(l, mems[li], base, part, t0, nt, 16, tid)
+                    }
+                    MODE_VEC8 if l.regular != 0 => {
+                        tile_regular(l, mems[li], base, part, t0, nt, 8, tid)
+                    }
                     MODE_VEC16 => tile_vec(l, mems[li], base, part, t0, nt, 16, tid),
                     MODE_VEC8 => tile_vec(l, mems[li], base, part, t0, nt, 8, tid),
                     _ => tile_generic(l, mems[li], base, t0, nt, tid),
@@ -470,9 +516,18 @@ mod tests {
     fn random_spec(rng: &mut ChaCha8Rng, layer: u32, replica: ReplicaKey) -> LayerSpec {
         loop {
             let layout = Layout::parse(LAYOUTS[rng.random_range(0..LAYOUTS.len())]).unwrap();
-            let elem = [ElemBytes::One, ElemBytes::Two, ElemBytes::Four, ElemBytes::Eight][rng.random_range(0..4)];
+            let elem = [
+                ElemBytes::One,
+                ElemBytes::Two,
+                ElemBytes::Four,
+                ElemBytes::Eight,
+            ][rng.random_range(0..4)];
             let d = [1u64, 2, 3, 4, 8, 16, 24, 64][rng.random_range(0..8)];
-            let h = if layout.has_heads() { rng.random_range(1..4) } else { 1 };
+            let h = if layout.has_heads() {
+                rng.random_range(1..4)
+            } else {
+                1
+            };
             let n = rng.random_range(1..6);
             let kbpb = rng.random_range(1..4);
             let b = kbpb * rng.random_range(1..5);
@@ -523,20 +578,35 @@ mod tests {
         for case in 0..300 {
             let nl = rng.random_range(1..4);
             let rk = if rng.random_bool(0.3) {
-                ReplicaKey { replicas: 2, index: 1 }
+                ReplicaKey {
+                    replicas: 2,
+                    index: 1,
+                }
             } else {
                 ReplicaKey::NONE
             };
             let specs: Vec<LayerSpec> = (0..nl)
-                .map(|l| random_spec(&mut rng, l as u32 * 3 + 1, if l == 0 { ReplicaKey::NONE } else { rk }))
+                .map(|l| {
+                    random_spec(
+                        &mut rng,
+                        l as u32 * 3 + 1,
+                        if l == 0 { ReplicaKey::NONE } else { rk },
+                    )
+                })
                 .collect();
             // Base addresses: 16-aligned, or shifted by 8 to force the 8-byte / generic paths.
             let shift = [0u64, 8, 1][rng.random_range(0..3)];
             let mems: Vec<Vec<u8>> = specs
                 .iter()
-                .map(|s| (0..s.geometry.byte_len()).map(|_| rng.random::<u8>()).collect())
+                .map(|s| {
+                    (0..s.geometry.byte_len())
+                        .map(|_| rng.random::<u8>())
+                        .collect()
+                })
                 .collect();
-            let bases: Vec<u64> = (0..nl as u64).map(|l| (l + 1) * (1 << 40) + shift).collect();
+            let bases: Vec<u64> = (0..nl as u64)
+                .map(|l| (l + 1) * (1 << 40) + shift)
+                .collect();
             let nblocks = specs.iter().map(|s| s.geometry.num_blocks()).min().unwrap();
             let count = rng.random_range(0..=nblocks);
             let block_ids: Vec<u64> = (0..count).map(|_| rng.random_range(0..nblocks)).collect();
@@ -553,7 +623,8 @@ mod tests {
             for v in &plan.views {
                 modes[v.mode as usize] += 1;
                 regular += (v.regular != 0) as usize;
-                regular_head_outer += (v.regular != 0 && v.outer_is_token == 0 && v.n_outer > 1) as usize;
+                regular_head_outer +=
+                    (v.regular != 0 && v.outer_is_token == 0 && v.n_outer > 1) as usize;
             }
             let slices: Vec<&[u8]> = mems.iter().map(|m| m.as_slice()).collect();
             let got = replay(&plan, &slices);
@@ -563,8 +634,13 @@ mod tests {
                     let mut want = 0u64;
                     for (s, m) in specs.iter().zip(&mems) {
                         if s.replica == *key {
-                            want =
-                                want.wrapping_add(layer_block_checksum_direct(s, m, b, start + bi as u64, num_tokens));
+                            want = want.wrapping_add(layer_block_checksum_direct(
+                                s,
+                                m,
+                                b,
+                                start + bi as u64,
+                                num_tokens,
+                            ));
                         }
                     }
                     assert_eq!(

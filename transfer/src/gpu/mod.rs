@@ -49,7 +49,10 @@ fn check(what: &str, r: sys::CUresult) -> std::result::Result<(), String> {
     r.result().map_err(|e| format!("{what}: {e:?}"))
 }
 
-fn guarded<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, String>) -> std::result::Result<T, String> {
+fn guarded<T>(
+    what: &str,
+    f: impl FnOnce() -> std::result::Result<T, String>,
+) -> std::result::Result<T, String> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => r,
         Err(p) => Err(format!(
@@ -101,7 +104,8 @@ unsafe impl Send for DeviceState {}
 unsafe impl Sync for DeviceState {}
 
 fn device(n: u32) -> Result<&'static DeviceState> {
-    static ALL: OnceLock<Mutex<HashMap<u32, std::result::Result<&'static DeviceState, String>>>> = OnceLock::new();
+    static ALL: OnceLock<Mutex<HashMap<u32, std::result::Result<&'static DeviceState, String>>>> =
+        OnceLock::new();
     let count = cuda_available().map_err(|why| unsupported(Location::Cuda(n), &why))?;
     let mut all = ALL
         .get_or_init(Default::default)
@@ -115,7 +119,10 @@ fn device(n: u32) -> Result<&'static DeviceState> {
             let mut dev = 0;
             check("cuDeviceGet", sys::cuDeviceGet(&mut dev, n as i32))?;
             let mut ctx = std::ptr::null_mut();
-            check("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
+            check(
+                "cuDevicePrimaryCtxRetain",
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+            )?;
             let state: &'static DeviceState = Box::leak(Box::new(DeviceState {
                 ctx,
                 dev,
@@ -124,7 +131,8 @@ fn device(n: u32) -> Result<&'static DeviceState> {
             Ok(state)
         })
     });
-    r.clone().map_err(|why| unsupported(Location::Cuda(n), &why))
+    r.clone()
+        .map_err(|why| unsupported(Location::Cuda(n), &why))
 }
 
 fn unsupported(location: Location, why: &str) -> TransferError {
@@ -133,7 +141,8 @@ fn unsupported(location: Location, why: &str) -> TransferError {
 
 impl DeviceState {
     fn bind(&self) -> Result<()> {
-        unsafe { check("cuCtxSetCurrent", sys::cuCtxSetCurrent(self.ctx)) }.map_err(TransferError::Io)
+        unsafe { check("cuCtxSetCurrent", sys::cuCtxSetCurrent(self.ctx)) }
+            .map_err(TransferError::Io)
     }
 
     fn take(&self) -> Result<Staging> {
@@ -143,13 +152,20 @@ impl DeviceState {
         // First use (or more concurrent copies than before): allocate a staging set.
         unsafe {
             let mut host: *mut c_void = std::ptr::null_mut();
-            check("cuMemHostAlloc", sys::cuMemHostAlloc(&mut host, 2 * CHUNK, 0)).map_err(TransferError::Io)?;
+            check(
+                "cuMemHostAlloc",
+                sys::cuMemHostAlloc(&mut host, 2 * CHUNK, 0),
+            )
+            .map_err(TransferError::Io)?;
             let mut stream = std::ptr::null_mut();
             let mut events = [std::ptr::null_mut(); 2];
             let made = (|| {
                 check(
                     "cuStreamCreate",
-                    sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
+                    sys::cuStreamCreate(
+                        &mut stream,
+                        sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                    ),
                 )?;
                 for e in events.iter_mut() {
                     check(
@@ -183,8 +199,13 @@ impl Staging {
     }
 
     unsafe fn record(&self, k: usize) -> Result<()> {
-        unsafe { check("cuEventRecord", sys::cuEventRecord(self.events[k % 2], self.stream)) }
-            .map_err(TransferError::Io)
+        unsafe {
+            check(
+                "cuEventRecord",
+                sys::cuEventRecord(self.events[k % 2], self.stream),
+            )
+        }
+        .map_err(TransferError::Io)
     }
 
     /// Waits (polling, with a deadline) until the work recorded on half `k` is done.
@@ -253,7 +274,13 @@ impl MemoryAccess for CudaMemoryAccess {
         let n = match location {
             Location::Cpu => {
                 // SAFETY: the caller promises the source range is valid host memory.
-                unsafe { std::ptr::copy_nonoverlapping(src_addr as *const u8, dst.as_mut_ptr(), dst.len()) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        src_addr as *const u8,
+                        dst.as_mut_ptr(),
+                        dst.len(),
+                    )
+                };
                 return Ok(());
             }
             Location::Cuda(n) => n,
@@ -271,7 +298,12 @@ impl MemoryAccess for CudaMemoryAccess {
                 unsafe {
                     check(
                         "cuMemcpyDtoHAsync",
-                        sys::cuMemcpyDtoHAsync_v2(st.half(k) as *mut c_void, src_addr + off as u64, len, st.stream),
+                        sys::cuMemcpyDtoHAsync_v2(
+                            st.half(k) as *mut c_void,
+                            src_addr + off as u64,
+                            len,
+                            st.stream,
+                        ),
                     )
                     .map_err(TransferError::Io)?;
                     st.record(k)?;
@@ -280,7 +312,9 @@ impl MemoryAccess for CudaMemoryAccess {
                     let (po, pl) = chunks[k - 1];
                     st.wait(k - 1)?;
                     // SAFETY: the half holds the previous chunk, which the device finished writing.
-                    unsafe { std::ptr::copy_nonoverlapping(st.half(k - 1), dst.as_mut_ptr().add(po), pl) };
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(st.half(k - 1), dst.as_mut_ptr().add(po), pl)
+                    };
                 }
             }
             if let Some(&(lo, ll)) = chunks.last() {
@@ -301,7 +335,9 @@ impl MemoryAccess for CudaMemoryAccess {
         let n = match location {
             Location::Cpu => {
                 // SAFETY: the caller promises the destination range is valid, writable host memory.
-                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst_addr as *mut u8, src.len()) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), dst_addr as *mut u8, src.len())
+                };
                 return Ok(());
             }
             Location::Cuda(n) => n,
@@ -321,7 +357,12 @@ impl MemoryAccess for CudaMemoryAccess {
                     std::ptr::copy_nonoverlapping(src.as_ptr().add(off), st.half(k), len);
                     check(
                         "cuMemcpyHtoDAsync",
-                        sys::cuMemcpyHtoDAsync_v2(dst_addr + off as u64, st.half(k) as *const c_void, len, st.stream),
+                        sys::cuMemcpyHtoDAsync_v2(
+                            dst_addr + off as u64,
+                            st.half(k) as *const c_void,
+                            len,
+                            st.stream,
+                        ),
                     )
                     .map_err(TransferError::Io)?;
                     st.record(k)?;

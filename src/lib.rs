@@ -14,6 +14,8 @@ pub mod bench;
 pub mod cli;
 pub mod demo;
 pub mod models;
+pub mod payload_json;
 pub mod roles;
 pub mod setup;
+pub mod spec;
 pub mod world;

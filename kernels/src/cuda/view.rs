@@ -415,6 +415,8 @@ mod tests {
         let i = row & ((1 << nis) - 1);
         let mut o = row >> nis;
         let so = (THREADS >> rs) >> nis;
+        // The kernel would never advance: the plan must not mark such a layer regular.
+        assert!(so > 0, "regular layer whose rows x inner groups exceed the block: {l:?}");
         let ot = l.outer_is_token != 0;
         let n_o = if ot { nt } else { l.n_outer };
         if !ot && i >= nt {
@@ -522,13 +524,26 @@ mod tests {
                 ElemBytes::Four,
                 ElemBytes::Eight,
             ][rng.random_range(0..4)];
-            let d = [1u64, 2, 3, 4, 8, 16, 24, 64][rng.random_range(0..8)];
-            let h = if layout.has_heads() {
-                rng.random_range(1..4)
+            // Mostly small; sometimes rows of 64+ chunks with 4-8 inner rows, where one
+            // pass of the 256 threads does not cover whole inner groups.
+            let big = rng.random_bool(0.15);
+            let d = if big {
+                [128u64, 256][rng.random_range(0..2)]
             } else {
-                1
+                [1u64, 2, 3, 4, 8, 16, 24, 64][rng.random_range(0..8)]
             };
-            let n = rng.random_range(1..6);
+            let h = if !layout.has_heads() {
+                1
+            } else if big {
+                [4u64, 8][rng.random_range(0..2)]
+            } else {
+                rng.random_range(1..4)
+            };
+            let n = if big {
+                [4u64, 8, 16][rng.random_range(0..3)]
+            } else {
+                rng.random_range(1..6)
+            };
             let kbpb = rng.random_range(1..4);
             let b = kbpb * rng.random_range(1..5);
             let g = Geometry::contiguous(layout, b, n, h, d, elem, kbpb).unwrap();

@@ -125,7 +125,7 @@ cp "$SCRIPT" "$OUTDIR/script.sh"
                 printf 'export %s=%q\n' "$v" "${!v}" ;;
         esac
     done
-    printf 'export SOFTROCE_OUT=%q SOFTROCE_IP=10.99.0.1\n' "$OUTDIR"
+    printf 'export SOFTROCE_OUT=%q SOFTROCE_IP=10.99.0.1 SOFTROCE_GUEST=1\n' "$OUTDIR"
     cat <<'EOF'
 set -e
 ip link set lo up

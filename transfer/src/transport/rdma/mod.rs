@@ -208,8 +208,9 @@ impl RdmaTransport {
     pub fn new(ctx: &TransportContext) -> Result<Arc<RdmaTransport>> {
         let config = ctx.config.rdma.clone();
         device::check_config(&config)?;
-        let list =
-            device::list_devices().map_err(|e| TransferError::Config(format!("RDMA: {e}")))?;
+        let list = device::list_devices().map_err(|e| {
+            TransferError::Config(format!("no usable RDMA device: cannot list devices: {e}"))
+        })?;
         let mut devices = Vec::new();
         let mut why = Vec::new();
         for name in device::wanted_names(&list, &config) {

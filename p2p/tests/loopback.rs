@@ -831,3 +831,32 @@ async fn different_layouts_are_refused_not_copied_byte_for_byte() {
     assert!(err.to_string().contains("layouts differ"), "{err}");
     producer.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_producer_stops_it() {
+    let p = Side::new(1, 1, PRODUCER_BLOCKS, Some(7));
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let endpoint = producer.endpoint().to_string();
+    drop(producer);
+    // Its loop ends and closes the ROUTER: the endpoint can be bound again soon.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let cfg = ProducerConfig {
+            bind: endpoint.clone(),
+            ..producer_config()
+        };
+        match Producer::start(cfg, p.workers.clone()).await {
+            Ok(again) => {
+                again.shutdown().await;
+                break;
+            }
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("not yet: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("endpoint still bound after the producer was dropped: {e}"),
+        }
+    }
+}

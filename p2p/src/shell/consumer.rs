@@ -16,7 +16,7 @@ use kvferry_checksum::select::consumer_blocks;
 use kvferry_checksum::verdict::{compare, UnverifiedReason, Verdict};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
-use tracing::{debug, error, info, warn};
+use tracing::{debug, error, warn};
 use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::checksum::all_records;
@@ -576,7 +576,7 @@ impl Connection {
     fn rebuild_if_needed(&mut self) {
         if self.machine.should_rebuild() {
             if self.sock.take().is_some() {
-                info!(
+                debug!(
                     endpoint = self.endpoint,
                     "rebuilding the DEALER after a failure"
                 );

@@ -129,7 +129,7 @@ impl Producer {
             EventLoop {
                 machine: ProducerMachine::new(config.timeouts, config.transfer_timeout),
                 socket,
-                commands: tx.clone(),
+                commands: tx.downgrade(),
                 released: released.clone(),
                 workers: workers.clone(),
                 tp,
@@ -265,7 +265,8 @@ impl Producer {
 struct EventLoop {
     machine: ProducerMachine<Bytes, Published>,
     socket: zeromq::RouterSocket,
-    commands: mpsc::UnboundedSender<Command>,
+    /// Weak, so that dropping the [`Producer`] ends the loop (serve tasks hold it strongly).
+    commands: mpsc::WeakUnboundedSender<Command>,
     released: Arc<Mutex<Vec<Released>>>,
     workers: Arc<Vec<Worker>>,
     tp: u32,
@@ -409,7 +410,9 @@ impl EventLoop {
                     deadline,
                 } => {
                     let workers = self.workers.clone();
-                    let commands = self.commands.clone();
+                    let Some(commands) = self.commands.upgrade() else {
+                        continue; // the producer is being dropped
+                    };
                     let (tp, pp) = (self.tp, self.pp);
                     tokio::spawn(async move {
                         let result = match plan(&workers, tp, pp, &lease, &request) {

@@ -1,0 +1,207 @@
+//! The CPU backend (DESIGN.md §5): results equal the direct form of §2.1 summed per replica key,
+//! for several layers, layouts and thread counts; bad jobs are refused before any byte is read;
+//! poll/wait behave; `backend_for` never panics.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use kvferry_checksum::definition::layer_block_checksum_direct;
+use kvferry_checksum::group::{LayerSpec, ReplicaKey};
+use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
+use kvferry_checksum::select::BlockSelection;
+use kvferry_kernels::{
+    backend_for, ChecksumBackend, CpuBackend, Device, GroupJob, KernelError, LayerInput,
+};
+
+struct Layer {
+    spec: LayerSpec,
+    bytes: Vec<u8>,
+}
+
+fn layer(
+    layer: u32,
+    layout: &str,
+    heads: u64,
+    d: u64,
+    elem: ElemBytes,
+    replica: ReplicaKey,
+    seed: u64,
+) -> Layer {
+    let g = Geometry::contiguous(Layout::parse(layout).unwrap(), 12, 8, heads, d, elem, 2).unwrap();
+    let mut z = seed;
+    let bytes = (0..g.byte_len())
+        .map(|_| {
+            z = z
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (z >> 29) as u8
+        })
+        .collect();
+    let spec = LayerSpec {
+        name: format!("model.layers.{layer}.self_attn.attn"),
+        layer,
+        head_offset: 3 * layer,
+        geometry: g,
+        kind: None,
+        dtype: None,
+        replica,
+    };
+    Layer { spec, bytes }
+}
+
+fn job(layers: &[Layer], selection: BlockSelection, num_tokens: u64) -> GroupJob {
+    GroupJob {
+        group_id: 4,
+        block_size: 16,
+        layers: layers
+            .iter()
+            .map(|l| LayerInput {
+                spec: l.spec.clone(),
+                addr: l.bytes.as_ptr() as u64,
+                len: l.bytes.len() as u64,
+            })
+            .collect(),
+        selection,
+        num_tokens,
+        device: Device::Cpu,
+    }
+}
+
+fn expected(
+    layers: &[Layer],
+    sel: &BlockSelection,
+    num_tokens: u64,
+) -> BTreeMap<ReplicaKey, Vec<u64>> {
+    let mut out: BTreeMap<ReplicaKey, Vec<u64>> = BTreeMap::new();
+    for l in layers {
+        let v = out
+            .entry(l.spec.replica)
+            .or_insert_with(|| vec![0; sel.block_ids.len()]);
+        for (i, &b) in sel.block_ids.iter().enumerate() {
+            v[i] = v[i].wrapping_add(layer_block_checksum_direct(
+                &l.spec,
+                &l.bytes,
+                b,
+                sel.start + i as u64,
+                num_tokens,
+            ));
+        }
+    }
+    out
+}
+
+fn model() -> Vec<Layer> {
+    let r2 = |i| ReplicaKey {
+        replicas: 2,
+        index: i,
+    };
+    vec![
+        layer(0, "KV B N H D", 4, 128, ElemBytes::Two, ReplicaKey::NONE, 1),
+        layer(1, "B KV H N D", 2, 64, ElemBytes::Four, ReplicaKey::NONE, 2),
+        layer(2, "B N D", 1, 72, ElemBytes::Two, r2(1), 3),
+        layer(3, "B H N KV D", 3, 6, ElemBytes::Two, ReplicaKey::NONE, 4),
+        layer(4, "KV B N H D", 2, 3, ElemBytes::Four, r2(1), 5),
+    ]
+}
+
+#[test]
+fn results_equal_the_direct_form_for_any_thread_count() {
+    let layers = model();
+    let sel = BlockSelection {
+        start: 1,
+        block_ids: vec![5, 0, 3, 2],
+    };
+    let want = expected(&layers, &sel, 55);
+    for threads in [1, 2, 3, 8] {
+        let backend = CpuBackend::new(threads);
+        // SAFETY: `layers` outlives the wait.
+        let pending = unsafe {
+            backend.submit(vec![
+                job(&layers, sel.clone(), 55),
+                job(&layers[..1], sel.clone(), 55),
+            ])
+        }
+        .unwrap();
+        let results = pending.wait(Duration::from_secs(60)).unwrap();
+        assert_eq!(results.len(), 2);
+        assert_eq!((results[0].group_id, results[0].start), (4, 1));
+        assert_eq!(results[0].values, want, "threads {threads}");
+        assert_eq!(results[1].values, expected(&layers[..1], &sel, 55));
+    }
+}
+
+#[test]
+fn poll_returns_the_result_once() {
+    let layers = model();
+    let sel = BlockSelection {
+        start: 0,
+        block_ids: vec![1],
+    };
+    // SAFETY: `layers` outlives the pending value (its drop joins the worker thread).
+    let mut pending =
+        unsafe { CpuBackend::new(2).submit(vec![job(&layers, sel.clone(), 16)]) }.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let result = loop {
+        if let Some(r) = pending.poll() {
+            break r.unwrap();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no result within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert_eq!(result[0].values, expected(&layers, &sel, 16));
+    assert!(pending.poll().is_none());
+    // Dropping an unpolled submission waits for its thread; nothing is read afterwards.
+    let p = unsafe { CpuBackend::new(1).submit(vec![job(&layers, sel, 16)]) }.unwrap();
+    drop(p);
+}
+
+#[test]
+fn bad_jobs_are_refused_before_reading() {
+    let layers = model();
+    let backend = CpuBackend::new(1);
+    let sel = BlockSelection {
+        start: 0,
+        block_ids: vec![0],
+    };
+    let refuse = |j: GroupJob, want: &str| {
+        // SAFETY: refused jobs read nothing; valid ones point at `layers`.
+        match unsafe { backend.submit(vec![j]) } {
+            Err(KernelError::InvalidJob { group_id: 4, why }) => {
+                assert!(why.contains(want), "{why}")
+            }
+            other => panic!("expected InvalidJob containing {want:?}, got {other:?}"),
+        }
+    };
+    let mut j = job(&layers, sel.clone(), 16);
+    j.layers[1].len -= 1;
+    refuse(j, "only");
+    let mut j = job(
+        &layers,
+        BlockSelection {
+            start: 0,
+            block_ids: vec![6],
+        },
+        16,
+    );
+    j.layers.truncate(1);
+    refuse(j, "out of range");
+    let mut j = job(&layers, sel.clone(), 16);
+    j.block_size = 8;
+    refuse(j, "block size");
+    let mut j = job(&layers, sel.clone(), 16);
+    j.device = Device::Cuda(0);
+    refuse(j, "host memory");
+    let mut j = job(&layers, sel, 16);
+    j.layers[0].addr = u64::MAX - 10;
+    refuse(j, "overflows");
+}
+
+#[test]
+fn backend_for_never_panics() {
+    assert_eq!(backend_for(Device::Cpu).name(), "cpu");
+    let name = backend_for(Device::Cuda(0)).name();
+    assert!(name == "cpu" || name == "cuda", "{name}");
+}

@@ -36,7 +36,21 @@
 //!     -> Result<LoadOutcome, LoadError>   // LoadOutcome { verdict, action, bytes, .. }
 //! ```
 //! Equal TP and PP sizes on both sides are required for now (a clear error
-//! otherwise); producer rank r writes its blocks to consumer rank r.
+//! otherwise); producer rank r writes its blocks to consumer rank r. Layers pair
+//! by name; each pair must have the same layout, tokens per kernel block, heads,
+//! head size and element size (the number of blocks may differ).
+//!
+//! # Deadlines and failures (§4)
+//! * Producer: a lease lasts `timeouts.lease`; a request before its publish waits
+//!   `timeouts.publish_wait`; a waiting or served request gets CONTINUE every
+//!   `timeouts.heartbeat`; a transfer must end within `transfer_timeout` and starts
+//!   only if that much is left of the consumer's budget (sent as `budget_ms`).
+//! * Consumer: a load fails after `reply_timeout` of silence, after `max_wait` in
+//!   all, or at once when the control connection drops; the DEALER is then rebuilt
+//!   (once no other load waits on it). A failed load's blocks may still receive a
+//!   late write from a live producer until `max_wait` after the request.
+//! * A request is loaded at most once: a second request for it, or one for an
+//!   expired lease, gets ERROR (never stale blocks).
 
 pub mod checksum;
 pub mod error;

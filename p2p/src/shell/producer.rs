@@ -414,16 +414,23 @@ impl EventLoop {
                         continue; // the producer is being dropped
                     };
                     let (tp, pp) = (self.tp, self.pp);
-                    tokio::spawn(async move {
+                    let (request_id, load_id) = (request.request_id.clone(), request.load_id);
+                    let serve = tokio::spawn(async move {
                         let result = match plan(&workers, tp, pp, &lease, &request) {
                             Err(e) => Err(e),
                             Ok(plan) => write_all(workers, plan, deadline).await,
                         };
-                        let result = result.map(|bytes| (bytes, lease.payload));
+                        result.map(|bytes| (bytes, lease.payload))
+                    });
+                    // Whatever happens to the serve task, the lease ends and the consumer hears.
+                    tokio::spawn(async move {
+                        let result = serve
+                            .await
+                            .unwrap_or_else(|e| Err(format!("serve task failed: {e}")));
                         let _ = commands.send(Command::Served {
                             peer,
-                            request_id: request.request_id,
-                            load_id: request.load_id,
+                            request_id,
+                            load_id,
                             result,
                         });
                     });

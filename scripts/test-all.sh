@@ -30,6 +30,6 @@ if [ "${KVFERRY_SKIP_SOFTROCE:-0}" = "1" ]; then
   log "soft-RoCE suite skipped (KVFERRY_SKIP_SOFTROCE=1)"
 else
   log "soft-RoCE suite (QEMU guest)"
-  bash tests/softroce/run.sh
+  bash tests/softroce/suite.sh target/softroce-out
 fi
 log "all green"

@@ -17,6 +17,8 @@ use rand_chacha::rand_core::SeedableRng;
 pub const LAYERS: u32 = 2;
 pub const KV_HEADS: u64 = 2;
 pub const HEAD_DIM: u64 = 8;
+/// (layers, KV heads, head size) of the test model.
+pub const SMALL: (u32, u64, u64) = (LAYERS, KV_HEADS, HEAD_DIM);
 pub const BLOCK: u64 = 16;
 pub const WINDOW: u64 = 16;
 
@@ -32,7 +34,7 @@ impl Side {
     /// Builds a side of `tp × pp` ranks whose arrays hold `num_blocks` blocks,
     /// filled with seeded random bytes (`seed = None`: zeros).
     pub fn new(tp: u32, pp: u32, num_blocks: u64, seed: Option<u64>) -> Side {
-        Side::build(tp, pp, num_blocks, seed, false, "KV B N H D")
+        Side::build(tp, pp, num_blocks, seed, false, "KV B N H D", SMALL)
     }
 
     /// As [`Side::new`] with group 0 in `layout`.
@@ -43,13 +45,24 @@ impl Side {
         seed: Option<u64>,
         layout: &'static str,
     ) -> Side {
-        Side::build(tp, pp, num_blocks, seed, false, layout)
+        Side::build(tp, pp, num_blocks, seed, false, layout, SMALL)
     }
 
     /// As [`Side::new`], plus group 1: a sliding-window group (window [`WINDOW`]
     /// tokens) in the FlashInfer layout `B KV N H D`, layers named `...sliding`.
     pub fn with_window(tp: u32, pp: u32, num_blocks: u64, seed: Option<u64>) -> Side {
-        Side::build(tp, pp, num_blocks, seed, true, "KV B N H D")
+        Side::build(tp, pp, num_blocks, seed, true, "KV B N H D", SMALL)
+    }
+
+    /// As [`Side::new`] with the model's shape `(layers, KV heads, head size)`.
+    pub fn shaped(
+        tp: u32,
+        pp: u32,
+        num_blocks: u64,
+        seed: Option<u64>,
+        shape: (u32, u64, u64),
+    ) -> Side {
+        Side::build(tp, pp, num_blocks, seed, false, "KV B N H D", shape)
     }
 
     fn build(
@@ -59,6 +72,7 @@ impl Side {
         seed: Option<u64>,
         windowed: bool,
         layout0: &'static str,
+        (n_layers, kv_heads, head_dim): (u32, u64, u64),
     ) -> Side {
         let mut workers = Vec::new();
         let mut memory = Vec::new();
@@ -71,7 +85,7 @@ impl Side {
                     pp_rank,
                     pp_size: pp,
                 };
-                let heads = KV_HEADS / tp as u64;
+                let heads = kv_heads / tp as u64;
                 let engine = TransferEngine::new(EngineConfig {
                     host: "127.0.0.1".into(),
                     port: 0,
@@ -96,12 +110,12 @@ impl Side {
                         num_blocks,
                         BLOCK,
                         heads,
-                        HEAD_DIM,
+                        head_dim,
                         ElemBytes::Two,
                         1,
                     )
                     .unwrap();
-                    let layers: Vec<u32> = (0..LAYERS).filter(|l| l % pp == pp_rank).collect();
+                    let layers: Vec<u32> = (0..n_layers).filter(|l| l % pp == pp_rank).collect();
                     let caches: Vec<CacheDesc> = layers
                         .iter()
                         .map(|l| {
@@ -118,7 +132,7 @@ impl Side {
                         })
                         .collect();
                     let GroupPlan::Checksum { layers: specs, .. } =
-                        plan_group(group_id, BLOCK, &caches, rank, Some(KV_HEADS as u32))
+                        plan_group(group_id, BLOCK, &caches, rank, Some(kv_heads as u32))
                     else {
                         panic!("group skipped");
                     };

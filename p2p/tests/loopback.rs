@@ -860,3 +860,50 @@ async fn dropping_the_producer_stops_it() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_worker_sets_are_refused() {
+    let side = Side::new(2, 1, PRODUCER_BLOCKS, None);
+    let cfg = || consumer_config(Policy::default());
+    let refused =
+        |workers: Vec<kvferry_p2p::Worker>, what: &str| match Consumer::new(cfg(), workers) {
+            Err(kvferry_p2p::P2pError::Workers(why)) => assert!(why.contains(what), "{why}"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("accepted workers with {what}"),
+        };
+    refused(vec![side.workers[0].clone()], "workers for TP 2");
+    refused(
+        vec![side.workers[0].clone(), side.workers[0].clone()],
+        "grid",
+    );
+    let mut w = side.workers.clone();
+    w[1].groups[0].layers[0].len -= 1;
+    refused(w, "spans");
+    let mut w = side.workers.clone();
+    w[1].groups[0].block_size = 32;
+    refused(w, "groups");
+    refused(vec![], "no workers");
+    // Producer::start runs the same checks.
+    let e = Producer::start(producer_config(), vec![side.workers[1].clone()])
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("workers"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_asking_for_more_tokens_than_published_is_refused() {
+    let pair = pair(1, 1, producer_config(), Policy::default()).await;
+    pair.producer
+        .publish("req-m", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    let mut s = spec("req-m", &pair.producer);
+    s.num_tokens = NUM_TOKENS + 1;
+    let err = pair.consumer.load(s).await.unwrap_err();
+    assert!(
+        err.to_string().contains("the producer published 40"),
+        "{err}"
+    );
+    pair.producer.shutdown().await;
+}

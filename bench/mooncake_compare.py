@@ -1,0 +1,349 @@
+#!/usr/bin/env python3
+"""kvferry beside Mooncake's Transfer Engine on the same work: loopback TCP WRITEs.
+
+For every (request size, batch) point, one submitting thread writes a batch of `batch`
+requests of `size` bytes each from one registered buffer into another engine's registered
+buffer, waits for the batch, and repeats for `--seconds`. Throughput = bytes landed / wall time
+(10^9 bytes per GB), the same definition `kvferry bench` uses. The two engines run
+alternately (Mooncake, kvferry, Mooncake, kvferry, ...), `--repeats` times each; the table
+shows medians and the ratio kvferry / Mooncake.
+
+Mooncake side: the PyPI wheel `mooncake-transfer-engine-non-cuda`, two `TransferEngine`s in one
+child process, P2P handshake, protocol "tcp", `batch_transfer_sync_write`. After the timed
+loop the target buffer is compared byte for byte with the source.
+kvferry side: `kvferry bench --transport tcp --threads 1 --json` (a child process as well).
+
+Mooncake is installed into a venv (env MOONCAKE_VENV, default <repo>/.dev/mc-venv) when this
+interpreter cannot import it; when PyPI cannot be reached the script says so and exits 0.
+
+Source: the helper brief; notes/anchors.md (Mooncake's API and benchmarks); DESIGN.md §6.
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_VENV = REPO / ".dev" / "mc-venv"
+PACKAGE = "mooncake-transfer-engine-non-cuda"
+
+
+def parse_sizes(text):
+    """'64K,1M' -> [65536, 1048576]; K/M/G suffixes are powers of 1024 (as kvferry's)."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        mul = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(part[-1].upper(), 1)
+        num = part[:-1] if mul > 1 else part
+        if not num.isdigit() or int(num) == 0:
+            raise SystemExit(f"{part!r}: not a size (a positive number with an optional K, M or G)")
+        out.append(int(num) * mul)
+    if not out:
+        raise SystemExit(f"{text!r}: an empty list")
+    return out
+
+
+def human(n):
+    for unit, mul in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= mul and n % mul == 0:
+            return f"{n // mul}{unit}"
+    return str(n)
+
+
+# ------------------------------------------------------------------ Mooncake installation
+
+
+def mooncake_importable(python):
+    r = subprocess.run([python, "-c", "import mooncake.engine, numpy"], capture_output=True)
+    return r.returncode == 0
+
+
+def ensure_mooncake():
+    """Returns a python executable that can import mooncake.engine and numpy, or None with the
+    reason printed (PyPI unreachable, install failed)."""
+    if mooncake_importable(sys.executable):
+        return sys.executable
+    venv = Path(os.environ.get("MOONCAKE_VENV", DEFAULT_VENV))
+    py = venv / "bin" / "python"
+    if py.exists() and mooncake_importable(str(py)):
+        return str(py)
+    print(f"mooncake: not importable; installing {PACKAGE} into {venv}", file=sys.stderr)
+    if not py.exists():
+        r = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"SKIP mooncake: cannot create venv {venv}: {r.stderr.strip()}", file=sys.stderr)
+            return None
+    r = subprocess.run(
+        [str(py), "-m", "pip", "install", "--quiet", "--timeout", "20", "--retries", "1", PACKAGE, "numpy"],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0 or not mooncake_importable(str(py)):
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        print(f"SKIP mooncake: pip install {PACKAGE} failed (PyPI unreachable?): {' | '.join(tail)}", file=sys.stderr)
+        return None
+    return str(py)
+
+
+# ------------------------------------------------------------------ Mooncake point (child process)
+
+
+def mooncake_point(size, batch, seconds):
+    """Runs in the venv python. Returns the point as a dict (same fields as kvferry's)."""
+    import numpy as np
+    from mooncake.engine import TransferEngine
+
+    src_e, dst_e = TransferEngine(), TransferEngine()
+    for e in (src_e, dst_e):
+        if e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError("mooncake: initialize failed")
+    target = f"127.0.0.1:{dst_e.get_rpc_port()}"
+    total = size * batch
+    # same pattern as kvferry bench: (i * 31) ^ (i >> 12), as bytes
+    i = np.arange(total, dtype=np.uint64)
+    src = ((i * 31) ^ (i >> 12)).astype(np.uint8)
+    del i
+    dst = np.zeros(total, dtype=np.uint8)
+    sa, da = src.ctypes.data, dst.ctypes.data
+    if src_e.register_memory(sa, total) != 0 or dst_e.register_memory(da, total) != 0:
+        raise RuntimeError("mooncake: register_memory failed")
+    locals_ = [sa + k * size for k in range(batch)]
+    remotes = [da + k * size for k in range(batch)]
+    lens = [size] * batch
+    # No warm-up batch: `kvferry bench` has none either (both start with cold target pages).
+    lat = []
+    start = time.perf_counter()
+    deadline = start + seconds
+    while True:
+        t0 = time.perf_counter()
+        if t0 >= deadline:
+            break
+        if src_e.batch_transfer_sync_write(target, locals_, remotes, lens) != 0:
+            raise RuntimeError("mooncake: a batch failed")
+        lat.append(time.perf_counter() - t0)
+    elapsed = time.perf_counter() - start
+    # every batch writes the same bytes: after the last one the target must equal the source
+    if not lat or not np.array_equal(src, dst):
+        bad = int(np.flatnonzero(src != dst)[0]) if lat else -1
+        raise RuntimeError(f"mooncake: landed bytes differ from the source (first at offset {bad})")
+    src_e.unregister_memory(sa)
+    dst_e.unregister_memory(da)
+    lat.sort()
+    n = len(lat)
+    return {
+        "block_size": size,
+        "batch": batch,
+        "gb_per_s": n * total / elapsed / 1e9,
+        "avg_latency_us": sum(lat) / n * 1e6,
+        "p99_latency_us": lat[min(n - 1, max(0, -(-n * 99 // 100) - 1))] * 1e6,
+        "batches": n,
+    }
+
+
+def run_mooncake(python, size, batch, seconds, timeout):
+    cmd = [python, str(Path(__file__).resolve()), "--mooncake-point", str(size), str(batch), str(seconds)]
+    env = dict(os.environ, GLOG_minloglevel="2")  # Mooncake logs every connection at INFO
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    if r.returncode != 0 or not lines:
+        raise RuntimeError(f"mooncake point {human(size)}x{batch} failed (rc {r.returncode}): {r.stderr.strip()[-800:]}")
+    return json.loads(lines[-1])
+
+
+# ------------------------------------------------------------------ Mooncake point via its C++ benchmark
+
+
+def default_tebench(python):
+    """The `transfer_engine_bench` binary shipped inside the wheel, next to engine.so."""
+    if python is None:
+        return None
+    r = subprocess.run([python, "-c", "import mooncake, os; print(os.path.dirname(mooncake.__file__))"],
+                       capture_output=True, text=True)
+    p = Path(r.stdout.strip()) / "transfer_engine_bench"
+    return str(p) if r.returncode == 0 and p.is_file() else None
+
+
+def run_tebench(tebench, size, batch, seconds, timeout):
+    """Mooncake's own C++ benchmark (no Python on the path): a target process and an initiator
+    process, P2P handshake, TCP, WRITE, one submitting thread. The target is stopped afterwards."""
+    import re
+    import threading
+
+    buf = size * batch
+    common = ["--protocol=tcp", "--metadata_server=P2PHANDSHAKE", f"--buffer_size={buf}"]
+    tgt = subprocess.Popen([tebench, "--mode=target", "--local_server_name=127.0.0.1:17990", *common],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        port, deadline = None, time.monotonic() + 30
+        while port is None and time.monotonic() < deadline:
+            line = tgt.stderr.readline()
+            if not line:
+                break
+            m = re.search(r"P2P handshake, listening on [^:\s]+:(\d+)", line)
+            port = m and m.group(1)
+        if port is None:
+            raise RuntimeError(f"tebench target did not report its handshake port (rc {tgt.poll()})")
+        threading.Thread(target=lambda: [None for _ in tgt.stderr], daemon=True).start()  # keep draining
+        dur = max(1, round(seconds))  # the benchmark takes whole seconds
+        r = subprocess.run([tebench, "--mode=initiator", "--local_server_name=127.0.0.1:17991",
+                            f"--segment_id=127.0.0.1:{port}", "--operation=write", "--threads=1",
+                            f"--batch_size={batch}", f"--block_size={size}", f"--duration={dur}", *common],
+                           capture_output=True, text=True, timeout=timeout)
+        m = re.search(r"duration ([0-9.]+), batch count (\d+), throughput", r.stderr)
+        if r.returncode != 0 or not m:
+            raise RuntimeError(f"tebench point {human(size)}x{batch} failed (rc {r.returncode}): {r.stderr.strip()[-800:]}")
+        elapsed, n = float(m.group(1)), int(m.group(2))
+        return {"block_size": size, "batch": batch, "gb_per_s": n * buf / elapsed / 1e9, "batches": n,
+                "avg_latency_us": elapsed / max(n, 1) * 1e6, "p99_latency_us": None}
+    finally:
+        tgt.kill()
+        tgt.wait()
+
+
+# ------------------------------------------------------------------ kvferry point
+
+
+def find_kvferry(arg):
+    cands = [arg] if arg else []
+    cands += [os.environ.get("KVFERRY_BIN")]
+    if os.environ.get("CARGO_TARGET_DIR"):
+        cands.append(str(Path(os.environ["CARGO_TARGET_DIR"]) / "release" / "kvferry"))
+    cands += [str(REPO / "target" / "release" / "kvferry"), shutil.which("kvferry")]
+    for c in cands:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return c
+    raise SystemExit("kvferry binary not found: build it (`cargo build --release`) and pass --kvferry PATH "
+                     "or set KVFERRY_BIN / CARGO_TARGET_DIR")
+
+
+def run_kvferry(binary, size, batch, seconds, timeout):
+    cmd = [binary, "bench", "--transport", "tcp", "--block-sizes", str(size), "--batch", str(batch),
+           "--threads", "1", "--seconds", str(seconds), "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    if r.returncode != 0 or not lines:
+        raise RuntimeError(f"kvferry point {human(size)}x{batch} failed (rc {r.returncode}): {r.stderr.strip()[-800:]}")
+    rep = json.loads(lines[-1])
+    if rep.get("transport") != "tcp" or len(rep.get("points", [])) != 1:
+        raise RuntimeError(f"kvferry bench: unexpected report {rep}")
+    return rep["points"][0]
+
+
+# ------------------------------------------------------------------ driver
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="64K,1M,16M", help="request sizes (K/M/G suffixes)")
+    ap.add_argument("--batches", default="16,128", help="requests per batch")
+    ap.add_argument("--seconds", type=float, default=3.0, help="seconds per measurement")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating runs per engine and point")
+    ap.add_argument("--max-buffer", default="512M",
+                    help="skip points whose buffer (size x batch, per side) exceeds this")
+    ap.add_argument("--kvferry", help="path of the kvferry binary")
+    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--mooncake-impl", choices=("python", "tebench"), default="python",
+                    help="Mooncake through its Python API (as vLLM's connector uses it) or through "
+                         "its C++ transfer_engine_bench (target + initiator processes)")
+    ap.add_argument("--tebench", help="path of transfer_engine_bench (default: the wheel's)")
+    ap.add_argument("--mooncake-point", nargs=3, metavar=("SIZE", "BATCH", "SECONDS"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+
+    if a.mooncake_point:
+        size, batch, secs = int(a.mooncake_point[0]), int(a.mooncake_point[1]), float(a.mooncake_point[2])
+        print(json.dumps(mooncake_point(size, batch, secs)), flush=True)
+        return 0
+
+    if not (a.seconds > 0) or a.repeats < 1:
+        raise SystemExit("--seconds must be > 0 and --repeats >= 1")
+    sizes, batches = parse_sizes(a.sizes), parse_sizes(a.batches)
+    max_buffer = parse_sizes(a.max_buffer)[0]
+    binary = find_kvferry(a.kvferry)
+    tebench = None
+    if a.mooncake_impl == "tebench" and a.tebench:
+        python = None
+        tebench = a.tebench
+    else:
+        python = ensure_mooncake()
+        if a.mooncake_impl == "tebench":
+            tebench = default_tebench(python)
+            if tebench is None and python is not None:
+                raise SystemExit("transfer_engine_bench not found in the Mooncake wheel: pass --tebench PATH")
+    if python is None and tebench is None:
+        print("mooncake_compare: skipped (Mooncake Transfer Engine not installable here)")
+        if a.out:
+            Path(a.out).write_text(json.dumps({"skipped": "mooncake not installable"}, indent=2))
+        return 0
+    timeout = a.seconds * 4 + 120
+
+    rows, skipped = [], []
+    for size in sizes:
+        for batch in batches:
+            if size * batch > max_buffer:
+                skipped.append(f"{human(size)}x{batch}")
+                continue
+            mc, kv = [], []
+            for rep in range(a.repeats):
+                # alternate, and swap who goes first each repeat (page cache, thermal, neighbours)
+                order = ("mc", "kv") if rep % 2 == 0 else ("kv", "mc")
+                for who in order:
+                    if who == "mc":
+                        if tebench:
+                            mc.append(run_tebench(tebench, size, batch, a.seconds, timeout))
+                        else:
+                            mc.append(run_mooncake(python, size, batch, a.seconds, timeout))
+                    else:
+                        kv.append(run_kvferry(binary, size, batch, a.seconds, timeout))
+                print(f"  {human(size):>5} x {batch:<4} rep {rep + 1}: mooncake {mc[-1]['gb_per_s']:.3f} GB/s"
+                      f"  kvferry {kv[-1]['gb_per_s']:.3f} GB/s", file=sys.stderr, flush=True)
+            m_gbs = statistics.median(p["gb_per_s"] for p in mc)
+            k_gbs = statistics.median(p["gb_per_s"] for p in kv)
+            rows.append({
+                "block_size": size,
+                "batch": batch,
+                "mooncake_gb_per_s": m_gbs,
+                "kvferry_gb_per_s": k_gbs,
+                "ratio_kvferry_over_mooncake": k_gbs / m_gbs if m_gbs > 0 else None,
+                "mooncake_avg_latency_us": statistics.median(p["avg_latency_us"] for p in mc),
+                "kvferry_avg_latency_us": statistics.median(p["avg_latency_us"] for p in kv),
+                "mooncake_runs": mc,
+                "kvferry_runs": kv,
+            })
+
+    print(f"{'size':>6} {'batch':>6} {'Mooncake GB/s':>14} {'kvferry GB/s':>13} {'kvferry/Mooncake':>17}")
+    for r in rows:
+        ratio = r["ratio_kvferry_over_mooncake"]
+        print(f"{human(r['block_size']):>6} {r['batch']:>6} {r['mooncake_gb_per_s']:>14.3f} "
+              f"{r['kvferry_gb_per_s']:>13.3f} {ratio if ratio is not None else float('nan'):>17.2f}")
+    if skipped:
+        print(f"skipped (buffer over --max-buffer): {', '.join(skipped)}")
+    if a.out:
+        mc_version = subprocess.run([python, "-m", "pip", "show", PACKAGE], capture_output=True,
+                                    text=True).stdout if python else ""
+        meta = {
+            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+            "seconds": a.seconds,
+            "repeats": a.repeats,
+            "statistic": "median",
+            "cpus": os.cpu_count(),
+            "machine": platform.platform(),
+            "mooncake_package": next((l.split(":", 1)[1].strip() for l in mc_version.splitlines()
+                                      if l.startswith("Version:")), None),
+            "kvferry_binary": binary,
+            "mooncake_impl": a.mooncake_impl,
+            "skipped": skipped,
+        }
+        Path(a.out).write_text(json.dumps({"meta": meta, "points": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

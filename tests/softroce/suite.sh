@@ -89,11 +89,11 @@ else
     demo demo-recompute "r['recomputed']==2" --corrupt 2 --fail-closed --load-failure-policy recompute
 
     # 3. benchmark: kvferry bench over RDMA beside ib_write_bw on the same device, same boot
-    ibbw() { # ibbw SIZE ITERS -> prints MB/s (MiB, as perftest reports)
-        ib_write_bw -d "$DEV" -x 1 -s "$1" -n "$2" >"$OUT/ib_write_bw-srv-$1.log" 2>&1 &
+    ibbw() { # ibbw SIZE SECONDS -> prints MB/s (MiB, as perftest reports)
+        ib_write_bw -d "$DEV" -x 1 -s "$1" -D "$2" >"$OUT/ib_write_bw-srv-$1.log" 2>&1 &
         local srv=$!
         sleep 1
-        ib_write_bw -d "$DEV" -x 1 -s "$1" -n "$2" "$SOFTROCE_IP" >"$OUT/ib_write_bw-$1.log" 2>&1
+        ib_write_bw -d "$DEV" -x 1 -s "$1" -D "$2" "$SOFTROCE_IP" >"$OUT/ib_write_bw-$1.log" 2>&1
         local rc=$?
         wait $srv
         [ $rc = 0 ] || return $rc
@@ -101,8 +101,8 @@ else
     }
     bench() {
         local ib64 ib1m
-        ib64=$(ibbw 65536 2000) || return 1
-        ib1m=$(ibbw 1048576 150) || return 1
+        ib64=$(ibbw 65536 4) || return 1
+        ib1m=$(ibbw 1048576 4) || return 1
         "$BIN" bench --transport rdma --block-sizes 64K,1M --batch 16 --seconds 4 --json >"$OUT/bench.json" || return 1
         cat "$OUT/bench.json"
         python3 - "$OUT/bench.json" "$ib64" "$ib1m" <<'EOF' | tee "$OUT/bench_ratio.txt"

@@ -86,7 +86,8 @@ pub struct RdmaConfig {
     /// (about 67 ms, as Mooncake); with `retry_count` it bounds how fast a dead peer errors.
     pub qp_timeout: u8,
     /// QP transport retries (0..=7) before a work request fails with a retry-exceeded
-    /// status. Default 7.
+    /// status. Default 6: soft-RoCE (rxe) treats 7 as "retry forever", so a dead peer
+    /// would never fail there.
     pub retry_count: u8,
     /// Safety net: a work request with no completion after this long fails its endpoint
     /// (its QPs are moved to the error state, which flushes them). Default 20 s.
@@ -103,7 +104,7 @@ impl Default for RdmaConfig {
             max_retries: 3,
             mtu: None,
             qp_timeout: 14,
-            retry_count: 7,
+            retry_count: 6,
             completion_timeout: Duration::from_secs(20),
         }
     }

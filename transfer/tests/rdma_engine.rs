@@ -309,6 +309,8 @@ fn rdma_dead_peer_fails_within_the_deadline() {
     eprintln!("dead peer error: {e}");
     // a Failed (with the cause) from the transport's own bounded waits, not the caller's Timeout
     assert!(matches!(e, TransferError::Failed(_)), "{e:?}");
+    // the QP's own retry limit noticed the silent peer (not the 20 s completion watchdog)
+    assert!(e.to_string().contains("retry counter exceeded"), "{e}");
 }
 
 #[test]

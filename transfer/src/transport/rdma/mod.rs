@@ -21,7 +21,7 @@ mod tests;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -157,6 +157,8 @@ pub(crate) struct Work {
     pub peer: Arc<SegmentDescriptor>,
     pub sink: CompletionSink,
     pub attempts: u32,
+    /// The first failure's text (kept for the final error when a retry fails differently).
+    pub first_error: Option<String>,
 }
 
 /// A posted work request: what the completion thread needs to finish it.
@@ -191,6 +193,8 @@ struct Shared {
     replaced: Mutex<HashMap<EpKey, u64>>,
     passive: Mutex<PassiveTable>,
     stop: AtomicBool,
+    /// Slices re-dispatched after a failure (diagnostics and tests).
+    retried: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -256,6 +260,7 @@ impl RdmaTransport {
             replaced: Mutex::new(HashMap::new()),
             passive: Mutex::new(PassiveTable::default()),
             stop: AtomicBool::new(false),
+            retried: AtomicU64::new(0),
         });
         let t = Arc::new(RdmaTransport {
             shared: shared.clone(),
@@ -291,6 +296,20 @@ impl RdmaTransport {
     /// The devices in use, in descriptor order.
     pub fn ports(&self) -> Vec<PortInfo> {
         self.shared.devices.iter().map(|d| d.info.clone()).collect()
+    }
+
+    /// Work requests posted and not yet completed, over all devices.
+    pub fn work_requests_in_flight(&self) -> usize {
+        self.shared
+            .devices
+            .iter()
+            .map(|d| d.lock_inflight().count)
+            .sum()
+    }
+
+    /// Slices retried on a fresh endpoint so far.
+    pub fn retried_slices(&self) -> u64 {
+        self.shared.retried.load(Ordering::Relaxed)
     }
 
     /// Passive (target-side) endpoints held now.
@@ -394,6 +413,7 @@ impl Transport for RdmaTransport {
                 peer: peer.clone(),
                 sink: done.clone(),
                 attempts: 0,
+                first_error: None,
             })
             .collect();
         self.shared.dispatch(works);
@@ -737,6 +757,10 @@ impl Shared {
     fn retry_or_fail(self: &Arc<Self>, mut w: Work, text: String, retryable: bool) {
         if retryable && w.attempts < self.config.max_retries && !self.stop.load(Ordering::SeqCst) {
             w.attempts += 1;
+            self.retried.fetch_add(1, Ordering::Relaxed);
+            if w.first_error.is_none() {
+                w.first_error = Some(text.clone());
+            }
             tracing::debug!(
                 slice = w.slice.id,
                 attempt = w.attempts,
@@ -744,10 +768,12 @@ impl Shared {
             );
             self.dispatch(vec![w]);
         } else {
-            let msg = if w.attempts > 0 {
-                format!("{text} (after {} retries)", w.attempts)
-            } else {
-                text
+            let msg = match (&w.first_error, w.attempts) {
+                (_, 0) => text,
+                (Some(first), n) if *first != text => {
+                    format!("{text} (after {n} retries; first failure: {first})")
+                }
+                (_, n) => format!("{text} (after {n} retries)"),
             };
             w.sink.complete(w.slice.id, Err(TransferError::Rdma(msg)));
         }

@@ -341,3 +341,77 @@ fn rdma_garbage_connect_frames_are_refused_without_panicking() {
         .is_err());
     assert_eq!(target.t.passive_endpoints(), 0);
 }
+
+#[test]
+fn rdma_slices_in_flight_on_a_failed_endpoint_are_retried_on_a_fresh_one() {
+    if !rdma_or_skip("rdma_slices_in_flight_on_a_failed_endpoint_are_retried_on_a_fresh_one") {
+        return;
+    }
+    const SLICE: usize = 64 << 10;
+    const N: usize = 512; // 32 MiB: under soft-RoCE most of it is in flight at the disconnect
+    for max_retries in [0, 3] {
+        let target = node(|_| {});
+        let init = node(|c| c.rdma.max_retries = max_retries);
+        let remote = vec![0u8; N * SLICE];
+        let local: Vec<u8> = (0..N * SLICE)
+            .map(|i| (i % 253) as u8 ^ (i >> 16) as u8)
+            .collect();
+        let (_, keys) = register(&target, remote.as_ptr() as u64, remote.len() as u64);
+        let (lr, _) = register(&init, local.as_ptr() as u64, local.len() as u64);
+        let peer = Arc::new(SegmentDescriptor {
+            name: target.name.clone(),
+            instance_id: target.instance,
+            transport: target.t.local_info(),
+            buffers: vec![BufferDesc {
+                region: MemoryRegion {
+                    addr: remote.as_ptr() as u64,
+                    len: remote.len() as u64,
+                    location: Location::Cpu,
+                },
+                keys,
+            }],
+        });
+        let slices = (0..N)
+            .map(|i| Slice {
+                id: i as u32,
+                op: Op::Write,
+                local_addr: lr.addr + (i * SLICE) as u64,
+                local_region: lr,
+                remote_addr: remote.as_ptr() as u64 + (i * SLICE) as u64,
+                remote_buffer: 0,
+                len: SLICE as u64,
+            })
+            .collect();
+        let st = BatchState::new(N as u32);
+        init.t.post(&peer, slices, CompletionSink::new(st.clone()));
+        let t0 = std::time::Instant::now();
+        while init.t.work_requests_in_flight() < N / 2 && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let in_flight = init.t.work_requests_in_flight();
+        // the target drops its side (as a restarted peer would): no more ACKs, the initiator's
+        // work requests exceed their retries, the endpoint fails
+        target.t.disconnect(&init.name);
+        eprintln!(
+            "max_retries {max_retries}: disconnected with {in_flight} work requests in flight"
+        );
+        let _ = st.wait(Duration::from_secs(120));
+        let retried = init.t.retried_slices();
+        match (max_retries, st.status()) {
+            (0, BatchStatus::Failed(t)) => {
+                eprintln!("no retries: {t}");
+                assert!(
+                    t.to_lowercase().contains("retry"),
+                    "the retry-exceeded status is named: {t}"
+                );
+            }
+            (0, s) => panic!("with no retries a flushed slice must fail: {s:?}"),
+            (_, BatchStatus::Completed) => {
+                eprintln!("{retried} slices retried on a fresh endpoint");
+                assert!(retried > 0, "the disconnect hit no work request in flight");
+                assert!(remote == local, "bytes differ after the retries");
+            }
+            (_, s) => panic!("retries on a fresh endpoint must complete the batch: {s:?}"),
+        }
+    }
+}

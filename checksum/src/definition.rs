@@ -131,9 +131,12 @@ pub fn layer_block_checksum(
         let mut offsets = vec![0usize; n as usize];
         for k in 0..parts {
             for hg in 0..row_groups {
-                for (t, off) in offsets.iter_mut().enumerate() {
-                    let t = t as u64;
-                    *off = g.byte_offset(k, kb0 + t / nk, t % nk, hg, 0) as usize;
+                let stride_n = g.stride_of(Dim::N) as usize;
+                for (i, kb_offsets) in offsets.chunks_mut(nk as usize).enumerate() {
+                    let base = g.byte_offset(k, kb0 + i as u64, 0, hg, 0) as usize;
+                    for (tt, off) in kb_offsets.iter_mut().enumerate() {
+                        *off = base + tt * stride_n;
+                    }
                 }
                 let h0 = (k * heads + hg) as usize;
                 let hn = heads_per_row as usize;

@@ -284,23 +284,55 @@ fn rows_by_chunks(
     let len = colsum.len() * 8;
     let tile = (TILE_BYTES / len.max(1)).max(1);
     for tile_offsets in offsets.chunks(tile) {
-        for &off in tile_offsets {
-            let row = &bytes[off..off + len];
-            for ((head, a), s) in row
-                .chunks_exact(chunks_per_head * 64)
-                .zip(ra.iter_mut())
-                .zip(rs.iter_mut())
-            {
-                let mut r = [0u64; 8];
-                for x in head.chunks_exact(64) {
-                    for l in 0..8 {
-                        r[l] = r[l].wrapping_add(u64::from_le_bytes(
-                            x[l * 8..l * 8 + 8].try_into().expect("8 bytes"),
-                        ));
+        let first = tile_offsets[0];
+        let contiguous = tile_offsets
+            .iter()
+            .enumerate()
+            .all(|(i, &o)| o == first + i * len);
+        if contiguous {
+            // Rows back to back (token-major within a kernel block): one flat pass over the tile,
+            // each head's sum folded every `chunks_per_head` chunks.
+            let region = &bytes[first..first + tile_offsets.len() * len];
+            let heads = ra.len();
+            let mut r = [0u64; 8];
+            let (mut h, mut k) = (0usize, 0usize);
+            for x in region.chunks_exact(64) {
+                for l in 0..8 {
+                    r[l] = r[l].wrapping_add(u64::from_le_bytes(
+                        x[l * 8..l * 8 + 8].try_into().expect("8 bytes"),
+                    ));
+                }
+                k += 1;
+                if k == chunks_per_head {
+                    ra[h] = ra[h].wrapping_add(fold8(&r));
+                    rs[h] = rs[h].wrapping_add(ra[h]);
+                    r = [0u64; 8];
+                    k = 0;
+                    h += 1;
+                    if h == heads {
+                        h = 0;
                     }
                 }
-                *a = a.wrapping_add(fold8(&r));
-                *s = s.wrapping_add(*a);
+            }
+        } else {
+            for &off in tile_offsets {
+                let row = &bytes[off..off + len];
+                for ((head, a), s) in row
+                    .chunks_exact(chunks_per_head * 64)
+                    .zip(ra.iter_mut())
+                    .zip(rs.iter_mut())
+                {
+                    let mut r = [0u64; 8];
+                    for x in head.chunks_exact(64) {
+                        for l in 0..8 {
+                            r[l] = r[l].wrapping_add(u64::from_le_bytes(
+                                x[l * 8..l * 8 + 8].try_into().expect("8 bytes"),
+                            ));
+                        }
+                    }
+                    *a = a.wrapping_add(fold8(&r));
+                    *s = s.wrapping_add(*a);
+                }
             }
         }
         for (ci, cc) in colsum.chunks_exact_mut(8).enumerate() {

@@ -23,7 +23,7 @@ if [ -z "${SOFTROCE_GUEST:-}" ]; then
     mkdir -p "$OUT"
     OUT=$(realpath "$OUT")
     echo "[suite] building RDMA test executables (release)" >&2
-    cargo test --release -p kvferry-transfer --no-run --message-format=json 2>"$OUT/build.log" \
+    cargo test --release -p kvferry-transfer --features rdma --no-run --message-format=json 2>"$OUT/build.log" \
         | grep -o '"executable":"[^"]*"' | sed 's/"executable":"\(.*\)"/\1/' >"$OUT/executables" \
         || { cat "$OUT/build.log" >&2; exit 1; }
     {
@@ -35,7 +35,7 @@ if [ -z "${SOFTROCE_GUEST:-}" ]; then
     export KVFERRY_BIN=${KVFERRY_BIN:-$CARGO_TARGET_DIR/release/kvferry}
     if [ -z "${SOFTROCE_SKIP_CLI:-}" ]; then
         echo "[suite] building kvferry (release)" >&2
-        cargo build --release -p kvferry --bin kvferry 2>>"$OUT/build.log" || { tail -30 "$OUT/build.log" >&2; exit 1; }
+        cargo build --release -p kvferry --features rdma --bin kvferry 2>>"$OUT/build.log" || { tail -30 "$OUT/build.log" >&2; exit 1; }
     fi
     exec "$HERE/run.sh" -t "${SOFTROCE_TIMEOUT:-1200}" -o "$OUT" "$HERE/suite.sh"
 fi

@@ -57,31 +57,27 @@ fn segment_name(host: &str, port: u16) -> String {
     }
 }
 
-#[cfg(kvferry_rdma_module)]
-fn rdma_probe(c: &RdmaConfig) -> Option<String> {
-    crate::transport::rdma::probe(c)
+/// `Ok(device)` when RDMA is usable, else why not (for the one info line).
+#[cfg(feature = "rdma")]
+fn rdma_probe(c: &RdmaConfig) -> std::result::Result<String, String> {
+    crate::transport::rdma::probe(c).ok_or_else(|| "no usable RDMA device".to_string())
 }
-#[cfg(not(kvferry_rdma_module))]
-fn rdma_probe(_c: &RdmaConfig) -> Option<String> {
-    None
+#[cfg(not(feature = "rdma"))]
+fn rdma_probe(_c: &RdmaConfig) -> std::result::Result<String, String> {
+    Err("this build has no RDMA transport (cargo feature `rdma`)".to_string())
 }
-#[cfg(kvferry_rdma_module)]
+#[cfg(feature = "rdma")]
 fn rdma_create(ctx: &TransportContext) -> Result<Arc<dyn Transport>> {
     crate::transport::rdma::create(ctx)
 }
-#[cfg(not(kvferry_rdma_module))]
+#[cfg(not(feature = "rdma"))]
 fn rdma_create(_ctx: &TransportContext) -> Result<Arc<dyn Transport>> {
     Err(TransferError::Config(
         "this build has no RDMA transport".into(),
     ))
 }
-#[cfg(kvferry_gpu_module)]
 fn memory_access() -> Arc<dyn MemoryAccess> {
     crate::gpu::memory_access()
-}
-#[cfg(not(kvferry_gpu_module))]
-fn memory_access() -> Arc<dyn MemoryAccess> {
-    Arc::new(crate::memory::HostMemoryAccess)
 }
 
 /// Picks the transport per `config.transport`; returns it with the reason for the info line.
@@ -92,22 +88,20 @@ fn choose_transport(ctx: &TransportContext) -> Result<(Arc<dyn Transport>, Strin
     match ctx.config.transport {
         TransportKind::Tcp => tcp("configured".into()),
         TransportKind::Rdma => match rdma_probe(&ctx.config.rdma) {
-            Some(dev) => Ok((rdma_create(ctx)?, format!("configured; device {dev}"))),
-            None => Err(TransferError::Config(
-                "transport rdma was requested but no usable RDMA device was found \
-                 (no device with an active port, or this build has no RDMA transport); use tcp or auto"
-                    .into(),
-            )),
+            Ok(dev) => Ok((rdma_create(ctx)?, format!("configured; device {dev}"))),
+            Err(why) => Err(TransferError::Config(format!(
+                "transport rdma was requested but RDMA is not usable here ({why}); use tcp or auto"
+            ))),
         },
         TransportKind::Auto => match rdma_probe(&ctx.config.rdma) {
-            Some(dev) => match rdma_create(ctx) {
+            Ok(dev) => match rdma_create(ctx) {
                 Ok(t) => Ok((t, format!("auto: RDMA device {dev}"))),
                 Err(e) => {
                     tracing::warn!("RDMA device {dev} found but unusable ({e}); falling back to TCP");
                     tcp(format!("auto: RDMA device {dev} unusable"))
                 }
             },
-            None => tcp("auto: no usable RDMA device".into()),
+            Err(why) => tcp(format!("auto: {why}")),
         },
     }
 }

@@ -8,13 +8,12 @@
 //! it never panics inside a tokio runtime (it does block that thread: from async code, call
 //! `submit` and then `wait_async`, or wrap sync helpers in `spawn_blocking`).
 //!
-//! Extension points filled by other modules, compiled when their files exist (`build.rs`):
-//! - `transport/rdma/mod.rs`: `pub fn probe(&RdmaConfig) -> Option<String>` and
-//!   `pub fn create(&TransportContext) -> Result<Arc<dyn Transport>>` (see `transport`).
-//! - `gpu/mod.rs`: `pub fn memory_access() -> Arc<dyn MemoryAccess>`: copies to and from
-//!   `cuda:N` memory (pinned staging) for the TCP transport; it must fall back to refusing
-//!   `cuda:N` with `Unsupported` when CUDA is absent, never panic. Without it, registering
-//!   `cuda:N` memory on TCP is `Unsupported` ("GPU memory needs the GPU memory backend").
+//! Modules behind the engine:
+//! - `transport/rdma/` (cargo feature `rdma`; its verbs bindings need cmake and libclang):
+//!   `probe(&RdmaConfig) -> Option<String>` and `create(&TransportContext)`; without the
+//!   feature the engine treats RDMA as absent and its one info line says so.
+//! - `gpu/`: `memory_access()`: copies to and from `cuda:N` memory through pinned staging for
+//!   the TCP transport; where CUDA is absent it refuses `cuda:N` with `Unsupported`, never panics.
 //!
 //! Security model: as in Mooncake, any host that reaches the listeners may READ and WRITE the
 //! registered regions (no authentication); the target checks every TCP request against its
@@ -31,7 +30,6 @@ pub mod segment;
 pub mod transport;
 pub mod types;
 
-#[cfg(kvferry_gpu_module)]
 pub mod gpu;
 
 pub use config::{EngineConfig, RdmaConfig, TcpConfig};

@@ -32,14 +32,14 @@ const COPY_DEADLINE: Duration = Duration::from_secs(30);
 /// The `MemoryAccess` for `cuda:N` (and host) memory; installs the dma-buf exporter for the
 /// RDMA transport when it is built. Never panics; CUDA is probed on first use.
 pub fn memory_access() -> Arc<dyn MemoryAccess> {
-    #[cfg(kvferry_rdma_module)]
+    #[cfg(feature = "rdma")]
     {
         let _ = crate::transport::rdma::set_dmabuf_exporter(rdma_exporter);
     }
     Arc::new(CudaMemoryAccess)
 }
 
-#[cfg(kvferry_rdma_module)]
+#[cfg(feature = "rdma")]
 fn rdma_exporter(region: &MemoryRegion) -> Result<crate::transport::rdma::DmabufRange> {
     let (fd, offset) = export_dmabuf(region)?;
     Ok(crate::transport::rdma::DmabufRange { fd, offset })

@@ -40,8 +40,8 @@
 //! pub fn create(ctx: &crate::transport::TransportContext)
 //!     -> Result<std::sync::Arc<dyn crate::transport::Transport>, crate::error::TransferError>;
 //! ```
-//! The module is compiled when `transport/rdma/mod.rs` exists (`build.rs` sets
-//! `cfg(kvferry_rdma_module)`); before that the engine treats RDMA as absent.
+//! The module is compiled with the cargo feature `rdma` (its verbs bindings need cmake and
+//! libclang to build); without it the engine treats RDMA as absent and says so.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -58,7 +58,7 @@ pub mod completion;
 pub mod tcp;
 mod wire;
 
-#[cfg(kvferry_rdma_module)]
+#[cfg(feature = "rdma")]
 pub mod rdma;
 
 pub use completion::CompletionSink;

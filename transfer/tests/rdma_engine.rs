@@ -24,19 +24,32 @@ fn assert_same(got: &[u8], want: &[u8], what: &str) {
     }
 }
 
+/// `Ok(device)` when an RDMA device is usable, else why not.
+#[cfg(feature = "rdma")]
+fn probe() -> Result<String, String> {
+    kvferry_transfer::transport::rdma::probe(&RdmaConfig::default())
+        .ok_or_else(|| "no usable RDMA device (no libibverbs, no device or no ACTIVE port)".into())
+}
+
+#[cfg(not(feature = "rdma"))]
+fn probe() -> Result<String, String> {
+    let _ = RdmaConfig::default();
+    Err("built without the `rdma` feature".into())
+}
+
 /// True when an RDMA device is usable; else prints the skip reason (or panics when
 /// `KVFERRY_REQUIRE_RDMA=1`).
 fn rdma_or_skip(test: &str) -> bool {
-    match kvferry_transfer::transport::rdma::probe(&RdmaConfig::default()) {
-        Some(dev) => {
+    match probe() {
+        Ok(dev) => {
             eprintln!("{test}: RDMA device {dev}");
             true
         }
-        None => {
+        Err(why) => {
             if std::env::var("KVFERRY_REQUIRE_RDMA").is_ok_and(|v| v == "1") {
-                panic!("{test}: KVFERRY_REQUIRE_RDMA=1 but no usable RDMA device was found");
+                panic!("{test}: KVFERRY_REQUIRE_RDMA=1 but {why}");
             }
-            eprintln!("{test}: skipped: no usable RDMA device (no libibverbs, no device or no ACTIVE port)");
+            eprintln!("{test}: skipped: {why}");
             false
         }
     }

@@ -60,7 +60,7 @@ pub fn parse_sizes(text: &str) -> Result<Vec<u64>, String> {
             _ => (part, 1),
         };
         let n: u64 = num.parse().map_err(|_| format!("{part:?}: not a size (a number with an optional K, M or G)"))?;
-        let v = n.checked_mul(mul).filter(|&v| v > 0).ok_or_else(|| format!("{part:?}: must be between 1 byte and 2^64"))?;
+        let v = n.checked_mul(mul).filter(|&v| v > 0).ok_or_else(|| format!("{part:?}: must be at least 1 and below 2^64"))?;
         out.push(v);
     }
     if out.is_empty() {
@@ -73,6 +73,10 @@ pub fn parse_sizes(text: &str) -> Result<Vec<u64>, String> {
 ///
 /// Errors: bad arguments, engines that cannot start, a failed transfer.
 pub fn run(args: &BenchArgs) -> Result<(), String> {
+    // Fail before the sweep, not after it, when an output file cannot be written.
+    for p in [&args.json_out, &args.csv_out].into_iter().flatten() {
+        std::fs::File::create(p).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
+    }
     let report = run_report(args)?;
     if let Some(p) = &args.json_out {
         std::fs::write(p, serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?).map_err(|e| format!("writing {}: {e}", p.display()))?;
@@ -106,9 +110,9 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
 
 /// Runs the sweep and returns the results.
 pub fn run_report(args: &BenchArgs) -> Result<BenchReport, String> {
-    let sizes = parse_sizes(&args.block_sizes)?;
-    let batches = parse_sizes(&args.batch)?;
-    let threads = parse_sizes(&args.threads)?;
+    let sizes = parse_sizes(&args.block_sizes).map_err(|e| format!("--block-sizes: {e}"))?;
+    let batches = parse_sizes(&args.batch).map_err(|e| format!("--batch: {e}"))?;
+    let threads = parse_sizes(&args.threads).map_err(|e| format!("--threads: {e}"))?;
     if !(args.seconds > 0.0 && args.seconds.is_finite()) {
         return Err(format!("--seconds {}: must be a positive number", args.seconds));
     }

@@ -3,6 +3,26 @@
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 
+/// Most TP or PP ranks per side the CLI starts (each rank has its own engine and threads).
+pub const MAX_RANKS: u32 = 64;
+
+/// Parses a duration in seconds: finite, above 0, at most a day.
+pub fn seconds(text: &str) -> Result<f64, String> {
+    let v: f64 = text.trim().parse().map_err(|_| format!("{text:?} is not a number of seconds"))?;
+    if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
+        return Err(format!("{text:?}: must be more than 0 and at most 86400 seconds"));
+    }
+    Ok(v)
+}
+
+fn ranks(text: &str) -> Result<u32, String> {
+    let v: u32 = text.trim().parse().map_err(|_| format!("{text:?} is not a whole number"))?;
+    if v == 0 || v > MAX_RANKS {
+        return Err(format!("{v}: must be between 1 and {MAX_RANKS}"));
+    }
+    Ok(v)
+}
+
 /// kvferry: peer-to-peer KV-cache transfer for prefill/decode disaggregation
 /// that verifies every load.
 #[derive(Debug, Parser)]
@@ -91,7 +111,7 @@ pub struct CommonArgs {
     #[arg(long, value_enum, default_value_t = FailurePolicyArg::Fail)]
     pub load_failure_policy: FailurePolicyArg,
     /// Seconds a load may take before it fails (request, transfer and reply).
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = 60.0, value_parser = seconds)]
     pub timeout: f64,
 }
 
@@ -100,8 +120,8 @@ pub struct CommonArgs {
 pub struct DemoArgs {
     #[command(flatten)]
     pub common: CommonArgs,
-    /// Number of requests.
-    #[arg(long, default_value_t = 64)]
+    /// Number of requests (at most 100000).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(0..=100_000))]
     pub requests: u32,
     /// Shortest prompt, in tokens.
     #[arg(long, default_value_t = 100)]
@@ -116,16 +136,16 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 0)]
     pub corrupt: u32,
     /// TP ranks of the producer (prefill).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = ranks)]
     pub prefill_tp: u32,
     /// TP ranks of the consumer (decode).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = ranks)]
     pub decode_tp: u32,
     /// PP stages of the producer.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = ranks)]
     pub prefill_pp: u32,
     /// PP stages of the consumer.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = ranks)]
     pub decode_pp: u32,
     /// Print one JSON object instead of the readable summary.
     #[arg(long)]
@@ -140,8 +160,8 @@ pub struct ServeArgs {
     /// Address the control channel (ZeroMQ ROUTER) binds, HOST:PORT.
     #[arg(long, default_value = "127.0.0.1:17100")]
     pub bind: String,
-    /// Number of requests published (the consumer must use the same).
-    #[arg(long, default_value_t = 8)]
+    /// Number of requests published (the consumer must use the same; at most 100000).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(0..=100_000))]
     pub requests: u32,
     /// Shortest prompt, in tokens.
     #[arg(long, default_value_t = 100)]
@@ -165,8 +185,8 @@ pub struct LoadArgs {
     /// The producer's control channel, HOST:PORT.
     #[arg(long)]
     pub producer: String,
-    /// Number of requests to load.
-    #[arg(long, default_value_t = 8)]
+    /// Number of requests to load (at most 100000).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(0..=100_000))]
     pub requests: u32,
     /// Shortest prompt, in tokens (as the producer).
     #[arg(long, default_value_t = 100)]
@@ -198,7 +218,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "1")]
     pub threads: String,
     /// Seconds per point of the sweep.
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = 2.0, value_parser = seconds)]
     pub seconds: f64,
     /// Also checksum every landed batch (CPU backend) and report the overhead.
     #[arg(long)]

@@ -72,6 +72,22 @@ pub struct DemoReport {
     pub checksum_seconds: f64,
     /// Seconds the producer spent "prefilling" (generating KV), not counted in `seconds`.
     pub prefill_seconds: f64,
+    /// Loads whose outcome was not the expected one: an uncorrupted load not verified and
+    /// completed, a corrupted one not a mismatch, or a load that ended in an error. The
+    /// command exits with status 1 when this is not 0.
+    pub unexpected: u32,
+}
+
+/// The consumer's settings for the common options: every wait bounded by `--timeout`.
+pub(crate) fn consumer_config(c: &CommonArgs) -> ConsumerConfig {
+    let timeout = Duration::from_secs_f64(c.timeout);
+    ConsumerConfig {
+        policy: policy_of(c),
+        reply_timeout: timeout,
+        max_wait: timeout,
+        connect_timeout: timeout.min(Duration::from_secs(5)),
+        ..ConsumerConfig::default()
+    }
 }
 
 pub(crate) fn policy_of(c: &CommonArgs) -> Policy {
@@ -100,6 +116,9 @@ pub fn run(args: &DemoArgs) -> Result<(), String> {
     } else {
         print_summary(&report);
     }
+    if report.unexpected > 0 {
+        return Err(format!("{} of {} loads did not end as expected (see the log)", report.unexpected, report.requests));
+    }
     Ok(())
 }
 
@@ -115,9 +134,13 @@ fn check_args(args: &DemoArgs) -> Result<(), String> {
     }
     if args.prefill_tp != args.decode_tp || args.prefill_pp != args.decode_pp {
         return Err(format!(
-            "producer TP{}×PP{} vs consumer TP{}×PP{}: different TP/PP sizes need head mapping in the transfer, not supported yet",
+            "producer TP{}×PP{} vs consumer TP{}×PP{}: the two sides need equal TP and PP sizes for now \
+             (different sizes need KV head and layer mapping in the transfer)",
             args.prefill_tp, args.prefill_pp, args.decode_tp, args.decode_pp
         ));
+    }
+    if !args.common.fail_closed && args.common.load_failure_policy != FailurePolicyArg::Fail {
+        tracing::warn!("--load-failure-policy only acts under --fail-closed; fail-open completes every load");
     }
     Ok(())
 }
@@ -165,13 +188,11 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
         ids.into_iter().take(args.corrupt as usize).collect()
     };
 
-    let timeout = Duration::from_secs_f64(c.timeout);
-    let policy = policy_of(c);
     let producer = rt
         .block_on(Producer::start(ProducerConfig::default(), prod_workers))
         .map_err(|e| format!("starting the producer: {e}"))?;
     let endpoint = producer.endpoint().to_string();
-    let consumer = Consumer::new(ConsumerConfig { policy, reply_timeout: timeout, ..ConsumerConfig::default() }, cons_workers)
+    let consumer = Consumer::new(consumer_config(c), cons_workers)
         .map_err(|e| format!("starting the consumer: {e}"))?;
 
     // The consumer's memory, shared with the landed hook (fault injection).
@@ -242,8 +263,18 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
         let outcome = rt.block_on(consumer.load(spec));
         report.seconds += t1.elapsed().as_secs_f64();
         report.tokens += tokens;
+        let corrupted = corrupt.contains(&i);
         match outcome {
             Ok(o) => {
+                let as_expected = if corrupted {
+                    matches!(o.verdict, Some(Verdict::Mismatch { .. }))
+                } else {
+                    matches!(o.verdict, Some(Verdict::Verified)) && o.action == Action::Complete
+                };
+                if !as_expected {
+                    tracing::error!(request = %request_id, corrupted, verdict = ?o.verdict, action = ?o.action, "unexpected load outcome");
+                    report.unexpected += 1;
+                }
                 report.bytes += o.bytes;
                 report.checksum_seconds += o.checksum_seconds;
                 match &o.verdict {
@@ -274,6 +305,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
             Err(e) => {
                 tracing::error!(request = %request_id, "load failed: {e}");
                 report.failed += 1;
+                report.unexpected += 1;
             }
         }
         cons_pool.free(&cblocks);

@@ -8,13 +8,18 @@ use kvferry::cli::{Cli, Command, PayloadAction};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing(cli.log.as_deref());
+    if let Err(msg) = init_tracing(cli.log.as_deref()) {
+        eprintln!("kvferry: error: {msg}");
+        return ExitCode::from(2);
+    }
     let result = match cli.command {
         Command::Demo(args) => kvferry::demo::run(&args),
         Command::Serve(args) => kvferry::roles::serve(&args),
         Command::Load(args) => kvferry::roles::load(&args),
         Command::Bench(args) => kvferry::bench::run(&args),
-        Command::Checksum(_args) => Err("not yet".into()),
+        Command::Checksum(args) => kvferry::spec::checksum_spec(&args.spec)
+            .map_err(|e| e.to_string())
+            .and_then(|v| print_json(&v)),
         Command::Payload { action } => payload(action),
     };
     match result {
@@ -26,17 +31,22 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_tracing(filter: Option<&str>) {
+/// Logs to stderr with the `--log` / KVFERRY_LOG filter (default `info`).
+/// Errors: a filter that does not parse.
+fn init_tracing(filter: Option<&str>) -> Result<(), String> {
     use tracing_subscriber::EnvFilter;
-    let filter = filter
-        .map(str::to_string)
-        .or_else(|| std::env::var("KVFERRY_LOG").ok())
-        .unwrap_or_else(|| "info".to_string());
+    let (filter, from) = match (filter, std::env::var("KVFERRY_LOG")) {
+        (Some(f), _) => (f.to_string(), "--log"),
+        (None, Ok(f)) => (f, "KVFERRY_LOG"),
+        (None, Err(_)) => ("info".to_string(), "default"),
+    };
+    let env_filter = EnvFilter::try_new(&filter).map_err(|e| format!("{from} {filter:?}: not a log filter ({e})"))?;
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_new(&filter).unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_env_filter(env_filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .try_init();
+    Ok(())
 }
 
 fn print_json(v: &serde_json::Value) -> Result<(), String> {
@@ -51,9 +61,9 @@ fn payload(action: PayloadAction) -> Result<(), String> {
         .read_to_string(&mut input)
         .map_err(|e| format!("reading stdin: {e}"))?;
     match action {
-        PayloadAction::Decode => print_json(&serde_json::Value::Null),
+        PayloadAction::Decode => print_json(&kvferry::payload_json::decode_to_json(&input).map_err(|e| e.to_string())?),
         PayloadAction::Encode => {
-            let text = input.clone();
+            let text = kvferry::payload_json::encode_from_json(&input).map_err(|e| e.to_string())?;
             println!("{text}");
             Ok(())
         }

@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 
 use kvferry_checksum::policy::Action;
 use kvferry_checksum::verdict::Verdict;
-use kvferry_p2p::{Consumer, ConsumerConfig, LoadGroup, LoadSpec, Producer, ProducerConfig};
+use kvferry_p2p::{Consumer, LoadGroup, LoadSpec, Producer, ProducerConfig};
 use serde::Serialize;
 
 use crate::cli::{DeviceArg, LoadArgs, ServeArgs};
-use crate::demo::{policy_of, prompt_lengths};
+use crate::demo::{consumer_config, prompt_lengths};
 use crate::models::model_by_name;
 use crate::setup::{engine_config, side_workers, transport_kind};
 use crate::world::{build_side, fill_request, BlockPool, SideConfig, GROUP_ID};
@@ -116,10 +116,7 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
     let ranks = build_side(&side, &engine_config(c))?;
     let (workers, _) = side_workers(&ranks, c)?;
     let rt = tokio::runtime::Runtime::new().map_err(|e| format!("starting the async runtime: {e}"))?;
-    let consumer = Consumer::new(
-        ConsumerConfig { policy: policy_of(c), reply_timeout: Duration::from_secs_f64(c.timeout), ..ConsumerConfig::default() },
-        workers,
-    )
+    let consumer = Consumer::new(consumer_config(c), workers)
     .map_err(|e| format!("starting the consumer: {e}"))?;
     let producer = if args.producer.starts_with("tcp://") { args.producer.clone() } else { format!("tcp://{}", args.producer) };
     let mut report = LoadReport { transport: ranks[0].engine.transport_name().to_string(), requests: args.requests, ..LoadReport::default() };
@@ -156,6 +153,7 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
         }
     }
     report.gb_per_s = if report.seconds > 0.0 { report.bytes as f64 / report.seconds / 1e9 } else { 0.0 };
+    let bad = report.requests - report.verified;
     if args.json {
         println!("{}", serde_json::to_string(&report).map_err(|e| e.to_string())?);
     } else {
@@ -164,6 +162,9 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
             report.requests, report.transport, report.verified, report.mismatch, report.unverified, report.failed, report.recomputed,
             report.bytes as f64 / 1e9, report.seconds, report.gb_per_s
         );
+    }
+    if bad > 0 {
+        return Err(format!("{bad} of {} loads were not verified", report.requests));
     }
     Ok(())
 }

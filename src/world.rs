@@ -134,6 +134,11 @@ impl RankKv {
 /// Errors building a side.
 pub type WorldError = String;
 
+/// "TP rank 1/2, PP rank 0/1": a rank for messages.
+pub fn rank_name(r: RankInfo) -> String {
+    format!("TP rank {}/{}, PP rank {}/{}", r.tp_rank, r.tp_size, r.pp_rank, r.pp_size)
+}
+
 /// Which layers PP stage `stage` of `pp` holds: a contiguous run, earlier stages
 /// taking one more when the count does not divide.
 pub fn stage_layers(layers: u32, pp: u32, stage: u32) -> std::ops::Range<u32> {
@@ -166,6 +171,12 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
     if m.mla == layout.has_kv() {
         return Err(format!("layout {layout_text:?}: {} needs {}", m.name, if m.mla { "no KV dimension" } else { "a KV dimension" }));
     }
+    if layout.dims().last() != Some(&kvferry_checksum::layout::Dim::D) {
+        return Err(format!(
+            "layout {layout_text:?}: the demo's KV generator needs D innermost (as every vLLM layout has); \
+             other layouts are covered by `kvferry checksum --spec` and the checksum tests"
+        ));
+    }
     let heads_per_rank = if m.mla { 1 } else { (m.kv_heads / cfg.tp).max(1) } as u64;
     if !layout.has_heads() && heads_per_rank != 1 {
         return Err(format!("layout {layout_text:?} has no H dimension but each rank holds {heads_per_rank} heads"));
@@ -183,7 +194,7 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
             }
             let specs = match plan_group(GROUP_ID, cfg.block_size, &caches, rank, Some(m.kv_heads)) {
                 GroupPlan::Checksum { layers, .. } => layers,
-                GroupPlan::Skipped { reason, .. } => return Err(format!("rank {rank:?}: the KV cache group cannot be checksummed: {reason}")),
+                GroupPlan::Skipped { reason, .. } => return Err(format!("{}: the KV cache group cannot be checksummed: {reason}", rank_name(rank))),
             };
             let mut layers = Vec::with_capacity(specs.len());
             let mut offset = 0u64;
@@ -204,7 +215,7 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
             };
             let mut ecfg = engine_cfg.clone();
             ecfg.transport = cfg.transport;
-            let engine = TransferEngine::new(ecfg).map_err(|e| format!("starting the transfer engine of rank {rank:?}: {e}"))?;
+            let engine = TransferEngine::new(ecfg).map_err(|e| format!("starting the transfer engine of {}: {e}", rank_name(rank)))?;
             let (addr, location) = match (&gpu, cfg.cuda) {
                 (Some(g), Some(n)) => (g.dev.ptr(), Location::Cuda(n)),
                 _ => (arena.as_ptr() as u64, Location::Cpu),
@@ -212,7 +223,7 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
             // SAFETY: the memory lives as long as the RankKv, which owns the engine handle;
             // the engine is told to forget the region in Drop below.
             unsafe { engine.register_memory(addr, arena.len() as u64, location) }
-                .map_err(|e| format!("registering KV memory of rank {rank:?}: {e}"))?;
+                .map_err(|e| format!("registering KV memory of {}: {e}", rank_name(rank)))?;
             ranks.push(RankKv { rank, layers, arena, gpu, engine });
         }
     }
@@ -293,7 +304,8 @@ pub fn flip_bit(rank: &mut RankKv, layer: usize, blocks: &[u64], token: u64, hea
     let block = blocks[(token / g.block_size()) as usize];
     let t = token % g.block_size();
     let kb = block * g.kernel_blocks_per_block + t / g.tokens_per_kernel_block;
-    let at = (l.offset + g.byte_offset(part, kb, t % g.tokens_per_kernel_block, head, 0) + byte) as usize;
+    let (d, b) = (byte / g.elem.get(), byte % g.elem.get());
+    let at = (l.offset + g.byte_offset(part, kb, t % g.tokens_per_kernel_block, head, d) + b) as usize;
     match &rank.gpu {
         None => rank.arena[at] ^= 1 << bit,
         Some(gpu) => {

@@ -147,3 +147,74 @@ fn serve_and_load_as_two_processes() {
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(n(&r, "verified"), 5, "{r}");
 }
+
+#[test]
+fn bad_durations_and_rank_counts_are_refused_without_panic() {
+    for args in [
+        vec!["demo", "--timeout=-1"],
+        vec!["demo", "--timeout", "nan"],
+        vec!["demo", "--timeout", "0"],
+        vec!["demo", "--timeout", "1e300"],
+        vec!["demo", "--prefill-tp", "100000", "--decode-tp", "100000"],
+        vec!["bench", "--seconds", "1e300"],
+        vec!["--log", "[[[", "demo"],
+    ] {
+        let out = kvferry().args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} should be refused");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn payload_encode_decode_round_trip_and_junk_is_an_error() {
+    let json = r#"{"version":1,"tp_size":2,"num_tokens":40,"groups":[{"group_id":0,"fingerprint":"0x0000000000000001","block_size":16,"start":0,"values":["0x0000000000000002","0xffffffffffffffff","0x00000000000000aa"]}]}"#;
+    let run = |args: &[&str], input: &str| {
+        let mut child = kvferry().args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let enc = run(&["payload", "encode"], json);
+    assert!(enc.status.success(), "{}", String::from_utf8_lossy(&enc.stderr));
+    let b64 = String::from_utf8(enc.stdout).unwrap();
+    let dec = run(&["payload", "decode"], &b64);
+    assert!(dec.status.success(), "{}", String::from_utf8_lossy(&dec.stderr));
+    let back: Value = serde_json::from_slice(&dec.stdout).unwrap();
+    assert_eq!(back, serde_json::from_str::<Value>(json).unwrap());
+    for junk in ["", "hello!!", "AAAA", "lAEBKJGVAM8SNFZ4kKvN7xAAxBgBAAAAAAAAAAIAAAAAAAAAAwAAAAAAAA"] {
+        let out = run(&["payload", "decode"], junk);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{junk:?} decoded: {}", String::from_utf8_lossy(&out.stdout));
+        assert!(!err.contains("panicked") && err.contains("error"), "{junk:?}: {err}");
+    }
+    let out = run(&["payload", "encode"], r#"{"version":1}"#);
+    assert!(!out.status.success());
+}
+
+#[test]
+fn checksum_spec_command_prints_the_definitions_values_and_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    // KV B N H D with B=4, N=16, H=2, D=8, bf16: 2*4*16*2*8*2 bytes of arbitrary data.
+    let bytes: Vec<u8> = (0..2 * 4 * 16 * 2 * 8 * 2u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    std::fs::write(dir.path().join("l7.bin"), &bytes).unwrap();
+    let spec = r#"{"num_tokens": 40, "groups": [{"group_id": 0, "block_size": 16, "start": 0, "block_ids": [3, 1, 2],
+        "layers": [{"name": "model.layers.7.self_attn.attn", "path": "l7.bin", "layout": "KV B N H D",
+                    "dims": {"B": 4, "N": 16, "H": 2, "D": 8}, "elem_bytes": 2, "kernel_blocks": 1, "head_offset": 0,
+                    "kind": "FullAttentionSpec", "dtype": "torch.bfloat16"}]}]}"#;
+    let path = dir.path().join("spec.json");
+    std::fs::write(&path, spec).unwrap();
+    let out = kvferry().args(["checksum", "--spec"]).arg(&path).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(got, kvferry::spec::checksum_spec(&path).unwrap());
+    let values = got["groups"][0]["values"].as_array().unwrap();
+    assert_eq!(values.len(), 3);
+    assert!(values.iter().all(|v| v.as_str().unwrap().len() == 18), "{got}");
+    assert!(got["groups"][0]["fingerprint"].is_string());
+    // A file of the wrong size is an error naming the field.
+    std::fs::write(dir.path().join("l7.bin"), &bytes[1..]).unwrap();
+    let out = kvferry().args(["checksum", "--spec"]).arg(&path).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("path"), "{err}");
+}

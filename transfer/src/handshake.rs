@@ -253,10 +253,13 @@ impl HandshakeServer {
 impl Drop for HandshakeServer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        // wake the blocking accept
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(500));
+        // Wake the blocking accept. If that connect fails (e.g. no file descriptors left),
+        // the thread may never wake: leave it detached rather than block the drop forever.
+        let woke = TcpStream::connect_timeout(&self.addr, Duration::from_millis(500)).is_ok();
         if let Some(t) = self.accept.take() {
-            let _ = t.join();
+            if woke {
+                let _ = t.join();
+            }
         }
     }
 }

@@ -198,9 +198,13 @@ impl Transport for TcpTransport {
             p.close();
         }
         self.server.stop.store(true, Ordering::SeqCst);
-        let _ = TcpStream::connect_timeout(&self.listen_addr, Duration::from_millis(500));
+        // Wake the blocking accept; if that fails (no file descriptors left) the thread may
+        // never wake, so it is left detached instead of blocking shutdown forever.
+        let woke = TcpStream::connect_timeout(&self.listen_addr, Duration::from_millis(500)).is_ok();
         if let Some(t) = self.accept.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            let _ = t.join();
+            if woke {
+                let _ = t.join();
+            }
         }
         // Close served connections so no thread touches registered memory after we return.
         for (_, s) in self

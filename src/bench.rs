@@ -59,8 +59,13 @@ pub fn parse_sizes(text: &str) -> Result<Vec<u64>, String> {
             Some('G') => (&part[..part.len() - 1], 1 << 30),
             _ => (part, 1),
         };
-        let n: u64 = num.parse().map_err(|_| format!("{part:?}: not a size (a number with an optional K, M or G)"))?;
-        let v = n.checked_mul(mul).filter(|&v| v > 0).ok_or_else(|| format!("{part:?}: must be at least 1 and below 2^64"))?;
+        let n: u64 = num
+            .parse()
+            .map_err(|_| format!("{part:?}: not a size (a number with an optional K, M or G)"))?;
+        let v = n
+            .checked_mul(mul)
+            .filter(|&v| v > 0)
+            .ok_or_else(|| format!("{part:?}: must be at least 1 and below 2^64"))?;
         out.push(v);
     }
     if out.is_empty() {
@@ -79,29 +84,55 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
     }
     let report = run_report(args)?;
     if let Some(p) = &args.json_out {
-        std::fs::write(p, serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?).map_err(|e| format!("writing {}: {e}", p.display()))?;
+        std::fs::write(
+            p,
+            serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?,
+        )
+        .map_err(|e| format!("writing {}: {e}", p.display()))?;
     }
     if let Some(p) = &args.csv_out {
         let mut csv = String::from("transport,block_size,batch,threads,gb_per_s,avg_latency_us,p99_latency_us,batches,checksum_overhead\n");
         for pt in &report.points {
             csv += &format!(
                 "{},{},{},{},{:.4},{:.1},{:.1},{},{}\n",
-                report.transport, pt.block_size, pt.batch, pt.threads, pt.gb_per_s, pt.avg_latency_us, pt.p99_latency_us, pt.batches,
-                pt.checksum_overhead.map(|v| format!("{v:.4}")).unwrap_or_default()
+                report.transport,
+                pt.block_size,
+                pt.batch,
+                pt.threads,
+                pt.gb_per_s,
+                pt.avg_latency_us,
+                pt.p99_latency_us,
+                pt.batches,
+                pt.checksum_overhead
+                    .map(|v| format!("{v:.4}"))
+                    .unwrap_or_default()
             );
         }
         std::fs::write(p, csv).map_err(|e| format!("writing {}: {e}", p.display()))?;
     }
     if args.json {
-        println!("{}", serde_json::to_string(&report).map_err(|e| e.to_string())?);
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(|e| e.to_string())?
+        );
     } else {
         println!("transport {}", report.transport);
-        println!("{:>10} {:>6} {:>7} {:>10} {:>12} {:>12} {:>9}", "block", "batch", "threads", "GB/s", "avg lat us", "p99 lat us", "cksum/xfer");
+        println!(
+            "{:>10} {:>6} {:>7} {:>10} {:>12} {:>12} {:>9}",
+            "block", "batch", "threads", "GB/s", "avg lat us", "p99 lat us", "cksum/xfer"
+        );
         for p in &report.points {
             println!(
                 "{:>10} {:>6} {:>7} {:>10.3} {:>12.1} {:>12.1} {:>9}",
-                p.block_size, p.batch, p.threads, p.gb_per_s, p.avg_latency_us, p.p99_latency_us,
-                p.checksum_overhead.map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into())
+                p.block_size,
+                p.batch,
+                p.threads,
+                p.gb_per_s,
+                p.avg_latency_us,
+                p.p99_latency_us,
+                p.checksum_overhead
+                    .map(|v| format!("{v:.3}"))
+                    .unwrap_or_else(|| "-".into())
             );
         }
     }
@@ -114,32 +145,58 @@ pub fn run_report(args: &BenchArgs) -> Result<BenchReport, String> {
     let batches = parse_sizes(&args.batch).map_err(|e| format!("--batch: {e}"))?;
     let threads = parse_sizes(&args.threads).map_err(|e| format!("--threads: {e}"))?;
     if !(args.seconds > 0.0 && args.seconds.is_finite()) {
-        return Err(format!("--seconds {}: must be a positive number", args.seconds));
+        return Err(format!(
+            "--seconds {}: must be a positive number",
+            args.seconds
+        ));
     }
-    let cfg = EngineConfig { transport: transport_kind(args.transport), ..EngineConfig::default() };
-    let src_engine = TransferEngine::new(cfg.clone()).map_err(|e| format!("starting the source engine: {e}"))?;
-    let dst_engine = TransferEngine::new(cfg).map_err(|e| format!("starting the target engine: {e}"))?;
+    let cfg = EngineConfig {
+        transport: transport_kind(args.transport),
+        ..EngineConfig::default()
+    };
+    let src_engine =
+        TransferEngine::new(cfg.clone()).map_err(|e| format!("starting the source engine: {e}"))?;
+    let dst_engine =
+        TransferEngine::new(cfg).map_err(|e| format!("starting the target engine: {e}"))?;
     let transport = src_engine.transport_name().to_string();
     let mut points = Vec::new();
     for &bs in &sizes {
         for &batch in &batches {
             for &nthreads in &threads {
-                let per_thread = bs.checked_mul(batch).ok_or("block size × batch overflows")?;
+                let per_thread = bs
+                    .checked_mul(batch)
+                    .ok_or("block size × batch overflows")?;
                 let total = per_thread.checked_mul(nthreads).filter(|&t| t <= 8 << 30).ok_or_else(|| {
                     format!("block {bs} × batch {batch} × threads {nthreads}: more than 8 GiB of buffers")
                 })?;
-                let mut src = MmapMut::map_anon(total as usize).map_err(|e| format!("allocating {total} bytes: {e}"))?;
-                let dst = MmapMut::map_anon(total as usize).map_err(|e| format!("allocating {total} bytes: {e}"))?;
+                let mut src = MmapMut::map_anon(total as usize)
+                    .map_err(|e| format!("allocating {total} bytes: {e}"))?;
+                let dst = MmapMut::map_anon(total as usize)
+                    .map_err(|e| format!("allocating {total} bytes: {e}"))?;
                 for (i, b) in src.iter_mut().enumerate() {
                     *b = (i as u8).wrapping_mul(31) ^ (i >> 12) as u8;
                 }
                 let (sa, da) = (src.as_ptr() as u64, dst.as_ptr() as u64);
                 // SAFETY: both maps outlive the registrations (unregistered below before they drop).
                 unsafe {
-                    src_engine.register_memory(sa, total, Location::Cpu).map_err(|e| e.to_string())?;
-                    dst_engine.register_memory(da, total, Location::Cpu).map_err(|e| e.to_string())?;
+                    src_engine
+                        .register_memory(sa, total, Location::Cpu)
+                        .map_err(|e| e.to_string())?;
+                    dst_engine
+                        .register_memory(da, total, Location::Cpu)
+                        .map_err(|e| e.to_string())?;
                 }
-                let point = sweep_point(&src_engine, &dst_engine.segment_name(), sa, da, bs, batch, nthreads, args.seconds, args.checksum.then_some(&dst));
+                let point = sweep_point(
+                    &src_engine,
+                    &dst_engine.segment_name(),
+                    sa,
+                    da,
+                    bs,
+                    batch,
+                    nthreads,
+                    args.seconds,
+                    args.checksum.then_some(&dst),
+                );
                 let _ = src_engine.unregister_memory(sa);
                 let _ = dst_engine.unregister_memory(da);
                 points.push(point?);
@@ -161,7 +218,9 @@ fn sweep_point(
     seconds: f64,
     checksum_over: Option<&MmapMut>,
 ) -> Result<BenchPoint, String> {
-    let seg = engine.open_segment(target).map_err(|e| format!("opening segment {target}: {e}"))?;
+    let seg = engine
+        .open_segment(target)
+        .map_err(|e| format!("opening segment {target}: {e}"))?;
     let stop = Arc::new(AtomicBool::new(false));
     let latencies = Arc::new(Mutex::new(Vec::<f64>::new()));
     let checksum_secs = Arc::new(Mutex::new(0f64));
@@ -170,21 +229,36 @@ fn sweep_point(
     let result: Result<(), String> = std::thread::scope(|s| {
         let mut handles = Vec::new();
         for t in 0..threads {
-            let (stop, lat, seg, cks) = (stop.clone(), latencies.clone(), seg.clone(), checksum_secs.clone());
+            let (stop, lat, seg, cks) = (
+                stop.clone(),
+                latencies.clone(),
+                seg.clone(),
+                checksum_secs.clone(),
+            );
             handles.push(s.spawn(move || -> Result<(), String> {
                 let base = t * bs * batch;
                 let reqs: Vec<TransferRequest> = (0..batch)
-                    .map(|i| TransferRequest { op: Op::Write, local_addr: src + base + i * bs, remote_addr: dst + base + i * bs, len: bs })
+                    .map(|i| TransferRequest {
+                        op: Op::Write,
+                        local_addr: src + base + i * bs,
+                        remote_addr: dst + base + i * bs,
+                        len: bs,
+                    })
                     .collect();
                 while !stop.load(Ordering::Relaxed) {
                     let t0 = Instant::now();
                     let id = engine.submit(&seg, &reqs).map_err(|e| e.to_string())?;
-                    engine.wait(id, Duration::from_secs(60)).map_err(|e| e.to_string())?;
+                    engine
+                        .wait(id, Duration::from_secs(60))
+                        .map_err(|e| e.to_string())?;
                     lat.lock().unwrap().push(t0.elapsed().as_secs_f64());
                     if let Some(bytes) = dst_bytes {
                         let c0 = Instant::now();
                         let region = &bytes[base as usize..(base + bs * batch) as usize];
-                        let words: Vec<u64> = region.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+                        let words: Vec<u64> = region
+                            .chunks_exact(8)
+                            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                            .collect();
                         std::hint::black_box(slice_checksum(&words, 0));
                         *cks.lock().unwrap() += c0.elapsed().as_secs_f64();
                     }
@@ -194,7 +268,13 @@ fn sweep_point(
         }
         std::thread::sleep(Duration::from_secs_f64(seconds));
         stop.store(true, Ordering::Relaxed);
-        handles.into_iter().map(|h| h.join().map_err(|_| "a bench thread panicked".to_string())?).collect()
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .map_err(|_| "a bench thread panicked".to_string())?
+            })
+            .collect()
     });
     result?;
     let elapsed = start.elapsed().as_secs_f64();
@@ -202,10 +282,14 @@ fn sweep_point(
     lat.sort_by(|a, b| a.total_cmp(b));
     let n = lat.len() as u64;
     if n == 0 {
-        return Err(format!("block {bs} batch {batch}: no batch completed in {seconds} s"));
+        return Err(format!(
+            "block {bs} batch {batch}: no batch completed in {seconds} s"
+        ));
     }
     let xfer_secs: f64 = lat.iter().sum();
-    let p99 = lat[((lat.len() as f64 * 0.99).ceil() as usize).saturating_sub(1).min(lat.len() - 1)];
+    let p99 = lat[((lat.len() as f64 * 0.99).ceil() as usize)
+        .saturating_sub(1)
+        .min(lat.len() - 1)];
     let cks = *checksum_secs.lock().unwrap();
     Ok(BenchPoint {
         block_size: bs,
@@ -225,7 +309,10 @@ mod tests {
 
     #[test]
     fn sizes_parse_with_suffixes() {
-        assert_eq!(parse_sizes("64K, 1M,4096").unwrap(), vec![65536, 1 << 20, 4096]);
+        assert_eq!(
+            parse_sizes("64K, 1M,4096").unwrap(),
+            vec![65536, 1 << 20, 4096]
+        );
         assert!(parse_sizes("").is_err());
         assert!(parse_sizes("0").is_err());
         assert!(parse_sizes("12Q").is_err());

@@ -8,15 +8,23 @@ pub const MAX_RANKS: u32 = 64;
 
 /// Parses a duration in seconds: finite, above 0, at most a day.
 pub fn seconds(text: &str) -> Result<f64, String> {
-    let v: f64 = text.trim().parse().map_err(|_| format!("{text:?} is not a number of seconds"))?;
+    let v: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
     if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
-        return Err(format!("{text:?}: must be more than 0 and at most 86400 seconds"));
+        return Err(format!(
+            "{text:?}: must be more than 0 and at most 86400 seconds"
+        ));
     }
     Ok(v)
 }
 
 fn ranks(text: &str) -> Result<u32, String> {
-    let v: u32 = text.trim().parse().map_err(|_| format!("{text:?} is not a whole number"))?;
+    let v: u32 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a whole number"))?;
     if v == 0 || v > MAX_RANKS {
         return Err(format!("{v}: must be between 1 and {MAX_RANKS}"));
     }
@@ -26,7 +34,13 @@ fn ranks(text: &str) -> Result<u32, String> {
 /// kvferry: peer-to-peer KV-cache transfer for prefill/decode disaggregation
 /// that verifies every load.
 #[derive(Debug, Parser)]
-#[command(name = "kvferry", version, about, propagate_version = true, args_override_self = true)]
+#[command(
+    name = "kvferry",
+    version,
+    about,
+    propagate_version = true,
+    args_override_self = true
+)]
 pub struct Cli {
     /// Log filter (tracing's env-filter syntax), also read from KVFERRY_LOG.
     #[arg(long, global = true)]

@@ -15,14 +15,18 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvferry_checksum::policy::{Action, LoadFailurePolicy, Policy};
 use kvferry_checksum::verdict::Verdict;
-use kvferry_p2p::{Consumer, ConsumerConfig, Landed, LoadGroup, LoadSpec, Producer, ProducerConfig};
+use kvferry_p2p::{
+    Consumer, ConsumerConfig, Landed, LoadGroup, LoadSpec, Producer, ProducerConfig,
+};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use crate::cli::{CommonArgs, DemoArgs, DeviceArg, FailurePolicyArg};
 use crate::models::model_by_name;
 use crate::setup::{engine_config, side_workers, transport_kind};
-use crate::world::{blocks_equal, build_side, fill_request, flip_bit, BlockPool, RankKv, SideConfig, GROUP_ID};
+use crate::world::{
+    blocks_equal, build_side, fill_request, flip_bit, BlockPool, RankKv, SideConfig, GROUP_ID,
+};
 
 /// The demo's result, printed as JSON with `--json`.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -112,22 +116,34 @@ pub fn prompt_lengths(n: u32, min: u64, max: u64, seed: u64) -> Vec<u64> {
 pub fn run(args: &DemoArgs) -> Result<(), String> {
     let report = run_report(args)?;
     if args.json {
-        println!("{}", serde_json::to_string(&report).map_err(|e| e.to_string())?);
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(|e| e.to_string())?
+        );
     } else {
         print_summary(&report);
     }
     if report.unexpected > 0 {
-        return Err(format!("{} of {} loads did not end as expected (see the log)", report.unexpected, report.requests));
+        return Err(format!(
+            "{} of {} loads did not end as expected (see the log)",
+            report.unexpected, report.requests
+        ));
     }
     Ok(())
 }
 
 fn check_args(args: &DemoArgs) -> Result<(), String> {
     if args.min_tokens == 0 || args.min_tokens > args.max_tokens {
-        return Err(format!("--min-tokens {} / --max-tokens {}: need 1 <= min <= max", args.min_tokens, args.max_tokens));
+        return Err(format!(
+            "--min-tokens {} / --max-tokens {}: need 1 <= min <= max",
+            args.min_tokens, args.max_tokens
+        ));
     }
     if args.corrupt > args.requests {
-        return Err(format!("--corrupt {}: at most --requests ({})", args.corrupt, args.requests));
+        return Err(format!(
+            "--corrupt {}: at most --requests ({})",
+            args.corrupt, args.requests
+        ));
     }
     if args.common.block_size == 0 {
         return Err("--block-size 0: must be at least 1".into());
@@ -140,7 +156,9 @@ fn check_args(args: &DemoArgs) -> Result<(), String> {
         ));
     }
     if !args.common.fail_closed && args.common.load_failure_policy != FailurePolicyArg::Fail {
-        tracing::warn!("--load-failure-policy only acts under --fail-closed; fail-open completes every load");
+        tracing::warn!(
+            "--load-failure-policy only acts under --fail-closed; fail-open completes every load"
+        );
     }
     Ok(())
 }
@@ -152,7 +170,11 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
     let model = model_by_name(&c.model)?.clone();
     let lengths = prompt_lengths(args.requests, args.min_tokens, args.max_tokens, args.seed);
     let blocks_per_req = |t: u64| t.div_ceil(c.block_size);
-    let max_blocks = lengths.iter().map(|&t| blocks_per_req(t)).max().unwrap_or(1);
+    let max_blocks = lengths
+        .iter()
+        .map(|&t| blocks_per_req(t))
+        .max()
+        .unwrap_or(1);
     // Room for a couple of requests in flight on each side.
     let num_blocks = max_blocks * 2 + 1;
     let transport = transport_kind(c.transport);
@@ -204,7 +226,16 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
         consumer.set_landed_hook(Some(Arc::new(move |_landed: &Landed| {
             if let Some(f) = pending.lock().unwrap().take() {
                 let mut r = ranks.lock().unwrap();
-                if let Err(e) = flip_bit(&mut r[f.rank], f.layer, &f.blocks, f.token, f.head, f.part, f.byte, f.bit) {
+                if let Err(e) = flip_bit(
+                    &mut r[f.rank],
+                    f.layer,
+                    &f.blocks,
+                    f.token,
+                    f.head,
+                    f.part,
+                    f.byte,
+                    f.bit,
+                ) {
                     tracing::error!("fault injection failed: {e}");
                 }
             }
@@ -226,7 +257,10 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
     };
     let bar = if std::io::stderr().is_terminal() && !args.json {
         let b = ProgressBar::new(args.requests as u64);
-        b.set_style(ProgressStyle::with_template("{spinner} {bar:40} {pos}/{len} loads {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+        b.set_style(
+            ProgressStyle::with_template("{spinner} {bar:40} {pos}/{len} loads {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
         b
     } else {
         ProgressBar::hidden()
@@ -244,7 +278,11 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
         report.prefill_seconds += t0.elapsed().as_secs_f64();
         let request_id = format!("req-{i}");
         let info = rt
-            .block_on(producer.publish(&request_id, vec![pblocks.iter().map(|&b| Some(b)).collect()], tokens))
+            .block_on(producer.publish(
+                &request_id,
+                vec![pblocks.iter().map(|&b| Some(b)).collect()],
+                tokens,
+            ))
             .map_err(|e| format!("publishing {request_id}: {e}"))?;
         report.checksum_seconds += info.checksum_seconds;
         if corrupt.contains(&i) {
@@ -255,7 +293,11 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
         let spec = LoadSpec {
             request_id: request_id.clone(),
             producer: endpoint.clone(),
-            groups: vec![LoadGroup { group_id: GROUP_ID, remote_blocks: pblocks.iter().map(|&b| Some(b)).collect(), local_blocks: cblocks.iter().map(|&b| Some(b)).collect() }],
+            groups: vec![LoadGroup {
+                group_id: GROUP_ID,
+                remote_blocks: pblocks.iter().map(|&b| Some(b)).collect(),
+                local_blocks: cblocks.iter().map(|&b| Some(b)).collect(),
+            }],
             num_local_computed: 0,
             num_tokens: tokens,
         };
@@ -297,7 +339,10 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
                         for p in prod_ranks.iter_mut() {
                             p.download_blocks(&pblocks)?;
                         }
-                        let equal = prod_ranks.iter().zip(ranks.iter()).all(|(p, cr)| blocks_equal(p, &pblocks, cr, &cblocks));
+                        let equal = prod_ranks
+                            .iter()
+                            .zip(ranks.iter())
+                            .all(|(p, cr)| blocks_equal(p, &pblocks, cr, &cblocks));
                         kv_equal = Some(kv_equal.unwrap_or(true) && equal);
                     }
                 }
@@ -316,7 +361,11 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
     bar.finish_and_clear();
     rt.block_on(producer.shutdown());
     report.kv_equal_after_recompute = kv_equal;
-    report.gb_per_s = if report.seconds > 0.0 { report.bytes as f64 / report.seconds / 1e9 } else { 0.0 };
+    report.gb_per_s = if report.seconds > 0.0 {
+        report.bytes as f64 / report.seconds / 1e9
+    } else {
+        0.0
+    };
     Ok(report)
 }
 
@@ -352,10 +401,24 @@ impl Flip {
 }
 
 fn print_summary(r: &DemoReport) {
-    println!("kvferry demo: {} — producer TP{}×PP{} → consumer TP{}×PP{}", r.model, r.prefill_tp, r.prefill_pp, r.decode_tp, r.decode_pp);
-    println!("  transport {}, checksums on {}", r.transport, r.checksum_backend);
-    println!("  {} requests, {} prompt tokens, {:.2} GB of KV moved", r.requests, r.tokens, r.bytes as f64 / 1e9);
-    println!("  loads: {:.3} s, {:.2} GB/s; checksums {:.3} s; prefill (KV generation) {:.3} s", r.seconds, r.gb_per_s, r.checksum_seconds, r.prefill_seconds);
+    println!(
+        "kvferry demo: {} — producer TP{}×PP{} → consumer TP{}×PP{}",
+        r.model, r.prefill_tp, r.prefill_pp, r.decode_tp, r.decode_pp
+    );
+    println!(
+        "  transport {}, checksums on {}",
+        r.transport, r.checksum_backend
+    );
+    println!(
+        "  {} requests, {} prompt tokens, {:.2} GB of KV moved",
+        r.requests,
+        r.tokens,
+        r.bytes as f64 / 1e9
+    );
+    println!(
+        "  loads: {:.3} s, {:.2} GB/s; checksums {:.3} s; prefill (KV generation) {:.3} s",
+        r.seconds, r.gb_per_s, r.checksum_seconds, r.prefill_seconds
+    );
     println!(
         "  verdicts: {} verified, {} mismatch, {} unverified; actions: {} completed, {} failed, {} recomputed",
         r.verified, r.mismatch, r.unverified, r.completed, r.failed, r.recomputed
@@ -364,6 +427,9 @@ fn print_summary(r: &DemoReport) {
         println!("  {} corruptions injected", r.corrupted);
     }
     if let Some(eq) = r.kv_equal_after_recompute {
-        println!("  consumer KV equals producer KV after recovery: {}", if eq { "yes" } else { "NO" });
+        println!(
+            "  consumer KV equals producer KV after recovery: {}",
+            if eq { "yes" } else { "NO" }
+        );
     }
 }

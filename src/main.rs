@@ -40,7 +40,8 @@ fn init_tracing(filter: Option<&str>) -> Result<(), String> {
         (None, Ok(f)) => (f, "KVFERRY_LOG"),
         (None, Err(_)) => ("info".to_string(), "default"),
     };
-    let env_filter = EnvFilter::try_new(&filter).map_err(|e| format!("{from} {filter:?}: not a log filter ({e})"))?;
+    let env_filter = EnvFilter::try_new(&filter)
+        .map_err(|e| format!("{from} {filter:?}: not a log filter ({e})"))?;
     let _ = tracing_subscriber::fmt()
         .with_env_filter(env_filter)
         .with_writer(std::io::stderr)
@@ -61,9 +62,12 @@ fn payload(action: PayloadAction) -> Result<(), String> {
         .read_to_string(&mut input)
         .map_err(|e| format!("reading stdin: {e}"))?;
     match action {
-        PayloadAction::Decode => print_json(&kvferry::payload_json::decode_to_json(&input).map_err(|e| e.to_string())?),
+        PayloadAction::Decode => {
+            print_json(&kvferry::payload_json::decode_to_json(&input).map_err(|e| e.to_string())?)
+        }
         PayloadAction::Encode => {
-            let text = kvferry::payload_json::encode_from_json(&input).map_err(|e| e.to_string())?;
+            let text =
+                kvferry::payload_json::encode_from_json(&input).map_err(|e| e.to_string())?;
             println!("{text}");
             Ok(())
         }

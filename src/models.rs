@@ -122,8 +122,14 @@ mod tests {
     #[test]
     fn qwen_bytes_per_token() {
         // 28 layers × 8 heads × (K+V) × 128 × 2 bytes
-        assert_eq!(model_by_name("qwen3-0.6b").unwrap().bytes_per_token(), 28 * 8 * 2 * 128 * 2);
-        assert_eq!(model_by_name("deepseek-v2-lite").unwrap().bytes_per_token(), 27 * 576 * 2);
+        assert_eq!(
+            model_by_name("qwen3-0.6b").unwrap().bytes_per_token(),
+            28 * 8 * 2 * 128 * 2
+        );
+        assert_eq!(
+            model_by_name("deepseek-v2-lite").unwrap().bytes_per_token(),
+            27 * 576 * 2
+        );
     }
 
     #[test]

@@ -22,7 +22,13 @@ use crate::world::{build_side, fill_request, BlockPool, SideConfig, GROUP_ID};
 
 /// The producer's block table of every request: lengths and block ids, replayed
 /// identically by both roles.
-fn producer_tables(requests: u32, min: u64, max: u64, seed: u64, block_size: u64) -> Result<(Vec<u64>, Vec<Vec<u64>>, u64), String> {
+fn producer_tables(
+    requests: u32,
+    min: u64,
+    max: u64,
+    seed: u64,
+    block_size: u64,
+) -> Result<(Vec<u64>, Vec<Vec<u64>>, u64), String> {
     if min == 0 || min > max || block_size == 0 {
         return Err(format!("--min-tokens {min} / --max-tokens {max} / --block-size {block_size}: need 1 <= min <= max and a block size >= 1"));
     }
@@ -31,7 +37,10 @@ fn producer_tables(requests: u32, min: u64, max: u64, seed: u64, block_size: u64
     let mut pool = BlockPool::new(total.max(1), seed);
     let tables = lengths
         .iter()
-        .map(|t| pool.alloc(t.div_ceil(block_size) as usize).expect("pool sized for all requests"))
+        .map(|t| {
+            pool.alloc(t.div_ceil(block_size) as usize)
+                .expect("pool sized for all requests")
+        })
         .collect();
     Ok((lengths, tables, total.max(1)))
 }
@@ -43,11 +52,27 @@ fn producer_tables(requests: u32, min: u64, max: u64, seed: u64, block_size: u64
 pub fn serve(args: &ServeArgs) -> Result<(), String> {
     let c = &args.common;
     let model = model_by_name(&c.model)?.clone();
-    let (lengths, tables, num_blocks) = producer_tables(args.requests, args.min_tokens, args.max_tokens, args.seed, c.block_size)?;
-    let side = SideConfig { model, tp: 1, pp: 1, block_size: c.block_size, layout: c.layout.clone(), num_blocks, transport: transport_kind(c.transport), cuda: (c.device == DeviceArg::Cuda).then_some(0) };
+    let (lengths, tables, num_blocks) = producer_tables(
+        args.requests,
+        args.min_tokens,
+        args.max_tokens,
+        args.seed,
+        c.block_size,
+    )?;
+    let side = SideConfig {
+        model,
+        tp: 1,
+        pp: 1,
+        block_size: c.block_size,
+        layout: c.layout.clone(),
+        num_blocks,
+        transport: transport_kind(c.transport),
+        cuda: (c.device == DeviceArg::Cuda).then_some(0),
+    };
     let mut ranks = build_side(&side, &engine_config(c))?;
     let (workers, backend) = side_workers(&ranks, c)?;
-    let rt = tokio::runtime::Runtime::new().map_err(|e| format!("starting the async runtime: {e}"))?;
+    let rt =
+        tokio::runtime::Runtime::new().map_err(|e| format!("starting the async runtime: {e}"))?;
     for (i, blocks) in tables.iter().enumerate() {
         for r in ranks.iter_mut() {
             fill_request(r, args.seed, i as u64, blocks)?;
@@ -55,10 +80,16 @@ pub fn serve(args: &ServeArgs) -> Result<(), String> {
     }
     let mut cfg = ProducerConfig::default();
     cfg.bind = format!("tcp://{}", args.bind);
-    let producer = rt.block_on(Producer::start(cfg, workers)).map_err(|e| format!("starting the producer on {}: {e}", args.bind))?;
+    let producer = rt
+        .block_on(Producer::start(cfg, workers))
+        .map_err(|e| format!("starting the producer on {}: {e}", args.bind))?;
     for (i, (blocks, &tokens)) in tables.iter().zip(&lengths).enumerate() {
-        rt.block_on(producer.publish(&format!("req-{i}"), vec![blocks.iter().map(|&b| Some(b)).collect()], tokens))
-            .map_err(|e| format!("publishing req-{i}: {e}"))?;
+        rt.block_on(producer.publish(
+            &format!("req-{i}"),
+            vec![blocks.iter().map(|&b| Some(b)).collect()],
+            tokens,
+        ))
+        .map_err(|e| format!("publishing req-{i}: {e}"))?;
     }
     eprintln!(
         "kvferry serve: {} requests published on {} (transport {}, checksums on {backend})",
@@ -110,22 +141,54 @@ pub struct LoadReport {
 pub fn load(args: &LoadArgs) -> Result<(), String> {
     let c = &args.common;
     let model = model_by_name(&c.model)?.clone();
-    let (lengths, tables, _) = producer_tables(args.requests, args.min_tokens, args.max_tokens, args.seed, c.block_size)?;
-    let max_blocks = lengths.iter().map(|t| t.div_ceil(c.block_size)).max().unwrap_or(1);
-    let side = SideConfig { model, tp: 1, pp: 1, block_size: c.block_size, layout: c.layout.clone(), num_blocks: max_blocks, transport: transport_kind(c.transport), cuda: (c.device == DeviceArg::Cuda).then_some(0) };
+    let (lengths, tables, _) = producer_tables(
+        args.requests,
+        args.min_tokens,
+        args.max_tokens,
+        args.seed,
+        c.block_size,
+    )?;
+    let max_blocks = lengths
+        .iter()
+        .map(|t| t.div_ceil(c.block_size))
+        .max()
+        .unwrap_or(1);
+    let side = SideConfig {
+        model,
+        tp: 1,
+        pp: 1,
+        block_size: c.block_size,
+        layout: c.layout.clone(),
+        num_blocks: max_blocks,
+        transport: transport_kind(c.transport),
+        cuda: (c.device == DeviceArg::Cuda).then_some(0),
+    };
     let ranks = build_side(&side, &engine_config(c))?;
     let (workers, _) = side_workers(&ranks, c)?;
-    let rt = tokio::runtime::Runtime::new().map_err(|e| format!("starting the async runtime: {e}"))?;
+    let rt =
+        tokio::runtime::Runtime::new().map_err(|e| format!("starting the async runtime: {e}"))?;
     let consumer = Consumer::new(consumer_config(c), workers)
-    .map_err(|e| format!("starting the consumer: {e}"))?;
-    let producer = if args.producer.starts_with("tcp://") { args.producer.clone() } else { format!("tcp://{}", args.producer) };
-    let mut report = LoadReport { transport: ranks[0].engine.transport_name().to_string(), requests: args.requests, ..LoadReport::default() };
+        .map_err(|e| format!("starting the consumer: {e}"))?;
+    let producer = if args.producer.starts_with("tcp://") {
+        args.producer.clone()
+    } else {
+        format!("tcp://{}", args.producer)
+    };
+    let mut report = LoadReport {
+        transport: ranks[0].engine.transport_name().to_string(),
+        requests: args.requests,
+        ..LoadReport::default()
+    };
     let local: Vec<Option<u64>> = (0..max_blocks).map(Some).collect();
     for (i, (blocks, &tokens)) in tables.iter().zip(&lengths).enumerate() {
         let spec = LoadSpec {
             request_id: format!("req-{i}"),
             producer: producer.clone(),
-            groups: vec![LoadGroup { group_id: GROUP_ID, remote_blocks: blocks.iter().map(|&b| Some(b)).collect(), local_blocks: local[..blocks.len()].to_vec() }],
+            groups: vec![LoadGroup {
+                group_id: GROUP_ID,
+                remote_blocks: blocks.iter().map(|&b| Some(b)).collect(),
+                local_blocks: local[..blocks.len()].to_vec(),
+            }],
             num_local_computed: 0,
             num_tokens: tokens,
         };
@@ -152,10 +215,17 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
             }
         }
     }
-    report.gb_per_s = if report.seconds > 0.0 { report.bytes as f64 / report.seconds / 1e9 } else { 0.0 };
+    report.gb_per_s = if report.seconds > 0.0 {
+        report.bytes as f64 / report.seconds / 1e9
+    } else {
+        0.0
+    };
     let bad = report.requests - report.verified;
     if args.json {
-        println!("{}", serde_json::to_string(&report).map_err(|e| e.to_string())?);
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(|e| e.to_string())?
+        );
     } else {
         println!(
             "kvferry load: {} requests over {}: {} verified, {} mismatch, {} unverified, {} failed, {} recomputed; {:.2} GB in {:.3} s ({:.2} GB/s)",
@@ -164,7 +234,10 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
         );
     }
     if bad > 0 {
-        return Err(format!("{bad} of {} loads were not verified", report.requests));
+        return Err(format!(
+            "{bad} of {} loads were not verified",
+            report.requests
+        ));
     }
     Ok(())
 }

@@ -41,7 +41,9 @@ pub fn side_workers(ranks: &[RankKv], c: &CommonArgs) -> Result<(Vec<Worker>, St
     let backend = backend_for(device);
     let name = backend.name().to_string();
     if device != Device::Cpu && name == "cpu" {
-        return Err("--device cuda: the CUDA checksum backend is unusable here (see the log)".into());
+        return Err(
+            "--device cuda: the CUDA checksum backend is unusable here (see the log)".into(),
+        );
     }
     let workers = ranks
         .iter()
@@ -51,12 +53,20 @@ pub fn side_workers(ranks: &[RankKv], c: &CommonArgs) -> Result<(Vec<Worker>, St
             device,
             groups: vec![WorkerGroup {
                 group_id: GROUP_ID,
-                block_size: r.layers.first().map(|l| l.spec.geometry.block_size()).unwrap_or(1),
+                block_size: r
+                    .layers
+                    .first()
+                    .map(|l| l.spec.geometry.block_size())
+                    .unwrap_or(1),
                 layers: r
                     .layers
                     .iter()
                     .enumerate()
-                    .map(|(i, l)| LayerInput { spec: l.spec.clone(), addr: r.layer_addr(i), len: l.spec.geometry.byte_len() })
+                    .map(|(i, l)| LayerInput {
+                        spec: l.spec.clone(),
+                        addr: r.layer_addr(i),
+                        len: l.spec.geometry.byte_len(),
+                    })
                     .collect(),
                 sliding_window: None,
                 skipped: None,

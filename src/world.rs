@@ -95,9 +95,19 @@ impl RankKv {
                     // stream is synchronised before the host buffer is touched again.
                     unsafe {
                         if up {
-                            copy_htod_async(g.dev.ptr() + off as u64, self.arena.as_ptr().add(off), len, g.stream.raw())?;
+                            copy_htod_async(
+                                g.dev.ptr() + off as u64,
+                                self.arena.as_ptr().add(off),
+                                len,
+                                g.stream.raw(),
+                            )?;
                         } else {
-                            copy_dtoh_async(self.arena.as_mut_ptr().add(off), g.dev.ptr() + off as u64, len, g.stream.raw())?;
+                            copy_dtoh_async(
+                                self.arena.as_mut_ptr().add(off),
+                                g.dev.ptr() + off as u64,
+                                len,
+                                g.stream.raw(),
+                            )?;
                         }
                     }
                 }
@@ -136,7 +146,10 @@ pub type WorldError = String;
 
 /// "TP rank 1/2, PP rank 0/1": a rank for messages.
 pub fn rank_name(r: RankInfo) -> String {
-    format!("TP rank {}/{}, PP rank {}/{}", r.tp_rank, r.tp_size, r.pp_rank, r.pp_size)
+    format!(
+        "TP rank {}/{}, PP rank {}/{}",
+        r.tp_rank, r.tp_size, r.pp_rank, r.pp_size
+    )
 }
 
 /// Which layers PP stage `stage` of `pp` holds: a contiguous run, earlier stages
@@ -157,19 +170,36 @@ pub fn stage_layers(layers: u32, pp: u32, stage: u32) -> std::ops::Range<u32> {
 /// layer the checksum cannot cover, an engine or registration failure.
 pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<RankKv>, WorldError> {
     if cfg.tp == 0 || cfg.pp == 0 || cfg.pp > cfg.model.layers {
-        return Err(format!("TP {} / PP {}: both must be at least 1 and PP at most the layer count {}", cfg.tp, cfg.pp, cfg.model.layers));
+        return Err(format!(
+            "TP {} / PP {}: both must be at least 1 and PP at most the layer count {}",
+            cfg.tp, cfg.pp, cfg.model.layers
+        ));
     }
     let m = &cfg.model;
     if !m.mla && m.kv_heads > cfg.tp && m.kv_heads % cfg.tp != 0 {
-        return Err(format!("TP {}: {} KV heads do not split evenly", cfg.tp, m.kv_heads));
+        return Err(format!(
+            "TP {}: {} KV heads do not split evenly",
+            cfg.tp, m.kv_heads
+        ));
     }
     if !m.mla && cfg.tp > m.kv_heads && cfg.tp % m.kv_heads != 0 {
-        return Err(format!("TP {}: not a multiple of the {} KV heads", cfg.tp, m.kv_heads));
+        return Err(format!(
+            "TP {}: not a multiple of the {} KV heads",
+            cfg.tp, m.kv_heads
+        ));
     }
     let layout_text = if m.mla { "B N D" } else { cfg.layout.as_str() };
     let layout = Layout::parse(layout_text).map_err(|e| e.to_string())?;
     if m.mla == layout.has_kv() {
-        return Err(format!("layout {layout_text:?}: {} needs {}", m.name, if m.mla { "no KV dimension" } else { "a KV dimension" }));
+        return Err(format!(
+            "layout {layout_text:?}: {} needs {}",
+            m.name,
+            if m.mla {
+                "no KV dimension"
+            } else {
+                "a KV dimension"
+            }
+        ));
     }
     if layout.dims().last() != Some(&kvferry_checksum::layout::Dim::D) {
         return Err(format!(
@@ -177,24 +207,54 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
              other layouts are covered by `kvferry checksum --spec` and the checksum tests"
         ));
     }
-    let heads_per_rank = if m.mla { 1 } else { (m.kv_heads / cfg.tp).max(1) } as u64;
+    let heads_per_rank = if m.mla {
+        1
+    } else {
+        (m.kv_heads / cfg.tp).max(1)
+    } as u64;
     if !layout.has_heads() && heads_per_rank != 1 {
-        return Err(format!("layout {layout_text:?} has no H dimension but each rank holds {heads_per_rank} heads"));
+        return Err(format!(
+            "layout {layout_text:?} has no H dimension but each rank holds {heads_per_rank} heads"
+        ));
     }
     let elem = ElemBytes::new(m.elem_bytes).map_err(|e| e.to_string())?;
     let mut ranks = Vec::new();
     for pp_rank in 0..cfg.pp {
         for tp_rank in 0..cfg.tp {
-            let rank = RankInfo { tp_rank, tp_size: cfg.tp, pp_rank, pp_size: cfg.pp };
+            let rank = RankInfo {
+                tp_rank,
+                tp_size: cfg.tp,
+                pp_rank,
+                pp_size: cfg.pp,
+            };
             let mut caches = Vec::new();
             for layer in stage_layers(m.layers, cfg.pp, pp_rank) {
-                let g = Geometry::contiguous(layout.clone(), cfg.num_blocks, cfg.block_size, heads_per_rank, m.head_dim, elem, 1)
-                    .map_err(|e| e.to_string())?;
-                caches.push(CacheDesc::new(m.layer_name(layer), Some(m.kind()), Some(m.dtype), g));
+                let g = Geometry::contiguous(
+                    layout.clone(),
+                    cfg.num_blocks,
+                    cfg.block_size,
+                    heads_per_rank,
+                    m.head_dim,
+                    elem,
+                    1,
+                )
+                .map_err(|e| e.to_string())?;
+                caches.push(CacheDesc::new(
+                    m.layer_name(layer),
+                    Some(m.kind()),
+                    Some(m.dtype),
+                    g,
+                ));
             }
-            let specs = match plan_group(GROUP_ID, cfg.block_size, &caches, rank, Some(m.kv_heads)) {
+            let specs = match plan_group(GROUP_ID, cfg.block_size, &caches, rank, Some(m.kv_heads))
+            {
                 GroupPlan::Checksum { layers, .. } => layers,
-                GroupPlan::Skipped { reason, .. } => return Err(format!("{}: the KV cache group cannot be checksummed: {reason}", rank_name(rank))),
+                GroupPlan::Skipped { reason, .. } => {
+                    return Err(format!(
+                        "{}: the KV cache group cannot be checksummed: {reason}",
+                        rank_name(rank)
+                    ))
+                }
             };
             let mut layers = Vec::with_capacity(specs.len());
             let mut offset = 0u64;
@@ -203,19 +263,28 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
                 layers.push(LayerAlloc { spec, offset });
                 offset += len.next_multiple_of(4096);
             }
-            let arena = MmapMut::map_anon(offset.max(4096) as usize).map_err(|e| format!("allocating {offset} bytes of KV memory: {e}"))?;
+            let arena = MmapMut::map_anon(offset.max(4096) as usize)
+                .map_err(|e| format!("allocating {offset} bytes of KV memory: {e}"))?;
             let gpu = match cfg.cuda {
                 None => None,
                 Some(n) => {
-                    let backend = CudaBackend::shared(n).map_err(|e| format!("--device cuda: GPU {n} unusable: {e}"))?;
-                    let dev = DeviceBuffer::new(backend.context(), arena.len()).map_err(|e| format!("allocating {} bytes on cuda:{n}: {e}", arena.len()))?;
+                    let backend = CudaBackend::shared(n)
+                        .map_err(|e| format!("--device cuda: GPU {n} unusable: {e}"))?;
+                    let dev = DeviceBuffer::new(backend.context(), arena.len()).map_err(|e| {
+                        format!("allocating {} bytes on cuda:{n}: {e}", arena.len())
+                    })?;
                     let stream = Stream::new(backend.context())?;
-                    Some(GpuArena { dev, stream, _backend: backend })
+                    Some(GpuArena {
+                        dev,
+                        stream,
+                        _backend: backend,
+                    })
                 }
             };
             let mut ecfg = engine_cfg.clone();
             ecfg.transport = cfg.transport;
-            let engine = TransferEngine::new(ecfg).map_err(|e| format!("starting the transfer engine of {}: {e}", rank_name(rank)))?;
+            let engine = TransferEngine::new(ecfg)
+                .map_err(|e| format!("starting the transfer engine of {}: {e}", rank_name(rank)))?;
             let (addr, location) = match (&gpu, cfg.cuda) {
                 (Some(g), Some(n)) => (g.dev.ptr(), Location::Cuda(n)),
                 _ => (arena.as_ptr() as u64, Location::Cpu),
@@ -224,7 +293,13 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
             // the engine is told to forget the region in Drop below.
             unsafe { engine.register_memory(addr, arena.len() as u64, location) }
                 .map_err(|e| format!("registering KV memory of {}: {e}", rank_name(rank)))?;
-            ranks.push(RankKv { rank, layers, arena, gpu, engine });
+            ranks.push(RankKv {
+                rank,
+                layers,
+                arena,
+                gpu,
+                engine,
+            });
         }
     }
     Ok(ranks)
@@ -243,7 +318,9 @@ fn stretch_seed(seed: u64, request: u64, layer: u32, head: u64, position: u64) -
     // SplitMix64 over the fields: cheap, well mixed, deterministic.
     let mut x = seed ^ 0x9E37_79B9_7F4A_7C15;
     for v in [request, layer as u64, head, position] {
-        x = x.wrapping_add(v.wrapping_mul(0xBF58_476D_1CE4_E5B9)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        x = x
+            .wrapping_add(v.wrapping_mul(0xBF58_476D_1CE4_E5B9))
+            .wrapping_add(0x9E37_79B9_7F4A_7C15);
         x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         x ^= x >> 31;
@@ -257,7 +334,12 @@ fn stretch_seed(seed: u64, request: u64, layer: u32, head: u64, position: u64) -
 /// request, layer, global head, block position). Returns the bytes written.
 ///
 /// Errors: a failed upload to GPU memory.
-pub fn fill_request(rank: &mut RankKv, seed: u64, request: u64, blocks: &[u64]) -> Result<u64, WorldError> {
+pub fn fill_request(
+    rank: &mut RankKv,
+    seed: u64,
+    request: u64,
+    blocks: &[u64],
+) -> Result<u64, WorldError> {
     let mut written = 0u64;
     let layers = rank.layers.clone();
     let arena = &mut rank.arena[..];
@@ -272,7 +354,13 @@ pub fn fill_request(rank: &mut RankKv, seed: u64, request: u64, blocks: &[u64]) 
         for (position, &block) in blocks.iter().enumerate() {
             for h in 0..g.heads {
                 let global = l.spec.head_offset as u64 + h;
-                let mut rng = rand::rngs::SmallRng::seed_from_u64(stretch_seed(seed, request, l.spec.layer, global, position as u64));
+                let mut rng = rand::rngs::SmallRng::seed_from_u64(stretch_seed(
+                    seed,
+                    request,
+                    l.spec.layer,
+                    global,
+                    position as u64,
+                ));
                 rng.fill_bytes(&mut buf);
                 let mut src = 0;
                 for t in 0..g.block_size() {
@@ -298,14 +386,24 @@ pub fn fill_request(rank: &mut RankKv, seed: u64, request: u64, blocks: &[u64]) 
 ///
 /// Errors: a failed copy to or from GPU memory.
 #[allow(clippy::too_many_arguments)]
-pub fn flip_bit(rank: &mut RankKv, layer: usize, blocks: &[u64], token: u64, head: u64, part: u64, byte: u64, bit: u8) -> Result<(), WorldError> {
+pub fn flip_bit(
+    rank: &mut RankKv,
+    layer: usize,
+    blocks: &[u64],
+    token: u64,
+    head: u64,
+    part: u64,
+    byte: u64,
+    bit: u8,
+) -> Result<(), WorldError> {
     let l = rank.layers[layer].clone();
     let g = &l.spec.geometry;
     let block = blocks[(token / g.block_size()) as usize];
     let t = token % g.block_size();
     let kb = block * g.kernel_blocks_per_block + t / g.tokens_per_kernel_block;
     let (d, b) = (byte / g.elem.get(), byte % g.elem.get());
-    let at = (l.offset + g.byte_offset(part, kb, t % g.tokens_per_kernel_block, head, d) + b) as usize;
+    let at =
+        (l.offset + g.byte_offset(part, kb, t % g.tokens_per_kernel_block, head, d) + b) as usize;
     match &rank.gpu {
         None => rank.arena[at] ^= 1 << bit,
         Some(gpu) => {
@@ -313,7 +411,12 @@ pub fn flip_bit(rank: &mut RankKv, layer: usize, blocks: &[u64], token: u64, hea
             // SAFETY: `at` lies inside the device arena; the stream is synchronised
             // before `b` is read or dropped.
             unsafe {
-                copy_dtoh_async(b.as_mut_ptr(), gpu.dev.ptr() + at as u64, 1, gpu.stream.raw())?;
+                copy_dtoh_async(
+                    b.as_mut_ptr(),
+                    gpu.dev.ptr() + at as u64,
+                    1,
+                    gpu.stream.raw(),
+                )?;
                 gpu.stream.synchronize()?;
                 b[0] ^= 1 << bit;
                 copy_htod_async(gpu.dev.ptr() + at as u64, b.as_ptr(), 1, gpu.stream.raw())?;
@@ -340,7 +443,8 @@ pub fn blocks_equal(a: &RankKv, blocks_a: &[u64], b: &RankKv, blocks_b: &[u64]) 
                 return false;
             }
             for (r1, r2) in ra.iter().zip(&rb) {
-                if ba[r1.start as usize..r1.end as usize] != bb[r2.start as usize..r2.end as usize] {
+                if ba[r1.start as usize..r1.end as usize] != bb[r2.start as usize..r2.end as usize]
+                {
                     return false;
                 }
             }

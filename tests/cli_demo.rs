@@ -17,29 +17,74 @@ fn kvferry() -> Command {
 /// returns the report.
 fn demo(args: &[&str]) -> Value {
     let out = kvferry()
-        .args(["demo", "--json", "--model", "tiny", "--requests", "10", "--min-tokens", "20", "--max-tokens", "300"])
+        .args([
+            "demo",
+            "--json",
+            "--model",
+            "tiny",
+            "--requests",
+            "10",
+            "--min-tokens",
+            "20",
+            "--max-tokens",
+            "300",
+        ])
         .args(args)
         .output()
         .expect("run kvferry");
-    assert!(out.status.success(), "demo {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("demo {args:?}: bad JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+    assert!(
+        out.status.success(),
+        "demo {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "demo {args:?}: bad JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
 }
 
 fn n(v: &Value, key: &str) -> u64 {
-    v[key].as_u64().unwrap_or_else(|| panic!("field {key} missing or not a count in {v}"))
+    v[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("field {key} missing or not a count in {v}"))
 }
 
 #[test]
 fn demo_verifies_every_load_and_reports_the_contract_fields() {
     let r = demo(&[]);
-    for key in ["transport", "requests", "verified", "mismatch", "unverified", "failed", "recomputed", "bytes", "seconds", "gb_per_s", "checksum_seconds"] {
+    for key in [
+        "transport",
+        "requests",
+        "verified",
+        "mismatch",
+        "unverified",
+        "failed",
+        "recomputed",
+        "bytes",
+        "seconds",
+        "gb_per_s",
+        "checksum_seconds",
+    ] {
         assert!(r.get(key).is_some(), "field {key} missing in {r}");
     }
     assert_eq!(n(&r, "requests"), 10);
     assert_eq!(n(&r, "verified"), 10);
-    assert_eq!((n(&r, "mismatch"), n(&r, "unverified"), n(&r, "failed"), n(&r, "recomputed")), (0, 0, 0, 0));
+    assert_eq!(
+        (
+            n(&r, "mismatch"),
+            n(&r, "unverified"),
+            n(&r, "failed"),
+            n(&r, "recomputed")
+        ),
+        (0, 0, 0, 0)
+    );
     assert!(n(&r, "bytes") > 0);
-    assert_eq!(r["transport"], "tcp", "no RDMA device here: the engine must fall back to TCP");
+    assert_eq!(
+        r["transport"], "tcp",
+        "no RDMA device here: the engine must fall back to TCP"
+    );
 }
 
 #[test]
@@ -53,7 +98,13 @@ fn corrupt_fail_open_reports_mismatches_and_completes_all() {
 
 #[test]
 fn corrupt_fail_closed_fail_ends_the_corrupted_loads() {
-    let r = demo(&["--corrupt", "3", "--fail-closed", "--load-failure-policy", "fail"]);
+    let r = demo(&[
+        "--corrupt",
+        "3",
+        "--fail-closed",
+        "--load-failure-policy",
+        "fail",
+    ]);
     assert_eq!(n(&r, "failed"), 3);
     assert_eq!(n(&r, "completed"), 7);
     assert_eq!(n(&r, "recomputed"), 0);
@@ -61,7 +112,13 @@ fn corrupt_fail_closed_fail_ends_the_corrupted_loads() {
 
 #[test]
 fn corrupt_fail_closed_recompute_restores_the_producers_kv() {
-    let r = demo(&["--corrupt", "3", "--fail-closed", "--load-failure-policy", "recompute"]);
+    let r = demo(&[
+        "--corrupt",
+        "3",
+        "--fail-closed",
+        "--load-failure-policy",
+        "recompute",
+    ]);
     assert_eq!(n(&r, "recomputed"), 3);
     assert_eq!(n(&r, "failed"), 0);
     assert_eq!(r["kv_equal_after_recompute"], Value::Bool(true), "{r}");
@@ -69,19 +126,43 @@ fn corrupt_fail_closed_recompute_restores_the_producers_kv() {
 
 #[test]
 fn demo_with_tp2_and_pp2_verifies_and_detects() {
-    for ranks in [["--prefill-tp", "2", "--decode-tp", "2"], ["--prefill-pp", "2", "--decode-pp", "2"]] {
+    for ranks in [
+        ["--prefill-tp", "2", "--decode-tp", "2"],
+        ["--prefill-pp", "2", "--decode-pp", "2"],
+    ] {
         let r = demo(&ranks);
         assert_eq!(n(&r, "verified"), 10, "{ranks:?}: {r}");
         let mut args = ranks.to_vec();
-        args.extend(["--corrupt", "2", "--fail-closed", "--load-failure-policy", "fail"]);
+        args.extend([
+            "--corrupt",
+            "2",
+            "--fail-closed",
+            "--load-failure-policy",
+            "fail",
+        ]);
         let r = demo(&args);
-        assert_eq!((n(&r, "mismatch"), n(&r, "failed")), (2, 2), "{ranks:?}: {r}");
+        assert_eq!(
+            (n(&r, "mismatch"), n(&r, "failed")),
+            (2, 2),
+            "{ranks:?}: {r}"
+        );
     }
 }
 
 #[test]
 fn demo_mla_with_tp2_checks_every_replica() {
-    let base = ["--model", "deepseek-v2-lite", "--prefill-tp", "2", "--decode-tp", "2", "--requests", "4", "--max-tokens", "200"];
+    let base = [
+        "--model",
+        "deepseek-v2-lite",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "2",
+        "--requests",
+        "4",
+        "--max-tokens",
+        "200",
+    ];
     let r = demo(&base);
     assert_eq!(n(&r, "verified"), 4, "{r}");
     // One flipped bit lands in one rank's copy only; the other copy is intact.
@@ -115,7 +196,10 @@ fn demo_rejects_bad_arguments_with_a_clear_error() {
             .unwrap();
         assert!(!out.status.success(), "{args:?} should fail");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains(needle), "{args:?}: error should mention {needle:?}: {err}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: error should mention {needle:?}: {err}"
+        );
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }
@@ -126,9 +210,26 @@ fn serve_and_load_as_two_processes() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let common = ["--model", "tiny", "--requests", "5", "--min-tokens", "20", "--max-tokens", "200", "--seed", "7"];
+    let common = [
+        "--model",
+        "tiny",
+        "--requests",
+        "5",
+        "--min-tokens",
+        "20",
+        "--max-tokens",
+        "200",
+        "--seed",
+        "7",
+    ];
     let mut server = kvferry()
-        .args(["serve", "--bind", &format!("127.0.0.1:{port}"), "--exit-after", "5"])
+        .args([
+            "serve",
+            "--bind",
+            &format!("127.0.0.1:{port}"),
+            "--exit-after",
+            "5",
+        ])
         .args(common)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -142,7 +243,11 @@ fn serve_and_load_as_two_processes() {
         .output()
         .unwrap();
     let status = server.wait().unwrap();
-    assert!(out.status.success(), "load failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "load failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(status.success(), "serve failed");
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(n(&r, "verified"), 5, "{r}");
@@ -170,23 +275,54 @@ fn bad_durations_and_rank_counts_are_refused_without_panic() {
 fn payload_encode_decode_round_trip_and_junk_is_an_error() {
     let json = r#"{"version":1,"tp_size":2,"num_tokens":40,"groups":[{"group_id":0,"fingerprint":"0x0000000000000001","block_size":16,"start":0,"values":["0x0000000000000002","0xffffffffffffffff","0x00000000000000aa"]}]}"#;
     let run = |args: &[&str], input: &str| {
-        let mut child = kvferry().args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let mut child = kvferry()
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
         use std::io::Write;
-        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
         child.wait_with_output().unwrap()
     };
     let enc = run(&["payload", "encode"], json);
-    assert!(enc.status.success(), "{}", String::from_utf8_lossy(&enc.stderr));
+    assert!(
+        enc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&enc.stderr)
+    );
     let b64 = String::from_utf8(enc.stdout).unwrap();
     let dec = run(&["payload", "decode"], &b64);
-    assert!(dec.status.success(), "{}", String::from_utf8_lossy(&dec.stderr));
+    assert!(
+        dec.status.success(),
+        "{}",
+        String::from_utf8_lossy(&dec.stderr)
+    );
     let back: Value = serde_json::from_slice(&dec.stdout).unwrap();
     assert_eq!(back, serde_json::from_str::<Value>(json).unwrap());
-    for junk in ["", "hello!!", "AAAA", "lAEBKJGVAM8SNFZ4kKvN7xAAxBgBAAAAAAAAAAIAAAAAAAAAAwAAAAAAAA"] {
+    for junk in [
+        "",
+        "hello!!",
+        "AAAA",
+        "lAEBKJGVAM8SNFZ4kKvN7xAAxBgBAAAAAAAAAAIAAAAAAAAAAwAAAAAAAA",
+    ] {
         let out = run(&["payload", "decode"], junk);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{junk:?} decoded: {}", String::from_utf8_lossy(&out.stdout));
-        assert!(!err.contains("panicked") && err.contains("error"), "{junk:?}: {err}");
+        assert!(
+            !out.status.success(),
+            "{junk:?} decoded: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert!(
+            !err.contains("panicked") && err.contains("error"),
+            "{junk:?}: {err}"
+        );
     }
     let out = run(&["payload", "encode"], r#"{"version":1}"#);
     assert!(!out.status.success());
@@ -196,7 +332,9 @@ fn payload_encode_decode_round_trip_and_junk_is_an_error() {
 fn checksum_spec_command_prints_the_definitions_values_and_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     // KV B N H D with B=4, N=16, H=2, D=8, bf16: 2*4*16*2*8*2 bytes of arbitrary data.
-    let bytes: Vec<u8> = (0..2 * 4 * 16 * 2 * 8 * 2u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    let bytes: Vec<u8> = (0..2 * 4 * 16 * 2 * 8 * 2u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
     std::fs::write(dir.path().join("l7.bin"), &bytes).unwrap();
     let spec = r#"{"num_tokens": 40, "groups": [{"group_id": 0, "block_size": 16, "start": 0, "block_ids": [3, 1, 2],
         "layers": [{"name": "model.layers.7.self_attn.attn", "path": "l7.bin", "layout": "KV B N H D",
@@ -204,17 +342,32 @@ fn checksum_spec_command_prints_the_definitions_values_and_clear_errors() {
                     "kind": "FullAttentionSpec", "dtype": "torch.bfloat16"}]}]}"#;
     let path = dir.path().join("spec.json");
     std::fs::write(&path, spec).unwrap();
-    let out = kvferry().args(["checksum", "--spec"]).arg(&path).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = kvferry()
+        .args(["checksum", "--spec"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let got: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(got, kvferry::spec::checksum_spec(&path).unwrap());
     let values = got["groups"][0]["values"].as_array().unwrap();
     assert_eq!(values.len(), 3);
-    assert!(values.iter().all(|v| v.as_str().unwrap().len() == 18), "{got}");
+    assert!(
+        values.iter().all(|v| v.as_str().unwrap().len() == 18),
+        "{got}"
+    );
     assert!(got["groups"][0]["fingerprint"].is_string());
     // A file of the wrong size is an error naming the field.
     std::fs::write(dir.path().join("l7.bin"), &bytes[1..]).unwrap();
-    let out = kvferry().args(["checksum", "--spec"]).arg(&path).output().unwrap();
+    let out = kvferry()
+        .args(["checksum", "--spec"])
+        .arg(&path)
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("path"), "{err}");
 }

@@ -35,13 +35,17 @@ pub struct Buf {
 
 impl Buf {
     pub fn new(len: usize, seed: u64) -> Buf {
-        let mut b = Buf { bytes: vec![0u8; len] };
+        let mut b = Buf {
+            bytes: vec![0u8; len],
+        };
         b.fill(seed);
         b
     }
 
     pub fn zeroed(len: usize) -> Buf {
-        Buf { bytes: vec![0u8; len] }
+        Buf {
+            bytes: vec![0u8; len],
+        }
     }
 
     /// xorshift64* pattern: different per seed and position.

@@ -52,12 +52,14 @@ const POLL_BATCH: usize = 64;
 
 /// `Some(one-line description of the first usable device)` when a device (restricted to
 /// `config.devices` when non-empty) opens and has an ACTIVE port with a usable GID; `None`
-/// otherwise (no libibverbs: one info line says so). Quick, never panics, no lasting effects.
+/// otherwise (no libibverbs: a debug line says why; the engine logs the one info line on the
+/// transport it chose). Quick, never panics, no lasting effects.
 pub fn probe(config: &RdmaConfig) -> Option<String> {
     let list = match device::list_devices() {
         Ok(l) => l,
         Err(e) => {
-            tracing::info!("RDMA unavailable: {e}");
+            // The engine logs the one info line on the transport it chose.
+            tracing::debug!("RDMA unavailable: {e}");
             return None;
         }
     };

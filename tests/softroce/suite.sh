@@ -110,23 +110,29 @@ else
         local ib64 ib1m
         # about 130 MB each: a few seconds at soft-RoCE speed. kvferry keeps a batch of 128
         # requests in flight, as ib_write_bw keeps 128 work requests (its default tx depth).
-        ib64=$(ibbw 65536 2000) || return 1
-        ib1m=$(ibbw 1048576 125) || return 1
+        ib64=$(ibbw 65536 2000) || ib64=0
+        ib1m=$(ibbw 1048576 125) || ib1m=0
+        ib64=${ib64:-0}; ib1m=${ib1m:-0}
         "$BIN" bench --transport rdma --block-sizes 64K,1M --batch 128 --seconds 4 --json >"$OUT/bench.json" || return 1
         cat "$OUT/bench.json"
         python3 - "$OUT/bench.json" "$ib64" "$ib1m" >"$OUT/bench_ratio.txt" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
 ib = {65536: float(sys.argv[2]), 1048576: float(sys.argv[3])}  # MiB/s (perftest: MB = 2^20 B)
-ok = r.get("transport") == "rdma" and min(ib.values()) > 0
+# kvferry must have run over RDMA and moved data at every point; a missing ib_write_bw
+# figure (perftest under TCG sometimes reports nothing) only leaves that ratio out.
+ok = r.get("transport") == "rdma" and len(r["points"]) > 0
 if not ok:
-    print(f"no usable baseline: transport {r.get('transport')}, ib_write_bw MiB/s {ib}")
+    print(f"kvferry bench did not run over RDMA: transport {r.get('transport')}")
 for p in r["points"]:
-    if p["block_size"] in ib and ib[p["block_size"]] > 0:
-        base = ib[p["block_size"]] * 1048576 / 1e9
+    ok = ok and p["gb_per_s"] > 0
+    base = ib.get(p["block_size"], 0.0) * 1048576 / 1e9
+    if base > 0:
         print(f"block {p['block_size']:>8} batch {p['batch']:>4}: kvferry {p['gb_per_s']:.4f} GB/s, "
               f"ib_write_bw {base:.4f} GB/s, ratio {p['gb_per_s'] / base:.2f}")
-        ok = ok and p["gb_per_s"] > 0
+    else:
+        print(f"block {p['block_size']:>8} batch {p['batch']:>4}: kvferry {p['gb_per_s']:.4f} GB/s, "
+              f"no ib_write_bw baseline (it reported {ib.get(p['block_size'])} MiB/s): ratio left out")
 sys.exit(0 if ok else 1)
 EOF
         local rc=$?

@@ -4,7 +4,7 @@
 //! (§2.5–§2.7) before it is reported.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -13,10 +13,10 @@ use kvferry_checksum::payload::Payload;
 use kvferry_checksum::policy::{Action, CarrierCheck, Policy};
 use kvferry_checksum::record::consumer_sums;
 use kvferry_checksum::select::consumer_blocks;
-use kvferry_checksum::verdict::{compare, UnverifiedReason, Verdict};
+use kvferry_checksum::verdict::{compare, log_verdict, UnverifiedReason, Verdict};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
-use tracing::{debug, error, warn};
+use tracing::{debug, warn};
 use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::checksum::all_records;
@@ -155,7 +155,6 @@ pub struct Consumer {
     pp: u32,
     conns: tokio::sync::Mutex<HashMap<String, mpsc::UnboundedSender<LoadCmd>>>,
     hook: RwLock<Option<LandedHook>>,
-    warned: Mutex<HashSet<UnverifiedReason>>,
 }
 
 impl Consumer {
@@ -173,7 +172,6 @@ impl Consumer {
             pp,
             conns: tokio::sync::Mutex::new(HashMap::new()),
             hook: RwLock::new(None),
-            warned: Mutex::new(HashSet::new()),
         })
     }
 
@@ -230,7 +228,7 @@ impl Consumer {
         let started = Instant::now();
         let verdict = self.verify(&spec, &reply).await;
         let checksum_seconds = started.elapsed().as_secs_f64();
-        self.log_verdict(&rid, &verdict);
+        log_verdict(&rid, &verdict);
         let action = self.config.policy.decide(&verdict);
         if action != Action::Complete {
             warn!(
@@ -427,25 +425,6 @@ impl Consumer {
             None => compare(Ok(None), &sums),
             Some(Ok(p)) => compare(Ok(Some(&p)), &sums),
             Some(Err(e)) => compare(Err(&e), &sums),
-        }
-    }
-
-    fn log_verdict(&self, request_id: &str, verdict: &Verdict) {
-        match verdict {
-            Verdict::Verified => debug!(request_id, "load verified"),
-            Verdict::Mismatch { mismatches, .. } => {
-                for m in mismatches {
-                    error!(request_id, group_id = m.group_id, positions = ?m.positions, "KV checksum mismatch");
-                }
-            }
-            Verdict::Unverified(_) => {}
-        }
-        let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
-        for (group, reason) in verdict.unverified() {
-            if warned.insert(*reason) {
-                warn!("load unverified: {reason} (logged once per reason)");
-            }
-            debug!(request_id, ?group, "load unverified: {reason}");
         }
     }
 }

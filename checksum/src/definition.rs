@@ -114,67 +114,37 @@ pub fn layer_block_checksum(
     let kb0 = block_id * g.kernel_blocks_per_block;
     let nk = g.tokens_per_kernel_block;
     let parts = g.parts();
-    let mut acc = vec![0u64; (heads * p) as usize];
-    let mut tot = vec![0u64; (heads * p) as usize];
     let contiguous_rows =
         row_bytes % 8 == 0 && (g.head_dim == 1 || g.stride_of(Dim::D) == g.elem.get());
     if contiguous_rows {
-        // Column sums C[part, head, q] (q = 0..Q pieces of a part's row) and, per (part, head),
-        // running sums of the token row sums R_t: Σ_t x·(2j+1) = Σ_q (2(t0·P + part·Q + q)+1)·C
-        // + 2P·Σ_t t·R_t. One add per piece into C and one into a register row sum.
+        // Each (part, head) is a run of n rows of q pieces. Rows are read in memory order, a
+        // token's rows of all heads together when they are back to back, each (part, head)'s
+        // sums kept per lane (see `Lanes`); one pass over memory.
         let q = row_bytes / 8;
         let merged = heads == 1 || g.stride_of(Dim::H) == row_bytes;
-        let (row_groups, heads_per_row) = if merged { (1, heads) } else { (heads, 1) };
-        let mut colsum = vec![0u64; (parts * heads * q) as usize];
-        let mut ra = vec![0u64; (parts * heads) as usize];
-        let mut rs = vec![0u64; (parts * heads) as usize];
-        let mut offsets = vec![0usize; n as usize];
-        for k in 0..parts {
-            for hg in 0..row_groups {
-                let stride_n = g.stride_of(Dim::N) as usize;
-                for (i, kb_offsets) in offsets.chunks_mut(nk as usize).enumerate() {
-                    let base = g.byte_offset(k, kb0 + i as u64, 0, hg, 0) as usize;
-                    for (tt, off) in kb_offsets.iter_mut().enumerate() {
-                        *off = base + tt * stride_n;
-                    }
-                }
-                let h0 = (k * heads + hg) as usize;
-                let hn = heads_per_row as usize;
-                rows(
-                    bytes,
-                    &offsets,
-                    q as usize,
-                    &mut colsum[h0 * q as usize..(h0 + hn) * q as usize],
-                    &mut ra[h0..h0 + hn],
-                    &mut rs[h0..h0 + hn],
-                );
-            }
+        let rows = RowGroups {
+            bytes,
+            g,
+            kb0,
+            n,
+            row_bytes: row_bytes as usize,
+            heads_per_row: if merged { heads as usize } else { 1 },
+        };
+        let mut s = vec![0u64; heads as usize];
+        match q % 8 {
+            0 => rows.slice_sums::<8>(p, position * bs, &mut s),
+            4 => rows.slice_sums::<4>(p, position * bs, &mut s),
+            2 | 6 => rows.slice_sums::<2>(p, position * bs, &mut s),
+            _ => rows.slice_sums::<1>(p, position * bs, &mut s),
         }
-        let t0 = position * bs;
-        let two_p = p.wrapping_mul(2);
-        let mut c = 0u64;
-        for h in 0..heads {
-            let mut s = 0u64;
-            for k in 0..parts {
-                let kh = (k * heads + h) as usize;
-                for qq in 0..q {
-                    let piece = k * q + qq;
-                    let w = t0
-                        .wrapping_mul(p)
-                        .wrapping_add(piece)
-                        .wrapping_mul(2)
-                        .wrapping_add(1);
-                    s = s.wrapping_add(w.wrapping_mul(colsum[kh * q as usize + qq as usize]));
-                }
-                let weighted = n.wrapping_mul(ra[kh]).wrapping_sub(rs[kh]); // Σ_t t·R_t
-                s = s.wrapping_add(two_p.wrapping_mul(weighted));
-            }
+        s.iter().enumerate().fold(0u64, |c, (h, &s)| {
             let head = layer.head_offset.wrapping_add(h as u32);
-            c = c.wrapping_add(head_factor(layer.layer, head).wrapping_mul(s));
-        }
-        c
+            c.wrapping_add(head_factor(layer.layer, head).wrapping_mul(s))
+        })
     } else {
         // Pieces may straddle elements of K and V or D may be strided: gather each cell.
+        let mut acc = vec![0u64; (heads * p) as usize];
+        let mut tot = vec![0u64; (heads * p) as usize];
         let elem = g.elem.get() as usize;
         let mut cell = vec![0u8; g.cell_bytes() as usize];
         for t in 0..n {
@@ -207,148 +177,134 @@ pub fn layer_block_checksum(
     }
 }
 
-/// For rows starting at `offsets` (one per token, in token order) that hold `ra.len()` heads of
-/// `q` pieces each: adds each piece into its column sum `colsum[head·q + i]`; per head, adds the
-/// row's sum R_t into `ra` and `ra` into `rs` (so `n·ra − rs = Σ_t t·R_t`). The inner loop is
-/// loads and adds over 8 lanes, which vectorizes.
-#[inline(always)]
-fn rows(
-    bytes: &[u8],
-    offsets: &[usize],
-    q: usize,
-    colsum: &mut [u64],
-    ra: &mut [u64],
-    rs: &mut [u64],
-) {
-    if q % 8 == 0 {
-        rows_by_chunks(bytes, offsets, q / 8, colsum, ra, rs);
-        return;
+/// The rows of one block for [`layer_block_checksum`]: tokens `< n` of the block whose first
+/// kernel block is `kb0`; each (part, head, token) row is `row_bytes` contiguous bytes of q
+/// pieces, and `heads_per_row` heads' rows lie back to back (all heads, or 1).
+struct RowGroups<'a> {
+    bytes: &'a [u8],
+    g: &'a Geometry,
+    kb0: u64,
+    n: u64,
+    row_bytes: usize,
+    heads_per_row: usize,
+}
+
+impl RowGroups<'_> {
+    /// Adds each head's slice checksum part `Σ_t Σ_q x·(2((t0+t)P + kQ + q) + 1)` over both
+    /// parts k into `s[head]` (mod 2^64). Requires `row_bytes % (8·L) == 0`.
+    ///
+    /// Per (part, head), from the lane sums: `A = Σ x`, `B = Σ_t t·R_t` (R_t the row's sum),
+    /// `Cq = Σ q·x`; the part adds `(2(t0·P + kQ) + 1)·A + 2P·B + 2·Cq`.
+    fn slice_sums<const L: usize>(&self, p: u64, t0: u64, s: &mut [u64]) {
+        let g = self.g;
+        let nk = g.tokens_per_kernel_block;
+        let stride_n = g.stride_of(Dim::N) as usize;
+        let q = (self.row_bytes / 8) as u64;
+        let mut lanes = vec![Lanes::<L>::default(); self.heads_per_row];
+        for k in 0..g.parts() {
+            for h0 in (0..s.len()).step_by(self.heads_per_row) {
+                lanes.fill(Lanes::default());
+                for i in 0..self.n.div_ceil(nk) {
+                    let first = g.byte_offset(k, self.kb0 + i, 0, h0 as u64, 0) as usize;
+                    let count = (self.n - i * nk).min(nk) as usize;
+                    add_rows(
+                        &mut lanes,
+                        self.bytes,
+                        first,
+                        count,
+                        stride_n,
+                        self.row_bytes,
+                    );
+                }
+                let w = t0
+                    .wrapping_mul(p)
+                    .wrapping_add(k * q)
+                    .wrapping_mul(2)
+                    .wrapping_add(1);
+                for (st, sh) in lanes.iter().zip(&mut s[h0..]) {
+                    let (a, b, cq) = st.sums(self.n, q);
+                    *sh = sh
+                        .wrapping_add(w.wrapping_mul(a))
+                        .wrapping_add(p.wrapping_mul(2).wrapping_mul(b))
+                        .wrapping_add(cq.wrapping_mul(2));
+                }
+            }
+        }
     }
-    for &off in offsets {
-        for (h, (c, (a, s))) in colsum
-            .chunks_exact_mut(q)
-            .zip(ra.iter_mut().zip(rs.iter_mut()))
-            .enumerate()
+}
+
+/// The hot loop of the CPU backend: for `count` tokens, the rows of `lanes.len()` heads back
+/// to back at `first + i·stride`, each byte loaded once, in memory order. Kept out of line and
+/// updating the lanes in place: with the sums in locals, or inlined into the caller, LLVM
+/// (after the local ThinLTO of a release build) left the loop scalar, 3× slower.
+#[inline(never)]
+fn add_rows<const L: usize>(
+    lanes: &mut [Lanes<L>],
+    bytes: &[u8],
+    first: usize,
+    count: usize,
+    stride: usize,
+    row_bytes: usize,
+) {
+    let len = lanes.len() * row_bytes;
+    for i in 0..count {
+        let off = first + i * stride;
+        for (st, row) in lanes
+            .iter_mut()
+            .zip(bytes[off..off + len].chunks_exact(row_bytes))
         {
-            let row = &bytes[off + h * q * 8..off + (h + 1) * q * 8];
-            let mut r = [0u64; 8];
-            let whole = q / 8 * 8;
-            let (c_main, c_rest) = c.split_at_mut(whole);
-            for (x, cc) in row[..whole * 8]
-                .chunks_exact(64)
-                .zip(c_main.chunks_exact_mut(8))
-            {
-                for l in 0..8 {
+            for x in row.chunks_exact(8 * L) {
+                for l in 0..L {
                     let v = u64::from_le_bytes(x[l * 8..l * 8 + 8].try_into().expect("8 bytes"));
-                    cc[l] = cc[l].wrapping_add(v);
-                    r[l] = r[l].wrapping_add(v);
+                    st.r[l] = st.r[l].wrapping_add(v);
+                    st.w[l] = st.w[l].wrapping_add(st.r[l]);
                 }
             }
-            let mut sum = r.iter().fold(0u64, |a, b| a.wrapping_add(*b));
-            for (x, cc) in row[whole * 8..].chunks_exact(8).zip(c_rest.iter_mut()) {
-                let v = u64::from_le_bytes(x.try_into().expect("8 bytes"));
-                *cc = cc.wrapping_add(v);
-                sum = sum.wrapping_add(v);
+            for l in 0..L {
+                st.rs[l] = st.rs[l].wrapping_add(st.r[l]);
             }
-            *a = a.wrapping_add(sum);
-            *s = s.wrapping_add(*a);
         }
     }
 }
 
-/// Sum of 8 lanes as a tree (vectorizes).
-#[inline(always)]
-fn fold8(r: &[u64; 8]) -> u64 {
-    let a: [u64; 4] = std::array::from_fn(|i| r[i].wrapping_add(r[i + 4]));
-    let b: [u64; 2] = std::array::from_fn(|i| a[i].wrapping_add(a[i + 2]));
-    b[0].wrapping_add(b[1])
+/// Per-lane running sums of one (part, head) run of rows (see [`Lanes::sums`]).
+#[derive(Clone, Copy)]
+struct Lanes<const L: usize> {
+    r: [u64; L],
+    w: [u64; L],
+    rs: [u64; L],
 }
 
-/// Bytes of rows taken per tile: a tile is read from memory once (row sums) and then from L1
-/// (column sums).
-const TILE_BYTES: usize = 16 << 10;
+impl<const L: usize> Default for Lanes<L> {
+    fn default() -> Self {
+        Lanes {
+            r: [0; L],
+            w: [0; L],
+            rs: [0; L],
+        }
+    }
+}
 
-/// [`rows`] when a head's row is whole 8-piece chunks (the hot loop of the CPU backend). Rows
-/// are taken a tile at a time, in two passes with only loads and adds: first each row in memory
-/// order with its head sums in registers (as fast as a plain read, and it brings the tile into
-/// L1), then the column sums, 8 columns at a time in registers, from L1.
-#[inline(always)]
-fn rows_by_chunks(
-    bytes: &[u8],
-    offsets: &[usize],
-    chunks_per_head: usize,
-    colsum: &mut [u64],
-    ra: &mut [u64],
-    rs: &mut [u64],
-) {
-    let len = colsum.len() * 8;
-    let tile = (TILE_BYTES / len.max(1)).max(1);
-    for tile_offsets in offsets.chunks(tile) {
-        let first = tile_offsets[0];
-        let contiguous = tile_offsets
-            .iter()
-            .enumerate()
-            .all(|(i, &o)| o == first + i * len);
-        if contiguous {
-            // Rows back to back (token-major within a kernel block): one flat pass over the tile,
-            // each head's sum folded every `chunks_per_head` chunks.
-            let region = &bytes[first..first + tile_offsets.len() * len];
-            let heads = ra.len();
-            let mut r = [0u64; 8];
-            let (mut h, mut k) = (0usize, 0usize);
-            for x in region.chunks_exact(64) {
-                for l in 0..8 {
-                    r[l] = r[l].wrapping_add(u64::from_le_bytes(
-                        x[l * 8..l * 8 + 8].try_into().expect("8 bytes"),
-                    ));
-                }
-                k += 1;
-                if k == chunks_per_head {
-                    ra[h] = ra[h].wrapping_add(fold8(&r));
-                    rs[h] = rs[h].wrapping_add(ra[h]);
-                    r = [0u64; 8];
-                    k = 0;
-                    h += 1;
-                    if h == heads {
-                        h = 0;
-                    }
-                }
-            }
-        } else {
-            for &off in tile_offsets {
-                let row = &bytes[off..off + len];
-                for ((head, a), s) in row
-                    .chunks_exact(chunks_per_head * 64)
-                    .zip(ra.iter_mut())
-                    .zip(rs.iter_mut())
-                {
-                    let mut r = [0u64; 8];
-                    for x in head.chunks_exact(64) {
-                        for l in 0..8 {
-                            r[l] = r[l].wrapping_add(u64::from_le_bytes(
-                                x[l * 8..l * 8 + 8].try_into().expect("8 bytes"),
-                            ));
-                        }
-                    }
-                    *a = a.wrapping_add(fold8(&r));
-                    *s = s.wrapping_add(*a);
-                }
-            }
+impl<const L: usize> Lanes<L> {
+    /// `(A, B, Cq)` of a run of `n` rows of `q` pieces: `A = Σ x`, `B = Σ_t t·R_t` (R_t the
+    /// row's sum), `Cq = Σ_t Σ_q q·x_{t,q}`, all mod 2^64.
+    ///
+    /// Lane l holds pieces `q ≡ l (mod L)`: per chunk of L pieces `r += x; w += r`, per row
+    /// `rs += r`. With K chunks in all and chunk index c = t·q/L + i, `Σ_c c·X_c = K·r − w`
+    /// per lane, hence `Σ (t·q + q')·x = L·Σ(K·r − w) + Σ l·r`; and `Σ rs = n·A − B`.
+    fn sums(&self, n: u64, q: u64) -> (u64, u64, u64) {
+        let chunks = n.wrapping_mul(q / L as u64);
+        let (mut a, mut y, mut srs) = (0u64, 0u64, 0u64);
+        for l in 0..L {
+            a = a.wrapping_add(self.r[l]);
+            srs = srs.wrapping_add(self.rs[l]);
+            let lane = chunks.wrapping_mul(self.r[l]).wrapping_sub(self.w[l]);
+            y = y
+                .wrapping_add(lane.wrapping_mul(L as u64))
+                .wrapping_add((l as u64).wrapping_mul(self.r[l]));
         }
-        for (ci, cc) in colsum.chunks_exact_mut(8).enumerate() {
-            let mut c = [0u64; 8];
-            for &off in tile_offsets {
-                let x = &bytes[off + ci * 64..off + ci * 64 + 64];
-                for l in 0..8 {
-                    c[l] = c[l].wrapping_add(u64::from_le_bytes(
-                        x[l * 8..l * 8 + 8].try_into().expect("8 bytes"),
-                    ));
-                }
-            }
-            for l in 0..8 {
-                cc[l] = cc[l].wrapping_add(c[l]);
-            }
-        }
+        let b = n.wrapping_mul(a).wrapping_sub(srs);
+        (a, b, y.wrapping_sub(q.wrapping_mul(b)))
     }
 }
 

@@ -200,28 +200,45 @@ impl RowGroups<'_> {
         let nk = g.tokens_per_kernel_block;
         let stride_n = g.stride_of(Dim::N) as usize;
         let q = (self.row_bytes / 8) as u64;
-        let mut lanes = vec![Lanes::<L>::default(); self.heads_per_row];
-        for k in 0..g.parts() {
-            for h0 in (0..s.len()).step_by(self.heads_per_row) {
-                lanes.fill(Lanes::default());
-                for i in 0..self.n.div_ceil(nk) {
-                    let first = g.byte_offset(k, self.kb0 + i, 0, h0 as u64, 0) as usize;
-                    let count = (self.n - i * nk).min(nk) as usize;
-                    add_rows(
-                        &mut lanes,
-                        self.bytes,
-                        first,
-                        count,
-                        stride_n,
-                        self.row_bytes,
-                    );
+        // Rows of all heads back to back: both parts' rows of a token are read together (two
+        // streams); else one (part, head) run at a time.
+        let (groups, parts_per_group) = if self.heads_per_row == s.len() {
+            (1, g.parts())
+        } else {
+            (g.parts() * s.len() as u64, 1)
+        };
+        let per_group = self.heads_per_row * parts_per_group as usize;
+        let mut lanes = vec![Lanes::<L>::default(); per_group];
+        let mut firsts = [0usize; 2];
+        for gi in 0..groups {
+            let (k0, h0) = if groups == 1 {
+                (0, 0)
+            } else {
+                (gi / s.len() as u64, (gi % s.len() as u64) as usize)
+            };
+            lanes.fill(Lanes::default());
+            for i in 0..self.n.div_ceil(nk) {
+                for (j, f) in firsts.iter_mut().take(parts_per_group as usize).enumerate() {
+                    *f = g.byte_offset(k0 + j as u64, self.kb0 + i, 0, h0 as u64, 0) as usize;
                 }
+                let count = (self.n - i * nk).min(nk) as usize;
+                add_rows(
+                    &mut lanes,
+                    self.bytes,
+                    &firsts[..parts_per_group as usize],
+                    count,
+                    stride_n,
+                    self.row_bytes,
+                );
+            }
+            for (j, part_lanes) in lanes.chunks_exact(self.heads_per_row).enumerate() {
+                let k = k0 + j as u64;
                 let w = t0
                     .wrapping_mul(p)
                     .wrapping_add(k * q)
                     .wrapping_mul(2)
                     .wrapping_add(1);
-                for (st, sh) in lanes.iter().zip(&mut s[h0..]) {
+                for (st, sh) in part_lanes.iter().zip(&mut s[h0..]) {
                     let (a, b, cq) = st.sums(self.n, q);
                     *sh = sh
                         .wrapping_add(w.wrapping_mul(a))
@@ -233,35 +250,40 @@ impl RowGroups<'_> {
     }
 }
 
-/// The hot loop of the CPU backend: for `count` tokens, the rows of `lanes.len()` heads back
-/// to back at `first + i·stride`, each byte loaded once, in memory order. Kept out of line and
-/// updating the lanes in place: with the sums in locals, or inlined into the caller, LLVM
-/// (after the local ThinLTO of a release build) left the loop scalar, 3× slower.
+/// The hot loop of the CPU backend: for `count` tokens and each group start `f` of `firsts`,
+/// the rows of `lanes.len() / firsts.len()` heads back to back at `f + i·stride`; each byte
+/// loaded once. Kept out of line and updating the lanes in place: with the sums in locals, or
+/// inlined into the caller, LLVM (after the local ThinLTO of a release build) left the loop
+/// scalar, 3× slower.
 #[inline(never)]
 fn add_rows<const L: usize>(
     lanes: &mut [Lanes<L>],
     bytes: &[u8],
-    first: usize,
+    firsts: &[usize],
     count: usize,
     stride: usize,
     row_bytes: usize,
 ) {
-    let len = lanes.len() * row_bytes;
+    let per_group = lanes.len() / firsts.len();
+    let len = per_group * row_bytes;
     for i in 0..count {
-        let off = first + i * stride;
-        for (st, row) in lanes
-            .iter_mut()
-            .zip(bytes[off..off + len].chunks_exact(row_bytes))
-        {
-            for x in row.chunks_exact(8 * L) {
-                for l in 0..L {
-                    let v = u64::from_le_bytes(x[l * 8..l * 8 + 8].try_into().expect("8 bytes"));
-                    st.r[l] = st.r[l].wrapping_add(v);
-                    st.w[l] = st.w[l].wrapping_add(st.r[l]);
+        for (&f, group) in firsts.iter().zip(lanes.chunks_exact_mut(per_group)) {
+            let off = f + i * stride;
+            for (st, row) in group
+                .iter_mut()
+                .zip(bytes[off..off + len].chunks_exact(row_bytes))
+            {
+                for x in row.chunks_exact(8 * L) {
+                    for l in 0..L {
+                        let v =
+                            u64::from_le_bytes(x[l * 8..l * 8 + 8].try_into().expect("8 bytes"));
+                        st.r[l] = st.r[l].wrapping_add(v);
+                        st.w[l] = st.w[l].wrapping_add(st.r[l]);
+                    }
                 }
-            }
-            for l in 0..L {
-                st.rs[l] = st.rs[l].wrapping_add(st.r[l]);
+                for l in 0..L {
+                    st.rs[l] = st.rs[l].wrapping_add(st.r[l]);
+                }
             }
         }
     }

@@ -126,7 +126,7 @@ impl PendingChecksums {
     pub fn from_channel(
         rx: mpsc::Receiver<Result<Vec<GroupResult>, KernelError>>,
     ) -> PendingChecksums {
-        PendingChecksums::new(Box::new(Channel { rx, taken: false }))
+        PendingChecksums::new(Box::new(Channel::new(rx)))
     }
 
     /// The results if ready (once); `None` while running.
@@ -151,9 +151,17 @@ impl Pending for Ready {
     }
 }
 
-struct Channel {
+/// Results that arrive once on a channel: the `Pending` of work running on a host thread.
+pub(crate) struct Channel {
     rx: mpsc::Receiver<Result<Vec<GroupResult>, KernelError>>,
     taken: bool,
+}
+
+impl Channel {
+    /// Pending results that `rx` delivers once.
+    pub(crate) fn new(rx: mpsc::Receiver<Result<Vec<GroupResult>, KernelError>>) -> Channel {
+        Channel { rx, taken: false }
+    }
 }
 
 impl Pending for Channel {

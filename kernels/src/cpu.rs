@@ -10,7 +10,7 @@ use kvferry_checksum::definition::layer_block_checksum;
 use kvferry_checksum::group::ReplicaKey;
 
 use crate::backend::{
-    validate_job, ChecksumBackend, Device, GroupJob, GroupResult, KernelError, Pending,
+    validate_job, Channel, ChecksumBackend, Device, GroupJob, GroupResult, KernelError, Pending,
     PendingChecksums,
 };
 
@@ -112,41 +112,17 @@ unsafe fn run_job(job: &GroupJob, threads: usize) -> GroupResult {
 
 /// In-flight CPU work; dropping it waits for the thread, so memory is never read after the drop.
 struct CpuPending {
-    rx: mpsc::Receiver<Result<Vec<GroupResult>, KernelError>>,
+    results: Channel,
     handle: Option<JoinHandle<()>>,
-    taken: bool,
 }
 
 impl Pending for CpuPending {
     fn poll(&mut self) -> Option<Result<Vec<GroupResult>, KernelError>> {
-        if self.taken {
-            return None;
-        }
-        match self.rx.try_recv() {
-            Ok(r) => {
-                self.taken = true;
-                Some(r)
-            }
-            Err(mpsc::TryRecvError::Empty) => None,
-            Err(mpsc::TryRecvError::Disconnected) => {
-                self.taken = true;
-                Some(Err(KernelError::Lost))
-            }
-        }
+        self.results.poll()
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<Vec<GroupResult>, KernelError> {
-        if self.taken {
-            return Err(KernelError::Lost);
-        }
-        match self.rx.recv_timeout(timeout) {
-            Ok(r) => {
-                self.taken = true;
-                r
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => Err(KernelError::Timeout(timeout)),
-            Err(mpsc::RecvTimeoutError::Disconnected) => Err(KernelError::Lost),
-        }
+        self.results.wait(timeout)
     }
 }
 
@@ -187,9 +163,8 @@ impl ChecksumBackend for CpuBackend {
             })
             .map_err(|e| KernelError::Device(format!("cannot start a checksum thread: {e}")))?;
         Ok(PendingChecksums::new(Box::new(CpuPending {
-            rx,
+            results: Channel::new(rx),
             handle: Some(handle),
-            taken: false,
         })))
     }
 }

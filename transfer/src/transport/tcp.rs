@@ -147,6 +147,15 @@ impl Transport for TcpTransport {
 
     fn register(&self, region: &MemoryRegion) -> Result<RegionKeys> {
         self.ctx.memory.check_region(region)?;
+        if region.location != Location::Cpu {
+            // The path this memory takes (DESIGN.md §3): TCP moves it through pinned staging.
+            tracing::info!(
+                "{} region [{:#x}, +{}) registered for TCP via pinned host staging buffers",
+                region.location,
+                region.addr,
+                region.len
+            );
+        }
         Ok(RegionKeys::default())
     }
 

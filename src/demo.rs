@@ -49,18 +49,9 @@ pub struct DemoReport {
     pub requests: u32,
     /// Prompt tokens over all requests.
     pub tokens: u64,
-    /// Loads whose verdict was Verified.
-    pub verified: u32,
-    /// Loads whose verdict was Mismatch.
-    pub mismatch: u32,
-    /// Loads whose verdict was Unverified.
-    pub unverified: u32,
-    /// Loads that ended with an error (fail-closed + `fail`, or a transport failure).
-    pub failed: u32,
-    /// Loads the consumer recomputed (fail-closed + `recompute`).
-    pub recomputed: u32,
-    /// Loads that completed (the loaded KV used).
-    pub completed: u32,
+    /// Verdict and action counts (top-level JSON fields).
+    #[serde(flatten)]
+    pub counts: LoadCounts,
     /// Corruptions injected (`--corrupt`).
     pub corrupted: u32,
     /// After each recompute, the consumer's KV of that request equals the producer's
@@ -91,6 +82,39 @@ pub(crate) fn consumer_config(c: &CommonArgs) -> ConsumerConfig {
         max_wait: timeout,
         connect_timeout: timeout.min(Duration::from_secs(5)),
         ..ConsumerConfig::default()
+    }
+}
+
+/// Verdict and action counts of a series of loads (shared by `demo` and `load`).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct LoadCounts {
+    /// Loads whose verdict was Verified.
+    pub verified: u32,
+    /// Loads whose verdict was Mismatch.
+    pub mismatch: u32,
+    /// Loads whose verdict was Unverified (or that ran without checksums).
+    pub unverified: u32,
+    /// Loads that ended with an error (fail-closed + `fail`, or a transport failure).
+    pub failed: u32,
+    /// Loads the consumer recomputed (fail-closed + `recompute`).
+    pub recomputed: u32,
+    /// Loads that completed (the loaded KV used).
+    pub completed: u32,
+}
+
+impl LoadCounts {
+    /// Counts one finished load's verdict and action.
+    pub fn record(&mut self, verdict: Option<&Verdict>, action: Action) {
+        match verdict {
+            Some(Verdict::Verified) => self.verified += 1,
+            Some(Verdict::Mismatch { .. }) => self.mismatch += 1,
+            Some(Verdict::Unverified(_)) | None => self.unverified += 1,
+        }
+        match action {
+            Action::Complete => self.completed += 1,
+            Action::Fail => self.failed += 1,
+            Action::Recompute => self.recomputed += 1,
+        }
     }
 }
 
@@ -319,16 +343,10 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
                 }
                 report.bytes += o.bytes;
                 report.checksum_seconds += o.checksum_seconds;
-                match &o.verdict {
-                    Some(Verdict::Verified) => report.verified += 1,
-                    Some(Verdict::Mismatch { .. }) => report.mismatch += 1,
-                    Some(Verdict::Unverified(_)) | None => report.unverified += 1,
-                }
+                report.counts.record(o.verdict.as_ref(), o.action);
                 match o.action {
-                    Action::Complete => report.completed += 1,
-                    Action::Fail => report.failed += 1,
+                    Action::Complete | Action::Fail => {}
                     Action::Recompute => {
-                        report.recomputed += 1;
                         // The embedder's job: recompute the prompt locally (same seeded KV),
                         // then the consumer's KV must equal the producer's.
                         let mut ranks = cons_ranks.lock().unwrap();
@@ -349,7 +367,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
             }
             Err(e) => {
                 tracing::error!(request = %request_id, "load failed: {e}");
-                report.failed += 1;
+                report.counts.failed += 1;
                 report.unexpected += 1;
             }
         }
@@ -421,7 +439,12 @@ fn print_summary(r: &DemoReport) {
     );
     println!(
         "  verdicts: {} verified, {} mismatch, {} unverified; actions: {} completed, {} failed, {} recomputed",
-        r.verified, r.mismatch, r.unverified, r.completed, r.failed, r.recomputed
+        r.counts.verified,
+        r.counts.mismatch,
+        r.counts.unverified,
+        r.counts.completed,
+        r.counts.failed,
+        r.counts.recomputed
     );
     if r.corrupted > 0 {
         println!("  {} corruptions injected", r.corrupted);

@@ -9,13 +9,11 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry_checksum::policy::Action;
-use kvferry_checksum::verdict::Verdict;
 use kvferry_p2p::{Consumer, LoadGroup, LoadSpec, Producer, ProducerConfig};
 use serde::Serialize;
 
 use crate::cli::{DeviceArg, LoadArgs, ServeArgs};
-use crate::demo::{consumer_config, prompt_lengths};
+use crate::demo::{consumer_config, prompt_lengths, LoadCounts};
 use crate::models::model_by_name;
 use crate::setup::{engine_config, side_workers, transport_kind};
 use crate::world::{build_side, fill_request, BlockPool, SideConfig, GROUP_ID};
@@ -117,16 +115,9 @@ pub struct LoadReport {
     pub transport: String,
     /// Requests loaded.
     pub requests: u32,
-    /// Verdict counts.
-    pub verified: u32,
-    /// See `verified`.
-    pub mismatch: u32,
-    /// See `verified`.
-    pub unverified: u32,
-    /// Loads that failed.
-    pub failed: u32,
-    /// Loads to recompute.
-    pub recomputed: u32,
+    /// Verdict and action counts (top-level JSON fields).
+    #[serde(flatten)]
+    pub counts: LoadCounts,
     /// KV bytes moved.
     pub bytes: u64,
     /// Wall seconds of the loads.
@@ -198,20 +189,11 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
         match outcome {
             Ok(o) => {
                 report.bytes += o.bytes;
-                match o.verdict {
-                    Some(Verdict::Verified) => report.verified += 1,
-                    Some(Verdict::Mismatch { .. }) => report.mismatch += 1,
-                    Some(Verdict::Unverified(_)) | None => report.unverified += 1,
-                }
-                match o.action {
-                    Action::Complete => {}
-                    Action::Fail => report.failed += 1,
-                    Action::Recompute => report.recomputed += 1,
-                }
+                report.counts.record(o.verdict.as_ref(), o.action);
             }
             Err(e) => {
                 eprintln!("kvferry load: req-{i}: {e}");
-                report.failed += 1;
+                report.counts.failed += 1;
             }
         }
     }
@@ -220,7 +202,7 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
     } else {
         0.0
     };
-    let bad = report.requests - report.verified;
+    let bad = report.requests - report.counts.verified;
     if args.json {
         println!(
             "{}",
@@ -229,7 +211,7 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
     } else {
         println!(
             "kvferry load: {} requests over {}: {} verified, {} mismatch, {} unverified, {} failed, {} recomputed; {:.2} GB in {:.3} s ({:.2} GB/s)",
-            report.requests, report.transport, report.verified, report.mismatch, report.unverified, report.failed, report.recomputed,
+            report.requests, report.transport, report.counts.verified, report.counts.mismatch, report.counts.unverified, report.counts.failed, report.counts.recomputed,
             report.bytes as f64 / 1e9, report.seconds, report.gb_per_s
         );
     }

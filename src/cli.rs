@@ -90,6 +90,19 @@ pub enum DeviceArg {
     Cuda,
 }
 
+/// How the RDMA transport registers GPU KV memory (DESIGN.md §3 "GPU memory").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GpuRegistrationArg {
+    /// dma-buf, else peer memory, else staging through pinned host memory (with a warning).
+    Auto,
+    /// dma-buf only (GPUDirect RDMA).
+    DmaBuf,
+    /// Peer memory only (nvidia-peermem, GPUDirect RDMA).
+    PeerMemory,
+    /// A pinned host mirror with device copies, without trying GPUDirect.
+    Staged,
+}
+
 /// The load failure policy under fail-closed (DESIGN.md §2.7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum FailurePolicyArg {
@@ -118,6 +131,10 @@ pub struct CommonArgs {
     /// Where the KV caches live.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
+    /// How RDMA registers GPU KV memory (with `--device cuda`; TCP always stages it through
+    /// pinned host buffers).
+    #[arg(long, value_enum, default_value_t = GpuRegistrationArg::Auto)]
+    pub gpu_registration: GpuRegistrationArg,
     /// Treat a mismatch or an unverified load as a load failure.
     #[arg(long)]
     pub fail_closed: bool,

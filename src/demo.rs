@@ -23,7 +23,7 @@ use serde::Serialize;
 
 use crate::cli::{CommonArgs, DemoArgs, DeviceArg, FailurePolicyArg};
 use crate::models::model_by_name;
-use crate::setup::{engine_config, side_workers, transport_kind};
+use crate::setup::{engine_config, memory_paths, side_workers, transport_kind};
 use crate::world::{
     blocks_equal, build_side, fill_request, flip_bit, BlockPool, RankKv, SideConfig, GROUP_ID,
 };
@@ -33,6 +33,9 @@ use crate::world::{
 pub struct DemoReport {
     /// Transport the engines used ("tcp" or "rdma").
     pub transport: String,
+    /// How the engines registered the KV memory of both sides: "host", or for GPU memory
+    /// "dma-buf" / "peer-memory" (GPUDirect RDMA) or "staged" (through pinned host memory).
+    pub memory_paths: Vec<String>,
     /// Checksum backend ("cpu" or "cuda").
     pub checksum_backend: String,
     /// Model shape.
@@ -216,6 +219,12 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
     let mut prod_ranks = build_side(&side(args.prefill_tp, args.prefill_pp), &engine_cfg)?;
     let cons_ranks = build_side(&side(args.decode_tp, args.decode_pp), &engine_cfg)?;
     let transport_name = prod_ranks[0].engine.transport_name().to_string();
+    let mut paths = memory_paths(&prod_ranks);
+    for p in memory_paths(&cons_ranks) {
+        if !paths.contains(&p) {
+            paths.push(p);
+        }
+    }
     let (prod_workers, backend_name) = side_workers(&prod_ranks, c)?;
     let (cons_workers, _) = side_workers(&cons_ranks, c)?;
 
@@ -270,6 +279,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
     let mut cons_pool = BlockPool::new(num_blocks, args.seed ^ 1);
     let mut report = DemoReport {
         transport: transport_name,
+        memory_paths: paths,
         checksum_backend: backend_name,
         model: model.name.to_string(),
         prefill_tp: args.prefill_tp,
@@ -424,8 +434,10 @@ fn print_summary(r: &DemoReport) {
         r.model, r.prefill_tp, r.prefill_pp, r.decode_tp, r.decode_pp
     );
     println!(
-        "  transport {}, checksums on {}",
-        r.transport, r.checksum_backend
+        "  transport {} (KV memory: {}), checksums on {}",
+        r.transport,
+        r.memory_paths.join(", "),
+        r.checksum_backend
     );
     println!(
         "  {} requests, {} prompt tokens, {:.2} GB of KV moved",

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use kvferry_kernels::{backend_for, Device, LayerInput};
 use kvferry_p2p::{Worker, WorkerGroup};
-use kvferry_transfer::{EngineConfig, TransportKind};
+use kvferry_transfer::{EngineConfig, GpuRegistration, RdmaConfig, TransportKind};
 
-use crate::cli::{CommonArgs, DeviceArg, TransportArg};
+use crate::cli::{CommonArgs, DeviceArg, GpuRegistrationArg, TransportArg};
 use crate::world::{RankKv, GROUP_ID};
 
 /// The engine's transport choice for a `--transport` value.
@@ -25,8 +25,33 @@ pub fn engine_config(c: &CommonArgs) -> EngineConfig {
     EngineConfig {
         transport: transport_kind(c.transport),
         transfer_timeout: Duration::from_secs_f64(c.timeout),
+        rdma: RdmaConfig {
+            gpu_registration: match c.gpu_registration {
+                GpuRegistrationArg::Auto => GpuRegistration::Auto,
+                GpuRegistrationArg::DmaBuf => GpuRegistration::DmaBuf,
+                GpuRegistrationArg::PeerMemory => GpuRegistration::PeerMemory,
+                GpuRegistrationArg::Staged => GpuRegistration::Staged,
+            },
+            ..RdmaConfig::default()
+        },
         ..EngineConfig::default()
     }
+}
+
+/// The registration paths of the ranks' KV memory (`host`, `dma-buf`, `peer-memory`,
+/// `staged`), each once, in rank order: how the engines made it reachable by peers.
+pub fn memory_paths(ranks: &[RankKv]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for r in ranks {
+        let p = r
+            .engine
+            .region_path(r.base())
+            .map_or_else(|| "unregistered".to_string(), |p| p.to_string());
+        if !out.contains(&p) {
+            out.push(p);
+        }
+    }
+    out
 }
 
 /// The p2p workers of one side's ranks, and the checksum backend's name.

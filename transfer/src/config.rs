@@ -92,6 +92,28 @@ pub struct RdmaConfig {
     /// Safety net: a work request with no completion after this long fails its endpoint
     /// (its QPs are moved to the error state, which flushes them). Default 20 s.
     pub completion_timeout: Duration,
+    /// How `cuda:N` regions are registered with the NIC (DESIGN.md §3 "GPU memory").
+    /// Default `Auto`: dma-buf, else peer memory, else staging through pinned host memory
+    /// with a warning.
+    pub gpu_registration: GpuRegistration,
+}
+
+/// The registration path the RDMA transport tries for GPU memory (`RdmaConfig::gpu_registration`).
+/// A forced path that fails is a registration error, never a silent fallback.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GpuRegistration {
+    /// dma-buf (`ibv_reg_dmabuf_mr`), else peer memory (`ibv_reg_mr` through nvidia-peermem),
+    /// else a pinned host mirror with device copies (a warning says so and why).
+    #[default]
+    Auto,
+    /// dma-buf only.
+    DmaBuf,
+    /// Peer memory only.
+    PeerMemory,
+    /// The pinned host mirror, without trying GPUDirect (costs host memory equal to the region
+    /// and a device copy per transfer).
+    Staged,
 }
 
 impl Default for RdmaConfig {
@@ -106,6 +128,7 @@ impl Default for RdmaConfig {
             qp_timeout: 14,
             retry_count: 6,
             completion_timeout: Duration::from_secs(20),
+            gpu_registration: GpuRegistration::Auto,
         }
     }
 }

@@ -97,7 +97,9 @@ fn choose_transport(ctx: &TransportContext) -> Result<(Arc<dyn Transport>, Strin
             Ok(dev) => match rdma_create(ctx) {
                 Ok(t) => Ok((t, format!("auto: RDMA device {dev}"))),
                 Err(e) => {
-                    tracing::warn!("RDMA device {dev} found but unusable ({e}); falling back to TCP");
+                    tracing::warn!(
+                        "RDMA device {dev} found but unusable ({e}); falling back to TCP"
+                    );
                     tcp(format!("auto: RDMA device {dev} unusable"))
                 }
             },
@@ -314,6 +316,13 @@ impl TransferEngine {
         };
         let t = self.transport.clone();
         self.registry.insert(region, |r| t.register(r)).map(|_| ())
+    }
+
+    /// How the registered region containing `addr` was made reachable by peers (host memory
+    /// in place, GPUDirect through dma-buf or peer memory, or staged through pinned host
+    /// memory); `None` when no registered region contains `addr`.
+    pub fn region_path(&self, addr: u64) -> Option<crate::memory::RegistrationPath> {
+        self.registry.find(addr, 1).map(|e| e.keys.path)
     }
 
     /// Unregisters the region that starts at `addr` (after any in-progress TCP target access to

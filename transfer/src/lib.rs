@@ -32,10 +32,10 @@ pub mod types;
 
 pub mod gpu;
 
-pub use config::{EngineConfig, RdmaConfig, TcpConfig};
+pub use config::{EngineConfig, GpuRegistration, RdmaConfig, TcpConfig};
 pub use engine::TransferEngine;
 pub use error::{Result, TransferError};
-pub use memory::{MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys};
+pub use memory::{MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys, RegistrationPath};
 pub use segment::{BufferDesc, SegmentDescriptor, SegmentHandle};
 pub use transport::{CompletionSink, Slice, Transport, TransportContext, TransportInfo};
 pub use types::{BatchId, BatchStatus, Location, Op, TransferRequest, TransportKind};

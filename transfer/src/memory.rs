@@ -31,12 +31,55 @@ impl MemoryRegion {
     }
 }
 
+/// How a transport made a registered region reachable by peers (DESIGN.md §3 "GPU memory":
+/// dma-buf, else peer memory, else staging through pinned host buffers). The engine reports it
+/// per region (`TransferEngine::region_path`) and publishes it in the segment descriptor.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RegistrationPath {
+    /// Host memory used in place (RDMA: `ibv_reg_mr` of the range; TCP: read and written
+    /// directly).
+    #[default]
+    Host,
+    /// GPU memory registered with the NIC from a dma-buf (`cuMemGetHandleForAddressRange` →
+    /// `ibv_reg_dmabuf_mr`): GPUDirect RDMA.
+    DmaBuf,
+    /// GPU memory registered with plain `ibv_reg_mr` (the nvidia-peermem kernel module):
+    /// GPUDirect RDMA.
+    PeerMemory,
+    /// GPU memory moved through pinned host memory with device copies. TCP: every slice is
+    /// copied through pinned staging buffers. RDMA (when the NIC cannot register the GPU
+    /// range): work requests use a pinned host mirror of the region, which is copied from the
+    /// device before it is read and to the device after it is written.
+    Staged,
+}
+
+impl std::fmt::Display for RegistrationPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RegistrationPath::Host => "host",
+            RegistrationPath::DmaBuf => "dma-buf",
+            RegistrationPath::PeerMemory => "peer-memory",
+            RegistrationPath::Staged => "staged",
+        })
+    }
+}
+
 /// What a transport hands out for one registered region, published to peers in the segment
 /// descriptor. RDMA: `rkeys[i]` is the rkey of the region's memory region on device `i` of the
 /// transport's `TransportInfo` device list. TCP: empty.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegionKeys {
     pub rkeys: Vec<u32>,
+    /// How the region was registered (absent in a descriptor: `host`).
+    #[serde(default)]
+    pub path: RegistrationPath,
+    /// RDMA with `path == Staged`: the address of the pinned host mirror that work requests
+    /// target instead of the region's own address (offsets are the same). A peer that WRITEs
+    /// there asks the owner to copy the range to the device before it reports the slice done,
+    /// and asks it to copy the range from the device before it READs (DESIGN.md §3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staging_addr: Option<u64>,
 }
 
 /// One registered region with the keys its transport returned.

@@ -8,74 +8,11 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::Buf;
-use kvferry_transfer::{
-    EngineConfig, Location, Op, RdmaConfig, TransferEngine, TransferError, TransferRequest,
-    TransportKind,
-};
-
-/// Asserts equal bytes; memcmp first (the guest runs under TCG: byte loops over 64 MiB are slow).
-fn assert_same(got: &[u8], want: &[u8], what: &str) {
-    if got != want {
-        common::assert_same(got, want, what);
-    }
-}
-
-/// `Ok(device)` when an RDMA device is usable, else why not.
-#[cfg(feature = "rdma")]
-fn probe() -> Result<String, String> {
-    kvferry_transfer::transport::rdma::probe(&RdmaConfig::default())
-        .ok_or_else(|| "no usable RDMA device (no libibverbs, no device or no ACTIVE port)".into())
-}
-
-#[cfg(not(feature = "rdma"))]
-fn probe() -> Result<String, String> {
-    let _ = RdmaConfig::default();
-    Err("built without the `rdma` feature".into())
-}
-
-/// True when an RDMA device is usable; else prints the skip reason (or panics when
-/// `KVFERRY_REQUIRE_RDMA=1`).
-fn rdma_or_skip(test: &str) -> bool {
-    match probe() {
-        Ok(dev) => {
-            eprintln!("{test}: RDMA device {dev}");
-            true
-        }
-        Err(why) => {
-            if std::env::var("KVFERRY_REQUIRE_RDMA").is_ok_and(|v| v == "1") {
-                panic!("{test}: KVFERRY_REQUIRE_RDMA=1 but {why}");
-            }
-            eprintln!("{test}: skipped: {why}");
-            false
-        }
-    }
-}
-
-fn config() -> EngineConfig {
-    let mut c = EngineConfig {
-        transport: TransportKind::Rdma,
-        ..EngineConfig::default()
-    };
-    c.handshake_timeout = Duration::from_secs(5);
-    c.transfer_timeout = Duration::from_secs(60);
-    c
-}
-
-fn engine_with(f: impl FnOnce(&mut EngineConfig)) -> Arc<TransferEngine> {
-    let mut c = config();
-    f(&mut c);
-    let e = TransferEngine::new(c).expect("RDMA engine starts");
-    assert_eq!(e.transport_name(), "rdma");
-    e
-}
-
-fn engine() -> Arc<TransferEngine> {
-    engine_with(|_| {})
-}
+use common::rdma::{engine, engine_with, rdma_or_skip};
+use common::{assert_same, Buf};
+use kvferry_transfer::{Location, Op, TransferError, TransferRequest};
 
 const SIZES: &[u64] = &[
     1,

@@ -29,7 +29,7 @@ use super::wire::{self, Request};
 use super::{kind_mismatch, CompletionSink, Slice, Transport, TransportContext, TransportInfo};
 use crate::config::TcpConfig;
 use crate::error::{Result, TransferError};
-use crate::memory::{MemoryRegion, RegionKeys};
+use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
 use crate::segment::SegmentDescriptor;
 use crate::types::{Location, Op};
 
@@ -155,6 +155,10 @@ impl Transport for TcpTransport {
                 region.addr,
                 region.len
             );
+            return Ok(RegionKeys {
+                path: RegistrationPath::Staged,
+                ..RegionKeys::default()
+            });
         }
         Ok(RegionKeys::default())
     }
@@ -209,7 +213,8 @@ impl Transport for TcpTransport {
         self.server.stop.store(true, Ordering::SeqCst);
         // Wake the blocking accept; if that fails (no file descriptors left) the thread may
         // never wake, so it is left detached instead of blocking shutdown forever.
-        let woke = TcpStream::connect_timeout(&self.listen_addr, Duration::from_millis(500)).is_ok();
+        let woke =
+            TcpStream::connect_timeout(&self.listen_addr, Duration::from_millis(500)).is_ok();
         if let Some(t) = self.accept.lock().unwrap_or_else(|e| e.into_inner()).take() {
             if woke {
                 let _ = t.join();

@@ -1,6 +1,8 @@
 //! Shared helpers of the transfer integration tests: engines on loopback and test buffers.
 #![allow(dead_code)]
 
+pub mod rdma;
+
 use std::sync::Arc;
 use std::time::Duration;
 

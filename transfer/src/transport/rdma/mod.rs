@@ -13,6 +13,8 @@
 
 mod device;
 mod endpoint;
+mod stager;
+mod staging;
 mod verbs;
 
 #[cfg(test)]
@@ -22,6 +24,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -36,11 +39,13 @@ pub use endpoint::{ConnectReply, ConnectRequest, QpInfo};
 
 use self::device::Device;
 use self::endpoint::{Endpoint, EpKey, PassiveTable};
+use self::stager::StageJob;
+use self::staging::{Direction, Mirror, SyncRequest};
 use super::{CompletionSink, Slice, Transport, TransportContext, TransportInfo};
-use crate::config::RdmaConfig;
+use crate::config::{GpuRegistration, RdmaConfig};
 use crate::error::{Result, TransferError};
 use crate::handshake::{self, FrameType};
-use crate::memory::{MemoryRegion, RegionKeys};
+use crate::memory::{MemoryAccess, MemoryRegion, RegionKeys, RegistrationPath};
 use crate::segment::SegmentDescriptor;
 use crate::types::{Location, Op};
 
@@ -161,6 +166,8 @@ pub(crate) struct Work {
     pub attempts: u32,
     /// The first failure's text (kept for the final error when a retry fails differently).
     pub first_error: Option<String>,
+    /// The host mirror of the local region when it is staged GPU memory (`staging.rs`).
+    pub mirror: Option<Arc<Mirror>>,
 }
 
 /// A posted work request: what the completion thread needs to finish it.
@@ -174,9 +181,14 @@ pub(crate) struct InFlight {
     pub posted: Instant,
 }
 
-/// A registered region: one verbs memory region per device.
+/// A GPU region's registration: its memory regions (one per device), path and host mirror.
+type GpuRegistered = (Vec<Arc<VerbsMr>>, RegistrationPath, Option<Arc<Mirror>>);
+
+/// A registered region: one verbs memory region per device (of the region itself, or of its
+/// host mirror when it is staged GPU memory).
 struct Registered {
     mrs: Vec<Arc<VerbsMr>>,
+    mirror: Option<Arc<Mirror>>,
 }
 
 enum Slot {
@@ -197,6 +209,10 @@ struct Shared {
     stop: AtomicBool,
     /// Slices re-dispatched after a failure (diagnostics and tests).
     retried: AtomicU64,
+    /// Device copies for staged GPU memory.
+    memory: Arc<dyn MemoryAccess>,
+    /// Jobs for the stager thread (`stager.rs`).
+    stager: Mutex<mpsc::Sender<StageJob>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -252,6 +268,7 @@ impl RdmaTransport {
                 d.cq_depth
             );
         }
+        let (stage_tx, stage_rx) = mpsc::channel();
         let shared = Arc::new(Shared {
             config,
             handshake_timeout: ctx.config.handshake_timeout,
@@ -263,6 +280,8 @@ impl RdmaTransport {
             passive: Mutex::new(PassiveTable::default()),
             stop: AtomicBool::new(false),
             retried: AtomicU64::new(0),
+            memory: ctx.memory.clone(),
+            stager: Mutex::new(stage_tx),
         });
         let t = Arc::new(RdmaTransport {
             shared: shared.clone(),
@@ -281,6 +300,12 @@ impl RdmaTransport {
                 lock(&t.threads).push(h);
             }
         }
+        let s = shared.clone();
+        let h = std::thread::Builder::new()
+            .name("kvferry-rdma-stager".into())
+            .spawn(move || stager::run_stager(s, stage_rx))
+            .map_err(|e| TransferError::io("spawn RDMA stager thread", e))?;
+        lock(&t.threads).push(h);
         Ok(t)
     }
 
@@ -340,8 +365,6 @@ impl Transport for RdmaTransport {
 
     fn register(&self, region: &MemoryRegion) -> Result<RegionKeys> {
         let s = &self.shared;
-        let mut mrs = Vec::with_capacity(s.devices.len());
-        let mut path = "host";
         for d in &s.devices {
             if region.len > d.max_mr_size {
                 return Err(TransferError::Rdma(format!(
@@ -349,31 +372,21 @@ impl Transport for RdmaTransport {
                     region.len, d.info.name, d.max_mr_size
                 )));
             }
-            let mr = match region.location {
+        }
+        let (mrs, path, mirror) = match region.location {
+            Location::Cpu => (
                 // SAFETY: the engine's register_memory contract: the range is valid host memory
                 // for as long as it stays registered.
-                Location::Cpu => unsafe {
-                    d.pd.reg_mr(region.addr as usize, region.len as usize, access())
-                }
-                .map_err(|e| {
-                    TransferError::Rdma(format!(
-                        "{}: ibv_reg_mr [{:#x}, +{}): {e}: {}",
-                        d.info.name,
-                        region.addr,
-                        region.len,
-                        err_src(&e)
-                    ))
-                })?,
-                Location::Cuda(n) => {
-                    let (mr, p) = register_gpu(d, region, n)?;
-                    path = p;
-                    mr
-                }
-            };
-            mrs.push(mr);
-        }
+                unsafe { s.reg_host(region.addr, region.len) }?,
+                RegistrationPath::Host,
+                None,
+            ),
+            Location::Cuda(_) => s.register_gpu(region)?,
+        };
         let keys = RegionKeys {
             rkeys: mrs.iter().map(|m| m.rkey()).collect(),
+            path,
+            staging_addr: mirror.as_ref().map(|m| m.addr()),
         };
         if region.location != Location::Cpu {
             tracing::info!(
@@ -383,7 +396,7 @@ impl Transport for RdmaTransport {
                 region.len
             );
         }
-        lock(&s.regions).insert(region.addr, Registered { mrs });
+        lock(&s.regions).insert(region.addr, Registered { mrs, mirror });
         Ok(keys)
     }
 
@@ -399,6 +412,10 @@ impl Transport for RdmaTransport {
 
     fn on_handshake(&self, peer: SocketAddr, body: &[u8]) -> Result<Vec<u8>> {
         let s = &self.shared;
+        if let Some(sync) = SyncRequest::parse(body) {
+            s.serve_sync(&sync)?;
+            return Ok(b"{}".to_vec());
+        }
         let req: ConnectRequest = serde_json::from_slice(body)
             .map_err(|e| TransferError::Protocol(format!("RDMA connect from {peer}: {e}")))?;
         endpoint::check_request(&req, s.devices.len())?;
@@ -408,17 +425,33 @@ impl Transport for RdmaTransport {
     }
 
     fn post(&self, peer: &Arc<SegmentDescriptor>, slices: Vec<Slice>, done: CompletionSink) {
-        let works = slices
-            .into_iter()
-            .map(|slice| Work {
+        let s = &self.shared;
+        let mirrors: HashMap<u64, Arc<Mirror>> = lock(&s.regions)
+            .iter()
+            .filter_map(|(a, r)| r.mirror.clone().map(|m| (*a, m)))
+            .collect();
+        let (mut direct, mut staged) = (Vec::with_capacity(slices.len()), Vec::new());
+        for slice in slices {
+            let w = Work {
                 slice,
                 peer: peer.clone(),
                 sink: done.clone(),
                 attempts: 0,
                 first_error: None,
-            })
-            .collect();
-        self.shared.dispatch(works);
+                mirror: mirrors.get(&slice.local_region.addr).cloned(),
+            };
+            if w.needs_before() {
+                staged.push(w);
+            } else {
+                direct.push(w);
+            }
+        }
+        if !staged.is_empty() {
+            s.stage(StageJob::Before(staged));
+        }
+        if !direct.is_empty() {
+            s.dispatch(direct);
+        }
     }
 
     fn disconnect(&self, name: &str) {
@@ -469,40 +502,119 @@ impl Transport for RdmaTransport {
     }
 }
 
-/// Registers GPU memory on one device: dma-buf first, then the peer-memory path.
-fn register_gpu(d: &Device, region: &MemoryRegion, n: u32) -> Result<(Arc<VerbsMr>, &'static str)> {
-    let mut why = Vec::new();
-    if let Some(export) = DMABUF_EXPORTER.get() {
-        match export(region) {
+impl Shared {
+    /// `ibv_reg_mr` of `[addr, +len)` on every device; on error nothing stays registered.
+    ///
+    /// # Safety
+    /// The range is valid host memory (or peer memory the driver can pin) while registered.
+    unsafe fn reg_host(&self, addr: u64, len: u64) -> Result<Vec<Arc<VerbsMr>>> {
+        self.devices
+            .iter()
+            .map(|d| {
+                // SAFETY: forwarded from the caller.
+                unsafe { d.pd.reg_mr(addr as usize, len as usize, access()) }.map_err(|e| {
+                    TransferError::Rdma(format!(
+                        "{}: ibv_reg_mr [{addr:#x}, +{len}): {e}: {}",
+                        d.info.name,
+                        err_src(&e)
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    /// Registers a `cuda:N` region per `config.gpu_registration` (DESIGN.md §3 "GPU memory"):
+    /// dma-buf, else peer memory, else a host mirror (with a warning naming why GPUDirect
+    /// failed). Returns the memory regions (one per device), the path and the mirror.
+    /// Errors: `Unsupported` with every path's failure when none works.
+    fn register_gpu(&self, region: &MemoryRegion) -> Result<GpuRegistered> {
+        let mode = self.config.gpu_registration;
+        let mut why = Vec::new();
+        if matches!(mode, GpuRegistration::Auto | GpuRegistration::DmaBuf) {
+            match self.reg_dmabuf_all(region) {
+                Ok(mrs) => return Ok((mrs, RegistrationPath::DmaBuf, None)),
+                Err(e) => why.push(format!("dma-buf: {e}")),
+            }
+        }
+        if matches!(mode, GpuRegistration::Auto | GpuRegistration::PeerMemory) {
+            // SAFETY: with nvidia-peermem the driver pins the device range; without it this
+            // fails (the kernel cannot pin memory the host cannot map).
+            match unsafe { self.reg_host(region.addr, region.len) } {
+                Ok(mrs) => return Ok((mrs, RegistrationPath::PeerMemory, None)),
+                Err(e) => why.push(format!("peer memory: {e}")),
+            }
+        }
+        if matches!(mode, GpuRegistration::Auto | GpuRegistration::Staged) {
+            let staged = self.memory.check_region(region).and_then(|()| {
+                let m = Mirror::new(region)?;
+                // SAFETY: the mirror is host memory owned by `Registered` with the regions.
+                let mrs = unsafe { self.reg_host(m.addr(), region.len) }?;
+                Ok((mrs, m))
+            });
+            match staged {
+                Ok((mrs, m)) => {
+                    if mode == GpuRegistration::Auto {
+                        tracing::warn!(
+                            "{} region [{:#x}, +{}) cannot be registered with the NIC ({}); \
+                             staging it through {} bytes of pinned host memory: every transfer \
+                             adds a device copy",
+                            region.location,
+                            region.addr,
+                            region.len,
+                            why.join("; "),
+                            region.len
+                        );
+                    }
+                    return Ok((mrs, RegistrationPath::Staged, Some(m)));
+                }
+                Err(e) => why.push(format!("staging: {e}")),
+            }
+        }
+        Err(TransferError::Unsupported(format!(
+            "{} region [{:#x}, +{}) cannot be registered for RDMA (gpu_registration {mode:?}): {}",
+            region.location,
+            region.addr,
+            region.len,
+            why.join("; ")
+        )))
+    }
+
+    /// dma-buf registration of a GPU region on every device (one export).
+    fn reg_dmabuf_all(&self, region: &MemoryRegion) -> Result<Vec<Arc<VerbsMr>>> {
+        let export = DMABUF_EXPORTER
+            .get()
+            .ok_or_else(|| TransferError::Unsupported("no exporter installed".into()))?;
+        let buf = export(region)?;
+        self.devices
+            .iter()
             // SAFETY: the exporter returns a dma-buf covering the region; it stays registered
             // only while the region is.
-            Ok(buf) => match unsafe { reg_dmabuf(d, &buf.fd, buf.offset, region.len, region.addr) }
-            {
-                Ok(mr) => return Ok((mr, "dma-buf")),
-                Err(e) => why.push(format!("dma-buf: {e}")),
-            },
-            Err(e) => why.push(format!("dma-buf export: {e}")),
-        }
-    } else {
-        why.push("dma-buf: no exporter installed".into());
+            .map(|d| unsafe { reg_dmabuf(d, &buf.fd, buf.offset, region.len, region.addr) })
+            .collect()
     }
-    // SAFETY: with nvidia-peermem the driver pins the device range; without it this fails.
-    match unsafe {
-        d.pd.reg_mr(region.addr as usize, region.len as usize, access())
-    } {
-        Ok(mr) => Ok((mr, "peer-memory")),
-        Err(e) => {
-            why.push(format!("peer memory: {e}: {}", err_src(&e)));
-            Err(TransferError::Unsupported(format!(
-                "cuda:{n} memory cannot be registered on {} ({}); stage through host memory",
-                d.info.name,
-                why.join("; ")
-            )))
-        }
-    }
-}
 
-impl Shared {
+    /// Serves a peer's staging sync: checks every range against this engine's staged regions,
+    /// then copies them (mirror → device after the peer's WRITEs, device → mirror before its
+    /// READs). Errors: `InvalidArgument` for a range outside them (nothing is copied), the
+    /// first failed copy.
+    fn serve_sync(&self, sync: &SyncRequest) -> Result<()> {
+        let mirrors: Vec<Arc<Mirror>> = lock(&self.regions)
+            .values()
+            .filter_map(|r| r.mirror.clone())
+            .collect();
+        let body = &sync.staging_sync;
+        let copies = staging::resolve(body, |a, l| {
+            mirrors.iter().find(|m| m.region().contains(a, l)).cloned()
+        })?;
+        for (m, addr, len) in copies {
+            match body.direction {
+                Direction::ToDevice => m.to_device(&*self.memory, addr, len)?,
+                Direction::ToHost => m.to_host(&*self.memory, addr, len)?,
+            }
+        }
+        Ok(())
+    }
+
     /// Number of devices a peer advertises (its descriptor's `devices` list).
     fn remote_devices(peer: &SegmentDescriptor) -> usize {
         peer.transport
@@ -648,12 +760,22 @@ impl Shared {
                 let mr = lock(&self.regions)
                     .get(&sl.local_region.addr)
                     .and_then(|r| r.mrs.get(ep.dev.index).cloned());
-                let rkey = work
-                    .peer
-                    .buffers
-                    .get(sl.remote_buffer)
-                    .and_then(|b| b.keys.rkeys.get(ep.key.remote_dev).copied());
-                let (mr, rkey) = match (mr, rkey) {
+                // Staged GPU memory: the work request uses the mirror at the same offset.
+                let local_addr = match &work.mirror {
+                    Some(m) => m.translate(sl.local_addr, sl.len).unwrap_or(sl.local_addr),
+                    None => sl.local_addr,
+                };
+                let remote = work.peer.buffers.get(sl.remote_buffer).and_then(|b| {
+                    let rkey = *b.keys.rkeys.get(ep.key.remote_dev)?;
+                    let addr = match b.keys.staging_addr {
+                        Some(base) => {
+                            base.checked_add(sl.remote_addr.checked_sub(b.region.addr)?)?
+                        }
+                        None => sl.remote_addr,
+                    };
+                    Some((rkey, addr))
+                });
+                let (mr, (rkey, remote_addr)) = match (mr, remote) {
                     (Some(m), Some(r)) if sl.len > 0 && sl.len <= MAX_WR_BYTES => (m, r),
                     (None, _) => {
                         ep.dev.return_credit();
@@ -669,7 +791,8 @@ impl Shared {
                     (_, None) => {
                         ep.dev.return_credit();
                         let e = TransferError::Rdma(format!(
-                            "segment {} buffer {} has no rkey for its device {}",
+                            "segment {} buffer {} has no rkey for its device {} (or a bad \
+                             staging address)",
                             work.peer.name, sl.remote_buffer, ep.key.remote_dev
                         ));
                         refused.push((work, e));
@@ -701,12 +824,12 @@ impl Shared {
                     let mut g = qp.start_post_send();
                     let h = g.construct_wr(wr_id, WorkRequestFlags::Signaled);
                     let h = match sl.op {
-                        Op::Write => h.setup_write(rkey, sl.remote_addr),
-                        Op::Read => h.setup_read(rkey, sl.remote_addr),
+                        Op::Write => h.setup_write(rkey, remote_addr),
+                        Op::Read => h.setup_read(rkey, remote_addr),
                     };
-                    // SAFETY: [local_addr, +len) lies in a region registered as `mr`, which the
-                    // in-flight entry keeps alive until the completion.
-                    unsafe { h.setup_sge(lkey, sl.local_addr, sl.len as u32) };
+                    // SAFETY: [local_addr, +len) lies in a region (or its mirror) registered as
+                    // `mr`, which the in-flight entry keeps alive until the completion.
+                    unsafe { h.setup_sge(lkey, local_addr, sl.len as u32) };
                     g.post()
                 };
                 if let Err(e) = res {
@@ -795,7 +918,11 @@ impl Shared {
         dev.return_credit();
         let w = inf.work;
         if wc.status == verbs::wc::SUCCESS {
-            w.sink.complete(w.slice.id, Ok(()));
+            if w.needs_after() {
+                self.stage(StageJob::After(w));
+            } else {
+                w.sink.complete(w.slice.id, Ok(()));
+            }
             return;
         }
         let sl = &w.slice;

@@ -1,0 +1,215 @@
+//! The stager thread: device copies and syncs around the work requests that touch staged GPU
+//! memory (see `staging.rs`). Slices that need nothing staged never pass through it.
+//!
+//! Before the wire: a WRITE from a staged local region first copies its bytes from the device
+//! into the mirror; a READ from a peer's staged buffer first asks the peer to copy the ranges
+//! into its mirror (one `to-host` sync per peer for all such slices at hand).
+//! After the wire: a READ into a staged local region copies the landed bytes to the device; a
+//! WRITE into a peer's staged buffer asks the peer to copy the ranges to its device (one
+//! `to-device` sync per peer). Only then is the slice reported, so `Ok` means "in place".
+//!
+//! One thread serialises these copies; every wait is bounded (device copies by the memory
+//! backend's deadline, syncs by `handshake_timeout`).
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::staging::{Direction, SyncRequest};
+use super::{Shared, Work};
+use crate::error::TransferError;
+use crate::handshake::{self, FrameType};
+use crate::types::Op;
+
+/// Work for the stager.
+pub(crate) enum StageJob {
+    /// Slices to prepare, then dispatch.
+    Before(Vec<Work>),
+    /// A slice whose work request succeeded, to finish, then report.
+    After(Work),
+}
+
+/// Where a slice's staged side is, if any.
+impl Work {
+    /// The peer's mirror address space is in use for the remote side.
+    pub(crate) fn remote_staged(&self) -> bool {
+        self.peer
+            .buffers
+            .get(self.slice.remote_buffer)
+            .is_some_and(|b| b.keys.staging_addr.is_some())
+    }
+
+    /// Needs the stager before its work request is posted.
+    pub(crate) fn needs_before(&self) -> bool {
+        match self.slice.op {
+            Op::Write => self.mirror.is_some(),
+            Op::Read => self.remote_staged(),
+        }
+    }
+
+    /// Needs the stager after its work request succeeded.
+    pub(crate) fn needs_after(&self) -> bool {
+        match self.slice.op {
+            Op::Read => self.mirror.is_some(),
+            Op::Write => self.remote_staged(),
+        }
+    }
+}
+
+impl Shared {
+    /// Hands `job` to the stager; if it is gone (shut down), fails the job's slices.
+    pub(crate) fn stage(&self, job: StageJob) {
+        let sent = self
+            .stager
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(job);
+        if let Err(std::sync::mpsc::SendError(job)) = sent {
+            fail_job(job, &gone());
+        }
+    }
+
+    /// Sends one sync of `ranges` to segment `peer` and waits for its answer.
+    fn sync(
+        &self,
+        peer: &str,
+        direction: Direction,
+        ranges: Vec<(u64, u64)>,
+    ) -> Result<(), TransferError> {
+        let body = serde_json::to_vec(&SyncRequest::new(direction, ranges))
+            .map_err(|e| TransferError::Protocol(format!("encode staging sync: {e}")))?;
+        handshake::request(peer, FrameType::Connect, &body, self.handshake_timeout).map(|_| ())
+    }
+
+    fn before(self: &Arc<Self>, works: Vec<Work>) {
+        let mut ready = Vec::with_capacity(works.len());
+        let mut reads: HashMap<String, Vec<Work>> = HashMap::new();
+        for w in works {
+            if w.sink.is_cancelled() {
+                w.sink
+                    .complete(w.slice.id, Err(super::CompletionSink::cancelled_error()));
+                continue;
+            }
+            match w.slice.op {
+                Op::Write => {
+                    let Some(m) = &w.mirror else {
+                        ready.push(w);
+                        continue;
+                    };
+                    match m.to_host(&*self.memory, w.slice.local_addr, w.slice.len) {
+                        Ok(()) => ready.push(w),
+                        Err(e) => w.sink.complete(w.slice.id, Err(copy_failed("from", e))),
+                    }
+                }
+                Op::Read if w.remote_staged() => {
+                    reads.entry(w.peer.name.clone()).or_default().push(w)
+                }
+                Op::Read => ready.push(w),
+            }
+        }
+        for (peer, ws) in reads {
+            let ranges = ws
+                .iter()
+                .map(|w| (w.slice.remote_addr, w.slice.len))
+                .collect();
+            match self.sync(&peer, Direction::ToHost, ranges) {
+                Ok(()) => ready.extend(ws),
+                Err(e) => fail_all(ws, &sync_failed(&peer, "from", e)),
+            }
+        }
+        if !ready.is_empty() {
+            self.dispatch(ready);
+        }
+    }
+
+    fn after(&self, works: Vec<Work>) {
+        let mut writes: HashMap<String, Vec<Work>> = HashMap::new();
+        for w in works {
+            match w.slice.op {
+                Op::Read => {
+                    let res = match &w.mirror {
+                        Some(m) => m
+                            .to_device(&*self.memory, w.slice.local_addr, w.slice.len)
+                            .map_err(|e| copy_failed("to", e)),
+                        None => Ok(()),
+                    };
+                    w.sink.complete(w.slice.id, res);
+                }
+                Op::Write if w.remote_staged() => {
+                    writes.entry(w.peer.name.clone()).or_default().push(w)
+                }
+                Op::Write => w.sink.complete(w.slice.id, Ok(())),
+            }
+        }
+        for (peer, ws) in writes {
+            let ranges = ws
+                .iter()
+                .map(|w| (w.slice.remote_addr, w.slice.len))
+                .collect();
+            match self.sync(&peer, Direction::ToDevice, ranges) {
+                Ok(()) => ws
+                    .into_iter()
+                    .for_each(|w| w.sink.complete(w.slice.id, Ok(()))),
+                Err(e) => fail_all(ws, &sync_failed(&peer, "to", e)),
+            }
+        }
+    }
+}
+
+/// The stager thread: takes every job at hand, runs the "after" ones first (they finish
+/// slices), then the "before" ones. Exits when the transport stops, failing what is left.
+pub(crate) fn run_stager(s: Arc<Shared>, rx: Receiver<StageJob>) {
+    while !s.stop.load(Ordering::SeqCst) {
+        let first = match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(j) => j,
+            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        let (mut before, mut after) = (Vec::new(), Vec::new());
+        for job in std::iter::once(first).chain(rx.try_iter()) {
+            match job {
+                StageJob::Before(ws) => before.extend(ws),
+                StageJob::After(w) => after.push(w),
+            }
+        }
+        if !after.is_empty() {
+            s.after(after);
+        }
+        if !before.is_empty() {
+            s.before(before);
+        }
+    }
+    for job in rx.try_iter() {
+        fail_job(job, &gone());
+    }
+}
+
+fn gone() -> TransferError {
+    TransferError::Rdma("RDMA transport shut down".into())
+}
+
+fn fail_all(ws: Vec<Work>, e: &TransferError) {
+    ws.into_iter()
+        .for_each(|w| w.sink.complete(w.slice.id, Err(e.clone())));
+}
+
+fn fail_job(job: StageJob, e: &TransferError) {
+    match job {
+        StageJob::Before(ws) => fail_all(ws, e),
+        StageJob::After(w) => w.sink.complete(w.slice.id, Err(e.clone())),
+    }
+}
+
+fn copy_failed(way: &str, e: TransferError) -> TransferError {
+    TransferError::Rdma(format!(
+        "staged GPU memory: copy {way} the device failed: {e}"
+    ))
+}
+
+fn sync_failed(peer: &str, way: &str, e: TransferError) -> TransferError {
+    TransferError::Rdma(format!(
+        "staged GPU memory of segment {peer}: its copy {way} the device failed: {e}"
+    ))
+}

@@ -1,0 +1,360 @@
+//! GPU memory the NIC cannot register (DESIGN.md §3 "GPU memory", the last resort after dma-buf
+//! and peer memory): the region gets a host mirror of its own size, registered with the NIC in
+//! its place, and device copies keep the two in step.
+//!
+//! One-sided verbs never tell the target that bytes landed, so the initiator does it: after its
+//! WRITEs into a staged buffer complete it sends a `to-device` sync naming the ranges, and the
+//! owner copies them from the mirror to the device before it answers; before READs from a
+//! staged buffer it sends a `to-host` sync, and the owner copies the ranges from the device
+//! into the mirror. A slice is reported done only after its sync, so "done" still means "in
+//! place". Syncs travel as `Connect` handshake frames (JSON, see [`SyncRequest`]).
+//!
+//! This module is the part with no verbs in it: the mirror, the sync message, the checks of a
+//! peer's ranges. The thread that orders the copies around work requests is `stager.rs`.
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TransferError};
+use crate::memory::{MemoryAccess, MemoryRegion};
+
+/// Most ranges one sync request may name (a body is at most 1 MiB anyway).
+pub(crate) const MAX_SYNC_RANGES: usize = 65_536;
+
+/// A host mirror of one staged GPU region: `region.len` bytes of anonymous memory, pinned by
+/// the NIC registration of it. Offsets are the region's: byte `addr` of the region lives at
+/// `self.addr() + (addr - region.addr)`.
+pub(crate) struct Mirror {
+    region: MemoryRegion,
+    ptr: *mut u8,
+    _map: memmap2::MmapMut,
+}
+
+// SAFETY: the pointer is into the owned mapping, which lives as long as the mirror; concurrent
+// copies touch disjoint or NIC-owned bytes exactly as RDMA buffers always are.
+unsafe impl Send for Mirror {}
+unsafe impl Sync for Mirror {}
+
+impl std::fmt::Debug for Mirror {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mirror")
+            .field("region", &self.region)
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .finish()
+    }
+}
+
+impl Mirror {
+    /// Maps `region.len` bytes of host memory for `region`. Errors: `Rdma` when the host has no
+    /// room for them (the text names the size).
+    pub fn new(region: &MemoryRegion) -> Result<Arc<Mirror>> {
+        let len = usize::try_from(region.len).map_err(|_| {
+            TransferError::InvalidArgument(format!("region of {} bytes", region.len))
+        })?;
+        let mut map = memmap2::MmapMut::map_anon(len).map_err(|e| {
+            TransferError::Rdma(format!(
+                "cannot map a {len}-byte host mirror for the {} region at {:#x}: {e}",
+                region.location, region.addr
+            ))
+        })?;
+        let ptr = map.as_mut_ptr();
+        Ok(Arc::new(Mirror {
+            region: *region,
+            ptr,
+            _map: map,
+        }))
+    }
+
+    /// Address of the mirror (what the NIC registration covers).
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    /// The staged region this mirrors.
+    pub fn region(&self) -> &MemoryRegion {
+        &self.region
+    }
+
+    /// The mirror address of region address `addr`, for `len` bytes inside the region.
+    pub fn translate(&self, addr: u64, len: u64) -> Option<u64> {
+        self.region
+            .contains(addr, len)
+            .then(|| self.addr() + (addr - self.region.addr))
+    }
+
+    fn bytes(&self, addr: u64, len: u64) -> Result<*mut u8> {
+        let at = self.translate(addr, len).ok_or_else(|| {
+            TransferError::InvalidArgument(format!(
+                "[{addr:#x}, +{len}) is not inside the staged region [{:#x}, +{})",
+                self.region.addr, self.region.len
+            ))
+        })?;
+        Ok(at as *mut u8)
+    }
+
+    /// Copies `[addr, +len)` of the region from the device into the mirror (before the NIC
+    /// reads it). Errors: `InvalidArgument` outside the region; the copy's error.
+    pub fn to_host(&self, mem: &dyn MemoryAccess, addr: u64, len: u64) -> Result<()> {
+        let p = self.bytes(addr, len)?;
+        // SAFETY: `p..p+len` is inside the mapping (checked above); the region is device memory
+        // registered by the caller, valid while registered (register_memory's contract).
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(p, len as usize);
+            mem.copy_from(self.region.location, addr, dst)
+        }
+    }
+
+    /// Copies `[addr, +len)` of the region from the mirror to the device (after the NIC wrote
+    /// it). Errors as [`Mirror::to_host`].
+    pub fn to_device(&self, mem: &dyn MemoryAccess, addr: u64, len: u64) -> Result<()> {
+        let p = self.bytes(addr, len)?;
+        // SAFETY: as in `to_host`.
+        unsafe {
+            let src = std::slice::from_raw_parts(p as *const u8, len as usize);
+            mem.copy_to(self.region.location, addr, src)
+        }
+    }
+}
+
+/// Which way a sync copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum Direction {
+    /// Mirror → device: the initiator's WRITEs into these ranges completed.
+    ToDevice,
+    /// Device → mirror: the initiator is about to READ these ranges.
+    ToHost,
+}
+
+/// The body of a sync: `{"staging_sync": {"direction": "to-device", "ranges": [[addr, len]...]}}`
+/// with addresses in the owner's region address space (the buffers of its descriptor).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SyncRequest {
+    pub staging_sync: SyncBody,
+}
+
+/// See [`SyncRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SyncBody {
+    pub direction: Direction,
+    pub ranges: Vec<(u64, u64)>,
+}
+
+impl SyncRequest {
+    /// A request for `ranges` (merged).
+    pub fn new(direction: Direction, ranges: Vec<(u64, u64)>) -> SyncRequest {
+        SyncRequest {
+            staging_sync: SyncBody {
+                direction,
+                ranges: merge(ranges),
+            },
+        }
+    }
+
+    /// `Some` when `body` is a sync request (a connect request is not one); malformed JSON is
+    /// `None` here and gets the connect request's error.
+    pub fn parse(body: &[u8]) -> Option<SyncRequest> {
+        serde_json::from_slice(body).ok()
+    }
+}
+
+/// Sorts ranges and joins overlapping or adjacent ones; zero lengths and ranges that wrap the
+/// address space are dropped (the owner refuses nothing it was not asked for).
+pub(crate) fn merge(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    ranges.retain(|&(a, l)| l > 0 && a.checked_add(l).is_some());
+    ranges.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (a, l) in ranges {
+        match out.last_mut() {
+            Some((pa, pl)) if a <= *pa + *pl => *pl = (*pl).max(a + l - *pa),
+            _ => out.push((a, l)),
+        }
+    }
+    out
+}
+
+/// Checks a peer's sync ranges against this engine's staged regions: each range must lie
+/// inside one mirror (`find(addr, len)`). Returns the copies to make, or `InvalidArgument`
+/// naming the first bad range (then nothing is copied).
+pub(crate) fn resolve(
+    body: &SyncBody,
+    find: impl Fn(u64, u64) -> Option<Arc<Mirror>>,
+) -> Result<Vec<(Arc<Mirror>, u64, u64)>> {
+    if body.ranges.len() > MAX_SYNC_RANGES {
+        return Err(TransferError::InvalidArgument(format!(
+            "staging sync names {} ranges (at most {MAX_SYNC_RANGES})",
+            body.ranges.len()
+        )));
+    }
+    body.ranges
+        .iter()
+        .map(|&(addr, len)| {
+            if len == 0 {
+                return Err(TransferError::InvalidArgument(format!(
+                    "staging sync range at {addr:#x} has zero length"
+                )));
+            }
+            find(addr, len).map(|m| (m, addr, len)).ok_or_else(|| {
+                TransferError::InvalidArgument(format!(
+                    "staging sync range [{addr:#x}, +{len}) is not inside a staged region"
+                ))
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::Location;
+    use std::sync::Mutex;
+
+    /// A "device" that is host memory it copies itself, logging each copy.
+    #[derive(Default)]
+    struct Dev {
+        log: Mutex<Vec<(&'static str, u64, usize)>>,
+    }
+
+    impl MemoryAccess for Dev {
+        fn name(&self) -> &'static str {
+            "test"
+        }
+        fn check(&self, _: Location) -> Result<()> {
+            Ok(())
+        }
+        unsafe fn copy_from(&self, _: Location, src: u64, dst: &mut [u8]) -> Result<()> {
+            self.log.lock().unwrap().push(("from", src, dst.len()));
+            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+            Ok(())
+        }
+        unsafe fn copy_to(&self, _: Location, dst: u64, src: &[u8]) -> Result<()> {
+            self.log.lock().unwrap().push(("to", dst, src.len()));
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+            Ok(())
+        }
+    }
+
+    fn region_of(v: &[u8]) -> MemoryRegion {
+        MemoryRegion {
+            addr: v.as_ptr() as u64,
+            len: v.len() as u64,
+            location: Location::Cuda(0),
+        }
+    }
+
+    #[test]
+    fn mirror_copies_only_the_named_range_each_way() {
+        let mut device: Vec<u8> = (0..4096u32).map(|i| i as u8).collect();
+        let m = Mirror::new(&region_of(&device)).unwrap();
+        let dev = Dev::default();
+        let base = device.as_ptr() as u64;
+        m.to_host(&dev, base + 100, 50).unwrap();
+        let mirror = unsafe { std::slice::from_raw_parts(m.addr() as *const u8, 4096) };
+        assert_eq!(&mirror[100..150], &device[100..150]);
+        assert!(mirror[..100].iter().chain(&mirror[150..]).all(|&b| b == 0));
+
+        // the NIC writes into the mirror; only the synced range reaches the device
+        let mirror = unsafe { std::slice::from_raw_parts_mut(m.addr() as *mut u8, 4096) };
+        mirror[1000..1100].fill(0xAB);
+        mirror[2000..2010].fill(0xCD);
+        m.to_device(&dev, base + 1000, 100).unwrap();
+        let before = device[2000];
+        assert!(device[1000..1100].iter().all(|&b| b == 0xAB));
+        assert_eq!(device[2000], before, "an unsynced range stays as it was");
+        assert_eq!(
+            *dev.log.lock().unwrap(),
+            vec![("from", base + 100, 50), ("to", base + 1000, 100)]
+        );
+        device[0] = 1; // the device buffer outlives the mirror's uses
+    }
+
+    #[test]
+    fn mirror_refuses_ranges_outside_its_region() {
+        let device = vec![0u8; 256];
+        let m = Mirror::new(&region_of(&device)).unwrap();
+        let dev = Dev::default();
+        let base = device.as_ptr() as u64;
+        for (a, l) in [
+            (base - 1, 2),
+            (base + 200, 57),
+            (base + 256, 1),
+            (u64::MAX, 2),
+        ] {
+            assert!(m.to_device(&dev, a, l).is_err(), "[{a:#x}, +{l})");
+            assert!(m.to_host(&dev, a, l).is_err(), "[{a:#x}, +{l})");
+        }
+        assert!(dev.log.lock().unwrap().is_empty(), "nothing was copied");
+        assert_eq!(m.translate(base + 10, 246), Some(m.addr() + 10));
+        assert_eq!(m.translate(base + 10, 247), None);
+    }
+
+    #[test]
+    fn merge_joins_overlapping_and_adjacent_ranges_and_drops_empty_ones() {
+        assert_eq!(
+            merge(vec![
+                (300, 10),
+                (100, 50),
+                (150, 10),
+                (120, 5),
+                (0, 0),
+                (u64::MAX, 5)
+            ]),
+            vec![(100, 60), (300, 10)]
+        );
+        assert_eq!(merge(vec![(10, 100), (20, 5)]), vec![(10, 100)]);
+        assert!(merge(vec![]).is_empty());
+    }
+
+    #[test]
+    fn sync_requests_round_trip_and_connect_bodies_are_not_syncs() {
+        let r = SyncRequest::new(Direction::ToDevice, vec![(200, 8), (100, 100)]);
+        let body = serde_json::to_vec(&r).unwrap();
+        let text = String::from_utf8(body.clone()).unwrap();
+        assert!(text.contains("\"to-device\""), "{text}");
+        assert_eq!(SyncRequest::parse(&body), Some(r));
+        assert_eq!(r_ranges(&body), vec![(100, 108)]);
+        for junk in [
+            &b"{\"version\":1,\"initiator\":\"a:1\"}"[..],
+            b"",
+            b"\xff\xfe",
+            b"{\"staging_sync\":{\"direction\":\"sideways\",\"ranges\":[]}}",
+            b"{\"staging_sync\":{\"direction\":\"to-host\",\"ranges\":[[1]]}}",
+        ] {
+            assert_eq!(SyncRequest::parse(junk), None);
+        }
+    }
+
+    fn r_ranges(body: &[u8]) -> Vec<(u64, u64)> {
+        SyncRequest::parse(body).unwrap().staging_sync.ranges
+    }
+
+    #[test]
+    fn resolve_accepts_only_ranges_inside_staged_regions() {
+        let device = vec![0u8; 1024];
+        let m = Mirror::new(&region_of(&device)).unwrap();
+        let base = device.as_ptr() as u64;
+        let find = |a: u64, l: u64| m.region().contains(a, l).then(|| m.clone());
+        let ok = SyncBody {
+            direction: Direction::ToHost,
+            ranges: vec![(base, 1024), (base + 10, 1)],
+        };
+        assert_eq!(resolve(&ok, find).unwrap().len(), 2);
+        for bad in [(base + 1000, 25), (base - 8, 8), (base, 0), (0, 1)] {
+            let b = SyncBody {
+                direction: Direction::ToDevice,
+                ranges: vec![(base, 8), bad],
+            };
+            let e = resolve(&b, find).unwrap_err().to_string();
+            assert!(
+                e.contains("staged region") || e.contains("zero length"),
+                "{e}"
+            );
+        }
+        let many = SyncBody {
+            direction: Direction::ToHost,
+            ranges: vec![(base, 1); MAX_SYNC_RANGES + 1],
+        };
+        assert!(resolve(&many, find).is_err());
+    }
+}

@@ -124,8 +124,10 @@ pub trait Transport: Send + Sync + 'static {
     fn local_info(&self) -> TransportInfo;
 
     /// Makes `region` accessible to peers (RDMA: `ibv_reg_mr`/dma-buf on every device, with
-    /// remote read and write access; keep the lkeys internally, keyed by `region.addr`) and
-    /// returns the keys to publish. TCP: checks the location is servable, returns empty keys.
+    /// remote read and write access, or a registered host mirror for GPU memory the NIC
+    /// cannot register; keep the lkeys internally, keyed by `region.addr`) and returns the
+    /// keys to publish, with the `RegistrationPath` taken. TCP: checks the location is
+    /// servable, returns no rkeys.
     /// Called with the registry write-locked; the region is already checked (len > 0, no
     /// overlap). On error nothing must stay registered.
     fn register(&self, region: &MemoryRegion) -> Result<RegionKeys>;

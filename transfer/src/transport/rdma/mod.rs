@@ -8,6 +8,11 @@
 //! the peer's advertised buffers; the NIC enforces the rest (rkey scope), and a remote access
 //! error comes back as a failed slice naming the work completion status.
 //!
+//! GPU memory (`cuda:N` regions) is registered per `RdmaConfig::gpu_registration`: dma-buf,
+//! else peer memory, else (with a warning) a pinned host mirror kept in step with the device
+//! by copies that the initiator's syncs trigger (`staging.rs`, `stager.rs`). The path taken is
+//! published in the region's keys and reported by `TransferEngine::region_path`.
+//!
 //! libibverbs is loaded at run time (rdma-mummy-sys `dlopen`s it): on a machine without it
 //! [`probe`] returns `None` and [`create`] a `Config` error; nothing crashes.
 
@@ -120,7 +125,7 @@ pub type DmabufExporter = fn(&MemoryRegion) -> Result<DmabufRange>;
 static DMABUF_EXPORTER: OnceLock<DmabufExporter> = OnceLock::new();
 
 /// Installs the dma-buf exporter used to register `cuda:N` regions (DESIGN.md §3 "GPU memory":
-/// dma-buf first, then the peer-memory path, else the caller stages through host memory).
+/// dma-buf first, then the peer-memory path, else a pinned host mirror, see `staging.rs`).
 /// Returns false when one was already installed.
 pub fn set_dmabuf_exporter(f: DmabufExporter) -> bool {
     DMABUF_EXPORTER.set(f).is_ok()

@@ -85,6 +85,11 @@ fn demo_verifies_every_load_and_reports_the_contract_fields() {
         r["transport"], "tcp",
         "no RDMA device here: the engine must fall back to TCP"
     );
+    assert_eq!(
+        r["memory_paths"],
+        serde_json::json!(["host"]),
+        "host KV memory is registered in place on both sides"
+    );
 }
 
 #[test]
@@ -188,6 +193,7 @@ fn demo_rejects_bad_arguments_with_a_clear_error() {
         (vec!["--min-tokens", "0"], "--min-tokens"),
         (vec!["--prefill-tp", "2"], "TP"),
         (vec!["--layout", "KV B N Q D"], "Q"),
+        (vec!["--gpu-registration", "sideways"], "--gpu-registration"),
     ] {
         let out = kvferry()
             .args(["demo", "--json", "--model", "tiny", "--requests", "10"])

@@ -21,6 +21,9 @@ use crate::memory::{MemoryAccess, MemoryRegion};
 
 /// Most ranges one sync request may name (a body is at most 1 MiB anyway).
 pub(crate) const MAX_SYNC_RANGES: usize = 65_536;
+/// Most copies one sync may expand to once ranges are cut at region boundaries (bounds the
+/// owner's work for ranges that each span many regions).
+const MAX_SYNC_COPIES: usize = 4 * MAX_SYNC_RANGES;
 
 /// A host mirror of one staged GPU region: `region.len` bytes of anonymous memory, pinned by
 /// the NIC registration of it. Offsets are the region's: byte `addr` of the region lives at
@@ -174,9 +177,11 @@ pub(crate) fn merge(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     out
 }
 
-/// Checks a peer's sync ranges against this engine's staged regions: each range must lie
-/// inside one mirror (`find(addr, len)`). Returns the copies to make, or `InvalidArgument`
-/// naming the first bad range (then nothing is copied).
+/// Checks a peer's sync ranges against this engine's staged regions: every byte of each range
+/// must lie in a mirror (`find(addr, 1)`: the mirror holding byte `addr`). A range may run across
+/// staged regions registered back to back (the initiator merges adjacent slices without knowing
+/// where regions end); it is cut at their boundaries. Returns the copies to make, or
+/// `InvalidArgument` naming the first bad range (then nothing is copied).
 pub(crate) fn resolve(
     body: &SyncBody,
     find: impl Fn(u64, u64) -> Option<Arc<Mirror>>,
@@ -187,21 +192,37 @@ pub(crate) fn resolve(
             body.ranges.len()
         )));
     }
-    body.ranges
-        .iter()
-        .map(|&(addr, len)| {
-            if len == 0 {
+    let mut copies = Vec::with_capacity(body.ranges.len());
+    for &(addr, len) in &body.ranges {
+        if len == 0 {
+            return Err(TransferError::InvalidArgument(format!(
+                "staging sync range at {addr:#x} has zero length"
+            )));
+        }
+        let outside = || {
+            TransferError::InvalidArgument(format!(
+                "staging sync range [{addr:#x}, +{len}) is not inside a staged region"
+            ))
+        };
+        let end = addr.checked_add(len).ok_or_else(outside)?;
+        let mut at = addr;
+        while at < end {
+            let m = find(at, 1).ok_or_else(outside)?;
+            // `find` says `at` is inside the mirror's region, so `at < region.end()`
+            let piece = end.min(m.region().end()).saturating_sub(at);
+            if piece == 0 {
+                return Err(outside());
+            }
+            if copies.len() >= MAX_SYNC_COPIES {
                 return Err(TransferError::InvalidArgument(format!(
-                    "staging sync range at {addr:#x} has zero length"
+                    "staging sync spans more than {MAX_SYNC_COPIES} pieces of staged regions"
                 )));
             }
-            find(addr, len).map(|m| (m, addr, len)).ok_or_else(|| {
-                TransferError::InvalidArgument(format!(
-                    "staging sync range [{addr:#x}, +{len}) is not inside a staged region"
-                ))
-            })
-        })
-        .collect()
+            copies.push((m, at, piece));
+            at += piece;
+        }
+    }
+    Ok(copies)
 }
 
 #[cfg(test)]
@@ -327,6 +348,50 @@ mod tests {
 
     fn r_ranges(body: &[u8]) -> Vec<(u64, u64)> {
         SyncRequest::parse(body).unwrap().staging_sync.ranges
+    }
+
+    #[test]
+    fn resolve_splits_a_merged_range_across_adjacent_staged_regions() {
+        // two regions registered back to back (per-layer pieces of one allocation): the
+        // initiator merges slices on both sides of the boundary into one range
+        let device = vec![0u8; 2048];
+        let base = device.as_ptr() as u64;
+        let lo = Mirror::new(&MemoryRegion {
+            len: 1024,
+            ..region_of(&device)
+        })
+        .unwrap();
+        let hi = Mirror::new(&MemoryRegion {
+            addr: base + 1024,
+            len: 1024,
+            location: Location::Cuda(0),
+        })
+        .unwrap();
+        let find = |a: u64, l: u64| {
+            [&lo, &hi]
+                .into_iter()
+                .find(|m| m.region().contains(a, l))
+                .cloned()
+        };
+        let req = SyncRequest::new(
+            Direction::ToDevice,
+            vec![(base + 1000, 24), (base + 1024, 24)],
+        );
+        assert_eq!(req.staging_sync.ranges, vec![(base + 1000, 48)]);
+        let copies = resolve(&req.staging_sync, find).expect("both halves are staged");
+        let got: Vec<(u64, u64, u64)> = copies.iter().map(|(m, a, l)| (m.addr(), *a, *l)).collect();
+        assert_eq!(
+            got,
+            vec![(lo.addr(), base + 1000, 24), (hi.addr(), base + 1024, 24)]
+        );
+        // still refused: past the second region, or starting outside both
+        for bad in [(base + 1000, 1049), (base - 1, 2)] {
+            let b = SyncBody {
+                direction: Direction::ToHost,
+                ranges: vec![bad],
+            };
+            assert!(resolve(&b, find).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

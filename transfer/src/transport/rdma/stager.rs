@@ -71,16 +71,21 @@ impl Shared {
         }
     }
 
-    /// Sends one sync of `ranges` to segment `peer` and waits for its answer.
+    /// Syncs `ranges` with segment `peer`: as many requests as it takes for each body to fit a
+    /// handshake frame (see `SyncRequest::split`), one after another, each waiting for its
+    /// answer; stops at the first failure.
     fn sync(
         &self,
         peer: &str,
         direction: Direction,
         ranges: Vec<(u64, u64)>,
     ) -> Result<(), TransferError> {
-        let body = serde_json::to_vec(&SyncRequest::new(direction, ranges))
-            .map_err(|e| TransferError::Protocol(format!("encode staging sync: {e}")))?;
-        handshake::request(peer, FrameType::Connect, &body, self.handshake_timeout).map(|_| ())
+        for req in SyncRequest::split(direction, ranges) {
+            let body = serde_json::to_vec(&req)
+                .map_err(|e| TransferError::Protocol(format!("encode staging sync: {e}")))?;
+            handshake::request(peer, FrameType::Connect, &body, self.handshake_timeout)?;
+        }
+        Ok(())
     }
 
     fn before(self: &Arc<Self>, works: Vec<Work>) {
@@ -209,7 +214,8 @@ fn copy_failed(way: &str, e: TransferError) -> TransferError {
 }
 
 fn sync_failed(peer: &str, way: &str, e: TransferError) -> TransferError {
+    // `e` is the peer's refusal or copy error, or why it could not be reached in time
     TransferError::Rdma(format!(
-        "staged GPU memory of segment {peer}: its copy {way} the device failed: {e}"
+        "staged GPU memory of segment {peer}: sync asking it to copy {way} its device failed: {e}"
     ))
 }

@@ -21,6 +21,9 @@ use crate::memory::{MemoryAccess, MemoryRegion};
 
 /// Most ranges one sync request may name (a body is at most 1 MiB anyway).
 pub(crate) const MAX_SYNC_RANGES: usize = 65_536;
+/// Most ranges the initiator puts in one sync: a range is at most 43 bytes of JSON
+/// (`[u64,u64],`), so 16 Ki of them stay well under the 1 MiB frame limit.
+pub(crate) const SYNC_RANGES_PER_REQUEST: usize = 16_384;
 /// Most copies one sync may expand to once ranges are cut at region boundaries (bounds the
 /// owner's work for ranges that each span many regions).
 const MAX_SYNC_COPIES: usize = 4 * MAX_SYNC_RANGES;
@@ -145,7 +148,9 @@ pub(crate) struct SyncBody {
 }
 
 impl SyncRequest {
-    /// A request for `ranges` (merged).
+    /// One request for `ranges` (merged), however many they are (tests; the stager sends
+    /// [`SyncRequest::split`]).
+    #[cfg(test)]
     pub fn new(direction: Direction, ranges: Vec<(u64, u64)>) -> SyncRequest {
         SyncRequest {
             staging_sync: SyncBody {
@@ -153,6 +158,21 @@ impl SyncRequest {
                 ranges: merge(ranges),
             },
         }
+    }
+
+    /// Requests for `ranges` (merged), at most [`SYNC_RANGES_PER_REQUEST`] ranges each so that
+    /// every body fits a handshake frame (`handshake::MAX_FRAME_BODY`) and the owner's
+    /// [`MAX_SYNC_RANGES`]; none for no ranges. Ranges keep their (sorted) order.
+    pub fn split(direction: Direction, ranges: Vec<(u64, u64)>) -> Vec<SyncRequest> {
+        merge(ranges)
+            .chunks(SYNC_RANGES_PER_REQUEST)
+            .map(|c| SyncRequest {
+                staging_sync: SyncBody {
+                    direction,
+                    ranges: c.to_vec(),
+                },
+            })
+            .collect()
     }
 
     /// `Some` when `body` is a sync request (a connect request is not one); malformed JSON is
@@ -392,6 +412,48 @@ mod tests {
             };
             assert!(resolve(&b, find).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn many_scattered_ranges_become_several_syncs_that_each_fit_a_frame() {
+        // 60k non-adjacent slices (KV blocks of many layers) at high addresses: one request
+        // would exceed the handshake frame limit and fail the whole batch
+        let base = 0x7f00_0000_0000u64;
+        let ranges: Vec<(u64, u64)> = (0..60_000u64)
+            .map(|i| (base + i * 65_536, 16_384))
+            .collect();
+        let one =
+            serde_json::to_vec(&SyncRequest::new(Direction::ToDevice, ranges.clone())).unwrap();
+        assert!(
+            one.len() as u64 > crate::handshake::MAX_FRAME_BODY,
+            "{}",
+            one.len()
+        );
+        let reqs = SyncRequest::split(Direction::ToDevice, ranges.clone());
+        assert!(reqs.len() > 1);
+        let mut seen = Vec::new();
+        for r in &reqs {
+            let body = serde_json::to_vec(r).unwrap();
+            assert!(
+                body.len() as u64 <= crate::handshake::MAX_FRAME_BODY,
+                "{}",
+                body.len()
+            );
+            assert!(r.staging_sync.ranges.len() <= MAX_SYNC_RANGES);
+            assert_eq!(r.staging_sync.direction, Direction::ToDevice);
+            seen.extend_from_slice(&r.staging_sync.ranges);
+        }
+        assert_eq!(seen, ranges, "every range once, in order");
+        // long numbers: 20-digit addresses, 13-digit lengths
+        let (top, l) = (10_000_000_000_000_000_000u64, 1_000_000_000_000u64);
+        let long: Vec<(u64, u64)> = (0..3 * SYNC_RANGES_PER_REQUEST as u64 + 1)
+            .map(|i| (top + 2 * i * l, l))
+            .collect();
+        for r in SyncRequest::split(Direction::ToHost, long) {
+            let n = serde_json::to_vec(&r).unwrap().len() as u64;
+            assert!(n <= crate::handshake::MAX_FRAME_BODY, "{n}");
+        }
+        assert!(SyncRequest::split(Direction::ToHost, vec![]).is_empty());
     }
 
     #[test]

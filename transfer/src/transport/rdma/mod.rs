@@ -406,8 +406,15 @@ impl Transport for RdmaTransport {
     }
 
     fn deregister(&self, region: &MemoryRegion) -> Result<()> {
-        match lock(&self.shared.regions).remove(&region.addr) {
-            Some(_) => Ok(()),
+        let gone = lock(&self.shared.regions).remove(&region.addr);
+        match gone {
+            Some(r) => {
+                // a peer's sync may be copying into the device range on a handshake thread
+                if let Some(m) = r.mirror {
+                    m.retire();
+                }
+                Ok(())
+            }
             None => Err(TransferError::InvalidArgument(format!(
                 "no RDMA registration at {:#x}",
                 region.addr

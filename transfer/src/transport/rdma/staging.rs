@@ -12,7 +12,7 @@
 //! This module is the part with no verbs in it: the mirror, the sync message, the checks of a
 //! peer's ranges. The thread that orders the copies around work requests is `stager.rs`.
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -35,6 +35,9 @@ pub(crate) struct Mirror {
     region: MemoryRegion,
     ptr: *mut u8,
     _map: memmap2::MmapMut,
+    /// False once the region is unregistered; copies hold the read lock, so `retire` returns
+    /// only after the last copy into the device range ended (the caller may free it then).
+    live: RwLock<bool>,
 }
 
 // SAFETY: the pointer is into the owned mapping, which lives as long as the mirror; concurrent
@@ -69,7 +72,28 @@ impl Mirror {
             region: *region,
             ptr,
             _map: map,
+            live: RwLock::new(true),
         }))
+    }
+
+    /// Ends device copies for an unregistered region: waits for copies in progress (each is
+    /// bounded by the memory backend's deadline), then makes every later one an error. A
+    /// peer's sync served on another thread can no longer write device memory the owner has
+    /// freed once its `unregister_memory` returned.
+    pub fn retire(&self) {
+        *self.live.write().unwrap_or_else(|e| e.into_inner()) = false;
+    }
+
+    /// Runs `copy` while the region is registered. Errors: `InvalidArgument` once retired.
+    fn while_live(&self, copy: impl FnOnce() -> Result<()>) -> Result<()> {
+        let live = self.live.read().unwrap_or_else(|e| e.into_inner());
+        if !*live {
+            return Err(TransferError::InvalidArgument(format!(
+                "the staged {} region at {:#x} was unregistered",
+                self.region.location, self.region.addr
+            )));
+        }
+        copy()
     }
 
     /// Address of the mirror (what the NIC registration covers).
@@ -104,11 +128,12 @@ impl Mirror {
     pub fn to_host(&self, mem: &dyn MemoryAccess, addr: u64, len: u64) -> Result<()> {
         let p = self.bytes(addr, len)?;
         // SAFETY: `p..p+len` is inside the mapping (checked above); the region is device memory
-        // registered by the caller, valid while registered (register_memory's contract).
-        unsafe {
+        // registered by the caller, valid while registered (register_memory's contract), which
+        // `while_live` holds for the copy.
+        self.while_live(|| unsafe {
             let dst = std::slice::from_raw_parts_mut(p, len as usize);
             mem.copy_from(self.region.location, addr, dst)
-        }
+        })
     }
 
     /// Copies `[addr, +len)` of the region from the mirror to the device (after the NIC wrote
@@ -116,10 +141,10 @@ impl Mirror {
     pub fn to_device(&self, mem: &dyn MemoryAccess, addr: u64, len: u64) -> Result<()> {
         let p = self.bytes(addr, len)?;
         // SAFETY: as in `to_host`.
-        unsafe {
+        self.while_live(|| unsafe {
             let src = std::slice::from_raw_parts(p as *const u8, len as usize);
             mem.copy_to(self.region.location, addr, src)
-        }
+        })
     }
 }
 
@@ -328,6 +353,72 @@ mod tests {
         assert!(dev.log.lock().unwrap().is_empty(), "nothing was copied");
         assert_eq!(m.translate(base + 10, 246), Some(m.addr() + 10));
         assert_eq!(m.translate(base + 10, 247), None);
+    }
+
+    /// A device whose copies wait for a go-ahead (a slow copy on another thread).
+    struct Gate {
+        entered: Mutex<std::sync::mpsc::Sender<()>>,
+        release: Mutex<std::sync::mpsc::Receiver<()>>,
+        finished: std::sync::atomic::AtomicBool,
+    }
+
+    impl MemoryAccess for Gate {
+        fn name(&self) -> &'static str {
+            "gate"
+        }
+        fn check(&self, _: Location) -> Result<()> {
+            Ok(())
+        }
+        unsafe fn copy_from(&self, l: Location, src: u64, dst: &mut [u8]) -> Result<()> {
+            unsafe { self.copy_to(l, src, dst) }
+        }
+        unsafe fn copy_to(&self, _: Location, _: u64, _: &[u8]) -> Result<()> {
+            self.entered.lock().unwrap().send(()).unwrap();
+            self.release.lock().unwrap().recv().unwrap();
+            self.finished
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn retire_waits_for_a_copy_in_progress_and_refuses_later_ones() {
+        let device = vec![0u8; 256];
+        let base = device.as_ptr() as u64;
+        let m = Mirror::new(&region_of(&device)).unwrap();
+        let (etx, erx) = std::sync::mpsc::channel();
+        let (rtx, rrx) = std::sync::mpsc::channel();
+        let gate = Arc::new(Gate {
+            entered: Mutex::new(etx),
+            release: Mutex::new(rrx),
+            finished: Default::default(),
+        });
+        // a peer's sync copying into the device range
+        let (m2, g2) = (m.clone(), gate.clone());
+        let copy = std::thread::spawn(move || m2.to_device(&*g2, base, 16));
+        erx.recv().unwrap();
+        // the owner unregisters meanwhile: retire must not return before the copy ended
+        let (m3, g3) = (m.clone(), gate.clone());
+        let retire = std::thread::spawn(move || {
+            m3.retire();
+            g3.finished.load(std::sync::atomic::Ordering::SeqCst)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        rtx.send(()).unwrap();
+        copy.join().unwrap().unwrap();
+        assert!(
+            retire.join().unwrap(),
+            "retire returned while a copy into the device was still running"
+        );
+        let dev = Dev::default();
+        for e in [m.to_device(&dev, base, 8), m.to_host(&dev, base, 8)] {
+            let e = e.unwrap_err().to_string();
+            assert!(e.contains("unregistered"), "{e}");
+        }
+        assert!(
+            dev.log.lock().unwrap().is_empty(),
+            "nothing copied after retire"
+        );
     }
 
     #[test]

@@ -769,14 +769,23 @@ impl Shared {
                     break;
                 };
                 let sl = work.slice;
-                let mr = lock(&self.regions)
-                    .get(&sl.local_region.addr)
-                    .and_then(|r| r.mrs.get(ep.dev.index).cloned());
-                // Staged GPU memory: the work request uses the mirror at the same offset.
-                let local_addr = match &work.mirror {
-                    Some(m) => m.translate(sl.local_addr, sl.len).unwrap_or(sl.local_addr),
-                    None => sl.local_addr,
+                // Staged GPU memory: the work request uses the mirror at the same offset. A
+                // region registered anew since `post` (another mirror, or none) is not the one
+                // whose mirror the stager filled: the slice is not registered.
+                let local = match &work.mirror {
+                    Some(m) => m.translate(sl.local_addr, sl.len),
+                    None => Some(sl.local_addr),
                 };
+                let mr = local.and_then(|_| {
+                    lock(&self.regions)
+                        .get(&sl.local_region.addr)
+                        .filter(|r| match (&r.mirror, &work.mirror) {
+                            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                            (a, b) => a.is_none() && b.is_none(),
+                        })
+                        .and_then(|r| r.mrs.get(ep.dev.index).cloned())
+                });
+                let local_addr = local.unwrap_or(sl.local_addr);
                 let remote = work.peer.buffers.get(sl.remote_buffer).and_then(|b| {
                     let rkey = *b.keys.rkeys.get(ep.key.remote_dev)?;
                     let addr = match b.keys.staging_addr {

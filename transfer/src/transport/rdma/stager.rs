@@ -115,6 +115,10 @@ impl Shared {
             }
         }
         for (peer, ws) in reads {
+            if self.stop.load(Ordering::SeqCst) {
+                fail_all(ws, &gone());
+                continue;
+            }
             let ranges = ws
                 .iter()
                 .map(|w| (w.slice.remote_addr, w.slice.len))
@@ -149,6 +153,11 @@ impl Shared {
             }
         }
         for (peer, ws) in writes {
+            // each sync may wait `handshake_timeout`: shutdown does not wait for them all
+            if self.stop.load(Ordering::SeqCst) {
+                fail_all(ws, &gone());
+                continue;
+            }
             let ranges = ws
                 .iter()
                 .map(|w| (w.slice.remote_addr, w.slice.len))
@@ -186,9 +195,13 @@ pub(crate) fn run_stager(s: Arc<Shared>, rx: Receiver<StageJob>) {
             s.before(before);
         }
     }
+    // Under the sender's lock: a job sent after the last drain would be dropped with the
+    // receiver, its slices never reported; now a later `stage` finds the channel closed.
+    let _tx = s.stager.lock().unwrap_or_else(|e| e.into_inner());
     for job in rx.try_iter() {
         fail_job(job, &gone());
     }
+    drop(rx);
 }
 
 fn gone() -> TransferError {

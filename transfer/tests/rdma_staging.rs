@@ -269,3 +269,69 @@ fn staging_syncs_outside_staged_regions_are_refused_and_copy_nothing() {
     handshake::request(&b.segment_name(), FrameType::Connect, body.as_bytes(), t).unwrap();
     assert_eq!(gpu.copies.load(Ordering::SeqCst), before + 1);
 }
+
+#[test]
+fn requests_across_staged_regions_registered_back_to_back_reach_the_device() {
+    if !rdma_or_skip("requests_across_staged_regions_registered_back_to_back_reach_the_device") {
+        return;
+    }
+    // per-layer regions carved from one allocation: slices on both sides of a boundary are
+    // merged into one sync range, which the owner must cut, not refuse
+    let gpu = FakeGpu::new(2 * MIB);
+    let a = engine_with_memory(gpu.clone(), |_| {});
+    let b = engine_with_memory(gpu.clone(), |_| {});
+    for half in [0, MIB] {
+        unsafe { b.register_memory(gpu.base + half, MIB, Location::Cuda(0)) }.unwrap();
+        assert_eq!(
+            b.region_path(gpu.base + half),
+            Some(RegistrationPath::Staged)
+        );
+    }
+    let src = Buf::new(96 * 1024, 5);
+    src.register(&a);
+    let at = MIB - 40 * 1024;
+    a.transfer_sync_write(&b.segment_name(), src.addr(), gpu.base + at, src.len())
+        .expect("write across the boundary of two staged regions");
+    assert_same(
+        &gpu.device(at, src.bytes.len()),
+        &src.bytes,
+        "both regions' devices hold the written bytes",
+    );
+    gpu.fill_device(0, (2 * MIB) as usize, 17);
+    let back = Buf::zeroed(src.bytes.len());
+    back.register(&a);
+    a.transfer_sync_read(&b.segment_name(), back.addr(), gpu.base + at, back.len())
+        .expect("read across the boundary of two staged regions");
+    assert_same(
+        &back.bytes,
+        &gpu.device(at, back.bytes.len()),
+        "read returns both devices' current bytes",
+    );
+}
+
+#[test]
+fn tens_of_thousands_of_scattered_slices_from_a_staged_peer_complete() {
+    if !rdma_or_skip("tens_of_thousands_of_scattered_slices_from_a_staged_peer_complete") {
+        return;
+    }
+    // 60k non-adjacent 64-byte blocks: their ranges do not fit one 1 MiB sync frame
+    const N: u64 = 60_000;
+    let gpu = FakeGpu::new(N * 128);
+    let a = engine_with_memory(gpu.clone(), |_| {});
+    let b = engine_with_memory(gpu.clone(), |_| {});
+    unsafe { b.register_memory(gpu.base, N * 128, Location::Cuda(0)) }.unwrap();
+    gpu.fill_device(0, (N * 128) as usize, 23);
+    let dst = Buf::zeroed((N * 64) as usize);
+    dst.register(&a);
+    let reqs: Vec<(u64, u64, u64)> = (0..N)
+        .map(|i| (dst.addr() + i * 64, gpu.base + i * 128, 64))
+        .collect();
+    a.batch_transfer_sync_read(&b.segment_name(), &reqs)
+        .expect("scattered reads from staged GPU memory");
+    for i in [0, 1, N / 2, N - 1] {
+        let (l, r) = ((i * 64) as usize, i * 128);
+        assert_same(&dst.bytes[l..l + 64], &gpu.device(r, 64), "block read");
+    }
+    let all: Vec<u8> = (0..N).flat_map(|i| gpu.device(i * 128, 64)).collect();
+    assert_same(&dst.bytes, &all, "every block read");
+}

@@ -425,7 +425,7 @@ impl Transport for RdmaTransport {
     fn on_handshake(&self, peer: SocketAddr, body: &[u8]) -> Result<Vec<u8>> {
         let s = &self.shared;
         if let Some(sync) = SyncRequest::parse(body) {
-            s.serve_sync(&sync)?;
+            s.serve_sync(&sync?)?;
             return Ok(b"{}".to_vec());
         }
         let req: ConnectRequest = serde_json::from_slice(body)

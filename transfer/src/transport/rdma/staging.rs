@@ -200,10 +200,17 @@ impl SyncRequest {
             .collect()
     }
 
-    /// `Some` when `body` is a sync request (a connect request is not one); malformed JSON is
-    /// `None` here and gets the connect request's error.
-    pub fn parse(body: &[u8]) -> Option<SyncRequest> {
-        serde_json::from_slice(body).ok()
+    /// `None` when `body` is not a sync (a connect request); `Some(Ok)` for a sync;
+    /// `Some(Err(Protocol))` for a body that names `staging_sync` but is malformed (so the
+    /// peer is told what is wrong with its sync, not with a connect request it never sent).
+    pub fn parse(body: &[u8]) -> Option<Result<SyncRequest>> {
+        match serde_json::from_slice(body) {
+            Ok(r) => Some(Ok(r)),
+            Err(_) if !body.windows(14).any(|w| w == b"\"staging_sync\"") => None,
+            Err(e) => Some(Err(TransferError::Protocol(format!(
+                "malformed staging sync: {e}"
+            )))),
+        }
     }
 }
 
@@ -444,21 +451,32 @@ mod tests {
         let body = serde_json::to_vec(&r).unwrap();
         let text = String::from_utf8(body.clone()).unwrap();
         assert!(text.contains("\"to-device\""), "{text}");
-        assert_eq!(SyncRequest::parse(&body), Some(r));
+        assert_eq!(SyncRequest::parse(&body).unwrap().unwrap(), r);
         assert_eq!(r_ranges(&body), vec![(100, 108)]);
-        for junk in [
+        for other in [
             &b"{\"version\":1,\"initiator\":\"a:1\"}"[..],
             b"",
             b"\xff\xfe",
-            b"{\"staging_sync\":{\"direction\":\"sideways\",\"ranges\":[]}}",
-            b"{\"staging_sync\":{\"direction\":\"to-host\",\"ranges\":[[1]]}}",
         ] {
-            assert_eq!(SyncRequest::parse(junk), None);
+            assert!(SyncRequest::parse(other).is_none());
+        }
+        for junk in [
+            &b"{\"staging_sync\":{\"direction\":\"sideways\",\"ranges\":[]}}"[..],
+            b"{\"staging_sync\":{\"direction\":\"to-host\",\"ranges\":[[1]]}}",
+            b"{\"staging_sync\":{\"direction\":\"to-host\",\"ranges\":[[1,-2]]}}",
+            b"{\"staging_sync\":",
+        ] {
+            let e = SyncRequest::parse(junk).unwrap().unwrap_err().to_string();
+            assert!(e.contains("malformed staging sync"), "{e}");
         }
     }
 
     fn r_ranges(body: &[u8]) -> Vec<(u64, u64)> {
-        SyncRequest::parse(body).unwrap().staging_sync.ranges
+        SyncRequest::parse(body)
+            .unwrap()
+            .unwrap()
+            .staging_sync
+            .ranges
     }
 
     #[test]

@@ -396,7 +396,16 @@ impl Geometry {
     /// The bytes a transfer moves for logical block `block_id`: coalesced, ascending, non-overlapping
     /// byte ranges covering every element of its kernel blocks. Empty when `block_id >= num_blocks()`.
     pub fn block_byte_ranges(&self, block_id: u64) -> Vec<Range<u64>> {
-        if block_id >= self.num_blocks() {
+        self.block_head_byte_ranges(block_id, 0..self.heads)
+    }
+
+    /// The bytes of local KV heads `heads` (of `0..self.heads`) of logical block `block_id`,
+    /// as [`Geometry::block_byte_ranges`] gives the whole block: what a transfer moves when the
+    /// other side's TP rank holds only some of this rank's heads (DESIGN.md §4, different TP
+    /// sizes). Layouts without `H` have one head. Empty when the block or the head range is out
+    /// of range, or the range is empty.
+    pub fn block_head_byte_ranges(&self, block_id: u64, heads: Range<u64>) -> Vec<Range<u64>> {
+        if block_id >= self.num_blocks() || heads.start >= heads.end || heads.end > self.heads {
             return Vec::new();
         }
         let kb0 = block_id * self.kernel_blocks_per_block;
@@ -405,12 +414,10 @@ impl Geometry {
         let spec: Vec<(u64, u64, u64)> = dims
             .iter()
             .zip(&self.strides)
-            .map(|(&d, &s)| {
-                if d == Dim::B {
-                    (kb0, self.kernel_blocks_per_block, s)
-                } else {
-                    (0, self.size_of(d), s)
-                }
+            .map(|(&d, &s)| match d {
+                Dim::B => (kb0, self.kernel_blocks_per_block, s),
+                Dim::H => (heads.start, heads.end - heads.start, s),
+                _ => (0, self.size_of(d), s),
             })
             .collect();
         // Longest suffix of dims that is one dense run: stride[i] == count[i+1] * stride[i+1] ...

@@ -531,6 +531,58 @@ proptest! {
         }
         prop_assert!(g.block_byte_ranges(g.num_blocks()).is_empty());
     }
+
+    /// The ranges of a head range of a block are exactly those heads' bytes (a TP rank of the
+    /// other side holding some of this rank's heads), and they list the bytes in the same
+    /// logical order on two arrays of different head counts: pairing them moves head `h` of
+    /// one to head `h - offset` of the other.
+    #[test]
+    fn block_head_byte_ranges_are_exactly_those_heads(c in case_strategy(), split in 0u64..8, len in 1u64..8) {
+        let g = c.geometry();
+        let elem = c.elem.get();
+        let lo = split % g.heads;
+        let hi = (lo + len).min(g.heads);
+        for block in 0..g.num_blocks() {
+            let ranges = g.block_head_byte_ranges(block, lo..hi);
+            for w in ranges.windows(2) {
+                prop_assert!(w[0].end < w[1].start, "coalesced and ascending");
+            }
+            let mut want = vec![false; g.byte_len() as usize];
+            let mut order = Vec::new();
+            for kb in block * c.kpb..(block + 1) * c.kpb { for t in 0..g.tokens_per_kernel_block { for h in lo..hi {
+                for part in 0..g.parts() { for d in 0..g.head_dim {
+                    let o = g.byte_offset(part, kb, t, h, d);
+                    order.push((o, (part, kb - block * c.kpb, t, h - lo, d)));
+                    for k in 0..elem as usize { want[o as usize + k] = true; }
+                }}
+            }}}
+            let mut got = vec![false; g.byte_len() as usize];
+            for r in &ranges { for i in r.clone() { got[i as usize] = true; } }
+            prop_assert_eq!(got, want);
+
+            // The same heads alone in an array of their own: the i-th byte listed holds the same
+            // logical element on both.
+            let sub = Geometry::contiguous(Layout::from_dims(c.dims.clone()).unwrap(), g.num_kernel_blocks, g.tokens_per_kernel_block,
+                hi - lo, g.head_dim, c.elem, c.kpb).unwrap();
+            order.sort_unstable();
+            let mut sub_order: Vec<(u64, (u64, u64, u64, u64, u64))> = Vec::new();
+            for kb in block * c.kpb..(block + 1) * c.kpb { for t in 0..g.tokens_per_kernel_block { for h in 0..hi - lo {
+                for part in 0..g.parts() { for d in 0..g.head_dim {
+                    sub_order.push((sub.byte_offset(part, kb, t, h, d), (part, kb - block * c.kpb, t, h, d)));
+                }}
+            }}}
+            sub_order.sort_unstable();
+            let logical: Vec<_> = order.iter().map(|x| x.1).collect();
+            let sub_logical: Vec<_> = sub_order.iter().map(|x| x.1).collect();
+            prop_assert_eq!(logical, sub_logical, "same logical order on both sides");
+            let total: u64 = ranges.iter().map(|r| r.end - r.start).sum();
+            let sub_total: u64 = sub.block_byte_ranges(block).iter().map(|r| r.end - r.start).sum();
+            prop_assert_eq!(total, sub_total);
+        }
+        prop_assert!(g.block_head_byte_ranges(0, lo..lo).is_empty());
+        prop_assert!(g.block_head_byte_ranges(0, 0..g.heads + 1).is_empty());
+        prop_assert_eq!(g.block_head_byte_ranges(0, 0..g.heads), g.block_byte_ranges(0));
+    }
 }
 
 proptest! {

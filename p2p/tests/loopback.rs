@@ -363,26 +363,6 @@ async fn wrong_producer_block_id_is_refused() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn different_tp_is_refused_with_a_clear_error() {
-    let p = Side::new(2, 1, PRODUCER_BLOCKS, Some(7));
-    let c = Side::new(1, 1, CONSUMER_BLOCKS, Some(99));
-    let producer = Producer::start(producer_config(), p.workers.clone())
-        .await
-        .unwrap();
-    let consumer = Consumer::new(consumer_config(Policy::default()), c.workers.clone()).unwrap();
-    producer
-        .publish("req-t", vec![remote_table()], NUM_TOKENS)
-        .await
-        .unwrap();
-    let err = consumer.load(spec("req-t", &producer)).await.unwrap_err();
-    assert!(
-        err.to_string().contains("TP/PP sizes are not supported"),
-        "{err}"
-    );
-    producer.shutdown().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_producer_fails_within_the_reply_deadline() {
     use zeromq::{Socket, SocketRecv};
     // A ROUTER that takes requests and never answers: a lost reply.

@@ -108,6 +108,9 @@ pub struct WireLayer {
     pub addr: u64,
     /// Bytes the array spans.
     pub len: u64,
+    /// Global KV head index of the array's head 0 on this rank (the checksum crate's
+    /// `LayerSpec::head_offset`): the producer maps heads between ranks with it.
+    pub head_offset: u32,
     /// The array's geometry on the consumer.
     pub geometry: WireGeometry,
 }

@@ -39,6 +39,7 @@ fn request(id: &str, load_id: u64) -> TransferRequest {
                     name: "model.layers.0.attn".into(),
                     addr: 4096,
                     len: 8192,
+                    head_offset: 0,
                     geometry: WireGeometry {
                         layout: "KV B N H D".into(),
                         num_kernel_blocks: 8,

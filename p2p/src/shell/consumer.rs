@@ -333,6 +333,7 @@ impl Consumer {
                                 name: l.spec.name.clone(),
                                 addr: l.addr,
                                 len: l.len,
+                                head_offset: l.spec.head_offset,
                                 geometry: to_wire(&l.spec.geometry),
                             })
                             .collect(),

@@ -132,8 +132,6 @@ impl Producer {
                 commands: tx.downgrade(),
                 released: released.clone(),
                 workers: workers.clone(),
-                tp,
-                pp,
                 send_timeout: config.send_timeout,
             }
             .run(rx),
@@ -269,8 +267,6 @@ struct EventLoop {
     commands: mpsc::WeakUnboundedSender<Command>,
     released: Arc<Mutex<Vec<Released>>>,
     workers: Arc<Vec<Worker>>,
-    tp: u32,
-    pp: u32,
     send_timeout: Duration,
 }
 
@@ -413,10 +409,9 @@ impl EventLoop {
                     let Some(commands) = self.commands.upgrade() else {
                         continue; // the producer is being dropped
                     };
-                    let (tp, pp) = (self.tp, self.pp);
                     let (request_id, load_id) = (request.request_id.clone(), request.load_id);
                     let serve = tokio::spawn(async move {
-                        let result = match plan(&workers, tp, pp, &lease, &request) {
+                        let result = match plan(&workers, &lease, &request) {
                             Err(e) => Err(e),
                             Ok(plan) => write_all(workers, plan, deadline).await,
                         };

@@ -1,13 +1,16 @@
 //! Serving one load on the producer (DESIGN.md §4): check the consumer's request
 //! against the published lease, pair every block's producer bytes with the
-//! consumer's, and WRITE them rank r → rank r through each rank's engine.
+//! consumer's (KV heads mapped between ranks, so TP and PP sizes may differ), and
+//! WRITE them through each producer rank's engine.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use kvferry_transfer::{Op, TransferRequest as EngineRequest};
 
-use crate::proto::msg::{TransferRequest, WireRank};
+use kvferry_kernels::LayerInput;
+
+use crate::proto::msg::{TransferRequest, WireBlocks, WireLayer, WireRank};
 use crate::proto::plan::{pair_ranges, Copy};
 use crate::wire::{compatible, from_wire};
 use crate::worker::Worker;
@@ -23,20 +26,28 @@ pub(crate) struct Published {
     pub payload: Option<Vec<u8>>,
 }
 
-/// Builds each producer rank's copies for `req`. Errors name the first problem.
+/// The WRITEs one producer rank makes into one consumer rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RankPlan {
+    /// Index of the producer worker (into the sorted workers).
+    pub worker: usize,
+    /// The consumer rank's segment.
+    pub segment: String,
+    /// The copies, producer address → consumer address.
+    pub copies: Vec<Copy>,
+}
+
+/// Builds the copies that serve `req` (DESIGN.md §4). Each layer of each consumer rank is
+/// paired with the producer layers of the same name, and each of its global KV heads is
+/// written by one producer rank that holds that head: so TP and PP sizes may differ between
+/// the sides. Where several producer ranks hold a head (replicas: GQA with TP above the head
+/// count, MLA), consumer TP rank `c` takes it from the `c mod n`-th of them, which is rank to
+/// rank when the TP sizes are equal. Errors name the first problem.
 pub(crate) fn plan(
     workers: &[Worker],
-    tp: u32,
-    pp: u32,
     published: &Published,
     req: &TransferRequest,
-) -> Result<Vec<(String, Vec<Copy>)>, String> {
-    if (req.tp_size, req.pp_size) != (tp, pp) {
-        return Err(format!(
-            "consumer has TP {} × PP {}, producer TP {tp} × PP {pp}: different TP/PP sizes are not supported yet",
-            req.tp_size, req.pp_size
-        ));
-    }
+) -> Result<Vec<RankPlan>, String> {
     if req.num_tokens > published.num_tokens {
         return Err(format!(
             "consumer asks for {} tokens, the producer published {}",
@@ -82,101 +93,209 @@ pub(crate) fn plan(
             }
         }
     }
-    let mut out = Vec::new();
-    for w in workers {
-        let mut matching = req
-            .ranks
-            .iter()
-            .filter(|r| r.tp_rank == w.rank.tp_rank && r.pp_rank == w.rank.pp_rank);
-        let (Some(target), None) = (matching.next(), matching.next()) else {
-            return Err(format!(
-                "consumer must name rank tp={} pp={} exactly once",
-                w.rank.tp_rank, w.rank.pp_rank
-            ));
-        };
-        out.push((target.segment.clone(), rank_copies(w, target, req)?));
-    }
-    Ok(out)
-}
-
-fn rank_copies(w: &Worker, target: &WireRank, req: &TransferRequest) -> Result<Vec<Copy>, String> {
-    let mut copies = Vec::new();
-    for b in &req.blocks {
-        let Some(group) = w.groups.iter().find(|g| g.group_id == b.group_id) else {
-            return Err(format!("rank {:?} has no group {}", w.rank, b.group_id));
-        };
-        let tg = target
-            .groups
-            .iter()
-            .find(|g| g.group_id == b.group_id)
-            .ok_or_else(|| {
-                format!(
-                    "consumer rank tp={} pp={} sent no layers for group {}",
-                    target.tp_rank, target.pp_rank, b.group_id
-                )
-            })?;
-        if tg.layers.len() != group.layers.len() {
-            return Err(format!(
-                "group {}: consumer rank has {} layers, producer rank {}",
-                b.group_id,
-                tg.layers.len(),
-                group.layers.len()
-            ));
-        }
-        for layer in &group.layers {
-            let wl = tg
-                .layers
+    check_ranks(req)?;
+    let mut plans: Vec<RankPlan> = Vec::new();
+    for target in &req.ranks {
+        for b in &req.blocks {
+            let tg = target
+                .groups
                 .iter()
-                .find(|l| l.name == layer.spec.name)
+                .find(|g| g.group_id == b.group_id)
                 .ok_or_else(|| {
                     format!(
-                        "consumer has no layer {:?} in group {}",
-                        layer.spec.name, b.group_id
+                        "consumer rank tp={} pp={} sent no layers for group {}",
+                        target.tp_rank, target.pp_rank, b.group_id
                     )
                 })?;
-            let theirs = from_wire(&wl.geometry)
-                .map_err(|e| format!("layer {}: consumer geometry: {e}", wl.name))?;
-            let ours = &layer.spec.geometry;
-            compatible(ours, &theirs).map_err(|e| format!("layer {}: {e}", wl.name))?;
-            if theirs.byte_len() > wl.len {
-                return Err(format!(
-                    "layer {}: consumer geometry spans more than its {} bytes",
-                    wl.name, wl.len
-                ));
-            }
-            for (&remote, &local) in b.remote_blocks.iter().zip(&b.local_blocks) {
-                if remote >= ours.num_blocks() || local >= theirs.num_blocks() {
-                    return Err(format!(
-                        "layer {}: block {remote} → {local} outside the arrays ({} / {} blocks)",
-                        wl.name,
-                        ours.num_blocks(),
-                        theirs.num_blocks()
-                    ));
-                }
-                pair_ranges(
-                    layer.addr,
-                    &ours.block_byte_ranges(remote),
-                    wl.addr,
-                    &theirs.block_byte_ranges(local),
-                    &mut copies,
-                )
-                .map_err(|e| format!("layer {}: {e}", wl.name))?;
+            for wl in &tg.layers {
+                layer_copies(workers, target, b, wl, &mut plans)?;
             }
         }
     }
-    Ok(copies)
+    // Every producer layer must land somewhere: a consumer without it runs another model.
+    for w in workers {
+        for b in &req.blocks {
+            let Some(g) = w.groups.iter().find(|g| g.group_id == b.group_id) else {
+                return Err(format!("rank {:?} has no group {}", w.rank, b.group_id));
+            };
+            for l in &g.layers {
+                // The consumer's heads of this layer, over all its ranks: one past the last.
+                let consumer_end = req
+                    .ranks
+                    .iter()
+                    .flat_map(|r| r.groups.iter().filter(|tg| tg.group_id == b.group_id))
+                    .flat_map(|tg| tg.layers.iter().filter(|wl| wl.name == l.spec.name))
+                    .map(|wl| (wl.head_offset as u64).saturating_add(wl.geometry.heads))
+                    .max();
+                let Some(consumer_end) = consumer_end else {
+                    return Err(format!(
+                        "consumer has no layer {:?} in group {}",
+                        l.spec.name, b.group_id
+                    ));
+                };
+                let producer_end = workers
+                    .iter()
+                    .flat_map(|w| w.groups.iter().filter(|pg| pg.group_id == b.group_id))
+                    .flat_map(|pg| pg.layers.iter().filter(|pl| pl.spec.name == l.spec.name))
+                    .map(|pl| pl.spec.head_offset as u64 + pl.spec.geometry.heads)
+                    .max()
+                    .unwrap_or(0);
+                if consumer_end != producer_end {
+                    return Err(format!(
+                        "layer {:?}: the consumer's ranks hold {consumer_end} KV heads, the producer's {producer_end}",
+                        l.spec.name
+                    ));
+                }
+            }
+        }
+    }
+    Ok(plans)
 }
 
-/// WRITEs every rank's copies through the rank's engine, ranks concurrently, all
+/// The consumer's ranks: each of its TP × PP grid exactly once.
+fn check_ranks(req: &TransferRequest) -> Result<(), String> {
+    let (tp, pp) = (req.tp_size, req.pp_size);
+    if tp == 0 || pp == 0 || req.ranks.len() as u64 != tp as u64 * pp as u64 {
+        return Err(format!(
+            "consumer names {} ranks for TP {tp} × PP {pp}",
+            req.ranks.len()
+        ));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for r in &req.ranks {
+        if r.tp_rank >= tp || r.pp_rank >= pp || !seen.insert((r.tp_rank, r.pp_rank)) {
+            return Err(format!(
+                "consumer must name rank tp={} pp={} exactly once, inside TP {tp} × PP {pp}",
+                r.tp_rank, r.pp_rank
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Appends the copies that fill consumer layer `wl` of rank `target` for blocks `b`.
+fn layer_copies(
+    workers: &[Worker],
+    target: &WireRank,
+    b: &WireBlocks,
+    wl: &WireLayer,
+    plans: &mut Vec<RankPlan>,
+) -> Result<(), String> {
+    let theirs = from_wire(&wl.geometry)
+        .map_err(|e| format!("layer {}: consumer geometry: {e}", wl.name))?;
+    if theirs.byte_len() > wl.len {
+        return Err(format!(
+            "layer {}: consumer geometry spans more than its {} bytes",
+            wl.name, wl.len
+        ));
+    }
+    // Producer ranks holding this layer, with the global heads each holds.
+    let mut holders: Vec<(usize, &LayerInput)> = Vec::new();
+    for (i, w) in workers.iter().enumerate() {
+        let Some(g) = w.groups.iter().find(|g| g.group_id == b.group_id) else {
+            return Err(format!("rank {:?} has no group {}", w.rank, b.group_id));
+        };
+        for l in g.layers.iter().filter(|l| l.spec.name == wl.name) {
+            compatible(&l.spec.geometry, &theirs).map_err(|e| format!("layer {}: {e}", wl.name))?;
+            holders.push((i, l));
+        }
+    }
+    if holders.is_empty() {
+        return Err(format!(
+            "producer has no layer {:?} in group {}",
+            wl.name, b.group_id
+        ));
+    }
+    let first = wl.head_offset as u64;
+    let end = first
+        .checked_add(theirs.heads)
+        .ok_or_else(|| format!("layer {}: head offset overflows", wl.name))?;
+    let held_end = holders
+        .iter()
+        .map(|(_, l)| l.spec.head_offset as u64 + l.spec.geometry.heads)
+        .max()
+        .unwrap_or(0);
+    if end > held_end {
+        return Err(format!(
+            "layer {}: consumer rank tp={} holds KV heads {first}..{end}, the producer's ranks only 0..{held_end}",
+            wl.name, target.tp_rank
+        ));
+    }
+    // Runs of consecutive global heads taken from one producer layer.
+    let mut runs: Vec<(usize, u64, u64)> = Vec::new(); // (holder, first head, end head)
+    for h in first..end {
+        let cands: Vec<usize> = holders
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, l))| {
+                let o = l.spec.head_offset as u64;
+                h >= o && h < o + l.spec.geometry.heads
+            })
+            .map(|(k, _)| k)
+            .collect();
+        if cands.is_empty() {
+            return Err(format!(
+                "layer {}: no producer rank holds KV head {h} (consumer rank tp={} holds heads {first}..{end})",
+                wl.name, target.tp_rank
+            ));
+        }
+        let k = cands[target.tp_rank as usize % cands.len()];
+        match runs.last_mut() {
+            Some((hk, _, e)) if *hk == k && *e == h => *e = h + 1,
+            _ => runs.push((k, h, h + 1)),
+        }
+    }
+    for (k, h0, h1) in runs {
+        let (wi, layer) = holders[k];
+        let ours = &layer.spec.geometry;
+        let po = layer.spec.head_offset as u64;
+        let (ph, ch) = (h0 - po..h1 - po, h0 - first..h1 - first);
+        let plan = match plans
+            .iter_mut()
+            .position(|p| p.worker == wi && p.segment == target.segment)
+        {
+            Some(i) => &mut plans[i],
+            None => {
+                plans.push(RankPlan {
+                    worker: wi,
+                    segment: target.segment.clone(),
+                    copies: Vec::new(),
+                });
+                plans.last_mut().expect("just pushed")
+            }
+        };
+        for (&remote, &local) in b.remote_blocks.iter().zip(&b.local_blocks) {
+            if remote >= ours.num_blocks() || local >= theirs.num_blocks() {
+                return Err(format!(
+                    "layer {}: block {remote} → {local} outside the arrays ({} / {} blocks)",
+                    wl.name,
+                    ours.num_blocks(),
+                    theirs.num_blocks()
+                ));
+            }
+            pair_ranges(
+                layer.addr,
+                &ours.block_head_byte_ranges(remote, ph.clone()),
+                wl.addr,
+                &theirs.block_head_byte_ranges(local, ch.clone()),
+                &mut plan.copies,
+            )
+            .map_err(|e| format!("layer {}: {e}", wl.name))?;
+        }
+    }
+    Ok(())
+}
+
+/// WRITEs every plan through its producer rank's engine, all concurrently, all
 /// done by `deadline`. Returns the bytes written.
 pub(crate) async fn write_all(
     workers: Arc<Vec<Worker>>,
-    plan: Vec<(String, Vec<Copy>)>,
+    plans: Vec<RankPlan>,
     deadline: Instant,
 ) -> Result<u64, String> {
-    let runs = plan.into_iter().enumerate().map(|(i, (segment, copies))| {
+    let runs = plans.into_iter().map(|p| {
         let workers = workers.clone();
-        async move { write_rank(&workers[i], segment, copies, deadline).await }
+        async move { write_rank(&workers[p.worker], p.segment, p.copies, deadline).await }
     });
     let mut total = 0u64;
     for r in futures::future::join_all(runs).await {

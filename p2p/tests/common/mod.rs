@@ -4,6 +4,7 @@
 //! checksum backend, and host memory registered with its engine.
 #![allow(dead_code)]
 
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use kvferry_checksum::group::{plan_group, CacheDesc, GroupPlan, RankInfo};
@@ -76,7 +77,6 @@ impl Side {
     ) -> Side {
         let mut workers = Vec::new();
         let mut memory = Vec::new();
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed.unwrap_or(0));
         for pp_rank in 0..pp {
             for tp_rank in 0..tp {
                 let rank = RankInfo {
@@ -85,7 +85,8 @@ impl Side {
                     pp_rank,
                     pp_size: pp,
                 };
-                let heads = kv_heads / tp as u64;
+                // TP above the head count: each rank holds one head (replicated, as in vLLM).
+                let heads = (kv_heads / tp as u64).max(1);
                 let engine = TransferEngine::new(EngineConfig {
                     host: "127.0.0.1".into(),
                     port: 0,
@@ -140,8 +141,11 @@ impl Side {
                     for spec in specs {
                         let len = spec.geometry.byte_len();
                         let mut buf = vec![0u8; len as usize].into_boxed_slice();
-                        if seed.is_some() {
-                            rng.fill_bytes(&mut buf);
+                        if let Some(seed) = seed {
+                            // Replicas of a head (same layer, same heads) hold the same bytes.
+                            let mut h = std::collections::hash_map::DefaultHasher::new();
+                            (seed, &spec.name, spec.head_offset, heads).hash(&mut h);
+                            rand_chacha::ChaCha8Rng::seed_from_u64(h.finish()).fill_bytes(&mut buf);
                         }
                         let addr = buf.as_ptr() as u64;
                         // SAFETY: the buffer lives in `memory` until after the engine is dropped.
@@ -189,6 +193,20 @@ impl Side {
         l.spec
             .geometry
             .block_byte_ranges(block)
+            .into_iter()
+            .flat_map(|r| buf[r.start as usize..r.end as usize].to_vec())
+            .collect()
+    }
+
+    /// The bytes of local head `head` of logical block `block` of layer index `layer` (group 0)
+    /// on worker `rank`.
+    pub fn head_bytes(&self, rank: usize, layer: usize, head: u64, block: u64) -> Vec<u8> {
+        let l = &self.workers[rank].groups[0].layers[layer];
+        // SAFETY: the layer's array is one of this side's live buffers.
+        let buf = unsafe { std::slice::from_raw_parts(l.addr as *const u8, l.len as usize) };
+        l.spec
+            .geometry
+            .block_head_byte_ranges(block, head..head + 1)
             .into_iter()
             .flat_map(|r| buf[r.start as usize..r.end as usize].to_vec())
             .collect()

@@ -25,7 +25,7 @@ use crate::cli::{CommonArgs, DemoArgs, DeviceArg, FailurePolicyArg};
 use crate::models::model_by_name;
 use crate::setup::{engine_config, memory_paths, side_workers, transport_kind};
 use crate::world::{
-    blocks_equal, build_side, fill_request, flip_bit, BlockPool, RankKv, SideConfig, GROUP_ID,
+    build_side, fill_request, flip_bit, sides_kv_equal, BlockPool, RankKv, SideConfig, GROUP_ID,
 };
 
 /// The demo's result, printed as JSON with `--json`.
@@ -174,13 +174,6 @@ fn check_args(args: &DemoArgs) -> Result<(), String> {
     }
     if args.common.block_size == 0 {
         return Err("--block-size 0: must be at least 1".into());
-    }
-    if args.prefill_tp != args.decode_tp || args.prefill_pp != args.decode_pp {
-        return Err(format!(
-            "producer TP{}×PP{} vs consumer TP{}×PP{}: the two sides need equal TP and PP sizes for now \
-             (different sizes need KV head and layer mapping in the transfer)",
-            args.prefill_tp, args.prefill_pp, args.decode_tp, args.decode_pp
-        ));
     }
     if !args.common.fail_closed && args.common.load_failure_policy != FailurePolicyArg::Fail {
         tracing::warn!(
@@ -367,10 +360,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
                         for p in prod_ranks.iter_mut() {
                             p.download_blocks(&pblocks)?;
                         }
-                        let equal = prod_ranks
-                            .iter()
-                            .zip(ranks.iter())
-                            .all(|(p, cr)| blocks_equal(p, &pblocks, cr, &cblocks));
+                        let equal = sides_kv_equal(&prod_ranks, &pblocks, &ranks, &cblocks);
                         kv_equal = Some(kv_equal.unwrap_or(true) && equal);
                     }
                 }

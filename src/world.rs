@@ -427,25 +427,44 @@ pub fn flip_bit(
     Ok(())
 }
 
-/// True when `blocks_a` of rank `a` and `blocks_b` of rank `b` hold equal bytes in
-/// every layer (same layer set and geometry expected). With GPU memory, call
-/// [`RankKv::download_blocks`] first: this compares the host views.
-pub fn blocks_equal(a: &RankKv, blocks_a: &[u64], b: &RankKv, blocks_b: &[u64]) -> bool {
-    if a.layers.len() != b.layers.len() || blocks_a.len() != blocks_b.len() {
+/// Whether the consumer side's KV in `blocks_b` equals the producer side's in `blocks_a`
+/// (position by position), compared per layer and global KV head, so the two sides may have
+/// different TP and PP sizes: every head of every consumer rank's layer is compared with
+/// the producer rank that holds that head (any replica). False when a consumer head has no
+/// producer holder or the block lists differ in length. Host shadows are compared: download
+/// GPU blocks first.
+pub fn sides_kv_equal(a: &[RankKv], blocks_a: &[u64], b: &[RankKv], blocks_b: &[u64]) -> bool {
+    if blocks_a.len() != blocks_b.len() {
         return false;
     }
-    for (i, (la, lb)) in a.layers.iter().zip(&b.layers).enumerate() {
-        let (ba, bb) = (a.layer_bytes(i), b.layer_bytes(i));
-        for (&x, &y) in blocks_a.iter().zip(blocks_b) {
-            let ra = la.spec.geometry.block_byte_ranges(x);
-            let rb = lb.spec.geometry.block_byte_ranges(y);
-            if ra.len() != rb.len() {
-                return false;
-            }
-            for (r1, r2) in ra.iter().zip(&rb) {
-                if ba[r1.start as usize..r1.end as usize] != bb[r2.start as usize..r2.end as usize]
-                {
+    let head_bytes = |r: &RankKv, i: usize, head: u64, block: u64| -> Vec<u8> {
+        let bytes = r.layer_bytes(i);
+        r.layers[i]
+            .spec
+            .geometry
+            .block_head_byte_ranges(block, head..head + 1)
+            .into_iter()
+            .flat_map(|x| bytes[x.start as usize..x.end as usize].to_vec())
+            .collect()
+    };
+    for rb in b {
+        for (ib, lb) in rb.layers.iter().enumerate() {
+            for j in 0..lb.spec.geometry.heads {
+                let h = lb.spec.head_offset as u64 + j;
+                let holder = a.iter().find_map(|ra| {
+                    ra.layers.iter().enumerate().find_map(|(ia, la)| {
+                        let o = la.spec.head_offset as u64;
+                        (la.spec.name == lb.spec.name && h >= o && h < o + la.spec.geometry.heads)
+                            .then(|| (ra, ia, h - o))
+                    })
+                });
+                let Some((ra, ia, ha)) = holder else {
                     return false;
+                };
+                for (&x, &y) in blocks_a.iter().zip(blocks_b) {
+                    if head_bytes(ra, ia, ha, x) != head_bytes(rb, ib, j, y) {
+                        return false;
+                    }
                 }
             }
         }

@@ -155,6 +155,33 @@ fn demo_with_tp2_and_pp2_verifies_and_detects() {
 }
 
 #[test]
+fn demo_with_different_tp_and_pp_sizes_verifies_detects_and_recomputes() {
+    for ranks in [
+        ["--prefill-tp", "2", "--decode-tp", "1"],
+        ["--prefill-tp", "1", "--decode-tp", "2"],
+        ["--prefill-pp", "2", "--decode-tp", "2"],
+    ] {
+        let r = demo(&ranks);
+        assert_eq!(n(&r, "verified"), 10, "{ranks:?}: {r}");
+        let mut args = ranks.to_vec();
+        args.extend([
+            "--corrupt",
+            "3",
+            "--fail-closed",
+            "--load-failure-policy",
+            "recompute",
+        ]);
+        let r = demo(&args);
+        assert_eq!(
+            (n(&r, "mismatch"), n(&r, "recomputed"), n(&r, "verified")),
+            (3, 3, 7),
+            "{ranks:?}: {r}"
+        );
+        assert_eq!(r["kv_equal_after_recompute"], Value::Bool(true), "{r}");
+    }
+}
+
+#[test]
 fn demo_mla_with_tp2_checks_every_replica() {
     let base = [
         "--model",
@@ -191,7 +218,7 @@ fn demo_rejects_bad_arguments_with_a_clear_error() {
         (vec!["--model", "gpt-9"], "unknown --model"),
         (vec!["--corrupt", "11"], "--corrupt"),
         (vec!["--min-tokens", "0"], "--min-tokens"),
-        (vec!["--prefill-tp", "2"], "TP"),
+        (vec!["--prefill-tp", "3"], "TP"),
         (vec!["--layout", "KV B N Q D"], "Q"),
         (vec!["--gpu-registration", "sideways"], "--gpu-registration"),
     ] {

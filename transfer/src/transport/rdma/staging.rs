@@ -24,6 +24,10 @@ pub(crate) const MAX_SYNC_RANGES: usize = 65_536;
 /// Most ranges the initiator puts in one sync: a range is at most 43 bytes of JSON
 /// (`[u64,u64],`), so 16 Ki of them stay well under the 1 MiB frame limit.
 pub(crate) const SYNC_RANGES_PER_REQUEST: usize = 16_384;
+/// Most bytes the initiator asks one sync to copy: at a device copy rate of 1 GB/s that is
+/// about 0.27 s, far inside the default 5 s `handshake_timeout` (one sync for a whole
+/// multi-GiB batch would not be).
+pub(crate) const SYNC_BYTES_PER_REQUEST: u64 = 256 << 20;
 /// Most copies one sync may expand to once ranges are cut at region boundaries (bounds the
 /// owner's work for ranges that each span many regions).
 const MAX_SYNC_COPIES: usize = 4 * MAX_SYNC_RANGES;
@@ -185,19 +189,31 @@ impl SyncRequest {
         }
     }
 
-    /// Requests for `ranges` (merged), at most [`SYNC_RANGES_PER_REQUEST`] ranges each so that
-    /// every body fits a handshake frame (`handshake::MAX_FRAME_BODY`) and the owner's
-    /// [`MAX_SYNC_RANGES`]; none for no ranges. Ranges keep their (sorted) order.
+    /// Requests for `ranges` (merged), none for no ranges, each with at most
+    /// [`SYNC_RANGES_PER_REQUEST`] ranges (so its body fits a handshake frame,
+    /// `handshake::MAX_FRAME_BODY`, and the owner's [`MAX_SYNC_RANGES`]) and at most
+    /// [`SYNC_BYTES_PER_REQUEST`] bytes (ranges are cut to fit: the owner copies them before it
+    /// answers, within the initiator's `handshake_timeout`). Ranges keep their sorted order.
     pub fn split(direction: Direction, ranges: Vec<(u64, u64)>) -> Vec<SyncRequest> {
-        merge(ranges)
-            .chunks(SYNC_RANGES_PER_REQUEST)
-            .map(|c| SyncRequest {
-                staging_sync: SyncBody {
-                    direction,
-                    ranges: c.to_vec(),
-                },
-            })
-            .collect()
+        let request = |ranges| SyncRequest {
+            staging_sync: SyncBody { direction, ranges },
+        };
+        let (mut out, mut cur, mut bytes) = (Vec::new(), Vec::new(), 0u64);
+        for (mut addr, mut len) in merge(ranges) {
+            while len > 0 {
+                if cur.len() == SYNC_RANGES_PER_REQUEST || bytes == SYNC_BYTES_PER_REQUEST {
+                    out.push(request(std::mem::take(&mut cur)));
+                    bytes = 0;
+                }
+                let n = len.min(SYNC_BYTES_PER_REQUEST - bytes);
+                cur.push((addr, n));
+                (addr, len, bytes) = (addr + n, len - n, bytes + n);
+            }
+        }
+        if !cur.is_empty() {
+            out.push(request(cur));
+        }
+        out
     }
 
     /// `None` when `body` is not a sync (a connect request); `Some(Ok)` for a sync;
@@ -553,16 +569,45 @@ mod tests {
             seen.extend_from_slice(&r.staging_sync.ranges);
         }
         assert_eq!(seen, ranges, "every range once, in order");
-        // long numbers: 20-digit addresses, 13-digit lengths
-        let (top, l) = (10_000_000_000_000_000_000u64, 1_000_000_000_000u64);
+        // long numbers: 20-digit addresses (lengths are bounded by the byte cap)
+        let (top, l) = (10_000_000_000_000_000_000u64, 16_384u64);
         let long: Vec<(u64, u64)> = (0..3 * SYNC_RANGES_PER_REQUEST as u64 + 1)
             .map(|i| (top + 2 * i * l, l))
             .collect();
-        for r in SyncRequest::split(Direction::ToHost, long) {
+        let reqs = SyncRequest::split(Direction::ToHost, long);
+        assert_eq!(reqs.len(), 4);
+        for r in reqs {
             let n = serde_json::to_vec(&r).unwrap().len() as u64;
             assert!(n <= crate::handshake::MAX_FRAME_BODY, "{n}");
         }
         assert!(SyncRequest::split(Direction::ToHost, vec![]).is_empty());
+    }
+
+    #[test]
+    fn large_ranges_are_cut_so_no_sync_copies_more_than_its_byte_bound() {
+        let base = 0x7f00_0000_0000u64;
+        let gib = 1u64 << 30;
+        let ranges = vec![(base + 2 * gib, 10), (base, gib + 5)];
+        let reqs = SyncRequest::split(Direction::ToHost, ranges.clone());
+        let sizes: Vec<u64> = reqs
+            .iter()
+            .map(|r| r.staging_sync.ranges.iter().map(|&(_, l)| l).sum())
+            .collect();
+        assert_eq!(
+            sizes,
+            vec![
+                SYNC_BYTES_PER_REQUEST,
+                SYNC_BYTES_PER_REQUEST,
+                SYNC_BYTES_PER_REQUEST,
+                SYNC_BYTES_PER_REQUEST,
+                15
+            ]
+        );
+        let all: Vec<(u64, u64)> = reqs
+            .into_iter()
+            .flat_map(|r| r.staging_sync.ranges)
+            .collect();
+        assert_eq!(merge(all), merge(ranges), "the same bytes, each once");
     }
 
     #[test]

@@ -188,6 +188,12 @@ pub struct DemoArgs {
 pub struct ServeArgs {
     #[command(flatten)]
     pub common: CommonArgs,
+    /// TP ranks of this producer (prefill) side (the other side's TP size may differ).
+    #[arg(long, default_value_t = 1, value_parser = ranks)]
+    pub tp: u32,
+    /// PP stages of this producer (prefill) side (the other side's PP size may differ).
+    #[arg(long, default_value_t = 1, value_parser = ranks)]
+    pub pp: u32,
     /// Address the control channel (ZeroMQ ROUTER) binds, HOST:PORT.
     #[arg(long, default_value = "127.0.0.1:17100")]
     pub bind: String,
@@ -213,6 +219,12 @@ pub struct ServeArgs {
 pub struct LoadArgs {
     #[command(flatten)]
     pub common: CommonArgs,
+    /// TP ranks of this consumer (decode) side (the other side's TP size may differ).
+    #[arg(long, default_value_t = 1, value_parser = ranks)]
+    pub tp: u32,
+    /// PP stages of this consumer (decode) side (the other side's PP size may differ).
+    #[arg(long, default_value_t = 1, value_parser = ranks)]
+    pub pp: u32,
     /// The producer's control channel, HOST:PORT.
     #[arg(long)]
     pub producer: String,

@@ -59,8 +59,8 @@ pub fn serve(args: &ServeArgs) -> Result<(), String> {
     )?;
     let side = SideConfig {
         model,
-        tp: 1,
-        pp: 1,
+        tp: args.tp,
+        pp: args.pp,
         block_size: c.block_size,
         layout: c.layout.clone(),
         num_blocks,
@@ -146,8 +146,8 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
         .unwrap_or(1);
     let side = SideConfig {
         model,
-        tp: 1,
-        pp: 1,
+        tp: args.tp,
+        pp: args.pp,
         block_size: c.block_size,
         layout: c.layout.clone(),
         num_blocks: max_blocks,

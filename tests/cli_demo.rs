@@ -255,6 +255,7 @@ fn serve_and_load_as_two_processes() {
         "--seed",
         "7",
     ];
+    // The two sides need not have the same TP and PP sizes.
     let mut server = kvferry()
         .args([
             "serve",
@@ -262,6 +263,8 @@ fn serve_and_load_as_two_processes() {
             &format!("127.0.0.1:{port}"),
             "--exit-after",
             "5",
+            "--tp",
+            "2",
         ])
         .args(common)
         .stdout(Stdio::null())
@@ -272,6 +275,7 @@ fn serve_and_load_as_two_processes() {
     std::thread::sleep(Duration::from_millis(500));
     let out = kvferry()
         .args(["load", "--json", "--producer", &format!("127.0.0.1:{port}")])
+        .args(["--pp", "2"])
         .args(common)
         .output()
         .unwrap();

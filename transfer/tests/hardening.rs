@@ -197,6 +197,92 @@ fn raw_out_of_range_and_stale_requests_get_errors_and_the_connection_stays_usabl
     );
 }
 
+/// A scattered WRITE frame (op 3): header, piece table, payloads.
+fn scatter_frame(instance: u64, pieces: &[(u64, &[u8])]) -> Vec<u8> {
+    let total: u64 = pieces.iter().map(|p| p.1.len() as u64).sum();
+    let mut f = data_request(3, instance, pieces.len() as u64, total);
+    for (addr, bytes) in pieces {
+        f.extend_from_slice(&addr.to_le_bytes());
+        f.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    }
+    for (_, bytes) in pieces {
+        f.extend_from_slice(bytes);
+    }
+    f
+}
+
+#[test]
+fn raw_scattered_writes_land_piece_by_piece_or_not_at_all() {
+    let b = engine();
+    let dst = Buf::new(64 * 1024, 3);
+    dst.register(&b);
+    let inst = b.local_descriptor().instance_id;
+    let mut s = connect(&data_addr(&b));
+    let base = dst.addr();
+    // three pieces, out of order, with gaps between them
+    let mut want = dst.bytes.clone();
+    let pieces: [(u64, &[u8]); 3] = [(900, &[7; 50]), (10, &[8; 3]), (60_000, &[9; 500])];
+    for (off, bytes) in pieces {
+        want[off as usize..off as usize + bytes.len()].copy_from_slice(bytes);
+    }
+    let frame: Vec<(u64, &[u8])> = pieces.iter().map(|&(o, b)| (base + o, b)).collect();
+    s.write_all(&scatter_frame(inst, &frame)).unwrap();
+    assert_eq!(read_data_reply(&mut s).expect("ack"), (0, vec![]));
+    assert_same(
+        &dst.bytes,
+        &want,
+        "every piece in place, nothing else touched",
+    );
+
+    // one piece past the end of the region: the whole frame is refused, nothing written
+    let bad: [(u64, &[u8]); 3] = [
+        (base, &[1; 8]),
+        (base + dst.len() - 4, &[2; 8]),
+        (base + 100, &[3; 8]),
+    ];
+    s.write_all(&scatter_frame(inst, &bad)).unwrap();
+    let (st, text) = read_data_reply(&mut s).expect("error reply");
+    assert_eq!(st, 1, "{}", String::from_utf8_lossy(&text));
+    // another instance: stale
+    s.write_all(&scatter_frame(inst ^ 1, &frame)).unwrap();
+    assert_eq!(read_data_reply(&mut s).expect("stale reply").0, 2);
+    assert_same(&dst.bytes, &want, "refused frames wrote nothing");
+    // the connection still serves
+    s.write_all(&scatter_frame(inst, &[(base + 20, &[5; 4])]))
+        .unwrap();
+    assert_eq!(read_data_reply(&mut s).expect("ack").0, 0);
+    assert_eq!(&dst.bytes[20..24], &[5; 4]);
+
+    // malformed tables: an error reply, then the connection closes
+    let addr = data_addr(&b);
+    let mut zero_piece = data_request(3, inst, 2, 4);
+    for (a, l) in [(base, 0u64), (base + 8, 4)] {
+        zero_piece.extend_from_slice(&a.to_le_bytes());
+        zero_piece.extend_from_slice(&l.to_le_bytes());
+    }
+    let mut short_sum = data_request(3, inst, 1, 9);
+    short_sum.extend_from_slice(&base.to_le_bytes());
+    short_sum.extend_from_slice(&4u64.to_le_bytes());
+    for (what, frame) in [
+        ("no pieces", data_request(3, inst, 0, 8)),
+        ("too many pieces", data_request(3, inst, 1025, 1025)),
+        ("huge payload", data_request(3, inst, 1, u64::MAX)),
+        ("zero-length piece", zero_piece),
+        ("pieces do not sum to the length", short_sum),
+    ] {
+        let mut s = connect(&addr);
+        s.write_all(&frame).unwrap();
+        let (st, _) = read_data_reply(&mut s).unwrap_or_else(|| panic!("{what}: no reply"));
+        assert_eq!(st, 3, "{what}: bad request");
+        assert!(closed_by_peer(&mut s), "{what}: closed after a bad request");
+    }
+    assert_same(
+        &dst.bytes[24..],
+        &want[24..],
+        "malformed frames wrote nothing",
+    );
+}
+
 // ------------------------------------------------------------------ initiator-side checks
 
 #[test]

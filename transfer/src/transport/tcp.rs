@@ -434,6 +434,10 @@ fn serve_conn(mut s: TcpStream, sh: &ServerShared) -> Result<()> {
         let Some(req) = read_request(&mut s, idle)? else {
             return Ok(());
         };
+        if req.op == wire::OP_WRITE_SCATTER {
+            serve_scatter(&mut s, sh, req)?;
+            continue;
+        }
         let is_write = match req.op {
             wire::OP_WRITE => true,
             wire::OP_READ => false,
@@ -488,25 +492,115 @@ fn serve_conn(mut s: TcpStream, sh: &ServerShared) -> Result<()> {
     }
 }
 
-fn serve_write(s: &mut TcpStream, sh: &ServerShared, req: Request, loc: Location) -> Result<()> {
-    match loc {
-        Location::Cpu => {
-            // SAFETY: the range lies in a registered host region (checked under the read lock,
-            // which is held now); registration promises it is valid writable memory.
-            let dst =
-                unsafe { std::slice::from_raw_parts_mut(req.addr as *mut u8, req.len as usize) };
-            read_full(s, dst, "read WRITE payload")?;
+/// Serves a scattered WRITE (op 3): reads the piece table; when every piece lies inside a
+/// registered region, reads each piece into place, else drains the payload and refuses the
+/// frame (nothing written); one reply for the frame.
+/// `Err` when the connection must close (a malformed frame, a broken socket).
+fn serve_scatter(s: &mut TcpStream, sh: &ServerShared, req: Request) -> Result<()> {
+    let cfg = &sh.ctx.config.tcp;
+    let n = req.addr;
+    if n == 0 || n > wire::MAX_PIECES as u64 || req.len == 0 || req.len > cfg.max_frame_payload {
+        let text = format!(
+            "scattered WRITE of {n} pieces and {} bytes (1..={} pieces, 1..={} bytes)",
+            req.len,
+            wire::MAX_PIECES,
+            cfg.max_frame_payload
+        );
+        let _ = reply_error(s, wire::ST_BAD_REQUEST, &text);
+        return Err(TransferError::Protocol(text));
+    }
+    let mut table = vec![0u8; n as usize * wire::PIECE_LEN];
+    read_full(s, &mut table, "read scattered WRITE pieces")?;
+    let pieces = match wire::decode_pieces(&table, req.len) {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = reply_error(s, wire::ST_BAD_REQUEST, &e.to_string());
+            return Err(e);
         }
-        other => {
-            let mut staging = vec![0u8; req.len as usize];
-            read_full(s, &mut staging, "read WRITE payload")?;
-            // SAFETY: as above, for memory at `other`.
-            if let Err(e) = unsafe { sh.ctx.memory.copy_to(other, req.addr, &staging) } {
-                return reply_error(s, wire::ST_SERVER_ERROR, &e.to_string());
+    };
+    let instance = sh.ctx.instance_id;
+    if req.instance != instance {
+        drain(s, req.len, "drain refused payload")?;
+        return reply_error(
+            s,
+            wire::ST_STALE,
+            &format!(
+                "request names instance {:#x}, this segment is instance {instance:#x} (restarted?)",
+                req.instance
+            ),
+        );
+    }
+    // All or nothing: a frame with any piece outside the registered regions writes nothing.
+    if let Some(&(addr, len)) = pieces
+        .iter()
+        .find(|&&(a, l)| sh.ctx.registry.find(a, l).is_none())
+    {
+        drain(s, req.len, "drain refused payload")?;
+        return reply_error(
+            s,
+            wire::ST_OUT_OF_RANGE,
+            &format!("range [{addr:#x}, +{len}) is not inside a registered memory region"),
+        );
+    }
+    let mut failed: Option<(u8, String)> = None;
+    for (addr, len) in pieces {
+        // The read lock is held while the piece is written: unregister waits for it.
+        let done = sh.ctx.registry.with_region(addr, len, |entry| {
+            read_into(s, sh, addr, len, entry.region.location)
+        });
+        match done {
+            Some(r) => {
+                if let Err(e) = r? {
+                    failed.get_or_insert((wire::ST_SERVER_ERROR, e.to_string()));
+                }
+            }
+            None => {
+                // unregistered since the check above
+                drain(s, len, "drain refused payload")?;
+                failed.get_or_insert((
+                    wire::ST_OUT_OF_RANGE,
+                    format!("range [{addr:#x}, +{len}) is not inside a registered memory region"),
+                ));
             }
         }
     }
-    write_full(s, &wire::encode_reply(wire::ST_OK, 0), "send WRITE ack")
+    match failed {
+        None => write_full(s, &wire::encode_reply(wire::ST_OK, 0), "send WRITE ack"),
+        Some((status, text)) => reply_error(s, status, &text),
+    }
+}
+
+/// Reads `len` payload bytes into `[addr, +len)` at `loc`. Outer `Err`: the socket broke;
+/// inner: the memory could not be written (the bytes were consumed either way).
+fn read_into(
+    s: &mut TcpStream,
+    sh: &ServerShared,
+    addr: u64,
+    len: u64,
+    loc: Location,
+) -> Result<Result<()>> {
+    match loc {
+        Location::Cpu => {
+            // SAFETY: the caller holds the registry's read lock on a host region containing the
+            // range; registration promises it is valid writable memory.
+            let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) };
+            read_full(s, dst, "read WRITE payload")?;
+            Ok(Ok(()))
+        }
+        other => {
+            let mut staging = vec![0u8; len as usize];
+            read_full(s, &mut staging, "read WRITE payload")?;
+            // SAFETY: as above, for memory at `other`.
+            Ok(unsafe { sh.ctx.memory.copy_to(other, addr, &staging) })
+        }
+    }
+}
+
+fn serve_write(s: &mut TcpStream, sh: &ServerShared, req: Request, loc: Location) -> Result<()> {
+    match read_into(s, sh, req.addr, req.len, loc)? {
+        Ok(()) => write_full(s, &wire::encode_reply(wire::ST_OK, 0), "send WRITE ack"),
+        Err(e) => reply_error(s, wire::ST_SERVER_ERROR, &e.to_string()),
+    }
 }
 
 fn serve_read(s: &mut TcpStream, sh: &ServerShared, req: Request, loc: Location) -> Result<()> {
@@ -540,25 +634,53 @@ fn serve_read(s: &mut TcpStream, sh: &ServerShared, req: Request, loc: Location)
 // ---------------------------------------------------------------- initiator side
 
 /// One data frame: consecutive slices (contiguous on both sides, same op and regions) merged
-/// into `slice`, reported per original id in `ids`.
+/// into `slice`, reported per original id in `ids`; `more` holds further WRITE pieces of a
+/// scattered WRITE (op 3), each merged the same way.
 struct Job {
     slice: Slice,
     ids: std::ops::Range<u32>,
+    more: Vec<(Slice, std::ops::Range<u32>)>,
     sink: CompletionSink,
 }
 
 impl Job {
     fn complete(&self, result: Result<()>) {
-        for id in self.ids.clone() {
+        let more = self.more.iter().flat_map(|(_, ids)| ids.clone());
+        for id in self.ids.clone().chain(more) {
             self.sink.complete(id, result.clone());
         }
+    }
+
+    /// Payload bytes of the frame.
+    fn bytes(&self) -> u64 {
+        self.slice.len + self.more.iter().map(|(s, _)| s.len).sum::<u64>()
     }
 }
 
 /// Merges runs of slices that continue each other on both sides (same op, same local region and
 /// remote buffer, consecutive ids) into frames of at most `limit` bytes: fewer headers, acks and
-/// syscalls per byte. Slices longer than `limit` stay whole.
+/// syscalls per byte. Slices longer than `limit` stay whole. Then runs of small WRITE frames
+/// that do not continue each other become scattered WRITEs of at most `limit` bytes and
+/// `MAX_PIECES` pieces.
 fn coalesce(slices: Vec<Slice>, limit: u64, sink: &CompletionSink) -> Vec<Job> {
+    let mut out: Vec<Job> = Vec::new();
+    for j in merge_continuing(slices, limit, sink) {
+        if let Some(acc) = out.last_mut() {
+            let gather = acc.slice.op == Op::Write
+                && j.slice.op == Op::Write
+                && acc.more.len() + 1 < wire::MAX_PIECES
+                && acc.bytes() + j.slice.len <= limit;
+            if gather {
+                acc.more.push((j.slice, j.ids));
+                continue;
+            }
+        }
+        out.push(j);
+    }
+    out
+}
+
+fn merge_continuing(slices: Vec<Slice>, limit: u64, sink: &CompletionSink) -> Vec<Job> {
     let mut jobs: Vec<Job> = Vec::new();
     for s in slices {
         if let Some(j) = jobs.last_mut() {
@@ -579,6 +701,7 @@ fn coalesce(slices: Vec<Slice>, limit: u64, sink: &CompletionSink) -> Vec<Job> {
         jobs.push(Job {
             slice: s,
             ids: s.id..s.id + 1,
+            more: Vec::new(),
             sink: sink.clone(),
         });
     }
@@ -786,6 +909,9 @@ impl PeerPool {
             job.complete(Err(CompletionSink::cancelled_error()));
             return true;
         }
+        if !job.more.is_empty() {
+            return self.send_scatter(s, ftx, job, conn, rx);
+        }
         let sl = job.slice;
         let req = Request {
             op: if sl.op == Op::Write {
@@ -837,6 +963,78 @@ impl PeerPool {
         true
     }
 
+    /// Sends a scattered WRITE (op 3); as `send_one`.
+    fn send_scatter(
+        &self,
+        s: &mut TcpStream,
+        ftx: &SyncSender<Job>,
+        job: Job,
+        conn: &Conn,
+        rx: &Receiver<Job>,
+    ) -> bool {
+        let pieces: Vec<Slice> = std::iter::once(job.slice)
+            .chain(job.more.iter().map(|(sl, _)| *sl))
+            .collect();
+        let table = wire::encode_pieces(
+            &pieces
+                .iter()
+                .map(|p| (p.remote_addr, p.len))
+                .collect::<Vec<_>>(),
+        );
+        let hdr = Request {
+            op: wire::OP_WRITE_SCATTER,
+            instance: self.instance,
+            addr: pieces.len() as u64,
+            len: job.bytes(),
+        }
+        .encode();
+        // GPU pieces go through staging copies, kept alive until the frame is written.
+        let mut staged: Vec<Vec<u8>> = Vec::new();
+        for p in pieces
+            .iter()
+            .filter(|p| p.local_region.location != Location::Cpu)
+        {
+            let mut b = vec![0u8; p.len as usize];
+            // SAFETY: the engine checked the slice lies in a registered region at this location.
+            if let Err(e) = unsafe {
+                self.ctx
+                    .memory
+                    .copy_from(p.local_region.location, p.local_addr, &mut b)
+            } {
+                job.complete(Err(e));
+                return true;
+            }
+            staged.push(b);
+        }
+        let mut staged_iter = staged.iter();
+        let mut parts: Vec<IoSlice<'_>> = Vec::with_capacity(pieces.len() + 2);
+        parts.push(IoSlice::new(&hdr));
+        parts.push(IoSlice::new(&table));
+        for p in &pieces {
+            let bytes: &[u8] = match p.local_region.location {
+                // SAFETY: as in `send_one`: a registered host range, valid until the batch ends.
+                Location::Cpu => unsafe {
+                    std::slice::from_raw_parts(p.local_addr as *const u8, p.len as usize)
+                },
+                _ => staged_iter.next().map(|b| &b[..]).unwrap_or(&[]),
+            };
+            parts.push(IoSlice::new(bytes));
+        }
+        if let Err(mpsc::SendError(job)) = ftx.send(job) {
+            let e = TransferError::Io(format!("TCP connection to segment {} broke", self.segment));
+            job.complete(Err(e.clone()));
+            Self::retire(conn, rx, &e);
+            return false;
+        }
+        let what = format!("send to segment {}", self.segment);
+        if let Err(e) = write_vectored_full(s, &mut parts, &what) {
+            let _ = s.shutdown(Shutdown::Both);
+            Self::retire(conn, rx, &e);
+            return false;
+        }
+        true
+    }
+
     fn reader(self: Arc<Self>, conn: Arc<Conn>, mut s: TcpStream, frx: Receiver<Job>) {
         let mut broken: Option<TransferError> = None;
         for job in frx.iter() {
@@ -844,7 +1042,7 @@ impl PeerPool {
                 job.complete(Err(e.clone()));
                 continue;
             }
-            match self.read_reply(&mut s, &job.slice) {
+            match self.read_reply(&mut s, &job.slice, !job.more.is_empty()) {
                 Ok(result) => job.complete(result),
                 Err(e) => {
                     job.complete(Err(e.clone()));
@@ -857,7 +1055,8 @@ impl PeerPool {
     }
 
     /// Reads one reply. Outer `Err`: the connection is unusable. Inner: the slice's result.
-    fn read_reply(&self, s: &mut TcpStream, sl: &Slice) -> Result<Result<()>> {
+    /// `scatter`: the frame was a scattered WRITE starting with `sl`.
+    fn read_reply(&self, s: &mut TcpStream, sl: &Slice, scatter: bool) -> Result<Result<()>> {
         let what = format!("reply from segment {}", self.segment);
         let mut h = [0u8; wire::REP_LEN];
         read_full(s, &mut h, &what)?;
@@ -872,6 +1071,10 @@ impl PeerPool {
             read_full(s, &mut t, &what)?;
             let text = String::from_utf8_lossy(&t).into_owned();
             let err = match status {
+                wire::ST_OUT_OF_RANGE if scatter => TransferError::Failed(format!(
+                    "segment {} refused a scattered WRITE: {text}",
+                    self.segment
+                )),
                 wire::ST_OUT_OF_RANGE => TransferError::RemoteOutOfRange {
                     segment: self.segment.clone(),
                     addr: sl.remote_addr,
@@ -966,5 +1169,61 @@ mod tests {
                 (6..7, 600, 100)
             ]
         );
+    }
+
+    #[test]
+    fn small_writes_that_do_not_continue_are_gathered_into_scattered_frames() {
+        let region = MemoryRegion {
+            addr: 0,
+            len: 1 << 30,
+            location: Location::Cpu,
+        };
+        let mk = |id: u32, op: Op, l: u64, r: u64, len: u64| Slice {
+            id,
+            op,
+            local_addr: l,
+            local_region: region,
+            remote_addr: r,
+            remote_buffer: 0,
+            len,
+        };
+        let sink = CompletionSink::new(BatchState::new(8));
+        let slices = vec![
+            mk(0, Op::Write, 0, 5000, 100),
+            mk(1, Op::Write, 100, 5100, 50), // continues 0: merged into its piece
+            mk(2, Op::Write, 900, 100, 60),  // gathered as a second piece
+            mk(3, Op::Write, 2000, 9000, 100), // 310 bytes in all: over 300, a new frame
+            mk(4, Op::Read, 3000, 7000, 10), // reads are never gathered
+            mk(5, Op::Write, 4000, 1000, 10),
+            mk(6, Op::Write, 4100, 1200, 400), // alone over the limit: its own frame
+        ];
+        let jobs = coalesce(slices, 300, &sink);
+        let shape: Vec<Vec<(std::ops::Range<u32>, u64)>> = jobs
+            .iter()
+            .map(|j| {
+                std::iter::once((j.ids.clone(), j.slice.len))
+                    .chain(j.more.iter().map(|(s, ids)| (ids.clone(), s.len)))
+                    .collect()
+            })
+            .collect();
+        assert_eq!(
+            shape,
+            vec![
+                vec![(0..2, 150), (2..3, 60)],
+                vec![(3..4, 100)],
+                vec![(4..5, 10)],
+                vec![(5..6, 10)],
+                vec![(6..7, 400)],
+            ]
+        );
+        // at most MAX_PIECES pieces per frame
+        let many: Vec<Slice> = (0..(wire::MAX_PIECES as u32 + 5))
+            .map(|i| mk(i, Op::Write, i as u64 * 10, i as u64 * 10 + 3, 1))
+            .collect();
+        let sink = CompletionSink::new(BatchState::new(many.len() as u32));
+        let jobs = coalesce(many, 1 << 20, &sink);
+        assert_eq!(jobs.len(), 2);
+        assert_eq!(jobs[0].more.len() + 1, wire::MAX_PIECES);
+        assert_eq!(jobs[1].more.len() + 1, 5);
     }
 }

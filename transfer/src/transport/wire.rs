@@ -6,6 +6,13 @@
 //! followed by `len` bytes: the data of an OK READ, nothing for an OK WRITE, the error text for
 //! any other status. Replies come in request order. The target replies OK to a WRITE only after
 //! the payload is in place (Mooncake once acknowledged before applying: silent loss).
+//!
+//! Scattered WRITE (op 3): many small pieces in one frame. The header's addr field holds the
+//! number of pieces n (1..=`MAX_PIECES`), len the payload bytes (the pieces' sum); then n
+//! pieces of (remote addr `u64`, len `u64`), then the payloads in piece order. One reply for
+//! the frame: OK only when every piece is in place. Pieces of a KV block split by KV head (TP
+//! sizes that differ) are a few hundred bytes each: one frame and one ack per piece was most of
+//! the cost.
 
 use crate::error::{Result, TransferError};
 
@@ -18,6 +25,11 @@ pub(crate) const MAX_ERROR_TEXT: u64 = 4096;
 
 pub(crate) const OP_WRITE: u8 = 1;
 pub(crate) const OP_READ: u8 = 2;
+pub(crate) const OP_WRITE_SCATTER: u8 = 3;
+/// Most pieces one scattered WRITE carries.
+pub(crate) const MAX_PIECES: usize = 1024;
+/// Bytes of one piece entry: remote addr, len.
+pub(crate) const PIECE_LEN: usize = 16;
 
 /// Reply status codes.
 pub(crate) const ST_OK: u8 = 0;
@@ -85,6 +97,37 @@ pub(crate) fn decode_reply(b: &[u8; REP_LEN]) -> Result<(u8, u64)> {
     Ok((b[4], u64::from_le_bytes(b[8..16].try_into().expect("8"))))
 }
 
+/// Encodes the piece table of a scattered WRITE.
+pub(crate) fn encode_pieces(pieces: &[(u64, u64)]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(pieces.len() * PIECE_LEN);
+    for &(addr, len) in pieces {
+        b.extend_from_slice(&addr.to_le_bytes());
+        b.extend_from_slice(&len.to_le_bytes());
+    }
+    b
+}
+
+/// Decodes a piece table and checks it: every len > 0, the sum equal to `total` (no overflow).
+/// `Protocol` error otherwise (the stream cannot be trusted after it).
+pub(crate) fn decode_pieces(b: &[u8], total: u64) -> Result<Vec<(u64, u64)>> {
+    let mut sum = 0u64;
+    let mut out = Vec::with_capacity(b.len() / PIECE_LEN);
+    for e in b.chunks_exact(PIECE_LEN) {
+        let addr = u64::from_le_bytes(e[0..8].try_into().expect("8"));
+        let len = u64::from_le_bytes(e[8..16].try_into().expect("8"));
+        sum = sum.checked_add(len).filter(|_| len > 0).ok_or_else(|| {
+            TransferError::Protocol(format!("scattered WRITE piece of {len} bytes"))
+        })?;
+        out.push((addr, len));
+    }
+    if sum != total {
+        return Err(TransferError::Protocol(format!(
+            "scattered WRITE pieces sum to {sum} bytes, the header says {total}"
+        )));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,5 +151,23 @@ mod tests {
         let mut b = encode_reply(ST_OK, 0);
         b[3] = 0;
         assert!(decode_reply(&b).is_err());
+    }
+
+    #[test]
+    fn piece_tables_round_trip_and_bad_ones_are_refused() {
+        let p = vec![(0x1000, 10), (0x9000, 1), (7, 300)];
+        assert_eq!(decode_pieces(&encode_pieces(&p), 311).unwrap(), p);
+        assert!(
+            decode_pieces(&encode_pieces(&p), 310).is_err(),
+            "sum differs"
+        );
+        assert!(
+            decode_pieces(&encode_pieces(&[(1, 0), (2, 5)]), 5).is_err(),
+            "empty piece"
+        );
+        assert!(
+            decode_pieces(&encode_pieces(&[(1, u64::MAX), (2, 2)]), 1).is_err(),
+            "overflow"
+        );
     }
 }

@@ -7,6 +7,7 @@ mod common;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use common::fake_gpu::FakeGpu;
 use common::{assert_same, config, Buf};
 use kvferry_transfer::{Location, MemoryAccess, Result, TransferEngine, TransferError};
 
@@ -97,22 +98,22 @@ fn device_regions_move_through_the_memory_access_backend() {
 
 #[test]
 fn scattered_small_writes_between_device_regions_land_exactly() {
-    let dev = Arc::new(FakeDevice::default());
-    let a = TransferEngine::with_memory_access(config(), dev.clone()).unwrap();
-    let b = TransferEngine::with_memory_access(config(), dev.clone()).unwrap();
-    let src = Buf::new(1 << 20, 5);
+    // Device memory the host cannot touch: a piece read or written in place would crash.
+    let gpu = FakeGpu::new(2 << 20);
+    let a = TransferEngine::with_memory_access(config(), gpu.clone()).unwrap();
+    let b = TransferEngine::with_memory_access(config(), gpu.clone()).unwrap();
+    let (src, dst) = (gpu.base, gpu.base + (1 << 20));
+    gpu.fill_device(0, 2 << 20, 5);
     let host_src = Buf::new(1 << 16, 6);
-    let dst = Buf::new(1 << 20, 7);
     unsafe {
-        a.register_memory(src.addr(), src.len(), Location::Cuda(0))
-            .unwrap();
-        b.register_memory(dst.addr(), dst.len(), Location::Cuda(0))
-            .unwrap();
+        a.register_memory(src, 1 << 20, Location::Cuda(0)).unwrap();
+        b.register_memory(dst, 1 << 20, Location::Cuda(0)).unwrap();
     }
     host_src.register(&a);
+    let device_src = gpu.device(0, 1 << 20);
     // 600 pieces of 1..700 bytes from device and host memory, to scattered device offsets:
     // the TCP transport sends them as scattered WRITE frames
-    let mut want = dst.bytes.clone();
+    let mut want = gpu.device(1 << 20, 1 << 20);
     let mut reqs = Vec::new();
     let mut x = 12345u64;
     for i in 0..600u64 {
@@ -128,16 +129,16 @@ fn scattered_small_writes_between_device_regions_land_exactly() {
                 &host_src.bytes[o as usize..(o + len) as usize],
             )
         } else {
-            let o = (x >> 24) % (src.len() - len);
-            (src.addr() + o, &src.bytes[o as usize..(o + len) as usize])
+            let o = (x >> 24) % ((1 << 20) - len);
+            (src + o, &device_src[o as usize..(o + len) as usize])
         };
         want[to as usize..(to + len) as usize].copy_from_slice(bytes);
-        reqs.push((from, dst.addr() + to, len));
+        reqs.push((from, dst + to, len));
     }
     a.batch_transfer_sync_write(&b.segment_name(), &reqs)
         .unwrap();
     assert_same(
-        &dst.bytes,
+        &gpu.device(1 << 20, 1 << 20),
         &want,
         "every piece in place, the gaps untouched",
     );

@@ -89,6 +89,8 @@ else
     demo demo-corrupt "r['mismatch']==2 and r['verified']==6" --corrupt 2
     demo demo-fail-closed "r['failed']==2" --corrupt 2 --fail-closed --load-failure-policy fail
     demo demo-recompute "r['recomputed']==2" --corrupt 2 --fail-closed --load-failure-policy recompute
+    # different TP sizes on the two sides: KV heads mapped between ranks over RDMA
+    demo demo-tp2-to-tp1 "r['mismatch']==2 and r['verified']==6" --model tiny --prefill-tp 2 --decode-tp 1 --corrupt 2
 
     # 3. benchmark: kvferry bench over RDMA beside ib_write_bw on the same device, same boot
     ibbw() { # ibbw SIZE ITERATIONS -> prints MB/s (MiB, as perftest reports)

@@ -299,3 +299,46 @@ fn rdma_mixed_mtu_peers_move_data_both_ways() {
         .unwrap();
     assert_same(&z.bytes[1..(1 << 20) + 1], &x.bytes[..1 << 20], "b←a read");
 }
+
+#[test]
+fn rdma_timed_out_batch_sends_none_of_its_remaining_slices() {
+    if !rdma_or_skip("rdma_timed_out_batch_sends_none_of_its_remaining_slices") {
+        return;
+    }
+    // one QP with one work request outstanding: slices go out one round trip at a time
+    let a = engine_with(|c| {
+        c.rdma.qps_per_endpoint = 1;
+        c.rdma.max_wr = 1;
+    });
+    let b = engine();
+    let n = 64usize << 20;
+    let src = Buf {
+        bytes: vec![0xAB; n],
+    };
+    let dst = Buf::zeroed(n);
+    let barrier = Buf::zeroed(4096);
+    src.register(&a);
+    dst.register(&b);
+    barrier.register(&b);
+    let seg = a.open_segment(&b.segment_name()).unwrap();
+    let req = TransferRequest {
+        op: Op::Write,
+        local_addr: src.addr(),
+        remote_addr: dst.addr(),
+        len: n as u64,
+    };
+    let id = a.submit(&seg, &[req]).unwrap();
+    assert!(matches!(
+        a.wait(id, std::time::Duration::from_millis(1)),
+        Err(TransferError::Timeout(_))
+    ));
+    // queued behind the timed-out batch's slices on the same endpoint
+    a.transfer_sync_write(&b.segment_name(), src.addr(), barrier.addr(), 4096)
+        .unwrap();
+    assert!(barrier.bytes.iter().all(|&x| x == 0xAB));
+    let tail = &dst.bytes[n - (16 << 20)..];
+    assert!(
+        common::all_zero(tail),
+        "slices of a timed-out batch were still sent"
+    );
+}

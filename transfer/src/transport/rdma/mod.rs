@@ -768,6 +768,12 @@ impl Shared {
                     ep.dev.return_credit();
                     break;
                 };
+                // A cancelled batch (timed out, freed) sends none of its remaining slices.
+                if work.sink.is_cancelled() {
+                    ep.dev.return_credit();
+                    refused.push((work, CompletionSink::cancelled_error()));
+                    continue;
+                }
                 let sl = work.slice;
                 // Staged GPU memory: the work request uses the mirror at the same offset. A
                 // region registered anew since `post` (another mirror, or none) is not the one
@@ -901,7 +907,11 @@ impl Shared {
     /// Retries a failed slice on a fresh endpoint while it has retries left (and the failure
     /// can change on retry), else reports it failed with `text`.
     fn retry_or_fail(self: &Arc<Self>, mut w: Work, text: String, retryable: bool) {
-        if retryable && w.attempts < self.config.max_retries && !self.stop.load(Ordering::SeqCst) {
+        if retryable
+            && w.attempts < self.config.max_retries
+            && !w.sink.is_cancelled()
+            && !self.stop.load(Ordering::SeqCst)
+        {
             w.attempts += 1;
             self.retried.fetch_add(1, Ordering::Relaxed);
             if w.first_error.is_none() {

@@ -944,6 +944,21 @@ impl PeerPool {
                 &staging
             }
         };
+        let mut parts = [IoSlice::new(&hdr), IoSlice::new(payload)];
+        self.send_frame(s, ftx, job, conn, rx, &mut parts)
+    }
+
+    /// Puts `job` in flight, then writes its frame `parts`; on failure retires the connection
+    /// and returns false.
+    fn send_frame(
+        &self,
+        s: &mut TcpStream,
+        ftx: &SyncSender<Job>,
+        job: Job,
+        conn: &Conn,
+        rx: &Receiver<Job>,
+        parts: &mut [IoSlice<'_>],
+    ) -> bool {
         // in flight before sending, so the reader expects the reply; blocks when the window is full
         if let Err(mpsc::SendError(job)) = ftx.send(job) {
             let e = TransferError::Io(format!("TCP connection to segment {} broke", self.segment));
@@ -952,9 +967,7 @@ impl PeerPool {
             return false;
         }
         let what = format!("send to segment {}", self.segment);
-        if let Err(e) =
-            write_vectored_full(s, &mut [IoSlice::new(&hdr), IoSlice::new(payload)], &what)
-        {
+        if let Err(e) = write_vectored_full(s, parts, &what) {
             // the reader fails the in-flight slices when its read breaks
             let _ = s.shutdown(Shutdown::Both);
             Self::retire(conn, rx, &e);
@@ -1020,19 +1033,7 @@ impl PeerPool {
             };
             parts.push(IoSlice::new(bytes));
         }
-        if let Err(mpsc::SendError(job)) = ftx.send(job) {
-            let e = TransferError::Io(format!("TCP connection to segment {} broke", self.segment));
-            job.complete(Err(e.clone()));
-            Self::retire(conn, rx, &e);
-            return false;
-        }
-        let what = format!("send to segment {}", self.segment);
-        if let Err(e) = write_vectored_full(s, &mut parts, &what) {
-            let _ = s.shutdown(Shutdown::Both);
-            Self::retire(conn, rx, &e);
-            return false;
-        }
-        true
+        self.send_frame(s, ftx, job, conn, rx, &mut parts)
     }
 
     fn reader(self: Arc<Self>, conn: Arc<Conn>, mut s: TcpStream, frx: Receiver<Job>) {

@@ -114,7 +114,26 @@ impl Shared {
                 Op::Read => ready.push(w),
             }
         }
-        for (peer, ws) in reads {
+        self.sync_each_peer(reads, Direction::ToHost, |ws| ready.extend(ws));
+        if !ready.is_empty() {
+            self.dispatch(ready);
+        }
+    }
+
+    /// One sync per peer for its slices' remote ranges; `synced` gets the slices of each peer
+    /// whose sync succeeded, the others fail with the sync's error.
+    fn sync_each_peer(
+        &self,
+        by_peer: HashMap<String, Vec<Work>>,
+        direction: Direction,
+        mut synced: impl FnMut(Vec<Work>),
+    ) {
+        let way = match direction {
+            Direction::ToHost => "from",
+            Direction::ToDevice => "to",
+        };
+        for (peer, ws) in by_peer {
+            // each sync may wait `handshake_timeout`: shutdown does not wait for them all
             if self.stop.load(Ordering::SeqCst) {
                 fail_all(ws, &gone());
                 continue;
@@ -123,13 +142,10 @@ impl Shared {
                 .iter()
                 .map(|w| (w.slice.remote_addr, w.slice.len))
                 .collect();
-            match self.sync(&peer, Direction::ToHost, ranges) {
-                Ok(()) => ready.extend(ws),
-                Err(e) => fail_all(ws, &sync_failed(&peer, "from", e)),
+            match self.sync(&peer, direction, ranges) {
+                Ok(()) => synced(ws),
+                Err(e) => fail_all(ws, &sync_failed(&peer, way, e)),
             }
-        }
-        if !ready.is_empty() {
-            self.dispatch(ready);
         }
     }
 
@@ -152,23 +168,10 @@ impl Shared {
                 Op::Write => w.sink.complete(w.slice.id, Ok(())),
             }
         }
-        for (peer, ws) in writes {
-            // each sync may wait `handshake_timeout`: shutdown does not wait for them all
-            if self.stop.load(Ordering::SeqCst) {
-                fail_all(ws, &gone());
-                continue;
-            }
-            let ranges = ws
-                .iter()
-                .map(|w| (w.slice.remote_addr, w.slice.len))
-                .collect();
-            match self.sync(&peer, Direction::ToDevice, ranges) {
-                Ok(()) => ws
-                    .into_iter()
-                    .for_each(|w| w.sink.complete(w.slice.id, Ok(()))),
-                Err(e) => fail_all(ws, &sync_failed(&peer, "to", e)),
-            }
-        }
+        self.sync_each_peer(writes, Direction::ToDevice, |ws| {
+            ws.into_iter()
+                .for_each(|w| w.sink.complete(w.slice.id, Ok(())))
+        });
     }
 }
 

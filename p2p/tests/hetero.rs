@@ -231,17 +231,21 @@ async fn a_flipped_bit_is_found_with_different_tp_sizes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_of_another_head_count_is_refused_with_a_clear_error() {
-    let pair = pair2((1, 1), (2, 1), TWO_HEADS, FOUR_HEADS).await;
-    let table = REMOTE.iter().map(|&b| Some(b)).collect();
-    pair.producer
-        .publish("req-h", vec![table], NUM_TOKENS)
-        .await
-        .unwrap();
-    let err = pair
-        .consumer
-        .load(spec("req-h", &pair.producer))
-        .await
-        .unwrap_err();
-    assert!(err.to_string().contains("KV heads"), "{err}");
-    pair.producer.shutdown().await;
+    // more heads than the producer holds, and fewer (which every consumer rank could be
+    // served from, silently loading part of the KV)
+    for (p_shape, c_shape) in [(TWO_HEADS, FOUR_HEADS), (FOUR_HEADS, TWO_HEADS)] {
+        let pair = pair2((1, 1), (2, 1), p_shape, c_shape).await;
+        let table = REMOTE.iter().map(|&b| Some(b)).collect();
+        pair.producer
+            .publish("req-h", vec![table], NUM_TOKENS)
+            .await
+            .unwrap();
+        let err = pair
+            .consumer
+            .load(spec("req-h", &pair.producer))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("KV heads"), "{p_shape:?} → {c_shape:?}: {err}");
+        pair.producer.shutdown().await;
+    }
 }

@@ -28,7 +28,7 @@ log "unit and integration tests"
 cargo test --release --workspace "${FEATURES[@]}"
 
 log "demo end-to-end checks"
-bash scripts/demo-checks.sh target/release/kvferry
+bash scripts/demo-checks.sh "${CARGO_TARGET_DIR:-target}/release/kvferry"
 
 if [ "${KVFERRY_SKIP_SOFTROCE:-0}" = "1" ]; then
   log "soft-RoCE suite skipped (KVFERRY_SKIP_SOFTROCE=1)"

@@ -209,8 +209,11 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
         transport,
         cuda: (c.device == DeviceArg::Cuda).then_some(0),
     };
-    let mut prod_ranks = build_side(&side(args.prefill_tp, args.prefill_pp), &engine_cfg)?;
-    let cons_ranks = build_side(&side(args.decode_tp, args.decode_pp), &engine_cfg)?;
+    // Name the side: the sizes and the layout checks are per side.
+    let mut prod_ranks = build_side(&side(args.prefill_tp, args.prefill_pp), &engine_cfg)
+        .map_err(|e| format!("producer (--prefill-tp/--prefill-pp): {e}"))?;
+    let cons_ranks = build_side(&side(args.decode_tp, args.decode_pp), &engine_cfg)
+        .map_err(|e| format!("consumer (--decode-tp/--decode-pp): {e}"))?;
     let transport_name = prod_ranks[0].engine.transport_name().to_string();
     let mut paths = memory_paths(&prod_ranks);
     for p in memory_paths(&cons_ranks) {

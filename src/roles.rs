@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry_p2p::{Consumer, LoadGroup, LoadSpec, Producer, ProducerConfig};
+use kvferry_p2p::{Consumer, LoadGroup, LoadSpec, Producer, ProducerConfig, ReleaseReason};
 use serde::Serialize;
 
 use crate::cli::{DeviceArg, LoadArgs, ServeArgs};
@@ -46,9 +46,17 @@ fn producer_tables(
 /// `kvferry serve`: prefill and publish every request, then serve loads until
 /// `--exit-after` loads were served (or forever).
 ///
-/// Errors: bad arguments, an address that cannot be bound, a side that cannot be built.
+/// Errors: bad arguments (an `--exit-after` above `--requests`, which could never be
+/// reached: a request is loaded at most once), an address that cannot be bound, a side
+/// that cannot be built.
 pub fn serve(args: &ServeArgs) -> Result<(), String> {
     let c = &args.common;
+    if args.exit_after > args.requests {
+        return Err(format!(
+            "--exit-after {}: more than the {} requests published (--requests); each is loaded at most once, so serve would never exit",
+            args.exit_after, args.requests
+        ));
+    }
     let model = model_by_name(&c.model)?.clone();
     let (lengths, tables, num_blocks) = producer_tables(
         args.requests,
@@ -95,16 +103,25 @@ pub fn serve(args: &ServeArgs) -> Result<(), String> {
         producer.endpoint(),
         ranks[0].engine.transport_name()
     );
-    let mut served = 0u32;
+    // Every released lease counts towards --exit-after; the summary says how each ended.
+    let (mut served, mut failed, mut expired) = (0u32, 0u32, 0u32);
     loop {
         std::thread::sleep(Duration::from_millis(50));
-        served += producer.released().len() as u32;
-        if args.exit_after > 0 && served >= args.exit_after {
+        for r in producer.released() {
+            match r.reason {
+                ReleaseReason::Served => served += 1,
+                ReleaseReason::Failed(_) => failed += 1,
+                ReleaseReason::Expired => expired += 1,
+            }
+        }
+        if args.exit_after > 0 && served + failed + expired >= args.exit_after {
             break;
         }
     }
     rt.block_on(producer.shutdown());
-    eprintln!("kvferry serve: {served} loads served, exiting");
+    eprintln!(
+        "kvferry serve: {served} loads served, {failed} failed, {expired} expired unloaded; exiting"
+    );
     Ok(())
 }
 

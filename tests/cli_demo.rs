@@ -219,6 +219,9 @@ fn demo_rejects_bad_arguments_with_a_clear_error() {
         (vec!["--corrupt", "11"], "--corrupt"),
         (vec!["--min-tokens", "0"], "--min-tokens"),
         (vec!["--prefill-tp", "3"], "TP"),
+        // The message names the side whose sizes are wrong.
+        (vec!["--decode-tp", "3"], "--decode-tp"),
+        (vec!["--prefill-pp", "5"], "--prefill-pp"),
         (vec!["--layout", "KV B N Q D"], "Q"),
         (vec!["--gpu-registration", "sideways"], "--gpu-registration"),
     ] {
@@ -288,6 +291,82 @@ fn serve_and_load_as_two_processes() {
     assert!(status.success(), "serve failed");
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(n(&r, "verified"), 5, "{r}");
+}
+
+/// Waits for `child` at most `secs` seconds; kills it and returns None when it is still running.
+fn wait_at_most(child: &mut std::process::Child, secs: u64) -> Option<std::process::ExitStatus> {
+    for _ in 0..secs * 10 {
+        if let Some(st) = child.try_wait().unwrap() {
+            return Some(st);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+#[test]
+fn serve_refuses_an_exit_after_it_could_never_reach() {
+    // Each request is loaded at most once: with --exit-after above --requests serve
+    // would wait forever.
+    let mut server = kvferry()
+        .args(["serve", "--bind", "127.0.0.1:0", "--model", "tiny"])
+        .args([
+            "--requests",
+            "2",
+            "--max-tokens",
+            "100",
+            "--exit-after",
+            "3",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = wait_at_most(&mut server, 20).expect("serve still running after 20 s");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut server.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success(), "serve should refuse: {err}");
+    assert!(err.contains("--exit-after 3"), "{err}");
+}
+
+#[test]
+fn serve_summary_tells_failed_loads_from_served_ones() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let common = ["--model", "tiny", "--requests", "2", "--min-tokens", "20"];
+    let mut server = kvferry()
+        .args(["serve", "--bind", &format!("127.0.0.1:{port}")])
+        .args([
+            "--exit-after",
+            "2",
+            "--max-tokens",
+            "200",
+            "--layout",
+            "KV B N H D",
+        ])
+        .args(common)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    // Another layout: the producer refuses every load.
+    let out = kvferry()
+        .args(["load", "--json", "--producer", &format!("127.0.0.1:{port}")])
+        .args(["--max-tokens", "200", "--layout", "B KV H N D"])
+        .args(common)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let status = wait_at_most(&mut server, 30).expect("serve did not exit");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut server.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(status.success(), "{err}");
+    assert!(err.contains("0 loads served, 2 failed"), "{err}");
 }
 
 #[test]

@@ -141,7 +141,9 @@ pub struct CommonArgs {
     /// What a load failure does under fail-closed.
     #[arg(long, value_enum, default_value_t = FailurePolicyArg::Fail)]
     pub load_failure_policy: FailurePolicyArg,
-    /// Seconds a load may take before it fails (request, transfer and reply).
+    /// Seconds a load may take before it fails (request, transfer and reply). The producer
+    /// (demo, serve) gives a load's WRITEs half of it and starts none unless the consumer's
+    /// `--timeout` leaves that much.
     #[arg(long, default_value_t = 60.0, value_parser = seconds)]
     pub timeout: f64,
 }

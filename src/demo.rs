@@ -88,6 +88,17 @@ pub(crate) fn consumer_config(c: &CommonArgs) -> ConsumerConfig {
     }
 }
 
+/// The producer's settings for the common options: a load's WRITEs may take half of
+/// `--timeout`. The consumer's budget is `--timeout` less at most 1 s, and the producer
+/// starts no transfer unless its whole transfer deadline fits in that budget, so a
+/// fixed deadline (30 s by default) would refuse every load under a shorter `--timeout`.
+pub(crate) fn producer_config(c: &CommonArgs) -> ProducerConfig {
+    ProducerConfig {
+        transfer_timeout: Duration::from_secs_f64(c.timeout / 2.0),
+        ..ProducerConfig::default()
+    }
+}
+
 /// Verdict and action counts of a series of loads (shared by `demo` and `load`).
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct LoadCounts {
@@ -240,7 +251,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
     };
 
     let producer = rt
-        .block_on(Producer::start(ProducerConfig::default(), prod_workers))
+        .block_on(Producer::start(producer_config(c), prod_workers))
         .map_err(|e| format!("starting the producer: {e}"))?;
     let endpoint = producer.endpoint().to_string();
     let consumer = Consumer::new(consumer_config(c), cons_workers)

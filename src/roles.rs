@@ -9,11 +9,11 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry_p2p::{Consumer, LoadGroup, LoadSpec, Producer, ProducerConfig, ReleaseReason};
+use kvferry_p2p::{Consumer, LoadGroup, LoadSpec, Producer, ReleaseReason};
 use serde::Serialize;
 
 use crate::cli::{DeviceArg, LoadArgs, ServeArgs};
-use crate::demo::{consumer_config, prompt_lengths, LoadCounts};
+use crate::demo::{consumer_config, producer_config, prompt_lengths, LoadCounts};
 use crate::models::model_by_name;
 use crate::setup::{engine_config, side_workers, transport_kind};
 use crate::world::{build_side, fill_request, BlockPool, SideConfig, GROUP_ID};
@@ -84,7 +84,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), String> {
             fill_request(r, args.seed, i as u64, blocks)?;
         }
     }
-    let mut cfg = ProducerConfig::default();
+    let mut cfg = producer_config(c);
     cfg.bind = format!("tcp://{}", args.bind);
     let producer = rt
         .block_on(Producer::start(cfg, workers))

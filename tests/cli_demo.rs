@@ -293,6 +293,57 @@ fn serve_and_load_as_two_processes() {
     assert_eq!(n(&r, "verified"), 5, "{r}");
 }
 
+#[test]
+fn a_timeout_below_the_producers_default_transfer_deadline_still_verifies() {
+    // The producer's transfer deadline follows --timeout (it was a fixed 30 s, so every
+    // load under a shorter --timeout was refused).
+    let r = demo(&["--timeout", "5", "--requests", "3"]);
+    assert_eq!(n(&r, "verified"), 3, "{r}");
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let common = [
+        "--model",
+        "tiny",
+        "--requests",
+        "2",
+        "--max-tokens",
+        "200",
+        "--timeout",
+        "8",
+    ];
+    let mut server = kvferry()
+        .args([
+            "serve",
+            "--bind",
+            &format!("127.0.0.1:{port}"),
+            "--exit-after",
+            "2",
+        ])
+        .args(common)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let out = kvferry()
+        .args(["load", "--json", "--producer", &format!("127.0.0.1:{port}")])
+        .args(common)
+        .output()
+        .unwrap();
+    let served = wait_at_most(&mut server, 30);
+    assert!(
+        out.status.success(),
+        "load failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        served.is_some_and(|s| s.success()),
+        "serve did not exit cleanly"
+    );
+}
+
 /// Waits for `child` at most `secs` seconds; kills it and returns None when it is still running.
 fn wait_at_most(child: &mut std::process::Child, secs: u64) -> Option<std::process::ExitStatus> {
     for _ in 0..secs * 10 {

@@ -211,7 +211,8 @@ pub struct ServeArgs {
     /// Seed of the prompt lengths and KV bytes (the consumer must use the same).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Exit after serving this many loads (0: serve until interrupted).
+    /// Exit after this many requests were released: served, failed or expired unloaded
+    /// (0: serve until interrupted). At most `--requests`: each is loaded at most once.
     #[arg(long, default_value_t = 0)]
     pub exit_after: u32,
 }

@@ -22,8 +22,11 @@ pub enum PayloadJsonError {
     /// A field is missing or holds an unusable value.
     #[error("{field} = {value}: {why}")]
     Field {
+        /// Where the field is in the JSON, e.g. `num_tokens` or `groups[0].block_size`.
         field: String,
+        /// The value found, as JSON text (`missing` when absent).
         value: String,
+        /// Why it is refused.
         why: String,
     },
 }

@@ -34,24 +34,37 @@ pub enum SpecError {
     /// The spec file itself cannot be read.
     #[error("cannot read spec {path}: {source}")]
     ReadSpec {
+        /// The spec file's path, as given.
         path: PathBuf,
+        /// The read error.
         source: std::io::Error,
     },
     /// The spec is not JSON of the expected shape.
     #[error("spec {path}: {msg}")]
-    Json { path: PathBuf, msg: String },
+    Json {
+        /// The spec file's path, as given.
+        path: PathBuf,
+        /// serde_json's message (with line and column).
+        msg: String,
+    },
     /// A field holds a value that cannot be used.
     #[error("{field} = {value}: {why}")]
     Field {
+        /// Where the field is in the spec, e.g. `groups[0].layers[1].dims.D`.
         field: String,
+        /// The value found, as text.
         value: String,
+        /// Why it cannot be used.
         why: String,
     },
     /// A tensor file is missing, unreadable or does not match the spec.
     #[error("{field}: file {path}: {why}")]
     File {
+        /// The spec field that names the file, e.g. `groups[0].layers[1].path`.
         field: String,
+        /// The tensor file's path (relative paths resolved against the spec's folder).
         path: PathBuf,
+        /// What is wrong with it (missing, unreadable, wrong size, ...).
         why: String,
     },
 }

@@ -45,6 +45,7 @@ pub struct Cli {
     /// Log filter (tracing's env-filter syntax), also read from KVFERRY_LOG.
     #[arg(long, global = true)]
     pub log: Option<String>,
+    /// The subcommand to run.
     #[command(subcommand)]
     pub command: Command,
 }
@@ -65,6 +66,7 @@ pub enum Command {
     Checksum(ChecksumArgs),
     /// Convert a checksum payload between base64 and JSON.
     Payload {
+        /// `decode` (base64 → JSON) or `encode` (JSON → base64).
         #[command(subcommand)]
         action: PayloadAction,
     },
@@ -151,6 +153,7 @@ pub struct CommonArgs {
 /// `kvferry demo`.
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
+    /// The options demo, serve and load share (model, layout, transport, device, policy, timeout).
     #[command(flatten)]
     pub common: CommonArgs,
     /// Number of requests (at most 100000).
@@ -188,6 +191,7 @@ pub struct DemoArgs {
 /// `kvferry serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
+    /// The options demo, serve and load share (model, layout, transport, device, policy, timeout).
     #[command(flatten)]
     pub common: CommonArgs,
     /// TP ranks of this producer (prefill) side (the other side's TP size may differ).
@@ -220,6 +224,7 @@ pub struct ServeArgs {
 /// `kvferry load`.
 #[derive(Debug, Clone, Args)]
 pub struct LoadArgs {
+    /// The options demo, serve and load share (model, layout, transport, device, policy, timeout).
     #[command(flatten)]
     pub common: CommonArgs,
     /// TP ranks of this consumer (decode) side (the other side's TP size may differ).

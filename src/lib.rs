@@ -4,6 +4,7 @@
 //! * [`checksum`], [`kernels`], [`transfer`], [`p2p`]: the crates, re-exported.
 //! * [`demo`] — the main job on loopback; [`roles`] — `serve`/`load` as two processes;
 //!   [`bench`] — the throughput sweep; [`spec`] — `checksum --spec`; [`payload_json`] — payload ⇄ JSON.
+#![warn(missing_docs)]
 
 pub use kvferry_checksum as checksum;
 pub use kvferry_kernels as kernels;

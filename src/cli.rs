@@ -143,6 +143,12 @@ pub struct CommonArgs {
     /// What a load failure does under fail-closed.
     #[arg(long, value_enum, default_value_t = FailurePolicyArg::Fail)]
     pub load_failure_policy: FailurePolicyArg,
+    /// Address this side's transfer engines listen on and name in their segment names, which
+    /// the other side connects to for the KV data: one it can reach (not 0.0.0.0). Default:
+    /// demo 127.0.0.1; serve the host of `--bind`; load the local address that routes to
+    /// `--producer`.
+    #[arg(long)]
+    pub data_host: Option<String>,
     /// Seconds a load may take before it fails (request, transfer and reply). The producer
     /// (demo, serve) gives a load's WRITEs half of it and starts none unless the consumer's
     /// `--timeout` leaves that much.

@@ -209,7 +209,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
     // Room for a couple of requests in flight on each side.
     let num_blocks = max_blocks * 2 + 1;
     let transport = transport_kind(c.transport);
-    let engine_cfg = engine_config(c);
+    let engine_cfg = engine_config(c, "127.0.0.1")?;
     let side = |tp, pp| SideConfig {
         model: model.clone(),
         tp,

@@ -15,7 +15,7 @@ use serde::Serialize;
 use crate::cli::{DeviceArg, LoadArgs, ServeArgs};
 use crate::demo::{consumer_config, producer_config, prompt_lengths, LoadCounts};
 use crate::models::model_by_name;
-use crate::setup::{engine_config, side_workers, transport_kind};
+use crate::setup::{engine_config, host_of, local_addr_towards, side_workers, transport_kind};
 use crate::world::{build_side, fill_request, BlockPool, SideConfig, GROUP_ID};
 
 /// The producer's block table of every request: lengths and block ids, replayed
@@ -75,7 +75,20 @@ pub fn serve(args: &ServeArgs) -> Result<(), String> {
         transport: transport_kind(c.transport),
         cuda: (c.device == DeviceArg::Cuda).then_some(0),
     };
-    let mut ranks = build_side(&side, &engine_config(c))?;
+    // The engines' segment names travel to peers: by default they name the host the
+    // control channel binds.
+    let bind_host = host_of(&args.bind);
+    let unspecified = bind_host
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_unspecified());
+    if unspecified && c.data_host.is_none() {
+        tracing::warn!(
+            "--bind {}: the transfer engines listen on 127.0.0.1; pass --data-host for a consumer on another machine",
+            args.bind
+        );
+    }
+    let default_host = if unspecified { "127.0.0.1" } else { bind_host };
+    let mut ranks = build_side(&side, &engine_config(c, default_host)?)?;
     let (workers, backend) = side_workers(&ranks, c)?;
     let rt =
         tokio::runtime::Runtime::new().map_err(|e| format!("starting the async runtime: {e}"))?;
@@ -171,7 +184,10 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
         transport: transport_kind(c.transport),
         cuda: (c.device == DeviceArg::Cuda).then_some(0),
     };
-    let ranks = build_side(&side, &engine_config(c))?;
+    // The producer WRITEs into this side's memory: its engines must be reachable from it.
+    let default_host =
+        local_addr_towards(&args.producer).unwrap_or_else(|| "127.0.0.1".to_string());
+    let ranks = build_side(&side, &engine_config(c, &default_host)?)?;
     let (workers, _) = side_workers(&ranks, c)?;
     let rt =
         tokio::runtime::Runtime::new().map_err(|e| format!("starting the async runtime: {e}"))?;

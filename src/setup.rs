@@ -19,10 +19,24 @@ pub fn transport_kind(t: TransportArg) -> TransportKind {
     }
 }
 
-/// The transfer engine configuration for the common options (loopback host,
-/// port picked by the OS, `--timeout` as the transfer deadline).
-pub fn engine_config(c: &CommonArgs) -> EngineConfig {
-    EngineConfig {
+/// The transfer engine configuration for the common options: `--data-host` (else
+/// `default_host`) as the engines' host, port picked by the OS, `--timeout` as the
+/// transfer deadline.
+///
+/// Errors: an unspecified address (0.0.0.0, ::) as the host: peers could not reach it.
+pub fn engine_config(c: &CommonArgs, default_host: &str) -> Result<EngineConfig, String> {
+    let host = c.data_host.as_deref().unwrap_or(default_host).to_string();
+    if host
+        .trim_matches(|ch| ch == '[' || ch == ']')
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_unspecified())
+    {
+        return Err(format!(
+            "--data-host {host}: the transfer engines need an address the other side can reach, not an unspecified one"
+        ));
+    }
+    Ok(EngineConfig {
+        host,
         transport: transport_kind(c.transport),
         transfer_timeout: Duration::from_secs_f64(c.timeout),
         rdma: RdmaConfig {
@@ -35,7 +49,31 @@ pub fn engine_config(c: &CommonArgs) -> EngineConfig {
             ..RdmaConfig::default()
         },
         ..EngineConfig::default()
-    }
+    })
+}
+
+/// The host part of `HOST:PORT` (brackets kept off an IPv6 host), or the text itself.
+pub fn host_of(addr: &str) -> &str {
+    let a = addr.strip_prefix("tcp://").unwrap_or(addr);
+    let host = a.rsplit_once(':').map_or(a, |(h, _)| h);
+    host.trim_matches(|ch| ch == '[' || ch == ']')
+}
+
+/// The local address this machine uses to reach `peer` (`HOST:PORT`): the host a consumer's
+/// transfer engines must name so that the producer can WRITE to them. No packet is sent (a
+/// UDP socket is only connected). `None` when the peer does not resolve.
+pub fn local_addr_towards(peer: &str) -> Option<String> {
+    use std::net::{ToSocketAddrs, UdpSocket};
+    let a = peer.strip_prefix("tcp://").unwrap_or(peer);
+    let target = a.to_socket_addrs().ok()?.next()?;
+    let bind = if target.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    };
+    let sock = UdpSocket::bind(bind).ok()?;
+    sock.connect(target).ok()?;
+    Some(sock.local_addr().ok()?.ip().to_string())
 }
 
 /// The registration paths of the ranks' KV memory (`host`, `dma-buf`, `peer-memory`,

@@ -222,6 +222,7 @@ fn demo_rejects_bad_arguments_with_a_clear_error() {
         // The message names the side whose sizes are wrong.
         (vec!["--decode-tp", "3"], "--decode-tp"),
         (vec!["--prefill-pp", "5"], "--prefill-pp"),
+        (vec!["--data-host", "0.0.0.0"], "can reach"),
         (vec!["--layout", "KV B N Q D"], "Q"),
         (vec!["--gpu-registration", "sideways"], "--gpu-registration"),
     ] {
@@ -342,6 +343,59 @@ fn a_timeout_below_the_producers_default_transfer_deadline_still_verifies() {
         served.is_some_and(|s| s.success()),
         "serve did not exit cleanly"
     );
+}
+
+#[test]
+fn serve_and_load_name_reachable_transfer_engines() {
+    // The producer WRITEs to the consumer's engines by their segment names: away from
+    // loopback they must name the address the two processes talk on, not 127.0.0.1.
+    // 127.0.0.2 and .3 stand for two machines' addresses (Linux routes 127/8 to loopback).
+    // serve's engines default to the --bind host; load's are named by --data-host here
+    // (its default, the local address routing to the producer, is 127.0.0.1 on loopback).
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.2:{port}");
+    let common = [
+        "--model",
+        "tiny",
+        "--requests",
+        "2",
+        "--max-tokens",
+        "200",
+        "--log",
+        "info",
+    ];
+    let mut server = kvferry()
+        .args(["serve", "--bind", &addr, "--exit-after", "2"])
+        .args(common)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let out = kvferry()
+        .args([
+            "load",
+            "--json",
+            "--producer",
+            &addr,
+            "--data-host",
+            "127.0.0.3",
+        ])
+        .args(common)
+        .output()
+        .unwrap();
+    let status = wait_at_most(&mut server, 30).expect("serve did not exit");
+    let mut serve_err = String::new();
+    std::io::Read::read_to_string(&mut server.stderr.take().unwrap(), &mut serve_err).unwrap();
+    let load_err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "load failed: {load_err}");
+    assert!(status.success(), "serve failed: {serve_err}");
+    assert!(load_err.contains("segment=127.0.0.3:"), "{load_err}");
+    assert!(serve_err.contains("segment=127.0.0.2:"), "{serve_err}");
+    assert!(!load_err.contains("segment=127.0.0.1:"), "{load_err}");
 }
 
 /// Waits for `child` at most `secs` seconds; kills it and returns None when it is still running.

@@ -83,21 +83,39 @@ impl ElemBytes {
 pub enum LayoutError {
     /// A dimension name that is not one of `KV B N H D`.
     #[error("layout {layout:?}: unknown dimension {dim:?} (expected KV, B, N, H or D)")]
-    UnknownDim { layout: String, dim: String },
+    UnknownDim {
+        /// The layout text as given.
+        layout: String,
+        /// The word that is not a dimension name.
+        dim: String,
+    },
     /// A dimension named twice.
     #[error("layout {layout:?}: dimension {dim} appears twice")]
-    DuplicateDim { layout: String, dim: String },
+    DuplicateDim {
+        /// The layout text (as given, or the dimension names joined by spaces).
+        layout: String,
+        /// The repeated dimension's name (`KV`, `B`, `N`, `H` or `D`).
+        dim: String,
+    },
     /// `B`, `N` or `D` missing.
     #[error("layout {layout:?}: dimension {dim} is required")]
-    MissingDim { layout: String, dim: String },
+    MissingDim {
+        /// The layout text (as given, or the dimension names joined by spaces).
+        layout: String,
+        /// The missing dimension's name: `B`, `N` or `D`.
+        dim: String,
+    },
     /// An element size other than 1, 2, 4 or 8 bytes.
     #[error("elem_bytes {0}: must be 1, 2, 4 or 8")]
     ElemBytes(u64),
     /// A zero or overflowing size.
     #[error("{field} = {value}: {why}")]
     BadSize {
+        /// Which size: `B`, `N`, `H`, `D`, `kernel_blocks`, or `array` (the array's byte size).
         field: &'static str,
+        /// The refused value (for `array`, the byte count reached before the overflow).
         value: u64,
+        /// Why it is refused, e.g. "must be at least 1" or "too large" (over 2^40).
         why: &'static str,
     },
     /// Strides that do not match the dimensions or address outside the array.

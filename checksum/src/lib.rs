@@ -12,6 +12,7 @@
 //! * [`verdict`] — comparison and verdicts (§2.6).
 //! * [`policy`] — fail-open / fail-closed and the load failure policy (§2.7).
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod definition;
 pub mod fingerprint;

@@ -60,10 +60,18 @@ pub enum PayloadError {
     Version(u64),
     /// A group's values are not a whole number of u64.
     #[error("group {group_id}: values hold {len} bytes, not a multiple of 8")]
-    ValuesLength { group_id: u32, len: usize },
+    ValuesLength {
+        /// The group's id as sent.
+        group_id: u32,
+        /// Length of its `values` bin, in bytes.
+        len: usize,
+    },
     /// A group has block size 0.
     #[error("group {group_id}: block_size is 0")]
-    ZeroBlockSize { group_id: u32 },
+    ZeroBlockSize {
+        /// The group's id as sent.
+        group_id: u32,
+    },
 }
 
 #[derive(Serialize, Deserialize)]

@@ -49,13 +49,26 @@ pub struct WorkerRecord {
 pub enum RecordError {
     /// The worker at (tp_rank, pp_rank) did not report.
     #[error("worker tp_rank={tp_rank} pp_rank={pp_rank} did not report")]
-    MissingWorker { tp_rank: u32, pp_rank: u32 },
+    MissingWorker {
+        /// TP rank of the absent worker (0-based, below `tp_size`).
+        tp_rank: u32,
+        /// PP rank of the absent worker (0-based, below `pp_size`).
+        pp_rank: u32,
+    },
     /// A record for a rank outside `tp_size × pp_size`, or two records for one rank.
     #[error("unexpected record for tp_rank={tp_rank} pp_rank={pp_rank}")]
-    UnexpectedWorker { tp_rank: u32, pp_rank: u32 },
+    UnexpectedWorker {
+        /// TP rank the record claims.
+        tp_rank: u32,
+        /// PP rank the record claims.
+        pp_rank: u32,
+    },
     /// Workers disagree on a group's blocks (block size, start, count) or one lacks the group.
     #[error("group {group_id}: workers checksummed other blocks")]
-    OtherBlocks { group_id: u32 },
+    OtherBlocks {
+        /// The KV cache group's id.
+        group_id: u32,
+    },
 }
 
 /// Index records by (pp, tp); every rank of `tp_size × pp_size` exactly once.

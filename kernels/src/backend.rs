@@ -65,7 +65,12 @@ pub struct GroupResult {
 pub enum KernelError {
     /// The job cannot be run as given (wrong device, short array, block id out of range, ...).
     #[error("group {group_id}: {why}")]
-    InvalidJob { group_id: u32, why: String },
+    InvalidJob {
+        /// The job's KV cache group id.
+        group_id: u32,
+        /// What is wrong with it, in words.
+        why: String,
+    },
     /// The device or driver failed.
     #[error("device error: {0}")]
     Device(String),

@@ -51,6 +51,7 @@
 //!   late write from a live producer until `max_wait` after the request.
 //! * A request is loaded at most once: a second request for it, or one for an
 //!   expired lease, gets ERROR (never stale blocks).
+#![warn(missing_docs)]
 
 pub mod checksum;
 pub mod error;

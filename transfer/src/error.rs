@@ -14,18 +14,31 @@ pub enum TransferError {
     InvalidArgument(String),
     /// The local side of a request is not inside memory registered with this engine.
     #[error("local range [{addr:#x}, +{len}) is not inside registered memory")]
-    NotRegistered { addr: u64, len: u64 },
+    NotRegistered {
+        /// Local start address (virtual address in this process), as in the request.
+        addr: u64,
+        /// Length in bytes.
+        len: u64,
+    },
     /// The remote side of a request is not inside a buffer the peer advertised
     /// (checked by the initiator before sending) or the peer refused it (checked by the target).
     #[error("remote range [{addr:#x}, +{len}) is not inside a buffer of segment {segment}")]
     RemoteOutOfRange {
+        /// The target segment's name (`host:port`).
         segment: String,
+        /// Remote start address (virtual address in the peer's process).
         addr: u64,
+        /// Length in bytes.
         len: u64,
     },
     /// The handshake with a peer failed (connect refused, bad reply, peer error text).
     #[error("handshake with {peer} failed: {reason}")]
-    Handshake { peer: String, reason: String },
+    Handshake {
+        /// The peer's handshake address (`host:port`, the segment name it was opened as).
+        peer: String,
+        /// What went wrong, or the peer's own error text.
+        reason: String,
+    },
     /// A peer sent bytes that break the wire protocol (bad length, unknown frame type, bad JSON).
     #[error("protocol error: {0}")]
     Protocol(String),

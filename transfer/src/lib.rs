@@ -19,6 +19,7 @@
 //! registered regions (no authentication); the target checks every TCP request against its
 //! registered regions in code, so nothing outside them is ever read or written.
 
+#![warn(missing_docs)]
 #![warn(unsafe_op_in_unsafe_fn)]
 
 pub mod config;

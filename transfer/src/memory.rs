@@ -14,8 +14,11 @@ use crate::types::Location;
 /// living at `location` (device pointers for `cuda:N`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct MemoryRegion {
+    /// Start: a virtual address of this process (a device pointer for `cuda:N`).
     pub addr: u64,
+    /// Length in bytes (non-zero once registered).
     pub len: u64,
+    /// Where the bytes live: host memory or a CUDA device.
     pub location: Location,
 }
 
@@ -70,6 +73,7 @@ impl std::fmt::Display for RegistrationPath {
 /// transport's `TransportInfo` device list. TCP: empty.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegionKeys {
+    /// RDMA: one rkey per device of the transport's device list, in that order; TCP: empty.
     pub rkeys: Vec<u32>,
     /// How the region was registered (absent in a descriptor: `host`).
     #[serde(default)]
@@ -85,7 +89,9 @@ pub struct RegionKeys {
 /// One registered region with the keys its transport returned.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RegistryEntry {
+    /// The registered range.
     pub region: MemoryRegion,
+    /// What the transport returned for it (rkeys, registration path, staging mirror).
     pub keys: RegionKeys,
 }
 

@@ -11,7 +11,9 @@ use crate::transport::TransportInfo;
 /// One buffer a segment advertises: a registered memory region and its transport keys.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BufferDesc {
+    /// The region in the segment's own address space (`addr`, `len` in bytes, location).
     pub region: MemoryRegion,
+    /// Its transport keys: per-device rkeys (RDMA), registration path, staging mirror.
     pub keys: RegionKeys,
 }
 

@@ -63,9 +63,12 @@ impl<'de> Deserialize<'de> for Location {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum TransportKind {
+    /// RDMA when a usable device is found, else TCP (the default).
     #[default]
     Auto,
+    /// The TCP transport, even where RDMA is present.
     Tcp,
+    /// The RDMA transport; no usable device is a `Config` error.
     Rdma,
 }
 
@@ -89,7 +92,9 @@ impl FromStr for TransportKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Op {
+    /// Remote → local: the initiator reads the target's memory.
     Read,
+    /// Local → remote: the initiator writes the target's memory.
     Write,
 }
 
@@ -98,8 +103,11 @@ pub enum Op {
 /// virtual addresses in the owning process (device pointers for `cuda:N` regions).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TransferRequest {
+    /// Direction: `Write` local → remote, `Read` remote → local.
     pub op: Op,
+    /// Start of the local side, inside memory registered with this engine.
     pub local_addr: u64,
+    /// Start of the remote side, inside a buffer the target segment advertised.
     pub remote_addr: u64,
     /// Bytes; must be > 0.
     pub len: u64,

@@ -70,7 +70,9 @@ pub use completion::CompletionSink;
 /// "active_mtu"}...]}`; `RegionKeys::rkeys[i]` refers to `devices[i]`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TransportInfo {
+    /// The transport's `name()`: `"tcp"` or `"rdma"`.
     pub kind: String,
+    /// The transport's own JSON object (TCP: `{"data_port": u16}`; RDMA: its device list).
     pub details: serde_json::Value,
 }
 
@@ -101,9 +103,12 @@ pub struct Slice {
     pub id: u32,
     /// `Write`: local → remote. `Read`: remote → local.
     pub op: Op,
+    /// Start of the local side: a virtual address in this process, inside `local_region`.
     pub local_addr: u64,
     /// The registered local region that contains the slice (RDMA: look up its lkey by `addr`).
     pub local_region: MemoryRegion,
+    /// Start of the remote side: a virtual address in the peer's process, inside
+    /// `peer.buffers[remote_buffer].region`.
     pub remote_addr: u64,
     /// Index into `peer.buffers` of the buffer that contains the remote side
     /// (RDMA: its `keys.rkeys[device]`).

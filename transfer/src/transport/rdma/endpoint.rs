@@ -30,6 +30,7 @@ const MAX_PASSIVE: usize = 4096;
 /// One QP as announced in a Connect frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QpInfo {
+    /// The QP number (24 bits), as `ibv_qp.qp_num`.
     pub qpn: u32,
     /// First PSN of this QP's send queue (24 bits).
     pub psn: u32,
@@ -38,6 +39,7 @@ pub struct QpInfo {
 /// Connect request (initiator → target), JSON in a `Connect` handshake frame.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ConnectRequest {
+    /// Frame body version; must equal `CONNECT_VERSION` (1).
     pub version: u32,
     /// Initiator's segment name.
     pub initiator: String,
@@ -48,16 +50,24 @@ pub struct ConnectRequest {
     pub replaces: Option<u64>,
     /// Index of the target's device (in its descriptor's device list) to connect to.
     pub device: usize,
+    /// The initiator's device port: name, GID, LID, active MTU (the path MTU is the smaller).
     pub port: PortInfo,
+    /// The initiator's QPs (`qps_per_endpoint` of them, at most 64); the target creates one
+    /// QP for each.
     pub qps: Vec<QpInfo>,
 }
 
 /// Connect reply (target → initiator).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ConnectReply {
+    /// Frame body version; `CONNECT_VERSION` (1).
     pub version: u32,
+    /// The request's `endpoint_id`, echoed (the initiator checks it).
     pub endpoint_id: u64,
+    /// The target's device port: name, GID, LID, active MTU.
     pub port: PortInfo,
+    /// The target's QPs, one per requested QP in request order (`qps[i]` pairs with the
+    /// request's `qps[i]`).
     pub qps: Vec<QpInfo>,
 }
 

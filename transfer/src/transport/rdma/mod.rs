@@ -115,7 +115,10 @@ pub fn create(ctx: &TransportContext) -> Result<Arc<dyn Transport>> {
 /// dma-buf export of a GPU range: the fd and the range's offset inside the dma-buf.
 /// Supplied by the GPU module (`cuMemGetHandleForAddressRange`), see [`set_dmabuf_exporter`].
 pub struct DmabufRange {
+    /// The dma-buf file descriptor (owned; closed on drop).
     pub fd: OwnedFd,
+    /// Byte offset of the region's `addr` from the dma-buf's start (the export covers whole
+    /// pages, so this is `addr` modulo the page size).
     pub offset: u64,
 }
 

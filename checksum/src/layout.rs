@@ -296,7 +296,7 @@ impl Geometry {
                 .ok_or(LayoutError::BadSize {
                     field: "array",
                     value: acc,
-                    why: "byte size overflows",
+                    why: "byte size overflows or exceeds 64 TiB",
                 })?;
         }
         g.strides = strides;

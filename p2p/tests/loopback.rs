@@ -356,7 +356,8 @@ async fn wrong_producer_block_id_is_refused() {
     s.groups[0].remote_blocks[1] = Some(4);
     let err = pair.consumer.load(s).await.unwrap_err();
     assert!(
-        matches!(&err, LoadError::Failed { reason: FailReason::Producer(w), .. } if w.contains("position 1")),
+        matches!(&err, LoadError::Failed { reason: FailReason::Producer(w), .. }
+            if w.contains("position 1: consumer expects producer block 4, the producer holds block 5")),
         "{err}"
     );
     pair.producer.shutdown().await;

@@ -231,7 +231,13 @@ impl CudaBackend {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         all.entry(ordinal)
-            .or_insert_with(|| CudaBackend::new(ordinal).map_err(|e| e.to_string()))
+            .or_insert_with(|| {
+                // remembered without the variant's prefix, which `kerr` adds back
+                CudaBackend::new(ordinal).map_err(|e| match e {
+                    KernelError::Device(m) => m,
+                    other => other.to_string(),
+                })
+            })
             .clone()
             .map_err(kerr)
     }

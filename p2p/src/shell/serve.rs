@@ -80,8 +80,10 @@ pub(crate) fn plan(
         for (&pos, &remote) in b.positions.iter().zip(&b.remote_blocks) {
             let held = table.get(pos as usize).copied().flatten();
             if held != Some(remote) {
+                let holds =
+                    held.map_or_else(|| "no block there".to_string(), |h| format!("block {h}"));
                 return Err(format!(
-                    "group {} position {pos}: consumer expects producer block {remote}, the producer holds {held:?}",
+                    "group {} position {pos}: consumer expects producer block {remote}, the producer holds {holds}",
                     b.group_id
                 ));
             }

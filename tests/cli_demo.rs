@@ -2,7 +2,7 @@
 //! as a user runs them: the built binary, its JSON output (issue 2 and 3's
 //! "done when" counts).
 
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -241,12 +241,60 @@ fn demo_rejects_bad_arguments_with_a_clear_error() {
     }
 }
 
+/// A TCP port on `host` that was free a moment ago.
+fn free_port(host: &str) -> u16 {
+    let l = std::net::TcpListener::bind((host, 0)).unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// Starts `kvferry serve --bind ADDR ARGS...` (stderr kept for [`stderr_of`]) and gives it
+/// a moment to bind; the consumer also retries within its deadline while it starts.
+fn spawn_serve(addr: &str, args: &[&str]) -> Child {
+    let child = kvferry()
+        .args(["serve", "--bind", addr])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    child
+}
+
+/// Runs `kvferry load --json --producer ADDR ARGS...` to its end.
+fn run_load(addr: &str, args: &[&str]) -> Output {
+    kvferry()
+        .args(["load", "--json", "--producer", addr])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// The stderr of a finished child started with a piped stderr.
+fn stderr_of(child: &mut Child) -> String {
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        std::io::Read::read_to_string(&mut e, &mut err).unwrap();
+    }
+    err
+}
+
+/// Waits for `child` at most `secs` seconds; kills it and returns None when it is still running.
+fn wait_at_most(child: &mut Child, secs: u64) -> Option<ExitStatus> {
+    for _ in 0..secs * 10 {
+        if let Some(st) = child.try_wait().unwrap() {
+            return Some(st);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
 #[test]
 fn serve_and_load_as_two_processes() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
     let common = [
         "--model",
         "tiny",
@@ -260,36 +308,18 @@ fn serve_and_load_as_two_processes() {
         "7",
     ];
     // The two sides need not have the same TP and PP sizes.
-    let mut server = kvferry()
-        .args([
-            "serve",
-            "--bind",
-            &format!("127.0.0.1:{port}"),
-            "--exit-after",
-            "5",
-            "--tp",
-            "2",
-        ])
-        .args(common)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // The consumer retries within its deadline while the producer starts.
-    std::thread::sleep(Duration::from_millis(500));
-    let out = kvferry()
-        .args(["load", "--json", "--producer", &format!("127.0.0.1:{port}")])
-        .args(["--pp", "2"])
-        .args(common)
-        .output()
-        .unwrap();
-    let status = server.wait().unwrap();
+    let mut server = spawn_serve(
+        &addr,
+        &[&common[..], &["--exit-after", "5", "--tp", "2"]].concat(),
+    );
+    let out = run_load(&addr, &[&common[..], &["--pp", "2"]].concat());
+    let status = wait_at_most(&mut server, 30).expect("serve did not exit");
     assert!(
         out.status.success(),
         "load failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(status.success(), "serve failed");
+    assert!(status.success(), "serve failed: {}", stderr_of(&mut server));
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(n(&r, "verified"), 5, "{r}");
 }
@@ -300,10 +330,7 @@ fn a_timeout_below_the_producers_default_transfer_deadline_still_verifies() {
     // load under a shorter --timeout was refused).
     let r = demo(&["--timeout", "5", "--requests", "3"]);
     assert_eq!(n(&r, "verified"), 3, "{r}");
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
     let common = [
         "--model",
         "tiny",
@@ -314,25 +341,8 @@ fn a_timeout_below_the_producers_default_transfer_deadline_still_verifies() {
         "--timeout",
         "8",
     ];
-    let mut server = kvferry()
-        .args([
-            "serve",
-            "--bind",
-            &format!("127.0.0.1:{port}"),
-            "--exit-after",
-            "2",
-        ])
-        .args(common)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    let out = kvferry()
-        .args(["load", "--json", "--producer", &format!("127.0.0.1:{port}")])
-        .args(common)
-        .output()
-        .unwrap();
+    let mut server = spawn_serve(&addr, &[&common[..], &["--exit-after", "2"]].concat());
+    let out = run_load(&addr, &common);
     let served = wait_at_most(&mut server, 30);
     assert!(
         out.status.success(),
@@ -341,7 +351,8 @@ fn a_timeout_below_the_producers_default_transfer_deadline_still_verifies() {
     );
     assert!(
         served.is_some_and(|s| s.success()),
-        "serve did not exit cleanly"
+        "serve did not exit cleanly: {}",
+        stderr_of(&mut server)
     );
 }
 
@@ -352,11 +363,7 @@ fn serve_and_load_name_reachable_transfer_engines() {
     // 127.0.0.2 and .3 stand for two machines' addresses (Linux routes 127/8 to loopback).
     // serve's engines default to the --bind host; load's are named by --data-host here
     // (its default, the local address routing to the producer, is 127.0.0.1 on loopback).
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let addr = format!("127.0.0.2:{port}");
+    let addr = format!("127.0.0.2:{}", free_port("127.0.0.2"));
     let common = [
         "--model",
         "tiny",
@@ -367,29 +374,13 @@ fn serve_and_load_name_reachable_transfer_engines() {
         "--log",
         "info",
     ];
-    let mut server = kvferry()
-        .args(["serve", "--bind", &addr, "--exit-after", "2"])
-        .args(common)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    let out = kvferry()
-        .args([
-            "load",
-            "--json",
-            "--producer",
-            &addr,
-            "--data-host",
-            "127.0.0.3",
-        ])
-        .args(common)
-        .output()
-        .unwrap();
+    let mut server = spawn_serve(&addr, &[&common[..], &["--exit-after", "2"]].concat());
+    let out = run_load(
+        &addr,
+        &[&common[..], &["--data-host", "127.0.0.3"]].concat(),
+    );
     let status = wait_at_most(&mut server, 30).expect("serve did not exit");
-    let mut serve_err = String::new();
-    std::io::Read::read_to_string(&mut server.stderr.take().unwrap(), &mut serve_err).unwrap();
+    let serve_err = stderr_of(&mut server);
     let load_err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "load failed: {load_err}");
     assert!(status.success(), "serve failed: {serve_err}");
@@ -398,78 +389,41 @@ fn serve_and_load_name_reachable_transfer_engines() {
     assert!(!load_err.contains("segment=127.0.0.1:"), "{load_err}");
 }
 
-/// Waits for `child` at most `secs` seconds; kills it and returns None when it is still running.
-fn wait_at_most(child: &mut std::process::Child, secs: u64) -> Option<std::process::ExitStatus> {
-    for _ in 0..secs * 10 {
-        if let Some(st) = child.try_wait().unwrap() {
-            return Some(st);
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-    None
-}
-
 #[test]
 fn serve_refuses_an_exit_after_it_could_never_reach() {
     // Each request is loaded at most once: with --exit-after above --requests serve
     // would wait forever.
-    let mut server = kvferry()
-        .args(["serve", "--bind", "127.0.0.1:0", "--model", "tiny"])
-        .args([
-            "--requests",
-            "2",
-            "--max-tokens",
-            "100",
-            "--exit-after",
-            "3",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let args = ["--model", "tiny", "--requests", "2", "--max-tokens", "100"];
+    let mut server = spawn_serve("127.0.0.1:0", &[&args[..], &["--exit-after", "3"]].concat());
     let status = wait_at_most(&mut server, 20).expect("serve still running after 20 s");
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut server.stderr.take().unwrap(), &mut err).unwrap();
+    let err = stderr_of(&mut server);
     assert!(!status.success(), "serve should refuse: {err}");
     assert!(err.contains("--exit-after 3"), "{err}");
 }
 
 #[test]
 fn serve_summary_tells_failed_loads_from_served_ones() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let common = ["--model", "tiny", "--requests", "2", "--min-tokens", "20"];
-    let mut server = kvferry()
-        .args(["serve", "--bind", &format!("127.0.0.1:{port}")])
-        .args([
-            "--exit-after",
-            "2",
-            "--max-tokens",
-            "200",
-            "--layout",
-            "KV B N H D",
-        ])
-        .args(common)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(500));
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let common = [
+        "--model",
+        "tiny",
+        "--requests",
+        "2",
+        "--min-tokens",
+        "20",
+        "--max-tokens",
+        "200",
+    ];
+    let layout = |l: &'static str| [&common[..], &["--layout", l]].concat();
+    let mut server = spawn_serve(
+        &addr,
+        &[&layout("KV B N H D")[..], &["--exit-after", "2"]].concat(),
+    );
     // Another layout: the producer refuses every load.
-    let out = kvferry()
-        .args(["load", "--json", "--producer", &format!("127.0.0.1:{port}")])
-        .args(["--max-tokens", "200", "--layout", "B KV H N D"])
-        .args(common)
-        .output()
-        .unwrap();
+    let out = run_load(&addr, &layout("B KV H N D"));
     assert!(!out.status.success());
     let status = wait_at_most(&mut server, 30).expect("serve did not exit");
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut server.stderr.take().unwrap(), &mut err).unwrap();
+    let err = stderr_of(&mut server);
     assert!(status.success(), "{err}");
     assert!(err.contains("0 loads served, 2 failed"), "{err}");
 }

@@ -14,7 +14,7 @@ use kvferry_transfer::{EngineConfig, Location, Op, TransferEngine, TransferReque
 use memmap2::MmapMut;
 use serde::Serialize;
 
-use crate::cli::BenchArgs;
+use crate::cli::{BenchArgs, BenchPattern};
 use crate::setup::transport_kind;
 
 /// One point of the sweep.
@@ -26,6 +26,8 @@ pub struct BenchPoint {
     pub batch: u64,
     /// Submitting threads.
     pub threads: u64,
+    /// `contiguous` or `scattered` (`--pattern`).
+    pub pattern: String,
     /// Throughput, GB/s (10^9 bytes).
     pub gb_per_s: f64,
     /// Mean batch latency, microseconds.
@@ -91,14 +93,15 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
         .map_err(|e| format!("writing {}: {e}", p.display()))?;
     }
     if let Some(p) = &args.csv_out {
-        let mut csv = String::from("transport,block_size,batch,threads,gb_per_s,avg_latency_us,p99_latency_us,batches,checksum_overhead\n");
+        let mut csv = String::from("transport,block_size,batch,threads,pattern,gb_per_s,avg_latency_us,p99_latency_us,batches,checksum_overhead\n");
         for pt in &report.points {
             csv += &format!(
-                "{},{},{},{},{:.4},{:.1},{:.1},{},{}\n",
+                "{},{},{},{},{},{:.4},{:.1},{:.1},{},{}\n",
                 report.transport,
                 pt.block_size,
                 pt.batch,
                 pt.threads,
+                pt.pattern,
                 pt.gb_per_s,
                 pt.avg_latency_us,
                 pt.p99_latency_us,
@@ -189,13 +192,13 @@ pub fn run_report(args: &BenchArgs) -> Result<BenchReport, String> {
                 let point = sweep_point(
                     &src_engine,
                     &dst_engine.segment_name(),
-                    sa,
-                    da,
+                    (&src, &dst),
                     bs,
                     batch,
                     nthreads,
                     args.seconds,
-                    args.checksum.then_some(&dst),
+                    args.pattern,
+                    args.checksum,
                 );
                 let _ = src_engine.unregister_memory(sa);
                 let _ = dst_engine.unregister_memory(da);
@@ -210,14 +213,21 @@ pub fn run_report(args: &BenchArgs) -> Result<BenchReport, String> {
 fn sweep_point(
     engine: &Arc<TransferEngine>,
     target: &str,
-    src: u64,
-    dst: u64,
+    (src_map, dst_map): (&MmapMut, &MmapMut),
     bs: u64,
     batch: u64,
     threads: u64,
     seconds: f64,
-    checksum_over: Option<&MmapMut>,
+    pattern: BenchPattern,
+    checksum: bool,
 ) -> Result<BenchPoint, String> {
+    let (src, dst) = (src_map.as_ptr() as u64, dst_map.as_ptr() as u64);
+    // The target slot of request i.
+    let slot = move |i: u64| match pattern {
+        BenchPattern::Contiguous => i,
+        BenchPattern::Scattered => batch - 1 - i,
+    };
+    let checksum_over = checksum.then_some(dst_map);
     let seg = engine
         .open_segment(target)
         .map_err(|e| format!("opening segment {target}: {e}"))?;
@@ -241,7 +251,7 @@ fn sweep_point(
                     .map(|i| TransferRequest {
                         op: Op::Write,
                         local_addr: src + base + i * bs,
-                        remote_addr: dst + base + i * bs,
+                        remote_addr: dst + base + slot(i) * bs,
                         len: bs,
                     })
                     .collect();
@@ -291,10 +301,27 @@ fn sweep_point(
         .saturating_sub(1)
         .min(lat.len() - 1)];
     let cks = *checksum_secs.lock().unwrap();
+    // Every request's bytes must have landed in its slot (the source never changes).
+    for t in 0..threads {
+        let base = t * bs * batch;
+        for i in 0..batch {
+            let (s0, d0) = ((base + i * bs) as usize, (base + slot(i) * bs) as usize);
+            if src_map[s0..s0 + bs as usize] != dst_map[d0..d0 + bs as usize] {
+                return Err(format!(
+                    "block {bs} batch {batch}: request {i} of thread {t} did not land intact"
+                ));
+            }
+        }
+    }
     Ok(BenchPoint {
         block_size: bs,
         batch,
         threads,
+        pattern: match pattern {
+            BenchPattern::Contiguous => "contiguous",
+            BenchPattern::Scattered => "scattered",
+        }
+        .to_string(),
         gb_per_s: (n * bs * batch) as f64 / elapsed / 1e9,
         avg_latency_us: xfer_secs / n as f64 * 1e6,
         p99_latency_us: p99 * 1e6,

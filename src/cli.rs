@@ -259,6 +259,15 @@ pub struct LoadArgs {
     pub json: bool,
 }
 
+/// Where a bench batch's requests land on the target (`kvferry bench --pattern`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchPattern {
+    /// Request i lands right after request i-1 (as Mooncake's tebench).
+    Contiguous,
+    /// Requests land in reverse order: no two consecutive ones continue each other.
+    Scattered,
+}
+
 /// `kvferry bench`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
@@ -277,6 +286,11 @@ pub struct BenchArgs {
     /// Seconds per point of the sweep.
     #[arg(long, default_value_t = 2.0, value_parser = seconds)]
     pub seconds: f64,
+    /// Where each batch's requests land: `contiguous` (request i after request i-1 on both
+    /// sides, so the transport may merge them) or `scattered` (in reverse order on the
+    /// target, so no two consecutive requests continue each other).
+    #[arg(long, value_enum, default_value_t = BenchPattern::Contiguous)]
+    pub pattern: BenchPattern,
     /// Also checksum every landed batch (CPU backend) and report the overhead.
     #[arg(long)]
     pub checksum: bool,

@@ -546,3 +546,27 @@ fn checksum_spec_command_prints_the_definitions_values_and_clear_errors() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("path"), "{err}");
 }
+
+#[test]
+fn bench_moves_contiguous_and_scattered_batches_and_checks_what_landed() {
+    for pattern in ["contiguous", "scattered"] {
+        let out = kvferry()
+            .args(["bench", "--transport", "tcp", "--block-sizes", "1K,64K"])
+            .args(["--batch", "1,32", "--seconds", "0.3", "--json"])
+            .args(["--pattern", pattern])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{pattern}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let points = r["points"].as_array().unwrap();
+        assert_eq!(points.len(), 4, "{r}");
+        for p in points {
+            assert_eq!(p["pattern"], pattern, "{p}");
+            assert!(n(p, "batches") > 0, "{p}");
+        }
+    }
+}

@@ -245,7 +245,10 @@ async fn a_consumer_of_another_head_count_is_refused_with_a_clear_error() {
             .load(spec("req-h", &pair.producer))
             .await
             .unwrap_err();
-        assert!(err.to_string().contains("KV heads"), "{p_shape:?} → {c_shape:?}: {err}");
+        assert!(
+            err.to_string().contains("KV heads"),
+            "{p_shape:?} → {c_shape:?}: {err}"
+        );
         pair.producer.shutdown().await;
     }
 }

@@ -416,7 +416,10 @@ mod tests {
         let mut o = row >> nis;
         let so = (THREADS >> rs) >> nis;
         // The kernel would never advance: the plan must not mark such a layer regular.
-        assert!(so > 0, "regular layer whose rows x inner groups exceed the block: {l:?}");
+        assert!(
+            so > 0,
+            "regular layer whose rows x inner groups exceed the block: {l:?}"
+        );
         let ot = l.outer_is_token != 0;
         let n_o = if ot { nt } else { l.n_outer };
         if !ot && i >= nt {

@@ -14,6 +14,7 @@
 //! deadline (`io_timeout`): a dead peer fails the slices within it. A broken connection fails its
 //! slices and is replaced on the next post.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -924,27 +925,19 @@ impl PeerPool {
             len: sl.len,
         };
         let hdr = req.encode();
-        let mut staging = Vec::new();
-        let payload: &[u8] = match (sl.op, sl.local_region.location) {
-            (Op::Read, _) => &[],
-            (Op::Write, Location::Cpu) => {
-                // SAFETY: the engine checked the slice lies in a registered host region, which
-                // the caller keeps valid until the batch finishes.
-                unsafe { std::slice::from_raw_parts(sl.local_addr as *const u8, sl.len as usize) }
-            }
-            (Op::Write, loc) => {
-                staging.resize(sl.len as usize, 0);
-                // SAFETY: as above, for memory at `loc`.
-                if let Err(e) =
-                    unsafe { self.ctx.memory.copy_from(loc, sl.local_addr, &mut staging) }
-                {
+        let payload = match sl.op {
+            Op::Read => Cow::Borrowed(&[][..]),
+            // SAFETY: the engine checked the slice lies in a registered region, which the caller
+            // keeps valid until the batch finishes.
+            Op::Write => match unsafe { self.write_payload(&sl) } {
+                Ok(p) => p,
+                Err(e) => {
                     job.complete(Err(e));
                     return true;
                 }
-                &staging
-            }
+            },
         };
-        let mut parts = [IoSlice::new(&hdr), IoSlice::new(payload)];
+        let mut parts = [IoSlice::new(&hdr), IoSlice::new(&payload)];
         self.send_frame(s, ftx, job, conn, rx, &mut parts)
     }
 
@@ -976,6 +969,27 @@ impl PeerPool {
         true
     }
 
+    /// The bytes a WRITE slice sends: host memory in place, other locations (GPU) copied out
+    /// through the memory backend.
+    ///
+    /// # Safety
+    /// `[sl.local_addr, +sl.len)` is registered memory at `sl.local_region.location`, valid
+    /// for as long as the returned bytes are used.
+    unsafe fn write_payload<'a>(&self, sl: &Slice) -> Result<Cow<'a, [u8]>> {
+        match sl.local_region.location {
+            // SAFETY: forwarded from the caller.
+            Location::Cpu => Ok(Cow::Borrowed(unsafe {
+                std::slice::from_raw_parts(sl.local_addr as *const u8, sl.len as usize)
+            })),
+            loc => {
+                let mut b = vec![0u8; sl.len as usize];
+                // SAFETY: forwarded from the caller.
+                unsafe { self.ctx.memory.copy_from(loc, sl.local_addr, &mut b) }?;
+                Ok(Cow::Owned(b))
+            }
+        }
+    }
+
     /// Sends a scattered WRITE (op 3); as `send_one`.
     fn send_scatter(
         &self,
@@ -1001,38 +1015,22 @@ impl PeerPool {
             len: job.bytes(),
         }
         .encode();
-        // GPU pieces go through staging copies, kept alive until the frame is written.
-        let mut staged: Vec<Vec<u8>> = Vec::new();
-        for p in pieces
-            .iter()
-            .filter(|p| p.local_region.location != Location::Cpu)
-        {
-            let mut b = vec![0u8; p.len as usize];
-            // SAFETY: the engine checked the slice lies in a registered region at this location.
-            if let Err(e) = unsafe {
-                self.ctx
-                    .memory
-                    .copy_from(p.local_region.location, p.local_addr, &mut b)
-            } {
-                job.complete(Err(e));
-                return true;
+        // Payloads (GPU pieces copied out) are kept alive until the frame is written.
+        let mut payloads: Vec<Cow<'_, [u8]>> = Vec::with_capacity(pieces.len());
+        for p in &pieces {
+            // SAFETY: as in `send_one`.
+            match unsafe { self.write_payload(p) } {
+                Ok(b) => payloads.push(b),
+                Err(e) => {
+                    job.complete(Err(e));
+                    return true;
+                }
             }
-            staged.push(b);
         }
-        let mut staged_iter = staged.iter();
         let mut parts: Vec<IoSlice<'_>> = Vec::with_capacity(pieces.len() + 2);
         parts.push(IoSlice::new(&hdr));
         parts.push(IoSlice::new(&table));
-        for p in &pieces {
-            let bytes: &[u8] = match p.local_region.location {
-                // SAFETY: as in `send_one`: a registered host range, valid until the batch ends.
-                Location::Cpu => unsafe {
-                    std::slice::from_raw_parts(p.local_addr as *const u8, p.len as usize)
-                },
-                _ => staged_iter.next().map(|b| &b[..]).unwrap_or(&[]),
-            };
-            parts.push(IoSlice::new(bytes));
-        }
+        parts.extend(payloads.iter().map(|b| IoSlice::new(b)));
         self.send_frame(s, ftx, job, conn, rx, &mut parts)
     }
 

@@ -21,11 +21,11 @@ use kvferry_p2p::{
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::cli::{CommonArgs, DemoArgs, DeviceArg, FailurePolicyArg};
+use crate::cli::{CommonArgs, DemoArgs, FailurePolicyArg};
 use crate::models::model_by_name;
-use crate::setup::{engine_config, memory_paths, side_workers, transport_kind};
+use crate::setup::{engine_config, memory_paths, side_config, side_workers};
 use crate::world::{
-    build_side, fill_request, flip_bit, sides_kv_equal, BlockPool, RankKv, SideConfig, GROUP_ID,
+    build_side, fill_request, flip_bit, sides_kv_equal, BlockPool, RankKv, GROUP_ID,
 };
 
 /// The demo's result, printed as JSON with `--json`.
@@ -208,18 +208,8 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
         .unwrap_or(1);
     // Room for a couple of requests in flight on each side.
     let num_blocks = max_blocks * 2 + 1;
-    let transport = transport_kind(c.transport);
     let engine_cfg = engine_config(c, "127.0.0.1")?;
-    let side = |tp, pp| SideConfig {
-        model: model.clone(),
-        tp,
-        pp,
-        block_size: c.block_size,
-        layout: c.layout.clone(),
-        num_blocks,
-        transport,
-        cuda: (c.device == DeviceArg::Cuda).then_some(0),
-    };
+    let side = |tp, pp| side_config(c, model.clone(), tp, pp, num_blocks);
     // Name the side: the sizes and the layout checks are per side.
     let mut prod_ranks = build_side(&side(args.prefill_tp, args.prefill_pp), &engine_cfg)
         .map_err(|e| format!("producer (--prefill-tp/--prefill-pp): {e}"))?;

@@ -12,11 +12,11 @@ use std::time::{Duration, Instant};
 use kvferry_p2p::{Consumer, LoadGroup, LoadSpec, Producer, ReleaseReason};
 use serde::Serialize;
 
-use crate::cli::{DeviceArg, LoadArgs, ServeArgs};
+use crate::cli::{LoadArgs, ServeArgs};
 use crate::demo::{consumer_config, producer_config, prompt_lengths, LoadCounts};
 use crate::models::model_by_name;
-use crate::setup::{engine_config, host_of, local_addr_towards, side_workers, transport_kind};
-use crate::world::{build_side, fill_request, BlockPool, SideConfig, GROUP_ID};
+use crate::setup::{engine_config, host_of, local_addr_towards, side_config, side_workers};
+use crate::world::{build_side, fill_request, BlockPool, GROUP_ID};
 
 /// The producer's block table of every request: lengths and block ids, replayed
 /// identically by both roles.
@@ -65,16 +65,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), String> {
         args.seed,
         c.block_size,
     )?;
-    let side = SideConfig {
-        model,
-        tp: args.tp,
-        pp: args.pp,
-        block_size: c.block_size,
-        layout: c.layout.clone(),
-        num_blocks,
-        transport: transport_kind(c.transport),
-        cuda: (c.device == DeviceArg::Cuda).then_some(0),
-    };
+    let side = side_config(c, model, args.tp, args.pp, num_blocks);
     // The engines' segment names travel to peers: by default they name the host the
     // control channel binds.
     let bind_host = host_of(&args.bind);
@@ -174,16 +165,7 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
         .map(|t| t.div_ceil(c.block_size))
         .max()
         .unwrap_or(1);
-    let side = SideConfig {
-        model,
-        tp: args.tp,
-        pp: args.pp,
-        block_size: c.block_size,
-        layout: c.layout.clone(),
-        num_blocks: max_blocks,
-        transport: transport_kind(c.transport),
-        cuda: (c.device == DeviceArg::Cuda).then_some(0),
-    };
+    let side = side_config(c, model, args.tp, args.pp, max_blocks);
     // The producer WRITEs into this side's memory: its engines must be reachable from it.
     let default_host =
         local_addr_towards(&args.producer).unwrap_or_else(|| "127.0.0.1".to_string());

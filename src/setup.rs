@@ -8,7 +8,8 @@ use kvferry_p2p::{Worker, WorkerGroup};
 use kvferry_transfer::{EngineConfig, GpuRegistration, RdmaConfig, TransportKind};
 
 use crate::cli::{CommonArgs, DeviceArg, GpuRegistrationArg, TransportArg};
-use crate::world::{RankKv, GROUP_ID};
+use crate::models::ModelShape;
+use crate::world::{RankKv, SideConfig, GROUP_ID};
 
 /// The engine's transport choice for a `--transport` value.
 pub fn transport_kind(t: TransportArg) -> TransportKind {
@@ -90,6 +91,28 @@ pub fn memory_paths(ranks: &[RankKv]) -> Vec<String> {
         }
     }
     out
+}
+
+/// One side's KV caches for the common options: `model` held by `tp × pp` ranks whose
+/// layer arrays hold `num_blocks` blocks of `--block-size` tokens in `--layout`, on the
+/// `--device` (GPU 0 for `cuda`), each rank's engine on `--transport`.
+pub fn side_config(
+    c: &CommonArgs,
+    model: ModelShape,
+    tp: u32,
+    pp: u32,
+    num_blocks: u64,
+) -> SideConfig {
+    SideConfig {
+        model,
+        tp,
+        pp,
+        block_size: c.block_size,
+        layout: c.layout.clone(),
+        num_blocks,
+        transport: transport_kind(c.transport),
+        cuda: (c.device == DeviceArg::Cuda).then_some(0),
+    }
 }
 
 /// The p2p workers of one side's ranks, and the checksum backend's name.

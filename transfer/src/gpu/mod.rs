@@ -384,36 +384,31 @@ impl MemoryAccess for CudaMemoryAccess {
 
 /// The allocation holding device address `addr`: (start, size, device ordinal).
 fn allocation_of(addr: u64) -> std::result::Result<(u64, u64, i32), String> {
-    let mut start: u64 = 0;
-    let mut size: usize = 0;
-    let mut ordinal: i32 = -1;
+    use sys::CUpointer_attribute as A;
+    // SAFETY: each attribute is read into the type the driver writes for it
+    // (CUdeviceptr, size_t, int).
     unsafe {
-        check(
-            "cuPointerGetAttribute(RANGE_START_ADDR)",
-            sys::cuPointerGetAttribute(
-                &mut start as *mut u64 as *mut c_void,
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-                addr,
-            ),
-        )?;
-        check(
-            "cuPointerGetAttribute(RANGE_SIZE)",
-            sys::cuPointerGetAttribute(
-                &mut size as *mut usize as *mut c_void,
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-                addr,
-            ),
-        )?;
-        check(
-            "cuPointerGetAttribute(DEVICE_ORDINAL)",
-            sys::cuPointerGetAttribute(
-                &mut ordinal as *mut i32 as *mut c_void,
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                addr,
-            ),
-        )?;
+        let start: u64 = pointer_attribute(A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, addr)?;
+        let size: usize = pointer_attribute(A::CU_POINTER_ATTRIBUTE_RANGE_SIZE, addr)?;
+        let ordinal: i32 = pointer_attribute(A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, addr)?;
+        Ok((start, size as u64, ordinal))
     }
-    Ok((start, size as u64, ordinal))
+}
+
+/// `cuPointerGetAttribute(attr, addr)`.
+///
+/// # Safety
+/// `T` is the type the driver writes for `attr`.
+unsafe fn pointer_attribute<T: Default>(
+    attr: sys::CUpointer_attribute,
+    addr: u64,
+) -> std::result::Result<T, String> {
+    let mut v = T::default();
+    // SAFETY: `v` is a valid `T`, the type the caller promises the driver writes.
+    let r = unsafe { sys::cuPointerGetAttribute(&mut v as *mut T as *mut c_void, attr, addr) };
+    r.result()
+        .map_err(|e| format!("cuPointerGetAttribute({attr:?}): {e:?}"))?;
+    Ok(v)
 }
 
 /// Exports the device range of `region` (a `cuda:N` region inside one `cuMemAlloc`

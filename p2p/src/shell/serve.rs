@@ -3,6 +3,7 @@
 //! consumer's (KV heads mapped between ranks, so TP and PP sizes may differ), and
 //! WRITE them through each producer rank's engine.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -114,40 +115,42 @@ pub(crate) fn plan(
             }
         }
     }
-    // Every producer layer must land somewhere: a consumer without it runs another model.
-    for w in workers {
-        for b in &req.blocks {
+    // Every producer layer must land somewhere, and the consumer's ranks must hold as many of
+    // its KV heads as the producer's: else the consumer runs another model.
+    for b in &req.blocks {
+        // layer name → one past the last global head held, over all ranks of a side
+        let mut producer: BTreeMap<&str, u64> = BTreeMap::new();
+        for w in workers {
             let Some(g) = w.groups.iter().find(|g| g.group_id == b.group_id) else {
                 return Err(format!("rank {:?} has no group {}", w.rank, b.group_id));
             };
             for l in &g.layers {
-                // The consumer's heads of this layer, over all its ranks: one past the last.
-                let consumer_end = req
-                    .ranks
-                    .iter()
-                    .flat_map(|r| r.groups.iter().filter(|tg| tg.group_id == b.group_id))
-                    .flat_map(|tg| tg.layers.iter().filter(|wl| wl.name == l.spec.name))
-                    .map(|wl| (wl.head_offset as u64).saturating_add(wl.geometry.heads))
-                    .max();
-                let Some(consumer_end) = consumer_end else {
-                    return Err(format!(
-                        "consumer has no layer {:?} in group {}",
-                        l.spec.name, b.group_id
-                    ));
-                };
-                let producer_end = workers
-                    .iter()
-                    .flat_map(|w| w.groups.iter().filter(|pg| pg.group_id == b.group_id))
-                    .flat_map(|pg| pg.layers.iter().filter(|pl| pl.spec.name == l.spec.name))
-                    .map(|pl| pl.spec.head_offset as u64 + pl.spec.geometry.heads)
-                    .max()
-                    .unwrap_or(0);
-                if consumer_end != producer_end {
-                    return Err(format!(
-                        "layer {:?}: the consumer's ranks hold {consumer_end} KV heads, the producer's {producer_end}",
-                        l.spec.name
-                    ));
+                let end = l.spec.head_offset as u64 + l.spec.geometry.heads;
+                let e = producer.entry(&l.spec.name).or_default();
+                *e = (*e).max(end);
+            }
+        }
+        let mut consumer: HashMap<&str, u64> = HashMap::new();
+        for r in &req.ranks {
+            for tg in r.groups.iter().filter(|tg| tg.group_id == b.group_id) {
+                for wl in &tg.layers {
+                    let end = (wl.head_offset as u64).saturating_add(wl.geometry.heads);
+                    let e = consumer.entry(&wl.name).or_default();
+                    *e = (*e).max(end);
                 }
+            }
+        }
+        for (name, &producer_end) in &producer {
+            let Some(&consumer_end) = consumer.get(name) else {
+                return Err(format!(
+                    "consumer has no layer {name:?} in group {}",
+                    b.group_id
+                ));
+            };
+            if consumer_end != producer_end {
+                return Err(format!(
+                    "layer {name:?}: the consumer's ranks hold {consumer_end} KV heads, the producer's {producer_end}"
+                ));
             }
         }
     }

@@ -35,10 +35,13 @@
 //!                          num_local_computed, num_tokens }).await
 //!     -> Result<LoadOutcome, LoadError>   // LoadOutcome { verdict, action, bytes, .. }
 //! ```
-//! Equal TP and PP sizes on both sides are required for now (a clear error
-//! otherwise); producer rank r writes its blocks to consumer rank r. Layers pair
-//! by name; each pair must have the same layout, tokens per kernel block, heads,
-//! head size and element size (the number of blocks may differ).
+//! The two sides' TP and PP sizes may differ: layers pair by name, and each KV
+//! head a consumer rank holds is written by a producer rank that holds it (with
+//! replicas, consumer TP rank c takes it from the (c mod n)-th of the n holders;
+//! rank to rank when the TP sizes are equal). Paired layers must have the same
+//! layout, tokens per kernel block, head size, element size and kernel blocks per
+//! block (the number of blocks, KV heads and the strides may differ), and the same
+//! block size on both sides (docs/design.md §4.5).
 //!
 //! # Deadlines and failures (§4)
 //! * Producer: a lease lasts `timeouts.lease`; a request before its publish waits

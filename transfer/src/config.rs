@@ -32,6 +32,36 @@ pub struct EngineConfig {
     /// region); a tail of at most `slice_size / 4` is merged into the previous slice, as in
     /// Mooncake. Default 64 KiB. Must be > 0.
     pub slice_size: u64,
+    /// Authorization: open (no secret, the default) or authenticated (a shared secret); see
+    /// `crate::auth`.
+    pub auth: AuthConfig,
+}
+
+/// Authorization settings (`crate::auth`). With neither `secret` nor `secret_file` the engine
+/// is open (Mooncake's model: any peer that reaches its ports may read and write registered
+/// memory; trusted networks only). With either, it is authenticated: peers must prove the
+/// secret or present a grant token, and TCP data frames need a grant token.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AuthConfig {
+    /// A file holding the shared secret (16..=4096 bytes; a trailing newline is ignored).
+    /// The CLI fills it from `--secret-file` or the `KVFERRY_SECRET_FILE` environment variable.
+    pub secret_file: Option<std::path::PathBuf>,
+    /// The shared secret itself (takes precedence over `secret_file`; never serialized).
+    #[serde(skip)]
+    pub secret: Option<crate::auth::Secret>,
+}
+
+impl AuthConfig {
+    /// The configured secret: `secret`, else the contents of `secret_file`, else `None` (open
+    /// mode). Errors (`Config`): an unreadable, too short or too long secret file.
+    pub fn resolve(&self) -> crate::error::Result<Option<crate::auth::Secret>> {
+        match (&self.secret, &self.secret_file) {
+            (Some(s), _) => Ok(Some(s.clone())),
+            (None, Some(p)) => crate::auth::Secret::from_file(p).map(Some),
+            (None, None) => Ok(None),
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -46,6 +76,7 @@ impl Default for EngineConfig {
             transfer_timeout: Duration::from_secs(30),
             transfer_timeout_per_byte: Duration::from_nanos(1),
             slice_size: 64 * 1024,
+            auth: AuthConfig::default(),
         }
     }
 }

@@ -2,14 +2,15 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
-use std::net::{SocketAddr, TcpListener};
+use std::net::TcpListener;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::auth::{AuthState, GrantGuard, GrantSpec, Token};
 use crate::config::{EngineConfig, RdmaConfig};
 use crate::error::{Result, TransferError};
-use crate::handshake::{self, FrameType, HandshakeServer, MAX_FRAME_BODY};
+use crate::handshake::{self, FrameType, HandshakeServer, Session, MAX_FRAME_BODY};
 use crate::memory::{cover_sorted, MemoryAccess, MemoryRegion, MemoryRegistry};
 use crate::segment::{BufferDesc, SegmentDescriptor, SegmentHandle};
 use crate::transport::completion::BatchState;
@@ -35,6 +36,7 @@ pub struct TransferEngine {
     batches: Mutex<HashMap<u64, Arc<BatchState>>>,
     next_batch: AtomicU64,
     handshake: Option<HandshakeServer>,
+    auth: Arc<AuthState>,
 }
 
 fn random_id() -> u64 {
@@ -229,25 +231,60 @@ impl TransferEngine {
         let name = segment_name(&bind_host, port);
         let instance_id = random_id();
         let registry = Arc::new(MemoryRegistry::new());
+        let auth = AuthState::new(config.auth.resolve()?);
         let ctx = TransportContext {
             config: config.clone(),
             segment_name: name.clone(),
             instance_id,
             registry: registry.clone(),
             memory,
+            auth: auth.clone(),
         };
         let (transport, why) = choose_transport(&ctx)?;
-        tracing::info!(segment = %name, "kvferry transfer engine: transport {} ({why})", transport.name());
+        tracing::info!(segment = %name, "kvferry transfer engine: transport {} ({why}); {}", transport.name(), auth.describe());
 
-        let (t, reg, n) = (transport.clone(), registry.clone(), name.clone());
-        let handler = move |ty: FrameType, body: &[u8], peer: SocketAddr| -> Result<Vec<u8>> {
+        let (t, reg, n, a) = (
+            transport.clone(),
+            registry.clone(),
+            name.clone(),
+            auth.clone(),
+        );
+        let handler = move |ty: FrameType, body: &[u8], session: &mut Session| -> Result<Vec<u8>> {
+            let gate = |session: &Session| {
+                if a.enforced() && !session.authed {
+                    return Err(TransferError::Unauthorized(
+                        "this segment is authenticated: prove the shared secret or present a grant token (Hello, Auth) first".into(),
+                    ));
+                }
+                Ok(())
+            };
             match ty {
                 FrameType::Descriptor => {
+                    gate(session)?;
                     let d = local_descriptor(&n, instance_id, &*t, &reg);
                     serde_json::to_vec(&d)
                         .map_err(|e| TransferError::Protocol(format!("encode descriptor: {e}")))
                 }
-                FrameType::Connect => t.on_handshake(peer, body),
+                FrameType::Connect => {
+                    gate(session)?;
+                    t.on_handshake(session.peer, body)
+                }
+                FrameType::Hello => {
+                    let nonce = crate::auth::random_bytes::<32>()?;
+                    session.nonce = Some(nonce);
+                    Ok(nonce.to_vec())
+                }
+                FrameType::Auth => {
+                    if a.enforced() {
+                        let r = crate::auth::check_auth_body(&a, body, session.nonce.take());
+                        if let Err(e) = &r {
+                            tracing::warn!(peer = %session.peer, "handshake authentication refused: {e}");
+                        }
+                        r?;
+                    }
+                    session.authed = true;
+                    Ok(Vec::new())
+                }
                 FrameType::Error => Err(TransferError::Protocol(
                     "an error frame is not a request".into(),
                 )),
@@ -269,6 +306,7 @@ impl TransferEngine {
             batches: Mutex::new(HashMap::new()),
             next_batch: AtomicU64::new(1),
             handshake: Some(server),
+            auth,
         }))
     }
 
@@ -280,6 +318,26 @@ impl TransferEngine {
     /// The transport in use: `"tcp"` or `"rdma"`.
     pub fn transport_name(&self) -> &'static str {
         self.transport.name()
+    }
+
+    /// Whether peers must authenticate (a shared secret is configured; `crate::auth`).
+    pub fn is_authenticated(&self) -> bool {
+        self.auth.enforced()
+    }
+
+    /// Grants `spec.token` the right to `spec.ops` on `spec.ranges` of this engine's memory
+    /// for `spec.ttl` (target side, `crate::auth`). Enforced only in authenticated mode; in
+    /// open mode any peer may read and write anyway and the grant changes nothing. The grant
+    /// ends when the returned guard is dropped or the ttl passes, whichever comes first.
+    /// Errors (`InvalidArgument`): a range of length 0 or that wraps, more than
+    /// `auth::MAX_GRANT_RANGES` ranges, a token that already has a live grant.
+    pub fn grant(&self, spec: GrantSpec) -> Result<GrantGuard> {
+        crate::auth::grant(&self.auth.grants, spec)
+    }
+
+    /// Live grants of this engine (diagnostics and tests).
+    pub fn live_grants(&self) -> usize {
+        self.auth.grants.len()
     }
 
     /// The configuration the engine was started with.
@@ -336,12 +394,17 @@ impl TransferEngine {
         Ok(())
     }
 
-    fn fetch_descriptor(&self, name: &str) -> Result<Arc<SegmentDescriptor>> {
-        let body = handshake::request(
+    fn fetch_descriptor(
+        &self,
+        name: &str,
+        token: Option<&Token>,
+    ) -> Result<Arc<SegmentDescriptor>> {
+        let body = handshake::request_with(
             name,
             FrameType::Descriptor,
             b"",
             self.config.handshake_timeout,
+            self.auth.credential(token).as_ref(),
         )?;
         let d: SegmentDescriptor =
             serde_json::from_slice(&body).map_err(|e| TransferError::Handshake {
@@ -378,10 +441,34 @@ impl TransferEngine {
         {
             return Ok(SegmentHandle {
                 descriptor: d.clone(),
+                token: None,
             });
         }
         Ok(SegmentHandle {
-            descriptor: self.fetch_descriptor(name)?,
+            descriptor: self.fetch_descriptor(name, None)?,
+            token: None,
+        })
+    }
+
+    /// As `open_segment`, for a peer that granted `token` (`crate::auth`): an uncached
+    /// descriptor is fetched presenting the token (or this engine's secret proof, when it has
+    /// a secret), and the returned handle carries the token into every request submitted with
+    /// it. Errors as `open_segment`; a token the peer does not know is a `Handshake` error.
+    pub fn open_segment_with_token(&self, name: &str, token: Token) -> Result<SegmentHandle> {
+        check_segment_name(name)?;
+        let cached = self
+            .segments
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned();
+        let descriptor = match cached {
+            Some(d) => d,
+            None => self.fetch_descriptor(name, Some(&token))?,
+        };
+        Ok(SegmentHandle {
+            descriptor,
+            token: Some(token),
         })
     }
 
@@ -390,7 +477,8 @@ impl TransferEngine {
     pub fn refresh_segment(&self, name: &str) -> Result<SegmentHandle> {
         check_segment_name(name)?;
         Ok(SegmentHandle {
-            descriptor: self.fetch_descriptor(name)?,
+            descriptor: self.fetch_descriptor(name, None)?,
+            token: None,
         })
     }
 
@@ -409,7 +497,8 @@ impl TransferEngine {
     /// peer's advertised buffers (else the descriptor is fetched again once, then
     /// `RemoteOutOfRange`); the peer speaks this engine's transport (else `Unsupported`).
     /// Requests are cut into slices of `slice_size` that never cross a region on either side.
-    /// An empty `requests` gives a batch that is already `Completed`.
+    /// An empty `requests` gives a batch that is already `Completed`. The handle's token
+    /// (`SegmentHandle::with_token`), if any, travels with every data frame.
     pub fn submit(&self, target: &SegmentHandle, requests: &[TransferRequest]) -> Result<BatchId> {
         let mut desc = target.descriptor.clone();
         let local_covers = requests
@@ -437,7 +526,8 @@ impl TransferEngine {
         let remote_covers = match remote_covers(&desc, requests) {
             Ok(c) => c,
             Err(_) => {
-                desc = self.refresh_segment(target.name())?.descriptor;
+                check_segment_name(target.name())?;
+                desc = self.fetch_descriptor(target.name(), target.token.as_ref())?;
                 remote_covers(&desc, requests)?
             }
         };
@@ -465,7 +555,7 @@ impl TransferEngine {
             .insert(id, state.clone());
         if !slices.is_empty() {
             self.transport
-                .post(&desc, slices, CompletionSink::new(state));
+                .post(&desc, slices, CompletionSink::new(state), target.token);
         }
         Ok(BatchId(id))
     }

@@ -54,6 +54,10 @@ pub enum TransferError {
     /// The batch id is unknown (never issued, or already freed by a finished wait).
     #[error("unknown batch id {0}")]
     UnknownBatch(u64),
+    /// The peer refused the request for want of authorization (no live grant for the token,
+    /// an op or range outside the grant, a failed secret proof); see `crate::auth`.
+    #[error("not authorized: {0}")]
+    Unauthorized(String),
     /// Some slices of a batch failed; the text is the first failure (and how many failed).
     #[error("transfer failed: {0}")]
     Failed(String),

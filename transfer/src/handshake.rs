@@ -7,6 +7,12 @@
 //! (UTF-8) as body. Every read and write on either side has a deadline
 //! (`EngineConfig::handshake_timeout`). A malformed frame (unknown type, length over the limit)
 //! gets an error reply and the connection is closed.
+//!
+//! Authentication (`crate::auth`): an initiator with a credential first sends `Hello` (empty
+//! body; the reply is the connection's random 32-byte nonce), then `Auth` (`1 ‖
+//! HMAC-SHA256(secret, label ‖ nonce)` or `2 ‖ token`); the reply is an empty `Auth` frame or
+//! an error. An authenticated engine answers `Descriptor` and `Connect` only on a connection
+//! that passed `Auth`; an open engine answers them on any connection (and accepts any `Auth`).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -28,6 +34,10 @@ pub enum FrameType {
     Connect = 0,
     /// Descriptor query: empty request body; the reply body is the JSON `SegmentDescriptor`.
     Descriptor = 1,
+    /// Nonce request: empty body; the reply body is this connection's 32-byte random nonce.
+    Hello = 2,
+    /// Authentication: `1 ‖ proof[32]` or `2 ‖ token[16]`; the reply body is empty.
+    Auth = 3,
     /// Error reply: the body is the error text.
     Error = 0xFF,
 }
@@ -38,6 +48,8 @@ impl FrameType {
         match b {
             0 => Some(FrameType::Connect),
             1 => Some(FrameType::Descriptor),
+            2 => Some(FrameType::Hello),
+            3 => Some(FrameType::Auth),
             0xFF => Some(FrameType::Error),
             _ => None,
         }
@@ -143,8 +155,21 @@ fn read_frame(s: &mut TcpStream, deadline: Instant, what: &str) -> Result<Option
 /// returns the reply body. The whole exchange (resolve, connect, write, read) finishes within
 /// `timeout`. Errors: `Handshake { peer, reason }` for connect failures, an error reply (reason =
 /// the peer's text), a reply of another type, a malformed reply, or the deadline.
-/// This is the client helper transports use for their `Connect` frames.
+/// This is the client helper transports use for their `Connect` frames (open peers).
 pub fn request(peer: &str, ty: FrameType, body: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+    request_with(peer, ty, body, timeout, None)
+}
+
+/// As [`request`], authenticating first when `cred` is given: `Hello` for the nonce, then
+/// `Auth` with the secret's proof or the token, then the request, all on one connection and
+/// within `timeout`. A refused `Auth` is `Handshake { reason }` with the peer's text.
+pub fn request_with(
+    peer: &str,
+    ty: FrameType,
+    body: &[u8],
+    timeout: Duration,
+    cred: Option<&crate::auth::Credential>,
+) -> Result<Vec<u8>> {
     let fail = |reason: String| TransferError::Handshake {
         peer: peer.to_string(),
         reason,
@@ -177,31 +202,52 @@ pub fn request(peer: &str, ty: FrameType, body: &[u8], timeout: Duration) -> Res
     }
     let mut s = stream.ok_or_else(|| fail(last))?;
     let _ = s.set_nodelay(true);
-    write_all_by(
-        &mut s,
-        &encode(ty, body),
-        deadline,
-        "send handshake request",
-    )
-    .map_err(|e| fail(e.to_string()))?;
-    let reply =
-        read_frame(&mut s, deadline, "read handshake reply").map_err(|e| fail(e.to_string()))?;
+    if let Some(cred) = cred {
+        let nonce = exchange(&mut s, FrameType::Hello, b"", deadline).map_err(fail)?;
+        if nonce.len() != 32 {
+            return Err(fail(format!("nonce of {} bytes, expected 32", nonce.len())));
+        }
+        let auth = crate::auth::auth_body(cred, &nonce);
+        exchange(&mut s, FrameType::Auth, &auth, deadline).map_err(fail)?;
+    }
+    let reply = exchange(&mut s, ty, body, deadline).map_err(fail);
     let _ = s.shutdown(Shutdown::Both);
+    reply
+}
+
+/// One request/reply on an open handshake connection; `Err` is the reason text.
+fn exchange(
+    s: &mut TcpStream,
+    ty: FrameType,
+    body: &[u8],
+    deadline: Instant,
+) -> std::result::Result<Vec<u8>, String> {
+    write_all_by(s, &encode(ty, body), deadline, "send handshake request")
+        .map_err(|e| e.to_string())?;
+    let reply = read_frame(s, deadline, "read handshake reply").map_err(|e| e.to_string())?;
     match reply {
-        None => Err(fail("connection closed before the reply".into())),
+        None => Err("connection closed before the reply".into()),
         Some((t, b)) if t == ty as u8 => Ok(b),
         Some((t, b)) if t == FrameType::Error as u8 => {
-            Err(fail(String::from_utf8_lossy(&b).into_owned()))
+            Err(String::from_utf8_lossy(&b).into_owned())
         }
-        Some((t, _)) => Err(fail(format!(
-            "reply has frame type {t}, expected {}",
-            ty as u8
-        ))),
+        Some((t, _)) => Err(format!("reply has frame type {t}, expected {}", ty as u8)),
     }
 }
 
-/// Answers one request frame: `(type, body, peer) -> reply body`; an `Err` becomes an error frame.
-pub(crate) type Handler = dyn Fn(FrameType, &[u8], SocketAddr) -> Result<Vec<u8>> + Send + Sync;
+/// Per-connection state of the handshake server, handed to the handler with every frame.
+pub(crate) struct Session {
+    /// The peer's address.
+    pub peer: SocketAddr,
+    /// The nonce sent in reply to `Hello`, until an `Auth` frame uses it.
+    pub nonce: Option<[u8; 32]>,
+    /// Whether this connection passed `Auth`.
+    pub authed: bool,
+}
+
+/// Answers one request frame: `(type, body, session) -> reply body`; an `Err` becomes an error
+/// frame.
+pub(crate) type Handler = dyn Fn(FrameType, &[u8], &mut Session) -> Result<Vec<u8>> + Send + Sync;
 
 struct ServerShared {
     stop: AtomicBool,
@@ -297,13 +343,20 @@ fn accept_loop(listener: TcpListener, sh: Arc<ServerShared>) {
 }
 
 /// Runs the handler; a panic in it (a transport bug) becomes an error reply, not a dead thread.
-fn call_handler(sh: &ServerShared, t: FrameType, body: &[u8], peer: SocketAddr) -> Result<Vec<u8>> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (sh.handler)(t, body, peer)))
-        .unwrap_or_else(|_| {
-            Err(TransferError::Protocol(
-                "internal error while handling the frame".into(),
-            ))
-        })
+fn call_handler(
+    sh: &ServerShared,
+    t: FrameType,
+    body: &[u8],
+    session: &mut Session,
+) -> Result<Vec<u8>> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        (sh.handler)(t, body, session)
+    }))
+    .unwrap_or_else(|_| {
+        Err(TransferError::Protocol(
+            "internal error while handling the frame".into(),
+        ))
+    })
 }
 
 fn serve_conn(mut s: TcpStream, sh: &ServerShared) {
@@ -312,6 +365,11 @@ fn serve_conn(mut s: TcpStream, sh: &ServerShared) {
         Err(_) => return,
     };
     let _ = s.set_nodelay(true);
+    let mut session = Session {
+        peer,
+        nonce: None,
+        authed: false,
+    };
     loop {
         let deadline = Instant::now() + sh.timeout;
         let (ty, body) = match read_frame(&mut s, deadline, "read handshake request") {
@@ -332,17 +390,20 @@ fn serve_conn(mut s: TcpStream, sh: &ServerShared) {
             }
         };
         let (reply_ty, reply, keep) = match FrameType::from_u8(ty) {
-            Some(t @ (FrameType::Connect | FrameType::Descriptor)) => {
-                match call_handler(sh, t, &body, peer) {
-                    Ok(b) if b.len() as u64 <= MAX_FRAME_BODY => (t, b, true),
-                    Ok(b) => (
-                        FrameType::Error,
-                        format!("reply of {} bytes exceeds the frame limit", b.len()).into_bytes(),
-                        true,
-                    ),
-                    Err(e) => (FrameType::Error, e.to_string().into_bytes(), true),
-                }
-            }
+            Some(
+                t @ (FrameType::Connect
+                | FrameType::Descriptor
+                | FrameType::Hello
+                | FrameType::Auth),
+            ) => match call_handler(sh, t, &body, &mut session) {
+                Ok(b) if b.len() as u64 <= MAX_FRAME_BODY => (t, b, true),
+                Ok(b) => (
+                    FrameType::Error,
+                    format!("reply of {} bytes exceeds the frame limit", b.len()).into_bytes(),
+                    true,
+                ),
+                Err(e) => (FrameType::Error, e.to_string().into_bytes(), true),
+            },
             _ => (
                 FrameType::Error,
                 format!("unknown handshake frame type {ty}").into_bytes(),

@@ -15,13 +15,17 @@
 //! - `gpu/`: `memory_access()`: copies to and from `cuda:N` memory through pinned staging for
 //!   the TCP transport; where CUDA is absent it refuses `cuda:N` with `Unsupported`, never panics.
 //!
-//! Security model: as in Mooncake, any host that reaches the listeners may READ and WRITE the
-//! registered regions (no authentication); the target checks every TCP request against its
-//! registered regions in code, so nothing outside them is ever read or written.
+//! Security model (`auth`): open by default, as in Mooncake: any host that reaches the
+//! listeners may READ and WRITE the registered regions (the target still checks every TCP
+//! request against its registered regions, so nothing outside them is ever touched). With a
+//! shared secret (`EngineConfig::auth`) the engine is authenticated: descriptors and RDMA
+//! connects need the secret (proved, never sent) or a grant token, and every TCP data frame
+//! needs a grant token covering its op and ranges (`TransferEngine::grant`).
 
 #![warn(missing_docs)]
 #![warn(unsafe_op_in_unsafe_fn)]
 
+pub mod auth;
 pub mod config;
 pub mod engine;
 pub mod error;
@@ -33,7 +37,8 @@ pub mod types;
 
 pub mod gpu;
 
-pub use config::{EngineConfig, GpuRegistration, RdmaConfig, TcpConfig};
+pub use auth::{Credential, GrantGuard, GrantOps, GrantSpec, Secret, Token};
+pub use config::{AuthConfig, EngineConfig, GpuRegistration, RdmaConfig, TcpConfig};
 pub use engine::TransferEngine;
 pub use error::{Result, TransferError};
 pub use memory::{MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys, RegistrationPath};

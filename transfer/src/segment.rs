@@ -45,12 +45,25 @@ impl SegmentDescriptor {
 #[derive(Debug, Clone)]
 pub struct SegmentHandle {
     pub(crate) descriptor: Arc<SegmentDescriptor>,
+    pub(crate) token: Option<crate::auth::Token>,
 }
 
 impl SegmentHandle {
     /// `host:port` of the segment.
     pub fn name(&self) -> &str {
         &self.descriptor.name
+    }
+
+    /// This handle with `token` attached: requests submitted with it carry the token, which
+    /// the peer checks against the grant it made (`crate::auth`).
+    pub fn with_token(mut self, token: crate::auth::Token) -> SegmentHandle {
+        self.token = Some(token);
+        self
+    }
+
+    /// The attached grant token, if any.
+    pub fn token(&self) -> Option<crate::auth::Token> {
+        self.token
     }
 
     /// The descriptor this handle was opened with.

@@ -35,7 +35,8 @@ fn read_handshake_frame(s: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
 }
 
 fn data_request(op: u8, instance: u64, addr: u64, len: u64) -> Vec<u8> {
-    let mut b = vec![0u8; 32];
+    // 48 bytes: the last 16 are the grant token (none here: these engines are open)
+    let mut b = vec![0u8; 48];
     b[0..4].copy_from_slice(&0x5446_564bu32.to_le_bytes());
     b[4] = op;
     b[8..16].copy_from_slice(&instance.to_le_bytes());

@@ -90,6 +90,10 @@ pub struct TransportContext {
     pub registry: Arc<MemoryRegistry>,
     /// Copies to/from memory the host cannot address (`cuda:N`); see `MemoryAccess`.
     pub memory: Arc<dyn MemoryAccess>,
+    /// The engine's authorization mode and grants: a target-side transport that serves
+    /// requests in code (TCP) checks every frame's token against it when it is enforced; an
+    /// initiator proves its secret with it on a peer's handshake listener (RDMA connects).
+    pub(crate) auth: Arc<crate::auth::AuthState>,
 }
 
 /// One piece of a request, as the engine hands it to `post`. Guarantees:
@@ -157,7 +161,15 @@ pub trait Transport: Send + Sync + 'static {
     /// deadlines (never holds a slice forever). `peer.transport.kind == self.name()` is already
     /// checked by the engine. Before starting a slice, check `done.is_cancelled()`: a cancelled
     /// batch's unsent slices are reported with `CompletionSink::cancelled_error()`, not sent.
-    fn post(&self, peer: &Arc<SegmentDescriptor>, slices: Vec<Slice>, done: CompletionSink);
+    /// `token`: the grant token the target made for these slices (`SegmentHandle::with_token`),
+    /// carried in every TCP data frame; `None` in open mode.
+    fn post(
+        &self,
+        peer: &Arc<SegmentDescriptor>,
+        slices: Vec<Slice>,
+        done: CompletionSink,
+        token: Option<crate::auth::Token>,
+    );
 
     /// Drops cached connections/endpoints to segment `name` (the engine calls it when the peer's
     /// descriptor changed, e.g. the peer restarted). Default: nothing.

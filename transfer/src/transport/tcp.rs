@@ -1,7 +1,10 @@
 //! TCP transport (DESIGN.md §3 "TCP transport"): the default where no RDMA device exists.
 //!
 //! Target side: a data listener (its port goes in `TransportInfo::details.data_port`), one
-//! thread per accepted connection. Every request is checked against the registry in code: a
+//! thread per accepted connection. In authenticated mode (`crate::auth`) every frame's token
+//! must have a live grant that allows its op and covers its ranges (one hash lookup and a
+//! binary search), else it is refused (`ST_DENIED`) and nothing is read or written. Every
+//! request is checked against the registry in code: a
 //! range not inside one registered region is refused (`ST_OUT_OF_RANGE`) and nothing is written;
 //! a WRITE is acknowledged only after its payload is in place. Host memory is read and written
 //! in place (no staging copy); other locations go through `MemoryAccess`.
@@ -174,7 +177,13 @@ impl Transport for TcpTransport {
         ))
     }
 
-    fn post(&self, peer: &Arc<SegmentDescriptor>, slices: Vec<Slice>, done: CompletionSink) {
+    fn post(
+        &self,
+        peer: &Arc<SegmentDescriptor>,
+        slices: Vec<Slice>,
+        done: CompletionSink,
+        token: Option<crate::auth::Token>,
+    ) {
         if peer.transport.kind != self.name() {
             let e = kind_mismatch(self.name(), peer);
             return done.fail_all(slices.iter().map(|s| s.id), &e);
@@ -184,7 +193,13 @@ impl Transport for TcpTransport {
             Err(e) => return done.fail_all(slices.iter().map(|s| s.id), &e),
         };
         let tcp = &self.ctx.config.tcp;
-        for job in coalesce(slices, tcp.coalesce_bytes.min(tcp.max_frame_payload), &done) {
+        let token = token.map(|t| t.0).unwrap_or_default();
+        for job in coalesce(
+            slices,
+            tcp.coalesce_bytes.min(tcp.max_frame_payload),
+            &done,
+            token,
+        ) {
             pool.send(job);
         }
     }
@@ -455,6 +470,14 @@ fn serve_conn(mut s: TcpStream, sh: &ServerShared) -> Result<()> {
             let _ = reply_error(&mut s, wire::ST_BAD_REQUEST, &text);
             return Err(TransferError::Protocol(text));
         }
+        let op = if is_write { Op::Write } else { Op::Read };
+        if let Err(d) = authorize(sh, &req, op, [(req.addr, req.len)]) {
+            if is_write {
+                drain(&mut s, req.len, "drain refused payload")?;
+            }
+            reply_error(&mut s, wire::ST_DENIED, &d)?;
+            continue;
+        }
         if req.instance != instance {
             if is_write {
                 drain(&mut s, req.len, "drain refused payload")?;
@@ -493,6 +516,26 @@ fn serve_conn(mut s: TcpStream, sh: &ServerShared) -> Result<()> {
     }
 }
 
+/// In authenticated mode: the frame's token must allow `op` on every range (`crate::auth`).
+/// `Err` is the refusal text for the initiator.
+fn authorize(
+    sh: &ServerShared,
+    req: &Request,
+    op: Op,
+    ranges: impl IntoIterator<Item = (u64, u64)>,
+) -> std::result::Result<(), String> {
+    let auth = &sh.ctx.auth;
+    if !auth.enforced() {
+        return Ok(());
+    }
+    auth.grants
+        .check(&crate::auth::Token(req.token), op, ranges)
+        .map_err(|d| {
+            tracing::debug!("tcp data frame refused: {d}");
+            d.to_string()
+        })
+}
+
 /// Serves a scattered WRITE (op 3): reads the piece table; when every piece lies inside a
 /// registered region, reads each piece into place, else drains the payload and refuses the
 /// frame (nothing written); one reply for the frame.
@@ -519,6 +562,10 @@ fn serve_scatter(s: &mut TcpStream, sh: &ServerShared, req: Request) -> Result<(
             return Err(e);
         }
     };
+    if let Err(d) = authorize(sh, &req, Op::Write, pieces.iter().copied()) {
+        drain(s, req.len, "drain refused payload")?;
+        return reply_error(s, wire::ST_DENIED, &d);
+    }
     let instance = sh.ctx.instance_id;
     if req.instance != instance {
         drain(s, req.len, "drain refused payload")?;
@@ -642,6 +689,8 @@ struct Job {
     ids: std::ops::Range<u32>,
     more: Vec<(Slice, std::ops::Range<u32>)>,
     sink: CompletionSink,
+    /// The grant token the frame carries (zero: none).
+    token: [u8; 16],
 }
 
 impl Job {
@@ -663,9 +712,9 @@ impl Job {
 /// syscalls per byte. Slices longer than `limit` stay whole. Then runs of small WRITE frames
 /// that do not continue each other become scattered WRITEs of at most `limit` bytes and
 /// `MAX_PIECES` pieces.
-fn coalesce(slices: Vec<Slice>, limit: u64, sink: &CompletionSink) -> Vec<Job> {
+fn coalesce(slices: Vec<Slice>, limit: u64, sink: &CompletionSink, token: [u8; 16]) -> Vec<Job> {
     let mut out: Vec<Job> = Vec::new();
-    for j in merge_continuing(slices, limit, sink) {
+    for j in merge_continuing(slices, limit, sink, token) {
         if let Some(acc) = out.last_mut() {
             let gather = acc.slice.op == Op::Write
                 && j.slice.op == Op::Write
@@ -681,7 +730,12 @@ fn coalesce(slices: Vec<Slice>, limit: u64, sink: &CompletionSink) -> Vec<Job> {
     out
 }
 
-fn merge_continuing(slices: Vec<Slice>, limit: u64, sink: &CompletionSink) -> Vec<Job> {
+fn merge_continuing(
+    slices: Vec<Slice>,
+    limit: u64,
+    sink: &CompletionSink,
+    token: [u8; 16],
+) -> Vec<Job> {
     let mut jobs: Vec<Job> = Vec::new();
     for s in slices {
         if let Some(j) = jobs.last_mut() {
@@ -704,6 +758,7 @@ fn merge_continuing(slices: Vec<Slice>, limit: u64, sink: &CompletionSink) -> Ve
             ids: s.id..s.id + 1,
             more: Vec::new(),
             sink: sink.clone(),
+            token,
         });
     }
     jobs
@@ -923,6 +978,7 @@ impl PeerPool {
             instance: self.instance,
             addr: sl.remote_addr,
             len: sl.len,
+            token: job.token,
         };
         let hdr = req.encode();
         let payload = match sl.op {
@@ -1013,6 +1069,7 @@ impl PeerPool {
             instance: self.instance,
             addr: pieces.len() as u64,
             len: job.bytes(),
+            token: job.token,
         }
         .encode();
         // Payloads (GPU pieces copied out) are kept alive until the frame is written.
@@ -1079,6 +1136,10 @@ impl PeerPool {
                     addr: sl.remote_addr,
                     len: sl.len,
                 },
+                wire::ST_DENIED => TransferError::Unauthorized(format!(
+                    "segment {} refused the request: {text}",
+                    self.segment
+                )),
                 wire::ST_STALE => {
                     TransferError::Failed(format!("segment {}: {text}", self.segment))
                 }
@@ -1153,7 +1214,7 @@ mod tests {
             mk(6, Op::Read, 600, 1700, 100, 1),  // would exceed 250
         ];
         let sink = CompletionSink::new(BatchState::new(7));
-        let jobs = coalesce(slices, 250, &sink);
+        let jobs = coalesce(slices, 250, &sink, [0; 16]);
         let got: Vec<(std::ops::Range<u32>, u64, u64)> = jobs
             .iter()
             .map(|j| (j.ids.clone(), j.slice.local_addr, j.slice.len))
@@ -1196,7 +1257,7 @@ mod tests {
             mk(5, Op::Write, 4000, 1000, 10),
             mk(6, Op::Write, 4100, 1200, 400), // alone over the limit: its own frame
         ];
-        let jobs = coalesce(slices, 300, &sink);
+        let jobs = coalesce(slices, 300, &sink, [0; 16]);
         let shape: Vec<Vec<(std::ops::Range<u32>, u64)>> = jobs
             .iter()
             .map(|j| {
@@ -1220,7 +1281,7 @@ mod tests {
             .map(|i| mk(i, Op::Write, i as u64 * 10, i as u64 * 10 + 3, 1))
             .collect();
         let sink = CompletionSink::new(BatchState::new(many.len() as u32));
-        let jobs = coalesce(many, 1 << 20, &sink);
+        let jobs = coalesce(many, 1 << 20, &sink, [0; 16]);
         assert_eq!(jobs.len(), 2);
         assert_eq!(jobs[0].more.len() + 1, wire::MAX_PIECES);
         assert_eq!(jobs[1].more.len() + 1, 5);

@@ -1,8 +1,9 @@
 //! The TCP data protocol (DESIGN.md §3 "TCP transport"): fixed little-endian headers.
 //!
-//! Request (32 bytes): magic `u32` = `REQ_MAGIC`, op `u8` (1 WRITE, 2 READ), 3 zero bytes,
-//! target instance id `u64`, remote addr `u64`, len `u64`; a WRITE is followed by `len` payload
-//! bytes. Reply (16 bytes): magic `u32` = `REP_MAGIC`, status `u8`, 3 zero bytes, len `u64`;
+//! Request (48 bytes): magic `u32` = `REQ_MAGIC`, op `u8` (1 WRITE, 2 READ), 3 zero bytes,
+//! target instance id `u64`, remote addr `u64`, len `u64`, grant token `[u8; 16]` (all zero
+//! when the initiator has none; an authenticated target checks it, `crate::auth`); a WRITE is
+//! followed by `len` payload bytes. Reply (16 bytes): magic `u32` = `REP_MAGIC`, status `u8`, 3 zero bytes, len `u64`;
 //! followed by `len` bytes: the data of an OK READ, nothing for an OK WRITE, the error text for
 //! any other status. Replies come in request order. The target replies OK to a WRITE only after
 //! the payload is in place (Mooncake once acknowledged before applying: silent loss).
@@ -18,7 +19,7 @@ use crate::error::{Result, TransferError};
 
 pub(crate) const REQ_MAGIC: u32 = 0x5446_564b; // "KVFT"
 pub(crate) const REP_MAGIC: u32 = 0x5246_564b; // "KVFR"
-pub(crate) const REQ_LEN: usize = 32;
+pub(crate) const REQ_LEN: usize = 48;
 pub(crate) const REP_LEN: usize = 16;
 /// Largest error text a reply may carry.
 pub(crate) const MAX_ERROR_TEXT: u64 = 4096;
@@ -41,6 +42,9 @@ pub(crate) const ST_STALE: u8 = 2;
 pub(crate) const ST_BAD_REQUEST: u8 = 3;
 /// The target could not access its memory (e.g. GPU copy failed).
 pub(crate) const ST_SERVER_ERROR: u8 = 4;
+/// The target is authenticated and the frame's token has no live grant that allows its op
+/// and ranges: refused, nothing read or written.
+pub(crate) const ST_DENIED: u8 = 5;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Request {
@@ -48,6 +52,7 @@ pub(crate) struct Request {
     pub instance: u64,
     pub addr: u64,
     pub len: u64,
+    pub token: [u8; 16],
 }
 
 impl Request {
@@ -58,6 +63,7 @@ impl Request {
         b[8..16].copy_from_slice(&self.instance.to_le_bytes());
         b[16..24].copy_from_slice(&self.addr.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b[32..48].copy_from_slice(&self.token);
         b
     }
 
@@ -74,6 +80,7 @@ impl Request {
             instance: u64::from_le_bytes(b[8..16].try_into().expect("8")),
             addr: u64::from_le_bytes(b[16..24].try_into().expect("8")),
             len: u64::from_le_bytes(b[24..32].try_into().expect("8")),
+            token: b[32..48].try_into().expect("16"),
         })
     }
 }
@@ -139,6 +146,7 @@ mod tests {
             instance: 7,
             addr: 0xdead_beef,
             len: 123,
+            token: [9; 16],
         };
         assert_eq!(Request::decode(&r.encode()).unwrap(), r);
         let mut b = r.encode();

@@ -207,6 +207,9 @@ enum Slot {
 struct Shared {
     config: RdmaConfig,
     handshake_timeout: Duration,
+    /// What this engine proves on a peer's handshake listener before `Connect` frames: its
+    /// shared secret in authenticated mode (`crate::auth`), nothing in open mode.
+    credential: Option<crate::auth::Credential>,
     segment_name: String,
     devices: Vec<Arc<Device>>,
     regions: Mutex<HashMap<u64, Registered>>,
@@ -280,6 +283,7 @@ impl RdmaTransport {
         let shared = Arc::new(Shared {
             config,
             handshake_timeout: ctx.config.handshake_timeout,
+            credential: ctx.auth.credential(None),
             segment_name: ctx.segment_name.clone(),
             devices,
             regions: Mutex::new(HashMap::new()),
@@ -439,7 +443,15 @@ impl Transport for RdmaTransport {
         serde_json::to_vec(&reply).map_err(|e| TransferError::Protocol(e.to_string()))
     }
 
-    fn post(&self, peer: &Arc<SegmentDescriptor>, slices: Vec<Slice>, done: CompletionSink) {
+    /// The token is not used: over RDMA the QP acceptance check (the engine answers `Connect`
+    /// only on an authenticated handshake connection) is what protects the rkeys.
+    fn post(
+        &self,
+        peer: &Arc<SegmentDescriptor>,
+        slices: Vec<Slice>,
+        done: CompletionSink,
+        _token: Option<crate::auth::Token>,
+    ) {
         let s = &self.shared;
         let mirrors: HashMap<u64, Arc<Mirror>> = lock(&s.regions)
             .iter()
@@ -713,13 +725,14 @@ impl Shared {
         let replaces = lock(&self.replaced).get(&key).copied();
         let timeout = self.handshake_timeout;
         let peer = key.peer.clone();
+        let cred = self.credential.clone();
         let res = Endpoint::connect(
             dev,
             key.clone(),
             &self.segment_name,
             replaces,
             &self.config,
-            |body| handshake::request(&peer, FrameType::Connect, body, timeout),
+            |body| handshake::request_with(&peer, FrameType::Connect, body, timeout, cred.as_ref()),
         );
         let mut eps = lock(&self.endpoints);
         let waiting = match eps.remove(&key) {

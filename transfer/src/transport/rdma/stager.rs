@@ -83,7 +83,13 @@ impl Shared {
         for req in SyncRequest::split(direction, ranges) {
             let body = serde_json::to_vec(&req)
                 .map_err(|e| TransferError::Protocol(format!("encode staging sync: {e}")))?;
-            handshake::request(peer, FrameType::Connect, &body, self.handshake_timeout)?;
+            handshake::request_with(
+                peer,
+                FrameType::Connect,
+                &body,
+                self.handshake_timeout,
+                self.credential.as_ref(),
+            )?;
         }
         Ok(())
     }

@@ -135,6 +135,7 @@ fn context(config: EngineConfig) -> (TransportContext, TcpListener) {
         instance_id: super::verbs::random_u64(),
         registry: Arc::new(MemoryRegistry::new()),
         memory: Arc::new(HostMemoryAccess),
+        auth: crate::auth::AuthState::new(None),
     };
     (ctx, l)
 }
@@ -156,10 +157,11 @@ fn node(f: impl FnOnce(&mut EngineConfig)) -> Node {
     let (ctx, l) = context(c);
     let t = RdmaTransport::new(&ctx).expect("RDMA transport");
     let t2 = t.clone();
-    let handler = move |ty: FrameType, body: &[u8], peer| match ty {
-        FrameType::Connect => t2.on_handshake(peer, body),
-        _ => Err(TransferError::Protocol("only Connect here".into())),
-    };
+    let handler =
+        move |ty: FrameType, body: &[u8], session: &mut crate::handshake::Session| match ty {
+            FrameType::Connect => t2.on_handshake(session.peer, body),
+            _ => Err(TransferError::Protocol("only Connect here".into())),
+        };
     let server = HandshakeServer::start(l, Arc::new(handler), Duration::from_secs(5), 16).unwrap();
     Node {
         t,
@@ -182,7 +184,7 @@ fn register(n: &Node, addr: u64, len: u64) -> (MemoryRegion, crate::memory::Regi
 /// Posts one slice and waits for its outcome.
 fn run(n: &Node, peer: &Arc<SegmentDescriptor>, slice: Slice) -> BatchStatus {
     let st = BatchState::new(1);
-    n.t.post(peer, vec![slice], CompletionSink::new(st.clone()));
+    n.t.post(peer, vec![slice], CompletionSink::new(st.clone()), None);
     let _ = st.wait(Duration::from_secs(60));
     st.status()
 }
@@ -383,7 +385,8 @@ fn rdma_slices_in_flight_on_a_failed_endpoint_are_retried_on_a_fresh_one() {
             })
             .collect();
         let st = BatchState::new(N as u32);
-        init.t.post(&peer, slices, CompletionSink::new(st.clone()));
+        init.t
+            .post(&peer, slices, CompletionSink::new(st.clone()), None);
         let t0 = std::time::Instant::now();
         while init.t.work_requests_in_flight() < N / 2 && t0.elapsed() < Duration::from_secs(10) {
             std::thread::sleep(Duration::from_millis(1));

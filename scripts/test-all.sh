@@ -27,6 +27,9 @@ cargo build --release --workspace --all-targets "${FEATURES[@]}"
 log "unit and integration tests"
 cargo test --release --workspace "${FEATURES[@]}"
 
+log "Python package: pip install ./python, pytest python/tests (conformance with Mooncake's wheel)"
+bash scripts/python-tests.sh
+
 log "demo end-to-end checks"
 bash scripts/demo-checks.sh "${CARGO_TARGET_DIR:-target}/release/kvferry"
 

@@ -12,7 +12,7 @@ use std::os::fd::AsRawFd;
 
 use common::{engine, Buf};
 use cudarc::driver::sys;
-use kvferry_transfer::gpu::{cuda_available, export_dmabuf, memory_access};
+use kvferry_transfer::gpu::{cuda_available, export_dmabuf, location_of, memory_access};
 use kvferry_transfer::{Location, MemoryRegion, TransferError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -95,6 +95,26 @@ fn cuda_memory_is_refused_cleanly_without_cuda() {
         }
     }
     assert!(m.check(Location::Cpu).is_ok());
+}
+
+#[test]
+fn pointer_location_is_detected_for_the_wildcard() {
+    // host memory (and junk addresses) are cpu with or without CUDA; never a panic
+    let host = vec![0u8; 4096];
+    assert_eq!(location_of(host.as_ptr() as u64), Location::Cpu);
+    assert_eq!(location_of(8), Location::Cpu);
+    if !gpu("pointer_location_is_detected_for_the_wildcard") {
+        return;
+    }
+    let d = DevBuf::new(1 << 20);
+    // from a thread with no current context too
+    let p = d.ptr;
+    let other = std::thread::spawn(move || location_of(p + 4096))
+        .join()
+        .unwrap();
+    assert_eq!(location_of(d.ptr), Location::Cuda(0));
+    assert_eq!(other, Location::Cuda(0));
+    assert_eq!(location_of(host.as_ptr() as u64), Location::Cpu);
 }
 
 #[test]

@@ -382,6 +382,37 @@ impl MemoryAccess for CudaMemoryAccess {
     }
 }
 
+/// Where the memory at `addr` lives, for registration with Mooncake's wildcard location `"*"`:
+/// `Cuda(n)` when `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_MEMORY_TYPE)` says device memory
+/// of CUDA device `n`, `Cpu` otherwise (host memory, pinned host memory, or an address CUDA does
+/// not know). Where CUDA is absent it is `Cpu` without touching the driver; never panics. Uses
+/// the calling thread's current context, or device 0's primary context when none is current
+/// (the caller's current context is never replaced).
+pub fn location_of(addr: u64) -> Location {
+    if !matches!(cuda_available(), Ok(n) if n > 0) {
+        return Location::Cpu;
+    }
+    let r = guarded("pointer location", || unsafe {
+        let mut cur: sys::CUcontext = std::ptr::null_mut();
+        check("cuCtxGetCurrent", sys::cuCtxGetCurrent(&mut cur))?;
+        if cur.is_null() {
+            device(0)
+                .and_then(|d| d.bind())
+                .map_err(|e| e.to_string())?;
+        }
+        use sys::CUpointer_attribute as A;
+        // SAFETY: MEMORY_TYPE is written as a CUmemorytype (u32), DEVICE_ORDINAL as an int.
+        let ty: u32 = pointer_attribute(A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr)?;
+        if ty != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return Ok(Location::Cpu);
+        }
+        let ordinal: i32 = pointer_attribute(A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, addr)?;
+        Ok(Location::Cuda(ordinal.max(0) as u32))
+    });
+    // An address unknown to CUDA is an error of the query: plain host memory.
+    r.unwrap_or(Location::Cpu)
+}
+
 /// The allocation holding device address `addr`: (start, size, device ordinal).
 fn allocation_of(addr: u64) -> std::result::Result<(u64, u64, i32), String> {
     use sys::CUpointer_attribute as A;

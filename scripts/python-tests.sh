@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The Python package's tests (issue 9): a fresh venv under .dev/, `pip install ./python`
+# (maturin builds the extension; it reuses $CARGO_TARGET_DIR), pytest and numpy, then
+# `pytest python/tests`. The conformance test installs Mooncake's non-CUDA wheel from PyPI into
+# a throwaway venv of its own; that wheel needs libibverbs.so.1 to import, installed here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+need=()
+ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || need+=(libibverbs1)
+python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "python-tests: installing ${need[*]}" >&2
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+VENV=${KVFERRY_PY_VENV:-.dev/py-tests}
+python3 -m venv --clear "$VENV"
+"$VENV/bin/pip" install -q --disable-pip-version-check pytest numpy
+"$VENV/bin/pip" install -q --disable-pip-version-check ./python
+"$VENV/bin/python" -m pytest -q python/tests "$@"

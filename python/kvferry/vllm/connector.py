@@ -1,0 +1,179 @@
+"""`KvferryConnector`: kvferry as a vLLM v1 KV connector (`KVConnectorBase_V1` + `SupportsHMA`).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KvferryConnector",
+                           "kv_connector_module_path": "kvferry.vllm",
+                           "kv_role": "kv_producer" | "kv_consumer",
+                           "kv_load_failure_policy": "fail" | "recompute",
+                           "kv_connector_extra_config": {"host": "10.0.0.5", "port": 17500,
+                               "lease_seconds": 30, "load_timeout_seconds": 30}}'
+
+vLLM constructs it once in the scheduler process (role SCHEDULER: :mod:`kvferry.vllm.scheduler`)
+and once in every worker process, i.e. per TP/PP rank (role WORKER: :mod:`kvferry.vllm.worker`).
+Signatures are vLLM 0.32's (`vllm/distributed/kv_transfer/kv_connector/v1/base.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from kvferry.vllm.metadata import KvferryConnectorMetadata
+from kvferry.vllm.scheduler import KvferrySchedulerSide, SchedulerConfig
+from kvferry.vllm.worker import KvferryWorkerSide, UnavailableTransport
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# Under vLLM's logger, so vLLM's logging configuration (format, level) applies.
+log = logging.getLogger("vllm.kvferry")
+
+DEFAULT_PORT = 17500
+
+
+class ConfigError(ValueError):
+    """A ``kv_connector_extra_config`` value is missing its type or range; the message names it."""
+
+
+def _extra(extra: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    value = extra.get(key, default)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] = {value!r}: expected {kind.__name__}")
+    return value
+
+
+class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector over kvferry: push flow (the consumer asks, the producer WRITEs the
+    prompt's KV into the consumer's blocks), every load verified before it is reported finished."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {})
+        port = _extra(extra, "port", int, DEFAULT_PORT)
+        if not 1 <= port <= 65535:
+            raise ConfigError(f"kv_connector_extra_config['port'] = {port} is not a TCP port")
+        lease = _extra(extra, "lease_seconds", float, 30.0)
+        timeout = _extra(extra, "load_timeout_seconds", float, 30.0)
+        if lease <= 0 or timeout <= 0:
+            raise ConfigError("kv_connector_extra_config lease_seconds and load_timeout_seconds must be > 0")
+        host = extra.get("host")
+        if host is None:
+            from vllm.utils.network_utils import get_ip
+
+            host = get_ip()
+        if not isinstance(host, str) or not host:
+            raise ConfigError(f"kv_connector_extra_config['host'] = {host!r}: expected a host name or address")
+        self._scheduler: KvferrySchedulerSide | None = None
+        self._worker: KvferryWorkerSide | None = None
+        pc = vllm_config.parallel_config
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = KvferrySchedulerSide(
+                SchedulerConfig(
+                    engine_id=str(ktc.engine_id),
+                    is_producer=ktc.is_kv_producer,
+                    is_consumer=ktc.is_kv_consumer,
+                    host=host,
+                    port=port,
+                    tp_size=pc.tensor_parallel_size,
+                    pp_size=pc.pipeline_parallel_size,
+                    block_size=vllm_config.cache_config.block_size,
+                    lease_seconds=lease,
+                )
+            )
+        else:
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+            self._worker = KvferryWorkerSide(
+                tp_rank=get_tensor_model_parallel_rank(),
+                pp_rank=get_pp_group().rank_in_group,
+                load_timeout_seconds=timeout,
+                transport=UnavailableTransport(),
+            )
+
+    # ---- scheduler side ----
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta()
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        # The request's own blocks land in every transfer group (as Mooncake's connector says).
+        return self._kv_cache_config.transfer_group_ids
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output.finished_sending)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvferryConnectorMetadata)
+        self._worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are whole-request and asynchronous (between scheduler steps): nothing per layer.
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        # Push flow: the producer sends from its paged cache after the request finished.
+        return None
+
+    def wait_for_save(self):
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.get_block_ids_with_load_errors()
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,47 @@
+"""What the scheduler-side connector tells its worker-side ranks each engine step
+(`KVConnectorMetadata`, vLLM 0.32 `vllm/distributed/kv_transfer/kv_connector/v1/base.py`).
+
+Block ids are engine-global (every TP/PP rank holds the same block ids for its own layers and
+heads), so one metadata object serves every rank. It is pickled to the worker processes: plain
+dataclasses only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvferry.vllm.params import RemoteSource
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """A consumer rank's load: land ``num_tokens`` prompt tokens of ``source``'s request into
+    ``block_ids`` (one list per KV cache group, this engine's block ids)."""
+
+    request_id: str
+    source: RemoteSource
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """A producer rank's send: the finished request's KV blocks (per group) are held for the
+    consumer of ``transfer_id`` until served or until ``lease_seconds`` after the worker sees
+    this spec (then freed: reported in ``finished_sending``)."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+    lease_seconds: float
+
+
+@dataclass
+class KvferryConnectorMetadata(KVConnectorMetadata):
+    """One engine step's new loads (consumer) and sends (producer)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    sends: list[SendSpec] = field(default_factory=list)

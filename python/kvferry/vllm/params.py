@@ -1,0 +1,123 @@
+"""`kv_transfer_params` of kvferry's vLLM connector: the keys a request carries between the proxy,
+the producer (prefill) instance and the consumer (decode) instance.
+
+The keys follow vLLM's P2P connectors (NIXL, Mooncake in vLLM 0.32/0.33,
+`vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py`):
+
+- proxy -> producer: ``{"do_remote_decode": True, "transfer_id": str}`` (``max_tokens=1``).
+- producer -> proxy (the finished request's ``kv_transfer_params``, built by
+  :func:`producer_reply`): ``{"do_remote_prefill": True, "do_remote_decode": False,
+  "transfer_id", "remote_engine_id", "remote_host", "remote_port", "remote_tp_size",
+  "remote_pp_size"}``.
+- proxy -> consumer: that reply, unchanged.
+
+Unlike Mooncake's flow the producer names its own side-channel address in the reply, so the proxy
+needs no bootstrap-server address of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+DO_REMOTE_DECODE = "do_remote_decode"
+DO_REMOTE_PREFILL = "do_remote_prefill"
+TRANSFER_ID = "transfer_id"
+REMOTE_ENGINE_ID = "remote_engine_id"
+REMOTE_HOST = "remote_host"
+REMOTE_PORT = "remote_port"
+REMOTE_TP_SIZE = "remote_tp_size"
+REMOTE_PP_SIZE = "remote_pp_size"
+
+
+class ParamsError(ValueError):
+    """A request's ``kv_transfer_params`` lack a key or hold a value of the wrong type; the
+    message names the key. The connector then treats the request as a local prefill."""
+
+
+@dataclass(frozen=True)
+class RemoteSource:
+    """Where a consumer loads a request's KV from: the producer's transfer id, engine id, the
+    side-channel base address (``host:port`` of the producer's TP rank 0 / PP rank 0; rank
+    ``(tp, pp)`` listens on ``port + pp * tp_size + tp``) and the producer's TP/PP sizes."""
+
+    transfer_id: str
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    pp_size: int
+
+    def rank_port(self, tp_rank: int, pp_rank: int) -> int:
+        """Side-channel port of the producer rank ``(tp_rank, pp_rank)``."""
+        return self.port + pp_rank * self.tp_size + tp_rank
+
+
+def _get(params: Mapping[str, Any], key: str, kind: type) -> Any:
+    if key not in params:
+        raise ParamsError(f"kv_transfer_params lack {key!r}")
+    value = params[key]
+    # bool is an int in Python; a port or size given as True is a bug upstream.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ParamsError(
+            f"kv_transfer_params[{key!r}] is {type(value).__name__}, expected {kind.__name__}"
+        )
+    return value
+
+
+def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
+    """True when the producer must hold this request's KV for a consumer."""
+    return bool(params) and bool(params.get(DO_REMOTE_DECODE))
+
+
+def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
+    """True when the consumer must load this request's prompt KV from a producer."""
+    return bool(params) and bool(params.get(DO_REMOTE_PREFILL))
+
+
+def transfer_id_of(params: Mapping[str, Any]) -> str:
+    """The non-empty ``transfer_id``; :class:`ParamsError` otherwise."""
+    tid = _get(params, TRANSFER_ID, str)
+    if not tid:
+        raise ParamsError("kv_transfer_params['transfer_id'] is empty")
+    return tid
+
+
+def remote_source(params: Mapping[str, Any]) -> RemoteSource:
+    """Parses a consumer request's params; :class:`ParamsError` names the first bad key."""
+    port = _get(params, REMOTE_PORT, int)
+    if not 1 <= port <= 65535:
+        raise ParamsError(f"kv_transfer_params['remote_port'] = {port} is not a TCP port")
+    sizes = []
+    for key in (REMOTE_TP_SIZE, REMOTE_PP_SIZE):
+        size = _get(params, key, int) if key in params else 1
+        if size < 1:
+            raise ParamsError(f"kv_transfer_params[{key!r}] = {size} must be >= 1")
+        sizes.append(size)
+    host = _get(params, REMOTE_HOST, str)
+    if not host:
+        raise ParamsError("kv_transfer_params['remote_host'] is empty")
+    return RemoteSource(
+        transfer_id=transfer_id_of(params),
+        engine_id=_get(params, REMOTE_ENGINE_ID, str),
+        host=host,
+        port=port,
+        tp_size=sizes[0],
+        pp_size=sizes[1],
+    )
+
+
+def producer_reply(
+    transfer_id: str, engine_id: str, host: str, port: int, tp_size: int, pp_size: int
+) -> dict[str, Any]:
+    """The params a finished producer request returns, for the proxy to hand to the consumer."""
+    return {
+        DO_REMOTE_PREFILL: True,
+        DO_REMOTE_DECODE: False,
+        TRANSFER_ID: transfer_id,
+        REMOTE_ENGINE_ID: engine_id,
+        REMOTE_HOST: host,
+        REMOTE_PORT: port,
+        REMOTE_TP_SIZE: tp_size,
+        REMOTE_PP_SIZE: pp_size,
+    }

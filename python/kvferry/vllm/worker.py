@@ -1,0 +1,169 @@
+"""Worker side of kvferry's vLLM connector: one per vLLM worker process, i.e. per TP/PP rank.
+
+It registers the rank's KV cache tensors, holds a producer rank's finished requests under a
+lease, runs a consumer rank's loads off the forward path (a thread per load, each with a
+deadline), and reports to vLLM: ``finished_sending`` / ``finished_recving`` through
+``get_finished`` and the blocks of failed loads through ``get_block_ids_with_load_errors`` (vLLM's
+``kv_load_failure_policy`` then fails or recomputes the request). A load counts as finished only
+once its transport returned a result (landed and verified, or failed).
+
+The data path is a :class:`RankTransport`. kvferry's per-rank transport (TransferEngine WRITEs plus
+the rank's checksum records, docs/vllm-connector-notes.md) is not in this build yet; until it is,
+:class:`UnavailableTransport` fails every load with that reason, so vLLM's failure policy decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvferry.vllm.metadata import KvferryConnectorMetadata, LoadSpec, SendSpec
+
+# Under vLLM's logger, so vLLM's logging configuration (format, level) applies.
+log = logging.getLogger("vllm.kvferry")
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One registered KV cache tensor of this rank (vLLM's layer name, the tensor's address,
+    bytes, shape, strides in elements, dtype name)."""
+
+    name: str
+    data_ptr: int
+    nbytes: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    device: str
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What a transport says about one load: ``ok`` (landed and verified, or landed and
+    unverified under fail-open) or not, the verdict name, and a reason for the log."""
+
+    ok: bool
+    verdict: str
+    reason: str = ""
+
+
+class RankTransport(Protocol):
+    """One rank's data path: serve a producer rank's held request to its consumers, load a
+    consumer rank's request from its producer ranks (by ``deadline``, a ``time.monotonic()``)."""
+
+    def serve(self, send: SendSpec) -> None: ...
+
+    def load(self, spec: LoadSpec, deadline: float) -> LoadResult: ...
+
+
+class UnavailableTransport:
+    """The transport until kvferry's per-rank Producer/Consumer exist: nothing is served (held
+    blocks are freed when their lease expires) and every load fails with this reason."""
+
+    REASON = "kvferry has no per-rank transport in this build (docs/vllm-connector-notes.md)"
+
+    def serve(self, send: SendSpec) -> None:
+        return None
+
+    def load(self, spec: LoadSpec, deadline: float) -> LoadResult:
+        return LoadResult(ok=False, verdict="unverified", reason=self.REASON)
+
+
+@dataclass
+class _Held:
+    send: SendSpec
+    expires: float
+
+
+class KvferryWorkerSide:
+    """One rank's worker-side state; called by vLLM's model runner thread, loads run on a pool."""
+
+    def __init__(self, tp_rank: int, pp_rank: int, load_timeout_seconds: float,
+                 transport: RankTransport, max_parallel_loads: int = 4):
+        self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
+        self.load_timeout_seconds = load_timeout_seconds
+        self.transport = transport
+        self.layers: list[LayerInfo] = []
+        self._held: dict[str, _Held] = {}
+        self._served: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._done_loads: queue.SimpleQueue[tuple[LoadSpec, LoadResult]] = queue.SimpleQueue()
+        self._load_errors: set[int] = set()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max_parallel_loads, thread_name_prefix="kvferry-load")
+
+    def register_kv_caches(self, kv_caches: dict) -> list[LayerInfo]:
+        """Records every layer's tensor (several layers may share one storage)."""
+        self.layers = [
+            LayerInfo(name=name, data_ptr=t.data_ptr(), nbytes=t.numel() * t.element_size(),
+                      shape=tuple(t.shape), stride=tuple(t.stride()), dtype=str(t.dtype).removeprefix("torch."),
+                      device=str(t.device))
+            for name, t in kv_caches.items()
+        ]
+        if self.layers:
+            first = self.layers[0]
+            log.info("kvferry rank tp=%d pp=%d: %d KV layers, e.g. %s shape %s stride %s %s on %s",
+                     self.tp_rank, self.pp_rank, len(self.layers), first.name, first.shape,
+                     first.stride, first.dtype, first.device)
+        return self.layers
+
+    def start(self, meta: KvferryConnectorMetadata) -> None:
+        """Takes this step's new sends (held under their lease) and loads (started now)."""
+        now = time.monotonic()
+        for send in meta.sends:
+            self._held[send.request_id] = _Held(send, now + send.lease_seconds)
+            self.transport.serve(send)
+        for spec in meta.loads:
+            deadline = now + self.load_timeout_seconds
+            self._pool.submit(self._run_load, spec, deadline)
+
+    def _run_load(self, spec: LoadSpec, deadline: float) -> None:
+        try:
+            result = self.transport.load(spec, deadline)
+        except Exception as e:  # a transport bug must not strand the request in WAITING_FOR_REMOTE_KVS
+            result = LoadResult(ok=False, verdict="unverified", reason=f"transport raised {e!r}")
+        self._done_loads.put((spec, result))
+
+    def mark_served(self, request_id: str) -> None:
+        """The transport calls this when the consumer has everything: the blocks may be freed."""
+        self._served.put(request_id)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose held blocks may be freed, requests whose load ended); a failed load
+        ends too, its blocks going to :meth:`get_block_ids_with_load_errors` first."""
+        sending: set[str] = set()
+        while not self._served.empty():
+            rid = self._served.get()
+            if self._held.pop(rid, None) is not None:
+                sending.add(rid)
+        now = time.monotonic()
+        for rid in [r for r, h in self._held.items() if h.expires <= now]:
+            log.warning("kvferry: request %s (transfer %s) lease expired before its consumer was served; freeing its blocks",
+                        rid, self._held[rid].send.transfer_id)
+            del self._held[rid]
+            sending.add(rid)
+        recving: set[str] = set()
+        while not self._done_loads.empty():
+            spec, result = self._done_loads.get()
+            recving.add(spec.request_id)
+            if not result.ok:
+                blocks = {b for group in spec.block_ids for b in group}
+                log.error("kvferry: load of request %s (transfer %s) failed (%s): %s; %d blocks reported to vLLM's kv_load_failure_policy",
+                          spec.request_id, spec.source.transfer_id, result.verdict, result.reason, len(blocks))
+                with self._lock:
+                    self._load_errors |= blocks
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of loads that failed since the last call (drained)."""
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

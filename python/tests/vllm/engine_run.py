@@ -41,6 +41,40 @@ def write_model(path: str) -> None:
         json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
 
 
+def reinit_weights(model) -> None:
+    """vLLM's dummy weights (uniform +-1e-3) make the next token a function of the last token
+    alone, so a load that never happened would go unnoticed. Seeded O(1)-scale weights instead,
+    identical in every process: the output depends on the prompt's KV.
+
+    vLLM's CPU linear layers prepack their weight at load time (oneDNN or sgl-kernel, dropping
+    `weight`: vllm/model_executor/layers/utils.py dispatch_cpu_unquantized_gemm), so each one gets
+    a new weight and plain torch.nn.functional.linear."""
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(1234)
+
+    def plain_linear(x, weight, bias):
+        return F.linear(x, weight, bias)
+
+    with torch.no_grad():
+        for name, m in sorted(model.named_modules()):
+            w = getattr(m, "weight", None)
+            if not isinstance(w, torch.nn.Parameter):
+                continue
+            if "norm" in name:
+                w.fill_(1.0)
+                continue
+            if hasattr(m, "cpu_linear") and hasattr(m, "output_size_per_partition"):
+                shape = (m.output_size_per_partition, m.input_size_per_partition)
+            else:
+                shape = tuple(w.shape)
+            fan_in = shape[-1] if "embed" not in name else 1
+            m.weight = torch.nn.Parameter(torch.randn(shape, generator=gen) / fan_in**0.5, requires_grad=False)
+            if hasattr(m, "cpu_linear"):
+                m.cpu_linear = plain_linear
+
+
 def make_llm(model: str, role: str | None, policy: str = "fail"):
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -53,9 +87,11 @@ def make_llm(model: str, role: str | None, policy: str = "fail"):
             kv_connector_extra_config={"host": "127.0.0.1", "port": 17555, "lease_seconds": 2.0,
                                        "load_timeout_seconds": 5.0},
         )
-    return LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
-               max_model_len=256, enforce_eager=True, seed=0, block_size=BLOCK_SIZE,
-               max_num_seqs=4, enable_prefix_caching=False, kv_transfer_config=ktc)
+    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
+              max_model_len=256, enforce_eager=True, seed=0, block_size=BLOCK_SIZE,
+              max_num_seqs=4, enable_prefix_caching=False, kv_transfer_config=ktc)
+    llm.apply_model(reinit_weights)
+    return llm
 
 
 def generate(llm, prompts, max_tokens, params=None):
@@ -109,6 +145,9 @@ def main() -> None:
         llm = make_llm(model, "kv_consumer", scenario.removeprefix("consumer-"))
         result["startup_s"] = time.monotonic() - t0
         result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
+        # Same last token, other context: outputs must differ, or equality proves nothing.
+        result["reference_context_changed"] = generate(
+            llm, [[t + 100 for t in p[:-1]] + p[-1:] for p in PROMPTS], MAX_TOKENS)
         result["decode"] = generate(llm, PROMPTS, MAX_TOKENS, fake_producer_reply)
         result["free_after"] = free_blocks(llm)
         result["free_total"] = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1

@@ -111,45 +111,55 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- scheduler side ----
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Scheduler: tokens to load from the producer, loaded asynchronously (see scheduler.py)."""
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        """Scheduler: queues the load into the blocks vLLM just allocated."""
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        """Scheduler: this step's new loads and sends for every rank."""
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta()
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        """Scheduler: the groups a load fills: every transfer group."""
         # The request's own blocks land in every transfer group (as Mooncake's connector says).
         return self._kv_cache_config.transfer_group_ids
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler: (keep the blocks for a consumer?, params for the proxy); one KV cache group."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler (SupportsHMA): as request_finished, block ids per KV cache group."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        """Scheduler: forgets sends whose blocks the workers released."""
         assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output.finished_sending)
 
     def has_pending_push_work(self) -> bool:
+        """Scheduler: True while blocks are held for a consumer (keeps the engine stepping)."""
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     # ---- worker side ----
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        """Worker: records this rank's KV cache tensors (layer name -> tensor)."""
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Worker: takes this step's metadata: holds new sends, starts new loads (asynchronous)."""
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvferryConnectorMetadata)
@@ -164,16 +174,20 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def wait_for_save(self):
+        """Nothing to wait for: the push flow sends after the request finished."""
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Worker: (requests whose held blocks may be freed, requests whose load ended)."""
         assert self._worker is not None
         return self._worker.get_finished()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Worker: blocks of loads that failed since the last call; vLLM's kv_load_failure_policy decides."""
         assert self._worker is not None
         return self._worker.get_block_ids_with_load_errors()
 
     def shutdown(self):
+        """Worker: stops the load pool."""
         if self._worker is not None:
             self._worker.shutdown()

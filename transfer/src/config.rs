@@ -35,6 +35,11 @@ pub struct EngineConfig {
     /// Authorization: open (no secret, the default) or authenticated (a shared secret); see
     /// `crate::auth`.
     pub auth: AuthConfig,
+    /// A peer's cached descriptor not used (opened or submitted to) for this long is dropped,
+    /// and so are the RDMA endpoints (QPs) to a peer with no work for this long (TCP data
+    /// connections have their own `tcp.idle_timeout`). Default 60 s. Peers that fail are
+    /// dropped at once (issue 10, "no leaks under churn").
+    pub peer_idle_timeout: Duration,
 }
 
 /// Authorization settings (`crate::auth`). With neither `secret` nor `secret_file` the engine
@@ -77,6 +82,7 @@ impl Default for EngineConfig {
             transfer_timeout_per_byte: Duration::from_nanos(1),
             slice_size: 64 * 1024,
             auth: AuthConfig::default(),
+            peer_idle_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -186,6 +192,16 @@ pub struct TcpConfig {
     /// Accepted connections served at once per listener (handshake or data); more are closed
     /// at once. Default 256.
     pub max_server_connections: usize,
+    /// Accepted connections served at once per source IP per listener (handshake or data);
+    /// more from that source are closed at once, so one host's idle connections cannot lock
+    /// out the others. Default 64 (a host of 16 producer ranks with 4 data connections each).
+    pub max_connections_per_source: usize,
+    /// Pre-authentication deadline: an accepted connection (handshake or data) whose first
+    /// valid frame has not fully arrived within this long is closed. Default 2 s.
+    pub first_frame_timeout: Duration,
+    /// Port of the TCP data listener; 0 = let the OS pick (the default). A fixed port suits
+    /// firewalls; the port is advertised in the descriptor either way.
+    pub data_port: u16,
     /// Socket send/receive buffer size in bytes (SO_SNDBUF/SO_RCVBUF); 0 = OS default.
     /// Default 4 MiB.
     pub socket_buffer: usize,
@@ -201,6 +217,9 @@ impl Default for TcpConfig {
             coalesce_bytes: 1 << 20,
             max_frame_payload: 64 << 20,
             max_server_connections: 256,
+            max_connections_per_source: 64,
+            first_frame_timeout: Duration::from_secs(2),
+            data_port: 0,
             socket_buffer: 4 << 20,
         }
     }

@@ -12,6 +12,7 @@ use crate::config::{EngineConfig, RdmaConfig};
 use crate::error::{Result, TransferError};
 use crate::handshake::{self, FrameType, HandshakeServer, Session, MAX_FRAME_BODY};
 use crate::memory::{cover_sorted, MemoryAccess, MemoryRegion, MemoryRegistry};
+use crate::peer_cache::{BatchRefresh, PeerCache};
 use crate::segment::{BufferDesc, SegmentDescriptor, SegmentHandle};
 use crate::transport::completion::BatchState;
 use crate::transport::tcp::TcpTransport;
@@ -32,7 +33,7 @@ pub struct TransferEngine {
     instance_id: u64,
     registry: Arc<MemoryRegistry>,
     transport: Arc<dyn Transport>,
-    segments: Mutex<HashMap<String, Arc<SegmentDescriptor>>>,
+    peers: Arc<PeerCache>,
     batches: Mutex<HashMap<u64, Arc<BatchState>>>,
     next_batch: AtomicU64,
     handshake: Option<HandshakeServer>,
@@ -111,7 +112,10 @@ fn choose_transport(ctx: &TransportContext) -> Result<(Arc<dyn Transport>, Strin
 }
 
 /// Checks a descriptor received from a peer: kind set, buffers valid, sorted, non-overlapping.
-fn validate_descriptor(mut d: SegmentDescriptor, opened_as: &str) -> Result<SegmentDescriptor> {
+pub(crate) fn validate_descriptor(
+    mut d: SegmentDescriptor,
+    opened_as: &str,
+) -> Result<SegmentDescriptor> {
     let bad = |why: String| TransferError::Handshake {
         peer: opened_as.to_string(),
         reason: format!("invalid descriptor: {why}"),
@@ -290,19 +294,29 @@ impl TransferEngine {
                 )),
             }
         };
-        let server = HandshakeServer::start(
+        let server = HandshakeServer::start_limited(
             listener,
             Arc::new(handler),
             config.handshake_timeout,
             config.tcp.max_server_connections,
+            handshake::ConnLimits {
+                per_source: config.tcp.max_connections_per_source,
+                first_frame: config.tcp.first_frame_timeout,
+            },
         )?;
+        let peers = Arc::new(PeerCache::new(
+            transport.clone(),
+            auth.clone(),
+            config.handshake_timeout,
+            config.peer_idle_timeout,
+        ));
         Ok(Arc::new(TransferEngine {
             config,
             name,
             instance_id,
             registry,
             transport,
-            segments: Mutex::new(HashMap::new()),
+            peers,
             batches: Mutex::new(HashMap::new()),
             next_batch: AtomicU64::new(1),
             handshake: Some(server),
@@ -394,58 +408,22 @@ impl TransferEngine {
         Ok(())
     }
 
-    fn fetch_descriptor(
-        &self,
-        name: &str,
-        token: Option<&Token>,
-    ) -> Result<Arc<SegmentDescriptor>> {
-        let body = handshake::request_with(
-            name,
-            FrameType::Descriptor,
-            b"",
-            self.config.handshake_timeout,
-            self.auth.credential(token).as_ref(),
-        )?;
-        let d: SegmentDescriptor =
-            serde_json::from_slice(&body).map_err(|e| TransferError::Handshake {
-                peer: name.to_string(),
-                reason: format!("descriptor is not valid JSON: {e}"),
-            })?;
-        let d = Arc::new(validate_descriptor(d, name)?);
-        let old = self
-            .segments
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(name.to_string(), d.clone());
-        if old.is_some_and(|o| o.instance_id != d.instance_id) {
-            tracing::info!(
-                segment = name,
-                "segment restarted (new instance id); dropping its connections"
-            );
-            self.transport.disconnect(name);
-        }
-        Ok(d)
-    }
-
     /// Opens segment `name` (`host:port` of a peer's handshake listener): returns the cached
     /// descriptor, or fetches it by a handshake (within `handshake_timeout`) and caches it.
+    /// A descriptor not used (opened or submitted to) for `peer_idle_timeout` is dropped from
+    /// the cache, as is one whose peer could not be reached again after a connection error.
     /// Errors: `InvalidArgument` for a name that is not `host:port`; `Handshake` when the peer
     /// cannot be reached or answers badly.
     pub fn open_segment(&self, name: &str) -> Result<SegmentHandle> {
         check_segment_name(name)?;
-        if let Some(d) = self
-            .segments
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(name)
-        {
+        if let Some(d) = self.peers.get(name) {
             return Ok(SegmentHandle {
-                descriptor: d.clone(),
+                descriptor: d,
                 token: None,
             });
         }
         Ok(SegmentHandle {
-            descriptor: self.fetch_descriptor(name, None)?,
+            descriptor: self.peers.fetch(name, None)?,
             token: None,
         })
     }
@@ -456,15 +434,9 @@ impl TransferEngine {
     /// it. Errors as `open_segment`; a token the peer does not know is a `Handshake` error.
     pub fn open_segment_with_token(&self, name: &str, token: Token) -> Result<SegmentHandle> {
         check_segment_name(name)?;
-        let cached = self
-            .segments
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(name)
-            .cloned();
-        let descriptor = match cached {
+        let descriptor = match self.peers.get(name) {
             Some(d) => d,
-            None => self.fetch_descriptor(name, Some(&token))?,
+            None => self.peers.fetch(name, Some(&token))?,
         };
         Ok(SegmentHandle {
             descriptor,
@@ -477,18 +449,26 @@ impl TransferEngine {
     pub fn refresh_segment(&self, name: &str) -> Result<SegmentHandle> {
         check_segment_name(name)?;
         Ok(SegmentHandle {
-            descriptor: self.fetch_descriptor(name, None)?,
+            descriptor: self.peers.fetch(name, None)?,
             token: None,
         })
     }
 
     /// Forgets the cached descriptor of `name` and closes the transport's connections to it.
     pub fn close_segment(&self, name: &str) {
-        self.segments
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name);
-        self.transport.disconnect(name);
+        self.peers.forget(name);
+    }
+
+    /// Counts of what this engine holds for peers now (see `EngineStats`); idle descriptors
+    /// are dropped first.
+    pub fn stats(&self) -> EngineStats {
+        let t = self.transport.stats();
+        EngineStats {
+            cached_segments: self.peers.len(),
+            peers: t.peers,
+            connections: t.connections,
+            served_connections: t.served_connections,
+        }
     }
 
     /// Validates and slices `requests`, all with segment `target`, and starts them; returns at
@@ -499,6 +479,10 @@ impl TransferEngine {
     /// Requests are cut into slices of `slice_size` that never cross a region on either side.
     /// An empty `requests` gives a batch that is already `Completed`. The handle's token
     /// (`SegmentHandle::with_token`), if any, travels with every data frame.
+    /// A slice that fails on
+    /// the peer's connection (refused or broken, the peer answers for another instance id, an
+    /// RDMA connection error) is retried once after the descriptor is fetched again (once per
+    /// batch): a peer restarted under the same name is reached at its new ports.
     pub fn submit(&self, target: &SegmentHandle, requests: &[TransferRequest]) -> Result<BatchId> {
         let mut desc = target.descriptor.clone();
         let local_covers = requests
@@ -527,7 +511,7 @@ impl TransferEngine {
             Ok(c) => c,
             Err(_) => {
                 check_segment_name(target.name())?;
-                desc = self.fetch_descriptor(target.name(), target.token.as_ref())?;
+                desc = self.peers.fetch(target.name(), target.token.as_ref())?;
                 remote_covers(&desc, requests)?
             }
         };
@@ -553,9 +537,16 @@ impl TransferEngine {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id, state.clone());
+        self.peers.touch(&desc.name);
         if !slices.is_empty() {
-            self.transport
-                .post(&desc, slices, CompletionSink::new(state), target.token);
+            let refresh =
+                BatchRefresh::new(self.peers.clone(), &desc.name, slices.clone(), target.token);
+            self.transport.post(
+                &desc,
+                slices,
+                CompletionSink::with_refresh(state, Arc::new(refresh)),
+                target.token,
+            );
         }
         Ok(BatchId(id))
     }
@@ -669,6 +660,22 @@ impl TransferEngine {
     ) -> Result<()> {
         self.sync(target, Op::Read, requests)
     }
+}
+
+/// What an engine holds for peers (`TransferEngine::stats`): what must return to its starting
+/// values once peers die or go idle (issue 10, "no leaks under churn").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Peer descriptors cached (`open_segment`).
+    pub cached_segments: usize,
+    /// Peers the transport holds connection state for (TCP connection pools, RDMA peers with
+    /// endpoints).
+    pub peers: usize,
+    /// Connections this engine opened: TCP data connections, RDMA QPs of its endpoints.
+    pub connections: usize,
+    /// Connections peers opened to this engine and it serves now: TCP data connections, RDMA
+    /// QPs of passive endpoints.
+    pub served_connections: usize,
 }
 
 fn check_segment_name(name: &str) -> Result<()> {

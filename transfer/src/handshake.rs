@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::admission::Sources;
 use crate::error::{Result, TransferError};
 
 /// Largest handshake frame body, bytes (1 MiB, as Mooncake's default).
@@ -255,10 +256,22 @@ struct ServerShared {
     max_connections: usize,
     timeout: Duration,
     handler: Arc<Handler>,
+    limits: ConnLimits,
+    sources: Arc<Sources>,
+}
+
+/// Per-source limit and first-frame (pre-authentication) deadline of a listener
+/// (`TcpConfig::max_connections_per_source`, `TcpConfig::first_frame_timeout`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConnLimits {
+    pub per_source: usize,
+    pub first_frame: Duration,
 }
 
 /// The handshake listener: an accept thread and one thread per connection (at most
-/// `max_connections` at once; more are closed at once). Stops when dropped.
+/// `max_connections` at once, `limits.per_source` per source IP; more are closed at once; a
+/// connection whose first frame has not arrived within `limits.first_frame` is closed).
+/// Stops when dropped.
 pub(crate) struct HandshakeServer {
     shared: Arc<ServerShared>,
     addr: SocketAddr,
@@ -267,11 +280,29 @@ pub(crate) struct HandshakeServer {
 
 impl HandshakeServer {
     /// Serves `listener` with `handler`; each connection's frames must arrive within `timeout`.
+    /// Per-source limit and first-frame deadline as `TcpConfig`'s defaults.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn start(
         listener: TcpListener,
         handler: Arc<Handler>,
         timeout: Duration,
         max_connections: usize,
+    ) -> Result<Self> {
+        let d = crate::config::TcpConfig::default();
+        let limits = ConnLimits {
+            per_source: d.max_connections_per_source,
+            first_frame: d.first_frame_timeout,
+        };
+        Self::start_limited(listener, handler, timeout, max_connections, limits)
+    }
+
+    /// As `start`, with `limits`.
+    pub(crate) fn start_limited(
+        listener: TcpListener,
+        handler: Arc<Handler>,
+        timeout: Duration,
+        max_connections: usize,
+        limits: ConnLimits,
     ) -> Result<Self> {
         let addr = listener
             .local_addr()
@@ -282,6 +313,8 @@ impl HandshakeServer {
             max_connections: max_connections.max(1),
             timeout,
             handler,
+            sources: Sources::new(limits.per_source),
+            limits,
         });
         let sh = shared.clone();
         let accept = std::thread::Builder::new()
@@ -323,6 +356,17 @@ fn accept_loop(listener: TcpListener, sh: Arc<ServerShared>) {
                 continue;
             }
         };
+        let ticket = match s.peer_addr() {
+            Ok(p) => sh.sources.admit(p.ip()).ok_or(p),
+            Err(_) => continue,
+        };
+        let ticket = match ticket {
+            Ok(t) => t,
+            Err(p) => {
+                tracing::warn!(peer = %p, "handshake: too many connections from this source, closing one");
+                continue;
+            }
+        };
         if sh.active.fetch_add(1, Ordering::SeqCst) >= sh.max_connections {
             sh.active.fetch_sub(1, Ordering::SeqCst);
             tracing::warn!("handshake: too many connections, closing one");
@@ -333,6 +377,7 @@ fn accept_loop(listener: TcpListener, sh: Arc<ServerShared>) {
             .name("kvferry-handshake-conn".into())
             .spawn(move || {
                 serve_conn(s, &sh2);
+                drop(ticket);
                 sh2.active.fetch_sub(1, Ordering::SeqCst);
             });
         if let Err(e) = spawned {
@@ -370,8 +415,15 @@ fn serve_conn(mut s: TcpStream, sh: &ServerShared) {
         nonce: None,
         authed: false,
     };
+    // the first frame must arrive within the pre-authentication deadline
+    let mut first = true;
     loop {
-        let deadline = Instant::now() + sh.timeout;
+        let wait = if std::mem::take(&mut first) {
+            sh.timeout.min(sh.limits.first_frame)
+        } else {
+            sh.timeout
+        };
+        let deadline = Instant::now() + wait;
         let (ty, body) = match read_frame(&mut s, deadline, "read handshake request") {
             Ok(Some(f)) => f,
             Ok(None) => return,

@@ -25,12 +25,14 @@
 #![warn(missing_docs)]
 #![warn(unsafe_op_in_unsafe_fn)]
 
+mod admission;
 pub mod auth;
 pub mod config;
 pub mod engine;
 pub mod error;
 pub mod handshake;
 pub mod memory;
+mod peer_cache;
 pub mod segment;
 pub mod transport;
 pub mod types;
@@ -39,9 +41,11 @@ pub mod gpu;
 
 pub use auth::{Credential, GrantGuard, GrantOps, GrantSpec, Secret, Token};
 pub use config::{AuthConfig, EngineConfig, GpuRegistration, RdmaConfig, TcpConfig};
-pub use engine::TransferEngine;
+pub use engine::{EngineStats, TransferEngine};
 pub use error::{Result, TransferError};
 pub use memory::{MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys, RegistrationPath};
 pub use segment::{BufferDesc, SegmentDescriptor, SegmentHandle};
-pub use transport::{CompletionSink, Slice, Transport, TransportContext, TransportInfo};
+pub use transport::{
+    CompletionSink, Slice, Transport, TransportContext, TransportInfo, TransportStats,
+};
 pub use types::{BatchId, BatchStatus, Location, Op, TransferRequest, TransportKind};

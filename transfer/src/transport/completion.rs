@@ -185,14 +185,65 @@ impl BatchState {
 /// Where a transport reports finished slices (one sink per `post` call; cheap to clone, usable
 /// from any thread). The first report for a slice id counts; later ones and unknown ids are
 /// ignored with a warning.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct CompletionSink {
     state: Arc<BatchState>,
+    /// Where `fail_peer` sends a slice for one retry on a fresh descriptor (the engine's);
+    /// `None` on a retry's own sink, so a slice is retried at most once.
+    refresh: Option<Arc<dyn PeerRefresh>>,
+}
+
+impl std::fmt::Debug for CompletionSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompletionSink")
+            .field("state", &self.state)
+            .field("refresh", &self.refresh.is_some())
+            .finish()
+    }
+}
+
+/// The engine's side of `CompletionSink::fail_peer`: fetches the peer's descriptor again
+/// (once per batch) and posts the slice again on `retry_sink` (which has no hook), or reports
+/// it failed.
+pub(crate) trait PeerRefresh: Send + Sync {
+    fn retry(&self, id: u32, err: TransferError, retry_sink: CompletionSink);
 }
 
 impl CompletionSink {
+    /// A sink without the engine's retry hook (tests, transports' own tests).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn new(state: Arc<BatchState>) -> Self {
-        CompletionSink { state }
+        CompletionSink {
+            state,
+            refresh: None,
+        }
+    }
+
+    /// A sink whose `fail_peer` hands slices to `refresh` for one retry.
+    pub(crate) fn with_refresh(state: Arc<BatchState>, refresh: Arc<dyn PeerRefresh>) -> Self {
+        CompletionSink {
+            state,
+            refresh: Some(refresh),
+        }
+    }
+
+    /// Reports slice `id` failed because the peer could not be reached as its descriptor says:
+    /// the data connection was refused or broke, the peer answered for another instance id
+    /// (it restarted), or the RDMA connection failed (QP error). The engine then fetches the
+    /// peer's descriptor again (once per batch) and retries the slice once on it; a slice that
+    /// fails again, or a sink without the engine's hook, reports `err` as `complete` does.
+    pub fn fail_peer(&self, id: u32, err: TransferError) {
+        match &self.refresh {
+            Some(r) if !self.is_cancelled() => r.retry(
+                id,
+                err,
+                CompletionSink {
+                    state: self.state.clone(),
+                    refresh: None,
+                },
+            ),
+            _ => self.complete(id, Err(err)),
+        }
     }
 
     /// Reports slice `id` finished: `Ok(())` when its bytes are in place, else the error.

@@ -175,9 +175,25 @@ pub trait Transport: Send + Sync + 'static {
     /// descriptor changed, e.g. the peer restarted). Default: nothing.
     fn disconnect(&self, _name: &str) {}
 
+    /// Counts of the connection state held now (`TransferEngine::stats`). Default: zeros.
+    fn stats(&self) -> TransportStats {
+        TransportStats::default()
+    }
+
     /// Stops the transport's threads and closes its connections; in-flight slices are reported
     /// failed. Called once, when the engine is dropped. Default: nothing.
     fn shutdown(&self) {}
+}
+
+/// A transport's connection state (`Transport::stats`), as `EngineStats` reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransportStats {
+    /// Peers with connection state (TCP pools, RDMA peers with endpoints).
+    pub peers: usize,
+    /// Connections opened by this side (TCP data connections, RDMA QPs).
+    pub connections: usize,
+    /// Connections served for peers (TCP data connections, RDMA passive QPs).
+    pub served_connections: usize,
 }
 
 /// Returns the error `post` should report for a slice whose peer speaks another transport.

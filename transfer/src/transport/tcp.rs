@@ -15,7 +15,13 @@
 //! (reads replies in order, READ data straight into registered memory); at most
 //! `inflight_per_connection` slices are in flight per connection. Every socket operation has a
 //! deadline (`io_timeout`): a dead peer fails the slices within it. A broken connection fails its
-//! slices and is replaced on the next post.
+//! slices (through `CompletionSink::fail_peer`, so the engine may fetch the peer's descriptor
+//! again and retry them once) and is replaced on the next post. A connection is opened when its
+//! first job arrives and closed (socket and threads) when it broke or idled `idle_timeout`; a
+//! pool whose last connection closed is dropped (issue 10, "no leaks under churn").
+//!
+//! Listener: at most `max_server_connections` served connections, `max_connections_per_source`
+//! per source IP, and a connection's first request must arrive within `first_frame_timeout`.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -30,7 +36,11 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::wire::{self, Request};
-use super::{kind_mismatch, CompletionSink, Slice, Transport, TransportContext, TransportInfo};
+use super::{
+    kind_mismatch, CompletionSink, Slice, Transport, TransportContext, TransportInfo,
+    TransportStats,
+};
+use crate::admission::Sources;
 use crate::config::TcpConfig;
 use crate::error::{Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
@@ -44,8 +54,11 @@ pub struct TcpTransport {
     server: Arc<ServerShared>,
     accept: Mutex<Option<std::thread::JoinHandle<()>>>,
     listen_addr: SocketAddr,
-    peers: Mutex<HashMap<String, Arc<PeerPool>>>,
+    peers: Arc<Pools>,
 }
+
+/// The connection pools by segment name.
+type Pools = Mutex<HashMap<String, Arc<PeerPool>>>;
 
 impl TcpTransport {
     /// Binds the data listener on `ctx.config.host`, port chosen by the OS, and starts serving.
@@ -59,7 +72,7 @@ impl TcpTransport {
             )));
         }
         let host = ctx.config.host.clone();
-        let listener = TcpListener::bind((strip_brackets(&host), 0)).map_err(|e| {
+        let listener = TcpListener::bind((strip_brackets(&host), tcp.data_port)).map_err(|e| {
             TransferError::Config(format!("cannot bind TCP data listener on {host}: {e}"))
         })?;
         let listen_addr = listener
@@ -71,6 +84,7 @@ impl TcpTransport {
             active: AtomicUsize::new(0),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
+            sources: Sources::new(tcp.max_connections_per_source),
         });
         let sh = server.clone();
         let accept = std::thread::Builder::new()
@@ -83,7 +97,7 @@ impl TcpTransport {
             server,
             accept: Mutex::new(Some(accept)),
             listen_addr,
-            peers: Mutex::new(HashMap::new()),
+            peers: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 
@@ -94,6 +108,7 @@ impl TcpTransport {
 
     fn pool_for(&self, peer: &SegmentDescriptor) -> Result<Arc<PeerPool>> {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        peers.retain(|_, p| !p.unused());
         if let Some(p) = peers.get(&peer.name) {
             if p.instance == peer.instance_id {
                 return Ok(p.clone());
@@ -123,6 +138,7 @@ impl TcpTransport {
             conns: Mutex::new(Vec::new()),
             next: AtomicUsize::new(0),
             down: Mutex::new(None),
+            pools: Arc::downgrade(&self.peers),
         });
         if let Some(old) = peers.insert(peer.name.clone(), pool.clone()) {
             old.close();
@@ -212,6 +228,19 @@ impl Transport for TcpTransport {
             .remove(name);
         if let Some(p) = old {
             p.close();
+        }
+    }
+
+    fn stats(&self) -> TransportStats {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        peers.retain(|_, p| !p.unused());
+        TransportStats {
+            peers: peers.len(),
+            connections: peers
+                .values()
+                .map(|p| p.conns.lock().unwrap_or_else(|e| e.into_inner()).len())
+                .sum(),
+            served_connections: self.server.active.load(Ordering::SeqCst),
         }
     }
 
@@ -344,6 +373,7 @@ struct ServerShared {
     /// Clones of served sockets, to close them at shutdown.
     conns: Mutex<HashMap<u64, TcpStream>>,
     next_conn: AtomicU64,
+    sources: Arc<Sources>,
 }
 
 fn accept_loop(listener: TcpListener, sh: Arc<ServerShared>) {
@@ -357,6 +387,17 @@ fn accept_loop(listener: TcpListener, sh: Arc<ServerShared>) {
             Err(e) => {
                 tracing::debug!("tcp accept: {e}");
                 std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let ticket = match s.peer_addr() {
+            Ok(p) => sh.sources.admit(p.ip()).ok_or(p),
+            Err(_) => continue,
+        };
+        let ticket = match ticket {
+            Ok(t) => t,
+            Err(p) => {
+                tracing::warn!(peer = %p, "tcp data listener: too many connections from this source, closing one");
                 continue;
             }
         };
@@ -384,6 +425,7 @@ fn accept_loop(listener: TcpListener, sh: Arc<ServerShared>) {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .remove(&id);
+                drop(ticket);
                 sh2.active.fetch_sub(1, Ordering::SeqCst);
             });
         if let Err(e) = spawned {
@@ -428,6 +470,16 @@ fn read_request(s: &mut TcpStream, idle: Duration) -> Result<Option<Request>> {
     Request::decode(&hdr).map(Some)
 }
 
+/// Reads a connection's first request header, all of it within `first_frame_timeout` (the
+/// pre-authentication deadline), then restores the socket's `io_timeout`.
+fn read_first_request(s: &mut TcpStream, cfg: &TcpConfig) -> Result<Request> {
+    let mut hdr = [0u8; wire::REQ_LEN];
+    let deadline = Instant::now() + cfg.first_frame_timeout;
+    crate::handshake::read_exact_by(s, &mut hdr, deadline, "read first request")?;
+    prepare(s, cfg, "prepare served connection")?;
+    Request::decode(&hdr)
+}
+
 fn reply_error(s: &mut TcpStream, status: u8, text: &str) -> Result<()> {
     let t = &text.as_bytes()[..text.len().min(wire::MAX_ERROR_TEXT as usize)];
     let h = wire::encode_reply(status, t.len() as u64);
@@ -443,12 +495,17 @@ fn serve_conn(mut s: TcpStream, sh: &ServerShared) -> Result<()> {
     prepare(&s, cfg, "prepare served connection")?;
     let idle = cfg.idle_timeout.saturating_mul(2);
     let instance = sh.ctx.instance_id;
+    let mut first = Some(read_first_request(&mut s, cfg)?);
     loop {
         if sh.stop.load(Ordering::SeqCst) {
             return Ok(());
         }
-        let Some(req) = read_request(&mut s, idle)? else {
-            return Ok(());
+        let req = match first.take() {
+            Some(r) => r,
+            None => match read_request(&mut s, idle)? {
+                Some(r) => r,
+                None => return Ok(()),
+            },
         };
         if req.op == wire::OP_WRITE_SCATTER {
             serve_scatter(&mut s, sh, req)?;
@@ -701,6 +758,15 @@ impl Job {
         }
     }
 
+    /// Fails every slice of the frame as a failure of the peer's connection (see
+    /// `CompletionSink::fail_peer`).
+    fn fail_peer(&self, err: &TransferError) {
+        let more = self.more.iter().flat_map(|(_, ids)| ids.clone());
+        for id in self.ids.clone().chain(more) {
+            self.sink.fail_peer(id, err.clone());
+        }
+    }
+
     /// Payload bytes of the frame.
     fn bytes(&self) -> u64 {
         self.slice.len + self.more.iter().map(|(s, _)| s.len).sum::<u64>()
@@ -776,6 +842,8 @@ struct PeerPool {
     /// Set when a connect failed: until the instant, jobs fail at once with that error instead
     /// of each spawning a connection attempt.
     down: Mutex<Option<(Instant, TransferError)>>,
+    /// The transport's pools: the last connection to close removes this pool from them.
+    pools: std::sync::Weak<Pools>,
 }
 
 /// One data connection: a job queue feeding its writer thread. `tx` is `None` once the
@@ -804,7 +872,7 @@ impl PeerPool {
     fn send(self: &Arc<Self>, mut job: Job) {
         if let Some((until, e)) = self.down.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
             if Instant::now() < *until {
-                return job.complete(Err(e.clone()));
+                return job.fail_peer(e);
             }
         }
         let want = self.cfg.connections_per_peer.max(1);
@@ -836,10 +904,40 @@ impl PeerPool {
                 }
             }
         }
-        job.complete(Err(TransferError::Io(format!(
+        job.fail_peer(&TransferError::Io(format!(
             "no usable TCP connection to segment {}",
             self.segment
-        ))));
+        )));
+    }
+
+    /// True when the pool holds no connection and no recent connect failure: nothing to keep.
+    fn unused(&self) -> bool {
+        let down = self.down.lock().unwrap_or_else(|e| e.into_inner());
+        self.conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+            && !down
+                .as_ref()
+                .is_some_and(|(until, _)| Instant::now() < *until)
+    }
+
+    /// A connection's writer ended: forget the connection, and the pool when it was the last.
+    fn conn_ended(self: &Arc<Self>, conn: &Arc<Conn>) {
+        let Some(pools) = self.pools.upgrade() else {
+            return;
+        };
+        let mut pools = pools.lock().unwrap_or_else(|e| e.into_inner());
+        self.conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|c| !Arc::ptr_eq(c, conn));
+        let ours = pools
+            .get(&self.segment)
+            .is_some_and(|p| Arc::ptr_eq(p, self));
+        if ours && self.unused() {
+            pools.remove(&self.segment);
+        }
     }
 
     fn spawn_conn(self: &Arc<Self>) -> Arc<Conn> {
@@ -898,22 +996,56 @@ impl PeerPool {
     fn retire(conn: &Conn, rx: &Receiver<Job>, err: &TransferError) {
         conn.close();
         while let Ok(j) = rx.try_recv() {
-            j.complete(Err(err.clone()));
+            j.fail_peer(err);
         }
     }
 
     fn writer(self: Arc<Self>, conn: Arc<Conn>, rx: Receiver<Job>) {
+        self.run_writer(&conn, rx);
+        // The socket clone kept for `close` goes now, not when the pool replaces the connection
+        // (dropping a clone closes its fd, not the connection: the reader may still be reading
+        // the replies in flight).
+        conn.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        conn.stream.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.conn_ended(&conn);
+    }
+
+    /// The first job, or `None` when none came within `idle_timeout` (the connection is then
+    /// never opened).
+    fn first_job(conn: &Conn, rx: &Receiver<Job>, idle: Duration) -> Option<Job> {
+        match rx.recv_timeout(idle) {
+            Ok(j) => Some(j),
+            Err(RecvTimeoutError::Timeout) => {
+                conn.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+                rx.try_recv().ok() // one that slipped in before we stopped taking jobs
+            }
+            Err(RecvTimeoutError::Disconnected) => None,
+        }
+    }
+
+    fn run_writer(self: &Arc<Self>, conn: &Arc<Conn>, rx: Receiver<Job>) {
+        let conn = conn.clone();
+        // connect only once there is a job: the target closes a connection whose first
+        // request does not come within its first-frame deadline
+        let Some(first) = Self::first_job(&conn, &rx, self.cfg.idle_timeout) else {
+            return;
+        };
         let mut s = match self.connect() {
             Ok(s) => s,
             Err(e) => {
                 let until = Instant::now() + self.cfg.io_timeout.min(Duration::from_secs(1));
                 *self.down.lock().unwrap_or_else(|e| e.into_inner()) = Some((until, e.clone()));
+                first.fail_peer(&e);
                 return Self::retire(&conn, &rx, &e);
             }
         };
         let read_half = match s.try_clone() {
             Ok(r) => r,
-            Err(e) => return Self::retire(&conn, &rx, &TransferError::io("clone socket", e)),
+            Err(e) => {
+                let e = TransferError::io("clone socket", e);
+                first.fail_peer(&e);
+                return Self::retire(&conn, &rx, &e);
+            }
         };
         if let Ok(c) = s.try_clone() {
             *conn.stream.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
@@ -925,7 +1057,12 @@ impl PeerPool {
             .name("kvferry-tcp-reader".into())
             .spawn(move || pool.reader(c2, read_half, frx));
         if let Err(e) = reader {
-            return Self::retire(&conn, &rx, &TransferError::io("spawn TCP reader thread", e));
+            let e = TransferError::io("spawn TCP reader thread", e);
+            first.fail_peer(&e);
+            return Self::retire(&conn, &rx, &e);
+        }
+        if !self.send_one(&mut s, &ftx, first, &conn, &rx) {
+            return;
         }
         loop {
             let job = match rx.recv_timeout(self.cfg.idle_timeout) {
@@ -938,7 +1075,7 @@ impl PeerPool {
                         if ok {
                             ok = self.send_one(&mut s, &ftx, j, &conn, &rx);
                         } else {
-                            j.complete(Err(TransferError::Io("connection closed".into())));
+                            j.fail_peer(&TransferError::Io("connection closed".into()));
                         }
                     }
                     break;
@@ -1011,7 +1148,7 @@ impl PeerPool {
         // in flight before sending, so the reader expects the reply; blocks when the window is full
         if let Err(mpsc::SendError(job)) = ftx.send(job) {
             let e = TransferError::Io(format!("TCP connection to segment {} broke", self.segment));
-            job.complete(Err(e.clone()));
+            job.fail_peer(&e);
             Self::retire(conn, rx, &e);
             return false;
         }
@@ -1095,13 +1232,14 @@ impl PeerPool {
         let mut broken: Option<TransferError> = None;
         for job in frx.iter() {
             if let Some(e) = &broken {
-                job.complete(Err(e.clone()));
+                job.fail_peer(e);
                 continue;
             }
             match self.read_reply(&mut s, &job.slice, !job.more.is_empty()) {
-                Ok(result) => job.complete(result),
+                Ok(Reply::Done(result)) => job.complete(result),
+                Ok(Reply::Stale(e)) => job.fail_peer(&e),
                 Err(e) => {
-                    job.complete(Err(e.clone()));
+                    job.fail_peer(&e);
                     conn.close();
                     broken = Some(e);
                 }
@@ -1110,9 +1248,9 @@ impl PeerPool {
         let _ = s.shutdown(Shutdown::Both);
     }
 
-    /// Reads one reply. Outer `Err`: the connection is unusable. Inner: the slice's result.
+    /// Reads one reply. `Err`: the connection is unusable. `Reply`: the slice's result.
     /// `scatter`: the frame was a scattered WRITE starting with `sl`.
-    fn read_reply(&self, s: &mut TcpStream, sl: &Slice, scatter: bool) -> Result<Result<()>> {
+    fn read_reply(&self, s: &mut TcpStream, sl: &Slice, scatter: bool) -> Result<Reply> {
         let what = format!("reply from segment {}", self.segment);
         let mut h = [0u8; wire::REP_LEN];
         read_full(s, &mut h, &what)?;
@@ -1141,7 +1279,10 @@ impl PeerPool {
                     self.segment
                 )),
                 wire::ST_STALE => {
-                    TransferError::Failed(format!("segment {}: {text}", self.segment))
+                    return Ok(Reply::Stale(TransferError::Failed(format!(
+                        "segment {}: {text}",
+                        self.segment
+                    ))))
                 }
                 _ => TransferError::Failed(format!(
                     "segment {} refused the request: {text}",
@@ -1151,7 +1292,7 @@ impl PeerPool {
             if status == wire::ST_BAD_REQUEST {
                 return Err(err); // the target closes after a bad request
             }
-            return Ok(Err(err));
+            return Ok(Reply::Done(Err(err)));
         }
         let expect = if sl.op == Op::Read { sl.len } else { 0 };
         if len != expect {
@@ -1174,13 +1315,21 @@ impl PeerPool {
                     // SAFETY: as above, for memory at `loc`.
                     if let Err(e) = unsafe { self.ctx.memory.copy_to(loc, sl.local_addr, &staging) }
                     {
-                        return Ok(Err(e));
+                        return Ok(Reply::Done(Err(e)));
                     }
                 }
             }
         }
-        Ok(Ok(()))
+        Ok(Reply::Done(Ok(())))
     }
+}
+
+/// A reply's outcome for its slices.
+enum Reply {
+    /// The slices' result.
+    Done(Result<()>),
+    /// The target is another instance than the descriptor names (it restarted).
+    Stale(TransferError),
 }
 
 #[cfg(test)]

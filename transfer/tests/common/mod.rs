@@ -1,6 +1,7 @@
 //! Shared helpers of the transfer integration tests: engines on loopback and test buffers.
 #![allow(dead_code)]
 
+pub mod child;
 pub mod fake_gpu;
 pub mod rdma;
 

@@ -1,0 +1,274 @@
+//! Peer descriptors the engine has fetched (DESIGN.md §3 "Segments"; issue 10 "stale
+//! descriptors", "no leaks under churn"): the cache, its idle expiry, and the one retry of a
+//! batch's slices on a freshly fetched descriptor when the cached one turned out stale.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::auth::{AuthState, Token};
+use crate::error::{Result, TransferError};
+use crate::handshake::{self, FrameType};
+use crate::segment::SegmentDescriptor;
+use crate::transport::completion::PeerRefresh;
+use crate::transport::{CompletionSink, Slice, Transport};
+
+struct Entry {
+    desc: Arc<SegmentDescriptor>,
+    used: Instant,
+}
+
+/// Descriptors by segment name. An entry not used (opened or submitted to) for `idle` is
+/// dropped; one whose peer cannot be reached any more is dropped at once (`forget`).
+pub(crate) struct PeerCache {
+    entries: Mutex<HashMap<String, Entry>>,
+    transport: Arc<dyn Transport>,
+    auth: Arc<AuthState>,
+    handshake_timeout: Duration,
+    idle: Duration,
+}
+
+impl PeerCache {
+    pub(crate) fn new(
+        transport: Arc<dyn Transport>,
+        auth: Arc<AuthState>,
+        handshake_timeout: Duration,
+        idle: Duration,
+    ) -> Self {
+        PeerCache {
+            entries: Mutex::new(HashMap::new()),
+            transport,
+            auth,
+            handshake_timeout,
+            idle,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        let mut m = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let idle = self.idle;
+        m.retain(|_, e| e.used.elapsed() < idle);
+        m
+    }
+
+    /// The cached descriptor of `name` (marked used), if any.
+    pub(crate) fn get(&self, name: &str) -> Option<Arc<SegmentDescriptor>> {
+        self.lock().get_mut(name).map(|e| {
+            e.used = Instant::now();
+            e.desc.clone()
+        })
+    }
+
+    /// Marks `name` used (a submit to it).
+    pub(crate) fn touch(&self, name: &str) {
+        if let Some(e) = self.lock().get_mut(name) {
+            e.used = Instant::now();
+        }
+    }
+
+    /// Cached descriptors now (after dropping idle ones).
+    pub(crate) fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Drops `name`'s descriptor and the transport's connections to it.
+    pub(crate) fn forget(&self, name: &str) {
+        self.lock().remove(name);
+        self.transport.disconnect(name);
+    }
+
+    /// Fetches `name`'s descriptor by a handshake (within the handshake timeout; presenting
+    /// this engine's secret proof or `token`, `crate::auth`), validates and caches it. A new
+    /// instance id drops the transport's connections to the old instance.
+    /// Errors: `Handshake` when the peer cannot be reached or answers badly.
+    pub(crate) fn fetch(
+        &self,
+        name: &str,
+        token: Option<&Token>,
+    ) -> Result<Arc<SegmentDescriptor>> {
+        let body = handshake::request_with(
+            name,
+            FrameType::Descriptor,
+            b"",
+            self.handshake_timeout,
+            self.auth.credential(token).as_ref(),
+        )?;
+        let d: SegmentDescriptor =
+            serde_json::from_slice(&body).map_err(|e| TransferError::Handshake {
+                peer: name.to_string(),
+                reason: format!("descriptor is not valid JSON: {e}"),
+            })?;
+        let d = Arc::new(crate::engine::validate_descriptor(d, name)?);
+        let old = self.lock().insert(
+            name.to_string(),
+            Entry {
+                desc: d.clone(),
+                used: Instant::now(),
+            },
+        );
+        if old.is_some_and(|o| o.desc.instance_id != d.instance_id) {
+            tracing::info!(
+                segment = name,
+                "segment restarted (new instance id); dropping its connections"
+            );
+            self.transport.disconnect(name);
+        }
+        Ok(d)
+    }
+}
+
+/// One retry per batch: the first slice that fails on the peer's connection starts one
+/// descriptor fetch (on its own thread, so no transport thread waits for a handshake); every
+/// slice that fails so, before or after, is posted again on the fetched descriptor, or fails
+/// with its own error and why the fetch failed.
+pub(crate) struct BatchRefresh {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    cache: Arc<PeerCache>,
+    name: String,
+    /// The batch's slices by id.
+    slices: Vec<Slice>,
+    /// The grant token the batch was submitted with (`SegmentHandle::with_token`).
+    token: Option<Token>,
+    phase: Mutex<Phase>,
+}
+
+type Waiting = Vec<(u32, TransferError, CompletionSink)>;
+
+enum Phase {
+    Idle,
+    Fetching(Waiting),
+    Done(Result<Arc<SegmentDescriptor>>),
+}
+
+impl BatchRefresh {
+    pub(crate) fn new(
+        cache: Arc<PeerCache>,
+        name: &str,
+        slices: Vec<Slice>,
+        token: Option<Token>,
+    ) -> Self {
+        BatchRefresh {
+            inner: Arc::new(Inner {
+                cache,
+                name: name.to_string(),
+                slices,
+                token,
+                phase: Mutex::new(Phase::Idle),
+            }),
+        }
+    }
+}
+
+impl PeerRefresh for BatchRefresh {
+    fn retry(&self, id: u32, err: TransferError, sink: CompletionSink) {
+        let mut phase = self.inner.phase.lock().unwrap_or_else(|e| e.into_inner());
+        match &mut *phase {
+            Phase::Fetching(w) => w.push((id, err, sink)),
+            Phase::Done(d) => {
+                let d = d.clone();
+                drop(phase);
+                self.inner.resend(vec![(id, err, sink)], d);
+            }
+            Phase::Idle => {
+                *phase = Phase::Fetching(vec![(id, err, sink)]);
+                drop(phase);
+                let inner = self.inner.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("kvferry-refresh".into())
+                    .spawn(move || inner.fetch_and_resend());
+                if let Err(e) = spawned {
+                    self.inner
+                        .finish(Err(TransferError::io("spawn descriptor refresh thread", e)));
+                }
+            }
+        }
+    }
+}
+
+impl Inner {
+    fn fetch_and_resend(&self) {
+        tracing::info!(
+            segment = %self.name,
+            "a slice failed on the peer's connection; fetching its descriptor again"
+        );
+        let d = self.cache.fetch(&self.name, self.token.as_ref());
+        if d.is_err() {
+            // the peer is gone: drop what we hold for it now, not after the idle timeout
+            self.cache.forget(&self.name);
+        }
+        self.finish(d);
+    }
+
+    fn finish(&self, d: Result<Arc<SegmentDescriptor>>) {
+        let waiting = {
+            let mut phase = self.phase.lock().unwrap_or_else(|e| e.into_inner());
+            match std::mem::replace(&mut *phase, Phase::Done(d.clone())) {
+                Phase::Fetching(w) => w,
+                _ => Vec::new(),
+            }
+        };
+        self.resend(waiting, d);
+    }
+
+    /// Posts the failed slices again on `d` (their remote buffers looked up in it), or fails
+    /// them when the fetch failed or their range is no longer advertised.
+    fn resend(&self, failed: Waiting, d: Result<Arc<SegmentDescriptor>>) {
+        let Some((_, _, sink)) = failed.first() else {
+            return;
+        };
+        let sink = sink.clone();
+        let desc = match d {
+            Ok(d) => d,
+            Err(fe) => {
+                for (id, err, s) in failed {
+                    s.complete(
+                        id,
+                        Err(annotate(
+                            err,
+                            &format!("fetching its descriptor again: {fe}"),
+                        )),
+                    );
+                }
+                return;
+            }
+        };
+        let mut again = Vec::with_capacity(failed.len());
+        for (id, err, s) in failed {
+            let Some(mut sl) = self.slices.get(id as usize).copied() else {
+                s.complete(id, Err(err));
+                continue;
+            };
+            let i = desc
+                .buffers
+                .partition_point(|b| b.region.addr <= sl.remote_addr);
+            match i.checked_sub(1) {
+                Some(b) if desc.buffers[b].region.contains(sl.remote_addr, sl.len) => {
+                    sl.remote_buffer = b;
+                    again.push(sl);
+                }
+                _ => s.complete(
+                    id,
+                    Err(TransferError::RemoteOutOfRange {
+                        segment: self.name.clone(),
+                        addr: sl.remote_addr,
+                        len: sl.len,
+                    }),
+                ),
+            }
+        }
+        if !again.is_empty() {
+            if desc.transport.kind != self.cache.transport.name() {
+                let e = crate::transport::kind_mismatch(self.cache.transport.name(), &desc);
+                return sink.fail_all(again.iter().map(|s| s.id), &e);
+            }
+            self.cache.transport.post(&desc, again, sink, self.token);
+        }
+    }
+}
+
+fn annotate(err: TransferError, more: &str) -> TransferError {
+    TransferError::Failed(format!("{err}; {more}"))
+}

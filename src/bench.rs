@@ -5,7 +5,7 @@
 //!
 //! Source: DESIGN.md §6, notes/anchors.md (tebench's columns).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -153,6 +153,7 @@ pub fn run_report(args: &BenchArgs) -> Result<BenchReport, String> {
             args.seconds
         ));
     }
+    let bounds = BatchBounds::new(args.min_batches, args.max_batches)?;
     let cfg = EngineConfig {
         transport: transport_kind(args.transport),
         ..EngineConfig::default()
@@ -197,6 +198,7 @@ pub fn run_report(args: &BenchArgs) -> Result<BenchReport, String> {
                     batch,
                     nthreads,
                     args.seconds,
+                    bounds,
                     args.pattern,
                     args.checksum,
                 );
@@ -209,6 +211,36 @@ pub fn run_report(args: &BenchArgs) -> Result<BenchReport, String> {
     Ok(BenchReport { transport, points })
 }
 
+/// How many batches each thread of a point runs: at least `min`, at most `max` (0: no
+/// bound), and no new one after the point's seconds once `min` are done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchBounds {
+    min: u64,
+    max: u64,
+}
+
+impl BatchBounds {
+    /// Errors: `min` of 0, or a `max` (other than 0) below `min`.
+    pub fn new(min: u64, max: u64) -> Result<BatchBounds, String> {
+        if min == 0 {
+            return Err("--min-batches must be at least 1".into());
+        }
+        if max != 0 && max < min {
+            return Err(format!("--max-batches {max} is below --min-batches {min}"));
+        }
+        Ok(BatchBounds { min, max })
+    }
+
+    /// Whether a thread that has completed `done` batches starts another; `time_up` once the
+    /// point's seconds have passed.
+    pub fn another(&self, done: u64, time_up: bool) -> bool {
+        if self.max != 0 && done >= self.max {
+            return false;
+        }
+        done < self.min || !time_up
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn sweep_point(
     engine: &Arc<TransferEngine>,
@@ -218,6 +250,7 @@ fn sweep_point(
     batch: u64,
     threads: u64,
     seconds: f64,
+    bounds: BatchBounds,
     pattern: BenchPattern,
     checksum: bool,
 ) -> Result<BenchPoint, String> {
@@ -232,6 +265,8 @@ fn sweep_point(
         .open_segment(target)
         .map_err(|e| format!("opening segment {target}: {e}"))?;
     let stop = Arc::new(AtomicBool::new(false));
+    // Threads done with their batches, so that a point bounded by count ends when they are.
+    let finished = Arc::new(AtomicU64::new(0));
     let latencies = Arc::new(Mutex::new(Vec::<f64>::new()));
     let checksum_secs = Arc::new(Mutex::new(0f64));
     let dst_bytes: Option<&[u8]> = checksum_over.map(|m| &m[..]);
@@ -239,13 +274,23 @@ fn sweep_point(
     let result: Result<(), String> = std::thread::scope(|s| {
         let mut handles = Vec::new();
         for t in 0..threads {
-            let (stop, lat, seg, cks) = (
+            let (stop, lat, seg, cks, finished) = (
                 stop.clone(),
                 latencies.clone(),
                 seg.clone(),
                 checksum_secs.clone(),
+                finished.clone(),
             );
             handles.push(s.spawn(move || -> Result<(), String> {
+                // Counted as finished however this thread ends (an error too).
+                struct Finished(Arc<AtomicU64>);
+                impl Drop for Finished {
+                    fn drop(&mut self) {
+                        self.0.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+                let _finished = Finished(finished);
+                let mut done = 0u64;
                 let base = t * bs * batch;
                 let reqs: Vec<TransferRequest> = (0..batch)
                     .map(|i| TransferRequest {
@@ -255,7 +300,8 @@ fn sweep_point(
                         len: bs,
                     })
                     .collect();
-                while !stop.load(Ordering::Relaxed) {
+                while bounds.another(done, stop.load(Ordering::Relaxed)) {
+                    done += 1;
                     let t0 = Instant::now();
                     let id = engine.submit(&seg, &reqs).map_err(|e| e.to_string())?;
                     engine
@@ -276,7 +322,11 @@ fn sweep_point(
                 Ok(())
             }));
         }
-        std::thread::sleep(Duration::from_secs_f64(seconds));
+        let until = start + Duration::from_secs_f64(seconds);
+        while Instant::now() < until && finished.load(Ordering::SeqCst) < threads {
+            let left = until.saturating_duration_since(Instant::now());
+            std::thread::sleep(left.min(Duration::from_millis(10)));
+        }
         stop.store(true, Ordering::Relaxed);
         handles
             .into_iter()
@@ -333,6 +383,25 @@ fn sweep_point(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn batch_bounds_take_the_count_over_the_clock() {
+        let b = BatchBounds::new(3, 0).unwrap();
+        assert!(
+            b.another(2, true),
+            "below the minimum, time does not stop a point"
+        );
+        assert!(!b.another(3, true));
+        assert!(b.another(3, false), "no maximum: the clock decides");
+        let b = BatchBounds::new(1, 4).unwrap();
+        assert!(
+            !b.another(4, false),
+            "the maximum ends a point before its seconds"
+        );
+        assert!(b.another(3, false));
+        assert!(BatchBounds::new(0, 0).is_err());
+        assert!(BatchBounds::new(5, 2).is_err());
+    }
 
     #[test]
     fn sizes_parse_with_suffixes() {

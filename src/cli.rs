@@ -283,9 +283,18 @@ pub struct BenchArgs {
     /// Submitting threads (comma separated).
     #[arg(long, default_value = "1")]
     pub threads: String,
-    /// Seconds per point of the sweep.
+    /// Seconds per point of the sweep: each thread starts no new batch after this, once it
+    /// has done `--min-batches`.
     #[arg(long, default_value_t = 2.0, value_parser = seconds)]
     pub seconds: f64,
+    /// Batches each thread completes per point at least, however long they take (a point
+    /// resting on one batch says little when one batch outlasts `--seconds`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub min_batches: u64,
+    /// Batches each thread completes per point at most (0: no bound); a point ends at this
+    /// count even before `--seconds`.
+    #[arg(long, default_value_t = 0)]
+    pub max_batches: u64,
     /// Where each batch's requests land: `contiguous` (request i after request i-1 on both
     /// sides, so the transport may merge them) or `scattered` (in reverse order on the
     /// target, so no two consecutive requests continue each other).

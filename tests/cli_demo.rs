@@ -570,3 +570,74 @@ fn bench_moves_contiguous_and_scattered_batches_and_checks_what_landed() {
         }
     }
 }
+
+#[test]
+fn bench_points_run_at_least_min_batches_and_at_most_max_batches() {
+    // A point whose seconds pass before its first batch ends still runs --min-batches.
+    let out = kvferry()
+        .args(["bench", "--transport", "tcp", "--block-sizes", "4K"])
+        .args([
+            "--batch",
+            "2",
+            "--seconds",
+            "0.001",
+            "--min-batches",
+            "5",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(n(&r["points"][0], "batches") >= 5, "{r}");
+    // --max-batches ends a point at its count (here long before its 600 s).
+    let out = kvferry()
+        .args([
+            "bench",
+            "--transport",
+            "tcp",
+            "--block-sizes",
+            "4K",
+            "--batch",
+            "2",
+        ])
+        .args([
+            "--threads",
+            "2",
+            "--seconds",
+            "600",
+            "--max-batches",
+            "3",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(n(&r["points"][0], "batches"), 6, "3 per thread: {r}");
+    let out = kvferry()
+        .args([
+            "bench",
+            "--transport",
+            "tcp",
+            "--min-batches",
+            "4",
+            "--max-batches",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--max-batches"),
+        "{err}"
+    );
+}

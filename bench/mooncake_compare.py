@@ -16,7 +16,7 @@ kvferry side: `kvferry bench --transport tcp --threads 1 --json` (a child proces
 Mooncake is installed into a venv (env MOONCAKE_VENV, default <repo>/.dev/mc-venv) when this
 interpreter cannot import it; when PyPI cannot be reached the script says so and exits 0.
 
-Source: the helper brief; notes/anchors.md (Mooncake's API and benchmarks); DESIGN.md §6.
+Source: docs/design.md §9 (Mooncake's API and benchmarks), §6.
 """
 
 import argparse
@@ -96,20 +96,27 @@ def ensure_mooncake():
 # ------------------------------------------------------------------ Mooncake point (child process)
 
 
-def mooncake_point(size, batch, seconds):
-    """Runs in the venv python. Returns the point as a dict (same fields as kvferry's)."""
+def mooncake_point(size, batch, seconds, protocol="tcp", host="127.0.0.1", device="",
+                   min_batches=1, max_batches=0):
+    """Runs in the venv python. Returns the point as a dict (same fields as kvferry's).
+    Batches: at least `min_batches`, at most `max_batches` (0: no bound), none started after
+    `seconds` once the minimum is done (as `kvferry bench --min-batches/--max-batches`)."""
     import numpy as np
     from mooncake.engine import TransferEngine
 
     src_e, dst_e = TransferEngine(), TransferEngine()
     for e in (src_e, dst_e):
-        if e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-            raise RuntimeError("mooncake: initialize failed")
-    target = f"127.0.0.1:{dst_e.get_rpc_port()}"
+        if e.initialize(host, "P2PHANDSHAKE", protocol, device) != 0:
+            raise RuntimeError(f"mooncake: initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device!r}) failed")
+    target = f"{host}:{dst_e.get_rpc_port()}"
     total = size * batch
-    # same pattern as kvferry bench: (i * 31) ^ (i >> 12), as bytes
-    i = np.arange(total, dtype=np.uint64)
-    src = ((i * 31) ^ (i >> 12)).astype(np.uint8)
+    # same pattern as kvferry bench: (i * 31) ^ (i >> 12), as bytes; filled in chunks so that
+    # the index array stays small (a soft-RoCE guest has 2 GiB)
+    src = np.empty(total, dtype=np.uint8)
+    step = 1 << 24
+    for off in range(0, total, step):
+        i = np.arange(off, min(total, off + step), dtype=np.uint64)
+        src[off:off + len(i)] = ((i * 31) ^ (i >> 12)).astype(np.uint8)
     del i
     dst = np.zeros(total, dtype=np.uint8)
     sa, da = src.ctypes.data, dst.ctypes.data
@@ -124,7 +131,9 @@ def mooncake_point(size, batch, seconds):
     deadline = start + seconds
     while True:
         t0 = time.perf_counter()
-        if t0 >= deadline:
+        if max_batches and len(lat) >= max_batches:
+            break
+        if t0 >= deadline and len(lat) >= min_batches:
             break
         if src_e.batch_transfer_sync_write(target, locals_, remotes, lens) != 0:
             raise RuntimeError("mooncake: a batch failed")
@@ -254,12 +263,29 @@ def main():
                     help="Mooncake through its Python API (as vLLM's connector uses it) or through "
                          "its C++ transfer_engine_bench (target + initiator processes)")
     ap.add_argument("--tebench", help="path of transfer_engine_bench (default: the wheel's)")
-    ap.add_argument("--mooncake-point", nargs=3, metavar=("SIZE", "BATCH", "SECONDS"), help=argparse.SUPPRESS)
+    ap.add_argument("--print-python", action="store_true",
+                    help="install Mooncake if needed, print the python that imports it, and exit "
+                         "(exit 1 when it cannot be installed)")
+    # One Mooncake point in this process (used by run_mooncake and the soft-RoCE suite).
+    ap.add_argument("--mooncake-point", nargs=3, metavar=("SIZE", "BATCH", "SECONDS"),
+                    help="run one Mooncake point here and print it as JSON")
+    ap.add_argument("--protocol", default="tcp", help="--mooncake-point: tcp or rdma")
+    ap.add_argument("--host", default="127.0.0.1", help="--mooncake-point: address of both engines")
+    ap.add_argument("--device", default="", help="--mooncake-point: RDMA device names, e.g. rxe0")
+    ap.add_argument("--min-batches", type=int, default=1, help="--mooncake-point: batches at least")
+    ap.add_argument("--max-batches", type=int, default=0, help="--mooncake-point: batches at most (0: no bound)")
     a = ap.parse_args()
 
+    if a.print_python:
+        python = ensure_mooncake()
+        if python is None:
+            return 1
+        print(python)
+        return 0
     if a.mooncake_point:
         size, batch, secs = int(a.mooncake_point[0]), int(a.mooncake_point[1]), float(a.mooncake_point[2])
-        print(json.dumps(mooncake_point(size, batch, secs)), flush=True)
+        print(json.dumps(mooncake_point(size, batch, secs, a.protocol, a.host, a.device,
+                                        max(1, a.min_batches), max(0, a.max_batches))), flush=True)
         return 0
 
     if not (a.seconds > 0) or a.repeats < 1:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU tests and benchmark of the CUDA checksum backend (DESIGN.md §5, §7).
+# GPU tests and benchmark of the CUDA checksum backend (docs/design.md §5, §7).
 #
 #   scripts/gpu-tests.sh build   # on a machine with Rust: release test binaries + bench -> .dev/gpu/
 #   scripts/gpu-tests.sh run     # on the GPU machine (no Rust needed): runs .dev/gpu/*, logs to $OUT or .dev/gpu/out
@@ -8,18 +8,22 @@
 # The tests print "SKIPPED: <reason>" and pass where no CUDA device exists. NVRTC is found
 # through LD_LIBRARY_PATH, /usr/local/cuda, or a Python wheel (nvidia-cuda-nvrtc).
 set -euo pipefail
+# A relative CARGO_TARGET_DIR is the caller's: made absolute before moving to the repo root
+# (cargo also prints relative executable paths for a relative target directory).
+if [ -n "${CARGO_TARGET_DIR:-}" ]; then export CARGO_TARGET_DIR=$(realpath -m "$CARGO_TARGET_DIR"); fi
 cd "$(dirname "$0")/.."
 DIR=.dev/gpu
 mode=${1:-all}
 
 build() {
-    export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
+    export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
     mkdir -p "$DIR"
     rm -f "$DIR"/test-* "$DIR"/gpu_bench
     { cargo test --no-run --release -p kvferry-kernels 2>&1
       cargo test --no-run --release -p kvferry-transfer --test gpu_memory --test hardening --test transfer_tcp 2>&1
     } | tee "$DIR/build.log" >&2
-    grep 'Executable' "$DIR/build.log" | grep -o '(/[^)]*)' | tr -d '()' | while read -r path; do
+    grep 'Executable' "$DIR/build.log" | grep -o '([^)]*)$' | tr -d '()' | while read -r path; do
+        [ -f "$path" ] || { echo "gpu-tests: built executable $path not found" >&2; exit 1; }
         base=$(basename "$path"); base=${base%-*}
         cp "$path" "$DIR/test-$base"
     done

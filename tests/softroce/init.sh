@@ -1,7 +1,8 @@
 #!/bin/busybox sh
 # /init of the soft-RoCE guest (built into the initramfs by run.sh): load modules, mount
-# the host root (read-only 9p) and the run directory (writable 9p), chroot into the host
-# root, run the generated guest.sh, record its exit status, power off.
+# the host root (read-only 9p), the shared host directories (read-only 9p, listed in the run
+# directory's `shares`) and the run directory (writable 9p), chroot into the host root, run
+# the generated guest.sh, record its exit status, power off.
 /bin/busybox --install -s /bin
 export PATH=/bin
 mount -t proc proc /proc
@@ -30,9 +31,21 @@ mount -t tmpfs shm /host/dev/shm
 mount -t tmpfs tmp /host/tmp
 mount -t tmpfs run /host/run
 mount -t tmpfs vartmp /host/var/tmp
-# after the tmpfs mounts, which may hide it (a run directory under /tmp)
+# The run directory first at /results, to read the list of host directories shared
+# explicitly (run.sh: the repo, the target directory, ...): the tmpfs mounts above hide
+# anything under /tmp, /var/tmp and /run, so each is mounted again at its own path.
+mkdir -p /results
+mount -t 9p -o $O results /results || fail "mount results (for $OUT)"
+if [ -f /results/shares ]; then
+    while read -r tag path; do
+        [ -n "$tag" ] || continue
+        mkdir -p "/host$path" 2>/dev/null
+        mount -t 9p -o $O,ro,cache=loose "$tag" "/host$path" || fail "mount share $tag at $path"
+    done </results/shares
+fi
+# last, so that it lies on top of the shares (a run directory inside the target directory)
 mkdir -p "/host$OUT" 2>/dev/null
-mount -t 9p -o $O results "/host$OUT" || fail "mount results at $OUT"
+mount -o bind /results "/host$OUT" || fail "bind results at $OUT"
 
 echo "[init] running guest.sh"
 chroot /host /bin/bash "$OUT/guest.sh" >>"/host$OUT/guest.log" 2>&1 </dev/null
@@ -41,4 +54,5 @@ echo "[init] guest.sh exited $rc"
 echo "$rc" >"/host$OUT/rc"
 sync
 umount "/host$OUT" 2>/dev/null
+umount /results 2>/dev/null
 poweroff -f

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Soft-RoCE harness: boots a QEMU (TCG) guest running Debian's kernel with rdma_rxe,
 # chroots into this machine's root (shared read-only over virtio-9p), creates rxe0 on a
-# veth pair and runs one host script there. Recipe: /work/shared/notes/softroce.md,
-# DESIGN.md §7.
+# veth pair and runs one host script there. Recipe: tests/softroce/README.md,
+# docs/design.md §7.
 #
-# Usage:  tests/softroce/run.sh [-t TIMEOUT_S] [-o OUTDIR] [--] SCRIPT [ARGS...]
+# Usage:  tests/softroce/run.sh [-t TIMEOUT_S] [-o OUTDIR] [-s DIR]... [--] SCRIPT [ARGS...]
 #         (or SOFTROCE_SCRIPT=path tests/softroce/run.sh)
 # SCRIPT is a host path run with bash inside the guest chroot, in the caller's working
 # directory, with the caller's PATH/LD_LIBRARY_PATH/HOME/RUST_*/KVFERRY_*/CARGO_* env.
 # Inside, $SOFTROCE_OUT is a writable directory that is OUTDIR on the host (same path),
 # $SOFTROCE_IP is rxe0's IPv4 address; the RDMA device is rxe0. The guest has fresh
-# tmpfs on /tmp, /var/tmp and /run (host files there are hidden): SCRIPT itself is copied
-# into OUTDIR, $SOFTROCE_SCRIPT_DIR names its original directory.
+# tmpfs on /tmp, /var/tmp and /run, which hide the host's files there: the caller's working
+# directory and every `-s DIR` (and each directory of $SOFTROCE_SHARES, colon-separated) are
+# shared read-only and mounted again at their own paths, so a clone and a target directory
+# under /tmp work. SCRIPT itself is copied into OUTDIR, $SOFTROCE_SCRIPT_DIR names its
+# original directory.
 # Exit status: the script's; non-zero with the guest console printed on any boot
 # failure, crash or timeout (default 900 s for the whole QEMU run).
 set -euo pipefail
@@ -20,12 +23,16 @@ TIMEOUT=${SOFTROCE_TIMEOUT:-900}
 OUTDIR=${SOFTROCE_OUTDIR:-}
 SCRIPT=${SOFTROCE_SCRIPT:-}
 CACHE=${SOFTROCE_CACHE:-/var/tmp/kvferry-softroce}
+SHARES=()
+IFS=: read -ra _env_shares <<<"${SOFTROCE_SHARES:-}"
+for d in "${_env_shares[@]}"; do [ -n "$d" ] && SHARES+=("$d"); done
 while [ $# -gt 0 ]; do
     case "$1" in
         -t) TIMEOUT=$2; shift 2 ;;
         -o) OUTDIR=$2; shift 2 ;;
+        -s) SHARES+=("$2"); shift 2 ;;
         --) shift; break ;;
-        -h|--help) sed -n "2,17p" "$0"; exit 0 ;;
+        -h|--help) sed -n "2,20p" "$0"; exit 0 ;;
         -*) echo "run.sh: unknown option $1" >&2; exit 2 ;;
         *) break ;;
     esac
@@ -114,7 +121,30 @@ fi
 if [ -z "$OUTDIR" ]; then OUTDIR=$(mktemp -d /tmp/softroce-run.XXXXXX); fi
 mkdir -p "$OUTDIR"
 OUTDIR=$(realpath "$OUTDIR")
-rm -f "$OUTDIR"/{rc,guest.log,console.log,guest.sh,script.sh}
+rm -f "$OUTDIR"/{rc,guest.log,console.log,guest.sh,script.sh,shares}
+# Host directories the guest mounts again at their own paths (init.sh): the working
+# directory and the -s directories, parents first, none inside another, at most 16.
+share_args=()
+share_dirs=()
+candidates=()
+for d in "$PWD" "${SHARES[@]}"; do
+    [ -d "$d" ] || die "share $d is not a directory"
+    d=$(realpath "$d")
+    case "$d" in *$'\t'*|*$'\n'*) die "cannot share a path with a tab or newline: $d" ;; esac
+    [ "$d" = / ] || candidates+=("$d")
+done
+while IFS= read -r d; do
+    inside=0
+    for p in "${share_dirs[@]}"; do
+        case "$d/" in "$p"/*) inside=1 ;; esac
+    done
+    [ "$inside" = 1 ] || share_dirs+=("$d")
+done < <(printf '%s\n' "${candidates[@]}" | sort -u)
+[ "${#share_dirs[@]}" -le 16 ] || die "more than 16 shared directories"
+for i in "${!share_dirs[@]}"; do
+    printf 'share%d %s\n' "$i" "${share_dirs[$i]}" >>"$OUTDIR/shares"
+    share_args+=(-virtfs "local,path=${share_dirs[$i]},mount_tag=share$i,security_model=none,readonly=on,multidevs=remap")
+done
 # the guest has a fresh tmpfs on /tmp, /var/tmp and /run: copy the script to the run dir
 cp "$SCRIPT" "$OUTDIR/script.sh"
 {
@@ -150,7 +180,7 @@ EOF
 }>"$OUTDIR/guest.sh"
 
 # --- 5. boot ------------------------------------------------------------------------
-log "booting $KVER (TCG, 2 vCPU, 2 GiB), script $SCRIPT, out $OUTDIR, timeout ${TIMEOUT}s"
+log "booting $KVER (TCG, 2 vCPU, 2 GiB), script $SCRIPT, out $OUTDIR, shares ${share_dirs[*]:-none}, timeout ${TIMEOUT}s"
 : >"$OUTDIR/guest.log"
 tail -n +1 -F "$OUTDIR/guest.log" 2>/dev/null &
 tailpid=$!
@@ -163,7 +193,8 @@ timeout --kill-after=10 "$TIMEOUT" qemu-system-x86_64 \
     -kernel "$KERNEL" -initrd "$INITRD" \
     -append "console=ttyS0 panic=-1 quiet loglevel=4 softroce.out=$OUTDIR" \
     -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
-    -virtfs "local,path=$OUTDIR,mount_tag=results,security_model=none,multidevs=remap"
+    -virtfs "local,path=$OUTDIR,mount_tag=results,security_model=none,multidevs=remap" \
+    "${share_args[@]}"
 qrc=$?
 set -e
 sleep 0.5

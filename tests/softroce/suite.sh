@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# The soft-RoCE suite (DESIGN.md §7): kvferry's RDMA tests, the demo and the RDMA benchmark
-# beside ib_write_bw, all in one boot of the QEMU guest (tests/softroce/run.sh).
+# The soft-RoCE suite (docs/design.md §7): kvferry's RDMA tests, the demo and the RDMA benchmark
+# beside ib_write_bw (and Mooncake's Transfer Engine), all in one boot of the QEMU guest
+# (tests/softroce/run.sh).
 #
 # On the host:   tests/softroce/suite.sh [OUTDIR]
-#   builds the test executables (release) and the `kvferry` binary, then boots the guest
-#   running this same script. Env: CARGO_TARGET_DIR (default <repo>/target), KVFERRY_BIN
-#   (default $CARGO_TARGET_DIR/release/kvferry), SOFTROCE_SKIP_CLI=1 (tests only),
-#   SOFTROCE_TIMEOUT (default 1200 s for the whole guest run).
+#   builds the test executables (release) and the `kvferry` binary, finds or installs
+#   Mooncake's engine for the bench, then boots the guest running this same script, with the
+#   repo, the target directory and the binary's directory shared into it (so a clone under
+#   /tmp works). Env: CARGO_TARGET_DIR (default <repo>/target), KVFERRY_BIN (default
+#   $CARGO_TARGET_DIR/release/kvferry), SOFTROCE_SKIP_CLI=1 (tests only), SOFTROCE_TIMEOUT
+#   (default 1500 s for the whole guest run), SOFTROCE_MOONCAKE=0 (bench without Mooncake),
+#   MOONCAKE_VENV (where bench/mooncake_compare.py installs it), SOFTROCE_BENCH_ROUNDS (3),
+#   SOFTROCE_BENCH_SECONDS (4), SOFTROCE_BENCH_MIN_BATCHES (3).
 # In the guest (SOFTROCE_GUEST=1, set by run.sh): runs the steps listed in
 #   $SOFTROCE_OUT/manifest, logs each to $SOFTROCE_OUT/<step>.log, prints a summary and exits
 #   non-zero when any step failed. KVFERRY_REQUIRE_RDMA=1: a test that finds no device fails.
@@ -17,11 +22,13 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 if [ -z "${SOFTROCE_GUEST:-}" ]; then
     set -e
     ROOT=$(cd "$HERE/../.." && pwd)
+    # Relative paths are the caller's: resolve them before moving to the repo root. cargo
+    # prints executable paths under CARGO_TARGET_DIR as given, and the guest needs them whole.
+    export CARGO_TARGET_DIR=$(realpath -m "${CARGO_TARGET_DIR:-$ROOT/target}")
+    OUT=$(realpath -m "${1:-$(mktemp -d /tmp/softroce-suite.XXXXXX)}")
+    export KVFERRY_BIN=$(realpath -m "${KVFERRY_BIN:-$CARGO_TARGET_DIR/release/kvferry}")
     cd "$ROOT"
-    export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
-    OUT=${1:-$(mktemp -d /tmp/softroce-suite.XXXXXX)}
-    mkdir -p "$OUT"
-    OUT=$(realpath "$OUT")
+    mkdir -p "$OUT" "$CARGO_TARGET_DIR"
     echo "[suite] building RDMA test executables (release)" >&2
     cargo test --release -p kvferry-transfer --features rdma --no-run --message-format=json 2>"$OUT/build.log" \
         | grep -o '"executable":"[^"]*"' | sed 's/"executable":"\(.*\)"/\1/' >"$OUT/executables" \
@@ -32,12 +39,26 @@ if [ -z "${SOFTROCE_GUEST:-}" ]; then
         grep '/rdma_[a-z_]*-[0-9a-f]*$' "$OUT/executables"
     } >"$OUT/manifest"
     [ "$(wc -l <"$OUT/manifest")" -ge 2 ] || { echo "[suite] test executables not found" >&2; cat "$OUT/executables" >&2; exit 1; }
-    export KVFERRY_BIN=${KVFERRY_BIN:-$CARGO_TARGET_DIR/release/kvferry}
+    shares=(-s "$CARGO_TARGET_DIR")
     if [ -z "${SOFTROCE_SKIP_CLI:-}" ]; then
         echo "[suite] building kvferry (release)" >&2
         cargo build --release -p kvferry --features rdma --bin kvferry 2>>"$OUT/build.log" || { tail -30 "$OUT/build.log" >&2; exit 1; }
+        shares+=(-s "$(dirname "$KVFERRY_BIN")")
+        # Mooncake's engine beside kvferry in the bench: installed on the host (the guest has
+        # no network) and run from the guest, which sees the host's files.
+        export SOFTROCE_MOONCAKE_PY="" SOFTROCE_MOONCAKE_SKIP="SOFTROCE_MOONCAKE=0"
+        if [ "${SOFTROCE_MOONCAKE:-1}" != 0 ]; then
+            if py=$(python3 bench/mooncake_compare.py --print-python 2>>"$OUT/build.log"); then
+                SOFTROCE_MOONCAKE_PY=$py
+                venv=$(dirname "$(dirname "$py")")
+                case "$venv" in /tmp/*|/var/tmp/*|/run/*) shares+=(-s "$venv") ;; esac
+            else
+                SOFTROCE_MOONCAKE_SKIP="cannot install mooncake-transfer-engine-non-cuda (see build.log)"
+                echo "[suite] bench without Mooncake: $SOFTROCE_MOONCAKE_SKIP" >&2
+            fi
+        fi
     fi
-    exec "$HERE/run.sh" -t "${SOFTROCE_TIMEOUT:-1200}" -o "$OUT" "$HERE/suite.sh"
+    exec "$HERE/run.sh" -t "${SOFTROCE_TIMEOUT:-1500}" -o "$OUT" "${shares[@]}" "$HERE/suite.sh"
 fi
 
 # ---------------------------------------------------------------- inside the guest
@@ -92,58 +113,15 @@ else
     # different TP sizes on the two sides: KV heads mapped between ranks over RDMA
     demo demo-tp2-to-tp1 "r['mismatch']==2 and r['verified']==6" --model tiny --prefill-tp 2 --decode-tp 1 --corrupt 2
 
-    # 3. benchmark: kvferry bench over RDMA beside ib_write_bw on the same device, same boot
-    ibbw() { # ibbw SIZE ITERATIONS -> prints MB/s (MiB, as perftest reports)
-        timeout 120 ib_write_bw -d "$DEV" -x 1 -s "$1" -n "$2" >"$OUT/ib_write_bw-srv-$1.log" 2>&1 &
-        local srv=$! rc=1 try
-        # the server may need a while to listen under TCG: retry the client
-        for try in $(seq 1 20); do
-            sleep 1
-            timeout 60 ib_write_bw -d "$DEV" -x 1 -s "$1" -n "$2" "$SOFTROCE_IP" >"$OUT/ib_write_bw-$1.log" 2>&1
-            rc=$?
-            [ $rc = 0 ] && break
-            grep -q "Couldn't connect" "$OUT/ib_write_bw-$1.log" || break
-        done
-        wait $srv
-        [ $rc = 0 ] || { cat "$OUT/ib_write_bw-$1.log" >&2; return $rc; }
-        awk -v s="$1" '$1==s && NF>=5 {print $4}' "$OUT/ib_write_bw-$1.log" | tail -1
-    }
-    bench() {
-        local ib64 ib1m
-        # about 130 MB each: a few seconds at soft-RoCE speed. kvferry keeps a batch of 128
-        # requests in flight, as ib_write_bw keeps 128 work requests (its default tx depth).
-        ib64=$(ibbw 65536 2000) || ib64=0
-        ib1m=$(ibbw 1048576 125) || ib1m=0
-        ib64=${ib64:-0}; ib1m=${ib1m:-0}
-        "$BIN" bench --transport rdma --block-sizes 64K,1M --batch 128 --seconds 4 --json >"$OUT/bench.json" || return 1
-        cat "$OUT/bench.json"
-        python3 - "$OUT/bench.json" "$ib64" "$ib1m" >"$OUT/bench_ratio.txt" <<'EOF'
-import json, sys
-r = json.load(open(sys.argv[1]))
-ib = {65536: float(sys.argv[2]), 1048576: float(sys.argv[3])}  # MiB/s (perftest: MB = 2^20 B)
-# kvferry must have run over RDMA and moved data at every point; a missing ib_write_bw
-# figure (perftest under TCG sometimes reports nothing) only leaves that ratio out.
-ok = r.get("transport") == "rdma" and len(r["points"]) > 0
-if not ok:
-    print(f"kvferry bench did not run over RDMA: transport {r.get('transport')}")
-for p in r["points"]:
-    ok = ok and p["gb_per_s"] > 0
-    base = ib.get(p["block_size"], 0.0) * 1048576 / 1e9
-    if base > 0:
-        print(f"block {p['block_size']:>8} batch {p['batch']:>4}: kvferry {p['gb_per_s']:.4f} GB/s, "
-              f"ib_write_bw {base:.4f} GB/s, ratio {p['gb_per_s'] / base:.2f}")
-    else:
-        print(f"block {p['block_size']:>8} batch {p['batch']:>4}: kvferry {p['gb_per_s']:.4f} GB/s, "
-              f"no ib_write_bw baseline (it reported {ib.get(p['block_size'])} MiB/s): ratio left out")
-sys.exit(0 if ok else 1)
-EOF
-        local rc=$?
-        cat "$OUT/bench_ratio.txt"
-        return $rc
-    }
-    export OUT DEV BIN
-    export -f ibbw bench
-    step bench bash -c bench
+    # 3. benchmark: kvferry beside ib_write_bw and Mooncake on the same device, same boot;
+    # rounds with the engines' order rotated, medians and spread (tests/softroce/bench.py)
+    mc=()
+    [ -n "${SOFTROCE_MOONCAKE_PY:-}" ] && mc=(--mooncake-python "$SOFTROCE_MOONCAKE_PY")
+    STEP_TIMEOUT=${SOFTROCE_BENCH_TIMEOUT:-900} step bench python3 "$SOFTROCE_SCRIPT_DIR/bench.py" \
+        --out "$OUT" --kvferry "$BIN" --device "$DEV" --ip "$SOFTROCE_IP" --batch 128 --sizes 64K,1M \
+        --rounds "${SOFTROCE_BENCH_ROUNDS:-3}" --seconds "${SOFTROCE_BENCH_SECONDS:-4}" \
+        --min-batches "${SOFTROCE_BENCH_MIN_BATCHES:-3}" "${mc[@]}" \
+        --mooncake-skip-reason "${SOFTROCE_MOONCAKE_SKIP:-}"
 fi
 
 echo "=== soft-RoCE suite summary"

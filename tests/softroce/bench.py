@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""The soft-RoCE suite's benchmark step (run inside the guest by suite.sh): kvferry's RDMA
+transfer engine beside `ib_write_bw` and, when a Python with Mooncake's Transfer Engine is
+given, beside Mooncake's engine, on the same rxe device in the same boot.
+
+Work: WRITEs of `--batch` requests of each size between two engines on one device in
+loopback. kvferry and Mooncake submit a batch, wait for all of it and repeat; ib_write_bw
+keeps `--batch` work requests in flight (its tx depth, stated explicitly: perftest lowers the
+depth to the iteration count, so it runs at least `--min-batches` × depth iterations). Each
+engine runs at least `--min-batches` batches per point and none started after `--seconds`.
+`--rounds` rounds, the engines' order rotated each round; per point the medians over rounds
+and their min-max, and the per-round ratios kvferry / ib_write_bw and kvferry / Mooncake
+(median, min-max). The emulated link says nothing about absolute speed: only ratios of the
+same boot mean something (docs/design.md §7).
+
+Writes OUT/bench_ratio.txt (the summary) and OUT/bench_rounds.json (every run). Exit 1 when
+kvferry did not run over RDMA or moved nothing at some point; a missing ib_write_bw or
+Mooncake figure only leaves that ratio out (and says why).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GB = 1e9
+MIB = 1 << 20
+
+
+def parse_size(text):
+    text = text.strip().upper()
+    mul = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text[:-1] if mul > 1 else text) * mul
+
+
+def human(n):
+    for unit, v in (("MiB", MIB), ("KiB", 1024)):
+        if n % v == 0:
+            return f"{n // v} {unit}"
+    return f"{n} B"
+
+
+def ib_point(a, size, log):
+    """ib_write_bw server + client on one device; GB/s (10^9 B/s) or None, with the reason."""
+    iters = max(a.min_batches * a.batch, -(-a.ib_bytes // size))
+    cmd = ["ib_write_bw", "-d", a.device, "-x", str(a.gid_index), "-s", str(size), "-n", str(iters),
+           "-t", str(a.batch)]
+    srv = subprocess.Popen(cmd, stdout=open(f"{log}-server.log", "w"), stderr=subprocess.STDOUT)
+    out, rc = "", 1
+    try:
+        # the server may need a while to listen under TCG: retry the client
+        for _ in range(20):
+            time.sleep(1)
+            r = subprocess.run(cmd + [a.ip], capture_output=True, text=True, timeout=a.timeout)
+            out, rc = r.stdout + r.stderr, r.returncode
+            if rc == 0 or "Couldn't connect" not in out:
+                break
+    except subprocess.TimeoutExpired:
+        out, rc = out + f"\nclient timed out after {a.timeout} s", 124
+    finally:
+        try:
+            srv.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+            srv.wait()
+    Path(f"{log}.log").write_text(out)
+    if rc != 0:
+        return None, f"ib_write_bw exited {rc}", iters
+    # result line: #bytes #iterations BW peak[MB/sec] BW average[MB/sec] MsgRate[Mpps]
+    # (perftest's MB is 2^20 bytes)
+    for line in reversed(out.splitlines()):
+        f = line.split()
+        if len(f) >= 5 and f[0] == str(size):
+            try:
+                return float(f[3]) * MIB / GB, None, iters
+            except ValueError:
+                break
+    return None, "ib_write_bw printed no result line", iters
+
+
+def kvferry_points(a, log):
+    """{size: point} from one `kvferry bench` run over every size, or raises."""
+    cmd = [a.kvferry, "bench", "--transport", "rdma", "--block-sizes", ",".join(map(str, a.sizes)),
+           "--batch", str(a.batch), "--seconds", str(a.seconds), "--min-batches", str(a.min_batches),
+           "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    Path(f"{log}.log").write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
+    if r.returncode != 0:
+        raise RuntimeError(f"kvferry bench exited {r.returncode}: {r.stderr.strip()[-500:]}")
+    rep = json.loads(r.stdout)
+    if rep.get("transport") != "rdma":
+        raise RuntimeError(f"kvferry bench ran over {rep.get('transport')!r}, not RDMA")
+    return {p["block_size"]: p for p in rep["points"]}
+
+
+def mooncake_point(a, size, log):
+    """Mooncake's point as a dict, or None with the reason."""
+    cmd = [a.mooncake_python, a.mooncake_script, "--mooncake-point", str(size), str(a.batch),
+           str(a.seconds), "--protocol", "rdma", "--host", a.ip, "--device", a.device,
+           "--min-batches", str(a.min_batches)]
+    env = dict(os.environ, GLOG_minloglevel="2")  # Mooncake logs every connection at INFO
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
+    except subprocess.TimeoutExpired:
+        Path(f"{log}.log").write_text(" ".join(cmd) + f"\ntimed out after {a.timeout} s\n")
+        return None, f"timed out after {a.timeout} s"
+    Path(f"{log}.log").write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
+    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    if r.returncode != 0 or not lines:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, f"exited {r.returncode}: {tail[-300:]}"
+    return json.loads(lines[-1]), None
+
+
+def spread(values):
+    """(median, min, max) of the values that exist, or None."""
+    v = [x for x in values if x is not None]
+    return (statistics.median(v), min(v), max(v)) if v else None
+
+
+def fmt(s, digits=4):
+    if s is None:
+        return "n/a"
+    return f"{s[0]:.{digits}f} ({s[1]:.{digits}f}-{s[2]:.{digits}f})"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--kvferry", required=True)
+    ap.add_argument("--device", default="rxe0")
+    ap.add_argument("--gid-index", type=int, default=1, help="ib_write_bw -x (1: IPv4-mapped RoCEv2)")
+    ap.add_argument("--ip", required=True, help="the device's IPv4 address")
+    ap.add_argument("--sizes", default="64K,1M")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--min-batches", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ib-bytes", type=int, default=128 * MIB, help="bytes per ib_write_bw run, at least")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per engine run")
+    ap.add_argument("--mooncake-python", default="", help="a python that imports mooncake.engine")
+    ap.add_argument("--mooncake-script", default=str(Path(__file__).resolve().parents[2] / "bench" / "mooncake_compare.py"))
+    ap.add_argument("--mooncake-skip-reason", default="", help="why Mooncake is not measured")
+    a = ap.parse_args()
+    a.sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
+    out = Path(a.out)
+    engines = ["ib_write_bw", "kvferry"] + (["mooncake"] if a.mooncake_python else [])
+
+    rounds = []
+    ok = True
+    for rnd in range(a.rounds):
+        order = engines[rnd % len(engines):] + engines[:rnd % len(engines)]
+        res = {"round": rnd + 1, "order": order, "ib_write_bw": {}, "kvferry": {}, "mooncake": {}}
+        for who in order:
+            t0 = time.time()
+            if who == "ib_write_bw":
+                for size in a.sizes:
+                    gbs, why, iters = ib_point(a, size, out / f"ib_write_bw-r{rnd + 1}-{size}")
+                    res["ib_write_bw"][size] = {"gb_per_s": gbs, "iterations": iters, "tx_depth": a.batch,
+                                                "error": why}
+            elif who == "kvferry":
+                try:
+                    pts = kvferry_points(a, out / f"kvferry-bench-r{rnd + 1}")
+                except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+                    print(f"round {rnd + 1}: kvferry: {e}", file=sys.stderr)
+                    ok = False
+                    pts = {}
+                for size in a.sizes:
+                    p = pts.get(size)
+                    if p is None or not p["gb_per_s"] > 0:
+                        ok = False
+                    res["kvferry"][size] = p
+            else:
+                for size in a.sizes:
+                    p, why = mooncake_point(a, size, out / f"mooncake-r{rnd + 1}-{size}")
+                    res["mooncake"][size] = p if p else {"error": why}
+            print(f"round {rnd + 1}: {who} {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        rounds.append(res)
+
+    def gbs(r, who, size):
+        p = r[who].get(size) or {}
+        return p.get("gb_per_s")
+
+    def ratio(r, size, base):
+        k, b = gbs(r, "kvferry", size), gbs(r, base, size)
+        return k / b if k and b else None
+
+    lines = [f"soft-RoCE bench: {a.device} under QEMU TCG, WRITE, batch {a.batch} (ib_write_bw tx depth "
+             f"{a.batch}), {a.rounds} rounds, at least {a.min_batches} batches and {a.seconds:g} s per "
+             f"point; GB/s and ratios as median (min-max) over rounds"]
+    summary = []
+    for size in a.sizes:
+        k = spread([gbs(r, "kvferry", size) for r in rounds])
+        ib = spread([gbs(r, "ib_write_bw", size) for r in rounds])
+        mc = spread([gbs(r, "mooncake", size) for r in rounds])
+        r_ib = spread([ratio(r, size, "ib_write_bw") for r in rounds])
+        r_mc = spread([ratio(r, size, "mooncake") for r in rounds])
+        batches = [(r["kvferry"].get(size) or {}).get("batches") for r in rounds]
+        lines.append(f"block {human(size):>7}: kvferry {fmt(k)} GB/s ({'/'.join(str(b) for b in batches)} batches)"
+                     f" | ib_write_bw {fmt(ib)} | Mooncake {fmt(mc)}")
+        lines.append(f"{'':15}kvferry/ib_write_bw {fmt(r_ib, 2)} | kvferry/Mooncake {fmt(r_mc, 2)}")
+        summary.append({"block_size": size, "kvferry_gb_per_s": k, "ib_write_bw_gb_per_s": ib,
+                        "mooncake_gb_per_s": mc, "ratio_kvferry_over_ib_write_bw": r_ib,
+                        "ratio_kvferry_over_mooncake": r_mc})
+    for r in rounds:
+        for who in ("ib_write_bw", "mooncake"):
+            for size, p in r[who].items():
+                if p and p.get("error"):
+                    lines.append(f"round {r['round']}: {who} {human(size)}: left out ({p['error']})")
+    if not a.mooncake_python:
+        lines.append(f"Mooncake: not measured ({a.mooncake_skip_reason or 'no --mooncake-python'})")
+    if not ok:
+        lines.append("FAILED: kvferry did not move data over RDMA at every point of every round")
+    text = "\n".join(lines) + "\n"
+    (out / "bench_ratio.txt").write_text(text)
+    (out / "bench_rounds.json").write_text(json.dumps({"summary": summary, "rounds": rounds}, indent=2))
+    print(text, end="")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

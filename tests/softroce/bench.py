@@ -142,6 +142,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ib-bytes", type=int, default=128 * MIB, help="bytes per ib_write_bw run, at least")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per engine run")
+    ap.add_argument("--budget", type=float, default=900.0,
+                    help="seconds for all rounds: no round starts that could end past it")
     ap.add_argument("--mooncake-python", default="", help="a python that imports mooncake.engine")
     ap.add_argument("--mooncake-script", default=str(Path(__file__).resolve().parents[2] / "bench" / "mooncake_compare.py"))
     ap.add_argument("--mooncake-skip-reason", default="", help="why Mooncake is not measured")
@@ -152,7 +154,15 @@ def main():
 
     rounds = []
     ok = True
+    began, longest, cut = time.time(), 0.0, None
     for rnd in range(a.rounds):
+        # a round that could not end within the budget is not started (the step's timeout
+        # would kill it, and with it every figure measured so far)
+        if rnd > 0 and time.time() - began + longest > a.budget:
+            cut = f"rounds cut to {rnd} of {a.rounds}: another would pass the {a.budget:g} s budget"
+            print(cut, file=sys.stderr, flush=True)
+            break
+        round_began = time.time()
         order = engines[rnd % len(engines):] + engines[:rnd % len(engines)]
         res = {"round": rnd + 1, "order": order, "ib_write_bw": {}, "kvferry": {}, "mooncake": {}}
         for who in order:
@@ -180,6 +190,7 @@ def main():
                     res["mooncake"][size] = p if p else {"error": why}
             print(f"round {rnd + 1}: {who} {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
         rounds.append(res)
+        longest = max(longest, time.time() - round_began)
 
     def gbs(r, who, size):
         p = r[who].get(size) or {}
@@ -190,7 +201,7 @@ def main():
         return k / b if k and b else None
 
     lines = [f"soft-RoCE bench: {a.device} under QEMU TCG, WRITE, batch {a.batch} (ib_write_bw tx depth "
-             f"{a.batch}), {a.rounds} rounds, at least {a.min_batches} batches and {a.seconds:g} s per "
+             f"{a.batch}), {len(rounds)} rounds, at least {a.min_batches} batches and {a.seconds:g} s per "
              f"point; GB/s and ratios as median (min-max) over rounds"]
     summary = []
     for size in a.sizes:
@@ -211,6 +222,8 @@ def main():
             for size, p in r[who].items():
                 if p and p.get("error"):
                     lines.append(f"round {r['round']}: {who} {human(size)}: left out ({p['error']})")
+    if cut:
+        lines.append(cut)
     if not a.mooncake_python:
         lines.append(f"Mooncake: not measured ({a.mooncake_skip_reason or 'no --mooncake-python'})")
     if not ok:

@@ -9,7 +9,7 @@
 #   repo, the target directory and the binary's directory shared into it (so a clone under
 #   /tmp works). Env: CARGO_TARGET_DIR (default <repo>/target), KVFERRY_BIN (default
 #   $CARGO_TARGET_DIR/release/kvferry), SOFTROCE_SKIP_CLI=1 (tests only), SOFTROCE_TIMEOUT
-#   (default 1500 s for the whole guest run), SOFTROCE_MOONCAKE=0 (bench without Mooncake),
+#   (default 1800 s for the whole guest run), SOFTROCE_BENCH_TIMEOUT (1200 s), SOFTROCE_BENCH_BUDGET (900 s for the bench's rounds), SOFTROCE_MOONCAKE=0 (bench without Mooncake),
 #   MOONCAKE_VENV (where bench/mooncake_compare.py installs it), SOFTROCE_BENCH_ROUNDS (3),
 #   SOFTROCE_BENCH_SECONDS (4), SOFTROCE_BENCH_MIN_BATCHES (3).
 # In the guest (SOFTROCE_GUEST=1, set by run.sh): runs the steps listed in
@@ -58,7 +58,7 @@ if [ -z "${SOFTROCE_GUEST:-}" ]; then
             fi
         fi
     fi
-    exec "$HERE/run.sh" -t "${SOFTROCE_TIMEOUT:-1500}" -o "$OUT" "${shares[@]}" "$HERE/suite.sh"
+    exec "$HERE/run.sh" -t "${SOFTROCE_TIMEOUT:-1800}" -o "$OUT" "${shares[@]}" "$HERE/suite.sh"
 fi
 
 # ---------------------------------------------------------------- inside the guest
@@ -117,10 +117,10 @@ else
     # rounds with the engines' order rotated, medians and spread (tests/softroce/bench.py)
     mc=()
     [ -n "${SOFTROCE_MOONCAKE_PY:-}" ] && mc=(--mooncake-python "$SOFTROCE_MOONCAKE_PY")
-    STEP_TIMEOUT=${SOFTROCE_BENCH_TIMEOUT:-900} step bench python3 "$SOFTROCE_SCRIPT_DIR/bench.py" \
+    STEP_TIMEOUT=${SOFTROCE_BENCH_TIMEOUT:-1200} step bench python3 "$SOFTROCE_SCRIPT_DIR/bench.py" \
         --out "$OUT" --kvferry "$BIN" --device "$DEV" --ip "$SOFTROCE_IP" --batch 128 --sizes 64K,1M \
         --rounds "${SOFTROCE_BENCH_ROUNDS:-3}" --seconds "${SOFTROCE_BENCH_SECONDS:-4}" \
-        --min-batches "${SOFTROCE_BENCH_MIN_BATCHES:-3}" "${mc[@]}" \
+        --min-batches "${SOFTROCE_BENCH_MIN_BATCHES:-3}" --budget "${SOFTROCE_BENCH_BUDGET:-900}" "${mc[@]}" \
         --mooncake-skip-reason "${SOFTROCE_MOONCAKE_SKIP:-}"
 fi
 

@@ -12,6 +12,12 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// easily; anything larger is refused before decoding.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
+/// Default largest ZeroMQ message (all its frames) or command a peer may send on the control
+/// channel, in bytes: [`MAX_MESSAGE_BYTES`] and 4 KiB of envelope. A frame header declaring more
+/// is refused by the ZMTP decoder before anything is reserved, and the connection is dropped
+/// (`ProducerConfig::max_message_bytes`, `ConsumerConfig::max_message_bytes`).
+pub const DEFAULT_MAX_ZMTP_MESSAGE: usize = MAX_MESSAGE_BYTES + 4096;
+
 /// `kind` of a consumer → producer transfer request.
 pub const KIND_TRANSFER_REQUEST: &str = "transfer_request";
 /// `kind` of a producer → consumer reply.

@@ -23,8 +23,8 @@ use crate::checksum::all_records;
 use crate::error::{LoadError, P2pError};
 use crate::proto::consumer::{ConsumerEvent, ConsumerMachine, FailReason};
 use crate::proto::msg::{
-    Reply, TransferRequest, WireBlocks, WireLayer, WireRank, WireRankGroup, KIND_TRANSFER_REQUEST,
-    PROTOCOL_VERSION,
+    Reply, TransferRequest, WireBlocks, WireLayer, WireRank, WireRankGroup,
+    DEFAULT_MAX_ZMTP_MESSAGE, KIND_TRANSFER_REQUEST, PROTOCOL_VERSION,
 };
 use crate::wire::to_wire;
 use crate::worker::{validate, Worker, WorkerGroup};
@@ -51,6 +51,10 @@ pub struct ConsumerConfig {
     pub connect_timeout: Duration,
     /// Deadline of handing one request to the DEALER.
     pub send_timeout: Duration,
+    /// Largest message a producer may send on the DEALER (bytes, all frames of one message);
+    /// a frame header declaring more drops the connection (its loads fail) before anything
+    /// is reserved. Default [`DEFAULT_MAX_ZMTP_MESSAGE`].
+    pub max_message_bytes: usize,
 }
 
 impl Default for ConsumerConfig {
@@ -64,6 +68,7 @@ impl Default for ConsumerConfig {
             checksum_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             send_timeout: Duration::from_secs(5),
+            max_message_bytes: DEFAULT_MAX_ZMTP_MESSAGE,
         }
     }
 }
@@ -468,6 +473,7 @@ struct Connection {
     machine: ConsumerMachine,
     connect_timeout: Duration,
     send_timeout: Duration,
+    max_message_bytes: usize,
     sock: Option<Sock>,
     generation: u64,
     waiters: HashMap<u64, oneshot::Sender<Result<Reply, ConnFailure>>>,
@@ -488,6 +494,7 @@ impl Connection {
             machine: ConsumerMachine::new(c.reply_timeout, c.max_wait, seed()),
             connect_timeout: c.connect_timeout,
             send_timeout: c.send_timeout,
+            max_message_bytes: c.max_message_bytes,
             sock: None,
             generation: 0,
             waiters: HashMap::new(),
@@ -500,6 +507,7 @@ impl Connection {
     ) -> Result<(), String> {
         let mut options = SocketOptions::default();
         options.connect_timeout(self.connect_timeout);
+        options.max_message_size(self.max_message_bytes);
         let mut socket = zeromq::DealerSocket::with_options(options);
         let mut monitor = socket.monitor();
         match tokio::time::timeout(self.connect_timeout, socket.connect(&self.endpoint)).await {

@@ -6,16 +6,19 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures::StreamExt;
 use kvferry_checksum::record::producer_payload;
 use kvferry_checksum::select::producer_blocks;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::checksum::all_records;
 use crate::error::P2pError;
-use crate::proto::msg::{decode_request, encode, Reply, MAX_MESSAGE_BYTES};
+use crate::proto::msg::{
+    decode_request, encode, Reply, DEFAULT_MAX_ZMTP_MESSAGE, MAX_MESSAGE_BYTES,
+};
 use crate::proto::producer::{Effect, ProducerMachine, ProducerTimeouts, ReleaseReason};
 use crate::shell::serve::{plan, write_all, Published};
 use crate::worker::{validate, Worker};
@@ -36,6 +39,10 @@ pub struct ProducerConfig {
     pub checksums: bool,
     /// Deadline of sending one reply on the ROUTER.
     pub send_timeout: Duration,
+    /// Largest message a consumer may send on the ROUTER (bytes, all frames of one message);
+    /// a frame header declaring more drops that connection before anything is reserved.
+    /// Default [`DEFAULT_MAX_ZMTP_MESSAGE`].
+    pub max_message_bytes: usize,
 }
 
 impl Default for ProducerConfig {
@@ -47,6 +54,7 @@ impl Default for ProducerConfig {
             checksum_timeout: Duration::from_secs(30),
             checksums: true,
             send_timeout: Duration::from_secs(5),
+            max_message_bytes: DEFAULT_MAX_ZMTP_MESSAGE,
         }
     }
 }
@@ -76,6 +84,7 @@ pub struct Released {
 enum Event {
     Message(zeromq::ZmqResult<ZmqMessage>),
     Command(Option<Command>),
+    Peer(Option<SocketEvent>),
     Tick,
 }
 
@@ -112,7 +121,11 @@ impl Producer {
     /// Errors: [`P2pError::Workers`], [`P2pError::Bind`].
     pub async fn start(config: ProducerConfig, workers: Vec<Worker>) -> Result<Producer, P2pError> {
         let (tp, pp, workers) = validate(workers)?;
-        let mut socket = zeromq::RouterSocket::new();
+        let mut options = zeromq::SocketOptions::default();
+        options.max_message_size(config.max_message_bytes);
+        let mut socket = zeromq::RouterSocket::with_options(options);
+        // Peers refused during the ZMTP handshake (e.g. an oversized command) are reported here.
+        let monitor = Some(socket.monitor());
         let bind_err = |why: String| P2pError::Bind {
             endpoint: config.bind.clone(),
             why,
@@ -129,6 +142,7 @@ impl Producer {
             EventLoop {
                 machine: ProducerMachine::new(config.timeouts, config.transfer_timeout),
                 socket,
+                monitor,
                 commands: tx.downgrade(),
                 released: released.clone(),
                 workers: workers.clone(),
@@ -263,6 +277,7 @@ impl Producer {
 struct EventLoop {
     machine: ProducerMachine<Bytes, Published>,
     socket: zeromq::RouterSocket,
+    monitor: Option<futures::channel::mpsc::Receiver<SocketEvent>>,
     /// Weak, so that dropping the [`Producer`] ends the loop (serve tasks hold it strongly).
     commands: mpsc::WeakUnboundedSender<Command>,
     released: Arc<Mutex<Vec<Released>>>,
@@ -293,6 +308,12 @@ impl EventLoop {
             let event = tokio::select! {
                 m = self.socket.recv() => Event::Message(m),
                 c = commands.recv() => Event::Command(c),
+                ev = async {
+                    match self.monitor.as_mut() {
+                        Some(m) => m.next().await,
+                        None => std::future::pending().await,
+                    }
+                } => Event::Peer(ev),
                 _ = sleep => Event::Tick,
             };
             match event {
@@ -301,6 +322,11 @@ impl EventLoop {
                     warn!("producer control socket failed: {e}");
                     break;
                 }
+                Event::Peer(Some(SocketEvent::AcceptFailed(e))) => {
+                    warn!("control connection refused: {e}");
+                }
+                Event::Peer(Some(_)) => {}
+                Event::Peer(None) => self.monitor = None,
                 Event::Command(None | Some(Command::Shutdown)) => break,
                 Event::Command(Some(Command::Publish {
                     request_id,

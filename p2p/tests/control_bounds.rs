@@ -1,0 +1,278 @@
+//! The control channel is bounded before allocation (issue 10): a ZMTP frame header
+//! declaring more than the configured limit drops that connection before anything is
+//! reserved, on the producer's ROUTER and on the consumer's DEALER, and the process keeps
+//! serving. Raw TCP peers speak ZMTP 3.0 by hand (greeting, READY, frames).
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use common::Side;
+use kvferry_p2p::proto::consumer::FailReason;
+use kvferry_p2p::{Consumer, ConsumerConfig, LoadError, LoadGroup, LoadSpec, Producer};
+use kvferry_p2p::{ProducerConfig, DEFAULT_MAX_ZMTP_MESSAGE};
+
+const NUM_TOKENS: u64 = 40;
+
+fn greeting() -> [u8; 64] {
+    let mut g = [0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[12..16].copy_from_slice(b"NULL");
+    g
+}
+
+fn ready(socket_type: &str) -> Vec<u8> {
+    let mut body = vec![5u8];
+    body.extend_from_slice(b"READY");
+    body.push(11);
+    body.extend_from_slice(b"Socket-Type");
+    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    body.extend_from_slice(socket_type.as_bytes());
+    let mut f = vec![0x04, body.len() as u8];
+    f.extend_from_slice(&body);
+    f
+}
+
+/// A long message frame header declaring `len` body bytes.
+fn long_header(len: u64) -> Vec<u8> {
+    let mut h = vec![0x02u8];
+    h.extend_from_slice(&len.to_be_bytes());
+    h
+}
+
+fn read_frame(s: &mut TcpStream) -> (u8, Vec<u8>) {
+    let mut flags = [0u8; 1];
+    s.read_exact(&mut flags).unwrap();
+    let len = if flags[0] & 0x02 != 0 {
+        let mut l = [0u8; 8];
+        s.read_exact(&mut l).unwrap();
+        u64::from_be_bytes(l) as usize
+    } else {
+        let mut l = [0u8; 1];
+        s.read_exact(&mut l).unwrap();
+        l[0] as usize
+    };
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).unwrap();
+    (flags[0], body)
+}
+
+fn tcp_addr(endpoint: &str) -> String {
+    endpoint.trim_start_matches("tcp://").to_string()
+}
+
+/// Whether the peer closed `s` (EOF or reset) before `deadline`.
+fn closed_by_peer(s: &mut TcpStream, deadline: Instant) -> bool {
+    let mut buf = [0u8; 256];
+    while Instant::now() < deadline {
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+fn spec(request_id: &str, producer: &str) -> LoadSpec {
+    LoadSpec {
+        request_id: request_id.into(),
+        producer: producer.to_string(),
+        groups: vec![LoadGroup {
+            group_id: 0,
+            remote_blocks: vec![Some(3), Some(5), Some(1)],
+            local_blocks: vec![Some(7), Some(2), Some(10)],
+        }],
+        num_local_computed: 0,
+        num_tokens: NUM_TOKENS,
+    }
+}
+
+fn producer_config() -> ProducerConfig {
+    ProducerConfig {
+        transfer_timeout: Duration::from_secs(10),
+        ..ProducerConfig::default()
+    }
+}
+
+fn consumer_config() -> ConsumerConfig {
+    ConsumerConfig {
+        reply_timeout: Duration::from_secs(10),
+        max_wait: Duration::from_secs(20),
+        ..ConsumerConfig::default()
+    }
+}
+
+/// A real load still verifies on `producer` (it kept serving).
+async fn a_load_verifies(producer: &Producer, c: &Side, request_id: &str) {
+    producer
+        .publish(
+            request_id,
+            vec![vec![Some(3), Some(5), Some(1)]],
+            NUM_TOKENS,
+        )
+        .await
+        .unwrap();
+    let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
+    let out = consumer
+        .load(spec(request_id, producer.endpoint()))
+        .await
+        .unwrap();
+    assert!(out.verdict.unwrap().is_verified());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_40_gib_frame_header_before_the_handshake_drops_only_that_connection() {
+    let p = Side::new(1, 1, 8, Some(7));
+    let c = Side::new(1, 1, 12, Some(99));
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let addr = tcp_addr(producer.endpoint());
+    let hostile = tokio::task::spawn_blocking(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(&greeting()).unwrap();
+        // Where READY is expected: one frame header declaring 40 GiB (the process aborted).
+        s.write_all(&long_header(40 << 30)).unwrap();
+        closed_by_peer(&mut s, Instant::now() + Duration::from_secs(10))
+    })
+    .await
+    .unwrap();
+    assert!(hostile, "the producer must drop the connection");
+    a_load_verifies(&producer, &c, "after-40g").await;
+    producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slowly_streamed_8_gib_message_is_refused_at_its_header() {
+    let p = Side::new(1, 1, 8, Some(7));
+    let c = Side::new(1, 1, 12, Some(99));
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let addr = tcp_addr(producer.endpoint());
+    let sent = tokio::task::spawn_blocking(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(&greeting()).unwrap();
+        s.write_all(&ready("DEALER")).unwrap();
+        let mut g = [0u8; 64];
+        s.read_exact(&mut g).unwrap();
+        let (flags, body) = read_frame(&mut s);
+        assert_eq!(flags & 0x04, 0x04, "the producer's READY");
+        assert_eq!(&body[1..6], b"READY");
+        s.write_all(&long_header(8 << 30)).unwrap();
+        // Stream the body slowly; the producer must close before it pins much of it.
+        let chunk = vec![0u8; 64 << 10];
+        let mut sent = 0u64;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        s.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+        while Instant::now() < deadline {
+            if s.write_all(&chunk).is_err() {
+                return Some(sent);
+            }
+            sent += chunk.len() as u64;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    })
+    .await
+    .unwrap();
+    let sent = sent.expect("the producer must drop the connection before 10 s of streaming");
+    assert!(sent < 64 << 20, "{sent} bytes went in before the drop");
+    a_load_verifies(&producer, &c, "after-8g").await;
+    producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_over_a_configured_limit_is_refused_and_one_under_it_served() {
+    let p = Side::new(1, 1, 8, Some(7));
+    let c = Side::new(1, 1, 12, Some(99));
+    // A real request is a few KiB: a 256-byte limit refuses it, the default serves it.
+    let cfg = ProducerConfig {
+        max_message_bytes: 256,
+        ..producer_config()
+    };
+    let producer = Producer::start(cfg, p.workers.clone()).await.unwrap();
+    producer
+        .publish(
+            "small-limit",
+            vec![vec![Some(3), Some(5), Some(1)]],
+            NUM_TOKENS,
+        )
+        .await
+        .unwrap();
+    let consumer = Consumer::new(
+        ConsumerConfig {
+            reply_timeout: Duration::from_secs(2),
+            ..consumer_config()
+        },
+        c.workers.clone(),
+    )
+    .unwrap();
+    let err = consumer
+        .load(spec("small-limit", producer.endpoint()))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            LoadError::Failed {
+                reason: FailReason::NoReply(_) | FailReason::ConnectionLost(_),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    producer.shutdown().await;
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        ProducerConfig::default().max_message_bytes,
+        DEFAULT_MAX_ZMTP_MESSAGE
+    );
+    a_load_verifies(&producer, &c, "default-limit").await;
+    producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_producer_cannot_crash_the_consumer() {
+    let c = Side::new(1, 1, 12, Some(99));
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&greeting()).unwrap();
+        let mut g = [0u8; 64];
+        s.read_exact(&mut g).unwrap();
+        let _ready = read_frame(&mut s);
+        s.write_all(&ready("ROUTER")).unwrap();
+        let _request = read_frame(&mut s);
+        // The reply: one frame header declaring 40 GiB (the consumer aborted).
+        s.write_all(&long_header(40 << 30)).unwrap();
+        closed_by_peer(&mut s, Instant::now() + Duration::from_secs(10))
+    });
+    let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
+    let err = consumer.load(spec("hostile", &endpoint)).await.unwrap_err();
+    match &err {
+        LoadError::Failed {
+            reason: FailReason::ConnectionLost(why),
+            ..
+        } => assert!(why.contains("maximum message size"), "{why}"),
+        other => panic!("expected a lost connection, got {other:?}"),
+    }
+    assert!(
+        fake.join().unwrap(),
+        "the consumer must drop the connection"
+    );
+}

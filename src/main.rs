@@ -63,7 +63,15 @@ fn payload(action: PayloadAction) -> Result<(), String> {
         .map_err(|e| format!("reading stdin: {e}"))?;
     match action {
         PayloadAction::Decode => {
-            print_json(&kvferry::payload_json::decode_to_json(&input).map_err(|e| e.to_string())?)
+            let payload = kvferry_checksum::payload::Payload::from_base64(&input)
+                .map_err(|e| kvferry::payload_json::PayloadJsonError::from(e).to_string())?;
+            drop(input);
+            // Streamed: a JSON tree of a large payload took ten times its size.
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            kvferry::payload_json::write_json(&payload, &mut out).map_err(|e| e.to_string())?;
+            writeln!(out)
+                .and_then(|_| out.flush())
+                .map_err(|e| e.to_string())
         }
         PayloadAction::Encode => {
             let text =

@@ -51,6 +51,67 @@ pub fn payload_to_json(p: &Payload) -> Value {
     })
 }
 
+/// The JSON form of a payload serialized straight from it, keys in the order
+/// [`payload_to_json`]'s maps print them (sorted), so that writing it holds no JSON tree.
+struct Streamed<'a>(&'a Payload);
+struct StreamedGroup<'a>(&'a PayloadGroup);
+struct Hexes<'a>(&'a [u64]);
+
+impl serde::Serialize for Streamed<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{SerializeMap, SerializeSeq};
+        struct Groups<'a>(&'a [PayloadGroup]);
+        impl serde::Serialize for Groups<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                let mut seq = s.serialize_seq(Some(self.0.len()))?;
+                for g in self.0 {
+                    seq.serialize_element(&StreamedGroup(g))?;
+                }
+                seq.end()
+            }
+        }
+        let p = self.0;
+        let mut m = s.serialize_map(Some(4))?;
+        m.serialize_entry("groups", &Groups(&p.groups))?;
+        m.serialize_entry("num_tokens", &p.num_tokens)?;
+        m.serialize_entry("tp_size", &p.tp_size)?;
+        m.serialize_entry("version", &p.version)?;
+        m.end()
+    }
+}
+
+impl serde::Serialize for StreamedGroup<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let g = self.0;
+        let mut m = s.serialize_map(Some(5))?;
+        m.serialize_entry("block_size", &g.block_size)?;
+        m.serialize_entry("fingerprint", &format!("0x{:016x}", g.fingerprint))?;
+        m.serialize_entry("group_id", &g.group_id)?;
+        m.serialize_entry("start", &g.start)?;
+        m.serialize_entry("values", &Hexes(&g.values))?;
+        m.end()
+    }
+}
+
+impl serde::Serialize for Hexes<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        let mut seq = s.serialize_seq(Some(self.0.len()))?;
+        for v in self.0 {
+            seq.serialize_element(&format!("0x{v:016x}"))?;
+        }
+        seq.end()
+    }
+}
+
+/// Writes the pretty-printed JSON form of `p` (the text `serde_json::to_writer_pretty` gives
+/// for [`payload_to_json`]) to `out` without building it in memory: the memory used is the
+/// payload's own. Errors: those of `out`.
+pub fn write_json<W: std::io::Write>(p: &Payload, out: W) -> std::io::Result<()> {
+    serde_json::to_writer_pretty(out, &Streamed(p)).map_err(std::io::Error::other)
+}
+
 /// Decodes base64 payload text (as carried in kv_transfer_params) into its JSON form.
 pub fn decode_to_json(base64_text: &str) -> Result<Value, PayloadJsonError> {
     Ok(payload_to_json(&Payload::from_base64(base64_text)?))
@@ -195,6 +256,22 @@ mod tests {
         assert_eq!(j["groups"][0]["fingerprint"], json!("0x00000000deadbeef"));
         let text = encode_from_json(&j.to_string()).unwrap();
         assert_eq!(Payload::from_base64(&text).unwrap(), p);
+    }
+
+    #[test]
+    fn streamed_json_is_the_tree_printed() {
+        let mut p = sample();
+        p.groups.push(PayloadGroup {
+            group_id: 9,
+            fingerprint: 1,
+            block_size: 4,
+            start: 0,
+            values: vec![],
+        });
+        let mut streamed = Vec::new();
+        write_json(&p, &mut streamed).unwrap();
+        let tree = serde_json::to_string_pretty(&payload_to_json(&p)).unwrap();
+        assert_eq!(String::from_utf8(streamed).unwrap(), tree);
     }
 
     #[test]

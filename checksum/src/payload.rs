@@ -15,6 +15,11 @@ pub const PAYLOAD_VERSION: u32 = 1;
 /// 64 MiB holds 8M block values: far beyond any prompt.
 pub const MAX_PAYLOAD_BYTES: usize = 64 << 20;
 
+/// The most groups a payload may hold: one per KV cache group of the model (a handful), with a
+/// wide margin. A payload declaring more is refused before its groups are decoded, so that 64 MiB
+/// of tiny groups cannot turn into gigabytes of per-group allocations (issue 10).
+pub const MAX_PAYLOAD_GROUPS: usize = 4096;
+
 /// The producer's checksums for one request (§2.4).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Payload {
@@ -108,7 +113,12 @@ impl<'de> Deserialize<'de> for WireHead {
 }
 
 #[derive(Deserialize)]
-struct WireIn(serde::de::IgnoredAny, u32, u64, Vec<WireGroup>);
+struct WireIn(
+    serde::de::IgnoredAny,
+    u32,
+    u64,
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, MAX_PAYLOAD_GROUPS>")] Vec<WireGroup>,
+);
 
 impl Payload {
     /// Encodes as msgpack (§2.4).
@@ -131,8 +141,9 @@ impl Payload {
         rmp_serde::to_vec(&wire).expect("msgpack encoding to a Vec cannot fail")
     }
 
-    /// Decodes msgpack bytes (§2.4). Errors: too large, malformed, trailing bytes, wrong version,
-    /// values not whole u64, zero block size. Never panics.
+    /// Decodes msgpack bytes (§2.4). Errors: too large, malformed (including more than
+    /// [`MAX_PAYLOAD_GROUPS`] groups), trailing bytes, wrong version, values not whole u64, zero
+    /// block size. Never panics; holds at most a small multiple of `bytes.len()` in memory.
     pub fn from_bytes(bytes: &[u8]) -> Result<Payload, PayloadError> {
         if bytes.len() > MAX_PAYLOAD_BYTES {
             return Err(PayloadError::TooLarge(bytes.len()));

@@ -1,7 +1,9 @@
 //! Wire messages of the control channel (DESIGN.md §4): msgpack maps with field
 //! names (`rmp_serde::to_vec_named`), a `version` field checked first, unknown
 //! fields ignored, status codes as vLLM's MooncakeConnector (FINISH=0,
-//! CONTINUE=1, ERROR=2). Decoding never panics on any input.
+//! CONTINUE=1, ERROR=2). Decoding never panics on any input, and every list is capped
+//! ([`MAX_GROUPS`], [`MAX_RANKS`], [`MAX_LAYERS`], [`MAX_BLOCKS`], [`MAX_STRIDES`]) before
+//! its elements are read, so a decoded message holds a small multiple of its bytes.
 
 use serde::{Deserialize, Serialize};
 
@@ -17,6 +19,17 @@ pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 /// is refused by the ZMTP decoder before anything is reserved, and the connection is dropped
 /// (`ProducerConfig::max_message_bytes`, `ConsumerConfig::max_message_bytes`).
 pub const DEFAULT_MAX_ZMTP_MESSAGE: usize = MAX_MESSAGE_BYTES + 4096;
+
+/// Most KV cache groups a request names (its `blocks`, a rank's `groups`).
+pub const MAX_GROUPS: usize = 4096;
+/// Most consumer ranks (TP × PP) a request lists.
+pub const MAX_RANKS: usize = 4096;
+/// Most layers of one group on one rank.
+pub const MAX_LAYERS: usize = 65536;
+/// Most blocks of one group in one request (16M tokens at block size 16).
+pub const MAX_BLOCKS: usize = 1 << 20;
+/// Most strides of a geometry (one per layout dimension; layouts have at most 5).
+pub const MAX_STRIDES: usize = 16;
 
 /// `kind` of a consumer → producer transfer request.
 pub const KIND_TRANSFER_REQUEST: &str = "transfer_request";
@@ -102,6 +115,7 @@ pub struct WireGeometry {
     /// Kernel blocks per logical block.
     pub kernel_blocks_per_block: u64,
     /// Byte stride per layout dimension, outermost first.
+    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_STRIDES>")]
     pub strides: Vec<u64>,
 }
 
@@ -127,6 +141,7 @@ pub struct WireRankGroup {
     /// KV cache group id.
     pub group_id: u32,
     /// Layers of the group held by this rank.
+    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_LAYERS>")]
     pub layers: Vec<WireLayer>,
 }
 
@@ -140,6 +155,7 @@ pub struct WireRank {
     /// The rank's transfer engine segment name (`host:port`).
     pub segment: String,
     /// The rank's groups.
+    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_GROUPS>")]
     pub groups: Vec<WireRankGroup>,
 }
 
@@ -151,10 +167,13 @@ pub struct WireBlocks {
     /// Block size (tokens) on the consumer; must equal the producer's.
     pub block_size: u64,
     /// Block positions in the request (block `p` holds tokens `[p·block_size, (p+1)·block_size)`).
+    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_BLOCKS>")]
     pub positions: Vec<u64>,
     /// The producer's block id at each position, as the consumer was told it.
+    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_BLOCKS>")]
     pub remote_blocks: Vec<u64>,
     /// The consumer's block id at each position (the write target).
+    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_BLOCKS>")]
     pub local_blocks: Vec<u64>,
 }
 
@@ -183,8 +202,10 @@ pub struct TransferRequest {
     #[serde(default)]
     pub budget_ms: u64,
     /// Blocks to write, per group.
+    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_GROUPS>")]
     pub blocks: Vec<WireBlocks>,
     /// The consumer's ranks.
+    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_RANKS>")]
     pub ranks: Vec<WireRank>,
 }
 

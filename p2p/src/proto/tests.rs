@@ -173,6 +173,43 @@ fn wrong_version_and_kind_and_status_are_clear_errors() {
     ));
 }
 
+#[test]
+fn lists_over_their_caps_are_refused_before_their_elements() {
+    let refused = |q: &TransferRequest, limit: usize| match decode_request(&encode(q)) {
+        Err(MsgError::Malformed(why)) => {
+            assert!(
+                why.contains(&format!("more than the limit of {limit}")),
+                "{why}"
+            )
+        }
+        other => panic!("expected a refusal at {limit}, got {other:?}"),
+    };
+    let base = request("r", 1);
+    let mut q = base.clone();
+    q.ranks = vec![base.ranks[0].clone(); MAX_RANKS + 1];
+    refused(&q, MAX_RANKS);
+    q.ranks.pop();
+    assert_eq!(decode_request(&encode(&q)).unwrap().ranks.len(), MAX_RANKS);
+    let mut q = base.clone();
+    q.blocks = vec![base.blocks[0].clone(); MAX_GROUPS + 1];
+    refused(&q, MAX_GROUPS);
+    let mut q = base.clone();
+    q.blocks[0].positions = vec![0; MAX_BLOCKS + 1];
+    refused(&q, MAX_BLOCKS);
+    let mut q = base.clone();
+    q.ranks[0].groups[0].layers[0].geometry.strides = vec![1; MAX_STRIDES + 1];
+    refused(&q, MAX_STRIDES);
+    // A forged length: the ranks array declares 2^32 - 1 elements and holds none.
+    let mut bytes = encode(&base);
+    let at = bytes.windows(6).position(|w| w == b"\xa5ranks").unwrap() + 6;
+    bytes.truncate(at);
+    bytes.extend_from_slice(&[0xdd, 0xff, 0xff, 0xff, 0xff]);
+    assert!(matches!(
+        decode_request(&bytes),
+        Err(MsgError::Malformed(_))
+    ));
+}
+
 proptest! {
     #[test]
     fn decoding_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {

@@ -3,7 +3,7 @@ one JSON line of results. Driven by test_vllm_cpu.py, one subprocess per engine:
 connector and the distributed state as process globals.
 
     python engine_run.py SCENARIO MODEL_DIR
-    SCENARIO: producer | consumer-recompute | consumer-fail
+    SCENARIO: producer | producer-tp2 | consumer-recompute | consumer-fail
 """
 
 import json
@@ -75,7 +75,7 @@ def reinit_weights(model) -> None:
                 m.cpu_linear = plain_linear
 
 
-def make_llm(model: str, role: str | None, policy: str = "fail"):
+def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -89,7 +89,8 @@ def make_llm(model: str, role: str | None, policy: str = "fail"):
         )
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
               max_model_len=256, enforce_eager=True, seed=0, block_size=BLOCK_SIZE,
-              max_num_seqs=4, enable_prefix_caching=False, kv_transfer_config=ktc)
+              max_num_seqs=4, enable_prefix_caching=False, kv_transfer_config=ktc,
+              tensor_parallel_size=tp)
     llm.apply_model(reinit_weights)
     return llm
 
@@ -141,6 +142,12 @@ def main() -> None:
         time.sleep(2.5)  # past lease_seconds
         generate(llm, [[5, 6, 7]], 1)
         result["free_after_lease"] = free_blocks(llm)
+    elif scenario == "producer-tp2":
+        # Two worker processes, one TP rank each (1 of the 2 KV heads): each builds its own
+        # connector; the reply names the producer's TP size.
+        llm = make_llm(model, "kv_producer", tp=2)
+        result["startup_s"] = time.monotonic() - t0
+        result["prefill"] = generate(llm, PROMPTS[:1], 1, lambda i: {"do_remote_decode": True, "transfer_id": "tp2"})
     elif scenario in ("consumer-recompute", "consumer-fail"):
         llm = make_llm(model, "kv_consumer", scenario.removeprefix("consumer-"))
         result["startup_s"] = time.monotonic() - t0

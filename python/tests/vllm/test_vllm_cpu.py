@@ -42,6 +42,11 @@ def producer(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def producer_tp2(tmp_path_factory):
+    return run_engine("producer-tp2", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
 def consumer_recompute(tmp_path_factory):
     return run_engine("consumer-recompute", tmp_path_factory)
 
@@ -71,6 +76,17 @@ def test_producer_holds_blocks_until_the_lease_expires(producer):
     assert held >= 1 + 1 + 3, f"only {held} blocks held after the prefills"
     assert producer["free_after_lease"] == producer["free_before"], "blocks not freed after the lease"
     assert producer["log"].count("lease expired before its consumer was served") >= 3
+
+
+def test_each_tp_rank_process_runs_its_own_connector(producer_tp2):
+    kvp = producer_tp2["prefill"][0]["kv_transfer_params"]
+    assert (kvp["remote_tp_size"], kvp["remote_pp_size"]) == (2, 1)
+    log = producer_tp2["log"]
+    for rank in (0, 1):
+        # One KV head per rank (2 in the model): (blocks, heads, block_size, 2 * head_dim).
+        line = next((l for l in log.splitlines() if f"kvferry rank tp={rank} pp=0: 2 KV layers" in l), None)
+        assert line is not None, f"TP rank {rank} registered no KV caches"
+        assert ", 1, 32, 128) stride" in line, line
 
 
 def test_failed_load_recompute_gives_the_reference_output(consumer_recompute):

@@ -4,18 +4,37 @@
 //! One file per Python-facing job:
 //! - `engine.rs`: `TransferEngine`, Mooncake's Python API over `kvferry_transfer::TransferEngine`.
 //! - `pylog.rs`: kvferry's `tracing` events forwarded to Python's `logging` (logger `kvferry`).
+//! - `tensor.rs`: reading KV tensors (`__dlpack__`, `data_ptr()`, `__array_interface__`).
+//! - `layer.rs`: `KVCacheLayer`, `KVCacheGroup`, `Rank`: KV tensors with their layout.
+//! - `checksum.rs`: block checksums of KV tensors (CPU, CUDA on the caller's stream), fingerprints.
+//! - `payload.rs`: `KVChecksumPayload`, `KVChecksumGroup` (the seed's wire format).
+//! - `verdict.rs`: `compare`, `KVChecksumVerdict`, `KVChecksumPolicy`, `decide`.
+//! - `p2p.rs`: `Producer`, `Consumer` (verified loads over kvferry-p2p).
+//! - `runtime.rs`: the module's tokio runtime and call deadlines.
 //!
 //! Every method that can block releases the GIL; no method panics on any input.
 
 use pyo3::prelude::*;
 
+mod checksum;
 mod engine;
+mod layer;
+mod p2p;
+mod payload;
 mod pylog;
+mod runtime;
+mod tensor;
+mod verdict;
 
 /// The extension module: registers every class and function the package re-exports.
 #[pymodule]
 fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pylog::install();
     engine::register(m)?;
+    layer::register(m)?;
+    checksum::register(m)?;
+    payload::register(m)?;
+    verdict::register(m)?;
+    p2p::register(m)?;
     Ok(())
 }

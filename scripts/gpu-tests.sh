@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU tests and benchmark of the CUDA checksum backend (docs/design.md §5, §7).
 #
-#   scripts/gpu-tests.sh build   # on a machine with Rust: release test binaries + bench -> .dev/gpu/
-#   scripts/gpu-tests.sh run     # on the GPU machine (no Rust needed): runs .dev/gpu/*, logs to $OUT or .dev/gpu/out
+#   scripts/gpu-tests.sh build   # on a machine with Rust: release test binaries + bench + the Python
+#                                # wheel (maturin, from PyPI into .dev/maturin-venv) -> .dev/gpu/
+#   scripts/gpu-tests.sh run     # on the GPU machine (no Rust needed): runs .dev/gpu/*, and the Python
+#                                # GPU tests with the wheel installed --no-deps; logs to $OUT or .dev/gpu/out
 #   scripts/gpu-tests.sh         # both, on a machine with Rust and a GPU
 #
 # The tests print "SKIPPED: <reason>" and pass where no CUDA device exists. NVRTC is found
@@ -30,7 +32,17 @@ build() {
     cargo build --release -p kvferry-kernels --example gpu_bench >&2
     cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" "$DIR/"
     if command -v strip >/dev/null; then strip "$DIR"/test-* "$DIR"/gpu_bench; fi
-    ls -la "$DIR" >&2
+    build_wheel
+    ls -la "$DIR" "$DIR/wheel" >&2
+}
+
+# The kvferry Python package (python/, issue 9) as an abi3 wheel: the GPU machine has Python and
+# torch but no Rust toolchain, so the wheel is built here and installed there with --no-deps.
+build_wheel() {
+    local venv=.dev/maturin-venv
+    [ -x "$venv/bin/maturin" ] || { python3 -m venv "$venv" && "$venv/bin/pip" install -q 'maturin>=1.5,<2'; } >&2
+    rm -rf "$DIR/wheel"
+    "$venv/bin/maturin" build --release --strip --compatibility linux -m python/Cargo.toml -o "$DIR/wheel" >&2
 }
 
 find_nvrtc() {
@@ -74,6 +86,15 @@ run() {
         "$t" --test-threads 4 --nocapture 2>&1 | tee "$out/$(basename "$t").log" | grep -vE "^test .* ok$" || rc=1
         grep -E "^test result" "$out/$(basename "$t").log" || true
     done
+    if ls "$DIR"/wheel/kvferry-*.whl >/dev/null 2>&1; then
+        echo "== python: kvferry wheel, python/tests/test_gpu.py (+ the CPU checksum and p2p tests)"
+        local site=/tmp/kvferry-site
+        rm -rf "$site"
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$DIR"/wheel/kvferry-*.whl || rc=1
+        PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -q -p no:cacheprovider -rs \
+            python/tests/test_gpu.py python/tests/test_checksum.py python/tests/test_p2p.py 2>&1 \
+            | tee "$out/python.log" | tail -25 || rc=1
+    fi
     echo "== gpu_bench"
     "$DIR/gpu_bench" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.txt" || rc=1
     echo "== done rc=$rc"

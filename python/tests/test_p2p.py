@@ -1,0 +1,261 @@
+"""kvferry.Producer / kvferry.Consumer from Python (issue 9; DESIGN.md §4, §2.6, §2.7): KV in
+NumPy arrays, both sides in this process over TCP on 127.0.0.1. A correct load verifies and
+lands the producer's bytes; a byte corrupted after landing (the landed hook) is caught under every
+policy; TP differs between the sides; one Producer/Consumer pair per TP rank; a load that cannot
+land reports the failure action."""
+
+import socket
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import kvferry
+
+LAYOUT = "KV B N H D"
+BLOCK = 16
+HEADS = 4  # KV heads of the model
+LAYERS = 2
+D = 8
+
+
+def make_rank(tp_rank, tp_size, num_blocks, seed, *, one_process_per_rank=False):
+    """One TP rank's KV (float16 [2, B, 16, HEADS / tp_size, 8] per layer), random when `seed`."""
+    h = HEADS // tp_size
+    rng = np.random.default_rng(seed)
+    arrays = []
+    layers = []
+    for layer in range(LAYERS):
+        a = np.zeros((2, num_blocks, BLOCK, h, D), dtype=np.float16)
+        if seed is not None:
+            a.view(np.uint16)[...] = rng.integers(0, 2**16, size=a.shape, dtype=np.uint16)
+        arrays.append(a)
+        layers.append(kvferry.KVCacheLayer(f"model.layers.{layer}.self_attn.attn", a, LAYOUT,
+                                           head_offset=tp_rank * h, kind="FullAttentionSpec",
+                                           dtype="torch.float16"))
+    group = kvferry.KVCacheGroup(0, layers)
+    if one_process_per_rank:
+        rank = kvferry.Rank([group])
+    else:
+        rank = kvferry.Rank([group], tp_rank=tp_rank, tp_size=tp_size)
+    return rank, arrays
+
+
+def heads_of(arrays_per_rank, block, tp_size):
+    """The KV of `block` of every layer, all heads (ranks' heads concatenated)."""
+    return [np.concatenate([arrays_per_rank[r][layer][:, block] for r in range(tp_size)], axis=-2)
+            for layer in range(LAYERS)]
+
+
+@pytest.fixture
+def pair():
+    """A TP1 producer with 6 blocks of random KV and a TP1 consumer with 8 empty blocks."""
+    prank, parr = make_rank(0, 1, 6, seed=1)
+    crank, carr = make_rank(0, 1, 8, seed=None)
+    made = []
+
+    def build(**consumer_options):
+        producer = kvferry.Producer([prank])
+        consumer = kvferry.Consumer([crank], **consumer_options)
+        made.append(producer)
+        return producer, consumer, parr, carr
+
+    yield build
+    for p in made:
+        p.shutdown()
+
+
+PROMPT = 70  # 5 blocks of 16, the last holding 6 tokens
+REMOTE = [3, 0, 5, 1, 4]
+LOCAL = [7, 2, 6, 0, 1]
+
+
+def test_a_load_lands_the_producers_bytes_and_verifies(pair):
+    producer, consumer, parr, carr = pair()
+    info = producer.publish("req-0", [REMOTE], PROMPT)
+    assert info.checksummed and info.warning is None and info.payload_bytes > 0
+    out = consumer.load("req-0", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+    assert out.landed and out.error is None
+    assert out.verdict.status == "verified" and out.action == "complete"
+    assert out.bytes == LAYERS * len(REMOTE) * 2 * BLOCK * HEADS * D * 2
+    assert out.transfer_seconds > 0 and out.checksum_seconds > 0
+    for r, l in zip(REMOTE, LOCAL):
+        for layer in range(LAYERS):
+            assert np.array_equal(carr[layer][:, l].view(np.uint16), parr[layer][:, r].view(np.uint16))
+    deadline = time.monotonic() + 10
+    released = []
+    while not released and time.monotonic() < deadline:
+        released = producer.released()
+        time.sleep(0.01)
+    assert released == [("req-0", "served")]
+
+
+def flip_hook(carr, layer, block_of, token, seen):
+    """A landed hook flipping one bit of `token`'s K of head 1 in the landed block."""
+    def hook(landed):
+        seen.append(landed)
+        g = landed["groups"][0]
+        pos = token // BLOCK
+        block = g["local_blocks"][g["positions"].index(pos)]
+        carr[layer][0, block, token % BLOCK, 1].view(np.uint8)[3] ^= 0x10
+    return hook
+
+
+@pytest.mark.parametrize("fail_closed, policy, action", [
+    (False, "fail", "complete"),
+    (True, "fail", "fail"),
+    (True, "recompute", "recompute"),
+])
+def test_a_corrupted_byte_is_caught_under_each_policy(pair, fail_closed, policy, action):
+    producer, consumer, parr, carr = pair(fail_closed=fail_closed, load_failure_policy=policy)
+    producer.publish("req-1", [REMOTE], PROMPT)
+    seen = []
+    consumer.set_landed_hook(flip_hook(carr, 1, LOCAL, 35, seen))
+    out = consumer.load("req-1", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+    assert seen and seen[0]["request_id"] == "req-1"
+    assert seen[0]["groups"] == [{"group_id": 0, "positions": [0, 1, 2, 3, 4], "local_blocks": LOCAL}]
+    assert out.landed
+    assert out.verdict.status == "mismatch"
+    assert out.verdict.mismatches == [(0, [2])]  # token 35 is in block position 2
+    assert out.action == action
+
+
+def test_the_hook_can_be_removed_and_its_errors_are_reported(pair, monkeypatch):
+    producer, consumer, parr, carr = pair()
+    producer.publish("a", [REMOTE], PROMPT)
+    producer.publish("b", [REMOTE], PROMPT)
+    caught = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: caught.append(u.exc_value))
+
+    def broken(landed):
+        raise RuntimeError("hook bug")
+    consumer.set_landed_hook(broken)
+    out = consumer.load("a", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+    assert out.verdict.verified, "the load goes on"
+    assert len(caught) == 1 and "hook bug" in str(caught[0])
+    consumer.set_landed_hook(flip_hook(carr, 0, LOCAL, 3, []))
+    consumer.set_landed_hook(None)
+    assert consumer.load("b", producer.endpoint, [REMOTE], [LOCAL], PROMPT).verdict.verified
+
+
+def test_a_local_prefix_hit_is_neither_loaded_nor_compared(pair):
+    producer, consumer, parr, carr = pair()
+    producer.publish("req-2", [REMOTE], PROMPT)
+    # Corrupt the consumer's block at position 0 before the load: it is a local hit, not loaded.
+    carr[0][:, LOCAL[0]] = 1
+    out = consumer.load("req-2", producer.endpoint, [REMOTE], [LOCAL], PROMPT, num_local_computed=BLOCK)
+    assert out.verdict.verified
+    assert out.bytes == LAYERS * 4 * 2 * BLOCK * HEADS * D * 2
+
+
+def test_tp2_producer_to_tp1_consumer_verifies_and_lands_every_head():
+    ranks = [make_rank(r, 2, 6, seed=10 + r) for r in range(2)]
+    crank, carr = make_rank(0, 1, 8, seed=None)
+    with kvferry.Producer([ranks[1][0], ranks[0][0]]) as producer:
+        consumer = kvferry.Consumer([crank], fail_closed=True)
+        producer.publish("tp", [REMOTE], PROMPT)
+        out = consumer.load("tp", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+        assert out.verdict.verified and out.action == "complete"
+        for r, l in zip(REMOTE, LOCAL):
+            for layer, want in enumerate(heads_of([a for _, a in ranks], r, 2)):
+                assert np.array_equal(carr[layer][:, l].view(np.uint16), want.view(np.uint16))
+        seen = []
+        consumer.set_landed_hook(flip_hook(carr, 0, LOCAL, 17, seen))
+        producer.publish("tp-bad", [REMOTE], PROMPT)
+        out = consumer.load("tp-bad", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+        assert out.verdict.mismatches == [(0, [1])] and out.action == "fail"
+
+
+def test_one_producer_and_consumer_per_tp_rank():
+    # Each "worker process" holds one TP rank: a 1x1 grid with its global head offset.
+    pairs = []
+    for r in range(2):
+        prank, parr = make_rank(r, 2, 6, seed=20 + r, one_process_per_rank=True)
+        crank, carr = make_rank(r, 2, 8, seed=None, one_process_per_rank=True)
+        pairs.append((kvferry.Producer([prank]), kvferry.Consumer([crank], fail_closed=True), parr, carr))
+    try:
+        for r, (producer, consumer, parr, carr) in enumerate(pairs):
+            producer.publish("req", [REMOTE], PROMPT)
+            if r == 1:
+                consumer.set_landed_hook(flip_hook(carr, 1, LOCAL, 69, []))
+            out = consumer.load("req", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+            if r == 0:
+                assert out.verdict.verified and out.action == "complete"
+                assert np.array_equal(carr[0][:, LOCAL[4]].view(np.uint16), parr[0][:, REMOTE[4]].view(np.uint16))
+            else:
+                assert out.verdict.mismatches == [(0, [4])] and out.action == "fail"
+    finally:
+        for p, *_ in pairs:
+            p.shutdown()
+
+
+def dead_endpoint():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"tcp://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_load_that_cannot_land_reports_the_failure_action(policy):
+    crank, _ = make_rank(0, 1, 8, seed=None)
+    consumer = kvferry.Consumer([crank], load_failure_policy=policy, connect_timeout=1.0, reply_timeout=2.0,
+                                max_wait=3.0)
+    t = time.monotonic()
+    out = consumer.load("lost", dead_endpoint(), [REMOTE], [LOCAL], PROMPT)
+    assert time.monotonic() - t < 30
+    assert not out.landed and out.verdict is None and out.error
+    assert out.action == policy
+
+
+def test_the_call_deadline_ends_a_load_waiting_for_its_publish(pair):
+    producer, consumer, parr, carr = pair()
+    # Never published: the producer holds the request for its publish; the call's timeout ends it.
+    out = consumer.load("never", producer.endpoint, [REMOTE], [LOCAL], PROMPT, timeout=0.5)
+    assert not out.landed and "not done within" in out.error and out.action == "fail"
+
+
+def test_bad_arguments_raise(pair):
+    producer, consumer, parr, carr = pair()
+    with pytest.raises(ValueError, match="block id -1"):
+        producer.publish("x", [[0, -1]], 20)
+    with pytest.raises(ValueError, match="no block table for group 0"):
+        producer.publish("x", [], 20)
+    with pytest.raises(ValueError, match="remote_blocks has 1 groups, local_blocks 2"):
+        consumer.load("x", producer.endpoint, [REMOTE], [LOCAL, LOCAL], PROMPT)
+    with pytest.raises(ValueError, match="no producer block"):
+        consumer.load("x", producer.endpoint, [[3]], [[7, 2]], PROMPT)
+    with pytest.raises(ValueError, match="timeout"):
+        consumer.load("x", producer.endpoint, [REMOTE], [LOCAL], PROMPT, timeout=-1)
+    producer.publish("dup", [REMOTE], PROMPT)
+    with pytest.raises(ValueError, match="dup"):
+        producer.publish("dup", [REMOTE], PROMPT)
+    with pytest.raises(ValueError, match="expected tcp, rdma or auto"):
+        kvferry.Consumer([make_rank(0, 1, 2, None)[0]], protocol="udp")
+    with pytest.raises(ValueError, match="fail or recompute"):
+        kvferry.Consumer([make_rank(0, 1, 2, None)[0]], load_failure_policy="retry")
+    two = [make_rank(0, 2, 2, None)[0]]
+    with pytest.raises(ValueError, match="1 workers for TP 2"):
+        kvferry.Producer(two)
+    producer.shutdown()
+    producer.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        producer.publish("late", [REMOTE], PROMPT)
+
+
+def test_groups_and_ranks_are_checked():
+    a = kvferry.KVCacheLayer("model.layers.0.attn", np.zeros((2, 4, 16, 1, 8)), LAYOUT)
+    b = kvferry.KVCacheLayer("model.layers.1.attn", np.zeros((2, 4, 32, 1, 8)), LAYOUT)
+    with pytest.raises(ValueError, match="block size"):
+        kvferry.KVCacheGroup(0, [a, b])
+    with pytest.raises(ValueError, match="no layers"):
+        kvferry.KVCacheGroup(0, [])
+    with pytest.raises(ValueError, match="skipped"):
+        kvferry.KVCacheGroup(0, [a], skipped="tired")
+    g = kvferry.KVCacheGroup(0, [a])
+    with pytest.raises(ValueError, match="twice"):
+        kvferry.Rank([g, g])
+    with pytest.raises(ValueError, match="tp_rank 2"):
+        kvferry.Rank([g], tp_rank=2, tp_size=2)

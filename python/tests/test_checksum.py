@@ -73,6 +73,18 @@ def test_strided_views_read_in_place():
     assert kc.block_checksums([layer], [7, 3], 30) == ref.block_checksums(kv, 0, 0, [7, 3], 30)
 
 
+def test_a_size_one_axis_may_have_any_stride():
+    # Exporters give a size-1 axis any stride (torch: often 0 or a neighbour's); it addresses
+    # nothing, so it is no broadcast.
+    kv = ref.logical_kv(3, 16, 1, 2, 8, np.float16, seed=6)
+    a = ref.physical(kv, "KV B N H D")
+    s = list(a.strides)
+    s[3] = 0
+    odd = np.lib.stride_tricks.as_strided(a, a.shape, s)
+    layer = kc.KVCacheLayer("model.layers.3.attn", odd, "KV B N H D")
+    assert kc.block_checksums([layer], [2, 0], 40) == ref.block_checksums(kv, 3, 0, [2, 0], 40)
+
+
 def test_layers_sum_and_the_layer_number_comes_from_the_name():
     kvs = [ref.logical_kv(3, 16, 2, 2, 4, np.float32, seed=s) for s in (1, 2)]
     layers = [kc.KVCacheLayer(f"model.layers.{n}.self_attn.attn", ref.physical(kv, "KV B N H D"), "KV B N H D",

@@ -1,6 +1,6 @@
 """The KV checksum of KV cache blocks, its payload, verdicts and failure policy.
 
-Definition (DESIGN.md §2.1; docs/design.md "Checksum"; the vLLM KV checksum series, "What a
+Definition (docs/design.md §2.1; the vLLM KV checksum series, "What a
 checksum is"): a block's checksum is ``sum over layers and KV heads of m * s mod 2**64`` with
 ``m = 2 * (layer * MAX_KV_HEADS_PER_LAYER + head) + 1`` and the slice checksum
 ``s = sum_j x_j * (2j + 1) mod 2**64`` over the little-endian 8-byte pieces ``x_j`` of the
@@ -98,6 +98,6 @@ def block_checksums(layers, block_ids, num_tokens, *, start=0, stream=None, time
     As ``submit(...).wait(timeout)``: CUDA layers are checksummed after ``stream``'s queued work
     and this call waits (GIL released, at most ``timeout`` seconds, TimeoutError after) for the
     values only, never synchronising the stream. The values are this rank's part; a side's value
-    of a block is the sum mod 2**64 over its TP and PP ranks (DESIGN.md §2.3).
+    of a block is the sum mod 2**64 over its TP and PP ranks (docs/design.md §2.3).
     """
     return submit(layers, block_ids, num_tokens, start=start, stream=stream).wait(timeout)

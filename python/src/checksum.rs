@@ -1,4 +1,4 @@
-//! The KV checksum of blocks of KV cache tensors (DESIGN.md §2.1; the seed's "What a checksum
+//! The KV checksum of blocks of KV cache tensors (docs/design.md §2.1; the seed's "What a checksum
 //! is"), from Python: one value per block position over a rank's layers, on the CPU for host
 //! tensors and on the GPU for CUDA tensors (ordered after the caller's stream, no host sync), and
 //! the layer fingerprints of §2.3. The pure-Python face is `kvferry/checksum.py`.
@@ -113,7 +113,7 @@ fn _submit_checksums(
         if l.spec.replica != inputs[0].spec.replica {
             return Err(PyValueError::new_err(format!(
                 "layer {:?} is replica {:?}, layer {:?} replica {:?}: checksum each replica key's \
-                 layers separately (their values are not summed, DESIGN.md §2.3)",
+                 layers separately (their values are not summed, docs/design.md §2.3)",
                 l.spec.name, l.spec.replica, inputs[0].spec.name, inputs[0].spec.replica
             )));
         }
@@ -177,7 +177,7 @@ fn cpu_threads() -> usize {
 
 /// layer_fingerprint(name, kind, block_size, dtype) -> int
 ///
-/// One layer's fingerprint (DESIGN.md §2.3): the first 8 bytes, little-endian, of the SHA-256 of
+/// One layer's fingerprint (docs/design.md §2.3): the first 8 bytes, little-endian, of the SHA-256 of
 /// ``repr((name, kind, block_size, dtype))``, as a u64. A group's fingerprint is the sum of its
 /// layers' mod 2**64 (see ``group_fingerprint``).
 #[pyfunction]
@@ -188,7 +188,7 @@ fn layer_fingerprint(name: &str, kind: &str, block_size: u64, dtype: &str) -> u6
 /// group_fingerprint(layers) -> int | None
 ///
 /// The fingerprint part of one rank's layers of a group: the sum of ``layer_fingerprint`` of
-/// every layer, mod 2**64, with each layer's own block size (DESIGN.md §2.3). None when a layer
+/// every layer, mod 2**64, with each layer's own block size (docs/design.md §2.3). None when a layer
 /// has no ``kind`` or ``dtype``. The producer and consumer sums add these parts over PP stages.
 #[pyfunction]
 fn group_fingerprint(py: Python<'_>, layers: Vec<Py<KVCacheLayer>>) -> Option<u64> {

@@ -2,8 +2,8 @@
 //! ([`KVCacheLayer`]), a KV cache group of layers ([`KVCacheGroup`]) and one TP/PP rank's groups
 //! ([`Rank`]). The checksum functions take layers; `Producer` and `Consumer` take ranks.
 //!
-//! A layer's layout is described as in `kvferry checksum --spec` (DESIGN.md §2.2; docs/design.md
-//! "Layout model"): one dimension name per tensor axis, outermost first, from `KV` (size 2),
+//! A layer's layout is described as in `kvferry checksum --spec` (docs/design.md §2.2):
+//! one dimension name per tensor axis, outermost first, from `KV` (size 2),
 //! `B` (kernel blocks), `N` (tokens per kernel block), `H` (KV heads on this rank) and `D`
 //! (elements per head); sizes and byte strides come from the tensor itself.
 
@@ -42,7 +42,7 @@ pub fn device_name(d: Device) -> String {
 /// - head_offset: global index of this tensor's first KV head across TP (rank offset plus the
 ///   heads of earlier caches of the same layer module).
 /// - kind, dtype: the cache spec type (e.g. ``"FullAttentionSpec"``) and data type text (e.g.
-///   ``"torch.bfloat16"``) of the layer fingerprint (DESIGN.md §2.3); both or the fingerprint
+///   ``"torch.bfloat16"``) of the layer fingerprint (docs/design.md §2.3); both or the fingerprint
 ///   is unknown (0).
 /// - replicas, replica_index: this rank's copy of KV heads that ``replicas`` TP ranks hold
 ///   (MLA caches, GQA with more TP ranks than KV heads); 1, 0 when not replicated.
@@ -299,10 +299,10 @@ fn skip_reason(name: &str) -> PyResult<SkipReason> {
 ///   ``Consumer.load`` are indexed by it.
 /// - layers: list of KVCacheLayer, on one device, all of one block size.
 /// - sliding_window: the window in tokens for sliding-window attention (only the last
-///   ``ceil(window / block_size) + 1`` blocks are checksummed, DESIGN.md §2.5), None for full
+///   ``ceil(window / block_size) + 1`` blocks are checksummed, docs/design.md §2.5), None for full
 ///   attention.
 /// - skipped: a reason the rank cannot checksum the group (its blocks still transfer, the group
-///   is reported skipped, DESIGN.md §2.3): ``"no_per_token_blocks"``, ``"compressed"``,
+///   is reported skipped, docs/design.md §2.3): ``"no_per_token_blocks"``, ``"compressed"``,
 ///   ``"packed_head_slots"``, ``"host_resident"``, ``"not_whole_pieces"``,
 ///   ``"kernel_blocks_do_not_tile"``, ``"duplicate_layer_number"``, ``"no_layer_number"``,
 ///   ``"unknown_replicas"``.
@@ -408,7 +408,7 @@ impl KVCacheGroup {
 /// - tp_rank, tp_size, pp_rank, pp_size: the rank's place in its side's TP x PP grid.
 ///
 /// A Producer or Consumer takes the ranks of a whole TP x PP grid (every rank once) and sums
-/// their checksums into one value per block position (DESIGN.md §2.3). A serving worker process
+/// their checksums into one value per block position (docs/design.md §2.3). A serving worker process
 /// that holds only its own rank gives its Producer or Consumer one Rank with the default
 /// ``tp_size=1, pp_size=1`` and its layers' global ``head_offset``: see ``Producer``.
 ///

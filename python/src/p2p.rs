@@ -1,4 +1,4 @@
-//! `kvferry.Producer` / `kvferry.Consumer`: the verified path (DESIGN.md §4) from Python, over
+//! `kvferry.Producer` / `kvferry.Consumer`: the verified path (docs/design.md §4) from Python, over
 //! kvferry-p2p. A producer publishes a prompt's blocks (checksummed then, held under a lease); a
 //! consumer asks for them, the producer WRITEs them into the consumer's KV tensors and replies
 //! with the checksum payload, and the consumer verifies the landed blocks and applies the policy
@@ -283,7 +283,7 @@ impl Producer {
     /// publish(request_id, blocks, num_tokens, *, timeout=60.0) -> PublishInfo
     ///
     /// A prompt's KV is complete: checksums its blocks now (tokens ``[0, num_tokens)`` of every
-    /// rank, DESIGN.md §2.5), then holds them under the lease until a consumer loads them or the
+    /// rank, docs/design.md §2.5), then holds them under the lease until a consumer loads them or the
     /// lease expires. ``blocks[g]`` is KV cache group ``g``'s block table: the block id at each
     /// request position (None for a null block); every group id of the ranks needs an entry.
     /// GPU KV must be written before this call (synchronise the stream that wrote it).
@@ -394,7 +394,7 @@ impl Producer {
 ///
 /// - request_id: the request.
 /// - landed: whether the blocks landed (False: the transfer failed, see ``error``).
-/// - verdict: the KVChecksumVerdict (DESIGN.md §2.6), None when checksums are off or the load
+/// - verdict: the KVChecksumVerdict (docs/design.md §2.6), None when checksums are off or the load
 ///   did not land.
 /// - action: ``"complete"`` (use the loaded KV), ``"fail"`` (end the request with an error) or
 ///   ``"recompute"`` (discard the loaded KV, recompute the prompt), from the policy (§2.7); a
@@ -411,7 +411,7 @@ pub struct LoadOutcome {
     landed: bool,
     /// The KVChecksumVerdict, None when checksums are off or the load did not land.
     verdict: Option<Py<KVChecksumVerdict>>,
-    /// ``"complete"``, ``"fail"`` or ``"recompute"`` (DESIGN.md §2.7).
+    /// ``"complete"``, ``"fail"`` or ``"recompute"`` (docs/design.md §2.7).
     action: &'static str,
     /// Why the load did not land, else None.
     error: Option<String>,
@@ -642,7 +642,7 @@ impl Consumer {
             request_id: request_id.to_string(),
             landed: false,
             verdict: None,
-            // A load that did not land is never completed (DESIGN.md §2.7).
+            // A load that did not land is never completed (docs/design.md §2.7).
             action: match self.policy.load_failure {
                 LoadFailurePolicy::Fail => "fail",
                 LoadFailurePolicy::Recompute => "recompute",

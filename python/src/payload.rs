@@ -1,4 +1,4 @@
-//! `KVChecksumPayload`: what a producer sends (DESIGN.md §2.4; the seed's "Wire format"), with
+//! `KVChecksumPayload`: what a producer sends (docs/design.md §2.4; the seed's "Wire format"), with
 //! the seed's wire format: msgpack `[version=1, tp_size, num_tokens, [[group_id, fingerprint,
 //! block_size, start, values]...]]`, `values` a bin of little-endian u64; base64 (standard
 //! alphabet) on text channels. Byte-equal to `kvferry payload encode`: both are the checksum

@@ -1,4 +1,4 @@
-//! Comparison, verdicts and the failure policy from Python (DESIGN.md §2.6, §2.7; the seed's
+//! Comparison, verdicts and the failure policy from Python (docs/design.md §2.6, §2.7; the seed's
 //! "Verdicts" and "Failure semantics"): `compare(expected, actual)`, `KVChecksumVerdict`,
 //! `KVChecksumPolicy` and `decide`. The logic is the checksum crate's; this file only converts.
 
@@ -39,7 +39,7 @@ pub fn action_name(a: Action) -> &'static str {
     }
 }
 
-/// The outcome of comparing one load's checksums (DESIGN.md §2.6).
+/// The outcome of comparing one load's checksums (docs/design.md §2.6).
 ///
 /// - status: ``"verified"`` (every compared position of every group matches), ``"mismatch"``
 ///   (some position differs; a mismatch wins over unverified groups) or ``"unverified"`` (nothing
@@ -140,7 +140,7 @@ fn expected_of(obj: &Bound<'_, PyAny>) -> PyResult<Option<Result<Payload, Payloa
 
 /// compare(expected, actual) -> KVChecksumVerdict
 ///
-/// Compares the producer's checksums with the consumer's (DESIGN.md §2.6), group by group, at
+/// Compares the producer's checksums with the consumer's (docs/design.md §2.6), group by group, at
 /// the block positions both sides checksummed; the last block only when both hold the same
 /// number of tokens in it. Different block sizes compare when one divides the other (blocks are
 /// summed into chunks of the larger size).
@@ -198,7 +198,7 @@ fn load_failure_of(name: &str) -> PyResult<LoadFailurePolicy> {
         .map_err(PyValueError::new_err)
 }
 
-/// The checksum failure policy of one side (DESIGN.md §2.7; the seed's kv_checksum_fail_closed
+/// The checksum failure policy of one side (docs/design.md §2.7; the seed's kv_checksum_fail_closed
 /// and kv_load_failure_policy).
 ///
 /// KVChecksumPolicy(fail_closed=False, load_failure_policy="fail")
@@ -288,7 +288,7 @@ impl KVChecksumPolicy {
 /// decide(verdict, fail_closed=False, load_failure_policy="fail") -> str
 ///
 /// ``KVChecksumPolicy(fail_closed, load_failure_policy).decide(verdict)``: ``"complete"``,
-/// ``"fail"`` or ``"recompute"`` (DESIGN.md §2.7). Raises ValueError for another policy name.
+/// ``"fail"`` or ``"recompute"`` (docs/design.md §2.7). Raises ValueError for another policy name.
 #[pyfunction]
 #[pyo3(signature = (verdict, fail_closed=false, load_failure_policy="fail"))]
 fn decide(

@@ -1,7 +1,7 @@
 """Test helpers for the KV checksum tests: an independent NumPy form of the checksum definition,
 KV tensors in every layout built from one logical array, and the `kvferry` CLI binary.
 
-The reference follows the definition as the vLLM KV checksum series and DESIGN.md §2.1 state it,
+The reference follows the definition as the vLLM KV checksum series and docs/design.md §2.1 state it,
 and never calls kvferry: a cell is the K then the V elements of one KV head for one token, split
 into little-endian 8-byte pieces x_j with j = t * P + p (t the token's index in the request, P
 pieces per cell); a slice (one layer, one head, one block) has s = sum_j x_j * (2j + 1) mod 2**64

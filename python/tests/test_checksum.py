@@ -168,7 +168,7 @@ def test_submit_returns_a_pending_value():
     (lambda: kc.KVCacheLayer("model.layers.0.attn", np.zeros((2, 4, 16, 1, 8))[:, ::-1], "KV B N H D"),
      "negative stride"),
     (lambda: kc.KVCacheLayer("model.layers.0.attn", np.broadcast_to(np.zeros((1, 16, 1, 8)), (2, 4, 16, 1, 8)),
-                             "KV B N H D"), "stride 0"),
+                             "KV B N H D"), "broadcast"),
     (lambda: kc.KVCacheLayer("model.layers.0.1.attn", np.zeros((2, 4, 16, 1, 8)), "KV B N H D"), "layer number"),
     (lambda: kc.KVCacheLayer("model.layers.0.attn", np.zeros((2, 4, 16, 1, 8)), "KV B N Q D"), "unknown dimension"),
     (lambda: kc.KVCacheLayer("model.layers.0.attn", np.zeros((2, 4, 16, 1, 8)), "KV B N H D", replicas=2,
@@ -265,6 +265,16 @@ def test_payload_bytes_equal_the_cli():
 def test_bad_payload_bytes_raise_value_error(data, match):
     with pytest.raises(ValueError, match=match):
         kc.KVChecksumPayload.from_bytes(data)
+
+
+def test_bad_groups_are_refused():
+    with pytest.raises(ValueError, match="block_size must be at least 1"):
+        kc.KVChecksumGroup(0, [1], block_size=0)
+    with pytest.raises(OverflowError):
+        kc.KVChecksumGroup(0, [2**64], block_size=16)
+    twice = kc.KVChecksumPayload(16, [kc.KVChecksumGroup(0, [1], block_size=16)] * 2)
+    with pytest.raises(ValueError, match="twice"):
+        kc.compare(None, twice)
 
 
 def test_bad_base64_raises_value_error():

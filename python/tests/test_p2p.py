@@ -245,6 +245,23 @@ def test_bad_arguments_raise(pair):
         producer.publish("late", [REMOTE], PROMPT)
 
 
+def test_layers_sharing_memory_are_registered_once():
+    # Two layers over one buffer (KV sharing, or one allocation viewed per layer): their memory
+    # ranges overlap and must be registered as one region.
+    shared = np.random.default_rng(8).integers(0, 2**16, (2, 6, BLOCK, HEADS, D), dtype=np.uint16).view(np.float16)
+    layers = [kvferry.KVCacheLayer(f"model.layers.{i}.self_attn.attn", shared, LAYOUT, kind="FullAttentionSpec",
+                                    dtype="torch.float16") for i in (0, 1)]
+    producer = kvferry.Producer([kvferry.Rank([kvferry.KVCacheGroup(0, layers)])])
+    try:
+        crank, carr = make_rank(0, 1, 8, seed=None)
+        consumer = kvferry.Consumer([crank], fail_closed=True)
+        producer.publish("s", [REMOTE], PROMPT)
+        out = consumer.load("s", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+        assert out.verdict.verified
+    finally:
+        producer.shutdown()
+
+
 def test_groups_and_ranks_are_checked():
     a = kvferry.KVCacheLayer("model.layers.0.attn", np.zeros((2, 4, 16, 1, 8)), LAYOUT)
     b = kvferry.KVCacheLayer("model.layers.1.attn", np.zeros((2, 4, 32, 1, 8)), LAYOUT)

@@ -6,6 +6,7 @@ land reports the failure action."""
 
 import socket
 import sys
+import threading
 import time
 
 import numpy as np
@@ -212,9 +213,26 @@ def test_a_load_that_cannot_land_reports_the_failure_action(policy):
 
 def test_the_call_deadline_ends_a_load_waiting_for_its_publish(pair):
     producer, consumer, parr, carr = pair()
-    # Never published: the producer holds the request for its publish; the call's timeout ends it.
-    out = consumer.load("never", producer.endpoint, [REMOTE], [LOCAL], PROMPT, timeout=0.5)
+    stamps = []
+    stop = threading.Event()
+
+    def tick():  # needs the GIL after each sleep
+        while not stop.is_set():
+            stamps.append(time.monotonic())
+            time.sleep(0.001)
+    t = threading.Thread(target=tick)
+    t.start()
+    try:
+        start = time.monotonic()
+        # Never published: the producer holds the request for its publish; the call's timeout ends it.
+        out = consumer.load("never", producer.endpoint, [REMOTE], [LOCAL], PROMPT, timeout=0.5)
+        end = time.monotonic()
+    finally:
+        stop.set()
+        t.join()
     assert not out.landed and "not done within" in out.error and out.action == "fail"
+    # The wait released the GIL: the other Python thread ran well inside it.
+    assert any(start + 0.1 < s < end - 0.1 for s in stamps)
 
 
 def test_bad_arguments_raise(pair):

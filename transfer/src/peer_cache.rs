@@ -251,11 +251,14 @@ impl Inner {
                 }
                 _ => s.complete(
                     id,
-                    Err(TransferError::RemoteOutOfRange {
-                        segment: self.name.clone(),
-                        addr: sl.remote_addr,
-                        len: sl.len,
-                    }),
+                    Err(annotate(
+                        err,
+                        &format!(
+                            "the descriptor fetched again has no buffer holding [{:#x}, +{}) \
+                             (instance {:#x})",
+                            sl.remote_addr, sl.len, desc.instance_id
+                        ),
+                    )),
                 ),
             }
         }

@@ -209,13 +209,25 @@ fn rdma_stale_rkey_is_refused_with_the_completion_status_and_recovers_after_refr
     let target = b.segment_name();
     a.transfer_sync_write(&target, src.addr(), dst.addr(), 4096)
         .unwrap();
-    // b registers the same memory again: a's cached descriptor now holds a dead rkey
+    // b registers the same memory again: a's cached descriptor now holds a dead rkey; the
+    // WRITE fails with a remote access error, the engine fetches the descriptor again (new
+    // rkey) and retries the slices once, so it lands without a manual refresh
     b.unregister_memory(dst.addr()).unwrap();
     dst.register(&b);
+    a.transfer_sync_write(&target, src.addr() + 1, dst.addr() + 8192, 100_000)
+        .expect("the stale rkey is replaced by the descriptor fetched again");
+    assert_same(
+        &dst.bytes[8192..108_192],
+        &src.bytes[1..100_001],
+        "after the automatic refresh",
+    );
+    // b unregisters it: the descriptor fetched again no longer lists it, and the WRITE fails
+    // with the completion status named and nothing written
+    b.unregister_memory(dst.addr()).unwrap();
     let before = dst.bytes.clone();
     let e = a
         .transfer_sync_write(&target, src.addr() + 1, dst.addr() + 8192, 100_000)
-        .expect_err("a WRITE with a stale rkey must fail");
+        .expect_err("a WRITE with a stale rkey to unregistered memory must fail");
     let text = e.to_string();
     eprintln!("stale rkey error: {text}");
     assert!(
@@ -226,16 +238,16 @@ fn rdma_stale_rkey_is_refused_with_the_completion_status_and_recovers_after_refr
         text.contains("remote access error"),
         "the work completion status is named: {text}"
     );
+    assert!(
+        text.contains("fetched again"),
+        "the engine fetched the descriptor again before failing: {text}"
+    );
     assert_same(&dst.bytes, &before, "nothing written through a stale rkey");
-    // a fresh descriptor carries the new rkey
+    // registered again, a fresh descriptor carries the new rkey
+    dst.register(&b);
     a.refresh_segment(&target).unwrap();
     a.transfer_sync_write(&target, src.addr() + 1, dst.addr() + 8192, 100_000)
         .unwrap();
-    assert_same(
-        &dst.bytes[8192..108_192],
-        &src.bytes[1..100_001],
-        "after refresh",
-    );
 }
 
 #[test]

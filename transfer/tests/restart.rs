@@ -51,19 +51,30 @@ fn load(
 /// so the load opens a new connection with the cached (old) instance id.
 fn restart_and_load(data_port: u16, addr: u64, idle_first: bool) {
     let producer = engine_with(|c| c.tcp.idle_timeout = Duration::from_millis(200));
+    restart_and_load_with(&producer, data_port, addr, idle_first, false);
+}
+
+fn restart_and_load_with(
+    producer: &kvferry_transfer::TransferEngine,
+    data_port: u16,
+    addr: u64,
+    idle_first: bool,
+    rdma: bool,
+) {
     let mut src = Buf::new(LEN as usize, 1);
     let dst = Buf::zeroed(LEN as usize);
-    src.register(&producer);
-    dst.register(&producer);
+    src.register(producer);
+    dst.register(producer);
     let spec = Spec {
         port: free_port(),
         data_port,
         addr,
         len: LEN,
+        rdma,
     };
     let mut c = child::spawn("child_consumer", spec);
     let (name, at) = (c.segment.clone(), c.addr);
-    load(&producer, &mut src, &dst, &c, 10).expect("load before the restart");
+    load(producer, &mut src, &dst, &c, 10).expect("load before the restart");
     for round in 0..3u64 {
         c.kill();
         c = child::spawn("child_consumer", spec);
@@ -76,7 +87,7 @@ fn restart_and_load(data_port: u16, addr: u64, idle_first: bool) {
                 "the producer's data connections idle out"
             );
         }
-        load(&producer, &mut src, &dst, &c, 100 + round)
+        load(producer, &mut src, &dst, &c, 100 + round)
             .unwrap_or_else(|e| panic!("round {round}: load after the consumer restarted: {e}"));
     }
 }
@@ -92,4 +103,19 @@ fn restarted_consumer_with_same_name_and_addresses_is_loadable() {
 #[test]
 fn restarted_consumer_on_the_same_data_port_is_loadable() {
     restart_and_load(free_port(), FIXED + (64 << 20), true);
+}
+
+/// Over RDMA: the cached descriptor names the old instance's rkeys; the old endpoint's QPs fail
+/// (retry exceeded), a fresh endpoint reaches the new instance but its WRITEs hit dead rkeys
+/// (remote access error), and the engine fetches the descriptor again and retries once.
+/// Skipped without an RDMA device (run in the soft-RoCE guest).
+#[test]
+fn rdma_restarted_consumer_with_same_name_and_addresses_is_loadable() {
+    if !common::rdma::rdma_or_skip(
+        "rdma_restarted_consumer_with_same_name_and_addresses_is_loadable",
+    ) {
+        return;
+    }
+    let producer = common::rdma::engine();
+    restart_and_load_with(&producer, 0, FIXED + (128 << 20), false, true);
 }

@@ -23,6 +23,8 @@ pub struct Spec {
     pub addr: u64,
     /// Region length, bytes.
     pub len: u64,
+    /// RDMA transport instead of TCP.
+    pub rdma: bool,
 }
 
 /// A running child consumer; killed (SIGKILL) when dropped.
@@ -49,8 +51,8 @@ pub fn spawn(test: &str, spec: Spec) -> Child {
         .env(
             ENV,
             format!(
-                "{} {} {} {}",
-                spec.port, spec.data_port, spec.addr, spec.len
+                "{} {} {} {} {}",
+                spec.port, spec.data_port, spec.addr, spec.len, spec.rdma as u8
             ),
         )
         .stdin(Stdio::piped())
@@ -105,7 +107,7 @@ impl Drop for Child {
     }
 }
 
-/// In the child (the env var is set): starts a TCP engine per the spec, maps and registers the
+/// In the child (the env var is set): starts a TCP (or RDMA) engine per the spec, maps and registers the
 /// region (at the fixed address when asked, `MAP_FIXED_NOREPLACE`), prints
 /// `KVFERRY-READY <segment> <addr>` and serves until killed or stdin closes. Returns at once in
 /// the parent.
@@ -119,11 +121,15 @@ pub fn serve_if_child() {
         .collect();
     let (port, data_port, addr, len) = (v[0] as u16, v[1] as u16, v[2], v[3]);
     let mut c = EngineConfig {
-        transport: TransportKind::Tcp,
+        transport: if v[4] == 1 {
+            TransportKind::Rdma
+        } else {
+            TransportKind::Tcp
+        },
         port,
         ..EngineConfig::default()
     };
-    set_data_port(&mut c, data_port);
+    c.tcp.data_port = data_port;
     let e = TransferEngine::new(c).expect("child engine starts");
     let flags = libc::MAP_PRIVATE
         | libc::MAP_ANONYMOUS
@@ -151,10 +157,6 @@ pub fn serve_if_child() {
     // serve until the parent kills us or goes away (stdin EOF)
     let _ = std::io::stdin().read(&mut [0u8; 1]);
     std::process::exit(0);
-}
-
-fn set_data_port(c: &mut EngineConfig, port: u16) {
-    c.tcp.data_port = port;
 }
 
 /// Open file descriptors of this process.

@@ -50,12 +50,34 @@ pub struct ConnectRequest {
     pub replaces: Option<u64>,
     /// Index of the target's device (in its descriptor's device list) to connect to.
     pub device: usize,
+    /// The initiator engine's instance id: the target drops the passive endpoints of an
+    /// earlier instance of the same initiator (it restarted). Absent from older initiators.
+    #[serde(default)]
+    pub initiator_instance: Option<u64>,
     /// The initiator's device port: name, GID, LID, active MTU (the path MTU is the smaller).
     pub port: PortInfo,
     /// The initiator's QPs (`qps_per_endpoint` of them, at most 64); the target creates one
     /// QP for each.
     pub qps: Vec<QpInfo>,
 }
+
+/// Close notice (initiator → target), JSON in a `Connect` handshake frame: the initiator
+/// dropped these endpoints (idle), so the target drops their passive QPs. Best effort: the
+/// reply is `{}` and its loss only delays the drop until the initiator restarts or the passive
+/// table is full.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CloseNotice {
+    /// Frame body version; `CONNECT_VERSION` (1).
+    pub version: u32,
+    /// Initiator's segment name.
+    pub initiator: String,
+    /// The endpoint ids (as in their `ConnectRequest::endpoint_id`) to drop; at most
+    /// `MAX_CLOSE` are read.
+    pub close: Vec<u64>,
+}
+
+/// Most endpoint ids one close notice names.
+pub(crate) const MAX_CLOSE: usize = 1024;
 
 /// Connect reply (target → initiator).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -208,6 +230,8 @@ pub(crate) struct Endpoint {
     pub first_error: OnceLock<String>,
     /// Slices accepted but not yet posted (no room on the QPs or the CQ).
     pub pending: Mutex<VecDeque<Work>>,
+    /// When work was last handed to the endpoint or completed on it (idle expiry).
+    last_used: Mutex<Instant>,
 }
 
 impl Endpoint {
@@ -217,6 +241,7 @@ impl Endpoint {
         dev: Arc<Device>,
         key: EpKey,
         local_segment: &str,
+        local_instance: u64,
         replaces: Option<u64>,
         config: &RdmaConfig,
         exchange: impl FnOnce(&[u8]) -> Result<Vec<u8>>,
@@ -239,6 +264,7 @@ impl Endpoint {
             endpoint_id: id,
             replaces,
             device: key.remote_dev,
+            initiator_instance: Some(local_instance),
             port: dev.info.clone(),
             qps: infos.clone(),
         };
@@ -294,7 +320,30 @@ impl Endpoint {
             broken: AtomicBool::new(false),
             first_error: OnceLock::new(),
             pending: Mutex::new(VecDeque::new()),
+            last_used: Mutex::new(Instant::now()),
         })
+    }
+
+    /// Marks the endpoint used now.
+    pub fn touch(&self) {
+        *self.last_used.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
+    /// True when the endpoint works, holds no slice (pending or on its QPs) and was last used
+    /// `idle` ago or longer.
+    pub fn is_idle(&self, idle: std::time::Duration) -> bool {
+        !self.is_broken()
+            && self.lock_pending().is_empty()
+            && self
+                .qps
+                .iter()
+                .all(|q| q.outstanding.load(Ordering::Acquire) == 0)
+            && self
+                .last_used
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .elapsed()
+                >= idle
     }
 
     pub fn is_broken(&self) -> bool {
@@ -336,6 +385,8 @@ impl Endpoint {
 struct Passive {
     _qps: Vec<BasicQueuePair>,
     created: Instant,
+    /// The initiator's instance id, when it sent one.
+    instance: Option<u64>,
 }
 
 /// Passive endpoints by (initiator segment, endpoint id); bounded.
@@ -370,6 +421,11 @@ impl PassiveTable {
         if let Some(old) = req.replaces {
             self.map.remove(&(req.initiator.clone(), old));
         }
+        if let Some(inst) = req.initiator_instance {
+            // the initiator restarted: its earlier instance's endpoints are dead
+            self.map
+                .retain(|k, p| k.0 != req.initiator || p.instance.map_or(true, |i| i == inst));
+        }
         if self.map.len() >= MAX_PASSIVE {
             if let Some(oldest) = self
                 .map
@@ -386,6 +442,7 @@ impl PassiveTable {
             Passive {
                 _qps: qps,
                 created: Instant::now(),
+                instance: req.initiator_instance,
             },
         );
         tracing::debug!(
@@ -401,6 +458,18 @@ impl PassiveTable {
             port: dev.info.clone(),
             qps: infos,
         })
+    }
+
+    /// Drops the passive endpoints `ids` of initiator `name` (its close notice).
+    pub fn close(&mut self, name: &str, ids: &[u64]) {
+        for id in ids.iter().take(MAX_CLOSE) {
+            self.map.remove(&(name.to_string(), *id));
+        }
+    }
+
+    /// QPs held by passive endpoints.
+    pub fn qps(&self) -> usize {
+        self.map.values().map(|p| p._qps.len()).sum()
     }
 
     /// Drops every passive endpoint of initiator `name`.

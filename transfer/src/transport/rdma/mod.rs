@@ -2,7 +2,11 @@
 //! endpoint; RoCEv2 GID chosen automatically (IPv4-mapped first) or by `RdmaConfig::gid_index`;
 //! one completion queue and one completion thread per device; bounded outstanding work requests
 //! (per QP: `max_wr`; per device: the CQ depth); failed slices retried on a fresh endpoint up to
-//! `max_retries` times; an endpoint cache; async events logged by a thread per device.
+//! `max_retries` times, then handed to the engine (`CompletionSink::fail_peer`), which fetches
+//! the peer's descriptor again and retries once (a restarted peer has new rkeys); an endpoint
+//! cache whose endpoints idle for `EngineConfig::peer_idle_timeout` are dropped, with a close
+//! notice so the target drops its passive QPs too (a restarted initiator's old passive QPs go
+//! when its new instance connects); async events logged by a thread per device.
 //!
 //! Slices come from the engine already cut (never crossing a memory region) and checked against
 //! the peer's advertised buffers; the NIC enforces the rest (rkey scope), and a remote access
@@ -40,13 +44,13 @@ use sideway::ibverbs::queue_pair::{
 use sideway::ibverbs::AccessFlags;
 
 pub use device::PortInfo;
-pub use endpoint::{ConnectReply, ConnectRequest, QpInfo};
+pub use endpoint::{CloseNotice, ConnectReply, ConnectRequest, QpInfo};
 
 use self::device::Device;
 use self::endpoint::{Endpoint, EpKey, PassiveTable};
 use self::stager::StageJob;
 use self::staging::{Direction, Mirror, SyncRequest};
-use super::{CompletionSink, Slice, Transport, TransportContext, TransportInfo};
+use super::{CompletionSink, Slice, Transport, TransportContext, TransportInfo, TransportStats};
 use crate::config::{GpuRegistration, RdmaConfig};
 use crate::error::{Result, TransferError};
 use crate::handshake::{self, FrameType};
@@ -211,6 +215,11 @@ struct Shared {
     /// shared secret in authenticated mode (`crate::auth`), nothing in open mode.
     credential: Option<crate::auth::Credential>,
     segment_name: String,
+    /// This engine's instance id (sent in Connect frames: a target drops the endpoints of an
+    /// earlier instance of ours).
+    instance_id: u64,
+    /// An endpoint with no work for this long is dropped (`EngineConfig::peer_idle_timeout`).
+    idle_timeout: Duration,
     devices: Vec<Arc<Device>>,
     regions: Mutex<HashMap<u64, Registered>>,
     endpoints: Mutex<HashMap<EpKey, Slot>>,
@@ -285,6 +294,8 @@ impl RdmaTransport {
             handshake_timeout: ctx.config.handshake_timeout,
             credential: ctx.auth.credential(None),
             segment_name: ctx.segment_name.clone(),
+            instance_id: ctx.instance_id,
+            idle_timeout: ctx.config.peer_idle_timeout,
             devices,
             regions: Mutex::new(HashMap::new()),
             endpoints: Mutex::new(HashMap::new()),
@@ -435,6 +446,10 @@ impl Transport for RdmaTransport {
             s.serve_sync(&sync?)?;
             return Ok(b"{}".to_vec());
         }
+        if let Ok(n) = serde_json::from_slice::<CloseNotice>(body) {
+            lock(&s.passive).close(&n.initiator, &n.close);
+            return Ok(b"{}".to_vec());
+        }
         let req: ConnectRequest = serde_json::from_slice(body)
             .map_err(|e| TransferError::Protocol(format!("RDMA connect from {peer}: {e}")))?;
         endpoint::check_request(&req, s.devices.len())?;
@@ -481,6 +496,24 @@ impl Transport for RdmaTransport {
         }
     }
 
+    fn stats(&self) -> TransportStats {
+        let eps = lock(&self.shared.endpoints);
+        let mut peers: Vec<&str> = eps.keys().map(|k| k.peer.as_str()).collect();
+        peers.sort_unstable();
+        peers.dedup();
+        TransportStats {
+            peers: peers.len(),
+            connections: eps
+                .values()
+                .map(|s| match s {
+                    Slot::Ready(ep) => ep.qps.len(),
+                    Slot::Connecting(_) => 0,
+                })
+                .sum(),
+            served_connections: lock(&self.shared.passive).qps(),
+        }
+    }
+
     fn disconnect(&self, name: &str) {
         let eps: Vec<Arc<Endpoint>> = lock(&self.shared.endpoints)
             .iter()
@@ -494,6 +527,7 @@ impl Transport for RdmaTransport {
                 .endpoint_failed(&ep, format!("disconnected from {name}"));
         }
         lock(&self.shared.passive).remove_initiator(name);
+        lock(&self.shared.replaced).retain(|k, _| k.peer != name);
     }
 
     fn shutdown(&self) {
@@ -682,6 +716,7 @@ impl Shared {
                     let ep = ep.clone();
                     let mut pending = ep.lock_pending();
                     if !ep.is_broken() {
+                        ep.touch();
                         pending.extend(ws);
                         drop(pending);
                         drop(eps);
@@ -730,6 +765,7 @@ impl Shared {
             dev,
             key.clone(),
             &self.segment_name,
+            self.instance_id,
             replaces,
             &self.config,
             |body| handshake::request_with(&peer, FrameType::Connect, body, timeout, cred.as_ref()),
@@ -947,7 +983,9 @@ impl Shared {
                 }
                 (_, n) => format!("{text} (after {n} retries)"),
             };
-            w.sink.complete(w.slice.id, Err(TransferError::Rdma(msg)));
+            // a connect or QP failure may mean the peer restarted (new instance, ports and
+            // rkeys): the engine fetches its descriptor again and retries the slice once
+            w.sink.fail_peer(w.slice.id, TransferError::Rdma(msg));
         }
     }
 
@@ -961,6 +999,7 @@ impl Shared {
             return;
         };
         let ep = inf.ep;
+        ep.touch();
         ep.qps[inf.qp].outstanding.fetch_sub(1, Ordering::AcqRel);
         dev.return_credit();
         let w = inf.work;
@@ -1018,8 +1057,92 @@ impl Shared {
             .collect()
     }
 
-    /// Fails endpoints whose oldest work request waited past `completion_timeout`.
+    /// Drops this device's endpoints that held no work for `idle_timeout` (their QPs are
+    /// destroyed) and tells each target, best effort, to drop its side (`CloseNotice`).
+    /// Forgotten replacements of peers with no endpoint left are announced the same way.
+    fn expire_idle(self: &Arc<Self>, dev: &Device) {
+        let (idle, forgotten) = {
+            let mut eps = lock(&self.endpoints);
+            let keys: Vec<EpKey> = eps
+                .iter()
+                .filter_map(|(k, s)| match s {
+                    Slot::Ready(ep)
+                        if k.local_dev == dev.index && ep.is_idle(self.idle_timeout) =>
+                    {
+                        Some(k.clone())
+                    }
+                    _ => None,
+                })
+                .collect();
+            let idle: Vec<Arc<Endpoint>> = keys
+                .iter()
+                .filter_map(|k| match eps.remove(k) {
+                    Some(Slot::Ready(ep)) => Some(ep),
+                    _ => None,
+                })
+                .collect();
+            let mut forgotten = Vec::new();
+            lock(&self.replaced).retain(|k, id| {
+                let keep = k.local_dev != dev.index || eps.contains_key(k);
+                if !keep {
+                    forgotten.push((k.peer.clone(), *id));
+                }
+                keep
+            });
+            (idle, forgotten)
+        };
+        if idle.is_empty() && forgotten.is_empty() {
+            return;
+        }
+        let mut by_peer: HashMap<String, Vec<u64>> = HashMap::new();
+        for ep in &idle {
+            // a dispatch that took the endpoint before it left the cache re-dispatches
+            if let Some(pending) = ep.mark_broken("idle") {
+                if !pending.is_empty() {
+                    self.dispatch(pending);
+                }
+            }
+            by_peer.entry(ep.key.peer.clone()).or_default().push(ep.id);
+        }
+        for (peer, id) in forgotten {
+            by_peer.entry(peer).or_default().push(id);
+        }
+        tracing::debug!(device = %dev.info.name, endpoints = idle.len(), "RDMA endpoints idle: dropped");
+        drop(idle);
+        for (peer, ids) in by_peer {
+            let notice = CloseNotice {
+                version: endpoint::CONNECT_VERSION,
+                initiator: self.segment_name.clone(),
+                close: ids,
+            };
+            let Ok(body) = serde_json::to_vec(&notice) else {
+                continue;
+            };
+            let (timeout, cred) = (self.handshake_timeout, self.credential.clone());
+            let spawned = std::thread::Builder::new()
+                .name("kvferry-rdma-close".into())
+                .spawn(move || {
+                    let r = handshake::request_with(
+                        &peer,
+                        FrameType::Connect,
+                        &body,
+                        timeout,
+                        cred.as_ref(),
+                    );
+                    if let Err(e) = r {
+                        tracing::debug!(%peer, "RDMA close notice not delivered: {e}");
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::debug!("cannot spawn an RDMA close thread: {e}");
+            }
+        }
+    }
+
+    /// Fails endpoints whose oldest work request waited past `completion_timeout`, and drops
+    /// idle ones (`expire_idle`).
     fn watchdog(self: &Arc<Self>, dev: &Device) {
+        self.expire_idle(dev);
         let limit = self.config.completion_timeout;
         let stale: Vec<Arc<Endpoint>> = {
             let t = dev.lock_inflight();

@@ -7,7 +7,9 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::endpoint::{check_request, path_mtu, ConnectRequest, QpInfo, CONNECT_VERSION};
+use super::endpoint::{
+    check_request, path_mtu, CloseNotice, ConnectRequest, QpInfo, CONNECT_VERSION,
+};
 use super::{PortInfo, RdmaTransport};
 use crate::config::{EngineConfig, RdmaConfig};
 use crate::error::TransferError;
@@ -37,9 +39,30 @@ fn request() -> ConnectRequest {
         endpoint_id: 7,
         replaces: None,
         device: 0,
+        initiator_instance: Some(3),
         port: port(1024),
         qps: vec![QpInfo { qpn: 17, psn: 5 }],
     }
+}
+
+#[test]
+fn close_notices_and_connect_requests_never_parse_as_each_other() {
+    let req = serde_json::to_vec(&request()).unwrap();
+    assert!(serde_json::from_slice::<CloseNotice>(&req).is_err());
+    let close = serde_json::to_vec(&CloseNotice {
+        version: CONNECT_VERSION,
+        initiator: "127.0.0.1:1".into(),
+        close: vec![7, 8],
+    })
+    .unwrap();
+    assert!(serde_json::from_slice::<ConnectRequest>(&close).is_err());
+    let back: CloseNotice = serde_json::from_slice(&close).unwrap();
+    assert_eq!(back.close, vec![7, 8]);
+    // an initiator of before the instance field still parses
+    let mut old: serde_json::Value = serde_json::from_slice(&req).unwrap();
+    old.as_object_mut().unwrap().remove("initiator_instance");
+    let r: ConnectRequest = serde_json::from_value(old).unwrap();
+    assert_eq!(r.initiator_instance, None);
 }
 
 #[test]

@@ -97,3 +97,36 @@ fn a_connection_without_a_first_frame_is_closed_soon() {
         );
     }
 }
+
+/// A pooled data connection is opened only when it has a job: one never used cannot sit idle
+/// past the target's first-frame deadline and then fail the slice it gets.
+#[test]
+fn data_connections_open_only_with_work_and_outlive_the_first_frame_deadline() {
+    let consumer = engine_with(|c| c.tcp.first_frame_timeout = Duration::from_millis(300));
+    let producer = engine_with(|c| c.tcp.coalesce_bytes = 0); // one frame per slice
+    let dst = Buf::zeroed(1 << 20);
+    let src = Buf::new(1 << 20, 9);
+    dst.register(&consumer);
+    src.register(&producer);
+    let name = consumer.segment_name();
+    producer
+        .transfer_sync_write(&name, src.addr(), dst.addr(), 4096)
+        .unwrap();
+    assert_eq!(producer.stats().connections, 1, "one job, one connection");
+    assert_eq!(consumer.stats().served_connections, 1);
+    std::thread::sleep(Duration::from_millis(800)); // past the consumer's first-frame deadline
+    let reqs: Vec<(u64, u64, u64)> = (0..8)
+        .map(|i| (src.addr() + i * 65536, dst.addr() + i * 65536, 65536))
+        .collect();
+    producer.batch_transfer_sync_write(&name, &reqs).unwrap();
+    assert_eq!(
+        consumer.stats().served_connections,
+        producer.config().tcp.connections_per_peer,
+        "every pooled connection now carries work"
+    );
+    assert_same(
+        &dst.bytes[..8 * 65536],
+        &src.bytes[..8 * 65536],
+        "payload landed",
+    );
+}

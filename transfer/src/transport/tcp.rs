@@ -108,7 +108,6 @@ impl TcpTransport {
 
     fn pool_for(&self, peer: &SegmentDescriptor) -> Result<Arc<PeerPool>> {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
-        peers.retain(|_, p| !p.unused());
         if let Some(p) = peers.get(&peer.name) {
             if p.instance == peer.instance_id {
                 return Ok(p.clone());
@@ -232,13 +231,15 @@ impl Transport for TcpTransport {
     }
 
     fn stats(&self) -> TransportStats {
-        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
-        peers.retain(|_, p| !p.unused());
+        let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
         TransportStats {
             peers: peers.len(),
             connections: peers
                 .values()
-                .map(|p| p.conns.lock().unwrap_or_else(|e| e.into_inner()).len())
+                .map(|p| {
+                    let conns = p.conns.lock().unwrap_or_else(|e| e.into_inner());
+                    conns.iter().filter(|c| c.is_open()).count()
+                })
                 .sum(),
             served_connections: self.server.active.load(Ordering::SeqCst),
         }
@@ -855,6 +856,14 @@ struct Conn {
 }
 
 impl Conn {
+    /// True while the socket is open (connected, not yet ended).
+    fn is_open(&self) -> bool {
+        self.stream
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
     fn close(&self) {
         self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(s) = self
@@ -910,32 +919,21 @@ impl PeerPool {
         )));
     }
 
-    /// True when the pool holds no connection and no recent connect failure: nothing to keep.
-    fn unused(&self) -> bool {
-        let down = self.down.lock().unwrap_or_else(|e| e.into_inner());
-        self.conns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_empty()
-            && !down
-                .as_ref()
-                .is_some_and(|(until, _)| Instant::now() < *until)
-    }
-
     /// A connection's writer ended: forget the connection, and the pool when it was the last.
     fn conn_ended(self: &Arc<Self>, conn: &Arc<Conn>) {
         let Some(pools) = self.pools.upgrade() else {
             return;
         };
         let mut pools = pools.lock().unwrap_or_else(|e| e.into_inner());
-        self.conns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|c| !Arc::ptr_eq(c, conn));
+        let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        conns.retain(|c| !Arc::ptr_eq(c, conn));
         let ours = pools
             .get(&self.segment)
             .is_some_and(|p| Arc::ptr_eq(p, self));
-        if ours && self.unused() {
+        // A post that took this pool just before still works: its connections serve it, and
+        // the next post makes a new pool. (A recent connect failure's fast-fail mark goes with
+        // the pool; the engine's descriptor refresh handles the dead peer then.)
+        if ours && conns.is_empty() {
             pools.remove(&self.segment);
         }
     }
@@ -1002,11 +1000,9 @@ impl PeerPool {
 
     fn writer(self: Arc<Self>, conn: Arc<Conn>, rx: Receiver<Job>) {
         self.run_writer(&conn, rx);
-        // The socket clone kept for `close` goes now, not when the pool replaces the connection
-        // (dropping a clone closes its fd, not the connection: the reader may still be reading
-        // the replies in flight).
-        conn.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
-        conn.stream.lock().unwrap_or_else(|e| e.into_inner()).take();
+        // Out of the pool now (not when a later post replaces it): with the last `Arc` the
+        // socket clone kept for `close` goes too (only that fd: the reader may still be reading
+        // the replies in flight on its own).
         self.conn_ended(&conn);
     }
 

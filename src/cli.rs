@@ -154,6 +154,13 @@ pub struct CommonArgs {
     /// `--timeout` leaves that much.
     #[arg(long, default_value_t = 60.0, value_parser = seconds)]
     pub timeout: f64,
+    /// File holding a shared secret (16..=4096 bytes): authenticates the transfer engines
+    /// (descriptors and RDMA connects need the secret, TCP data frames a per-load grant token)
+    /// and, for serve/load, derives each request's load key. Without it the engines are
+    /// unauthenticated (any peer that reaches their ports may read and write registered
+    /// memory): trusted networks only.
+    #[arg(long, env = "KVFERRY_SECRET_FILE")]
+    pub secret_file: Option<PathBuf>,
 }
 
 /// `kvferry demo`.

@@ -331,6 +331,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
             }],
             num_local_computed: 0,
             num_tokens: tokens,
+            load_key: Some(info.load_key.clone()),
         };
         let t1 = Instant::now();
         let outcome = rt.block_on(consumer.load(spec));

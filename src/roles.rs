@@ -6,16 +6,22 @@
 //! block ids and token counts, vLLM's kv_transfer_params) is derived on both
 //! sides from the shared `--seed`, `--requests` and token range: both replay the
 //! same prompt lengths and the same block allocation.
+//!
+//! Request ownership: each request's load key is derived on both sides, from the shared
+//! secret (`--secret-file`) when one is given (nobody without it can load a request), else
+//! from `--seed`, which is not secret (open mode: ownership then holds only against clients
+//! that do not know the seed; trusted networks only). Both cases are said in the info line.
 
 use std::time::{Duration, Instant};
 
-use kvferry_p2p::{Consumer, LoadGroup, LoadSpec, Producer, ReleaseReason};
+use kvferry_p2p::{derive_load_key, Consumer, LoadGroup, LoadSpec, Producer, ReleaseReason};
+use kvferry_transfer::Secret;
 use serde::Serialize;
 
 use crate::cli::{LoadArgs, ServeArgs};
 use crate::demo::{consumer_config, producer_config, prompt_lengths, LoadCounts};
 use crate::models::model_by_name;
-use crate::setup::{engine_config, host_of, local_addr_towards, side_config, side_workers};
+use crate::setup::{engine_config, host_of, local_addr_towards, secret, side_config, side_workers};
 use crate::world::{build_side, fill_request, BlockPool, GROUP_ID};
 
 /// The producer's block table of every request: lengths and block ids, replayed
@@ -41,6 +47,31 @@ fn producer_tables(
         })
         .collect();
     Ok((lengths, tables, total.max(1)))
+}
+
+/// The load key of request `request_id` (see the module docs): from the shared secret, else
+/// from the seed.
+fn load_key(secret: Option<&Secret>, seed: u64, request_id: &str) -> Result<String, String> {
+    let open;
+    let s = match secret {
+        Some(s) => s,
+        None => {
+            open =
+                Secret::from_bytes(format!("kvferry open-mode load keys, seed {seed}").as_bytes())
+                    .map_err(|e| e.to_string())?;
+            &open
+        }
+    };
+    Ok(derive_load_key(s, request_id))
+}
+
+/// What protects the data path and request ownership, for the info line.
+fn security_line(secret: Option<&Secret>) -> &'static str {
+    if secret.is_some() {
+        "authenticated (shared secret): per-load grant tokens on the data path; load keys derived from the secret"
+    } else {
+        "unauthenticated: any peer that reaches the ports may read and write registered memory — trusted networks only; load keys derive from --seed, which is not secret"
+    }
 }
 
 /// `kvferry serve`: prefill and publish every request, then serve loads until
@@ -93,19 +124,23 @@ pub fn serve(args: &ServeArgs) -> Result<(), String> {
     let producer = rt
         .block_on(Producer::start(cfg, workers))
         .map_err(|e| format!("starting the producer on {}: {e}", args.bind))?;
+    let secret = secret(c)?;
     for (i, (blocks, &tokens)) in tables.iter().zip(&lengths).enumerate() {
-        rt.block_on(producer.publish(
-            &format!("req-{i}"),
+        let id = format!("req-{i}");
+        rt.block_on(producer.publish_with_key(
+            &id,
             vec![blocks.iter().map(|&b| Some(b)).collect()],
             tokens,
+            &load_key(secret.as_ref(), args.seed, &id)?,
         ))
-        .map_err(|e| format!("publishing req-{i}: {e}"))?;
+        .map_err(|e| format!("publishing {id}: {e}"))?;
     }
     eprintln!(
-        "kvferry serve: {} requests published on {} (transport {}, checksums on {backend})",
+        "kvferry serve: {} requests published on {} (transport {}, checksums on {backend}); {}",
         args.requests,
         producer.endpoint(),
-        ranks[0].engine.transport_name()
+        ranks[0].engine.transport_name(),
+        security_line(secret.as_ref())
     );
     // Every released lease counts towards --exit-after; the summary says how each ended.
     let (mut served, mut failed, mut expired) = (0u32, 0u32, 0u32);
@@ -186,8 +221,11 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
         ..LoadReport::default()
     };
     let local: Vec<Option<u64>> = (0..max_blocks).map(Some).collect();
+    let secret = secret(c)?;
+    eprintln!("kvferry load: {}", security_line(secret.as_ref()));
     for (i, (blocks, &tokens)) in tables.iter().zip(&lengths).enumerate() {
         let spec = LoadSpec {
+            load_key: Some(load_key(secret.as_ref(), args.seed, &format!("req-{i}"))?),
             request_id: format!("req-{i}"),
             producer: producer.clone(),
             groups: vec![LoadGroup {

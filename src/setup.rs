@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use kvferry_kernels::{backend_for, Device, LayerInput};
 use kvferry_p2p::{Worker, WorkerGroup};
-use kvferry_transfer::{EngineConfig, GpuRegistration, RdmaConfig, TransportKind};
+use kvferry_transfer::{
+    AuthConfig, EngineConfig, GpuRegistration, RdmaConfig, Secret, TransportKind,
+};
 
 use crate::cli::{CommonArgs, DeviceArg, GpuRegistrationArg, TransportArg};
 use crate::models::ModelShape;
@@ -49,8 +51,22 @@ pub fn engine_config(c: &CommonArgs, default_host: &str) -> Result<EngineConfig,
             },
             ..RdmaConfig::default()
         },
+        auth: AuthConfig {
+            secret: secret(c)?,
+            secret_file: None,
+        },
         ..EngineConfig::default()
     })
+}
+
+/// The shared secret of `--secret-file` (or `KVFERRY_SECRET_FILE`), `None` without one.
+/// Errors: an unreadable, too short or too long file.
+pub fn secret(c: &CommonArgs) -> Result<Option<Secret>, String> {
+    c.secret_file
+        .as_deref()
+        .map(Secret::from_file)
+        .transpose()
+        .map_err(|e| e.to_string())
 }
 
 /// The host part of `HOST:PORT` (brackets kept off an IPv6 host), or the text itself.

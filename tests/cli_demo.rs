@@ -641,3 +641,57 @@ fn bench_points_run_at_least_min_batches_and_at_most_max_batches() {
         "{err}"
     );
 }
+
+#[test]
+fn serve_and_load_with_a_shared_secret_and_a_stranger_without_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (good, bad) = (dir.path().join("secret"), dir.path().join("other"));
+    std::fs::write(&good, "the shared secret of serve and load\n").unwrap();
+    std::fs::write(&bad, "some other secret, not the shared one\n").unwrap();
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let common = [
+        "--model",
+        "tiny",
+        "--requests",
+        "2",
+        "--min-tokens",
+        "20",
+        "--max-tokens",
+        "200",
+        "--seed",
+        "7",
+        "--transport",
+        "tcp",
+    ];
+    let secret = ["--secret-file", good.to_str().unwrap()];
+    let mut server = spawn_serve(
+        &addr,
+        &[&common[..], &secret, &["--exit-after", "2"]].concat(),
+    );
+    // Without the secret, or with another one: no request can be loaded, none is consumed.
+    for extra in [&[][..], &["--secret-file", bad.to_str().unwrap()][..]] {
+        let out = run_load(&addr, &[&common[..], extra].concat());
+        assert!(!out.status.success());
+        let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!((n(&r, "verified"), n(&r, "failed")), (0, 2), "{r}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("load key"));
+    }
+    // The secret's holder loads both (the env var works as --secret-file).
+    let out = kvferry()
+        .args(["load", "--json", "--producer", &addr])
+        .args(common)
+        .env("KVFERRY_SECRET_FILE", &good)
+        .output()
+        .unwrap();
+    let status = wait_at_most(&mut server, 30).expect("serve did not exit");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = stderr_of(&mut server);
+    assert!(status.success(), "serve failed: {err}");
+    assert!(err.contains("authenticated (shared secret)"), "{err}");
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(n(&r, "verified"), 2, "{r}");
+}

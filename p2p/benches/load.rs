@@ -109,7 +109,7 @@ fn bench(c: &mut Criterion) {
                     n += 1;
                     let id = format!("{name}-{n}");
                     rt.block_on(async {
-                        producer
+                        let info = producer
                             .publish(&id, vec![remote.clone()], LOADED * common::BLOCK)
                             .await
                             .unwrap();
@@ -123,6 +123,7 @@ fn bench(c: &mut Criterion) {
                             }],
                             num_local_computed: 0,
                             num_tokens: LOADED * common::BLOCK,
+                            load_key: Some(info.load_key),
                         };
                         let started = Instant::now();
                         let out = consumer.load(spec).await.unwrap();

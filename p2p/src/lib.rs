@@ -69,5 +69,5 @@ pub use proto::producer::{ProducerTimeouts, ReleaseReason};
 pub use shell::consumer::{
     Consumer, ConsumerConfig, Landed, LandedGroup, LandedHook, LoadGroup, LoadOutcome, LoadSpec,
 };
-pub use shell::producer::{Producer, ProducerConfig, PublishInfo, Released};
+pub use shell::producer::{derive_load_key, Producer, ProducerConfig, PublishInfo, Released};
 pub use worker::{Worker, WorkerGroup};

@@ -79,6 +79,7 @@ fn spec(request_id: &str, producer: &Producer) -> LoadSpec {
         }],
         num_local_computed: 0,
         num_tokens: NUM_TOKENS,
+        load_key: producer.load_key(request_id),
     }
 }
 

@@ -81,6 +81,7 @@ fn spec(request_id: &str, producer: &Producer) -> LoadSpec {
         }],
         num_local_computed: 0,
         num_tokens: NUM_TOKENS,
+        load_key: producer.load_key(request_id),
     }
 }
 
@@ -331,11 +332,14 @@ async fn expired_lease_gets_error_and_is_released() {
 async fn request_before_publish_waits_for_it() {
     let pair = pair(1, 1, producer_config(), Policy::default()).await;
     let (producer, consumer) = (&pair.producer, &pair.consumer);
-    let load = consumer.load(spec("req-w", producer));
+    let load = consumer.load(LoadSpec {
+        load_key: Some("key-req-w".into()),
+        ..spec("req-w", producer)
+    });
     let publish = async {
         tokio::time::sleep(Duration::from_millis(300)).await;
         producer
-            .publish("req-w", vec![remote_table()], NUM_TOKENS)
+            .publish_with_key("req-w", vec![remote_table()], NUM_TOKENS, "key-req-w")
             .await
             .unwrap()
     };
@@ -386,6 +390,7 @@ async fn silent_producer_fails_within_the_reply_deadline() {
         }],
         num_local_computed: 0,
         num_tokens: NUM_TOKENS,
+        load_key: None,
     };
     let started = Instant::now();
     let err = tokio::time::timeout(Duration::from_secs(10), consumer.load(s.clone()))
@@ -471,6 +476,7 @@ async fn dead_producer_fails_the_load_and_a_restarted_one_is_reached() {
         .await
         .unwrap();
     s.request_id = "r3".into();
+    s.load_key = producer.load_key("r3");
     let out = consumer.load(s).await.unwrap();
     assert_eq!(out.verdict, Some(Verdict::Verified));
     producer.shutdown().await;
@@ -487,6 +493,7 @@ fn spec_for(request_id: &str, endpoint: &str) -> LoadSpec {
         }],
         num_local_computed: 0,
         num_tokens: NUM_TOKENS,
+        load_key: None,
     }
 }
 
@@ -527,11 +534,14 @@ async fn heartbeats_keep_a_waiting_load_alive_past_the_silence_deadline() {
         ..consumer_config(Policy::default())
     };
     let consumer = Consumer::new(cfg, c.workers.clone()).unwrap();
-    let load = consumer.load(spec("req-h", &producer));
+    let load = consumer.load(LoadSpec {
+        load_key: Some("key-req-h".into()),
+        ..spec("req-h", &producer)
+    });
     let publish = async {
         tokio::time::sleep(Duration::from_millis(1200)).await;
         producer
-            .publish("req-h", vec![remote_table()], NUM_TOKENS)
+            .publish_with_key("req-h", vec![remote_table()], NUM_TOKENS, "key-req-h")
             .await
             .unwrap()
     };

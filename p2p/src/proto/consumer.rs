@@ -6,12 +6,13 @@
 //! the request; CONTINUE never extends past it). A missed deadline or a lost
 //! connection fails the load with its reason and marks the socket for rebuilding
 //! (the `zeromq` crate's DEALER does not reconnect by itself). A load is never
-//! retried: KV is never fetched twice for one request.
+//! retried: KV is never fetched twice for one request. A FINISH for a load sent with a token
+//! must carry the token's proof (`msg::finish_proof`), else the load fails (`BadProof`).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use super::msg::{decode_reply, encode, MsgError, Reply, Status, TransferRequest};
+use super::msg::{decode_reply, encode, finish_proof, MsgError, Reply, Status, TransferRequest};
 
 /// Why a load failed before any verdict (transport or producer side).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -31,6 +32,10 @@ pub enum FailReason {
     /// The producer answered ERROR.
     #[error("producer error: {0}")]
     Producer(String),
+    /// A FINISH whose proof does not match the load's token (missing or wrong): it did not
+    /// come from the producer the token was sent to, so its payload is not accepted.
+    #[error("FINISH without a valid proof of the load's token; payload refused")]
+    BadProof,
 }
 
 /// Result of feeding a message to [`ConsumerMachine::on_message`].
@@ -66,6 +71,8 @@ pub enum ConsumerEvent {
 
 struct Pending {
     request_id: String,
+    /// The load's grant token: a FINISH must prove it (`msg::finish_proof`).
+    token: Option<String>,
     reply_deadline: Instant,
     deadline: Instant,
     continued: bool,
@@ -111,6 +118,7 @@ impl ConsumerMachine {
             load_id,
             Pending {
                 request_id: request.request_id.clone(),
+                token: request.token.clone(),
                 reply_deadline: now + self.reply_timeout,
                 deadline: now + self.max_wait,
                 continued: false,
@@ -147,7 +155,19 @@ impl ConsumerMachine {
                 ConsumerEvent::Progress { load_id }
             }
             Status::Finish => {
-                self.pending.remove(&load_id);
+                let p = self.pending.remove(&load_id);
+                let proven = match p.and_then(|p| p.token) {
+                    None => true,
+                    Some(t) => reply.proof.as_deref().is_some_and(|got| {
+                        kvferry_transfer::auth::ct_eq(&finish_proof(&t, &reply), got)
+                    }),
+                };
+                if !proven {
+                    return ConsumerEvent::Failed {
+                        load_id,
+                        reason: FailReason::BadProof,
+                    };
+                }
                 ConsumerEvent::Finished { load_id, reply }
             }
             Status::Error => {

@@ -207,6 +207,18 @@ pub struct TransferRequest {
     /// The consumer's ranks.
     #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_RANKS>")]
     pub ranks: Vec<WireRank>,
+    /// The fresh random per-load grant token (32 hex digits) the consumer's ranks granted
+    /// WRITE on exactly this load's block bytes, until the load ends (`kvferry_transfer::auth`):
+    /// the producer attaches it to its WRITEs and keys its FINISH proof with it.
+    /// `None` from a consumer that grants nothing (then no proof is sent).
+    #[serde(default)]
+    pub token: Option<String>,
+    /// The load key of the request's lease (request ownership): only a request carrying the
+    /// key the producer published with may load it; a missing or wrong key gets ERROR and
+    /// leaves the lease for its owner. Travels from the producer to the consumer with the
+    /// block ids (vLLM: in `kv_transfer_params`, through the proxy).
+    #[serde(default)]
+    pub load_key: Option<String>,
 }
 
 /// Producer → consumer reply.
@@ -231,6 +243,30 @@ pub struct Reply {
     /// Bytes the producer wrote for this load.
     #[serde(default)]
     pub bytes_written: u64,
+    /// On FINISH for a request with a token: [`finish_proof`] keyed by the token, so that the
+    /// consumer accepts the payload only from the producer it sent the token to.
+    #[serde(default, with = "serde_bytes")]
+    pub proof: Option<Vec<u8>>,
+}
+
+/// HMAC label of the FINISH proof.
+const FINISH_LABEL: &[u8] = b"kvferry/finish/v1";
+
+/// The FINISH proof: `HMAC-SHA256(token, label ‖ request_id ‖ load_id ‖ bytes_written ‖
+/// has_checksums ‖ checksums)` (each part length-prefixed), 32 bytes. It binds the payload to the load whose
+/// token only the consumer and the producer it asked know.
+pub fn finish_proof(token: &str, reply: &Reply) -> [u8; 32] {
+    kvferry_transfer::auth::hmac_sha256(
+        token.as_bytes(),
+        &[
+            FINISH_LABEL,
+            reply.request_id.as_bytes(),
+            &reply.load_id.to_le_bytes(),
+            &reply.bytes_written.to_le_bytes(),
+            &[reply.checksums.is_some() as u8],
+            reply.checksums.as_deref().unwrap_or_default(),
+        ],
+    )
 }
 
 impl Reply {
@@ -245,6 +281,7 @@ impl Reply {
             error: None,
             checksums: None,
             bytes_written: 0,
+            proof: None,
         }
     }
 

@@ -9,6 +9,10 @@
 //!   the consumer gets CONTINUE meanwhile and ERROR when the wait runs out.
 //! * While a request waits or is being served, the consumer gets a CONTINUE every
 //!   `heartbeat`, so that its silence deadline only fires for a dead producer.
+//! * Request ownership: a lease published with a load key is served only to a request
+//!   carrying that key (compared in constant time); a missing or wrong key gets ERROR and
+//!   the lease stays for its owner. Several requests for one id may wait for its publish
+//!   when they carry keys (so that a stranger asking first cannot lock the owner out).
 //! * A request carries the consumer's budget (`budget_ms`): a transfer is started
 //!   only if it can end (within `serve_margin`) before the consumer gives up, so
 //!   the producer never writes into blocks the consumer already abandoned.
@@ -97,11 +101,15 @@ enum Entry<P, T> {
     Held {
         data: T,
         expires: Instant,
+        /// The lease's load key; `None`: any consumer may load it.
+        key: Option<String>,
     },
     Serving {
         peer: P,
         load_id: u64,
         next_beat: Instant,
+        /// The load's grant token: the FINISH proves it (`msg::finish_proof`).
+        token: Option<String>,
     },
     Done {
         why: String,
@@ -128,6 +136,34 @@ pub struct ProducerMachine<P, T> {
 }
 
 const TWICE: &str = "is already being loaded (KV is never fetched twice)";
+
+/// Most requests with load keys that may wait for one request id's publish.
+pub const MAX_WAITING_PER_REQUEST: usize = 8;
+
+/// Whether `request` may load a lease published with `key` (constant-time compare).
+fn owns(key: &Option<String>, request: &TransferRequest) -> bool {
+    match key {
+        None => true,
+        Some(k) => request
+            .load_key
+            .as_deref()
+            .is_some_and(|got| kvferry_transfer::auth::ct_eq(k.as_bytes(), got.as_bytes())),
+    }
+}
+
+fn not_owner(request: &TransferRequest) -> Reply {
+    let id = &request.request_id;
+    let why = if request.load_key.is_some() {
+        "wrong"
+    } else {
+        "missing"
+    };
+    Reply::error(
+        id,
+        request.load_id,
+        format!("request {id:?}: load key {why}; only the consumer the producer's lease names may load it"),
+    )
+}
 
 impl<P: Clone, T> ProducerMachine<P, T> {
     /// An empty machine; `serve_margin` is the longest a transfer may take (the
@@ -180,6 +216,7 @@ impl<P: Clone, T> ProducerMachine<P, T> {
                 peer: peer.clone(),
                 load_id: request.load_id,
                 next_beat: now + self.timeouts.heartbeat,
+                token: request.token.clone(),
             },
         );
         Effect::Serve {
@@ -190,12 +227,26 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         }
     }
 
-    /// Puts `data` under a lease for `request_id`; serves a request already waiting for it.
+    /// Puts `data` under a lease for `request_id` that any consumer may load; serves a
+    /// request already waiting for it. See [`Self::publish_keyed`].
     pub fn publish(
         &mut self,
         now: Instant,
         request_id: &str,
         data: T,
+    ) -> Result<Vec<Effect<P, T>>, PublishError> {
+        self.publish_keyed(now, request_id, data, None)
+    }
+
+    /// Puts `data` under a lease for `request_id` that only a request carrying `key` may load
+    /// (`None`: any); serves the first waiting request that carries it; waiting requests
+    /// with a missing or wrong key get ERROR.
+    pub fn publish_keyed(
+        &mut self,
+        now: Instant,
+        request_id: &str,
+        data: T,
+        key: Option<String>,
     ) -> Result<Vec<Effect<P, T>>, PublishError> {
         if self.entries.contains_key(request_id) {
             return Err(PublishError::Duplicate(request_id.to_string()));
@@ -218,6 +269,11 @@ impl<P: Clone, T> ProducerMachine<P, T> {
                     peer: w.peer,
                     reply,
                 });
+            } else if !owns(&key, &w.request) {
+                effects.push(Effect::Reply {
+                    peer: w.peer,
+                    reply: not_owner(&w.request),
+                });
             } else if let Some(reply) = self.too_late(now, &w.request, w.consumer_deadline) {
                 effects.push(Effect::Reply {
                     peer: w.peer,
@@ -230,7 +286,7 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         if let Some(data) = data {
             let expires = now + self.timeouts.lease;
             self.entries
-                .insert(request_id.to_string(), Entry::Held { data, expires });
+                .insert(request_id.to_string(), Entry::Held { data, expires, key });
         }
         Ok(effects)
     }
@@ -246,10 +302,16 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         let load_id = request.load_id;
         let consumer_deadline = Self::consumer_deadline(now, &request);
         match self.entries.remove(&id) {
-            Some(Entry::Held { data, expires }) => {
+            Some(Entry::Held { data, expires, key }) => {
+                if !owns(&key, &request) {
+                    // A stranger: the lease stays, untouched, for its owner.
+                    let reply = not_owner(&request);
+                    self.entries.insert(id, Entry::Held { data, expires, key });
+                    return vec![Effect::Reply { peer, reply }];
+                }
                 if let Some(reply) = self.too_late(now, &request, consumer_deadline) {
                     // Nothing was written: the lease stays for a consumer with time left.
-                    self.entries.insert(id, Entry::Held { data, expires });
+                    self.entries.insert(id, Entry::Held { data, expires, key });
                     return vec![Effect::Reply { peer, reply }];
                 }
                 vec![self.serve(now, peer, request, data)]
@@ -265,7 +327,15 @@ impl<P: Clone, T> ProducerMachine<P, T> {
                 vec![Effect::Reply { peer, reply }]
             }
             None => {
-                if self.parked.iter().any(|p| p.request.request_id == id) {
+                // A keyed request may wait beside others (the key is checked at publish), so
+                // that whoever asks first cannot lock the lease's owner out.
+                let waiting = self
+                    .parked
+                    .iter()
+                    .filter(|p| p.request.request_id == id)
+                    .count();
+                if waiting > 0 && (request.load_key.is_none() || waiting >= MAX_WAITING_PER_REQUEST)
+                {
                     let reply = Reply::error(&id, load_id, format!("request {id:?} {TWICE}"));
                     return vec![Effect::Reply { peer, reply }];
                 }
@@ -310,11 +380,18 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         result: Result<(u64, Option<Vec<u8>>), String>,
     ) -> Vec<Effect<P, T>> {
         let forget_at = now + self.timeouts.tombstone;
+        let token = match self.entries.get(request_id) {
+            Some(Entry::Serving { token, .. }) => token.clone(),
+            _ => None,
+        };
         let (reply, why, reason) = match result {
             Ok((bytes, checksums)) => {
                 let mut reply = Reply::new(Status::Finish, request_id, load_id);
                 reply.bytes_written = bytes;
                 reply.checksums = checksums;
+                if let Some(t) = token {
+                    reply.proof = Some(super::msg::finish_proof(&t, &reply).to_vec());
+                }
                 (
                     reply,
                     "already loaded (KV is never fetched twice)".to_string(),
@@ -351,6 +428,7 @@ impl<P: Clone, T> ProducerMachine<P, T> {
                     peer,
                     load_id,
                     next_beat,
+                    ..
                 } if *next_beat <= now => {
                     *next_beat = now + beat;
                     effects.push(Effect::Reply {

@@ -22,6 +22,8 @@ fn request(id: &str, load_id: u64) -> TransferRequest {
         num_local_computed: 0,
         num_tokens: 40,
         budget_ms: 0,
+        token: None,
+        load_key: None,
         blocks: vec![WireBlocks {
             group_id: 0,
             block_size: 16,

@@ -28,6 +28,7 @@ use crate::proto::msg::{
 };
 use crate::wire::to_wire;
 use crate::worker::{validate, Worker, WorkerGroup};
+use kvferry_transfer::{GrantGuard, GrantOps, GrantSpec, Token, TransferEngine};
 
 /// Consumer settings.
 #[derive(Debug, Clone)]
@@ -98,6 +99,9 @@ pub struct LoadSpec {
     pub num_local_computed: u64,
     /// Tokens of KV the consumer holds after the load (num_computed).
     pub num_tokens: u64,
+    /// The lease's load key ([`crate::PublishInfo::load_key`], carried by the proxy in
+    /// vLLM's `kv_transfer_params`): the producer serves the request only with it.
+    pub load_key: Option<String>,
 }
 
 /// The blocks one group's load wrote (consumer block ids at request positions).
@@ -198,23 +202,31 @@ impl Consumer {
     /// unreachable, ERROR, no reply): see [`LoadError::action`]. A load is never
     /// retried (KV is never fetched twice).
     pub async fn load(&self, spec: LoadSpec) -> Result<LoadOutcome, LoadError> {
-        let (request, landed) = self.build_request(&spec)?;
+        let (mut request, landed) = self.build_request(&spec)?;
         let rid = spec.request_id.clone();
+        // WRITE for exactly this load's block bytes, to this load's token, until it ends.
+        let grants = self.grant(&request).map_err(|why| LoadError::Spec {
+            request_id: rid.clone(),
+            why,
+        })?;
+        request.token = grants.first().map(|g| g.token().to_string());
+        request.load_key = spec.load_key.clone();
         let started = Instant::now();
-        let reply = self
-            .send(&spec.producer, request)
-            .await
-            .map_err(|f| match f {
-                ConnFailure::Connect(why) => LoadError::Connect {
-                    request_id: rid.clone(),
-                    producer: spec.producer.clone(),
-                    why,
-                },
-                ConnFailure::Failed(reason) => LoadError::Failed {
-                    request_id: rid.clone(),
-                    reason,
-                },
-            })?;
+        let reply = self.send(&spec.producer, request).await;
+        // The transfer is over (FINISH: every WRITE was acknowledged) or failed: revoke
+        // before verifying, so that nothing lands in the blocks after they are checked.
+        drop(grants);
+        let reply = reply.map_err(|f| match f {
+            ConnFailure::Connect(why) => LoadError::Connect {
+                request_id: rid.clone(),
+                producer: spec.producer.clone(),
+                why,
+            },
+            ConnFailure::Failed(reason) => LoadError::Failed {
+                request_id: rid.clone(),
+                reason,
+            },
+        })?;
         let transfer_seconds = started.elapsed().as_secs_f64();
         let hook = self.hook.read().unwrap_or_else(|p| p.into_inner()).clone();
         if let Some(hook) = hook {
@@ -250,6 +262,56 @@ impl Consumer {
             transfer_seconds,
             checksum_seconds,
         })
+    }
+
+    /// Grants a fresh random token WRITE on every rank's bytes of the blocks `request` loads
+    /// (whole blocks of the rank's heads, every layer of the loaded groups), for the longest
+    /// a load may take; the guards revoke it when dropped. One grant per engine.
+    fn grant(&self, request: &TransferRequest) -> Result<Vec<GrantGuard>, String> {
+        let token = Token::random().map_err(|e| e.to_string())?;
+        let mut per_engine: Vec<(Arc<TransferEngine>, Vec<(u64, u64)>)> = Vec::new();
+        for w in self.workers.iter() {
+            let i = match per_engine
+                .iter()
+                .position(|(e, _)| Arc::ptr_eq(e, &w.engine))
+            {
+                Some(i) => i,
+                None => {
+                    per_engine.push((w.engine.clone(), Vec::new()));
+                    per_engine.len() - 1
+                }
+            };
+            let ranges = &mut per_engine[i].1;
+            for b in &request.blocks {
+                let Some(g) = w.groups.iter().find(|g| g.group_id == b.group_id) else {
+                    continue;
+                };
+                for l in &g.layers {
+                    for &local in &b.local_blocks {
+                        for r in l.spec.geometry.block_byte_ranges(local) {
+                            ranges.push((l.addr + r.start, r.end - r.start));
+                        }
+                    }
+                }
+            }
+        }
+        let ttl = self.config.max_wait
+            + self.config.connect_timeout
+            + self.config.send_timeout
+            + Duration::from_secs(5);
+        per_engine
+            .into_iter()
+            .filter(|(_, r)| !r.is_empty())
+            .map(|(e, ranges)| {
+                e.grant(GrantSpec {
+                    token,
+                    ops: GrantOps::WRITE,
+                    ranges,
+                    ttl,
+                })
+                .map_err(|e| format!("granting the load's blocks: {e}"))
+            })
+            .collect()
     }
 
     fn group(&self, id: u32) -> Option<&WorkerGroup> {
@@ -358,6 +420,8 @@ impl Consumer {
             budget_ms: 0, // set by the connection's state machine
             blocks,
             ranks,
+            token: None,    // set by `load` with the grants
+            load_key: None, // set by `load`
         };
         Ok((request, landed))
     }

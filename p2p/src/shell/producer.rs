@@ -22,6 +22,7 @@ use crate::proto::msg::{
 use crate::proto::producer::{Effect, ProducerMachine, ProducerTimeouts, ReleaseReason};
 use crate::shell::serve::{plan, write_all, Published};
 use crate::worker::{validate, Worker};
+use kvferry_transfer::Token;
 
 /// Producer settings.
 #[derive(Debug, Clone)]
@@ -70,7 +71,26 @@ pub struct PublishInfo {
     pub warning: Option<String>,
     /// Size of the encoded payload in bytes (0 without one).
     pub payload_bytes: usize,
+    /// The lease's load key: only a load carrying it ([`crate::LoadSpec::load_key`]) is
+    /// served. Hand it to the consumer the lease is for (vLLM: in `kv_transfer_params`
+    /// through the proxy). 32 hex digits when random ([`Producer::publish`]).
+    pub load_key: String,
 }
+
+/// A load key derived from a shared secret: `hex(HMAC-SHA256(secret, "kvferry/load-key/v1" ‖
+/// request_id))[..32]`. For two processes that agree on request ids without a proxy between
+/// them (`kvferry serve` / `load`): both derive the same key, nobody without the secret can.
+pub fn derive_load_key(secret: &kvferry_transfer::Secret, request_id: &str) -> String {
+    secret
+        .prove("kvferry/load-key/v1", &[request_id.as_bytes()])
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Longest load key accepted from an embedder, bytes.
+pub const MAX_LOAD_KEY_BYTES: usize = 256;
 
 /// A lease whose blocks the embedder may reuse now.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,6 +112,7 @@ enum Command {
     Publish {
         request_id: String,
         data: Published,
+        key: String,
         respond: oneshot::Sender<Result<(), String>>,
     },
     Served {
@@ -108,6 +129,8 @@ pub struct Producer {
     endpoint: String,
     commands: mpsc::UnboundedSender<Command>,
     released: Arc<Mutex<Vec<Released>>>,
+    /// Load keys of the leases not yet released.
+    keys: Arc<Mutex<std::collections::HashMap<String, String>>>,
     workers: Arc<Vec<Worker>>,
     tp: u32,
     pp: u32,
@@ -137,6 +160,7 @@ impl Producer {
             .to_string();
         let (tx, rx) = mpsc::unbounded_channel();
         let released = Arc::new(Mutex::new(Vec::new()));
+        let keys = Arc::new(Mutex::new(std::collections::HashMap::new()));
         let workers = Arc::new(workers);
         let task = tokio::spawn(
             EventLoop {
@@ -145,6 +169,7 @@ impl Producer {
                 monitor,
                 commands: tx.downgrade(),
                 released: released.clone(),
+                keys: keys.clone(),
                 workers: workers.clone(),
                 send_timeout: config.send_timeout,
             }
@@ -155,6 +180,7 @@ impl Producer {
             endpoint,
             commands: tx,
             released,
+            keys,
             workers,
             tp,
             pp,
@@ -174,6 +200,8 @@ impl Producer {
     /// (position → block id, `None` = null block); every group id of the workers
     /// must have an entry. A rank that fails to checksum makes the producer send
     /// no checksums for this request (a warning, in [`PublishInfo::warning`]).
+    /// The lease gets a fresh random load key (in [`PublishInfo::load_key`]): only a load
+    /// carrying it is served (request ownership).
     /// Errors: a missing group entry, a duplicate request id, a stopped producer.
     pub async fn publish(
         &self,
@@ -181,10 +209,34 @@ impl Producer {
         blocks: Vec<Vec<Option<u64>>>,
         num_tokens: u64,
     ) -> Result<PublishInfo, P2pError> {
+        let key = kvferry_transfer::Token::random().map_err(|e| P2pError::Publish {
+            request_id: request_id.to_string(),
+            why: e.to_string(),
+        })?;
+        self.publish_with_key(request_id, blocks, num_tokens, &key.to_string())
+            .await
+    }
+
+    /// As [`Producer::publish`], with the embedder's load key (1..=[`MAX_LOAD_KEY_BYTES`]
+    /// bytes; e.g. from the proxy, or [`derive_load_key`]). Keep it unguessable: whoever
+    /// holds it may load the request.
+    pub async fn publish_with_key(
+        &self,
+        request_id: &str,
+        blocks: Vec<Vec<Option<u64>>>,
+        num_tokens: u64,
+        load_key: &str,
+    ) -> Result<PublishInfo, P2pError> {
         let perr = |why: String| P2pError::Publish {
             request_id: request_id.to_string(),
             why,
         };
+        if load_key.is_empty() || load_key.len() > MAX_LOAD_KEY_BYTES {
+            return Err(perr(format!(
+                "load key of {} bytes (1..={MAX_LOAD_KEY_BYTES})",
+                load_key.len()
+            )));
+        }
         for g in &self.workers[0].groups {
             if blocks.len() <= g.group_id as usize {
                 return Err(perr(format!("no block table for group {}", g.group_id)));
@@ -196,6 +248,7 @@ impl Producer {
             checksum_seconds: 0.0,
             warning: None,
             payload_bytes: 0,
+            load_key: load_key.to_string(),
         };
         let mut payload = None;
         if self.config.checksums {
@@ -245,6 +298,7 @@ impl Producer {
             .send(Command::Publish {
                 request_id: request_id.to_string(),
                 data,
+                key: load_key.to_string(),
                 respond,
             })
             .map_err(|_| P2pError::Closed)?;
@@ -253,6 +307,16 @@ impl Producer {
             Ok(Ok(Err(why))) => Err(perr(why)),
             _ => Err(P2pError::Closed),
         }
+    }
+
+    /// The load key of `request_id`'s lease while it is held or being served (`None` once
+    /// released, or never published).
+    pub fn load_key(&self, request_id: &str) -> Option<String> {
+        self.keys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(request_id)
+            .cloned()
     }
 
     /// Takes the leases released since the last call (served, failed, expired):
@@ -281,6 +345,7 @@ struct EventLoop {
     /// Weak, so that dropping the [`Producer`] ends the loop (serve tasks hold it strongly).
     commands: mpsc::WeakUnboundedSender<Command>,
     released: Arc<Mutex<Vec<Released>>>,
+    keys: Arc<Mutex<std::collections::HashMap<String, String>>>,
     workers: Arc<Vec<Worker>>,
     send_timeout: Duration,
 }
@@ -331,9 +396,19 @@ impl EventLoop {
                 Event::Command(Some(Command::Publish {
                     request_id,
                     data,
+                    key,
                     respond,
-                })) => match self.machine.publish(Instant::now(), &request_id, data) {
+                })) => match self.machine.publish_keyed(
+                    Instant::now(),
+                    &request_id,
+                    data,
+                    Some(key.clone()),
+                ) {
                     Ok(effects) => {
+                        self.keys
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(request_id.clone(), key);
                         let _ = respond.send(Ok(()));
                         self.apply(effects).await;
                     }
@@ -414,6 +489,10 @@ impl EventLoop {
                 Effect::Reply { peer, reply } => self.send(peer, reply).await,
                 Effect::Released { request_id, reason } => {
                     debug!(request_id, ?reason, "lease released");
+                    self.keys
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&request_id);
                     if reason == ReleaseReason::Expired {
                         warn!(
                             request_id,
@@ -437,9 +516,16 @@ impl EventLoop {
                     };
                     let (request_id, load_id) = (request.request_id.clone(), request.load_id);
                     let serve = tokio::spawn(async move {
-                        let result = match plan(&workers, &lease, &request) {
-                            Err(e) => Err(e),
-                            Ok(plan) => write_all(workers, plan, deadline).await,
+                        let token = match request.token.as_deref().map(str::parse::<Token>) {
+                            None => Ok(None),
+                            Some(Ok(t)) => Ok(Some(t)),
+                            Some(Err(e)) => Err(format!("bad grant token: {e}")),
+                        };
+                        let result = match (token, plan(&workers, &lease, &request)) {
+                            (Err(e), _) | (_, Err(e)) => Err(e),
+                            (Ok(token), Ok(plan)) => {
+                                write_all(workers, plan, deadline, token).await
+                            }
                         };
                         result.map(|bytes| (bytes, lease.payload))
                     });

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvferry_transfer::{Op, TransferRequest as EngineRequest};
+use kvferry_transfer::{Op, Token, TransferRequest as EngineRequest};
 
 use kvferry_kernels::LayerInput;
 
@@ -293,14 +293,17 @@ fn layer_copies(
 
 /// WRITEs every plan through its producer rank's engine, all concurrently, all
 /// done by `deadline`. Returns the bytes written.
+/// `token`: the consumer's grant token for this load, attached to every WRITE (`None`: the
+/// consumer granted nothing; only an open consumer accepts the WRITEs then).
 pub(crate) async fn write_all(
     workers: Arc<Vec<Worker>>,
     plans: Vec<RankPlan>,
     deadline: Instant,
+    token: Option<Token>,
 ) -> Result<u64, String> {
     let runs = plans.into_iter().map(|p| {
         let workers = workers.clone();
-        async move { write_rank(&workers[p.worker], p.segment, p.copies, deadline).await }
+        async move { write_rank(&workers[p.worker], p.segment, p.copies, deadline, token).await }
     });
     let mut total = 0u64;
     for r in futures::future::join_all(runs).await {
@@ -314,6 +317,7 @@ async fn write_rank(
     segment: String,
     copies: Vec<Copy>,
     deadline: Instant,
+    token: Option<Token>,
 ) -> Result<u64, String> {
     if copies.is_empty() {
         return Ok(0);
@@ -332,9 +336,11 @@ async fn write_rank(
         })
         .collect();
     let submit = tokio::task::spawn_blocking(move || {
-        let handle = engine
-            .open_segment(&segment)
-            .map_err(|e| format!("open segment {segment}: {e}"))?;
+        let handle = match token {
+            Some(t) => engine.open_segment_with_token(&segment, t),
+            None => engine.open_segment(&segment),
+        }
+        .map_err(|e| format!("open segment {segment}: {e}"))?;
         engine
             .submit(&handle, &requests)
             .map_err(|e| format!("submit to {segment}: {e}"))

@@ -23,6 +23,11 @@ pub const SMALL: (u32, u64, u64) = (LAYERS, KV_HEADS, HEAD_DIM);
 pub const BLOCK: u64 = 16;
 pub const WINDOW: u64 = 16;
 
+thread_local! {
+    /// The secret [`Side::authenticated`] gives the engines it builds.
+    static SECRET: std::cell::RefCell<Option<kvferry_transfer::Secret>> = const { std::cell::RefCell::new(None) };
+}
+
 /// One side (producer or consumer): workers and the memory they point into.
 /// `workers` is declared first so the engines drop before the memory.
 pub struct Side {
@@ -36,6 +41,20 @@ impl Side {
     /// filled with seeded random bytes (`seed = None`: zeros).
     pub fn new(tp: u32, pp: u32, num_blocks: u64, seed: Option<u64>) -> Side {
         Side::build(tp, pp, num_blocks, seed, false, "KV B N H D", SMALL)
+    }
+
+    /// As [`Side::new`] with authenticated engines sharing `secret` (`kvferry_transfer::auth`).
+    pub fn authenticated(
+        tp: u32,
+        pp: u32,
+        num_blocks: u64,
+        seed: Option<u64>,
+        secret: kvferry_transfer::Secret,
+    ) -> Side {
+        SECRET.with(|s| *s.borrow_mut() = Some(secret));
+        let side = Side::build(tp, pp, num_blocks, seed, false, "KV B N H D", SMALL);
+        SECRET.with(|s| *s.borrow_mut() = None);
+        side
     }
 
     /// As [`Side::new`] with group 0 in `layout`.
@@ -87,13 +106,14 @@ impl Side {
                 };
                 // TP above the head count: each rank holds one head (replicated, as in vLLM).
                 let heads = (kv_heads / tp as u64).max(1);
-                let engine = TransferEngine::new(EngineConfig {
+                let mut config = EngineConfig {
                     host: "127.0.0.1".into(),
                     port: 0,
                     transport: TransportKind::Tcp,
                     ..EngineConfig::default()
-                })
-                .unwrap();
+                };
+                config.auth.secret = SECRET.with(|s| s.borrow().clone());
+                let engine = TransferEngine::new(config).unwrap();
                 let mut bufs = Vec::new();
                 let mut groups = Vec::new();
                 let kinds: &[(u32, &str, &str, Option<u64>)] = if windowed {

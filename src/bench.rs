@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvferry_checksum::definition::slice_checksum;
-use kvferry_transfer::{EngineConfig, Location, Op, TransferEngine, TransferRequest};
+use kvferry_transfer::{
+    EngineConfig, GrantOps, GrantSpec, Location, Op, Token, TransferEngine, TransferRequest,
+};
 use memmap2::MmapMut;
 use serde::Serialize;
 
@@ -154,10 +156,11 @@ pub fn run_report(args: &BenchArgs) -> Result<BenchReport, String> {
         ));
     }
     let bounds = BatchBounds::new(args.min_batches, args.max_batches)?;
-    let cfg = EngineConfig {
+    let mut cfg = EngineConfig {
         transport: transport_kind(args.transport),
         ..EngineConfig::default()
     };
+    cfg.auth.secret_file = args.secret_file.clone();
     let src_engine =
         TransferEngine::new(cfg.clone()).map_err(|e| format!("starting the source engine: {e}"))?;
     let dst_engine =
@@ -190,9 +193,18 @@ pub fn run_report(args: &BenchArgs) -> Result<BenchReport, String> {
                         .register_memory(da, total, Location::Cpu)
                         .map_err(|e| e.to_string())?;
                 }
+                // Authenticated: the source writes with a token the target granted for its buffer.
+                let grant = dst_engine
+                    .grant(GrantSpec {
+                        token: Token::random().map_err(|e| e.to_string())?,
+                        ops: GrantOps::WRITE,
+                        ranges: vec![(da, total)],
+                        ttl: Duration::from_secs(24 * 3600),
+                    })
+                    .map_err(|e| e.to_string())?;
                 let point = sweep_point(
                     &src_engine,
-                    &dst_engine.segment_name(),
+                    (&dst_engine.segment_name(), grant.token()),
                     (&src, &dst),
                     bs,
                     batch,
@@ -244,7 +256,7 @@ impl BatchBounds {
 #[allow(clippy::too_many_arguments)]
 fn sweep_point(
     engine: &Arc<TransferEngine>,
-    target: &str,
+    (target, token): (&str, Token),
     (src_map, dst_map): (&MmapMut, &MmapMut),
     bs: u64,
     batch: u64,
@@ -262,7 +274,7 @@ fn sweep_point(
     };
     let checksum_over = checksum.then_some(dst_map);
     let seg = engine
-        .open_segment(target)
+        .open_segment_with_token(target, token)
         .map_err(|e| format!("opening segment {target}: {e}"))?;
     let stop = Arc::new(AtomicBool::new(false));
     // Threads done with their batches, so that a point bounded by count ends when they are.

@@ -307,6 +307,10 @@ pub struct BenchArgs {
     /// target, so no two consecutive requests continue each other).
     #[arg(long, value_enum, default_value_t = BenchPattern::Contiguous)]
     pub pattern: BenchPattern,
+    /// Authenticate both engines with this shared secret: the target grants the source's
+    /// token WRITE on its buffer and every data frame is checked (measures the check).
+    #[arg(long, env = "KVFERRY_SECRET_FILE")]
+    pub secret_file: Option<PathBuf>,
     /// Also checksum every landed batch (CPU backend) and report the overhead.
     #[arg(long)]
     pub checksum: bool,

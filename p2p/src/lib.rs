@@ -26,13 +26,15 @@
 //! producer.endpoint() -> &str                                   // "tcp://127.0.0.1:40123"
 //! producer.publish(request_id, blocks: Vec<Vec<Option<u64>>>, num_tokens).await
 //!     -> Result<PublishInfo, P2pError>                          // blocks[g]: group g's block table
+//!                                                               // info.load_key: only its holder loads
+//! producer.publish_with_key(request_id, blocks, num_tokens, load_key).await  // the embedder's key
 //! producer.released() -> Vec<Released>                          // leases served / failed / expired
 //! producer.shutdown().await
 //!
 //! Consumer::new(ConsumerConfig, Vec<Worker>) -> Result<Consumer, P2pError>
 //! consumer.set_landed_hook(Some(Arc::new(|landed: &Landed| { .. })))   // fault injection
 //! consumer.load(LoadSpec { request_id, producer, groups: Vec<LoadGroup>,
-//!                          num_local_computed, num_tokens }).await
+//!                          num_local_computed, num_tokens, load_key }).await
 //!     -> Result<LoadOutcome, LoadError>   // LoadOutcome { verdict, action, bytes, .. }
 //! ```
 //! The two sides' TP and PP sizes may differ: layers pair by name, and each KV
@@ -52,6 +54,11 @@
 //!   all, or at once when the control connection drops; the DEALER is then rebuilt
 //!   (once no other load waits on it). A failed load's blocks may still receive a
 //!   late write from a live producer until `max_wait` after the request.
+//! * Security (issue 10): every load grants the consumer's engines WRITE on exactly its
+//!   block bytes to a fresh random token, revoked when the reply arrives (before
+//!   verification); the producer writes with the token and its FINISH proves it (HMAC);
+//!   a request is served only with its lease's load key. The grants are enforced when the
+//!   engines are authenticated (a shared secret, `kvferry_transfer::auth`).
 //! * A request is loaded at most once: a second request for it, or one for an
 //!   expired lease, gets ERROR (never stale blocks).
 #![warn(missing_docs)]

@@ -94,6 +94,7 @@ fn spec(request_id: &str, producer: &str) -> LoadSpec {
         }],
         num_local_computed: 0,
         num_tokens: NUM_TOKENS,
+        load_key: None,
     }
 }
 
@@ -124,7 +125,10 @@ async fn a_load_verifies(producer: &Producer, c: &Side, request_id: &str) {
         .unwrap();
     let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
     let out = consumer
-        .load(spec(request_id, producer.endpoint()))
+        .load(LoadSpec {
+            load_key: producer.load_key(request_id),
+            ..spec(request_id, producer.endpoint())
+        })
         .await
         .unwrap();
     assert!(out.verdict.unwrap().is_verified());

@@ -13,6 +13,14 @@ child process, P2P handshake, protocol "tcp", `batch_transfer_sync_write`. After
 loop the target buffer is compared byte for byte with the source.
 kvferry side: `kvferry bench --transport tcp --threads 1 --json` (a child process as well).
 
+Python-API mode (`--python-api`): the same Python loop (`batch_transfer_sync_write` from one
+thread, or from 8 threads as vLLM's transfer pool does, each thread on its own slice of the
+buffers) timed with Mooncake's `TransferEngine` and with `kvferry.TransferEngine` (the package
+from `pip install ./python`; `--kvferry-python` names an interpreter that imports it), plus
+`kvferry bench --threads T` (Rust) on the same points (`--points 64Kx128,1Mx16`,
+`--threads 1,8`), alternating with a rotating order. It reports kvferry-Python / Mooncake and
+kvferry-Python / kvferry-Rust.
+
 Mooncake is installed into a venv (env MOONCAKE_VENV, default <repo>/.dev/mc-venv) when this
 interpreter cannot import it; when PyPI cannot be reached the script says so and exits 0.
 
@@ -169,6 +177,155 @@ def run_mooncake(python, size, batch, seconds, timeout):
     return json.loads(lines[-1])
 
 
+# ------------------------------------------------------------------ Python-API point (either engine)
+
+
+def py_point(impl, size, batch, threads, seconds):
+    """Runs in a child interpreter. The same Python loop for both engines: `threads` threads
+    (vLLM's transfer pool), each calling `batch_transfer_sync_write(target, locals, remotes,
+    lens)` with its own `batch` requests of `size` bytes (its own slice of both buffers,
+    contiguous, as `kvferry bench`) until `seconds` pass. Throughput = bytes landed / wall
+    time from the start of the threads to the end of the last one. Afterwards the target must
+    equal the source byte for byte."""
+    import threading
+
+    import numpy as np
+
+    if impl == "mooncake":
+        from mooncake.engine import TransferEngine
+    else:
+        from kvferry import TransferEngine
+    src_e, dst_e = TransferEngine(), TransferEngine()
+    for e in (src_e, dst_e):
+        if e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError(f"{impl}: initialize failed")
+    target = f"127.0.0.1:{dst_e.get_rpc_port()}"
+    per = size * batch
+    total = per * threads
+    i = np.arange(total, dtype=np.uint64)
+    src = ((i * 31) ^ (i >> 12)).astype(np.uint8)
+    del i
+    dst = np.zeros(total, dtype=np.uint8)
+    sa, da = src.ctypes.data, dst.ctypes.data
+    if src_e.register_memory(sa, total) != 0 or dst_e.register_memory(da, total) != 0:
+        raise RuntimeError(f"{impl}: register_memory failed")
+    stop = threading.Event()
+    lat = [[] for _ in range(threads)]
+    errors = []
+
+    def work(t):
+        locals_ = [sa + t * per + k * size for k in range(batch)]
+        remotes = [da + t * per + k * size for k in range(batch)]
+        lens = [size] * batch
+        mine = lat[t]
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            if src_e.batch_transfer_sync_write(target, locals_, remotes, lens) != 0:
+                errors.append(f"{impl}: a batch failed")
+                return
+            mine.append(time.perf_counter() - t0)
+
+    ths = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    start = time.perf_counter()
+    for th in ths:
+        th.start()
+    time.sleep(seconds)
+    stop.set()
+    for th in ths:
+        th.join()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(errors[0])
+    if not np.array_equal(src, dst):
+        raise RuntimeError(f"{impl}: landed bytes differ from the source "
+                           f"(first at offset {int(np.flatnonzero(src != dst)[0])})")
+    src_e.unregister_memory(sa)
+    dst_e.unregister_memory(da)
+    all_lat = sorted(x for l in lat for x in l)
+    n = len(all_lat)
+    if n == 0:
+        raise RuntimeError(f"{impl}: no batch completed")
+    return {"block_size": size, "batch": batch, "threads": threads,
+            "gb_per_s": n * per / elapsed / 1e9, "avg_latency_us": sum(all_lat) / n * 1e6,
+            "batches": n}
+
+
+def run_py_point(python, impl, size, batch, threads, seconds, timeout):
+    cmd = [python, str(Path(__file__).resolve()), "--py-point", impl, str(size), str(batch),
+           str(threads), str(seconds)]
+    env = dict(os.environ, GLOG_minloglevel="2")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    if r.returncode != 0 or not lines:
+        raise RuntimeError(f"{impl} python point {human(size)}x{batch}x{threads} failed "
+                           f"(rc {r.returncode}): {r.stderr.strip()[-800:]}")
+    return json.loads(lines[-1])
+
+
+def kvferry_python(arg):
+    """An interpreter that imports kvferry (the package from `pip install ./python`)."""
+    for c in [arg, os.environ.get("KVFERRY_PYTHON"), sys.executable,
+              str(REPO / ".dev" / "py-tests" / "bin" / "python")]:
+        if c and Path(c).is_file() and subprocess.run(
+                [c, "-c", "import kvferry, numpy"], capture_output=True).returncode == 0:
+            return c
+    raise SystemExit("no interpreter imports kvferry and numpy: `pip install ./python numpy`, "
+                     "then pass --kvferry-python PATH or set KVFERRY_PYTHON")
+
+
+def python_api_mode(a, binary, mc_python, kv_python):
+    """Python-API mode: for each point and thread count, Mooncake's and kvferry's
+    TransferEngine under the same Python loop, plus `kvferry bench` (Rust) with the same
+    threads, alternating (the order rotates every repeat)."""
+    points = []
+    for p in a.points.split(","):
+        sz, _, bt = p.strip().partition("x")
+        points.append((parse_sizes(sz)[0], int(bt)))
+    threads = [int(t) for t in a.threads.split(",")]
+    timeout = a.seconds * 4 + 120
+    rows = []
+    for size, batch in points:
+        for nt in threads:
+            runs = {"mooncake": [], "kvferry_py": [], "kvferry_rust": []}
+            kinds = list(runs)
+            for rep in range(a.repeats):
+                order = kinds[rep % 3:] + kinds[:rep % 3]
+                for who in order:
+                    if who == "mooncake":
+                        runs[who].append(run_py_point(mc_python, "mooncake", size, batch, nt, a.seconds, timeout))
+                    elif who == "kvferry_py":
+                        runs[who].append(run_py_point(kv_python, "kvferry", size, batch, nt, a.seconds, timeout))
+                    else:
+                        runs[who].append(run_kvferry(binary, size, batch, a.seconds, timeout, nt))
+                print(f"  {human(size):>5} x {batch:<4} threads {nt} rep {rep + 1}: "
+                      + "  ".join(f"{k} {v[-1]['gb_per_s']:.3f}" for k, v in runs.items()),
+                      file=sys.stderr, flush=True)
+            med = {k: statistics.median(x["gb_per_s"] for x in v) for k, v in runs.items()}
+            rows.append({
+                "block_size": size, "batch": batch, "threads": nt,
+                "mooncake_py_gb_per_s": med["mooncake"],
+                "kvferry_py_gb_per_s": med["kvferry_py"],
+                "kvferry_rust_gb_per_s": med["kvferry_rust"],
+                "ratio_kvferry_py_over_mooncake_py": med["kvferry_py"] / med["mooncake"],
+                "ratio_kvferry_py_over_kvferry_rust": med["kvferry_py"] / med["kvferry_rust"],
+                "runs": runs,
+            })
+    print(f"{'size':>6} {'batch':>6} {'thr':>4} {'Mooncake-py':>12} {'kvferry-py':>11} "
+          f"{'kvferry-rust':>13} {'py/Mooncake':>12} {'py/rust':>8}")
+    for r in rows:
+        print(f"{human(r['block_size']):>6} {r['batch']:>6} {r['threads']:>4} "
+              f"{r['mooncake_py_gb_per_s']:>12.3f} {r['kvferry_py_gb_per_s']:>11.3f} "
+              f"{r['kvferry_rust_gb_per_s']:>13.3f} {r['ratio_kvferry_py_over_mooncake_py']:>12.2f} "
+              f"{r['ratio_kvferry_py_over_kvferry_rust']:>8.2f}")
+    if a.out:
+        meta = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "mode": "python-api",
+                "seconds": a.seconds, "repeats": a.repeats, "statistic": "median",
+                "cpus": os.cpu_count(), "machine": platform.platform(),
+                "kvferry_binary": binary, "kvferry_python": kv_python, "mooncake_python": mc_python}
+        Path(a.out).write_text(json.dumps({"meta": meta, "points": rows}, indent=2))
+    return 0
+
+
 # ------------------------------------------------------------------ Mooncake point via its C++ benchmark
 
 
@@ -235,9 +392,9 @@ def find_kvferry(arg):
                      "or set KVFERRY_BIN / CARGO_TARGET_DIR")
 
 
-def run_kvferry(binary, size, batch, seconds, timeout):
+def run_kvferry(binary, size, batch, seconds, timeout, threads=1):
     cmd = [binary, "bench", "--transport", "tcp", "--block-sizes", str(size), "--batch", str(batch),
-           "--threads", "1", "--seconds", str(seconds), "--json"]
+           "--threads", str(threads), "--seconds", str(seconds), "--json"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -265,6 +422,14 @@ def main():
                     help="Mooncake through its Python API (as vLLM's connector uses it) or through "
                          "its C++ transfer_engine_bench (target + initiator processes)")
     ap.add_argument("--tebench", help="path of transfer_engine_bench (default: the wheel's)")
+    ap.add_argument("--python-api", action="store_true",
+                    help="Python-API mode: Mooncake's and kvferry's TransferEngine under the same "
+                         "Python loop, and `kvferry bench`, at --points with --threads")
+    ap.add_argument("--points", default="64Kx128,1Mx16", help="python-api mode: SIZExBATCH list")
+    ap.add_argument("--threads", default="1,8", help="python-api mode: submitting threads")
+    ap.add_argument("--kvferry-python", help="python-api mode: an interpreter that imports kvferry")
+    ap.add_argument("--py-point", nargs=5, metavar=("IMPL", "SIZE", "BATCH", "THREADS", "SECONDS"),
+                    help=argparse.SUPPRESS)
     ap.add_argument("--print-python", action="store_true",
                     help="install Mooncake if needed, print the python that imports it, and exit "
                          "(exit 1 when it cannot be installed)")
@@ -277,6 +442,11 @@ def main():
     ap.add_argument("--min-batches", type=int, default=1, help="--mooncake-point: batches at least")
     ap.add_argument("--max-batches", type=int, default=0, help="--mooncake-point: batches at most (0: no bound)")
     a = ap.parse_args()
+
+    if a.py_point:
+        impl, size, batch, nt, secs = a.py_point
+        print(json.dumps(py_point(impl, int(size), int(batch), int(nt), float(secs))), flush=True)
+        return 0
 
     if a.print_python:
         python = ensure_mooncake()
@@ -305,6 +475,8 @@ def main():
             tebench = default_tebench(python)
             if tebench is None and python is not None:
                 raise SystemExit("transfer_engine_bench not found in the Mooncake wheel: pass --tebench PATH")
+    if a.python_api and python is not None:
+        return python_api_mode(a, binary, python, kvferry_python(a.kvferry_python))
     if python is None and tebench is None:
         print("mooncake_compare: skipped (Mooncake Transfer Engine not installable here)")
         if a.out:

@@ -46,7 +46,7 @@ const P2PHANDSHAKE: &str = "P2PHANDSHAKE";
 /// (handshake listener, transport). Other methods before a successful `initialize` log and
 /// return their failure code. Dropping the object stops the engine.
 ///
-/// Source: Mooncake `transfer_engine_py.cpp` (names, defaults, codes); kvferry DESIGN.md §3
+/// Source: Mooncake `transfer_engine_py.cpp` (names, defaults, codes); kvferry docs/design.md §3
 /// (the engine underneath); issue 9.
 #[pyclass(name = "TransferEngine", module = "kvferry", frozen)]
 pub struct PyTransferEngine {

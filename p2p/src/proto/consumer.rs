@@ -8,6 +8,11 @@
 //! (the `zeromq` crate's DEALER does not reconnect by itself). A load is never
 //! retried: KV is never fetched twice for one request. A FINISH for a load sent with a token
 //! must carry the token's proof (`msg::finish_proof`), else the load fails (`BadProof`).
+//!
+//! Fail fast (issue 10): once connecting to the producer has failed, the producer is *down*:
+//! loads are refused at once with that failure's reason (no connect timeout each) until
+//! `retry_interval` has passed since the failure; the next load after that connects again, and
+//! a success ends the down state.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -85,6 +90,14 @@ pub struct ConsumerMachine {
     next_load_id: u64,
     pending: HashMap<u64, Pending>,
     needs_rebuild: bool,
+    retry_interval: Duration,
+    down: Option<Down>,
+}
+
+/// The last connect failed: loads are refused until `retry_at`.
+struct Down {
+    why: String,
+    retry_at: Instant,
 }
 
 impl ConsumerMachine {
@@ -98,7 +111,43 @@ impl ConsumerMachine {
             next_load_id: first_load_id,
             pending: HashMap::new(),
             needs_rebuild: false,
+            retry_interval: Duration::from_secs(1),
+            down: None,
         }
+    }
+
+    /// How long after a failed connect loads are refused at once before the next one
+    /// connects again (default 1 s).
+    pub fn with_retry_interval(mut self, retry_interval: Duration) -> Self {
+        self.retry_interval = retry_interval;
+        self
+    }
+
+    /// Whether a load that needs a connection may try to connect now. `Err` holds the reason
+    /// to fail it with at once: the producer is down (the last connect failed) and the retry
+    /// interval has not passed.
+    pub fn admit(&self, now: Instant) -> Result<(), String> {
+        match &self.down {
+            Some(d) if now < d.retry_at => Err(format!(
+                "producer unreachable (not retried for {:?} after the last connect failed: {})",
+                self.retry_interval, d.why
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Connecting failed with `why`: the producer is down; loads are refused at once until
+    /// `retry_interval` from `now`.
+    pub fn on_connect_failed(&mut self, now: Instant, why: &str) {
+        self.down = Some(Down {
+            why: why.to_string(),
+            retry_at: now + self.retry_interval,
+        });
+    }
+
+    /// Connecting succeeded: the producer is up again.
+    pub fn on_connected(&mut self) {
+        self.down = None;
     }
 
     /// The budget sent with each request: `max_wait` less a grace for the request's

@@ -212,6 +212,27 @@ fn lists_over_their_caps_are_refused_before_their_elements() {
     ));
 }
 
+#[test]
+fn a_failed_connect_refuses_loads_until_the_retry_interval_passes() {
+    let t0 = Instant::now();
+    let mut m = ConsumerMachine::new(Duration::from_secs(10), Duration::from_secs(20), 1)
+        .with_retry_interval(Duration::from_secs(2));
+    assert_eq!(m.admit(t0), Ok(()));
+    m.on_connect_failed(t0, "connection refused");
+    let why = m.admit(t0 + Duration::from_millis(1999)).unwrap_err();
+    assert!(why.starts_with("producer unreachable"), "{why}");
+    assert!(why.contains("connection refused"), "{why}");
+    // After the interval the next load may connect again; a success ends the down state.
+    assert_eq!(m.admit(t0 + Duration::from_secs(2)), Ok(()));
+    m.on_connect_failed(t0 + Duration::from_secs(2), "still refused");
+    assert!(m
+        .admit(t0 + Duration::from_secs(3))
+        .unwrap_err()
+        .contains("still refused"));
+    m.on_connected();
+    assert_eq!(m.admit(t0 + Duration::from_secs(3)), Ok(()));
+}
+
 proptest! {
     #[test]
     fn decoding_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {

@@ -52,6 +52,10 @@ pub struct ConsumerConfig {
     pub connect_timeout: Duration,
     /// Deadline of handing one request to the DEALER.
     pub send_timeout: Duration,
+    /// After a failed connect to a producer, loads to it fail at once with that failure's
+    /// reason for this long; the next load after it connects again (issue 10: each load
+    /// waited `connect_timeout` once the producer was gone).
+    pub reconnect_interval: Duration,
     /// Largest message a producer may send on the DEALER (bytes, all frames of one message);
     /// a frame header declaring more drops the connection (its loads fail) before anything
     /// is reserved. Default [`DEFAULT_MAX_ZMTP_MESSAGE`].
@@ -69,6 +73,7 @@ impl Default for ConsumerConfig {
             checksum_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             send_timeout: Duration::from_secs(5),
+            reconnect_interval: Duration::from_secs(1),
             max_message_bytes: DEFAULT_MAX_ZMTP_MESSAGE,
         }
     }
@@ -555,7 +560,8 @@ impl Connection {
     fn new(endpoint: String, c: &ConsumerConfig) -> Connection {
         Connection {
             endpoint,
-            machine: ConsumerMachine::new(c.reply_timeout, c.max_wait, seed()),
+            machine: ConsumerMachine::new(c.reply_timeout, c.max_wait, seed())
+                .with_retry_interval(c.reconnect_interval),
             connect_timeout: c.connect_timeout,
             send_timeout: c.send_timeout,
             max_message_bytes: c.max_message_bytes,
@@ -652,10 +658,17 @@ impl Connection {
                     let Some(LoadCmd { request, respond }) = cmd else { break };
                     self.rebuild_if_needed();
                     if self.sock.is_none() {
+                        if let Err(why) = self.machine.admit(Instant::now()) {
+                            let _ = respond.send(Err(ConnFailure::Connect(why)));
+                            continue;
+                        }
                         if let Err(e) = self.connect(&ev_tx).await {
+                            warn!(endpoint = self.endpoint, "cannot reach the producer: {e}");
+                            self.machine.on_connect_failed(Instant::now(), &e);
                             let _ = respond.send(Err(ConnFailure::Connect(e)));
                             continue;
                         }
+                        self.machine.on_connected();
                     }
                     let (load_id, bytes) = self.machine.start(Instant::now(), request);
                     self.waiters.insert(load_id, respond);

@@ -46,6 +46,23 @@ cargo test --release --workspace "${FEATURES[@]}"
 log "Python package: pip install ./python, pytest python/tests (conformance with Mooncake's wheel)"
 bash scripts/python-tests.sh
 
+# Fuzzing (issue 10): every decoder of peer input for a bounded time. cargo-fuzz needs nightly
+# flags; RUSTC_BOOTSTRAP=1 lets the stable toolchain take them. A crash fails the suite; its
+# input lands in fuzz/artifacts/<target>/ and becomes a regression test.
+FUZZ_SECONDS="${KVFERRY_FUZZ_SECONDS:-60}"
+if [ "$FUZZ_SECONDS" = "0" ]; then
+  log "fuzzing skipped (KVFERRY_FUZZ_SECONDS=0)"
+else
+  command -v cargo-fuzz >/dev/null || { log "installing cargo-fuzz"; cargo install cargo-fuzz --locked; }
+  fuzz_target_dir="$(pwd)/${CARGO_TARGET_DIR:-target}/fuzz"
+  [ "${CARGO_TARGET_DIR:-}" != "${CARGO_TARGET_DIR#/}" ] && fuzz_target_dir="$CARGO_TARGET_DIR/fuzz"
+  for t in payload p2p_messages control_port transfer_frames; do
+    log "fuzz $t for ${FUZZ_SECONDS} s"
+    (cd fuzz && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="$fuzz_target_dir" \
+      cargo fuzz run -O "$t" -- -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048)
+  done
+fi
+
 log "demo end-to-end checks"
 bash scripts/demo-checks.sh "${CARGO_TARGET_DIR:-target}/release/kvferry"
 

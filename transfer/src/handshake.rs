@@ -125,6 +125,18 @@ fn encode(ty: FrameType, body: &[u8]) -> Vec<u8> {
     f
 }
 
+/// The body length of a frame header, checked against [`MAX_FRAME_BODY`] before any of the
+/// body is read or reserved: `Protocol` error over it.
+pub(crate) fn frame_len(hdr: &[u8; 9], what: &str) -> Result<u64> {
+    let len = u64::from_le_bytes(hdr[..8].try_into().expect("8 bytes"));
+    if len > MAX_FRAME_BODY {
+        return Err(TransferError::Protocol(format!(
+            "{what}: frame body of {len} bytes exceeds the {MAX_FRAME_BODY}-byte limit"
+        )));
+    }
+    Ok(len)
+}
+
 /// Reads one frame; `Ok(None)` on a clean EOF before the first header byte.
 /// A length over `MAX_FRAME_BODY` is a `Protocol` error (nothing of the body is read).
 fn read_frame(s: &mut TcpStream, deadline: Instant, what: &str) -> Result<Option<(u8, Vec<u8>)>> {
@@ -141,12 +153,7 @@ fn read_frame(s: &mut TcpStream, deadline: Instant, what: &str) -> Result<Option
         return Ok(None);
     }
     read_exact_by(s, &mut hdr[first..], deadline, what)?;
-    let len = u64::from_le_bytes(hdr[..8].try_into().expect("8 bytes"));
-    if len > MAX_FRAME_BODY {
-        return Err(TransferError::Protocol(format!(
-            "{what}: frame body of {len} bytes exceeds the {MAX_FRAME_BODY}-byte limit"
-        )));
-    }
+    let len = frame_len(&hdr, what)?;
     let mut body = vec![0u8; len as usize];
     read_exact_by(s, &mut body, deadline, what)?;
     Ok(Some((hdr[8], body)))

@@ -30,6 +30,7 @@ pub mod auth;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod fuzzing;
 pub mod handshake;
 pub mod memory;
 mod peer_cache;

@@ -56,7 +56,7 @@ use crate::types::Op;
 
 pub mod completion;
 pub mod tcp;
-mod wire;
+pub(crate) mod wire;
 
 #[cfg(feature = "rdma")]
 pub mod rdma;

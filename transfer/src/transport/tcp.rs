@@ -600,18 +600,14 @@ fn authorize(
 /// `Err` when the connection must close (a malformed frame, a broken socket).
 fn serve_scatter(s: &mut TcpStream, sh: &ServerShared, req: Request) -> Result<()> {
     let cfg = &sh.ctx.config.tcp;
-    let n = req.addr;
-    if n == 0 || n > wire::MAX_PIECES as u64 || req.len == 0 || req.len > cfg.max_frame_payload {
-        let text = format!(
-            "scattered WRITE of {n} pieces and {} bytes (1..={} pieces, 1..={} bytes)",
-            req.len,
-            wire::MAX_PIECES,
-            cfg.max_frame_payload
-        );
-        let _ = reply_error(s, wire::ST_BAD_REQUEST, &text);
-        return Err(TransferError::Protocol(text));
-    }
-    let mut table = vec![0u8; n as usize * wire::PIECE_LEN];
+    let n = match wire::scatter_count(&req, cfg.max_frame_payload) {
+        Ok(n) => n,
+        Err(text) => {
+            let _ = reply_error(s, wire::ST_BAD_REQUEST, &text);
+            return Err(TransferError::Protocol(text));
+        }
+    };
+    let mut table = vec![0u8; n * wire::PIECE_LEN];
     read_full(s, &mut table, "read scattered WRITE pieces")?;
     let pieces = match wire::decode_pieces(&table, req.len) {
         Ok(p) => p,

@@ -114,6 +114,19 @@ pub(crate) fn encode_pieces(pieces: &[(u64, u64)]) -> Vec<u8> {
     b
 }
 
+/// The piece count of a scattered WRITE header (its addr field), checked before the table is
+/// read: 1..=`MAX_PIECES` pieces and 1..=`max_payload` bytes. `Err` is the refusal text.
+pub(crate) fn scatter_count(req: &Request, max_payload: u64) -> std::result::Result<usize, String> {
+    let n = req.addr;
+    if n == 0 || n > MAX_PIECES as u64 || req.len == 0 || req.len > max_payload {
+        return Err(format!(
+            "scattered WRITE of {n} pieces and {} bytes (1..={MAX_PIECES} pieces, 1..={max_payload} bytes)",
+            req.len
+        ));
+    }
+    Ok(n as usize)
+}
+
 /// Decodes a piece table and checks it: every len > 0, the sum equal to `total` (no overflow).
 /// `Protocol` error otherwise (the stream cannot be trusted after it).
 pub(crate) fn decode_pieces(b: &[u8], total: u64) -> Result<Vec<(u64, u64)>> {

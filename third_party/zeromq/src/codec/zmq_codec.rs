@@ -45,7 +45,7 @@ impl ZmqCodec {
         Self::with_options(&SocketOptions::default())
     }
 
-    pub(crate) fn with_options(options: &SocketOptions) -> Self {
+    pub fn with_options(options: &SocketOptions) -> Self {
         Self {
             state: DecoderState::Greeting,
             waiting_for: 64, // len of the greeting frame

@@ -24,6 +24,7 @@ fn spec(request_id: &str, producer: &str) -> LoadSpec {
         }],
         num_local_computed: 0,
         num_tokens: NUM_TOKENS,
+        load_key: None,
     }
 }
 
@@ -60,7 +61,11 @@ async fn queued_loads_fail_at_once_when_the_producer_is_gone() {
         .publish("first", vec![vec![Some(3), Some(5), Some(1)]], NUM_TOKENS)
         .await
         .unwrap();
-    assert!(consumer.load(spec("first", &endpoint)).await.is_ok());
+    let first = LoadSpec {
+        load_key: producer.load_key("first"),
+        ..spec("first", &endpoint)
+    };
+    assert!(consumer.load(first).await.is_ok());
 
     producer.shutdown().await;
     // Let the consumer see the connection drop (a load sent before it would wait for its send).
@@ -130,7 +135,11 @@ async fn a_consumer_recovers_when_the_producer_returns() {
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     let out = loop {
-        match consumer.load(spec("back", &endpoint)).await {
+        let back = LoadSpec {
+            load_key: producer.load_key("back"),
+            ..spec("back", &endpoint)
+        };
+        match consumer.load(back).await {
             Ok(out) => break out,
             Err(LoadError::Connect { .. }) if Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(250)).await

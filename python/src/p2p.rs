@@ -147,8 +147,12 @@ fn block_table(blocks: Vec<Option<i64>>, what: &str) -> PyResult<Vec<Option<u64>
 /// - checksum_seconds: seconds spent checksumming (all ranks concurrently).
 /// - payload_bytes: size of the encoded payload (0 without one).
 /// - warning: why no payload will be sent when checksums are on but none will be, else None.
+/// - load_key: the lease's load key; only a ``Consumer.load(..., load_key=...)`` carrying it is
+///   served (request ownership; in vLLM it travels in ``kv_transfer_params``).
 #[pyclass(frozen, get_all, module = "kvferry")]
 pub struct PublishInfo {
+    /// The lease's load key: only a load carrying it is served.
+    load_key: String,
     /// Whether a checksum payload travels with the load.
     checksummed: bool,
     /// Seconds spent checksumming (all ranks concurrently).
@@ -280,7 +284,7 @@ impl Producer {
         &self.transport
     }
 
-    /// publish(request_id, blocks, num_tokens, *, timeout=60.0) -> PublishInfo
+    /// publish(request_id, blocks, num_tokens, *, timeout=60.0, load_key=None) -> PublishInfo
     ///
     /// A prompt's KV is complete: checksums its blocks now (tokens ``[0, num_tokens)`` of every
     /// rank, docs/design.md §2.5), then holds them under the lease until a consumer loads them or the
@@ -291,8 +295,9 @@ impl Producer {
     /// Raises ValueError: a missing block table, a negative block id, a duplicate request id;
     /// RuntimeError: the producer is shut down; TimeoutError: not done within ``timeout``
     /// seconds. A rank that fails to checksum makes the load travel without checksums
-    /// (``PublishInfo.warning``).
-    #[pyo3(signature = (request_id, blocks, num_tokens, *, timeout=60.0))]
+    /// (``PublishInfo.warning``). ``load_key``: the lease's load key (default: a fresh random
+    /// one, returned in ``PublishInfo.load_key``); a load must carry it to be served.
+    #[pyo3(signature = (request_id, blocks, num_tokens, *, timeout=60.0, load_key=None))]
     fn publish(
         &self,
         py: Python<'_>,
@@ -300,6 +305,7 @@ impl Producer {
         blocks: Vec<Vec<Option<i64>>>,
         num_tokens: u64,
         timeout: f64,
+        load_key: Option<String>,
     ) -> PyResult<PublishInfo> {
         let deadline = seconds(timeout, "timeout")?;
         let tables = blocks
@@ -311,8 +317,15 @@ impl Producer {
         let producer = guard
             .as_ref()
             .ok_or_else(|| PyRuntimeError::new_err("the producer is shut down"))?;
-        let info = block_on(py, deadline, || {
-            producer.publish(request_id, tables, num_tokens)
+        let info = block_on(py, deadline, || async {
+            match &load_key {
+                Some(k) => {
+                    producer
+                        .publish_with_key(request_id, tables, num_tokens, k)
+                        .await
+                }
+                None => producer.publish(request_id, tables, num_tokens).await,
+            }
         })?
         .map_err(|_| {
             PyTimeoutError::new_err(format!(
@@ -324,6 +337,7 @@ impl Producer {
             other => PyValueError::new_err(other.to_string()),
         })?;
         Ok(PublishInfo {
+            load_key: info.load_key,
             checksummed: info.checksummed,
             checksum_seconds: info.checksum_seconds,
             payload_bytes: info.payload_bytes,
@@ -596,7 +610,9 @@ impl Consumer {
     /// whole call. A load that does not land (unreachable producer, ERROR, no reply, timeout) is
     /// returned with ``landed=False``, ``error`` set and the failure action. Raises ValueError
     /// for a bad spec (unknown group, a local block without a producer block, nothing to load).
-    #[pyo3(signature = (request_id, producer, remote_blocks, local_blocks, num_tokens, *, num_local_computed=0, timeout=None))]
+    /// ``load_key``: the lease's load key (``PublishInfo.load_key``); without the right one the
+    /// producer answers ERROR and the load does not land.
+    #[pyo3(signature = (request_id, producer, remote_blocks, local_blocks, num_tokens, *, num_local_computed=0, timeout=None, load_key=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         &self,
@@ -608,6 +624,7 @@ impl Consumer {
         num_tokens: u64,
         num_local_computed: u64,
         timeout: Option<f64>,
+        load_key: Option<String>,
     ) -> PyResult<LoadOutcome> {
         let deadline = match timeout {
             Some(t) => seconds(t, "timeout")?,
@@ -637,6 +654,7 @@ impl Consumer {
             groups,
             num_local_computed,
             num_tokens,
+            load_key,
         };
         let on_error = |error: String| LoadOutcome {
             request_id: request_id.to_string(),

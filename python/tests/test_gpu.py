@@ -123,15 +123,15 @@ def test_producer_consumer_with_kv_in_gpu_memory(fail_closed, policy, action):
     crank, ct = gpu_rank(8, seed=None)
     with kvferry.Producer([prank]) as producer:
         consumer = kvferry.Consumer([crank], fail_closed=fail_closed, load_failure_policy=policy)
-        assert producer.publish("ok", [REMOTE], PROMPT).checksummed
-        out = consumer.load("ok", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+        assert producer.publish("ok", [REMOTE], PROMPT, load_key="key-ok").checksummed
+        out = consumer.load("ok", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-ok")
         assert out.landed and out.verdict.verified and out.action == "complete"
         for r, l in zip(REMOTE, LOCAL):
             for p, c in zip(pt, ct):
                 assert torch.equal(p[:, r].view(torch.int16), c[:, l].view(torch.int16))
-        producer.publish("bad", [REMOTE], PROMPT)
+        producer.publish("bad", [REMOTE], PROMPT, load_key="key-bad")
         consumer.set_landed_hook(corrupt(ct, 1, 40))
-        out = consumer.load("bad", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+        out = consumer.load("bad", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-bad")
         assert out.verdict.mismatches == [(0, [2])]
         assert out.action == action
 
@@ -141,8 +141,8 @@ def test_tp2_gpu_producer_to_tp1_gpu_consumer():
     crank, ct = gpu_rank(8, seed=None)
     with kvferry.Producer([r for r, _ in ranks]) as producer:
         consumer = kvferry.Consumer([crank], fail_closed=True)
-        producer.publish("tp", [REMOTE], PROMPT)
-        out = consumer.load("tp", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+        producer.publish("tp", [REMOTE], PROMPT, load_key="key-tp")
+        out = consumer.load("tp", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-tp")
         assert out.verdict.verified and out.action == "complete"
         for layer in range(2):
             whole = torch.cat([ranks[r][1][layer] for r in range(2)], dim=3)

@@ -74,9 +74,9 @@ LOCAL = [7, 2, 6, 0, 1]
 
 def test_a_load_lands_the_producers_bytes_and_verifies(pair):
     producer, consumer, parr, carr = pair()
-    info = producer.publish("req-0", [REMOTE], PROMPT)
+    info = producer.publish("req-0", [REMOTE], PROMPT, load_key="key-req-0")
     assert info.checksummed and info.warning is None and info.payload_bytes > 0
-    out = consumer.load("req-0", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+    out = consumer.load("req-0", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-req-0")
     assert out.landed and out.error is None
     assert out.verdict.status == "verified" and out.action == "complete"
     assert out.bytes == LAYERS * len(REMOTE) * 2 * BLOCK * HEADS * D * 2
@@ -110,10 +110,10 @@ def flip_hook(carr, layer, block_of, token, seen):
 ])
 def test_a_corrupted_byte_is_caught_under_each_policy(pair, fail_closed, policy, action):
     producer, consumer, parr, carr = pair(fail_closed=fail_closed, load_failure_policy=policy)
-    producer.publish("req-1", [REMOTE], PROMPT)
+    producer.publish("req-1", [REMOTE], PROMPT, load_key="key-req-1")
     seen = []
     consumer.set_landed_hook(flip_hook(carr, 1, LOCAL, 35, seen))
-    out = consumer.load("req-1", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+    out = consumer.load("req-1", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-req-1")
     assert seen and seen[0]["request_id"] == "req-1"
     assert seen[0]["groups"] == [{"group_id": 0, "positions": [0, 1, 2, 3, 4], "local_blocks": LOCAL}]
     assert out.landed
@@ -124,28 +124,28 @@ def test_a_corrupted_byte_is_caught_under_each_policy(pair, fail_closed, policy,
 
 def test_the_hook_can_be_removed_and_its_errors_are_reported(pair, monkeypatch):
     producer, consumer, parr, carr = pair()
-    producer.publish("a", [REMOTE], PROMPT)
-    producer.publish("b", [REMOTE], PROMPT)
+    producer.publish("a", [REMOTE], PROMPT, load_key="key-a")
+    producer.publish("b", [REMOTE], PROMPT, load_key="key-b")
     caught = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: caught.append(u.exc_value))
 
     def broken(landed):
         raise RuntimeError("hook bug")
     consumer.set_landed_hook(broken)
-    out = consumer.load("a", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+    out = consumer.load("a", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-a")
     assert out.verdict.verified, "the load goes on"
     assert len(caught) == 1 and "hook bug" in str(caught[0])
     consumer.set_landed_hook(flip_hook(carr, 0, LOCAL, 3, []))
     consumer.set_landed_hook(None)
-    assert consumer.load("b", producer.endpoint, [REMOTE], [LOCAL], PROMPT).verdict.verified
+    assert consumer.load("b", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-b").verdict.verified
 
 
 def test_a_local_prefix_hit_is_neither_loaded_nor_compared(pair):
     producer, consumer, parr, carr = pair()
-    producer.publish("req-2", [REMOTE], PROMPT)
+    producer.publish("req-2", [REMOTE], PROMPT, load_key="key-req-2")
     # Corrupt the consumer's block at position 0 before the load: it is a local hit, not loaded.
     carr[0][:, LOCAL[0]] = 1
-    out = consumer.load("req-2", producer.endpoint, [REMOTE], [LOCAL], PROMPT, num_local_computed=BLOCK)
+    out = consumer.load("req-2", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-req-2", num_local_computed=BLOCK)
     assert out.verdict.verified
     assert out.bytes == LAYERS * 4 * 2 * BLOCK * HEADS * D * 2
 
@@ -155,16 +155,16 @@ def test_tp2_producer_to_tp1_consumer_verifies_and_lands_every_head():
     crank, carr = make_rank(0, 1, 8, seed=None)
     with kvferry.Producer([ranks[1][0], ranks[0][0]]) as producer:
         consumer = kvferry.Consumer([crank], fail_closed=True)
-        producer.publish("tp", [REMOTE], PROMPT)
-        out = consumer.load("tp", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+        producer.publish("tp", [REMOTE], PROMPT, load_key="key-tp")
+        out = consumer.load("tp", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-tp")
         assert out.verdict.verified and out.action == "complete"
         for r, l in zip(REMOTE, LOCAL):
             for layer, want in enumerate(heads_of([a for _, a in ranks], r, 2)):
                 assert np.array_equal(carr[layer][:, l].view(np.uint16), want.view(np.uint16))
         seen = []
         consumer.set_landed_hook(flip_hook(carr, 0, LOCAL, 17, seen))
-        producer.publish("tp-bad", [REMOTE], PROMPT)
-        out = consumer.load("tp-bad", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+        producer.publish("tp-bad", [REMOTE], PROMPT, load_key="key-tp-bad")
+        out = consumer.load("tp-bad", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-tp-bad")
         assert out.verdict.mismatches == [(0, [1])] and out.action == "fail"
 
 
@@ -177,10 +177,10 @@ def test_one_producer_and_consumer_per_tp_rank():
         pairs.append((kvferry.Producer([prank]), kvferry.Consumer([crank], fail_closed=True), parr, carr))
     try:
         for r, (producer, consumer, parr, carr) in enumerate(pairs):
-            producer.publish("req", [REMOTE], PROMPT)
+            producer.publish("req", [REMOTE], PROMPT, load_key="key-req")
             if r == 1:
                 consumer.set_landed_hook(flip_hook(carr, 1, LOCAL, 69, []))
-            out = consumer.load("req", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+            out = consumer.load("req", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-req")
             if r == 0:
                 assert out.verdict.verified and out.action == "complete"
                 assert np.array_equal(carr[0][:, LOCAL[4]].view(np.uint16), parr[0][:, REMOTE[4]].view(np.uint16))
@@ -225,7 +225,7 @@ def test_the_call_deadline_ends_a_load_waiting_for_its_publish(pair):
     try:
         start = time.monotonic()
         # Never published: the producer holds the request for its publish; the call's timeout ends it.
-        out = consumer.load("never", producer.endpoint, [REMOTE], [LOCAL], PROMPT, timeout=0.5)
+        out = consumer.load("never", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-never", timeout=0.5)
         end = time.monotonic()
     finally:
         stop.set()
@@ -246,10 +246,10 @@ def test_bad_arguments_raise(pair):
     with pytest.raises(ValueError, match="no producer block"):
         consumer.load("x", producer.endpoint, [[3]], [[7, 2]], PROMPT)
     with pytest.raises(ValueError, match="timeout"):
-        consumer.load("x", producer.endpoint, [REMOTE], [LOCAL], PROMPT, timeout=-1)
-    producer.publish("dup", [REMOTE], PROMPT)
+        consumer.load("x", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-x", timeout=-1)
+    producer.publish("dup", [REMOTE], PROMPT, load_key="key-dup")
     with pytest.raises(ValueError, match="dup"):
-        producer.publish("dup", [REMOTE], PROMPT)
+        producer.publish("dup", [REMOTE], PROMPT, load_key="key-dup")
     with pytest.raises(ValueError, match="expected tcp, rdma or auto"):
         kvferry.Consumer([make_rank(0, 1, 2, None)[0]], protocol="udp")
     with pytest.raises(ValueError, match="fail or recompute"):
@@ -260,7 +260,7 @@ def test_bad_arguments_raise(pair):
     producer.shutdown()
     producer.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
-        producer.publish("late", [REMOTE], PROMPT)
+        producer.publish("late", [REMOTE], PROMPT, load_key="key-late")
 
 
 def test_layers_sharing_memory_are_registered_once():
@@ -273,8 +273,8 @@ def test_layers_sharing_memory_are_registered_once():
     try:
         crank, carr = make_rank(0, 1, 8, seed=None)
         consumer = kvferry.Consumer([crank], fail_closed=True)
-        producer.publish("s", [REMOTE], PROMPT)
-        out = consumer.load("s", producer.endpoint, [REMOTE], [LOCAL], PROMPT)
+        producer.publish("s", [REMOTE], PROMPT, load_key="key-s")
+        out = consumer.load("s", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-s")
         assert out.verdict.verified
     finally:
         producer.shutdown()

@@ -3,7 +3,7 @@
 //! between two transfer engines on this host (loopback TCP, or one RDMA device in
 //! loopback). Optionally checksums every landed batch to show the overhead.
 //!
-//! Source: DESIGN.md §6, notes/anchors.md (tebench's columns).
+//! Source: docs/design.md §6, docs/design.md §9 (tebench's columns).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -1,4 +1,4 @@
-//! Command-line arguments of `kvferry` (DESIGN.md §6), parsed with clap.
+//! Command-line arguments of `kvferry` (docs/design.md §6), parsed with clap.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
@@ -92,7 +92,7 @@ pub enum DeviceArg {
     Cuda,
 }
 
-/// How the RDMA transport registers GPU KV memory (DESIGN.md §3 "GPU memory").
+/// How the RDMA transport registers GPU KV memory (docs/design.md §3 "GPU memory").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum GpuRegistrationArg {
     /// dma-buf, else peer memory, else staging through pinned host memory (with a warning).
@@ -105,7 +105,7 @@ pub enum GpuRegistrationArg {
     Staged,
 }
 
-/// The load failure policy under fail-closed (DESIGN.md §2.7).
+/// The load failure policy under fail-closed (docs/design.md §2.7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum FailurePolicyArg {
     /// The request ends with an error.

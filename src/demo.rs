@@ -5,7 +5,7 @@
 //! (checksums now), the consumer loads (the producer WRITEs, replies with the
 //! payload), the consumer verifies, the policy decides.
 //!
-//! Sources: DESIGN.md §4 (flow), §2.7 (policy), §6 (the CLI); issue 2 and 3.
+//! Sources: docs/design.md §4 (flow), §2.7 (policy), §6 (the CLI); issue 2 and 3.
 
 use std::collections::BTreeSet;
 use std::io::IsTerminal;

@@ -1,4 +1,4 @@
-//! kvferry: the `kvferry` command's library (DESIGN.md §6) — a facade over the
+//! kvferry: the `kvferry` command's library (docs/design.md §6) — a facade over the
 //! workspace crates plus the demo, the two roles, the benchmark and the file tools.
 //!
 //! * [`checksum`], [`kernels`], [`transfer`], [`p2p`]: the crates, re-exported.

@@ -1,4 +1,4 @@
-//! The `kvferry` command (DESIGN.md §6).
+//! The `kvferry` command (docs/design.md §6).
 
 use std::io::{IsTerminal, Read, Write};
 use std::process::ExitCode;

@@ -4,7 +4,7 @@
 //! Sources: the models' published configs (Qwen3-0.6B: 28 layers, 8 KV heads,
 //! head_dim 128; Llama-3-8B: 32 layers, 8 KV heads, head_dim 128;
 //! DeepSeek-V2-Lite: 27 layers, MLA latent cache kv_lora_rank 512 + rope 64),
-//! DESIGN.md §2.2 (layouts) and §2.3 (replicas).
+//! docs/design.md §2.2 (layouts) and §2.3 (replicas).
 
 use std::fmt;
 

@@ -1,4 +1,4 @@
-//! `kvferry payload decode|encode`: the checksum payload (DESIGN.md §2.4) ⇄ JSON, for people
+//! `kvferry payload decode|encode`: the checksum payload (docs/design.md §2.4) ⇄ JSON, for people
 //! reading or hand-making what a producer sends.
 //!
 //! JSON form: `{"version": 1, "tp_size": 1, "num_tokens": 40, "groups": [{"group_id": 0,

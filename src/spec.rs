@@ -1,4 +1,4 @@
-//! `kvferry checksum --spec SPEC.json`: the checksum definition (DESIGN.md §2.1) evaluated on KV
+//! `kvferry checksum --spec SPEC.json`: the checksum definition (docs/design.md §2.1) evaluated on KV
 //! tensors dumped to files, for people debugging a transfer (issue 3's contract).
 //!
 //! Input: `{"num_tokens": 40, "groups": [{"group_id": 0, "block_size": 16, "start": 0,

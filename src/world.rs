@@ -3,7 +3,7 @@
 //! its own transfer engine, and the layers it holds (PP splits layers, TP splits
 //! KV heads or replicates them). Used by `demo`, `serve` and `load`.
 //!
-//! Sources: DESIGN.md §2.2 (layouts), §2.3 (replicas), §3 (registration), §4 (ranks).
+//! Sources: docs/design.md §2.2 (layouts), §2.3 (replicas), §3 (registration), §4 (ranks).
 
 use std::sync::Arc;
 

@@ -1,4 +1,4 @@
-//! The checksum definition of DESIGN.md §2.1 (from the seed, "What a checksum is").
+//! The checksum definition of docs/design.md §2.1 (from the seed, "What a checksum is").
 //!
 //! A slice (one layer, one KV head, the tokens of one block) has checksum
 //! `s = Σ_j x_j·(2j+1) mod 2^64`, x_j the little-endian 8-byte piece `p` of the cell of

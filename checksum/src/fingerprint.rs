@@ -1,4 +1,4 @@
-//! Per-layer fingerprints (DESIGN.md §2.3): the first 8 bytes, little-endian, of the SHA-256
+//! Per-layer fingerprints (docs/design.md §2.3): the first 8 bytes, little-endian, of the SHA-256
 //! of the text Python's `repr` gives the tuple `(name, kind, block_size, dtype)`, so values agree
 //! with vLLM's when its strings are passed. A group's fingerprint is the sum of its layers'
 //! (mod 2^64), summed over PP stages by the coordinator.

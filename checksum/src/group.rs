@@ -1,4 +1,4 @@
-//! The layers of one KV cache group on one worker (DESIGN.md §2.1, §2.3; the seed's
+//! The layers of one KV cache group on one worker (docs/design.md §2.1, §2.3; the seed's
 //! "Several caches per layer" and "How many ranks replicate a layer"): layer numbers,
 //! global KV heads, replica keys, and the reasons a group cannot be checksummed.
 

@@ -1,4 +1,4 @@
-//! The layout model of DESIGN.md §2.2: a layer's cache is an array of fixed-size
+//! The layout model of docs/design.md §2.2: a layer's cache is an array of fixed-size
 //! elements whose dimensions are a permutation of a subset of `KV` (2: K, V),
 //! `B` (kernel blocks), `N` (tokens per kernel block), `H` (KV heads on this rank)
 //! and `D` (elements per head), with byte strides.
@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use thiserror::Error;
 
-/// One named dimension of a layer's cache array (DESIGN.md §2.2).
+/// One named dimension of a layer's cache array (docs/design.md §2.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Dim {
     /// K or V (size 2). Absent for caches with a single part (MLA latent caches).
@@ -125,7 +125,7 @@ pub enum LayoutError {
 
 /// The order of a layer's array dimensions, outermost first, e.g. `KV B N H D`
 /// (vLLM FlashAttention), `B KV N H D` (FlashInfer), `B KV H N D` (HND),
-/// `B H N KV D` (fused), `B N D` (MLA). DESIGN.md §2.2.
+/// `B H N KV D` (fused), `B N D` (MLA). docs/design.md §2.2.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Layout {
     dims: Vec<Dim>,
@@ -209,7 +209,7 @@ impl fmt::Display for Layout {
     }
 }
 
-/// One layer's cache array on one rank (DESIGN.md §2.2): sizes, element size,
+/// One layer's cache array on one rank (docs/design.md §2.2): sizes, element size,
 /// kernel blocks per logical block and byte strides per layout dimension.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Geometry {
@@ -419,7 +419,7 @@ impl Geometry {
 
     /// The bytes of local KV heads `heads` (of `0..self.heads`) of logical block `block_id`,
     /// as [`Geometry::block_byte_ranges`] gives the whole block: what a transfer moves when the
-    /// other side's TP rank holds only some of this rank's heads (DESIGN.md §4, different TP
+    /// other side's TP rank holds only some of this rank's heads (docs/design.md §4, different TP
     /// sizes). Layouts without `H` have one head. Empty when the block or the head range is out
     /// of range, or the range is empty.
     pub fn block_head_byte_ranges(&self, block_id: u64, heads: Range<u64>) -> Vec<Range<u64>> {

@@ -1,4 +1,4 @@
-//! kvferry-checksum: the KV checksum of DESIGN.md §2, pure and without I/O.
+//! kvferry-checksum: the KV checksum of docs/design.md §2, pure and without I/O.
 //!
 //! * [`definition`] — the slice/block checksum (§2.1): the fast additive form used
 //!   everywhere and the direct form kept as the test reference.

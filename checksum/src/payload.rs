@@ -1,4 +1,4 @@
-//! What the producer sends (DESIGN.md §2.4): a msgpack array
+//! What the producer sends (docs/design.md §2.4): a msgpack array
 //! `[version=1, tp_size, num_tokens, [[group_id, fingerprint, block_size, start, values]...]]`,
 //! `values` a msgpack bin of little-endian u64, one per block position from `start`. Text
 //! channels carry it base64-encoded (standard alphabet). Decoding never panics: malformed,

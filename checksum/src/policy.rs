@@ -1,4 +1,4 @@
-//! Failure policy (DESIGN.md §2.7; the seed's "Failure semantics" and "Carrier").
+//! Failure policy (docs/design.md §2.7; the seed's "Failure semantics" and "Carrier").
 //!
 //! Fail-open (the default) logs mismatched and unverified loads and completes them; fail-closed
 //! makes them a load failure, handled by the load failure policy: `fail` ends the request with an

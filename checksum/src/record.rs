@@ -1,4 +1,4 @@
-//! Worker records and the coordinator's sums (DESIGN.md §2.3; the seed's "Design" of the
+//! Worker records and the coordinator's sums (docs/design.md §2.3; the seed's "Design" of the
 //! replica commit).
 //!
 //! Each TP/PP worker reports, per group, its partial value per block position keyed by replica

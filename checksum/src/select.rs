@@ -1,4 +1,4 @@
-//! Which blocks each side checksums (DESIGN.md §2.5, the seed's "Which blocks").
+//! Which blocks each side checksums (docs/design.md §2.5, the seed's "Which blocks").
 //!
 //! `blocks[i]` is the block at position `i` of the request (tokens `[i·block_size,
 //! (i+1)·block_size)`), `None` a null block (outside a sliding window).

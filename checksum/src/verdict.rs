@@ -1,4 +1,4 @@
-//! Comparison and verdicts (DESIGN.md §2.6; the seed's "Verdicts" and block-size commit).
+//! Comparison and verdicts (docs/design.md §2.6; the seed's "Verdicts" and block-size commit).
 //!
 //! Each group is compared on its own, at positions both sides checksummed. With different block
 //! sizes, where one divides the other, both sides' blocks are summed into chunks of the larger

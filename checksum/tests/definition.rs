@@ -1,4 +1,4 @@
-//! The definition (DESIGN.md §2.1) and layout model (§2.2): the fast form against the direct
+//! The definition (docs/design.md §2.1) and layout model (§2.2): the fast form against the direct
 //! form and against an oracle computed from logical KV, over random geometries; the properties
 //! the seed claims (any single piece change detected, swaps detected, blocks add up, slots past
 //! num_tokens ignored); block byte ranges.

@@ -1,4 +1,4 @@
-//! The payload of DESIGN.md §2.4: round trips, the exact msgpack bytes a Python producer
+//! The payload of docs/design.md §2.4: round trips, the exact msgpack bytes a Python producer
 //! (`msgpack.packb`) writes, and rejection of junk without panics.
 
 use kvferry_checksum::payload::{Payload, PayloadError, PayloadGroup, MAX_PAYLOAD_BYTES};

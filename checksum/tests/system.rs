@@ -1,4 +1,4 @@
-//! End-to-end checks of DESIGN.md §2 on a simulated model: workers of each side hold their
+//! End-to-end checks of docs/design.md §2 on a simulated model: workers of each side hold their
 //! TP/PP share in some layout, build records as real workers do, coordinators sum them, the
 //! payload travels as bytes, and the consumer compares. Expected values come from the oracle,
 //! computed from the logical KV alone.

@@ -1,4 +1,4 @@
-//! The checksum payload decoders (DESIGN.md §2.4) on arbitrary bytes and text: never a panic;
+//! The checksum payload decoders (docs/design.md §2.4) on arbitrary bytes and text: never a panic;
 //! whatever decodes re-encodes to bytes that decode to the same payload.
 #![no_main]
 

@@ -1,5 +1,5 @@
 //! CPU checksum throughput against a plain read of the same buffer, in the same run, on one core
-//! (DESIGN.md §2.1 fast form, §7). The layer buffer is realistic: `KV B N H D`, bf16, 8 KV heads
+//! (docs/design.md §2.1 fast form, §7). The layer buffer is realistic: `KV B N H D`, bf16, 8 KV heads
 //! × 128, 16-token blocks, 256 MiB (4096 blocks). Report: ratio = plain_read time / checksum time
 //! (≥ 0.8 targeted).
 //!

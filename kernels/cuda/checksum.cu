@@ -1,4 +1,4 @@
-// kvferry GPU checksum kernel (DESIGN.md §2.1, §5), compiled at run time by NVRTC.
+// kvferry GPU checksum kernel (docs/design.md §2.1, §5), compiled at run time by NVRTC.
 //
 // One launch checksums one KV cache group: every layer of the group over a list of
 // logical blocks. The work is cut into tiles; a tile is one (layer, block, kernel
@@ -8,7 +8,7 @@
 // the sum into out[block index * num_slots + replica slot]. Addition mod 2^64 is
 // associative and commutative, so the result does not depend on the order.
 //
-// Definition (seed, DESIGN.md §2.1): token t of the request, piece p of its cell (the
+// Definition (seed, docs/design.md §2.1): token t of the request, piece p of its cell (the
 // cell is the head's K elements then its V elements, split into little-endian 8-byte
 // pieces, P per cell) has index j = t*P + p; s = sum x_j (2j+1); c = sum m*s with
 // m = 2(layer*65536 + head) + 1.

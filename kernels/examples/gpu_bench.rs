@@ -1,4 +1,4 @@
-//! GPU checksum benchmark (DESIGN.md §5, §7; method: the device workplace's METHOD.md).
+//! GPU checksum benchmark (docs/design.md §5, §7; method: the device workplace's METHOD.md).
 //!
 //! Llama-3-8B's KV cache shape (32 layers, 8 KV heads, head 128, bf16), one request of
 //! 4096 tokens in 16-token blocks scattered over a large cache (one array per layer, as

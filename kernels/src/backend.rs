@@ -1,4 +1,4 @@
-//! The checksum backend trait and its job/result types (DESIGN.md §5, docs/interfaces.md).
+//! The checksum backend trait and its job/result types (docs/design.md §5, docs/interfaces.md).
 //!
 //! A job checksums one KV cache group's selected blocks over all its layers; the result holds one
 //! u64 per (block position, replica key), the worker's part of §2.1's block values.

@@ -1,4 +1,4 @@
-//! kvferry-kernels: checksum backends (DESIGN.md §5). The [`ChecksumBackend`] trait takes
+//! kvferry-kernels: checksum backends (docs/design.md §5). The [`ChecksumBackend`] trait takes
 //! [`GroupJob`]s (one KV cache group's selected blocks over its layers) and yields
 //! [`GroupResult`]s (one u64 per block position and replica key, §2.1/§2.3). [`CpuBackend`]
 //! evaluates the fast additive form of kvferry-checksum on host memory.

@@ -1,4 +1,4 @@
-//! The CPU backend (DESIGN.md §5): results equal the direct form of §2.1 summed per replica key,
+//! The CPU backend (docs/design.md §5): results equal the direct form of §2.1 summed per replica key,
 //! for several layers, layouts and thread counts; bad jobs are refused before any byte is read;
 //! poll/wait behave; `backend_for` never panics.
 

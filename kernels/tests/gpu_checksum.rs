@@ -1,4 +1,4 @@
-//! GPU checksum kernel against the CPU backend (DESIGN.md §5): random data, every layout
+//! GPU checksum kernel against the CPU backend (docs/design.md §5): random data, every layout
 //! of §2.2, element sizes 1/2/4/8, kernel-block splits, random block lists, partial last
 //! blocks, replica keys, strided and misaligned arrays; and the asynchrony contract (the
 //! caller's stream is never synchronised; work is ordered after it).

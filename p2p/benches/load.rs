@@ -1,5 +1,5 @@
 //! Cost of a load through the connector against the same bytes written by the
-//! transfer engine directly, in the same run (DESIGN.md §4, §7): TCP loopback,
+//! transfer engine directly, in the same run (docs/design.md §4, §7): TCP loopback,
 //! 8 layers × 8 KV heads × 128, bf16, `KV B N H D`, 32 blocks of 16 tokens per
 //! load (16 MiB). Report: ratio = engine_direct time / p2p time (1.0 = no overhead).
 //!

@@ -1,4 +1,4 @@
-//! Running the checksums of one side (DESIGN.md §2.3, §2.5): each worker checksums
+//! Running the checksums of one side (docs/design.md §2.3, §2.5): each worker checksums
 //! its own layers of the selected blocks on its backend and reports a record; the
 //! caller (the side's coordinator) sums the records with the checksum crate.
 

@@ -1,4 +1,4 @@
-//! Errors of the connector's API (DESIGN.md §4): setup errors and load failures.
+//! Errors of the connector's API (docs/design.md §4): setup errors and load failures.
 
 use kvferry_checksum::policy::{Action, LoadFailurePolicy, Policy};
 

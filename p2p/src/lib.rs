@@ -1,8 +1,8 @@
-//! kvferry-p2p: the producer/consumer connector (DESIGN.md §4), push as vLLM's
+//! kvferry-p2p: the producer/consumer connector (docs/design.md §4), push as vLLM's
 //! MooncakeConnector: the consumer asks, the producer WRITEs the KV blocks into
 //! the consumer's memory through its transfer engine, then replies on the ZeroMQ
 //! control channel with the status and the checksum payload (the connector-owned
-//! carrier, DESIGN.md §2.4). The consumer checksums the landed blocks, compares,
+//! carrier, docs/design.md §2.4). The consumer checksums the landed blocks, compares,
 //! applies the policy (§2.7), and only then reports the load.
 //!
 //! # Layers

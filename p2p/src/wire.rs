@@ -1,4 +1,4 @@
-//! Conversions between the checksum crate's layer geometry (DESIGN.md §2.2) and
+//! Conversions between the checksum crate's layer geometry (docs/design.md §2.2) and
 //! its wire form, and the compatibility rule for copying a block byte-for-byte.
 
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};

@@ -1,4 +1,4 @@
-//! One TP/PP rank of a producer or consumer (DESIGN.md §4 "Ranks"): its transfer
+//! One TP/PP rank of a producer or consumer (docs/design.md §4 "Ranks"): its transfer
 //! engine, its KV memory (groups → layers) and its checksum backend.
 
 use std::sync::Arc;

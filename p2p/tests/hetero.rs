@@ -1,4 +1,4 @@
-//! Producer and consumer with different TP and PP sizes (DESIGN.md §4): the producer maps KV
+//! Producer and consumer with different TP and PP sizes (docs/design.md §4): the producer maps KV
 //! heads between ranks, every consumer rank gets each of its heads from one producer rank
 //! that holds it (replicas included), and the checksums compare because both sides sum to
 //! the unsharded value. Real loopback sockets, as in `loopback.rs`.

@@ -1,4 +1,4 @@
-//! Engine configuration (DESIGN.md §3; timeouts after Mooncake, notes/anchors.md).
+//! Engine configuration (docs/design.md §3; timeouts after Mooncake, docs/design.md §9).
 
 use std::time::Duration;
 
@@ -100,7 +100,7 @@ impl EngineConfig {
     }
 }
 
-/// RDMA transport settings (DESIGN.md §3; defaults after Mooncake, notes/anchors.md).
+/// RDMA transport settings (docs/design.md §3; defaults after Mooncake, docs/design.md §9).
 /// Owned by the RDMA transport; fields may be added there.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]
@@ -129,7 +129,7 @@ pub struct RdmaConfig {
     /// Safety net: a work request with no completion after this long fails its endpoint
     /// (its QPs are moved to the error state, which flushes them). Default 20 s.
     pub completion_timeout: Duration,
-    /// How `cuda:N` regions are registered with the NIC (DESIGN.md §3 "GPU memory").
+    /// How `cuda:N` regions are registered with the NIC (docs/design.md §3 "GPU memory").
     /// Default `Auto`: dma-buf, else peer memory, else staging through pinned host memory
     /// with a warning.
     pub gpu_registration: GpuRegistration,

@@ -1,4 +1,4 @@
-//! The transfer engine (DESIGN.md §3): memory registry, segments, batches, transport choice.
+//! The transfer engine (docs/design.md §3): memory registry, segments, batches, transport choice.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};

@@ -1,4 +1,4 @@
-//! The one error type of the transfer engine (DESIGN.md §3).
+//! The one error type of the transfer engine (docs/design.md §3).
 
 use std::time::Duration;
 

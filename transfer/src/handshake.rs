@@ -1,5 +1,5 @@
-//! The handshake channel (DESIGN.md §3 "Handshake over TCP"; frame shape after Mooncake's P2P
-//! handshake, notes/anchors.md): one TCP listener per engine at its segment name `host:port`.
+//! The handshake channel (docs/design.md §3 "Handshake over TCP"; frame shape after Mooncake's P2P
+//! handshake, docs/design.md §9): one TCP listener per engine at its segment name `host:port`.
 //!
 //! Frame: `u64` body length (little-endian), `u8` frame type, then the body (at most
 //! [`MAX_FRAME_BODY`] bytes). The initiator sends one request frame and reads one reply frame;

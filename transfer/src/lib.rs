@@ -1,4 +1,4 @@
-//! kvferry transfer engine (DESIGN.md §3): a memory registry, segments named `host:port` found
+//! kvferry transfer engine (docs/design.md §3): a memory registry, segments named `host:port` found
 //! by a P2P TCP handshake, batches of READ/WRITE requests cut into slices, and transports behind
 //! one small trait (`transport::Transport`): TCP (always) and RDMA (`transport::rdma`).
 //!

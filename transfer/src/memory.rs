@@ -1,5 +1,5 @@
 //! Memory regions: the registry of what this engine exposes, and access to non-host memory
-//! (DESIGN.md §3: "register_memory(addr, len, location)"; only registered memory is ever
+//! (docs/design.md §3: "register_memory(addr, len, location)"; only registered memory is ever
 //! read or written by a peer).
 
 use std::collections::BTreeMap;
@@ -34,7 +34,7 @@ impl MemoryRegion {
     }
 }
 
-/// How a transport made a registered region reachable by peers (DESIGN.md §3 "GPU memory":
+/// How a transport made a registered region reachable by peers (docs/design.md §3 "GPU memory":
 /// dma-buf, else peer memory, else staging through pinned host buffers). The engine reports it
 /// per region (`TransferEngine::region_path`) and publishes it in the segment descriptor.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -81,7 +81,7 @@ pub struct RegionKeys {
     /// RDMA with `path == Staged`: the address of the pinned host mirror that work requests
     /// target instead of the region's own address (offsets are the same). A peer that WRITEs
     /// there asks the owner to copy the range to the device before it reports the slice done,
-    /// and asks it to copy the range from the device before it READs (DESIGN.md §3).
+    /// and asks it to copy the range from the device before it READs (docs/design.md §3).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staging_addr: Option<u64>,
 }

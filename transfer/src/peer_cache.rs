@@ -1,4 +1,4 @@
-//! Peer descriptors the engine has fetched (DESIGN.md §3 "Segments"; issue 10 "stale
+//! Peer descriptors the engine has fetched (docs/design.md §3 "Segments"; issue 10 "stale
 //! descriptors", "no leaks under churn"): the cache, its idle expiry, and the one retry of a
 //! batch's slices on a freshly fetched descriptor when the cached one turned out stale.
 

@@ -1,5 +1,5 @@
 //! Segments: a peer engine named `host:port`, described by the descriptor it returns to a
-//! handshake query (DESIGN.md §3 "Segments").
+//! handshake query (docs/design.md §3 "Segments").
 
 use std::sync::Arc;
 

@@ -1,4 +1,4 @@
-//! Small value types of the transfer API (docs/interfaces.md, DESIGN.md §3).
+//! Small value types of the transfer API (docs/interfaces.md, docs/design.md §3).
 
 use std::fmt;
 use std::str::FromStr;

@@ -1,4 +1,4 @@
-//! GPU memory in the transfer engine (DESIGN.md §3 "GPU memory"): the `cuda:N` memory access
+//! GPU memory in the transfer engine (docs/design.md §3 "GPU memory"): the `cuda:N` memory access
 //! (pinned staging) used by the TCP transport, registration checks, WRITE/READ between two
 //! engines whose regions are device memory, and the dma-buf export for RDMA.
 //!

@@ -1,6 +1,6 @@
 //! WRITE and READ between two engines over RDMA (RC QPs on a real verbs device: soft-RoCE
 //! rxe0 in the QEMU guest of tests/softroce/), data compared byte for byte, plus the failure
-//! paths: a stale rkey, a dead peer, mixed-MTU peers (DESIGN.md §3).
+//! paths: a stale rkey, a dead peer, mixed-MTU peers (docs/design.md §3).
 //!
 //! Without a usable RDMA device every test prints why and passes (skipped), unless
 //! `KVFERRY_REQUIRE_RDMA=1`, which turns the skip into a failure (set inside the guest so CI

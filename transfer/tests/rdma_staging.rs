@@ -1,4 +1,4 @@
-//! GPU memory the NIC cannot register, over RDMA (DESIGN.md §3 "GPU memory": dma-buf, else
+//! GPU memory the NIC cannot register, over RDMA (docs/design.md §3 "GPU memory": dma-buf, else
 //! peer memory, else staging through pinned host memory with a warning).
 //!
 //! A fake GPU stands in for CUDA: its "device memory" is an address range reserved with

@@ -1,5 +1,5 @@
 //! A simulated model for the checksum tests: logical KV content derived from a seed, an
-//! independent oracle of the definition (DESIGN.md §2.1) computed from the logical KV alone, and
+//! independent oracle of the definition (docs/design.md §2.1) computed from the logical KV alone, and
 //! workers that hold their TP/PP share of it in any layout and build records the way a real
 //! worker does (plan_group → select → layer_block_checksum).
 #![allow(dead_code)]

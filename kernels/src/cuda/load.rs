@@ -1,4 +1,4 @@
-//! Finding CUDA at run time (DESIGN.md §5: dynamic loading, detect, never panic) and
+//! Finding CUDA at run time (docs/design.md §5: dynamic loading, detect, never panic) and
 //! compiling the kernels with NVRTC.
 //!
 //! cudarc loads `libcuda`/`libnvrtc` lazily and panics when they are absent, so every

@@ -1,4 +1,4 @@
-//! The CUDA checksum backend (DESIGN.md §5).
+//! The CUDA checksum backend (docs/design.md §5).
 //!
 //! * Kernels are CUDA C (`kernels/cuda/*.cu`), compiled at run time by NVRTC for the
 //!   device's architecture; the driver and NVRTC are loaded dynamically (cudarc), and

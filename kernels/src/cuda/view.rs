@@ -1,4 +1,4 @@
-//! Host side of one checksum launch (DESIGN.md §5): the table of layer views the kernel
+//! Host side of one checksum launch (docs/design.md §5): the table of layer views the kernel
 //! in `kernels/cuda/checksum.cu` reads, built and checked from a group's layers.
 //!
 //! Pure (no CUDA): the tests below replay the kernel's index arithmetic on the CPU

@@ -1,4 +1,4 @@
-//! The consumer's protocol state machine for one producer connection (DESIGN.md §4),
+//! The consumer's protocol state machine for one producer connection (docs/design.md §4),
 //! without sockets or clocks.
 //!
 //! Every load has two deadlines: the reply deadline (`reply_timeout` after the

@@ -1,4 +1,4 @@
-//! The sans-I/O protocol (DESIGN.md §1, §4): wire messages and the producer and
+//! The sans-I/O protocol (docs/design.md §1, §4): wire messages and the producer and
 //! consumer state machines, with no sockets and no clock in them (time is an
 //! argument), so every rule is tested without a network.
 

@@ -1,4 +1,4 @@
-//! Wire messages of the control channel (DESIGN.md §4): msgpack maps with field
+//! Wire messages of the control channel (docs/design.md §4): msgpack maps with field
 //! names (`rmp_serde::to_vec_named`), a `version` field checked first, unknown
 //! fields ignored, status codes as vLLM's MooncakeConnector (FINISH=0,
 //! CONTINUE=1, ERROR=2). Decoding never panics on any input, and every list is capped
@@ -97,7 +97,7 @@ pub enum MsgError {
 }
 
 /// A layer's cache array geometry on the wire: the checksum crate's `Geometry`
-/// (DESIGN.md §2.2) flattened into plain numbers.
+/// (docs/design.md §2.2) flattened into plain numbers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WireGeometry {
     /// Layout text, e.g. `"KV B N H D"`.
@@ -237,7 +237,7 @@ pub struct Reply {
     /// Why the load failed (ERROR) or what the producer waits for (CONTINUE).
     #[serde(default)]
     pub error: Option<String>,
-    /// The producer's checksum payload (DESIGN.md §2.4), raw bytes: the connector-owned carrier.
+    /// The producer's checksum payload (docs/design.md §2.4), raw bytes: the connector-owned carrier.
     #[serde(default, with = "serde_bytes")]
     pub checksums: Option<Vec<u8>>,
     /// Bytes the producer wrote for this load.

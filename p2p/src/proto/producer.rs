@@ -1,4 +1,4 @@
-//! The producer's protocol state machine (DESIGN.md §4), without sockets or clocks:
+//! The producer's protocol state machine (docs/design.md §4), without sockets or clocks:
 //! the shell feeds it events with the current time and carries out the effects.
 //!
 //! * `publish` puts a request's blocks under a lease; a lease whose consumer never

@@ -1,4 +1,4 @@
-//! The consumer (DESIGN.md §4): one DEALER per producer (rebuilt after a failure:
+//! The consumer (docs/design.md §4): one DEALER per producer (rebuilt after a failure:
 //! the `zeromq` crate's DEALER does not reconnect by itself), the load state
 //! machine of [`crate::proto::consumer`], and verification of every landed load
 //! (§2.5–§2.7) before it is reported.

@@ -1,4 +1,4 @@
-//! The producer (DESIGN.md §4): a ZeroMQ ROUTER serving transfer requests, the
+//! The producer (docs/design.md §4): a ZeroMQ ROUTER serving transfer requests, the
 //! lease state machine of [`crate::proto::producer`], and the publish path that
 //! checksums a request's blocks when its KV is complete.
 

@@ -1,4 +1,4 @@
-//! Serving one load on the producer (DESIGN.md §4): check the consumer's request
+//! Serving one load on the producer (docs/design.md §4): check the consumer's request
 //! against the published lease, pair every block's producer bytes with the
 //! consumer's (KV heads mapped between ranks, so TP and PP sizes may differ), and
 //! WRITE them through each producer rank's engine.
@@ -38,7 +38,7 @@ pub(crate) struct RankPlan {
     pub copies: Vec<Copy>,
 }
 
-/// Builds the copies that serve `req` (DESIGN.md §4). Each layer of each consumer rank is
+/// Builds the copies that serve `req` (docs/design.md §4). Each layer of each consumer rank is
 /// paired with the producer layers of the same name, and each of its global KV heads is
 /// written by one producer rank that holds that head: so TP and PP sizes may differ between
 /// the sides. Where several producer ranks hold a head (replicas: GQA with TP above the head

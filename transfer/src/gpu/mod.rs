@@ -1,4 +1,4 @@
-//! GPU memory for the transfer engine (DESIGN.md §3 "GPU memory").
+//! GPU memory for the transfer engine (docs/design.md §3 "GPU memory").
 //!
 //! * [`memory_access`]: the engine's [`MemoryAccess`] for `cuda:N` regions, used by the TCP
 //!   transport: copies between device memory (any plain `cuMemAlloc` allocation) and the

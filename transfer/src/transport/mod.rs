@@ -1,6 +1,6 @@
 //! The transport interface: one small trait that moves slices between this engine's registered
 //! memory and a peer segment's advertised buffers, in the manner of NCCL's net plugin and
-//! Mooncake's `Transport` (DESIGN.md §3). Two implementations: TCP (`tcp`, always built) and
+//! Mooncake's `Transport` (docs/design.md §3). Two implementations: TCP (`tcp`, always built) and
 //! RDMA (`rdma`, provided by the rdma helper in `transport/rdma/`).
 //!
 //! # How the engine drives a transport

@@ -1,4 +1,4 @@
-//! TCP transport (DESIGN.md §3 "TCP transport"): the default where no RDMA device exists.
+//! TCP transport (docs/design.md §3 "TCP transport"): the default where no RDMA device exists.
 //!
 //! Target side: a data listener (its port goes in `TransportInfo::details.data_port`), one
 //! thread per accepted connection. In authenticated mode (`crate::auth`) every frame's token
@@ -167,7 +167,7 @@ impl Transport for TcpTransport {
     fn register(&self, region: &MemoryRegion) -> Result<RegionKeys> {
         self.ctx.memory.check_region(region)?;
         if region.location != Location::Cpu {
-            // The path this memory takes (DESIGN.md §3): TCP moves it through pinned staging.
+            // The path this memory takes (docs/design.md §3): TCP moves it through pinned staging.
             tracing::info!(
                 "{} region [{:#x}, +{}) registered for TCP via pinned host staging buffers",
                 region.location,

@@ -1,4 +1,4 @@
-//! The TCP data protocol (DESIGN.md §3 "TCP transport"): fixed little-endian headers.
+//! The TCP data protocol (docs/design.md §3 "TCP transport"): fixed little-endian headers.
 //!
 //! Request (48 bytes): magic `u32` = `REQ_MAGIC`, op `u8` (1 WRITE, 2 READ), 3 zero bytes,
 //! target instance id `u64`, remote addr `u64`, len `u64`, grant token `[u8; 16]` (all zero

@@ -1,4 +1,4 @@
-//! RDMA device discovery and the per-device resources (DESIGN.md §3): context, protection
+//! RDMA device discovery and the per-device resources (docs/design.md §3): context, protection
 //! domain, one completion queue with its channel, and the table of work requests in flight.
 
 use std::net::Ipv6Addr;

@@ -1,5 +1,5 @@
 //! Endpoints: the RC QPs between one local device and one device of a peer segment, and the
-//! Connect handshake that sets them up (DESIGN.md §3: QP numbers, PSNs, GIDs, LIDs and active
+//! Connect handshake that sets them up (docs/design.md §3: QP numbers, PSNs, GIDs, LIDs and active
 //! MTUs exchanged; path MTU = the smaller side's, so mixed-MTU peers work; random PSNs).
 
 use std::collections::{HashMap, VecDeque};

@@ -1,4 +1,4 @@
-//! The RDMA transport on `sideway` (DESIGN.md §3 "RDMA transport"): RC QPs, several per
+//! The RDMA transport on `sideway` (docs/design.md §3 "RDMA transport"): RC QPs, several per
 //! endpoint; RoCEv2 GID chosen automatically (IPv4-mapped first) or by `RdmaConfig::gid_index`;
 //! one completion queue and one completion thread per device; bounded outstanding work requests
 //! (per QP: `max_wr`; per device: the CQ depth); failed slices retried on a fresh endpoint up to
@@ -131,7 +131,7 @@ pub type DmabufExporter = fn(&MemoryRegion) -> Result<DmabufRange>;
 
 static DMABUF_EXPORTER: OnceLock<DmabufExporter> = OnceLock::new();
 
-/// Installs the dma-buf exporter used to register `cuda:N` regions (DESIGN.md §3 "GPU memory":
+/// Installs the dma-buf exporter used to register `cuda:N` regions (docs/design.md §3 "GPU memory":
 /// dma-buf first, then the peer-memory path, else a pinned host mirror, see `staging.rs`).
 /// Returns false when one was already installed.
 pub fn set_dmabuf_exporter(f: DmabufExporter) -> bool {
@@ -584,7 +584,7 @@ impl Shared {
             .collect()
     }
 
-    /// Registers a `cuda:N` region per `config.gpu_registration` (DESIGN.md §3 "GPU memory"):
+    /// Registers a `cuda:N` region per `config.gpu_registration` (docs/design.md §3 "GPU memory"):
     /// dma-buf, else peer memory, else a host mirror (with a warning naming why GPUDirect
     /// failed). Returns the memory regions (one per device), the path and the mirror.
     /// Errors: `Unsupported` with every path's failure when none works.

@@ -1,4 +1,4 @@
-//! GPU memory the NIC cannot register (DESIGN.md §3 "GPU memory", the last resort after dma-buf
+//! GPU memory the NIC cannot register (docs/design.md §3 "GPU memory", the last resort after dma-buf
 //! and peer memory): the region gets a host mirror of its own size, registered with the NIC in
 //! its place, and device copies keep the two in step.
 //!

@@ -55,7 +55,7 @@ if [ "$FUZZ_SECONDS" = "0" ]; then
 else
   command -v cargo-fuzz >/dev/null || { log "installing cargo-fuzz"; cargo install cargo-fuzz --locked; }
   fuzz_target_dir="$(pwd)/${CARGO_TARGET_DIR:-target}/fuzz"
-  [ "${CARGO_TARGET_DIR:-}" != "${CARGO_TARGET_DIR#/}" ] && fuzz_target_dir="$CARGO_TARGET_DIR/fuzz"
+  case "${CARGO_TARGET_DIR:-}" in /*) fuzz_target_dir="$CARGO_TARGET_DIR/fuzz" ;; esac
   for t in payload p2p_messages control_port transfer_frames; do
     log "fuzz $t for ${FUZZ_SECONDS} s"
     (cd fuzz && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="$fuzz_target_dir" \

@@ -37,6 +37,14 @@ fi
 # installed above); the suite builds and tests with it.
 FEATURES=(--features kvferry/rdma)
 
+log "format and lints: cargo fmt --check, cargo clippy -D warnings"
+if command -v rustup >/dev/null; then
+  for c in rustfmt clippy; do rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c"; done
+fi
+cargo fmt --all --check
+# --release shares the build below; the lints are the workspace's ([workspace.lints]).
+cargo clippy --release --workspace --all-targets --all-features -- -D warnings
+
 log "build (release, with RDMA)"
 cargo build --release --workspace --all-targets "${FEATURES[@]}"
 

@@ -340,13 +340,10 @@ fn sweep_point(
             std::thread::sleep(left.min(Duration::from_millis(10)));
         }
         stop.store(true, Ordering::Relaxed);
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .map_err(|_| "a bench thread panicked".to_string())?
-            })
-            .collect()
+        handles.into_iter().try_for_each(|h| {
+            h.join()
+                .map_err(|_| "a bench thread panicked".to_string())?
+        })
     });
     result?;
     let elapsed = start.elapsed().as_secs_f64();

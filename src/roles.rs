@@ -24,6 +24,9 @@ use crate::models::model_by_name;
 use crate::setup::{engine_config, host_of, local_addr_towards, secret, side_config, side_workers};
 use crate::world::{build_side, fill_request, BlockPool, GROUP_ID};
 
+/// Prompt lengths, each request's block ids, and the total block count.
+type ProducerTables = (Vec<u64>, Vec<Vec<u64>>, u64);
+
 /// The producer's block table of every request: lengths and block ids, replayed
 /// identically by both roles.
 fn producer_tables(
@@ -32,7 +35,7 @@ fn producer_tables(
     max: u64,
     seed: u64,
     block_size: u64,
-) -> Result<(Vec<u64>, Vec<Vec<u64>>, u64), String> {
+) -> Result<ProducerTables, String> {
     if min == 0 || min > max || block_size == 0 {
         return Err(format!("--min-tokens {min} / --max-tokens {max} / --block-size {block_size}: need 1 <= min <= max and a block size >= 1"));
     }

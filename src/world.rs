@@ -176,13 +176,13 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
         ));
     }
     let m = &cfg.model;
-    if !m.mla && m.kv_heads > cfg.tp && m.kv_heads % cfg.tp != 0 {
+    if !m.mla && m.kv_heads > cfg.tp && !m.kv_heads.is_multiple_of(cfg.tp) {
         return Err(format!(
             "TP {}: {} KV heads do not split evenly",
             cfg.tp, m.kv_heads
         ));
     }
-    if !m.mla && cfg.tp > m.kv_heads && cfg.tp % m.kv_heads != 0 {
+    if !m.mla && cfg.tp > m.kv_heads && !cfg.tp.is_multiple_of(m.kv_heads) {
         return Err(format!(
             "TP {}: not a multiple of the {} KV heads",
             cfg.tp, m.kv_heads

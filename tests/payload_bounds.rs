@@ -9,6 +9,7 @@ use base64::Engine as _;
 use kvferry_checksum::payload::{Payload, PayloadGroup};
 
 /// Runs `kvferry payload decode` on `stdin`; returns (success, stdout, stderr, peak RSS bytes).
+#[allow(clippy::zombie_processes)] // reaped by wait4 below, which std cannot see
 fn decode(stdin: &str) -> (bool, Vec<u8>, String, u64) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
         .args(["payload", "decode"])

@@ -115,7 +115,7 @@ pub fn layer_block_checksum(
     let nk = g.tokens_per_kernel_block;
     let parts = g.parts();
     let contiguous_rows =
-        row_bytes % 8 == 0 && (g.head_dim == 1 || g.stride_of(Dim::D) == g.elem.get());
+        row_bytes.is_multiple_of(8) && (g.head_dim == 1 || g.stride_of(Dim::D) == g.elem.get());
     if contiguous_rows {
         // Each (part, head) is a run of n rows of q pieces. Rows are read in memory order, a
         // token's rows of all heads together when they are back to back, each (part, head)'s

@@ -228,7 +228,7 @@ fn replicas_of(c: &CacheDesc, tp_size: u32, model_kv_heads: Option<u32>) -> Opti
     let r = match shards_cap {
         Some(s) if tp_size <= s => 1,
         Some(s) => {
-            if tp_size % s != 0 {
+            if !tp_size.is_multiple_of(s) {
                 return None;
             }
             tp_size / s
@@ -242,7 +242,7 @@ fn replicas_of(c: &CacheDesc, tp_size: u32, model_kv_heads: Option<u32>) -> Opti
             }
             if tp_size <= kv {
                 1
-            } else if tp_size % kv == 0 {
+            } else if tp_size.is_multiple_of(kv) {
                 tp_size / kv
             } else {
                 return None;

@@ -391,7 +391,7 @@ impl Geometry {
     /// 8-byte pieces per cell (`P` of §2.1); `None` when the cell is not a whole number of pieces.
     pub fn pieces_per_cell(&self) -> Option<u64> {
         let c = self.cell_bytes();
-        (c % 8 == 0).then_some(c / 8)
+        c.is_multiple_of(8).then_some(c / 8)
     }
 
     /// Byte offset of element `d` of part `part` (0 = K, 1 = V) of head `head` of token

@@ -314,7 +314,7 @@ fn sum_group(g: Option<Gathered<'_>>, tp_size: u32) -> ConsumerGroup {
         }
     }
     for ((_, r), idx) in &counts {
-        let want = if *r == 0 || tp_size % r != 0 {
+        let want = if *r == 0 || !tp_size.is_multiple_of(*r) {
             u32::MAX
         } else {
             tp_size / r

@@ -25,7 +25,7 @@ impl BlockSelection {
 }
 
 fn div_ceil(a: u64, b: u64) -> u64 {
-    a / b + u64::from(a % b != 0)
+    a / b + u64::from(!a.is_multiple_of(b))
 }
 
 /// Positions `[first, end)` of `blocks` clipped by the window, then leading nulls dropped; a null

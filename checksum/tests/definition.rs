@@ -186,7 +186,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                 ][e];
                 let parts = if kv { 2 } else { 1 };
                 let h = if with_h { h } else { 1 };
-                if (parts * d * elem.get()) % 8 != 0 {
+                if !(parts * d * elem.get()).is_multiple_of(8) {
                     return None;
                 }
                 let logical =
@@ -565,7 +565,8 @@ proptest! {
             let sub = Geometry::contiguous(Layout::from_dims(c.dims.clone()).unwrap(), g.num_kernel_blocks, g.tokens_per_kernel_block,
                 hi - lo, g.head_dim, c.elem, c.kpb).unwrap();
             order.sort_unstable();
-            let mut sub_order: Vec<(u64, (u64, u64, u64, u64, u64))> = Vec::new();
+            type Coord = (u64, u64, u64, u64, u64);
+            let mut sub_order: Vec<(u64, Coord)> = Vec::new();
             for kb in block * c.kpb..(block + 1) * c.kpb { for t in 0..g.tokens_per_kernel_block { for h in 0..hi - lo {
                 for part in 0..g.parts() { for d in 0..g.head_dim {
                     sub_order.push((sub.byte_offset(part, kb, t, h, d), (part, kb - block * c.kpb, t, h, d)));

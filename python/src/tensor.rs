@@ -133,7 +133,7 @@ fn from_dlpack(obj: &Bound<'_, PyAny>) -> PyResult<TensorView> {
     // SAFETY: `shape` (and `strides` when not null) point to `ndim` int64 values (dlpack.h).
     let shape: Vec<i64> = (0..ndim).map(|i| unsafe { *t.shape.add(i) }).collect();
     let bits = t.dtype_bits as u64 * t.dtype_lanes.max(1) as u64;
-    if bits == 0 || bits % 8 != 0 {
+    if bits == 0 || !bits.is_multiple_of(8) {
         return Err(PyValueError::new_err(format!(
             "elements of {bits} bits are not whole bytes"
         )));

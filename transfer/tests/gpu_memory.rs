@@ -243,7 +243,7 @@ fn tcp_moves_gpu_blocks_between_engines() {
 /// platform has no dma-buf support.
 #[test]
 fn dmabuf_export_of_device_memory() {
-    let host = vec![0u8; 64];
+    let host = [0u8; 64];
     let e = export_dmabuf(&MemoryRegion {
         addr: host.as_ptr() as u64,
         len: 64,

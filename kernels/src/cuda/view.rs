@@ -158,7 +158,7 @@ pub fn layer_view(spec: &LayerSpec, addr: u64, len: u64) -> Result<LayerView, Pl
     };
     let contiguous_d = d == 1 || s_d == e;
     let aligned = |a: u64| {
-        addr % a == 0
+        addr.is_multiple_of(a)
             && s_block % a == 0
             && (parts == 1 || s_part % a == 0)
             && (tokens == 1 || s_tok % a == 0)
@@ -223,7 +223,8 @@ fn regular(mode: u32, row_bytes: u64, n_inner: u64) -> u32 {
     };
     let r = row_bytes / v;
     let t = THREADS as u64;
-    if r.is_power_of_two() && r <= t && n_inner.is_power_of_two() && (t / r) % n_inner == 0 {
+    if r.is_power_of_two() && r <= t && n_inner.is_power_of_two() && (t / r).is_multiple_of(n_inner)
+    {
         1 | (r.trailing_zeros() << 8) | (n_inner.trailing_zeros() << 16)
     } else {
         0

@@ -274,7 +274,9 @@ impl Consumer {
     /// a load may take; the guards revoke it when dropped. One grant per engine.
     fn grant(&self, request: &TransferRequest) -> Result<Vec<GrantGuard>, String> {
         let token = Token::random().map_err(|e| e.to_string())?;
-        let mut per_engine: Vec<(Arc<TransferEngine>, Vec<(u64, u64)>)> = Vec::new();
+        // Each engine with the (address, length) ranges granted on it.
+        type EngineRanges = (Arc<TransferEngine>, Vec<(u64, u64)>);
+        let mut per_engine: Vec<EngineRanges> = Vec::new();
         for w in self.workers.iter() {
             let i = match per_engine
                 .iter()

@@ -424,7 +424,7 @@ impl PassiveTable {
         if let Some(inst) = req.initiator_instance {
             // the initiator restarted: its earlier instance's endpoints are dead
             self.map
-                .retain(|k, p| k.0 != req.initiator || p.instance.map_or(true, |i| i == inst));
+                .retain(|k, p| k.0 != req.initiator || p.instance.is_none_or(|i| i == inst));
         }
         if self.map.len() >= MAX_PASSIVE {
             if let Some(oldest) = self

@@ -77,7 +77,8 @@ fn path_mtu_is_the_smaller_side() {
 #[test]
 fn connect_requests_are_checked_before_any_verbs_call() {
     assert!(check_request(&request(), 1).is_ok());
-    let bad: Vec<(&str, Box<dyn Fn(&mut ConnectRequest)>)> = vec![
+    type Mutation = Box<dyn Fn(&mut ConnectRequest)>;
+    let bad: Vec<(&str, Mutation)> = vec![
         ("version", Box::new(|r| r.version = 99)),
         ("no QPs", Box::new(|r| r.qps.clear())),
         (

@@ -77,6 +77,15 @@ pub enum KernelError {
     /// `wait` ran out of time; the result may still arrive through `poll`.
     #[error("checksums not ready after {0:?}")]
     Timeout(Duration),
+    /// A checksum worker thread panicked (a bug): the job has no values, so the load is
+    /// unverified, never a mismatch.
+    #[error("group {group_id}: checksum worker panicked: {why}")]
+    WorkerPanicked {
+        /// The KV cache group id of the job whose worker panicked.
+        group_id: u32,
+        /// The panic's message.
+        why: String,
+    },
     /// The worker computing the result went away without one.
     #[error("checksum worker ended without a result")]
     Lost,

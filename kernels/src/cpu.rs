@@ -19,6 +19,9 @@ use crate::backend::{
 pub struct CpuBackend {
     /// Threads used per submission (at least 1).
     pub threads: usize,
+    /// Test hook: the worker that reaches this layer index (of any job) panics.
+    #[cfg(any(test, feature = "test-tools"))]
+    panic_at_layer: Option<usize>,
 }
 
 impl Default for CpuBackend {
@@ -36,15 +39,42 @@ impl CpuBackend {
     pub fn new(threads: usize) -> CpuBackend {
         CpuBackend {
             threads: threads.max(1),
+            #[cfg(any(test, feature = "test-tools"))]
+            panic_at_layer: None,
         }
     }
+
+    /// Test hook (feature `test-tools`): the checksum worker that reaches layer index `layer`
+    /// of a job panics, as a bug in the kernel would. The submission then ends in
+    /// [`KernelError::WorkerPanicked`], never in values that miss the layer.
+    #[cfg(any(test, feature = "test-tools"))]
+    pub fn panicking_at_layer(mut self, layer: usize) -> CpuBackend {
+        self.panic_at_layer = Some(layer);
+        self
+    }
+}
+
+/// The text of a panic payload (`&str` or `String`; other payloads have none).
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-text panic payload".into())
 }
 
 /// One layer's values for every selected block.
 ///
 /// # Safety
 /// `[addr, addr+len)` must be valid readable host memory for the duration of the call.
-unsafe fn layer_values(job: &GroupJob, layer: usize) -> (ReplicaKey, Vec<u64>) {
+unsafe fn layer_values(
+    job: &GroupJob,
+    layer: usize,
+    panic_at: Option<usize>,
+) -> (ReplicaKey, Vec<u64>) {
+    if panic_at == Some(layer) {
+        panic!("test hook: checksum worker panics at layer index {layer}");
+    }
     let l = &job.layers[layer];
     // SAFETY: the caller of `ChecksumBackend::submit` guarantees the range is valid host memory
     // until the result is taken; `validate_job` checked it covers the geometry's bytes.
@@ -67,15 +97,22 @@ unsafe fn layer_values(job: &GroupJob, layer: usize) -> (ReplicaKey, Vec<u64>) {
     (l.spec.replica, values)
 }
 
-/// Runs one validated job, spreading its layers over `threads`.
+/// Runs one validated job, spreading its layers over `threads`. A worker thread that panics
+/// makes the whole job fail ([`KernelError::WorkerPanicked`]): values missing its layers would
+/// read as a mismatch.
 ///
 /// # Safety
 /// As [`ChecksumBackend::submit`].
-unsafe fn run_job(job: &GroupJob, threads: usize) -> GroupResult {
+unsafe fn run_job(
+    job: &GroupJob,
+    threads: usize,
+    panic_at: Option<usize>,
+) -> Result<GroupResult, KernelError> {
     let n = job.selection.block_ids.len();
     let per_layer: Vec<(ReplicaKey, Vec<u64>)> = if threads <= 1 || job.layers.len() <= 1 {
         (0..job.layers.len())
-            .map(|i| unsafe { layer_values(job, i) })
+            // SAFETY: forwarded from this function's contract (the caller's `submit`).
+            .map(|i| unsafe { layer_values(job, i, panic_at) })
             .collect()
     } else {
         let chunk = job.layers.len().div_ceil(threads);
@@ -85,16 +122,30 @@ unsafe fn run_job(job: &GroupJob, threads: usize) -> GroupResult {
                 .map(|from| {
                     s.spawn(move || {
                         (from..(from + chunk).min(job.layers.len()))
-                            .map(|i| unsafe { layer_values(job, i) })
+                            // SAFETY: forwarded from this function's contract; the scope
+                            // joins every thread before `run_job` returns.
+                            .map(|i| unsafe { layer_values(job, i, panic_at) })
                             .collect::<Vec<_>>()
                     })
                 })
                 .collect();
-            handles
-                .into_iter()
-                .flat_map(|h| h.join().unwrap_or_default())
-                .collect()
-        })
+            // Join every handle (no early return) so no panic is left for the scope to rethrow.
+            let mut out = Vec::with_capacity(job.layers.len());
+            let mut panicked = None;
+            for h in handles {
+                match h.join() {
+                    Ok(part) => out.extend(part),
+                    Err(payload) => panicked = Some(panic_text(payload.as_ref())),
+                }
+            }
+            match panicked {
+                None => Ok(out),
+                Some(text) => Err(KernelError::WorkerPanicked {
+                    group_id: job.group_id,
+                    why: text,
+                }),
+            }
+        })?
     };
     let mut values: BTreeMap<ReplicaKey, Vec<u64>> = BTreeMap::new();
     for (key, vals) in per_layer {
@@ -103,11 +154,11 @@ unsafe fn run_job(job: &GroupJob, threads: usize) -> GroupResult {
             *a = a.wrapping_add(v);
         }
     }
-    GroupResult {
+    Ok(GroupResult {
         group_id: job.group_id,
         start: job.selection.start,
         values,
-    }
+    })
 }
 
 /// In-flight CPU work; dropping it waits for the thread, so memory is never read after the drop.
@@ -150,16 +201,30 @@ impl ChecksumBackend for CpuBackend {
             validate_job(job)?;
         }
         let threads = self.threads;
+        #[cfg(any(test, feature = "test-tools"))]
+        let panic_at = self.panic_at_layer;
+        #[cfg(not(any(test, feature = "test-tools")))]
+        let panic_at = None;
         let (tx, rx) = mpsc::channel();
         let handle = std::thread::Builder::new()
             .name("kvferry-cpu-checksum".into())
             .spawn(move || {
-                // SAFETY: forwarded from `submit`'s contract; `CpuPending` joins this thread on drop.
-                let out = jobs
-                    .iter()
-                    .map(|j| unsafe { run_job(j, threads) })
-                    .collect();
-                let _ = tx.send(Ok(out));
+                // A panic on this thread (the one-thread path) is caught too: it is an error
+                // with its text, not a lost worker.
+                let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    jobs.iter()
+                        // SAFETY: forwarded from `submit`'s contract; `CpuPending` joins this
+                        // thread on drop, so the memory is not read after the caller lets go.
+                        .map(|j| unsafe { run_job(j, threads, panic_at) })
+                        .collect::<Result<Vec<_>, _>>()
+                }))
+                .unwrap_or_else(|payload| {
+                    Err(KernelError::WorkerPanicked {
+                        group_id: jobs.first().map_or(0, |j| j.group_id),
+                        why: panic_text(payload.as_ref()),
+                    })
+                });
+                let _ = tx.send(out);
             })
             .map_err(|e| KernelError::Device(format!("cannot start a checksum thread: {e}")))?;
         Ok(PendingChecksums::new(Box::new(CpuPending {

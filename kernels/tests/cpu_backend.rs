@@ -205,3 +205,26 @@ fn backend_for_never_panics() {
     let name = backend_for(Device::Cuda(0)).name();
     assert!(name == "cpu" || name == "cuda", "{name}");
 }
+
+/// A worker thread that panics (the `test-tools` hook) fails the submission with its reason; it
+/// never yields values that miss its layers (which would compare as a mismatch).
+#[test]
+fn a_panicked_worker_is_an_error_not_missing_layers() {
+    let layers = model();
+    let sel = BlockSelection {
+        start: 0,
+        block_ids: vec![1, 2],
+    };
+    for (threads, at) in [(1, 0), (2, 3), (3, 4), (8, 2)] {
+        let backend = CpuBackend::new(threads).panicking_at_layer(at);
+        // SAFETY: `layers` outlives the wait.
+        let pending = unsafe { backend.submit(vec![job(&layers, sel.clone(), 40)]) }.unwrap();
+        match pending.wait(Duration::from_secs(60)) {
+            Err(KernelError::WorkerPanicked { group_id, why }) => {
+                assert_eq!(group_id, 4);
+                assert!(why.contains(&format!("layer index {at}")), "{why}");
+            }
+            other => panic!("threads {threads}: expected WorkerPanicked, got {other:?}"),
+        }
+    }
+}

@@ -1,0 +1,327 @@
+//! One initiator data connection: its writer thread sends frames (WRITE payloads straight from
+//! registered memory), its reader thread reads the replies in order.
+
+use std::borrow::Cow;
+use std::io::IoSlice;
+use std::net::{Shutdown, TcpStream};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::coalesce::Job;
+use super::pool::{Conn, PeerPool};
+use super::socket::{read_full, write_vectored_full};
+use crate::error::{Result, TransferError};
+use crate::transport::wire::{self, Request};
+use crate::transport::{CompletionSink, Slice};
+use crate::types::{Location, Op};
+
+impl PeerPool {
+    pub(super) fn run_writer(self: &Arc<Self>, conn: &Arc<Conn>, rx: Receiver<Job>) {
+        let conn = conn.clone();
+        // connect only once there is a job: the target closes a connection whose first
+        // request does not come within its first-frame deadline
+        let Some(first) = Self::first_job(&conn, &rx, self.cfg.idle_timeout) else {
+            return;
+        };
+        let mut s = match self.connect() {
+            Ok(s) => s,
+            Err(e) => {
+                let until = Instant::now() + self.cfg.io_timeout.min(Duration::from_secs(1));
+                *self.down.lock().unwrap_or_else(|e| e.into_inner()) = Some((until, e.clone()));
+                first.fail_peer(&e);
+                return Self::retire(&conn, &rx, &e);
+            }
+        };
+        let read_half = match s.try_clone() {
+            Ok(r) => r,
+            Err(e) => {
+                let e = TransferError::io("clone socket", e);
+                first.fail_peer(&e);
+                return Self::retire(&conn, &rx, &e);
+            }
+        };
+        if let Ok(c) = s.try_clone() {
+            *conn.stream.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
+        }
+        let (ftx, frx) = mpsc::sync_channel::<Job>(self.cfg.inflight_per_connection.max(1));
+        let pool = self.clone();
+        let c2 = conn.clone();
+        let reader = std::thread::Builder::new()
+            .name("kvferry-tcp-reader".into())
+            .spawn(move || pool.reader(c2, read_half, frx));
+        if let Err(e) = reader {
+            let e = TransferError::io("spawn TCP reader thread", e);
+            first.fail_peer(&e);
+            return Self::retire(&conn, &rx, &e);
+        }
+        if !self.send_one(&mut s, &ftx, first, &conn, &rx) {
+            return;
+        }
+        loop {
+            let job = match rx.recv_timeout(self.cfg.idle_timeout) {
+                Ok(j) => j,
+                Err(RecvTimeoutError::Timeout) => {
+                    // idle: stop taking jobs, then serve any that slipped in before
+                    conn.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+                    let mut ok = true;
+                    while let Ok(j) = rx.try_recv() {
+                        if ok {
+                            ok = self.send_one(&mut s, &ftx, j, &conn, &rx);
+                        } else {
+                            j.fail_peer(&TransferError::Io("connection closed".into()));
+                        }
+                    }
+                    break;
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
+            if !self.send_one(&mut s, &ftx, job, &conn, &rx) {
+                return;
+            }
+        }
+        // dropping `ftx` lets the reader finish the in-flight replies and exit
+    }
+
+    /// Sends one job; on failure retires the connection and returns false.
+    fn send_one(
+        &self,
+        s: &mut TcpStream,
+        ftx: &SyncSender<Job>,
+        job: Job,
+        conn: &Conn,
+        rx: &Receiver<Job>,
+    ) -> bool {
+        if job.sink.is_cancelled() {
+            job.complete(Err(CompletionSink::cancelled_error()));
+            return true;
+        }
+        if !job.more.is_empty() {
+            return self.send_scatter(s, ftx, job, conn, rx);
+        }
+        let sl = job.slice;
+        let req = Request {
+            op: if sl.op == Op::Write {
+                wire::OP_WRITE
+            } else {
+                wire::OP_READ
+            },
+            instance: self.instance,
+            addr: sl.remote_addr,
+            len: sl.len,
+            token: job.token,
+        };
+        let hdr = req.encode();
+        let payload = match sl.op {
+            Op::Read => Cow::Borrowed(&[][..]),
+            // SAFETY: the engine checked the slice lies in a registered region, which the caller
+            // keeps valid until the batch finishes.
+            Op::Write => match unsafe { self.write_payload(&sl) } {
+                Ok(p) => p,
+                Err(e) => {
+                    job.complete(Err(e));
+                    return true;
+                }
+            },
+        };
+        let mut parts = [IoSlice::new(&hdr), IoSlice::new(&payload)];
+        self.send_frame(s, ftx, job, conn, rx, &mut parts)
+    }
+
+    /// Puts `job` in flight, then writes its frame `parts`; on failure retires the connection
+    /// and returns false.
+    fn send_frame(
+        &self,
+        s: &mut TcpStream,
+        ftx: &SyncSender<Job>,
+        job: Job,
+        conn: &Conn,
+        rx: &Receiver<Job>,
+        parts: &mut [IoSlice<'_>],
+    ) -> bool {
+        // in flight before sending, so the reader expects the reply; blocks when the window is full
+        if let Err(mpsc::SendError(job)) = ftx.send(job) {
+            let e = TransferError::Io(format!("TCP connection to segment {} broke", self.segment));
+            job.fail_peer(&e);
+            Self::retire(conn, rx, &e);
+            return false;
+        }
+        let what = format!("send to segment {}", self.segment);
+        if let Err(e) = write_vectored_full(s, parts, &what) {
+            // the reader fails the in-flight slices when its read breaks
+            let _ = s.shutdown(Shutdown::Both);
+            Self::retire(conn, rx, &e);
+            return false;
+        }
+        true
+    }
+
+    /// The bytes a WRITE slice sends: host memory in place, other locations (GPU) copied out
+    /// through the memory backend.
+    ///
+    /// # Safety
+    /// `[sl.local_addr, +sl.len)` is registered memory at `sl.local_region.location`, valid
+    /// for as long as the returned bytes are used.
+    unsafe fn write_payload<'a>(&self, sl: &Slice) -> Result<Cow<'a, [u8]>> {
+        match sl.local_region.location {
+            // SAFETY: forwarded from the caller.
+            Location::Cpu => Ok(Cow::Borrowed(unsafe {
+                std::slice::from_raw_parts(sl.local_addr as *const u8, sl.len as usize)
+            })),
+            loc => {
+                let mut b = vec![0u8; sl.len as usize];
+                // SAFETY: forwarded from the caller.
+                unsafe { self.ctx.memory.copy_from(loc, sl.local_addr, &mut b) }?;
+                Ok(Cow::Owned(b))
+            }
+        }
+    }
+
+    /// Sends a scattered WRITE (op 3); as `send_one`.
+    fn send_scatter(
+        &self,
+        s: &mut TcpStream,
+        ftx: &SyncSender<Job>,
+        job: Job,
+        conn: &Conn,
+        rx: &Receiver<Job>,
+    ) -> bool {
+        let pieces: Vec<Slice> = std::iter::once(job.slice)
+            .chain(job.more.iter().map(|(sl, _)| *sl))
+            .collect();
+        let table = wire::encode_pieces(
+            &pieces
+                .iter()
+                .map(|p| (p.remote_addr, p.len))
+                .collect::<Vec<_>>(),
+        );
+        let hdr = Request {
+            op: wire::OP_WRITE_SCATTER,
+            instance: self.instance,
+            addr: pieces.len() as u64,
+            len: job.bytes(),
+            token: job.token,
+        }
+        .encode();
+        // Payloads (GPU pieces copied out) are kept alive until the frame is written.
+        let mut payloads: Vec<Cow<'_, [u8]>> = Vec::with_capacity(pieces.len());
+        for p in &pieces {
+            // SAFETY: as in `send_one`.
+            match unsafe { self.write_payload(p) } {
+                Ok(b) => payloads.push(b),
+                Err(e) => {
+                    job.complete(Err(e));
+                    return true;
+                }
+            }
+        }
+        let mut parts: Vec<IoSlice<'_>> = Vec::with_capacity(pieces.len() + 2);
+        parts.push(IoSlice::new(&hdr));
+        parts.push(IoSlice::new(&table));
+        parts.extend(payloads.iter().map(|b| IoSlice::new(b)));
+        self.send_frame(s, ftx, job, conn, rx, &mut parts)
+    }
+
+    fn reader(self: Arc<Self>, conn: Arc<Conn>, mut s: TcpStream, frx: Receiver<Job>) {
+        let mut broken: Option<TransferError> = None;
+        for job in frx.iter() {
+            if let Some(e) = &broken {
+                job.fail_peer(e);
+                continue;
+            }
+            match self.read_reply(&mut s, &job.slice, !job.more.is_empty()) {
+                Ok(Reply::Done(result)) => job.complete(result),
+                Ok(Reply::Stale(e)) => job.fail_peer(&e),
+                Err(e) => {
+                    job.fail_peer(&e);
+                    conn.close();
+                    broken = Some(e);
+                }
+            }
+        }
+        let _ = s.shutdown(Shutdown::Both);
+    }
+
+    /// Reads one reply. `Err`: the connection is unusable. `Reply`: the slice's result.
+    /// `scatter`: the frame was a scattered WRITE starting with `sl`.
+    fn read_reply(&self, s: &mut TcpStream, sl: &Slice, scatter: bool) -> Result<Reply> {
+        let what = format!("reply from segment {}", self.segment);
+        let mut h = [0u8; wire::REP_LEN];
+        read_full(s, &mut h, &what)?;
+        let (status, len) = wire::decode_reply(&h)?;
+        if status != wire::ST_OK {
+            if len > wire::MAX_ERROR_TEXT {
+                return Err(TransferError::Protocol(format!(
+                    "{what}: error text of {len} bytes"
+                )));
+            }
+            let mut t = vec![0u8; len as usize];
+            read_full(s, &mut t, &what)?;
+            let text = String::from_utf8_lossy(&t).into_owned();
+            let err = match status {
+                wire::ST_OUT_OF_RANGE if scatter => TransferError::Failed(format!(
+                    "segment {} refused a scattered WRITE: {text}",
+                    self.segment
+                )),
+                wire::ST_OUT_OF_RANGE => TransferError::RemoteOutOfRange {
+                    segment: self.segment.clone(),
+                    addr: sl.remote_addr,
+                    len: sl.len,
+                },
+                wire::ST_DENIED => TransferError::Unauthorized(format!(
+                    "segment {} refused the request: {text}",
+                    self.segment
+                )),
+                wire::ST_STALE => {
+                    return Ok(Reply::Stale(TransferError::Failed(format!(
+                        "segment {}: {text}",
+                        self.segment
+                    ))))
+                }
+                _ => TransferError::Failed(format!(
+                    "segment {} refused the request: {text}",
+                    self.segment
+                )),
+            };
+            if status == wire::ST_BAD_REQUEST {
+                return Err(err); // the target closes after a bad request
+            }
+            return Ok(Reply::Done(Err(err)));
+        }
+        let expect = if sl.op == Op::Read { sl.len } else { 0 };
+        if len != expect {
+            return Err(TransferError::Protocol(format!(
+                "{what}: {len} data bytes, expected {expect}"
+            )));
+        }
+        if sl.op == Op::Read {
+            match sl.local_region.location {
+                Location::Cpu => {
+                    // SAFETY: the slice lies in a registered host region (checked by the engine).
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(sl.local_addr as *mut u8, sl.len as usize)
+                    };
+                    read_full(s, dst, &what)?;
+                }
+                loc => {
+                    let mut staging = vec![0u8; sl.len as usize];
+                    read_full(s, &mut staging, &what)?;
+                    // SAFETY: as above, for memory at `loc`.
+                    if let Err(e) = unsafe { self.ctx.memory.copy_to(loc, sl.local_addr, &staging) }
+                    {
+                        return Ok(Reply::Done(Err(e)));
+                    }
+                }
+            }
+        }
+        Ok(Reply::Done(Ok(())))
+    }
+}
+
+/// A reply's outcome for its slices.
+enum Reply {
+    /// The slices' result.
+    Done(Result<()>),
+    /// The target is another instance than the descriptor names (it restarted).
+    Stale(TransferError),
+}

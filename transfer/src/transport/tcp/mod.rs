@@ -1,0 +1,295 @@
+//! TCP transport (docs/design.md §3 "TCP transport"): the default where no RDMA device exists.
+//!
+//! Target side: a data listener (its port goes in `TransportInfo::details.data_port`), one
+//! thread per accepted connection. In authenticated mode (`crate::auth`) every frame's token
+//! must have a live grant that allows its op and covers its ranges (one hash lookup and a
+//! binary search), else it is refused (`ST_DENIED`) and nothing is read or written. Every
+//! request is checked against the registry in code: a
+//! range not inside one registered region is refused (`ST_OUT_OF_RANGE`) and nothing is written;
+//! a WRITE is acknowledged only after its payload is in place. Host memory is read and written
+//! in place (no staging copy); other locations go through `MemoryAccess`.
+//!
+//! Initiator side: per peer, a pool of `TcpConfig::connections_per_peer` connections; slices of a
+//! post are spread round-robin over them. Each connection has a writer thread (sends requests,
+//! WRITE payloads straight from registered memory with one vectored write) and a reader thread
+//! (reads replies in order, READ data straight into registered memory); at most
+//! `inflight_per_connection` slices are in flight per connection. Every socket operation has a
+//! deadline (`io_timeout`): a dead peer fails the slices within it. A broken connection fails its
+//! slices (through `CompletionSink::fail_peer`, so the engine may fetch the peer's descriptor
+//! again and retry them once) and is replaced on the next post. A connection is opened when its
+//! first job arrives and closed (socket and threads) when it broke or idled `idle_timeout`; a
+//! pool whose last connection closed is dropped (issue 10, "no leaks under churn").
+//!
+//! Listener: at most `max_server_connections` served connections, `max_connections_per_source`
+//! per source IP, and a connection's first request must arrive within `first_frame_timeout`.
+
+mod coalesce;
+mod connection;
+mod pool;
+mod socket;
+mod target;
+
+use std::collections::HashMap;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::{
+    kind_mismatch, CompletionSink, Slice, Transport, TransportContext, TransportInfo,
+    TransportStats,
+};
+use crate::admission::Sources;
+use crate::error::{Result, TransferError};
+use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
+use crate::segment::SegmentDescriptor;
+use crate::types::Location;
+use coalesce::coalesce;
+use pool::PeerPool;
+use target::{accept_loop, ServerShared};
+
+/// The TCP transport. Create with [`TcpTransport::new`]; the engine owns it behind `Arc`.
+pub struct TcpTransport {
+    ctx: TransportContext,
+    data_port: u16,
+    server: Arc<ServerShared>,
+    accept: Mutex<Option<std::thread::JoinHandle<()>>>,
+    listen_addr: SocketAddr,
+    peers: Arc<Pools>,
+}
+
+/// The connection pools by segment name.
+type Pools = Mutex<HashMap<String, Arc<PeerPool>>>;
+
+impl TcpTransport {
+    /// Binds the data listener on `ctx.config.host`, port chosen by the OS, and starts serving.
+    /// Errors: `Config` when the host cannot be bound.
+    pub fn new(ctx: TransportContext) -> Result<Self> {
+        let (slice, tcp) = (ctx.config.slice_size, &ctx.config.tcp);
+        if slice.saturating_add(slice / 4) > tcp.max_frame_payload {
+            return Err(TransferError::Config(format!(
+                "slice_size {slice} (+ a merged tail of up to a quarter) exceeds tcp.max_frame_payload {}",
+                tcp.max_frame_payload
+            )));
+        }
+        let host = ctx.config.host.clone();
+        let listener = TcpListener::bind((strip_brackets(&host), tcp.data_port)).map_err(|e| {
+            TransferError::Config(format!("cannot bind TCP data listener on {host}: {e}"))
+        })?;
+        let listen_addr = listener
+            .local_addr()
+            .map_err(|e| TransferError::io("data listener address", e))?;
+        let server = Arc::new(ServerShared {
+            ctx: ctx.clone(),
+            stop: AtomicBool::new(false),
+            active: AtomicUsize::new(0),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(0),
+            sources: Sources::new(tcp.max_connections_per_source),
+        });
+        let sh = server.clone();
+        let accept = std::thread::Builder::new()
+            .name("kvferry-tcp-accept".into())
+            .spawn(move || accept_loop(listener, sh))
+            .map_err(|e| TransferError::io("spawn TCP accept thread", e))?;
+        Ok(TcpTransport {
+            ctx,
+            data_port: listen_addr.port(),
+            server,
+            accept: Mutex::new(Some(accept)),
+            listen_addr,
+            peers: Arc::new(Mutex::new(HashMap::new())),
+        })
+    }
+
+    /// Port of the data listener.
+    pub fn data_port(&self) -> u16 {
+        self.data_port
+    }
+
+    fn pool_for(&self, peer: &SegmentDescriptor) -> Result<Arc<PeerPool>> {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = peers.get(&peer.name) {
+            if p.instance == peer.instance_id {
+                return Ok(p.clone());
+            }
+        }
+        let port = peer
+            .transport
+            .details
+            .get("data_port")
+            .and_then(|v| v.as_u64())
+            .filter(|p| *p > 0 && *p <= u16::MAX as u64)
+            .ok_or_else(|| {
+                TransferError::Protocol(format!(
+                    "segment {} advertises no valid TCP data_port",
+                    peer.name
+                ))
+            })?;
+        let host = peer.name.rsplit_once(':').map(|(h, _)| h).ok_or_else(|| {
+            TransferError::InvalidArgument(format!("segment name {:?} is not host:port", peer.name))
+        })?;
+        let pool = Arc::new(PeerPool {
+            segment: peer.name.clone(),
+            addr: format!("{host}:{port}"),
+            instance: peer.instance_id,
+            cfg: self.ctx.config.tcp.clone(),
+            ctx: self.ctx.clone(),
+            conns: Mutex::new(Vec::new()),
+            next: AtomicUsize::new(0),
+            down: Mutex::new(None),
+            pools: Arc::downgrade(&self.peers),
+        });
+        if let Some(old) = peers.insert(peer.name.clone(), pool.clone()) {
+            old.close();
+        }
+        Ok(pool)
+    }
+}
+
+fn strip_brackets(host: &str) -> &str {
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+}
+
+impl Transport for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn local_info(&self) -> TransportInfo {
+        TransportInfo {
+            kind: "tcp".into(),
+            details: json!({ "data_port": self.data_port }),
+        }
+    }
+
+    fn register(&self, region: &MemoryRegion) -> Result<RegionKeys> {
+        self.ctx.memory.check_region(region)?;
+        if region.location != Location::Cpu {
+            // The path this memory takes (docs/design.md §3): TCP moves it through pinned staging.
+            tracing::info!(
+                "{} region [{:#x}, +{}) registered for TCP via pinned host staging buffers",
+                region.location,
+                region.addr,
+                region.len
+            );
+            return Ok(RegionKeys {
+                path: RegistrationPath::Staged,
+                ..RegionKeys::default()
+            });
+        }
+        Ok(RegionKeys::default())
+    }
+
+    fn deregister(&self, _region: &MemoryRegion) -> Result<()> {
+        Ok(())
+    }
+
+    fn on_handshake(&self, _peer: SocketAddr, _body: &[u8]) -> Result<Vec<u8>> {
+        Err(TransferError::Unsupported(
+            "the tcp transport takes no connect frames".into(),
+        ))
+    }
+
+    fn post(
+        &self,
+        peer: &Arc<SegmentDescriptor>,
+        slices: Vec<Slice>,
+        done: CompletionSink,
+        token: Option<crate::auth::Token>,
+    ) {
+        if peer.transport.kind != self.name() {
+            let e = kind_mismatch(self.name(), peer);
+            return done.fail_all(slices.iter().map(|s| s.id), &e);
+        }
+        let pool = match self.pool_for(peer) {
+            Ok(p) => p,
+            Err(e) => return done.fail_all(slices.iter().map(|s| s.id), &e),
+        };
+        let tcp = &self.ctx.config.tcp;
+        let token = token.map(|t| t.0).unwrap_or_default();
+        for job in coalesce(
+            slices,
+            tcp.coalesce_bytes.min(tcp.max_frame_payload),
+            &done,
+            token,
+        ) {
+            pool.send(job);
+        }
+    }
+
+    fn disconnect(&self, name: &str) {
+        let old = self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+        if let Some(p) = old {
+            p.close();
+        }
+    }
+
+    fn stats(&self) -> TransportStats {
+        let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        TransportStats {
+            peers: peers.len(),
+            connections: peers
+                .values()
+                .map(|p| {
+                    let conns = p.conns.lock().unwrap_or_else(|e| e.into_inner());
+                    conns.iter().filter(|c| c.is_open()).count()
+                })
+                .sum(),
+            served_connections: self.server.active.load(Ordering::SeqCst),
+        }
+    }
+
+    fn shutdown(&self) {
+        let pools: Vec<_> = self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .map(|(_, p)| p)
+            .collect();
+        for p in pools {
+            p.close();
+        }
+        self.server.stop.store(true, Ordering::SeqCst);
+        // Wake the blocking accept; if that fails (no file descriptors left) the thread may
+        // never wake, so it is left detached instead of blocking shutdown forever.
+        let woke =
+            TcpStream::connect_timeout(&self.listen_addr, Duration::from_millis(500)).is_ok();
+        if let Some(t) = self.accept.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            if woke {
+                let _ = t.join();
+            }
+        }
+        // Close served connections so no thread touches registered memory after we return.
+        for (_, s) in self
+            .server
+            .conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+        {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        let deadline = Instant::now() + self.ctx.config.tcp.io_timeout;
+        while self.server.active.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        if !self.server.stop.load(Ordering::SeqCst) {
+            self.shutdown();
+        }
+    }
+}

@@ -7,7 +7,16 @@ Load it with::
                            "kv_role": "kv_producer" | "kv_consumer",
                            "kv_load_failure_policy": "fail" | "recompute",
                            "kv_connector_extra_config": {"host": "10.0.0.5", "port": 17500,
-                               "lease_seconds": 30, "load_timeout_seconds": 30}}'
+                               "protocol": "tcp", "fail_closed": true,
+                               "lease_seconds": 30, "load_timeout_seconds": 30,
+                               "connect_timeout_seconds": 5}}'
+
+Extra config keys: ``host`` (this instance's address, reachable by the peer; default vLLM's
+``get_ip()``), ``port`` (side-channel base port; rank ``(tp, pp)`` binds ``port + pp * tp_size +
+tp``), ``protocol`` (``tcp`` | ``rdma`` | ``auto``), ``fail_closed`` (an unverifiable load fails;
+default true), ``lease_seconds``, ``load_timeout_seconds``, ``connect_timeout_seconds``, and the
+test-only ``test_corrupt_transfer_prefix`` (flips a landed bit of every load whose transfer id
+starts with it: fault injection for the tests; never set it in production).
 
 vLLM constructs it once in the scheduler process (role SCHEDULER: :mod:`kvferry.vllm.scheduler`)
 and once in every worker process, i.e. per TP/PP rank (role WORKER: :mod:`kvferry.vllm.worker`).
@@ -29,7 +38,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvferry.vllm.metadata import KvferryConnectorMetadata
 from kvferry.vllm.scheduler import KvferrySchedulerSide, SchedulerConfig
-from kvferry.vllm.worker import KvferryWorkerSide, UnavailableTransport
+from kvferry.vllm.transport import KvferryTransport, TransportConfig
+from kvferry.vllm.worker import KvferryWorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,8 +82,17 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError(f"kv_connector_extra_config['port'] = {port} is not a TCP port")
         lease = _extra(extra, "lease_seconds", float, 30.0)
         timeout = _extra(extra, "load_timeout_seconds", float, 30.0)
-        if lease <= 0 or timeout <= 0:
-            raise ConfigError("kv_connector_extra_config lease_seconds and load_timeout_seconds must be > 0")
+        connect_timeout = _extra(extra, "connect_timeout_seconds", float, 5.0)
+        if lease <= 0 or timeout <= 0 or connect_timeout <= 0:
+            raise ConfigError("kv_connector_extra_config lease_seconds, load_timeout_seconds and "
+                              "connect_timeout_seconds must be > 0")
+        protocol = _extra(extra, "protocol", str, "tcp")
+        if protocol not in ("tcp", "rdma", "auto"):
+            raise ConfigError(f"kv_connector_extra_config['protocol'] = {protocol!r}: expected tcp, rdma or auto")
+        fail_closed = _extra(extra, "fail_closed", bool, True)
+        corrupt = extra.get("test_corrupt_transfer_prefix")
+        if corrupt is not None and not isinstance(corrupt, str):
+            raise ConfigError(f"kv_connector_extra_config['test_corrupt_transfer_prefix'] = {corrupt!r}: expected str")
         host = extra.get("host")
         if host is None:
             from vllm.utils.network_utils import get_ip
@@ -101,11 +120,19 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
+            tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+            transport = KvferryTransport(
+                TransportConfig(host=host, port=port, protocol=protocol, fail_closed=fail_closed,
+                                load_failure_policy=ktc.kv_load_failure_policy, lease_seconds=lease,
+                                load_timeout_seconds=timeout, connect_timeout_seconds=connect_timeout,
+                                test_corrupt_transfer_prefix=corrupt),
+                tp_rank=tp_rank, pp_rank=pp_rank, tp_size=pc.tensor_parallel_size,
+                pp_size=pc.pipeline_parallel_size, block_size=vllm_config.cache_config.block_size,
+                is_producer=ktc.is_kv_producer, is_consumer=ktc.is_kv_consumer)
+            # The load's deadline covers connecting and checksumming on top of the transfer.
             self._worker = KvferryWorkerSide(
-                tp_rank=get_tensor_model_parallel_rank(),
-                pp_rank=get_pp_group().rank_in_group,
-                load_timeout_seconds=timeout,
-                transport=UnavailableTransport(),
+                tp_rank=tp_rank, pp_rank=pp_rank, load_timeout_seconds=timeout + connect_timeout + 30.0,
+                transport=transport,
             )
 
     # ---- scheduler side ----

@@ -8,7 +8,10 @@ The keys follow vLLM's P2P connectors (NIXL, Mooncake in vLLM 0.32/0.33,
 - producer -> proxy (the finished request's ``kv_transfer_params``, built by
   :func:`producer_reply`): ``{"do_remote_prefill": True, "do_remote_decode": False,
   "transfer_id", "remote_engine_id", "remote_host", "remote_port", "remote_tp_size",
-  "remote_pp_size"}``.
+  "remote_pp_size", "remote_block_ids", "load_key"}``: ``remote_block_ids`` is the producer's
+  block table per KV cache group (block id per request position, as NIXL's and Mooncake's
+  ``remote_block_ids``); ``load_key`` the lease's key: the producer serves only a load that
+  carries it (kvferry's p2p request ownership, docs/design.md §8.1).
 - proxy -> consumer: that reply, unchanged.
 
 Unlike Mooncake's flow the producer names its own side-channel address in the reply, so the proxy
@@ -18,7 +21,7 @@ needs no bootstrap-server address of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
@@ -28,6 +31,8 @@ REMOTE_HOST = "remote_host"
 REMOTE_PORT = "remote_port"
 REMOTE_TP_SIZE = "remote_tp_size"
 REMOTE_PP_SIZE = "remote_pp_size"
+REMOTE_BLOCK_IDS = "remote_block_ids"
+LOAD_KEY = "load_key"
 
 
 class ParamsError(ValueError):
@@ -39,7 +44,8 @@ class ParamsError(ValueError):
 class RemoteSource:
     """Where a consumer loads a request's KV from: the producer's transfer id, engine id, the
     side-channel base address (``host:port`` of the producer's TP rank 0 / PP rank 0; rank
-    ``(tp, pp)`` listens on ``port + pp * tp_size + tp``) and the producer's TP/PP sizes."""
+    ``(tp, pp)`` listens on ``port + pp * tp_size + tp``), the producer's TP/PP sizes, its block
+    table per KV cache group and the lease's load key."""
 
     transfer_id: str
     engine_id: str
@@ -47,6 +53,8 @@ class RemoteSource:
     port: int
     tp_size: int
     pp_size: int
+    remote_block_ids: tuple[tuple[int, ...], ...]
+    load_key: str
 
     def rank_port(self, tp_rank: int, pp_rank: int) -> int:
         """Side-channel port of the producer rank ``(tp_rank, pp_rank)``."""
@@ -97,6 +105,11 @@ def remote_source(params: Mapping[str, Any]) -> RemoteSource:
     host = _get(params, REMOTE_HOST, str)
     if not host:
         raise ParamsError("kv_transfer_params['remote_host'] is empty")
+    tables = _get(params, REMOTE_BLOCK_IDS, list)
+    if not tables or not all(isinstance(g, list) and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0
+                                                         for b in g) for g in tables):
+        raise ParamsError("kv_transfer_params['remote_block_ids'] must be a non-empty list of lists of block ids >= 0")
+    load_key = _get(params, LOAD_KEY, str)
     return RemoteSource(
         transfer_id=transfer_id_of(params),
         engine_id=_get(params, REMOTE_ENGINE_ID, str),
@@ -104,11 +117,14 @@ def remote_source(params: Mapping[str, Any]) -> RemoteSource:
         port=port,
         tp_size=sizes[0],
         pp_size=sizes[1],
+        remote_block_ids=tuple(tuple(g) for g in tables),
+        load_key=load_key,
     )
 
 
 def producer_reply(
-    transfer_id: str, engine_id: str, host: str, port: int, tp_size: int, pp_size: int
+    transfer_id: str, engine_id: str, host: str, port: int, tp_size: int, pp_size: int,
+    block_ids: Sequence[Sequence[int]], load_key: str,
 ) -> dict[str, Any]:
     """The params a finished producer request returns, for the proxy to hand to the consumer."""
     return {
@@ -120,4 +136,6 @@ def producer_reply(
         REMOTE_PORT: port,
         REMOTE_TP_SIZE: tp_size,
         REMOTE_PP_SIZE: pp_size,
+        REMOTE_BLOCK_IDS: [list(g) for g in block_ids],
+        LOAD_KEY: load_key,
     }

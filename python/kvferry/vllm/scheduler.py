@@ -11,6 +11,7 @@ duck-typed vLLM `Request`s (`request_id`, `kv_transfer_params`, `prompt_token_id
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -92,7 +93,7 @@ class KvferrySchedulerSide:
         block_ids = tuple(tuple(int(b) for b in g) for g in blocks.get_unhashed_block_ids_all_groups())
         self._new_loads.append(
             LoadSpec(request_id=request.request_id, source=source, block_ids=block_ids,
-                     num_tokens=local + num_external_tokens)
+                     num_tokens=local + num_external_tokens, num_local_computed=local)
         )
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
@@ -113,14 +114,20 @@ class KvferrySchedulerSide:
         groups = tuple(tuple(int(b) for b in g) for g in block_ids)
         if not any(groups):
             return False, None
+        num_tokens = len(request.prompt_token_ids or ())
+        # The prompt's blocks only: the sampled token's block (if any) is not sent.
+        groups = tuple(g[: -(-num_tokens // self.config.block_size)] for g in groups)
+        # The lease's load key: whoever holds these params may load the KV, nobody else.
+        load_key = secrets.token_urlsafe(24)
         self._new_sends.append(
             SendSpec(request_id=request.request_id, transfer_id=transfer_id, block_ids=groups,
-                     num_tokens=len(request.prompt_token_ids or ()),
-                     lease_seconds=self.config.lease_seconds)
+                     num_tokens=num_tokens, lease_seconds=self.config.lease_seconds,
+                     load_key=load_key)
         )
         self.held[request.request_id] = transfer_id
         c = self.config
-        return True, P.producer_reply(transfer_id, c.engine_id, c.host, c.port, c.tp_size, c.pp_size)
+        return True, P.producer_reply(transfer_id, c.engine_id, c.host, c.port, c.tp_size, c.pp_size,
+                                      groups, load_key)
 
     def build_connector_meta(self) -> KvferryConnectorMetadata:
         """This step's new loads and sends; the queues start empty again."""

@@ -7,9 +7,9 @@ deadline), and reports to vLLM: ``finished_sending`` / ``finished_recving`` thro
 ``kv_load_failure_policy`` then fails or recomputes the request). A load counts as finished only
 once its transport returned a result (landed and verified, or failed).
 
-The data path is a :class:`RankTransport`. kvferry's per-rank transport (TransferEngine WRITEs plus
-the rank's checksum records, docs/vllm-connector-notes.md) is not in this build yet; until it is,
-:class:`UnavailableTransport` fails every load with that reason, so vLLM's failure policy decides.
+The data path is a :class:`RankTransport`: :class:`kvferry.vllm.transport.KvferryTransport`
+(kvferry's p2p Producer/Consumer of this rank: WRITEs, checksums, verdicts, policy).
+:class:`UnavailableTransport` fails every load (kept for a connector whose rank has no KV).
 """
 
 from __future__ import annotations
@@ -53,12 +53,19 @@ class LoadResult:
 
 
 class RankTransport(Protocol):
-    """One rank's data path: serve a producer rank's held request to its consumers, load a
+    """One rank's data path: register the rank's KV tensors, serve a producer rank's held
+    request to its consumers, report served/expired sends as ``(request id, reason)``, load a
     consumer rank's request from its producer ranks (by ``deadline``, a ``time.monotonic()``)."""
+
+    def register(self, kv_caches: dict) -> None: ...
 
     def serve(self, send: SendSpec) -> None: ...
 
+    def released(self) -> list[tuple[str, str]]: ...
+
     def load(self, spec: LoadSpec, deadline: float) -> LoadResult: ...
+
+    def shutdown(self) -> None: ...
 
 
 class UnavailableTransport:
@@ -67,7 +74,16 @@ class UnavailableTransport:
 
     REASON = "kvferry has no per-rank transport in this build (docs/vllm-connector-notes.md)"
 
+    def register(self, kv_caches: dict) -> None:
+        return None
+
     def serve(self, send: SendSpec) -> None:
+        return None
+
+    def released(self) -> list[tuple[str, str]]:
+        return []
+
+    def shutdown(self) -> None:
         return None
 
     def load(self, spec: LoadSpec, deadline: float) -> LoadResult:
@@ -82,6 +98,9 @@ class _Held:
 
 class KvferryWorkerSide:
     """One rank's worker-side state; called by vLLM's model runner thread, loads run on a pool."""
+
+    # The transport's own lease releases held blocks; this backstop frees them if it never says.
+    LEASE_BACKSTOP_SECONDS = 10.0
 
     def __init__(self, tp_rank: int, pp_rank: int, load_timeout_seconds: float,
                  transport: RankTransport, max_parallel_loads: int = 4):
@@ -105,6 +124,7 @@ class KvferryWorkerSide:
                       device=str(t.device))
             for name, t in kv_caches.items()
         ]
+        self.transport.register(kv_caches)
         if self.layers:
             first = self.layers[0]
             log.info("kvferry rank tp=%d pp=%d: %d KV layers, e.g. %s shape %s stride %s %s on %s",
@@ -116,7 +136,7 @@ class KvferryWorkerSide:
         """Takes this step's new sends (held under their lease) and loads (started now)."""
         now = time.monotonic()
         for send in meta.sends:
-            self._held[send.request_id] = _Held(send, now + send.lease_seconds)
+            self._held[send.request_id] = _Held(send, now + send.lease_seconds + self.LEASE_BACKSTOP_SECONDS)
             self.transport.serve(send)
         for spec in meta.loads:
             deadline = now + self.load_timeout_seconds
@@ -137,13 +157,18 @@ class KvferryWorkerSide:
         """(requests whose held blocks may be freed, requests whose load ended); a failed load
         ends too, its blocks going to :meth:`get_block_ids_with_load_errors` first."""
         sending: set[str] = set()
+        for rid, reason in self.transport.released():
+            if reason != "served":
+                log.warning("kvferry: request %s released without serving its consumer (%s); freeing its blocks",
+                            rid, reason)
+            self._served.put(rid)
         while not self._served.empty():
             rid = self._served.get()
             if self._held.pop(rid, None) is not None:
                 sending.add(rid)
         now = time.monotonic()
         for rid in [r for r, h in self._held.items() if h.expires <= now]:
-            log.warning("kvferry: request %s (transfer %s) lease expired before its consumer was served; freeing its blocks",
+            log.warning("kvferry: request %s (transfer %s) held past its lease without a release; freeing its blocks",
                         rid, self._held[rid].send.transfer_id)
             del self._held[rid]
             sending.add(rid)
@@ -167,3 +192,4 @@ class KvferryWorkerSide:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.transport.shutdown()

@@ -2,8 +2,15 @@
 one JSON line of results. Driven by test_vllm_cpu.py, one subprocess per engine: vLLM keeps the KV
 connector and the distributed state as process globals.
 
-    python engine_run.py SCENARIO MODEL_DIR
+    python engine_run.py SCENARIO MODEL_DIR [RENDEZVOUS_DIR]
     SCENARIO: producer | producer-tp2 | consumer-recompute | consumer-fail
+
+The producer and the two consumers run at the same time and meet through files in
+RENDEZVOUS_DIR: each consumer writes ``ready-<policy>`` once started; the producer then prefills
+every prompt once per consumer (``do_remote_decode``, transfer ids ``<policy>-ok-<i>`` and
+``<policy>-corrupt-<i>``) and writes the returned ``kv_transfer_params`` to ``params.json``; each
+consumer decodes with them (the ``corrupt-`` loads get a landed bit flipped by the connector's
+test hook) and writes ``done-<policy>``; the producer then checks that its held blocks were freed.
 """
 
 import json
@@ -75,7 +82,12 @@ def reinit_weights(model) -> None:
                 m.cpu_linear = plain_linear
 
 
-def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1):
+PORT = 17555
+LEASE_S = 15.0
+POLICIES = ("recompute", "fail")
+
+
+def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1, port: int = PORT):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -84,8 +96,9 @@ def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1):
         ktc = KVTransferConfig(
             kv_connector="KvferryConnector", kv_connector_module_path="kvferry.vllm",
             kv_role=role, kv_load_failure_policy=policy,
-            kv_connector_extra_config={"host": "127.0.0.1", "port": 17555, "lease_seconds": 2.0,
-                                       "load_timeout_seconds": 5.0},
+            kv_connector_extra_config={"host": "127.0.0.1", "port": port, "lease_seconds": LEASE_S,
+                                       "load_timeout_seconds": 20.0, "fail_closed": True,
+                                       "test_corrupt_transfer_prefix": f"{policy}-corrupt-"},
         )
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
               max_model_len=256, enforce_eager=True, seed=0, block_size=BLOCK_SIZE,
@@ -121,7 +134,25 @@ def fake_producer_reply(i: int) -> dict:
     # A producer no consumer can reach: port 1 on loopback.
     return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": f"t{i}",
             "remote_engine_id": "producer-0", "remote_host": "127.0.0.1", "remote_port": 1,
-            "remote_tp_size": 1, "remote_pp_size": 1}
+            "remote_tp_size": 1, "remote_pp_size": 1, "remote_block_ids": [[1, 2, 3]],
+            "load_key": "no-such-lease"}
+
+
+def wait_for(path: str, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise SystemExit(f"timed out waiting for {path}")
+        time.sleep(0.2)
+
+
+def touch(path: str, data: str = "") -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+RENDEZVOUS_TIMEOUT_S = 480
 
 
 def main() -> None:
@@ -129,23 +160,36 @@ def main() -> None:
     write_model(model)
     t0 = time.monotonic()
     result: dict = {"scenario": scenario}
+    rdv = sys.argv[3] if len(sys.argv) > 3 else None
     if scenario == "producer":
         llm = make_llm(model, "kv_producer")
         result["startup_s"] = time.monotonic() - t0
         result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
         result["free_before"] = free_blocks(llm)
-        result["prefill"] = generate(llm, PROMPTS, 1, lambda i: {"do_remote_decode": True, "transfer_id": f"t{i}"})
+        for policy in POLICIES:
+            wait_for(os.path.join(rdv, f"ready-{policy}"), RENDEZVOUS_TIMEOUT_S)
+        tids = [f"{policy}-{kind}-{i}" for policy in POLICIES for kind in ("ok", "corrupt")
+                for i in range(len(PROMPTS))] + [f"unclaimed-{i}" for i in range(len(PROMPTS))]
+        prompts = [PROMPTS[int(t.rsplit("-", 1)[1])] for t in tids]
+        outs = generate(llm, prompts, 1, lambda i: {"do_remote_decode": True, "transfer_id": tids[i]})
+        result["prefill"] = dict(zip(tids, outs))
         # Offline, vLLM steps only while requests run: this step hands the held sends to the
-        # worker (their lease starts there), the one after the sleep reports them expired.
+        # workers, which publish them to kvferry (their lease starts there).
         generate(llm, [[5, 6, 7]], 1)
         result["free_held"] = free_blocks(llm)
-        time.sleep(2.5)  # past lease_seconds
-        generate(llm, [[5, 6, 7]], 1)
+        touch(os.path.join(rdv, "params.json"), json.dumps({t: o["kv_transfer_params"] for t, o in zip(tids, outs)}))
+        for policy in POLICIES:
+            wait_for(os.path.join(rdv, f"done-{policy}"), RENDEZVOUS_TIMEOUT_S)
+        # Served sends are released at once; the unclaimed ones when their lease expires.
+        end = time.monotonic() + LEASE_S + 10
+        while free_blocks(llm) != result["free_before"] and time.monotonic() < end:
+            generate(llm, [[5, 6, 7]], 1)
+            time.sleep(0.5)
         result["free_after_lease"] = free_blocks(llm)
     elif scenario == "producer-tp2":
         # Two worker processes, one TP rank each (1 of the 2 KV heads): each builds its own
         # connector; the reply names the producer's TP size.
-        llm = make_llm(model, "kv_producer", tp=2)
+        llm = make_llm(model, "kv_producer", tp=2, port=PORT + 10)
         result["startup_s"] = time.monotonic() - t0
         result["prefill"] = generate(llm, PROMPTS[:1], 1, lambda i: {"do_remote_decode": True, "transfer_id": "tp2"})
     elif scenario in ("consumer-recompute", "consumer-fail"):
@@ -155,7 +199,18 @@ def main() -> None:
         # Same last token, other context: outputs must differ, or equality proves nothing.
         result["reference_context_changed"] = generate(
             llm, [[t + 100 for t in p[:-1]] + p[-1:] for p in PROMPTS], MAX_TOKENS)
-        result["decode"] = generate(llm, PROMPTS, MAX_TOKENS, fake_producer_reply)
+        result["decode_unreachable"] = generate(llm, PROMPTS, MAX_TOKENS, fake_producer_reply)
+        policy = scenario.removeprefix("consumer-")
+        touch(os.path.join(rdv, f"ready-{policy}"))
+        wait_for(os.path.join(rdv, "params.json"), RENDEZVOUS_TIMEOUT_S)
+        with open(os.path.join(rdv, "params.json")) as f:
+            params = json.load(f)
+        try:
+            for kind in ("ok", "corrupt"):
+                result[f"decode_{kind}"] = generate(
+                    llm, PROMPTS, MAX_TOKENS, lambda i: params[f"{policy}-{kind}-{i}"])
+        finally:
+            touch(os.path.join(rdv, f"done-{policy}"))
         result["free_after"] = free_blocks(llm)
         result["free_total"] = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
     else:

@@ -25,7 +25,8 @@ fi
 command -v "$PY" >/dev/null || PY=python3
 log "creating $VENV with $($PY --version)"
 "$PY" -m venv "$VENV"
-pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
+# No pip cache: it would keep another ~3 GB of wheels on CI's disk; PyPI is fast here.
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check --no-cache-dir)
 "${pip[@]}" install -q -U pip
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # kvferry.vllm against real vLLM (the CPU build): installs vLLM into a venv (scripts/vllm-env.sh),
-# installs kvferry's Python package into it, and runs python/tests/vllm. Not part of
-# scripts/test-all.sh: the venv is ~6 GB and the three engines take minutes
-# (docs/vllm-connector-notes.md §7).
+# installs kvferry's Python package into it, and runs python/tests/vllm: a producer and two
+# consumer engines side by side, then a TP = 2 producer. Run by scripts/test-all.sh
+# (KVFERRY_SKIP_VLLM=1 skips it); times in docs/vllm-connector-notes.md §7.
 #
 # Usage: bash scripts/vllm-tests.sh [pytest args...]   (KVFERRY_VLLM_VENV overrides .dev/vllm-venv)
 set -euo pipefail

@@ -19,7 +19,7 @@ fails or returns no ``kv_transfer_params`` answers the client with its status an
 (HTTP 502 when it returned no params); nothing is sent to the decode instance then.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations at run time.
 
 import argparse
 import copy
@@ -63,14 +63,15 @@ def decode_body(body: dict[str, Any], prefill_response: dict[str, Any]) -> dict[
     return out
 
 
-def make_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0):
-    """The FastAPI app: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``."""
+def make_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, transport: Any = None):
+    """The FastAPI app: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``.
+    ``transport``: an ``httpx`` transport for the upstream calls (tests); default: the network."""
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI()
-    client = httpx.AsyncClient(timeout=timeout_s)
+    client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
 
     async def handle(path: str, request: Request):
         body = await request.json()

@@ -48,6 +48,13 @@ def run_engines(scenarios: list[str], tmp_path_factory) -> dict[str, dict]:
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+    # KVFERRY_VLLM_LOG_DIR keeps each engine's whole log (CI artifacts, docs examples).
+    log_dir = os.environ.get("KVFERRY_VLLM_LOG_DIR")
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        for s, out in outs.items():
+            with open(os.path.join(log_dir, f"{s}.log"), "w") as f:
+                f.write(out)
     return {s: _result(s, procs[s], outs[s]) for s in scenarios}
 
 

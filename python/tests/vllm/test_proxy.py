@@ -1,0 +1,77 @@
+"""kvferry.vllm.proxy's request flow, with both vLLM instances replaced by an httpx mock that
+records what they were sent (the engines' side of the params is test_vllm_cpu.py's)."""
+
+import importlib.util
+import json
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed in this interpreter: run scripts/vllm-tests.sh", allow_module_level=True)
+
+import httpx
+from fastapi.testclient import TestClient
+
+from kvferry.vllm.proxy import make_app
+
+REPLY = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "x", "remote_engine_id": "e",
+         "remote_host": "10.0.0.1", "remote_port": 17500, "remote_tp_size": 1, "remote_pp_size": 1,
+         "remote_block_ids": [[4, 9]], "load_key": "k"}
+
+
+def upstreams(prefill_params=REPLY, prefill_status=200):
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        sent.append((request.url.host, request.url.path, body))
+        if request.url.host == "prefill":
+            if prefill_status != 200:
+                return httpx.Response(prefill_status, text="boom")
+            kvp = dict(prefill_params, transfer_id=body["kv_transfer_params"]["transfer_id"]) if prefill_params else None
+            return httpx.Response(200, json={"choices": [{"text": "a"}], "kv_transfer_params": kvp})
+        return httpx.Response(200, json={"choices": [{"text": "decoded"}]})
+
+    return sent, httpx.MockTransport(handler)
+
+
+def client(transport):
+    return TestClient(make_app("http://prefill:8100", "http://decode:8200", transport=transport))
+
+
+def test_prefill_gets_one_token_and_do_remote_decode_then_decode_gets_its_params():
+    sent, transport = upstreams()
+    r = client(transport).post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 20,
+                                                        "stream": False})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+    (h1, p1, b1), (h2, p2, b2) = sent
+    assert (h1, p1) == ("prefill", "/v1/completions") and (h2, p2) == ("decode", "/v1/completions")
+    assert b1["max_tokens"] == 1 and b1["stream"] is False
+    assert b1["kv_transfer_params"]["do_remote_decode"] is True
+    tid = b1["kv_transfer_params"]["transfer_id"]
+    assert b2["max_tokens"] == 20 and b2["prompt"] == [1, 2, 3]
+    assert b2["kv_transfer_params"] == dict(REPLY, transfer_id=tid)
+
+
+def test_each_request_gets_its_own_transfer_id():
+    sent, transport = upstreams()
+    c = client(transport)
+    for _ in range(2):
+        c.post("/v1/chat/completions", json={"model": "m", "messages": [], "max_completion_tokens": 5})
+    tids = [b["kv_transfer_params"]["transfer_id"] for h, _, b in sent if h == "prefill"]
+    assert len(set(tids)) == 2
+    assert all(b["max_completion_tokens"] == 1 for h, _, b in sent if h == "prefill")
+
+
+def test_a_prefill_without_params_is_a_502_and_nothing_reaches_decode():
+    sent, transport = upstreams(prefill_params=None)
+    r = client(transport).post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3})
+    assert r.status_code == 502 and "no kv_transfer_params" in r.json()["error"]["message"]
+    assert [h for h, _, _ in sent] == ["prefill"]
+
+
+def test_a_failed_prefill_passes_its_status_through():
+    sent, transport = upstreams(prefill_status=503)
+    r = client(transport).post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3})
+    assert r.status_code == 503
+    assert [h for h, _, _ in sent] == ["prefill"]

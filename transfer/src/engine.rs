@@ -10,7 +10,7 @@ use std::time::Duration;
 use crate::auth::{AuthState, GrantGuard, GrantSpec, Token};
 use crate::config::{EngineConfig, RdmaConfig};
 use crate::error::{Result, TransferError};
-use crate::handshake::{self, FrameType, HandshakeServer, Session, MAX_FRAME_BODY};
+use crate::handshake::{FrameType, HandshakeServer, Session, MAX_FRAME_BODY};
 use crate::memory::{cover_sorted, MemoryAccess, MemoryRegion, MemoryRegistry};
 use crate::peer_cache::{BatchRefresh, PeerCache};
 use crate::segment::{BufferDesc, SegmentDescriptor, SegmentHandle};
@@ -298,11 +298,7 @@ impl TransferEngine {
             listener,
             Arc::new(handler),
             config.handshake_timeout,
-            config.tcp.max_server_connections,
-            handshake::ConnLimits {
-                per_source: config.tcp.max_connections_per_source,
-                first_frame: config.tcp.first_frame_timeout,
-            },
+            crate::admission::Limits::of(&config.tcp),
         )?;
         let peers = Arc::new(PeerCache::new(
             transport.clone(),

@@ -16,11 +16,10 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::admission::Sources;
+use crate::admission::{Admitted, Limits, Listener, Names};
 use crate::error::{Result, TransferError};
 
 /// Largest handshake frame body, bytes (1 MiB, as Mooncake's default).
@@ -257,50 +256,36 @@ pub(crate) struct Session {
 /// frame.
 pub(crate) type Handler = dyn Fn(FrameType, &[u8], &mut Session) -> Result<Vec<u8>> + Send + Sync;
 
+/// The handshake listener: an [`Listener`] whose connections run the frame loop with
+/// `handler` (limits and first-frame deadline as [`Limits`]). Stops when dropped.
+pub(crate) struct HandshakeServer {
+    _listener: Listener,
+}
+
+/// What every handshake connection thread shares.
 struct ServerShared {
-    stop: AtomicBool,
-    active: AtomicUsize,
-    max_connections: usize,
     timeout: Duration,
     handler: Arc<Handler>,
-    limits: ConnLimits,
-    sources: Arc<Sources>,
-}
-
-/// Per-source limit and first-frame (pre-authentication) deadline of a listener
-/// (`TcpConfig::max_connections_per_source`, `TcpConfig::first_frame_timeout`).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct ConnLimits {
-    pub per_source: usize,
-    pub first_frame: Duration,
-}
-
-/// The handshake listener: an accept thread and one thread per connection (at most
-/// `max_connections` at once, `limits.per_source` per source IP; more are closed at once; a
-/// connection whose first frame has not arrived within `limits.first_frame` is closed).
-/// Stops when dropped.
-pub(crate) struct HandshakeServer {
-    shared: Arc<ServerShared>,
-    addr: SocketAddr,
-    accept: Option<std::thread::JoinHandle<()>>,
 }
 
 impl HandshakeServer {
     /// Serves `listener` with `handler`; each connection's frames must arrive within `timeout`.
     /// Per-source limit and first-frame deadline as `TcpConfig`'s defaults.
-    #[cfg_attr(not(test), allow(dead_code))]
+    #[cfg_attr(
+        not(all(test, feature = "rdma")),
+        allow(dead_code, reason = "used by the rdma module's tests")
+    )]
     pub(crate) fn start(
         listener: TcpListener,
         handler: Arc<Handler>,
         timeout: Duration,
         max_connections: usize,
     ) -> Result<Self> {
-        let d = crate::config::TcpConfig::default();
-        let limits = ConnLimits {
-            per_source: d.max_connections_per_source,
-            first_frame: d.first_frame_timeout,
+        let limits = Limits {
+            max_connections,
+            ..Limits::of(&crate::config::TcpConfig::default())
         };
-        Self::start_limited(listener, handler, timeout, max_connections, limits)
+        Self::start_limited(listener, handler, timeout, limits)
     }
 
     /// As `start`, with `limits`.
@@ -308,89 +293,23 @@ impl HandshakeServer {
         listener: TcpListener,
         handler: Arc<Handler>,
         timeout: Duration,
-        max_connections: usize,
-        limits: ConnLimits,
+        limits: Limits,
     ) -> Result<Self> {
-        let addr = listener
-            .local_addr()
-            .map_err(|e| TransferError::io("handshake listener address", e))?;
-        let shared = Arc::new(ServerShared {
-            stop: AtomicBool::new(false),
-            active: AtomicUsize::new(0),
-            max_connections: max_connections.max(1),
-            timeout,
-            handler,
-            sources: Sources::new(limits.per_source),
+        let sh = ServerShared { timeout, handler };
+        let names = Names {
+            label: "handshake",
+            accept_thread: "kvferry-handshake",
+            conn_thread: "kvferry-handshake-conn",
+        };
+        let listener = Listener::start(
+            listener,
+            names,
             limits,
-        });
-        let sh = shared.clone();
-        let accept = std::thread::Builder::new()
-            .name("kvferry-handshake".into())
-            .spawn(move || accept_loop(listener, sh))
-            .map_err(|e| TransferError::io("spawn handshake thread", e))?;
+            Arc::new(move |c| serve_conn(c, &sh)),
+        )?;
         Ok(HandshakeServer {
-            shared,
-            addr,
-            accept: Some(accept),
+            _listener: listener,
         })
-    }
-}
-
-impl Drop for HandshakeServer {
-    fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::SeqCst);
-        // Wake the blocking accept. If that connect fails (e.g. no file descriptors left),
-        // the thread may never wake: leave it detached rather than block the drop forever.
-        let woke = TcpStream::connect_timeout(&self.addr, Duration::from_millis(500)).is_ok();
-        if let Some(t) = self.accept.take() {
-            if woke {
-                let _ = t.join();
-            }
-        }
-    }
-}
-
-fn accept_loop(listener: TcpListener, sh: Arc<ServerShared>) {
-    for conn in listener.incoming() {
-        if sh.stop.load(Ordering::SeqCst) {
-            break;
-        }
-        let s = match conn {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::debug!("handshake accept: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        let ticket = match s.peer_addr() {
-            Ok(p) => sh.sources.admit(p.ip()).ok_or(p),
-            Err(_) => continue,
-        };
-        let ticket = match ticket {
-            Ok(t) => t,
-            Err(p) => {
-                tracing::warn!(peer = %p, "handshake: too many connections from this source, closing one");
-                continue;
-            }
-        };
-        if sh.active.fetch_add(1, Ordering::SeqCst) >= sh.max_connections {
-            sh.active.fetch_sub(1, Ordering::SeqCst);
-            tracing::warn!("handshake: too many connections, closing one");
-            continue;
-        }
-        let sh2 = sh.clone();
-        let spawned = std::thread::Builder::new()
-            .name("kvferry-handshake-conn".into())
-            .spawn(move || {
-                serve_conn(s, &sh2);
-                drop(ticket);
-                sh2.active.fetch_sub(1, Ordering::SeqCst);
-            });
-        if let Err(e) = spawned {
-            sh.active.fetch_sub(1, Ordering::SeqCst);
-            tracing::warn!("handshake: cannot spawn connection thread: {e}");
-        }
     }
 }
 
@@ -411,11 +330,8 @@ fn call_handler(
     })
 }
 
-fn serve_conn(mut s: TcpStream, sh: &ServerShared) {
-    let peer = match s.peer_addr() {
-        Ok(p) => p,
-        Err(_) => return,
-    };
+fn serve_conn(c: Admitted, sh: &ServerShared) {
+    let (mut s, peer) = (c.stream, c.peer);
     let _ = s.set_nodelay(true);
     let mut session = Session {
         peer,
@@ -425,12 +341,10 @@ fn serve_conn(mut s: TcpStream, sh: &ServerShared) {
     // the first frame must arrive within the pre-authentication deadline
     let mut first = true;
     loop {
-        let wait = if std::mem::take(&mut first) {
-            sh.timeout.min(sh.limits.first_frame)
-        } else {
-            sh.timeout
-        };
-        let deadline = Instant::now() + wait;
+        let mut deadline = Instant::now() + sh.timeout;
+        if std::mem::take(&mut first) {
+            deadline = deadline.min(c.first_frame_deadline);
+        }
         let (ty, body) = match read_frame(&mut s, deadline, "read handshake request") {
             Ok(Some(f)) => f,
             Ok(None) => return,

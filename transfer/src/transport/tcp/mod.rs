@@ -30,10 +30,9 @@ mod socket;
 mod target;
 
 use std::collections::HashMap;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::net::{SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use serde_json::json;
 
@@ -41,22 +40,21 @@ use super::{
     kind_mismatch, CompletionSink, Slice, Transport, TransportContext, TransportInfo,
     TransportStats,
 };
-use crate::admission::Sources;
+use crate::admission::Listener;
 use crate::error::{Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
 use crate::segment::SegmentDescriptor;
 use crate::types::Location;
 use coalesce::coalesce;
 use pool::PeerPool;
-use target::{accept_loop, ServerShared};
+use target::ServerShared;
 
 /// The TCP transport. Create with [`TcpTransport::new`]; the engine owns it behind `Arc`.
 pub struct TcpTransport {
     ctx: TransportContext,
     data_port: u16,
     server: Arc<ServerShared>,
-    accept: Mutex<Option<std::thread::JoinHandle<()>>>,
-    listen_addr: SocketAddr,
+    listener: Listener,
     peers: Arc<Pools>,
 }
 
@@ -78,28 +76,16 @@ impl TcpTransport {
         let listener = TcpListener::bind((strip_brackets(&host), tcp.data_port)).map_err(|e| {
             TransferError::Config(format!("cannot bind TCP data listener on {host}: {e}"))
         })?;
-        let listen_addr = listener
-            .local_addr()
-            .map_err(|e| TransferError::io("data listener address", e))?;
         let server = Arc::new(ServerShared {
             ctx: ctx.clone(),
             stop: AtomicBool::new(false),
-            active: AtomicUsize::new(0),
-            conns: Mutex::new(HashMap::new()),
-            next_conn: AtomicU64::new(0),
-            sources: Sources::new(tcp.max_connections_per_source),
         });
-        let sh = server.clone();
-        let accept = std::thread::Builder::new()
-            .name("kvferry-tcp-accept".into())
-            .spawn(move || accept_loop(listener, sh))
-            .map_err(|e| TransferError::io("spawn TCP accept thread", e))?;
+        let listener = target::listen(listener, server.clone())?;
         Ok(TcpTransport {
             ctx,
-            data_port: listen_addr.port(),
+            data_port: listener.local_addr().port(),
             server,
-            accept: Mutex::new(Some(accept)),
-            listen_addr,
+            listener,
             peers: Arc::new(Mutex::new(HashMap::new())),
         })
     }
@@ -244,7 +230,7 @@ impl Transport for TcpTransport {
                     conns.iter().filter(|c| c.is_open()).count()
                 })
                 .sum(),
-            served_connections: self.server.active.load(Ordering::SeqCst),
+            served_connections: self.listener.active(),
         }
     }
 
@@ -260,29 +246,9 @@ impl Transport for TcpTransport {
             p.close();
         }
         self.server.stop.store(true, Ordering::SeqCst);
-        // Wake the blocking accept; if that fails (no file descriptors left) the thread may
-        // never wake, so it is left detached instead of blocking shutdown forever.
-        let woke =
-            TcpStream::connect_timeout(&self.listen_addr, Duration::from_millis(500)).is_ok();
-        if let Some(t) = self.accept.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            if woke {
-                let _ = t.join();
-            }
-        }
+        self.listener.stop();
         // Close served connections so no thread touches registered memory after we return.
-        for (_, s) in self
-            .server
-            .conns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain()
-        {
-            let _ = s.shutdown(Shutdown::Both);
-        }
-        let deadline = Instant::now() + self.ctx.config.tcp.io_timeout;
-        while self.server.active.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        self.listener.close_served(self.ctx.config.tcp.io_timeout);
     }
 }
 

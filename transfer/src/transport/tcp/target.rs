@@ -1,92 +1,42 @@
 //! Target side of the TCP transport: the data listener's accept loop and the per-connection
 //! server that checks and serves READ, WRITE and scattered WRITE frames.
 
-use std::collections::HashMap;
 use std::io::{IoSlice, Read};
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::socket::{drain, prepare, read_full, write_full, write_vectored_full};
-use crate::admission::Sources;
+use crate::admission::{Admitted, Limits, Listener, Names};
 use crate::config::TcpConfig;
 use crate::error::{Result, TransferError};
 use crate::transport::wire::{self, Request};
 use crate::transport::TransportContext;
 use crate::types::{Location, Op};
 
+/// What every served data connection shares.
 pub(super) struct ServerShared {
     pub(super) ctx: TransportContext,
+    /// Set at shutdown: served connections stop at their next request.
     pub(super) stop: AtomicBool,
-    pub(super) active: AtomicUsize,
-    /// Clones of served sockets, to close them at shutdown.
-    pub(super) conns: Mutex<HashMap<u64, TcpStream>>,
-    pub(super) next_conn: AtomicU64,
-    pub(super) sources: Arc<Sources>,
 }
 
-pub(super) fn accept_loop(listener: TcpListener, sh: Arc<ServerShared>) {
-    let max = sh.ctx.config.tcp.max_server_connections.max(1);
-    for conn in listener.incoming() {
-        if sh.stop.load(Ordering::SeqCst) {
-            break;
+/// Starts the data listener on `listener` (limits from `ctx.config.tcp`).
+pub(super) fn listen(listener: TcpListener, sh: Arc<ServerShared>) -> Result<Listener> {
+    let names = Names {
+        label: "tcp data listener",
+        accept_thread: "kvferry-tcp-accept",
+        conn_thread: "kvferry-tcp-serve",
+    };
+    let limits = Limits::of(&sh.ctx.config.tcp);
+    let serve = move |c: Admitted| {
+        let peer = c.peer;
+        if let Err(e) = serve_conn(c, &sh) {
+            tracing::debug!(%peer, "tcp data connection closed: {e}");
         }
-        let s = match conn {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::debug!("tcp accept: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        let ticket = match s.peer_addr() {
-            Ok(p) => sh.sources.admit(p.ip()).ok_or(p),
-            Err(_) => continue,
-        };
-        let ticket = match ticket {
-            Ok(t) => t,
-            Err(p) => {
-                tracing::warn!(peer = %p, "tcp data listener: too many connections from this source, closing one");
-                continue;
-            }
-        };
-        if sh.active.fetch_add(1, Ordering::SeqCst) >= max {
-            sh.active.fetch_sub(1, Ordering::SeqCst);
-            tracing::warn!("tcp data listener: too many connections, closing one");
-            continue;
-        }
-        let id = sh.next_conn.fetch_add(1, Ordering::SeqCst);
-        if let Ok(c) = s.try_clone() {
-            sh.conns
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, c);
-        }
-        let sh2 = sh.clone();
-        let spawned = std::thread::Builder::new()
-            .name("kvferry-tcp-serve".into())
-            .spawn(move || {
-                let peer = s.peer_addr().ok();
-                if let Err(e) = serve_conn(s, &sh2) {
-                    tracing::debug!(?peer, "tcp data connection closed: {e}");
-                }
-                sh2.conns
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&id);
-                drop(ticket);
-                sh2.active.fetch_sub(1, Ordering::SeqCst);
-            });
-        if let Err(e) = spawned {
-            sh.conns
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&id);
-            sh.active.fetch_sub(1, Ordering::SeqCst);
-            tracing::warn!("tcp data listener: cannot spawn a thread: {e}");
-        }
-    }
+    };
+    Listener::start(listener, names, limits, Arc::new(serve))
 }
 
 /// Waits for the first byte of the next request for at most `idle` (clean close on EOF or
@@ -120,11 +70,10 @@ fn read_request(s: &mut TcpStream, idle: Duration) -> Result<Option<Request>> {
     Request::decode(&hdr).map(Some)
 }
 
-/// Reads a connection's first request header, all of it within `first_frame_timeout` (the
-/// pre-authentication deadline), then restores the socket's `io_timeout`.
-fn read_first_request(s: &mut TcpStream, cfg: &TcpConfig) -> Result<Request> {
+/// Reads a connection's first request header, all of it by `deadline` (the
+/// pre-authentication deadline the listener set), then restores the socket's `io_timeout`.
+fn read_first_request(s: &mut TcpStream, cfg: &TcpConfig, deadline: Instant) -> Result<Request> {
     let mut hdr = [0u8; wire::REQ_LEN];
-    let deadline = Instant::now() + cfg.first_frame_timeout;
     crate::handshake::read_exact_by(s, &mut hdr, deadline, "read first request")?;
     prepare(s, cfg, "prepare served connection")?;
     Request::decode(&hdr)
@@ -140,12 +89,13 @@ fn reply_error(s: &mut TcpStream, status: u8, text: &str) -> Result<()> {
     )
 }
 
-fn serve_conn(mut s: TcpStream, sh: &ServerShared) -> Result<()> {
+fn serve_conn(c: Admitted, sh: &ServerShared) -> Result<()> {
+    let mut s = c.stream;
     let cfg = &sh.ctx.config.tcp;
     prepare(&s, cfg, "prepare served connection")?;
     let idle = cfg.idle_timeout.saturating_mul(2);
     let instance = sh.ctx.instance_id;
-    let mut first = Some(read_first_request(&mut s, cfg)?);
+    let mut first = Some(read_first_request(&mut s, cfg, c.first_frame_deadline)?);
     loop {
         if sh.stop.load(Ordering::SeqCst) {
             return Ok(());

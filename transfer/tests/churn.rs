@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::child::{self, eventually, fds, threads, Spec};
+use common::child;
 use common::{engine_with, Buf};
 
 const LEN: u64 = 1 << 20;
@@ -27,50 +27,13 @@ fn killed_consumers_leave_no_fds_threads_or_peers_behind() {
     });
     let src = Buf::new(LEN as usize, 7);
     src.register(&producer);
-    let (fd0, th0) = (fds(), threads());
-    let mut peak = (fd0, th0);
-    for round in 0..8u64 {
-        let c = child::spawn(
-            "child_consumer",
-            Spec {
-                len: LEN,
-                ..Spec::default()
-            },
-        );
-        for _ in 0..3 {
-            let reqs: Vec<(u64, u64, u64)> = (0..8)
-                .map(|i| (src.addr() + i * 65536, c.addr + i * 65536, 65536))
-                .collect();
-            producer
-                .batch_transfer_sync_write(&c.segment, &reqs)
-                .unwrap_or_else(|e| panic!("round {round}: write to the live consumer: {e}"));
-        }
-        peak = (peak.0.max(fds()), peak.1.max(threads()));
-        let st = producer.stats();
-        assert!(
-            st.cached_segments >= 1,
-            "round {round}: the live consumer is cached"
-        );
-        assert!(st.connections > 0, "round {round}: connections counted");
-        c.kill();
-    }
-    let stats0 = kvferry_transfer::EngineStats::default();
-    let back = eventually(Duration::from_secs(30), || {
-        fds() <= fd0 && threads() <= th0 && producer.stats() == stats0
-    });
-    eprintln!(
-        "producer before churn: {fd0} fds, {th0} threads; peak {} fds, {} threads; \
-         after 8 killed consumers and the idle timeout: {} fds, {} threads",
-        peak.0,
-        peak.1,
-        fds(),
-        threads()
-    );
-    assert!(
-        back,
-        "fds {} (start {fd0}), threads {} (start {th0}), {:?} did not return",
-        fds(),
-        threads(),
-        producer.stats()
+    child::killed_consumers_leave_nothing_behind(
+        &producer,
+        src.addr(),
+        LEN,
+        "child_consumer",
+        false,
+        8,
+        Duration::from_secs(30),
     );
 }

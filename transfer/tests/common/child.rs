@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransportKind};
+use kvferry_transfer::{EngineConfig, EngineStats, Location, TransferEngine, TransportKind};
 
 const ENV: &str = "KVFERRY_TEST_CHILD";
 
@@ -185,4 +185,76 @@ pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// No leaks under churn (issue 10): `rounds` child consumers (test `child`, on RDMA when
+/// `rdma`, each registering `len` >= 512 KiB bytes) are started, each written to three times
+/// (8 × 64 KiB from `src`, registered with `producer`) and SIGKILLed; then the producer's file
+/// descriptors, threads and `stats()` must return to their starting counts within `settle`
+/// (its idle timeouts must be shorter).
+pub fn killed_consumers_leave_nothing_behind(
+    producer: &TransferEngine,
+    src: u64,
+    len: u64,
+    child: &str,
+    rdma: bool,
+    rounds: u64,
+    settle: Duration,
+) {
+    let (fd0, th0) = (fds(), threads());
+    let mut peak = (fd0, th0, 0usize);
+    for round in 0..rounds {
+        let c = spawn(
+            child,
+            Spec {
+                len,
+                rdma,
+                ..Spec::default()
+            },
+        );
+        for _ in 0..3 {
+            let reqs: Vec<(u64, u64, u64)> = (0..8)
+                .map(|i| (src + i * 65536, c.addr + i * 65536, 65536))
+                .collect();
+            producer
+                .batch_transfer_sync_write(&c.segment, &reqs)
+                .unwrap_or_else(|e| panic!("round {round}: write to the live consumer: {e}"));
+        }
+        let st = producer.stats();
+        assert!(
+            st.cached_segments >= 1,
+            "round {round}: the live consumer is cached: {st:?}"
+        );
+        assert!(
+            st.connections > 0,
+            "round {round}: connections counted: {st:?}"
+        );
+        peak = (
+            peak.0.max(fds()),
+            peak.1.max(threads()),
+            peak.2.max(st.connections),
+        );
+        c.kill();
+    }
+    let back = eventually(settle, || {
+        fds() <= fd0 && threads() <= th0 && producer.stats() == EngineStats::default()
+    });
+    eprintln!(
+        "producer before churn: {fd0} fds, {th0} threads; peak {} fds, {} threads, {} \
+         connections; after {rounds} killed consumers and the idle timeout: {} fds, {} threads, \
+         {:?}",
+        peak.0,
+        peak.1,
+        peak.2,
+        fds(),
+        threads(),
+        producer.stats()
+    );
+    assert!(
+        back,
+        "fds {} (start {fd0}), threads {} (start {th0}), {:?} did not return",
+        fds(),
+        threads(),
+        producer.stats()
+    );
 }

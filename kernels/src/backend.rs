@@ -22,14 +22,9 @@ pub struct LayerInput {
     pub len: u64,
 }
 
-/// Where a job's KV lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Device {
-    /// Host memory.
-    Cpu,
-    /// CUDA device with this ordinal.
-    Cuda(u32),
-}
+/// Where a job's KV lives: the one location type of kvferry-cuda (`Device::Cpu`, or
+/// `Device::Cuda(ordinal)`), under the name this crate's API has always used.
+pub use kvferry_cuda::Location as Device;
 
 /// Checksum one group's selected blocks over all its layers.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -15,6 +15,8 @@ pub use backend::{
     PendingChecksums,
 };
 pub use cpu::CpuBackend;
+/// Where memory lives (the same type as [`Device`]).
+pub use kvferry_cuda::Location;
 
 /// The backend for KV on `device`: CPU for host memory. For a CUDA device, the CUDA backend when
 /// it is usable, else the CPU backend with one info line (its jobs for device memory then fail

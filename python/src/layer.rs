@@ -17,10 +17,8 @@ use crate::tensor::{view_of, TensorView};
 
 /// `"cpu"` or `"cuda:N"`.
 pub fn device_name(d: Device) -> String {
-    match d {
-        Device::Cpu => "cpu".into(),
-        Device::Cuda(n) => format!("cuda:{n}"),
-    }
+    // The one location type's text form ("cpu" / "cuda:N").
+    d.to_string()
 }
 
 /// One layer's KV cache tensor on one rank, with its layout.

@@ -87,10 +87,8 @@ fn build_side(
         let engine = py
             .detach(|| TransferEngine::new(cfg))
             .map_err(|e| PyRuntimeError::new_err(format!("starting a transfer engine: {e}")))?;
-        let location = match rank.device {
-            Device::Cpu => Location::Cpu,
-            Device::Cuda(n) => Location::Cuda(n),
-        };
+        // One type for where memory lives: the rank's device is the engine's location.
+        let location: Location = rank.device;
         for (addr, len) in memory_ranges(py, rank) {
             // SAFETY: the range is the span of tensors the Rank keeps alive; the Side keeps the
             // Rank and unregisters the range before it lets go of it (Drop above).

@@ -1,62 +1,13 @@
 //! Small value types of the transfer API (docs/interfaces.md, docs/design.md §3).
 
-use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::TransferError;
 
-/// Where a memory region lives. Written `"cpu"` or `"cuda:N"` (N = CUDA device ordinal) in
-/// configs, descriptors and on the wire (serde uses that text form).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Location {
-    /// Host memory addressable by this process.
-    Cpu,
-    /// Device memory of CUDA device N (a device pointer, not host-addressable).
-    Cuda(u32),
-}
-
-impl fmt::Display for Location {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Location::Cpu => f.write_str("cpu"),
-            Location::Cuda(n) => write!(f, "cuda:{n}"),
-        }
-    }
-}
-
-impl FromStr for Location {
-    type Err = TransferError;
-    /// Parses `"cpu"` or `"cuda:N"`; anything else is `InvalidArgument`.
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let t = s.trim();
-        if t.eq_ignore_ascii_case("cpu") {
-            return Ok(Location::Cpu);
-        }
-        if let Some(n) = t.strip_prefix("cuda:") {
-            if let Ok(n) = n.parse::<u32>() {
-                return Ok(Location::Cuda(n));
-            }
-        }
-        Err(TransferError::InvalidArgument(format!(
-            "location {s:?}: expected \"cpu\" or \"cuda:N\""
-        )))
-    }
-}
-
-impl Serialize for Location {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for Location {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
+/// Where a memory region lives: defined once in kvferry-cuda and used by every crate.
+pub use kvferry_cuda::Location;
 
 /// Which transport the engine uses. `Auto` takes RDMA when `rdma::probe()` finds a usable
 /// device, TCP otherwise (one info line says which); `Rdma` with no device is a `Config` error.

@@ -7,31 +7,12 @@
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::ffi::CString;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::catch_unwind;
 use std::sync::OnceLock;
 
-/// Runs `f`, turning a panic inside cudarc (a missing library or symbol) into an error.
-pub(crate) fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(r) => r,
-        Err(p) => {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "panic".into());
-            Err(format!("{what}: {msg}"))
-        }
-    }
-}
-
-/// Whether the CUDA driver library (`libcuda.so.1`) can be loaded.
-pub fn driver_library_present() -> bool {
-    static P: OnceLock<bool> = OnceLock::new();
-    *P.get_or_init(|| {
-        catch_unwind(|| unsafe { cudarc::driver::sys::is_culib_present() }).unwrap_or(false)
-    })
-}
+/// Whether the CUDA driver library (`libcuda.so.1`) can be loaded: the one probe of kvferry-cuda.
+pub use kvferry_cuda::driver_library_present;
+pub(crate) use kvferry_cuda::guarded;
 
 /// Directories where a CUDA toolkit's NVRTC often lives but the loader may not look.
 fn nvrtc_dirs() -> Vec<String> {

@@ -12,8 +12,11 @@
 //!   the copy back is polled ([`CudaPending::poll`]). Nothing synchronises the caller's
 //!   stream and nothing blocks the host on the submit path.
 
-pub mod driver;
+/// The driver objects, from the one CUDA layer (kvferry-cuda).
+pub use kvferry_cuda::driver;
 pub mod load;
+/// Helper kernels for the GPU tests and the benchmark (feature `test-tools`).
+#[cfg(feature = "test-tools")]
 pub mod tools;
 pub mod view;
 
@@ -90,13 +93,7 @@ pub fn unavailable_reason() -> Option<String> {
     if !load::nvrtc_library_present() {
         return Some("libnvrtc not found".into());
     }
-    let count = load::guarded("cuInit", || unsafe {
-        driver::check("cuInit", sys::cuInit(0))?;
-        let mut n = 0;
-        driver::check("cuDeviceGetCount", sys::cuDeviceGetCount(&mut n))?;
-        Ok(n)
-    });
-    match count {
+    match kvferry_cuda::cuda_available() {
         Ok(0) => Some("no CUDA device".into()),
         Ok(_) => None,
         Err(e) => Some(e),

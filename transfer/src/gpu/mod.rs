@@ -13,11 +13,10 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys;
+use kvferry_cuda::sys;
 
 use crate::error::{Result, TransferError};
 use crate::memory::{MemoryAccess, MemoryRegion};
@@ -49,38 +48,10 @@ fn check(what: &str, r: sys::CUresult) -> std::result::Result<(), String> {
     r.result().map_err(|e| format!("{what}: {e:?}"))
 }
 
-fn guarded<T>(
-    what: &str,
-    f: impl FnOnce() -> std::result::Result<T, String>,
-) -> std::result::Result<T, String> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(r) => r,
-        Err(p) => Err(format!(
-            "{what}: {}",
-            p.downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default()
-        )),
-    }
-}
-
-/// Whether the CUDA driver is usable here; `Err` says why not.
-pub fn cuda_available() -> std::result::Result<u32, String> {
-    static P: OnceLock<std::result::Result<u32, String>> = OnceLock::new();
-    P.get_or_init(|| {
-        if !catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false) {
-            return Err("libcuda not found".into());
-        }
-        guarded("cuInit", || unsafe {
-            check("cuInit", sys::cuInit(0))?;
-            let mut n = 0;
-            check("cuDeviceGetCount", sys::cuDeviceGetCount(&mut n))?;
-            Ok(n.max(0) as u32)
-        })
-    })
-    .clone()
-}
+/// Whether the CUDA driver is usable here (the device count, or why not): kvferry-cuda's one
+/// probe, shared with the checksum kernels.
+pub use kvferry_cuda::cuda_available;
+use kvferry_cuda::guarded;
 
 /// Pinned host memory in two halves with an event each, and a stream: one copy at a time.
 struct Staging {

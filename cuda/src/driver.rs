@@ -8,7 +8,8 @@ use std::ffi::c_void;
 /// A driver call's failure: what was being done and the driver's error name.
 pub type DriverResult<T> = Result<T, String>;
 
-pub(crate) fn check(what: &str, r: sys::CUresult) -> DriverResult<()> {
+/// `r` as a [`DriverResult`]: the driver's error name after `what`.
+pub fn check(what: &str, r: sys::CUresult) -> DriverResult<()> {
     r.result().map_err(|e| format!("{what}: {e}"))
 }
 
@@ -92,7 +93,8 @@ impl Context {
         }
     }
 
-    pub(crate) fn raw(&self) -> sys::CUcontext {
+    /// The raw context handle.
+    pub fn raw(&self) -> sys::CUcontext {
         self.ctx
     }
 }

@@ -16,6 +16,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use kvferry_cuda::driver::Context;
 use kvferry_cuda::sys;
 
 use crate::error::{Result, TransferError};
@@ -63,16 +64,12 @@ struct Staging {
 // SAFETY: the raw handles are used by one copy at a time (the pool hands a set to one caller).
 unsafe impl Send for Staging {}
 
-/// One device's primary context and its staging pool (kept for the process's life).
+/// One device's primary context (kvferry-cuda's [`Context`]) and its staging pool (kept for
+/// the process's life).
 struct DeviceState {
-    ctx: sys::CUcontext,
-    dev: sys::CUdevice,
+    ctx: Context,
     pool: Mutex<Vec<Staging>>,
 }
-
-// SAFETY: driver handles are usable from any thread once the context is current there.
-unsafe impl Send for DeviceState {}
-unsafe impl Sync for DeviceState {}
 
 fn device(n: u32) -> Result<&'static DeviceState> {
     static ALL: OnceLock<Mutex<HashMap<u32, std::result::Result<&'static DeviceState, String>>>> =
@@ -86,17 +83,9 @@ fn device(n: u32) -> Result<&'static DeviceState> {
         if n >= count {
             return Err(format!("cuda:{n} does not exist ({count} devices)"));
         }
-        guarded("cuda device", || unsafe {
-            let mut dev = 0;
-            check("cuDeviceGet", sys::cuDeviceGet(&mut dev, n as i32))?;
-            let mut ctx = std::ptr::null_mut();
-            check(
-                "cuDevicePrimaryCtxRetain",
-                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
-            )?;
+        guarded("cuda device", || {
             let state: &'static DeviceState = Box::leak(Box::new(DeviceState {
-                ctx,
-                dev,
+                ctx: Context::new(n)?,
                 pool: Mutex::new(Vec::new()),
             }));
             Ok(state)
@@ -112,8 +101,7 @@ fn unsupported(location: Location, why: &str) -> TransferError {
 
 impl DeviceState {
     fn bind(&self) -> Result<()> {
-        unsafe { check("cuCtxSetCurrent", sys::cuCtxSetCurrent(self.ctx)) }
-            .map_err(TransferError::Io)
+        self.ctx.bind().map_err(TransferError::Io)
     }
 
     fn take(&self) -> Result<Staging> {
@@ -426,18 +414,10 @@ pub fn export_dmabuf(region: &MemoryRegion) -> Result<(OwnedFd, u64)> {
     };
     let d = device(n)?;
     d.bind()?;
-    let mut supported = 0;
-    unsafe {
-        check(
-            "cuDeviceGetAttribute",
-            sys::cuDeviceGetAttribute(
-                &mut supported,
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
-                d.dev,
-            ),
-        )
-        .map_err(TransferError::Io)?
-    };
+    let supported = d
+        .ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)
+        .map_err(TransferError::Io)?;
     if supported == 0 {
         return Err(unsupported(
             region.location,

@@ -2,15 +2,16 @@
 one JSON line of results. Driven by test_vllm_cpu.py, one subprocess per engine: vLLM keeps the KV
 connector and the distributed state as process globals.
 
-    python engine_run.py SCENARIO MODEL_DIR [RENDEZVOUS_DIR]
-    SCENARIO: producer | producer-tp2 | consumer-recompute | consumer-fail
+    python engine_run.py SCENARIO MODEL_DIR RENDEZVOUS_DIR
+    SCENARIO: producer | consumer-recompute | consumer-fail (TP 1)
+            | producer-tp2 | consumer-tp2 (TP 2, policy recompute)
 
-The producer and the two consumers run at the same time and meet through files in
-RENDEZVOUS_DIR: each consumer writes ``ready-<policy>`` once started; the producer then prefills
-every prompt once per consumer (``do_remote_decode``, transfer ids ``<policy>-ok-<i>`` and
-``<policy>-corrupt-<i>``) and writes the returned ``kv_transfer_params`` to ``params.json``; each
-consumer decodes with them (the ``corrupt-`` loads get a landed bit flipped by the connector's
-test hook) and writes ``done-<policy>``; the producer then checks that its held blocks were freed.
+A producer and its consumers (CONSUMERS) run at the same time and meet through files in
+RENDEZVOUS_DIR: each consumer writes ``ready-<name>`` once started; the producer then prefills
+every prompt once per consumer and kind (``do_remote_decode``, transfer ids ``<name>-ok-<i>`` and
+``<name>-corrupt-<i>``) and writes the returned ``kv_transfer_params`` to ``params.json``; each
+consumer decodes with them (the ``corrupt`` loads get a landed bit flipped by the connector's
+test hook) and writes ``done-<name>``; the producer then checks that its held blocks were freed.
 """
 
 import json
@@ -84,10 +85,10 @@ def reinit_weights(model) -> None:
 
 PORT = 17555
 LEASE_S = 15.0
-POLICIES = ("recompute", "fail")
 
 
-def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1, port: int = PORT):
+def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1, port: int = PORT,
+             name: str | None = None):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -98,7 +99,7 @@ def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1, po
             kv_role=role, kv_load_failure_policy=policy,
             kv_connector_extra_config={"host": "127.0.0.1", "port": port, "lease_seconds": LEASE_S,
                                        "load_timeout_seconds": 20.0, "fail_closed": True,
-                                       "test_corrupt_transfer_prefix": f"{policy}-corrupt-"},
+                                       "test_corrupt_transfer_prefix": f"{name or policy}-corrupt-"},
         )
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
               max_model_len=256, enforce_eager=True, seed=0, block_size=BLOCK_SIZE,
@@ -155,64 +156,72 @@ def touch(path: str, data: str = "") -> None:
 RENDEZVOUS_TIMEOUT_S = 480
 
 
+# Consumers of each producer: name -> (kv_load_failure_policy, TP size). Transfer ids
+# "<name>-ok-<i>" / "<name>-corrupt-<i>"; the consumer's test hook flips a landed bit of the latter.
+CONSUMERS = {"producer": {"recompute": ("recompute", 1), "fail": ("fail", 1)},
+             "producer-tp2": {"tp2": ("recompute", 2)}}
+
+
+def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -> None:
+    tp = 2 if scenario == "producer-tp2" else 1
+    llm = make_llm(model, "kv_producer", tp=tp, port=PORT + 10 * (tp - 1))
+    result["startup_s"] = time.monotonic() - t0
+    result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
+    result["free_before"] = free_blocks(llm)
+    names = list(CONSUMERS[scenario])
+    for name in names:
+        wait_for(os.path.join(rdv, f"ready-{name}"), RENDEZVOUS_TIMEOUT_S)
+    tids = [f"{name}-{kind}-{i}" for name in names for kind in ("ok", "corrupt") for i in range(len(PROMPTS))]
+    tids += [f"unclaimed-{i}" for i in range(len(PROMPTS))]
+    prompts = [PROMPTS[int(t.rsplit("-", 1)[1])] for t in tids]
+    outs = generate(llm, prompts, 1, lambda i: {"do_remote_decode": True, "transfer_id": tids[i]})
+    result["prefill"] = dict(zip(tids, outs))
+    # Offline, vLLM steps only while requests run: this step hands the held sends to the
+    # workers, which publish them to kvferry (their lease starts there).
+    generate(llm, [[5, 6, 7]], 1)
+    result["free_held"] = free_blocks(llm)
+    touch(os.path.join(rdv, "params.json"), json.dumps({t: o["kv_transfer_params"] for t, o in zip(tids, outs)}))
+    for name in names:
+        wait_for(os.path.join(rdv, f"done-{name}"), RENDEZVOUS_TIMEOUT_S)
+    # Served sends are released at once; the unclaimed ones when their lease expires.
+    end = time.monotonic() + LEASE_S + 10
+    while free_blocks(llm) != result["free_before"] and time.monotonic() < end:
+        generate(llm, [[5, 6, 7]], 1)
+        time.sleep(0.5)
+    result["free_after_lease"] = free_blocks(llm)
+
+
+def run_consumer(name: str, model: str, rdv: str, result: dict, t0: float) -> None:
+    policy, tp = next(c[name] for c in CONSUMERS.values() if name in c)
+    llm = make_llm(model, "kv_consumer", policy, tp=tp, port=PORT + 10 * (tp - 1), name=name)
+    result["startup_s"] = time.monotonic() - t0
+    result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
+    # Same last token, other context: outputs must differ, or equality proves nothing.
+    result["reference_context_changed"] = generate(
+        llm, [[t + 100 for t in p[:-1]] + p[-1:] for p in PROMPTS], MAX_TOKENS)
+    result["decode_unreachable"] = generate(llm, PROMPTS, MAX_TOKENS, fake_producer_reply)
+    touch(os.path.join(rdv, f"ready-{name}"))
+    wait_for(os.path.join(rdv, "params.json"), RENDEZVOUS_TIMEOUT_S)
+    with open(os.path.join(rdv, "params.json")) as f:
+        params = json.load(f)
+    try:
+        for kind in ("ok", "corrupt"):
+            result[f"decode_{kind}"] = generate(llm, PROMPTS, MAX_TOKENS, lambda i: params[f"{name}-{kind}-{i}"])
+    finally:
+        touch(os.path.join(rdv, f"done-{name}"))
+    result["free_after"] = free_blocks(llm)
+    result["free_total"] = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+
+
 def main() -> None:
-    scenario, model = sys.argv[1], sys.argv[2]
+    scenario, model, rdv = sys.argv[1], sys.argv[2], sys.argv[3]
     write_model(model)
     t0 = time.monotonic()
     result: dict = {"scenario": scenario}
-    rdv = sys.argv[3] if len(sys.argv) > 3 else None
-    if scenario == "producer":
-        llm = make_llm(model, "kv_producer")
-        result["startup_s"] = time.monotonic() - t0
-        result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
-        result["free_before"] = free_blocks(llm)
-        for policy in POLICIES:
-            wait_for(os.path.join(rdv, f"ready-{policy}"), RENDEZVOUS_TIMEOUT_S)
-        tids = [f"{policy}-{kind}-{i}" for policy in POLICIES for kind in ("ok", "corrupt")
-                for i in range(len(PROMPTS))] + [f"unclaimed-{i}" for i in range(len(PROMPTS))]
-        prompts = [PROMPTS[int(t.rsplit("-", 1)[1])] for t in tids]
-        outs = generate(llm, prompts, 1, lambda i: {"do_remote_decode": True, "transfer_id": tids[i]})
-        result["prefill"] = dict(zip(tids, outs))
-        # Offline, vLLM steps only while requests run: this step hands the held sends to the
-        # workers, which publish them to kvferry (their lease starts there).
-        generate(llm, [[5, 6, 7]], 1)
-        result["free_held"] = free_blocks(llm)
-        touch(os.path.join(rdv, "params.json"), json.dumps({t: o["kv_transfer_params"] for t, o in zip(tids, outs)}))
-        for policy in POLICIES:
-            wait_for(os.path.join(rdv, f"done-{policy}"), RENDEZVOUS_TIMEOUT_S)
-        # Served sends are released at once; the unclaimed ones when their lease expires.
-        end = time.monotonic() + LEASE_S + 10
-        while free_blocks(llm) != result["free_before"] and time.monotonic() < end:
-            generate(llm, [[5, 6, 7]], 1)
-            time.sleep(0.5)
-        result["free_after_lease"] = free_blocks(llm)
-    elif scenario == "producer-tp2":
-        # Two worker processes, one TP rank each (1 of the 2 KV heads): each builds its own
-        # connector; the reply names the producer's TP size.
-        llm = make_llm(model, "kv_producer", tp=2, port=PORT + 10)
-        result["startup_s"] = time.monotonic() - t0
-        result["prefill"] = generate(llm, PROMPTS[:1], 1, lambda i: {"do_remote_decode": True, "transfer_id": "tp2"})
-    elif scenario in ("consumer-recompute", "consumer-fail"):
-        llm = make_llm(model, "kv_consumer", scenario.removeprefix("consumer-"))
-        result["startup_s"] = time.monotonic() - t0
-        result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
-        # Same last token, other context: outputs must differ, or equality proves nothing.
-        result["reference_context_changed"] = generate(
-            llm, [[t + 100 for t in p[:-1]] + p[-1:] for p in PROMPTS], MAX_TOKENS)
-        result["decode_unreachable"] = generate(llm, PROMPTS, MAX_TOKENS, fake_producer_reply)
-        policy = scenario.removeprefix("consumer-")
-        touch(os.path.join(rdv, f"ready-{policy}"))
-        wait_for(os.path.join(rdv, "params.json"), RENDEZVOUS_TIMEOUT_S)
-        with open(os.path.join(rdv, "params.json")) as f:
-            params = json.load(f)
-        try:
-            for kind in ("ok", "corrupt"):
-                result[f"decode_{kind}"] = generate(
-                    llm, PROMPTS, MAX_TOKENS, lambda i: params[f"{policy}-{kind}-{i}"])
-        finally:
-            touch(os.path.join(rdv, f"done-{policy}"))
-        result["free_after"] = free_blocks(llm)
-        result["free_total"] = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+    if scenario in CONSUMERS:
+        run_producer(scenario, model, rdv, result, t0)
+    elif scenario.startswith("consumer-"):
+        run_consumer(scenario.removeprefix("consumer-"), model, rdv, result, t0)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     result["total_s"] = time.monotonic() - t0

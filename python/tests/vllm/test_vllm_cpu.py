@@ -80,8 +80,10 @@ def consumer_fail(disagg):
 
 
 @pytest.fixture(scope="module")
-def producer_tp2(tmp_path_factory):
-    return run_engines(["producer-tp2"], tmp_path_factory)["producer-tp2"]
+def tp2(tmp_path_factory):
+    """A TP = 2 producer and a TP = 2 consumer (recompute): one kvferry Producer / Consumer per
+    worker process, rank r loads from rank r."""
+    return run_engines(["producer-tp2", "consumer-tp2"], tmp_path_factory)
 
 
 PROMPT_LENGTHS = (7, 32, 75)
@@ -156,16 +158,34 @@ def test_corrupted_landed_byte_fail_errors_the_request(consumer_fail):
     assert r["free_after"] == r["free_total"], "blocks leaked after the loads"
 
 
-def test_each_tp_rank_process_runs_its_own_connector(producer_tp2):
-    kvp = producer_tp2["prefill"][0]["kv_transfer_params"]
+def test_each_tp_rank_process_runs_its_own_connector(tp2):
+    p = tp2["producer-tp2"]
+    kvp = p["prefill"]["tp2-ok-0"]["kv_transfer_params"]
     assert (kvp["remote_tp_size"], kvp["remote_pp_size"]) == (2, 1)
-    log = producer_tp2["log"]
     for rank in (0, 1):
         # One KV head per rank (2 in the model): (blocks, heads, block_size, 2 * head_dim).
-        line = next((l for l in log.splitlines() if f"kvferry rank tp={rank} pp=0: 2 KV layers" in l), None)
-        assert line is not None, f"TP rank {rank} registered no KV caches"
-        assert ", 1, 32, 128) stride" in line, line
-        assert f"kvferry producer rank tp={rank} pp=0 serves on tcp://127.0.0.1:{17565 + rank}" in log
+        for r in tp2.values():
+            line = next((l for l in r["log"].splitlines() if f"kvferry rank tp={rank} pp=0: 2 KV layers" in l), None)
+            assert line is not None, f"TP rank {rank} registered no KV caches"
+            assert ", 1, 32, 128) stride" in line, line
+        assert f"kvferry producer rank tp={rank} pp=0 serves on tcp://127.0.0.1:{17565 + rank}" in p["log"]
+
+
+def test_tp2_decode_equals_the_plain_run_every_rank_verified(tp2):
+    r = tp2["consumer-tp2"]
+    assert [o["tokens"] for o in r["reference"]] == [o["tokens"] for o in tp2["producer-tp2"]["reference"]]
+    assert [o["tokens"] for o in r["decode_ok"]] == [o["tokens"] for o in r["reference"]]
+    # 3 prompts x 2 ranks, each rank verifying its own KV head.
+    assert _verified(r["log"]) == 6, r["log"][-3000:]
+
+
+def test_tp2_corruption_caught_on_each_rank_and_recomputed(tp2):
+    r = tp2["consumer-tp2"]
+    assert r["log"].count("kvferry TEST HOOK: flipped a bit") == 6
+    assert _caught(r["log"]) == 6
+    assert [o["tokens"] for o in r["decode_corrupt"]] == [o["tokens"] for o in r["reference"]]
+    assert r["free_after"] == r["free_total"], "blocks leaked after the loads"
+    assert tp2["producer-tp2"]["free_after_lease"] == tp2["producer-tp2"]["free_before"]
 
 
 def test_unreachable_producer_recompute_gives_the_reference_output(consumer_recompute):

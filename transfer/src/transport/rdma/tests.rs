@@ -7,9 +7,8 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::endpoint::{
-    check_request, path_mtu, CloseNotice, ConnectRequest, QpInfo, CONNECT_VERSION,
-};
+use super::connect::{check_request, CloseNotice, ConnectRequest, QpInfo, CONNECT_VERSION};
+use super::qp::path_mtu;
 use super::{PortInfo, RdmaTransport};
 use crate::config::{EngineConfig, RdmaConfig};
 use crate::error::TransferError;

@@ -1,0 +1,102 @@
+//! Work completions and retries: a completed work request finishes its slice (or hands it to
+//! the stager); a failed one retires its endpoint and retries the slice on a fresh endpoint
+//! while it has retries left, else reports it to the engine (`CompletionSink::fail_peer`).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::device::Device;
+use super::stager::StageJob;
+use super::{verbs, Shared, Work};
+use crate::error::TransferError;
+use crate::types::Op;
+
+impl Shared {
+    /// Retries a failed slice on a fresh endpoint while it has retries left (and the failure
+    /// can change on retry), else reports it failed with `text`.
+    pub(super) fn retry_or_fail(self: &Arc<Self>, mut w: Work, text: String, retryable: bool) {
+        if retryable
+            && w.attempts < self.config.max_retries
+            && !w.sink.is_cancelled()
+            && !self.stop.load(Ordering::SeqCst)
+        {
+            w.attempts += 1;
+            self.retried.fetch_add(1, Ordering::Relaxed);
+            if w.first_error.is_none() {
+                w.first_error = Some(text.clone());
+            }
+            tracing::debug!(
+                slice = w.slice.id,
+                attempt = w.attempts,
+                "retrying RDMA slice: {text}"
+            );
+            self.dispatch(vec![w]);
+        } else {
+            let msg = match (&w.first_error, w.attempts) {
+                (_, 0) => text,
+                (Some(first), n) if *first != text => {
+                    format!("{text} (after {n} retries; first failure: {first})")
+                }
+                (_, n) => format!("{text} (after {n} retries)"),
+            };
+            // a connect or QP failure may mean the peer restarted (new instance, ports and
+            // rkeys): the engine fetches its descriptor again and retries the slice once
+            w.sink.fail_peer(w.slice.id, TransferError::Rdma(msg));
+        }
+    }
+
+    /// Handles one work completion.
+    pub(super) fn complete(self: &Arc<Self>, dev: &Device, wc: &verbs::WorkCompletion) {
+        let Some(inf) = dev.lock_inflight().remove(wc.wr_id) else {
+            tracing::warn!(
+                wr_id = wc.wr_id,
+                "RDMA completion for an unknown work request"
+            );
+            return;
+        };
+        let ep = inf.ep;
+        ep.touch();
+        ep.qps[inf.qp].outstanding.fetch_sub(1, Ordering::AcqRel);
+        dev.return_credit();
+        let w = inf.work;
+        if wc.status == verbs::wc::SUCCESS {
+            if w.needs_after() {
+                self.stage(StageJob::After(w));
+            } else {
+                w.sink.complete(w.slice.id, Ok(()));
+            }
+            return;
+        }
+        let sl = &w.slice;
+        let what = format!(
+            "RDMA {} of {} bytes between local {:#x} and {} remote {:#x} (rkey {:#x}) on {} QP {:#x}",
+            match sl.op {
+                Op::Write => "WRITE",
+                Op::Read => "READ",
+            },
+            sl.len,
+            sl.local_addr,
+            w.peer.name,
+            sl.remote_addr,
+            inf.rkey,
+            dev.info.name,
+            ep.qps[inf.qp].qpn
+        );
+        let status = verbs::wc_status_text(wc.status);
+        let text = match (wc.status, ep.first_error.get()) {
+            (verbs::wc::WR_FLUSH_ERR, Some(first)) => format!("{what}: {status}, after: {first}"),
+            _ => format!("{what}: work completion status {status}"),
+        };
+        self.endpoint_failed(&ep, text.clone());
+        // errors a retry cannot change: the request itself is wrong
+        let retryable = !matches!(
+            wc.status,
+            verbs::wc::REM_ACCESS_ERR
+                | verbs::wc::REM_INV_REQ_ERR
+                | verbs::wc::LOC_PROT_ERR
+                | verbs::wc::LOC_LEN_ERR
+                | verbs::wc::LOC_ACCESS_ERR
+        );
+        self.retry_or_fail(w, text, retryable);
+    }
+}

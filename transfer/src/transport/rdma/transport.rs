@@ -1,0 +1,352 @@
+//! The transport facade: `RdmaTransport` opens the devices, starts the worker threads and
+//! implements `Transport` on top of the shared state (registration, handshake frames, posting,
+//! stats, shutdown).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use super::connect::{self, CloseNotice, ConnectRequest};
+use super::device::{self, Device, PortInfo};
+use super::endpoint::Endpoint;
+use super::endpoint_store::Slot;
+use super::mirror::Mirror;
+use super::passive::PassiveTable;
+use super::registration::Registered;
+use super::stager::{self, StageJob};
+use super::staging::SyncRequest;
+use super::workers::{run_completions, run_events};
+use super::{lock, Shared, Work};
+use crate::error::{Result, TransferError};
+use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
+use crate::segment::SegmentDescriptor;
+use crate::transport::{
+    CompletionSink, Slice, Transport, TransportContext, TransportInfo, TransportStats,
+};
+use crate::types::Location;
+
+/// The RDMA transport (see the module docs).
+pub struct RdmaTransport {
+    shared: Arc<Shared>,
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+impl RdmaTransport {
+    /// Opens the devices and starts a completion thread and an async-event thread per device.
+    pub fn new(ctx: &TransportContext) -> Result<Arc<RdmaTransport>> {
+        let config = ctx.config.rdma.clone();
+        device::check_config(&config)?;
+        let list = device::list_devices().map_err(|e| {
+            TransferError::Config(format!("no usable RDMA device: cannot list devices: {e}"))
+        })?;
+        let mut devices = Vec::new();
+        let mut why = Vec::new();
+        for name in device::wanted_names(&list, &config) {
+            match Device::open(devices.len(), &list, &name, &config) {
+                Ok(d) => devices.push(Arc::new(d)),
+                Err(e) => why.push(e.to_string()),
+            }
+        }
+        if devices.is_empty() {
+            return Err(TransferError::Config(format!(
+                "no usable RDMA device{}{}",
+                if config.devices.is_empty() {
+                    String::new()
+                } else {
+                    format!(" among {:?}", config.devices)
+                },
+                if why.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", why.join("; "))
+                }
+            )));
+        }
+        for d in &devices {
+            tracing::info!(
+                "RDMA device {} port {}: GID {} ({}), LID {}, MTU {}, CQ depth {}",
+                d.info.name,
+                d.info.port,
+                d.info.gid_index,
+                d.info.gid,
+                d.info.lid,
+                d.info.active_mtu,
+                d.cq_depth
+            );
+        }
+        let (stage_tx, stage_rx) = mpsc::channel();
+        let shared = Arc::new(Shared {
+            config,
+            handshake_timeout: ctx.config.handshake_timeout,
+            credential: ctx.auth.credential(None),
+            segment_name: ctx.segment_name.clone(),
+            instance_id: ctx.instance_id,
+            idle_timeout: ctx.config.peer_idle_timeout,
+            devices,
+            regions: Mutex::new(HashMap::new()),
+            endpoints: Mutex::new(HashMap::new()),
+            replaced: Mutex::new(HashMap::new()),
+            passive: Mutex::new(PassiveTable::default()),
+            stop: AtomicBool::new(false),
+            retried: AtomicU64::new(0),
+            memory: ctx.memory.clone(),
+            stager: Mutex::new(stage_tx),
+        });
+        let t = Arc::new(RdmaTransport {
+            shared: shared.clone(),
+            threads: Mutex::new(Vec::new()),
+        });
+        for d in &shared.devices {
+            for (kind, f) in [
+                ("cq", run_completions as fn(Arc<Shared>, Arc<Device>)),
+                ("events", run_events),
+            ] {
+                let (s, dev) = (shared.clone(), d.clone());
+                let h = std::thread::Builder::new()
+                    .name(format!("kvferry-rdma-{kind}-{}", d.info.name))
+                    .spawn(move || f(s, dev))
+                    .map_err(|e| TransferError::io("spawn RDMA thread", e))?;
+                lock(&t.threads).push(h);
+            }
+        }
+        let s = shared.clone();
+        let h = std::thread::Builder::new()
+            .name("kvferry-rdma-stager".into())
+            .spawn(move || stager::run_stager(s, stage_rx))
+            .map_err(|e| TransferError::io("spawn RDMA stager thread", e))?;
+        lock(&t.threads).push(h);
+        Ok(t)
+    }
+
+    /// Path MTUs of the cached endpoints to segment `peer` (tests and diagnostics).
+    pub fn path_mtus(&self, peer: &str) -> Vec<u32> {
+        lock(&self.shared.endpoints)
+            .iter()
+            .filter_map(|(k, s)| match s {
+                Slot::Ready(ep) if k.peer == peer => Some(ep.path_mtu),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The devices in use, in descriptor order.
+    pub fn ports(&self) -> Vec<PortInfo> {
+        self.shared.devices.iter().map(|d| d.info.clone()).collect()
+    }
+
+    /// Work requests posted and not yet completed, over all devices.
+    pub fn work_requests_in_flight(&self) -> usize {
+        self.shared
+            .devices
+            .iter()
+            .map(|d| d.lock_inflight().count)
+            .sum()
+    }
+
+    /// Slices retried on a fresh endpoint so far.
+    pub fn retried_slices(&self) -> u64 {
+        self.shared.retried.load(Ordering::Relaxed)
+    }
+
+    /// Passive (target-side) endpoints held now.
+    pub fn passive_endpoints(&self) -> usize {
+        lock(&self.shared.passive).len()
+    }
+}
+
+impl Drop for RdmaTransport {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Transport for RdmaTransport {
+    fn name(&self) -> &'static str {
+        "rdma"
+    }
+
+    fn local_info(&self) -> TransportInfo {
+        TransportInfo {
+            kind: "rdma".into(),
+            details: serde_json::json!({ "devices": self.ports() }),
+        }
+    }
+
+    fn register(&self, region: &MemoryRegion) -> Result<RegionKeys> {
+        let s = &self.shared;
+        for d in &s.devices {
+            if region.len > d.max_mr_size {
+                return Err(TransferError::Rdma(format!(
+                    "region of {} bytes exceeds {}'s largest memory region ({} bytes)",
+                    region.len, d.info.name, d.max_mr_size
+                )));
+            }
+        }
+        let (mrs, path, mirror) = match region.location {
+            Location::Cpu => (
+                // SAFETY: the engine's register_memory contract: the range is valid host memory
+                // for as long as it stays registered.
+                unsafe { s.reg_host(region.addr, region.len) }?,
+                RegistrationPath::Host,
+                None,
+            ),
+            Location::Cuda(_) => s.register_gpu(region)?,
+        };
+        let keys = RegionKeys {
+            rkeys: mrs.iter().map(|m| m.rkey()).collect(),
+            path,
+            staging_addr: mirror.as_ref().map(|m| m.addr()),
+        };
+        if region.location != Location::Cpu {
+            tracing::info!(
+                "{} region [{:#x}, +{}) registered for RDMA via {path}",
+                region.location,
+                region.addr,
+                region.len
+            );
+        }
+        lock(&s.regions).insert(region.addr, Registered { mrs, mirror });
+        Ok(keys)
+    }
+
+    fn deregister(&self, region: &MemoryRegion) -> Result<()> {
+        let gone = lock(&self.shared.regions).remove(&region.addr);
+        match gone {
+            Some(r) => {
+                // a peer's sync may be copying into the device range on a handshake thread
+                if let Some(m) = r.mirror {
+                    m.retire();
+                }
+                Ok(())
+            }
+            None => Err(TransferError::InvalidArgument(format!(
+                "no RDMA registration at {:#x}",
+                region.addr
+            ))),
+        }
+    }
+
+    fn on_handshake(&self, peer: SocketAddr, body: &[u8]) -> Result<Vec<u8>> {
+        let s = &self.shared;
+        if let Some(sync) = SyncRequest::parse(body) {
+            s.serve_sync(&sync?)?;
+            return Ok(b"{}".to_vec());
+        }
+        if let Ok(n) = serde_json::from_slice::<CloseNotice>(body) {
+            lock(&s.passive).close(&n.initiator, &n.close);
+            return Ok(b"{}".to_vec());
+        }
+        let req: ConnectRequest = serde_json::from_slice(body)
+            .map_err(|e| TransferError::Protocol(format!("RDMA connect from {peer}: {e}")))?;
+        connect::check_request(&req, s.devices.len())?;
+        let dev = &s.devices[req.device];
+        let reply = lock(&s.passive).accept(dev, &req, &s.config)?;
+        serde_json::to_vec(&reply).map_err(|e| TransferError::Protocol(e.to_string()))
+    }
+
+    /// The token is not used: over RDMA the QP acceptance check (the engine answers `Connect`
+    /// only on an authenticated handshake connection) is what protects the rkeys.
+    fn post(
+        &self,
+        peer: &Arc<SegmentDescriptor>,
+        slices: Vec<Slice>,
+        done: CompletionSink,
+        _token: Option<crate::auth::Token>,
+    ) {
+        let s = &self.shared;
+        let mirrors: HashMap<u64, Arc<Mirror>> = lock(&s.regions)
+            .iter()
+            .filter_map(|(a, r)| r.mirror.clone().map(|m| (*a, m)))
+            .collect();
+        let (mut direct, mut staged) = (Vec::with_capacity(slices.len()), Vec::new());
+        for slice in slices {
+            let w = Work {
+                slice,
+                peer: peer.clone(),
+                sink: done.clone(),
+                attempts: 0,
+                first_error: None,
+                mirror: mirrors.get(&slice.local_region.addr).cloned(),
+            };
+            if w.needs_before() {
+                staged.push(w);
+            } else {
+                direct.push(w);
+            }
+        }
+        if !staged.is_empty() {
+            s.stage(StageJob::Before(staged));
+        }
+        if !direct.is_empty() {
+            s.dispatch(direct);
+        }
+    }
+
+    fn stats(&self) -> TransportStats {
+        let eps = lock(&self.shared.endpoints);
+        let mut peers: Vec<&str> = eps.keys().map(|k| k.peer.as_str()).collect();
+        peers.sort_unstable();
+        peers.dedup();
+        TransportStats {
+            peers: peers.len(),
+            connections: eps
+                .values()
+                .map(|s| match s {
+                    Slot::Ready(ep) => ep.qps.len(),
+                    Slot::Connecting(_) => 0,
+                })
+                .sum(),
+            served_connections: lock(&self.shared.passive).qps(),
+        }
+    }
+
+    fn disconnect(&self, name: &str) {
+        let eps: Vec<Arc<Endpoint>> = lock(&self.shared.endpoints)
+            .iter()
+            .filter_map(|(k, s)| match s {
+                Slot::Ready(ep) if k.peer == name => Some(ep.clone()),
+                _ => None,
+            })
+            .collect();
+        for ep in eps {
+            self.shared
+                .endpoint_failed(&ep, format!("disconnected from {name}"));
+        }
+        lock(&self.shared.passive).remove_initiator(name);
+        lock(&self.shared.replaced).retain(|k, _| k.peer != name);
+    }
+
+    fn shutdown(&self) {
+        let s = &self.shared;
+        if s.stop.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        for t in lock(&self.threads).drain(..) {
+            let _ = t.join();
+        }
+        let gone = TransferError::Rdma("RDMA transport shut down".into());
+        let slots: Vec<Slot> = lock(&s.endpoints).drain().map(|(_, v)| v).collect();
+        for slot in slots {
+            match slot {
+                Slot::Connecting(ws) => ws
+                    .into_iter()
+                    .for_each(|w| w.sink.complete(w.slice.id, Err(gone.clone()))),
+                Slot::Ready(ep) => {
+                    if let Some(ws) = ep.mark_broken("shut down") {
+                        ws.into_iter()
+                            .for_each(|w| w.sink.complete(w.slice.id, Err(gone.clone())));
+                    }
+                }
+            }
+        }
+        for d in &s.devices {
+            let left = d.lock_inflight().drain();
+            for inf in left {
+                inf.work.sink.complete(inf.work.slice.id, Err(gone.clone()));
+            }
+        }
+        lock(&s.passive).clear();
+    }
+}

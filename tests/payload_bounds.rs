@@ -39,6 +39,7 @@ fn decode(stdin: &str) -> (bool, Vec<u8>, String, u64) {
     // SAFETY: rusage is plain data; wait4 reaps exactly this child (std never waits for it).
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     let pid = child.id() as libc::pid_t;
+    // SAFETY: `pid` is our child; `status` and `usage` are live locals wait4 writes.
     let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
     assert_eq!(r, pid, "wait4: {}", std::io::Error::last_os_error());
     writer.join().unwrap();

@@ -6,7 +6,11 @@
 //!   when it is missing, so the library is probed first and the first calls run inside
 //!   `catch_unwind`; nothing here panics on a machine without CUDA.
 //! * [`driver`]: thin owners of driver objects (context, stream, event, memory, module).
-#![warn(missing_docs)]
+#![warn(
+    missing_docs,
+    unsafe_op_in_unsafe_fn,
+    clippy::undocumented_unsafe_blocks
+)]
 
 pub mod driver;
 pub mod location;

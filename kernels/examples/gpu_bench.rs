@@ -206,6 +206,7 @@ fn cpu_reference(tools: &Tools, job: &GroupJob) -> Vec<kvferry_kernels::GroupRes
         device: Device::Cpu,
         ..job.clone()
     };
+    // SAFETY: the job's layers are host buffers of this function that outlive the wait below.
     unsafe { CpuBackend::default().submit(vec![cpu_job]) }
         .unwrap()
         .wait(Duration::from_secs(120))
@@ -252,6 +253,8 @@ fn run_shape(
         .collect();
     let refill = |seed: u64| {
         for (i, b) in arrays.iter().enumerate() {
+            // SAFETY: `b` is a live device buffer of `b.len()` bytes and `s` a live stream of its
+            // context.
             unsafe { tools.fill_random(b.ptr(), b.len(), seed * 1000 + i as u64, s) }.unwrap();
         }
     };
@@ -295,8 +298,10 @@ fn run_shape(
     let out = tools.alloc(8).unwrap();
     let (e0, e1) = (tools.event(true).unwrap(), tools.event(true).unwrap());
     let time = |f: &dyn Fn()| -> f64 {
+        // SAFETY: `s` is a live stream of the event's context.
         unsafe { e0.record(s).unwrap() };
         f();
+        // SAFETY: `s` is a live stream of the event's context.
         unsafe { e1.record(s).unwrap() };
         e1.synchronize().unwrap();
         Event::elapsed_ms(&e0, &e1).unwrap() as f64
@@ -327,6 +332,8 @@ fn run_shape(
     let job = new_job(&mut rng);
     let want = cpu_reference(tools, &job);
     for (v, backend) in backends {
+        // SAFETY: the job's layers are device buffers that outlive the wait; `s` is a live
+        // stream.
         let got = unsafe { backend.submit_after(vec![job.clone()], Some(s)) }
             .unwrap()
             .wait(Duration::from_secs(30))
@@ -341,12 +348,16 @@ fn run_shape(
     for _ in 0..5 {
         for (_, backend) in backends {
             let job = new_job(&mut rng);
+            // SAFETY: the job's layers are device buffers that outlive the wait; `s` is a live
+            // stream.
             unsafe { backend.submit_after(vec![job], Some(s)) }
                 .unwrap()
                 .wait(Duration::from_secs(10))
                 .unwrap();
         }
         time(&|| {
+            // SAFETY: the buffers named by the launch outlive its completion (synchronised
+            // below); `s` is a live stream.
             unsafe {
                 tools.read_sum(
                     arrays[0].ptr(),
@@ -375,11 +386,15 @@ fn run_shape(
         read.push(if bytes <= layer_bytes {
             let b = &arrays[(run * 7) % arrays.len()];
             time(&|| {
+                // SAFETY: `b` holds at least `bytes` bytes and `out` is a live device buffer; `s`
+                // is a live stream.
                 unsafe { tools.read_sum(b.ptr(), bytes as usize / 16 * 16, out.ptr(), s) }.unwrap()
             })
         } else {
             time(&|| {
                 for b in &arrays {
+                    // SAFETY: `b` holds at least `per_layer` bytes and `out` is a live device
+                    // buffer; `s` is a live stream.
                     unsafe { tools.read_sum(b.ptr(), per_layer, out.ptr(), s) }.unwrap();
                 }
             })
@@ -387,17 +402,24 @@ fn run_shape(
         let job = new_job(&mut rng);
         let (da, dl, nr) = range_table(&job);
         ranges.push(time(&|| {
+            // SAFETY: `da`/`dl` hold `nr` ranges inside live device buffers; `out` is live; `s`
+            // is a live stream.
             unsafe { tools.read_ranges(da.ptr(), dl.ptr(), nr, out.ptr(), s) }.unwrap()
         }));
         // The variants take turns, each on a fresh block list.
         for (vi, (_, backend)) in backends.iter().enumerate() {
             let job = new_job(&mut rng);
             // Per request on the device: ordered after `s`, then `s` waits for the results.
+            // SAFETY: `s` is a live stream of the event's context.
             unsafe { e0.record(s).unwrap() };
             let t = Instant::now();
+            // SAFETY: the job's layers are device buffers that outlive the wait; `s` is a live
+            // stream.
             let mut p = unsafe { backend.submit_after(vec![job], Some(s)) }.unwrap();
             submit[vi].push(t.elapsed().as_secs_f64() * 1e6);
+            // SAFETY: `s` is a live stream of the backend's context.
             unsafe { p.order_before(s).unwrap() };
+            // SAFETY: `s` is a live stream of the event's context.
             unsafe { e1.record(s).unwrap() };
             let r = p.wait_mut(Duration::from_secs(10)).unwrap();
             assert_eq!(r[0].values[&ReplicaKey::NONE].len(), blocks as usize);

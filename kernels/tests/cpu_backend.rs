@@ -154,6 +154,7 @@ fn poll_returns_the_result_once() {
     assert_eq!(result[0].values, expected(&layers, &sel, 16));
     assert!(pending.poll().is_none());
     // Dropping an unpolled submission waits for its thread; nothing is read afterwards.
+    // SAFETY: `layers` outlives the wait.
     let p = unsafe { CpuBackend::new(1).submit(vec![job(&layers, sel, 16)]) }.unwrap();
     drop(p);
 }

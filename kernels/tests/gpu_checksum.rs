@@ -242,6 +242,7 @@ fn cpu_results(cases: &[Case]) -> Vec<GroupResult> {
             job(c, i as u32, Device::Cpu, &addrs)
         })
         .collect();
+    // SAFETY: the jobs' layers are host copies that outlive the wait.
     unsafe { CpuBackend::new(2).submit(jobs) }
         .unwrap()
         .wait(WAIT)
@@ -295,6 +296,7 @@ fn gpu_matches_cpu_on_random_layouts() {
         }
         let want = cpu_results(&cases);
         for b in std::iter::once(&backend).chain(&others) {
+            // SAFETY: the jobs' layers are device buffers of this test that outlive the wait.
             let got = unsafe { b.submit(jobs.clone()) }
                 .unwrap()
                 .wait(WAIT)
@@ -415,6 +417,7 @@ fn gpu_matches_cpu_on_model_shapes() {
         let (buf, addrs) = upload_case(&tools, &case);
         let want = cpu_results(std::slice::from_ref(&case));
         for b in std::iter::once(&backend).chain(&others) {
+            // SAFETY: the job's layers are device buffers of this test that outlive the wait.
             let got = unsafe { b.submit(vec![job(&case, 0, Device::Cuda(0), &addrs)]) }
                 .unwrap()
                 .wait(WAIT)
@@ -442,6 +445,7 @@ fn gpu_submit_never_synchronises_the_caller_stream() {
     let flag = tools.alloc(8).unwrap();
     tools.upload(flag.ptr(), &[0u8; 8]).unwrap();
     // Warm: the first submission may load lazily-initialised driver state.
+    // SAFETY: the buffers the launch names live until the end of the test, after it completes.
     unsafe {
         backend.submit_after(
             vec![job(&case, 0, Device::Cuda(0), &addrs)],
@@ -452,13 +456,19 @@ fn gpu_submit_never_synchronises_the_caller_stream() {
     .wait(WAIT)
     .unwrap();
     let spun = tools.event(false).unwrap();
+    // SAFETY: `flag` is a live device buffer and `caller` a live stream of the backend's context.
     unsafe { tools.spin(2_000_000_000, flag.ptr(), caller.raw()) }.unwrap();
+    // SAFETY: `caller` is a live stream of the event's context.
     unsafe { spun.record(caller.raw()).unwrap() };
     // Rewrite every layer after the spin, on the caller's stream.
     for (h, &a) in case.host.iter().zip(&addrs) {
+        // SAFETY: the range lies inside the live device buffer `h` names; `caller` is a live
+        // stream.
         unsafe { tools.fill_random(a - (a % 8), h.len() / 8 * 8, 77, caller.raw()) }.unwrap();
     }
     let t = std::time::Instant::now();
+    // SAFETY: the job's layers are device buffers that outlive the wait; `caller` is a live
+    // stream.
     let mut pending = unsafe {
         backend.submit_after(
             vec![job(&case, 0, Device::Cuda(0), &addrs)],
@@ -511,8 +521,11 @@ fn gpu_dropped_pending_is_safe() {
     let want = cpu_results(std::slice::from_ref(&case));
     let caller = tools.stream().unwrap();
     let flag = tools.alloc(8).unwrap();
+    // SAFETY: `flag` is a live device buffer and `caller` a live stream of the backend's context.
     unsafe { tools.spin(200_000_000, flag.ptr(), caller.raw()) }.unwrap();
     for _ in 0..8 {
+        // SAFETY: the job's layers are device buffers that outlive the wait; `caller` is a live
+        // stream.
         let p = unsafe {
             backend.submit_after(
                 vec![job(&case, 0, Device::Cuda(0), &addrs)],
@@ -523,6 +536,7 @@ fn gpu_dropped_pending_is_safe() {
         drop(p);
     }
     for _ in 0..8 {
+        // SAFETY: the job's layers are device buffers of this test that outlive the wait.
         let got = unsafe { backend.submit(vec![job(&case, 0, Device::Cuda(0), &addrs)]) }
             .unwrap()
             .wait(WAIT)
@@ -545,17 +559,20 @@ fn gpu_rejects_bad_jobs() {
     let mut bad = job(&case, 3, Device::Cuda(0), &addrs);
     bad.selection.block_ids.push(8);
     assert!(matches!(
+        // SAFETY: refused before any byte is read (the test's point); no memory is touched.
         unsafe { backend.submit(vec![bad]) },
         Err(KernelError::InvalidJob { group_id: 3, .. })
     ));
     let cpu_job = job(&case, 4, Device::Cpu, &addrs);
     assert!(matches!(
+        // SAFETY: refused before any byte is read (the test's point); no memory is touched.
         unsafe { backend.submit(vec![cpu_job]) },
         Err(KernelError::InvalidJob { group_id: 4, .. })
     ));
     let mut short = job(&case, 5, Device::Cuda(0), &addrs);
     short.layers[0].len -= 1;
     assert!(matches!(
+        // SAFETY: refused before any byte is read (the test's point); no memory is touched.
         unsafe { backend.submit(vec![short]) },
         Err(KernelError::InvalidJob { group_id: 5, .. })
     ));

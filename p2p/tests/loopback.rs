@@ -216,6 +216,8 @@ async fn flipped_bit_in_local_prefix_is_not_compared() {
     pair.consumer
         .set_landed_hook(Some(Arc::new(move |l: &Landed| {
             assert_eq!(l.groups[0].positions, vec![1, 2]);
+            // SAFETY: `addr` is a byte inside a live buffer of the consumer side, written by no
+            // one else now.
             unsafe { *(addr as *mut u8) ^= 1 };
         })));
     let mut s = spec("req-p", &pair.producer);
@@ -711,6 +713,8 @@ async fn sliding_window_group_with_null_blocks() {
             let addr = c.group_token_addr(1, 1, 1, 11, 5);
             consumer.set_landed_hook(Some(Arc::new(move |l: &Landed| {
                 assert_eq!(l.groups[1].positions, vec![1, 2]);
+                // SAFETY: `addr` is a byte inside a live buffer of the consumer side, written by
+                // no one else now.
                 unsafe { *(addr as *mut u8) ^= 0x80 };
             })));
         }

@@ -140,6 +140,8 @@ fn from_dlpack(obj: &Bound<'_, PyAny>) -> PyResult<TensorView> {
     }
     let itemsize = bits / 8;
     let elem_strides: Option<Vec<i64>> =
+        // SAFETY: DLPack gives `ndim` strides at `t.strides` when it is not null, alive while the
+        // capsule is.
         (!t.strides.is_null()).then(|| (0..ndim).map(|i| unsafe { *t.strides.add(i) }).collect());
     let addr = (t.data as u64).wrapping_add(t.byte_offset);
     let (shape, strides) = checked_layout(&shape, elem_strides.as_deref(), itemsize)?;

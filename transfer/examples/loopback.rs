@@ -61,6 +61,7 @@ fn main() {
     let b = TransferEngine::new(cfg).unwrap();
     let src = vec![7u8; size];
     let dst = vec![1u8; size]; // touched: page faults are not the transport's cost
+                               // SAFETY: the buffers live until the end of main, after the engines are dropped.
     unsafe {
         a.register_memory(src.as_ptr() as u64, size as u64, Location::Cpu)
             .unwrap();

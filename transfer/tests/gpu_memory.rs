@@ -39,6 +39,7 @@ struct DevBuf {
 }
 
 fn bind0() {
+    // SAFETY: called only after `gpu()` found a device; out-pointers to live locals.
     unsafe {
         let mut dev = 0;
         assert_eq!(sys::cuDeviceGet(&mut dev, 0), sys::CUresult::CUDA_SUCCESS);
@@ -56,6 +57,8 @@ impl DevBuf {
         bind0();
         let mut ptr = 0;
         assert_eq!(
+            // SAFETY: `ptr` is a live local the driver writes; device 0's context is current
+            // (bind0).
             unsafe { sys::cuMemAlloc_v2(&mut ptr, len) },
             sys::CUresult::CUDA_SUCCESS
         );
@@ -66,6 +69,7 @@ impl DevBuf {
 impl Drop for DevBuf {
     fn drop(&mut self) {
         bind0();
+        // SAFETY: the allocation is owned by this value and freed once.
         unsafe { sys::cuMemFree_v2(self.ptr) };
     }
 }
@@ -91,6 +95,8 @@ fn cuda_memory_is_refused_cleanly_without_cuda() {
                 "{e}"
             );
             let mut b = [0u8; 8];
+            // SAFETY: the copy is refused (address 4096 is no allocation) before any byte is
+            // read.
             assert!(unsafe { m.copy_from(Location::Cuda(0), 4096, &mut b) }.is_err());
         }
     }
@@ -139,8 +145,10 @@ fn staging_copies_round_trip_at_odd_sizes() {
     {
         let off = (i * 13) as u64;
         let src = random(len, i as u64);
+        // SAFETY: `[dev.ptr + off, +src.len())` lies in the live allocation `dev`.
         unsafe { m.copy_to(Location::Cuda(0), dev.ptr + off, &src) }.unwrap();
         let mut back = vec![0u8; len];
+        // SAFETY: `[dev.ptr + off, +back.len())` lies in the live allocation `dev`.
         unsafe { m.copy_from(Location::Cuda(0), dev.ptr + off, &mut back) }.unwrap();
         assert!(back == src, "round trip of {len} bytes at offset {off}");
     }
@@ -175,6 +183,8 @@ fn registration_checks_device_ranges() {
         "{e}"
     );
     let a = engine();
+    // SAFETY: `dev` is a live 1 MiB allocation that outlives the engine's registration
+    // (unregistered below); the host range is refused.
     unsafe {
         assert!(a
             .register_memory(host.as_ptr() as u64, 4096, Location::Cuda(0))
@@ -198,6 +208,8 @@ fn tcp_moves_gpu_blocks_between_engines() {
     let (src, dst, back) = (DevBuf::new(len), DevBuf::new(len), DevBuf::new(len));
     let data = random(len, 1);
     let before = random(len, 2);
+    // SAFETY: the buffers are live allocations of `len` bytes that outlive the engines'
+    // registrations.
     unsafe {
         m.copy_to(Location::Cuda(0), src.ptr, &data).unwrap();
         m.copy_to(Location::Cuda(0), dst.ptr, &before).unwrap();
@@ -215,6 +227,7 @@ fn tcp_moves_gpu_blocks_between_engines() {
     a.transfer_sync_write(&target, src.ptr + lo, dst.ptr + ro, n)
         .unwrap();
     let mut got = vec![0u8; len];
+    // SAFETY: `dst` is a live allocation of at least `got.len()` bytes.
     unsafe { m.copy_from(Location::Cuda(0), dst.ptr, &mut got) }.unwrap();
     let (lo_u, ro_u, n_u) = (lo as usize, ro as usize, n as usize);
     assert!(
@@ -228,12 +241,14 @@ fn tcp_moves_gpu_blocks_between_engines() {
     a.transfer_sync_read(&target, back.ptr, dst.ptr + ro, n)
         .unwrap();
     let mut read = vec![0u8; n_u];
+    // SAFETY: `back` is a live allocation of at least `read.len()` bytes.
     unsafe { m.copy_from(Location::Cuda(0), back.ptr, &mut read) }.unwrap();
     assert!(read[..] == data[lo_u..lo_u + n_u], "read back");
     // Host memory on one side, GPU memory on the other.
     a.transfer_sync_write(&target, host.addr(), dst.ptr, 1 << 16)
         .unwrap();
     let mut g = vec![0u8; 1 << 16];
+    // SAFETY: `dst` is a live allocation of at least `g.len()` bytes.
     unsafe { m.copy_from(Location::Cuda(0), dst.ptr, &mut g) }.unwrap();
     assert!(g == host.bytes, "host to GPU");
 }

@@ -113,6 +113,7 @@ fn target_refuses_requests_outside_its_regions_even_with_a_stale_descriptor() {
                                                           // B now exposes only the first half; A's cached descriptor still lists the whole buffer.
     b.unregister_memory(dst.addr()).unwrap();
     let half = dst.len() / 2;
+    // SAFETY: `dst` outlives the engine `b`.
     unsafe { b.register_memory(dst.addr(), half, Location::Cpu) }.unwrap();
     let before = dst.bytes.clone();
 
@@ -299,6 +300,7 @@ fn unregistered_local_memory_is_rejected_before_sending() {
         .unwrap_err();
     assert!(matches!(e, TransferError::NotRegistered { .. }), "{e}");
     // registered, but the request runs past the region's end
+    // SAFETY: `src` outlives the engine `a`.
     unsafe { a.register_memory(src.addr(), 4096, Location::Cpu) }.unwrap();
     let e = a
         .transfer_sync_write(&b.segment_name(), src.addr() + 4000, dst.addr(), 100)
@@ -874,6 +876,7 @@ fn configuration_and_registration_errors_are_clear() {
     assert!(["tcp", "rdma"].contains(&auto.transport_name()));
 
     let buf = Buf::zeroed(4096);
+    // SAFETY: `buf` outlives the engine; the zero-length registration is refused.
     unsafe {
         assert!(matches!(
             a.register_memory(buf.addr(), 0, Location::Cpu),

@@ -31,6 +31,8 @@ impl MemoryAccess for FakeDevice {
     unsafe fn copy_from(&self, location: Location, src: u64, dst: &mut [u8]) -> Result<()> {
         self.check(location)?;
         self.from.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: the MemoryAccess caller's contract: the host range is valid for `dst.len()`
+        // bytes.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
@@ -42,6 +44,8 @@ impl MemoryAccess for FakeDevice {
             ));
         }
         self.to.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: the MemoryAccess caller's contract: the host range is valid and writable for
+        // `src.len()` bytes.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
         Ok(())
     }
@@ -55,6 +59,8 @@ fn device_regions_move_through_the_memory_access_backend() {
     let src = Buf::new(3 << 20, 1);
     let dst = Buf::zeroed(3 << 20);
     let mut back = Buf::zeroed(3 << 20);
+    // SAFETY: the buffers outlive the engines (dropped first); the fake device reads them as
+    // cuda:0 memory.
     unsafe {
         a.register_memory(src.addr(), src.len(), Location::Cuda(0))
             .unwrap();
@@ -105,6 +111,7 @@ fn scattered_small_writes_between_device_regions_land_exactly() {
     let (src, dst) = (gpu.base, gpu.base + (1 << 20));
     gpu.fill_device(0, 2 << 20, 5);
     let host_src = Buf::new(1 << 16, 6);
+    // SAFETY: the fake device's ranges and `host_src` outlive the engines.
     unsafe {
         a.register_memory(src, 1 << 20, Location::Cuda(0)).unwrap();
         b.register_memory(dst, 1 << 20, Location::Cuda(0)).unwrap();

@@ -154,6 +154,7 @@ fn rdma_request_spanning_two_remote_regions_and_async_submit() {
     src.register(&a);
     // two adjacent regions on b: a slice must never cross the boundary (one rkey each)
     let half = 300_000u64;
+    // SAFETY: `dst` outlives the engine `b`.
     unsafe {
         b.register_memory(dst.addr(), half, Location::Cpu).unwrap();
         b.register_memory(dst.addr() + half, dst.len() - half, Location::Cpu)

@@ -30,6 +30,7 @@ fn unregistrable_gpu_target_is_staged_and_writes_reach_the_device() {
     let gpu = FakeGpu::new(8 * MIB);
     let a = engine_with_memory(gpu.clone(), |_| {});
     let b = engine_with_memory(gpu.clone(), |_| {});
+    // SAFETY: the fake device's memory outlives the engines.
     unsafe { b.register_memory(gpu.base, 4 * MIB, Location::Cuda(0)) }
         .expect("auto registration falls back to staging");
     assert_eq!(b.region_path(gpu.base), Some(RegistrationPath::Staged));
@@ -75,6 +76,7 @@ fn staged_local_gpu_memory_writes_and_reads_through_its_mirror() {
     let gpu = FakeGpu::new(4 * MIB);
     let a = engine_with_memory(gpu.clone(), |_| {});
     let b = engine_with_memory(gpu.clone(), |_| {});
+    // SAFETY: the fake device's memory outlives the engines.
     unsafe { a.register_memory(gpu.base, 4 * MIB, Location::Cuda(0)) }.unwrap();
     assert_eq!(a.region_path(gpu.base + 5), Some(RegistrationPath::Staged));
     let mut dst = Buf::zeroed((2 * MIB) as usize);
@@ -108,6 +110,7 @@ fn forced_gpu_registration_paths_fail_clearly_or_stage_without_fallback() {
         (GpuRegistration::DmaBuf, "dma-buf"),
     ] {
         let e = engine_with_memory(gpu.clone(), |c| c.rdma.gpu_registration = mode);
+        // SAFETY: the fake device's memory outlives the engine.
         let err = unsafe { e.register_memory(gpu.base, MIB, Location::Cuda(0)) }.unwrap_err();
         let text = err.to_string();
         assert!(
@@ -120,6 +123,7 @@ fn forced_gpu_registration_paths_fail_clearly_or_stage_without_fallback() {
     let e = engine_with_memory(gpu.clone(), |c| {
         c.rdma.gpu_registration = GpuRegistration::Staged
     });
+    // SAFETY: the fake device's memory outlives the engine.
     unsafe { e.register_memory(gpu.base, MIB, Location::Cuda(0)) }.unwrap();
     assert_eq!(e.region_path(gpu.base), Some(RegistrationPath::Staged));
     // host memory is never staged, whatever the GPU setting
@@ -135,6 +139,7 @@ fn staging_syncs_outside_staged_regions_are_refused_and_copy_nothing() {
     }
     let gpu = FakeGpu::new(MIB);
     let b = engine_with_memory(gpu.clone(), |_| {});
+    // SAFETY: the fake device's memory outlives the engines.
     unsafe { b.register_memory(gpu.base, MIB / 2, Location::Cuda(0)) }.unwrap();
     let host = Buf::zeroed(4096);
     host.register(&b);
@@ -179,6 +184,7 @@ fn requests_across_staged_regions_registered_back_to_back_reach_the_device() {
     let a = engine_with_memory(gpu.clone(), |_| {});
     let b = engine_with_memory(gpu.clone(), |_| {});
     for half in [0, MIB] {
+        // SAFETY: the fake device's memory outlives the engines.
         unsafe { b.register_memory(gpu.base + half, MIB, Location::Cuda(0)) }.unwrap();
         assert_eq!(
             b.region_path(gpu.base + half),
@@ -217,6 +223,7 @@ fn tens_of_thousands_of_scattered_slices_from_a_staged_peer_complete() {
     let gpu = FakeGpu::new(N * 128);
     let a = engine_with_memory(gpu.clone(), |_| {});
     let b = engine_with_memory(gpu.clone(), |_| {});
+    // SAFETY: the fake device's memory outlives the engines.
     unsafe { b.register_memory(gpu.base, N * 128, Location::Cuda(0)) }.unwrap();
     gpu.fill_device(0, (N * 128) as usize, 23);
     let dst = Buf::zeroed((N * 64) as usize);

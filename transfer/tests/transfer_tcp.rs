@@ -146,10 +146,12 @@ fn requests_spanning_adjacent_regions_on_both_sides() {
     let dst = Buf::zeroed(300_000);
     // local split at 100_000 and 150_001; remote split at 70_000
     for (off, len) in [(0u64, 100_000u64), (100_000, 50_001), (150_001, 149_999)] {
+        // SAFETY: `src` outlives the engine `a`.
         unsafe { a.register_memory(src.addr() + off, len, kvferry_transfer::Location::Cpu) }
             .unwrap();
     }
     for (off, len) in [(0u64, 70_000u64), (70_000, 230_000)] {
+        // SAFETY: `dst` outlives the engine `b`.
         unsafe { b.register_memory(dst.addr() + off, len, kvferry_transfer::Location::Cpu) }
             .unwrap();
     }

@@ -37,6 +37,7 @@ fn nvrtc_dirs() -> Vec<String> {
 pub fn nvrtc_library_present() -> bool {
     static P: OnceLock<bool> = OnceLock::new();
     *P.get_or_init(|| {
+        // SAFETY: `is_culib_present` only tries to dlopen NVRTC; a panic in cudarc is caught.
         let present = || catch_unwind(|| unsafe { nvrtc_sys::is_culib_present() }).unwrap_or(false);
         if present() {
             return true;
@@ -50,12 +51,16 @@ pub fn nvrtc_library_present() -> bool {
                         for f in rd.flatten() {
                             let n = f.file_name().to_string_lossy().into_owned();
                             if n.starts_with("libnvrtc-builtins.so") {
+                                // SAFETY: loading NVRTC's builtins library runs no initialiser
+                                // with preconditions; it is kept loaded for the process's life.
                                 if let Ok(lib) = unsafe { libloading::Library::new(f.path()) } {
                                     std::mem::forget(lib);
                                 }
                             }
                         }
                     }
+                    // SAFETY: loading NVRTC runs no initialiser with preconditions; it is kept
+                    // loaded for the process's life.
                     if let Ok(lib) = unsafe { libloading::Library::new(&path) } {
                         // Kept loaded for the process's life: cudarc holds its own handle by soname.
                         std::mem::forget(lib);
@@ -97,6 +102,8 @@ fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8
         "--std=c++17".to_string(),
         "-lineinfo".to_string(),
     ];
+    // SAFETY: `prog` is a live program created above; the options outlive the call; the log and
+    // image are read with sizes NVRTC reports.
     let out = unsafe {
         match nvrtc::compile_program(prog, &opts) {
             Ok(()) => {
@@ -136,6 +143,7 @@ fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8
             }
         }
     };
+    // SAFETY: `prog` was created above and is destroyed once, after its last use.
     unsafe {
         let _ = nvrtc::destroy_program(prog);
     }

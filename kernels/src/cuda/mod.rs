@@ -326,34 +326,43 @@ impl CudaBackend {
         let slot = inner.take_slot(o)?;
         let host = slot.host.as_ptr();
         for ((_, p), &(v, ids)) in plans.iter().zip(&param_offs) {
-            std::ptr::copy_nonoverlapping(
-                p.views.as_ptr() as *const u8,
-                host.add(v),
-                p.views.len() * std::mem::size_of::<LayerView>(),
-            );
-            std::ptr::copy_nonoverlapping(
-                p.block_ids.as_ptr() as *const u8,
-                host.add(ids),
-                p.block_ids.len() * 8,
-            );
+            // SAFETY: the slot's pinned buffer holds at least `o` bytes (take_slot); the views
+            // and block ids fit at their offsets, computed above from these lengths, and no
+            // device work uses the slot yet.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    p.views.as_ptr() as *const u8,
+                    host.add(v),
+                    p.views.len() * std::mem::size_of::<LayerView>(),
+                );
+                std::ptr::copy_nonoverlapping(
+                    p.block_ids.as_ptr() as *const u8,
+                    host.add(ids),
+                    p.block_ids.len() * 8,
+                );
+            }
         }
         let timed = inner.timing.load(Ordering::Relaxed);
-        let r = inner.enqueue(
-            &slot,
-            &plans,
-            &param_offs,
-            &out_offs,
-            params_len,
-            out_base,
-            out_len,
-            after,
-            timed,
-        );
+        // SAFETY: forwarded from this function's contract (the layers' device memory, `after`).
+        let r = unsafe {
+            inner.enqueue(
+                &slot,
+                &plans,
+                &param_offs,
+                &out_offs,
+                params_len,
+                out_base,
+                out_len,
+                after,
+                timed,
+            )
+        };
         let mut slot = slot;
         slot.timed = timed;
         if let Err(e) = r {
             // Whatever was queued may still run: retire the slot behind a fresh record.
-            let _ = slot.done.record(inner.stream.raw());
+            // SAFETY: the backend's own stream, of the event's context.
+            let _ = unsafe { slot.done.record(inner.stream.raw()) };
             inner
                 .pool
                 .lock()
@@ -438,67 +447,73 @@ impl Inner {
         after: Option<RawStream>,
         timed: bool,
     ) -> Result<(), String> {
-        let s = self.stream.raw();
-        if let Some(caller) = after {
-            slot.ready.record(caller)?;
-            driver::stream_wait(s, &slot.ready)?;
-        }
-        let dev = slot.dev.ptr();
-        if params_len > 0 {
-            driver::copy_htod_async(dev, slot.host.as_ptr(), params_len, s)?;
-        }
-        if out_len > 0 {
-            driver::memset_async(dev + out_base as u64, 0, out_len, s)?;
-        }
-        if timed {
-            slot.kstart.record(s)?;
-        }
-        for (((_, p), &(v, ids)), &out) in plans.iter().zip(param_offs).zip(out_offs) {
-            if p.total_tiles == 0 {
-                continue;
+        // SAFETY: the slot is this submission's alone (pinned host and device buffers sized
+        // for the params and outputs by `take_slot`); the layers' memory and `after` are valid
+        // by `submit_after`'s contract; every handle is of this backend's context, bound by
+        // the caller; the kernel arguments match `kvf_checksum`'s signature.
+        unsafe {
+            let s = self.stream.raw();
+            if let Some(caller) = after {
+                slot.ready.record(caller)?;
+                driver::stream_wait(s, &slot.ready)?;
             }
-            let mut a_views = dev + v as u64;
-            let mut a_nl = p.views.len() as u32;
-            let mut a_ids = dev + ids as u64;
-            let mut a_nb = p.block_ids.len() as u32;
-            let mut a_start = p.start;
-            let mut a_nt = p.num_tokens;
-            let mut a_ns = p.keys.len() as u32;
-            let mut a_tpg = p.tiles_per_group;
-            let mut a_out = dev + out as u64;
-            let mut args: [*mut c_void; 9] = [
-                &mut a_views as *mut u64 as *mut c_void,
-                &mut a_nl as *mut u32 as *mut c_void,
-                &mut a_ids as *mut u64 as *mut c_void,
-                &mut a_nb as *mut u32 as *mut c_void,
-                &mut a_start as *mut u64 as *mut c_void,
-                &mut a_nt as *mut u64 as *mut c_void,
-                &mut a_ns as *mut u32 as *mut c_void,
-                &mut a_tpg as *mut u32 as *mut c_void,
-                &mut a_out as *mut u64 as *mut c_void,
-            ];
-            let u8 = match self.variant {
-                KernelVariant::Unroll4 => false,
-                KernelVariant::Unroll8 => true,
-                KernelVariant::Auto => chunks_per_thread(p) > 4,
-            };
-            let (kernel, grid_cap) = self.kernels[u8 as usize];
-            let grid = p.total_tiles.min(grid_cap).max(1);
-            kernel.launch(s, grid, THREADS, &mut args)?;
+            let dev = slot.dev.ptr();
+            if params_len > 0 {
+                driver::copy_htod_async(dev, slot.host.as_ptr(), params_len, s)?;
+            }
+            if out_len > 0 {
+                driver::memset_async(dev + out_base as u64, 0, out_len, s)?;
+            }
+            if timed {
+                slot.kstart.record(s)?;
+            }
+            for (((_, p), &(v, ids)), &out) in plans.iter().zip(param_offs).zip(out_offs) {
+                if p.total_tiles == 0 {
+                    continue;
+                }
+                let mut a_views = dev + v as u64;
+                let mut a_nl = p.views.len() as u32;
+                let mut a_ids = dev + ids as u64;
+                let mut a_nb = p.block_ids.len() as u32;
+                let mut a_start = p.start;
+                let mut a_nt = p.num_tokens;
+                let mut a_ns = p.keys.len() as u32;
+                let mut a_tpg = p.tiles_per_group;
+                let mut a_out = dev + out as u64;
+                let mut args: [*mut c_void; 9] = [
+                    &mut a_views as *mut u64 as *mut c_void,
+                    &mut a_nl as *mut u32 as *mut c_void,
+                    &mut a_ids as *mut u64 as *mut c_void,
+                    &mut a_nb as *mut u32 as *mut c_void,
+                    &mut a_start as *mut u64 as *mut c_void,
+                    &mut a_nt as *mut u64 as *mut c_void,
+                    &mut a_ns as *mut u32 as *mut c_void,
+                    &mut a_tpg as *mut u32 as *mut c_void,
+                    &mut a_out as *mut u64 as *mut c_void,
+                ];
+                let u8 = match self.variant {
+                    KernelVariant::Unroll4 => false,
+                    KernelVariant::Unroll8 => true,
+                    KernelVariant::Auto => chunks_per_thread(p) > 4,
+                };
+                let (kernel, grid_cap) = self.kernels[u8 as usize];
+                let grid = p.total_tiles.min(grid_cap).max(1);
+                kernel.launch(s, grid, THREADS, &mut args)?;
+            }
+            if timed {
+                slot.kend.record(s)?;
+            }
+            if out_len > 0 {
+                driver::copy_dtoh_async(
+                    slot.host.as_ptr().add(out_base),
+                    dev + out_base as u64,
+                    out_len,
+                    s,
+                )?;
+            }
+            slot.done.record(s)?;
+            Ok(())
         }
-        if timed {
-            slot.kend.record(s)?;
-        }
-        if out_len > 0 {
-            driver::copy_dtoh_async(
-                slot.host.as_ptr().add(out_base),
-                dev + out_base as u64,
-                out_len,
-                s,
-            )?;
-        }
-        slot.done.record(s)?;
-        Ok(())
     }
 }
 
@@ -538,6 +553,10 @@ impl CudaPending {
                         let mut values = BTreeMap::new();
                         for (k, key) in g.keys.iter().enumerate() {
                             let v: Vec<u64> = (0..g.blocks)
+                                // SAFETY: the event after the copy back has completed, so `host`
+                                // (the slot's pinned buffer) holds `g.blocks * ns` u64 values
+                                // from `g.out_off`, inside the slot's capacity (the plan sized
+                                // it).
                                 .map(|b| unsafe {
                                     std::ptr::read_unaligned(
                                         host.add(g.out_off + (b * ns + k) * 8) as *const u64
@@ -598,7 +617,9 @@ impl CudaPending {
     /// `stream` is a live stream of this device's primary context.
     pub unsafe fn order_before(&self, stream: RawStream) -> Result<(), KernelError> {
         match &self.slot {
-            Some(s) => driver::stream_wait(stream, &s.done).map_err(kerr),
+            // SAFETY: `stream` is live in this context (this function's contract); the event is
+            // the slot's, alive while this pending value is.
+            Some(s) => unsafe { driver::stream_wait(stream, &s.done) }.map_err(kerr),
             None => Ok(()),
         }
     }
@@ -650,7 +671,8 @@ impl ChecksumBackend for CudaBackend {
     /// Callers that write KV on a stream use `submit_after` with that stream.
     unsafe fn submit(&self, jobs: Vec<GroupJob>) -> Result<PendingChecksums, KernelError> {
         Ok(PendingChecksums::new(Box::new(
-            self.submit_after(jobs, None)?,
+            // SAFETY: forwarded from `submit`'s contract; no caller stream.
+            unsafe { self.submit_after(jobs, None) }?,
         )))
     }
 }

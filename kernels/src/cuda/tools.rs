@@ -78,7 +78,9 @@ impl Tools {
         self.backend.context().bind()?;
         let (mut p, mut n, mut s) = (ptr, (len / 8) as u64, seed);
         let mut args = [arg(&mut p), arg(&mut n), arg(&mut s)];
-        self.fill.launch(stream, self.grid, 256, &mut args)
+        // SAFETY: the arguments match the kernel's signature; the addresses and stream are valid
+        // by this function's contract.
+        unsafe { self.fill.launch(stream, self.grid, 256, &mut args) }
     }
 
     /// Adds the u64 sum of `len` bytes at `ptr` (16-byte aligned, `len % 16 == 0`) into the
@@ -97,7 +99,9 @@ impl Tools {
         self.backend.context().bind()?;
         let (mut p, mut n, mut o) = (ptr, (len / 16) as u64, out);
         let mut args = [arg(&mut p), arg(&mut n), arg(&mut o)];
-        self.read_sum.launch(stream, self.grid, 256, &mut args)
+        // SAFETY: the arguments match the kernel's signature; the addresses and stream are valid
+        // by this function's contract.
+        unsafe { self.read_sum.launch(stream, self.grid, 256, &mut args) }
     }
 
     /// Like [`Tools::read_sum`] over `n` ranges whose device addresses and lengths are the u64
@@ -117,8 +121,12 @@ impl Tools {
         self.backend.context().bind()?;
         let (mut a, mut l, mut c, mut o) = (addrs, lens, n, out);
         let mut args = [arg(&mut a), arg(&mut l), arg(&mut c), arg(&mut o)];
-        self.read_ranges
-            .launch(stream, n.min(self.grid).max(1), 256, &mut args)
+        // SAFETY: the arguments match the kernel's signature; the addresses and stream are valid
+        // by this function's contract.
+        unsafe {
+            self.read_ranges
+                .launch(stream, n.min(self.grid).max(1), 256, &mut args)
+        }
     }
 
     /// Queues a one-thread kernel that spins `ns` nanoseconds, then writes 1 to the u64 at `flag`.
@@ -130,12 +138,17 @@ impl Tools {
         self.backend.context().bind()?;
         let (mut t, mut f) = (ns, flag);
         let mut args = [arg(&mut t), arg(&mut f)];
-        self.spin.launch(stream, 1, 1, &mut args)
+        // SAFETY: the arguments match the kernel's signature; the addresses and stream are valid
+        // by this function's contract.
+        unsafe { self.spin.launch(stream, 1, 1, &mut args) }
     }
 
     /// Copies host bytes to device address `dst` (synchronous; tests only).
     pub fn upload(&self, dst: u64, src: &[u8]) -> Result<(), String> {
         self.backend.context().bind()?;
+        // SAFETY: test tool: `src` is a live slice of `src.len()` bytes; `dst` is a device
+        // address of at least that many bytes the caller allocated (the driver rejects addresses
+        // it does not know).
         unsafe {
             driver::check(
                 "cuMemcpyHtoD",
@@ -148,6 +161,8 @@ impl Tools {
     pub fn download(&self, src: u64, len: usize) -> Result<Vec<u8>, String> {
         self.backend.context().bind()?;
         let mut v = vec![0u8; len];
+        // SAFETY: test tool: `v` has `len` bytes; `src` is a device range of `len` bytes the
+        // caller allocated.
         unsafe {
             driver::check(
                 "cuMemcpyDtoH",

@@ -109,6 +109,9 @@ impl DeviceState {
             return Ok(s);
         }
         // First use (or more concurrent copies than before): allocate a staging set.
+        // SAFETY: out-pointers to live locals; the device's context was made current by the
+        // caller (`bind`); on failure the pinned allocation is freed once and nothing else refers
+        // to it.
         unsafe {
             let mut host: *mut c_void = std::ptr::null_mut();
             check(
@@ -158,6 +161,7 @@ impl Staging {
     }
 
     unsafe fn record(&self, k: usize) -> Result<()> {
+        // SAFETY: the stream and event are live handles owned by this staging set.
         unsafe {
             check(
                 "cuEventRecord",
@@ -172,6 +176,7 @@ impl Staging {
         let deadline = Instant::now() + COPY_DEADLINE;
         let mut spins = 0u32;
         loop {
+            // SAFETY: the event is a live handle owned by this staging set.
             match unsafe { sys::cuEventQuery(self.events[k % 2]) } {
                 sys::CUresult::CUDA_SUCCESS => return Ok(()),
                 sys::CUresult::CUDA_ERROR_NOT_READY => {}
@@ -254,6 +259,10 @@ impl MemoryAccess for CudaMemoryAccess {
                 .map(|o| (o, CHUNK.min(dst.len() - o)))
                 .collect();
             for (k, &(off, len)) in chunks.iter().enumerate() {
+                // SAFETY: `st.half(k)` has CHUNK >= `len` bytes of pinned memory that no other
+                // copy uses (the set is ours); the caller promises `[src_addr + off, +len)` is
+                // device memory of cuda:n; the event is recorded after the copy on the set's
+                // stream.
                 unsafe {
                     check(
                         "cuMemcpyDtoHAsync",
@@ -279,6 +288,8 @@ impl MemoryAccess for CudaMemoryAccess {
             if let Some(&(lo, ll)) = chunks.last() {
                 let k = chunks.len() - 1;
                 st.wait(k)?;
+                // SAFETY: the last chunk's copy into half k has completed (waited above); `dst`
+                // has `ll` bytes at `lo`.
                 unsafe { std::ptr::copy_nonoverlapping(st.half(k), dst.as_mut_ptr().add(lo), ll) };
             }
             Ok(())
@@ -312,6 +323,9 @@ impl MemoryAccess for CudaMemoryAccess {
                 if k >= 2 {
                     st.wait(k)?;
                 }
+                // SAFETY: `src` has `len` bytes at `off`; half k is free (its previous copy was
+                // waited for when k >= 2) and holds CHUNK >= `len` bytes; the caller promises the
+                // device range is writable memory of cuda:n.
                 unsafe {
                     std::ptr::copy_nonoverlapping(src.as_ptr().add(off), st.half(k), len);
                     check(
@@ -351,6 +365,9 @@ pub fn location_of(addr: u64) -> Location {
     if !matches!(cuda_available(), Ok(n) if n > 0) {
         return Location::Cpu;
     }
+    // SAFETY: cuCtxGetCurrent writes a live local; the attribute reads pass out-values of the
+    // types the driver writes (see `pointer_attribute`); a panic in cudarc is caught by
+    // `guarded`.
     let r = guarded("pointer location", || unsafe {
         let mut cur: sys::CUcontext = std::ptr::null_mut();
         check("cuCtxGetCurrent", sys::cuCtxGetCurrent(&mut cur))?;
@@ -424,6 +441,7 @@ pub fn export_dmabuf(region: &MemoryRegion) -> Result<(OwnedFd, u64)> {
             "the device or driver does not support dma-buf",
         ));
     }
+    // SAFETY: sysconf takes a constant and has no preconditions.
     let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
         p if p > 0 => p as u64,
         _ => 4096,
@@ -431,6 +449,8 @@ pub fn export_dmabuf(region: &MemoryRegion) -> Result<(OwnedFd, u64)> {
     let start = region.addr & !(page - 1);
     let end = region.end().div_ceil(page) * page;
     let mut fd: i32 = -1;
+    // SAFETY: `fd` is a live i32 the driver writes; `[start, end)` lies within the cuda:n
+    // allocation checked by the engine when the region was registered (widened to whole pages).
     unsafe {
         check(
             "cuMemGetHandleForAddressRange",

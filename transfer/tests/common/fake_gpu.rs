@@ -24,6 +24,8 @@ pub struct FakeGpu {
 
 // SAFETY: the backing store is only touched through copies of disjoint or test-ordered ranges.
 unsafe impl Send for FakeGpu {}
+// SAFETY: the fake device's memory is only written through `&mut` slices or by the engine under
+// the MemoryAccess contract; the base pointer itself is never mutated.
 unsafe impl Sync for FakeGpu {}
 
 impl FakeGpu {
@@ -100,6 +102,8 @@ impl MemoryAccess for FakeGpu {
             Location::Cpu => src as *mut u8,
         };
         self.copies.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: `self.host` checked that a cuda range lies in the fake device's allocation with
+        // `dst.len()` bytes; a cpu range is valid by the MemoryAccess caller's contract.
         unsafe { std::ptr::copy_nonoverlapping(p, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
@@ -110,6 +114,8 @@ impl MemoryAccess for FakeGpu {
             Location::Cpu => dst as *mut u8,
         };
         self.copies.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: `self.host` checked that a cuda range lies in the fake device's allocation with
+        // `src.len()` bytes; a cpu range is valid by the MemoryAccess caller's contract.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), p, src.len()) };
         Ok(())
     }

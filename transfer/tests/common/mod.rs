@@ -74,6 +74,8 @@ impl Buf {
 
     /// Registers the whole buffer with `e` (the buffer outlives the engine in every test).
     pub fn register(&self, e: &TransferEngine) {
+        // SAFETY: the buffer outlives the engine (the caller keeps both and drops the engine
+        // first).
         unsafe { e.register_memory(self.addr(), self.len(), Location::Cpu) }.expect("register");
     }
 }

@@ -44,7 +44,10 @@ pub use auth::{Credential, GrantGuard, GrantOps, GrantSpec, Secret, Token};
 pub use config::{AuthConfig, EngineConfig, GpuRegistration, RdmaConfig, TcpConfig};
 pub use engine::{EngineStats, TransferEngine};
 pub use error::{Result, TransferError};
-pub use memory::{MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys, RegistrationPath};
+pub use memory::{
+    DmabufRange, HostMemoryAccess, MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys,
+    RegistrationPath,
+};
 pub use segment::{BufferDesc, SegmentDescriptor, SegmentHandle};
 pub use transport::{
     CompletionSink, Slice, Transport, TransportContext, TransportInfo, TransportStats,

@@ -261,6 +261,28 @@ pub trait MemoryAccess: Send + Sync + 'static {
     /// # Safety
     /// `[dst_addr, dst_addr + src.len())` is valid, writable memory of `location`.
     unsafe fn copy_to(&self, location: Location, dst_addr: u64, src: &[u8]) -> Result<()>;
+
+    /// Exports `[region.addr, +region.len)` of a `cuda:N` region as a dma-buf, for the RDMA
+    /// transport's `ibv_reg_dmabuf_mr` (docs/design.md §3 "GPU memory": dma-buf first, then the
+    /// peer-memory path, else a pinned host mirror). Default: `Unsupported` (no exporter).
+    fn export_dmabuf(&self, region: &MemoryRegion) -> Result<DmabufRange> {
+        Err(TransferError::Unsupported(format!(
+            "{} memory access exports no dma-buf for {} memory",
+            self.name(),
+            region.location
+        )))
+    }
+}
+
+/// dma-buf export of a GPU range: the fd and the range's offset inside the dma-buf (from
+/// [`MemoryAccess::export_dmabuf`]; the CUDA one uses `cuMemGetHandleForAddressRange`).
+#[derive(Debug)]
+pub struct DmabufRange {
+    /// The dma-buf file descriptor (owned; closed on drop).
+    pub fd: std::os::fd::OwnedFd,
+    /// Byte offset of the region's `addr` from the dma-buf's start (the export covers whole
+    /// pages, so this is `addr` modulo the page size).
+    pub offset: u64,
 }
 
 /// The built-in `MemoryAccess`: host memory only; `cuda:N` is `Unsupported`.

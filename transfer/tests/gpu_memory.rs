@@ -13,7 +13,9 @@ use std::os::fd::AsRawFd;
 use common::{engine, Buf};
 use cudarc::driver::sys;
 use kvferry_transfer::gpu::{cuda_available, export_dmabuf, location_of, memory_access};
-use kvferry_transfer::{Location, MemoryRegion, TransferError};
+use kvferry_transfer::{
+    DmabufRange, HostMemoryAccess, Location, MemoryAccess, MemoryRegion, TransferError,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -259,6 +261,24 @@ fn tcp_moves_gpu_blocks_between_engines() {
 #[test]
 fn dmabuf_export_of_device_memory() {
     let host = [0u8; 64];
+    // The exporter travels with the engine's memory access (no global): the CUDA one exports,
+    // refusing host memory as the free function does; the host-only one has no exporter.
+    let e = memory_access()
+        .export_dmabuf(&MemoryRegion {
+            addr: host.as_ptr() as u64,
+            len: 64,
+            location: Location::Cpu,
+        })
+        .unwrap_err();
+    assert!(matches!(e, TransferError::InvalidArgument(_)), "{e}");
+    let e = HostMemoryAccess
+        .export_dmabuf(&MemoryRegion {
+            addr: host.as_ptr() as u64,
+            len: 64,
+            location: Location::Cuda(0),
+        })
+        .unwrap_err();
+    assert!(matches!(e, TransferError::Unsupported(_)), "{e}");
     let e = export_dmabuf(&MemoryRegion {
         addr: host.as_ptr() as u64,
         len: 64,
@@ -270,12 +290,12 @@ fn dmabuf_export_of_device_memory() {
         return;
     }
     let dev = DevBuf::new(4 << 20);
-    match export_dmabuf(&MemoryRegion {
+    match memory_access().export_dmabuf(&MemoryRegion {
         addr: dev.ptr + 8192 + 100,
         len: 1 << 20,
         location: Location::Cuda(0),
     }) {
-        Ok((fd, offset)) => {
+        Ok(DmabufRange { fd, offset }) => {
             assert!(fd.as_raw_fd() >= 0);
             assert_eq!(offset, 100, "offset inside the page-aligned range");
             eprintln!("dma-buf export: fd {} offset {offset}", fd.as_raw_fd());

@@ -20,7 +20,7 @@ use kvferry_cuda::driver::Context;
 use kvferry_cuda::sys;
 
 use crate::error::{Result, TransferError};
-use crate::memory::{MemoryAccess, MemoryRegion};
+use crate::memory::{DmabufRange, MemoryAccess, MemoryRegion};
 use crate::types::Location;
 
 /// Bytes per staging half: a copy moves in chunks of this size, one chunk in flight on the
@@ -29,20 +29,12 @@ const CHUNK: usize = 1 << 20;
 /// Longest wait for one chunk's device copy.
 const COPY_DEADLINE: Duration = Duration::from_secs(30);
 
-/// The `MemoryAccess` for `cuda:N` (and host) memory; installs the dma-buf exporter for the
-/// RDMA transport when it is built. Never panics; CUDA is probed on first use.
+/// The `MemoryAccess` for `cuda:N` (and host) memory, with the dma-buf exporter the RDMA
+/// transport registers `cuda:N` regions through (`MemoryAccess::export_dmabuf`; it travels
+/// with the engine's memory access, nothing is installed globally). Never panics; CUDA is
+/// probed on first use.
 pub fn memory_access() -> Arc<dyn MemoryAccess> {
-    #[cfg(feature = "rdma")]
-    {
-        let _ = crate::transport::rdma::set_dmabuf_exporter(rdma_exporter);
-    }
     Arc::new(CudaMemoryAccess)
-}
-
-#[cfg(feature = "rdma")]
-fn rdma_exporter(region: &MemoryRegion) -> Result<crate::transport::rdma::DmabufRange> {
-    let (fd, offset) = export_dmabuf(region)?;
-    Ok(crate::transport::rdma::DmabufRange { fd, offset })
 }
 
 fn check(what: &str, r: sys::CUresult) -> std::result::Result<(), String> {
@@ -210,6 +202,11 @@ impl MemoryAccess for CudaMemoryAccess {
             Location::Cpu => Ok(()),
             Location::Cuda(n) => device(n).map(|_| ()),
         }
+    }
+
+    fn export_dmabuf(&self, region: &MemoryRegion) -> Result<DmabufRange> {
+        let (fd, offset) = export_dmabuf(region)?;
+        Ok(DmabufRange { fd, offset })
     }
 
     fn check_region(&self, region: &MemoryRegion) -> Result<()> {

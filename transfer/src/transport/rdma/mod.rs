@@ -42,9 +42,10 @@ mod tests;
 
 use std::sync::{Arc, Mutex};
 
+/// dma-buf export of a GPU range, produced by the engine's `MemoryAccess::export_dmabuf`.
+pub use crate::memory::DmabufRange;
 pub use connect::{CloseNotice, ConnectReply, ConnectRequest, QpInfo};
 pub use device::PortInfo;
-pub use registration::{set_dmabuf_exporter, DmabufExporter, DmabufRange};
 pub use transport::RdmaTransport;
 
 use self::shared::{InFlight, Shared, Work};

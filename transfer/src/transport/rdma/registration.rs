@@ -4,7 +4,7 @@
 //! mirrors.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use sideway::ibverbs::memory_region::MemoryRegion as VerbsMr;
 use sideway::ibverbs::AccessFlags;
@@ -16,28 +16,6 @@ use super::{err_src, lock, Shared};
 use crate::config::GpuRegistration;
 use crate::error::{Result, TransferError};
 use crate::memory::{MemoryRegion, RegistrationPath};
-
-/// dma-buf export of a GPU range: the fd and the range's offset inside the dma-buf.
-/// Supplied by the GPU module (`cuMemGetHandleForAddressRange`), see [`set_dmabuf_exporter`].
-pub struct DmabufRange {
-    /// The dma-buf file descriptor (owned; closed on drop).
-    pub fd: OwnedFd,
-    /// Byte offset of the region's `addr` from the dma-buf's start (the export covers whole
-    /// pages, so this is `addr` modulo the page size).
-    pub offset: u64,
-}
-
-/// Exports `[region.addr, +region.len)` of a `cuda:N` region as a dma-buf.
-pub type DmabufExporter = fn(&MemoryRegion) -> Result<DmabufRange>;
-
-static DMABUF_EXPORTER: OnceLock<DmabufExporter> = OnceLock::new();
-
-/// Installs the dma-buf exporter used to register `cuda:N` regions (docs/design.md §3 "GPU memory":
-/// dma-buf first, then the peer-memory path, else a pinned host mirror, see `staging.rs`).
-/// Returns false when one was already installed.
-pub fn set_dmabuf_exporter(f: DmabufExporter) -> bool {
-    DMABUF_EXPORTER.set(f).is_ok()
-}
 
 /// Registers a dma-buf range on one device (`ibv_reg_dmabuf_mr`), `iova` = the address peers
 /// use for it. Safety: `fd` is a live dma-buf whose `[offset, +len)` stays valid while the
@@ -155,10 +133,8 @@ impl Shared {
 
     /// dma-buf registration of a GPU region on every device (one export).
     pub(super) fn reg_dmabuf_all(&self, region: &MemoryRegion) -> Result<Vec<Arc<VerbsMr>>> {
-        let export = DMABUF_EXPORTER
-            .get()
-            .ok_or_else(|| TransferError::Unsupported("no exporter installed".into()))?;
-        let buf = export(region)?;
+        // The exporter comes with the engine's memory access (passed explicitly, no global).
+        let buf = self.memory.export_dmabuf(region)?;
         self.devices
             .iter()
             // SAFETY: the exporter returns a dma-buf covering the region; it stays registered

@@ -22,6 +22,7 @@ fails or returns no ``kv_transfer_params`` answers the client with its status an
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations at run time.
 
 import argparse
+import contextlib
 import copy
 import uuid
 from typing import Any
@@ -70,10 +71,19 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, transp
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    app = FastAPI()
-    client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
+    state: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        # One client per event loop: the app's (created at startup, closed at shutdown).
+        async with httpx.AsyncClient(timeout=timeout_s, transport=transport) as c:
+            state["client"] = c
+            yield
+
+    app = FastAPI(lifespan=lifespan)
 
     async def handle(path: str, request: Request):
+        client = state["client"]
         body = await request.json()
         transfer_id = f"kvferry-{uuid.uuid4().hex}"
         try:

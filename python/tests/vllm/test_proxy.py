@@ -35,11 +35,21 @@ def upstreams(prefill_params=REPLY, prefill_status=200):
     return sent, httpx.MockTransport(handler)
 
 
-def client(transport):
-    return TestClient(make_app("http://prefill:8100", "http://decode:8200", transport=transport))
+@pytest.fixture
+def client():
+    made = []
+
+    def build(transport):
+        c = TestClient(make_app("http://prefill:8100", "http://decode:8200", transport=transport))
+        made.append(c.__enter__())  # runs the app's lifespan: its upstream client
+        return made[-1]
+
+    yield build
+    for c in made:
+        c.__exit__(None, None, None)
 
 
-def test_prefill_gets_one_token_and_do_remote_decode_then_decode_gets_its_params():
+def test_prefill_gets_one_token_and_do_remote_decode_then_decode_gets_its_params(client):
     sent, transport = upstreams()
     r = client(transport).post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 20,
                                                         "stream": False})
@@ -53,7 +63,7 @@ def test_prefill_gets_one_token_and_do_remote_decode_then_decode_gets_its_params
     assert b2["kv_transfer_params"] == dict(REPLY, transfer_id=tid)
 
 
-def test_each_request_gets_its_own_transfer_id():
+def test_each_request_gets_its_own_transfer_id(client):
     sent, transport = upstreams()
     c = client(transport)
     for _ in range(2):
@@ -63,14 +73,14 @@ def test_each_request_gets_its_own_transfer_id():
     assert all(b["max_completion_tokens"] == 1 for h, _, b in sent if h == "prefill")
 
 
-def test_a_prefill_without_params_is_a_502_and_nothing_reaches_decode():
+def test_a_prefill_without_params_is_a_502_and_nothing_reaches_decode(client):
     sent, transport = upstreams(prefill_params=None)
     r = client(transport).post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3})
     assert r.status_code == 502 and "no kv_transfer_params" in r.json()["error"]["message"]
     assert [h for h, _, _ in sent] == ["prefill"]
 
 
-def test_a_failed_prefill_passes_its_status_through():
+def test_a_failed_prefill_passes_its_status_through(client):
     sent, transport = upstreams(prefill_status=503)
     r = client(transport).post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3})
     assert r.status_code == 503

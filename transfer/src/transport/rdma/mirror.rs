@@ -24,6 +24,9 @@ pub(crate) struct Mirror {
 // SAFETY: the pointer is into the owned mapping, which lives as long as the mirror; concurrent
 // copies touch disjoint or NIC-owned bytes exactly as RDMA buffers always are.
 unsafe impl Send for Mirror {}
+// SAFETY: as for Send: `&Mirror` only reads the pointer's value; the bytes behind it are
+// written by the NIC and by copies that `live` orders against `retire`, never through `&self`
+// fields.
 unsafe impl Sync for Mirror {}
 
 impl std::fmt::Debug for Mirror {
@@ -121,7 +124,8 @@ impl Mirror {
     /// it). Errors as [`Mirror::to_host`].
     pub fn to_device(&self, mem: &dyn MemoryAccess, addr: u64, len: u64) -> Result<()> {
         let p = self.bytes(addr, len)?;
-        // SAFETY: as in `to_host`.
+        // SAFETY: `p..p+len` is inside the mapping (checked by `bytes`); the device range is
+        // valid while the region is registered, which `while_live` holds for the copy.
         self.while_live(|| unsafe {
             let src = std::slice::from_raw_parts(p as *const u8, len as usize);
             mem.copy_to(self.region.location, addr, src)
@@ -150,11 +154,14 @@ pub(super) mod tests {
         }
         unsafe fn copy_from(&self, _: Location, src: u64, dst: &mut [u8]) -> Result<()> {
             self.log.lock().unwrap().push(("from", src, dst.len()));
+            // SAFETY: the test "device" is host memory: `src` is the start of a live Vec of at
+            // least `dst.len()` bytes (the mirror checked the range against the region).
             unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
             Ok(())
         }
         unsafe fn copy_to(&self, _: Location, dst: u64, src: &[u8]) -> Result<()> {
             self.log.lock().unwrap().push(("to", dst, src.len()));
+            // SAFETY: as in `copy_from`: `dst` is inside a live Vec the test owns.
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
             Ok(())
         }
@@ -175,11 +182,13 @@ pub(super) mod tests {
         let dev = Dev::default();
         let base = device.as_ptr() as u64;
         m.to_host(&dev, base + 100, 50).unwrap();
+        // SAFETY: the mirror maps 4096 bytes (the region's length) and outlives `mirror`.
         let mirror = unsafe { std::slice::from_raw_parts(m.addr() as *const u8, 4096) };
         assert_eq!(&mirror[100..150], &device[100..150]);
         assert!(mirror[..100].iter().chain(&mirror[150..]).all(|&b| b == 0));
 
         // the NIC writes into the mirror; only the synced range reaches the device
+        // SAFETY: as above; no copy runs while the test writes (it plays the NIC).
         let mirror = unsafe { std::slice::from_raw_parts_mut(m.addr() as *mut u8, 4096) };
         mirror[1000..1100].fill(0xAB);
         mirror[2000..2010].fill(0xCD);
@@ -229,6 +238,7 @@ pub(super) mod tests {
             Ok(())
         }
         unsafe fn copy_from(&self, l: Location, src: u64, dst: &mut [u8]) -> Result<()> {
+            // SAFETY: forwards this function's own contract to `copy_to`, which reads nothing.
             unsafe { self.copy_to(l, src, dst) }
         }
         unsafe fn copy_to(&self, _: Location, _: u64, _: &[u8]) -> Result<()> {

@@ -27,7 +27,8 @@ unsafe fn reg_dmabuf(
     len: u64,
     iova: u64,
 ) -> Result<Arc<VerbsMr>> {
-    // SAFETY: forwarded from the caller.
+    // SAFETY: this function's contract: `fd` is a live dma-buf whose `[offset, +len)` stays
+    // valid while the memory region exists; the PD is live for `dev`'s borrow.
     unsafe {
         dev.pd
             .reg_dmabuf_mr(offset, len as usize, iova, fd.as_raw_fd(), access())
@@ -63,7 +64,8 @@ impl Shared {
         self.devices
             .iter()
             .map(|d| {
-                // SAFETY: forwarded from the caller.
+                // SAFETY: this function's contract: `[addr, +len)` stays valid (host memory, or
+                // device memory the driver pins) while the memory region exists.
                 unsafe { d.pd.reg_mr(addr as usize, len as usize, access()) }.map_err(|e| {
                     TransferError::Rdma(format!(
                         "{}: ibv_reg_mr [{addr:#x}, +{len}): {e}: {}",

@@ -30,6 +30,7 @@ pub(crate) fn wc_status_text(status: u32) -> String {
     let s = if p.is_null() {
         "unknown status".to_string()
     } else {
+        // SAFETY: non-null: a NUL-terminated static string owned by libibverbs.
         unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
     };
     format!("{s} ({status})")
@@ -47,14 +48,14 @@ pub(crate) fn poll_cq(
     if n < 0 {
         return Err(-n);
     }
-    // SAFETY: the provider filled `n` entries.
+    // SAFETY: ibv_poll_cq initialised the first `n` (0 <= n <= cap <= capacity) entries.
     unsafe { out.set_len(n as usize) };
     Ok(n as usize)
 }
 
 /// Arms the CQ so its next completion raises an event on its channel.
 pub(crate) fn req_notify_cq(cq: &BasicCompletionQueue) -> Result<(), i32> {
-    // SAFETY: valid CQ.
+    // SAFETY: `cq` is a live CQ (the borrow keeps it from being destroyed during the call).
     match unsafe { sys::ibv_req_notify_cq(cq.cq().as_ptr(), 0) } {
         0 => Ok(()),
         e => Err(e),
@@ -72,13 +73,16 @@ pub(crate) fn wait_cq_event(channel: &CompletionChannel, timeout: Duration) -> b
     loop {
         let mut cq: *mut sys::ibv_cq = std::ptr::null_mut();
         let mut ctx: *mut std::os::raw::c_void = std::ptr::null_mut();
-        // SAFETY: valid channel; out-pointers are valid.
+        // SAFETY: the channel is live for the borrow; `cq` and `ctx` are valid out-pointers to
+        // locals.
         let rc =
             unsafe { sys::ibv_get_cq_event(channel.comp_channel().as_ptr(), &mut cq, &mut ctx) };
         if rc != 0 || cq.is_null() {
             return got;
         }
         // ibv_destroy_cq waits for every event to be acked: ack at once.
+        // SAFETY: `cq` is the non-null CQ ibv_get_cq_event just returned an event for; it
+        // cannot be destroyed before this ack.
         unsafe { sys::ibv_ack_cq_events(cq, 1) };
         got = true;
     }
@@ -92,14 +96,15 @@ pub(crate) fn wait_readable(fd: RawFd, timeout: Duration) -> bool {
         revents: 0,
     };
     let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-    // SAFETY: one valid pollfd.
+    // SAFETY: `p` is one valid, initialised pollfd on the stack, and nfds is 1.
     let n = unsafe { libc::poll(&mut p, 1, ms) };
     n > 0 && (p.revents & libc::POLLIN) != 0
 }
 
 /// Sets O_NONBLOCK on `fd`.
 pub(crate) fn set_nonblocking(fd: RawFd) -> std::io::Result<()> {
-    // SAFETY: fcntl on an fd we own a reference to.
+    // SAFETY: fcntl F_GETFL/F_SETFL takes no pointers; `fd` is the open async fd of a live
+    // context (a bad fd would only make fcntl fail with EBADF).
     unsafe {
         let fl = libc::fcntl(fd, libc::F_GETFL);
         if fl < 0 || libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) < 0 {
@@ -111,7 +116,8 @@ pub(crate) fn set_nonblocking(fd: RawFd) -> std::io::Result<()> {
 
 /// The context's async event fd.
 pub(crate) fn async_fd(ctx: &DeviceContext) -> RawFd {
-    // SAFETY: the context is open for the lifetime of `ctx`.
+    // SAFETY: `context()` points to the `ibv_context` that `ctx` keeps open for the borrow;
+    // reading its `async_fd` field is a plain read of initialised memory.
     unsafe { ctx.context().as_ref().async_fd }
 }
 
@@ -123,15 +129,148 @@ struct RawAsyncEvent {
     event_type: u32,
 }
 
+/// An async event type (`enum ibv_event_type`, verbs.h), named; a number this build does not
+/// know stays a number (`Unknown`) rather than being read into a Rust enum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AsyncEvent {
+    CqErr,
+    QpFatal,
+    QpReqErr,
+    QpAccessErr,
+    CommEst,
+    SqDrained,
+    PathMig,
+    PathMigErr,
+    DeviceFatal,
+    PortActive,
+    PortErr,
+    LidChange,
+    PkeyChange,
+    SmChange,
+    SrqErr,
+    SrqLimitReached,
+    QpLastWqeReached,
+    ClientReregister,
+    GidChange,
+    WqFatal,
+    DeviceSpeedChange,
+    Unknown(u32),
+}
+
+/// The events in `enum ibv_event_type` order: `KNOWN_EVENTS[n]` has the value `n`.
+const KNOWN_EVENTS: [AsyncEvent; 21] = [
+    AsyncEvent::CqErr,
+    AsyncEvent::QpFatal,
+    AsyncEvent::QpReqErr,
+    AsyncEvent::QpAccessErr,
+    AsyncEvent::CommEst,
+    AsyncEvent::SqDrained,
+    AsyncEvent::PathMig,
+    AsyncEvent::PathMigErr,
+    AsyncEvent::DeviceFatal,
+    AsyncEvent::PortActive,
+    AsyncEvent::PortErr,
+    AsyncEvent::LidChange,
+    AsyncEvent::PkeyChange,
+    AsyncEvent::SmChange,
+    AsyncEvent::SrqErr,
+    AsyncEvent::SrqLimitReached,
+    AsyncEvent::QpLastWqeReached,
+    AsyncEvent::ClientReregister,
+    AsyncEvent::GidChange,
+    AsyncEvent::WqFatal,
+    AsyncEvent::DeviceSpeedChange,
+];
+
+/// What an async event's `element` union holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EventElement {
+    /// A `struct ibv_qp *`.
+    Qp,
+    /// A port number.
+    Port,
+    /// A CQ, SRQ, WQ or nothing: not reported.
+    Other,
+}
+
+impl AsyncEvent {
+    /// The event for a raw `ibv_event_type` value.
+    pub fn from_raw(t: u32) -> AsyncEvent {
+        KNOWN_EVENTS
+            .get(t as usize)
+            .copied()
+            .unwrap_or(AsyncEvent::Unknown(t))
+    }
+
+    /// The raw `ibv_event_type` value.
+    pub fn raw(self) -> u32 {
+        match self {
+            AsyncEvent::Unknown(t) => t,
+            known => KNOWN_EVENTS.iter().position(|e| *e == known).unwrap_or(0) as u32,
+        }
+    }
+
+    /// What the event's element is (verbs.h: QP events carry the QP, port events the port).
+    pub fn element(self) -> EventElement {
+        use AsyncEvent::*;
+        match self {
+            QpFatal | QpReqErr | QpAccessErr | CommEst | SqDrained | PathMig | PathMigErr
+            | QpLastWqeReached => EventElement::Qp,
+            PortActive | PortErr | LidChange | PkeyChange | SmChange | ClientReregister
+            | GidChange | DeviceSpeedChange => EventElement::Port,
+            _ => EventElement::Other,
+        }
+    }
+
+    /// True for events that report a normal change (logged at info), false for errors and
+    /// events this build does not know (logged at warn).
+    pub fn is_informational(self) -> bool {
+        use AsyncEvent::*;
+        matches!(
+            self,
+            CommEst | PortActive | LidChange | ClientReregister | GidChange | DeviceSpeedChange
+        )
+    }
+
+    /// The event's name for logs.
+    pub fn name(self) -> &'static str {
+        use AsyncEvent::*;
+        match self {
+            CqErr => "CQ error",
+            QpFatal => "QP fatal",
+            QpReqErr => "QP request error",
+            QpAccessErr => "QP access error",
+            CommEst => "communication established",
+            SqDrained => "SQ drained",
+            PathMig => "path migrated",
+            PathMigErr => "path migration error",
+            DeviceFatal => "device fatal",
+            PortActive => "port active",
+            PortErr => "port error",
+            LidChange => "LID change",
+            PkeyChange => "P_Key change",
+            SmChange => "SM change",
+            SrqErr => "SRQ error",
+            SrqLimitReached => "SRQ limit reached",
+            QpLastWqeReached => "QP last WQE reached",
+            ClientReregister => "client reregister",
+            GidChange => "GID change",
+            WqFatal => "WQ fatal",
+            DeviceSpeedChange => "device speed change",
+            Unknown(_) => "unknown event",
+        }
+    }
+}
+
 /// Takes one async event if one is pending (the fd must be non-blocking), acks it and returns
-/// (event type number, element: QP number / port number / 0).
-pub(crate) fn take_async_event(ctx: &DeviceContext) -> Option<(u32, u64)> {
+/// (event, element: QP number / port number / 0).
+pub(crate) fn take_async_event(ctx: &DeviceContext) -> Option<(AsyncEvent, u64)> {
     let mut ev = RawAsyncEvent {
         element: 0,
         event_type: u32::MAX,
     };
     // SAFETY: RawAsyncEvent has ibv_async_event's size and layout (a pointer-sized union, an
-    // enum of C int size, padding).
+    // enum of C int size, padding); the context pointer is live for the lifetime of `ctx`.
     let rc = unsafe {
         sys::ibv_get_async_event(
             ctx.context().as_ptr(),
@@ -141,52 +280,25 @@ pub(crate) fn take_async_event(ctx: &DeviceContext) -> Option<(u32, u64)> {
     if rc != 0 {
         return None;
     }
-    let t = ev.event_type;
-    let element = match t {
-        // QP events: the element is a QP; report its number
-        1..=7 | 16 => {
+    let event = AsyncEvent::from_raw(ev.event_type);
+    let element = match event.element() {
+        EventElement::Qp => {
             let qp = ev.element as *const sys::ibv_qp;
             if qp.is_null() {
                 0
             } else {
+                // SAFETY: for a QP event the element is the QP the event is about; it stays
+                // valid until the event is acked below (ibv_destroy_qp waits for the ack).
                 unsafe { (*qp).qp_num as u64 }
             }
         }
-        // port events: the element is the port number
-        9..=13 | 17 | 18 | 20 => ev.element as u32 as u64,
-        _ => 0,
+        EventElement::Port => ev.element as u32 as u64,
+        EventElement::Other => 0,
     };
-    // SAFETY: acks the event just taken, same memory.
+    // SAFETY: acks exactly the event ibv_get_async_event filled into `ev` above (same layout,
+    // same memory), once.
     unsafe { sys::ibv_ack_async_event(&mut ev as *mut RawAsyncEvent as *mut sys::ibv_async_event) };
-    Some((t, element))
-}
-
-/// Name of an async event type (`enum ibv_event_type`).
-pub(crate) fn async_event_name(t: u32) -> &'static str {
-    const NAMES: [&str; 21] = [
-        "CQ error",
-        "QP fatal",
-        "QP request error",
-        "QP access error",
-        "communication established",
-        "SQ drained",
-        "path migrated",
-        "path migration error",
-        "device fatal",
-        "port active",
-        "port error",
-        "LID change",
-        "P_Key change",
-        "SM change",
-        "SRQ error",
-        "SRQ limit reached",
-        "QP last WQE reached",
-        "client reregister",
-        "GID change",
-        "WQ fatal",
-        "device speed change",
-    ];
-    NAMES.get(t as usize).copied().unwrap_or("unknown event")
+    Some((event, element))
 }
 
 /// MTU in bytes of a verbs MTU value.
@@ -215,7 +327,7 @@ pub(crate) fn mtu_from_bytes(b: u32) -> Option<Mtu> {
 /// Random bytes from the kernel (getrandom(2)); falls back to time and address bits.
 pub(crate) fn random_u64() -> u64 {
     let mut v = 0u64;
-    // SAFETY: writes 8 bytes into `v`.
+    // SAFETY: getrandom writes at most 8 bytes into `v`, a local u64 of 8 bytes.
     let n = unsafe { libc::getrandom(&mut v as *mut u64 as *mut libc::c_void, 8, 0) };
     if n == 8 {
         return v;

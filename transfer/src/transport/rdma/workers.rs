@@ -89,15 +89,12 @@ pub(super) fn run_events(s: Arc<Shared>, dev: Arc<Device>) {
         if !verbs::wait_readable(fd, Duration::from_millis(200)) {
             continue;
         }
-        while let Some((t, element)) = verbs::take_async_event(&dev.ctx) {
-            let name = verbs::async_event_name(t);
-            match t {
-                4 | 9 | 11 | 17 | 18 | 20 => {
-                    tracing::info!(device = %dev.info.name, element, "RDMA async event: {name}")
-                }
-                _ => {
-                    tracing::warn!(device = %dev.info.name, element, "RDMA async event: {name} ({t})")
-                }
+        while let Some((event, element)) = verbs::take_async_event(&dev.ctx) {
+            let name = event.name();
+            if event.is_informational() {
+                tracing::info!(device = %dev.info.name, element, "RDMA async event: {name}")
+            } else {
+                tracing::warn!(device = %dev.info.name, element, "RDMA async event: {name} ({})", event.raw())
             }
         }
     }

@@ -100,20 +100,22 @@ impl RankKv {
                                 self.arena.as_ptr().add(off),
                                 len,
                                 g.stream.raw(),
-                            )?;
+                            )
+                            .map_err(|e| e.to_string())?;
                         } else {
                             copy_dtoh_async(
                                 self.arena.as_mut_ptr().add(off),
                                 g.dev.ptr() + off as u64,
                                 len,
                                 g.stream.raw(),
-                            )?;
+                            )
+                            .map_err(|e| e.to_string())?;
                         }
                     }
                 }
             }
         }
-        g.stream.synchronize()
+        g.stream.synchronize().map_err(|e| e.to_string())
     }
 
     /// Makes the host view of `blocks` current (downloads them from the GPU).
@@ -273,7 +275,7 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
                     let dev = DeviceBuffer::new(backend.context(), arena.len()).map_err(|e| {
                         format!("allocating {} bytes on cuda:{n}: {e}", arena.len())
                     })?;
-                    let stream = Stream::new(backend.context())?;
+                    let stream = Stream::new(backend.context()).map_err(|e| e.to_string())?;
                     Some(GpuArena {
                         dev,
                         stream,
@@ -416,11 +418,13 @@ pub fn flip_bit(
                     gpu.dev.ptr() + at as u64,
                     1,
                     gpu.stream.raw(),
-                )?;
-                gpu.stream.synchronize()?;
+                )
+                .map_err(|e| e.to_string())?;
+                gpu.stream.synchronize().map_err(|e| e.to_string())?;
                 b[0] ^= 1 << bit;
-                copy_htod_async(gpu.dev.ptr() + at as u64, b.as_ptr(), 1, gpu.stream.raw())?;
-                gpu.stream.synchronize()?;
+                copy_htod_async(gpu.dev.ptr() + at as u64, b.as_ptr(), 1, gpu.stream.raw())
+                    .map_err(|e| e.to_string())?;
+                gpu.stream.synchronize().map_err(|e| e.to_string())?;
             }
         }
     }

@@ -5,12 +5,14 @@
 use cudarc::driver::sys;
 use std::ffi::c_void;
 
-/// A driver call's failure: what was being done and the driver's error name.
-pub type DriverResult<T> = Result<T, String>;
+use crate::error::CudaError;
+
+/// A driver call's outcome: on failure, what was being done and the driver's error.
+pub type DriverResult<T> = Result<T, CudaError>;
 
 /// `r` as a [`DriverResult`]: the driver's error name after `what`.
 pub fn check(what: &str, r: sys::CUresult) -> DriverResult<()> {
-    r.result().map_err(|e| format!("{what}: {e}"))
+    r.result().map_err(|e| CudaError::driver(what, e))
 }
 
 /// The device's primary context (shared with the CUDA runtime, PyTorch, etc.), retained
@@ -39,7 +41,10 @@ impl Context {
             let mut n = 0i32;
             check("cuDeviceGetCount", sys::cuDeviceGetCount(&mut n))?;
             if ordinal as i64 >= n as i64 {
-                return Err(format!("cuda:{ordinal} does not exist ({n} devices)"));
+                return Err(CudaError::NoSuchDevice {
+                    ordinal,
+                    count: n.max(0) as u32,
+                });
             }
             let mut dev = 0;
             check("cuDeviceGet", sys::cuDeviceGet(&mut dev, ordinal as i32))?;
@@ -405,7 +410,8 @@ impl Module {
 
     /// The `extern "C"` kernel named `name`.
     pub fn function(&self, name: &str) -> DriverResult<Function> {
-        let c = std::ffi::CString::new(name).map_err(|e| e.to_string())?;
+        let c = std::ffi::CString::new(name)
+            .map_err(|e| CudaError::Invalid(format!("kernel name {name:?}: {e}")))?;
         let mut f = std::ptr::null_mut();
         // SAFETY: `c` is a NUL-terminated name alive for the call, `self.raw` a loaded module,
         // `f` a live local.

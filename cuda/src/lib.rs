@@ -13,9 +13,11 @@
 )]
 
 pub mod driver;
+pub mod error;
 pub mod location;
 pub mod probe;
 
+pub use error::CudaError;
 pub use location::{Location, ParseLocationError};
 pub use probe::{cuda_available, driver_library_present, guarded};
 

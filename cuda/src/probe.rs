@@ -6,9 +6,11 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
+use crate::error::CudaError;
+
 /// Runs `f`, turning a panic inside cudarc (a missing library or symbol) into an error that
 /// starts with `what`.
-pub fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+pub fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, CudaError>) -> Result<T, CudaError> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => r,
         Err(p) => {
@@ -17,7 +19,10 @@ pub fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T
                 .cloned()
                 .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "panic".into());
-            Err(format!("{what}: {msg}"))
+            Err(CudaError::Panicked {
+                what: what.into(),
+                message: msg,
+            })
         }
     }
 }
@@ -34,11 +39,11 @@ pub fn driver_library_present() -> bool {
 
 /// Whether the CUDA driver is usable here: the number of devices after `cuInit`, or why not
 /// (`libcuda` missing, `cuInit` failing). Probed once per process; never panics.
-pub fn cuda_available() -> Result<u32, String> {
-    static P: OnceLock<Result<u32, String>> = OnceLock::new();
+pub fn cuda_available() -> Result<u32, CudaError> {
+    static P: OnceLock<Result<u32, CudaError>> = OnceLock::new();
     P.get_or_init(|| {
         if !driver_library_present() {
-            return Err("libcuda not found".into());
+            return Err(CudaError::DriverLibraryMissing);
         }
         guarded("cuInit", || {
             // SAFETY: the library is present; cuInit and cuDeviceGetCount take plain values and
@@ -46,11 +51,11 @@ pub fn cuda_available() -> Result<u32, String> {
             unsafe {
                 sys::cuInit(0)
                     .result()
-                    .map_err(|e| format!("cuInit: {e:?}"))?;
+                    .map_err(|e| CudaError::driver("cuInit", e))?;
                 let mut n = 0;
                 sys::cuDeviceGetCount(&mut n)
                     .result()
-                    .map_err(|e| format!("cuDeviceGetCount: {e:?}"))?;
+                    .map_err(|e| CudaError::driver("cuDeviceGetCount", e))?;
                 Ok(n.max(0) as u32)
             }
         })

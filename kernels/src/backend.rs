@@ -66,9 +66,14 @@ pub enum KernelError {
         /// What is wrong with it, in words.
         why: String,
     },
-    /// The device or driver failed.
+    /// The device failed in a way that has no driver error (a host thread that cannot start,
+    /// results taken twice).
     #[error("device error: {0}")]
     Device(String),
+    /// The CUDA layer failed (driver call, kernel compilation, no usable device); the driver's
+    /// or NVRTC's error is the source.
+    #[error("CUDA: {0}")]
+    Cuda(#[from] kvferry_cuda::CudaError),
     /// `wait` ran out of time; the result may still arrive through `poll`.
     #[error("checksums not ready after {0:?}")]
     Timeout(Duration),

@@ -23,7 +23,9 @@ fn gpu(test: &str) -> bool {
     match cuda_available() {
         Ok(n) if n > 0 => true,
         other => {
-            let why = other.err().unwrap_or_else(|| "no CUDA device".into());
+            let why = other
+                .err()
+                .map_or_else(|| "no CUDA device".to_string(), |e| e.to_string());
             assert!(
                 std::env::var_os("KVFERRY_REQUIRE_GPU").is_none(),
                 "{test}: GPU required but {why}"

@@ -6,6 +6,7 @@
 //! first calls inside `catch_unwind` as a last resort.
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+use kvferry_cuda::CudaError;
 use std::ffi::CString;
 use std::panic::catch_unwind;
 use std::sync::OnceLock;
@@ -78,25 +79,36 @@ pub fn nvrtc_library_present() -> bool {
 /// Compiles CUDA C `src` with NVRTC for compute capability `cc`: a CUBIN for `sm_XY`,
 /// or, if this NVRTC does not know that architecture, PTX for `compute_90` (NUL-
 /// terminated) for the driver to finish. Errors carry NVRTC's log.
-pub fn compile(src: &str, name: &str, cc: (i32, i32)) -> Result<Vec<u8>, String> {
+pub fn compile(src: &str, name: &str, cc: (i32, i32)) -> Result<Vec<u8>, CudaError> {
     if !nvrtc_library_present() {
-        return Err("libnvrtc not found (set KVFERRY_NVRTC_DIR or LD_LIBRARY_PATH)".into());
+        return Err(CudaError::NvrtcLibraryMissing);
     }
     guarded("nvrtc", || {
         let sm = format!("--gpu-architecture=sm_{}{}", cc.0, cc.1);
         match compile_with(src, name, &sm, true) {
             Ok(cubin) => Ok(cubin),
-            Err(e) => compile_with(src, name, "--gpu-architecture=compute_90", false)
-                .map_err(|e2| format!("{e}; PTX fallback: {e2}")),
+            Err(e) => {
+                compile_with(src, name, "--gpu-architecture=compute_90", false).map_err(|e2| {
+                    match e2 {
+                        CudaError::Compile { what, log, source } => CudaError::Compile {
+                            what: format!("{what} (PTX fallback, after {sm}: {e})"),
+                            log,
+                            source,
+                        },
+                        other => other,
+                    }
+                })
+            }
         }
     })
 }
 
-fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8>, String> {
-    let csrc = CString::new(src).map_err(|e| e.to_string())?;
-    let cname = CString::new(name).map_err(|e| e.to_string())?;
+fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8>, CudaError> {
+    let csrc = CString::new(src).map_err(|e| CudaError::Invalid(format!("source {name}: {e}")))?;
+    let cname =
+        CString::new(name).map_err(|e| CudaError::Invalid(format!("name {name:?}: {e}")))?;
     let prog = nvrtc::create_program(&csrc, Some(&cname))
-        .map_err(|e| format!("nvrtcCreateProgram: {e:?}"))?;
+        .map_err(|e| CudaError::nvrtc("nvrtcCreateProgram", e))?;
     let opts = [
         arch.to_string(),
         "--std=c++17".to_string(),
@@ -111,7 +123,7 @@ fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8
                     let mut n = 0usize;
                     nvrtc_sys::nvrtcGetCUBINSize(prog, &mut n)
                         .result()
-                        .map_err(|e| format!("nvrtcGetCUBINSize: {e:?}"))
+                        .map_err(|e| CudaError::nvrtc("nvrtcGetCUBINSize", e))
                         .and_then(|_| {
                             let mut buf = vec![0u8; n];
                             nvrtc_sys::nvrtcGetCUBIN(
@@ -120,12 +132,12 @@ fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8
                             )
                             .result()
                             .map(|_| buf)
-                            .map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))
+                            .map_err(|e| CudaError::nvrtc("nvrtcGetCUBIN", e))
                         })
                 } else {
                     nvrtc::get_ptx(prog)
                         .map(|p| p.iter().map(|&c| c as u8).collect::<Vec<u8>>())
-                        .map_err(|e| format!("nvrtcGetPTX: {e:?}"))
+                        .map_err(|e| CudaError::nvrtc("nvrtcGetPTX", e))
                 }
             }
             Err(e) => {
@@ -139,7 +151,11 @@ fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8
                         String::from_utf8_lossy(&b).into_owned()
                     })
                     .unwrap_or_default();
-                Err(format!("nvrtc {arch} compile of {name}: {e:?}\n{log}"))
+                Err(CudaError::Compile {
+                    what: format!("nvrtc {arch} compile of {name}"),
+                    log,
+                    source: e,
+                })
             }
         }
     };

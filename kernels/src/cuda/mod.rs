@@ -25,6 +25,7 @@ use crate::{Device, GroupJob, GroupResult, KernelError};
 use cudarc::driver::sys;
 use driver::{Context, DeviceBuffer, Event, EventState, Function, Module, PinnedBuffer, Stream};
 use kvferry_checksum::group::{LayerSpec, ReplicaKey};
+use kvferry_cuda::CudaError;
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -80,21 +81,24 @@ fn chunks_per_thread(plan: &GroupPlan) -> u32 {
         .unwrap_or(0)
 }
 
-fn kerr(msg: impl Into<String>) -> KernelError {
-    KernelError::Device(msg.into())
+fn kerr(e: CudaError) -> KernelError {
+    KernelError::Cuda(e)
 }
 
 /// Why CUDA cannot be used here, or `None` when the driver and NVRTC load and at least
 /// one device exists. Never panics.
-pub fn unavailable_reason() -> Option<String> {
+pub fn unavailable_reason() -> Option<CudaError> {
     if !load::driver_library_present() {
-        return Some("libcuda not found".into());
+        return Some(CudaError::DriverLibraryMissing);
     }
     if !load::nvrtc_library_present() {
-        return Some("libnvrtc not found".into());
+        return Some(CudaError::NvrtcLibraryMissing);
     }
     match kvferry_cuda::cuda_available() {
-        Ok(0) => Some("no CUDA device".into()),
+        Ok(0) => Some(CudaError::NoSuchDevice {
+            ordinal: 0,
+            count: 0,
+        }),
         Ok(_) => None,
         Err(e) => Some(e),
     }
@@ -222,21 +226,15 @@ impl CudaBackend {
     /// The process-wide backend of device `ordinal`, created on first use (compiling
     /// the kernel once). Errors as [`CudaBackend::new`]; a failure is remembered.
     pub fn shared(ordinal: u32) -> Result<CudaBackend, KernelError> {
-        static ALL: OnceLock<Mutex<HashMap<u32, Result<CudaBackend, String>>>> = OnceLock::new();
+        static ALL: OnceLock<Mutex<HashMap<u32, Result<CudaBackend, KernelError>>>> =
+            OnceLock::new();
         let mut all = ALL
             .get_or_init(Default::default)
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         all.entry(ordinal)
-            .or_insert_with(|| {
-                // remembered without the variant's prefix, which `kerr` adds back
-                CudaBackend::new(ordinal).map_err(|e| match e {
-                    KernelError::Device(m) => m,
-                    other => other.to_string(),
-                })
-            })
+            .or_insert_with(|| CudaBackend::new(ordinal))
             .clone()
-            .map_err(kerr)
     }
 
     /// The device's context (for allocating test data and the tools).
@@ -421,7 +419,7 @@ impl Inner {
             .map_err(kerr)
     }
 
-    fn new_slot(&self, cap: usize) -> Result<Slot, String> {
+    fn new_slot(&self, cap: usize) -> Result<Slot, CudaError> {
         let ctx = &self.ctx;
         Ok(Slot {
             host: PinnedBuffer::new(ctx, cap)?,
@@ -446,7 +444,7 @@ impl Inner {
         out_len: usize,
         after: Option<RawStream>,
         timed: bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), CudaError> {
         // SAFETY: the slot is this submission's alone (pinned host and device buffers sized
         // for the params and outputs by `take_slot`); the layers' memory and `after` are valid
         // by `submit_after`'s contract; every handle is of this backend's context, bound by
@@ -522,7 +520,7 @@ impl CudaPending {
     /// `Some(Ok(results))` once, in job order; later calls give `Some(Err(..))`.
     pub fn poll(&mut self) -> Option<Result<Vec<GroupResult>, KernelError>> {
         let Some(slot) = self.slot.as_ref() else {
-            return Some(Err(kerr("results already taken")));
+            return Some(Err(KernelError::Device("results already taken".into())));
         };
         if let Err(e) = self.inner.ctx.bind() {
             return Some(Err(kerr(e)));

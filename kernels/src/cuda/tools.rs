@@ -5,6 +5,7 @@
 
 use super::driver::{self, DeviceBuffer, Function, Module, Stream};
 use super::{load, CudaBackend, RawStream, TOOLS_SRC};
+use kvferry_cuda::CudaError;
 use std::ffi::c_void;
 
 /// The helper kernels, loaded in the backend's context.
@@ -24,7 +25,7 @@ fn arg<T>(v: &mut T) -> *mut c_void {
 
 impl Tools {
     /// Compiles and loads the helper kernels for `backend`'s device.
-    pub fn new(backend: &CudaBackend) -> Result<Tools, String> {
+    pub fn new(backend: &CudaBackend) -> Result<Tools, CudaError> {
         let ctx = backend.context();
         ctx.bind()?;
         let image = load::compile(TOOLS_SRC, "tools.cu", ctx.compute_capability()?)?;
@@ -46,19 +47,19 @@ impl Tools {
     }
 
     /// Allocates `len` bytes of device memory (plain cuMemAlloc).
-    pub fn alloc(&self, len: usize) -> Result<DeviceBuffer, String> {
+    pub fn alloc(&self, len: usize) -> Result<DeviceBuffer, CudaError> {
         self.backend.context().bind()?;
         DeviceBuffer::new(self.backend.context(), len)
     }
 
     /// A new non-blocking stream.
-    pub fn stream(&self) -> Result<Stream, String> {
+    pub fn stream(&self) -> Result<Stream, CudaError> {
         self.backend.context().bind()?;
         Stream::new(self.backend.context())
     }
 
     /// A new event (`timing` for elapsed-time reads).
-    pub fn event(&self, timing: bool) -> Result<driver::Event, String> {
+    pub fn event(&self, timing: bool) -> Result<driver::Event, CudaError> {
         self.backend.context().bind()?;
         driver::Event::new(self.backend.context(), timing)
     }
@@ -74,7 +75,7 @@ impl Tools {
         len: usize,
         seed: u64,
         stream: RawStream,
-    ) -> Result<(), String> {
+    ) -> Result<(), CudaError> {
         self.backend.context().bind()?;
         let (mut p, mut n, mut s) = (ptr, (len / 8) as u64, seed);
         let mut args = [arg(&mut p), arg(&mut n), arg(&mut s)];
@@ -95,7 +96,7 @@ impl Tools {
         len: usize,
         out: u64,
         stream: RawStream,
-    ) -> Result<(), String> {
+    ) -> Result<(), CudaError> {
         self.backend.context().bind()?;
         let (mut p, mut n, mut o) = (ptr, (len / 16) as u64, out);
         let mut args = [arg(&mut p), arg(&mut n), arg(&mut o)];
@@ -117,7 +118,7 @@ impl Tools {
         n: u32,
         out: u64,
         stream: RawStream,
-    ) -> Result<(), String> {
+    ) -> Result<(), CudaError> {
         self.backend.context().bind()?;
         let (mut a, mut l, mut c, mut o) = (addrs, lens, n, out);
         let mut args = [arg(&mut a), arg(&mut l), arg(&mut c), arg(&mut o)];
@@ -134,7 +135,7 @@ impl Tools {
     /// # Safety
     /// The device addresses are valid for what the kernel reads and writes, and `stream` is a
     /// live stream of the backend's context.
-    pub unsafe fn spin(&self, ns: u64, flag: u64, stream: RawStream) -> Result<(), String> {
+    pub unsafe fn spin(&self, ns: u64, flag: u64, stream: RawStream) -> Result<(), CudaError> {
         self.backend.context().bind()?;
         let (mut t, mut f) = (ns, flag);
         let mut args = [arg(&mut t), arg(&mut f)];
@@ -144,7 +145,7 @@ impl Tools {
     }
 
     /// Copies host bytes to device address `dst` (synchronous; tests only).
-    pub fn upload(&self, dst: u64, src: &[u8]) -> Result<(), String> {
+    pub fn upload(&self, dst: u64, src: &[u8]) -> Result<(), CudaError> {
         self.backend.context().bind()?;
         // SAFETY: test tool: `src` is a live slice of `src.len()` bytes; `dst` is a device
         // address of at least that many bytes the caller allocated (the driver rejects addresses
@@ -158,7 +159,7 @@ impl Tools {
     }
 
     /// Copies `len` bytes at device address `src` to the host (synchronous; tests only).
-    pub fn download(&self, src: u64, len: usize) -> Result<Vec<u8>, String> {
+    pub fn download(&self, src: u64, len: usize) -> Result<Vec<u8>, CudaError> {
         self.backend.context().bind()?;
         let mut v = vec![0u8; len];
         // SAFETY: test tool: `v` has `len` bytes; `src` is a device range of `len` bytes the

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use kvferry_cuda::driver::Context;
 use kvferry_cuda::sys;
+use kvferry_cuda::CudaError;
 
 use crate::error::{Result, TransferError};
 use crate::memory::{DmabufRange, MemoryAccess, MemoryRegion};
@@ -37,8 +38,13 @@ pub fn memory_access() -> Arc<dyn MemoryAccess> {
     Arc::new(CudaMemoryAccess)
 }
 
-fn check(what: &str, r: sys::CUresult) -> std::result::Result<(), String> {
-    r.result().map_err(|e| format!("{what}: {e:?}"))
+fn check(what: &str, r: sys::CUresult) -> std::result::Result<(), CudaError> {
+    r.result().map_err(|e| CudaError::driver(what, e))
+}
+
+/// A CUDA failure as the engine's I/O error (its text keeps the call and the driver's code).
+fn io(e: CudaError) -> TransferError {
+    TransferError::Io(e.to_string())
 }
 
 /// Whether the CUDA driver is usable here (the device count, or why not): kvferry-cuda's one
@@ -64,8 +70,9 @@ struct DeviceState {
 }
 
 fn device(n: u32) -> Result<&'static DeviceState> {
-    static ALL: OnceLock<Mutex<HashMap<u32, std::result::Result<&'static DeviceState, String>>>> =
-        OnceLock::new();
+    static ALL: OnceLock<
+        Mutex<HashMap<u32, std::result::Result<&'static DeviceState, CudaError>>>,
+    > = OnceLock::new();
     let count = cuda_available().map_err(|why| unsupported(Location::Cuda(n), &why))?;
     let mut all = ALL
         .get_or_init(Default::default)
@@ -73,7 +80,7 @@ fn device(n: u32) -> Result<&'static DeviceState> {
         .unwrap_or_else(|p| p.into_inner());
     let r = all.entry(n).or_insert_with(|| {
         if n >= count {
-            return Err(format!("cuda:{n} does not exist ({count} devices)"));
+            return Err(CudaError::NoSuchDevice { ordinal: n, count });
         }
         guarded("cuda device", || {
             let state: &'static DeviceState = Box::leak(Box::new(DeviceState {
@@ -87,13 +94,13 @@ fn device(n: u32) -> Result<&'static DeviceState> {
         .map_err(|why| unsupported(Location::Cuda(n), &why))
 }
 
-fn unsupported(location: Location, why: &str) -> TransferError {
+fn unsupported(location: Location, why: &dyn std::fmt::Display) -> TransferError {
     TransferError::Unsupported(format!("memory at {location} cannot be used: {why}"))
 }
 
 impl DeviceState {
     fn bind(&self) -> Result<()> {
-        self.ctx.bind().map_err(TransferError::Io)
+        self.ctx.bind().map_err(io)
     }
 
     fn take(&self) -> Result<Staging> {
@@ -110,7 +117,7 @@ impl DeviceState {
                 "cuMemHostAlloc",
                 sys::cuMemHostAlloc(&mut host, 2 * CHUNK, 0),
             )
-            .map_err(TransferError::Io)?;
+            .map_err(io)?;
             let mut stream = std::ptr::null_mut();
             let mut events = [std::ptr::null_mut(); 2];
             let made = (|| {
@@ -127,11 +134,11 @@ impl DeviceState {
                         sys::cuEventCreate(e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
                     )?;
                 }
-                Ok::<(), String>(())
+                Ok::<(), CudaError>(())
             })();
             if let Err(e) = made {
                 let _ = sys::cuMemFreeHost(host);
-                return Err(TransferError::Io(e));
+                return Err(io(e));
             }
             Ok(Staging {
                 host: host as *mut u8,
@@ -160,7 +167,7 @@ impl Staging {
                 sys::cuEventRecord(self.events[k % 2], self.stream),
             )
         }
-        .map_err(TransferError::Io)
+        .map_err(io)
     }
 
     /// Waits (polling, with a deadline) until the work recorded on half `k` is done.
@@ -270,7 +277,7 @@ impl MemoryAccess for CudaMemoryAccess {
                             st.stream,
                         ),
                     )
-                    .map_err(TransferError::Io)?;
+                    .map_err(io)?;
                     st.record(k)?;
                 }
                 if k > 0 {
@@ -334,7 +341,7 @@ impl MemoryAccess for CudaMemoryAccess {
                             st.stream,
                         ),
                     )
-                    .map_err(TransferError::Io)?;
+                    .map_err(io)?;
                     st.record(k)?;
                 }
                 last = Some(k);
@@ -368,10 +375,9 @@ pub fn location_of(addr: u64) -> Location {
     let r = guarded("pointer location", || unsafe {
         let mut cur: sys::CUcontext = std::ptr::null_mut();
         check("cuCtxGetCurrent", sys::cuCtxGetCurrent(&mut cur))?;
-        if cur.is_null() {
-            device(0)
-                .and_then(|d| d.bind())
-                .map_err(|e| e.to_string())?;
+        // No current context and device 0 unusable: the address cannot be device memory.
+        if cur.is_null() && device(0).and_then(|d| d.bind()).is_err() {
+            return Ok(Location::Cpu);
         }
         use sys::CUpointer_attribute as A;
         // SAFETY: MEMORY_TYPE is written as a CUmemorytype (u32), DEVICE_ORDINAL as an int.
@@ -387,7 +393,7 @@ pub fn location_of(addr: u64) -> Location {
 }
 
 /// The allocation holding device address `addr`: (start, size, device ordinal).
-fn allocation_of(addr: u64) -> std::result::Result<(u64, u64, i32), String> {
+fn allocation_of(addr: u64) -> std::result::Result<(u64, u64, i32), CudaError> {
     use sys::CUpointer_attribute as A;
     // SAFETY: each attribute is read into the type the driver writes for it
     // (CUdeviceptr, size_t, int).
@@ -406,12 +412,12 @@ fn allocation_of(addr: u64) -> std::result::Result<(u64, u64, i32), String> {
 unsafe fn pointer_attribute<T: Default>(
     attr: sys::CUpointer_attribute,
     addr: u64,
-) -> std::result::Result<T, String> {
+) -> std::result::Result<T, CudaError> {
     let mut v = T::default();
     // SAFETY: `v` is a valid `T`, the type the caller promises the driver writes.
     let r = unsafe { sys::cuPointerGetAttribute(&mut v as *mut T as *mut c_void, attr, addr) };
     r.result()
-        .map_err(|e| format!("cuPointerGetAttribute({attr:?}): {e:?}"))?;
+        .map_err(|e| CudaError::driver(format!("cuPointerGetAttribute({attr:?})"), e))?;
     Ok(v)
 }
 
@@ -431,11 +437,11 @@ pub fn export_dmabuf(region: &MemoryRegion) -> Result<(OwnedFd, u64)> {
     let supported = d
         .ctx
         .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)
-        .map_err(TransferError::Io)?;
+        .map_err(io)?;
     if supported == 0 {
         return Err(unsupported(
             region.location,
-            "the device or driver does not support dma-buf",
+            &"the device or driver does not support dma-buf",
         ));
     }
     // SAFETY: sysconf takes a constant and has no preconditions.
@@ -464,7 +470,7 @@ pub fn export_dmabuf(region: &MemoryRegion) -> Result<(OwnedFd, u64)> {
     if fd < 0 {
         return Err(unsupported(
             region.location,
-            "cuMemGetHandleForAddressRange returned no fd",
+            &"cuMemGetHandleForAddressRange returned no fd",
         ));
     }
     // SAFETY: the driver returned a fresh fd that nothing else owns.

@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvferry_transfer::{
-    BatchId, BatchStatus, EngineConfig, Location, Op, TransferEngine, TransferError,
-    TransferRequest, TransportKind,
+    BatchId, BatchStatus, EngineConfig, Location, Op, RegistrationError, TransferEngine,
+    TransferError, TransferRequest, TransportKind,
 };
 use pyo3::prelude::*;
 
@@ -109,7 +109,7 @@ fn parse_location(location: &str, addr: u64) -> Result<Location, String> {
 /// Mooncake's code for a failed registration.
 fn register_code(e: &TransferError) -> i32 {
     match e {
-        TransferError::InvalidArgument(m) if m.contains("overlaps") => ERR_ADDRESS_OVERLAPPED,
+        TransferError::Registration(RegistrationError::Overlaps { .. }) => ERR_ADDRESS_OVERLAPPED,
         _ => ERR_INVALID_ARGUMENT,
     }
 }

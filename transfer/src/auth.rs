@@ -34,7 +34,7 @@ use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-use crate::error::{Result, TransferError};
+use crate::error::{AuthError, Result, TransferError};
 use crate::types::Op;
 
 /// Smallest shared secret accepted, bytes.
@@ -475,7 +475,7 @@ pub(crate) fn check_auth_body(
     body: &[u8],
     nonce: Option<[u8; 32]>,
 ) -> Result<()> {
-    let fail = |why: &str| TransferError::Unauthorized(format!("handshake: {why}"));
+    let fail = |why: &'static str| TransferError::Auth(AuthError::Handshake(why));
     match (body.first().copied(), &state.secret) {
         (Some(AUTH_SECRET), Some(secret)) if body.len() == 33 => {
             let nonce = nonce.ok_or_else(|| fail("send Hello for a nonce first"))?;

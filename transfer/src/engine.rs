@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::auth::{AuthState, GrantGuard, GrantSpec, Token};
 use crate::config::{EngineConfig, RdmaConfig};
-use crate::error::{Result, TransferError};
+use crate::error::{AuthError, HandshakeError, IoError, Result, TransferError};
 use crate::handshake::{FrameType, HandshakeServer, Session, MAX_FRAME_BODY};
 use crate::memory::{cover_sorted, MemoryAccess, MemoryRegion, MemoryRegistry};
 use crate::peer_cache::{BatchRefresh, PeerCache};
@@ -60,14 +60,31 @@ fn segment_name(host: &str, port: u16) -> String {
     }
 }
 
+/// Why the engine does not use RDMA (the reason in its one info line).
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+enum NoRdma {
+    #[cfg_attr(
+        not(feature = "rdma"),
+        allow(dead_code, reason = "built with the rdma feature")
+    )]
+    #[error("no usable RDMA device")]
+    NoDevice,
+    #[cfg_attr(
+        feature = "rdma",
+        allow(dead_code, reason = "built without the rdma feature")
+    )]
+    #[error("this build has no RDMA transport (cargo feature `rdma`)")]
+    NotBuilt,
+}
+
 /// `Ok(device)` when RDMA is usable, else why not (for the one info line).
 #[cfg(feature = "rdma")]
-fn rdma_probe(c: &RdmaConfig) -> std::result::Result<String, String> {
-    crate::transport::rdma::probe(c).ok_or_else(|| "no usable RDMA device".to_string())
+fn rdma_probe(c: &RdmaConfig) -> std::result::Result<String, NoRdma> {
+    crate::transport::rdma::probe(c).ok_or(NoRdma::NoDevice)
 }
 #[cfg(not(feature = "rdma"))]
-fn rdma_probe(_c: &RdmaConfig) -> std::result::Result<String, String> {
-    Err("this build has no RDMA transport (cargo feature `rdma`)".to_string())
+fn rdma_probe(_c: &RdmaConfig) -> std::result::Result<String, NoRdma> {
+    Err(NoRdma::NotBuilt)
 }
 #[cfg(feature = "rdma")]
 fn rdma_create(ctx: &TransportContext) -> Result<Arc<dyn Transport>> {
@@ -118,7 +135,7 @@ pub(crate) fn validate_descriptor(
 ) -> Result<SegmentDescriptor> {
     let bad = |why: String| TransferError::Handshake {
         peer: opened_as.to_string(),
-        reason: format!("invalid descriptor: {why}"),
+        source: HandshakeError::InvalidDescriptor(why),
     };
     d.buffers.sort_by_key(|b| b.region.addr);
     let mut prev_end = 0u64;
@@ -223,9 +240,12 @@ impl TransferEngine {
             .unwrap_or(&host)
             .to_string();
         let listener = TcpListener::bind((bind_host.as_str(), config.port)).map_err(|e| {
-            TransferError::Config(format!(
-                "cannot bind handshake listener on {}: {e}",
-                segment_name(&bind_host, config.port)
+            TransferError::Bind(IoError::new(
+                format!(
+                    "bind handshake listener on {}",
+                    segment_name(&bind_host, config.port)
+                ),
+                e,
             ))
         })?;
         let port = listener
@@ -256,9 +276,7 @@ impl TransferEngine {
         let handler = move |ty: FrameType, body: &[u8], session: &mut Session| -> Result<Vec<u8>> {
             let gate = |session: &Session| {
                 if a.enforced() && !session.authed {
-                    return Err(TransferError::Unauthorized(
-                        "this segment is authenticated: prove the shared secret or present a grant token (Hello, Auth) first".into(),
-                    ));
+                    return Err(TransferError::Auth(AuthError::NotAuthenticated));
                 }
                 Ok(())
             };

@@ -1,17 +1,34 @@
-//! The one error type of the transfer engine (docs/design.md §3).
+//! The error types of the transfer engine (docs/design.md §3), nested in rustls's style: one
+//! [`TransferError`] whose variants carry the typed cause ([`HandshakeError`], [`AuthError`],
+//! [`RegistrationError`], an `std::io::Error`, the first failed slice of a batch) and expose it
+//! through `std::error::Error::source`, so a caller can walk to the root (an io error's
+//! `kind()`, the peer's own refusal text). Free text remains only where no structured cause
+//! exists (a configuration or argument the caller got wrong, a peer's malformed bytes).
+//!
+//! Every error is `Clone` (a batch reports one cause to many slices), so io and JSON sources
+//! are held in an `Arc`. The `Display` of an outer error includes its cause's text, as the
+//! flat texts did: logs that print only `{e}` lose nothing.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-/// Every failure the transfer engine reports. Variants carry a human-readable text that names
-/// the address, segment or peer involved; no variant is ever produced by a panic.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Every failure the transfer engine reports. Variants name the address, segment or peer
+/// involved; no variant is ever produced by a panic.
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum TransferError {
-    /// The engine configuration is unusable (bad host, port in use, forced RDMA without a device).
+    /// The engine configuration is unusable (bad host, forced RDMA without a device).
     #[error("configuration error: {0}")]
     Config(String),
-    /// A caller argument is invalid (zero length, overlapping region, unknown address, bad name).
+    /// A listener could not be bound (port in use, address not local); `op` names the
+    /// listener and the address (`"bind handshake listener on h:p"`).
+    #[error("configuration error: cannot {0}")]
+    Bind(#[source] IoError),
+    /// A caller argument is invalid (zero length, unknown address, bad name).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A memory region could not be registered (see [`RegistrationError`]).
+    #[error("invalid argument: {0}")]
+    Registration(#[source] RegistrationError),
     /// The local side of a request is not inside memory registered with this engine.
     #[error("local range [{addr:#x}, +{len}) is not inside registered memory")]
     NotRegistered {
@@ -31,20 +48,22 @@ pub enum TransferError {
         /// Length in bytes.
         len: u64,
     },
-    /// The handshake with a peer failed (connect refused, bad reply, peer error text).
-    #[error("handshake with {peer} failed: {reason}")]
+    /// The handshake with a peer failed (see [`HandshakeError`]).
+    #[error("handshake with {peer} failed: {source}")]
     Handshake {
         /// The peer's handshake address (`host:port`, the segment name it was opened as).
         peer: String,
-        /// What went wrong, or the peer's own error text.
-        reason: String,
+        /// What went wrong.
+        #[source]
+        source: HandshakeError,
     },
     /// A peer sent bytes that break the wire protocol (bad length, unknown frame type, bad JSON).
     #[error("protocol error: {0}")]
     Protocol(String),
-    /// A socket operation failed (the text names the peer and the operation).
+    /// A socket operation failed; the io error's `kind()` says how (`UnexpectedEof` for a
+    /// connection the peer closed, `TimedOut` for a passed deadline).
     #[error("I/O error: {0}")]
-    Io(String),
+    Io(#[source] IoError),
     /// A wait ran past its deadline.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
@@ -54,24 +73,288 @@ pub enum TransferError {
     /// The batch id is unknown (never issued, or already freed by a finished wait).
     #[error("unknown batch id {0}")]
     UnknownBatch(u64),
-    /// The peer refused the request for want of authorization (no live grant for the token,
-    /// an op or range outside the grant, a failed secret proof); see `crate::auth`.
+    /// The request was refused for want of authorization (see [`AuthError`], `crate::auth`).
     #[error("not authorized: {0}")]
-    Unauthorized(String),
-    /// Some slices of a batch failed; the text is the first failure (and how many failed).
-    #[error("transfer failed: {0}")]
-    Failed(String),
+    Auth(#[source] AuthError),
+    /// The target segment refused a request for a reason of its own (`text`: its words).
+    #[error("segment {segment} refused the request: {text}")]
+    Refused {
+        /// The target segment's name.
+        segment: String,
+        /// The target's error text.
+        text: String,
+    },
+    /// The target is another instance than the descriptor names (it restarted): the engine
+    /// fetches the descriptor again and retries.
+    #[error("segment {segment}: {text}")]
+    Stale {
+        /// The target segment's name.
+        segment: String,
+        /// The target's error text.
+        text: String,
+    },
+    /// A slice failed, was retried on a fresh descriptor, and failed again or could not be:
+    /// `source` is its first failure, `retry` what happened on the retry.
+    #[error("{source}; {retry}")]
+    Retry {
+        /// The slice's first failure.
+        #[source]
+        source: Box<TransferError>,
+        /// What happened when it was retried.
+        retry: String,
+    },
+    /// Some slices of a batch failed; `first` is the first failure reported.
+    #[error("transfer failed: {first}{}", if *.failed > 1 { format!(" (and {} more failed slices of {})", .failed - 1, .total) } else { String::new() })]
+    Failed {
+        /// The first slice failure reported.
+        #[source]
+        first: Box<TransferError>,
+        /// How many slices failed.
+        failed: u32,
+        /// Slices in the batch.
+        total: u32,
+    },
+    /// The batch timed out or was freed before this slice was sent (so it never was).
+    #[error("batch timed out or was freed before this slice was sent")]
+    Cancelled,
     /// An RDMA-specific failure (verbs call, QP state, work completion status).
     #[error("rdma: {0}")]
     Rdma(String),
+    /// A GPU memory operation failed (the CUDA layer's error; see `crate::gpu`).
+    #[error("GPU: {0}")]
+    Gpu(#[source] Arc<dyn std::error::Error + Send + Sync>),
 }
 
 impl TransferError {
     /// Wraps an `std::io::Error` with what was being done (`"connect to 1.2.3.4:5"`).
-    pub fn io(context: impl std::fmt::Display, err: std::io::Error) -> Self {
-        TransferError::Io(format!("{context}: {err}"))
+    pub fn io(op: impl std::fmt::Display, err: std::io::Error) -> Self {
+        TransferError::Io(IoError::new(op, err))
     }
+
+    /// Wraps the CUDA layer's error (a typed error, or its text until it has one).
+    pub fn gpu(err: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        TransferError::Gpu(Arc::from(err.into()))
+    }
+
+    /// An io failure of `kind` that has no OS error behind it (`UnexpectedEof`: the peer
+    /// closed the connection; `TimedOut`: our deadline passed).
+    pub fn io_kind(
+        op: impl std::fmt::Display,
+        kind: std::io::ErrorKind,
+        why: &'static str,
+    ) -> Self {
+        Self::io(op, std::io::Error::new(kind, why))
+    }
+
+    /// The io error kind at the root of this error's source chain, if it has one.
+    pub fn io_error_kind(&self) -> Option<std::io::ErrorKind> {
+        let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(self);
+        while let Some(e) = cur {
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
+                return Some(io.kind());
+            }
+            cur = e.source();
+        }
+        None
+    }
+}
+
+/// An `std::io::Error` with what was being done. `Clone` (an error reaches every slice of a
+/// frame): a clone is rebuilt from the original's OS error code, else its kind and text.
+#[derive(Debug, thiserror::Error)]
+#[error("{op}: {source}")]
+pub struct IoError {
+    /// What was being done (`"connect to 1.2.3.4:5"`, `"reply from segment h:p"`).
+    pub op: String,
+    /// The io error.
+    #[source]
+    pub source: std::io::Error,
+}
+
+impl IoError {
+    /// `source` while doing `op`.
+    pub fn new(op: impl std::fmt::Display, source: std::io::Error) -> Self {
+        IoError {
+            op: op.to_string(),
+            source,
+        }
+    }
+}
+
+impl Clone for IoError {
+    fn clone(&self) -> Self {
+        let source = match self.source.raw_os_error() {
+            Some(code) => std::io::Error::from_raw_os_error(code),
+            None => std::io::Error::new(self.source.kind(), self.source.to_string()),
+        };
+        IoError {
+            op: self.op.clone(),
+            source,
+        }
+    }
+}
+
+/// Why a handshake (descriptor query, RDMA connect, authentication) with a peer failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum HandshakeError {
+    /// The request body is over `handshake::MAX_FRAME_BODY`.
+    #[error("request body of {0} bytes exceeds the limit")]
+    BodyTooLarge(usize),
+    /// The peer name did not resolve.
+    #[error("cannot resolve: {0}")]
+    Resolve(#[source] IoError),
+    /// The name resolved to no address (or the deadline passed before any connect).
+    #[error("no address")]
+    NoAddress,
+    /// Connecting failed (the last address tried: `op` is `"connect to <addr>"`).
+    #[error("{0}")]
+    Connect(#[source] IoError),
+    /// Sending the request or reading the reply failed (io, deadline, malformed frame).
+    #[error("{0}")]
+    Exchange(#[source] Box<TransferError>),
+    /// The peer closed the connection before replying.
+    #[error("connection closed before the reply")]
+    Closed,
+    /// The peer answered with an error frame: its text.
+    #[error("{0}")]
+    Refused(String),
+    /// The reply has another frame type than the request.
+    #[error("reply has frame type {got}, expected {expected}")]
+    UnexpectedReply {
+        /// The reply's frame type.
+        got: u8,
+        /// The request's frame type.
+        expected: u8,
+    },
+    /// The `Hello` reply is not a 32-byte nonce.
+    #[error("nonce of {0} bytes, expected 32")]
+    BadNonce(usize),
+    /// A reply is not the JSON it should be (`what`: `"descriptor"`, `"RDMA connect reply"`).
+    #[error("{what} is not valid JSON: {source}")]
+    BadJson {
+        /// Which reply.
+        what: &'static str,
+        /// The JSON error.
+        #[source]
+        source: Arc<serde_json::Error>,
+    },
+    /// The descriptor is inconsistent (no transport kind, buffers that wrap or overlap).
+    #[error("invalid descriptor: {0}")]
+    InvalidDescriptor(String),
+    /// The transport's `Connect` reply is unusable (its words).
+    #[error("{0}")]
+    BadConnectReply(String),
+}
+
+/// Why a request was refused for want of authorization (`crate::auth`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    /// A handshake `Auth` frame failed (`what`: which check).
+    #[error("handshake: {0}")]
+    Handshake(&'static str),
+    /// A descriptor or connect request on a connection that has not passed `Auth`.
+    #[error(
+        "this segment is authenticated: prove the shared secret or present a grant token \
+         (Hello, Auth) first"
+    )]
+    NotAuthenticated,
+    /// The target refused a data frame (its words: no live grant, op or range outside it).
+    #[error("segment {segment} refused the request: {text}")]
+    Refused {
+        /// The target segment's name.
+        segment: String,
+        /// The target's refusal text.
+        text: String,
+    },
+}
+
+/// Why a memory region could not be registered (`MemoryRegistry::insert`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistrationError {
+    /// The region has zero length.
+    #[error("memory region at {addr:#x} has zero length")]
+    ZeroLength {
+        /// Start address.
+        addr: u64,
+    },
+    /// `addr + len` overflows the address space.
+    #[error("memory region [{addr:#x}, +{len}) wraps the address space")]
+    Wraps {
+        /// Start address.
+        addr: u64,
+        /// Length in bytes.
+        len: u64,
+    },
+    /// The region overlaps one already registered.
+    #[error("memory region [{addr:#x}, +{len}) overlaps registered region [{with_addr:#x}, +{with_len})")]
+    Overlaps {
+        /// Start address.
+        addr: u64,
+        /// Length in bytes.
+        len: u64,
+        /// Start of the registered region it overlaps.
+        with_addr: u64,
+        /// Length of that region.
+        with_len: u64,
+    },
 }
 
 /// Result alias used across the crate.
 pub type Result<T, E = TransferError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn an_io_errors_kind_survives_through_the_source_chain() {
+        let io = TransferError::io_kind(
+            "reply from segment h:1",
+            std::io::ErrorKind::UnexpectedEof,
+            "connection closed by peer",
+        );
+        let batch = TransferError::Failed {
+            first: Box::new(TransferError::Retry {
+                source: Box::new(io),
+                retry: "fetching its descriptor again: refused".into(),
+            }),
+            failed: 3,
+            total: 8,
+        };
+        let text = batch.to_string();
+        assert!(text.contains("connection closed by peer"), "{text}");
+        assert!(text.contains("and 2 more failed slices of 8"), "{text}");
+        // walk the chain by hand: Failed -> Retry -> Io -> IoError -> std::io::Error
+        let retry = batch.source().expect("the batch keeps its first failure");
+        let io = retry.source().expect("the retry keeps the slice's failure");
+        let op = io.source().expect("the io failure keeps its operation");
+        assert!(op.to_string().starts_with("reply from segment h:1"), "{op}");
+        let root = op.source().expect("the operation keeps its io error");
+        let root = root
+            .downcast_ref::<std::io::Error>()
+            .expect("the root is the io error");
+        assert_eq!(root.kind(), std::io::ErrorKind::UnexpectedEof);
+        assert_eq!(
+            batch.io_error_kind(),
+            Some(std::io::ErrorKind::UnexpectedEof)
+        );
+        let hs = TransferError::Handshake {
+            peer: "h:1".into(),
+            source: HandshakeError::Exchange(Box::new(batch)),
+        };
+        assert_eq!(hs.io_error_kind(), Some(std::io::ErrorKind::UnexpectedEof));
+        assert_eq!(TransferError::Cancelled.io_error_kind(), None);
+        // a clone (every slice of a frame gets one) keeps the OS error and its kind
+        let refused = TransferError::io(
+            "connect to 127.0.0.1:1",
+            std::io::Error::from_raw_os_error(libc::ECONNREFUSED),
+        );
+        let copy = refused.clone();
+        assert_eq!(copy.to_string(), refused.to_string());
+        assert_eq!(
+            copy.io_error_kind(),
+            Some(std::io::ErrorKind::ConnectionRefused)
+        );
+    }
+}

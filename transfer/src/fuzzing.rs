@@ -36,7 +36,7 @@ pub fn data_request(b: &[u8]) -> Result<Vec<(u64, u64)>> {
     if req.op != wire::OP_WRITE_SCATTER {
         return Ok(vec![(req.addr, req.len)]);
     }
-    let n = wire::scatter_count(&req, MAX_FRAME_PAYLOAD).map_err(TransferError::Protocol)?;
+    let n = wire::scatter_count(&req, MAX_FRAME_PAYLOAD)?;
     let table = b
         .get(wire::REQ_LEN..wire::REQ_LEN + n * wire::PIECE_LEN)
         .ok_or_else(short)?;

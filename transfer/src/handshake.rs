@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::admission::{Admitted, Limits, Listener, Names};
-use crate::error::{Result, TransferError};
+use crate::error::{HandshakeError, IoError, Result, TransferError};
 
 /// Largest handshake frame body, bytes (1 MiB, as Mooncake's default).
 pub const MAX_FRAME_BODY: u64 = 1 << 20;
@@ -61,7 +61,11 @@ impl FrameType {
 fn arm(s: &TcpStream, deadline: Instant, what: &str) -> Result<()> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
-        return Err(TransferError::Io(format!("{what}: deadline passed")));
+        return Err(TransferError::io_kind(
+            what,
+            std::io::ErrorKind::TimedOut,
+            "deadline passed",
+        ));
     }
     s.set_read_timeout(Some(left))
         .and_then(|_| s.set_write_timeout(Some(left)))
@@ -80,9 +84,11 @@ pub(crate) fn read_exact_by(
         arm(s, deadline, what)?;
         match s.read(&mut buf[got..]) {
             Ok(0) => {
-                return Err(TransferError::Io(format!(
-                    "{what}: connection closed by peer"
-                )))
+                return Err(TransferError::io_kind(
+                    what,
+                    std::io::ErrorKind::UnexpectedEof,
+                    "connection closed by peer",
+                ))
             }
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -104,9 +110,11 @@ pub(crate) fn write_all_by(
         arm(s, deadline, what)?;
         match s.write(&buf[sent..]) {
             Ok(0) => {
-                return Err(TransferError::Io(format!(
-                    "{what}: connection closed by peer"
-                )))
+                return Err(TransferError::io_kind(
+                    what,
+                    std::io::ErrorKind::WriteZero,
+                    "connection closed by peer",
+                ))
             }
             Ok(n) => sent += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -160,8 +168,9 @@ fn read_frame(s: &mut TcpStream, deadline: Instant, what: &str) -> Result<Option
 
 /// Sends one request frame of type `ty` to the handshake listener at `peer` (`host:port`) and
 /// returns the reply body. The whole exchange (resolve, connect, write, read) finishes within
-/// `timeout`. Errors: `Handshake { peer, reason }` for connect failures, an error reply (reason =
-/// the peer's text), a reply of another type, a malformed reply, or the deadline.
+/// `timeout`. Errors: `Handshake { peer, source }` for connect failures, an error reply
+/// (`HandshakeError::Refused` with the peer's text), a reply of another type, a malformed
+/// reply, or the deadline.
 /// This is the client helper transports use for their `Connect` frames (open peers).
 pub fn request(peer: &str, ty: FrameType, body: &[u8], timeout: Duration) -> Result<Vec<u8>> {
     request_with(peer, ty, body, timeout, None)
@@ -169,7 +178,7 @@ pub fn request(peer: &str, ty: FrameType, body: &[u8], timeout: Duration) -> Res
 
 /// As [`request`], authenticating first when `cred` is given: `Hello` for the nonce, then
 /// `Auth` with the secret's proof or the token, then the request, all on one connection and
-/// within `timeout`. A refused `Auth` is `Handshake { reason }` with the peer's text.
+/// within `timeout`. A refused `Auth` is `Handshake` with `HandshakeError::Refused` (the peer's text).
 pub fn request_with(
     peer: &str,
     ty: FrameType,
@@ -177,22 +186,19 @@ pub fn request_with(
     timeout: Duration,
     cred: Option<&crate::auth::Credential>,
 ) -> Result<Vec<u8>> {
-    let fail = |reason: String| TransferError::Handshake {
+    let fail = |source: HandshakeError| TransferError::Handshake {
         peer: peer.to_string(),
-        reason,
+        source,
     };
     if body.len() as u64 > MAX_FRAME_BODY {
-        return Err(fail(format!(
-            "request body of {} bytes exceeds the limit",
-            body.len()
-        )));
+        return Err(fail(HandshakeError::BodyTooLarge(body.len())));
     }
     let deadline = Instant::now() + timeout;
     let addrs: Vec<SocketAddr> = peer
         .to_socket_addrs()
-        .map_err(|e| fail(format!("cannot resolve: {e}")))?
+        .map_err(|e| fail(HandshakeError::Resolve(IoError::new(peer, e))))?
         .collect();
-    let mut last = String::from("no address");
+    let mut last = HandshakeError::NoAddress;
     let mut stream = None;
     for a in addrs {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -204,7 +210,7 @@ pub fn request_with(
                 stream = Some(s);
                 break;
             }
-            Err(e) => last = format!("connect to {a}: {e}"),
+            Err(e) => last = HandshakeError::Connect(IoError::new(format!("connect to {a}"), e)),
         }
     }
     let mut s = stream.ok_or_else(|| fail(last))?;
@@ -212,7 +218,7 @@ pub fn request_with(
     if let Some(cred) = cred {
         let nonce = exchange(&mut s, FrameType::Hello, b"", deadline).map_err(fail)?;
         if nonce.len() != 32 {
-            return Err(fail(format!("nonce of {} bytes, expected 32", nonce.len())));
+            return Err(fail(HandshakeError::BadNonce(nonce.len())));
         }
         let auth = crate::auth::auth_body(cred, &nonce);
         exchange(&mut s, FrameType::Auth, &auth, deadline).map_err(fail)?;
@@ -222,23 +228,26 @@ pub fn request_with(
     reply
 }
 
-/// One request/reply on an open handshake connection; `Err` is the reason text.
+/// One request/reply on an open handshake connection.
 fn exchange(
     s: &mut TcpStream,
     ty: FrameType,
     body: &[u8],
     deadline: Instant,
-) -> std::result::Result<Vec<u8>, String> {
-    write_all_by(s, &encode(ty, body), deadline, "send handshake request")
-        .map_err(|e| e.to_string())?;
-    let reply = read_frame(s, deadline, "read handshake reply").map_err(|e| e.to_string())?;
+) -> std::result::Result<Vec<u8>, HandshakeError> {
+    let broke = |e| HandshakeError::Exchange(Box::new(e));
+    write_all_by(s, &encode(ty, body), deadline, "send handshake request").map_err(broke)?;
+    let reply = read_frame(s, deadline, "read handshake reply").map_err(broke)?;
     match reply {
-        None => Err("connection closed before the reply".into()),
+        None => Err(HandshakeError::Closed),
         Some((t, b)) if t == ty as u8 => Ok(b),
-        Some((t, b)) if t == FrameType::Error as u8 => {
-            Err(String::from_utf8_lossy(&b).into_owned())
-        }
-        Some((t, _)) => Err(format!("reply has frame type {t}, expected {}", ty as u8)),
+        Some((t, b)) if t == FrameType::Error as u8 => Err(HandshakeError::Refused(
+            String::from_utf8_lossy(&b).into_owned(),
+        )),
+        Some((got, _)) => Err(HandshakeError::UnexpectedReply {
+            got,
+            expected: ty as u8,
+        }),
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::RwLock;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Result, TransferError};
+use crate::error::{RegistrationError, Result, TransferError};
 use crate::types::Location;
 
 /// A registered range of memory: `len` bytes from virtual address `addr` of this process,
@@ -112,7 +112,7 @@ impl MemoryRegistry {
 
     /// Checks that `region` has len > 0, does not wrap the address space and overlaps no
     /// registered region; then calls `register` (the transport's hook) and records the region
-    /// with the keys it returns. Errors: `InvalidArgument` for zero length, overflow or overlap;
+    /// with the keys it returns. Errors: `Registration` for zero length, overflow or overlap;
     /// whatever `register` returns (nothing is recorded then).
     pub fn insert(
         &self,
@@ -120,25 +120,26 @@ impl MemoryRegistry {
         register: impl FnOnce(&MemoryRegion) -> Result<RegionKeys>,
     ) -> Result<RegionKeys> {
         if region.len == 0 {
-            return Err(TransferError::InvalidArgument(format!(
-                "memory region at {:#x} has zero length",
-                region.addr
-            )));
+            return Err(TransferError::Registration(RegistrationError::ZeroLength {
+                addr: region.addr,
+            }));
         }
         if region.addr.checked_add(region.len).is_none() {
-            return Err(TransferError::InvalidArgument(format!(
-                "memory region [{:#x}, +{}) wraps the address space",
-                region.addr, region.len
-            )));
+            return Err(TransferError::Registration(RegistrationError::Wraps {
+                addr: region.addr,
+                len: region.len,
+            }));
         }
         let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
         let before = map.range(..region.end()).next_back();
         if let Some((_, e)) = before {
             if e.region.end() > region.addr {
-                return Err(TransferError::InvalidArgument(format!(
-                    "memory region [{:#x}, +{}) overlaps registered region [{:#x}, +{})",
-                    region.addr, region.len, e.region.addr, e.region.len
-                )));
+                return Err(TransferError::Registration(RegistrationError::Overlaps {
+                    addr: region.addr,
+                    len: region.len,
+                    with_addr: e.region.addr,
+                    with_len: e.region.len,
+                }));
             }
         }
         let keys = register(&region)?;

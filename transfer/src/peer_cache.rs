@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::auth::{AuthState, Token};
-use crate::error::{Result, TransferError};
+use crate::error::{HandshakeError, Result, TransferError};
 use crate::handshake::{self, FrameType};
 use crate::segment::SegmentDescriptor;
 use crate::transport::completion::PeerRefresh;
@@ -96,7 +96,10 @@ impl PeerCache {
         let d: SegmentDescriptor =
             serde_json::from_slice(&body).map_err(|e| TransferError::Handshake {
                 peer: name.to_string(),
-                reason: format!("descriptor is not valid JSON: {e}"),
+                source: HandshakeError::BadJson {
+                    what: "descriptor",
+                    source: Arc::new(e),
+                },
             })?;
         let d = Arc::new(crate::engine::validate_descriptor(d, name)?);
         let old = self.lock().insert(
@@ -272,6 +275,9 @@ impl Inner {
     }
 }
 
-fn annotate(err: TransferError, more: &str) -> TransferError {
-    TransferError::Failed(format!("{err}; {more}"))
+fn annotate(err: TransferError, retry: &str) -> TransferError {
+    TransferError::Retry {
+        source: Box::new(err),
+        retry: retry.to_string(),
+    }
 }

@@ -232,7 +232,7 @@ fn rdma_stale_rkey_is_refused_with_the_completion_status_and_recovers_after_refr
     let text = e.to_string();
     eprintln!("stale rkey error: {text}");
     assert!(
-        matches!(e, TransferError::Failed(_)),
+        matches!(e, TransferError::Failed { .. }),
         "a clear failure, not a timeout: {e:?}"
     );
     assert!(
@@ -271,7 +271,7 @@ fn rdma_dead_peer_fails_within_the_deadline() {
         .expect_err("writing to a dead peer must fail");
     eprintln!("dead peer error: {e}");
     // a Failed (with the cause) from the transport's own bounded waits, not the caller's Timeout
-    assert!(matches!(e, TransferError::Failed(_)), "{e:?}");
+    assert!(matches!(e, TransferError::Failed { .. }), "{e:?}");
     // the QP's own retry limit noticed the silent peer (not the 20 s completion watchdog)
     assert!(e.to_string().contains("retry counter exceeded"), "{e}");
 }

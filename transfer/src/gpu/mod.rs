@@ -42,9 +42,9 @@ fn check(what: &str, r: sys::CUresult) -> std::result::Result<(), CudaError> {
     r.result().map_err(|e| CudaError::driver(what, e))
 }
 
-/// A CUDA failure as the engine's I/O error (its text keeps the call and the driver's code).
+/// A CUDA failure as the engine's `Gpu` error, the `CudaError` kept as its source.
 fn io(e: CudaError) -> TransferError {
-    TransferError::Io(e.to_string())
+    TransferError::gpu(e)
 }
 
 /// Whether the CUDA driver is usable here (the device count, or why not): kvferry-cuda's one
@@ -179,7 +179,7 @@ impl Staging {
             match unsafe { sys::cuEventQuery(self.events[k % 2]) } {
                 sys::CUresult::CUDA_SUCCESS => return Ok(()),
                 sys::CUresult::CUDA_ERROR_NOT_READY => {}
-                e => return Err(TransferError::Io(format!("GPU copy failed: {e:?}"))),
+                e => return Err(TransferError::gpu(format!("GPU copy failed: {e:?}"))),
             }
             if Instant::now() >= deadline {
                 return Err(TransferError::Timeout(COPY_DEADLINE));

@@ -11,7 +11,7 @@ use crate::types::BatchStatus;
 struct Counts {
     succeeded: u32,
     failed: u32,
-    first_error: Option<String>,
+    first_error: Option<TransferError>,
     reported: Vec<bool>,
     timed_out: bool,
 }
@@ -72,7 +72,7 @@ impl BatchState {
                 Some(e) => BatchStatus::Failed(if c.failed > 1 {
                     format!("{e} (and {} more failed slices of {total})", c.failed - 1)
                 } else {
-                    e.clone()
+                    e.to_string()
                 }),
             }
         } else if done == 0 {
@@ -82,14 +82,26 @@ impl BatchState {
         }
     }
 
-    fn finish(status: BatchStatus, timeout: Duration) -> Result<(), TransferError> {
-        match status {
-            BatchStatus::Completed => Ok(()),
-            BatchStatus::Failed(e) => Err(TransferError::Failed(e)),
-            BatchStatus::Timeout => Err(TransferError::Timeout(timeout)),
-            BatchStatus::Invalid | BatchStatus::Waiting | BatchStatus::Pending => {
-                Err(TransferError::Failed("batch in an unexpected state".into()))
-            }
+    /// The wait's result for a final `status`; `c`: the batch's counts (a failed batch's
+    /// error keeps its first slice failure as its source).
+    fn finish(
+        total: u32,
+        c: &Counts,
+        status: BatchStatus,
+        timeout: Duration,
+    ) -> Result<(), TransferError> {
+        match (status, &c.first_error) {
+            (BatchStatus::Completed, _) => Ok(()),
+            (BatchStatus::Timeout, _) => Err(TransferError::Timeout(timeout)),
+            (_, Some(first)) => Err(TransferError::Failed {
+                first: Box::new(first.clone()),
+                failed: c.failed,
+                total,
+            }),
+            // no final state without a first error is left: Invalid is never a batch's state
+            (_, None) => Err(TransferError::Protocol(
+                "batch in an unexpected state".into(),
+            )),
         }
     }
 
@@ -102,7 +114,7 @@ impl BatchState {
         loop {
             let s = Self::status_of(self.total, &c);
             if s.is_final() {
-                return Self::finish(s, timeout);
+                return Self::finish(self.total, &c, s, timeout);
             }
             let left = match deadline {
                 Some(d) => d.saturating_duration_since(Instant::now()),
@@ -136,12 +148,12 @@ impl BatchState {
             }
         };
         match tokio::time::timeout(timeout, fut).await {
-            Ok(s) => Self::finish(s, timeout),
+            Ok(s) => Self::finish(self.total, &self.lock(), s, timeout),
             Err(_) => {
                 let mut c = self.lock();
                 let s = Self::status_of(self.total, &c);
                 if s.is_final() {
-                    return Self::finish(s, timeout);
+                    return Self::finish(self.total, &c, s, timeout);
                 }
                 c.timed_out = true;
                 self.cancel();
@@ -169,7 +181,7 @@ impl BatchState {
             Err(e) => {
                 c.failed += 1;
                 if c.first_error.is_none() {
-                    c.first_error = Some(e.to_string());
+                    c.first_error = Some(e);
                 }
             }
         }
@@ -263,7 +275,7 @@ impl CompletionSink {
 
     /// The error for a slice skipped because its batch was cancelled.
     pub fn cancelled_error() -> TransferError {
-        TransferError::Failed("batch timed out or was freed before this slice was sent".into())
+        TransferError::Cancelled
     }
 
     /// Reports every id in `ids` failed with (a copy of) `err`.
@@ -284,10 +296,10 @@ mod tests {
         let sink = CompletionSink::new(st.clone());
         assert_eq!(st.status(), BatchStatus::Waiting);
         sink.complete(0, Ok(()));
-        sink.complete(0, Err(TransferError::Io("late".into()))); // ignored
+        sink.complete(0, Err(TransferError::Protocol("late".into()))); // ignored
         sink.complete(9, Ok(())); // unknown id: ignored
         assert_eq!(st.status(), BatchStatus::Pending);
-        sink.complete(2, Err(TransferError::Io("boom".into())));
+        sink.complete(2, Err(TransferError::Protocol("boom".into())));
         assert_eq!(st.status(), BatchStatus::Pending);
         sink.complete(1, Ok(()));
         match st.status() {
@@ -296,7 +308,7 @@ mod tests {
         }
         assert!(matches!(
             st.wait(Duration::from_millis(1)),
-            Err(TransferError::Failed(_))
+            Err(TransferError::Failed { .. })
         ));
     }
 

@@ -115,14 +115,14 @@ pub(crate) fn encode_pieces(pieces: &[(u64, u64)]) -> Vec<u8> {
 }
 
 /// The piece count of a scattered WRITE header (its addr field), checked before the table is
-/// read: 1..=`MAX_PIECES` pieces and 1..=`max_payload` bytes. `Err` is the refusal text.
-pub(crate) fn scatter_count(req: &Request, max_payload: u64) -> std::result::Result<usize, String> {
+/// read: 1..=`MAX_PIECES` pieces and 1..=`max_payload` bytes. `Protocol` error otherwise.
+pub(crate) fn scatter_count(req: &Request, max_payload: u64) -> Result<usize> {
     let n = req.addr;
     if n == 0 || n > MAX_PIECES as u64 || req.len == 0 || req.len > max_payload {
-        return Err(format!(
+        return Err(TransferError::Protocol(format!(
             "scattered WRITE of {n} pieces and {} bytes (1..={MAX_PIECES} pieces, 1..={max_payload} bytes)",
             req.len
-        ));
+        )));
     }
     Ok(n as usize)
 }

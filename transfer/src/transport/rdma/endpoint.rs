@@ -90,7 +90,10 @@ impl Endpoint {
         let reply: ConnectReply =
             serde_json::from_slice(&reply).map_err(|e| TransferError::Handshake {
                 peer: key.peer.clone(),
-                reason: format!("bad RDMA connect reply: {e}"),
+                source: crate::error::HandshakeError::BadJson {
+                    what: "RDMA connect reply",
+                    source: std::sync::Arc::new(e),
+                },
             })?;
         if reply.version != CONNECT_VERSION
             || reply.endpoint_id != id
@@ -98,13 +101,13 @@ impl Endpoint {
         {
             return Err(TransferError::Handshake {
                 peer: key.peer.clone(),
-                reason: format!(
+                source: crate::error::HandshakeError::BadConnectReply(format!(
                     "RDMA connect reply does not match the request (version {}, endpoint {:#x}, {} QPs for {})",
                     reply.version,
                     reply.endpoint_id,
                     reply.qps.len(),
                     qps.len()
-                ),
+                )),
             });
         }
         let mtu = path_mtu(dev.info.active_mtu, reply.port.active_mtu)?;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::coalesce::Job;
 use super::pool::{Conn, PeerPool};
 use super::socket::{read_full, write_vectored_full};
-use crate::error::{Result, TransferError};
+use crate::error::{AuthError, Result, TransferError};
 use crate::transport::wire::{self, Request};
 use crate::transport::{CompletionSink, Slice};
 use crate::types::{Location, Op};
@@ -69,7 +69,11 @@ impl PeerPool {
                         if ok {
                             ok = self.send_one(&mut s, &ftx, j, &conn, &rx);
                         } else {
-                            j.fail_peer(&TransferError::Io("connection closed".into()));
+                            j.fail_peer(&TransferError::io_kind(
+                                format!("send to segment {}", self.segment),
+                                std::io::ErrorKind::NotConnected,
+                                "connection closed",
+                            ));
                         }
                     }
                     break;
@@ -141,7 +145,11 @@ impl PeerPool {
     ) -> bool {
         // in flight before sending, so the reader expects the reply; blocks when the window is full
         if let Err(mpsc::SendError(job)) = ftx.send(job) {
-            let e = TransferError::Io(format!("TCP connection to segment {} broke", self.segment));
+            let e = TransferError::io_kind(
+                format!("TCP connection to segment {}", self.segment),
+                std::io::ErrorKind::BrokenPipe,
+                "broke",
+            );
             job.fail_peer(&e);
             Self::retire(conn, rx, &e);
             return false;
@@ -259,29 +267,29 @@ impl PeerPool {
             read_full(s, &mut t, &what)?;
             let text = String::from_utf8_lossy(&t).into_owned();
             let err = match status {
-                wire::ST_OUT_OF_RANGE if scatter => TransferError::Failed(format!(
-                    "segment {} refused a scattered WRITE: {text}",
-                    self.segment
-                )),
+                wire::ST_OUT_OF_RANGE if scatter => TransferError::Refused {
+                    segment: self.segment.clone(),
+                    text: format!("scattered WRITE: {text}"),
+                },
                 wire::ST_OUT_OF_RANGE => TransferError::RemoteOutOfRange {
                     segment: self.segment.clone(),
                     addr: sl.remote_addr,
                     len: sl.len,
                 },
-                wire::ST_DENIED => TransferError::Unauthorized(format!(
-                    "segment {} refused the request: {text}",
-                    self.segment
-                )),
+                wire::ST_DENIED => TransferError::Auth(AuthError::Refused {
+                    segment: self.segment.clone(),
+                    text,
+                }),
                 wire::ST_STALE => {
-                    return Ok(Reply::Stale(TransferError::Failed(format!(
-                        "segment {}: {text}",
-                        self.segment
-                    ))))
+                    return Ok(Reply::Stale(TransferError::Stale {
+                        segment: self.segment.clone(),
+                        text,
+                    }))
                 }
-                _ => TransferError::Failed(format!(
-                    "segment {} refused the request: {text}",
-                    self.segment
-                )),
+                _ => TransferError::Refused {
+                    segment: self.segment.clone(),
+                    text,
+                },
             };
             if status == wire::ST_BAD_REQUEST {
                 return Err(err); // the target closes after a bad request

@@ -41,7 +41,7 @@ use super::{
     TransportStats,
 };
 use crate::admission::Listener;
-use crate::error::{Result, TransferError};
+use crate::error::{IoError, Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
 use crate::segment::SegmentDescriptor;
 use crate::types::Location;
@@ -63,7 +63,8 @@ type Pools = Mutex<HashMap<String, Arc<PeerPool>>>;
 
 impl TcpTransport {
     /// Binds the data listener on `ctx.config.host`, port chosen by the OS, and starts serving.
-    /// Errors: `Config` when the host cannot be bound.
+    /// Errors: `Bind` when the host cannot be bound; `Config` for a slice size over the frame
+    /// limit.
     pub fn new(ctx: TransportContext) -> Result<Self> {
         let (slice, tcp) = (ctx.config.slice_size, &ctx.config.tcp);
         if slice.saturating_add(slice / 4) > tcp.max_frame_payload {
@@ -74,7 +75,7 @@ impl TcpTransport {
         }
         let host = ctx.config.host.clone();
         let listener = TcpListener::bind((strip_brackets(&host), tcp.data_port)).map_err(|e| {
-            TransferError::Config(format!("cannot bind TCP data listener on {host}: {e}"))
+            TransferError::Bind(IoError::new(format!("bind TCP data listener on {host}"), e))
         })?;
         let server = Arc::new(ServerShared {
             ctx: ctx.clone(),

@@ -96,10 +96,11 @@ impl PeerPool {
                 }
             }
         }
-        job.fail_peer(&TransferError::Io(format!(
-            "no usable TCP connection to segment {}",
-            self.segment
-        )));
+        job.fail_peer(&TransferError::io_kind(
+            format!("send to segment {}", self.segment),
+            std::io::ErrorKind::NotConnected,
+            "no usable TCP connection",
+        ));
     }
 
     /// A connection's writer ended: forget the connection, and the pool when it was the last.
@@ -160,7 +161,8 @@ impl PeerPool {
             .to_socket_addrs()
             .map_err(|e| TransferError::io(&what, e))?
             .collect();
-        let mut last = TransferError::Io(format!("{what}: no address"));
+        let mut last =
+            TransferError::io_kind(&what, std::io::ErrorKind::AddrNotAvailable, "no address");
         for a in addrs {
             match TcpStream::connect_timeout(&a, self.cfg.io_timeout) {
                 Ok(s) => {

@@ -39,9 +39,11 @@ pub(super) fn prepare(s: &TcpStream, cfg: &TcpConfig, what: &str) -> Result<()> 
 
 pub(super) fn read_full(s: &mut TcpStream, buf: &mut [u8], what: &str) -> Result<()> {
     s.read_exact(buf).map_err(|e| match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => {
-            TransferError::Io(format!("{what}: connection closed by peer"))
-        }
+        std::io::ErrorKind::UnexpectedEof => TransferError::io_kind(
+            what,
+            std::io::ErrorKind::UnexpectedEof,
+            "connection closed by peer",
+        ),
         _ => TransferError::io(what, e),
     })
 }
@@ -60,9 +62,11 @@ pub(super) fn write_vectored_full(
     while !parts.is_empty() {
         match s.write_vectored(parts) {
             Ok(0) => {
-                return Err(TransferError::Io(format!(
-                    "{what}: connection closed by peer"
-                )))
+                return Err(TransferError::io_kind(
+                    what,
+                    std::io::ErrorKind::WriteZero,
+                    "connection closed by peer",
+                ))
             }
             Ok(n) => IoSlice::advance_slices(&mut parts, n),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}

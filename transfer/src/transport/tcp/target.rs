@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::socket::{drain, prepare, read_full, write_full, write_vectored_full};
 use crate::admission::{Admitted, Limits, Listener, Names};
+use crate::auth::Denied;
 use crate::config::TcpConfig;
 use crate::error::{Result, TransferError};
 use crate::transport::wire::{self, Request};
@@ -132,7 +133,7 @@ fn serve_conn(c: Admitted, sh: &ServerShared) -> Result<()> {
             if is_write {
                 drain(&mut s, req.len, "drain refused payload")?;
             }
-            reply_error(&mut s, wire::ST_DENIED, &d)?;
+            reply_error(&mut s, wire::ST_DENIED, &d.to_string())?;
             continue;
         }
         if req.instance != instance {
@@ -174,23 +175,20 @@ fn serve_conn(c: Admitted, sh: &ServerShared) -> Result<()> {
 }
 
 /// In authenticated mode: the frame's token must allow `op` on every range (`crate::auth`).
-/// `Err` is the refusal text for the initiator.
+/// `Err` is why not (its text goes back to the initiator).
 fn authorize(
     sh: &ServerShared,
     req: &Request,
     op: Op,
     ranges: impl IntoIterator<Item = (u64, u64)>,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), Denied> {
     let auth = &sh.ctx.auth;
     if !auth.enforced() {
         return Ok(());
     }
     auth.grants
         .check(&crate::auth::Token(req.token), op, ranges)
-        .map_err(|d| {
-            tracing::debug!("tcp data frame refused: {d}");
-            d.to_string()
-        })
+        .inspect_err(|d| tracing::debug!("tcp data frame refused: {d}"))
 }
 
 /// Serves a scattered WRITE (op 3): reads the piece table; when every piece lies inside a
@@ -201,9 +199,9 @@ fn serve_scatter(s: &mut TcpStream, sh: &ServerShared, req: Request) -> Result<(
     let cfg = &sh.ctx.config.tcp;
     let n = match wire::scatter_count(&req, cfg.max_frame_payload) {
         Ok(n) => n,
-        Err(text) => {
-            let _ = reply_error(s, wire::ST_BAD_REQUEST, &text);
-            return Err(TransferError::Protocol(text));
+        Err(e) => {
+            let _ = reply_error(s, wire::ST_BAD_REQUEST, &e.to_string());
+            return Err(e);
         }
     };
     let mut table = vec![0u8; n * wire::PIECE_LEN];
@@ -217,7 +215,7 @@ fn serve_scatter(s: &mut TcpStream, sh: &ServerShared, req: Request) -> Result<(
     };
     if let Err(d) = authorize(sh, &req, Op::Write, pieces.iter().copied()) {
         drain(s, req.len, "drain refused payload")?;
-        return reply_error(s, wire::ST_DENIED, &d);
+        return reply_error(s, wire::ST_DENIED, &d.to_string());
     }
     let instance = sh.ctx.instance_id;
     if req.instance != instance {

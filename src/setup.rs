@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
-use kvferry_kernels::{backend_for, Device, LayerInput};
+use kvferry_kernels::{backend_for, LayerInput};
 use kvferry_p2p::{Worker, WorkerGroup};
 use kvferry_transfer::{
-    AuthConfig, EngineConfig, GpuRegistration, RdmaConfig, Secret, TransportKind,
+    AuthConfig, EngineConfig, GpuRegistration, Location, RdmaConfig, Secret, TransportKind,
 };
 
 use crate::cli::{CommonArgs, DeviceArg, GpuRegistrationArg, TransportArg};
@@ -127,7 +127,15 @@ pub fn side_config(
         layout: c.layout.clone(),
         num_blocks,
         transport: transport_kind(c.transport),
-        cuda: (c.device == DeviceArg::Cuda).then_some(0),
+        location: device_location(c.device),
+    }
+}
+
+/// Where `--device` puts the KV caches: host memory, or GPU 0.
+fn device_location(d: DeviceArg) -> Location {
+    match d {
+        DeviceArg::Cpu => Location::Cpu,
+        DeviceArg::Cuda => Location::Cuda(0),
     }
 }
 
@@ -136,13 +144,10 @@ pub fn side_config(
 /// Errors: `--device cuda` where the CUDA checksum backend is unusable (the ranks'
 /// memory is on the GPU, so the CPU backend cannot read it).
 pub fn side_workers(ranks: &[RankKv], c: &CommonArgs) -> Result<(Vec<Worker>, String), String> {
-    let device = match c.device {
-        DeviceArg::Cpu => Device::Cpu,
-        DeviceArg::Cuda => Device::Cuda(0),
-    };
+    let device = device_location(c.device);
     let backend = backend_for(device);
     let name = backend.name().to_string();
-    if device != Device::Cpu && name == "cpu" {
+    if device != Location::Cpu && name == "cpu" {
         return Err(
             "--device cuda: the CUDA checksum backend is unusable here (see the log)".into(),
         );

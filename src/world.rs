@@ -37,8 +37,8 @@ pub struct SideConfig {
     pub num_blocks: u64,
     /// Transport of each rank's engine.
     pub transport: TransportKind,
-    /// `Some(n)`: the KV caches live in the memory of GPU `n` (else host memory).
-    pub cuda: Option<u32>,
+    /// Where the KV caches live: host memory, or the memory of GPU `n` (`cuda:n`).
+    pub location: Location,
 }
 
 /// One layer's array inside a rank's arena.
@@ -70,6 +70,8 @@ pub struct RankKv {
     arena: MmapMut,
     /// The device arena, when the KV lives on a GPU (registered with `engine` instead).
     gpu: Option<GpuArena>,
+    /// Where the registered memory lives (`cuda:N` with a device arena, else `cpu`).
+    location: Location,
     /// The rank's transfer engine.
     pub engine: Arc<TransferEngine>,
 }
@@ -123,12 +125,9 @@ impl RankKv {
         self.copy_blocks(blocks, false)
     }
 
-    /// Where the memory lives, in words ("host memory" or "cuda:N").
-    pub fn location(&self) -> String {
-        match &self.gpu {
-            Some(_) => "cuda".into(),
-            None => "host memory".into(),
-        }
+    /// Where the memory lives (shown as `cpu` or `cuda:N`).
+    pub fn location(&self) -> Location {
+        self.location
     }
 
     /// Address of layer `i`'s array.
@@ -267,9 +266,9 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
             }
             let arena = MmapMut::map_anon(offset.max(4096) as usize)
                 .map_err(|e| format!("allocating {offset} bytes of KV memory: {e}"))?;
-            let gpu = match cfg.cuda {
-                None => None,
-                Some(n) => {
+            let gpu = match cfg.location {
+                Location::Cpu => None,
+                Location::Cuda(n) => {
                     let backend = CudaBackend::shared(n)
                         .map_err(|e| format!("--device cuda: GPU {n} unusable: {e}"))?;
                     let dev = DeviceBuffer::new(backend.context(), arena.len()).map_err(|e| {
@@ -287,9 +286,9 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
             ecfg.transport = cfg.transport;
             let engine = TransferEngine::new(ecfg)
                 .map_err(|e| format!("starting the transfer engine of {}: {e}", rank_name(rank)))?;
-            let (addr, location) = match (&gpu, cfg.cuda) {
-                (Some(g), Some(n)) => (g.dev.ptr(), Location::Cuda(n)),
-                _ => (arena.as_ptr() as u64, Location::Cpu),
+            let (addr, location) = match &gpu {
+                Some(g) => (g.dev.ptr(), cfg.location),
+                None => (arena.as_ptr() as u64, Location::Cpu),
             };
             // SAFETY: the memory lives as long as the RankKv, which owns the engine handle;
             // the engine is told to forget the region in Drop below.
@@ -298,6 +297,7 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
             ranks.push(RankKv {
                 rank,
                 layers,
+                location,
                 arena,
                 gpu,
                 engine,

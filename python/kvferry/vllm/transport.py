@@ -228,8 +228,10 @@ class KvferryTransport:
         return LoadResult(ok=True, verdict=status)
 
     def shutdown(self) -> None:
-        """Stops the producer (its control socket) and the publish thread."""
-        self._publish_pool.shutdown(wait=False, cancel_futures=True)
+        """Stops the publish thread (waits for a publish in flight), then the producer."""
+        # kvferry.Producer.shutdown waits for its lock with the GIL held while a publish on
+        # another thread holds that lock and needs the GIL to return: never overlap them.
+        self._publish_pool.shutdown(wait=True, cancel_futures=True)
         if self.producer is not None:
             try:
                 self.producer.shutdown()

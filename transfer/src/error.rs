@@ -117,12 +117,12 @@ pub enum TransferError {
     /// The batch timed out or was freed before this slice was sent (so it never was).
     #[error("batch timed out or was freed before this slice was sent")]
     Cancelled,
-    /// An RDMA-specific failure (verbs call, QP state, work completion status).
+    /// An RDMA-specific failure (see [`RdmaError`]).
     #[error("rdma: {0}")]
-    Rdma(String),
+    Rdma(#[source] RdmaError),
     /// A GPU memory operation failed (the CUDA layer's error; see `crate::gpu`).
     #[error("GPU: {0}")]
-    Gpu(#[source] Arc<dyn std::error::Error + Send + Sync>),
+    Gpu(#[source] Shared),
 }
 
 impl TransferError {
@@ -131,9 +131,14 @@ impl TransferError {
         TransferError::Io(IoError::new(op, err))
     }
 
+    /// An RDMA failure with no underlying error (`RdmaError::Other`).
+    pub fn rdma(text: impl Into<String>) -> Self {
+        TransferError::Rdma(RdmaError::Other(text.into()))
+    }
+
     /// Wraps the CUDA layer's error (a typed error, or its text until it has one).
     pub fn gpu(err: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
-        TransferError::Gpu(Arc::from(err.into()))
+        TransferError::Gpu(Shared(Arc::from(err.into())))
     }
 
     /// An io failure of `kind` that has no OS error behind it (`UnexpectedEof`: the peer
@@ -191,6 +196,93 @@ impl Clone for IoError {
             op: self.op.clone(),
             source,
         }
+    }
+}
+
+/// An RDMA-specific failure (`transport::rdma`).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RdmaError {
+    /// A verbs call failed: `op` names the device and the call; `source` is the verbs
+    /// library's error (whose own source is the OS error).
+    #[error("{op}: {}", chain(source.0.as_ref()))]
+    Verbs {
+        /// Device and call (`"rxe0: create QP"`).
+        op: String,
+        /// The verbs library's error.
+        #[source]
+        source: Shared,
+    },
+    /// The device has no ACTIVE port.
+    #[error("{device}: no ACTIVE port")]
+    NoActivePort {
+        /// The device's name.
+        device: String,
+    },
+    /// The device's active port has no usable GID.
+    #[error("{device} port {port}: no usable GID (gid_index {gid_index:?})")]
+    NoUsableGid {
+        /// The device's name.
+        device: String,
+        /// The port number.
+        port: u8,
+        /// `RdmaConfig::gid_index`.
+        gid_index: Option<u32>,
+    },
+    /// The transport shut down before the slice finished.
+    #[error("RDMA transport shut down")]
+    ShutDown,
+    /// A failure with no underlying error (its words: a missing rkey, a region over the
+    /// device's limit, a work completion's status).
+    #[error("{0}")]
+    Other(String),
+}
+
+impl RdmaError {
+    /// A verbs call `op` failed with `source`.
+    pub fn verbs(
+        op: impl std::fmt::Display,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        RdmaError::Verbs {
+            op: op.to_string(),
+            source: Shared(Arc::new(source)),
+        }
+    }
+}
+
+/// An error of any type made `Clone` by sharing it. Its `source()` is the error itself, so a
+/// walk down the chain reaches the original and can downcast to its type (an `Arc` in the
+/// chain would stand in for it and hide the type).
+#[derive(Debug, Clone)]
+pub struct Shared(pub Arc<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for Shared {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self.0.as_ref())
+    }
+}
+
+/// `e` and its sources, joined by `": "` (verbs errors carry the errno text as a source).
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
+}
+
+impl From<RdmaError> for TransferError {
+    fn from(e: RdmaError) -> Self {
+        TransferError::Rdma(e)
     }
 }
 
@@ -355,6 +447,23 @@ mod tests {
         assert_eq!(
             copy.io_error_kind(),
             Some(std::io::ErrorKind::ConnectionRefused)
+        );
+    }
+
+    #[test]
+    fn shared_causes_stay_reachable_by_type() {
+        // a verbs call's OS error, and the GPU layer's error, can be downcast from the chain
+        let verbs: TransferError = RdmaError::verbs(
+            "rxe0: create QP",
+            std::io::Error::from_raw_os_error(libc::ENOMEM),
+        )
+        .into();
+        assert!(verbs.to_string().contains("rxe0: create QP"), "{verbs}");
+        assert_eq!(verbs.io_error_kind(), Some(std::io::ErrorKind::OutOfMemory));
+        let gpu = TransferError::gpu(std::io::Error::from(std::io::ErrorKind::Unsupported));
+        assert_eq!(
+            gpu.clone().io_error_kind(),
+            Some(std::io::ErrorKind::Unsupported)
         );
     }
 }

@@ -43,7 +43,9 @@ pub mod gpu;
 pub use auth::{Credential, GrantGuard, GrantOps, GrantSpec, Secret, Token};
 pub use config::{AuthConfig, EngineConfig, GpuRegistration, RdmaConfig, TcpConfig};
 pub use engine::{EngineStats, TransferEngine};
-pub use error::{AuthError, HandshakeError, IoError, RegistrationError, Result, TransferError};
+pub use error::{
+    AuthError, HandshakeError, IoError, RdmaError, RegistrationError, Result, Shared, TransferError,
+};
 pub use memory::{
     DmabufRange, HostMemoryAccess, MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys,
     RegistrationPath,

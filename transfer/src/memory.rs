@@ -358,7 +358,7 @@ mod tests {
     #[test]
     fn failed_transport_registration_records_nothing() {
         let reg = MemoryRegistry::new();
-        let e = reg.insert(r(0x1000, 10), |_| Err(TransferError::Rdma("reg_mr".into())));
+        let e = reg.insert(r(0x1000, 10), |_| Err(TransferError::rdma("reg_mr")));
         assert!(e.is_err());
         assert!(reg.snapshot().is_empty());
     }

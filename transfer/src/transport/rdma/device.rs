@@ -15,7 +15,7 @@ use sideway::ibverbs::protection_domain::ProtectionDomain;
 use super::verbs;
 use super::InFlight;
 use crate::config::RdmaConfig;
-use crate::error::{Result, TransferError};
+use crate::error::{RdmaError, Result, TransferError};
 
 /// What a peer needs to address one port (published in the descriptor and in Connect frames).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -55,14 +55,10 @@ pub(crate) struct PortChoice {
     pub max_mr_size: u64,
 }
 
-/// Lists devices with libibverbs; Err(text) when the library is absent or listing fails.
-pub(crate) fn list_devices() -> std::result::Result<DeviceList, String> {
-    DeviceList::new().map_err(|e| {
-        let src = std::error::Error::source(&e)
-            .map(|s| s.to_string())
-            .unwrap_or_default();
-        format!("{e}: {src} (libibverbs missing or no RDMA support)")
-    })
+/// Lists devices with libibverbs; `Verbs` error when the library is absent or listing fails.
+pub(crate) fn list_devices() -> std::result::Result<DeviceList, RdmaError> {
+    DeviceList::new()
+        .map_err(|e| RdmaError::verbs("list devices (libibverbs missing or no RDMA support)", e))
 }
 
 /// Picks the GID index on `port`: `config.gid_index` when set (must be non-zero), else on
@@ -110,12 +106,14 @@ fn choose_gid(
 pub(crate) fn choose_port(
     ctx: &DeviceContext,
     config: &RdmaConfig,
-) -> std::result::Result<PortChoice, String> {
+) -> std::result::Result<PortChoice, RdmaError> {
     let name = ctx.name();
     let attr = ctx
         .query_device()
-        .map_err(|e| format!("{name}: query device: {e}"))?;
-    let mut why = format!("{name}: no ACTIVE port");
+        .map_err(|e| RdmaError::verbs(format!("{name}: query device"), e))?;
+    let mut why = RdmaError::NoActivePort {
+        device: name.clone(),
+    };
     for port in 1..=attr.phys_port_cnt() {
         let Ok(p) = ctx.query_port(port) else {
             continue;
@@ -126,10 +124,11 @@ pub(crate) fn choose_port(
         let ethernet = p.link_layer() == LinkLayer::Ethernet;
         let Some((gid_index, gid)) = choose_gid(ctx, port, p.gid_tbl_len(), ethernet, config)
         else {
-            why = format!(
-                "{name} port {port}: no usable GID (gid_index {:?})",
-                config.gid_index
-            );
+            why = RdmaError::NoUsableGid {
+                device: name.clone(),
+                port,
+                gid_index: config.gid_index,
+            };
             continue;
         };
         let mut mtu = verbs::mtu_bytes(p.active_mtu());
@@ -265,28 +264,28 @@ impl Device {
         let dev = list
             .iter()
             .find(|d| d.name() == name)
-            .ok_or_else(|| TransferError::Rdma(format!("device {name} disappeared")))?;
+            .ok_or_else(|| TransferError::rdma(format!("device {name} disappeared")))?;
         let ctx = dev
             .open()
-            .map_err(|e| TransferError::Rdma(format!("open {name}: {e}")))?;
+            .map_err(|e| RdmaError::verbs(format!("open {name}"), e))?;
         let choice = choose_port(&ctx, config).map_err(TransferError::Rdma)?;
         let pd = ctx
             .alloc_pd()
-            .map_err(|e| TransferError::Rdma(format!("{name}: alloc PD: {e}")))?;
+            .map_err(|e| RdmaError::verbs(format!("{name}: alloc PD"), e))?;
         let channel = ctx
             .create_comp_channel()
-            .map_err(|e| TransferError::Rdma(format!("{name}: create completion channel: {e}")))?;
+            .map_err(|e| RdmaError::verbs(format!("{name}: create completion channel"), e))?;
         verbs::set_nonblocking(std::os::fd::AsRawFd::as_raw_fd(&*channel))
-            .map_err(|e| TransferError::Rdma(format!("{name}: completion channel: {e}")))?;
+            .map_err(|e| RdmaError::verbs(format!("{name}: completion channel"), e))?;
         let cq_depth = choice.max_cqe.min(65536) as usize;
         let cq = ctx
             .create_cq_builder()
             .setup_cqe(cq_depth as u32)
             .setup_comp_channel(&channel, 0)
             .build()
-            .map_err(|e| TransferError::Rdma(format!("{name}: create CQ of {cq_depth}: {e}")))?;
+            .map_err(|e| RdmaError::verbs(format!("{name}: create CQ of {cq_depth}"), e))?;
         verbs::set_nonblocking(verbs::async_fd(&ctx))
-            .map_err(|e| TransferError::Rdma(format!("{name}: async event fd: {e}")))?;
+            .map_err(|e| RdmaError::verbs(format!("{name}: async event fd"), e))?;
         Ok(Device {
             index,
             info: choice.info,

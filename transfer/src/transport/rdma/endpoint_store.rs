@@ -11,7 +11,7 @@ use super::connect::{self, CloseNotice};
 use super::device::Device;
 use super::endpoint::{Endpoint, EpKey};
 use super::{lock, Shared, Work};
-use crate::error::TransferError;
+use crate::error::{RdmaError, TransferError};
 use crate::handshake::{self, FrameType};
 use crate::segment::SegmentDescriptor;
 
@@ -50,7 +50,7 @@ impl Shared {
         }
         for (key, ws) in groups {
             if self.stop.load(Ordering::SeqCst) {
-                let e = TransferError::Rdma("RDMA transport shut down".into());
+                let e = TransferError::Rdma(RdmaError::ShutDown);
                 ws.into_iter()
                     .for_each(|w| w.sink.complete(w.slice.id, Err(e.clone())));
                 continue;
@@ -134,7 +134,7 @@ impl Shared {
             }
             Ok(_) => {
                 drop(eps);
-                let e = TransferError::Rdma("RDMA transport shut down".into());
+                let e = TransferError::Rdma(RdmaError::ShutDown);
                 waiting
                     .into_iter()
                     .for_each(|w| w.sink.complete(w.slice.id, Err(e.clone())));

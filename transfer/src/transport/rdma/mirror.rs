@@ -46,7 +46,7 @@ impl Mirror {
             TransferError::InvalidArgument(format!("region of {} bytes", region.len))
         })?;
         let mut map = memmap2::MmapMut::map_anon(len).map_err(|e| {
-            TransferError::Rdma(format!(
+            TransferError::rdma(format!(
                 "cannot map a {len}-byte host mirror for the {} region at {:#x}: {e}",
                 region.location, region.addr
             ))

@@ -87,7 +87,7 @@ impl Shared {
                 addr: sl.local_addr,
                 len: sl.len,
             }),
-            (_, None) => Err(TransferError::Rdma(format!(
+            (_, None) => Err(TransferError::rdma(format!(
                 "segment {} buffer {} has no rkey for its device {} (or a bad staging address)",
                 work.peer.name, sl.remote_buffer, ep.key.remote_dev
             ))),

@@ -11,7 +11,7 @@ use super::connect::QpInfo;
 use super::device::{Device, PortInfo};
 use super::verbs;
 use crate::config::RdmaConfig;
-use crate::error::{Result, TransferError};
+use crate::error::{RdmaError, Result, TransferError};
 
 /// Creates an RC QP on `dev` (send/recv CQ = the device CQ) and moves it to INIT with remote
 /// read and write access.
@@ -27,9 +27,7 @@ pub(crate) fn create_qp(dev: &Device, max_wr: u32) -> Result<BasicQueuePair> {
         .setup_send_cq(dev.cq.clone())
         .setup_recv_cq(dev.cq.clone())
         .build()
-        .map_err(|e| {
-            TransferError::Rdma(format!("{}: create QP: {e}: {}", dev.info.name, src(&e)))
-        })?;
+        .map_err(|e| RdmaError::verbs(format!("{}: create QP", dev.info.name), e))?;
     let mut a = QueuePairAttribute::new();
     a.setup_state(QueuePairState::Init)
         .setup_pkey_index(0)
@@ -37,14 +35,9 @@ pub(crate) fn create_qp(dev: &Device, max_wr: u32) -> Result<BasicQueuePair> {
         .setup_access_flags(
             AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
         );
-    qp.modify(&a).map_err(|e| {
-        TransferError::Rdma(format!("{}: QP to INIT: {e}: {}", dev.info.name, src(&e)))
-    })?;
+    qp.modify(&a)
+        .map_err(|e| RdmaError::verbs(format!("{}: QP to INIT", dev.info.name), e))?;
     Ok(qp)
-}
-
-fn src(e: &dyn std::error::Error) -> String {
-    e.source().map(|s| s.to_string()).unwrap_or_default()
 }
 
 /// Moves an INIT QP to RTR then RTS towards `remote`'s QP `rq`.
@@ -75,16 +68,14 @@ pub(crate) fn connect_qp(
         .setup_max_dest_read_atomic(dev.max_rd_atomic)
         .setup_min_rnr_timer(12)
         .setup_address_vector(&ah);
-    qp.modify(&a).map_err(|e| {
-        TransferError::Rdma(format!(
-            "{}: QP {:#x} to RTR (remote QP {:#x}, GID {}, MTU {path_mtu}): {e}: {}",
-            dev.info.name,
-            qp.qp_number(),
-            rq.qpn,
-            remote.gid,
-            src(&e)
-        ))
-    })?;
+    let op = format!(
+        "{}: QP {:#x} to RTR (remote QP {:#x}, GID {}, MTU {path_mtu})",
+        dev.info.name,
+        qp.qp_number(),
+        rq.qpn,
+        remote.gid,
+    );
+    qp.modify(&a).map_err(|e| RdmaError::verbs(op, e))?;
     let mut a = QueuePairAttribute::new();
     a.setup_state(QueuePairState::ReadyToSend)
         .setup_sq_psn(local_psn & 0x00ff_ffff)
@@ -92,14 +83,8 @@ pub(crate) fn connect_qp(
         .setup_retry_cnt(config.retry_count.min(7))
         .setup_rnr_retry(config.retry_count.min(6))
         .setup_max_read_atomic(dev.max_rd_atomic);
-    qp.modify(&a).map_err(|e| {
-        TransferError::Rdma(format!(
-            "{}: QP {:#x} to RTS: {e}: {}",
-            dev.info.name,
-            qp.qp_number(),
-            src(&e)
-        ))
-    })?;
+    let op = format!("{}: QP {:#x} to RTS", dev.info.name, qp.qp_number());
+    qp.modify(&a).map_err(|e| RdmaError::verbs(op, e))?;
     Ok(())
 }
 

@@ -12,9 +12,9 @@ use sideway::ibverbs::AccessFlags;
 use super::device::Device;
 use super::mirror::Mirror;
 use super::staging::{self, Direction, SyncRequest};
-use super::{err_src, lock, Shared};
+use super::{lock, Shared};
 use crate::config::GpuRegistration;
-use crate::error::{Result, TransferError};
+use crate::error::{RdmaError, Result, TransferError};
 use crate::memory::{MemoryRegion, RegistrationPath};
 
 /// Registers a dma-buf range on one device (`ibv_reg_dmabuf_mr`), `iova` = the address peers
@@ -33,13 +33,7 @@ unsafe fn reg_dmabuf(
         dev.pd
             .reg_dmabuf_mr(offset, len as usize, iova, fd.as_raw_fd(), access())
     }
-    .map_err(|e| {
-        TransferError::Rdma(format!(
-            "{}: ibv_reg_dmabuf_mr: {e}: {}",
-            dev.info.name,
-            err_src(&e)
-        ))
-    })
+    .map_err(|e| RdmaError::verbs(format!("{}: ibv_reg_dmabuf_mr", dev.info.name), e).into())
 }
 
 pub(super) fn access() -> AccessFlags {
@@ -67,11 +61,11 @@ impl Shared {
                 // SAFETY: this function's contract: `[addr, +len)` stays valid (host memory, or
                 // device memory the driver pins) while the memory region exists.
                 unsafe { d.pd.reg_mr(addr as usize, len as usize, access()) }.map_err(|e| {
-                    TransferError::Rdma(format!(
-                        "{}: ibv_reg_mr [{addr:#x}, +{len}): {e}: {}",
-                        d.info.name,
-                        err_src(&e)
-                    ))
+                    RdmaError::verbs(
+                        format!("{}: ibv_reg_mr [{addr:#x}, +{len})", d.info.name),
+                        e,
+                    )
+                    .into()
                 })
             })
             .collect()

@@ -41,7 +41,7 @@ impl Shared {
             };
             // a connect or QP failure may mean the peer restarted (new instance, ports and
             // rkeys): the engine fetches its descriptor again and retries the slice once
-            w.sink.fail_peer(w.slice.id, TransferError::Rdma(msg));
+            w.sink.fail_peer(w.slice.id, TransferError::rdma(msg));
         }
     }
 

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use super::staging::{Direction, SyncRequest};
 use super::{Shared, Work};
-use crate::error::TransferError;
+use crate::error::{RdmaError, TransferError};
 use crate::handshake::{self, FrameType};
 use crate::types::Op;
 
@@ -214,7 +214,7 @@ pub(crate) fn run_stager(s: Arc<Shared>, rx: Receiver<StageJob>) {
 }
 
 fn gone() -> TransferError {
-    TransferError::Rdma("RDMA transport shut down".into())
+    TransferError::Rdma(RdmaError::ShutDown)
 }
 
 fn fail_all(ws: Vec<Work>, e: &TransferError) {
@@ -230,14 +230,14 @@ fn fail_job(job: StageJob, e: &TransferError) {
 }
 
 fn copy_failed(way: &str, e: TransferError) -> TransferError {
-    TransferError::Rdma(format!(
+    TransferError::rdma(format!(
         "staged GPU memory: copy {way} the device failed: {e}"
     ))
 }
 
 fn sync_failed(peer: &str, way: &str, e: TransferError) -> TransferError {
     // `e` is the peer's refusal or copy error, or why it could not be reached in time
-    TransferError::Rdma(format!(
+    TransferError::rdma(format!(
         "staged GPU memory of segment {peer}: sync asking it to copy {way} its device failed: {e}"
     ))
 }

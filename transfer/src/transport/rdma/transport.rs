@@ -19,7 +19,7 @@ use super::stager::{self, StageJob};
 use super::staging::SyncRequest;
 use super::workers::{run_completions, run_events};
 use super::{lock, Shared, Work};
-use crate::error::{Result, TransferError};
+use crate::error::{RdmaError, Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
 use crate::segment::SegmentDescriptor;
 use crate::transport::{
@@ -178,7 +178,7 @@ impl Transport for RdmaTransport {
         let s = &self.shared;
         for d in &s.devices {
             if region.len > d.max_mr_size {
-                return Err(TransferError::Rdma(format!(
+                return Err(TransferError::rdma(format!(
                     "region of {} bytes exceeds {}'s largest memory region ({} bytes)",
                     region.len, d.info.name, d.max_mr_size
                 )));
@@ -326,7 +326,7 @@ impl Transport for RdmaTransport {
         for t in lock(&self.threads).drain(..) {
             let _ = t.join();
         }
-        let gone = TransferError::Rdma("RDMA transport shut down".into());
+        let gone = TransferError::Rdma(RdmaError::ShutDown);
         let slots: Vec<Slot> = lock(&s.endpoints).drain().map(|(_, v)| v).collect();
         for slot in slots {
             match slot {

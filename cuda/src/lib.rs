@@ -6,11 +6,7 @@
 //!   when it is missing, so the library is probed first and the first calls run inside
 //!   `catch_unwind`; nothing here panics on a machine without CUDA.
 //! * [`driver`]: thin owners of driver objects (context, stream, event, memory, module).
-#![warn(
-    missing_docs,
-    unsafe_op_in_unsafe_fn,
-    clippy::undocumented_unsafe_blocks
-)]
+#![warn(missing_docs)]
 
 pub mod driver;
 pub mod error;

@@ -902,31 +902,3 @@ async fn consumer_asking_for_more_tokens_than_published_is_refused() {
     );
     pair.producer.shutdown().await;
 }
-
-/// A consumer checksum worker whose thread panics (the CPU backend's `test-tools` hook, two
-/// threads so one layer's thread panics) leaves the load unverified with a reason, never a
-/// mismatch from values missing that layer.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consumer_worker_panic_is_unverified_not_mismatch() {
-    let p = Side::new(1, 1, PRODUCER_BLOCKS, Some(7));
-    let mut c = Side::new(1, 1, CONSUMER_BLOCKS, Some(99));
-    c.workers[0].backend = Arc::new(kvferry_kernels::CpuBackend::new(2).panicking_at_layer(1));
-    let producer = Producer::start(producer_config(), p.workers.clone())
-        .await
-        .unwrap();
-    let consumer = Consumer::new(consumer_config(Policy::default()), c.workers.clone()).unwrap();
-    producer
-        .publish("req-panic", vec![remote_table()], NUM_TOKENS)
-        .await
-        .unwrap();
-    let out = consumer.load(spec("req-panic", &producer)).await.unwrap();
-    assert_eq!(
-        out.verdict,
-        Some(Verdict::Unverified(vec![(
-            None,
-            UnverifiedReason::NotEveryWorkerReported
-        )]))
-    );
-    assert_eq!(out.action, Action::Complete);
-    producer.shutdown().await;
-}

@@ -172,13 +172,15 @@ impl PeerPool {
     /// for as long as the returned bytes are used.
     unsafe fn write_payload<'a>(&self, sl: &Slice) -> Result<Cow<'a, [u8]>> {
         match sl.local_region.location {
-            // SAFETY: forwarded from the caller.
+            // SAFETY: this function's contract: `[local_addr, +len)` is registered host memory,
+            // valid for as long as the returned bytes are used.
             Location::Cpu => Ok(Cow::Borrowed(unsafe {
                 std::slice::from_raw_parts(sl.local_addr as *const u8, sl.len as usize)
             })),
             loc => {
                 let mut b = vec![0u8; sl.len as usize];
-                // SAFETY: forwarded from the caller.
+                // SAFETY: this function's contract: `[local_addr, +len)` is registered memory at
+                // `loc`, valid now; `copy_from` reads `b.len() == len` bytes of it.
                 unsafe { self.ctx.memory.copy_from(loc, sl.local_addr, &mut b) }?;
                 Ok(Cow::Owned(b))
             }
@@ -214,7 +216,9 @@ impl PeerPool {
         // Payloads (GPU pieces copied out) are kept alive until the frame is written.
         let mut payloads: Vec<Cow<'_, [u8]>> = Vec::with_capacity(pieces.len());
         for p in &pieces {
-            // SAFETY: as in `send_one`.
+            // SAFETY: every piece is a slice the engine checked lies in a registered region,
+            // which the caller keeps valid until the batch finishes; the payloads are dropped
+            // once the frame is written, before the batch can finish.
             match unsafe { self.write_payload(p) } {
                 Ok(b) => payloads.push(b),
                 Err(e) => {
@@ -305,7 +309,8 @@ impl PeerPool {
         if sl.op == Op::Read {
             match sl.local_region.location {
                 Location::Cpu => {
-                    // SAFETY: the slice lies in a registered host region (checked by the engine).
+                    // SAFETY: the engine checked the slice lies in a registered host region, which
+                    // the caller keeps valid until the batch finishes (after this reply is read).
                     let dst = unsafe {
                         std::slice::from_raw_parts_mut(sl.local_addr as *mut u8, sl.len as usize)
                     };
@@ -314,7 +319,9 @@ impl PeerPool {
                 loc => {
                     let mut staging = vec![0u8; sl.len as usize];
                     read_full(s, &mut staging, &what)?;
-                    // SAFETY: as above, for memory at `loc`.
+                    // SAFETY: the engine checked the slice lies in a registered region at `loc`,
+                    // kept valid until the batch finishes; `copy_to` writes `staging.len() ==
+                    // len` bytes.
                     if let Err(e) = unsafe { self.ctx.memory.copy_to(loc, sl.local_addr, &staging) }
                     {
                         return Ok(Reply::Done(Err(e)));

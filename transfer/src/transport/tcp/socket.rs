@@ -13,7 +13,8 @@ pub(super) fn set_buffers(s: &TcpStream, bytes: usize) {
     }
     let v = bytes.min(i32::MAX as usize) as libc::c_int;
     for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
-        // SAFETY: plain setsockopt on a valid fd with a c_int value.
+        // SAFETY: `s` owns a valid socket fd for the call; the option value is a live c_int
+        // and the length passed is its size.
         unsafe {
             libc::setsockopt(
                 s.as_raw_fd(),

@@ -289,7 +289,9 @@ fn read_into(
         other => {
             let mut staging = vec![0u8; len as usize];
             read_full(s, &mut staging, "read WRITE payload")?;
-            // SAFETY: as above, for memory at `other`.
+            // SAFETY: the caller holds the registry's read lock on a region at `other` that
+            // contains the range (unregister waits for the lock); `copy_to` writes
+            // `staging.len() == len` bytes.
             Ok(unsafe { sh.ctx.memory.copy_to(other, addr, &staging) })
         }
     }
@@ -306,7 +308,8 @@ fn serve_read(s: &mut TcpStream, sh: &ServerShared, req: Request, loc: Location)
     let h = wire::encode_reply(wire::ST_OK, req.len);
     match loc {
         Location::Cpu => {
-            // SAFETY: the range lies in a registered host region, held registered by the lock.
+            // SAFETY: the range lies in a registered host region, held registered by the
+            // caller's read lock while the bytes are sent.
             let src =
                 unsafe { std::slice::from_raw_parts(req.addr as *const u8, req.len as usize) };
             write_vectored_full(
@@ -317,7 +320,8 @@ fn serve_read(s: &mut TcpStream, sh: &ServerShared, req: Request, loc: Location)
         }
         other => {
             let mut staging = vec![0u8; req.len as usize];
-            // SAFETY: as above, for memory at `other`.
+            // SAFETY: the range lies in a registered region at `other`, held registered by the
+            // caller's read lock; `copy_from` reads `staging.len() == req.len` bytes.
             if let Err(e) = unsafe { sh.ctx.memory.copy_from(other, req.addr, &mut staging) } {
                 return reply_error(s, wire::ST_SERVER_ERROR, &e.to_string());
             }

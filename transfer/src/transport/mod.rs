@@ -73,7 +73,23 @@ pub struct TransportInfo {
     /// The transport's `name()`: `"tcp"` or `"rdma"`.
     pub kind: String,
     /// The transport's own JSON object (TCP: `{"data_port": u16}`; RDMA: its device list).
+    /// A transport reads it only through [`TransportInfo::decode`], into its own typed peer
+    /// info, once per use: never key by key with a default for a missing key.
     pub details: serde_json::Value,
+}
+
+impl TransportInfo {
+    /// Decodes `details` into the transport's typed peer info `T` (RDMA: `RdmaPeerInfo`).
+    /// Errors: `Protocol` naming the segment, the transport and the missing or bad field (serde's
+    /// text, e.g. "devices[0]: missing field `gid`").
+    pub fn decode<T: serde::de::DeserializeOwned>(&self, segment: &str) -> Result<T> {
+        serde_json::from_value(self.details.clone()).map_err(|e| {
+            TransferError::Protocol(format!(
+                "segment {segment} advertises bad {} peer info: {e}",
+                self.kind
+            ))
+        })
+    }
 }
 
 /// Everything a transport gets from the engine at creation.

@@ -13,7 +13,6 @@ use super::endpoint::{Endpoint, EpKey};
 use super::{lock, Shared, Work};
 use crate::error::{RdmaError, TransferError};
 use crate::handshake::{self, FrameType};
-use crate::segment::SegmentDescriptor;
 
 pub(super) enum Slot {
     Connecting(Vec<Work>),
@@ -21,24 +20,14 @@ pub(super) enum Slot {
 }
 
 impl Shared {
-    /// Number of devices a peer advertises (its descriptor's `devices` list).
-    pub(super) fn remote_devices(peer: &SegmentDescriptor) -> usize {
-        peer.transport
-            .details
-            .get("devices")
-            .and_then(|d| d.as_array())
-            .map(|a| a.len())
-            .unwrap_or(1)
-            .max(1)
-    }
-
     pub(super) fn key_for(&self, w: &Work) -> EpKey {
         let local_dev = (w.slice.id as usize + w.attempts as usize) % self.devices.len();
         EpKey {
             peer: w.peer.name.clone(),
             instance: w.peer.instance_id,
             local_dev,
-            remote_dev: local_dev % Self::remote_devices(&w.peer),
+            // `decode` refused a peer with no device
+            remote_dev: local_dev % w.peer_info.devices.len().max(1),
         }
     }
 

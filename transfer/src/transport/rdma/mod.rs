@@ -26,6 +26,7 @@ mod endpoint;
 mod endpoint_store;
 mod mirror;
 mod passive;
+mod peer;
 mod post;
 mod qp;
 mod registration;
@@ -46,6 +47,7 @@ use std::sync::{Arc, Mutex};
 pub use crate::memory::DmabufRange;
 pub use connect::{CloseNotice, ConnectReply, ConnectRequest, QpInfo};
 pub use device::PortInfo;
+pub use peer::RdmaPeerInfo;
 pub use transport::RdmaTransport;
 
 use self::shared::{InFlight, Shared, Work};

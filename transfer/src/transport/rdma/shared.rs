@@ -15,6 +15,7 @@ use super::endpoint::{Endpoint, EpKey};
 use super::endpoint_store::Slot;
 use super::mirror::Mirror;
 use super::passive::PassiveTable;
+use super::peer::RdmaPeerInfo;
 use super::registration::Registered;
 use super::stager::StageJob;
 use super::CompletionSink;
@@ -27,6 +28,8 @@ use crate::transport::Slice;
 pub(crate) struct Work {
     pub slice: Slice,
     pub peer: Arc<SegmentDescriptor>,
+    /// The peer's RDMA peer info, decoded from its descriptor once for the batch.
+    pub peer_info: Arc<RdmaPeerInfo>,
     pub sink: CompletionSink,
     pub attempts: u32,
     /// The first failure's text (kept for the final error when a retry fails differently).

@@ -14,6 +14,7 @@ use super::endpoint::Endpoint;
 use super::endpoint_store::Slot;
 use super::mirror::Mirror;
 use super::passive::PassiveTable;
+use super::peer::RdmaPeerInfo;
 use super::registration::Registered;
 use super::stager::{self, StageJob};
 use super::staging::SyncRequest;
@@ -256,6 +257,10 @@ impl Transport for RdmaTransport {
         _token: Option<crate::auth::Token>,
     ) {
         let s = &self.shared;
+        let peer_info = match RdmaPeerInfo::decode(peer) {
+            Ok(p) => Arc::new(p),
+            Err(e) => return done.fail_all(slices.iter().map(|sl| sl.id), &e),
+        };
         let mirrors: HashMap<u64, Arc<Mirror>> = lock(&s.regions)
             .iter()
             .filter_map(|(a, r)| r.mirror.clone().map(|m| (*a, m)))
@@ -265,6 +270,7 @@ impl Transport for RdmaTransport {
             let w = Work {
                 slice,
                 peer: peer.clone(),
+                peer_info: peer_info.clone(),
                 sink: done.clone(),
                 attempts: 0,
                 first_error: None,

@@ -34,6 +34,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::{
@@ -48,6 +49,16 @@ use crate::types::Location;
 use coalesce::coalesce;
 use pool::PeerPool;
 use target::ServerShared;
+
+/// What a TCP peer advertises in its segment descriptor (`TransportInfo::details`, wire format
+/// of `TcpTransport::local_info`): the port of its data listener, on the host of its segment
+/// name. Decoded with `TransportInfo::decode`; a missing or out-of-range port is a `Protocol`
+/// error naming the segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TcpPeerInfo {
+    /// The data listener's TCP port (1..=65535; 0 is refused).
+    pub data_port: u16,
+}
 
 /// The TCP transport. Create with [`TcpTransport::new`]; the engine owns it behind `Arc`.
 pub struct TcpTransport {
@@ -103,18 +114,14 @@ impl TcpTransport {
                 return Ok(p.clone());
             }
         }
-        let port = peer
-            .transport
-            .details
-            .get("data_port")
-            .and_then(|v| v.as_u64())
-            .filter(|p| *p > 0 && *p <= u16::MAX as u64)
-            .ok_or_else(|| {
-                TransferError::Protocol(format!(
-                    "segment {} advertises no valid TCP data_port",
-                    peer.name
-                ))
-            })?;
+        let info: TcpPeerInfo = peer.transport.decode(&peer.name)?;
+        if info.data_port == 0 {
+            return Err(TransferError::Protocol(format!(
+                "segment {} advertises no valid TCP data_port (0)",
+                peer.name
+            )));
+        }
+        let port = info.data_port;
         let host = peer.name.rsplit_once(':').map(|(h, _)| h).ok_or_else(|| {
             TransferError::InvalidArgument(format!("segment name {:?} is not host:port", peer.name))
         })?;

@@ -44,3 +44,62 @@ impl RdmaPeerInfo {
         Ok(info)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::rdma::tests::port;
+    use crate::transport::TransportInfo;
+
+    /// A descriptor of segment "peer:1" whose RDMA details are `details`.
+    fn descriptor_with(details: serde_json::Value) -> SegmentDescriptor {
+        SegmentDescriptor {
+            name: "peer:1".into(),
+            instance_id: 7,
+            transport: TransportInfo {
+                kind: "rdma".into(),
+                details,
+            },
+            buffers: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn rdma_peer_info_decodes_what_local_info_publishes() {
+        let devices = vec![port(1024), port(4096)];
+        let d = descriptor_with(serde_json::json!({ "devices": devices }));
+        let info = RdmaPeerInfo::decode(&d).unwrap();
+        assert_eq!(info.devices, devices);
+    }
+
+    #[test]
+    fn rdma_peer_info_missing_or_bad_fields_are_refused_by_name() {
+        let full = serde_json::to_value(port(1024)).unwrap();
+        let without = |field: &str| {
+            let mut dev = full.clone();
+            dev.as_object_mut().unwrap().remove(field);
+            serde_json::json!({ "devices": [dev] })
+        };
+        let with = |field: &str, v: serde_json::Value| {
+            let mut dev = full.clone();
+            dev[field] = v;
+            serde_json::json!({ "devices": [dev] })
+        };
+        let cases = [
+            (without("active_mtu"), "active_mtu"),
+            (without("gid"), "gid"),
+            (serde_json::json!({}), "devices"),
+            (serde_json::json!({ "devices": [] }), "no device"),
+            (with("active_mtu", 1000.into()), "active_mtu 1000"),
+            (with("gid", "not a gid".into()), "devices[0].gid"),
+        ];
+        for (details, field) in cases {
+            let e = RdmaPeerInfo::decode(&descriptor_with(details.clone()))
+                .expect_err(&format!("{details} was accepted"));
+            assert!(matches!(e, TransferError::Protocol(_)), "{e:?}");
+            let text = e.to_string();
+            assert!(text.contains(field), "{details}: {text}");
+            assert!(text.contains("peer:1"), "{text}");
+        }
+    }
+}

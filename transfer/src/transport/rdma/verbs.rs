@@ -343,3 +343,85 @@ pub(crate) fn random_u64() -> u64 {
 pub(crate) fn random_psn() -> u32 {
     (random_u64() & 0x00ff_ffff) as u32
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn async_events_are_matched_by_their_verbs_h_values() {
+        use super::{AsyncEvent, EventElement};
+        use rdma_mummy_sys::ibv_event_type as T;
+        let table = [
+            (AsyncEvent::CqErr, T::IBV_EVENT_CQ_ERR),
+            (AsyncEvent::QpFatal, T::IBV_EVENT_QP_FATAL),
+            (AsyncEvent::QpReqErr, T::IBV_EVENT_QP_REQ_ERR),
+            (AsyncEvent::QpAccessErr, T::IBV_EVENT_QP_ACCESS_ERR),
+            (AsyncEvent::CommEst, T::IBV_EVENT_COMM_EST),
+            (AsyncEvent::SqDrained, T::IBV_EVENT_SQ_DRAINED),
+            (AsyncEvent::PathMig, T::IBV_EVENT_PATH_MIG),
+            (AsyncEvent::PathMigErr, T::IBV_EVENT_PATH_MIG_ERR),
+            (AsyncEvent::DeviceFatal, T::IBV_EVENT_DEVICE_FATAL),
+            (AsyncEvent::PortActive, T::IBV_EVENT_PORT_ACTIVE),
+            (AsyncEvent::PortErr, T::IBV_EVENT_PORT_ERR),
+            (AsyncEvent::LidChange, T::IBV_EVENT_LID_CHANGE),
+            (AsyncEvent::PkeyChange, T::IBV_EVENT_PKEY_CHANGE),
+            (AsyncEvent::SmChange, T::IBV_EVENT_SM_CHANGE),
+            (AsyncEvent::SrqErr, T::IBV_EVENT_SRQ_ERR),
+            (AsyncEvent::SrqLimitReached, T::IBV_EVENT_SRQ_LIMIT_REACHED),
+            (
+                AsyncEvent::QpLastWqeReached,
+                T::IBV_EVENT_QP_LAST_WQE_REACHED,
+            ),
+            (AsyncEvent::ClientReregister, T::IBV_EVENT_CLIENT_REREGISTER),
+            (AsyncEvent::GidChange, T::IBV_EVENT_GID_CHANGE),
+            (AsyncEvent::WqFatal, T::IBV_EVENT_WQ_FATAL),
+            (
+                AsyncEvent::DeviceSpeedChange,
+                T::IBV_EVENT_DEVICE_SPEED_CHANGE,
+            ),
+        ];
+        for (event, raw) in table {
+            // the element union holds a QP pointer exactly for the QP events (verbs.h), a port
+            // number for the port events: reading one as the other would be a wild pointer
+            let qp_event = matches!(
+                raw,
+                T::IBV_EVENT_QP_FATAL
+                    | T::IBV_EVENT_QP_REQ_ERR
+                    | T::IBV_EVENT_QP_ACCESS_ERR
+                    | T::IBV_EVENT_COMM_EST
+                    | T::IBV_EVENT_SQ_DRAINED
+                    | T::IBV_EVENT_PATH_MIG
+                    | T::IBV_EVENT_PATH_MIG_ERR
+                    | T::IBV_EVENT_QP_LAST_WQE_REACHED
+            );
+            let port_event = matches!(
+                raw,
+                T::IBV_EVENT_PORT_ACTIVE
+                    | T::IBV_EVENT_PORT_ERR
+                    | T::IBV_EVENT_LID_CHANGE
+                    | T::IBV_EVENT_PKEY_CHANGE
+                    | T::IBV_EVENT_SM_CHANGE
+                    | T::IBV_EVENT_CLIENT_REREGISTER
+                    | T::IBV_EVENT_GID_CHANGE
+                    | T::IBV_EVENT_DEVICE_SPEED_CHANGE
+            );
+            let raw = raw as u32;
+            assert_eq!(AsyncEvent::from_raw(raw), event, "{raw}");
+            assert_eq!(event.raw(), raw, "{event:?}");
+            assert_eq!(event.element() == EventElement::Qp, qp_event, "{event:?}");
+            assert_eq!(
+                event.element() == EventElement::Port,
+                port_event,
+                "{event:?}"
+            );
+        }
+        let unknown = AsyncEvent::from_raw(99);
+        assert_eq!(unknown, AsyncEvent::Unknown(99));
+        assert_eq!(unknown.raw(), 99);
+        assert!(
+            !unknown.is_informational(),
+            "an unknown event is logged as a warning"
+        );
+        assert!(AsyncEvent::PortActive.is_informational());
+        assert!(!AsyncEvent::PortErr.is_informational());
+    }
+}

@@ -463,6 +463,10 @@ async fn dead_producer_fails_the_load_and_a_restarted_one_is_reached() {
         started.elapsed()
     );
     eprintln!("dead producer: {err}");
+    // The dead producer may have failed the load either by a lost connection or by a failed
+    // reconnect (which side of that race depends on how fast its sockets close); after a failed
+    // connect the consumer fails fast for its retry interval (1 s), so wait that out.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
     // A new producer on the same endpoint: the consumer rebuilds its socket and loads.
     let producer = Producer::start(
         ProducerConfig {

@@ -17,6 +17,7 @@ use memmap2::MmapMut;
 use serde::Serialize;
 
 use crate::cli::{BenchArgs, BenchPattern};
+use crate::error::CliError;
 use crate::setup::transport_kind;
 
 /// One point of the sweep.
@@ -54,7 +55,7 @@ pub struct BenchReport {
 /// Parses "64K,1M,4096" into byte counts.
 ///
 /// Errors: an empty list, a zero, or a part that is not a number with an optional K/M/G suffix.
-pub fn parse_sizes(text: &str) -> Result<Vec<u64>, String> {
+pub fn parse_sizes(text: &str) -> Result<Vec<u64>, SizeError> {
     let mut out = Vec::new();
     for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (num, mul) = match part.chars().last().map(|c| c.to_ascii_uppercase()) {
@@ -65,34 +66,45 @@ pub fn parse_sizes(text: &str) -> Result<Vec<u64>, String> {
         };
         let n: u64 = num
             .parse()
-            .map_err(|_| format!("{part:?}: not a size (a number with an optional K, M or G)"))?;
+            .map_err(|_| SizeError::NotASize(part.to_string()))?;
         let v = n
             .checked_mul(mul)
             .filter(|&v| v > 0)
-            .ok_or_else(|| format!("{part:?}: must be at least 1 and below 2^64"))?;
+            .ok_or_else(|| SizeError::OutOfRange(part.to_string()))?;
         out.push(v);
     }
     if out.is_empty() {
-        return Err(format!("{text:?}: an empty list"));
+        return Err(SizeError::Empty(text.to_string()));
     }
     Ok(out)
+}
+
+/// Why a list of sizes does not parse ([`parse_sizes`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    /// A part that is not a number with an optional K, M or G.
+    #[error("{0:?}: not a size (a number with an optional K, M or G)")]
+    NotASize(String),
+    /// A part of 0 or of 2^64 bytes or more.
+    #[error("{0:?}: must be at least 1 and below 2^64")]
+    OutOfRange(String),
+    /// No part at all.
+    #[error("{0:?}: an empty list")]
+    Empty(String),
 }
 
 /// Runs the sweep and prints/writes the results.
 ///
 /// Errors: bad arguments, engines that cannot start, a failed transfer.
-pub fn run(args: &BenchArgs) -> Result<(), String> {
+pub fn run(args: &BenchArgs) -> Result<(), CliError> {
     // Fail before the sweep, not after it, when an output file cannot be written.
     for p in [&args.json_out, &args.csv_out].into_iter().flatten() {
-        std::fs::File::create(p).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
+        std::fs::File::create(p).map_err(CliError::io(format!("cannot write {}", p.display())))?;
     }
     let report = run_report(args)?;
     if let Some(p) = &args.json_out {
-        std::fs::write(
-            p,
-            serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?,
-        )
-        .map_err(|e| format!("writing {}: {e}", p.display()))?;
+        std::fs::write(p, serde_json::to_string_pretty(&report)?)
+            .map_err(CliError::io(format!("writing {}", p.display())))?;
     }
     if let Some(p) = &args.csv_out {
         let mut csv = String::from("transport,block_size,batch,threads,pattern,gb_per_s,avg_latency_us,p99_latency_us,batches,checksum_overhead\n");
@@ -113,13 +125,10 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
                     .unwrap_or_default()
             );
         }
-        std::fs::write(p, csv).map_err(|e| format!("writing {}: {e}", p.display()))?;
+        std::fs::write(p, csv).map_err(CliError::io(format!("writing {}", p.display())))?;
     }
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string(&report).map_err(|e| e.to_string())?
-        );
+        println!("{}", serde_json::to_string(&report)?);
     } else {
         println!("transport {}", report.transport);
         println!(
@@ -145,15 +154,18 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
 }
 
 /// Runs the sweep and returns the results.
-pub fn run_report(args: &BenchArgs) -> Result<BenchReport, String> {
-    let sizes = parse_sizes(&args.block_sizes).map_err(|e| format!("--block-sizes: {e}"))?;
-    let batches = parse_sizes(&args.batch).map_err(|e| format!("--batch: {e}"))?;
-    let threads = parse_sizes(&args.threads).map_err(|e| format!("--threads: {e}"))?;
+pub fn run_report(args: &BenchArgs) -> Result<BenchReport, CliError> {
+    let sizes_of = |flag: &'static str, text: &str| {
+        parse_sizes(text).map_err(|source| CliError::Sizes { flag, source })
+    };
+    let sizes = sizes_of("--block-sizes", &args.block_sizes)?;
+    let batches = sizes_of("--batch", &args.batch)?;
+    let threads = sizes_of("--threads", &args.threads)?;
     if !(args.seconds > 0.0 && args.seconds.is_finite()) {
-        return Err(format!(
+        return Err(CliError::usage(format!(
             "--seconds {}: must be a positive number",
             args.seconds
-        ));
+        )));
     }
     let bounds = BatchBounds::new(args.min_batches, args.max_batches)?;
     let mut cfg = EngineConfig {
@@ -161,10 +173,10 @@ pub fn run_report(args: &BenchArgs) -> Result<BenchReport, String> {
         ..EngineConfig::default()
     };
     cfg.auth.secret_file = args.secret_file.clone();
-    let src_engine =
-        TransferEngine::new(cfg.clone()).map_err(|e| format!("starting the source engine: {e}"))?;
+    let src_engine = TransferEngine::new(cfg.clone())
+        .map_err(CliError::transfer("starting the source engine"))?;
     let dst_engine =
-        TransferEngine::new(cfg).map_err(|e| format!("starting the target engine: {e}"))?;
+        TransferEngine::new(cfg).map_err(CliError::transfer("starting the target engine"))?;
     let transport = src_engine.transport_name().to_string();
     let mut points = Vec::new();
     for &bs in &sizes {
@@ -172,14 +184,14 @@ pub fn run_report(args: &BenchArgs) -> Result<BenchReport, String> {
             for &nthreads in &threads {
                 let per_thread = bs
                     .checked_mul(batch)
-                    .ok_or("block size × batch overflows")?;
+                    .ok_or(CliError::usage("block size × batch overflows"))?;
                 let total = per_thread.checked_mul(nthreads).filter(|&t| t <= 8 << 30).ok_or_else(|| {
-                    format!("block {bs} × batch {batch} × threads {nthreads}: more than 8 GiB of buffers")
+                    CliError::usage(format!("block {bs} × batch {batch} × threads {nthreads}: more than 8 GiB of buffers"))
                 })?;
                 let mut src = MmapMut::map_anon(total as usize)
-                    .map_err(|e| format!("allocating {total} bytes: {e}"))?;
+                    .map_err(CliError::io(format!("allocating {total} bytes")))?;
                 let dst = MmapMut::map_anon(total as usize)
-                    .map_err(|e| format!("allocating {total} bytes: {e}"))?;
+                    .map_err(CliError::io(format!("allocating {total} bytes")))?;
                 for (i, b) in src.iter_mut().enumerate() {
                     *b = (i as u8).wrapping_mul(31) ^ (i >> 12) as u8;
                 }
@@ -188,20 +200,20 @@ pub fn run_report(args: &BenchArgs) -> Result<BenchReport, String> {
                 unsafe {
                     src_engine
                         .register_memory(sa, total, Location::Cpu)
-                        .map_err(|e| e.to_string())?;
+                        .map_err(CliError::transfer("registering the source buffer"))?;
                     dst_engine
                         .register_memory(da, total, Location::Cpu)
-                        .map_err(|e| e.to_string())?;
+                        .map_err(CliError::transfer("registering the target buffer"))?;
                 }
                 // Authenticated: the source writes with a token the target granted for its buffer.
                 let grant = dst_engine
                     .grant(GrantSpec {
-                        token: Token::random().map_err(|e| e.to_string())?,
+                        token: Token::random().map_err(CliError::transfer("a grant token"))?,
                         ops: GrantOps::WRITE,
                         ranges: vec![(da, total)],
                         ttl: Duration::from_secs(24 * 3600),
                     })
-                    .map_err(|e| e.to_string())?;
+                    .map_err(CliError::transfer("granting the target buffer"))?;
                 let point = sweep_point(
                     &src_engine,
                     (&dst_engine.segment_name(), grant.token()),
@@ -233,12 +245,14 @@ pub struct BatchBounds {
 
 impl BatchBounds {
     /// Errors: `min` of 0, or a `max` (other than 0) below `min`.
-    pub fn new(min: u64, max: u64) -> Result<BatchBounds, String> {
+    pub fn new(min: u64, max: u64) -> Result<BatchBounds, CliError> {
         if min == 0 {
-            return Err("--min-batches must be at least 1".into());
+            return Err(CliError::usage("--min-batches must be at least 1"));
         }
         if max != 0 && max < min {
-            return Err(format!("--max-batches {max} is below --min-batches {min}"));
+            return Err(CliError::usage(format!(
+                "--max-batches {max} is below --min-batches {min}"
+            )));
         }
         Ok(BatchBounds { min, max })
     }
@@ -265,7 +279,7 @@ fn sweep_point(
     bounds: BatchBounds,
     pattern: BenchPattern,
     checksum: bool,
-) -> Result<BenchPoint, String> {
+) -> Result<BenchPoint, CliError> {
     let (src, dst) = (src_map.as_ptr() as u64, dst_map.as_ptr() as u64);
     // The target slot of request i.
     let slot = move |i: u64| match pattern {
@@ -275,7 +289,7 @@ fn sweep_point(
     let checksum_over = checksum.then_some(dst_map);
     let seg = engine
         .open_segment_with_token(target, token)
-        .map_err(|e| format!("opening segment {target}: {e}"))?;
+        .map_err(CliError::transfer(format!("opening segment {target}")))?;
     let stop = Arc::new(AtomicBool::new(false));
     // Threads done with their batches, so that a point bounded by count ends when they are.
     let finished = Arc::new(AtomicU64::new(0));
@@ -283,7 +297,7 @@ fn sweep_point(
     let checksum_secs = Arc::new(Mutex::new(0f64));
     let dst_bytes: Option<&[u8]> = checksum_over.map(|m| &m[..]);
     let start = Instant::now();
-    let result: Result<(), String> = std::thread::scope(|s| {
+    let result: Result<(), CliError> = std::thread::scope(|s| {
         let mut handles = Vec::new();
         for t in 0..threads {
             let (stop, lat, seg, cks, finished) = (
@@ -293,7 +307,7 @@ fn sweep_point(
                 checksum_secs.clone(),
                 finished.clone(),
             );
-            handles.push(s.spawn(move || -> Result<(), String> {
+            handles.push(s.spawn(move || -> Result<(), CliError> {
                 // Counted as finished however this thread ends (an error too).
                 struct Finished(Arc<AtomicU64>);
                 impl Drop for Finished {
@@ -315,10 +329,12 @@ fn sweep_point(
                 while bounds.another(done, stop.load(Ordering::Relaxed)) {
                     done += 1;
                     let t0 = Instant::now();
-                    let id = engine.submit(&seg, &reqs).map_err(|e| e.to_string())?;
+                    let id = engine
+                        .submit(&seg, &reqs)
+                        .map_err(CliError::transfer("submitting a batch"))?;
                     engine
                         .wait(id, Duration::from_secs(60))
-                        .map_err(|e| e.to_string())?;
+                        .map_err(CliError::transfer("waiting for a batch"))?;
                     lat.lock().unwrap().push(t0.elapsed().as_secs_f64());
                     if let Some(bytes) = dst_bytes {
                         let c0 = Instant::now();
@@ -342,7 +358,7 @@ fn sweep_point(
         stop.store(true, Ordering::Relaxed);
         handles.into_iter().try_for_each(|h| {
             h.join()
-                .map_err(|_| "a bench thread panicked".to_string())?
+                .map_err(|_| CliError::failed("a bench thread panicked"))?
         })
     });
     result?;
@@ -351,9 +367,9 @@ fn sweep_point(
     lat.sort_by(|a, b| a.total_cmp(b));
     let n = lat.len() as u64;
     if n == 0 {
-        return Err(format!(
+        return Err(CliError::failed(format!(
             "block {bs} batch {batch}: no batch completed in {seconds} s"
-        ));
+        )));
     }
     let xfer_secs: f64 = lat.iter().sum();
     let p99 = lat[((lat.len() as f64 * 0.99).ceil() as usize)
@@ -366,9 +382,9 @@ fn sweep_point(
         for i in 0..batch {
             let (s0, d0) = ((base + i * bs) as usize, (base + slot(i) * bs) as usize);
             if src_map[s0..s0 + bs as usize] != dst_map[d0..d0 + bs as usize] {
-                return Err(format!(
+                return Err(CliError::failed(format!(
                     "block {bs} batch {batch}: request {i} of thread {t} did not land intact"
-                ));
+                )));
             }
         }
     }

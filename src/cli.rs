@@ -6,27 +6,42 @@ use std::path::PathBuf;
 /// Most TP or PP ranks per side the CLI starts (each rank has its own engine and threads).
 pub const MAX_RANKS: u32 = 64;
 
+/// A command-line value clap's own parsers do not check; clap prints it with the option.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ArgError {
+    /// Not a number.
+    #[error("{0:?} is not a number of seconds")]
+    NotSeconds(String),
+    /// Not finite, not above 0, or over a day.
+    #[error("{0:?}: must be more than 0 and at most 86400 seconds")]
+    SecondsRange(String),
+    /// Not a whole number.
+    #[error("{0:?} is not a whole number")]
+    NotWhole(String),
+    /// A rank count outside `1..=MAX_RANKS`.
+    #[error("{0}: must be between 1 and {MAX_RANKS}")]
+    Ranks(u32),
+}
+
 /// Parses a duration in seconds: finite, above 0, at most a day.
-pub fn seconds(text: &str) -> Result<f64, String> {
+pub fn seconds(text: &str) -> Result<f64, ArgError> {
     let v: f64 = text
         .trim()
         .parse()
-        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
+        .map_err(|_| ArgError::NotSeconds(text.to_string()))?;
     if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
-        return Err(format!(
-            "{text:?}: must be more than 0 and at most 86400 seconds"
-        ));
+        return Err(ArgError::SecondsRange(text.to_string()));
     }
     Ok(v)
 }
 
-fn ranks(text: &str) -> Result<u32, String> {
+fn ranks(text: &str) -> Result<u32, ArgError> {
     let v: u32 = text
         .trim()
         .parse()
-        .map_err(|_| format!("{text:?} is not a whole number"))?;
+        .map_err(|_| ArgError::NotWhole(text.to_string()))?;
     if v == 0 || v > MAX_RANKS {
-        return Err(format!("{v}: must be between 1 and {MAX_RANKS}"));
+        return Err(ArgError::Ranks(v));
     }
     Ok(v)
 }

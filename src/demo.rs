@@ -22,6 +22,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use crate::cli::{CommonArgs, DemoArgs, FailurePolicyArg};
+use crate::error::CliError;
 use crate::models::model_by_name;
 use crate::setup::{engine_config, memory_paths, side_config, side_workers};
 use crate::world::{
@@ -151,40 +152,37 @@ pub fn prompt_lengths(n: u32, min: u64, max: u64, seed: u64) -> Vec<u64> {
 /// Runs the demo and prints its report.
 ///
 /// Errors: bad arguments, a side that cannot be built, a producer that cannot start.
-pub fn run(args: &DemoArgs) -> Result<(), String> {
+pub fn run(args: &DemoArgs) -> Result<(), CliError> {
     let report = run_report(args)?;
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string(&report).map_err(|e| e.to_string())?
-        );
+        println!("{}", serde_json::to_string(&report)?);
     } else {
         print_summary(&report);
     }
     if report.unexpected > 0 {
-        return Err(format!(
+        return Err(CliError::failed(format!(
             "{} of {} loads did not end as expected (see the log)",
             report.unexpected, report.requests
-        ));
+        )));
     }
     Ok(())
 }
 
-fn check_args(args: &DemoArgs) -> Result<(), String> {
+fn check_args(args: &DemoArgs) -> Result<(), CliError> {
     if args.min_tokens == 0 || args.min_tokens > args.max_tokens {
-        return Err(format!(
+        return Err(CliError::usage(format!(
             "--min-tokens {} / --max-tokens {}: need 1 <= min <= max",
             args.min_tokens, args.max_tokens
-        ));
+        )));
     }
     if args.corrupt > args.requests {
-        return Err(format!(
+        return Err(CliError::usage(format!(
             "--corrupt {}: at most --requests ({})",
             args.corrupt, args.requests
-        ));
+        )));
     }
     if args.common.block_size == 0 {
-        return Err("--block-size 0: must be at least 1".into());
+        return Err(CliError::usage("--block-size 0: must be at least 1"));
     }
     if !args.common.fail_closed && args.common.load_failure_policy != FailurePolicyArg::Fail {
         tracing::warn!(
@@ -195,7 +193,7 @@ fn check_args(args: &DemoArgs) -> Result<(), String> {
 }
 
 /// Runs the demo and returns its report (the tests use this).
-pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
+pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     check_args(args)?;
     let c = &args.common;
     let model = model_by_name(&c.model)?.clone();
@@ -211,10 +209,20 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
     let engine_cfg = engine_config(c, "127.0.0.1")?;
     let side = |tp, pp| side_config(c, model.clone(), tp, pp, num_blocks);
     // Name the side: the sizes and the layout checks are per side.
-    let mut prod_ranks = build_side(&side(args.prefill_tp, args.prefill_pp), &engine_cfg)
-        .map_err(|e| format!("producer (--prefill-tp/--prefill-pp): {e}"))?;
-    let cons_ranks = build_side(&side(args.decode_tp, args.decode_pp), &engine_cfg)
-        .map_err(|e| format!("consumer (--decode-tp/--decode-pp): {e}"))?;
+    let mut prod_ranks =
+        build_side(&side(args.prefill_tp, args.prefill_pp), &engine_cfg).map_err(|source| {
+            CliError::Side {
+                side: "producer (--prefill-tp/--prefill-pp)",
+                source,
+            }
+        })?;
+    let cons_ranks =
+        build_side(&side(args.decode_tp, args.decode_pp), &engine_cfg).map_err(|source| {
+            CliError::Side {
+                side: "consumer (--decode-tp/--decode-pp)",
+                source,
+            }
+        })?;
     let transport_name = prod_ranks[0].engine.transport_name().to_string();
     let mut paths = memory_paths(&prod_ranks);
     for p in memory_paths(&cons_ranks) {
@@ -229,7 +237,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| format!("starting the async runtime: {e}"))?;
+        .map_err(CliError::Runtime)?;
 
     // Which requests get a flipped bit, and where.
     let mut rng = rand::rngs::SmallRng::seed_from_u64(args.seed ^ 0xc0ff_ee00);
@@ -242,10 +250,10 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
 
     let producer = rt
         .block_on(Producer::start(producer_config(c), prod_workers))
-        .map_err(|e| format!("starting the producer: {e}"))?;
+        .map_err(CliError::p2p("starting the producer"))?;
     let endpoint = producer.endpoint().to_string();
     let consumer = Consumer::new(consumer_config(c), cons_workers)
-        .map_err(|e| format!("starting the consumer: {e}"))?;
+        .map_err(CliError::p2p("starting the consumer"))?;
 
     // The consumer's memory, shared with the landed hook (fault injection).
     let cons_ranks = Arc::new(Mutex::new(cons_ranks));
@@ -300,8 +308,12 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
     for (i, &tokens) in lengths.iter().enumerate() {
         let i = i as u32;
         let nb = blocks_per_req(tokens) as usize;
-        let pblocks = prod_pool.alloc(nb).ok_or("producer block pool exhausted")?;
-        let cblocks = cons_pool.alloc(nb).ok_or("consumer block pool exhausted")?;
+        let pblocks = prod_pool
+            .alloc(nb)
+            .ok_or(CliError::failed("producer block pool exhausted"))?;
+        let cblocks = cons_pool
+            .alloc(nb)
+            .ok_or(CliError::failed("consumer block pool exhausted"))?;
         let t0 = Instant::now();
         for r in prod_ranks.iter_mut() {
             fill_request(r, args.seed, i as u64, &pblocks)?;
@@ -314,7 +326,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, String> {
                 vec![pblocks.iter().map(|&b| Some(b)).collect()],
                 tokens,
             ))
-            .map_err(|e| format!("publishing {request_id}: {e}"))?;
+            .map_err(CliError::p2p(format!("publishing {request_id}")))?;
         report.checksum_seconds += info.checksum_seconds;
         if corrupt.contains(&i) {
             let ranks = cons_ranks.lock().unwrap();

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use kvferry::cli::{Cli, Command, PayloadAction};
+use kvferry::error::CliError;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -18,14 +19,15 @@ fn main() -> ExitCode {
         Command::Load(args) => kvferry::roles::load(&args),
         Command::Bench(args) => kvferry::bench::run(&args),
         Command::Checksum(args) => kvferry::spec::checksum_spec(&args.spec)
-            .map_err(|e| e.to_string())
+            .map_err(CliError::from)
             .and_then(|v| print_json(&v)),
         Command::Payload { action } => payload(action),
     };
+    // The one place an error becomes text for the user.
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(msg) => {
-            eprintln!("kvferry: error: {msg}");
+        Err(e) => {
+            eprintln!("kvferry: error: {e}");
             ExitCode::from(1)
         }
     }
@@ -33,7 +35,7 @@ fn main() -> ExitCode {
 
 /// Logs to stderr with the `--log` / KVFERRY_LOG filter (default `info`).
 /// Errors: a filter that does not parse.
-fn init_tracing(filter: Option<&str>) -> Result<(), String> {
+fn init_tracing(filter: Option<&str>) -> Result<(), CliError> {
     use tracing_subscriber::EnvFilter;
     let (filter, from) = match (filter, std::env::var("KVFERRY_LOG")) {
         (Some(f), _) => (f.to_string(), "--log"),
@@ -41,7 +43,7 @@ fn init_tracing(filter: Option<&str>) -> Result<(), String> {
         (None, Err(_)) => ("info".to_string(), "default"),
     };
     let env_filter = EnvFilter::try_new(&filter)
-        .map_err(|e| format!("{from} {filter:?}: not a log filter ({e})"))?;
+        .map_err(|e| CliError::usage(format!("{from} {filter:?}: not a log filter ({e})")))?;
     let _ = tracing_subscriber::fmt()
         .with_env_filter(env_filter)
         .with_writer(std::io::stderr)
@@ -50,32 +52,32 @@ fn init_tracing(filter: Option<&str>) -> Result<(), String> {
     Ok(())
 }
 
-fn print_json(v: &serde_json::Value) -> Result<(), String> {
+fn print_json(v: &serde_json::Value) -> Result<(), CliError> {
     let mut out = std::io::stdout().lock();
-    serde_json::to_writer_pretty(&mut out, v).map_err(|e| e.to_string())?;
-    writeln!(out).map_err(|e| e.to_string())
+    serde_json::to_writer_pretty(&mut out, v)?;
+    writeln!(out).map_err(CliError::io("writing stdout"))
 }
 
-fn payload(action: PayloadAction) -> Result<(), String> {
+fn payload(action: PayloadAction) -> Result<(), CliError> {
     let mut input = String::new();
     std::io::stdin()
         .read_to_string(&mut input)
-        .map_err(|e| format!("reading stdin: {e}"))?;
+        .map_err(CliError::io("reading stdin"))?;
     match action {
         PayloadAction::Decode => {
             let payload = kvferry_checksum::payload::Payload::from_base64(&input)
-                .map_err(|e| kvferry::payload_json::PayloadJsonError::from(e).to_string())?;
+                .map_err(kvferry::payload_json::PayloadJsonError::from)?;
             drop(input);
             // Streamed: a JSON tree of a large payload took ten times its size.
             let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-            kvferry::payload_json::write_json(&payload, &mut out).map_err(|e| e.to_string())?;
+            kvferry::payload_json::write_json(&payload, &mut out)
+                .map_err(CliError::io("writing stdout"))?;
             writeln!(out)
                 .and_then(|_| out.flush())
-                .map_err(|e| e.to_string())
+                .map_err(CliError::io("writing stdout"))
         }
         PayloadAction::Encode => {
-            let text =
-                kvferry::payload_json::encode_from_json(&input).map_err(|e| e.to_string())?;
+            let text = kvferry::payload_json::encode_from_json(&input)?;
             println!("{text}");
             Ok(())
         }

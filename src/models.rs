@@ -108,12 +108,17 @@ pub const MODELS: &[ModelShape] = &[
 /// Looks a model up by name.
 ///
 /// Errors: an unknown name, with the list of known ones.
-pub fn model_by_name(name: &str) -> Result<&'static ModelShape, String> {
-    MODELS.iter().find(|m| m.name == name).ok_or_else(|| {
-        let known: Vec<_> = MODELS.iter().map(|m| m.name).collect();
-        format!("unknown --model {name:?}; known: {}", known.join(", "))
-    })
+pub fn model_by_name(name: &str) -> Result<&'static ModelShape, UnknownModel> {
+    MODELS
+        .iter()
+        .find(|m| m.name == name)
+        .ok_or_else(|| UnknownModel(name.to_string()))
 }
+
+/// A `--model` name not in the built-in table; the message lists the known ones.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown --model {name:?}; known: {}", MODELS.iter().map(|m| m.name).collect::<Vec<_>>().join(", "), name = .0)]
+pub struct UnknownModel(pub String);
 
 #[cfg(test)]
 mod tests {
@@ -135,6 +140,6 @@ mod tests {
     #[test]
     fn unknown_model_lists_known() {
         let e = model_by_name("gpt-9").unwrap_err();
-        assert!(e.contains("llama3-8b"), "{e}");
+        assert!(e.to_string().contains("llama3-8b"), "{e}");
     }
 }

@@ -20,6 +20,7 @@ use serde::Serialize;
 
 use crate::cli::{LoadArgs, ServeArgs};
 use crate::demo::{consumer_config, producer_config, prompt_lengths, LoadCounts};
+use crate::error::CliError;
 use crate::models::model_by_name;
 use crate::setup::{engine_config, host_of, local_addr_towards, secret, side_config, side_workers};
 use crate::world::{build_side, fill_request, BlockPool, GROUP_ID};
@@ -35,9 +36,9 @@ fn producer_tables(
     max: u64,
     seed: u64,
     block_size: u64,
-) -> Result<ProducerTables, String> {
+) -> Result<ProducerTables, CliError> {
     if min == 0 || min > max || block_size == 0 {
-        return Err(format!("--min-tokens {min} / --max-tokens {max} / --block-size {block_size}: need 1 <= min <= max and a block size >= 1"));
+        return Err(CliError::usage(format!("--min-tokens {min} / --max-tokens {max} / --block-size {block_size}: need 1 <= min <= max and a block size >= 1")));
     }
     let lengths = prompt_lengths(requests, min, max, seed);
     let total: u64 = lengths.iter().map(|t| t.div_ceil(block_size)).sum();
@@ -54,14 +55,14 @@ fn producer_tables(
 
 /// The load key of request `request_id` (see the module docs): from the shared secret, else
 /// from the seed.
-fn load_key(secret: Option<&Secret>, seed: u64, request_id: &str) -> Result<String, String> {
+fn load_key(secret: Option<&Secret>, seed: u64, request_id: &str) -> Result<String, CliError> {
     let open;
     let s = match secret {
         Some(s) => s,
         None => {
             open =
                 Secret::from_bytes(format!("kvferry open-mode load keys, seed {seed}").as_bytes())
-                    .map_err(|e| e.to_string())?;
+                    .map_err(CliError::transfer("the open-mode load key secret"))?;
             &open
         }
     };
@@ -83,13 +84,13 @@ fn security_line(secret: Option<&Secret>) -> &'static str {
 /// Errors: bad arguments (an `--exit-after` above `--requests`, which could never be
 /// reached: a request is loaded at most once), an address that cannot be bound, a side
 /// that cannot be built.
-pub fn serve(args: &ServeArgs) -> Result<(), String> {
+pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
     let c = &args.common;
     if args.exit_after > args.requests {
-        return Err(format!(
+        return Err(CliError::usage(format!(
             "--exit-after {}: more than the {} requests published (--requests); each is loaded at most once, so serve would never exit",
             args.exit_after, args.requests
-        ));
+        )));
     }
     let model = model_by_name(&c.model)?.clone();
     let (lengths, tables, num_blocks) = producer_tables(
@@ -115,8 +116,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), String> {
     let default_host = if unspecified { "127.0.0.1" } else { bind_host };
     let mut ranks = build_side(&side, &engine_config(c, default_host)?)?;
     let (workers, backend) = side_workers(&ranks, c)?;
-    let rt =
-        tokio::runtime::Runtime::new().map_err(|e| format!("starting the async runtime: {e}"))?;
+    let rt = tokio::runtime::Runtime::new().map_err(CliError::Runtime)?;
     for (i, blocks) in tables.iter().enumerate() {
         for r in ranks.iter_mut() {
             fill_request(r, args.seed, i as u64, blocks)?;
@@ -126,7 +126,10 @@ pub fn serve(args: &ServeArgs) -> Result<(), String> {
     cfg.bind = format!("tcp://{}", args.bind);
     let producer = rt
         .block_on(Producer::start(cfg, workers))
-        .map_err(|e| format!("starting the producer on {}: {e}", args.bind))?;
+        .map_err(CliError::p2p(format!(
+            "starting the producer on {}",
+            args.bind
+        )))?;
     let secret = secret(c)?;
     for (i, (blocks, &tokens)) in tables.iter().zip(&lengths).enumerate() {
         let id = format!("req-{i}");
@@ -136,7 +139,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), String> {
             tokens,
             &load_key(secret.as_ref(), args.seed, &id)?,
         ))
-        .map_err(|e| format!("publishing {id}: {e}"))?;
+        .map_err(CliError::p2p(format!("publishing {id}")))?;
     }
     eprintln!(
         "kvferry serve: {} requests published on {} (transport {}, checksums on {backend}); {}",
@@ -188,7 +191,7 @@ pub struct LoadReport {
 /// `kvferry load`: load every request from a `kvferry serve` producer and verify it.
 ///
 /// Errors: bad arguments, a side that cannot be built. Failed loads are counted, not errors.
-pub fn load(args: &LoadArgs) -> Result<(), String> {
+pub fn load(args: &LoadArgs) -> Result<(), CliError> {
     let c = &args.common;
     let model = model_by_name(&c.model)?.clone();
     let (lengths, tables, _) = producer_tables(
@@ -209,10 +212,9 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
         local_addr_towards(&args.producer).unwrap_or_else(|| "127.0.0.1".to_string());
     let ranks = build_side(&side, &engine_config(c, &default_host)?)?;
     let (workers, _) = side_workers(&ranks, c)?;
-    let rt =
-        tokio::runtime::Runtime::new().map_err(|e| format!("starting the async runtime: {e}"))?;
+    let rt = tokio::runtime::Runtime::new().map_err(CliError::Runtime)?;
     let consumer = Consumer::new(consumer_config(c), workers)
-        .map_err(|e| format!("starting the consumer: {e}"))?;
+        .map_err(CliError::p2p("starting the consumer"))?;
     let producer = if args.producer.starts_with("tcp://") {
         args.producer.clone()
     } else {
@@ -260,10 +262,7 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
     };
     let bad = report.requests - report.counts.verified;
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string(&report).map_err(|e| e.to_string())?
-        );
+        println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
             "kvferry load: {} requests over {}: {} verified, {} mismatch, {} unverified, {} failed, {} recomputed; {:.2} GB in {:.3} s ({:.2} GB/s)",
@@ -272,10 +271,10 @@ pub fn load(args: &LoadArgs) -> Result<(), String> {
         );
     }
     if bad > 0 {
-        return Err(format!(
+        return Err(CliError::failed(format!(
             "{bad} of {} loads were not verified",
             report.requests
-        ));
+        )));
     }
     Ok(())
 }

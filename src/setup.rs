@@ -3,13 +3,14 @@
 
 use std::time::Duration;
 
-use kvferry_kernels::{backend_for, LayerInput};
+use kvferry_kernels::{try_backend_for, LayerInput};
 use kvferry_p2p::{Worker, WorkerGroup};
 use kvferry_transfer::{
     AuthConfig, EngineConfig, GpuRegistration, Location, RdmaConfig, Secret, TransportKind,
 };
 
 use crate::cli::{CommonArgs, DeviceArg, GpuRegistrationArg, TransportArg};
+use crate::error::CliError;
 use crate::models::ModelShape;
 use crate::world::{RankKv, SideConfig, GROUP_ID};
 
@@ -27,16 +28,16 @@ pub fn transport_kind(t: TransportArg) -> TransportKind {
 /// transfer deadline.
 ///
 /// Errors: an unspecified address (0.0.0.0, ::) as the host: peers could not reach it.
-pub fn engine_config(c: &CommonArgs, default_host: &str) -> Result<EngineConfig, String> {
+pub fn engine_config(c: &CommonArgs, default_host: &str) -> Result<EngineConfig, CliError> {
     let host = c.data_host.as_deref().unwrap_or(default_host).to_string();
     if host
         .trim_matches(|ch| ch == '[' || ch == ']')
         .parse::<std::net::IpAddr>()
         .is_ok_and(|ip| ip.is_unspecified())
     {
-        return Err(format!(
+        return Err(CliError::usage(format!(
             "--data-host {host}: the transfer engines need an address the other side can reach, not an unspecified one"
-        ));
+        )));
     }
     Ok(EngineConfig {
         host,
@@ -61,12 +62,15 @@ pub fn engine_config(c: &CommonArgs, default_host: &str) -> Result<EngineConfig,
 
 /// The shared secret of `--secret-file` (or `KVFERRY_SECRET_FILE`), `None` without one.
 /// Errors: an unreadable, too short or too long file.
-pub fn secret(c: &CommonArgs) -> Result<Option<Secret>, String> {
+pub fn secret(c: &CommonArgs) -> Result<Option<Secret>, CliError> {
     c.secret_file
         .as_deref()
         .map(Secret::from_file)
         .transpose()
-        .map_err(|e| e.to_string())
+        .map_err(|source| CliError::Transfer {
+            what: "--secret-file".into(),
+            source,
+        })
 }
 
 /// The host part of `HOST:PORT` (brackets kept off an IPv6 host), or the text itself.
@@ -143,15 +147,11 @@ fn device_location(d: DeviceArg) -> Location {
 ///
 /// Errors: `--device cuda` where the CUDA checksum backend is unusable (the ranks'
 /// memory is on the GPU, so the CPU backend cannot read it).
-pub fn side_workers(ranks: &[RankKv], c: &CommonArgs) -> Result<(Vec<Worker>, String), String> {
+pub fn side_workers(ranks: &[RankKv], c: &CommonArgs) -> Result<(Vec<Worker>, String), CliError> {
     let device = device_location(c.device);
-    let backend = backend_for(device);
+    // No silent CPU fallback: the CPU backend cannot read GPU memory.
+    let backend = try_backend_for(device).map_err(CliError::CudaBackend)?;
     let name = backend.name().to_string();
-    if device != Location::Cpu && name == "cpu" {
-        return Err(
-            "--device cuda: the CUDA checksum backend is unusable here (see the log)".into(),
-        );
-    }
     let workers = ranks
         .iter()
         .map(|r| Worker {

@@ -237,7 +237,7 @@ fn map_layer(dir: &Path, l: &SpecLayer, g: &Geometry, at: &str) -> Result<Mapped
         .unwrap_or("")
         .to_ascii_lowercase();
     let range = match ext.as_str() {
-        "npy" => npy_range(&map, g, l.elem_bytes).map_err(ferr)?,
+        "npy" => npy_range(&map, g, l.elem_bytes).map_err(|e| ferr(e.0))?,
         "safetensors" => {
             let Some(name) = l.tensor.as_deref() else {
                 return Err(field_err(
@@ -246,7 +246,7 @@ fn map_layer(dir: &Path, l: &SpecLayer, g: &Geometry, at: &str) -> Result<Mapped
                     "a .safetensors file needs \"tensor\": the tensor's name",
                 ));
             };
-            safetensors_range(&map, name, g, l.elem_bytes).map_err(ferr)?
+            safetensors_range(&map, name, g, l.elem_bytes).map_err(|e| ferr(e.0))?
         }
         _ => {
             if l.tensor.is_some() {
@@ -270,7 +270,29 @@ fn map_layer(dir: &Path, l: &SpecLayer, g: &Geometry, at: &str) -> Result<Mapped
 
 /// The data range of a `.npy` file after checking its header against the geometry: C order,
 /// little-endian (or byte) elements of `elem_bytes`, shape with the array's element count.
-fn npy_range(data: &[u8], g: &Geometry, elem_bytes: u64) -> Result<std::ops::Range<usize>, String> {
+/// Why a `.npy` or `.safetensors` file does not hold the KV a layer needs; the text says
+/// which part of the file (magic, header, dtype, shape, length).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{0}")]
+pub struct FormatError(pub String);
+
+impl From<&str> for FormatError {
+    fn from(s: &str) -> FormatError {
+        FormatError(s.to_string())
+    }
+}
+
+impl From<String> for FormatError {
+    fn from(s: String) -> FormatError {
+        FormatError(s)
+    }
+}
+
+fn npy_range(
+    data: &[u8],
+    g: &Geometry,
+    elem_bytes: u64,
+) -> Result<std::ops::Range<usize>, FormatError> {
     if data.len() < 10 || &data[..6] != b"\x93NUMPY" {
         return Err("not a .npy file (bad magic)".into());
     }
@@ -280,7 +302,7 @@ fn npy_range(data: &[u8], g: &Geometry, elem_bytes: u64) -> Result<std::ops::Ran
             u32::from_le_bytes([data[8], data[9], data[10], data[11]]) as usize,
             12,
         ),
-        v => return Err(format!(".npy version {v} is not supported")),
+        v => return Err(format!(".npy version {v} is not supported").into()),
     };
     let end = start
         .checked_add(header_len)
@@ -306,10 +328,11 @@ fn npy_range(data: &[u8], g: &Geometry, elem_bytes: u64) -> Result<std::ops::Ran
     if itemsize != elem_bytes {
         return Err(format!(
             ".npy descr {descr:?} has {itemsize}-byte elements, but elem_bytes is {elem_bytes}"
-        ));
+        )
+        .into());
     }
     if order == ">" && itemsize > 1 {
-        return Err(format!(".npy descr {descr:?} is big-endian; the checksum reads the bytes as they lie in memory"));
+        return Err(format!(".npy descr {descr:?} is big-endian; the checksum reads the bytes as they lie in memory").into());
     }
     if npy_value(header, "fortran_order").is_some_and(|v| v.starts_with("True")) {
         return Err(".npy array is in Fortran order; save it C-contiguous".into());
@@ -326,7 +349,7 @@ fn npy_range(data: &[u8], g: &Geometry, elem_bytes: u64) -> Result<std::ops::Ran
     }
     let want = g.byte_len();
     if count.checked_mul(itemsize) != Some(want) {
-        return Err(format!(".npy shape ({shape}) holds {count} elements of {itemsize} bytes, but the layout needs {want} bytes"));
+        return Err(format!(".npy shape ({shape}) holds {count} elements of {itemsize} bytes, but the layout needs {want} bytes").into());
     }
     let data_end = end
         .checked_add(want as usize)
@@ -350,7 +373,7 @@ fn safetensors_range(
     name: &str,
     g: &Geometry,
     elem_bytes: u64,
-) -> Result<std::ops::Range<usize>, String> {
+) -> Result<std::ops::Range<usize>, FormatError> {
     let st = safetensors::SafeTensors::deserialize(data)
         .map_err(|e| format!("not a safetensors file: {e}"))?;
     let t = st
@@ -361,7 +384,8 @@ fn safetensors_range(
         return Err(format!(
             "tensor {name:?} has dtype {} ({bits} bits), but elem_bytes is {elem_bytes}",
             t.dtype()
-        ));
+        )
+        .into());
     }
     let bytes = t.data();
     if bytes.len() as u64 != g.byte_len() {
@@ -370,7 +394,8 @@ fn safetensors_range(
             t.shape(),
             bytes.len(),
             g.byte_len()
-        ));
+        )
+        .into());
     }
     let start = bytes.as_ptr() as usize - data.as_ptr() as usize;
     Ok(start..start + bytes.len())

@@ -11,11 +11,13 @@ use kvferry_checksum::group::{plan_group, CacheDesc, GroupPlan, LayerSpec, RankI
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
 use kvferry_kernels::cuda::driver::{copy_dtoh_async, copy_htod_async, DeviceBuffer, Stream};
 use kvferry_kernels::cuda::CudaBackend;
+use kvferry_p2p::proto::heads::HeadMap;
 use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransportKind};
 use memmap2::MmapMut;
 use rand::{RngCore, SeedableRng};
 
 use crate::models::ModelShape;
+pub use crate::pool::BlockPool;
 
 /// The group id every demo layer belongs to (one full-attention group).
 pub const GROUP_ID: u32 = 0;
@@ -103,7 +105,7 @@ impl RankKv {
                                 len,
                                 g.stream.raw(),
                             )
-                            .map_err(|e| e.to_string())?;
+                            .map_err(cuda)?;
                         } else {
                             copy_dtoh_async(
                                 self.arena.as_mut_ptr().add(off),
@@ -111,13 +113,13 @@ impl RankKv {
                                 len,
                                 g.stream.raw(),
                             )
-                            .map_err(|e| e.to_string())?;
+                            .map_err(cuda)?;
                         }
                     }
                 }
             }
         }
-        g.stream.synchronize().map_err(|e| e.to_string())
+        g.stream.synchronize().map_err(cuda)
     }
 
     /// Makes the host view of `blocks` current (downloads them from the GPU).
@@ -142,8 +144,12 @@ impl RankKv {
     }
 }
 
-/// Errors building a side.
-pub type WorldError = String;
+pub use crate::error::WorldError;
+
+/// A CUDA driver failure (the driver reports text) as a [`WorldError`].
+fn cuda(e: impl std::fmt::Display) -> WorldError {
+    WorldError::Cuda(e.to_string())
+}
 
 /// "TP rank 1/2, PP rank 0/1": a rank for messages.
 pub fn rank_name(r: RankInfo) -> String {
@@ -171,28 +177,28 @@ pub fn stage_layers(layers: u32, pp: u32, stage: u32) -> std::ops::Range<u32> {
 /// layer the checksum cannot cover, an engine or registration failure.
 pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<RankKv>, WorldError> {
     if cfg.tp == 0 || cfg.pp == 0 || cfg.pp > cfg.model.layers {
-        return Err(format!(
+        return Err(WorldError::Shape(format!(
             "TP {} / PP {}: both must be at least 1 and PP at most the layer count {}",
             cfg.tp, cfg.pp, cfg.model.layers
-        ));
+        )));
     }
     let m = &cfg.model;
     if !m.mla && m.kv_heads > cfg.tp && !m.kv_heads.is_multiple_of(cfg.tp) {
-        return Err(format!(
+        return Err(WorldError::Shape(format!(
             "TP {}: {} KV heads do not split evenly",
             cfg.tp, m.kv_heads
-        ));
+        )));
     }
     if !m.mla && cfg.tp > m.kv_heads && !cfg.tp.is_multiple_of(m.kv_heads) {
-        return Err(format!(
+        return Err(WorldError::Shape(format!(
             "TP {}: not a multiple of the {} KV heads",
             cfg.tp, m.kv_heads
-        ));
+        )));
     }
     let layout_text = if m.mla { "B N D" } else { cfg.layout.as_str() };
-    let layout = Layout::parse(layout_text).map_err(|e| e.to_string())?;
+    let layout = Layout::parse(layout_text)?;
     if m.mla == layout.has_kv() {
-        return Err(format!(
+        return Err(WorldError::Shape(format!(
             "layout {layout_text:?}: {} needs {}",
             m.name,
             if m.mla {
@@ -200,13 +206,13 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
             } else {
                 "a KV dimension"
             }
-        ));
+        )));
     }
     if layout.dims().last() != Some(&kvferry_checksum::layout::Dim::D) {
-        return Err(format!(
+        return Err(WorldError::Shape(format!(
             "layout {layout_text:?}: the demo's KV generator needs D innermost (as every vLLM layout has); \
              other layouts are covered by `kvferry checksum --spec` and the checksum tests"
-        ));
+        )));
     }
     let heads_per_rank = if m.mla {
         1
@@ -214,11 +220,11 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
         (m.kv_heads / cfg.tp).max(1)
     } as u64;
     if !layout.has_heads() && heads_per_rank != 1 {
-        return Err(format!(
+        return Err(WorldError::Shape(format!(
             "layout {layout_text:?} has no H dimension but each rank holds {heads_per_rank} heads"
-        ));
+        )));
     }
-    let elem = ElemBytes::new(m.elem_bytes).map_err(|e| e.to_string())?;
+    let elem = ElemBytes::new(m.elem_bytes)?;
     let mut ranks = Vec::new();
     for pp_rank in 0..cfg.pp {
         for tp_rank in 0..cfg.tp {
@@ -238,8 +244,7 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
                     m.head_dim,
                     elem,
                     1,
-                )
-                .map_err(|e| e.to_string())?;
+                )?;
                 caches.push(CacheDesc::new(
                     m.layer_name(layer),
                     Some(m.kind()),
@@ -251,10 +256,7 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
             {
                 GroupPlan::Checksum { layers, .. } => layers,
                 GroupPlan::Skipped { reason, .. } => {
-                    return Err(format!(
-                        "{}: the KV cache group cannot be checksummed: {reason}",
-                        rank_name(rank)
-                    ))
+                    return Err(WorldError::Skipped { rank, reason })
                 }
             };
             let mut layers = Vec::with_capacity(specs.len());
@@ -264,17 +266,21 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
                 layers.push(LayerAlloc { spec, offset });
                 offset += len.next_multiple_of(4096);
             }
-            let arena = MmapMut::map_anon(offset.max(4096) as usize)
-                .map_err(|e| format!("allocating {offset} bytes of KV memory: {e}"))?;
+            let arena = MmapMut::map_anon(offset.max(4096) as usize).map_err(|source| {
+                WorldError::Alloc {
+                    bytes: offset,
+                    source,
+                }
+            })?;
             let gpu = match cfg.location {
                 Location::Cpu => None,
                 Location::Cuda(n) => {
                     let backend = CudaBackend::shared(n)
-                        .map_err(|e| format!("--device cuda: GPU {n} unusable: {e}"))?;
+                        .map_err(|source| WorldError::Gpu { ordinal: n, source })?;
                     let dev = DeviceBuffer::new(backend.context(), arena.len()).map_err(|e| {
-                        format!("allocating {} bytes on cuda:{n}: {e}", arena.len())
+                        cuda(format!("allocating {} bytes on cuda:{n}: {e}", arena.len()))
                     })?;
-                    let stream = Stream::new(backend.context()).map_err(|e| e.to_string())?;
+                    let stream = Stream::new(backend.context()).map_err(cuda)?;
                     Some(GpuArena {
                         dev,
                         stream,
@@ -284,8 +290,8 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
             };
             let mut ecfg = engine_cfg.clone();
             ecfg.transport = cfg.transport;
-            let engine = TransferEngine::new(ecfg)
-                .map_err(|e| format!("starting the transfer engine of {}: {e}", rank_name(rank)))?;
+            let engine =
+                TransferEngine::new(ecfg).map_err(|source| WorldError::Engine { rank, source })?;
             let (addr, location) = match &gpu {
                 Some(g) => (g.dev.ptr(), cfg.location),
                 None => (arena.as_ptr() as u64, Location::Cpu),
@@ -293,7 +299,7 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
             // SAFETY: the memory lives as long as the RankKv, which owns the engine handle;
             // the engine is told to forget the region in Drop below.
             unsafe { engine.register_memory(addr, arena.len() as u64, location) }
-                .map_err(|e| format!("registering KV memory of {}: {e}", rank_name(rank)))?;
+                .map_err(|source| WorldError::Register { rank, source })?;
             ranks.push(RankKv {
                 rank,
                 layers,
@@ -419,12 +425,12 @@ pub fn flip_bit(
                     1,
                     gpu.stream.raw(),
                 )
-                .map_err(|e| e.to_string())?;
-                gpu.stream.synchronize().map_err(|e| e.to_string())?;
+                .map_err(cuda)?;
+                gpu.stream.synchronize().map_err(cuda)?;
                 b[0] ^= 1 << bit;
                 copy_htod_async(gpu.dev.ptr() + at as u64, b.as_ptr(), 1, gpu.stream.raw())
-                    .map_err(|e| e.to_string())?;
-                gpu.stream.synchronize().map_err(|e| e.to_string())?;
+                    .map_err(cuda)?;
+                gpu.stream.synchronize().map_err(cuda)?;
             }
         }
     }
@@ -433,10 +439,10 @@ pub fn flip_bit(
 
 /// Whether the consumer side's KV in `blocks_b` equals the producer side's in `blocks_a`
 /// (position by position), compared per layer and global KV head, so the two sides may have
-/// different TP and PP sizes: every head of every consumer rank's layer is compared with
-/// the producer rank that holds that head (any replica). False when a consumer head has no
-/// producer holder or the block lists differ in length. Host shadows are compared: download
-/// GPU blocks first.
+/// different TP and PP sizes: every head of every consumer rank's layer is compared with the
+/// producer rank the planner takes it from (the producer's [`HeadMap`], as in
+/// `kvferry_p2p::proto::serve::plan`). False when a consumer head has no producer holder or
+/// the block lists differ in length. Host shadows are compared: download GPU blocks first.
 pub fn sides_kv_equal(a: &[RankKv], blocks_a: &[u64], b: &[RankKv], blocks_b: &[u64]) -> bool {
     if blocks_a.len() != blocks_b.len() {
         return false;
@@ -451,20 +457,15 @@ pub fn sides_kv_equal(a: &[RankKv], blocks_a: &[u64], b: &[RankKv], blocks_b: &[
             .flat_map(|x| bytes[x.start as usize..x.end as usize].to_vec())
             .collect()
     };
+    let heads = HeadMap::of_ranks(a.iter().map(|r| r.layers.iter().map(|l| &l.spec)));
     for rb in b {
         for (ib, lb) in rb.layers.iter().enumerate() {
             for j in 0..lb.spec.geometry.heads {
                 let h = lb.spec.head_offset as u64 + j;
-                let holder = a.iter().find_map(|ra| {
-                    ra.layers.iter().enumerate().find_map(|(ia, la)| {
-                        let o = la.spec.head_offset as u64;
-                        (la.spec.name == lb.spec.name && h >= o && h < o + la.spec.geometry.heads)
-                            .then(|| (ra, ia, h - o))
-                    })
-                });
-                let Some((ra, ia, ha)) = holder else {
+                let Some(holder) = heads.pick(&lb.spec.name, h, rb.rank.tp_rank) else {
                     return false;
                 };
+                let (ra, ia, ha) = (&a[holder.rank], holder.layer, h - holder.first());
                 for (&x, &y) in blocks_a.iter().zip(blocks_b) {
                     if head_bytes(ra, ia, ha, x) != head_bytes(rb, ib, j, y) {
                         return false;
@@ -474,34 +475,6 @@ pub fn sides_kv_equal(a: &[RankKv], blocks_a: &[u64], b: &[RankKv], blocks_b: &[
         }
     }
     true
-}
-
-/// A fixed pool of block ids (a side's block allocator), handing out scattered ids.
-pub struct BlockPool {
-    free: Vec<u64>,
-}
-
-impl BlockPool {
-    /// A pool of `num_blocks` blocks, shuffled with `seed` so requests get scattered blocks.
-    pub fn new(num_blocks: u64, seed: u64) -> BlockPool {
-        use rand::seq::SliceRandom;
-        let mut free: Vec<u64> = (0..num_blocks).collect();
-        free.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed));
-        BlockPool { free }
-    }
-
-    /// Takes `n` blocks, or `None` when fewer are free.
-    pub fn alloc(&mut self, n: usize) -> Option<Vec<u64>> {
-        if n > self.free.len() {
-            return None;
-        }
-        Some(self.free.split_off(self.free.len() - n))
-    }
-
-    /// Returns blocks to the pool.
-    pub fn free(&mut self, blocks: &[u64]) {
-        self.free.extend_from_slice(blocks);
-    }
 }
 
 #[cfg(test)]
@@ -522,18 +495,5 @@ mod tests {
                 assert_eq!(next, layers);
             }
         }
-    }
-
-    #[test]
-    fn pool_hands_out_distinct_blocks() {
-        let mut p = BlockPool::new(10, 3);
-        let a = p.alloc(4).unwrap();
-        let b = p.alloc(6).unwrap();
-        assert!(p.alloc(1).is_none());
-        let mut all: Vec<_> = a.iter().chain(&b).copied().collect();
-        all.sort();
-        assert_eq!(all, (0..10).collect::<Vec<_>>());
-        p.free(&a);
-        assert_eq!(p.alloc(4).unwrap().len(), 4);
     }
 }

@@ -22,14 +22,17 @@ pub use kvferry_cuda::Location;
 /// it is usable, else the CPU backend with one info line (its jobs for device memory then fail
 /// with [`KernelError::InvalidJob`]). Never panics.
 pub fn backend_for(device: Device) -> Arc<dyn ChecksumBackend> {
-    match device {
+    try_backend_for(device).unwrap_or_else(|e| {
+        tracing::info!(?device, reason = %e, "CUDA checksum backend unusable; using the CPU backend");
+        Arc::new(CpuBackend::default())
+    })
+}
+
+/// The backend for KV on `device` with no fallback: CPU for host memory, the CUDA backend for
+/// a CUDA device. Errors: why the CUDA backend is unusable (as [`cuda::CudaBackend::shared`]).
+pub fn try_backend_for(device: Device) -> Result<Arc<dyn ChecksumBackend>, KernelError> {
+    Ok(match device {
         Device::Cpu => Arc::new(CpuBackend::default()),
-        Device::Cuda(ordinal) => match cuda::CudaBackend::shared(ordinal) {
-            Ok(b) => Arc::new(b),
-            Err(e) => {
-                tracing::info!(ordinal, reason = %e, "CUDA checksum backend unusable; using the CPU backend");
-                Arc::new(CpuBackend::default())
-            }
-        },
-    }
+        Device::Cuda(ordinal) => Arc::new(cuda::CudaBackend::shared(ordinal)?),
+    })
 }

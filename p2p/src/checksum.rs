@@ -8,7 +8,7 @@ use std::time::Duration;
 use kvferry_checksum::fingerprint::layer_fingerprint;
 use kvferry_checksum::record::{GroupRecord, WorkerRecord};
 use kvferry_checksum::select::BlockSelection;
-use kvferry_kernels::GroupJob;
+use kvferry_kernels::{GroupJob, KernelError};
 
 use crate::worker::{Worker, WorkerGroup};
 
@@ -29,13 +29,13 @@ pub fn group_fingerprint(group: &WorkerGroup) -> Option<u64> {
 /// Checksums the blocks `select(group)` picks (`None` or empty: the group is left
 /// out of the record) of every group of `worker`, tokens `< num_tokens`, on the
 /// worker's backend, and returns the worker's record. Skipped groups are reported
-/// skipped. Errors (as text) when the backend fails or exceeds `timeout`.
+/// skipped. Errors: [`ChecksumError`] when the backend fails or exceeds `timeout`.
 pub async fn worker_record(
     worker: &Worker,
     select: &dyn Fn(&WorkerGroup) -> Option<BlockSelection>,
     num_tokens: u64,
     timeout: Duration,
-) -> Result<WorkerRecord, String> {
+) -> Result<WorkerRecord, ChecksumError> {
     let mut jobs = Vec::new();
     let mut skipped = Vec::new();
     let mut meta = BTreeMap::new();
@@ -69,20 +69,17 @@ pub async fn worker_record(
     let run = tokio::task::spawn_blocking(move || {
         // SAFETY: every LayerInput describes memory the embedder keeps valid while
         // the worker is in use (the Worker contract); the result is taken here.
-        let pending = unsafe { backend.submit(jobs) }.map_err(|e| e.to_string())?;
-        pending.wait(timeout).map_err(|e| e.to_string())
+        let pending = unsafe { backend.submit(jobs) }?;
+        pending.wait(timeout)
     });
     let results = match tokio::time::timeout(timeout + Duration::from_secs(1), run).await {
-        Err(_) => return Err(format!("checksums did not finish within {timeout:?}")),
-        Ok(Err(join)) => return Err(format!("checksum task failed: {join}")),
+        Err(_) => return Err(ChecksumError::Timeout(timeout)),
+        Ok(Err(join)) => return Err(ChecksumError::Task(join.to_string())),
         Ok(Ok(r)) => r?,
     };
     for r in results {
         let Some(&(block_size, fingerprint)) = meta.get(&r.group_id) else {
-            return Err(format!(
-                "backend returned group {} that was not asked for",
-                r.group_id
-            ));
+            return Err(ChecksumError::Unasked(r.group_id));
         };
         record.groups.push(GroupRecord {
             group_id: r.group_id,
@@ -93,6 +90,23 @@ pub async fn worker_record(
         });
     }
     Ok(record)
+}
+
+/// Why a rank's checksums produced no record.
+#[derive(Debug, thiserror::Error)]
+pub enum ChecksumError {
+    /// The backend refused or failed the jobs.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// The backend did not finish in time.
+    #[error("checksums did not finish within {0:?}")]
+    Timeout(Duration),
+    /// The blocking task running the backend ended abnormally (its runtime's text).
+    #[error("checksum task failed: {0}")]
+    Task(String),
+    /// The backend returned a group that was not asked for.
+    #[error("backend returned group {0} that was not asked for")]
+    Unasked(u32),
 }
 
 /// Runs [`worker_record`] on every worker concurrently. Returns the records of

@@ -7,8 +7,11 @@
 //!
 //! # Layers
 //! * [`proto`] — sans-I/O: wire messages (msgpack maps, versioned, FINISH=0 /
-//!   CONTINUE=1 / ERROR=2) and the producer/consumer state machines (leases,
-//!   deadlines, one load per request), tested without a network.
+//!   CONTINUE=1 / ERROR=2), the producer/consumer state machines (leases,
+//!   deadlines, one load per request), the consumer's transfer request
+//!   ([`proto::request`]) and the producer's plan of the WRITEs that serve it
+//!   ([`proto::serve`], KV heads found through the [`proto::heads`] map), over ranks
+//!   given as plain data ([`proto::layout`]); tested without a network.
 //! * [`shell`] — the thin tokio shell: a ROUTER for the producer, a DEALER per
 //!   producer for the consumer; every await has a timeout.
 //! * [`worker`] — one TP/PP rank: its engine, KV memory and checksum backend;

@@ -1,7 +1,7 @@
 //! Conversions between the checksum crate's layer geometry (docs/design.md §2.2) and
 //! its wire form, and the compatibility rule for copying a block byte-for-byte.
 
-use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
+use kvferry_checksum::layout::{ElemBytes, Geometry, Layout, LayoutError};
 
 use crate::proto::msg::WireGeometry;
 
@@ -21,9 +21,9 @@ pub fn to_wire(g: &Geometry) -> WireGeometry {
 
 /// Rebuilds a geometry from a peer's description, validating every number
 /// (the checksum crate refuses zero, oversized and overflowing sizes and strides).
-pub fn from_wire(w: &WireGeometry) -> Result<Geometry, String> {
-    let layout = Layout::parse(&w.layout).map_err(|e| e.to_string())?;
-    let elem = ElemBytes::new(w.elem_bytes).map_err(|e| e.to_string())?;
+pub fn from_wire(w: &WireGeometry) -> Result<Geometry, LayoutError> {
+    let layout = Layout::parse(&w.layout)?;
+    let elem = ElemBytes::new(w.elem_bytes)?;
     Geometry::contiguous(
         layout,
         w.num_kernel_blocks,
@@ -34,7 +34,37 @@ pub fn from_wire(w: &WireGeometry) -> Result<Geometry, String> {
         w.kernel_blocks_per_block,
     )
     .and_then(|g| g.with_strides(w.strides.clone()))
-    .map_err(|e| e.to_string())
+}
+
+/// Why two geometries cannot be copied byte-for-byte ([`compatible`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Incompatible {
+    /// The layouts (dimension orders) differ.
+    #[error("layouts differ: producer {producer} consumer {consumer}")]
+    Layout {
+        /// The producer's layout.
+        producer: String,
+        /// The consumer's layout.
+        consumer: String,
+    },
+    /// A size both sides must share differs.
+    #[error("{what} differ: producer {producer} consumer {consumer}")]
+    Size {
+        /// Which size ("head size", "element bytes", ...).
+        what: &'static str,
+        /// The producer's value.
+        producer: u64,
+        /// The consumer's value.
+        consumer: u64,
+    },
+    /// A side's strides put a dimension out of the layout's order.
+    #[error("{side} strides {strides:?} do not decrease along the layout")]
+    Strides {
+        /// "producer" or "consumer".
+        side: &'static str,
+        /// That side's strides.
+        strides: Vec<u64>,
+    },
 }
 
 /// Whether the KV heads of a block of `a` can be copied byte-for-byte into a block
@@ -42,7 +72,7 @@ pub fn from_wire(w: &WireGeometry) -> Result<Geometry, String> {
 /// kernel blocks per block (the number of blocks, the number of KV heads (TP ranks
 /// of different sizes hold different head counts) and the strides may differ; both
 /// sides list a head range's bytes in the same logical order). `Err` says what differs.
-pub fn compatible(a: &Geometry, b: &Geometry) -> Result<(), String> {
+pub fn compatible(a: &Geometry, b: &Geometry) -> Result<(), Incompatible> {
     let pairs = [
         (
             "tokens per kernel block",
@@ -58,14 +88,18 @@ pub fn compatible(a: &Geometry, b: &Geometry) -> Result<(), String> {
         ),
     ];
     if a.layout != b.layout {
-        return Err(format!(
-            "layouts differ: producer {} consumer {}",
-            a.layout, b.layout
-        ));
+        return Err(Incompatible::Layout {
+            producer: a.layout.to_string(),
+            consumer: b.layout.to_string(),
+        });
     }
     for (what, x, y) in pairs {
         if x != y {
-            return Err(format!("{what} differ: producer {x} consumer {y}"));
+            return Err(Incompatible::Size {
+                what,
+                producer: x,
+                consumer: y,
+            });
         }
     }
     // Address order must be the layout's order for the byte-for-byte pairing.
@@ -79,10 +113,10 @@ pub fn compatible(a: &Geometry, b: &Geometry) -> Result<(), String> {
             .map(|(_, s)| *s)
             .collect();
         if strides.windows(2).any(|w| w[0] <= w[1]) {
-            return Err(format!(
-                "{side} strides {:?} do not decrease along the layout",
-                g.strides
-            ));
+            return Err(Incompatible::Strides {
+                side,
+                strides: g.strides.clone(),
+            });
         }
     }
     Ok(())
@@ -132,15 +166,20 @@ mod tests {
             Ok(()),
             "TP ranks of different sizes hold different head counts"
         );
-        assert!(
-            compatible(&geo("KV B N H D", 8, 2), &geo("B KV N H D", 8, 2))
-                .unwrap_err()
-                .contains("layouts differ")
-        );
+        assert!(matches!(
+            compatible(&geo("KV B N H D", 8, 2), &geo("B KV N H D", 8, 2)),
+            Err(Incompatible::Layout { .. })
+        ));
         // Strides that put a dimension out of layout order.
         let g = geo("B N H D", 8, 2);
         let odd = g.clone().with_strides(vec![512, 2, 256, 32]).unwrap();
-        assert!(compatible(&g, &odd).unwrap_err().contains("strides"));
+        assert!(matches!(
+            compatible(&g, &odd),
+            Err(Incompatible::Strides {
+                side: "consumer",
+                ..
+            })
+        ));
     }
 
     #[test]

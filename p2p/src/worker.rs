@@ -3,30 +3,13 @@
 
 use std::sync::Arc;
 
-use kvferry_checksum::group::{RankInfo, SkipReason};
-use kvferry_kernels::{ChecksumBackend, Device, LayerInput};
+use kvferry_checksum::group::RankInfo;
+use kvferry_kernels::{ChecksumBackend, Device};
 use kvferry_transfer::TransferEngine;
 
 use crate::error::P2pError;
-
-/// One KV cache group as one rank holds it.
-#[derive(Debug, Clone)]
-pub struct WorkerGroup {
-    /// KV cache group id (the index into the block tables passed to publish/load).
-    pub group_id: u32,
-    /// Tokens per block (same on every rank of one side).
-    pub block_size: u64,
-    /// The rank's layers of this group: spec (name, layer number, head offset,
-    /// geometry, replica key) plus the base address and byte length of the layer's
-    /// array. The memory is owned by the embedder and must stay valid (and
-    /// registered with `Worker::engine`) while the worker is in use.
-    pub layers: Vec<LayerInput>,
-    /// Sliding window in tokens, `None` for full attention (§2.5).
-    pub sliding_window: Option<u64>,
-    /// `Some(reason)` when the group cannot be checksummed (§2.3): its blocks are
-    /// still transferred, the record reports it skipped.
-    pub skipped: Option<SkipReason>,
-}
+use crate::proto::layout::RankLayout;
+pub use crate::proto::layout::WorkerGroup;
 
 /// One TP/PP rank.
 #[derive(Clone)]
@@ -41,6 +24,17 @@ pub struct Worker {
     pub groups: Vec<WorkerGroup>,
     /// The rank's checksum backend (CPU or CUDA).
     pub backend: Arc<dyn ChecksumBackend>,
+}
+
+impl Worker {
+    /// The rank as the protocol sees it: place, segment and groups, without the engine.
+    pub fn layout(&self) -> RankLayout {
+        RankLayout {
+            rank: self.rank,
+            segment: self.engine.segment_name(),
+            groups: self.groups.clone(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Worker {

@@ -94,6 +94,17 @@ pub struct ConsumerMachine {
     down: Option<Down>,
 }
 
+/// A load refused at once: the last connect to the producer failed less than the retry
+/// interval ago ([`ConsumerMachine::admit`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("producer unreachable (not retried for {retry_interval:?} after the last connect failed: {why})")]
+pub struct Unreachable {
+    /// The retry interval.
+    pub retry_interval: Duration,
+    /// Why the last connect failed (the transport's text).
+    pub why: String,
+}
+
 /// The last connect failed: loads are refused until `retry_at`.
 struct Down {
     why: String,
@@ -126,12 +137,12 @@ impl ConsumerMachine {
     /// Whether a load that needs a connection may try to connect now. `Err` holds the reason
     /// to fail it with at once: the producer is down (the last connect failed) and the retry
     /// interval has not passed.
-    pub fn admit(&self, now: Instant) -> Result<(), String> {
+    pub fn admit(&self, now: Instant) -> Result<(), Unreachable> {
         match &self.down {
-            Some(d) if now < d.retry_at => Err(format!(
-                "producer unreachable (not retried for {:?} after the last connect failed: {})",
-                self.retry_interval, d.why
-            )),
+            Some(d) if now < d.retry_at => Err(Unreachable {
+                retry_interval: self.retry_interval,
+                why: d.why.clone(),
+            }),
             _ => Ok(()),
         }
     }

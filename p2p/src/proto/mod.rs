@@ -1,11 +1,20 @@
-//! The sans-I/O protocol (docs/design.md §1, §4): wire messages and the producer and
-//! consumer state machines, with no sockets and no clock in them (time is an
-//! argument), so every rule is tested without a network.
+//! The sans-I/O protocol (docs/design.md §1, §4): wire messages, the producer and
+//! consumer state machines, the consumer's request ([`request`]) and the producer's plan
+//! of the copies that serve it ([`serve`], through the [`heads`] map of which rank holds
+//! which KV heads), with no sockets, engines or clock in them (time is an argument, ranks
+//! are plain [`layout`] data), so every rule is tested without a network.
 
 pub mod consumer;
+pub mod heads;
+pub mod layout;
 pub mod msg;
 pub mod plan;
 pub mod producer;
+pub mod request;
+pub mod serve;
+pub mod serve_error;
 
+#[cfg(test)]
+mod serve_tests;
 #[cfg(test)]
 mod tests;

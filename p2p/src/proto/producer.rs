@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::msg::{Reply, Status, TransferRequest};
+use super::serve_error::ServeFailure;
 
 /// Timeouts of the producer state machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -377,7 +378,7 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         peer: P,
         request_id: &str,
         load_id: u64,
-        result: Result<(u64, Option<Vec<u8>>), String>,
+        result: Result<(u64, Option<Vec<u8>>), ServeFailure>,
     ) -> Vec<Effect<P, T>> {
         let forget_at = now + self.timeouts.tombstone;
         let token = match self.entries.get(request_id) {
@@ -401,7 +402,7 @@ impl<P: Clone, T> ProducerMachine<P, T> {
             Err(e) => (
                 Reply::error(request_id, load_id, format!("transfer failed: {e}")),
                 format!("an earlier load failed ({e}); KV is never fetched twice"),
-                ReleaseReason::Failed(e),
+                ReleaseReason::Failed(e.to_string()),
             ),
         };
         self.entries

@@ -10,6 +10,7 @@ use super::consumer::{ConsumerEvent, ConsumerMachine, FailReason};
 use super::msg::*;
 use super::plan::{pair_ranges, Copy, PlanError};
 use super::producer::{Effect, ProducerMachine, ProducerTimeouts, PublishError, ReleaseReason};
+use super::serve_error::ServeFailure;
 
 fn request(id: &str, load_id: u64) -> TransferRequest {
     TransferRequest {
@@ -219,7 +220,10 @@ fn a_failed_connect_refuses_loads_until_the_retry_interval_passes() {
         .with_retry_interval(Duration::from_secs(2));
     assert_eq!(m.admit(t0), Ok(()));
     m.on_connect_failed(t0, "connection refused");
-    let why = m.admit(t0 + Duration::from_millis(1999)).unwrap_err();
+    let why = m
+        .admit(t0 + Duration::from_millis(1999))
+        .unwrap_err()
+        .to_string();
     assert!(why.starts_with("producer unreachable"), "{why}");
     assert!(why.contains("connection refused"), "{why}");
     // After the interval the next load may connect again; a success ends the down state.
@@ -228,6 +232,7 @@ fn a_failed_connect_refuses_loads_until_the_retry_interval_passes() {
     assert!(m
         .admit(t0 + Duration::from_secs(3))
         .unwrap_err()
+        .why
         .contains("still refused"));
     m.on_connected();
     assert_eq!(m.admit(t0 + Duration::from_secs(3)), Ok(()));
@@ -350,11 +355,12 @@ fn failed_serve_is_final() {
     let mut m = Machine::new(timeouts(), Duration::from_secs(2));
     m.publish(t0, "a", "b").unwrap();
     m.on_request(t0, 1, request("a", 1));
-    let e = m.on_served(t0, 1, "a", 1, Err("peer gone".into()));
+    let gone = ServeFailure::Task("peer gone".into());
+    let e = m.on_served(t0, 1, "a", 1, Err(gone));
     assert_eq!(replies(&e)[0].1, Status::Error);
     assert!(e.contains(&Effect::Released {
         request_id: "a".into(),
-        reason: ReleaseReason::Failed("peer gone".into())
+        reason: ReleaseReason::Failed("serve task failed: peer gone".into())
     }));
     let e = m.on_request(t0, 1, request("a", 2));
     assert_eq!(serves(&e), vec![]);

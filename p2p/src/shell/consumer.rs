@@ -3,7 +3,7 @@
 //! machine of [`crate::proto::consumer`], and verification of every landed load
 //! (§2.5–§2.7) before it is reported.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -22,13 +22,12 @@ use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMess
 use crate::checksum::all_records;
 use crate::error::{LoadError, P2pError};
 use crate::proto::consumer::{ConsumerEvent, ConsumerMachine, FailReason};
-use crate::proto::msg::{
-    Reply, TransferRequest, WireBlocks, WireLayer, WireRank, WireRankGroup,
-    DEFAULT_MAX_ZMTP_MESSAGE, KIND_TRANSFER_REQUEST, PROTOCOL_VERSION,
-};
-use crate::wire::to_wire;
+use crate::proto::layout::RankLayout;
+use crate::proto::msg::{Reply, TransferRequest, DEFAULT_MAX_ZMTP_MESSAGE};
+use crate::proto::request::build_request;
+pub use crate::proto::request::{Landed, LandedGroup, LoadGroup, LoadSpec};
 use crate::worker::{validate, Worker, WorkerGroup};
-use kvferry_transfer::{GrantGuard, GrantOps, GrantSpec, Token, TransferEngine};
+use kvferry_transfer::{GrantGuard, GrantOps, GrantSpec, Token, TransferEngine, TransferError};
 
 /// Consumer settings.
 #[derive(Debug, Clone)]
@@ -79,56 +78,6 @@ impl Default for ConsumerConfig {
     }
 }
 
-/// One group of a load: the block tables of both sides, position by position
-/// from the request's first token (`None` = null block).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoadGroup {
-    /// KV cache group id.
-    pub group_id: u32,
-    /// The producer's block table, as it announced it (e.g. in kv_transfer_params).
-    pub remote_blocks: Vec<Option<u64>>,
-    /// The consumer's block table for the request.
-    pub local_blocks: Vec<Option<u64>>,
-}
-
-/// What to load.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoadSpec {
-    /// The request whose KV is loaded.
-    pub request_id: String,
-    /// The producer's control endpoint ([`crate::Producer::endpoint`]).
-    pub producer: String,
-    /// Groups to load; groups of the workers not listed are not loaded.
-    pub groups: Vec<LoadGroup>,
-    /// Tokens the consumer already holds (a local prefix hit): blocks wholly below it are not loaded nor compared.
-    pub num_local_computed: u64,
-    /// Tokens of KV the consumer holds after the load (num_computed).
-    pub num_tokens: u64,
-    /// The lease's load key ([`crate::PublishInfo::load_key`], carried by the proxy in
-    /// vLLM's `kv_transfer_params`): the producer serves the request only with it.
-    pub load_key: Option<String>,
-}
-
-/// The blocks one group's load wrote (consumer block ids at request positions).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LandedGroup {
-    /// KV cache group id.
-    pub group_id: u32,
-    /// Block positions written.
-    pub positions: Vec<u64>,
-    /// The consumer block written at each position.
-    pub local_blocks: Vec<u64>,
-}
-
-/// What the landed hook sees: the transfer finished, verification has not started.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Landed {
-    /// The request.
-    pub request_id: String,
-    /// Blocks written, per group.
-    pub groups: Vec<LandedGroup>,
-}
-
 /// Called after a load's transfer finished and before its verification (fault
 /// injection: the demo flips bits here). Runs on the loading task; keep it short.
 pub type LandedHook = Arc<dyn Fn(&Landed) + Send + Sync>;
@@ -150,6 +99,15 @@ pub struct LoadOutcome {
     pub checksum_seconds: f64,
 }
 
+/// Why the DEALER could not connect.
+#[derive(Debug, thiserror::Error)]
+enum ConnectError {
+    #[error("connect did not finish within {0:?}")]
+    Timeout(Duration),
+    #[error(transparent)]
+    Zmq(zeromq::ZmqError),
+}
+
 enum ConnFailure {
     Connect(String),
     Failed(FailReason),
@@ -165,6 +123,8 @@ pub struct Consumer {
     config: ConsumerConfig,
     checksums: bool,
     workers: Arc<Vec<Worker>>,
+    /// The workers as the request builder sees them (same order).
+    layouts: Vec<RankLayout>,
     tp: u32,
     pp: u32,
     conns: tokio::sync::Mutex<HashMap<String, mpsc::UnboundedSender<LoadCmd>>>,
@@ -181,6 +141,7 @@ impl Consumer {
         Ok(Consumer {
             config,
             checksums,
+            layouts: workers.iter().map(Worker::layout).collect(),
             workers: Arc::new(workers),
             tp,
             pp,
@@ -210,9 +171,9 @@ impl Consumer {
         let (mut request, landed) = self.build_request(&spec)?;
         let rid = spec.request_id.clone();
         // WRITE for exactly this load's block bytes, to this load's token, until it ends.
-        let grants = self.grant(&request).map_err(|why| LoadError::Spec {
+        let grants = self.grant(&request).map_err(|e| LoadError::Spec {
             request_id: rid.clone(),
-            why,
+            why: format!("granting the load's blocks: {e}"),
         })?;
         request.token = grants.first().map(|g| g.token().to_string());
         request.load_key = spec.load_key.clone();
@@ -272,8 +233,8 @@ impl Consumer {
     /// Grants a fresh random token WRITE on every rank's bytes of the blocks `request` loads
     /// (whole blocks of the rank's heads, every layer of the loaded groups), for the longest
     /// a load may take; the guards revoke it when dropped. One grant per engine.
-    fn grant(&self, request: &TransferRequest) -> Result<Vec<GrantGuard>, String> {
-        let token = Token::random().map_err(|e| e.to_string())?;
+    fn grant(&self, request: &TransferRequest) -> Result<Vec<GrantGuard>, TransferError> {
+        let token = Token::random()?;
         // Each engine with the (address, length) ranges granted on it.
         type EngineRanges = (Arc<TransferEngine>, Vec<(u64, u64)>);
         let mut per_engine: Vec<EngineRanges> = Vec::new();
@@ -316,121 +277,15 @@ impl Consumer {
                     ranges,
                     ttl,
                 })
-                .map_err(|e| format!("granting the load's blocks: {e}"))
             })
             .collect()
     }
 
-    fn group(&self, id: u32) -> Option<&WorkerGroup> {
-        self.workers[0].groups.iter().find(|g| g.group_id == id)
-    }
-
     fn build_request(&self, spec: &LoadSpec) -> Result<(TransferRequest, Landed), LoadError> {
-        let bad = |why: String| LoadError::Spec {
+        build_request(&self.layouts, self.tp, self.pp, spec).map_err(|e| LoadError::Spec {
             request_id: spec.request_id.clone(),
-            why,
-        };
-        if spec.num_local_computed >= spec.num_tokens {
-            return Err(bad(format!(
-                "nothing to load: num_local_computed {} >= num_tokens {}",
-                spec.num_local_computed, spec.num_tokens
-            )));
-        }
-        let mut blocks = Vec::new();
-        let mut landed = Landed {
-            request_id: spec.request_id.clone(),
-            groups: Vec::new(),
-        };
-        let mut seen = HashSet::new();
-        for lg in &spec.groups {
-            let g = self
-                .group(lg.group_id)
-                .ok_or_else(|| bad(format!("no group {}", lg.group_id)))?;
-            if !seen.insert(lg.group_id) {
-                return Err(bad(format!("group {} listed twice", lg.group_id)));
-            }
-            let bs = g.block_size;
-            let mut wb = WireBlocks {
-                group_id: lg.group_id,
-                block_size: bs,
-                positions: Vec::new(),
-                remote_blocks: Vec::new(),
-                local_blocks: Vec::new(),
-            };
-            for (p, local) in lg.local_blocks.iter().enumerate() {
-                let (Some(local), p) = (*local, p as u64) else {
-                    continue;
-                };
-                let first = p.saturating_mul(bs);
-                if first.saturating_add(bs) <= spec.num_local_computed || first >= spec.num_tokens {
-                    continue;
-                }
-                let remote = lg
-                    .remote_blocks
-                    .get(p as usize)
-                    .copied()
-                    .flatten()
-                    .ok_or_else(|| {
-                        bad(format!(
-                            "group {} position {p}: a local block but no producer block",
-                            lg.group_id
-                        ))
-                    })?;
-                wb.positions.push(p);
-                wb.remote_blocks.push(remote);
-                wb.local_blocks.push(local);
-            }
-            landed.groups.push(LandedGroup {
-                group_id: lg.group_id,
-                positions: wb.positions.clone(),
-                local_blocks: wb.local_blocks.clone(),
-            });
-            blocks.push(wb);
-        }
-        let ranks = self
-            .workers
-            .iter()
-            .map(|w| WireRank {
-                tp_rank: w.rank.tp_rank,
-                pp_rank: w.rank.pp_rank,
-                segment: w.engine.segment_name(),
-                groups: w
-                    .groups
-                    .iter()
-                    .filter(|g| seen.contains(&g.group_id))
-                    .map(|g| WireRankGroup {
-                        group_id: g.group_id,
-                        layers: g
-                            .layers
-                            .iter()
-                            .map(|l| WireLayer {
-                                name: l.spec.name.clone(),
-                                addr: l.addr,
-                                len: l.len,
-                                head_offset: l.spec.head_offset,
-                                geometry: to_wire(&l.spec.geometry),
-                            })
-                            .collect(),
-                    })
-                    .collect(),
-            })
-            .collect();
-        let request = TransferRequest {
-            version: PROTOCOL_VERSION,
-            kind: KIND_TRANSFER_REQUEST.to_string(),
-            request_id: spec.request_id.clone(),
-            load_id: 0,
-            tp_size: self.tp,
-            pp_size: self.pp,
-            num_local_computed: spec.num_local_computed,
-            num_tokens: spec.num_tokens,
-            budget_ms: 0, // set by the connection's state machine
-            blocks,
-            ranks,
-            token: None,    // set by `load` with the grants
-            load_key: None, // set by `load`
-        };
-        Ok((request, landed))
+            why: e.to_string(),
+        })
     }
 
     async fn send(&self, producer: &str, request: TransferRequest) -> Result<Reply, ConnFailure> {
@@ -576,20 +431,15 @@ impl Connection {
     async fn connect(
         &mut self,
         events: &mpsc::UnboundedSender<(u64, SockEvent)>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ConnectError> {
         let mut options = SocketOptions::default();
         options.connect_timeout(self.connect_timeout);
         options.max_message_size(self.max_message_bytes);
         let mut socket = zeromq::DealerSocket::with_options(options);
         let mut monitor = socket.monitor();
         match tokio::time::timeout(self.connect_timeout, socket.connect(&self.endpoint)).await {
-            Err(_) => {
-                return Err(format!(
-                    "connect did not finish within {:?}",
-                    self.connect_timeout
-                ))
-            }
-            Ok(Err(e)) => return Err(e.to_string()),
+            Err(_) => return Err(ConnectError::Timeout(self.connect_timeout)),
+            Ok(Err(e)) => return Err(ConnectError::Zmq(e)),
             Ok(Ok(())) => {}
         }
         self.generation += 1;
@@ -661,11 +511,12 @@ impl Connection {
                     self.rebuild_if_needed();
                     if self.sock.is_none() {
                         if let Err(why) = self.machine.admit(Instant::now()) {
-                            let _ = respond.send(Err(ConnFailure::Connect(why)));
+                            let _ = respond.send(Err(ConnFailure::Connect(why.to_string())));
                             continue;
                         }
                         if let Err(e) = self.connect(&ev_tx).await {
                             warn!(endpoint = self.endpoint, "cannot reach the producer: {e}");
+                            let e = e.to_string();
                             self.machine.on_connect_failed(Instant::now(), &e);
                             let _ = respond.send(Err(ConnFailure::Connect(e)));
                             continue;

@@ -16,11 +16,16 @@ use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::checksum::all_records;
 use crate::error::P2pError;
+use crate::proto::layout::RankLayout;
 use crate::proto::msg::{
     decode_request, encode, Reply, DEFAULT_MAX_ZMTP_MESSAGE, MAX_MESSAGE_BYTES,
 };
-use crate::proto::producer::{Effect, ProducerMachine, ProducerTimeouts, ReleaseReason};
-use crate::shell::serve::{plan, write_all, Published};
+use crate::proto::producer::{
+    Effect, ProducerMachine, ProducerTimeouts, PublishError, ReleaseReason,
+};
+use crate::proto::serve::{plan, Published};
+use crate::proto::serve_error::ServeFailure;
+use crate::shell::serve::write_all;
 use crate::worker::{validate, Worker};
 use kvferry_transfer::Token;
 
@@ -113,13 +118,13 @@ enum Command {
         request_id: String,
         data: Published,
         key: String,
-        respond: oneshot::Sender<Result<(), String>>,
+        respond: oneshot::Sender<Result<(), PublishError>>,
     },
     Served {
         peer: Bytes,
         request_id: String,
         load_id: u64,
-        result: Result<(u64, Option<Vec<u8>>), String>,
+        result: Result<(u64, Option<Vec<u8>>), ServeFailure>,
     },
     Shutdown,
 }
@@ -171,6 +176,7 @@ impl Producer {
                 released: released.clone(),
                 keys: keys.clone(),
                 workers: workers.clone(),
+                layouts: Arc::new(workers.iter().map(Worker::layout).collect()),
                 send_timeout: config.send_timeout,
             }
             .run(rx),
@@ -304,7 +310,7 @@ impl Producer {
             .map_err(|_| P2pError::Closed)?;
         match tokio::time::timeout(Duration::from_secs(10), answer).await {
             Ok(Ok(Ok(()))) => Ok(info),
-            Ok(Ok(Err(why))) => Err(perr(why)),
+            Ok(Ok(Err(why))) => Err(perr(why.to_string())),
             _ => Err(P2pError::Closed),
         }
     }
@@ -347,6 +353,8 @@ struct EventLoop {
     released: Arc<Mutex<Vec<Released>>>,
     keys: Arc<Mutex<std::collections::HashMap<String, String>>>,
     workers: Arc<Vec<Worker>>,
+    /// The workers as the planner sees them (same order).
+    layouts: Arc<Vec<RankLayout>>,
     send_timeout: Duration,
 }
 
@@ -413,7 +421,7 @@ impl EventLoop {
                         self.apply(effects).await;
                     }
                     Err(e) => {
-                        let _ = respond.send(Err(e.to_string()));
+                        let _ = respond.send(Err(e));
                     }
                 },
                 Event::Command(Some(Command::Served {
@@ -511,6 +519,7 @@ impl EventLoop {
                     deadline,
                 } => {
                     let workers = self.workers.clone();
+                    let layouts = self.layouts.clone();
                     let Some(commands) = self.commands.upgrade() else {
                         continue; // the producer is being dropped
                     };
@@ -519,13 +528,14 @@ impl EventLoop {
                         let token = match request.token.as_deref().map(str::parse::<Token>) {
                             None => Ok(None),
                             Some(Ok(t)) => Ok(Some(t)),
-                            Some(Err(e)) => Err(format!("bad grant token: {e}")),
+                            Some(Err(e)) => Err(ServeFailure::Token(e)),
                         };
-                        let result = match (token, plan(&workers, &lease, &request)) {
+                        let planned = plan(&layouts, &lease, &request).map_err(ServeFailure::from);
+                        let result = match (token, planned) {
                             (Err(e), _) | (_, Err(e)) => Err(e),
-                            (Ok(token), Ok(plan)) => {
-                                write_all(workers, plan, deadline, token).await
-                            }
+                            (Ok(token), Ok(plan)) => write_all(workers, plan, deadline, token)
+                                .await
+                                .map_err(ServeFailure::from),
                         };
                         result.map(|bytes| (bytes, lease.payload))
                     });
@@ -533,7 +543,7 @@ impl EventLoop {
                     tokio::spawn(async move {
                         let result = serve
                             .await
-                            .unwrap_or_else(|e| Err(format!("serve task failed: {e}")));
+                            .unwrap_or_else(|e| Err(ServeFailure::Task(e.to_string())));
                         let _ = commands.send(Command::Served {
                             peer,
                             request_id,

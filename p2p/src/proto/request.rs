@@ -1,0 +1,197 @@
+//! The consumer's transfer request for one load (docs/design.md §4): which blocks of which
+//! groups to load (positions from the request's first token, blocks wholly below the local
+//! prefix hit left out) and every consumer rank's layers, from the ranks as plain data.
+
+use std::collections::HashSet;
+
+use crate::proto::layout::RankLayout;
+use crate::proto::msg::{
+    TransferRequest, WireBlocks, WireLayer, WireRank, WireRankGroup, KIND_TRANSFER_REQUEST,
+    PROTOCOL_VERSION,
+};
+use crate::wire::to_wire;
+
+/// One group of a load: the block tables of both sides, position by position
+/// from the request's first token (`None` = null block).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadGroup {
+    /// KV cache group id.
+    pub group_id: u32,
+    /// The producer's block table, as it announced it (e.g. in kv_transfer_params).
+    pub remote_blocks: Vec<Option<u64>>,
+    /// The consumer's block table for the request.
+    pub local_blocks: Vec<Option<u64>>,
+}
+
+/// What to load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadSpec {
+    /// The request whose KV is loaded.
+    pub request_id: String,
+    /// The producer's control endpoint ([`crate::Producer::endpoint`]).
+    pub producer: String,
+    /// Groups to load; groups of the workers not listed are not loaded.
+    pub groups: Vec<LoadGroup>,
+    /// Tokens the consumer already holds (a local prefix hit): blocks wholly below it are not loaded nor compared.
+    pub num_local_computed: u64,
+    /// Tokens of KV the consumer holds after the load (num_computed).
+    pub num_tokens: u64,
+    /// The lease's load key ([`crate::PublishInfo::load_key`], carried by the proxy in
+    /// vLLM's `kv_transfer_params`): the producer serves the request only with it.
+    pub load_key: Option<String>,
+}
+
+/// The blocks one group's load wrote (consumer block ids at request positions).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LandedGroup {
+    /// KV cache group id.
+    pub group_id: u32,
+    /// Block positions written.
+    pub positions: Vec<u64>,
+    /// The consumer block written at each position.
+    pub local_blocks: Vec<u64>,
+}
+
+/// What the landed hook sees: the transfer finished, verification has not started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Landed {
+    /// The request.
+    pub request_id: String,
+    /// Blocks written, per group.
+    pub groups: Vec<LandedGroup>,
+}
+
+/// Why a load spec cannot be turned into a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    /// The local prefix already covers the tokens to load.
+    #[error("nothing to load: num_local_computed {num_local_computed} >= num_tokens {num_tokens}")]
+    NothingToLoad {
+        /// Tokens the consumer holds.
+        num_local_computed: u64,
+        /// Tokens after the load.
+        num_tokens: u64,
+    },
+    /// The consumer's ranks have no such group.
+    #[error("no group {0}")]
+    NoGroup(u32),
+    /// A group is listed twice.
+    #[error("group {0} listed twice")]
+    GroupTwice(u32),
+    /// A position with a consumer block to fill but no producer block.
+    #[error("group {group} position {position}: a local block but no producer block")]
+    NoProducerBlock {
+        /// The group.
+        group: u32,
+        /// The block position.
+        position: u64,
+    },
+}
+
+/// Builds the request that loads `spec` into `ranks` (a TP `tp` × PP `pp` grid, validated,
+/// every rank with the same groups), and the blocks it will land. `budget_ms`, `token` and
+/// `load_key` are left for the caller (the connection's state machine and the grants).
+/// Errors: [`SpecError`].
+pub fn build_request(
+    ranks: &[RankLayout],
+    tp: u32,
+    pp: u32,
+    spec: &LoadSpec,
+) -> Result<(TransferRequest, Landed), SpecError> {
+    if spec.num_local_computed >= spec.num_tokens {
+        return Err(SpecError::NothingToLoad {
+            num_local_computed: spec.num_local_computed,
+            num_tokens: spec.num_tokens,
+        });
+    }
+    let mut blocks = Vec::new();
+    let mut landed = Landed {
+        request_id: spec.request_id.clone(),
+        groups: Vec::new(),
+    };
+    let mut seen = HashSet::new();
+    for lg in &spec.groups {
+        let g = ranks
+            .first()
+            .and_then(|r| r.group(lg.group_id))
+            .ok_or(SpecError::NoGroup(lg.group_id))?;
+        if !seen.insert(lg.group_id) {
+            return Err(SpecError::GroupTwice(lg.group_id));
+        }
+        let bs = g.block_size;
+        let mut wb = WireBlocks {
+            group_id: lg.group_id,
+            block_size: bs,
+            positions: Vec::new(),
+            remote_blocks: Vec::new(),
+            local_blocks: Vec::new(),
+        };
+        for (p, local) in lg.local_blocks.iter().enumerate() {
+            let (Some(local), p) = (*local, p as u64) else {
+                continue;
+            };
+            let first = p.saturating_mul(bs);
+            if first.saturating_add(bs) <= spec.num_local_computed || first >= spec.num_tokens {
+                continue;
+            }
+            let remote = lg.remote_blocks.get(p as usize).copied().flatten().ok_or(
+                SpecError::NoProducerBlock {
+                    group: lg.group_id,
+                    position: p,
+                },
+            )?;
+            wb.positions.push(p);
+            wb.remote_blocks.push(remote);
+            wb.local_blocks.push(local);
+        }
+        landed.groups.push(LandedGroup {
+            group_id: lg.group_id,
+            positions: wb.positions.clone(),
+            local_blocks: wb.local_blocks.clone(),
+        });
+        blocks.push(wb);
+    }
+    let ranks = ranks
+        .iter()
+        .map(|r| WireRank {
+            tp_rank: r.rank.tp_rank,
+            pp_rank: r.rank.pp_rank,
+            segment: r.segment.clone(),
+            groups: r
+                .groups
+                .iter()
+                .filter(|g| seen.contains(&g.group_id))
+                .map(|g| WireRankGroup {
+                    group_id: g.group_id,
+                    layers: g
+                        .layers
+                        .iter()
+                        .map(|l| WireLayer {
+                            name: l.spec.name.clone(),
+                            addr: l.addr,
+                            len: l.len,
+                            head_offset: l.spec.head_offset,
+                            geometry: to_wire(&l.spec.geometry),
+                        })
+                        .collect(),
+                })
+                .collect(),
+        })
+        .collect();
+    let request = TransferRequest {
+        version: PROTOCOL_VERSION,
+        kind: KIND_TRANSFER_REQUEST.to_string(),
+        request_id: spec.request_id.clone(),
+        load_id: 0,
+        tp_size: tp,
+        pp_size: pp,
+        num_local_computed: spec.num_local_computed,
+        num_tokens: spec.num_tokens,
+        budget_ms: 0, // set by the connection's state machine
+        blocks,
+        ranks,
+        token: None,    // set by the caller with the grants
+        load_key: None, // set by the caller
+    };
+    Ok((request, landed))
+}

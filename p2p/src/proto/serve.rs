@@ -1,0 +1,289 @@
+//! The producer's plan for one load (docs/design.md §4): check the consumer's request against
+//! the published lease, and pair every block's producer bytes with the consumer's, KV heads
+//! mapped between ranks through the [`HeadMap`] (so TP and PP sizes may differ). Pure: the
+//! producer's ranks come as [`RankLayout`]s, the result is a list of copies per rank pair.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::proto::heads::HeadMap;
+use crate::proto::layout::{group_heads, RankLayout};
+use crate::proto::msg::{TransferRequest, WireBlocks, WireLayer, WireRank};
+use crate::proto::plan::{pair_ranges, Copy};
+pub use crate::proto::serve_error::{LayerError, ServeError};
+use crate::wire::{compatible, from_wire};
+
+/// What a lease holds: the published block tables, token count and checksum payload.
+#[derive(Debug, Clone)]
+pub struct Published {
+    /// `blocks[group_id]`: the group's block table (position → block id, `None` = null block).
+    pub blocks: Vec<Vec<Option<u64>>>,
+    /// Tokens of the request's KV.
+    pub num_tokens: u64,
+    /// The encoded checksum payload, `None` when the producer sends no checksums.
+    pub payload: Option<Vec<u8>>,
+}
+
+/// The WRITEs one producer rank makes into one consumer rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankPlan {
+    /// Index of the producer rank (into the ranks given to [`plan`]).
+    pub rank: usize,
+    /// The consumer rank's segment.
+    pub segment: String,
+    /// The copies, producer address → consumer address.
+    pub copies: Vec<Copy>,
+}
+
+/// Builds the copies that serve `req` from `producer`'s ranks (docs/design.md §4). Each layer
+/// of each consumer rank is paired with the producer layers of the same name, and each of its
+/// global KV heads is written by the producer rank the [`HeadMap`] picks for it: consumer TP
+/// rank `c` takes a head held by `n` producer ranks (replicas: GQA with TP above the head
+/// count, MLA) from the `c mod n`-th of them, which is rank to rank when the TP sizes are
+/// equal. So TP and PP sizes may differ between the sides. Errors name the first problem.
+pub fn plan(
+    producer: &[RankLayout],
+    published: &Published,
+    req: &TransferRequest,
+) -> Result<Vec<RankPlan>, ServeError> {
+    if req.num_tokens > published.num_tokens {
+        return Err(ServeError::TooManyTokens {
+            asked: req.num_tokens,
+            published: published.num_tokens,
+        });
+    }
+    for b in &req.blocks {
+        check_blocks(producer, published, b)?;
+    }
+    check_ranks(req)?;
+    let without = |i: usize, group: u32| ServeError::ProducerRankWithoutGroup {
+        rank: producer[i].rank,
+        group,
+    };
+    let mut plans: Vec<RankPlan> = Vec::new();
+    for target in &req.ranks {
+        for b in &req.blocks {
+            let tg = target
+                .groups
+                .iter()
+                .find(|g| g.group_id == b.group_id)
+                .ok_or(ServeError::RankWithoutGroup {
+                    tp_rank: target.tp_rank,
+                    pp_rank: target.pp_rank,
+                    group: b.group_id,
+                })?;
+            let heads = group_heads(producer, b.group_id).map_err(|i| without(i, b.group_id))?;
+            for wl in &tg.layers {
+                layer_copies(producer, &heads, target, b, wl, &mut plans)?;
+            }
+        }
+    }
+    // Every producer layer must land somewhere, and the consumer's ranks must hold as many of
+    // its KV heads as the producer's: else the consumer runs another model.
+    for b in &req.blocks {
+        let heads = group_heads(producer, b.group_id).map_err(|i| without(i, b.group_id))?;
+        // layer name → one past the last global head the consumer's ranks hold
+        let mut consumer: HashMap<&str, u64> = HashMap::new();
+        for r in &req.ranks {
+            for tg in r.groups.iter().filter(|tg| tg.group_id == b.group_id) {
+                for wl in &tg.layers {
+                    let end = (wl.head_offset as u64).saturating_add(wl.geometry.heads);
+                    let e = consumer.entry(&wl.name).or_default();
+                    *e = (*e).max(end);
+                }
+            }
+        }
+        for name in heads.names() {
+            let producer_end = heads.heads_end(name);
+            let Some(&consumer_end) = consumer.get(name) else {
+                return Err(ServeError::NoConsumerLayer {
+                    name: name.to_string(),
+                    group: b.group_id,
+                });
+            };
+            if consumer_end != producer_end {
+                return Err(ServeError::HeadCount {
+                    name: name.to_string(),
+                    consumer: consumer_end,
+                    producer: producer_end,
+                });
+            }
+        }
+    }
+    Ok(plans)
+}
+
+/// One group's block lists against the lease: lengths, block size, the blocks at each position.
+fn check_blocks(
+    producer: &[RankLayout],
+    published: &Published,
+    b: &WireBlocks,
+) -> Result<(), ServeError> {
+    let n = b.positions.len();
+    if b.remote_blocks.len() != n || b.local_blocks.len() != n {
+        return Err(ServeError::ListLengths(b.group_id));
+    }
+    let table = published
+        .blocks
+        .get(b.group_id as usize)
+        .ok_or(ServeError::NotPublished(b.group_id))?;
+    let group = producer
+        .first()
+        .and_then(|r| r.group(b.group_id))
+        .ok_or(ServeError::NoGroup(b.group_id))?;
+    if group.block_size != b.block_size {
+        return Err(ServeError::BlockSize {
+            group: b.group_id,
+            consumer: b.block_size,
+            producer: group.block_size,
+        });
+    }
+    for (&pos, &remote) in b.positions.iter().zip(&b.remote_blocks) {
+        let held = table.get(pos as usize).copied().flatten();
+        if held != Some(remote) {
+            return Err(ServeError::WrongBlock {
+                group: b.group_id,
+                position: pos,
+                expected: remote,
+                held,
+            });
+        }
+        if pos.saturating_mul(b.block_size) >= published.num_tokens {
+            return Err(ServeError::PastTokens {
+                group: b.group_id,
+                position: pos,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The consumer's ranks: each of its TP × PP grid exactly once.
+pub fn check_ranks(req: &TransferRequest) -> Result<(), ServeError> {
+    let (tp, pp) = (req.tp_size, req.pp_size);
+    if tp == 0 || pp == 0 || req.ranks.len() as u64 != tp as u64 * pp as u64 {
+        return Err(ServeError::RankCount {
+            named: req.ranks.len(),
+            tp,
+            pp,
+        });
+    }
+    let mut seen = HashSet::new();
+    for r in &req.ranks {
+        if r.tp_rank >= tp || r.pp_rank >= pp || !seen.insert((r.tp_rank, r.pp_rank)) {
+            return Err(ServeError::RankTwice {
+                tp_rank: r.tp_rank,
+                pp_rank: r.pp_rank,
+                tp,
+                pp,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Appends the copies that fill consumer layer `wl` of rank `target` for blocks `b`;
+/// `heads` is the producer's head map of `b`'s group.
+fn layer_copies(
+    producer: &[RankLayout],
+    heads: &HeadMap<'_>,
+    target: &WireRank,
+    b: &WireBlocks,
+    wl: &WireLayer,
+    plans: &mut Vec<RankPlan>,
+) -> Result<(), ServeError> {
+    let at = |source: LayerError| ServeError::Layer {
+        name: wl.name.clone(),
+        source,
+    };
+    let theirs = from_wire(&wl.geometry).map_err(|e| at(LayerError::Geometry(e)))?;
+    if theirs.byte_len() > wl.len {
+        return Err(at(LayerError::PastArray(wl.len)));
+    }
+    let holders = heads.holders(&wl.name);
+    for h in holders {
+        compatible(&h.spec.geometry, &theirs).map_err(|e| at(e.into()))?;
+    }
+    if holders.is_empty() {
+        return Err(ServeError::NoProducerLayer {
+            name: wl.name.clone(),
+            group: b.group_id,
+        });
+    }
+    let first = wl.head_offset as u64;
+    let end = first
+        .checked_add(theirs.heads)
+        .ok_or(at(LayerError::HeadOverflow))?;
+    let held_end = heads.heads_end(&wl.name);
+    if end > held_end {
+        return Err(at(LayerError::HeadsPastProducer {
+            tp_rank: target.tp_rank,
+            first,
+            end,
+            held_end,
+        }));
+    }
+    // Runs of consecutive global heads taken from one producer array: (rank, layer, first, end).
+    let mut runs: Vec<(usize, usize, u64, u64)> = Vec::new();
+    for h in first..end {
+        let Some(k) = heads.pick(&wl.name, h, target.tp_rank) else {
+            return Err(at(LayerError::HeadNotHeld {
+                head: h,
+                tp_rank: target.tp_rank,
+                first,
+                end,
+            }));
+        };
+        match runs.last_mut() {
+            Some((r, l, _, e)) if (*r, *l) == (k.rank, k.layer) && *e == h => *e = h + 1,
+            _ => runs.push((k.rank, k.layer, h, h + 1)),
+        }
+    }
+    for (ri, li, h0, h1) in runs {
+        // The head map was built from these ranks' groups, so both lookups succeed.
+        let Some(layer) = producer[ri]
+            .group(b.group_id)
+            .and_then(|g| g.layers.get(li))
+        else {
+            return Err(ServeError::ProducerRankWithoutGroup {
+                rank: producer[ri].rank,
+                group: b.group_id,
+            });
+        };
+        let ours = &layer.spec.geometry;
+        let po = layer.spec.head_offset as u64;
+        let (ph, ch) = (h0 - po..h1 - po, h0 - first..h1 - first);
+        let i = match plans
+            .iter()
+            .position(|p| p.rank == ri && p.segment == target.segment)
+        {
+            Some(i) => i,
+            None => {
+                plans.push(RankPlan {
+                    rank: ri,
+                    segment: target.segment.clone(),
+                    copies: Vec::new(),
+                });
+                plans.len() - 1
+            }
+        };
+        for (&remote, &local) in b.remote_blocks.iter().zip(&b.local_blocks) {
+            if remote >= ours.num_blocks() || local >= theirs.num_blocks() {
+                return Err(at(LayerError::BlockOutside {
+                    remote,
+                    local,
+                    producer_blocks: ours.num_blocks(),
+                    consumer_blocks: theirs.num_blocks(),
+                }));
+            }
+            pair_ranges(
+                layer.addr,
+                &ours.block_head_byte_ranges(remote, ph.clone()),
+                wl.addr,
+                &theirs.block_head_byte_ranges(local, ch.clone()),
+                &mut plans[i].copies,
+            )
+            .map_err(|e| at(e.into()))?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,256 @@
+//! Why a load cannot be served (docs/design.md §4): the request does not fit the lease or the
+//! producer's ranks ([`ServeError`], from the plan), or a WRITE failed ([`WriteError`]). The
+//! text of a [`ServeFailure`] goes to the consumer in the ERROR reply.
+
+use std::time::Duration;
+
+use kvferry_checksum::group::RankInfo;
+use kvferry_checksum::layout::LayoutError;
+use kvferry_transfer::TransferError;
+
+use crate::proto::plan::PlanError;
+use crate::wire::Incompatible;
+
+/// Why a consumer's request cannot be served. The text goes to the consumer in the ERROR reply.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ServeError {
+    /// The request asks for more tokens than the lease holds.
+    #[error("consumer asks for {asked} tokens, the producer published {published}")]
+    TooManyTokens {
+        /// Tokens asked for.
+        asked: u64,
+        /// Tokens published.
+        published: u64,
+    },
+    /// A group's positions and block lists have different lengths.
+    #[error("group {0}: positions and block lists differ in length")]
+    ListLengths(u32),
+    /// The lease has no block table for the group.
+    #[error("group {0} was not published")]
+    NotPublished(u32),
+    /// The producer's ranks have no such group.
+    #[error("producer has no group {0}")]
+    NoGroup(u32),
+    /// The two sides' block sizes differ.
+    #[error("group {group}: consumer block size {consumer} differs from the producer's {producer} (not supported yet)")]
+    BlockSize {
+        /// The group.
+        group: u32,
+        /// The consumer's block size (tokens).
+        consumer: u64,
+        /// The producer's block size (tokens).
+        producer: u64,
+    },
+    /// The consumer names a producer block the lease does not hold at that position.
+    #[error("group {group} position {position}: consumer expects producer block {expected}, the producer holds {}", .held.map_or_else(|| "no block there".to_string(), |h| format!("block {h}")))]
+    WrongBlock {
+        /// The group.
+        group: u32,
+        /// The block position.
+        position: u64,
+        /// The producer block the consumer named.
+        expected: u64,
+        /// The block the lease holds there (`None`: a null block or past the table).
+        held: Option<u64>,
+    },
+    /// A position at or past the published tokens.
+    #[error("group {group} position {position} is past the published tokens")]
+    PastTokens {
+        /// The group.
+        group: u32,
+        /// The block position.
+        position: u64,
+    },
+    /// The consumer's ranks are not its TP × PP grid.
+    #[error("consumer names {named} ranks for TP {tp} × PP {pp}")]
+    RankCount {
+        /// Ranks named.
+        named: usize,
+        /// The consumer's TP size.
+        tp: u32,
+        /// The consumer's PP size.
+        pp: u32,
+    },
+    /// A consumer rank outside the grid or named twice.
+    #[error(
+        "consumer must name rank tp={tp_rank} pp={pp_rank} exactly once, inside TP {tp} × PP {pp}"
+    )]
+    RankTwice {
+        /// The rank's TP index.
+        tp_rank: u32,
+        /// The rank's PP index.
+        pp_rank: u32,
+        /// The consumer's TP size.
+        tp: u32,
+        /// The consumer's PP size.
+        pp: u32,
+    },
+    /// A consumer rank sent no layers for a loaded group.
+    #[error("consumer rank tp={tp_rank} pp={pp_rank} sent no layers for group {group}")]
+    RankWithoutGroup {
+        /// The rank's TP index.
+        tp_rank: u32,
+        /// The rank's PP index.
+        pp_rank: u32,
+        /// The group.
+        group: u32,
+    },
+    /// A producer rank lacks a group the others have.
+    #[error("rank {rank:?} has no group {group}")]
+    ProducerRankWithoutGroup {
+        /// The producer rank.
+        rank: RankInfo,
+        /// The group.
+        group: u32,
+    },
+    /// A producer layer the consumer does not hold.
+    #[error("consumer has no layer {name:?} in group {group}")]
+    NoConsumerLayer {
+        /// The layer.
+        name: String,
+        /// The group.
+        group: u32,
+    },
+    /// A consumer layer the producer does not hold.
+    #[error("producer has no layer {name:?} in group {group}")]
+    NoProducerLayer {
+        /// The layer.
+        name: String,
+        /// The group.
+        group: u32,
+    },
+    /// The sides hold different numbers of KV heads of a layer (another model).
+    #[error(
+        "layer {name:?}: the consumer's ranks hold {consumer} KV heads, the producer's {producer}"
+    )]
+    HeadCount {
+        /// The layer.
+        name: String,
+        /// KV heads over the consumer's ranks.
+        consumer: u64,
+        /// KV heads over the producer's ranks.
+        producer: u64,
+    },
+    /// One layer cannot be paired.
+    #[error("layer {name}: {source}")]
+    Layer {
+        /// The layer.
+        name: String,
+        /// Why.
+        source: LayerError,
+    },
+}
+
+/// Why one consumer layer cannot be paired with the producer's.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayerError {
+    /// The consumer's geometry does not decode.
+    #[error("consumer geometry: {0}")]
+    Geometry(#[source] LayoutError),
+    /// The consumer's geometry spans more than its array.
+    #[error("consumer geometry spans more than its {0} bytes")]
+    PastArray(u64),
+    /// The two sides' arrays cannot be copied byte-for-byte.
+    #[error(transparent)]
+    Incompatible(#[from] Incompatible),
+    /// The head offset plus the head count overflows.
+    #[error("head offset overflows")]
+    HeadOverflow,
+    /// The consumer rank holds heads past the producer's.
+    #[error("consumer rank tp={tp_rank} holds KV heads {first}..{end}, the producer's ranks only 0..{held_end}")]
+    HeadsPastProducer {
+        /// The consumer rank's TP index.
+        tp_rank: u32,
+        /// Its first global KV head.
+        first: u64,
+        /// One past its last.
+        end: u64,
+        /// One past the producer's last.
+        held_end: u64,
+    },
+    /// No producer rank holds a head the consumer rank holds.
+    #[error("no producer rank holds KV head {head} (consumer rank tp={tp_rank} holds heads {first}..{end})")]
+    HeadNotHeld {
+        /// The head.
+        head: u64,
+        /// The consumer rank's TP index.
+        tp_rank: u32,
+        /// Its first global KV head.
+        first: u64,
+        /// One past its last.
+        end: u64,
+    },
+    /// A block id outside a side's array.
+    #[error("block {remote} → {local} outside the arrays ({producer_blocks} / {consumer_blocks} blocks)")]
+    BlockOutside {
+        /// The producer block.
+        remote: u64,
+        /// The consumer block.
+        local: u64,
+        /// Blocks of the producer's array.
+        producer_blocks: u64,
+        /// Blocks of the consumer's array.
+        consumer_blocks: u64,
+    },
+    /// The block's byte ranges cannot be paired.
+    #[error(transparent)]
+    Pair(#[from] PlanError),
+}
+
+/// Why a producer rank's WRITEs into one consumer rank failed.
+#[derive(Debug, thiserror::Error)]
+#[error("rank tp={} pp={}: {kind}", .rank.tp_rank, .rank.pp_rank)]
+pub struct WriteError {
+    /// The producer rank.
+    pub rank: RankInfo,
+    /// What failed.
+    #[source]
+    pub kind: WriteErrorKind,
+}
+
+/// What failed in a rank's WRITEs.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteErrorKind {
+    /// Opening the consumer's segment and submitting did not end within the load's deadline.
+    #[error("opening the consumer segment took over {0:?}")]
+    OpenTimeout(Duration),
+    /// The consumer's segment could not be opened.
+    #[error("open segment {segment}: {source}")]
+    Open {
+        /// The consumer rank's segment.
+        segment: String,
+        /// Why.
+        source: TransferError,
+    },
+    /// The WRITEs could not be submitted.
+    #[error("submit to {segment}: {source}")]
+    Submit {
+        /// The consumer rank's segment.
+        segment: String,
+        /// Why.
+        source: TransferError,
+    },
+    /// The blocking task that opened and submitted ended abnormally (its runtime's text).
+    #[error("{0}")]
+    Task(String),
+    /// The WRITEs failed or did not end within the deadline.
+    #[error("transfer: {0}")]
+    Transfer(#[source] TransferError),
+}
+
+/// Why serving one load failed, as the producer's state machine records it.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeFailure {
+    /// The consumer's grant token does not parse.
+    #[error("bad grant token: {0}")]
+    Token(#[source] TransferError),
+    /// The request does not fit the lease or the ranks.
+    #[error(transparent)]
+    Plan(#[from] ServeError),
+    /// A WRITE failed.
+    #[error(transparent)]
+    Write(#[from] WriteError),
+    /// The serve task ended abnormally (its runtime's text).
+    #[error("serve task failed: {0}")]
+    Task(String),
+}

@@ -1,0 +1,353 @@
+//! The producer's plan and the consumer's request, checked without a network: two sides of
+//! plain rank layouts over simulated memory, the copies applied byte by byte, and every
+//! consumer head compared with the producer's bytes of the same global head.
+
+use kvferry_checksum::group::{LayerSpec, RankInfo, ReplicaKey};
+use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
+use kvferry_kernels::LayerInput;
+
+use super::layout::{RankLayout, WorkerGroup};
+use super::request::{build_request, LoadGroup, LoadSpec, SpecError};
+use super::serve::{plan, LayerError, Published, RankPlan, ServeError};
+use crate::proto::msg::TransferRequest;
+
+const BLOCK: u64 = 4; // tokens per block
+const BLOCKS: u64 = 6; // blocks per layer array
+const LAYERS: u32 = 3;
+
+/// One side: `tp` × `pp` ranks over `kv_heads` KV heads (replicated when fewer than `tp`),
+/// layers split among PP stages; rank `i`'s memory starts at `(side + 1) << 40 | i << 32`.
+fn side(side: u64, tp: u32, pp: u32, kv_heads: u64) -> Vec<RankLayout> {
+    let per_rank = (kv_heads / tp as u64).max(1);
+    let mut ranks = Vec::new();
+    for pp_rank in 0..pp {
+        for tp_rank in 0..tp {
+            let i = ranks.len() as u64;
+            let first = tp_rank as u64 * kv_heads / tp as u64;
+            let mut addr = ((side + 1) << 40) | (i << 32);
+            let layers = (0..LAYERS)
+                .filter(|l| l % pp == pp_rank)
+                .map(|layer| {
+                    let geometry = Geometry::contiguous(
+                        Layout::parse("KV B N H D").unwrap(),
+                        BLOCKS,
+                        BLOCK,
+                        per_rank,
+                        8,
+                        ElemBytes::new(2).unwrap(),
+                        1,
+                    )
+                    .unwrap();
+                    let len = geometry.byte_len();
+                    let l = LayerInput {
+                        spec: LayerSpec {
+                            name: format!("model.layers.{layer}.attn"),
+                            layer,
+                            head_offset: first as u32,
+                            geometry,
+                            kind: None,
+                            dtype: None,
+                            replica: ReplicaKey::NONE,
+                        },
+                        addr,
+                        len,
+                    };
+                    addr += len;
+                    l
+                })
+                .collect();
+            ranks.push(RankLayout {
+                rank: RankInfo {
+                    tp_rank,
+                    tp_size: tp,
+                    pp_rank,
+                    pp_size: pp,
+                },
+                segment: format!("10.0.{side}.{i}:7000"),
+                groups: vec![WorkerGroup {
+                    group_id: 0,
+                    block_size: BLOCK,
+                    layers,
+                    sliding_window: None,
+                    skipped: None,
+                }],
+            });
+        }
+    }
+    ranks
+}
+
+/// The value of byte `k` of global head `head` of `layer` in the block at `position`.
+fn byte(layer: u32, head: u64, position: u64, k: usize) -> u8 {
+    (layer as u64 * 131 + head * 31 + position * 7 + k as u64) as u8
+}
+
+/// Simulated memory: each layer array of each rank, by base address.
+struct Memory(Vec<(u64, Vec<u8>)>);
+
+impl Memory {
+    fn of(ranks: &[RankLayout]) -> Memory {
+        let arrays = ranks.iter().flat_map(|r| &r.groups[0].layers);
+        Memory(arrays.map(|l| (l.addr, vec![0; l.len as usize])).collect())
+    }
+
+    fn at(&mut self, addr: u64, len: u64) -> &mut [u8] {
+        let (base, bytes) = self
+            .0
+            .iter_mut()
+            .find(|(b, v)| addr >= *b && addr + len <= *b + v.len() as u64)
+            .expect("a copy inside one array");
+        let off = (addr - *base) as usize;
+        &mut bytes[off..off + len as usize]
+    }
+
+    /// Writes (or with `check`, compares) every head of `blocks` (position, block id) of
+    /// every layer of `ranks`; returns false on the first difference.
+    fn heads(&mut self, ranks: &[RankLayout], blocks: &[(u64, u64)], check: bool) -> bool {
+        for l in ranks.iter().flat_map(|r| &r.groups[0].layers) {
+            let g = &l.spec.geometry;
+            for &(position, block) in blocks {
+                for j in 0..g.heads {
+                    let head = l.spec.head_offset as u64 + j;
+                    let mut k = 0;
+                    for r in g.block_head_byte_ranges(block, j..j + 1) {
+                        for b in self.at(l.addr + r.start, r.end - r.start) {
+                            let want = byte(l.spec.layer, head, position, k);
+                            if check && *b != want {
+                                return false;
+                            }
+                            *b = want;
+                            k += 1;
+                        }
+                    }
+                }
+            }
+        }
+        true
+    }
+}
+
+fn spec(remote: &[u64], local: &[u64], num_tokens: u64) -> LoadSpec {
+    LoadSpec {
+        request_id: "r".into(),
+        producer: "tcp://127.0.0.1:1".into(),
+        groups: vec![LoadGroup {
+            group_id: 0,
+            remote_blocks: remote.iter().map(|&b| Some(b)).collect(),
+            local_blocks: local.iter().map(|&b| Some(b)).collect(),
+        }],
+        num_local_computed: 0,
+        num_tokens,
+        load_key: None,
+    }
+}
+
+fn published(remote: &[u64]) -> Published {
+    Published {
+        blocks: vec![remote.iter().map(|&b| Some(b)).collect()],
+        num_tokens: remote.len() as u64 * BLOCK,
+        payload: None,
+    }
+}
+
+fn request(consumer: &[RankLayout], remote: &[u64], local: &[u64]) -> TransferRequest {
+    let (tp, pp) = (consumer[0].rank.tp_size, consumer[0].rank.pp_size);
+    let tokens = remote.len() as u64 * BLOCK;
+    build_request(consumer, tp, pp, &spec(remote, local, tokens))
+        .unwrap()
+        .0
+}
+
+/// Plans a load between the two sides, applies the copies, and says whether every
+/// consumer head holds the producer's bytes of that head at the same position.
+fn lands(producer: &[RankLayout], consumer: &[RankLayout]) -> (bool, Vec<RankPlan>) {
+    let (remote, local) = ([4u64, 0, 5], [1u64, 3, 2]);
+    let req = request(consumer, &remote, &local);
+    let plans = plan(producer, &published(&remote), &req).unwrap();
+    let mut src = Memory::of(producer);
+    src.heads(producer, &[(0, 4), (1, 0), (2, 5)], false);
+    let mut dst = Memory::of(consumer);
+    for p in &plans {
+        assert_eq!(
+            consumer.iter().filter(|r| r.segment == p.segment).count(),
+            1
+        );
+        for c in &p.copies {
+            let bytes = src.at(c.src, c.len).to_vec();
+            dst.at(c.dst, c.len).copy_from_slice(&bytes);
+        }
+    }
+    (dst.heads(consumer, &[(0, 1), (1, 3), (2, 2)], true), plans)
+}
+
+/// (producer rank, consumer segment) of each plan.
+fn pairs(plans: &[RankPlan]) -> Vec<(usize, String)> {
+    plans.iter().map(|p| (p.rank, p.segment.clone())).collect()
+}
+
+#[test]
+fn equal_sides_write_rank_to_rank() {
+    let (ok, plans) = lands(&side(0, 2, 1, 4), &side(1, 2, 1, 4));
+    assert!(ok);
+    assert_eq!(
+        pairs(&plans),
+        [(0, "10.0.1.0:7000".into()), (1, "10.0.1.1:7000".into())]
+    );
+}
+
+#[test]
+fn other_tp_and_pp_sizes_land_every_head() {
+    for (p, c) in [
+        ((2, 1), (1, 1)),
+        ((1, 1), (4, 1)),
+        ((4, 1), (2, 3)),
+        ((1, 3), (2, 1)),
+        ((2, 2), (4, 3)),
+    ] {
+        let (ok, _) = lands(&side(0, p.0, p.1, 4), &side(1, c.0, c.1, 4));
+        assert!(ok, "producer TP×PP {p:?}, consumer {c:?}");
+    }
+}
+
+#[test]
+fn replicated_heads_are_taken_from_the_c_mod_n_th_holder() {
+    // Producer TP 4 over 2 KV heads: ranks 0,1 hold head 0, ranks 2,3 head 1.
+    let producer = side(0, 4, 1, 2);
+    let (ok, plans) = lands(&producer, &side(1, 4, 1, 2));
+    assert!(ok);
+    let want: Vec<(usize, String)> = (0..4).map(|i| (i, format!("10.0.1.{i}:7000"))).collect();
+    assert_eq!(pairs(&plans), want, "equal TP: rank to rank");
+    // Consumer TP 2 holds one head per rank: rank 1 takes head 1 from holder 1 % 2 = rank 3.
+    let (ok, plans) = lands(&producer, &side(1, 2, 1, 2));
+    assert!(ok);
+    assert_eq!(
+        pairs(&plans),
+        [(0, "10.0.1.0:7000".into()), (3, "10.0.1.1:7000".into())]
+    );
+}
+
+#[test]
+fn requests_that_do_not_match_the_lease_are_refused() {
+    let (producer, consumer) = (side(0, 2, 1, 4), side(1, 1, 1, 4));
+    let (remote, local) = ([4u64, 0], [1u64, 3]);
+    let lease = published(&remote);
+    let req = request(&consumer, &remote, &local);
+    assert!(plan(&producer, &lease, &req).is_ok());
+
+    let mut r = req.clone();
+    r.num_tokens = lease.num_tokens + 1;
+    assert!(matches!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::TooManyTokens { .. })
+    ));
+    let mut r = req.clone();
+    r.blocks[0].remote_blocks[1] = 5;
+    assert_eq!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::WrongBlock {
+            group: 0,
+            position: 1,
+            expected: 5,
+            held: Some(0)
+        })
+    );
+    let mut r = req.clone();
+    r.blocks[0].block_size = 8;
+    assert!(matches!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::BlockSize { .. })
+    ));
+    let mut r = req.clone();
+    r.ranks.push(r.ranks[0].clone());
+    assert!(matches!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::RankCount { named: 2, .. })
+    ));
+    let mut r = req.clone();
+    r.blocks[0].local_blocks[0] = BLOCKS;
+    assert!(matches!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::Layer {
+            source: LayerError::BlockOutside { local: BLOCKS, .. },
+            ..
+        })
+    ));
+}
+
+#[test]
+fn a_consumer_of_another_model_is_refused() {
+    let producer = side(0, 2, 1, 4);
+    let (remote, local) = ([4u64], [1u64]);
+    let lease = published(&remote);
+    // Fewer KV heads: the consumer's ranks hold 2 of the producer's 4.
+    let req = request(&side(1, 1, 1, 2), &remote, &local);
+    assert!(matches!(
+        plan(&producer, &lease, &req),
+        Err(ServeError::HeadCount {
+            consumer: 2,
+            producer: 4,
+            ..
+        })
+    ));
+    // More KV heads than the producer holds.
+    let req = request(&side(1, 1, 1, 8), &remote, &local);
+    assert!(matches!(
+        plan(&producer, &lease, &req),
+        Err(ServeError::Layer {
+            source: LayerError::HeadsPastProducer { held_end: 4, .. },
+            ..
+        })
+    ));
+    // A layer the producer lacks, and one the consumer lacks.
+    let mut req = request(&side(1, 1, 1, 4), &remote, &local);
+    req.ranks[0].groups[0].layers[2].name = "other".into();
+    assert!(matches!(
+        plan(&producer, &lease, &req),
+        Err(ServeError::NoProducerLayer { .. })
+    ));
+    req.ranks[0].groups[0].layers.pop();
+    assert!(matches!(
+        plan(&producer, &lease, &req),
+        Err(ServeError::NoConsumerLayer { .. })
+    ));
+}
+
+#[test]
+fn the_request_leaves_out_the_local_prefix_and_null_blocks() {
+    let consumer = side(1, 2, 1, 4);
+    let mut s = spec(&[4, 0, 5, 2], &[1, 3, 2, 0], 3 * BLOCK + 1);
+    s.num_local_computed = BLOCK; // block 0 is a local prefix hit
+    s.groups[0].local_blocks[2] = None;
+    let (req, landed) = build_request(&consumer, 2, 1, &s).unwrap();
+    assert_eq!(req.blocks[0].positions, [1, 3]);
+    assert_eq!(req.blocks[0].remote_blocks, [0, 2]);
+    assert_eq!(landed.groups[0].local_blocks, [3, 0]);
+    assert_eq!(req.ranks.len(), 2);
+    assert_eq!(req.ranks[1].segment, "10.0.1.1:7000");
+    assert_eq!(req.ranks[1].groups[0].layers[0].head_offset, 2);
+
+    s.groups[0].remote_blocks[3] = None;
+    assert_eq!(
+        build_request(&consumer, 2, 1, &s).map(|_| ()),
+        Err(SpecError::NoProducerBlock {
+            group: 0,
+            position: 3
+        })
+    );
+    s.groups.push(s.groups[0].clone());
+    s.groups[0].remote_blocks[3] = Some(2);
+    assert_eq!(
+        build_request(&consumer, 2, 1, &s).map(|_| ()),
+        Err(SpecError::GroupTwice(0))
+    );
+    s.groups[0].group_id = 7;
+    assert_eq!(
+        build_request(&consumer, 2, 1, &s).map(|_| ()),
+        Err(SpecError::NoGroup(7))
+    );
+    s.num_local_computed = s.num_tokens;
+    assert!(matches!(
+        build_request(&consumer, 2, 1, &s),
+        Err(SpecError::NothingToLoad { .. })
+    ));
+}

@@ -1,0 +1,167 @@
+//! Errors of the `kvferry` command (docs/design.md §6): each keeps the error it came from as
+//! its `source`; only `main` turns one into the one-line message the user reads.
+
+use kvferry_kernels::KernelError;
+use kvferry_p2p::P2pError;
+use kvferry_transfer::TransferError;
+
+use crate::payload_json::PayloadJsonError;
+use crate::spec::SpecError;
+
+/// Why a `kvferry` command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// Options that cannot work together; the text names them.
+    #[error("{0}")]
+    Usage(String),
+    /// A run that ended badly: loads not verified, a bench point with no batch or with bytes
+    /// that did not land; the text gives the counts.
+    #[error("{0}")]
+    Failed(String),
+    /// `--model` names no built-in model.
+    #[error(transparent)]
+    Model(#[from] crate::models::UnknownModel),
+    /// A side's ranks could not be built.
+    #[error(transparent)]
+    World(#[from] WorldError),
+    /// One side of the demo could not be built (`side` names its options).
+    #[error("{side}: {source}")]
+    Side {
+        /// "producer (--prefill-tp/--prefill-pp)" or "consumer (--decode-tp/--decode-pp)".
+        side: &'static str,
+        /// Why.
+        source: WorldError,
+    },
+    /// `--device cuda` where the CUDA checksum backend is unusable (the ranks' memory is on
+    /// the GPU, so the CPU backend cannot read it).
+    #[error("--device cuda: the CUDA checksum backend is unusable here: {0}")]
+    CudaBackend(#[source] KernelError),
+    /// The tokio runtime did not start.
+    #[error("starting the async runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// A producer or consumer could not start, or a publish was refused (`what` says which).
+    #[error("{what}: {source}")]
+    P2p {
+        /// What was being done, e.g. "starting the producer".
+        what: String,
+        /// Why it failed.
+        source: P2pError,
+    },
+    /// A transfer engine, the shared secret or a transfer failed (`what` says which).
+    #[error("{what}: {source}")]
+    Transfer {
+        /// What was being done, e.g. "opening segment 127.0.0.1:4000".
+        what: String,
+        /// Why it failed.
+        source: TransferError,
+    },
+    /// A list of sizes does not parse (`flag` names the option).
+    #[error("{flag}: {source}")]
+    Sizes {
+        /// The option, e.g. "--block-sizes".
+        flag: &'static str,
+        /// Why.
+        source: crate::bench::SizeError,
+    },
+    /// A file or stream could not be read or written (`what` names it).
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being read or written.
+        what: String,
+        /// Why it failed.
+        source: std::io::Error,
+    },
+    /// A report could not be encoded as JSON.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// `checksum --spec` failed.
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    /// `payload decode/encode` failed.
+    #[error(transparent)]
+    Payload(#[from] PayloadJsonError),
+}
+
+impl CliError {
+    /// A [`CliError::Usage`] from any text.
+    pub fn usage(text: impl Into<String>) -> CliError {
+        CliError::Usage(text.into())
+    }
+
+    /// A [`CliError::Failed`] from any text.
+    pub fn failed(text: impl Into<String>) -> CliError {
+        CliError::Failed(text.into())
+    }
+
+    /// A [`CliError::P2p`] for `what`.
+    pub fn p2p(what: impl Into<String>) -> impl FnOnce(P2pError) -> CliError {
+        let what = what.into();
+        move |source| CliError::P2p { what, source }
+    }
+
+    /// A [`CliError::Transfer`] for `what`.
+    pub fn transfer(what: impl Into<String>) -> impl FnOnce(TransferError) -> CliError {
+        let what = what.into();
+        move |source| CliError::Transfer { what, source }
+    }
+
+    /// A [`CliError::Io`] for `what`.
+    pub fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> CliError {
+        let what = what.into();
+        move |source| CliError::Io { what, source }
+    }
+}
+
+/// Why one side's ranks could not be built or their memory copied ([`crate::world`]).
+#[derive(Debug, thiserror::Error)]
+pub enum WorldError {
+    /// Sizes, a layout or a model the demo's sides cannot be built with (the text says which).
+    #[error("{0}")]
+    Shape(String),
+    /// The layout or the geometry is invalid.
+    #[error(transparent)]
+    Layout(#[from] kvferry_checksum::layout::LayoutError),
+    /// The checksum cannot cover a rank's group.
+    #[error("{}: the KV cache group cannot be checksummed: {reason}", crate::world::rank_name(*.rank))]
+    Skipped {
+        /// The rank.
+        rank: kvferry_checksum::group::RankInfo,
+        /// Why.
+        reason: kvferry_checksum::group::SkipReason,
+    },
+    /// The host memory of a rank could not be mapped.
+    #[error("allocating {bytes} bytes of KV memory: {source}")]
+    Alloc {
+        /// Bytes asked for.
+        bytes: u64,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The GPU cannot be used.
+    #[error("--device cuda: GPU {ordinal} unusable: {source}")]
+    Gpu {
+        /// The GPU.
+        ordinal: u32,
+        /// Why.
+        source: KernelError,
+    },
+    /// A CUDA driver call failed (allocation, stream, copy); the driver's text.
+    #[error("{0}")]
+    Cuda(String),
+    /// A rank's transfer engine did not start.
+    #[error("starting the transfer engine of {}: {source}", crate::world::rank_name(*.rank))]
+    Engine {
+        /// The rank.
+        rank: kvferry_checksum::group::RankInfo,
+        /// Why.
+        source: TransferError,
+    },
+    /// A rank's KV memory could not be registered with its engine.
+    #[error("registering KV memory of {}: {source}", crate::world::rank_name(*.rank))]
+    Register {
+        /// The rank.
+        rank: kvferry_checksum::group::RankInfo,
+        /// Why.
+        source: TransferError,
+    },
+}

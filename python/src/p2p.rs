@@ -202,11 +202,35 @@ impl PublishInfo {
 /// failed, GPU KV without a usable CUDA checksum backend.
 #[pyclass(frozen, module = "kvferry")]
 pub struct Producer {
-    inner: RwLock<Option<P2pProducer>>,
+    // The lock is held only to clone or take the Arc, never across a wait: a publish waiting
+    // without the GIL must not hold what shutdown (or released) takes with the GIL held.
+    inner: RwLock<Option<Arc<P2pProducer>>>,
     endpoint: String,
     segments: Vec<String>,
     transport: String,
     side: RwLock<Option<Side>>,
+}
+
+/// Waits without the GIL until `p` has no other owner (the publishes in flight returned), for at
+/// most `deadline`; None when one is still running then.
+fn wait_sole_owner(
+    py: Python<'_>,
+    mut p: Arc<P2pProducer>,
+    deadline: Duration,
+) -> Option<P2pProducer> {
+    py.detach(|| {
+        let until = std::time::Instant::now() + deadline;
+        loop {
+            match Arc::try_unwrap(p) {
+                Ok(owned) => return Some(owned),
+                Err(shared) if std::time::Instant::now() < until => {
+                    p = shared;
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(_) => return None,
+            }
+        }
+    })
 }
 
 #[pymethods]
@@ -257,7 +281,7 @@ impl Producer {
         })?;
         Ok(Producer {
             endpoint: started.endpoint().to_string(),
-            inner: RwLock::new(Some(started)),
+            inner: RwLock::new(Some(Arc::new(started))),
             segments,
             transport,
             side: RwLock::new(Some(side)),
@@ -311,9 +335,11 @@ impl Producer {
             .enumerate()
             .map(|(g, b)| block_table(b, &format!("blocks[{g}]")))
             .collect::<PyResult<Vec<_>>>()?;
-        let guard = self.inner.read().unwrap_or_else(|p| p.into_inner());
-        let producer = guard
-            .as_ref()
+        let producer = self
+            .inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
             .ok_or_else(|| PyRuntimeError::new_err("the producer is shut down"))?;
         let info = block_on(py, deadline, || async {
             match &load_key {
@@ -348,8 +374,7 @@ impl Producer {
     /// Takes the leases released since the last call as ``(request_id, reason)``, reason
     /// ``"served"``, ``"expired"`` or ``"failed: <why>"``: their blocks may be reused now.
     fn released(&self) -> Vec<(String, String)> {
-        let guard = self.inner.read().unwrap_or_else(|p| p.into_inner());
-        let Some(p) = guard.as_ref() else {
+        let Some(p) = self.inner.read().unwrap_or_else(|p| p.into_inner()).clone() else {
             return Vec::new();
         };
         p.released()
@@ -373,7 +398,11 @@ impl Producer {
         let deadline = seconds(timeout, "timeout")?;
         let taken = self.inner.write().unwrap_or_else(|p| p.into_inner()).take();
         let stopped = match taken {
-            Some(p) => block_on(py, deadline, || p.shutdown())?,
+            // A publish in flight holds a clone; it ends within its own timeout.
+            Some(p) => match wait_sole_owner(py, p, deadline) {
+                Some(p) => block_on(py, deadline, || p.shutdown())?,
+                None => Err(()),
+            },
             None => Ok(()),
         };
         let side = self.side.write().unwrap_or_else(|p| p.into_inner()).take();

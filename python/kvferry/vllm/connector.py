@@ -9,14 +9,20 @@ Load it with::
                            "kv_connector_extra_config": {"host": "10.0.0.5", "port": 17500,
                                "protocol": "tcp", "fail_closed": true,
                                "lease_seconds": 30, "load_timeout_seconds": 30,
-                               "connect_timeout_seconds": 5}}'
+                               "connect_timeout_seconds": 5, "head_splits": 1}}'
 
 Extra config keys: ``host`` (this instance's address, reachable by the peer; default vLLM's
-``get_ip()``), ``port`` (side-channel base port; rank ``(tp, pp)`` binds ``port + pp * tp_size +
-tp``), ``protocol`` (``tcp`` | ``rdma`` | ``auto``), ``fail_closed`` (an unverifiable load fails;
-default true), ``lease_seconds``, ``load_timeout_seconds``, ``connect_timeout_seconds``, and the
-test-only ``test_corrupt_transfer_prefix`` (flips a landed bit of every load whose transfer id
-starts with it: fault injection for the tests; never set it in production).
+``get_ip()``), ``port`` (side-channel base port; unit ``j`` of producer rank ``(tp, pp)`` binds
+``port + (pp * tp_size + tp) * head_splits + j``), ``protocol`` (``tcp`` | ``rdma`` | ``auto``),
+``fail_closed`` (an unverifiable load fails; default true), ``lease_seconds``,
+``load_timeout_seconds``, ``connect_timeout_seconds``, ``head_splits`` (read by producers; int
+>= 1, default 1, must divide each rank's KV heads: each producer rank serves its heads through
+that many kvferry Producers, "units", of ``Hp / head_splits`` heads each; a consumer rank
+holding ``Hc`` heads loads and verifies the units of exactly its heads, so ``Hp / head_splits``
+must divide ``Hc``: e.g. TP 1 -> TP 2 needs ``head_splits`` 2 on the producer; TP 2 -> TP 1 needs
+nothing; docs/vllm-connector-notes.md §8), and the test-only ``test_corrupt_transfer_prefix``
+(flips a landed bit of every load whose transfer id starts with it: fault injection for the
+tests; never set it in production).
 
 vLLM constructs it once in the scheduler process (role SCHEDULER: :mod:`kvferry.vllm.scheduler`)
 and once in every worker process, i.e. per TP/PP rank (role WORKER: :mod:`kvferry.vllm.worker`).
@@ -39,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvferry.vllm.metadata import KvferryConnectorMetadata
 from kvferry.vllm.scheduler import KvferrySchedulerSide, SchedulerConfig
 from kvferry.vllm.transport import KvferryTransport, TransportConfig
+from kvferry.vllm.units import ConfigError
 from kvferry.vllm.worker import KvferryWorkerSide
 
 if TYPE_CHECKING:
@@ -54,10 +61,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvferry")
 
 DEFAULT_PORT = 17500
-
-
-class ConfigError(ValueError):
-    """A ``kv_connector_extra_config`` value is missing its type or range; the message names it."""
 
 
 def _extra(extra: dict[str, Any], key: str, kind: type, default: Any) -> Any:
@@ -90,6 +93,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         if protocol not in ("tcp", "rdma", "auto"):
             raise ConfigError(f"kv_connector_extra_config['protocol'] = {protocol!r}: expected tcp, rdma or auto")
         fail_closed = _extra(extra, "fail_closed", bool, True)
+        # Checked against the rank's KV heads when a producer rank registers them (units.py).
+        head_splits = _extra(extra, "head_splits", int, 1)
         corrupt = extra.get("test_corrupt_transfer_prefix")
         if corrupt is not None and not isinstance(corrupt, str):
             raise ConfigError(f"kv_connector_extra_config['test_corrupt_transfer_prefix'] = {corrupt!r}: expected str")
@@ -115,6 +120,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                     pp_size=pc.pipeline_parallel_size,
                     block_size=vllm_config.cache_config.block_size,
                     lease_seconds=lease,
+                    head_splits=head_splits,
                 )
             )
         else:
@@ -125,7 +131,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 TransportConfig(host=host, port=port, protocol=protocol, fail_closed=fail_closed,
                                 load_failure_policy=ktc.kv_load_failure_policy, lease_seconds=lease,
                                 load_timeout_seconds=timeout, connect_timeout_seconds=connect_timeout,
-                                test_corrupt_transfer_prefix=corrupt),
+                                test_corrupt_transfer_prefix=corrupt, head_splits=head_splits),
                 tp_rank=tp_rank, pp_rank=pp_rank, tp_size=pc.tensor_parallel_size,
                 pp_size=pc.pipeline_parallel_size, block_size=vllm_config.cache_config.block_size,
                 is_producer=ktc.is_kv_producer, is_consumer=ktc.is_kv_consumer)

@@ -8,7 +8,9 @@ The keys follow vLLM's P2P connectors (NIXL, Mooncake in vLLM 0.32/0.33,
 - producer -> proxy (the finished request's ``kv_transfer_params``, built by
   :func:`producer_reply`): ``{"do_remote_prefill": True, "do_remote_decode": False,
   "transfer_id", "remote_engine_id", "remote_host", "remote_port", "remote_tp_size",
-  "remote_pp_size", "remote_block_ids", "load_key"}``: ``remote_block_ids`` is the producer's
+  "remote_pp_size", "remote_head_splits", "remote_block_ids", "load_key"}``:
+  ``remote_head_splits`` is how many units (kvferry Producers) each producer rank serves its KV
+  heads through (absent = 1; docs/vllm-connector-notes.md §8); ``remote_block_ids`` is the producer's
   block table per KV cache group (block id per request position, as NIXL's and Mooncake's
   ``remote_block_ids``); ``load_key`` the lease's key: the producer serves only a load that
   carries it (kvferry's p2p request ownership, docs/design.md §8.1).
@@ -31,6 +33,7 @@ REMOTE_HOST = "remote_host"
 REMOTE_PORT = "remote_port"
 REMOTE_TP_SIZE = "remote_tp_size"
 REMOTE_PP_SIZE = "remote_pp_size"
+REMOTE_HEAD_SPLITS = "remote_head_splits"
 REMOTE_BLOCK_IDS = "remote_block_ids"
 LOAD_KEY = "load_key"
 
@@ -43,9 +46,10 @@ class ParamsError(ValueError):
 @dataclass(frozen=True)
 class RemoteSource:
     """Where a consumer loads a request's KV from: the producer's transfer id, engine id, the
-    side-channel base address (``host:port`` of the producer's TP rank 0 / PP rank 0; rank
-    ``(tp, pp)`` listens on ``port + pp * tp_size + tp``), the producer's TP/PP sizes, its block
-    table per KV cache group and the lease's load key."""
+    side-channel base address (``host:port`` of the producer's TP rank 0 / PP rank 0's unit 0),
+    the producer's TP/PP sizes, its ``head_splits`` (units per rank: unit ``j`` of rank
+    ``(tp, pp)`` listens on ``port + (pp * tp_size + tp) * head_splits + j``), its block table
+    per KV cache group and the lease's load key."""
 
     transfer_id: str
     engine_id: str
@@ -55,10 +59,18 @@ class RemoteSource:
     pp_size: int
     remote_block_ids: tuple[tuple[int, ...], ...]
     load_key: str
+    head_splits: int = 1
 
-    def rank_port(self, tp_rank: int, pp_rank: int) -> int:
-        """Side-channel port of the producer rank ``(tp_rank, pp_rank)``."""
-        return self.port + pp_rank * self.tp_size + tp_rank
+    def unit_port(self, tp_rank: int, pp_rank: int, unit: int = 0) -> int:
+        """Side-channel port of unit ``unit`` (``0 <= unit < head_splits``) of the producer rank
+        ``(tp_rank, pp_rank)``; with ``head_splits`` 1 the rank's one port."""
+        return unit_port(self.port, tp_rank, pp_rank, self.tp_size, self.head_splits, unit)
+
+
+def unit_port(base: int, tp_rank: int, pp_rank: int, tp_size: int, head_splits: int, unit: int) -> int:
+    """``base + (pp_rank * tp_size + tp_rank) * head_splits + unit``: where unit ``unit`` of a
+    producer rank listens (both sides compute it from the same numbers)."""
+    return base + (pp_rank * tp_size + tp_rank) * head_splits + unit
 
 
 def _get(params: Mapping[str, Any], key: str, kind: type) -> Any:
@@ -97,11 +109,15 @@ def remote_source(params: Mapping[str, Any]) -> RemoteSource:
     if not 1 <= port <= 65535:
         raise ParamsError(f"kv_transfer_params['remote_port'] = {port} is not a TCP port")
     sizes = []
-    for key in (REMOTE_TP_SIZE, REMOTE_PP_SIZE):
+    for key in (REMOTE_TP_SIZE, REMOTE_PP_SIZE, REMOTE_HEAD_SPLITS):
         size = _get(params, key, int) if key in params else 1
         if size < 1:
             raise ParamsError(f"kv_transfer_params[{key!r}] = {size} must be >= 1")
         sizes.append(size)
+    last = unit_port(port, sizes[0] - 1, sizes[1] - 1, sizes[0], sizes[2], sizes[2] - 1)
+    if last > 65535:
+        raise ParamsError(f"kv_transfer_params: the producer's last unit port {last} (remote_port {port}, "
+                          f"TP {sizes[0]} x PP {sizes[1]} x head_splits {sizes[2]}) is not a TCP port")
     host = _get(params, REMOTE_HOST, str)
     if not host:
         raise ParamsError("kv_transfer_params['remote_host'] is empty")
@@ -119,15 +135,17 @@ def remote_source(params: Mapping[str, Any]) -> RemoteSource:
         pp_size=sizes[1],
         remote_block_ids=tuple(tuple(g) for g in tables),
         load_key=load_key,
+        head_splits=sizes[2],
     )
 
 
 def producer_reply(
     transfer_id: str, engine_id: str, host: str, port: int, tp_size: int, pp_size: int,
-    block_ids: Sequence[Sequence[int]], load_key: str,
+    block_ids: Sequence[Sequence[int]], load_key: str, head_splits: int = 1,
 ) -> dict[str, Any]:
-    """The params a finished producer request returns, for the proxy to hand to the consumer."""
-    return {
+    """The params a finished producer request returns, for the proxy to hand to the consumer
+    (``remote_head_splits`` only when above 1, so a one-unit producer's reply is unchanged)."""
+    reply = {
         DO_REMOTE_PREFILL: True,
         DO_REMOTE_DECODE: False,
         TRANSFER_ID: transfer_id,
@@ -139,3 +157,6 @@ def producer_reply(
         REMOTE_BLOCK_IDS: [list(g) for g in block_ids],
         LOAD_KEY: load_key,
     }
+    if head_splits != 1:
+        reply[REMOTE_HEAD_SPLITS] = head_splits
+    return reply

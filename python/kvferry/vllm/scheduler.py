@@ -26,9 +26,10 @@ log = logging.getLogger("vllm.kvferry")
 class SchedulerConfig:
     """What the scheduler side needs to know about its engine.
 
-    ``host``/``port``: the side-channel base address the producer names in its reply (rank
-    ``(tp, pp)`` listens on ``port + pp * tp_size + tp``). ``lease_seconds``: how long a producer
-    holds a finished request's blocks for its consumer."""
+    ``host``/``port``: the side-channel base address the producer names in its reply (unit ``j``
+    of rank ``(tp, pp)`` listens on ``port + (pp * tp_size + tp) * head_splits + j``).
+    ``lease_seconds``: how long a producer holds a finished request's blocks for its consumer.
+    ``head_splits``: units per producer rank, named in the reply (docs/vllm-connector-notes.md §8)."""
 
     engine_id: str
     is_producer: bool
@@ -39,6 +40,7 @@ class SchedulerConfig:
     pp_size: int
     block_size: int
     lease_seconds: float
+    head_splits: int = 1
 
 
 class KvferrySchedulerSide:
@@ -127,7 +129,7 @@ class KvferrySchedulerSide:
         self.held[request.request_id] = transfer_id
         c = self.config
         return True, P.producer_reply(transfer_id, c.engine_id, c.host, c.port, c.tp_size, c.pp_size,
-                                      groups, load_key)
+                                      groups, load_key, head_splits=c.head_splits)
 
     def build_connector_meta(self) -> KvferryConnectorMetadata:
         """This step's new loads and sends; the queues start empty again."""

@@ -1,14 +1,23 @@
-"""kvferry's per-rank data path for the vLLM connector: one :class:`kvferry.Producer` (producer
-rank) and/or one :class:`kvferry.Consumer` (consumer rank) per vLLM worker process, over the
-rank's own KV cache tensors (docs/python-verified-loads.md, "Ranks and processes").
+"""kvferry's per-rank data path for the vLLM connector: :class:`kvferry.Producer` objects
+(producer rank) and :class:`kvferry.Consumer` objects (consumer rank) per vLLM worker process,
+over the rank's own KV cache tensors (docs/python-verified-loads.md, "Ranks and processes").
 
-Push flow: a consumer rank asks the producer rank of the same ``(tp, pp)`` (its control endpoint
-``tcp://remote_host:remote_port + pp * tp_size + tp``) to WRITE the request's blocks into its
-own blocks; the producer replies FINISH with its checksum payload (computed when the request
-was published); the consumer checksums the landed blocks with kvferry's kernels, compares, and
-applies the policy (fail-closed, ``kv_load_failure_policy``) before the load counts as done.
-Both sides' checksums cover this rank's KV heads only (global head indices), so a pair verifies
-its rank; the two instances need the same TP and PP sizes.
+Units (docs/vllm-connector-notes.md §8): a *unit* is one ``kvferry.Producer`` holding a
+contiguous run of global KV heads of one producer rank. A producer rank with ``Hp`` local heads
+serves them through ``head_splits = s`` units; unit ``j`` of rank ``(tp, pp)`` holds global heads
+``[tp * Hp + j * Hp / s, tp * Hp + (j + 1) * Hp / s)`` and listens on
+``tcp://host:port + (pp * tp_size + tp) * s + j`` (``s = 1``: one unit per rank, the rank's
+heads, port ``port + pp * tp_size + tp``).
+
+Push flow: a consumer rank asks every unit whose heads lie in its own head range to WRITE the
+request's blocks into its own blocks (a :class:`kvferry.Consumer` over the matching head slice of
+its tensors per unit); each unit replies FINISH with its checksum payload (computed when the
+request was published); the consumer checksums the landed blocks of those heads with kvferry's
+kernels, compares, and applies the policy (fail-closed, ``kv_load_failure_policy``). kvferry's
+checksum is a sum over (layer, global KV head) slices (docs/design.md §2.1), so each unit's load
+verifies on its own; the request counts as loaded only when every unit's load completed. The
+consumer's head range must be a union of whole units (else the load is refused, naming the
+``head_splits`` the producer needs); TP sizes may differ, PP sizes must be equal.
 """
 
 from __future__ import annotations
@@ -16,13 +25,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import kvferry
 
 from kvferry.vllm.metadata import LoadSpec, SendSpec
+from kvferry.vllm.params import unit_port
+from kvferry.vllm.units import PairingError, Unit, common_heads, consumer_units, producer_units
 from kvferry.vllm.worker import LoadResult
 
 # Under vLLM's logger, so vLLM's logging configuration (format, level) applies.
@@ -37,15 +48,17 @@ class LayoutError(ValueError):
 class TransportConfig:
     """One rank's transport settings (from ``kv_connector_extra_config``, see connector.py).
 
-    ``host``: the address this rank's transfer engine and control socket listen on and name to
-    peers; ``port``: the side-channel base port (rank ``(tp, pp)`` binds ``port + pp * tp_size +
-    tp``); ``protocol``: ``"tcp"`` | ``"rdma"`` | ``"auto"``; ``fail_closed``: an unverifiable
-    load fails; ``load_failure_policy``: vLLM's ``kv_load_failure_policy`` (``"fail"`` |
-    ``"recompute"``, named in kvferry's logs); ``lease_seconds``: how long a producer holds
-    published blocks; ``load_timeout_seconds``: one load's deadline (a producer's WRITEs for one
-    load may take half of its own); ``connect_timeout_seconds``:
-    connecting to a producer; ``test_corrupt_transfer_prefix``: test-only fault injection, flips a
-    bit of the first landed block of every load whose transfer id starts with it (None: off)."""
+    ``host``: the address this rank's transfer engines and control sockets listen on and name to
+    peers; ``port``: the side-channel base port (unit ``j`` of rank ``(tp, pp)`` binds ``port +
+    (pp * tp_size + tp) * head_splits + j``); ``head_splits``: producer units per rank (each a
+    ``kvferry.Producer`` over an equal run of the rank's KV heads; units.py); ``protocol``:
+    ``"tcp"`` | ``"rdma"`` | ``"auto"``; ``fail_closed``: an unverifiable load fails;
+    ``load_failure_policy``: vLLM's ``kv_load_failure_policy`` (``"fail"`` | ``"recompute"``,
+    named in kvferry's logs); ``lease_seconds``: how long a producer holds published blocks;
+    ``load_timeout_seconds``: one load's deadline (a producer's WRITEs for one load may take half
+    of its own); ``connect_timeout_seconds``: connecting to a producer;
+    ``test_corrupt_transfer_prefix``: test-only fault injection, flips a bit of the first landed
+    block of every unit load whose transfer id starts with it (None: off)."""
 
     host: str
     port: int
@@ -56,6 +69,7 @@ class TransportConfig:
     load_timeout_seconds: float = 30.0
     connect_timeout_seconds: float = 5.0
     test_corrupt_transfer_prefix: str | None = None
+    head_splits: int = 1
 
 
 def layer_view(t: Any, block_size: int) -> tuple[Any, str]:
@@ -83,9 +97,16 @@ def layer_view(t: Any, block_size: int) -> tuple[Any, str]:
 class KvferryTransport:
     """One rank's :class:`~kvferry.vllm.worker.RankTransport` over kvferry's p2p layer.
 
-    Built per worker process; :meth:`register` (from ``register_kv_caches``) builds the rank's
-    Producer and/or Consumer over its tensors. Errors: :class:`LayoutError` for an unknown
-    tensor layout; kvferry's ValueError/RuntimeError when an engine cannot start."""
+    Built per worker process; :meth:`register` (from ``register_kv_caches``) starts the rank's
+    producer units (``config.head_splits`` Producers) and/or its whole-rank Consumer over its
+    tensors; a load that needs other head slices builds their Consumers on first use. Errors:
+    :class:`LayoutError` for an unknown tensor layout; :class:`~kvferry.vllm.units.ConfigError`
+    for a ``head_splits`` that does not fit the rank's KV heads; kvferry's
+    ValueError/RuntimeError when an engine cannot start."""
+
+    # Seconds past a load's deadline to wait for its unit loads to return (each has the
+    # deadline as its own timeout; this covers checksumming and scheduling the threads).
+    UNIT_JOIN_GRACE_SECONDS = 10.0
 
     def __init__(self, config: TransportConfig, *, tp_rank: int, pp_rank: int, tp_size: int, pp_size: int,
                  block_size: int, is_producer: bool, is_consumer: bool):
@@ -94,51 +115,97 @@ class KvferryTransport:
         self.tp_size, self.pp_size = tp_size, pp_size
         self.block_size = block_size
         self.is_producer, self.is_consumer = is_producer, is_consumer
-        self.producer: Any = None
-        self.consumer: Any = None
-        self._views: dict[str, tuple[Any, str]] = {}
-        # transfer id -> vLLM request id of published sends
-        self._published: dict[str, str] = {}
+        # Producer units, unit j at index j.
+        self.producers: list[Any] = []
+        # Consumers by the global KV heads [start, end) they cover (None: the rank's whole KV).
+        self.consumers: dict[tuple[int, int] | None, Any] = {}
+        # layer name -> (view, layout, dtype text)
+        self._views: dict[str, tuple[Any, str, str]] = {}
+        self.local_heads: int | None = None
+        # transfer id -> [vLLM request id, units not yet released, first reason other than "served"]
+        self._published: dict[str, list] = {}
+        self._released_ready: list[tuple[str, str]] = []
         self._lock = threading.Lock()
+        self._consumers_lock = threading.Lock()
         self._publish_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-publish")
+        self._unit_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvferry-unit-load")
 
-    def rank_port(self) -> int:
-        """This rank's control port (producer side)."""
-        return self.config.port + self.pp_rank * self.tp_size + self.tp_rank
+    def unit_port(self, unit: int = 0) -> int:
+        """This rank's control port of its producer unit ``unit``."""
+        return unit_port(self.config.port, self.tp_rank, self.pp_rank, self.tp_size, self.config.head_splits, unit)
 
     def register(self, kv_caches: dict[str, Any]) -> None:
-        """Describes the rank's layers to kvferry and starts its Producer and/or Consumer."""
-        layers = []
+        """Describes the rank's layers to kvferry and starts its producer units and/or its
+        whole-rank Consumer."""
+        heads = []
         for name, t in kv_caches.items():
             view, layout = layer_view(t, self.block_size)
-            self._views[name] = (view, layout)
-            heads = view.shape[layout.split().index("H")]
-            layers.append(kvferry.KVCacheLayer(name, view, layout, head_offset=self.tp_rank * heads,
-                                               kind="FullAttentionSpec", dtype=str(t.dtype)))
-        rank = kvferry.Rank([kvferry.KVCacheGroup(0, layers)])
+            self._views[name] = (view, layout, str(t.dtype))
+            axes = layout.split()
+            heads.append(view.shape[axes.index("H")] if "H" in axes else None)
+        self.local_heads = common_heads(heads)
         c = self.config
         if self.is_producer:
-            self.producer = kvferry.Producer(
-                [rank], bind=f"tcp://{c.host}:{self.rank_port()}", host=c.host, protocol=c.protocol,
-                # A consumer's load must leave the producer its whole transfer time (kvferry's p2p
-                # refuses a budget below it): half the load timeout, so equal configs pair.
-                lease=c.lease_seconds, transfer_timeout=c.load_timeout_seconds / 2)
-            log.info("kvferry producer rank tp=%d pp=%d serves on %s (%s)", self.tp_rank, self.pp_rank,
-                     self.producer.endpoint, self.producer.transport)
+            for j, unit_heads in enumerate(producer_units(self.tp_rank, self.local_heads, c.head_splits)):
+                producer = kvferry.Producer(
+                    [self._rank(unit_heads)], bind=f"tcp://{c.host}:{self.unit_port(j)}", host=c.host,
+                    protocol=c.protocol,
+                    # A consumer's load must leave the producer its whole transfer time (kvferry's p2p
+                    # refuses a budget below it): half the load timeout, so equal configs pair.
+                    lease=c.lease_seconds, transfer_timeout=c.load_timeout_seconds / 2)
+                self.producers.append(producer)
+                log.info("kvferry producer rank tp=%d pp=%d serves on %s (%s)%s", self.tp_rank, self.pp_rank,
+                         producer.endpoint, producer.transport, _heads_text(unit_heads))
         if self.is_consumer:
-            self.consumer = kvferry.Consumer(
-                [rank], host=c.host, protocol=c.protocol, fail_closed=c.fail_closed,
+            self._consumer(None)
+
+    def _layers(self, heads: tuple[int, int] | None) -> list[tuple[str, Any, str, int, str]]:
+        """``(name, view, layout, head_offset, dtype)`` of every layer, each view narrowed to the
+        global KV heads ``heads`` (None: all of the rank's; a layer without an H axis whole)."""
+        out = []
+        for name, (view, layout, dtype) in self._views.items():
+            axes = layout.split()
+            if "H" not in axes:
+                # No head axis (MLA): never split (units.py); its head offset is 0.
+                out.append((name, view, layout, 0, dtype))
+                continue
+            h = axes.index("H")
+            offset = self.tp_rank * view.shape[h]
+            if heads is not None:
+                view, offset = view.narrow(h, heads[0] - offset, heads[1] - heads[0]), heads[0]
+            out.append((name, view, layout, offset, dtype))
+        return out
+
+    def _rank(self, heads: tuple[int, int] | None) -> Any:
+        """A ``kvferry.Rank`` over this rank's layers narrowed to ``heads`` (see :meth:`_layers`)."""
+        layers = [kvferry.KVCacheLayer(name, view, layout, head_offset=offset, kind="FullAttentionSpec", dtype=dtype)
+                  for name, view, layout, offset, dtype in self._layers(heads)]
+        return kvferry.Rank([kvferry.KVCacheGroup(0, layers)])
+
+    def _consumer(self, heads: tuple[int, int] | None) -> Any:
+        """The Consumer over the global KV heads ``heads`` (None: the whole rank), built on
+        first use. Raises what ``kvferry.Consumer`` raises."""
+        with self._consumers_lock:
+            consumer = self.consumers.get(heads)
+            if consumer is not None:
+                return consumer
+            c = self.config
+            consumer = kvferry.Consumer(
+                [self._rank(heads)], host=c.host, protocol=c.protocol, fail_closed=c.fail_closed,
                 load_failure_policy=c.load_failure_policy, reply_timeout=c.load_timeout_seconds,
                 max_wait=c.load_timeout_seconds, connect_timeout=c.connect_timeout_seconds)
             if c.test_corrupt_transfer_prefix is not None:
-                self.consumer.set_landed_hook(self._corrupt_hook(c.test_corrupt_transfer_prefix))
-                log.warning("kvferry TEST HOOK on: loads of transfers %r* get a landed bit flipped",
-                            c.test_corrupt_transfer_prefix)
+                _, view, layout, _, _ = self._layers(heads)[0]
+                consumer.set_landed_hook(self._corrupt_hook(c.test_corrupt_transfer_prefix, view, layout))
+                log.warning("kvferry TEST HOOK on: loads of transfers %r* get a landed bit flipped%s",
+                            c.test_corrupt_transfer_prefix, _heads_text(heads))
+            self.consumers[heads] = consumer
+            return consumer
 
-    def _corrupt_hook(self, prefix: str) -> Callable[[dict], None]:
+    @staticmethod
+    def _corrupt_hook(prefix: str, view: Any, layout: str) -> Callable[[dict], None]:
         import torch
 
-        view, layout = next(iter(self._views.values()))
         word = view.view(torch.int32) if view.element_size() == 4 else view.view(torch.int16)
 
         def hook(landed: dict) -> None:
@@ -147,9 +214,9 @@ class KvferryTransport:
             for g in landed["groups"]:
                 if g["local_blocks"]:
                     b = g["local_blocks"][0]
-                    # K, head 0, token 0, element 0 of the first landed block of the first layer.
-                    idx = (b, 0, 0, 0, 0) if layout.startswith("B") else (0, b, 0, 0, 0)
-                    word[idx] ^= 0x100
+                    # Element 0 of every axis but B (K, the view's first head, token 0) of the
+                    # first landed block of the first layer.
+                    word[tuple(b if axis == "B" else 0 for axis in layout.split())] ^= 0x100
                     if word.is_cuda:
                         torch.cuda.synchronize(word.device)
                     log.warning("kvferry TEST HOOK: flipped a bit of landed block %d of transfer %s",
@@ -159,46 +226,71 @@ class KvferryTransport:
         return hook
 
     def serve(self, send: SendSpec) -> None:
-        """Publishes a finished prompt's blocks (checksummed now, off the forward path)."""
-        if self.producer is None:
+        """Publishes a finished prompt's blocks through every unit (checksummed now, off the
+        forward path)."""
+        if not self.producers:
             log.error("kvferry: request %s asks to be served but this rank has no producer", send.request_id)
             return
         with self._lock:
-            self._published[send.transfer_id] = send.request_id
+            self._published[send.transfer_id] = [send.request_id, len(self.producers), "served"]
         self._publish_pool.submit(self._publish, send)
 
     def _publish(self, send: SendSpec) -> None:
-        try:
-            info = self.producer.publish(send.transfer_id, [list(g) for g in send.block_ids], send.num_tokens,
-                                         load_key=send.load_key)
-        except Exception as e:  # the lease backstop in the worker frees the blocks
-            log.error("kvferry: publishing request %s (transfer %s) failed: %s", send.request_id, send.transfer_id, e)
-            return
-        if info.warning:
-            log.warning("kvferry: transfer %s published without checksums: %s", send.transfer_id, info.warning)
+        for j, producer in enumerate(self.producers):
+            try:
+                info = producer.publish(send.transfer_id, [list(g) for g in send.block_ids], send.num_tokens,
+                                        load_key=send.load_key)
+            except Exception as e:  # this unit will never release it: count it released now
+                log.error("kvferry: publishing request %s (transfer %s) on unit %d failed: %s",
+                          send.request_id, send.transfer_id, j, e)
+                self._unit_released(send.transfer_id, f"failed: publish on unit {j}: {e}")
+                continue
+            if info.warning:
+                log.warning("kvferry: transfer %s published without checksums on unit %d: %s",
+                            send.transfer_id, j, info.warning)
+
+    def _unit_released(self, transfer_id: str, reason: str) -> None:
+        """Counts one unit's release of ``transfer_id``; queues ``(request id, reason)`` for
+        :meth:`released` once every unit released it (reason ``served`` when all were served,
+        else the first other reason)."""
+        with self._lock:
+            entry = self._published.get(transfer_id)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if reason != "served" and entry[2] == "served":
+                entry[2] = reason
+            if entry[1] > 0:
+                return
+            del self._published[transfer_id]
+            self._released_ready.append((entry[0], entry[2]))
 
     def released(self) -> list[tuple[str, str]]:
-        """``(vLLM request id, reason)`` of the sends kvferry released since the last call
-        (``served``, ``expired``, ``failed: ...``): their blocks may be freed."""
-        if self.producer is None:
-            return []
-        out = []
-        for transfer_id, reason in self.producer.released():
-            with self._lock:
-                rid = self._published.pop(transfer_id, None)
-            if rid is not None:
-                out.append((rid, reason))
+        """``(vLLM request id, reason)`` of the sends every unit released since the last call
+        (``served``, ``expired``, ``failed: ...``; the first reason other than ``served`` of any
+        unit): their blocks may be freed."""
+        for producer in self.producers:
+            for transfer_id, reason in producer.released():
+                self._unit_released(transfer_id, reason)
+        with self._lock:
+            out, self._released_ready = self._released_ready, []
         return out
 
     def load(self, spec: LoadSpec, deadline: float) -> LoadResult:
-        """Loads and verifies one request's KV of this rank; blocks until done or ``deadline``."""
-        if self.consumer is None:
+        """Loads and verifies one request's KV of this rank from every producer unit that holds
+        some of its KV heads (concurrently, one deadline); blocks until all returned or
+        ``deadline``. ``ok`` only when every unit's load completed; else the first failing
+        unit's verdict and reason. A producer whose units do not tile this rank's heads is
+        refused as unverified before any transfer (the reason says what to set)."""
+        if None not in self.consumers:  # register() builds the whole-rank Consumer of a consumer rank
             return LoadResult(ok=False, verdict="unverified", reason="this rank has no consumer")
         src = spec.source
-        if (src.tp_size, src.pp_size) != (self.tp_size, self.pp_size):
-            return LoadResult(ok=False, verdict="unverified",
-                              reason=f"producer TP x PP {src.tp_size}x{src.pp_size} differs from this "
-                                     f"instance's {self.tp_size}x{self.pp_size} (per-rank pairs need equal sizes)")
+        try:
+            units = consumer_units(tp_rank=self.tp_rank, tp_size=self.tp_size, pp_size=self.pp_size,
+                                   local_heads=self.local_heads, producer_tp_size=src.tp_size,
+                                   producer_pp_size=src.pp_size, producer_head_splits=src.head_splits)
+        except PairingError as e:
+            return LoadResult(ok=False, verdict="unverified", reason=str(e))
         bs = self.block_size
         n = -(-spec.num_tokens // bs)
         skip = spec.num_local_computed // bs
@@ -213,27 +305,57 @@ class KvferryTransport:
                                          f"the prompt needs {n}")
             remote.append(rtable)
             local.append(table)
-        endpoint = f"tcp://{src.host}:{src.rank_port(self.tp_rank, self.pp_rank)}"
-        timeout = max(deadline - time.monotonic(), 0.001)
-        out = self.consumer.load(src.transfer_id, endpoint, remote, local, spec.num_tokens,
-                                 num_local_computed=spec.num_local_computed, timeout=timeout,
-                                 load_key=src.load_key)
+        if len(units) == 1:
+            results = [self._load_unit(spec, units[0], remote, local, deadline)]
+        else:
+            futures = [self._unit_pool.submit(self._load_unit, spec, u, remote, local, deadline) for u in units]
+            wait(futures, timeout=max(deadline - time.monotonic(), 0.0) + self.UNIT_JOIN_GRACE_SECONDS)
+            results = [f.result() if f.done() else
+                       LoadResult(ok=False, verdict="unverified", reason="the load did not return by its deadline")
+                       for f in futures]
+        for unit, result in zip(units, results):
+            if not result.ok:
+                where = f"{_heads_text(unit.heads).strip()}: " if len(units) > 1 else ""
+                return LoadResult(ok=False, verdict=result.verdict, reason=where + result.reason)
+        return LoadResult(ok=True, verdict=results[0].verdict)
+
+    def _load_unit(self, spec: LoadSpec, unit: Unit, remote: list, local: list, deadline: float) -> LoadResult:
+        """One unit's load (on the calling thread); never raises."""
+        src = spec.source
+        endpoint = f"tcp://{src.host}:{src.unit_port(unit.tp_rank, self.pp_rank, unit.unit)}"
+        try:
+            consumer = self._consumer(unit.heads)
+            out = consumer.load(src.transfer_id, endpoint, remote, local, spec.num_tokens,
+                                num_local_computed=spec.num_local_computed,
+                                timeout=max(deadline - time.monotonic(), 0.001), load_key=src.load_key)
+        except Exception as e:  # a bad spec or an engine that cannot start: this unit failed
+            return LoadResult(ok=False, verdict="unverified", reason=f"load from {endpoint} raised {e!r}")
         status = out.verdict.status if out.verdict is not None else "unverified"
         if not out.landed:
             return LoadResult(ok=False, verdict=status, reason=f"did not land: {out.error}")
         if out.action != "complete":
             return LoadResult(ok=False, verdict=status, reason=f"kvferry policy says {out.action}")
-        log.info("kvferry: load of request %s (transfer %s) %s: %d bytes, transfer %.4f s, checksum %.4f s",
-                 spec.request_id, src.transfer_id, status, out.bytes, out.transfer_seconds, out.checksum_seconds)
+        log.info("kvferry: load of request %s (transfer %s) %s: %d bytes, transfer %.4f s, checksum %.4f s%s",
+                 spec.request_id, src.transfer_id, status, out.bytes, out.transfer_seconds, out.checksum_seconds,
+                 _heads_text(unit.heads, f" from {endpoint}"))
         return LoadResult(ok=True, verdict=status)
 
     def shutdown(self) -> None:
-        """Stops the publish thread (waits for a publish in flight), then the producer."""
+        """Stops the publish thread (waits for a publish in flight), then the producer units;
+        drops the Consumers (their engines stop with them)."""
         # kvferry.Producer.shutdown waits for its lock with the GIL held while a publish on
         # another thread holds that lock and needs the GIL to return: never overlap them.
         self._publish_pool.shutdown(wait=True, cancel_futures=True)
-        if self.producer is not None:
+        self._unit_pool.shutdown(wait=False, cancel_futures=True)
+        for j, producer in enumerate(self.producers):
             try:
-                self.producer.shutdown()
+                producer.shutdown()
             except Exception as e:  # shutting down: nothing left to protect
-                log.warning("kvferry: producer shutdown: %s", e)
+                log.warning("kvferry: producer unit %d shutdown: %s", j, e)
+        with self._consumers_lock:
+            self.consumers.clear()
+
+
+def _heads_text(heads: tuple[int, int] | None, suffix: str = "") -> str:
+    """`` (KV heads [a, b)<suffix>)`` for a unit of some heads, ``""`` for a whole rank."""
+    return "" if heads is None else f" (KV heads [{heads[0]}, {heads[1]}){suffix})"

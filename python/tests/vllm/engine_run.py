@@ -1,17 +1,18 @@
-"""Runs one vLLM CPU engine (tiny random-weight Qwen3 written here) in this process and prints
-one JSON line of results. Driven by test_vllm_cpu.py, one subprocess per engine: vLLM keeps the KV
+"""Runs one vLLM CPU engine (a tiny random-weight Qwen3 checkpoint written here) in this process
+and prints one JSON line of results. Driven by test_vllm_cpu.py, one subprocess per engine: vLLM keeps the KV
 connector and the distributed state as process globals.
 
     python engine_run.py SCENARIO MODEL_DIR RENDEZVOUS_DIR
-    SCENARIO: producer | consumer-recompute | consumer-fail (TP 1)
-            | producer-tp2 | consumer-tp2 (TP 2, policy recompute)
+    SCENARIO: producer-<name> of PRODUCERS | consumer-<name> of CONSUMERS
 
-A producer and its consumers (CONSUMERS) run at the same time and meet through files in
-RENDEZVOUS_DIR: each consumer writes ``ready-<name>`` once started; the producer then prefills
-every prompt once per consumer and kind (``do_remote_decode``, transfer ids ``<name>-ok-<i>`` and
-``<name>-corrupt-<i>``) and writes the returned ``kv_transfer_params`` to ``params.json``; each
-consumer decodes with them (the ``corrupt`` loads get a landed bit flipped by the connector's
-test hook) and writes ``done-<name>``; the producer then checks that its held blocks were freed.
+Producers and their consumers run at the same time and meet through files in RENDEZVOUS_DIR:
+each consumer writes ``ready-<name>`` once started; a producer then prefills every prompt once
+per consumer and kind (``do_remote_decode``, transfer ids ``<name>-ok-<tag><i>`` and
+``<name>-corrupt-<tag><i>``, ``tag`` the producer's) and writes the returned
+``kv_transfer_params`` to ``params-<producer scenario>.json``; each consumer decodes with the
+params of each of its producers as they appear (the ``corrupt`` loads get a landed bit flipped by
+the connector's test hook) and writes ``done-<name>``; the producers then check that their held
+blocks were freed.
 """
 
 import json
@@ -42,45 +43,54 @@ MAX_TOKENS = 8
 
 
 def write_model(path: str) -> None:
+    """The tiny Qwen3's config and a seeded random checkpoint (the same bytes in every process;
+    written atomically, as engines start side by side)."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(TINY_QWEN3, f)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
+    from safetensors.torch import save_file
+
+    tmp = os.path.join(path, f"model.safetensors.{os.getpid()}.tmp")
+    save_file(random_weights(), tmp)
+    os.replace(tmp, os.path.join(path, "model.safetensors"))
 
 
-def reinit_weights(model) -> None:
-    """vLLM's dummy weights (uniform +-1e-3) make the next token a function of the last token
-    alone, so a load that never happened would go unnoticed. Seeded O(1)-scale weights instead,
-    identical in every process: the output depends on the prompt's KV.
+def random_weights() -> dict:
+    """Seeded N(0, 1/fan_in) weights of the unsharded model in Hugging Face names (norms 1).
 
-    vLLM's CPU linear layers prepack their weight at load time (oneDNN or sgl-kernel, dropping
-    `weight`: vllm/model_executor/layers/utils.py dispatch_cpu_unquantized_gemm), so each one gets
-    a new weight and plain torch.nn.functional.linear."""
+    vLLM's dummy weights (uniform +-1e-3) make the next token a function of the last token
+    alone, so a load that never happened would go unnoticed; O(1)-scale weights make the output
+    depend on the prompt's KV. They are a checkpoint, not written into the loaded model, so that
+    vLLM's own loaders shard them: the same model at every TP size (heterogeneous TP compares a
+    TP 1 engine's output with a TP 2 engine's)."""
     import torch
-    import torch.nn.functional as F
 
+    c = TINY_QWEN3
+    hidden, heads, kv, hd, inter = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],
+                                    c["head_dim"], c["intermediate_size"])
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (c["vocab_size"], hidden)}
+    for i in range(c["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        shapes.update({
+            pre + "self_attn.q_proj.weight": (heads * hd, hidden), pre + "self_attn.k_proj.weight": (kv * hd, hidden),
+            pre + "self_attn.v_proj.weight": (kv * hd, hidden), pre + "self_attn.o_proj.weight": (hidden, heads * hd),
+            pre + "self_attn.q_norm.weight": (hd,), pre + "self_attn.k_norm.weight": (hd,),
+            pre + "mlp.gate_proj.weight": (inter, hidden), pre + "mlp.up_proj.weight": (inter, hidden),
+            pre + "mlp.down_proj.weight": (hidden, inter), pre + "input_layernorm.weight": (hidden,),
+            pre + "post_attention_layernorm.weight": (hidden,),
+        })
     gen = torch.Generator().manual_seed(1234)
-
-    def plain_linear(x, weight, bias):
-        return F.linear(x, weight, bias)
-
-    with torch.no_grad():
-        for name, m in sorted(model.named_modules()):
-            w = getattr(m, "weight", None)
-            if not isinstance(w, torch.nn.Parameter):
-                continue
-            if "norm" in name:
-                w.fill_(1.0)
-                continue
-            if hasattr(m, "cpu_linear") and hasattr(m, "output_size_per_partition"):
-                shape = (m.output_size_per_partition, m.input_size_per_partition)
-            else:
-                shape = tuple(w.shape)
+    out = {}
+    for name, shape in sorted(shapes.items()):
+        if "norm" in name:
+            out[name] = torch.ones(shape)
+        else:
             fan_in = shape[-1] if "embed" not in name else 1
-            m.weight = torch.nn.Parameter(torch.randn(shape, generator=gen) / fan_in**0.5, requires_grad=False)
-            if hasattr(m, "cpu_linear"):
-                m.cpu_linear = plain_linear
+            out[name] = (torch.randn(shape, generator=gen) / fan_in**0.5).contiguous()
+    return out
 
 
 PORT = 17555
@@ -88,7 +98,7 @@ LEASE_S = 15.0
 
 
 def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1, port: int = PORT,
-             name: str | None = None):
+             name: str | None = None, head_splits: int = 1):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -98,14 +108,13 @@ def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1, po
             kv_connector="KvferryConnector", kv_connector_module_path="kvferry.vllm",
             kv_role=role, kv_load_failure_policy=policy,
             kv_connector_extra_config={"host": "127.0.0.1", "port": port, "lease_seconds": LEASE_S,
-                                       "load_timeout_seconds": 20.0, "fail_closed": True,
+                                       "load_timeout_seconds": 20.0, "fail_closed": True, "head_splits": head_splits,
                                        "test_corrupt_transfer_prefix": f"{name or policy}-corrupt-"},
         )
-    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
+    llm = LLM(model=model, load_format="safetensors", skip_tokenizer_init=True, dtype="float32",
               max_model_len=256, enforce_eager=True, seed=0, block_size=BLOCK_SIZE,
               max_num_seqs=4, enable_prefix_caching=False, kv_transfer_config=ktc,
               tensor_parallel_size=tp)
-    llm.apply_model(reinit_weights)
     return llm
 
 
@@ -156,22 +165,27 @@ def touch(path: str, data: str = "") -> None:
 RENDEZVOUS_TIMEOUT_S = 480
 
 
-# Consumers of each producer: name -> (kv_load_failure_policy, TP size). Transfer ids
-# "<name>-ok-<i>" / "<name>-corrupt-<i>"; the consumer's test hook flips a landed bit of the latter.
-CONSUMERS = {"producer": {"recompute": ("recompute", 1), "fail": ("fail", 1)},
-             "producer-tp2": {"tp2": ("recompute", 2)}}
+# Consumers: name -> (kv_load_failure_policy, TP size). Their test hook flips a landed bit of
+# every load of a transfer "<name>-corrupt-...".
+CONSUMERS = {"recompute": ("recompute", 1), "fail": ("fail", 1), "tp2": ("recompute", 2), "tp1": ("recompute", 1)}
+# Producers: scenario -> (TP size, head_splits, base port, transfer id tag, consumer names).
+PRODUCERS = {
+    "producer": (1, 1, PORT, "", ("recompute", "fail")),
+    "producer-tp2": (2, 1, PORT + 10, "", ("tp2", "tp1")),
+    # Heterogeneous TP the other way: TP 1 split into 2 units, each TP 2 consumer rank loads one.
+    "producer-split": (1, 2, PORT + 20, "s-", ("tp2",)),
+}
 
 
 def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -> None:
-    tp = 2 if scenario == "producer-tp2" else 1
-    llm = make_llm(model, "kv_producer", tp=tp, port=PORT + 10 * (tp - 1))
+    tp, head_splits, port, tag, names = PRODUCERS[scenario]
+    llm = make_llm(model, "kv_producer", tp=tp, port=port, head_splits=head_splits)
     result["startup_s"] = time.monotonic() - t0
     result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
     result["free_before"] = free_blocks(llm)
-    names = list(CONSUMERS[scenario])
     for name in names:
         wait_for(os.path.join(rdv, f"ready-{name}"), RENDEZVOUS_TIMEOUT_S)
-    tids = [f"{name}-{kind}-{i}" for name in names for kind in ("ok", "corrupt") for i in range(len(PROMPTS))]
+    tids = [f"{name}-{kind}-{tag}{i}" for name in names for kind in ("ok", "corrupt") for i in range(len(PROMPTS))]
     tids += [f"unclaimed-{i}" for i in range(len(PROMPTS))]
     prompts = [PROMPTS[int(t.rsplit("-", 1)[1])] for t in tids]
     outs = generate(llm, prompts, 1, lambda i: {"do_remote_decode": True, "transfer_id": tids[i]})
@@ -180,7 +194,8 @@ def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -
     # workers, which publish them to kvferry (their lease starts there).
     generate(llm, [[5, 6, 7]], 1)
     result["free_held"] = free_blocks(llm)
-    touch(os.path.join(rdv, "params.json"), json.dumps({t: o["kv_transfer_params"] for t, o in zip(tids, outs)}))
+    touch(os.path.join(rdv, f"params-{scenario}.json"),
+          json.dumps({t: o["kv_transfer_params"] for t, o in zip(tids, outs)}))
     for name in names:
         wait_for(os.path.join(rdv, f"done-{name}"), RENDEZVOUS_TIMEOUT_S)
     # Served sends are released at once; the unclaimed ones when their lease expires.
@@ -192,8 +207,8 @@ def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -
 
 
 def run_consumer(name: str, model: str, rdv: str, result: dict, t0: float) -> None:
-    policy, tp = next(c[name] for c in CONSUMERS.values() if name in c)
-    llm = make_llm(model, "kv_consumer", policy, tp=tp, port=PORT + 10 * (tp - 1), name=name)
+    policy, tp = CONSUMERS[name]
+    llm = make_llm(model, "kv_consumer", policy, tp=tp, name=name)
     result["startup_s"] = time.monotonic() - t0
     result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
     # Same last token, other context: outputs must differ, or equality proves nothing.
@@ -201,12 +216,25 @@ def run_consumer(name: str, model: str, rdv: str, result: dict, t0: float) -> No
         llm, [[t + 100 for t in p[:-1]] + p[-1:] for p in PROMPTS], MAX_TOKENS)
     result["decode_unreachable"] = generate(llm, PROMPTS, MAX_TOKENS, fake_producer_reply)
     touch(os.path.join(rdv, f"ready-{name}"))
-    wait_for(os.path.join(rdv, "params.json"), RENDEZVOUS_TIMEOUT_S)
-    with open(os.path.join(rdv, "params.json")) as f:
-        params = json.load(f)
+    # This run's producers of this consumer, taken in the order their params appear (each
+    # holds its blocks only for its lease).
+    pending = {s: PRODUCERS[s][3] for s in PRODUCERS if name in PRODUCERS[s][4]}
+    end = time.monotonic() + RENDEZVOUS_TIMEOUT_S
     try:
-        for kind in ("ok", "corrupt"):
-            result[f"decode_{kind}"] = generate(llm, PROMPTS, MAX_TOKENS, lambda i: params[f"{name}-{kind}-{i}"])
+        while pending:
+            ready = [s for s in pending if os.path.exists(os.path.join(rdv, f"params-{s}.json"))]
+            if not ready:
+                if time.monotonic() > end:
+                    raise SystemExit(f"timed out waiting for the params of {sorted(pending)}")
+                time.sleep(0.2)
+                continue
+            scenario, tag = ready[0], pending.pop(ready[0])
+            with open(os.path.join(rdv, f"params-{scenario}.json")) as f:
+                params = json.load(f)
+            for kind in ("ok", "corrupt"):
+                key = f"decode_{kind}" + (f"_{tag.rstrip('-')}" if tag else "")
+                result[key] = generate(llm, PROMPTS, MAX_TOKENS,
+                                       lambda i: params[f"{name}-{kind}-{tag}{i}"])
     finally:
         touch(os.path.join(rdv, f"done-{name}"))
     result["free_after"] = free_blocks(llm)
@@ -218,9 +246,9 @@ def main() -> None:
     write_model(model)
     t0 = time.monotonic()
     result: dict = {"scenario": scenario}
-    if scenario in CONSUMERS:
+    if scenario in PRODUCERS:
         run_producer(scenario, model, rdv, result, t0)
-    elif scenario.startswith("consumer-"):
+    elif scenario.removeprefix("consumer-") in CONSUMERS:
         run_consumer(scenario.removeprefix("consumer-"), model, rdv, result, t0)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")

@@ -1,6 +1,7 @@
-"""kvferry.vllm.transport without engines: a producer rank and a consumer rank in this process
-over TCP on 127.0.0.1, KV in vLLM's CPU layout ([B, H, N, 2 * D] per layer). Seconds, not
-minutes: the engine tests (test_vllm_cpu.py) cover the same path inside vLLM."""
+"""kvferry.vllm.transport without engines: producer ranks and consumer ranks in this process over
+TCP on 127.0.0.1, KV in vLLM's CPU layout ([B, H, N, 2 * D] per layer, 2 KV heads of 64), equal
+and different TP sizes (units of KV heads, units.py). Seconds, not minutes: the engine tests
+(test_vllm_cpu.py) cover the same path inside vLLM."""
 
 import importlib.util
 import time
@@ -15,6 +16,7 @@ import torch
 from kvferry.vllm.metadata import LoadSpec, SendSpec
 from kvferry.vllm.params import RemoteSource
 from kvferry.vllm.transport import KvferryTransport, LayoutError, TransportConfig, layer_view
+from kvferry.vllm.units import ConfigError
 
 BLOCK = 32
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -27,20 +29,49 @@ def caches(num_blocks, seed):
             for name in LAYERS}
 
 
-def make(role, kv, port, **cfg):
-    t = KvferryTransport(TransportConfig(host="127.0.0.1", port=port, **cfg), tp_rank=0, pp_rank=0, tp_size=1,
-                         pp_size=1, block_size=BLOCK, is_producer=role == "p", is_consumer=role == "c")
+def make(role, kv, port, tp_rank=0, tp_size=1, **cfg):
+    t = KvferryTransport(TransportConfig(host="127.0.0.1", port=port, **cfg), tp_rank=tp_rank, pp_rank=0,
+                         tp_size=tp_size, pp_size=1, block_size=BLOCK, is_producer=role == "p",
+                         is_consumer=role == "c")
     t.register(kv)
     return t
 
 
-def send_and_load(producer, consumer, tid, port, num_tokens=75, remote=(3, 0, 5), local=(7, 2, 6)):
-    producer.serve(SendSpec(request_id="p-" + tid, transfer_id=tid, block_ids=(remote,), num_tokens=num_tokens,
-                            lease_seconds=10.0, load_key="k-" + tid))
-    src = RemoteSource(transfer_id=tid, engine_id="e", host="127.0.0.1", port=port, tp_size=1, pp_size=1,
-                       remote_block_ids=(remote,), load_key="k-" + tid)
+def rank_slice(kv, tp_rank, tp_size):
+    """TP rank ``tp_rank``'s own KV tensors (its heads, contiguous, as vLLM allocates them)."""
+    h = next(iter(kv.values())).shape[1] // tp_size
+    return {name: t[:, tp_rank * h:(tp_rank + 1) * h].clone() for name, t in kv.items()}
+
+
+def serve(producers, tid, num_tokens=75, remote=(3, 0, 5)):
+    for p in producers:
+        p.serve(SendSpec(request_id="p-" + tid, transfer_id=tid, block_ids=(remote,), num_tokens=num_tokens,
+                         lease_seconds=10.0, load_key="k-" + tid))
+
+
+def load(consumer, tid, port, num_tokens=75, remote=(3, 0, 5), local=(7, 2, 6), tp_size=1, head_splits=1,
+         pp_size=1):
+    src = RemoteSource(transfer_id=tid, engine_id="e", host="127.0.0.1", port=port, tp_size=tp_size,
+                       pp_size=pp_size, remote_block_ids=(remote,), load_key="k-" + tid, head_splits=head_splits)
     spec = LoadSpec(request_id="d-" + tid, source=src, block_ids=(local,), num_tokens=num_tokens)
     return consumer.load(spec, time.monotonic() + 20)
+
+
+def send_and_load(producer, consumer, tid, port, num_tokens=75, remote=(3, 0, 5), local=(7, 2, 6)):
+    serve([producer], tid, num_tokens, remote)
+    return load(consumer, tid, port, num_tokens, remote, local)
+
+
+def assert_landed(pkv, ckv, pheads, cheads=None, remote=(3, 0, 5), local=(7, 2, 6), last_tokens=11):
+    """The consumer's local heads ``cheads`` (default ``pheads``) of the loaded blocks equal the
+    producer's local heads ``pheads``, every layer (``[start, end)`` of the tensors' H axis)."""
+    cheads = cheads or pheads
+    for name in LAYERS:
+        pv, cv = layer_view(pkv[name], BLOCK)[0], layer_view(ckv[name], BLOCK)[0]
+        for rb, lb in zip(remote, local):
+            # The last block holds 75 - 64 = 11 tokens: compare those rows of K and V.
+            n = BLOCK if rb != remote[-1] else last_tokens
+            assert torch.equal(pv[rb, pheads[0]:pheads[1], :, :n], cv[lb, cheads[0]:cheads[1], :, :n]), (name, rb)
 
 
 @pytest.fixture
@@ -62,12 +93,9 @@ def test_load_lands_the_producers_blocks_verified_and_releases_the_send(pair):
     p, c, pkv, ckv = pair(PORT)
     r = send_and_load(p, c, "t0", PORT)
     assert r.ok and r.verdict == "verified", r
-    for name in LAYERS:
-        for rb, lb in zip((3, 0, 5), (7, 2, 6)):
-            # The last block holds 75 - 64 = 11 tokens: compare those rows of K and V.
-            n = BLOCK if rb != 5 else 11
-            pv, cv = layer_view(pkv[name], BLOCK)[0], layer_view(ckv[name], BLOCK)[0]
-            assert torch.equal(pv[rb, :, :, :n], cv[lb, :, :, :n])
+    assert_landed(pkv, ckv, (0, 2))
+    # Equal TP, one unit: one Consumer over the whole rank, one load.
+    assert list(c.consumers) == [None] and len(p.producers) == 1
     end = time.monotonic() + 10
     released = []
     while not released and time.monotonic() < end:
@@ -94,12 +122,109 @@ def test_a_wrong_load_key_does_not_land(pair):
     assert not r.ok and "did not land" in r.reason
 
 
-def test_different_tp_sizes_are_refused_before_any_transfer(pair):
+def test_different_pp_sizes_are_refused_before_any_transfer(pair):
     p, c, _, _ = pair(PORT + 30)
-    src = RemoteSource(transfer_id="t", engine_id="e", host="127.0.0.1", port=PORT + 30, tp_size=2, pp_size=1,
-                       remote_block_ids=((1,),), load_key="k")
-    r = c.load(LoadSpec(request_id="d", source=src, block_ids=((2,),), num_tokens=5), time.monotonic() + 20)
-    assert not r.ok and "differs" in r.reason
+    serve([p], "t")
+    r = load(c, "t", PORT + 30, pp_size=2)
+    assert not r.ok and r.verdict == "unverified" and "PP size 2 differs" in r.reason, r
+    assert list(c.consumers) == [None]
+
+
+@pytest.fixture
+def built():
+    made = []
+
+    def build(role, kv, port, **kw):
+        t = make(role, kv, port, **kw)
+        made.append(t)
+        return t
+
+    yield build
+    for t in made:
+        t.shutdown()
+
+
+def released_soon(producer):
+    """``producer.released()`` once it says something (kvferry releases a served lease before
+    the consumer's load returns, design §4.3: the first call normally has it)."""
+    end = time.monotonic() + 10
+    while True:
+        out = producer.released()
+        if out or time.monotonic() > end:
+            return out
+        time.sleep(0.05)
+
+
+def test_tp2_producer_to_tp1_consumer_loads_both_ranks_units_verified(built):
+    port = PORT + 40
+    pkv, ckv = caches(8, seed=2), caches(8, seed=None)
+    producers = [built("p", rank_slice(pkv, r, 2), port, tp_rank=r, tp_size=2) for r in (0, 1)]
+    c = built("c", ckv, port)
+    serve(producers, "t")
+    r = load(c, "t", port, tp_size=2)
+    assert r.ok and r.verdict == "verified", r
+    assert_landed(pkv, ckv, (0, 2))
+    # One Consumer per producer unit (a head each) besides the whole-rank one.
+    assert sorted(k for k in c.consumers if k) == [(0, 1), (1, 2)]
+    assert [released_soon(p) for p in producers] == [[("p-t", "served")]] * 2
+
+
+def test_tp1_producer_split_in_two_to_tp2_consumer_each_rank_loads_its_unit(built):
+    port = PORT + 50
+    pkv = caches(8, seed=3)
+    p = built("p", pkv, port, head_splits=2)
+    assert [q.endpoint for q in p.producers] == [f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"]
+    ckvs = [rank_slice(caches(8, seed=None), r, 2) for r in (0, 1)]
+    consumers = [built("c", ckvs[r], port, tp_rank=r, tp_size=2) for r in (0, 1)]
+    serve([p], "t")
+    r0 = load(consumers[0], "t", port, head_splits=2)
+    assert r0.ok and r0.verdict == "verified", r0
+    # Unit 0 is served, unit 1 still holds the request: vLLM must not free its blocks yet.
+    assert p.released() == []
+    r1 = load(consumers[1], "t", port, head_splits=2)
+    assert r1.ok and r1.verdict == "verified", r1
+    assert released_soon(p) == [("p-t", "served")]
+    for rank, c in enumerate(consumers):
+        # Each consumer rank's one KV head is a whole unit: one load, no sliced Consumer.
+        assert list(c.consumers) == [None]
+        assert_landed(pkv, ckvs[rank], (rank, rank + 1), (0, 1))
+
+
+def test_a_flipped_bit_in_one_units_landed_blocks_fails_the_load(built):
+    port = PORT + 60
+    pkv, ckv = caches(8, seed=4), caches(8, seed=None)
+    producers = [built("p", rank_slice(pkv, r, 2), port, tp_rank=r, tp_size=2) for r in (0, 1)]
+    c = built("c", ckv, port)
+    view = layer_view(ckv[LAYERS[0]], BLOCK)[0]
+
+    def flip(landed):
+        # Head 1 (unit (1, 2)), K, token 0, element 0 of the first landed block.
+        view[landed["groups"][0]["local_blocks"][0], 1, 0, 0, 0] += 1.0
+
+    c._consumer((1, 2)).set_landed_hook(flip)
+    serve(producers, "t")
+    r = load(c, "t", port, tp_size=2)
+    assert not r.ok and r.verdict == "mismatch", r
+    assert "KV heads [1, 2)" in r.reason and "policy says" in r.reason, r
+
+
+def test_a_consumer_rank_smaller_than_a_unit_is_refused_with_what_to_set(built):
+    port = PORT + 70
+    pkv = caches(8, seed=5)
+    p = built("p", pkv, port)  # head_splits 1: one unit of 2 heads
+    c = built("c", rank_slice(caches(8, seed=None), 1, 2), port, tp_rank=1, tp_size=2)
+    serve([p], "t")
+    r = load(c, "t", port)
+    assert not r.ok and r.verdict == "unverified", r
+    assert "producer units hold 2 KV heads, this rank holds 1" in r.reason, r
+    assert "head_splits 2" in r.reason, r
+    # Refused before any transfer: no Consumer beyond the whole-rank one, the lease still held.
+    assert list(c.consumers) == [None] and p.released() == []
+
+
+def test_head_splits_must_divide_the_ranks_heads():
+    with pytest.raises(ConfigError, match="does not divide this rank's 2 KV heads"):
+        make("p", caches(2, seed=None), PORT + 80, head_splits=3)
 
 
 def test_unknown_layout_is_a_clear_error():

@@ -8,6 +8,7 @@ is not installed.
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -81,9 +82,11 @@ def consumer_fail(disagg):
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    """A TP = 2 producer and a TP = 2 consumer (recompute): one kvferry Producer / Consumer per
-    worker process, rank r loads from rank r."""
-    return run_engines(["producer-tp2", "consumer-tp2"], tmp_path_factory)
+    """TP = 2 and heterogeneous TP, side by side (all recompute): a TP = 2 producer serving a
+    TP = 2 consumer (rank r loads from rank r) and a TP = 1 consumer (one load per producer
+    rank's head); a TP = 1 producer with head_splits 2 serving the same TP = 2 consumer (each
+    rank loads the unit of its head)."""
+    return run_engines(["producer-tp2", "producer-split", "consumer-tp2", "consumer-tp1"], tmp_path_factory)
 
 
 PROMPT_LENGTHS = (7, 32, 75)
@@ -123,13 +126,20 @@ def test_model_output_depends_on_the_whole_prompt(consumer_recompute):
     assert all(a["tokens"] != b["tokens"] for a, b in zip(r["reference"], r["reference_context_changed"]))
 
 
-def _verified(log: str) -> int:
-    return sum(1 for l in log.splitlines() if "kvferry: load of request" in l and ") verified:" in l)
+def _verified(log: str, transfer: str = r"[^)]+") -> int:
+    """Verified loads (one line per rank and producer unit) of transfers matching ``transfer``."""
+    return len(re.findall(rf"kvferry: load of request \S+ \(transfer {transfer}\) verified:", log))
 
 
-def _caught(log: str) -> int:
-    return sum(1 for l in log.splitlines() if "kvferry: load of request" in l and "(mismatch)" in l
-               and "reported to vLLM's kv_load_failure_policy" in l)
+def _caught(log: str, transfer: str = r"[^)]+") -> int:
+    """Loads failed by a mismatch (one line per rank and request) of transfers matching ``transfer``."""
+    return len(re.findall(rf"kvferry: load of request \S+ \(transfer {transfer}\) failed \(mismatch\):.*"
+                          "reported to vLLM's kv_load_failure_policy", log))
+
+
+def _flipped(log: str, transfer: str) -> int:
+    """Bits the test hook flipped (one per landed unit load) in transfers matching ``transfer``."""
+    return len(re.findall(rf"kvferry TEST HOOK: flipped a bit of landed block \d+ of transfer {transfer}\n", log))
 
 
 def test_disaggregated_decode_equals_the_plain_run(producer, consumer_recompute, consumer_fail):
@@ -143,7 +153,7 @@ def test_disaggregated_decode_equals_the_plain_run(producer, consumer_recompute,
 
 def test_corrupted_landed_byte_recompute_gives_the_reference(consumer_recompute):
     r = consumer_recompute
-    assert r["log"].count("kvferry TEST HOOK: flipped a bit") == 3
+    assert _flipped(r["log"], r"recompute-corrupt-\d") == 3
     assert _caught(r["log"]) == 3
     assert [o["tokens"] for o in r["decode_corrupt"]] == [o["tokens"] for o in r["reference"]]
     assert all(o["finish_reason"] == "length" for o in r["decode_corrupt"])
@@ -162,9 +172,10 @@ def test_each_tp_rank_process_runs_its_own_connector(tp2):
     p = tp2["producer-tp2"]
     kvp = p["prefill"]["tp2-ok-0"]["kv_transfer_params"]
     assert (kvp["remote_tp_size"], kvp["remote_pp_size"]) == (2, 1)
+    assert "remote_head_splits" not in kvp
     for rank in (0, 1):
         # One KV head per rank (2 in the model): (blocks, heads, block_size, 2 * head_dim).
-        for r in tp2.values():
+        for r in (p, tp2["consumer-tp2"]):
             line = next((l for l in r["log"].splitlines() if f"kvferry rank tp={rank} pp=0: 2 KV layers" in l), None)
             assert line is not None, f"TP rank {rank} registered no KV caches"
             assert ", 1, 32, 128) stride" in line, line
@@ -175,17 +186,64 @@ def test_tp2_decode_equals_the_plain_run_every_rank_verified(tp2):
     r = tp2["consumer-tp2"]
     assert [o["tokens"] for o in r["reference"]] == [o["tokens"] for o in tp2["producer-tp2"]["reference"]]
     assert [o["tokens"] for o in r["decode_ok"]] == [o["tokens"] for o in r["reference"]]
-    # 3 prompts x 2 ranks, each rank verifying its own KV head.
-    assert _verified(r["log"]) == 6, r["log"][-3000:]
+    # 3 prompts x 2 ranks, each rank verifying its own KV head in one load.
+    assert _verified(r["log"], r"tp2-ok-\d") == 6, r["log"][-3000:]
 
 
 def test_tp2_corruption_caught_on_each_rank_and_recomputed(tp2):
     r = tp2["consumer-tp2"]
-    assert r["log"].count("kvferry TEST HOOK: flipped a bit") == 6
-    assert _caught(r["log"]) == 6
+    assert _flipped(r["log"], r"tp2-corrupt-\d") == 6
+    assert _caught(r["log"], r"tp2-corrupt-\d") == 6
     assert [o["tokens"] for o in r["decode_corrupt"]] == [o["tokens"] for o in r["reference"]]
     assert r["free_after"] == r["free_total"], "blocks leaked after the loads"
     assert tp2["producer-tp2"]["free_after_lease"] == tp2["producer-tp2"]["free_before"]
+
+
+def test_tp2_producer_to_tp1_consumer_loads_each_ranks_head_verified(tp2):
+    r = tp2["consumer-tp1"]
+    assert [o["tokens"] for o in r["reference"]] == [o["tokens"] for o in tp2["producer-tp2"]["reference"]]
+    assert [o["tokens"] for o in r["decode_ok"]] == [o["tokens"] for o in r["reference"]]
+    # 3 prompts x 2 producer ranks: the one consumer rank loads and verifies each head on its own.
+    assert _verified(r["log"], r"tp1-ok-\d") == 6, r["log"][-3000:]
+    for heads, port in (("[0, 1)", 17565), ("[1, 2)", 17566)):
+        assert len(re.findall(rf"\(transfer tp1-ok-\d\) verified:.*\(KV heads {re.escape(heads)} from "
+                              rf"tcp://127.0.0.1:{port}\)", r["log"])) == 3, heads
+
+
+def test_tp2_producer_to_tp1_consumer_corruption_caught_and_recomputed(tp2):
+    r = tp2["consumer-tp1"]
+    # The hook flips a bit in each unit's landed blocks; each request fails once and recomputes.
+    assert _flipped(r["log"], r"tp1-corrupt-\d") == 6
+    assert _caught(r["log"], r"tp1-corrupt-\d") == 3
+    assert [o["tokens"] for o in r["decode_corrupt"]] == [o["tokens"] for o in r["reference"]]
+    assert r["free_after"] == r["free_total"], "blocks leaked after the loads"
+
+
+def test_split_producer_serves_each_head_through_its_own_unit(tp2):
+    p = tp2["producer-split"]
+    kvp = p["prefill"]["tp2-ok-s-0"]["kv_transfer_params"]
+    assert (kvp["remote_tp_size"], kvp["remote_pp_size"], kvp["remote_head_splits"]) == (1, 1, 2)
+    assert (kvp["remote_host"], kvp["remote_port"]) == ("127.0.0.1", 17575)
+    for unit in (0, 1):
+        assert (f"kvferry producer rank tp=0 pp=0 serves on tcp://127.0.0.1:{17575 + unit} (tcp) "
+                f"(KV heads [{unit}, {unit + 1}))") in p["log"]
+    # Blocks freed only once both units released: served, or (never loaded) expired.
+    assert p["free_after_lease"] == p["free_before"], "blocks not freed after serving / the lease"
+    assert p["log"].count("released without serving its consumer (expired)") == 3
+
+
+def test_tp1_split_producer_to_tp2_consumer_each_rank_loads_its_unit_verified(tp2):
+    r = tp2["consumer-tp2"]
+    assert [o["tokens"] for o in r["decode_ok_s"]] == [o["tokens"] for o in r["reference"]]
+    # 3 prompts x 2 consumer ranks, each one load of its unit (its whole rank).
+    assert _verified(r["log"], r"tp2-ok-s-\d") == 6, r["log"][-3000:]
+
+
+def test_tp1_split_producer_to_tp2_consumer_corruption_caught_and_recomputed(tp2):
+    r = tp2["consumer-tp2"]
+    assert _flipped(r["log"], r"tp2-corrupt-s-\d") == 6
+    assert _caught(r["log"], r"tp2-corrupt-s-\d") == 6
+    assert [o["tokens"] for o in r["decode_corrupt_s"]] == [o["tokens"] for o in r["reference"]]
 
 
 def test_unreachable_producer_recompute_gives_the_reference_output(consumer_recompute):

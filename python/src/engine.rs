@@ -56,24 +56,42 @@ pub struct PyTransferEngine {
     deadlines: Mutex<HashMap<u64, Instant>>,
 }
 
+/// Why Mooncake's `local_hostname` could not be split into host and port.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum HostnameError {
+    /// Nothing but whitespace.
+    #[error("local_hostname is empty")]
+    Empty,
+    /// `[v6` without the closing bracket.
+    #[error("local_hostname {0:?}: missing ']'")]
+    MissingBracket(String),
+    /// The port is not a number in 0..=65535.
+    #[error("local_hostname {0:?}: bad port")]
+    BadPort(String),
+    /// Text after `]` that is not `:port`.
+    #[error("local_hostname {0:?}: junk after ']'")]
+    JunkAfterBracket(String),
+}
+
 /// Splits Mooncake's `local_hostname` into host and port: `"host"`, `"host:port"`,
 /// `"[v6]"`, `"[v6]:port"` or a bare IPv6 address. Port 0 = let the OS pick.
-fn split_hostname(s: &str) -> Result<(String, u16), String> {
+fn split_hostname(s: &str) -> Result<(String, u16), HostnameError> {
     let s = s.trim();
     if s.is_empty() {
-        return Err("local_hostname is empty".into());
+        return Err(HostnameError::Empty);
     }
+    let bad_port = || HostnameError::BadPort(s.to_string());
     if let Some(rest) = s.strip_prefix('[') {
         let (h, tail) = rest
             .split_once(']')
-            .ok_or_else(|| format!("local_hostname {s:?}: missing ']'"))?;
+            .ok_or_else(|| HostnameError::MissingBracket(s.to_string()))?;
         return match tail.strip_prefix(':') {
             None if tail.is_empty() => Ok((h.to_string(), 0)),
             Some(p) => p
                 .parse()
                 .map(|p| (h.to_string(), p))
-                .map_err(|_| format!("local_hostname {s:?}: bad port")),
-            None => Err(format!("local_hostname {s:?}: junk after ']'")),
+                .map_err(|_| bad_port()),
+            None => Err(HostnameError::JunkAfterBracket(s.to_string())),
         };
     }
     match s.matches(':').count() {
@@ -82,15 +100,20 @@ fn split_hostname(s: &str) -> Result<(String, u16), String> {
             let (h, p) = s.split_once(':').unwrap_or((s, ""));
             p.parse()
                 .map(|p| (h.to_string(), p))
-                .map_err(|_| format!("local_hostname {s:?}: bad port"))
+                .map_err(|_| bad_port())
         }
         _ => Ok((s.to_string(), 0)), // a bare IPv6 address
     }
 }
 
+/// A `location` argument that is none of Mooncake's forms.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("location {0:?}: expected \"*\", \"cpu\", \"cpu:N\" or \"cuda:N\"")]
+struct LocationError(String);
+
 /// Mooncake's `location` argument: `"*"` = ask CUDA about the pointer, `"cpu"`/`"cpu:N"`
 /// (N = NUMA node, ignored) = host memory, `"cuda:N"` = device memory of GPU N.
-fn parse_location(location: &str, addr: u64) -> Result<Location, String> {
+fn parse_location(location: &str, addr: u64) -> Result<Location, LocationError> {
     let l = location.trim();
     if l == "*" {
         return Ok(kvferry_transfer::gpu::location_of(addr));
@@ -101,9 +124,8 @@ fn parse_location(location: &str, addr: u64) -> Result<Location, String> {
     {
         return Ok(Location::Cpu);
     }
-    l.parse::<Location>().map_err(|_| {
-        format!("location {location:?}: expected \"*\", \"cpu\", \"cpu:N\" or \"cuda:N\"")
-    })
+    l.parse::<Location>()
+        .map_err(|_| LocationError(location.to_string()))
 }
 
 /// Mooncake's code for a failed registration.

@@ -8,7 +8,7 @@
 //! (elements per head); sizes and byte strides come from the tensor itself.
 
 use kvferry_checksum::group::{parse_layer_number, LayerSpec, RankInfo, ReplicaKey, SkipReason};
-use kvferry_checksum::layout::{Dim, ElemBytes, Geometry, Layout};
+use kvferry_checksum::layout::{Dim, ElemBytes, Geometry, Layout, LayoutError};
 use kvferry_kernels::{Device, LayerInput};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -217,26 +217,72 @@ impl KVCacheLayer {
     }
 }
 
+/// Why a tensor cannot be read in the layout it was described with.
+#[derive(Debug, thiserror::Error)]
+enum GeometryError {
+    /// The layout text, the element size or the strides are invalid.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// The layout names another number of axes than the tensor has.
+    #[error("layout {layout} names {axes} axes but the tensor has {dims} (shape {shape:?})")]
+    AxisCount {
+        /// The parsed layout.
+        layout: Layout,
+        /// Axes the layout names.
+        axes: usize,
+        /// The tensor's dimensions.
+        dims: usize,
+        /// The tensor's shape.
+        shape: Vec<u64>,
+    },
+    /// The KV axis is not of size 2.
+    #[error("the KV axis has size {0}, expected 2 (K and V)")]
+    KvAxis(u64),
+    /// A cell (one token of one head) is not a whole number of 8-byte pieces.
+    #[error(
+        "a cell of {bytes} bytes (parts {parts} x D {d} x {elem} bytes) is not whole 8-byte pieces"
+    )]
+    NotWholePieces {
+        /// Bytes per cell.
+        bytes: u64,
+        /// K and V (2) or one part.
+        parts: u64,
+        /// Elements per head and part.
+        d: u64,
+        /// Bytes per element.
+        elem: u64,
+    },
+    /// The tensor holds fewer kernel blocks than one logical block needs.
+    #[error("B = {kernel} kernel blocks hold no logical block of {per_block} kernel blocks")]
+    NoBlock {
+        /// Kernel blocks in the tensor.
+        kernel: u64,
+        /// Kernel blocks per logical block.
+        per_block: u64,
+    },
+}
+
 /// The geometry of a tensor `view` read in `layout` order with `kernel_blocks` per logical block.
-fn geometry_of(view: &TensorView, layout: &str, kernel_blocks: u64) -> Result<Geometry, String> {
-    let layout = Layout::parse(layout).map_err(|e| e.to_string())?;
+fn geometry_of(
+    view: &TensorView,
+    layout: &str,
+    kernel_blocks: u64,
+) -> Result<Geometry, GeometryError> {
+    let layout = Layout::parse(layout)?;
     let dims = layout.dims().to_vec();
     if dims.len() != view.shape.len() {
-        return Err(format!(
-            "layout {layout} names {} axes but the tensor has {} (shape {:?})",
-            dims.len(),
-            view.shape.len(),
-            view.shape
-        ));
+        return Err(GeometryError::AxisCount {
+            axes: dims.len(),
+            dims: view.shape.len(),
+            shape: view.shape.clone(),
+            layout,
+        });
     }
     let size = |d: Dim| layout.position(d).map(|i| view.shape[i]).unwrap_or(1);
     if layout.has_kv() && size(Dim::Kv) != 2 {
-        return Err(format!(
-            "the KV axis has size {}, expected 2 (K and V)",
-            size(Dim::Kv)
-        ));
+        return Err(GeometryError::KvAxis(size(Dim::Kv)));
     }
-    let elem = ElemBytes::new(view.itemsize).map_err(|e| e.to_string())?;
+    let elem = ElemBytes::new(view.itemsize)?;
     let g = Geometry::contiguous(
         layout.clone(),
         size(Dim::B),
@@ -245,24 +291,21 @@ fn geometry_of(view: &TensorView, layout: &str, kernel_blocks: u64) -> Result<Ge
         size(Dim::D),
         elem,
         kernel_blocks,
-    )
-    .map_err(|e| e.to_string())?
-    .with_strides(view.strides.clone())
-    .map_err(|e| e.to_string())?;
+    )?
+    .with_strides(view.strides.clone())?;
     if g.pieces_per_cell().is_none() {
-        return Err(format!(
-            "a cell of {} bytes (parts {} x D {} x {} bytes) is not whole 8-byte pieces",
-            g.cell_bytes(),
-            g.parts(),
-            g.head_dim,
-            g.elem.get()
-        ));
+        return Err(GeometryError::NotWholePieces {
+            bytes: g.cell_bytes(),
+            parts: g.parts(),
+            d: g.head_dim,
+            elem: g.elem.get(),
+        });
     }
     if g.num_blocks() == 0 {
-        return Err(format!(
-            "B = {} kernel blocks hold no logical block of {kernel_blocks} kernel blocks",
-            g.num_kernel_blocks
-        ));
+        return Err(GeometryError::NoBlock {
+            kernel: g.num_kernel_blocks,
+            per_block: kernel_blocks,
+        });
     }
     Ok(g)
 }

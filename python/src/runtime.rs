@@ -11,14 +11,13 @@ use pyo3::prelude::*;
 /// The module's runtime: started on first use, two worker threads (the p2p shells are I/O-bound;
 /// checksums and transfers run on their own threads), kept for the process's life.
 pub fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
-    static RT: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
+    static RT: OnceLock<std::io::Result<tokio::runtime::Runtime>> = OnceLock::new();
     RT.get_or_init(|| {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("kvferry-rt")
             .enable_all()
             .build()
-            .map_err(|e| e.to_string())
     })
     .as_ref()
     .map_err(|e| PyRuntimeError::new_err(format!("starting kvferry's async runtime: {e}")))

@@ -48,7 +48,7 @@ pub use error::{
 };
 pub use memory::{
     DmabufRange, HostMemoryAccess, MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys,
-    RegistrationPath,
+    RegistrationPath, TransportKeys,
 };
 pub use segment::{BufferDesc, SegmentDescriptor, SegmentHandle};
 pub use transport::{

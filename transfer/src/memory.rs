@@ -69,21 +69,65 @@ impl std::fmt::Display for RegistrationPath {
 }
 
 /// What a transport hands out for one registered region, published to peers in the segment
-/// descriptor. RDMA: `rkeys[i]` is the rkey of the region's memory region on device `i` of the
-/// transport's `TransportInfo` device list. TCP: empty.
+/// descriptor as `{"path": ..., <the transport's own keys>}` (docs/design.md §3.2). The engine
+/// reads only `path`; the rest belongs to the transport that made it ([`TransportKeys`]):
+/// RDMA puts its rkeys and staging mirror there (`rdma::RdmaRegionKeys`), TCP nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegionKeys {
-    /// RDMA: one rkey per device of the transport's device list, in that order; TCP: empty.
-    pub rkeys: Vec<u32>,
     /// How the region was registered (absent in a descriptor: `host`).
     #[serde(default)]
     pub path: RegistrationPath,
-    /// RDMA with `path == Staged`: the address of the pinned host mirror that work requests
-    /// target instead of the region's own address (offsets are the same). A peer that WRITEs
-    /// there asks the owner to copy the range to the device before it reports the slice done,
-    /// and asks it to copy the range from the device before it READs (docs/design.md §3).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub staging_addr: Option<u64>,
+    /// The transport's keys for the region, opaque to the engine.
+    #[serde(flatten)]
+    pub transport: TransportKeys,
+}
+
+impl RegionKeys {
+    /// Keys of a region registered on `path` with the transport's own `transport` keys.
+    pub fn new(path: RegistrationPath, transport: TransportKeys) -> Self {
+        RegionKeys { path, transport }
+    }
+}
+
+/// A transport's own keys for one region: a JSON object only that transport reads, encoded
+/// from and decoded into its typed value (RDMA: `{"rkeys": [u32...], "staging_addr": u64?}`).
+/// Empty for transports that need no keys (TCP).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct TransportKeys(serde_json::Map<String, serde_json::Value>);
+
+impl TransportKeys {
+    /// No keys (TCP).
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Encodes a transport's typed keys. `keys` must serialize to a JSON object whose fields
+    /// do not include `path` (the engine's own); anything else is a `Config` error (a bug of
+    /// the transport, reported rather than published).
+    pub fn encode<T: Serialize>(keys: &T) -> Result<Self> {
+        match serde_json::to_value(keys) {
+            Ok(serde_json::Value::Object(map)) if !map.contains_key("path") => {
+                Ok(TransportKeys(map))
+            }
+            Ok(other) => Err(TransferError::Config(format!(
+                "transport keys must be a JSON object without `path`, got {other}"
+            ))),
+            Err(e) => Err(TransferError::Config(format!("transport keys: {e}"))),
+        }
+    }
+
+    /// Decodes a peer's keys into the transport's typed keys. Errors: serde's, naming the
+    /// missing or bad field (e.g. "missing field `rkeys`"), for the transport to wrap with the
+    /// segment's name; nothing is defaulted that the type does not default itself.
+    pub fn decode<T: serde::de::DeserializeOwned>(&self) -> serde_json::Result<T> {
+        serde_json::from_value(serde_json::Value::Object(self.0.clone()))
+    }
+
+    /// True when the transport published no keys.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 /// One registered region with the keys its transport returned.
@@ -91,7 +135,7 @@ pub struct RegionKeys {
 pub struct RegistryEntry {
     /// The registered range.
     pub region: MemoryRegion,
-    /// What the transport returned for it (rkeys, registration path, staging mirror).
+    /// What the transport returned for it (registration path and its own keys).
     pub keys: RegionKeys,
 }
 

@@ -13,7 +13,7 @@ use crate::transport::TransportInfo;
 pub struct BufferDesc {
     /// The region in the segment's own address space (`addr`, `len` in bytes, location).
     pub region: MemoryRegion,
-    /// Its transport keys: per-device rkeys (RDMA), registration path, staging mirror.
+    /// How it was registered, and its transport's own keys (RDMA: per-device rkeys, staging mirror).
     pub keys: RegionKeys,
 }
 

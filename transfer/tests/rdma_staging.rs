@@ -38,8 +38,10 @@ fn unregistrable_gpu_target_is_staged_and_writes_reach_the_device() {
     let d = a.open_segment(&b.segment_name()).unwrap();
     let buf = &d.descriptor().buffers[0];
     assert_eq!(buf.keys.path, RegistrationPath::Staged);
+    let rdma_keys: kvferry_transfer::transport::rdma::RdmaRegionKeys =
+        buf.keys.transport.decode().unwrap();
     assert!(
-        buf.keys.staging_addr.is_some(),
+        rdma_keys.staging_addr.is_some(),
         "the peer learns the mirror"
     );
 

@@ -67,7 +67,8 @@ pub use completion::CompletionSink;
 /// peer needs to reach it. `kind` is the transport's `name()` (`"tcp"` | `"rdma"`); `details` is
 /// the transport's own JSON object. TCP: `{"data_port": u16}` (host = the segment's host).
 /// RDMA (defined by the rdma module), e.g. `{"devices": [{"name", "gid", "lid", "port",
-/// "active_mtu"}...]}`; `RegionKeys::rkeys[i]` refers to `devices[i]`.
+/// "active_mtu"}...]}`; each buffer's RDMA keys (`RdmaRegionKeys`) give one rkey per device, in
+/// this order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TransportInfo {
     /// The transport's `name()`: `"tcp"` or `"rdma"`.
@@ -131,7 +132,7 @@ pub struct Slice {
     /// `peer.buffers[remote_buffer].region`.
     pub remote_addr: u64,
     /// Index into `peer.buffers` of the buffer that contains the remote side
-    /// (RDMA: its `keys.rkeys[device]`).
+    /// (RDMA: its rkeys, `RdmaPeerInfo::buffers[remote_buffer]`).
     pub remote_buffer: usize,
     /// Bytes.
     pub len: u64,

@@ -7,17 +7,36 @@ use std::time::Duration;
 
 use kvferry_transfer::{EngineConfig, MemoryAccess, RdmaConfig, TransferEngine, TransportKind};
 
+/// Why the RDMA tests skip.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoRdma {
+    /// The probe found no usable device.
+    NoDevice,
+    /// This build has no RDMA transport.
+    NotBuilt,
+}
+
+impl std::fmt::Display for NoRdma {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NoRdma::NoDevice => {
+                "no usable RDMA device (no libibverbs, no device or no ACTIVE port)"
+            }
+            NoRdma::NotBuilt => "built without the `rdma` feature",
+        })
+    }
+}
+
 /// `Ok(device)` when an RDMA device is usable, else why not.
 #[cfg(feature = "rdma")]
-pub fn probe() -> Result<String, String> {
-    kvferry_transfer::transport::rdma::probe(&RdmaConfig::default())
-        .ok_or_else(|| "no usable RDMA device (no libibverbs, no device or no ACTIVE port)".into())
+pub fn probe() -> Result<String, NoRdma> {
+    kvferry_transfer::transport::rdma::probe(&RdmaConfig::default()).ok_or(NoRdma::NoDevice)
 }
 
 #[cfg(not(feature = "rdma"))]
-pub fn probe() -> Result<String, String> {
+pub fn probe() -> Result<String, NoRdma> {
     let _ = RdmaConfig::default();
-    Err("built without the `rdma` feature".into())
+    Err(NoRdma::NotBuilt)
 }
 
 /// True when an RDMA device is usable; else prints the skip reason (or panics when

@@ -24,6 +24,7 @@ mod connect;
 mod device;
 mod endpoint;
 mod endpoint_store;
+mod keys;
 mod mirror;
 mod passive;
 mod peer;
@@ -47,6 +48,7 @@ use std::sync::{Arc, Mutex};
 pub use crate::memory::DmabufRange;
 pub use connect::{CloseNotice, ConnectReply, ConnectRequest, QpInfo};
 pub use device::PortInfo;
+pub use keys::RdmaRegionKeys;
 pub use peer::RdmaPeerInfo;
 pub use transport::RdmaTransport;
 

@@ -1,27 +1,34 @@
-//! What an RDMA peer advertises in its segment descriptor (`TransportInfo::details`), decoded
-//! once per batch into a typed value: its devices, in the order its buffers' rkeys follow.
+//! What an RDMA peer advertises in its segment descriptor, decoded once per batch into a typed
+//! value: its devices (`TransportInfo::details`) and each buffer's RDMA keys (rkeys in device
+//! order, staging mirror), from the buffers' opaque `RegionKeys::transport`.
 
 use serde::{Deserialize, Serialize};
 
 use super::device::PortInfo;
+use super::keys::RdmaRegionKeys;
 use super::verbs;
 use crate::error::{Result, TransferError};
 use crate::segment::SegmentDescriptor;
 
 /// The RDMA part of a segment descriptor: `{"devices": [PortInfo...]}` (wire format of
-/// `RdmaTransport::local_info`). `RegionKeys::rkeys[i]` of every buffer refers to `devices[i]`.
+/// `RdmaTransport::local_info`), plus the RDMA keys of every buffer, decoded from the buffers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RdmaPeerInfo {
     /// The peer's devices (at least one), each with every field present.
     pub devices: Vec<PortInfo>,
+    /// `buffers[i]`: the keys of the descriptor's buffer `i`; `rkeys[d]` refers to
+    /// `devices[d]`. Not part of `details`: filled by [`RdmaPeerInfo::decode`].
+    #[serde(skip)]
+    pub buffers: Vec<RdmaRegionKeys>,
 }
 
 impl RdmaPeerInfo {
-    /// Decodes and checks `peer`'s RDMA peer info. Errors: `Protocol` naming the segment and the
-    /// missing or bad field (a device without `gid` or `active_mtu`, a GID that is not IPv6
-    /// text, an MTU that is not an IB MTU, no device at all); nothing is defaulted.
+    /// Decodes and checks `peer`'s RDMA peer info and buffer keys. Errors: `Protocol` naming the
+    /// segment and the missing or bad field (a device without `gid` or `active_mtu`, a GID that
+    /// is not IPv6 text, an MTU that is not an IB MTU, no device at all; a buffer without
+    /// `rkeys`, or with another number of rkeys than devices); nothing is defaulted.
     pub fn decode(peer: &SegmentDescriptor) -> Result<RdmaPeerInfo> {
-        let info: RdmaPeerInfo = peer.transport.decode(&peer.name)?;
+        let mut info: RdmaPeerInfo = peer.transport.decode(&peer.name)?;
         let bad = |what: String| {
             TransferError::Protocol(format!(
                 "segment {} advertises bad rdma peer info: {what}",
@@ -40,6 +47,22 @@ impl RdmaPeerInfo {
             }
             d.gid_value()
                 .map_err(|e| bad(format!("devices[{i}].gid: {e}")))?;
+        }
+        for (i, b) in peer.buffers.iter().enumerate() {
+            let keys: RdmaRegionKeys = b
+                .keys
+                .transport
+                .decode()
+                .map_err(|e| bad(format!("buffers[{i}].keys: {e}")))?;
+            // A missing rkey would only surface when a slice to that device is posted.
+            if keys.rkeys.len() != info.devices.len() {
+                return Err(bad(format!(
+                    "buffers[{i}].keys has {} rkeys for {} devices",
+                    keys.rkeys.len(),
+                    info.devices.len()
+                )));
+            }
+            info.buffers.push(keys);
         }
         Ok(info)
     }
@@ -100,6 +123,56 @@ mod tests {
             let text = e.to_string();
             assert!(text.contains(field), "{details}: {text}");
             assert!(text.contains("peer:1"), "{text}");
+        }
+    }
+
+    #[test]
+    fn buffer_keys_are_decoded_once_and_bad_ones_refused_by_name() {
+        let with_buffers = |keys: Vec<serde_json::Value>| {
+            let mut d = descriptor_with(serde_json::json!({ "devices": [port(1024), port(4096)] }));
+            d.buffers = keys
+                .into_iter()
+                .enumerate()
+                .map(|(i, k)| {
+                    serde_json::from_value(serde_json::json!({
+                        "region": {"addr": 4096 * (i + 1), "len": 4096, "location": "cpu"},
+                        "keys": k,
+                    }))
+                    .unwrap()
+                })
+                .collect();
+            d
+        };
+        let good = serde_json::json!({"path": "host", "rkeys": [5, 6]});
+        let staged = serde_json::json!({"path": "staged", "rkeys": [7, 8], "staging_addr": 65536});
+        let info = RdmaPeerInfo::decode(&with_buffers(vec![good.clone(), staged])).unwrap();
+        assert_eq!(info.buffers.len(), 2);
+        assert_eq!(info.buffers[0].rkeys, vec![5, 6]);
+        assert_eq!(info.buffers[1].staging_addr, Some(65536));
+        let cases = [
+            (
+                serde_json::json!({"path": "host"}),
+                "buffers[1].keys: missing field `rkeys`",
+            ),
+            (
+                serde_json::json!({"rkeys": [1]}),
+                "buffers[1].keys has 1 rkeys for 2 devices",
+            ),
+            (
+                serde_json::json!({"rkeys": [1, 2, 3]}),
+                "has 3 rkeys for 2 devices",
+            ),
+            (
+                serde_json::json!({"rkeys": [1, 2], "staging_addr": "x"}),
+                "buffers[1].keys: invalid type",
+            ),
+        ];
+        for (bad, text) in cases {
+            let e = RdmaPeerInfo::decode(&with_buffers(vec![good.clone(), bad.clone()]))
+                .expect_err(&format!("{bad} was accepted"));
+            assert!(matches!(e, TransferError::Protocol(_)), "{e:?}");
+            assert!(e.to_string().contains(text), "{bad}: {e}");
+            assert!(e.to_string().contains("peer:1"), "{e}");
         }
     }
 }

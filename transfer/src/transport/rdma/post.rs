@@ -140,8 +140,9 @@ fn take_next(ep: &Endpoint, pending: &mut VecDeque<Work>) -> Option<(usize, Work
 fn remote_side(ep: &Endpoint, work: &Work) -> Option<(u32, u64)> {
     let sl = work.slice;
     let b = work.peer.buffers.get(sl.remote_buffer)?;
-    let rkey = *b.keys.rkeys.get(ep.key.remote_dev)?;
-    let addr = match b.keys.staging_addr {
+    let keys = work.peer_info.buffers.get(sl.remote_buffer)?;
+    let rkey = *keys.rkeys.get(ep.key.remote_dev)?;
+    let addr = match keys.staging_addr {
         Some(base) => base.checked_add(sl.remote_addr.checked_sub(b.region.addr)?)?,
         None => sl.remote_addr,
     };

@@ -35,10 +35,10 @@ pub(crate) enum StageJob {
 impl Work {
     /// The peer's mirror address space is in use for the remote side.
     pub(crate) fn remote_staged(&self) -> bool {
-        self.peer
+        self.peer_info
             .buffers
             .get(self.slice.remote_buffer)
-            .is_some_and(|b| b.keys.staging_addr.is_some())
+            .is_some_and(|k| k.staging_addr.is_some())
     }
 
     /// Needs the stager before its work request is posted.

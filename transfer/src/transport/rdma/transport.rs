@@ -12,6 +12,7 @@ use super::connect::{self, CloseNotice, ConnectRequest};
 use super::device::{self, Device, PortInfo};
 use super::endpoint::Endpoint;
 use super::endpoint_store::Slot;
+use super::keys::RdmaRegionKeys;
 use super::mirror::Mirror;
 use super::passive::PassiveTable;
 use super::peer::RdmaPeerInfo;
@@ -195,11 +196,14 @@ impl Transport for RdmaTransport {
             ),
             Location::Cuda(_) => s.register_gpu(region)?,
         };
-        let keys = RegionKeys {
-            rkeys: mrs.iter().map(|m| m.rkey()).collect(),
+        let keys = RegionKeys::new(
             path,
-            staging_addr: mirror.as_ref().map(|m| m.addr()),
-        };
+            RdmaRegionKeys {
+                rkeys: mrs.iter().map(|m| m.rkey()).collect(),
+                staging_addr: mirror.as_ref().map(|m| m.addr()),
+            }
+            .encode()?,
+        );
         if region.location != Location::Cpu {
             tracing::info!(
                 "{} region [{:#x}, +{}) registered for RDMA via {path}",

@@ -43,7 +43,7 @@ use super::{
 };
 use crate::admission::Listener;
 use crate::error::{IoError, Result, TransferError};
-use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
+use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath, TransportKeys};
 use crate::segment::SegmentDescriptor;
 use crate::types::Location;
 use coalesce::coalesce;
@@ -171,10 +171,10 @@ impl Transport for TcpTransport {
                 region.addr,
                 region.len
             );
-            return Ok(RegionKeys {
-                path: RegistrationPath::Staged,
-                ..RegionKeys::default()
-            });
+            return Ok(RegionKeys::new(
+                RegistrationPath::Staged,
+                TransportKeys::none(),
+            ));
         }
         Ok(RegionKeys::default())
     }

@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvferry.vllm.layouts import layer_specs
 from kvferry.vllm.metadata import KvferryConnectorMetadata
 from kvferry.vllm.scheduler import KvferrySchedulerSide, SchedulerConfig
 from kvferry.vllm.transport import KvferryTransport, TransportConfig
@@ -134,7 +135,9 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                                 test_corrupt_transfer_prefix=corrupt, head_splits=head_splits),
                 tp_rank=tp_rank, pp_rank=pp_rank, tp_size=pc.tensor_parallel_size,
                 pp_size=pc.pipeline_parallel_size, block_size=vllm_config.cache_config.block_size,
-                is_producer=ktc.is_kv_producer, is_consumer=ktc.is_kv_consumer)
+                is_producer=ktc.is_kv_producer, is_consumer=ktc.is_kv_consumer,
+                # Each layer's spec decides its layout (MLA's [B, 1, N, D] looks like a one-head cache).
+                kv_cache_specs=layer_specs(kv_cache_config))
             # The load's deadline covers connecting and checksumming on top of the transfer.
             self._worker = KvferryWorkerSide(
                 tp_rank=tp_rank, pp_rank=pp_rank, load_timeout_seconds=timeout + connect_timeout + 30.0,

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import kvferry
 
+from kvferry.vllm.layouts import LayoutError, layer_layout, layer_view
 from kvferry.vllm.metadata import LoadSpec, SendSpec
 from kvferry.vllm.params import unit_port
 from kvferry.vllm.units import PairingError, Unit, common_heads, consumer_units, producer_units
@@ -39,9 +40,8 @@ from kvferry.vllm.worker import LoadResult
 # Under vLLM's logger, so vLLM's logging configuration (format, level) applies.
 log = logging.getLogger("vllm.kvferry")
 
-
-class LayoutError(ValueError):
-    """A KV cache tensor whose layout the connector does not know; the message gives its shape."""
+# layouts.py holds the layout rules; these names stay importable from here.
+__all__ = ["KvferryTransport", "LayoutError", "TransportConfig", "layer_view"]
 
 
 @dataclass(frozen=True)
@@ -72,34 +72,15 @@ class TransportConfig:
     head_splits: int = 1
 
 
-def layer_view(t: Any, block_size: int) -> tuple[Any, str]:
-    """``(view, layout)`` of one layer's KV cache tensor in kvferry's axis names (outermost
-    first; strides are read from the view, so a permuted physical order is fine).
-
-    - vLLM CPU attention (0.32, ``cpu_attn.py``): each layer's tensor is ``[B, H, N, 2 * D]``
-      (contiguous), which the kernel reads as ``[B, H, 2 * N, D]``: K in the first N rows of a
-      block's head, V in the next. Viewed as ``[B, H, 2, N, D]`` = ``"B H KV N D"``.
-    - vLLM FlashAttention / FlashInfer: ``[2, B, N, H, D]`` = ``"KV B N H D"``.
-
-    Raises :class:`LayoutError` for any other shape (MLA's ``[B, N, D]`` included: not handled)."""
-    shape = tuple(t.shape)
-    if len(shape) == 4 and t.device.type == "cpu" and shape[2] == block_size and shape[3] % 2 == 0:
-        b, h, n, d2 = shape
-        return t.view(b, h, 2, n, d2 // 2), "B H KV N D"
-    if len(shape) == 5 and shape[0] == 2 and shape[2] == block_size:
-        return t, "KV B N H D"
-    raise LayoutError(
-        f"KV cache tensor of shape {shape} (block_size {block_size}) has no known layout: "
-        "expected CPU [B, H, 2*N, D] or [2, B, N, H, D]"
-    )
-
-
 class KvferryTransport:
     """One rank's :class:`~kvferry.vllm.worker.RankTransport` over kvferry's p2p layer.
 
     Built per worker process; :meth:`register` (from ``register_kv_caches``) starts the rank's
     producer units (``config.head_splits`` Producers) and/or its whole-rank Consumer over its
-    tensors; a load that needs other head slices builds their Consumers on first use. Errors:
+    tensors; a load that needs other head slices builds their Consumers on first use. Each
+    layer's layout and kind come from :func:`kvferry.vllm.layouts.layer_layout`, by its spec in
+    ``kv_cache_specs`` (layer name -> vLLM KV cache spec, :func:`kvferry.vllm.layouts.layer_specs`;
+    a layer without one: by the tensor's shape where unambiguous). Errors:
     :class:`LayoutError` for an unknown tensor layout; :class:`~kvferry.vllm.units.ConfigError`
     for a ``head_splits`` that does not fit the rank's KV heads; kvferry's
     ValueError/RuntimeError when an engine cannot start."""
@@ -109,7 +90,8 @@ class KvferryTransport:
     UNIT_JOIN_GRACE_SECONDS = 10.0
 
     def __init__(self, config: TransportConfig, *, tp_rank: int, pp_rank: int, tp_size: int, pp_size: int,
-                 block_size: int, is_producer: bool, is_consumer: bool):
+                 block_size: int, is_producer: bool, is_consumer: bool,
+                 kv_cache_specs: dict[str, Any] | None = None):
         self.config = config
         self.tp_rank, self.pp_rank = tp_rank, pp_rank
         self.tp_size, self.pp_size = tp_size, pp_size
@@ -121,6 +103,9 @@ class KvferryTransport:
         self.consumers: dict[tuple[int, int] | None, Any] = {}
         # layer name -> (view, layout, dtype text)
         self._views: dict[str, tuple[Any, str, str]] = {}
+        self.kv_cache_specs = dict(kv_cache_specs or {})
+        # layer name -> cache kind of the layer fingerprint (e.g. "MLAAttentionSpec")
+        self._kinds: dict[str, str] = {}
         self.local_heads: int | None = None
         # transfer id -> [vLLM request id, units not yet released, first reason other than "served"]
         self._published: dict[str, list] = {}
@@ -139,8 +124,10 @@ class KvferryTransport:
         whole-rank Consumer."""
         heads = []
         for name, t in kv_caches.items():
-            view, layout = layer_view(t, self.block_size)
+            lay = layer_layout(t, self.block_size, self.kv_cache_specs.get(name))
+            view, layout = lay.view, lay.layout
             self._views[name] = (view, layout, str(t.dtype))
+            self._kinds[name] = lay.kind
             axes = layout.split()
             heads.append(view.shape[axes.index("H")] if "H" in axes else None)
         self.local_heads = common_heads(heads)
@@ -178,7 +165,7 @@ class KvferryTransport:
 
     def _rank(self, heads: tuple[int, int] | None) -> Any:
         """A ``kvferry.Rank`` over this rank's layers narrowed to ``heads`` (see :meth:`_layers`)."""
-        layers = [kvferry.KVCacheLayer(name, view, layout, head_offset=offset, kind="FullAttentionSpec", dtype=dtype)
+        layers = [kvferry.KVCacheLayer(name, view, layout, head_offset=offset, kind=self._kinds[name], dtype=dtype)
                   for name, view, layout, offset, dtype in self._layers(heads)]
         return kvferry.Rank([kvferry.KVCacheGroup(0, layers)])
 

@@ -1,5 +1,6 @@
-"""Runs one vLLM CPU engine (a tiny random-weight Qwen3 checkpoint written here) in this process
-and prints one JSON line of results. Driven by test_vllm_cpu.py, one subprocess per engine: vLLM keeps the KV
+"""Runs one vLLM CPU engine (a tiny random-weight Qwen3 checkpoint written here, or a DeepSeek-V2
+one with MLA for the ``*-mla`` scenarios) in this process and prints one JSON line of results.
+Driven by test_vllm_cpu.py and test_vllm_cpu_mla.py, one subprocess per engine: vLLM keeps the KV
 connector and the distributed state as process globals.
 
     python engine_run.py SCENARIO MODEL_DIR RENDEZVOUS_DIR
@@ -36,37 +37,56 @@ TINY_QWEN3 = {
     "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
     "attention_bias": False,
 }
+# DeepSeek-V2 with MLA, as small as vLLM's CPU MLA backend allows (v1/attention/backends/mla/
+# cpu_mla.py): its decode kernel takes only a latent of kv_lora_rank 512 + qk_rope_head_dim 64 =
+# 576 and block_size 16. first_k_dense_replace = num_hidden_layers: dense MLPs, no MoE.
+TINY_DSV2 = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 32, "qk_rope_head_dim": 64,
+    "v_head_dim": 32, "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "first_k_dense_replace": 2, "moe_layer_freq": 1, "n_routed_experts": 4,
+    "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "topk_method": "greedy",
+    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "scoring_func": "softmax",
+    "norm_topk_prob": False, "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "attention_bias": False,
+}
 BLOCK_SIZE = 32
+MLA_BLOCK_SIZE = 16
 # Prompt lengths: under one block, exactly one block, several blocks with a partial tail.
 PROMPTS = [list(range(3, 3 + n)) for n in (7, 32, 75)]
 MAX_TOKENS = 8
 
 
-def write_model(path: str) -> None:
-    """The tiny Qwen3's config and a seeded random checkpoint (the same bytes in every process;
-    written atomically, as engines start side by side)."""
+def is_mla(scenario: str) -> bool:
+    """The ``*-mla`` scenarios run the tiny DeepSeek-V2 (MLA)."""
+    return scenario.endswith("mla")
+
+
+def mla_args(scenario: str) -> dict:
+    """``make_llm`` arguments of the MLA engines: vLLM 0.32's CPU MLA output depends on the batch
+    (one prompt alone and batched with others gives other tokens, docs/vllm-connector-notes.md
+    §9), so one sequence at a time makes runs comparable."""
+    return {"block_size": MLA_BLOCK_SIZE, "max_num_seqs": 1} if is_mla(scenario) else {}
+
+
+def write_model(path: str, mla: bool = False) -> None:
+    """The tiny Qwen3's (or DeepSeek-V2's) config and a seeded random checkpoint (the same bytes
+    in every process; written atomically, as engines start side by side)."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(TINY_QWEN3, f)
+        json.dump(TINY_DSV2 if mla else TINY_QWEN3, f)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
     from safetensors.torch import save_file
 
     tmp = os.path.join(path, f"model.safetensors.{os.getpid()}.tmp")
-    save_file(random_weights(), tmp)
+    save_file(random_weights(dsv2_shapes() if mla else qwen3_shapes()), tmp)
     os.replace(tmp, os.path.join(path, "model.safetensors"))
 
 
-def random_weights() -> dict:
-    """Seeded N(0, 1/fan_in) weights of the unsharded model in Hugging Face names (norms 1).
-
-    vLLM's dummy weights (uniform +-1e-3) make the next token a function of the last token
-    alone, so a load that never happened would go unnoticed; O(1)-scale weights make the output
-    depend on the prompt's KV. They are a checkpoint, not written into the loaded model, so that
-    vLLM's own loaders shard them: the same model at every TP size (heterogeneous TP compares a
-    TP 1 engine's output with a TP 2 engine's)."""
-    import torch
-
+def qwen3_shapes() -> dict:
+    """Hugging Face weight name -> shape of the unsharded tiny Qwen3."""
     c = TINY_QWEN3
     hidden, heads, kv, hd, inter = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],
                                     c["head_dim"], c["intermediate_size"])
@@ -82,6 +102,41 @@ def random_weights() -> dict:
             pre + "mlp.down_proj.weight": (hidden, inter), pre + "input_layernorm.weight": (hidden,),
             pre + "post_attention_layernorm.weight": (hidden,),
         })
+    return shapes
+
+
+def dsv2_shapes() -> dict:
+    """Hugging Face weight name -> shape of the tiny DeepSeek-V2 (MLA without q_lora, dense MLPs)."""
+    c = TINY_DSV2
+    hidden, heads, inter = c["hidden_size"], c["num_attention_heads"], c["intermediate_size"]
+    lora, rope, nope, v = c["kv_lora_rank"], c["qk_rope_head_dim"], c["qk_nope_head_dim"], c["v_head_dim"]
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (c["vocab_size"], hidden)}
+    for i in range(c["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        shapes.update({
+            pre + "self_attn.q_proj.weight": (heads * (nope + rope), hidden),
+            pre + "self_attn.kv_a_proj_with_mqa.weight": (lora + rope, hidden),
+            pre + "self_attn.kv_a_layernorm.weight": (lora,),
+            pre + "self_attn.kv_b_proj.weight": (heads * (nope + v), lora),
+            pre + "self_attn.o_proj.weight": (hidden, heads * v),
+            pre + "mlp.gate_proj.weight": (inter, hidden), pre + "mlp.up_proj.weight": (inter, hidden),
+            pre + "mlp.down_proj.weight": (hidden, inter), pre + "input_layernorm.weight": (hidden,),
+            pre + "post_attention_layernorm.weight": (hidden,),
+        })
+    return shapes
+
+
+def random_weights(shapes: dict) -> dict:
+    """Seeded N(0, 1/fan_in) weights of the unsharded model in Hugging Face names (norms 1).
+
+    vLLM's dummy weights (uniform +-1e-3) make the next token a function of the last token
+    alone, so a load that never happened would go unnoticed; O(1)-scale weights make the output
+    depend on the prompt's KV. They are a checkpoint, not written into the loaded model, so that
+    vLLM's own loaders shard them: the same model at every TP size (heterogeneous TP compares a
+    TP 1 engine's output with a TP 2 engine's)."""
+    import torch
+
     gen = torch.Generator().manual_seed(1234)
     out = {}
     for name, shape in sorted(shapes.items()):
@@ -98,7 +153,7 @@ LEASE_S = 15.0
 
 
 def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1, port: int = PORT,
-             name: str | None = None, head_splits: int = 1):
+             name: str | None = None, head_splits: int = 1, block_size: int = BLOCK_SIZE, max_num_seqs: int = 4):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -112,8 +167,8 @@ def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1, po
                                        "test_corrupt_transfer_prefix": f"{name or policy}-corrupt-"},
         )
     llm = LLM(model=model, load_format="safetensors", skip_tokenizer_init=True, dtype="float32",
-              max_model_len=256, enforce_eager=True, seed=0, block_size=BLOCK_SIZE,
-              max_num_seqs=4, enable_prefix_caching=False, kv_transfer_config=ktc,
+              max_model_len=256, enforce_eager=True, seed=0, block_size=block_size,
+              max_num_seqs=max_num_seqs, enable_prefix_caching=False, kv_transfer_config=ktc,
               tensor_parallel_size=tp)
     return llm
 
@@ -167,19 +222,22 @@ RENDEZVOUS_TIMEOUT_S = 480
 
 # Consumers: name -> (kv_load_failure_policy, TP size). Their test hook flips a landed bit of
 # every load of a transfer "<name>-corrupt-...".
-CONSUMERS = {"recompute": ("recompute", 1), "fail": ("fail", 1), "tp2": ("recompute", 2), "tp1": ("recompute", 1)}
+CONSUMERS = {"recompute": ("recompute", 1), "fail": ("fail", 1), "tp2": ("recompute", 2), "tp1": ("recompute", 1),
+             "mla": ("recompute", 1)}
 # Producers: scenario -> (TP size, head_splits, base port, transfer id tag, consumer names).
 PRODUCERS = {
     "producer": (1, 1, PORT, "", ("recompute", "fail")),
     "producer-tp2": (2, 1, PORT + 10, "", ("tp2", "tp1")),
     # Heterogeneous TP the other way: TP 1 split into 2 units, each TP 2 consumer rank loads one.
     "producer-split": (1, 2, PORT + 20, "s-", ("tp2",)),
+    # The tiny DeepSeek-V2: MLA latent caches (test_vllm_cpu_mla.py).
+    "producer-mla": (1, 1, PORT + 30, "", ("mla",)),
 }
 
 
 def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -> None:
     tp, head_splits, port, tag, names = PRODUCERS[scenario]
-    llm = make_llm(model, "kv_producer", tp=tp, port=port, head_splits=head_splits)
+    llm = make_llm(model, "kv_producer", tp=tp, port=port, head_splits=head_splits, **mla_args(scenario))
     result["startup_s"] = time.monotonic() - t0
     result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
     result["free_before"] = free_blocks(llm)
@@ -208,12 +266,17 @@ def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -
 
 def run_consumer(name: str, model: str, rdv: str, result: dict, t0: float) -> None:
     policy, tp = CONSUMERS[name]
-    llm = make_llm(model, "kv_consumer", policy, tp=tp, name=name)
+    llm = make_llm(model, "kv_consumer", policy, tp=tp, name=name, **mla_args(name))
     result["startup_s"] = time.monotonic() - t0
     result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
     # Same last token, other context: outputs must differ, or equality proves nothing.
     result["reference_context_changed"] = generate(
         llm, [[t + 100 for t in p[:-1]] + p[-1:] for p in PROMPTS], MAX_TOKENS)
+    if is_mla(name):
+        # Without any connector: the prompt plus its first 4 reference tokens, prefilled, must
+        # continue as the reference decoded (vLLM's prefill and decode paths agree).
+        result["reference_continued"] = generate(
+            llm, [p + r["tokens"][:4] for p, r in zip(PROMPTS, result["reference"])], MAX_TOKENS - 4)
     result["decode_unreachable"] = generate(llm, PROMPTS, MAX_TOKENS, fake_producer_reply)
     touch(os.path.join(rdv, f"ready-{name}"))
     # This run's producers of this consumer, taken in the order their params appear (each
@@ -243,7 +306,7 @@ def run_consumer(name: str, model: str, rdv: str, result: dict, t0: float) -> No
 
 def main() -> None:
     scenario, model, rdv = sys.argv[1], sys.argv[2], sys.argv[3]
-    write_model(model)
+    write_model(model, is_mla(scenario))
     t0 = time.monotonic()
     result: dict = {"scenario": scenario}
     if scenario in PRODUCERS:

@@ -12,6 +12,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed in this interpreter: run scripts/vllm-tests.sh", allow_module_level=True)
 
 import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvferry.vllm.metadata import LoadSpec, SendSpec
 from kvferry.vllm.params import RemoteSource
@@ -29,10 +30,17 @@ def caches(num_blocks, seed):
             for name in LAYERS}
 
 
+def full_spec(t):
+    """vLLM's spec of a CPU attention layer's ``[B, H, N, 2 * D]`` tensor, as the connector passes
+    it: a one-head tensor is ambiguous by shape alone (layouts.py)."""
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=t.shape[1], head_size=t.shape[3] // 2, dtype=t.dtype)
+
+
 def make(role, kv, port, tp_rank=0, tp_size=1, **cfg):
+    specs = {name: full_spec(t) for name, t in kv.items()}
     t = KvferryTransport(TransportConfig(host="127.0.0.1", port=port, **cfg), tp_rank=tp_rank, pp_rank=0,
                          tp_size=tp_size, pp_size=1, block_size=BLOCK, is_producer=role == "p",
-                         is_consumer=role == "c")
+                         is_consumer=role == "c", kv_cache_specs=specs)
     t.register(kv)
     return t
 
@@ -67,7 +75,8 @@ def assert_landed(pkv, ckv, pheads, cheads=None, remote=(3, 0, 5), local=(7, 2, 
     producer's local heads ``pheads``, every layer (``[start, end)`` of the tensors' H axis)."""
     cheads = cheads or pheads
     for name in LAYERS:
-        pv, cv = layer_view(pkv[name], BLOCK)[0], layer_view(ckv[name], BLOCK)[0]
+        pv = layer_view(pkv[name], BLOCK, full_spec(pkv[name]))[0]
+        cv = layer_view(ckv[name], BLOCK, full_spec(ckv[name]))[0]
         for rb, lb in zip(remote, local):
             # The last block holds 75 - 64 = 11 tokens: compare those rows of K and V.
             n = BLOCK if rb != remote[-1] else last_tokens
@@ -195,7 +204,7 @@ def test_a_flipped_bit_in_one_units_landed_blocks_fails_the_load(built):
     pkv, ckv = caches(8, seed=4), caches(8, seed=None)
     producers = [built("p", rank_slice(pkv, r, 2), port, tp_rank=r, tp_size=2) for r in (0, 1)]
     c = built("c", ckv, port)
-    view = layer_view(ckv[LAYERS[0]], BLOCK)[0]
+    view = layer_view(ckv[LAYERS[0]], BLOCK, full_spec(ckv[LAYERS[0]]))[0]
 
     def flip(landed):
         # Head 1 (unit (1, 2)), K, token 0, element 0 of the first landed block.

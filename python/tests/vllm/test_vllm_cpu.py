@@ -35,9 +35,9 @@ def _result(scenario: str, proc: subprocess.Popen, out: str) -> dict:
     return result
 
 
-def run_engines(scenarios: list[str], tmp_path_factory) -> dict[str, dict]:
+def run_engines(scenarios: list[str], tmp_path_factory, model_name: str = "tiny-qwen3") -> dict[str, dict]:
     """Runs the engines at the same time (they meet through files in one directory)."""
-    model = str(tmp_path_factory.mktemp("tiny-qwen3"))
+    model = str(tmp_path_factory.mktemp(model_name))
     rdv = str(tmp_path_factory.mktemp("rendezvous"))
     procs = {s: _engine(s, model, rdv) for s in scenarios}
     outs = {}

@@ -1,0 +1,140 @@
+"""The KV cache layouts of vLLM 0.32 in kvferry's terms: which kvferry layout (docs/design.md
+§2.2), cache kind and fingerprint (§2.3) one layer's tensor from ``register_kv_caches`` has.
+
+The layer's KV cache spec (``kv_cache_config.kv_cache_groups[*].kv_cache_spec``, given to every
+connector's constructor) decides where it is known; the tensor's shape decides only where it is
+unambiguous. vLLM 0.32 hands every attention layer a 4-D logical ``[B, H, N, C]`` view
+(``vllm/v1/worker/utils.py`` ``allocate_kv_cache``), MLA's included (``[B, 1, N, 576]`` for
+DeepSeek-V2/V3, ``docs/vllm-connector-notes.md`` §9): by shape alone an MLA cache is a one-head
+CPU attention cache with ``2 * D = 576``, so a 4-D one-head tensor without its spec is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MLA_KIND = "MLAAttentionSpec"
+FULL_KIND = "FullAttentionSpec"
+
+
+class LayoutError(ValueError):
+    """A KV cache tensor whose layout the connector does not know; the message gives its shape."""
+
+
+def _spec_classes(spec: Any) -> list[str]:
+    return [c.__name__ for c in type(spec).__mro__]
+
+
+def is_mla_spec(spec: Any) -> bool:
+    """True when ``spec`` is vLLM's ``MLAAttentionSpec`` or a subclass of it
+    (``vllm/v1/kv_cache_interface.py``); checked by class name, so no vLLM import is needed."""
+    return spec is not None and MLA_KIND in _spec_classes(spec)
+
+
+def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
+    """Layer name -> that layer's KV cache spec, from vLLM's ``KVCacheConfig``
+    (``kv_cache_groups[*]``: ``layer_names`` and ``kv_cache_spec``; a group's
+    ``UniformTypeKVCacheSpecs`` is unpacked into its per-layer ``kv_cache_specs``). ``None`` or a
+    config without groups gives ``{}`` (the layout then comes from the shape alone)."""
+    out: dict[str, Any] = {}
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+        spec = group.kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None)
+        for name in group.layer_names:
+            out[name] = per_layer.get(name, spec) if isinstance(per_layer, dict) else spec
+    return out
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """How kvferry reads one layer's tensor: ``view`` (same memory, axes in ``layout`` order:
+    ``"B H KV N D"``, ``"KV B N H D"`` or ``"B N D"``) and the cache ``kind`` of the layer
+    fingerprint (docs/design.md §2.3, e.g. ``"MLAAttentionSpec"``)."""
+
+    view: Any
+    layout: str
+    kind: str
+
+
+def _mla_view(t: Any, block_size: int, spec: Any) -> Any:
+    """``[B, N, C]`` view of an MLA latent cache: 4-D ``[B, 1, N, C]`` (vLLM 0.32) or 3-D
+    ``[B, N, C]`` (older vLLM's ``get_kv_cache_shape``)."""
+    shape = tuple(t.shape)
+    if spec is not None:
+        packed = [f for f in ("state_content_bytes", "num_head_slots") if getattr(spec, f, None) is not None]
+        if getattr(spec, "tokens_per_state", 1) != 1 or getattr(spec, "head_size_v", 0) or packed:
+            raise LayoutError(
+                f"MLA KV cache of shape {shape} with spec {type(spec).__name__} (tokens_per_state "
+                f"{getattr(spec, 'tokens_per_state', None)}, head_size_v {getattr(spec, 'head_size_v', None)}, "
+                f"packed {packed or None}) is not a plain latent cache: not handled"
+            )
+    want_c = getattr(spec, "head_size", None)
+    if len(shape) == 4 and shape[1] == 1:
+        view = t[:, 0]
+    elif len(shape) == 3:
+        view = t
+    else:
+        view = None
+    if view is None or view.shape[1] != block_size or (want_c is not None and view.shape[2] != want_c):
+        raise LayoutError(
+            f"MLA KV cache tensor of shape {shape} (block_size {block_size}, head_size {want_c}) has no "
+            "known layout: expected [B, 1, N, head_size] or [B, N, head_size]"
+        )
+    return view
+
+
+def layer_view(t: Any, block_size: int, spec: Any = None) -> tuple[Any, str]:
+    """``(view, layout)`` of one layer's KV cache tensor in kvferry's axis names (outermost
+    first; strides are read from the view, so a permuted physical order is fine). ``spec`` is
+    the layer's vLLM KV cache spec, or None where the connector has none.
+
+    - MLA (``spec`` an ``MLAAttentionSpec``; vLLM 0.32 hands ``[B, 1, N, kv_lora_rank +
+      qk_rope_head_dim]``): viewed as ``[B, N, D]`` = ``"B N D"`` (one part, no heads). Without a
+      spec only a 3-D ``[B, N, D]`` tensor is taken as MLA.
+    - vLLM CPU attention (0.32, ``cpu_attn.py``): each layer's tensor is ``[B, H, N, 2 * D]``
+      (contiguous), which the kernel reads as ``[B, H, 2 * N, D]``: K in the first N rows of a
+      block's head, V in the next. Viewed as ``[B, H, 2, N, D]`` = ``"B H KV N D"``. Without a
+      spec only ``H > 1`` is taken as this (one head is also MLA's shape).
+    - vLLM FlashAttention / FlashInfer: ``[2, B, N, H, D]`` = ``"KV B N H D"``.
+
+    Raises :class:`LayoutError` for any other shape, for an MLA spec whose cache is packed or
+    compressed (fp8_ds_mla, DeepSeek-V4), and for a 4-D one-head tensor without a spec."""
+    shape = tuple(t.shape)
+    if is_mla_spec(spec) or (spec is None and len(shape) == 3):
+        return _mla_view(t, block_size, spec), "B N D"
+    if len(shape) == 4 and t.device.type == "cpu" and shape[2] == block_size and shape[3] % 2 == 0:
+        if spec is None and shape[1] == 1:
+            raise LayoutError(
+                f"KV cache tensor of shape {shape} (block_size {block_size}) is ambiguous without its KV cache "
+                "spec: a one-head CPU attention cache [B, 1, N, 2*D] or an MLA latent cache [B, 1, N, D]"
+            )
+        b, h, n, d2 = shape
+        return t.view(b, h, 2, n, d2 // 2), "B H KV N D"
+    if len(shape) == 5 and shape[0] == 2 and shape[2] == block_size:
+        return t, "KV B N H D"
+    raise LayoutError(
+        f"KV cache tensor of shape {shape} (block_size {block_size}, spec "
+        f"{type(spec).__name__ if spec is not None else None}) has no known layout: expected CPU "
+        "[B, H, 2*N, D], [2, B, N, H, D], or MLA [B, 1, N, D] / [B, N, D]"
+    )
+
+
+def layer_layout(t: Any, block_size: int, spec: Any) -> LayerLayout:
+    """The :class:`LayerLayout` of one layer's tensor (``spec`` as in :func:`layer_view`): the
+    spec's class name as kind (``MLAAttentionSpec`` for a spec-less MLA tensor,
+    ``FullAttentionSpec`` for other spec-less ones).
+
+    An MLA latent is the same on every TP rank (vLLM's ``MLAAttentionSpec``: one KV head,
+    ``max_tp_shards=1``) and has no H axis: the transport gives it global head 0 and never splits
+    it (units.py). Its replica key stays ``(1, 0)``: the connector's Producers / Consumers hold
+    one rank each (docs/python-verified-loads.md, "Ranks and processes"), each pair comparing its
+    own copy, so every copy is checked by its own pair; a key ``(tp_size, tp_rank)`` is for a
+    coordinator holding the whole TP grid (docs/design.md §2.3) and leaves a one-rank consumer's
+    group "replica not checksummed". Raises :class:`LayoutError` as :func:`layer_view`."""
+    view, layout = layer_view(t, block_size, spec)
+    if spec is not None:
+        kind = type(spec).__name__
+    else:
+        kind = MLA_KIND if layout == "B N D" else FULL_KIND
+    return LayerLayout(view, layout, kind)

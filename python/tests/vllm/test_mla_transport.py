@@ -148,3 +148,21 @@ def test_mla_flipped_landed_bit_is_a_mismatch(pair):
 def test_wrong_mla_shapes_are_layout_errors(shape, specs, match):
     with pytest.raises(LayoutError, match=match):
         make("c", caches(shape, torch.float32, seed=None), PORT + 40, specs)
+
+
+def test_mla_layers_reach_kvferry_with_kind_mla(monkeypatch):
+    # The kind feeds the layer fingerprint (docs/design.md §2.3): vLLM's own spec class name.
+    import kvferry
+
+    seen = []
+    real = kvferry.KVCacheLayer
+
+    def recording(name, view, layout, **kw):
+        seen.append((name, layout, kw["kind"], kw["head_offset"]))
+        return real(name, view, layout, **kw)
+
+    monkeypatch.setattr(kvferry, "KVCacheLayer", recording)
+    t = make("c", caches((8, 1, BLOCK, LATENT), torch.float32, seed=None), PORT + 60,
+             {n: spec(torch.float32) for n in LAYERS}, tp_rank=1, tp_size=2)
+    t.shutdown()
+    assert seen == [(n, "B N D", "MLAAttentionSpec", 0) for n in LAYERS]

@@ -137,7 +137,11 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 pp_size=pc.pipeline_parallel_size, block_size=vllm_config.cache_config.block_size,
                 is_producer=ktc.is_kv_producer, is_consumer=ktc.is_kv_consumer,
                 # Each layer's spec decides its layout (MLA's [B, 1, N, D] looks like a one-head cache).
-                kv_cache_specs=layer_specs(kv_cache_config))
+                kv_cache_specs=layer_specs(kv_cache_config),
+                # The layout vLLM resolved (KVCacheConfig.kv_cache_layout, else CacheConfig's): the
+                # physical axis order of every layer's [B, H, N, C] view (notes §10).
+                kv_cache_layout=getattr(kv_cache_config, "kv_cache_layout", None)
+                or getattr(vllm_config.cache_config, "kv_cache_layout", None))
             # The load's deadline covers connecting and checksumming on top of the transfer.
             self._worker = KvferryWorkerSide(
                 tp_rank=tp_rank, pp_rank=pp_rank, load_timeout_seconds=timeout + connect_timeout + 30.0,

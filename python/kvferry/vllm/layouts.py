@@ -7,6 +7,11 @@ unambiguous. vLLM 0.32 hands every attention layer a 4-D logical ``[B, H, N, C]`
 (``vllm/v1/worker/utils.py`` ``allocate_kv_cache``), MLA's included (``[B, 1, N, 576]`` for
 DeepSeek-V2/V3, ``docs/vllm-connector-notes.md`` §9): by shape alone an MLA cache is a one-head
 CPU attention cache with ``2 * D = 576``, so a 4-D one-head tensor without its spec is refused.
+Where K and V sit depends on the backend (notes §10): the CPU backend reads ``[B, H, N, 2*D]``
+as ``[B, H, 2*N, D]`` (K/V split across tokens); the CUDA backends (FlashAttention, FlashInfer,
+Triton) split the last axis (``C = [K | V]``). The physical order of the four axes is the
+resolved ``KVCacheLayout`` (``kv_cache_config.kv_cache_layout``, e.g. ``LBNHC`` = NHD, ``LBHNC``
+= HND) and is only carried by the strides.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
 @dataclass(frozen=True)
 class LayerLayout:
     """How kvferry reads one layer's tensor: ``view`` (same memory, axes in ``layout`` order:
-    ``"B H KV N D"``, ``"KV B N H D"`` or ``"B N D"``) and the cache ``kind`` of the layer
+    ``"B H KV N D"``, ``"B N H KV D"``, ``"B H N KV D"``, ``"KV B N H D"``, ``"B N D"``...)
+    and the cache ``kind`` of the layer
     fingerprint (docs/design.md §2.3, e.g. ``"MLAAttentionSpec"``)."""
 
     view: Any
@@ -84,30 +90,146 @@ def _mla_view(t: Any, block_size: int, spec: Any) -> Any:
     return view
 
 
-def layer_view(t: Any, block_size: int, spec: Any = None) -> tuple[Any, str]:
+# vLLM 0.32's KVCacheLayout names (vllm/v1/kv_cache_layout.py) -> the physical order of a layer's
+# logical [B, H, N, C] view, outermost first (``KVCacheLayout.layer_view_order``); C is always
+# innermost. "NHD" / "HND" are vLLM's legacy aliases (vllm/config/cache.py _LAYOUT_COMPAT_ALIASES).
+LAYER_VIEW_ORDER = {
+    "LBHNC": (0, 1, 2, 3),
+    "LBNHC": (0, 2, 1, 3),
+    "LHBNC": (1, 0, 2, 3),
+    "BLHNC": (0, 1, 2, 3),
+    "BLNHC": (0, 2, 1, 3),
+    "BHLNC": (0, 1, 2, 3),
+}
+LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+# Axis names of the 5-D view [B, H, N, KV, D] of a CUDA layer (C split into K and V).
+_GPU_AXES = ("B", "H", "N", "KV", "D")
+# vLLM's KVQuantMode values whose cache is plain [K | V] elements of the spec's dtype:
+# NONE (0) and FP8_PER_TENSOR (1) (vllm/v1/kv_cache_interface.py KVQuantMode).
+_PLAIN_QUANT_MODES = (0, 1)
+
+
+def resolved_layout_name(kv_cache_layout: str | None) -> str | None:
+    """vLLM's canonical ``KVCacheLayout`` name for ``kv_cache_layout`` (``"NHD"`` -> ``"LBNHC"``,
+    ``"HND"`` -> ``"LBHNC"``, canonical names unchanged); None stays None. Raises
+    :class:`LayoutError` for a name vLLM 0.32 does not define."""
+    if kv_cache_layout is None:
+        return None
+    name = LAYOUT_ALIASES.get(str(kv_cache_layout), str(kv_cache_layout))
+    if name not in LAYER_VIEW_ORDER:
+        raise LayoutError(
+            f"unknown vLLM KV cache layout {kv_cache_layout!r}: expected one of "
+            f"{sorted(LAYER_VIEW_ORDER) + sorted(LAYOUT_ALIASES)}"
+        )
+    return name
+
+
+def _check_plain_attention_spec(shape: tuple, spec: Any) -> int:
+    """Head size D of a plain (dense ``[K | V]``) attention spec matching ``shape`` =
+    ``[B, H, N, C]``; raises :class:`LayoutError` for packed, compressed, per-token-head or
+    NVFP4-quantised caches and for a K head size different from V's."""
+    quant = getattr(spec, "kv_quant_mode", 0)
+    odd = {
+        f: getattr(spec, f, None)
+        for f in ("num_head_slots", "state_content_bytes", "page_size_padded")
+        if getattr(spec, f, None) is not None
+    }
+    d, dv = getattr(spec, "head_size", None), getattr(spec, "head_size_v", None)
+    if odd or getattr(spec, "tokens_per_state", 1) != 1 or int(quant) not in _PLAIN_QUANT_MODES or d != dv:
+        raise LayoutError(
+            f"KV cache of shape {shape} with spec {type(spec).__name__} (head_size {d}, head_size_v {dv}, "
+            f"kv_quant_mode {quant!r}, tokens_per_state {getattr(spec, 'tokens_per_state', None)}, "
+            f"{odd or 'no packing'}) is not a plain [K | V] attention cache: not handled"
+        )
+    want = (getattr(spec, "num_kv_heads", None), 2 * d)
+    if (shape[1], shape[3]) != want:
+        raise LayoutError(
+            f"KV cache of shape {shape} does not match its spec {type(spec).__name__} "
+            f"(num_kv_heads {want[0]}, head_size {d}: expected [B, {want[0]}, N, {want[1]}])"
+        )
+    return d
+
+
+def _gpu_view(t: Any, block_size: int, spec: Any, layout_name: str | None) -> tuple[Any, str]:
+    """``(view, layout)`` of a CUDA backend's ``[B, H, N, 2*D]`` layer (K = ``C[:D]``,
+    V = ``C[D:]``): ``[B, H, N, 2, D]`` permuted into the physical order of ``layout_name``
+    (logical order, strides unchecked, when None), after checking the strides follow that order."""
+    shape = tuple(t.shape)
+    if spec is not None:
+        d = _check_plain_attention_spec(shape, spec)
+    elif shape[1] == 1:
+        raise LayoutError(
+            f"KV cache tensor of shape {shape} (block_size {block_size}) is ambiguous without its KV cache "
+            "spec: a one-head attention cache [B, 1, N, 2*D] or an MLA latent cache [B, 1, N, D]"
+        )
+    else:
+        d = shape[3] // 2
+    v = t.unflatten(3, (2, d))
+    if layout_name is None:
+        # No physical order claimed: the logical axes, whatever the strides (kvferry reads them).
+        return v, "B H N KV D"
+    perm = (*LAYER_VIEW_ORDER[layout_name][:3], 3, 4)
+    # Each axis (of size > 1) must step over everything physically inside it.
+    inner = 1
+    for ax in reversed(perm):
+        if v.shape[ax] > 1:
+            if v.stride(ax) < inner:
+                raise LayoutError(
+                    f"KV cache tensor of shape {shape}, strides {tuple(t.stride())} (elements) does not have "
+                    f"vLLM's {layout_name} layout: axis "
+                    f"{_GPU_AXES[ax]} steps {v.stride(ax)} < {inner}"
+                )
+            inner = v.stride(ax) * v.shape[ax]
+    return v.permute(*perm), " ".join(_GPU_AXES[a] for a in perm)
+
+
+def layer_view(t: Any, block_size: int, spec: Any = None, kv_cache_layout: str | None = None, *,
+               device_type: str | None = None) -> tuple[Any, str]:
     """``(view, layout)`` of one layer's KV cache tensor in kvferry's axis names (outermost
     first; strides are read from the view, so a permuted physical order is fine). ``spec`` is
-    the layer's vLLM KV cache spec, or None where the connector has none.
+    the layer's vLLM KV cache spec, or None where the connector has none; ``kv_cache_layout``
+    vLLM's resolved layout name (``KVCacheConfig.kv_cache_layout``: ``LBNHC``/``NHD``,
+    ``LBHNC``/``HND``, ``LHBNC``, ``BLHNC``, ``BLNHC``, ``BHLNC``), or None where unknown;
+    ``device_type`` the device whose backend wrote the tensor (default: the tensor's own;
+    tests pass ``"cuda"`` to lay CPU tensors out as a CUDA backend would).
 
     - MLA (``spec`` an ``MLAAttentionSpec``; vLLM 0.32 hands ``[B, 1, N, kv_lora_rank +
       qk_rope_head_dim]``): viewed as ``[B, N, D]`` = ``"B N D"`` (one part, no heads). Without a
       spec only a 3-D ``[B, N, D]`` tensor is taken as MLA.
-    - vLLM CPU attention (0.32, ``cpu_attn.py``): each layer's tensor is ``[B, H, N, 2 * D]``
-      (contiguous), which the kernel reads as ``[B, H, 2 * N, D]``: K in the first N rows of a
-      block's head, V in the next. Viewed as ``[B, H, 2, N, D]`` = ``"B H KV N D"``. Without a
-      spec only ``H > 1`` is taken as this (one head is also MLA's shape).
-    - vLLM FlashAttention / FlashInfer: ``[2, B, N, H, D]`` = ``"KV B N H D"``.
+    - vLLM CPU attention (0.32, ``cpu_attn.py``, layout ``LBHNC`` only): each layer's tensor is
+      ``[B, H, N, 2 * D]`` (contiguous), which the kernel reads as ``[B, H, 2 * N, D]``: K in the
+      first N rows of a block's head, V in the next. Viewed as ``[B, H, 2, N, D]`` =
+      ``"B H KV N D"``. Without a spec only ``H > 1`` is taken as this (one head is also MLA's).
+    - vLLM 0.32 CUDA FlashAttention, FlashInfer, Triton (``[B, H, N, 2 * D]`` logical view,
+      K = ``C[:D]``, V = ``C[D:]``, docs/vllm-connector-notes.md §10): ``[B, H, N, 2, D]`` in the
+      layout's physical order: ``"B N H KV D"`` for NHD (``LBNHC``, vLLM's default),
+      ``"B H N KV D"`` for HND (``LBHNC``), ``"H B N KV D"`` for ``LHBNC``; logical
+      ``"B H N KV D"`` when the layout is unknown. A spec must be plain (no NVFP4, per-token-head
+      scales, packing, ``head_size_v != head_size``) and match H and C.
+    - Older vLLM FlashAttention / FlashInfer: ``[2, B, N, H, D]`` = ``"KV B N H D"``.
 
-    Raises :class:`LayoutError` for any other shape, for an MLA spec whose cache is packed or
-    compressed (fp8_ds_mla, DeepSeek-V4), and for a 4-D one-head tensor without a spec."""
+    Raises :class:`LayoutError` for any other shape (N must be ``block_size``: kernel-block split
+    views are not handled), for an MLA spec whose cache is packed or compressed (fp8_ds_mla,
+    DeepSeek-V4), for a 4-D one-head tensor without a spec, for strides that contradict
+    ``kv_cache_layout``, for an unknown layout name, and for a CPU tensor with a layout other
+    than ``LBHNC``."""
     shape = tuple(t.shape)
+    layout_name = resolved_layout_name(kv_cache_layout)
+    device = device_type if device_type is not None else t.device.type
     if is_mla_spec(spec) or (spec is None and len(shape) == 3):
         return _mla_view(t, block_size, spec), "B N D"
-    if len(shape) == 4 and t.device.type == "cpu" and shape[2] == block_size and shape[3] % 2 == 0:
+    if len(shape) == 4 and device != "cpu" and shape[2] == block_size and shape[3] % 2 == 0:
+        return _gpu_view(t, block_size, spec, layout_name)
+    if len(shape) == 4 and device == "cpu" and shape[2] == block_size and shape[3] % 2 == 0:
         if spec is None and shape[1] == 1:
             raise LayoutError(
                 f"KV cache tensor of shape {shape} (block_size {block_size}) is ambiguous without its KV cache "
                 "spec: a one-head CPU attention cache [B, 1, N, 2*D] or an MLA latent cache [B, 1, N, D]"
+            )
+        if layout_name not in (None, "LBHNC") or not t.is_contiguous():
+            raise LayoutError(
+                f"CPU KV cache tensor of shape {shape}, strides {tuple(t.stride())}, layout {layout_name}: "
+                "vLLM's CPU attention reads only a contiguous LBHNC (HND) cache"
             )
         b, h, n, d2 = shape
         return t.view(b, h, 2, n, d2 // 2), "B H KV N D"
@@ -115,13 +237,15 @@ def layer_view(t: Any, block_size: int, spec: Any = None) -> tuple[Any, str]:
         return t, "KV B N H D"
     raise LayoutError(
         f"KV cache tensor of shape {shape} (block_size {block_size}, spec "
-        f"{type(spec).__name__ if spec is not None else None}) has no known layout: expected CPU "
-        "[B, H, 2*N, D], [2, B, N, H, D], or MLA [B, 1, N, D] / [B, N, D]"
+        f"{type(spec).__name__ if spec is not None else None}) has no known layout: expected "
+        "[B, H, N, 2*D], [2, B, N, H, D], or MLA [B, 1, N, D] / [B, N, D]"
     )
 
 
-def layer_layout(t: Any, block_size: int, spec: Any) -> LayerLayout:
-    """The :class:`LayerLayout` of one layer's tensor (``spec`` as in :func:`layer_view`): the
+def layer_layout(t: Any, block_size: int, spec: Any, kv_cache_layout: str | None = None, *,
+                 device_type: str | None = None) -> LayerLayout:
+    """The :class:`LayerLayout` of one layer's tensor (``spec``, ``kv_cache_layout`` and
+    ``device_type`` as in :func:`layer_view`): the
     spec's class name as kind (``MLAAttentionSpec`` for a spec-less MLA tensor,
     ``FullAttentionSpec`` for other spec-less ones).
 
@@ -132,7 +256,7 @@ def layer_layout(t: Any, block_size: int, spec: Any) -> LayerLayout:
     own copy, so every copy is checked by its own pair; a key ``(tp_size, tp_rank)`` is for a
     coordinator holding the whole TP grid (docs/design.md §2.3) and leaves a one-rank consumer's
     group "replica not checksummed". Raises :class:`LayoutError` as :func:`layer_view`."""
-    view, layout = layer_view(t, block_size, spec)
+    view, layout = layer_view(t, block_size, spec, kv_cache_layout, device_type=device_type)
     if spec is not None:
         kind = type(spec).__name__
     else:

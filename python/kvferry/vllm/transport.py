@@ -80,7 +80,8 @@ class KvferryTransport:
     tensors; a load that needs other head slices builds their Consumers on first use. Each
     layer's layout and kind come from :func:`kvferry.vllm.layouts.layer_layout`, by its spec in
     ``kv_cache_specs`` (layer name -> vLLM KV cache spec, :func:`kvferry.vllm.layouts.layer_specs`;
-    a layer without one: by the tensor's shape where unambiguous). Errors:
+    a layer without one: by the tensor's shape where unambiguous) and vLLM's resolved
+    ``kv_cache_layout`` name (physical axis order; None where unknown). Errors:
     :class:`LayoutError` for an unknown tensor layout; :class:`~kvferry.vllm.units.ConfigError`
     for a ``head_splits`` that does not fit the rank's KV heads; kvferry's
     ValueError/RuntimeError when an engine cannot start."""
@@ -91,7 +92,7 @@ class KvferryTransport:
 
     def __init__(self, config: TransportConfig, *, tp_rank: int, pp_rank: int, tp_size: int, pp_size: int,
                  block_size: int, is_producer: bool, is_consumer: bool,
-                 kv_cache_specs: dict[str, Any] | None = None):
+                 kv_cache_specs: dict[str, Any] | None = None, kv_cache_layout: str | None = None):
         self.config = config
         self.tp_rank, self.pp_rank = tp_rank, pp_rank
         self.tp_size, self.pp_size = tp_size, pp_size
@@ -104,6 +105,8 @@ class KvferryTransport:
         # layer name -> (view, layout, dtype text)
         self._views: dict[str, tuple[Any, str, str]] = {}
         self.kv_cache_specs = dict(kv_cache_specs or {})
+        # vLLM's resolved KVCacheLayout name (e.g. "LBNHC"), None where unknown (layouts.py)
+        self.kv_cache_layout = kv_cache_layout
         # layer name -> cache kind of the layer fingerprint (e.g. "MLAAttentionSpec")
         self._kinds: dict[str, str] = {}
         self.local_heads: int | None = None
@@ -124,7 +127,7 @@ class KvferryTransport:
         whole-rank Consumer."""
         heads = []
         for name, t in kv_caches.items():
-            lay = layer_layout(t, self.block_size, self.kv_cache_specs.get(name))
+            lay = layer_layout(t, self.block_size, self.kv_cache_specs.get(name), self.kv_cache_layout)
             view, layout = lay.view, lay.layout
             self._views[name] = (view, layout, str(t.dtype))
             self._kinds[name] = lay.kind

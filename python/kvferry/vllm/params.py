@@ -8,9 +8,14 @@ The keys follow vLLM's P2P connectors (NIXL, Mooncake in vLLM 0.32/0.33,
 - producer -> proxy (the finished request's ``kv_transfer_params``, built by
   :func:`producer_reply`): ``{"do_remote_prefill": True, "do_remote_decode": False,
   "transfer_id", "remote_engine_id", "remote_host", "remote_port", "remote_tp_size",
-  "remote_pp_size", "remote_head_splits", "remote_block_ids", "load_key"}``:
-  ``remote_head_splits`` is how many units (kvferry Producers) each producer rank serves its KV
-  heads through (absent = 1; docs/vllm-connector-notes.md §8); ``remote_block_ids`` is the producer's
+  "remote_pp_size", "remote_head_splits", "remote_layer_splits", "remote_stage_layers",
+  "remote_block_ids", "load_key"}``: ``remote_head_splits`` and ``remote_layer_splits`` say
+  through how many units (kvferry Producers) each producer rank serves its KV heads and its
+  layers (absent = 1; a rank has ``head_splits * layer_splits`` units;
+  docs/vllm-connector-notes.md §8); ``remote_stage_layers`` is each producer PP stage's layer
+  numbers ``[start, end)`` as ``[[start, end], ...]`` (vLLM's ``get_pp_indices``, so an
+  overridden ``VLLM_PP_LAYER_PARTITION`` travels too; absent: the consumer pairs only equal PP
+  sizes without layer splits); ``remote_block_ids`` is the producer's
   block table per KV cache group (block id per request position, as NIXL's and Mooncake's
   ``remote_block_ids``); ``load_key`` the lease's key: the producer serves only a load that
   carries it (kvferry's p2p request ownership, docs/design.md §8.1).
@@ -34,6 +39,8 @@ REMOTE_PORT = "remote_port"
 REMOTE_TP_SIZE = "remote_tp_size"
 REMOTE_PP_SIZE = "remote_pp_size"
 REMOTE_HEAD_SPLITS = "remote_head_splits"
+REMOTE_LAYER_SPLITS = "remote_layer_splits"
+REMOTE_STAGE_LAYERS = "remote_stage_layers"
 REMOTE_BLOCK_IDS = "remote_block_ids"
 LOAD_KEY = "load_key"
 
@@ -47,9 +54,11 @@ class ParamsError(ValueError):
 class RemoteSource:
     """Where a consumer loads a request's KV from: the producer's transfer id, engine id, the
     side-channel base address (``host:port`` of the producer's TP rank 0 / PP rank 0's unit 0),
-    the producer's TP/PP sizes, its ``head_splits`` (units per rank: unit ``j`` of rank
-    ``(tp, pp)`` listens on ``port + (pp * tp_size + tp) * head_splits + j``), its block table
-    per KV cache group and the lease's load key."""
+    the producer's TP/PP sizes, its ``head_splits`` and ``layer_splits`` (head unit ``j`` of
+    layer unit ``k`` of rank ``(tp, pp)`` listens on ``port + ((pp * tp_size + tp) *
+    layer_splits + k) * head_splits + j``), its block table per KV cache group, the lease's load
+    key and ``stage_layers``, each producer PP stage's layer numbers ``[start, end)`` (None: not
+    sent)."""
 
     transfer_id: str
     engine_id: str
@@ -60,17 +69,23 @@ class RemoteSource:
     remote_block_ids: tuple[tuple[int, ...], ...]
     load_key: str
     head_splits: int = 1
+    layer_splits: int = 1
+    stage_layers: tuple[tuple[int, int], ...] | None = None
 
-    def unit_port(self, tp_rank: int, pp_rank: int, unit: int = 0) -> int:
-        """Side-channel port of unit ``unit`` (``0 <= unit < head_splits``) of the producer rank
-        ``(tp_rank, pp_rank)``; with ``head_splits`` 1 the rank's one port."""
-        return unit_port(self.port, tp_rank, pp_rank, self.tp_size, self.head_splits, unit)
+    def unit_port(self, tp_rank: int, pp_rank: int, unit: int = 0, layer_unit: int = 0) -> int:
+        """Side-channel port of head unit ``unit`` (``0 <= unit < head_splits``) of layer unit
+        ``layer_unit`` (``0 <= layer_unit < layer_splits``) of the producer rank ``(tp_rank,
+        pp_rank)``; with both splits 1 the rank's one port."""
+        return unit_port(self.port, tp_rank, pp_rank, self.tp_size, self.head_splits, unit,
+                         self.layer_splits, layer_unit)
 
 
-def unit_port(base: int, tp_rank: int, pp_rank: int, tp_size: int, head_splits: int, unit: int) -> int:
-    """``base + (pp_rank * tp_size + tp_rank) * head_splits + unit``: where unit ``unit`` of a
-    producer rank listens (both sides compute it from the same numbers)."""
-    return base + (pp_rank * tp_size + tp_rank) * head_splits + unit
+def unit_port(base: int, tp_rank: int, pp_rank: int, tp_size: int, head_splits: int, unit: int,
+              layer_splits: int = 1, layer_unit: int = 0) -> int:
+    """``base + ((pp_rank * tp_size + tp_rank) * layer_splits + layer_unit) * head_splits +
+    unit``: where a unit of a producer rank listens (both sides compute it from the same
+    numbers; ``layer_splits`` 1 gives the head-units-only ports)."""
+    return base + ((pp_rank * tp_size + tp_rank) * layer_splits + layer_unit) * head_splits + unit
 
 
 def _get(params: Mapping[str, Any], key: str, kind: type) -> Any:
@@ -109,15 +124,17 @@ def remote_source(params: Mapping[str, Any]) -> RemoteSource:
     if not 1 <= port <= 65535:
         raise ParamsError(f"kv_transfer_params['remote_port'] = {port} is not a TCP port")
     sizes = []
-    for key in (REMOTE_TP_SIZE, REMOTE_PP_SIZE, REMOTE_HEAD_SPLITS):
+    for key in (REMOTE_TP_SIZE, REMOTE_PP_SIZE, REMOTE_HEAD_SPLITS, REMOTE_LAYER_SPLITS):
         size = _get(params, key, int) if key in params else 1
         if size < 1:
             raise ParamsError(f"kv_transfer_params[{key!r}] = {size} must be >= 1")
         sizes.append(size)
-    last = unit_port(port, sizes[0] - 1, sizes[1] - 1, sizes[0], sizes[2], sizes[2] - 1)
+    tp, pp, hs, ls = sizes
+    last = unit_port(port, tp - 1, pp - 1, tp, hs, hs - 1, ls, ls - 1)
     if last > 65535:
         raise ParamsError(f"kv_transfer_params: the producer's last unit port {last} (remote_port {port}, "
-                          f"TP {sizes[0]} x PP {sizes[1]} x head_splits {sizes[2]}) is not a TCP port")
+                          f"TP {tp} x PP {pp} x layer_splits {ls} x head_splits {hs}) is not a TCP port")
+    stage_layers = _stage_layers(params[REMOTE_STAGE_LAYERS], pp, ls) if REMOTE_STAGE_LAYERS in params else None
     host = _get(params, REMOTE_HOST, str)
     if not host:
         raise ParamsError("kv_transfer_params['remote_host'] is empty")
@@ -131,20 +148,45 @@ def remote_source(params: Mapping[str, Any]) -> RemoteSource:
         engine_id=_get(params, REMOTE_ENGINE_ID, str),
         host=host,
         port=port,
-        tp_size=sizes[0],
-        pp_size=sizes[1],
+        tp_size=tp,
+        pp_size=pp,
         remote_block_ids=tuple(tuple(g) for g in tables),
         load_key=load_key,
-        head_splits=sizes[2],
+        head_splits=hs,
+        layer_splits=ls,
+        stage_layers=stage_layers,
     )
+
+
+def _stage_layers(value: Any, pp_size: int, layer_splits: int) -> tuple[tuple[int, int], ...]:
+    """``remote_stage_layers`` checked: ``pp_size`` pairs ``[start, end]`` of ints, each stage
+    holding at least ``layer_splits`` layers, each starting where the previous ended (vLLM's
+    stages tile the layers); :class:`ParamsError` otherwise."""
+    key = REMOTE_STAGE_LAYERS
+    ok = isinstance(value, list) and len(value) == pp_size and all(
+        isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                    for x in s) for s in value)
+    if not ok:
+        raise ParamsError(f"kv_transfer_params[{key!r}] must be a list of {pp_size} [start, end] layer numbers")
+    stages = tuple((s[0], s[1]) for s in value)
+    for i, (a, b) in enumerate(stages):
+        if b - a < layer_splits:
+            raise ParamsError(f"kv_transfer_params[{key!r}]: stage {i} [{a}, {b}) holds fewer layers than "
+                              f"remote_layer_splits {layer_splits}")
+        if i and a != stages[i - 1][1]:
+            raise ParamsError(f"kv_transfer_params[{key!r}]: stage {i} starts at {a}, not where stage {i - 1} ends")
+    return stages
 
 
 def producer_reply(
     transfer_id: str, engine_id: str, host: str, port: int, tp_size: int, pp_size: int,
-    block_ids: Sequence[Sequence[int]], load_key: str, head_splits: int = 1,
+    block_ids: Sequence[Sequence[int]], load_key: str, head_splits: int = 1, layer_splits: int = 1,
+    stage_layers: Sequence[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     """The params a finished producer request returns, for the proxy to hand to the consumer
-    (``remote_head_splits`` only when above 1, so a one-unit producer's reply is unchanged)."""
+    (``remote_head_splits`` and ``remote_layer_splits`` only when above 1;
+    ``remote_stage_layers`` only when ``stage_layers`` is given: each PP stage's layer numbers
+    ``[start, end)``)."""
     reply = {
         DO_REMOTE_PREFILL: True,
         DO_REMOTE_DECODE: False,
@@ -159,4 +201,8 @@ def producer_reply(
     }
     if head_splits != 1:
         reply[REMOTE_HEAD_SPLITS] = head_splits
+    if layer_splits != 1:
+        reply[REMOTE_LAYER_SPLITS] = layer_splits
+    if stage_layers is not None:
+        reply[REMOTE_STAGE_LAYERS] = [[a, b] for a, b in stage_layers]
     return reply

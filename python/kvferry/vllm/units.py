@@ -111,8 +111,9 @@ def consumer_layer_units(*, pp_rank: int, pp_size: int, stage_layers: tuple[int,
     with ``layer_splits`` 1 pair (stage ``pp_rank``, whole). Raises :class:`PairingError` when
     the PP sizes differ (or the producer splits layers) without the producer's ranges, when this
     stage's range is unknown, when a producer layer unit straddles its range (naming the
-    ``layer_splits`` the producer needs), or when some of the rank's layers lie in no loaded
-    unit."""
+    ``layer_splits`` the producer needs), or when the stage loads several units (or none) and
+    some of the rank's layers lie in none of them. (One unit of the whole stage loads every
+    layer of the rank; kvferry's p2p refuses a producer and consumer of different layers.)"""
     r = producer_layer_splits
     if producer_stage_layers is None:
         if producer_pp_size == pp_size and r == 1:
@@ -139,12 +140,13 @@ def consumer_layer_units(*, pp_rank: int, pp_size: int, stage_layers: tuple[int,
                 raise PairingError(
                     f"producer stage {p}'s layer unit {k} holds layers [{a}, {b}), this PP stage holds [{c}, {d}): "
                     f"{what} (docs/vllm-connector-notes.md §8)")
-    covered = [u[2] or (c, d) for u in out]
+    if len(out) == 1 and out[0][2] is None:
+        # One load of the rank's whole KV: kvferry's p2p checks both sides hold the same layers.
+        return out
+    covered = [u[2] for u in out]
     numbers = list(layer_numbers)
-    # A layer without a number is loaded only by a unit of the rank's whole KV.
-    whole = len(out) == 1 and out[0][2] is None
-    missing = sorted({n for n in numbers if n is not None and not any(a <= n < b for a, b in covered)})
-    if None in numbers and not whole:
+    missing: list = sorted({n for n in numbers if n is not None and not any(a <= n < b for a, b in covered)})
+    if None in numbers:  # loaded only with the rank's whole KV
         missing = ["(no layer number)", *missing]
     if missing or not out:
         raise PairingError(

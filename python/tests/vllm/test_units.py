@@ -171,8 +171,8 @@ def test_layers_outside_every_loaded_unit_are_refused():
     # The consumer holds a layer 4 (a draft layer, say) that the producer's stages do not.
     with pytest.raises(PairingError, match=r"layers \[4\] of this PP stage \[0, 4\) lie in no layer unit"):
         layers(0, 1, (0, 4), [(0, 2), (2, 4)], numbers=[0, 1, 2, 3, 4])
-    # A layer without a number is loaded only with the rank's whole KV.
-    assert layers(0, 1, (0, 4), [(0, 4)], numbers=[0, None]) == [(0, 0, None)]
+    # A layer without a number (or outside the range) is loaded only with the rank's whole KV.
+    assert layers(0, 1, (0, 4), [(0, 4)], numbers=[0, None, 4]) == [(0, 0, None)]
     with pytest.raises(PairingError, match=r"no layer number"):
         layers(0, 1, (0, 4), [(0, 2), (2, 4)], numbers=[0, None])
     with pytest.raises(PairingError, match="do not fit its PP size 2 and layer_splits 3"):

@@ -9,18 +9,27 @@ Load it with::
                            "kv_connector_extra_config": {"host": "10.0.0.5", "port": 17500,
                                "protocol": "tcp", "fail_closed": true,
                                "lease_seconds": 30, "load_timeout_seconds": 30,
-                               "connect_timeout_seconds": 5, "head_splits": 1}}'
+                               "connect_timeout_seconds": 5, "head_splits": 1,
+                               "layer_splits": 1}}'
 
 Extra config keys: ``host`` (this instance's address, reachable by the peer; default vLLM's
-``get_ip()``), ``port`` (side-channel base port; unit ``j`` of producer rank ``(tp, pp)`` binds
-``port + (pp * tp_size + tp) * head_splits + j``), ``protocol`` (``tcp`` | ``rdma`` | ``auto``),
+``get_ip()``), ``port`` (side-channel base port; head unit ``j`` of layer unit ``k`` of producer
+rank ``(tp, pp)`` binds ``port + ((pp * tp_size + tp) * layer_splits + k) * head_splits + j``),
+``protocol`` (``tcp`` | ``rdma`` | ``auto``),
 ``fail_closed`` (an unverifiable load fails; default true), ``lease_seconds``,
 ``load_timeout_seconds``, ``connect_timeout_seconds``, ``head_splits`` (read by producers; int
 >= 1, default 1, must divide each rank's KV heads: each producer rank serves its heads through
 that many kvferry Producers, "units", of ``Hp / head_splits`` heads each; a consumer rank
 holding ``Hc`` heads loads and verifies the units of exactly its heads, so ``Hp / head_splits``
 must divide ``Hc``: e.g. TP 1 -> TP 2 needs ``head_splits`` 2 on the producer; TP 2 -> TP 1 needs
-nothing; docs/vllm-connector-notes.md §8), and the test-only ``test_corrupt_transfer_prefix``
+nothing; docs/vllm-connector-notes.md §8), ``layer_splits`` (read by producers; int >= 1, default
+1, at most each PP stage's layer count: each producer rank serves its stage's layers ``[a, b)``
+(vLLM's ``get_pp_indices``) through that many layer units, unit ``k`` holding ``[a + k * n //
+layer_splits, a + (k + 1) * n // layer_splits)``, ``n = b - a``, times ``head_splits`` head
+units; a consumer PP stage loads and verifies the layer units inside its own layers, so its layer
+range must be a union of whole layer units: e.g. PP 1 -> PP 2 needs ``layer_splits`` 2 on the
+producer, PP 2 -> PP 1 needs nothing; a refused load names the ``layer_splits`` needed), and the
+test-only ``test_corrupt_transfer_prefix``
 (flips a landed bit of every load whose transfer id starts with it: fault injection for the
 tests; never set it in production).
 
@@ -96,6 +105,10 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         fail_closed = _extra(extra, "fail_closed", bool, True)
         # Checked against the rank's KV heads when a producer rank registers them (units.py).
         head_splits = _extra(extra, "head_splits", int, 1)
+        # Checked against the stage's layers when a producer rank registers them (units.py).
+        layer_splits = _extra(extra, "layer_splits", int, 1)
+        if layer_splits < 1:
+            raise ConfigError(f"kv_connector_extra_config['layer_splits'] = {layer_splits} must be >= 1")
         corrupt = extra.get("test_corrupt_transfer_prefix")
         if corrupt is not None and not isinstance(corrupt, str):
             raise ConfigError(f"kv_connector_extra_config['test_corrupt_transfer_prefix'] = {corrupt!r}: expected str")
@@ -109,6 +122,13 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: KvferrySchedulerSide | None = None
         self._worker: KvferryWorkerSide | None = None
         pc = vllm_config.parallel_config
+        # Every PP stage's layer numbers [start, end), as vLLM's model partitions them (honours
+        # VLLM_PP_LAYER_PARTITION); the producer sends them, a consumer stage pairs by them.
+        from vllm.distributed.utils import get_pp_indices
+
+        num_layers = vllm_config.model_config.get_total_num_hidden_layers()
+        stage_layers = tuple(get_pp_indices(num_layers, r, pc.pipeline_parallel_size)
+                             for r in range(pc.pipeline_parallel_size))
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KvferrySchedulerSide(
                 SchedulerConfig(
@@ -122,6 +142,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                     block_size=vllm_config.cache_config.block_size,
                     lease_seconds=lease,
                     head_splits=head_splits,
+                    layer_splits=layer_splits,
+                    stage_layers=stage_layers,
                 )
             )
         else:
@@ -132,7 +154,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 TransportConfig(host=host, port=port, protocol=protocol, fail_closed=fail_closed,
                                 load_failure_policy=ktc.kv_load_failure_policy, lease_seconds=lease,
                                 load_timeout_seconds=timeout, connect_timeout_seconds=connect_timeout,
-                                test_corrupt_transfer_prefix=corrupt, head_splits=head_splits),
+                                test_corrupt_transfer_prefix=corrupt, head_splits=head_splits,
+                                layer_splits=layer_splits),
                 tp_rank=tp_rank, pp_rank=pp_rank, tp_size=pc.tensor_parallel_size,
                 pp_size=pc.pipeline_parallel_size, block_size=vllm_config.cache_config.block_size,
                 is_producer=ktc.is_kv_producer, is_consumer=ktc.is_kv_consumer,
@@ -141,7 +164,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 # The layout vLLM resolved (KVCacheConfig.kv_cache_layout, else CacheConfig's): the
                 # physical axis order of every layer's [B, H, N, C] view (notes §10).
                 kv_cache_layout=getattr(kv_cache_config, "kv_cache_layout", None)
-                or getattr(vllm_config.cache_config, "kv_cache_layout", None))
+                or getattr(vllm_config.cache_config, "kv_cache_layout", None),
+                stage_layers=stage_layers[pp_rank])
             # The load's deadline covers connecting and checksumming on top of the transfer.
             self._worker = KvferryWorkerSide(
                 tp_rank=tp_rank, pp_rank=pp_rank, load_timeout_seconds=timeout + connect_timeout + 30.0,

@@ -26,10 +26,13 @@ log = logging.getLogger("vllm.kvferry")
 class SchedulerConfig:
     """What the scheduler side needs to know about its engine.
 
-    ``host``/``port``: the side-channel base address the producer names in its reply (unit ``j``
-    of rank ``(tp, pp)`` listens on ``port + (pp * tp_size + tp) * head_splits + j``).
+    ``host``/``port``: the side-channel base address the producer names in its reply (head unit
+    ``j`` of layer unit ``k`` of rank ``(tp, pp)`` listens on ``port + ((pp * tp_size + tp) *
+    layer_splits + k) * head_splits + j``).
     ``lease_seconds``: how long a producer holds a finished request's blocks for its consumer.
-    ``head_splits``: units per producer rank, named in the reply (docs/vllm-connector-notes.md §8)."""
+    ``head_splits`` / ``layer_splits``: head and layer units per producer rank, and
+    ``stage_layers``: each PP stage's layer numbers ``[start, end)`` (vLLM's ``get_pp_indices``;
+    None: not sent), all named in the reply (docs/vllm-connector-notes.md §8)."""
 
     engine_id: str
     is_producer: bool
@@ -41,6 +44,8 @@ class SchedulerConfig:
     block_size: int
     lease_seconds: float
     head_splits: int = 1
+    layer_splits: int = 1
+    stage_layers: tuple[tuple[int, int], ...] | None = None
 
 
 class KvferrySchedulerSide:
@@ -129,7 +134,8 @@ class KvferrySchedulerSide:
         self.held[request.request_id] = transfer_id
         c = self.config
         return True, P.producer_reply(transfer_id, c.engine_id, c.host, c.port, c.tp_size, c.pp_size,
-                                      groups, load_key, head_splits=c.head_splits)
+                                      groups, load_key, head_splits=c.head_splits, layer_splits=c.layer_splits,
+                                      stage_layers=c.stage_layers)
 
     def build_connector_meta(self) -> KvferryConnectorMetadata:
         """This step's new loads and sends; the queues start empty again."""

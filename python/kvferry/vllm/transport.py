@@ -3,21 +3,24 @@
 over the rank's own KV cache tensors (docs/python-verified-loads.md, "Ranks and processes").
 
 Units (docs/vllm-connector-notes.md §8): a *unit* is one ``kvferry.Producer`` holding a
-contiguous run of global KV heads of one producer rank. A producer rank with ``Hp`` local heads
-serves them through ``head_splits = s`` units; unit ``j`` of rank ``(tp, pp)`` holds global heads
-``[tp * Hp + j * Hp / s, tp * Hp + (j + 1) * Hp / s)`` and listens on
-``tcp://host:port + (pp * tp_size + tp) * s + j`` (``s = 1``: one unit per rank, the rank's
-heads, port ``port + pp * tp_size + tp``).
+contiguous run of layers and a contiguous run of global KV heads of one producer rank. A
+producer rank with ``Hp`` local heads of a PP stage holding layers ``[a, b)`` serves them
+through ``layer_splits = r`` layer units times ``head_splits = s`` head units; head unit ``j``
+of layer unit ``k`` of rank ``(tp, pp)`` holds global heads ``[tp * Hp + j * Hp / s, tp * Hp +
+(j + 1) * Hp / s)`` of the layers ``[a + k * n // r, a + (k + 1) * n // r)`` (``n = b - a``)
+and listens on ``tcp://host:port + ((pp * tp_size + tp) * r + k) * s + j`` (``r = s = 1``: one
+unit per rank, the rank's KV, port ``port + pp * tp_size + tp``).
 
-Push flow: a consumer rank asks every unit whose heads lie in its own head range to WRITE the
-request's blocks into its own blocks (a :class:`kvferry.Consumer` over the matching head slice of
-its tensors per unit); each unit replies FINISH with its checksum payload (computed when the
-request was published); the consumer checksums the landed blocks of those heads with kvferry's
-kernels, compares, and applies the policy (fail-closed, ``kv_load_failure_policy``). kvferry's
-checksum is a sum over (layer, global KV head) slices (docs/design.md §2.1), so each unit's load
-verifies on its own; the request counts as loaded only when every unit's load completed. The
-consumer's head range must be a union of whole units (else the load is refused, naming the
-``head_splits`` the producer needs); TP sizes may differ, PP sizes must be equal.
+Push flow: a consumer rank asks every unit whose layers and heads lie in its own to WRITE the
+request's blocks into its own blocks (a :class:`kvferry.Consumer` over the matching layers and
+head slice of its tensors per distinct pair); each unit replies FINISH with its checksum payload
+(computed when the request was published); the consumer checksums the landed blocks of those
+layers and heads with kvferry's kernels, compares, and applies the policy (fail-closed,
+``kv_load_failure_policy``). kvferry's checksum is a sum over (layer, global KV head) slices
+(docs/design.md §2.1), so each unit's load verifies on its own; the request counts as loaded only
+when every unit's load completed. The consumer's head range and layer range must be unions of
+whole units (else the load is refused, naming the ``head_splits`` or ``layer_splits`` the
+producer needs); TP and PP sizes may differ.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import kvferry
 from kvferry.vllm.layouts import LayoutError, layer_layout, layer_view
 from kvferry.vllm.metadata import LoadSpec, SendSpec
 from kvferry.vllm.params import unit_port
-from kvferry.vllm.units import PairingError, Unit, common_heads, consumer_units, producer_units
+from kvferry.vllm.units import (ConfigError, PairingError, Unit, common_heads, consumer_units, layer_number,
+                                layer_units, producer_units)
 from kvferry.vllm.worker import LoadResult
 
 # Under vLLM's logger, so vLLM's logging configuration (format, level) applies.
@@ -49,9 +53,12 @@ class TransportConfig:
     """One rank's transport settings (from ``kv_connector_extra_config``, see connector.py).
 
     ``host``: the address this rank's transfer engines and control sockets listen on and name to
-    peers; ``port``: the side-channel base port (unit ``j`` of rank ``(tp, pp)`` binds ``port +
-    (pp * tp_size + tp) * head_splits + j``); ``head_splits``: producer units per rank (each a
-    ``kvferry.Producer`` over an equal run of the rank's KV heads; units.py); ``protocol``:
+    peers; ``port``: the side-channel base port (head unit ``j`` of layer unit ``k`` of rank
+    ``(tp, pp)`` binds ``port + ((pp * tp_size + tp) * layer_splits + k) * head_splits + j``);
+    ``head_splits``: producer head units per rank (each over an equal run of the rank's KV heads;
+    units.py); ``layer_splits``: producer layer units per rank (each over a contiguous run of its
+    stage's layers; units.py), ``head_splits * layer_splits`` ``kvferry.Producer`` objects in all;
+    ``protocol``:
     ``"tcp"`` | ``"rdma"`` | ``"auto"``; ``fail_closed``: an unverifiable load fails;
     ``load_failure_policy``: vLLM's ``kv_load_failure_policy`` (``"fail"`` | ``"recompute"``,
     named in kvferry's logs); ``lease_seconds``: how long a producer holds published blocks;
@@ -70,20 +77,24 @@ class TransportConfig:
     connect_timeout_seconds: float = 5.0
     test_corrupt_transfer_prefix: str | None = None
     head_splits: int = 1
+    layer_splits: int = 1
 
 
 class KvferryTransport:
     """One rank's :class:`~kvferry.vllm.worker.RankTransport` over kvferry's p2p layer.
 
     Built per worker process; :meth:`register` (from ``register_kv_caches``) starts the rank's
-    producer units (``config.head_splits`` Producers) and/or its whole-rank Consumer over its
-    tensors; a load that needs other head slices builds their Consumers on first use. Each
-    layer's layout and kind come from :func:`kvferry.vllm.layouts.layer_layout`, by its spec in
-    ``kv_cache_specs`` (layer name -> vLLM KV cache spec, :func:`kvferry.vllm.layouts.layer_specs`;
-    a layer without one: by the tensor's shape where unambiguous) and vLLM's resolved
-    ``kv_cache_layout`` name (physical axis order; None where unknown). Errors:
-    :class:`LayoutError` for an unknown tensor layout; :class:`~kvferry.vllm.units.ConfigError`
-    for a ``head_splits`` that does not fit the rank's KV heads; kvferry's
+    producer units (``config.layer_splits * config.head_splits`` Producers) and/or its
+    whole-rank Consumer over its tensors; a load that needs other layers or head slices builds
+    their Consumers on first use. Each layer's layout and kind come from
+    :func:`kvferry.vllm.layouts.layer_layout`, by its spec in ``kv_cache_specs`` (layer name ->
+    vLLM KV cache spec, :func:`kvferry.vllm.layouts.layer_specs`; a layer without one: by the
+    tensor's shape where unambiguous) and vLLM's resolved ``kv_cache_layout`` name (physical
+    axis order; None where unknown). ``stage_layers``: the layer numbers ``[start, end)`` of
+    this rank's PP stage (vLLM's ``get_pp_indices``; None: from its layers' numbers, lowest to
+    highest). Errors: :class:`LayoutError` for an unknown tensor layout;
+    :class:`~kvferry.vllm.units.ConfigError` for a ``head_splits`` that does not fit the rank's
+    KV heads or a ``layer_splits`` that does not fit its stage's layers; kvferry's
     ValueError/RuntimeError when an engine cannot start."""
 
     # Seconds past a load's deadline to wait for its unit loads to return (each has the
@@ -92,16 +103,19 @@ class KvferryTransport:
 
     def __init__(self, config: TransportConfig, *, tp_rank: int, pp_rank: int, tp_size: int, pp_size: int,
                  block_size: int, is_producer: bool, is_consumer: bool,
-                 kv_cache_specs: dict[str, Any] | None = None, kv_cache_layout: str | None = None):
+                 kv_cache_specs: dict[str, Any] | None = None, kv_cache_layout: str | None = None,
+                 stage_layers: tuple[int, int] | None = None):
         self.config = config
         self.tp_rank, self.pp_rank = tp_rank, pp_rank
         self.tp_size, self.pp_size = tp_size, pp_size
         self.block_size = block_size
         self.is_producer, self.is_consumer = is_producer, is_consumer
-        # Producer units, unit j at index j.
+        self.stage_layers = stage_layers
+        # Producer units, head unit j of layer unit k at index k * head_splits + j.
         self.producers: list[Any] = []
-        # Consumers by the global KV heads [start, end) they cover (None: the rank's whole KV).
-        self.consumers: dict[tuple[int, int] | None, Any] = {}
+        # Consumers by (layers, heads): the layer numbers and global KV heads [start, end) they
+        # cover (None: all of the rank's; (None, None) is the whole-rank Consumer).
+        self.consumers: dict[tuple[tuple[int, int] | None, tuple[int, int] | None], Any] = {}
         # layer name -> (view, layout, dtype text)
         self._views: dict[str, tuple[Any, str, str]] = {}
         self.kv_cache_specs = dict(kv_cache_specs or {})
@@ -109,6 +123,8 @@ class KvferryTransport:
         self.kv_cache_layout = kv_cache_layout
         # layer name -> cache kind of the layer fingerprint (e.g. "MLAAttentionSpec")
         self._kinds: dict[str, str] = {}
+        # layer name -> kvferry's layer number (None: the name has none)
+        self._numbers: dict[str, int | None] = {}
         self.local_heads: int | None = None
         # transfer id -> [vLLM request id, units not yet released, first reason other than "served"]
         self._published: dict[str, list] = {}
@@ -118,9 +134,11 @@ class KvferryTransport:
         self._publish_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-publish")
         self._unit_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvferry-unit-load")
 
-    def unit_port(self, unit: int = 0) -> int:
-        """This rank's control port of its producer unit ``unit``."""
-        return unit_port(self.config.port, self.tp_rank, self.pp_rank, self.tp_size, self.config.head_splits, unit)
+    def unit_port(self, unit: int = 0, layer_unit: int = 0) -> int:
+        """This rank's control port of its producer head unit ``unit`` of layer unit ``layer_unit``."""
+        c = self.config
+        return unit_port(c.port, self.tp_rank, self.pp_rank, self.tp_size, c.head_splits, unit, c.layer_splits,
+                         layer_unit)
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         """Describes the rank's layers to kvferry and starts its producer units and/or its
@@ -133,27 +151,61 @@ class KvferryTransport:
             self._kinds[name] = lay.kind
             axes = layout.split()
             heads.append(view.shape[axes.index("H")] if "H" in axes else None)
+            self._numbers[name] = layer_number(name)
         self.local_heads = common_heads(heads)
+        numbered = [n for n in self._numbers.values() if n is not None]
+        if self.stage_layers is None and numbered:
+            self.stage_layers = (min(numbered), max(numbered) + 1)
         c = self.config
         if self.is_producer:
-            for j, unit_heads in enumerate(producer_units(self.tp_rank, self.local_heads, c.head_splits)):
-                producer = kvferry.Producer(
-                    [self._rank(unit_heads)], bind=f"tcp://{c.host}:{self.unit_port(j)}", host=c.host,
-                    protocol=c.protocol,
-                    # A consumer's load must leave the producer its whole transfer time (kvferry's p2p
-                    # refuses a budget below it): half the load timeout, so equal configs pair.
-                    lease=c.lease_seconds, transfer_timeout=c.load_timeout_seconds / 2)
-                self.producers.append(producer)
-                log.info("kvferry producer rank tp=%d pp=%d serves on %s (%s)%s", self.tp_rank, self.pp_rank,
-                         producer.endpoint, producer.transport, _heads_text(unit_heads))
+            head_units = producer_units(self.tp_rank, self.local_heads, c.head_splits)
+            for k, unit_layers in enumerate(self._producer_layer_units()):
+                for j, unit_heads in enumerate(head_units):
+                    producer = kvferry.Producer(
+                        [self._rank(unit_heads, unit_layers)], bind=f"tcp://{c.host}:{self.unit_port(j, k)}",
+                        host=c.host, protocol=c.protocol,
+                        # A consumer's load must leave the producer its whole transfer time (kvferry's p2p
+                        # refuses a budget below it): half the load timeout, so equal configs pair.
+                        lease=c.lease_seconds, transfer_timeout=c.load_timeout_seconds / 2)
+                    self.producers.append(producer)
+                    log.info("kvferry producer rank tp=%d pp=%d serves on %s (%s)%s", self.tp_rank, self.pp_rank,
+                             producer.endpoint, producer.transport, _unit_text(unit_heads, unit_layers))
         if self.is_consumer:
-            self._consumer(None)
+            self._consumer(None, None)
 
-    def _layers(self, heads: tuple[int, int] | None) -> list[tuple[str, Any, str, int, str]]:
-        """``(name, view, layout, head_offset, dtype)`` of every layer, each view narrowed to the
-        global KV heads ``heads`` (None: all of the rank's; a layer without an H axis whole)."""
+    def _producer_layer_units(self) -> list[tuple[int, int] | None]:
+        """The layer numbers ``[start, end)`` of each of this producer rank's layer units;
+        ``[None]`` (all of the rank's layers) with ``layer_splits`` 1. Raises
+        :class:`~kvferry.vllm.units.ConfigError` when ``layer_splits`` does not fit the stage or
+        some of the rank's layers would be in no unit (no layer number, or outside the stage)."""
+        r = self.config.layer_splits
+        if r == 1:
+            return [None]
+        if self.stage_layers is None:
+            raise ConfigError(f"kv_connector_extra_config['layer_splits'] = {r}: this rank's layers have no "
+                              "layer numbers to split")
+        units = layer_units(self.stage_layers, r)
+        a, b = self.stage_layers
+        outside = sorted(name for name, n in self._numbers.items() if n is None or not a <= n < b)
+        if outside:
+            raise ConfigError(f"kv_connector_extra_config['layer_splits'] = {r}: layers {outside} have no layer "
+                              f"number in this PP stage's [{a}, {b}) and would be in no layer unit")
+        for lo, hi in units:
+            if not any(lo <= n < hi for n in self._numbers.values() if n is not None):
+                raise ConfigError(f"kv_connector_extra_config['layer_splits'] = {r}: layer unit [{lo}, {hi}) "
+                                  "holds none of this rank's KV cache layers")
+        return units
+
+    def _layers(self, heads: tuple[int, int] | None,
+                layers: tuple[int, int] | None = None) -> list[tuple[str, Any, str, int, str]]:
+        """``(name, view, layout, head_offset, dtype)`` of every layer whose number lies in
+        ``layers`` (None: every layer), each view narrowed to the global KV heads ``heads``
+        (None: all of the rank's; a layer without an H axis whole)."""
         out = []
         for name, (view, layout, dtype) in self._views.items():
+            n = self._numbers[name]
+            if layers is not None and (n is None or not layers[0] <= n < layers[1]):
+                continue
             axes = layout.split()
             if "H" not in axes:
                 # No head axis (MLA): never split (units.py); its head offset is 0.
@@ -166,30 +218,31 @@ class KvferryTransport:
             out.append((name, view, layout, offset, dtype))
         return out
 
-    def _rank(self, heads: tuple[int, int] | None) -> Any:
-        """A ``kvferry.Rank`` over this rank's layers narrowed to ``heads`` (see :meth:`_layers`)."""
-        layers = [kvferry.KVCacheLayer(name, view, layout, head_offset=offset, kind=self._kinds[name], dtype=dtype)
-                  for name, view, layout, offset, dtype in self._layers(heads)]
-        return kvferry.Rank([kvferry.KVCacheGroup(0, layers)])
+    def _rank(self, heads: tuple[int, int] | None, layers: tuple[int, int] | None = None) -> Any:
+        """A ``kvferry.Rank`` over this rank's layers in ``layers`` narrowed to ``heads`` (see
+        :meth:`_layers`)."""
+        out = [kvferry.KVCacheLayer(name, view, layout, head_offset=offset, kind=self._kinds[name], dtype=dtype)
+               for name, view, layout, offset, dtype in self._layers(heads, layers)]
+        return kvferry.Rank([kvferry.KVCacheGroup(0, out)])
 
-    def _consumer(self, heads: tuple[int, int] | None) -> Any:
-        """The Consumer over the global KV heads ``heads`` (None: the whole rank), built on
-        first use. Raises what ``kvferry.Consumer`` raises."""
+    def _consumer(self, heads: tuple[int, int] | None, layers: tuple[int, int] | None = None) -> Any:
+        """The Consumer over the layers ``layers`` and global KV heads ``heads`` (None, None:
+        the whole rank), built on first use. Raises what ``kvferry.Consumer`` raises."""
         with self._consumers_lock:
-            consumer = self.consumers.get(heads)
+            consumer = self.consumers.get((layers, heads))
             if consumer is not None:
                 return consumer
             c = self.config
             consumer = kvferry.Consumer(
-                [self._rank(heads)], host=c.host, protocol=c.protocol, fail_closed=c.fail_closed,
+                [self._rank(heads, layers)], host=c.host, protocol=c.protocol, fail_closed=c.fail_closed,
                 load_failure_policy=c.load_failure_policy, reply_timeout=c.load_timeout_seconds,
                 max_wait=c.load_timeout_seconds, connect_timeout=c.connect_timeout_seconds)
             if c.test_corrupt_transfer_prefix is not None:
-                _, view, layout, _, _ = self._layers(heads)[0]
+                _, view, layout, _, _ = self._layers(heads, layers)[0]
                 consumer.set_landed_hook(self._corrupt_hook(c.test_corrupt_transfer_prefix, view, layout))
                 log.warning("kvferry TEST HOOK on: loads of transfers %r* get a landed bit flipped%s",
-                            c.test_corrupt_transfer_prefix, _heads_text(heads))
-            self.consumers[heads] = consumer
+                            c.test_corrupt_transfer_prefix, _unit_text(heads, layers))
+            self.consumers[(layers, heads)] = consumer
             return consumer
 
     @staticmethod
@@ -268,17 +321,20 @@ class KvferryTransport:
 
     def load(self, spec: LoadSpec, deadline: float) -> LoadResult:
         """Loads and verifies one request's KV of this rank from every producer unit that holds
-        some of its KV heads (concurrently, one deadline); blocks until all returned or
-        ``deadline``. ``ok`` only when every unit's load completed; else the first failing
-        unit's verdict and reason. A producer whose units do not tile this rank's heads is
-        refused as unverified before any transfer (the reason says what to set)."""
-        if None not in self.consumers:  # register() builds the whole-rank Consumer of a consumer rank
+        some of its layers and KV heads (concurrently, one deadline); blocks until all returned
+        or ``deadline``. ``ok`` only when every unit's load completed; else the first failing
+        unit's verdict and reason. A producer whose units do not tile this rank's layers and
+        heads is refused as unverified before any transfer (the reason says what to set)."""
+        if (None, None) not in self.consumers:  # register() builds the whole-rank Consumer of a consumer rank
             return LoadResult(ok=False, verdict="unverified", reason="this rank has no consumer")
         src = spec.source
         try:
             units = consumer_units(tp_rank=self.tp_rank, tp_size=self.tp_size, pp_size=self.pp_size,
                                    local_heads=self.local_heads, producer_tp_size=src.tp_size,
-                                   producer_pp_size=src.pp_size, producer_head_splits=src.head_splits)
+                                   producer_pp_size=src.pp_size, producer_head_splits=src.head_splits,
+                                   pp_rank=self.pp_rank, stage_layers=self.stage_layers,
+                                   layer_numbers=self._numbers.values(), producer_stage_layers=src.stage_layers,
+                                   producer_layer_splits=src.layer_splits)
         except PairingError as e:
             return LoadResult(ok=False, verdict="unverified", reason=str(e))
         bs = self.block_size
@@ -305,16 +361,16 @@ class KvferryTransport:
                        for f in futures]
         for unit, result in zip(units, results):
             if not result.ok:
-                where = f"{_heads_text(unit.heads).strip()}: " if len(units) > 1 else ""
+                where = f"{_unit_text(unit.heads, unit.layers).strip()}: " if len(units) > 1 else ""
                 return LoadResult(ok=False, verdict=result.verdict, reason=where + result.reason)
         return LoadResult(ok=True, verdict=results[0].verdict)
 
     def _load_unit(self, spec: LoadSpec, unit: Unit, remote: list, local: list, deadline: float) -> LoadResult:
         """One unit's load (on the calling thread); never raises."""
         src = spec.source
-        endpoint = f"tcp://{src.host}:{src.unit_port(unit.tp_rank, self.pp_rank, unit.unit)}"
+        endpoint = f"tcp://{src.host}:{src.unit_port(unit.tp_rank, unit.stage, unit.unit, unit.layer_unit)}"
         try:
-            consumer = self._consumer(unit.heads)
+            consumer = self._consumer(unit.heads, unit.layers)
             out = consumer.load(src.transfer_id, endpoint, remote, local, spec.num_tokens,
                                 num_local_computed=spec.num_local_computed,
                                 timeout=max(deadline - time.monotonic(), 0.001), load_key=src.load_key)
@@ -327,7 +383,7 @@ class KvferryTransport:
             return LoadResult(ok=False, verdict=status, reason=f"kvferry policy says {out.action}")
         log.info("kvferry: load of request %s (transfer %s) %s: %d bytes, transfer %.4f s, checksum %.4f s%s",
                  spec.request_id, src.transfer_id, status, out.bytes, out.transfer_seconds, out.checksum_seconds,
-                 _heads_text(unit.heads, f" from {endpoint}"))
+                 _unit_text(unit.heads, unit.layers, f" from {endpoint}"))
         return LoadResult(ok=True, verdict=status)
 
     def shutdown(self) -> None:
@@ -346,6 +402,9 @@ class KvferryTransport:
             self.consumers.clear()
 
 
-def _heads_text(heads: tuple[int, int] | None, suffix: str = "") -> str:
-    """`` (KV heads [a, b)<suffix>)`` for a unit of some heads, ``""`` for a whole rank."""
-    return "" if heads is None else f" (KV heads [{heads[0]}, {heads[1]}){suffix})"
+def _unit_text(heads: tuple[int, int] | None, layers: tuple[int, int] | None, suffix: str = "") -> str:
+    """`` (layers [a, b), KV heads [c, d)<suffix>)`` for a unit of some layers and/or heads
+    (each part only when not the whole rank's), ``""`` for a whole rank."""
+    parts = ([] if layers is None else [f"layers [{layers[0]}, {layers[1]})"]) + \
+        ([] if heads is None else [f"KV heads [{heads[0]}, {heads[1]})"])
+    return f" ({', '.join(parts)}{suffix})" if parts else ""

@@ -104,7 +104,7 @@ def test_load_lands_the_producers_blocks_verified_and_releases_the_send(pair):
     assert r.ok and r.verdict == "verified", r
     assert_landed(pkv, ckv, (0, 2))
     # Equal TP, one unit: one Consumer over the whole rank, one load.
-    assert list(c.consumers) == [None] and len(p.producers) == 1
+    assert list(c.consumers) == [(None, None)] and len(p.producers) == 1
     end = time.monotonic() + 10
     released = []
     while not released and time.monotonic() < end:
@@ -131,12 +131,12 @@ def test_a_wrong_load_key_does_not_land(pair):
     assert not r.ok and "did not land" in r.reason
 
 
-def test_different_pp_sizes_are_refused_before_any_transfer(pair):
+def test_different_pp_sizes_without_the_producers_stage_layers_are_refused_before_any_transfer(pair):
     p, c, _, _ = pair(PORT + 30)
     serve([p], "t")
     r = load(c, "t", PORT + 30, pp_size=2)
-    assert not r.ok and r.verdict == "unverified" and "PP size 2 differs" in r.reason, r
-    assert list(c.consumers) == [None]
+    assert not r.ok and r.verdict == "unverified" and "did not send its stages' layer ranges" in r.reason, r
+    assert list(c.consumers) == [(None, None)]
 
 
 @pytest.fixture
@@ -174,7 +174,7 @@ def test_tp2_producer_to_tp1_consumer_loads_both_ranks_units_verified(built):
     assert r.ok and r.verdict == "verified", r
     assert_landed(pkv, ckv, (0, 2))
     # One Consumer per producer unit (a head each) besides the whole-rank one.
-    assert sorted(k for k in c.consumers if k) == [(0, 1), (1, 2)]
+    assert sorted(k for k in c.consumers if k != (None, None)) == [(None, (0, 1)), (None, (1, 2))]
     assert [released_soon(p) for p in producers] == [[("p-t", "served")]] * 2
 
 
@@ -195,7 +195,7 @@ def test_tp1_producer_split_in_two_to_tp2_consumer_each_rank_loads_its_unit(buil
     assert released_soon(p) == [("p-t", "served")]
     for rank, c in enumerate(consumers):
         # Each consumer rank's one KV head is a whole unit: one load, no sliced Consumer.
-        assert list(c.consumers) == [None]
+        assert list(c.consumers) == [(None, None)]
         assert_landed(pkv, ckvs[rank], (rank, rank + 1), (0, 1))
 
 
@@ -228,7 +228,7 @@ def test_a_consumer_rank_smaller_than_a_unit_is_refused_with_what_to_set(built):
     assert "producer units hold 2 KV heads, this rank holds 1" in r.reason, r
     assert "head_splits 2" in r.reason, r
     # Refused before any transfer: no Consumer beyond the whole-rank one, the lease still held.
-    assert list(c.consumers) == [None] and p.released() == []
+    assert list(c.consumers) == [(None, None)] and p.released() == []
 
 
 def test_head_splits_must_divide_the_ranks_heads():

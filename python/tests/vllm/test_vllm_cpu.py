@@ -101,6 +101,10 @@ def test_producer_returns_params_for_the_consumer(producer):
         assert kvp["transfer_id"] == tid
         assert (kvp["remote_host"], kvp["remote_port"]) == ("127.0.0.1", 17555)
         assert (kvp["remote_tp_size"], kvp["remote_pp_size"]) == (1, 1)
+        # The one PP stage's layers (vLLM's get_pp_indices over the tiny model's 2 layers), for
+        # consumers of other PP sizes (docs/vllm-connector-notes.md §8); no splits: keys left out.
+        assert kvp["remote_stage_layers"] == [[0, 2]]
+        assert "remote_head_splits" not in kvp and "remote_layer_splits" not in kvp
         assert kvp["remote_engine_id"] and kvp["load_key"]
         i = int(tid.rsplit("-", 1)[1])
         # The prompt's blocks, one table per KV cache group.

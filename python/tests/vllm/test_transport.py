@@ -14,6 +14,7 @@ if importlib.util.find_spec("vllm") is None:
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from transport_helpers import released_soon
 from kvferry.vllm.metadata import LoadSpec, SendSpec
 from kvferry.vllm.params import RemoteSource
 from kvferry.vllm.transport import KvferryTransport, LayoutError, TransportConfig, layer_view
@@ -152,16 +153,6 @@ def built():
     for t in made:
         t.shutdown()
 
-
-def released_soon(producer):
-    """``producer.released()`` once it says something (kvferry releases a served lease before
-    the consumer's load returns, design §4.3: the first call normally has it)."""
-    end = time.monotonic() + 10
-    while True:
-        out = producer.released()
-        if out or time.monotonic() > end:
-            return out
-        time.sleep(0.05)
 
 
 def test_tp2_producer_to_tp1_consumer_loads_both_ranks_units_verified(built):

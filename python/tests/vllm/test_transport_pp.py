@@ -14,6 +14,7 @@ if importlib.util.find_spec("vllm") is None:
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from transport_helpers import released_soon
 from kvferry.vllm.metadata import LoadSpec, SendSpec
 from kvferry.vllm.params import RemoteSource
 from kvferry.vllm.transport import KvferryTransport, TransportConfig, layer_view
@@ -95,16 +96,6 @@ def assert_landed(pkv, ckv, heads=(0, 2), cheads=None):
             n = BLOCK if rb != REMOTE[-1] else TOKENS - 2 * BLOCK
             assert torch.equal(pv[rb, heads[0]:heads[1], :, :n], cv[lb, cheads[0]:cheads[1], :, :n]), (name, rb)
 
-
-def released_soon(producer):
-    """``producer.released()`` once it says something (a served lease is released before the
-    consumer's load returns, design §4.3: the first call normally has it)."""
-    end = time.monotonic() + 10
-    while True:
-        out = producer.released()
-        if out or time.monotonic() > end:
-            return out
-        time.sleep(0.05)
 
 
 def test_equal_pp_with_stage_layers_stays_one_load_per_rank(built):

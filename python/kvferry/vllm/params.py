@@ -44,6 +44,12 @@ REMOTE_STAGE_LAYERS = "remote_stage_layers"
 REMOTE_BLOCK_IDS = "remote_block_ids"
 LOAD_KEY = "load_key"
 
+# Layer numbers in ``remote_stage_layers`` lie in ``[0, MAX_LAYERS]`` (a stage's end at most
+# MAX_LAYERS): far above any model's layer count, and it bounds the consumer's pairing arithmetic
+# (units.py) on a peer's numbers. Stages tile the layers with at least one layer each, so there
+# are at most MAX_LAYERS stages too.
+MAX_LAYERS = 1 << 16
+
 
 class ParamsError(ValueError):
     """A request's ``kv_transfer_params`` lack a key or hold a value of the wrong type; the
@@ -159,15 +165,19 @@ def remote_source(params: Mapping[str, Any]) -> RemoteSource:
 
 
 def _stage_layers(value: Any, pp_size: int, layer_splits: int) -> tuple[tuple[int, int], ...]:
-    """``remote_stage_layers`` checked: ``pp_size`` pairs ``[start, end]`` of ints, each stage
-    holding at least ``layer_splits`` layers, each starting where the previous ended (vLLM's
-    stages tile the layers); :class:`ParamsError` otherwise."""
+    """``remote_stage_layers`` checked: ``pp_size`` pairs ``[start, end]`` of ints in ``[0,
+    MAX_LAYERS]``, each stage holding at least ``layer_splits`` layers, each starting where the
+    previous ended (vLLM's stages tile the layers, so at most MAX_LAYERS stages);
+    :class:`ParamsError` otherwise."""
     key = REMOTE_STAGE_LAYERS
     ok = isinstance(value, list) and len(value) == pp_size and all(
         isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
                                                     for x in s) for s in value)
     if not ok:
         raise ParamsError(f"kv_transfer_params[{key!r}] must be a list of {pp_size} [start, end] layer numbers")
+    if any(x > MAX_LAYERS for s in value for x in s):
+        raise ParamsError(f"kv_transfer_params[{key!r}]: a layer number above {MAX_LAYERS} (no model has that many "
+                          "layers)")
     stages = tuple((s[0], s[1]) for s in value)
     for i, (a, b) in enumerate(stages):
         if b - a < layer_splits:

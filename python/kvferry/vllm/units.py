@@ -9,8 +9,11 @@ every unit inside that range; the range must be a union of whole units. kvferry'
 sum over (layer, global KV head) slices (docs/design.md §2.1), so a load of one unit's heads
 verifies on its own when both sides' kvferry objects cover exactly those heads.
 
-A layer without an ``H`` axis (an MLA latent, replicated on every TP rank) is not split: consumer
-rank ``tc`` loads the whole rank's KV from producer rank ``tc % producer_tp_size``.
+A layer without an ``H`` axis (an MLA latent, replicated on every TP rank) is not split, and such
+a rank pairs only with a producer of the same TP size: consumer rank ``tc`` loads the whole
+rank's KV from producer rank ``tc``. (With other TP sizes two consumer ranks would load one
+producer rank's lease, which kvferry serves once (docs/design.md §4.6), or some producer ranks'
+leases would never be loaded and would hold their blocks until they expire.)
 
 Layers (PP): a PP stage holds the layers whose numbers (kvferry's layer number, design §2.1:
 the one all-digit dot-separated component of the layer's name) lie in its range ``[a, b)``
@@ -85,13 +88,26 @@ def layer_units(stage: tuple[int, int], layer_splits: int) -> list[tuple[int, in
     return [(a + k * n // layer_splits, a + (k + 1) * n // layer_splits) for k in range(layer_splits)]
 
 
+def _is_unit_edge(stage: tuple[int, int], layer_splits: int, x: int) -> bool:
+    """Whether layer number ``x`` (``a < x < b`` for ``stage = [a, b)``) is an edge of the stage's
+    layer units at ``layer_splits = r`` (:func:`layer_units`): some ``k`` with ``k * n // r == x -
+    a``, i.e. the smallest ``k`` with ``k * n >= (x - a) * r`` also has ``k * n < (x - a + 1) *
+    r``. O(1)."""
+    a, b = stage
+    n, m, r = b - a, x - a, layer_splits
+    k = -(-m * r // n)
+    return k * n < (m + 1) * r
+
+
 def _layer_splits_needed(stages: list[tuple[int, int]], bounds: tuple[int, int]) -> int | None:
     """The smallest ``layer_splits`` (at most every producer stage's layer count) whose layer
     units have each of ``bounds`` that falls inside the producer's stages as a unit edge; None
-    when none does."""
+    when none does. A stage's own ends are always edges, so only bounds strictly inside a stage
+    are checked, each in O(1) per candidate: O(stages + min stage size) (params.py bounds layer
+    numbers below ``2**16``)."""
+    inner = [(stage, x) for x in bounds for stage in stages if stage[0] < x < stage[1]]
     for r in range(1, min(b - a for a, b in stages) + 1):
-        edges = {x for stage in stages for unit in layer_units(stage, r) for x in unit}
-        if all(x in edges for x in bounds if any(a <= x <= b for a, b in stages)):
+        if all(_is_unit_edge(stage, r, x) for stage, x in inner):
             return r
     return None
 
@@ -206,8 +222,8 @@ def consumer_units(*, tp_rank: int, tp_size: int, pp_size: int, local_heads: int
     Raises :class:`PairingError` with the reason when the layers do not pair
     (:func:`consumer_layer_units`), when the producer's heads per rank are not a whole number,
     when this rank's head range is not a union of whole units (saying which ``head_splits`` the
-    producer needs), when an MLA rank meets a producer that splits heads, and when layers with
-    and without a head axis are mixed across different TP sizes."""
+    producer needs), when an MLA rank meets a producer of another TP size or one that splits
+    heads, and when layers with and without a head axis are mixed across different TP sizes."""
     layer_part = consumer_layer_units(
         pp_rank=pp_rank, pp_size=pp_size, stage_layers=stage_layers, layer_numbers=layer_numbers,
         producer_pp_size=producer_pp_size, producer_stage_layers=producer_stage_layers,
@@ -227,7 +243,15 @@ def _head_units(*, tp_rank: int, tp_size: int, local_heads: int | None, producer
             raise PairingError(
                 f"the producer splits each rank's KV heads into {s} units, but this rank's KV has no head axis "
                 "(MLA: the latent is replicated on every TP rank): start the producer with head_splits 1")
-        return [Unit(tp_rank % producer_tp_size, 0, None)]
+        if producer_tp_size != tp_size:
+            # Every rank holds the whole latent: each producer rank's lease must be loaded exactly
+            # once (a lease is served once, docs/design.md §4.6), i.e. by the consumer rank of its TP rank.
+            raise PairingError(
+                f"this rank's KV has no head axis (MLA: the latent is replicated on every TP rank), so it pairs only "
+                f"with a producer of the same TP size ({tp_size}), not {producer_tp_size}: each producer rank's "
+                "lease is served once, so two consumer ranks cannot load one producer rank, and a producer rank "
+                "no consumer rank loads would hold its blocks until its lease expires")
+        return [Unit(tp_rank, 0, None)]
     if local_heads is None:
         if producer_tp_size == tp_size and s == 1:
             return [Unit(tp_rank, 0, None)]

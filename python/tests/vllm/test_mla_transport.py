@@ -45,8 +45,9 @@ def make(role, kv, port, specs, tp_rank=0, tp_size=1, **cfg):
 
 
 def send_and_load(producer, consumer, tid, port, tp_size=1, num_tokens=43, remote=(3, 0, 5), local=(7, 2, 6)):
-    producer.serve(SendSpec(request_id="p-" + tid, transfer_id=tid, block_ids=(remote,), num_tokens=num_tokens,
-                            lease_seconds=10.0, load_key="k-" + tid))
+    if producer is not None:  # None: already served
+        producer.serve(SendSpec(request_id="p-" + tid, transfer_id=tid, block_ids=(remote,), num_tokens=num_tokens,
+                                lease_seconds=10.0, load_key="k-" + tid))
     src = RemoteSource(transfer_id=tid, engine_id="e", host="127.0.0.1", port=port, tp_size=tp_size, pp_size=1,
                        remote_block_ids=(remote,), load_key="k-" + tid)
     spec_ = LoadSpec(request_id="d-" + tid, source=src, block_ids=(local,), num_tokens=num_tokens)
@@ -109,19 +110,25 @@ def test_mla_on_tp_rank_1_verifies_its_own_copy(pair):
     _assert_landed(pkv, ckv)
 
 
-def test_mla_tp1_producer_to_tp2_consumer_each_rank_loads_the_whole_latent():
-    # Heterogeneous TP (units.py): the latent has no head axis, each consumer rank loads it whole.
+@pytest.mark.parametrize("producer_tp, consumer_tp", [(1, 2), (2, 1)])
+def test_mla_between_different_tp_sizes_is_refused_unverified(producer_tp, consumer_tp):
+    # Every rank holds the whole latent; one transfer id, as the connector publishes it on every
+    # producer rank. TP 1 -> TP 2 would have both consumer ranks load producer rank 0's lease,
+    # served once (docs/design.md §4.6); TP 2 -> TP 1 would leave producer rank 1's unloaded.
     port = PORT + 50
     pkv = caches((8, 1, BLOCK, LATENT), torch.bfloat16, seed=3)
     specs = {n: spec(torch.bfloat16) for n in LAYERS}
-    made = [make("p", pkv, port, specs)]
+    made = []
     try:
-        ckvs = [caches((8, 1, BLOCK, LATENT), torch.bfloat16, seed=None) for _ in range(2)]
-        made += [make("c", ckvs[r], port, specs, tp_rank=r, tp_size=2) for r in (0, 1)]
-        for r in (0, 1):
-            out = send_and_load(made[0], made[1 + r], f"x{r}", port, tp_size=1)
-            assert out.ok and out.verdict == "verified", (r, out)
-            _assert_landed(pkv, ckvs[r])
+        made += [make("p", pkv, port, specs, tp_rank=r, tp_size=producer_tp) for r in range(producer_tp)]
+        ckvs = [caches((8, 1, BLOCK, LATENT), torch.bfloat16, seed=None) for _ in range(consumer_tp)]
+        consumers = [make("c", ckvs[r], port, specs, tp_rank=r, tp_size=consumer_tp) for r in range(consumer_tp)]
+        made += consumers
+        for r in range(consumer_tp):
+            out = send_and_load(made[0] if r == 0 else None, consumers[r], "x", port, tp_size=producer_tp)
+            assert not out.ok and out.verdict == "unverified", (r, out)
+            assert f"same TP size ({consumer_tp}), not {producer_tp}" in out.reason, out.reason
+            assert not any(v.view(torch.uint8).any() for v in ckvs[r].values()), "a refused load wrote bytes"
     finally:
         for t in made:
             t.shutdown()

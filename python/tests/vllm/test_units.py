@@ -10,6 +10,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed in this interpreter: run scripts/vllm-tests.sh", allow_module_level=True)
 
 from kvferry.vllm import params as P
+from kvferry.vllm import units as U
 from kvferry.vllm.units import (NO_HEAD_AXIS, ConfigError, PairingError, Unit, common_heads, consumer_layer_units,
                                 consumer_units, layer_number, layer_units, producer_units)
 
@@ -60,11 +61,15 @@ def test_other_pairings_are_refused_with_the_reason():
         units(0, 1, 2, 1, 4)
 
 
-def test_mla_ranks_load_the_whole_latent_from_producer_rank_tp_mod_its_size():
-    assert [units(r, 4, NO_HEAD_AXIS, 2) for r in range(4)] == [[Unit(r % 2, 0, None)] for r in range(4)]
-    assert units(1, 2, NO_HEAD_AXIS, 4) == [Unit(1, 0, None)]
+def test_mla_ranks_pair_only_at_equal_tp_one_rank_each():
+    assert [units(r, 2, NO_HEAD_AXIS, 2) for r in range(2)] == [[Unit(r, 0, None)] for r in range(2)]
+    # TP 2 -> TP 4 would have two consumer ranks load one producer lease (served once); TP 4 ->
+    # TP 2 would leave producer ranks 2 and 3 unloaded: both refused, on every rank.
+    for r, tc, tp in ((0, 4, 2), (3, 4, 2), (0, 2, 4), (1, 2, 4), (0, 2, 1)):
+        with pytest.raises(PairingError, match=rf"same TP size \({tc}\), not {tp}: .*served once"):
+            units(r, tc, NO_HEAD_AXIS, tp)
     with pytest.raises(PairingError, match="no head axis"):
-        units(0, 2, NO_HEAD_AXIS, 1, 2)
+        units(0, 2, NO_HEAD_AXIS, 2, 2)
 
 
 def test_mixed_layouts_pair_only_equal_tp_without_splits():
@@ -167,6 +172,39 @@ def test_a_stage_that_is_not_a_union_of_whole_layer_units_is_refused_naming_the_
         layers(0, 2, (0, 3), [(0, 1), (1, 5)])
 
 
+def _layer_splits_needed_by_enumeration(stages, bounds):
+    # The definition, quadratic: every unit edge of every stage at each candidate layer_splits.
+    for r in range(1, min(b - a for a, b in stages) + 1):
+        edges = {x for stage in stages for unit in layer_units(stage, r) for x in unit}
+        if all(x in edges for x in bounds if any(a <= x <= b for a, b in stages)):
+            return r
+    return None
+
+
+def test_the_layer_splits_search_matches_its_definition():
+    cases = 0
+    for total in range(1, 13):
+        for cut in range(0, total):  # producer PP 1 ([0, total)) or 2 ([0, cut) + [cut, total))
+            stages = [(0, total)] if cut == 0 else [(0, cut), (cut, total)]
+            for c in range(0, total):
+                for d in range(c + 1, total + 1):
+                    assert U._layer_splits_needed(stages, (c, d)) == _layer_splits_needed_by_enumeration(
+                        stages, (c, d)), (stages, c, d)
+                    cases += 1
+    assert cases > 1000
+
+
+def test_the_layer_splits_search_at_the_largest_valid_size():
+    # The most layers params accept: one producer stage of 2**16 layers; a consumer stage [0, 1)
+    # needs units of one layer at the start: the smallest r with 2**16 // r == 1 is 2**15 + 1.
+    with pytest.raises(PairingError, match=rf"start the producer with layer_splits {2**15 + 1} "):
+        layers(0, 2, (0, 1), [(0, P.MAX_LAYERS)])
+    # An edge at n - 1 needs (r - 1) * n // r == n - 1, so r = n: units of one layer.
+    assert U._layer_splits_needed([(0, P.MAX_LAYERS)], (1, P.MAX_LAYERS - 1)) == P.MAX_LAYERS
+    assert U._layer_splits_needed([(0, P.MAX_LAYERS)], (0, P.MAX_LAYERS // 2)) == 2
+    assert U._layer_splits_needed([(0, 7), (7, P.MAX_LAYERS)], (0, 7)) == 1
+
+
 def test_layers_outside_every_loaded_unit_are_refused():
     # The consumer holds a layer 4 (a draft layer, say) that the producer's stages do not.
     with pytest.raises(PairingError, match=r"layers \[4\] of this PP stage \[0, 4\) lie in no layer unit"):
@@ -218,3 +256,15 @@ def test_remote_layer_splits_and_stage_layers_params():
             P.remote_source({**reply, P.REMOTE_STAGE_LAYERS: bad})
     with pytest.raises(P.ParamsError, match="last unit port 65536"):
         P.remote_source({**reply, P.REMOTE_PORT: 65536 - 23})
+
+
+def test_stage_layers_beyond_the_layer_bound_are_refused_by_params():
+    # A peer's [[0, 10**9]] would otherwise reach the consumer's pairing arithmetic (units.py).
+    reply = P.producer_reply("t", "e", "h", 17500, 1, 1, [[1]], "k", stage_layers=[(0, 4)])
+    for bad in ([[0, 1_000_000_000]], [[P.MAX_LAYERS, P.MAX_LAYERS + 2]], [[0, P.MAX_LAYERS + 1]]):
+        with pytest.raises(P.ParamsError, match=f"layer number above {P.MAX_LAYERS}"):
+            P.remote_source({**reply, P.REMOTE_STAGE_LAYERS: bad})
+    src = P.remote_source({**reply, P.REMOTE_STAGE_LAYERS: [[0, P.MAX_LAYERS]]})
+    assert src.stage_layers == ((0, P.MAX_LAYERS),)
+    two = P.producer_reply("t", "e", "h", 17500, 1, 2, [[1]], "k", stage_layers=[(0, 4), (4, P.MAX_LAYERS)])
+    assert P.remote_source(two).stage_layers == ((0, 4), (4, P.MAX_LAYERS))

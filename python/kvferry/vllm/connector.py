@@ -14,7 +14,8 @@ Load it with::
 
 Extra config keys: ``host`` (this instance's address, reachable by the peer; default vLLM's
 ``get_ip()``), ``port`` (side-channel base port; head unit ``j`` of layer unit ``k`` of producer
-rank ``(tp, pp)`` binds ``port + ((pp * tp_size + tp) * layer_splits + k) * head_splits + j``),
+rank ``(tp, pp)`` binds ``port + ((pp * tp_size + tp) * layer_splits + k) * head_splits + j``,
+data-parallel engine ``d`` from ``port + d * tp_size * pp_size * layer_splits * head_splits``),
 ``protocol`` (``tcp`` | ``rdma`` | ``auto``),
 ``fail_closed`` (an unverifiable load fails; default true), ``lease_seconds``,
 ``load_timeout_seconds``, ``connect_timeout_seconds``, ``head_splits`` (read by producers; int
@@ -35,7 +36,8 @@ tests; never set it in production).
 
 vLLM constructs it once in the scheduler process (role SCHEDULER: :mod:`kvferry.vllm.scheduler`)
 and once in every worker process, i.e. per TP/PP rank (role WORKER: :mod:`kvferry.vllm.worker`).
-Signatures are vLLM 0.32's (`vllm/distributed/kv_transfer/kv_connector/v1/base.py`).
+One KV cache group only: a hybrid model needs ``--disable-hybrid-kv-cache-manager`` (refused
+otherwise). Signatures are vLLM 0.32's (`vllm/distributed/kv_transfer/kv_connector/v1/base.py`).
 """
 
 from __future__ import annotations
@@ -82,12 +84,39 @@ def _extra(extra: dict[str, Any], key: str, kind: type, default: Any) -> Any:
     return value
 
 
+def check_one_kv_cache_group(kv_cache_config: "KVCacheConfig | None") -> None:
+    """Raises :class:`~kvferry.vllm.units.ConfigError` for a ``kv_cache_config`` with more than
+    one KV cache group (a hybrid model under vLLM's hybrid KV cache manager): kvferry describes
+    every layer as one group (transport.py), and vLLM's scheduler cannot map a failed load's
+    block ids back to requests with several groups (``_handle_invalid_blocks`` raises and stops
+    the engine). None (not given to this role): nothing to check."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise ConfigError(f"kvferry's connector supports one KV cache group; this model has {len(groups)} "
+                          "(a hybrid model): start vLLM with --disable-hybrid-kv-cache-manager")
+
+
+def engine_port(base: int, dp_rank: int, tp_size: int, pp_size: int, head_splits: int, layer_splits: int) -> int:
+    """The side-channel base port of data-parallel engine ``dp_rank``: ``base + dp_rank *
+    tp_size * pp_size * layer_splits * head_splits`` (each engine's producer units take that
+    many ports from its base, params.unit_port), so DP engines on one host do not collide; the
+    scheduler names it as ``remote_port``, consumers need nothing else. Raises
+    :class:`~kvferry.vllm.units.ConfigError` when the engine's last port passes 65535."""
+    width = tp_size * pp_size * max(layer_splits, 1) * max(head_splits, 1)
+    port = base + dp_rank * width
+    if port + width - 1 > 65535:
+        raise ConfigError(f"kv_connector_extra_config['port'] = {base}: data-parallel engine {dp_rank} needs ports "
+                          f"{port}..{port + width - 1}, past 65535")
+    return port
+
+
 class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over kvferry: push flow (the consumer asks, the producer WRITEs the
     prompt's KV into the consumer's blocks), every load verified before it is reported finished."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
+        check_one_kv_cache_group(kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
         port = _extra(extra, "port", int, DEFAULT_PORT)
@@ -122,6 +151,11 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: KvferrySchedulerSide | None = None
         self._worker: KvferryWorkerSide | None = None
         pc = vllm_config.parallel_config
+        # This DP engine's own base port. data_parallel_index keeps the DP rank where vLLM resets
+        # data_parallel_rank to 0 (independent dense-model DP engines).
+        dp_rank = getattr(pc, "data_parallel_index", None)
+        port = engine_port(port, pc.data_parallel_rank if dp_rank is None else dp_rank, pc.tensor_parallel_size,
+                           pc.pipeline_parallel_size, head_splits, layer_splits)
         # Every PP stage's layer numbers [start, end), as vLLM's model partitions them (honours
         # VLLM_PP_LAYER_PARTITION); the producer sends them, a consumer stage pairs by them.
         from vllm.distributed.utils import get_pp_indices

@@ -5,7 +5,7 @@ decode (consumer) vLLM instance running kvferry's connector, as vLLM's disaggreg
 For each ``/v1/completions`` or ``/v1/chat/completions`` request:
 
 1. to the prefill instance, the body with ``max_tokens=1`` (``max_completion_tokens`` too),
-   ``stream=False`` and ``kv_transfer_params={"do_remote_decode": True, "transfer_id": <new>}``;
+   ``min_tokens`` at most 1, ``n=1``, no ``best_of``, ``stream=False`` and ``kv_transfer_params={"do_remote_decode": True, "transfer_id": <new>}``;
 2. to the decode instance, the original body with the ``kv_transfer_params`` the prefill
    returned (the producer's address, block table and load key); its answer (streamed or not)
    is the client's.
@@ -40,11 +40,18 @@ class ProxyError(Exception):
 
 
 def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
-    """The request for the prefill instance: one token, not streamed, KV held for a consumer."""
+    """The request for the prefill instance: one token (``max_tokens`` 1, ``min_tokens`` at most
+    1), one sequence (``n`` 1, no ``best_of``), not streamed, KV held for a consumer."""
     out = copy.deepcopy(body)
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
+    # vLLM refuses min_tokens > max_tokens, and several samples would finish one request with
+    # several sequences: one token, one sequence.
+    if out.get("min_tokens") is not None:
+        out["min_tokens"] = min(out["min_tokens"], 1) if isinstance(out["min_tokens"], int) else 1
+    out["n"] = 1
+    out.pop("best_of", None)
     out["stream"] = False
     out.pop("stream_options", None)
     out["kv_transfer_params"] = {P.DO_REMOTE_DECODE: True, P.TRANSFER_ID: transfer_id}

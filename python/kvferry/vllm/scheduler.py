@@ -106,7 +106,8 @@ class KvferrySchedulerSide:
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
         """Producer: a prefill that ran to its length cap with ``do_remote_decode`` keeps its
         blocks (returns True: vLLM frees them when a worker reports the request in
-        ``finished_sending``) and returns the params the proxy hands to the consumer."""
+        ``finished_sending``) and returns the params the proxy hands to the consumer. A request
+        whose ``transfer_id`` another held request has is not kept (returns ``(False, None)``)."""
         kvp = request.kv_transfer_params
         if not P.wants_remote_decode(kvp) or not self.config.is_producer:
             return False, None
@@ -117,6 +118,12 @@ class KvferrySchedulerSide:
             return False, None
         # Aborted or errored prefills have nothing for a consumer: free at once.
         if getattr(request.status, "name", str(request.status)) != "FINISHED_LENGTH_CAPPED":
+            return False, None
+        # A transfer id already held names another request's KV: the producer would publish it
+        # twice (and lose the first request's release). Refused here; the first one stays held.
+        if transfer_id in self.held.values():
+            log.warning("request %s: transfer id %r is already held for another request; its KV is not kept "
+                        "for a consumer", request.request_id, transfer_id)
             return False, None
         groups = tuple(tuple(int(b) for b in g) for g in block_ids)
         if not any(groups):

@@ -268,17 +268,24 @@ class KvferryTransport:
 
         return hook
 
-    def serve(self, send: SendSpec) -> None:
+    def serve(self, send: SendSpec, on_publish: Callable[[], bool] | None = None) -> None:
         """Publishes a finished prompt's blocks through every unit (checksummed now, off the
-        forward path)."""
+        forward path). ``on_publish``: called on the publish thread first; False drops the send
+        unpublished (the worker freed its blocks meanwhile)."""
         if not self.producers:
             log.error("kvferry: request %s asks to be served but this rank has no producer", send.request_id)
             return
         with self._lock:
             self._published[send.transfer_id] = [send.request_id, len(self.producers), "served"]
-        self._publish_pool.submit(self._publish, send)
+        self._publish_pool.submit(self._publish, send, on_publish)
 
-    def _publish(self, send: SendSpec) -> None:
+    def _publish(self, send: SendSpec, on_publish: Callable[[], bool] | None = None) -> None:
+        if on_publish is not None and not on_publish():
+            log.warning("kvferry: request %s (transfer %s) was freed before its publish; not published",
+                        send.request_id, send.transfer_id)
+            with self._lock:
+                self._published.pop(send.transfer_id, None)
+            return
         for j, producer in enumerate(self.producers):
             try:
                 info = producer.publish(send.transfer_id, [list(g) for g in send.block_ids], send.num_tokens,

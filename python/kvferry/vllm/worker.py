@@ -20,7 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from kvferry.vllm.metadata import KvferryConnectorMetadata, LoadSpec, SendSpec
 
@@ -55,11 +55,14 @@ class LoadResult:
 class RankTransport(Protocol):
     """One rank's data path: register the rank's KV tensors, serve a producer rank's held
     request to its consumers, report served/expired sends as ``(request id, reason)``, load a
-    consumer rank's request from its producer ranks (by ``deadline``, a ``time.monotonic()``)."""
+    consumer rank's request from its producer ranks (by ``deadline``, a ``time.monotonic()``).
+    ``serve``'s ``on_publish`` (when given) is called right before the transport publishes the
+    send (where its lease starts); False means the worker freed the blocks already: the send is
+    dropped unpublished."""
 
     def register(self, kv_caches: dict) -> None: ...
 
-    def serve(self, send: SendSpec) -> None: ...
+    def serve(self, send: SendSpec, on_publish: Callable[[], bool] | None = None) -> None: ...
 
     def released(self) -> list[tuple[str, str]]: ...
 
@@ -77,7 +80,7 @@ class UnavailableTransport:
     def register(self, kv_caches: dict) -> None:
         return None
 
-    def serve(self, send: SendSpec) -> None:
+    def serve(self, send: SendSpec, on_publish: Callable[[], bool] | None = None) -> None:
         return None
 
     def released(self) -> list[tuple[str, str]]:
@@ -100,10 +103,15 @@ class KvferryWorkerSide:
     """One rank's worker-side state; called by vLLM's model runner thread, loads run on a pool."""
 
     # The transport's own lease releases held blocks; this backstop frees them if it never says.
+    # It counts from the publish (where kvferry's lease starts); a send still waiting for the
+    # publish thread that long is freed and then dropped unpublished (review fix, notes §7).
     LEASE_BACKSTOP_SECONDS = 10.0
 
     def __init__(self, tp_rank: int, pp_rank: int, load_timeout_seconds: float,
-                 transport: RankTransport, max_parallel_loads: int = 4):
+                 transport: RankTransport, max_parallel_loads: int = 4,
+                 clock: Callable[[], float] = time.monotonic):
+        """``clock``: seconds, monotonic; the lease backstop's clock (tests pass their own)."""
+        self._clock = clock
         self.tp_rank = tp_rank
         self.pp_rank = pp_rank
         self.load_timeout_seconds = load_timeout_seconds
@@ -134,13 +142,25 @@ class KvferryWorkerSide:
 
     def start(self, meta: KvferryConnectorMetadata) -> None:
         """Takes this step's new sends (held under their lease) and loads (started now)."""
-        now = time.monotonic()
+        now = self._clock()
         for send in meta.sends:
-            self._held[send.request_id] = _Held(send, now + send.lease_seconds + self.LEASE_BACKSTOP_SECONDS)
-            self.transport.serve(send)
+            with self._lock:
+                self._held[send.request_id] = _Held(send, now + send.lease_seconds + self.LEASE_BACKSTOP_SECONDS)
+            self.transport.serve(send, lambda send=send: self._publishing(send))
         for spec in meta.loads:
             deadline = now + self.load_timeout_seconds
             self._pool.submit(self._run_load, spec, deadline)
+
+    def _publishing(self, send: SendSpec) -> bool:
+        """The transport's publish thread is about to publish ``send`` (its lease starts): the
+        backstop restarts from now. False when the backstop freed its blocks already (then it
+        must not be published: vLLM may have reused them)."""
+        with self._lock:
+            held = self._held.get(send.request_id)
+            if held is None or held.send is not send:
+                return False
+            held.expires = self._clock() + send.lease_seconds + self.LEASE_BACKSTOP_SECONDS
+            return True
 
     def _run_load(self, spec: LoadSpec, deadline: float) -> None:
         try:
@@ -162,16 +182,17 @@ class KvferryWorkerSide:
                 log.warning("kvferry: request %s released without serving its consumer (%s); freeing its blocks",
                             rid, reason)
             self._served.put(rid)
-        while not self._served.empty():
-            rid = self._served.get()
-            if self._held.pop(rid, None) is not None:
+        with self._lock:
+            while not self._served.empty():
+                rid = self._served.get()
+                if self._held.pop(rid, None) is not None:
+                    sending.add(rid)
+            now = self._clock()
+            for rid in [r for r, h in self._held.items() if h.expires <= now]:
+                log.warning("kvferry: request %s (transfer %s) held past its lease without a release; freeing its "
+                            "blocks", rid, self._held[rid].send.transfer_id)
+                del self._held[rid]
                 sending.add(rid)
-        now = time.monotonic()
-        for rid in [r for r, h in self._held.items() if h.expires <= now]:
-            log.warning("kvferry: request %s (transfer %s) held past its lease without a release; freeing its blocks",
-                        rid, self._held[rid].send.transfer_id)
-            del self._held[rid]
-            sending.add(rid)
         recving: set[str] = set()
         while not self._done_loads.empty():
             spec, result = self._done_loads.get()

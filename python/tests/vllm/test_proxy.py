@@ -85,3 +85,14 @@ def test_a_failed_prefill_passes_its_status_through(client):
     r = client(transport).post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3})
     assert r.status_code == 503
     assert [h for h, _, _ in sent] == ["prefill"]
+
+
+def test_prefill_gets_at_most_one_min_token_and_one_sequence(client):
+    sent, transport = upstreams()
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 20, "min_tokens": 5, "n": 3, "best_of": 4}
+    r = client(transport).post("/v1/completions", json=body)
+    assert r.status_code == 200
+    (_, _, b1), (_, _, b2) = sent
+    assert (b1["max_tokens"], b1["min_tokens"], b1["n"]) == (1, 1, 1) and "best_of" not in b1
+    # The decode instance gets the client's sampling settings unchanged.
+    assert (b2["max_tokens"], b2["min_tokens"], b2["n"], b2["best_of"]) == (20, 5, 3, 4)

@@ -1,0 +1,53 @@
+"""kvferry.vllm.connector's engine-level checks without an engine: one KV cache group only (a
+hybrid model's several groups are refused, naming --disable-hybrid-kv-cache-manager) and each
+data-parallel engine's own side-channel base port."""
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed in this interpreter: run scripts/vllm-tests.sh", allow_module_level=True)
+
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+from kvferry.vllm.connector import check_one_kv_cache_group, engine_port
+from kvferry.vllm.params import unit_port
+from kvferry.vllm.units import ConfigError
+
+FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+SLIDING = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=128)
+
+
+def config(*groups):
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=list(groups))
+
+
+def test_one_kv_cache_group_is_accepted():
+    check_one_kv_cache_group(config(KVCacheGroupSpec(["l.0.attn", "l.1.attn"], FULL)))
+    check_one_kv_cache_group(None)
+
+
+def test_a_hybrid_models_two_groups_are_refused_naming_the_flag():
+    hybrid = config(KVCacheGroupSpec(["l.0.attn"], FULL), KVCacheGroupSpec(["l.1.attn"], SLIDING))
+    with pytest.raises(ConfigError, match="2 .*--disable-hybrid-kv-cache-manager"):
+        check_one_kv_cache_group(hybrid)
+
+
+def test_dp_engines_get_disjoint_port_ranges_from_their_own_base():
+    # TP 2 x PP 2, layer_splits 3, head_splits 2: 24 ports per engine.
+    bases = [engine_port(17500, d, 2, 2, 2, 3) for d in range(3)]
+    assert bases == [17500, 17524, 17548]
+    used = [{unit_port(b, tp, pp, 2, 2, j, 3, k) for tp in range(2) for pp in range(2) for j in range(2)
+             for k in range(3)} for b in bases]
+    assert [len(u) for u in used] == [24, 24, 24]
+    assert not (used[0] & used[1]) and not (used[1] & used[2])
+    assert [(min(u), max(u)) for u in used] == [(17500, 17523), (17524, 17547), (17548, 17571)]
+
+
+def test_dp_rank_0_keeps_the_configured_port_and_a_range_past_65535_is_refused():
+    assert engine_port(17500, 0, 1, 1, 1, 1) == 17500
+    assert engine_port(65534, 0, 2, 1, 1, 1) == 65534
+    with pytest.raises(ConfigError, match="past 65535"):
+        engine_port(65534, 1, 2, 1, 1, 1)

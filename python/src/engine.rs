@@ -344,7 +344,7 @@ impl PyTransferEngine {
         let r = py.detach(|| TransferEngine::new(config));
         match r {
             Ok(e) => {
-                if rdma_requested && e.transport_name() != "rdma" {
+                if rdma_requested && e.transport_kind() != kvferry_transfer::TransportKind::Rdma {
                     tracing::warn!(
                         "initialize: protocol \"rdma\" requested but no RDMA device is usable here; using TCP"
                     );

@@ -27,11 +27,14 @@
 
 mod admission;
 pub mod auth;
+mod batch;
 pub mod config;
+pub mod descriptor;
 pub mod engine;
 pub mod error;
 pub mod fuzzing;
 pub mod handshake;
+mod handshake_service;
 pub mod memory;
 mod peer_cache;
 pub mod segment;
@@ -42,6 +45,7 @@ pub mod gpu;
 
 pub use auth::{Credential, GrantGuard, GrantOps, GrantSpec, Secret, Token};
 pub use config::{AuthConfig, EngineConfig, GpuRegistration, RdmaConfig, TcpConfig};
+pub use descriptor::{BufferDesc, SegmentDescriptor, TransportInfo};
 pub use engine::{EngineStats, TransferEngine};
 pub use error::{
     AuthError, HandshakeError, IoError, RdmaError, RegistrationError, Result, Shared, TransferError,
@@ -50,8 +54,6 @@ pub use memory::{
     DmabufRange, HostMemoryAccess, MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys,
     RegistrationPath, TransportKeys,
 };
-pub use segment::{BufferDesc, SegmentDescriptor, SegmentHandle};
-pub use transport::{
-    CompletionSink, Slice, Transport, TransportContext, TransportInfo, TransportStats,
-};
+pub use segment::SegmentHandle;
+pub use transport::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
 pub use types::{BatchId, BatchStatus, Location, Op, TransferRequest, TransportKind};

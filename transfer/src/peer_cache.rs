@@ -1,15 +1,16 @@
-//! Peer descriptors the engine has fetched (docs/design.md §3 "Segments"; issue 10 "stale
-//! descriptors", "no leaks under churn"): the cache, its idle expiry, and the one retry of a
-//! batch's slices on a freshly fetched descriptor when the cached one turned out stale.
+//! Peer descriptors the engine has fetched (docs/design.md §3 "Segments"): the cache, its idle
+//! expiry (what a peer that went away leaves here must not grow without bound), and the one
+//! retry of a batch's slices on a freshly fetched descriptor when the cached one turned out
+//! stale (the peer restarted under the same name).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::auth::{AuthState, Token};
+use crate::descriptor::SegmentDescriptor;
 use crate::error::{HandshakeError, Result, TransferError};
 use crate::handshake::{self, FrameType};
-use crate::segment::SegmentDescriptor;
 use crate::transport::completion::PeerRefresh;
 use crate::transport::{CompletionSink, Slice, Transport};
 
@@ -101,7 +102,7 @@ impl PeerCache {
                     source: Arc::new(e),
                 },
             })?;
-        let d = Arc::new(crate::engine::validate_descriptor(d, name)?);
+        let d = Arc::new(d.validate(name)?);
         let old = self.lock().insert(
             name.to_string(),
             Entry {
@@ -244,15 +245,12 @@ impl Inner {
                 s.complete(id, Err(err));
                 continue;
             };
-            let i = desc
-                .buffers
-                .partition_point(|b| b.region.addr <= sl.remote_addr);
-            match i.checked_sub(1) {
-                Some(b) if desc.buffers[b].region.contains(sl.remote_addr, sl.len) => {
+            match desc.find_buffer_index(sl.remote_addr, sl.len) {
+                Some(b) => {
                     sl.remote_buffer = b;
                     again.push(sl);
                 }
-                _ => s.complete(
+                None => s.complete(
                     id,
                     Err(annotate(
                         err,
@@ -266,8 +264,7 @@ impl Inner {
             }
         }
         if !again.is_empty() {
-            if desc.transport.kind != self.cache.transport.name() {
-                let e = crate::transport::kind_mismatch(self.cache.transport.name(), &desc);
+            if let Err(e) = desc.check_kind(self.cache.transport.kind()) {
                 return sink.fail_all(again.iter().map(|s| s.id), &e);
             }
             self.cache.transport.post(&desc, again, sink, self.token);

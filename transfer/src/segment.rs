@@ -1,44 +1,11 @@
 //! Segments: a peer engine named `host:port`, described by the descriptor it returns to a
-//! handshake query (docs/design.md §3 "Segments").
+//! handshake query (`crate::descriptor`; docs/design.md §3 "Segments"). This file holds the
+//! handle an open returns and the rules for segment names.
 
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
-
-use crate::memory::{MemoryRegion, RegionKeys};
-use crate::transport::TransportInfo;
-
-/// One buffer a segment advertises: a registered memory region and its transport keys.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BufferDesc {
-    /// The region in the segment's own address space (`addr`, `len` in bytes, location).
-    pub region: MemoryRegion,
-    /// How it was registered, and its transport's own keys (RDMA: per-device rkeys, staging mirror).
-    pub keys: RegionKeys,
-}
-
-/// What a segment tells its peers (JSON on the handshake channel, frame type `Descriptor`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SegmentDescriptor {
-    /// The segment name, `host:port` of its handshake listener.
-    pub name: String,
-    /// Random id of the engine instance; changes when the peer restarts on the same port, so a
-    /// stale descriptor is detected (TCP data requests carry it and the target checks it).
-    pub instance_id: u64,
-    /// The segment's transport and its connection facts (devices, data port).
-    pub transport: TransportInfo,
-    /// Registered buffers, ascending by address, non-overlapping.
-    pub buffers: Vec<BufferDesc>,
-}
-
-impl SegmentDescriptor {
-    /// The buffer that wholly contains `[addr, addr+len)`, if any.
-    pub fn find_buffer(&self, addr: u64, len: u64) -> Option<&BufferDesc> {
-        let i = self.buffers.partition_point(|b| b.region.addr <= addr);
-        let b = self.buffers.get(i.checked_sub(1)?)?;
-        b.region.contains(addr, len).then_some(b)
-    }
-}
+use crate::descriptor::SegmentDescriptor;
+use crate::error::{Result, TransferError};
 
 /// An opened segment (returned by `TransferEngine::open_segment`): its name and the descriptor
 /// fetched by the handshake (cached by the engine). Cheap to clone.
@@ -69,5 +36,51 @@ impl SegmentHandle {
     /// The descriptor this handle was opened with.
     pub fn descriptor(&self) -> &SegmentDescriptor {
         &self.descriptor
+    }
+}
+
+/// The segment name of a listener on `host:port`: `host:port`, an IPv6 host in brackets.
+pub(crate) fn segment_name(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// `Ok` for a name of the form `host:port` (host nonempty, port 1..=65535).
+/// Errors: `InvalidArgument` naming the bad name.
+pub(crate) fn check_segment_name(name: &str) -> Result<()> {
+    let ok = name
+        .rsplit_once(':')
+        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+    if ok {
+        Ok(())
+    } else {
+        Err(TransferError::InvalidArgument(format!(
+            "segment name {name:?} is not host:port"
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_names_are_checked() {
+        for ok in ["127.0.0.1:15000", "host:1", "[::1]:9"] {
+            check_segment_name(ok).unwrap();
+        }
+        for bad in ["", "host", ":80", "host:0", "host:99999", "host:x"] {
+            assert!(check_segment_name(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn ipv6_hosts_are_bracketed() {
+        assert_eq!(segment_name("::1", 9), "[::1]:9");
+        assert_eq!(segment_name("[::1]", 9), "[::1]:9");
+        assert_eq!(segment_name("10.0.0.1", 9), "10.0.0.1:9");
     }
 }

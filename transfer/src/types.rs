@@ -9,9 +9,12 @@ use crate::error::TransferError;
 /// Where a memory region lives: defined once in kvferry-cuda and used by every crate.
 pub use kvferry_cuda::Location;
 
-/// Which transport the engine uses. `Auto` takes RDMA when `rdma::probe()` finds a usable
-/// device, TCP otherwise (one info line says which); `Rdma` with no device is a `Config` error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+/// A transport kind. In `EngineConfig::transport` it is the operator's choice: `Auto` takes
+/// RDMA when `rdma::probe()` finds a usable device, TCP otherwise (one info line says which;
+/// `transport::select` is the one place that choice is made); `Rdma` with no device is a
+/// `Config` error. In a segment descriptor (`TransportInfo::kind`) it is what the segment
+/// speaks, never `Auto`. Serialized as its lowercase name (`"auto"`, `"tcp"`, `"rdma"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum TransportKind {
     /// RDMA when a usable device is found, else TCP (the default).
@@ -21,6 +24,23 @@ pub enum TransportKind {
     Tcp,
     /// The RDMA transport; no usable device is a `Config` error.
     Rdma,
+}
+
+impl TransportKind {
+    /// The lowercase name, as serialized: `"auto"`, `"tcp"` or `"rdma"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Auto => "auto",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Rdma => "rdma",
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl FromStr for TransportKind {
@@ -122,5 +142,9 @@ mod tests {
             TransportKind::Rdma
         );
         assert!("ib".parse::<TransportKind>().is_err());
+        for k in [TransportKind::Auto, TransportKind::Tcp, TransportKind::Rdma] {
+            assert_eq!(k.as_str().parse::<TransportKind>().unwrap(), k);
+            assert_eq!(serde_json::to_string(&k).unwrap(), format!("\"{k}\""));
+        }
     }
 }

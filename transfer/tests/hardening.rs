@@ -459,6 +459,13 @@ fn bad_peer_descriptors_are_refused_with_clear_errors() {
         matches!(e, TransferError::Unsupported(ref t) if t.contains("rdma")),
         "{e}"
     );
+    // a kind this build does not know: the descriptor is refused when it is opened
+    let n = fake_segment_with(desc("pigeon", serde_json::json!({}), buf.clone()));
+    let e = a.open_segment(&n).unwrap_err();
+    assert!(
+        matches!(e, TransferError::Handshake { .. }) && e.to_string().contains("pigeon"),
+        "{e}"
+    );
     // no data port: the transfer fails with a clear error
     let n = fake_segment_with(desc("tcp", serde_json::json!({}), buf.clone()));
     let e = a.transfer_sync_write(&n, src.addr(), 4096, 10).unwrap_err();

@@ -1,20 +1,23 @@
 //! The transport interface: one small trait that moves slices between this engine's registered
 //! memory and a peer segment's advertised buffers, in the manner of NCCL's net plugin and
 //! Mooncake's `Transport` (docs/design.md §3). Two implementations: TCP (`tcp`, always built) and
-//! RDMA (`rdma`, provided by the rdma helper in `transport/rdma/`).
+//! RDMA (`rdma`, in `transport/rdma/`,
+//! cargo feature `rdma`).
 //!
 //! # How the engine drives a transport
 //!
 //! 1. **Creation.** The engine binds its handshake listener (so its segment name is known),
-//!    builds a [`TransportContext`] and creates the transport: TCP with `tcp::TcpTransport::new`,
-//!    RDMA with `rdma::create(&ctx)`. With `TransportKind::Auto` the engine first calls
+//!    builds a [`TransportContext`] and creates the transport in `select::choose`, the one
+//!    place a configured kind (or `Auto`) becomes a transport: TCP with
+//!    `tcp::TcpTransport::new`, RDMA with `rdma::create(&ctx)`; for `Auto` it first calls
 //!    `rdma::probe(&ctx.config.rdma)`.
 //! 2. **Registration.** `TransferEngine::register_memory` checks the region (len > 0, no overlap)
 //!    and then calls [`Transport::register`] under the registry's write lock; the returned
 //!    [`RegionKeys`] are published with the region in this engine's [`SegmentDescriptor`].
 //!    `unregister_memory` calls [`Transport::deregister`] the same way.
 //! 3. **Descriptor.** A peer's `open_segment` sends a `Descriptor` handshake frame; the engine
-//!    answers with `{name, instance_id, transport: local_info(), buffers}` itself.
+//!    answers with `{name, instance_id, transport: local_info(), buffers}` itself
+//!    (`crate::handshake_service`, `SegmentDescriptor::build`).
 //! 4. **Connect frames.** Any other connection set-up a transport needs (RDMA: QP numbers, PSNs,
 //!    GIDs, LIDs, active MTUs) travels as a `Connect` handshake frame: the initiating transport
 //!    sends it with [`crate::handshake::request`]`(&peer.name, FrameType::Connect, body,
@@ -46,15 +49,14 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
-
 use crate::config::EngineConfig;
-use crate::error::{Result, TransferError};
+use crate::descriptor::{SegmentDescriptor, TransportInfo};
+use crate::error::Result;
 use crate::memory::{MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys};
-use crate::segment::SegmentDescriptor;
-use crate::types::Op;
+use crate::types::{Op, TransportKind};
 
 pub mod completion;
+pub(crate) mod select;
 pub mod tcp;
 pub(crate) mod wire;
 
@@ -62,36 +64,6 @@ pub(crate) mod wire;
 pub mod rdma;
 
 pub use completion::CompletionSink;
-
-/// The transport part of a segment descriptor: which transport the segment speaks and what a
-/// peer needs to reach it. `kind` is the transport's `name()` (`"tcp"` | `"rdma"`); `details` is
-/// the transport's own JSON object. TCP: `{"data_port": u16}` (host = the segment's host).
-/// RDMA (defined by the rdma module), e.g. `{"devices": [{"name", "gid", "lid", "port",
-/// "active_mtu"}...]}`; each buffer's RDMA keys (`RdmaRegionKeys`) give one rkey per device, in
-/// this order.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TransportInfo {
-    /// The transport's `name()`: `"tcp"` or `"rdma"`.
-    pub kind: String,
-    /// The transport's own JSON object (TCP: `{"data_port": u16}`; RDMA: its device list).
-    /// A transport reads it only through [`TransportInfo::decode`], into its own typed peer
-    /// info, once per use: never key by key with a default for a missing key.
-    pub details: serde_json::Value,
-}
-
-impl TransportInfo {
-    /// Decodes `details` into the transport's typed peer info `T` (RDMA: `RdmaPeerInfo`).
-    /// Errors: `Protocol` naming the segment, the transport and the missing or bad field (serde's
-    /// text, e.g. "devices[0]: missing field `gid`").
-    pub fn decode<T: serde::de::DeserializeOwned>(&self, segment: &str) -> Result<T> {
-        serde_json::from_value(self.details.clone()).map_err(|e| {
-            TransferError::Protocol(format!(
-                "segment {segment} advertises bad {} peer info: {e}",
-                self.kind
-            ))
-        })
-    }
-}
 
 /// Everything a transport gets from the engine at creation.
 #[derive(Clone)]
@@ -141,9 +113,9 @@ pub struct Slice {
 /// A transport: moves slices between this engine's registered memory and peer segments.
 /// Implementations are shared across threads (`Send + Sync`) and called concurrently.
 pub trait Transport: Send + Sync + 'static {
-    /// `"tcp"` or `"rdma"`; also `TransportInfo::kind`. Two segments talk only when their
-    /// transports have the same name.
-    fn name(&self) -> &'static str;
+    /// `Tcp` or `Rdma` (never `Auto`); also `TransportInfo::kind` in this engine's
+    /// descriptor. Two segments talk only when their transports are of one kind.
+    fn kind(&self) -> TransportKind;
 
     /// What goes in this engine's segment descriptor (see `TransportInfo`). Called for every
     /// descriptor query; cheap and infallible.
@@ -175,7 +147,7 @@ pub trait Transport: Send + Sync + 'static {
     /// order, possibly before `post` returns — with `Ok(())` only when the bytes are in place
     /// (WRITE: applied at the target; READ: in local memory), else an error naming the cause.
     /// A transport that cannot reach the peer reports every slice failed within its own
-    /// deadlines (never holds a slice forever). `peer.transport.kind == self.name()` is already
+    /// deadlines (never holds a slice forever). `peer.transport.kind == self.kind()` is already
     /// checked by the engine. Before starting a slice, check `done.is_cancelled()`: a cancelled
     /// batch's unsent slices are reported with `CompletionSink::cancelled_error()`, not sent.
     /// `token`: the grant token the target made for these slices (`SegmentHandle::with_token`),
@@ -211,12 +183,4 @@ pub struct TransportStats {
     pub connections: usize,
     /// Connections served for peers (TCP data connections, RDMA passive QPs).
     pub served_connections: usize,
-}
-
-/// Returns the error `post` should report for a slice whose peer speaks another transport.
-pub(crate) fn kind_mismatch(local: &str, peer: &SegmentDescriptor) -> TransferError {
-    TransferError::Unsupported(format!(
-        "segment {} uses transport {:?}, this engine uses {:?}",
-        peer.name, peer.transport.kind, local
-    ))
 }

@@ -7,8 +7,8 @@ use serde::{Deserialize, Serialize};
 use super::device::PortInfo;
 use super::keys::RdmaRegionKeys;
 use super::verbs;
+use crate::descriptor::SegmentDescriptor;
 use crate::error::{Result, TransferError};
-use crate::segment::SegmentDescriptor;
 
 /// The RDMA part of a segment descriptor: `{"devices": [PortInfo...]}` (wire format of
 /// `RdmaTransport::local_info`), plus the RDMA keys of every buffer, decoded from the buffers.
@@ -71,8 +71,8 @@ impl RdmaPeerInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::descriptor::TransportInfo;
     use crate::transport::rdma::tests::port;
-    use crate::transport::TransportInfo;
 
     /// A descriptor of segment "peer:1" whose RDMA details are `details`.
     fn descriptor_with(details: serde_json::Value) -> SegmentDescriptor {
@@ -80,7 +80,7 @@ mod tests {
             name: "peer:1".into(),
             instance_id: 7,
             transport: TransportInfo {
-                kind: "rdma".into(),
+                kind: crate::types::TransportKind::Rdma,
                 details,
             },
             buffers: Vec::new(),

@@ -20,8 +20,8 @@ use super::registration::Registered;
 use super::stager::StageJob;
 use super::CompletionSink;
 use crate::config::RdmaConfig;
+use crate::descriptor::SegmentDescriptor;
 use crate::memory::MemoryAccess;
-use crate::segment::SegmentDescriptor;
 use crate::transport::Slice;
 
 /// One slice on its way: the engine's slice, its peer, where to report it, retries so far.

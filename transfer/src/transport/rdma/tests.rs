@@ -11,10 +11,10 @@ use super::connect::{check_request, CloseNotice, ConnectRequest, QpInfo, CONNECT
 use super::qp::path_mtu;
 use super::{PortInfo, RdmaTransport};
 use crate::config::{EngineConfig, RdmaConfig};
+use crate::descriptor::{BufferDesc, SegmentDescriptor};
 use crate::error::TransferError;
 use crate::handshake::{FrameType, HandshakeServer};
 use crate::memory::{HostMemoryAccess, MemoryRegion, MemoryRegistry};
-use crate::segment::{BufferDesc, SegmentDescriptor};
 use crate::transport::completion::BatchState;
 use crate::transport::{CompletionSink, Slice, Transport, TransportContext};
 use crate::types::{BatchStatus, Location, Op, TransportKind};

@@ -21,13 +21,11 @@ use super::stager::{self, StageJob};
 use super::staging::SyncRequest;
 use super::workers::{run_completions, run_events};
 use super::{lock, Shared, Work};
+use crate::descriptor::{SegmentDescriptor, TransportInfo};
 use crate::error::{RdmaError, Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
-use crate::segment::SegmentDescriptor;
-use crate::transport::{
-    CompletionSink, Slice, Transport, TransportContext, TransportInfo, TransportStats,
-};
-use crate::types::Location;
+use crate::transport::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
+use crate::types::{Location, TransportKind};
 
 /// The RDMA transport (see the module docs).
 pub struct RdmaTransport {
@@ -165,13 +163,13 @@ impl Drop for RdmaTransport {
 }
 
 impl Transport for RdmaTransport {
-    fn name(&self) -> &'static str {
-        "rdma"
+    fn kind(&self) -> TransportKind {
+        TransportKind::Rdma
     }
 
     fn local_info(&self) -> TransportInfo {
         TransportInfo {
-            kind: "rdma".into(),
+            kind: TransportKind::Rdma,
             details: serde_json::json!({ "devices": self.ports() }),
         }
     }

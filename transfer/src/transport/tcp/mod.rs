@@ -37,15 +37,12 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{
-    kind_mismatch, CompletionSink, Slice, Transport, TransportContext, TransportInfo,
-    TransportStats,
-};
+use super::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
 use crate::admission::Listener;
+use crate::descriptor::{SegmentDescriptor, TransportInfo};
 use crate::error::{IoError, Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath, TransportKeys};
-use crate::segment::SegmentDescriptor;
-use crate::types::Location;
+use crate::types::{Location, TransportKind};
 use coalesce::coalesce;
 use pool::PeerPool;
 use target::ServerShared;
@@ -150,13 +147,13 @@ fn strip_brackets(host: &str) -> &str {
 }
 
 impl Transport for TcpTransport {
-    fn name(&self) -> &'static str {
-        "tcp"
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
     }
 
     fn local_info(&self) -> TransportInfo {
         TransportInfo {
-            kind: "tcp".into(),
+            kind: TransportKind::Tcp,
             details: json!({ "data_port": self.data_port }),
         }
     }
@@ -196,8 +193,7 @@ impl Transport for TcpTransport {
         done: CompletionSink,
         token: Option<crate::auth::Token>,
     ) {
-        if peer.transport.kind != self.name() {
-            let e = kind_mismatch(self.name(), peer);
+        if let Err(e) = peer.check_kind(TransportKind::Tcp) {
             return done.fail_all(slices.iter().map(|s| s.id), &e);
         }
         let pool = match self.pool_for(peer) {

@@ -1,0 +1,278 @@
+//! Batches (docs/design.md §3 "Batches"): how a submit's requests are cut into slices (local
+//! covers, slicing at every region boundary of either side), and the table of batches the
+//! engine tracks by id until they are waited on or freed.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::error::{Result, TransferError};
+use crate::memory::{MemoryRegion, MemoryRegistry};
+use crate::transport::completion::BatchState;
+use crate::transport::Slice;
+use crate::types::{BatchId, TransferRequest};
+
+/// The batches of one engine by id. Ids start at 1 and are never reused.
+pub(crate) struct BatchTable {
+    batches: Mutex<HashMap<u64, Arc<BatchState>>>,
+    next: AtomicU64,
+}
+
+impl BatchTable {
+    pub(crate) fn new() -> Self {
+        BatchTable {
+            batches: Mutex::new(HashMap::new()),
+            next: AtomicU64::new(1),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Arc<BatchState>>> {
+        self.batches.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A new batch of `slices` slices, tracked under a fresh id.
+    pub(crate) fn start(&self, slices: u32) -> (BatchId, Arc<BatchState>) {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let state = BatchState::new(slices);
+        self.lock().insert(id, state.clone());
+        (BatchId(id), state)
+    }
+
+    /// The batch `id`. Errors: `UnknownBatch` for an id never issued or already freed.
+    pub(crate) fn get(&self, id: BatchId) -> Result<Arc<BatchState>> {
+        self.lock()
+            .get(&id.0)
+            .cloned()
+            .ok_or(TransferError::UnknownBatch(id.0))
+    }
+
+    /// Forgets batch `id` and cancels it: its slices not yet sent are skipped.
+    pub(crate) fn free(&self, id: BatchId) {
+        let b = self.lock().remove(&id.0);
+        if let Some(b) = b {
+            b.cancel();
+        }
+    }
+}
+
+/// The local covers `(addr, len, region)` of every request's local range, in order.
+/// Errors: `InvalidArgument` for a request of length 0; `NotRegistered` for one some byte of
+/// which no registered region holds.
+pub(crate) fn local_covers(
+    registry: &MemoryRegistry,
+    requests: &[TransferRequest],
+) -> Result<Vec<Vec<(u64, u64, MemoryRegion)>>> {
+    requests
+        .iter()
+        .map(|r| {
+            if r.len == 0 {
+                return Err(TransferError::InvalidArgument(format!(
+                    "request at local {:#x} has zero length",
+                    r.local_addr
+                )));
+            }
+            registry
+                .cover(r.local_addr, r.len)
+                .map(|v| v.into_iter().map(|(a, l, e)| (a, l, e.region)).collect())
+                .ok_or(TransferError::NotRegistered {
+                    addr: r.local_addr,
+                    len: r.len,
+                })
+        })
+        .collect()
+}
+
+/// The slices of `requests` (ids 0..n in request order), given each request's local and
+/// remote covers (`local_covers`, `SegmentDescriptor::remote_covers`).
+/// Errors: `InvalidArgument` when the batch would have more than `u32::MAX` slices.
+pub(crate) fn slice_requests(
+    requests: &[TransferRequest],
+    local: &[Vec<(u64, u64, MemoryRegion)>],
+    remote: &[Vec<(u64, u64, usize)>],
+    slice_size: u64,
+) -> Result<Vec<Slice>> {
+    let mut slices = Vec::new();
+    for ((r, l), rc) in requests.iter().zip(local).zip(remote) {
+        let est = r.len / slice_size + (l.len() + rc.len()) as u64;
+        if slices.len() as u64 + est > u32::MAX as u64 {
+            return Err(TransferError::InvalidArgument(
+                "batch has too many slices; raise slice_size".into(),
+            ));
+        }
+        cut_request(r, l, rc, slice_size, &mut slices);
+    }
+    Ok(slices)
+}
+
+/// Cuts `[0, len)` of one request at every boundary of either side, then into slices of
+/// `slice_size` (a tail of at most `slice_size/4` merged into the previous slice).
+/// `local`/`remote` are the covers `(addr, len, item)` of the two sides, in order.
+fn cut_request(
+    req: &TransferRequest,
+    local: &[(u64, u64, MemoryRegion)],
+    remote: &[(u64, u64, usize)],
+    slice_size: u64,
+    out: &mut Vec<Slice>,
+) {
+    let (mut li, mut ri) = (0usize, 0usize);
+    let (mut lo, mut ro) = (0u64, 0u64); // offsets consumed within the current pieces
+    let mut off = 0u64;
+    while off < req.len {
+        let (_, llen, region) = local[li];
+        let (_, rlen, buffer) = remote[ri];
+        let chunk = (llen - lo).min(rlen - ro);
+        let mut at = 0u64;
+        let full = chunk / slice_size;
+        let rem = chunk % slice_size;
+        let merge_tail = full >= 1 && rem > 0 && rem <= slice_size / 4;
+        while at < chunk {
+            let mut n = (chunk - at).min(slice_size);
+            if merge_tail && chunk - at == slice_size + rem {
+                n = slice_size + rem;
+            }
+            out.push(Slice {
+                id: out.len() as u32,
+                op: req.op,
+                local_addr: req.local_addr + off + at,
+                local_region: region,
+                remote_addr: req.remote_addr + off + at,
+                remote_buffer: buffer,
+                len: n,
+            });
+            at += n;
+        }
+        off += chunk;
+        lo += chunk;
+        ro += chunk;
+        if lo == llen {
+            li += 1;
+            lo = 0;
+        }
+        if ro == rlen {
+            ri += 1;
+            ro = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::{BatchStatus, Location, Op};
+
+    fn region(addr: u64, len: u64) -> MemoryRegion {
+        MemoryRegion {
+            addr,
+            len,
+            location: Location::Cpu,
+        }
+    }
+
+    #[test]
+    fn cut_respects_both_sides_boundaries_and_merges_small_tails() {
+        let req = TransferRequest {
+            op: Op::Write,
+            local_addr: 1000,
+            remote_addr: 5000,
+            len: 300,
+        };
+        // local: two regions split at offset 100; remote: split at offset 250
+        let local = [
+            (1000, 100, region(900, 200)),
+            (1100, 200, region(1100, 200)),
+        ];
+        let remote = [(5000, 250, 0usize), (5250, 50, 1usize)];
+        let mut out = Vec::new();
+        cut_request(&req, &local, &remote, 64, &mut out);
+        let spans: Vec<(u64, u64)> = out.iter().map(|s| (s.local_addr - 1000, s.len)).collect();
+        // chunk [0,100): 64 + 36 (36 > 16, not merged); [100,250): 64+64+22; [250,300): 50
+        assert_eq!(
+            spans,
+            vec![
+                (0, 64),
+                (64, 36),
+                (100, 64),
+                (164, 64),
+                (228, 22),
+                (250, 50)
+            ]
+        );
+        assert!(out.iter().enumerate().all(|(i, s)| s.id as usize == i));
+        assert_eq!(out[5].remote_buffer, 1);
+        assert_eq!(out[2].local_region.addr, 1100);
+        // a tail of at most slice/4 merges into the previous slice
+        let req = TransferRequest {
+            len: 64 * 3 + 16,
+            ..req
+        };
+        let mut out = Vec::new();
+        cut_request(
+            &req,
+            &[(1000, req.len, region(1000, 1000))],
+            &[(5000, req.len, 0)],
+            64,
+            &mut out,
+        );
+        assert_eq!(
+            out.iter().map(|s| s.len).collect::<Vec<_>>(),
+            vec![64, 64, 80]
+        );
+        assert_eq!(out.iter().map(|s| s.len).sum::<u64>(), req.len);
+    }
+
+    #[test]
+    fn slices_of_several_requests_are_numbered_in_request_order() {
+        let req = |local_addr, len| TransferRequest {
+            op: Op::Read,
+            local_addr,
+            remote_addr: local_addr + 10_000,
+            len,
+        };
+        let reqs = [req(0, 100), req(500, 30)];
+        let local = vec![
+            vec![(0, 100, region(0, 1000))],
+            vec![(500, 30, region(0, 1000))],
+        ];
+        let remote = vec![vec![(10_000, 100, 0)], vec![(10_500, 30, 0)]];
+        let s = slice_requests(&reqs, &local, &remote, 64).unwrap();
+        let got: Vec<(u32, u64, u64)> = s.iter().map(|s| (s.id, s.local_addr, s.len)).collect();
+        assert_eq!(got, vec![(0, 0, 64), (1, 64, 36), (2, 500, 30)]);
+        assert!(s.iter().all(|s| s.op == Op::Read));
+    }
+
+    #[test]
+    fn zero_length_and_unregistered_requests_are_refused() {
+        let reg = MemoryRegistry::new();
+        reg.insert(region(1000, 100), |_| Ok(Default::default()))
+            .unwrap();
+        let req = |local_addr, len| TransferRequest {
+            op: Op::Write,
+            local_addr,
+            remote_addr: 0,
+            len,
+        };
+        assert!(matches!(
+            local_covers(&reg, &[req(1000, 0)]),
+            Err(TransferError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            local_covers(&reg, &[req(1050, 100)]),
+            Err(TransferError::NotRegistered { .. })
+        ));
+        assert_eq!(local_covers(&reg, &[req(1050, 50)]).unwrap()[0].len(), 1);
+    }
+
+    #[test]
+    fn a_freed_batch_is_unknown_and_ids_are_never_reused() {
+        let t = BatchTable::new();
+        let (a, _) = t.start(0);
+        let (b, sb) = t.start(3);
+        assert_ne!(a, b);
+        assert_eq!(t.get(b).unwrap().status(), sb.status());
+        assert_eq!(sb.status(), BatchStatus::Waiting);
+        t.free(b);
+        assert!(matches!(t.get(b), Err(TransferError::UnknownBatch(_))));
+        let (c, _) = t.start(1);
+        assert!(c.0 > b.0);
+    }
+}

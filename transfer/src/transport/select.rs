@@ -1,0 +1,102 @@
+//! Transport choice: the one place where the configured [`TransportKind`] (or `Auto`) becomes
+//! a transport, with the reason the engine's info line gives.
+//!
+//! Today one transport serves every region and peer of an engine: `Auto` takes RDMA when
+//! `rdma::probe` finds a usable device and `rdma::create` succeeds, TCP otherwise. A new kind
+//! (a variant of `TransportKind`, its probe and create here) is added to `choose`; a choice per
+//! region or per peer (e.g. same-host device memory) belongs here too, so that the engine, the
+//! descriptor and the handshake service never name a transport themselves.
+
+use std::sync::Arc;
+
+use super::tcp::TcpTransport;
+use super::{Transport, TransportContext};
+use crate::config::RdmaConfig;
+use crate::error::{Result, TransferError};
+use crate::types::TransportKind;
+
+/// The transport `choose` made, and why (for the engine's one info line).
+pub(crate) struct Chosen {
+    /// The transport the engine uses for every region and peer.
+    pub transport: Arc<dyn Transport>,
+    /// Why this one: `"configured"`, `"auto: RDMA device rxe0 ..."`, `"auto: no usable RDMA
+    /// device"`...
+    pub why: String,
+}
+
+/// Why the engine does not use RDMA (the reason in its one info line).
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+enum NoRdma {
+    #[cfg_attr(
+        not(feature = "rdma"),
+        allow(dead_code, reason = "built with the rdma feature")
+    )]
+    #[error("no usable RDMA device")]
+    NoDevice,
+    #[cfg_attr(
+        feature = "rdma",
+        allow(dead_code, reason = "built without the rdma feature")
+    )]
+    #[error("this build has no RDMA transport (cargo feature `rdma`)")]
+    NotBuilt,
+}
+
+/// `Ok(device)` when RDMA is usable, else why not (for the one info line).
+#[cfg(feature = "rdma")]
+fn rdma_probe(c: &RdmaConfig) -> std::result::Result<String, NoRdma> {
+    super::rdma::probe(c).ok_or(NoRdma::NoDevice)
+}
+#[cfg(not(feature = "rdma"))]
+fn rdma_probe(_c: &RdmaConfig) -> std::result::Result<String, NoRdma> {
+    Err(NoRdma::NotBuilt)
+}
+#[cfg(feature = "rdma")]
+fn rdma_create(ctx: &TransportContext) -> Result<Arc<dyn Transport>> {
+    super::rdma::create(ctx)
+}
+#[cfg(not(feature = "rdma"))]
+fn rdma_create(_ctx: &TransportContext) -> Result<Arc<dyn Transport>> {
+    Err(TransferError::Config(
+        "this build has no RDMA transport".into(),
+    ))
+}
+
+/// Creates the transport `ctx.config.transport` asks for. `Tcp`: TCP. `Rdma`: RDMA, or a
+/// `Config` error when no device is usable (or the build has none). `Auto`: RDMA when a device
+/// is usable and the transport starts (a warning names why it did not), else TCP.
+/// Errors: `Config` as above; the TCP transport's own (its data listener cannot bind).
+pub(crate) fn choose(ctx: &TransportContext) -> Result<Chosen> {
+    let tcp = |why: String| -> Result<Chosen> {
+        Ok(Chosen {
+            transport: Arc::new(TcpTransport::new(ctx.clone())?),
+            why,
+        })
+    };
+    match ctx.config.transport {
+        TransportKind::Tcp => tcp("configured".into()),
+        TransportKind::Rdma => match rdma_probe(&ctx.config.rdma) {
+            Ok(dev) => Ok(Chosen {
+                transport: rdma_create(ctx)?,
+                why: format!("configured; device {dev}"),
+            }),
+            Err(why) => Err(TransferError::Config(format!(
+                "transport rdma was requested but RDMA is not usable here ({why}); use tcp or auto"
+            ))),
+        },
+        TransportKind::Auto => match rdma_probe(&ctx.config.rdma) {
+            Ok(dev) => match rdma_create(ctx) {
+                Ok(transport) => Ok(Chosen {
+                    transport,
+                    why: format!("auto: RDMA device {dev}"),
+                }),
+                Err(e) => {
+                    tracing::warn!(
+                        "RDMA device {dev} found but unusable ({e}); falling back to TCP"
+                    );
+                    tcp(format!("auto: RDMA device {dev} unusable"))
+                }
+            },
+            Err(why) => tcp(format!("auto: {why}")),
+        },
+    }
+}

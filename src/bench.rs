@@ -16,7 +16,7 @@ use kvferry_transfer::{
 use memmap2::MmapMut;
 use serde::Serialize;
 
-use crate::cli::{BenchArgs, BenchPattern};
+use crate::cli::{parse_sizes, BenchArgs, BenchPattern};
 use crate::error::CliError;
 use crate::setup::transport_kind;
 
@@ -50,47 +50,6 @@ pub struct BenchReport {
     pub transport: String,
     /// Points of the sweep.
     pub points: Vec<BenchPoint>,
-}
-
-/// Parses "64K,1M,4096" into byte counts.
-///
-/// Errors: an empty list, a zero, or a part that is not a number with an optional K/M/G suffix.
-pub fn parse_sizes(text: &str) -> Result<Vec<u64>, SizeError> {
-    let mut out = Vec::new();
-    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (num, mul) = match part.chars().last().map(|c| c.to_ascii_uppercase()) {
-            Some('K') => (&part[..part.len() - 1], 1u64 << 10),
-            Some('M') => (&part[..part.len() - 1], 1 << 20),
-            Some('G') => (&part[..part.len() - 1], 1 << 30),
-            _ => (part, 1),
-        };
-        let n: u64 = num
-            .parse()
-            .map_err(|_| SizeError::NotASize(part.to_string()))?;
-        let v = n
-            .checked_mul(mul)
-            .filter(|&v| v > 0)
-            .ok_or_else(|| SizeError::OutOfRange(part.to_string()))?;
-        out.push(v);
-    }
-    if out.is_empty() {
-        return Err(SizeError::Empty(text.to_string()));
-    }
-    Ok(out)
-}
-
-/// Why a list of sizes does not parse ([`parse_sizes`]).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum SizeError {
-    /// A part that is not a number with an optional K, M or G.
-    #[error("{0:?}: not a size (a number with an optional K, M or G)")]
-    NotASize(String),
-    /// A part of 0 or of 2^64 bytes or more.
-    #[error("{0:?}: must be at least 1 and below 2^64")]
-    OutOfRange(String),
-    /// No part at all.
-    #[error("{0:?}: an empty list")]
-    Empty(String),
 }
 
 /// Runs the sweep and prints/writes the results.
@@ -426,17 +385,5 @@ mod tests {
         assert!(b.another(3, false));
         assert!(BatchBounds::new(0, 0).is_err());
         assert!(BatchBounds::new(5, 2).is_err());
-    }
-
-    #[test]
-    fn sizes_parse_with_suffixes() {
-        assert_eq!(
-            parse_sizes("64K, 1M,4096").unwrap(),
-            vec![65536, 1 << 20, 4096]
-        );
-        assert!(parse_sizes("").is_err());
-        assert!(parse_sizes("0").is_err());
-        assert!(parse_sizes("12Q").is_err());
-        assert!(parse_sizes("99999999999999G").is_err());
     }
 }

@@ -356,3 +356,61 @@ pub enum PayloadAction {
     /// JSON on stdin → base64 payload text on stdout.
     Encode,
 }
+
+/// Parses "64K,1M,4096" into byte counts.
+///
+/// Errors: an empty list, a zero, or a part that is not a number with an optional K/M/G suffix.
+pub fn parse_sizes(text: &str) -> Result<Vec<u64>, SizeError> {
+    let mut out = Vec::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (num, mul) = match part.chars().last().map(|c| c.to_ascii_uppercase()) {
+            Some('K') => (&part[..part.len() - 1], 1u64 << 10),
+            Some('M') => (&part[..part.len() - 1], 1 << 20),
+            Some('G') => (&part[..part.len() - 1], 1 << 30),
+            _ => (part, 1),
+        };
+        let n: u64 = num
+            .parse()
+            .map_err(|_| SizeError::NotASize(part.to_string()))?;
+        let v = n
+            .checked_mul(mul)
+            .filter(|&v| v > 0)
+            .ok_or_else(|| SizeError::OutOfRange(part.to_string()))?;
+        out.push(v);
+    }
+    if out.is_empty() {
+        return Err(SizeError::Empty(text.to_string()));
+    }
+    Ok(out)
+}
+
+/// Why a list of sizes does not parse ([`parse_sizes`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    /// A part that is not a number with an optional K, M or G.
+    #[error("{0:?}: not a size (a number with an optional K, M or G)")]
+    NotASize(String),
+    /// A part of 0 or of 2^64 bytes or more.
+    #[error("{0:?}: must be at least 1 and below 2^64")]
+    OutOfRange(String),
+    /// No part at all.
+    #[error("{0:?}: an empty list")]
+    Empty(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(
+            parse_sizes("64K, 1M,4096").unwrap(),
+            vec![65536, 1 << 20, 4096]
+        );
+        assert!(parse_sizes("").is_err());
+        assert!(parse_sizes("0").is_err());
+        assert!(parse_sizes("12Q").is_err());
+        assert!(parse_sizes("99999999999999G").is_err());
+    }
+}

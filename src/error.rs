@@ -7,6 +7,7 @@ use kvferry_transfer::TransferError;
 
 use crate::payload_json::PayloadJsonError;
 use crate::spec::SpecError;
+use crate::world::WorldError;
 
 /// Why a `kvferry` command failed.
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +62,7 @@ pub enum CliError {
         /// The option, e.g. "--block-sizes".
         flag: &'static str,
         /// Why.
-        source: crate::bench::SizeError,
+        source: crate::cli::SizeError,
     },
     /// A file or stream could not be read or written (`what` names it).
     #[error("{what}: {source}")]
@@ -110,58 +111,4 @@ impl CliError {
         let what = what.into();
         move |source| CliError::Io { what, source }
     }
-}
-
-/// Why one side's ranks could not be built or their memory copied ([`crate::world`]).
-#[derive(Debug, thiserror::Error)]
-pub enum WorldError {
-    /// Sizes, a layout or a model the demo's sides cannot be built with (the text says which).
-    #[error("{0}")]
-    Shape(String),
-    /// The layout or the geometry is invalid.
-    #[error(transparent)]
-    Layout(#[from] kvferry_checksum::layout::LayoutError),
-    /// The checksum cannot cover a rank's group.
-    #[error("{}: the KV cache group cannot be checksummed: {reason}", crate::world::rank_name(*.rank))]
-    Skipped {
-        /// The rank.
-        rank: kvferry_checksum::group::RankInfo,
-        /// Why.
-        reason: kvferry_checksum::group::SkipReason,
-    },
-    /// The host memory of a rank could not be mapped.
-    #[error("allocating {bytes} bytes of KV memory: {source}")]
-    Alloc {
-        /// Bytes asked for.
-        bytes: u64,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The GPU cannot be used.
-    #[error("--device cuda: GPU {ordinal} unusable: {source}")]
-    Gpu {
-        /// The GPU.
-        ordinal: u32,
-        /// Why.
-        source: KernelError,
-    },
-    /// A CUDA driver call failed (allocation, stream, copy); the driver's text.
-    #[error("{0}")]
-    Cuda(String),
-    /// A rank's transfer engine did not start.
-    #[error("starting the transfer engine of {}: {source}", crate::world::rank_name(*.rank))]
-    Engine {
-        /// The rank.
-        rank: kvferry_checksum::group::RankInfo,
-        /// Why.
-        source: TransferError,
-    },
-    /// A rank's KV memory could not be registered with its engine.
-    #[error("registering KV memory of {}: {source}", crate::world::rank_name(*.rank))]
-    Register {
-        /// The rank.
-        rank: kvferry_checksum::group::RankInfo,
-        /// Why.
-        source: TransferError,
-    },
 }

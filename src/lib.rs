@@ -3,6 +3,7 @@
 //!
 //! * [`checksum`], [`kernels`], [`transfer`], [`p2p`]: the crates, re-exported.
 //! * [`demo`] — the main job on loopback; [`roles`] — `serve`/`load` as two processes;
+//!   [`loads`] — the settings and counts `demo` and `load` share;
 //!   [`bench`] — the throughput sweep; [`spec`] — `checksum --spec`; [`payload_json`] — payload ⇄ JSON.
 #![warn(missing_docs)]
 
@@ -15,6 +16,7 @@ pub mod bench;
 pub mod cli;
 pub mod demo;
 pub mod error;
+pub mod loads;
 pub mod models;
 pub mod payload_json;
 pub mod pool;

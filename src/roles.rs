@@ -19,8 +19,8 @@ use kvferry_transfer::Secret;
 use serde::Serialize;
 
 use crate::cli::{LoadArgs, ServeArgs};
-use crate::demo::{consumer_config, producer_config, prompt_lengths, LoadCounts};
 use crate::error::CliError;
+use crate::loads::{consumer_config, producer_config, prompt_lengths, LoadCounts};
 use crate::models::model_by_name;
 use crate::setup::{engine_config, host_of, local_addr_towards, secret, side_config, side_workers};
 use crate::world::{build_side, fill_request, BlockPool, GROUP_ID};

@@ -11,8 +11,9 @@ use kvferry_checksum::group::{plan_group, CacheDesc, GroupPlan, LayerSpec, RankI
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
 use kvferry_kernels::cuda::driver::{copy_dtoh_async, copy_htod_async, DeviceBuffer, Stream};
 use kvferry_kernels::cuda::CudaBackend;
+use kvferry_kernels::KernelError;
 use kvferry_p2p::proto::heads::HeadMap;
-use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransportKind};
+use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransferError, TransportKind};
 use memmap2::MmapMut;
 use rand::{RngCore, SeedableRng};
 
@@ -144,7 +145,59 @@ impl RankKv {
     }
 }
 
-pub use crate::error::WorldError;
+/// Why one side's ranks could not be built or their memory copied.
+#[derive(Debug, thiserror::Error)]
+pub enum WorldError {
+    /// Sizes, a layout or a model the demo's sides cannot be built with (the text says which).
+    #[error("{0}")]
+    Shape(String),
+    /// The layout or the geometry is invalid.
+    #[error(transparent)]
+    Layout(#[from] kvferry_checksum::layout::LayoutError),
+    /// The checksum cannot cover a rank's group.
+    #[error("{}: the KV cache group cannot be checksummed: {reason}", rank_name(*.rank))]
+    Skipped {
+        /// The rank.
+        rank: kvferry_checksum::group::RankInfo,
+        /// Why.
+        reason: kvferry_checksum::group::SkipReason,
+    },
+    /// The host memory of a rank could not be mapped.
+    #[error("allocating {bytes} bytes of KV memory: {source}")]
+    Alloc {
+        /// Bytes asked for.
+        bytes: u64,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The GPU cannot be used.
+    #[error("--device cuda: GPU {ordinal} unusable: {source}")]
+    Gpu {
+        /// The GPU.
+        ordinal: u32,
+        /// Why.
+        source: KernelError,
+    },
+    /// A CUDA driver call failed (allocation, stream, copy); the driver's text.
+    #[error("{0}")]
+    Cuda(String),
+    /// A rank's transfer engine did not start.
+    #[error("starting the transfer engine of {}: {source}", rank_name(*.rank))]
+    Engine {
+        /// The rank.
+        rank: kvferry_checksum::group::RankInfo,
+        /// Why.
+        source: TransferError,
+    },
+    /// A rank's KV memory could not be registered with its engine.
+    #[error("registering KV memory of {}: {source}", rank_name(*.rank))]
+    Register {
+        /// The rank.
+        rank: kvferry_checksum::group::RankInfo,
+        /// Why.
+        source: TransferError,
+    },
+}
 
 /// A CUDA driver failure (the driver reports text) as a [`WorldError`].
 fn cuda(e: impl std::fmt::Display) -> WorldError {

@@ -22,7 +22,7 @@ build() {
     mkdir -p "$DIR"
     rm -f "$DIR"/test-* "$DIR"/gpu_bench
     { cargo test --no-run --release -p kvferry-kernels 2>&1
-      cargo test --no-run --release -p kvferry-transfer --test gpu_memory --test hardening --test transfer_tcp 2>&1
+      cargo test --no-run --release -p kvferry-transfer --test gpu_memory --test hardening --test transfer_tcp --test cuda_ipc_gpu 2>&1
     } | tee "$DIR/build.log" >&2
     grep 'Executable' "$DIR/build.log" | grep -o '([^)]*)$' | tr -d '()' | while read -r path; do
         [ -f "$path" ] || { echo "gpu-tests: built executable $path not found" >&2; exit 1; }
@@ -31,7 +31,9 @@ build() {
     done
     cargo build --release -p kvferry-kernels --example gpu_bench >&2
     cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" "$DIR/"
-    if command -v strip >/dev/null; then strip "$DIR"/test-* "$DIR"/gpu_bench; fi
+    cargo build --release -p kvferry-transfer --example cuda_ipc_bench >&2
+    cp "$CARGO_TARGET_DIR/release/examples/cuda_ipc_bench" "$DIR/"
+    if command -v strip >/dev/null; then strip "$DIR"/test-* "$DIR"/gpu_bench "$DIR"/cuda_ipc_bench; fi
     build_wheel
     ls -la "$DIR" "$DIR/wheel" >&2
 }
@@ -97,6 +99,8 @@ run() {
     fi
     echo "== gpu_bench"
     "$DIR/gpu_bench" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.txt" || rc=1
+    echo "== cuda_ipc_bench"
+    "$DIR/cuda_ipc_bench" 2>&1 | tee "$out/cuda_ipc_bench.txt" || rc=1
     echo "== done rc=$rc"
     return $rc
 }

@@ -6,11 +6,16 @@
 //!   when it is missing, so the library is probed first and the first calls run inside
 //!   `catch_unwind`; nothing here panics on a machine without CUDA.
 //! * [`driver`]: thin owners of driver objects (context, stream, event, memory, module).
+//! * [`nvrtc`]: compiling CUDA C at run time (NVRTC found where the loader may not look).
+//! * [`ipc`]: sharing device memory between processes of one host (legacy IPC handles, and
+//!   virtual-memory allocations exported as file descriptors).
 #![warn(missing_docs)]
 
 pub mod driver;
 pub mod error;
+pub mod ipc;
 pub mod location;
+pub mod nvrtc;
 pub mod probe;
 
 pub use error::CudaError;

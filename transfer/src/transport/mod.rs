@@ -56,6 +56,7 @@ use crate::memory::{MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys};
 use crate::types::{Op, TransportKind};
 
 pub mod completion;
+pub mod cuda_ipc;
 pub(crate) mod select;
 pub mod tcp;
 pub(crate) mod wire;

@@ -1,0 +1,245 @@
+//! CUDA IPC copy throughput between two processes on one GPU, as ratios to an in-process
+//! `cuMemcpyDtoDAsync` of the same bytes measured in the same run (docs/design.md §7).
+//!
+//! The child process (this binary with `child`) allocates the destination memory (`cuMemAlloc`
+//! and `cuMemCreate` with the POSIX fd handle type) and exports it; this process maps it
+//! (legacy IPC handle; file descriptor over the Unix socket) and copies into it from its own
+//! memory on its own stream, timed with events:
+//!
+//! * `contiguous`: one copy of `size` bytes;
+//! * `64K pieces`, `4K pieces`: `size` bytes as pieces at every other piece offset on both
+//!   sides (nothing coalesces), in one launch of the piece kernel (kvferry-cuda's
+//!   `PieceCopier`);
+//! * `4K batch API`: the same 4 KiB pieces through one `cuMemcpyBatchAsync` (what the driver's
+//!   batch gives instead);
+//! * `vmm`: one contiguous copy into the `cuMemCreate` allocation.
+//!
+//! The bytes of a scattered copy are checked at the end (read back through the mapping).
+//!
+//!   cargo run --release -p kvferry-transfer --example cuda_ipc_bench [-- MAX_MIB]
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+
+use kvferry_cuda::driver::{
+    copy_dtoh_async, copy_htod_async, Context, DeviceBuffer, Event, Stream,
+};
+use kvferry_cuda::ipc::{
+    self, export_vmm, legacy_handle, plan_copies, ImportedVmm, LegacyHandle, OpenedLegacy,
+    PieceCopier, VmmBuffer,
+};
+use kvferry_transfer::transport::cuda_ipc::fdpass::{fetch, FdServer};
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
+        .collect()
+}
+
+fn child(max: usize) {
+    let ctx = Context::new(0).unwrap();
+    let buf = DeviceBuffer::new(&ctx, 2 * max).unwrap();
+    let vmm = VmmBuffer::new(&ctx, 2 * max).unwrap();
+    let srv = FdServer::start().unwrap();
+    let t = srv
+        .offer(Arc::new(export_vmm(vmm.ptr()).unwrap()), vmm.len() as u64)
+        .unwrap();
+    println!(
+        "KVF {} {} {} {}",
+        hex(&legacy_handle(buf.ptr()).unwrap().0),
+        srv.name(),
+        hex(&t),
+        vmm.len()
+    );
+    std::io::stdout().flush().unwrap();
+    let mut s = String::new();
+    let _ = std::io::stdin().read_line(&mut s);
+}
+
+/// Seconds per run of `f` (which enqueues on `stream`), over `reps` runs after one warm-up.
+fn time(ctx: &Context, stream: &Stream, reps: usize, mut f: impl FnMut()) -> f64 {
+    let (a, b) = (
+        Event::new(ctx, true).unwrap(),
+        Event::new(ctx, true).unwrap(),
+    );
+    f();
+    stream.synchronize().unwrap();
+    // SAFETY: live stream and events of this context.
+    unsafe { a.record(stream.raw()).unwrap() };
+    for _ in 0..reps {
+        f();
+    }
+    // SAFETY: as above.
+    unsafe { b.record(stream.raw()).unwrap() };
+    b.synchronize().unwrap();
+    Event::elapsed_ms(&a, &b).unwrap() as f64 / 1e3 / reps as f64
+}
+
+fn pieces(dst: u64, src: u64, size: usize, piece: usize) -> Vec<ipc::Copy> {
+    (0..size / piece)
+        .map(|i| ipc::Copy {
+            dst: dst + (2 * i * piece) as u64,
+            src: src + (2 * i * piece) as u64,
+            len: piece,
+        })
+        .collect()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let max_mib: usize = args
+        .iter()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(256);
+    let max = max_mib << 20;
+    if args.get(1).map(String::as_str) == Some("child") {
+        return child(max);
+    }
+    match kvferry_cuda::cuda_available() {
+        Ok(n) if n > 0 => {}
+        other => {
+            println!("SKIPPED: no CUDA device ({other:?})");
+            return;
+        }
+    }
+    let ctx = Context::new(0).unwrap();
+    let mut kid = Command::new(std::env::current_exe().unwrap())
+        .args(["child", &max_mib.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(kid.stdout.take().unwrap());
+    let line = loop {
+        let mut l = String::new();
+        assert!(out.read_line(&mut l).unwrap() > 0, "child exited");
+        if let Some(x) = l.trim().strip_prefix("KVF ") {
+            break x.to_string();
+        }
+    };
+    let w: Vec<&str> = line.split_whitespace().collect();
+    let mut h = [0u8; 64];
+    h.copy_from_slice(&unhex(w[0]));
+    let legacy = OpenedLegacy::open(&ctx, &LegacyHandle(h)).unwrap();
+    let mut t = [0u8; 16];
+    t.copy_from_slice(&unhex(w[2]));
+    let (fd, vsize) = fetch(w[1], &t, "child").unwrap();
+    assert_eq!(vsize, w[3].parse::<u64>().unwrap());
+    let vmm = ImportedVmm::import(&ctx, &fd, vsize).unwrap();
+    let src = DeviceBuffer::new(&ctx, 2 * max).unwrap();
+    let local = DeviceBuffer::new(&ctx, 2 * max).unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let s = stream.raw();
+    println!(
+        "device: {} (one GPU, process pair, cuMemcpyBatchAsync: {})",
+        ctx.name(),
+        if ipc::batch_available() { "yes" } else { "no" }
+    );
+    let copier = std::cell::RefCell::new(PieceCopier::new(0).expect("piece kernel (NVRTC)"));
+    println!(
+        "| size | reference GB/s | contiguous | 64K pieces | 4K pieces | 4K batch API | vmm |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let mut size = 64 << 10;
+    while size <= max {
+        let reps = ((1usize << 31) / size).clamp(8, 4000);
+        let src_ptr = src.ptr();
+        let copy = |dst: u64| {
+            move || {
+                // SAFETY: `size` bytes inside live allocations of 2 * max bytes.
+                unsafe {
+                    ipc::copy_batch_async(
+                        &[ipc::Copy {
+                            dst,
+                            src: src_ptr,
+                            len: size,
+                        }],
+                        s,
+                    )
+                    .unwrap();
+                }
+            }
+        };
+        let reference = time(&ctx, &stream, reps, copy(local.ptr()));
+        let contiguous = time(&ctx, &stream, reps, copy(legacy.ptr()));
+        let vm = time(&ctx, &stream, reps, copy(vmm.ptr()));
+        let scattered = |piece: usize, kernel: bool| {
+            let ps = pieces(legacy.ptr(), src.ptr(), size, piece);
+            let plan = plan_copies(&ps);
+            let reps = if kernel { reps } else { reps.min(20) };
+            time(&ctx, &stream, reps, || {
+                // SAFETY: every piece lies inside the 2 * max byte allocations. The repeated
+                // enqueues rewrite the pinned table while an earlier upload may still read it:
+                // with the same plan every time the bytes are the same, so the race is benign
+                // here (the transport gives each batch a table of its own).
+                unsafe {
+                    if kernel {
+                        copier.borrow_mut().enqueue(&plan, s).unwrap();
+                    } else {
+                        ipc::copy_batch_async(&ps, s).unwrap();
+                    }
+                }
+            })
+        };
+        let p64 = scattered(64 << 10, true);
+        let p4 = scattered(4 << 10, true);
+        let l4 = if size <= 16 << 20 {
+            format!("{:.3}", reference / scattered(4 << 10, false))
+        } else {
+            "-".into()
+        };
+        println!(
+            "| {} | {:.1} | {:.3} | {:.3} | {:.3} | {} | {:.3} |",
+            if size >= 1 << 20 {
+                format!("{} MiB", size >> 20)
+            } else {
+                format!("{} KiB", size >> 10)
+            },
+            size as f64 / reference / 1e9,
+            reference / contiguous,
+            reference / p64,
+            reference / p4,
+            l4,
+            reference / vm
+        );
+        size *= 4;
+    }
+    // Bytes: a pattern scattered into the child's memory as 4 KiB pieces, read back.
+    let n = 16 << 20;
+    let pat: Vec<u8> = (0..2 * n).map(|i| (i * 7 + i / 4096) as u8).collect();
+    // SAFETY: `pat` outlives the synchronised copies; ranges inside the allocations.
+    unsafe {
+        copy_htod_async(src.ptr(), pat.as_ptr(), 2 * n, s).unwrap();
+        stream.synchronize().unwrap();
+        let mut k = copier.borrow_mut();
+        k.enqueue(&plan_copies(&pieces(legacy.ptr(), src.ptr(), n, 4096)), s)
+            .unwrap();
+        stream.synchronize().unwrap();
+        k.enqueue(&plan_copies(&pieces(local.ptr(), legacy.ptr(), n, 4096)), s)
+            .unwrap();
+    }
+    stream.synchronize().unwrap();
+    let mut back = vec![0u8; 2 * n];
+    // SAFETY: `back` has 2n bytes; synchronised before it is read.
+    unsafe { copy_dtoh_async(back.as_mut_ptr(), local.ptr(), 2 * n, s).unwrap() };
+    stream.synchronize().unwrap();
+    let bad = (0..n / 4096)
+        .filter(|i| {
+            let o = 2 * i * 4096;
+            back[o..o + 4096] != pat[o..o + 4096]
+        })
+        .count();
+    println!(
+        "bytes: 4K pieces written and read back through the mapping, {bad} of {} pieces differ",
+        n / 4096
+    );
+    drop(legacy);
+    drop(vmm);
+    let _ = kid.kill();
+    let _ = kid.wait();
+    assert_eq!(bad, 0);
+}

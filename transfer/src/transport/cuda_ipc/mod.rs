@@ -1,0 +1,13 @@
+//! Same-host GPU memory between processes through CUDA IPC (docs/design.md §3.10): the pieces
+//! the transport is built from.
+//!
+//! * [`keys`]: the host identity (boot id, machine id, pid namespace, pid), what an exported
+//!   region publishes ([`keys::IpcRegionKeys`]) and the route of one slice (CUDA IPC, in-process
+//!   copy, or the fallback transport with the reason), decided without touching a GPU.
+//! * [`fdpass`]: file descriptors of `cuMemCreate` allocations passed to a peer over a Unix
+//!   socket (`SCM_RIGHTS`) against single-use tickets.
+//!
+//! The driver side (export, open, import, batched device copies) is kvferry-cuda's `ipc`.
+
+pub mod fdpass;
+pub mod keys;

@@ -1,0 +1,467 @@
+//! CUDA IPC between two processes of one host (docs/design.md §3.10), on one GPU: the exporter
+//! (this test) and an importer (this binary started again as a child) share device memory
+//! allocated with `cuMemAlloc` (legacy IPC handle) and with `cuMemCreate` (a file descriptor
+//! passed over the Unix socket against a ticket), the importer WRITEs into and READs from the
+//! exporter's memory with device copies, and both sides check the bytes.
+//!
+//! Where CUDA is absent every test prints `SKIPPED: <reason>`; `KVFERRY_REQUIRE_GPU` turns
+//! skips into failures (set by scripts/gpu-tests.sh on a GPU machine).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::OwnedFd;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvferry_cuda::driver::{
+    copy_dtoh_async, copy_htod_async, Context, DeviceBuffer, Event, Stream,
+};
+use kvferry_cuda::ipc::{
+    self, allocation_of, export_vmm, legacy_handle, AllocationKind, ImportedVmm, LegacyHandle,
+    OpenedLegacy, VmmBuffer,
+};
+use kvferry_transfer::transport::cuda_ipc::fdpass::{fetch, FdServer};
+
+const ROLE: &str = "KVFERRY_IPC_TEST_ROLE";
+
+/// One GPU test at a time: the leak check reads the device's free memory.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn gpu(test: &str) -> Option<Context> {
+    let why = match kvferry_cuda::cuda_available() {
+        Ok(n) if n > 0 => match kvferry_cuda::guarded("context", || Context::new(0)) {
+            Ok(c) => return Some(c),
+            Err(e) => e.to_string(),
+        },
+        Ok(_) => "no CUDA device".to_string(),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        std::env::var_os("KVFERRY_REQUIRE_GPU").is_none(),
+        "{test}: GPU required but {why}"
+    );
+    eprintln!("SKIPPED {test}: {why}");
+    None
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[1] ^ seed)
+        .collect()
+}
+
+fn upload(ctx: &Context, dst: u64, bytes: &[u8]) {
+    let s = Stream::new(ctx).unwrap();
+    // SAFETY: `dst` has `bytes.len()` device bytes; synchronised before `bytes` goes away.
+    unsafe { copy_htod_async(dst, bytes.as_ptr(), bytes.len(), s.raw()).unwrap() };
+    s.synchronize().unwrap();
+}
+
+fn download(ctx: &Context, src: u64, len: usize) -> Vec<u8> {
+    let s = Stream::new(ctx).unwrap();
+    let mut v = vec![0u8; len];
+    // SAFETY: `src` has `len` device bytes; synchronised before `v` is read.
+    unsafe { copy_dtoh_async(v.as_mut_ptr(), src, len, s.raw()).unwrap() };
+    s.synchronize().unwrap();
+    v
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
+        .collect()
+}
+
+/// The importer: this binary again, running `child_importer` with commands on stdin.
+struct Importer {
+    child: Child,
+    /// The importer's `KVF ` answers, read by a thread of their own so every wait has a
+    /// deadline.
+    answers: std::sync::mpsc::Receiver<String>,
+}
+
+/// Longest wait for one answer of a child process.
+const ANSWER_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Forwards the `KVF ` lines of a child's stdout to a channel.
+fn answers_of(out: std::process::ChildStdout) -> std::sync::mpsc::Receiver<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines() {
+            let Ok(l) = l else { break };
+            // libtest writes "test NAME ... " before a test's first line, without a newline.
+            if let Some(i) = l.find("KVF ") {
+                if tx.send(l[i + 4..].trim().to_string()).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    rx
+}
+
+impl Importer {
+    fn start() -> Importer {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "child_importer",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env(ROLE, "importer")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let answers = answers_of(child.stdout.take().unwrap());
+        Importer { child, answers }
+    }
+
+    /// Sends one command line and returns the importer's answer (its `KVF ` line).
+    fn ask(&mut self, line: &str) -> String {
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+        self.answers
+            .recv_timeout(ANSWER_DEADLINE)
+            .unwrap_or_else(|e| panic!("importer gave no answer to {line:?}: {e}"))
+    }
+}
+
+impl Drop for Importer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// How the importer maps the exporter's allocation.
+enum Share {
+    Legacy(LegacyHandle),
+    /// Socket name and ticket.
+    Fd(String, [u8; 16]),
+}
+
+fn share_line(s: &Share, size: usize) -> String {
+    match s {
+        Share::Legacy(h) => format!("legacy {} {size}", hex(&h.0)),
+        Share::Fd(name, t) => format!("fd {name}:{} {size}", hex(t)),
+    }
+}
+
+/// The child side: maps each shared allocation it is told about and copies on command.
+/// Commands: `map <how> <size>` -> `mapped <slot>`; `write <slot> <off> <len> <seed>` (its own
+/// pattern into the slot) -> `ok`; `read <slot> <off> <len>` -> `data <hex>`;
+/// `spin <slot> <len> <n>` (n copies in a loop, no answer until done) -> `ok`.
+#[test]
+fn child_importer() {
+    if std::env::var(ROLE).as_deref() != Ok("importer") {
+        return;
+    }
+    eprintln!("importer {}: start", std::process::id());
+    let ctx = Context::new(0).unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let mut legacy: Vec<OpenedLegacy> = Vec::new();
+    let mut vmm: Vec<ImportedVmm> = Vec::new();
+    let mut slots: Vec<u64> = Vec::new();
+    let local = DeviceBuffer::new(&ctx, 64 << 20).unwrap();
+    let stdin = std::io::stdin();
+    for line in stdin.lock().lines() {
+        let line = line.unwrap();
+        eprintln!("importer: {}", line.get(..40).unwrap_or(&line));
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let answer = match w.as_slice() {
+            ["map", "legacy", h, _size] => {
+                let mut b = [0u8; 64];
+                b.copy_from_slice(&unhex(h));
+                match OpenedLegacy::open(&ctx, &LegacyHandle(b)) {
+                    Ok(o) => {
+                        slots.push(o.ptr());
+                        legacy.push(o);
+                        format!("mapped {}", slots.len() - 1)
+                    }
+                    Err(e) => format!("error {e}"),
+                }
+            }
+            ["map", "fd", how, size] => {
+                let (name, t) = how.rsplit_once(':').unwrap();
+                let mut ticket = [0u8; 16];
+                ticket.copy_from_slice(&unhex(t));
+                match fetch(name, &ticket, "exporter")
+                    .map_err(|e| e.to_string())
+                    .and_then(|(fd, sz)| {
+                        assert_eq!(sz, size.parse::<u64>().unwrap());
+                        ImportedVmm::import(&ctx, &fd, sz).map_err(|e| e.to_string())
+                    }) {
+                    Ok(m) => {
+                        slots.push(m.ptr());
+                        vmm.push(m);
+                        format!("mapped {}", slots.len() - 1)
+                    }
+                    Err(e) => format!("error {e}"),
+                }
+            }
+            ["write", slot, off, len, seed] => {
+                let (off, len): (u64, usize) = (off.parse().unwrap(), len.parse().unwrap());
+                upload(&ctx, local.ptr(), &pattern(seed.parse().unwrap(), len));
+                let dst = slots[slot.parse::<usize>().unwrap()] + off;
+                // SAFETY: both ranges lie inside live allocations (the exporter's is mapped).
+                unsafe {
+                    ipc::copy_batch_async(
+                        &[ipc::Copy {
+                            dst,
+                            src: local.ptr(),
+                            len,
+                        }],
+                        stream.raw(),
+                    )
+                    .unwrap();
+                }
+                stream.synchronize().unwrap();
+                "ok".to_string()
+            }
+            ["read", slot, off, len] => {
+                let (off, len): (u64, usize) = (off.parse().unwrap(), len.parse().unwrap());
+                let src = slots[slot.parse::<usize>().unwrap()] + off;
+                // SAFETY: both ranges lie inside live allocations.
+                unsafe {
+                    ipc::copy_batch_async(
+                        &[ipc::Copy {
+                            dst: local.ptr(),
+                            src,
+                            len,
+                        }],
+                        stream.raw(),
+                    )
+                    .unwrap();
+                }
+                stream.synchronize().unwrap();
+                format!("data {}", hex(&download(&ctx, local.ptr(), len)))
+            }
+            _ => format!("error unknown command {line:?}"),
+        };
+        println!("KVF {answer}");
+    }
+}
+
+/// Writes from the importer land in the exporter's memory and reads return it, for an
+/// allocation of `kind`.
+fn round_trip(
+    ctx: &Context,
+    dst_ptr: u64,
+    src_ptr: u64,
+    how_dst: Share,
+    how_src: Share,
+    size: usize,
+) {
+    let mut imp = Importer::start();
+    let expect = pattern(9, 1 << 20);
+    upload(ctx, src_ptr + 4096, &expect);
+    let a = imp.ask(&format!("map {}", share_line(&how_dst, size)));
+    assert_eq!(a, "mapped 0");
+    let b = imp.ask(&format!("map {}", share_line(&how_src, size)));
+    assert_eq!(b, "mapped 1");
+    // WRITE: the importer's pattern 5 into [dst + 8192, +1 MiB)
+    assert_eq!(imp.ask(&format!("write 0 8192 {} 5", 1 << 20)), "ok");
+    assert!(
+        download(ctx, dst_ptr + 8192, 1 << 20) == pattern(5, 1 << 20),
+        "bytes written by the importer differ"
+    );
+    assert_eq!(
+        download(ctx, dst_ptr, 8192),
+        vec![0u8; 8192],
+        "bytes before the range untouched"
+    );
+    // READ: [src + 4096, +1 MiB) back to the importer
+    let r = imp.ask(&format!("read 1 4096 {}", 1 << 20));
+    let data = unhex(r.strip_prefix("data ").expect("data"));
+    assert!(data == expect, "bytes read by the importer differ");
+}
+
+#[test]
+fn legacy_ipc_write_and_read_across_processes() {
+    let _one = serial();
+    let Some(ctx) = gpu("legacy_ipc_write_and_read_across_processes") else {
+        return;
+    };
+    let size = 4 << 20;
+    let dst = DeviceBuffer::new(&ctx, size).unwrap();
+    let src = DeviceBuffer::new(&ctx, size).unwrap();
+    upload(&ctx, dst.ptr(), &vec![0u8; size]);
+    // the export names the allocation's base even when asked about an inner address
+    let a = allocation_of(dst.ptr() + 100).unwrap();
+    assert_eq!(
+        (a.base, a.size, a.kind),
+        (dst.ptr(), size as u64, AllocationKind::Legacy)
+    );
+    let hd = Share::Legacy(legacy_handle(dst.ptr()).unwrap());
+    let hs = Share::Legacy(legacy_handle(src.ptr()).unwrap());
+    round_trip(&ctx, dst.ptr(), src.ptr(), hd, hs, size);
+}
+
+#[test]
+fn vmm_memory_goes_by_file_descriptor_and_legacy_ipc_refuses_it() {
+    let _one = serial();
+    let Some(ctx) = gpu("vmm_memory_goes_by_file_descriptor_and_legacy_ipc_refuses_it") else {
+        return;
+    };
+    let dst = VmmBuffer::new(&ctx, 4 << 20).unwrap();
+    let src = VmmBuffer::new(&ctx, 4 << 20).unwrap();
+    let size = dst.len();
+    upload(&ctx, dst.ptr(), &vec![0u8; size]);
+    let a = allocation_of(dst.ptr() + 100).unwrap();
+    assert_eq!(
+        (a.base, a.size, a.kind),
+        (dst.ptr(), size as u64, AllocationKind::VmmFd)
+    );
+    let refused = legacy_handle(dst.ptr());
+    eprintln!("legacy IPC on cuMemCreate memory: {refused:?}");
+    assert!(refused.is_err(), "cuIpcGetMemHandle accepted VMM memory");
+    let srv = FdServer::start().unwrap();
+    let fd_d: Arc<OwnedFd> = Arc::new(export_vmm(dst.ptr()).unwrap());
+    let fd_s: Arc<OwnedFd> = Arc::new(export_vmm(src.ptr()).unwrap());
+    let td = srv.offer(fd_d, size as u64).unwrap();
+    let ts = srv.offer(fd_s, size as u64).unwrap();
+    let name = srv.name().to_string();
+    round_trip(
+        &ctx,
+        dst.ptr(),
+        src.ptr(),
+        Share::Fd(name.clone(), td),
+        Share::Fd(name, ts),
+        size,
+    );
+}
+
+#[test]
+fn a_used_ticket_maps_nothing_in_the_importer() {
+    let _one = serial();
+    let Some(ctx) = gpu("a_used_ticket_maps_nothing_in_the_importer") else {
+        return;
+    };
+    let buf = VmmBuffer::new(&ctx, 2 << 20).unwrap();
+    let srv = FdServer::start().unwrap();
+    let t = srv
+        .offer(Arc::new(export_vmm(buf.ptr()).unwrap()), buf.len() as u64)
+        .unwrap();
+    let mut imp = Importer::start();
+    let line = share_line(&Share::Fd(srv.name().to_string(), t), buf.len());
+    assert_eq!(imp.ask(&format!("map {line}")), "mapped 0");
+    let again = imp.ask(&format!("map {line}"));
+    assert!(
+        again.starts_with("error") && again.contains("ticket"),
+        "{again}"
+    );
+}
+
+/// The exporter dies while the importer's copies into its memory run: the importer's copies
+/// end (the import keeps the memory alive) within the deadline, and closing the mapping gives
+/// the memory back.
+#[test]
+fn an_exporter_killed_mid_copy_neither_hangs_nor_leaks_the_importer() {
+    let _one = serial();
+    let Some(ctx) = gpu("an_exporter_killed_mid_copy_neither_hangs_nor_leaks_the_importer") else {
+        return;
+    };
+    // Here the child exports and this process imports: the child is the one killed.
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_exporter",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(ROLE, "exporter")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let answers = answers_of(child.stdout.take().unwrap());
+    let handle = answers
+        .recv_timeout(ANSWER_DEADLINE)
+        .expect("the exporter's handle")
+        .strip_prefix("handle ")
+        .expect("a handle line")
+        .to_string();
+    let (free_before, _) = mem_info();
+    let mut b = [0u8; 64];
+    b.copy_from_slice(&unhex(&handle));
+    let opened = OpenedLegacy::open(&ctx, &LegacyHandle(b)).unwrap();
+    let local = DeviceBuffer::new(&ctx, 256 << 20).unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let done = Event::new(&ctx, false).unwrap();
+    for _ in 0..200 {
+        // SAFETY: both ranges are 256 MiB inside live allocations (the import is open).
+        unsafe {
+            ipc::copy_batch_async(
+                &[ipc::Copy {
+                    dst: opened.ptr(),
+                    src: local.ptr(),
+                    len: 256 << 20,
+                }],
+                stream.raw(),
+            )
+            .unwrap();
+        }
+    }
+    // SAFETY: live stream of this context.
+    unsafe { done.record(stream.raw()).unwrap() };
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let state = loop {
+        match done.query() {
+            Ok(kvferry_cuda::driver::EventState::Done) => break Ok(()),
+            Ok(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
+            Ok(_) => panic!("copies into a dead exporter's memory still pending after 30 s"),
+            Err(e) => break Err(e),
+        }
+    };
+    eprintln!("copies after the exporter died: {state:?}");
+    drop(opened);
+    drop(local);
+    let (free_after, _) = mem_info();
+    // the exporter's 256 MiB are gone with it and our mapping; allow the driver some slack
+    assert!(
+        free_after + (8 << 20) >= free_before,
+        "device memory not given back: {free_before} free before, {free_after} after"
+    );
+}
+
+#[test]
+fn child_exporter() {
+    if std::env::var(ROLE).as_deref() != Ok("exporter") {
+        return;
+    }
+    let ctx = Context::new(0).unwrap();
+    let buf = DeviceBuffer::new(&ctx, 256 << 20).unwrap();
+    println!("KVF handle {}", hex(&legacy_handle(buf.ptr()).unwrap().0));
+    std::io::stdout().flush().unwrap();
+    // Wait to be killed.
+    let mut s = String::new();
+    let _ = std::io::stdin().read_line(&mut s);
+}
+
+fn mem_info() -> (usize, usize) {
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: out-pointers to live locals; a context is current.
+    unsafe {
+        kvferry_cuda::driver::check(
+            "cuMemGetInfo",
+            kvferry_cuda::sys::cuMemGetInfo_v2(&mut free, &mut total),
+        )
+        .unwrap()
+    };
+    (free, total)
+}

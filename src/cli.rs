@@ -135,7 +135,8 @@ pub struct CommonArgs {
     /// Model shape: qwen3-0.6b, llama3-8b, deepseek-v2-lite (MLA), tiny.
     #[arg(long, default_value = "qwen3-0.6b")]
     pub model: String,
-    /// Tokens per block.
+    /// Tokens per block of this side (demo: of both sides, unless `--prefill-block-size` /
+    /// `--decode-block-size` say otherwise).
     #[arg(long, default_value_t = 16)]
     pub block_size: u64,
     /// KV cache layout (dimension order, outermost first), e.g. "KV B N H D" (FlashAttention),
@@ -211,6 +212,13 @@ pub struct DemoArgs {
     /// PP stages of the consumer.
     #[arg(long, default_value_t = 1, value_parser = ranks)]
     pub decode_pp: u32,
+    /// Tokens per block of the producer (default `--block-size`). When it differs from the
+    /// consumer's, the consumer's blocks are filled token by token and verified by chunk sums.
+    #[arg(long)]
+    pub prefill_block_size: Option<u64>,
+    /// Tokens per block of the consumer (default `--block-size`).
+    #[arg(long)]
+    pub decode_block_size: Option<u64>,
     /// Print one JSON object instead of the readable summary.
     #[arg(long)]
     pub json: bool,
@@ -264,6 +272,11 @@ pub struct LoadArgs {
     /// The producer's control channel, HOST:PORT.
     #[arg(long)]
     pub producer: String,
+    /// Tokens per block of the producer (its `--block-size`; default this side's
+    /// `--block-size`). The producer's block tables are replayed with it; this side's blocks
+    /// are filled token by token when it differs.
+    #[arg(long)]
+    pub producer_block_size: Option<u64>,
     /// Number of requests to load (at most 100000).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(0..=100_000))]
     pub requests: u32,

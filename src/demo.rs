@@ -48,6 +48,10 @@ pub struct DemoReport {
     pub decode_tp: u32,
     /// See `prefill_tp`.
     pub decode_pp: u32,
+    /// Tokens per block of the producer and of the consumer.
+    pub prefill_block_size: u64,
+    /// See `prefill_block_size`.
+    pub decode_block_size: u64,
     /// Requests loaded.
     pub requests: u32,
     /// Prompt tokens over all requests.
@@ -108,8 +112,14 @@ fn check_args(args: &DemoArgs) -> Result<(), CliError> {
             args.corrupt, args.requests
         )));
     }
-    if args.common.block_size == 0 {
-        return Err(CliError::usage("--block-size 0: must be at least 1"));
+    for (flag, v) in [
+        ("--block-size", Some(args.common.block_size)),
+        ("--prefill-block-size", args.prefill_block_size),
+        ("--decode-block-size", args.decode_block_size),
+    ] {
+        if v == Some(0) {
+            return Err(CliError::usage(format!("{flag} 0: must be at least 1")));
+        }
     }
     if !args.common.fail_closed && args.common.load_failure_policy != FailurePolicyArg::Fail {
         tracing::warn!(
@@ -125,28 +135,22 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     let c = &args.common;
     let model = model_by_name(&c.model)?.clone();
     let lengths = prompt_lengths(args.requests, args.min_tokens, args.max_tokens, args.seed);
-    let blocks_per_req = |t: u64| t.div_ceil(c.block_size);
-    let max_blocks = lengths
-        .iter()
-        .map(|&t| blocks_per_req(t))
-        .max()
-        .unwrap_or(1);
+    let pbs = args.prefill_block_size.unwrap_or(c.block_size);
+    let cbs = args.decode_block_size.unwrap_or(c.block_size);
     // Room for a couple of requests in flight on each side.
-    let num_blocks = max_blocks * 2 + 1;
+    let num_blocks = |bs: u64| lengths.iter().map(|&t| t.div_ceil(bs)).max().unwrap_or(1) * 2 + 1;
     let engine_cfg = engine_config(c, "127.0.0.1")?;
-    let side = |tp, pp| side_config(c, model.clone(), tp, pp, num_blocks);
+    let side = |tp, pp, bs| side_config(c, model.clone(), tp, pp, bs, num_blocks(bs));
     // Name the side: the sizes and the layout checks are per side.
-    let mut prod_ranks =
-        build_side(&side(args.prefill_tp, args.prefill_pp), &engine_cfg).map_err(|source| {
-            CliError::Side {
-                side: "producer (--prefill-tp/--prefill-pp)",
-                source,
-            }
+    let mut prod_ranks = build_side(&side(args.prefill_tp, args.prefill_pp, pbs), &engine_cfg)
+        .map_err(|source| CliError::Side {
+            side: "producer (--prefill-tp/--prefill-pp/--prefill-block-size)",
+            source,
         })?;
     let cons_ranks =
-        build_side(&side(args.decode_tp, args.decode_pp), &engine_cfg).map_err(|source| {
+        build_side(&side(args.decode_tp, args.decode_pp, cbs), &engine_cfg).map_err(|source| {
             CliError::Side {
-                side: "consumer (--decode-tp/--decode-pp)",
+                side: "consumer (--decode-tp/--decode-pp/--decode-block-size)",
                 source,
             }
         })?;
@@ -207,8 +211,8 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         })));
     }
 
-    let mut prod_pool = BlockPool::new(num_blocks, args.seed);
-    let mut cons_pool = BlockPool::new(num_blocks, args.seed ^ 1);
+    let mut prod_pool = BlockPool::new(num_blocks(pbs), args.seed);
+    let mut cons_pool = BlockPool::new(num_blocks(cbs), args.seed ^ 1);
     let mut report = DemoReport {
         transport: transport_name,
         memory_paths: paths,
@@ -218,6 +222,8 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         prefill_pp: args.prefill_pp,
         decode_tp: args.decode_tp,
         decode_pp: args.decode_pp,
+        prefill_block_size: pbs,
+        decode_block_size: cbs,
         requests: args.requests,
         ..DemoReport::default()
     };
@@ -234,12 +240,11 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     let mut kv_equal: Option<bool> = None;
     for (i, &tokens) in lengths.iter().enumerate() {
         let i = i as u32;
-        let nb = blocks_per_req(tokens) as usize;
         let pblocks = prod_pool
-            .alloc(nb)
+            .alloc(tokens.div_ceil(pbs) as usize)
             .ok_or(CliError::failed("producer block pool exhausted"))?;
         let cblocks = cons_pool
-            .alloc(nb)
+            .alloc(tokens.div_ceil(cbs) as usize)
             .ok_or(CliError::failed("consumer block pool exhausted"))?;
         let t0 = Instant::now();
         for r in prod_ranks.iter_mut() {
@@ -255,15 +260,19 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
             ))
             .map_err(CliError::p2p(format!("publishing {request_id}")))?;
         report.checksum_seconds += info.checksum_seconds;
+        let mut flipped_token = None;
         if corrupt.contains(&i) {
             let ranks = cons_ranks.lock().unwrap();
-            *pending_flip.lock().unwrap() = Some(Flip::random(&mut rng, &ranks, &cblocks, tokens));
+            let flip = Flip::random(&mut rng, &ranks, &cblocks, tokens);
+            flipped_token = Some(flip.token);
+            *pending_flip.lock().unwrap() = Some(flip);
             report.corrupted += 1;
         }
         let spec = LoadSpec {
             request_id: request_id.clone(),
             producer: endpoint.clone(),
             groups: vec![LoadGroup {
+                remote_block_size: Some(pbs),
                 group_id: GROUP_ID,
                 remote_blocks: pblocks.iter().map(|&b| Some(b)).collect(),
                 local_blocks: cblocks.iter().map(|&b| Some(b)).collect(),
@@ -279,8 +288,13 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         let corrupted = corrupt.contains(&i);
         match outcome {
             Ok(o) => {
-                let as_expected = if corrupted {
-                    matches!(o.verdict, Some(Verdict::Mismatch { .. }))
+                let as_expected = if let Some(t) = flipped_token {
+                    // The mismatch names exactly the consumer blocks of the chunk holding the
+                    // flipped token (a chunk is the larger of the two block sizes, §2.6).
+                    let want = mismatch_positions(t, tokens, pbs, cbs);
+                    matches!(&o.verdict, Some(Verdict::Mismatch { mismatches, .. })
+                        if mismatches.len() == 1 && mismatches[0].group_id == GROUP_ID
+                            && mismatches[0].positions == want)
                 } else {
                     matches!(o.verdict, Some(Verdict::Verified)) && o.action == Action::Complete
                 };
@@ -304,7 +318,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
                         for p in prod_ranks.iter_mut() {
                             p.download_blocks(&pblocks)?;
                         }
-                        let equal = sides_kv_equal(&prod_ranks, &pblocks, &ranks, &cblocks);
+                        let equal = sides_kv_equal(&prod_ranks, &pblocks, &ranks, &cblocks, tokens);
                         kv_equal = Some(kv_equal.unwrap_or(true) && equal);
                     }
                 }
@@ -329,6 +343,15 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         0.0
     };
     Ok(report)
+}
+
+/// The consumer block positions a flipped bit in token `token` of a `tokens`-token prompt is
+/// reported at: every consumer block of the chunk of `max(pbs, cbs)` tokens holding it (one
+/// block when the sizes are equal).
+pub fn mismatch_positions(token: u64, tokens: u64, pbs: u64, cbs: u64) -> Vec<u64> {
+    let chunk = pbs.max(cbs);
+    let q = token / chunk;
+    (q * chunk / cbs..((q + 1) * chunk / cbs).min(tokens.div_ceil(cbs))).collect()
 }
 
 /// Where the landed hook flips a bit: a byte of a token the prompt holds.
@@ -364,8 +387,14 @@ impl Flip {
 
 fn print_summary(r: &DemoReport) {
     println!(
-        "kvferry demo: {} — producer TP{}×PP{} → consumer TP{}×PP{}",
-        r.model, r.prefill_tp, r.prefill_pp, r.decode_tp, r.decode_pp
+        "kvferry demo: {} — producer TP{}×PP{} → consumer TP{}×PP{}, block sizes {} → {}",
+        r.model,
+        r.prefill_tp,
+        r.prefill_pp,
+        r.decode_tp,
+        r.decode_pp,
+        r.prefill_block_size,
+        r.decode_block_size
     );
     println!(
         "  transport {} (KV memory: {}), checksums on {}",

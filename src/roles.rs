@@ -100,7 +100,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
         args.seed,
         c.block_size,
     )?;
-    let side = side_config(c, model, args.tp, args.pp, num_blocks);
+    let side = side_config(c, model, args.tp, args.pp, c.block_size, num_blocks);
     // The engines' segment names travel to peers: by default they name the host the
     // control channel binds.
     let bind_host = host_of(&args.bind);
@@ -194,19 +194,24 @@ pub struct LoadReport {
 pub fn load(args: &LoadArgs) -> Result<(), CliError> {
     let c = &args.common;
     let model = model_by_name(&c.model)?.clone();
+    // The producer's tables are replayed with its block size; this side's blocks have its own.
+    let producer_block_size = args.producer_block_size.unwrap_or(c.block_size);
     let (lengths, tables, _) = producer_tables(
         args.requests,
         args.min_tokens,
         args.max_tokens,
         args.seed,
-        c.block_size,
+        producer_block_size,
     )?;
+    if c.block_size == 0 {
+        return Err(CliError::usage("--block-size 0: must be at least 1"));
+    }
     let max_blocks = lengths
         .iter()
         .map(|t| t.div_ceil(c.block_size))
         .max()
         .unwrap_or(1);
-    let side = side_config(c, model, args.tp, args.pp, max_blocks);
+    let side = side_config(c, model, args.tp, args.pp, c.block_size, max_blocks);
     // The producer WRITEs into this side's memory: its engines must be reachable from it.
     let default_host =
         local_addr_towards(&args.producer).unwrap_or_else(|| "127.0.0.1".to_string());
@@ -234,9 +239,10 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
             request_id: format!("req-{i}"),
             producer: producer.clone(),
             groups: vec![LoadGroup {
+                remote_block_size: Some(producer_block_size),
                 group_id: GROUP_ID,
                 remote_blocks: blocks.iter().map(|&b| Some(b)).collect(),
-                local_blocks: local[..blocks.len()].to_vec(),
+                local_blocks: local[..tokens.div_ceil(c.block_size) as usize].to_vec(),
             }],
             num_local_computed: 0,
             num_tokens: tokens,

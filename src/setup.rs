@@ -114,20 +114,21 @@ pub fn memory_paths(ranks: &[RankKv]) -> Vec<String> {
 }
 
 /// One side's KV caches for the common options: `model` held by `tp × pp` ranks whose
-/// layer arrays hold `num_blocks` blocks of `--block-size` tokens in `--layout`, on the
+/// layer arrays hold `num_blocks` blocks of `block_size` tokens in `--layout`, on the
 /// `--device` (GPU 0 for `cuda`), each rank's engine on `--transport`.
 pub fn side_config(
     c: &CommonArgs,
     model: ModelShape,
     tp: u32,
     pp: u32,
+    block_size: u64,
     num_blocks: u64,
 ) -> SideConfig {
     SideConfig {
         model,
         tp,
         pp,
-        block_size: c.block_size,
+        block_size,
         layout: c.layout.clone(),
         num_blocks,
         transport: transport_kind(c.transport),

@@ -373,12 +373,16 @@ impl Drop for RankKv {
     }
 }
 
-/// Seed of one (request, layer, global head, block position) stretch of KV, so
-/// that any rank holding the head, and a consumer recomputing it, make the same bytes.
-fn stretch_seed(seed: u64, request: u64, layer: u32, head: u64, position: u64) -> u64 {
+/// Tokens of one seeded stretch of KV: a token's bytes do not depend on the block size.
+const STRETCH: u64 = 16;
+
+/// Seed of one (request, layer, global head, stretch of [`STRETCH`] tokens) of KV, so that
+/// any rank holding the head, with any block size, and a consumer recomputing it, make the
+/// same bytes.
+fn stretch_seed(seed: u64, request: u64, layer: u32, head: u64, stretch: u64) -> u64 {
     // SplitMix64 over the fields: cheap, well mixed, deterministic.
     let mut x = seed ^ 0x9E37_79B9_7F4A_7C15;
-    for v in [request, layer as u64, head, position] {
+    for v in [request, layer as u64, head, stretch] {
         x = x
             .wrapping_add(v.wrapping_mul(0xBF58_476D_1CE4_E5B9))
             .wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -392,7 +396,8 @@ fn stretch_seed(seed: u64, request: u64, layer: u32, head: u64, position: u64) -
 /// "Prefill": writes request `request`'s KV into `blocks` (block ids in request
 /// order) of every layer of `rank`, every slot of every block (also those past the
 /// prompt's end), from seeded pseudo-random bytes that depend only on (seed,
-/// request, layer, global head, block position). Returns the bytes written.
+/// request, layer, global head, token): the same prompt gives the same bytes per token on
+/// sides of different block sizes. Returns the bytes written.
 ///
 /// Errors: a failed upload to GPU memory.
 pub fn fill_request(
@@ -408,31 +413,35 @@ pub fn fill_request(
     for l in &layers {
         let g = &l.spec.geometry;
         let chunk = (g.head_dim * g.elem.get()) as usize;
-        let n = g.tokens_per_kernel_block;
-        let kb_per_block = g.kernel_blocks_per_block;
-        let cells = (g.block_size() * g.parts()) as usize;
-        buf.resize(cells * chunk, 0);
-        for (position, &block) in blocks.iter().enumerate() {
-            for h in 0..g.heads {
-                let global = l.spec.head_offset as u64 + h;
-                let mut rng = rand::rngs::SmallRng::seed_from_u64(stretch_seed(
-                    seed,
-                    request,
-                    l.spec.layer,
-                    global,
-                    position as u64,
-                ));
-                rng.fill_bytes(&mut buf);
-                let mut src = 0;
-                for t in 0..g.block_size() {
-                    let kb = block * kb_per_block + t / n;
+        let cell = chunk * g.parts() as usize;
+        let (n, bs) = (g.tokens_per_kernel_block, g.block_size());
+        buf.resize(STRETCH as usize * cell, 0);
+        for h in 0..g.heads {
+            let global = l.spec.head_offset as u64 + h;
+            let mut current = None;
+            for (position, &block) in blocks.iter().enumerate() {
+                for i in 0..bs {
+                    let t = position as u64 * bs + i;
+                    if current != Some(t / STRETCH) {
+                        current = Some(t / STRETCH);
+                        let mut rng = rand::rngs::SmallRng::seed_from_u64(stretch_seed(
+                            seed,
+                            request,
+                            l.spec.layer,
+                            global,
+                            t / STRETCH,
+                        ));
+                        rng.fill_bytes(&mut buf);
+                    }
+                    let kb = block * g.kernel_blocks_per_block + i / n;
+                    let mut src = (t % STRETCH) as usize * cell;
                     for part in 0..g.parts() {
-                        let at = (l.offset + g.byte_offset(part, kb, t % n, h, 0)) as usize;
+                        let at = (l.offset + g.byte_offset(part, kb, i % n, h, 0)) as usize;
                         arena[at..at + chunk].copy_from_slice(&buf[src..src + chunk]);
                         src += chunk;
                     }
+                    written += cell as u64;
                 }
-                written += buf.len() as u64;
             }
         }
     }
@@ -490,25 +499,35 @@ pub fn flip_bit(
     Ok(())
 }
 
-/// Whether the consumer side's KV in `blocks_b` equals the producer side's in `blocks_a`
-/// (position by position), compared per layer and global KV head, so the two sides may have
-/// different TP and PP sizes: every head of every consumer rank's layer is compared with the
-/// producer rank the planner takes it from (the producer's [`HeadMap`], as in
-/// `kvferry_p2p::proto::serve::plan`). False when a consumer head has no producer holder or
-/// the block lists differ in length. Host shadows are compared: download GPU blocks first.
-pub fn sides_kv_equal(a: &[RankKv], blocks_a: &[u64], b: &[RankKv], blocks_b: &[u64]) -> bool {
-    if blocks_a.len() != blocks_b.len() {
-        return false;
-    }
-    let head_bytes = |r: &RankKv, i: usize, head: u64, block: u64| -> Vec<u8> {
+/// Whether the consumer side's KV of tokens `[0, tokens)` in `blocks_b` equals the producer
+/// side's in `blocks_a` (token by token, so the two sides may have different block sizes),
+/// compared per layer and global KV head, so the two sides may have different TP and PP sizes:
+/// every head of every consumer rank's layer is compared with the producer rank the planner
+/// takes it from (the producer's [`HeadMap`], as in `kvferry_p2p::proto::serve::plan`). False
+/// when a consumer head has no producer holder or a block list is too short. Host shadows are
+/// compared: download GPU blocks first.
+pub fn sides_kv_equal(
+    a: &[RankKv],
+    blocks_a: &[u64],
+    b: &[RankKv],
+    blocks_b: &[u64],
+    tokens: u64,
+) -> bool {
+    // The cell of token `t` of head `head` of layer `i` of rank `r` (D innermost: the demo's
+    // layouts all have it).
+    let cell = |r: &RankKv, i: usize, blocks: &[u64], head: u64, t: u64| -> Option<Vec<u8>> {
+        let g = &r.layers[i].spec.geometry;
+        let (bs, n) = (g.block_size(), g.tokens_per_kernel_block);
+        let block = *blocks.get((t / bs) as usize)?;
+        let kb = block * g.kernel_blocks_per_block + (t % bs) / n;
         let bytes = r.layer_bytes(i);
-        r.layers[i]
-            .spec
-            .geometry
-            .block_head_byte_ranges(block, head..head + 1)
-            .into_iter()
-            .flat_map(|x| bytes[x.start as usize..x.end as usize].to_vec())
-            .collect()
+        let chunk = g.head_dim * g.elem.get();
+        let mut out = Vec::with_capacity((chunk * g.parts()) as usize);
+        for part in 0..g.parts() {
+            let at = g.byte_offset(part, kb, (t % bs) % n, head, 0) as usize;
+            out.extend_from_slice(bytes.get(at..at + chunk as usize)?);
+        }
+        Some(out)
     };
     let heads = HeadMap::of_ranks(a.iter().map(|r| r.layers.iter().map(|l| &l.spec)));
     for rb in b {
@@ -519,9 +538,10 @@ pub fn sides_kv_equal(a: &[RankKv], blocks_a: &[u64], b: &[RankKv], blocks_b: &[
                     return false;
                 };
                 let (ra, ia, ha) = (&a[holder.rank], holder.layer, h - holder.first());
-                for (&x, &y) in blocks_a.iter().zip(blocks_b) {
-                    if head_bytes(ra, ia, ha, x) != head_bytes(rb, ib, j, y) {
-                        return false;
+                for t in 0..tokens {
+                    match (cell(ra, ia, blocks_a, ha, t), cell(rb, ib, blocks_b, j, t)) {
+                        (Some(x), Some(y)) if x == y => {}
+                        _ => return false,
                     }
                 }
             }

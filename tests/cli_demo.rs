@@ -182,6 +182,57 @@ fn demo_with_different_tp_and_pp_sizes_verifies_detects_and_recomputes() {
 }
 
 #[test]
+fn demo_with_different_block_sizes_verifies_and_flags_the_right_blocks() {
+    // Both ratios, with different TP sizes on the two sides: every load verifies by chunk
+    // sums; a flipped bit is a mismatch at exactly the consumer blocks of its chunk (the
+    // demo counts any other verdict or position list as unexpected and exits 1).
+    for (sizes, ranks) in [
+        (
+            ["--prefill-block-size", "16", "--decode-block-size", "32"],
+            ["--prefill-tp", "2", "--decode-tp", "1"],
+        ),
+        (
+            ["--prefill-block-size", "32", "--decode-block-size", "16"],
+            ["--prefill-tp", "1", "--decode-tp", "2"],
+        ),
+    ] {
+        let base = [&sizes[..], &ranks[..]].concat();
+        let r = demo(&base);
+        assert_eq!(n(&r, "verified"), 10, "{base:?}: {r}");
+        assert_eq!(
+            n(&r, "prefill_block_size") + n(&r, "decode_block_size"),
+            48,
+            "{r}"
+        );
+        let r = demo(&[&base[..], &["--corrupt", "4"]].concat());
+        assert_eq!(
+            (n(&r, "mismatch"), n(&r, "verified"), n(&r, "unexpected")),
+            (4, 6, 0),
+            "{base:?}: {r}"
+        );
+        let r = demo(
+            &[
+                &base[..],
+                &[
+                    "--corrupt",
+                    "3",
+                    "--fail-closed",
+                    "--load-failure-policy",
+                    "recompute",
+                ],
+            ]
+            .concat(),
+        );
+        assert_eq!(
+            (n(&r, "recomputed"), n(&r, "verified")),
+            (3, 7),
+            "{base:?}: {r}"
+        );
+        assert_eq!(r["kv_equal_after_recompute"], Value::Bool(true), "{r}");
+    }
+}
+
+#[test]
 fn demo_mla_with_tp2_checks_every_replica() {
     let base = [
         "--model",
@@ -225,6 +276,7 @@ fn demo_rejects_bad_arguments_with_a_clear_error() {
         (vec!["--data-host", "0.0.0.0"], "can reach"),
         (vec!["--layout", "KV B N Q D"], "Q"),
         (vec!["--gpu-registration", "sideways"], "--gpu-registration"),
+        (vec!["--decode-block-size", "0"], "--decode-block-size"),
     ] {
         let out = kvferry()
             .args(["demo", "--json", "--model", "tiny", "--requests", "10"])
@@ -322,6 +374,53 @@ fn serve_and_load_as_two_processes() {
     assert!(status.success(), "serve failed: {}", stderr_of(&mut server));
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(n(&r, "verified"), 5, "{r}");
+}
+
+#[test]
+fn serve_and_load_with_different_block_sizes_verify() {
+    // The producer runs 32-token blocks, the consumer 16 (and TP 2 against TP 1): the load
+    // side replays the producer's tables with --producer-block-size.
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let common = [
+        "--model",
+        "tiny",
+        "--requests",
+        "4",
+        "--min-tokens",
+        "20",
+        "--max-tokens",
+        "200",
+        "--seed",
+        "5",
+    ];
+    let mut server = spawn_serve(
+        &addr,
+        &[&common[..], &["--exit-after", "4", "--block-size", "32"]].concat(),
+    );
+    let out = run_load(
+        &addr,
+        &[
+            &common[..],
+            &[
+                "--block-size",
+                "16",
+                "--producer-block-size",
+                "32",
+                "--tp",
+                "2",
+            ],
+        ]
+        .concat(),
+    );
+    let status = wait_at_most(&mut server, 30).expect("serve did not exit");
+    assert!(
+        out.status.success(),
+        "load failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(status.success(), "serve failed: {}", stderr_of(&mut server));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(n(&r, "verified"), 4, "{r}");
 }
 
 #[test]

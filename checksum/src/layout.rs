@@ -427,14 +427,53 @@ impl Geometry {
             return Vec::new();
         }
         let kb0 = block_id * self.kernel_blocks_per_block;
+        self.sub_array_ranges(
+            kb0..kb0 + self.kernel_blocks_per_block,
+            0..self.tokens_per_kernel_block,
+            heads,
+        )
+    }
+
+    /// The bytes of tokens `tokens` (of `0..N`) of kernel block `kernel_block`, local KV heads
+    /// `heads`: what a transfer moves when the two sides' block sizes differ and a block is
+    /// filled token by token from the other side's blocks (docs/design.md §4.5). Same form as
+    /// [`Geometry::block_byte_ranges`] (coalesced, ascending). Empty when the kernel block, the
+    /// token range or the head range is out of range or empty.
+    pub fn token_head_byte_ranges(
+        &self,
+        kernel_block: u64,
+        tokens: Range<u64>,
+        heads: Range<u64>,
+    ) -> Vec<Range<u64>> {
+        if kernel_block >= self.num_kernel_blocks
+            || tokens.start >= tokens.end
+            || tokens.end > self.tokens_per_kernel_block
+            || heads.start >= heads.end
+            || heads.end > self.heads
+        {
+            return Vec::new();
+        }
+        self.sub_array_ranges(kernel_block..kernel_block + 1, tokens, heads)
+    }
+
+    /// The coalesced byte ranges of the sub-array `kernel_blocks × tokens × heads` (every part
+    /// and element); the ranges must lie inside the array.
+    fn sub_array_ranges(
+        &self,
+        kernel_blocks: Range<u64>,
+        tokens: Range<u64>,
+        heads: Range<u64>,
+    ) -> Vec<Range<u64>> {
         let dims = self.layout.dims();
+        let span = |r: &Range<u64>| (r.start, r.end - r.start);
         // Per dim: (first index, count, stride)
         let spec: Vec<(u64, u64, u64)> = dims
             .iter()
             .zip(&self.strides)
             .map(|(&d, &s)| match d {
-                Dim::B => (kb0, self.kernel_blocks_per_block, s),
-                Dim::H => (heads.start, heads.end - heads.start, s),
+                Dim::B => (span(&kernel_blocks).0, span(&kernel_blocks).1, s),
+                Dim::N => (span(&tokens).0, span(&tokens).1, s),
+                Dim::H => (span(&heads).0, span(&heads).1, s),
                 _ => (0, self.size_of(d), s),
             })
             .collect();

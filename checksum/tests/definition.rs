@@ -584,6 +584,38 @@ proptest! {
         prop_assert!(g.block_head_byte_ranges(0, 0..g.heads + 1).is_empty());
         prop_assert_eq!(g.block_head_byte_ranges(0, 0..g.heads), g.block_byte_ranges(0));
     }
+
+    /// The ranges of a token range of one kernel block and a head range are exactly those
+    /// cells' bytes (filling a block token by token from blocks of another size), and the whole
+    /// token range of a block's kernel blocks is the block's head range.
+    #[test]
+    fn token_head_byte_ranges_are_exactly_those_cells(c in case_strategy(), t0 in 0u64..8, tl in 1u64..8, split in 0u64..8, len in 1u64..8) {
+        let g = c.geometry();
+        let elem = c.elem.get();
+        let n = g.tokens_per_kernel_block;
+        let (lo, hi) = (split % g.heads, (split % g.heads + len).min(g.heads));
+        let (a, b) = (t0 % n, (t0 % n + tl).min(n));
+        for kb in 0..g.num_kernel_blocks {
+            let ranges = g.token_head_byte_ranges(kb, a..b, lo..hi);
+            for w in ranges.windows(2) {
+                prop_assert!(w[0].end < w[1].start, "coalesced and ascending");
+            }
+            let mut want = vec![false; g.byte_len() as usize];
+            for t in a..b { for h in lo..hi { for part in 0..g.parts() { for d in 0..g.head_dim {
+                let o = g.byte_offset(part, kb, t, h, d) as usize;
+                for k in 0..elem as usize { want[o + k] = true; }
+            }}}}
+            let mut got = vec![false; g.byte_len() as usize];
+            for r in &ranges { for i in r.clone() { got[i as usize] = true; } }
+            prop_assert_eq!(got, want);
+        }
+        if c.kpb == 1 {
+            prop_assert_eq!(g.token_head_byte_ranges(0, 0..n, lo..hi), g.block_head_byte_ranges(0, lo..hi));
+        }
+        prop_assert!(g.token_head_byte_ranges(0, a..a, lo..hi).is_empty());
+        prop_assert!(g.token_head_byte_ranges(0, 0..n + 1, lo..hi).is_empty());
+        prop_assert!(g.token_head_byte_ranges(g.num_kernel_blocks, a..b, lo..hi).is_empty());
+    }
 }
 
 proptest! {

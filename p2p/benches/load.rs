@@ -117,6 +117,7 @@ fn bench(c: &mut Criterion) {
                             request_id: id.clone(),
                             producer: producer.endpoint().to_string(),
                             groups: vec![LoadGroup {
+                                remote_block_size: None,
                                 group_id: 0,
                                 remote_blocks: remote.clone(),
                                 local_blocks: local.clone(),

@@ -79,13 +79,34 @@ pub fn compatible(a: &Geometry, b: &Geometry) -> Result<(), Incompatible> {
             a.tokens_per_kernel_block,
             b.tokens_per_kernel_block,
         ),
-        ("head size", a.head_dim, b.head_dim),
-        ("element bytes", a.elem.get(), b.elem.get()),
         (
             "kernel blocks per block",
             a.kernel_blocks_per_block,
             b.kernel_blocks_per_block,
         ),
+    ];
+    compatible_cells(a, b)?;
+    for (what, x, y) in pairs {
+        if x != y {
+            return Err(Incompatible::Size {
+                what,
+                producer: x,
+                consumer: y,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Whether runs of tokens of `a` can be copied byte-for-byte into `b` within one kernel block
+/// of each (filling blocks of one size from blocks of another, docs/design.md §4.5): the same
+/// layout, head size and element size, address order equal to the layout order; the tokens
+/// per kernel block, kernel blocks per block, number of blocks, KV heads and strides may
+/// differ. `Err` says what differs.
+pub fn compatible_cells(a: &Geometry, b: &Geometry) -> Result<(), Incompatible> {
+    let pairs = [
+        ("head size", a.head_dim, b.head_dim),
+        ("element bytes", a.elem.get(), b.elem.get()),
     ];
     if a.layout != b.layout {
         return Err(Incompatible::Layout {

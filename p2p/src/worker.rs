@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kvferry_checksum::group::RankInfo;
+use kvferry_checksum::group::{RankInfo, SkipReason};
 use kvferry_kernels::{ChecksumBackend, Device};
 use kvferry_transfer::TransferEngine;
 
@@ -119,7 +119,10 @@ pub fn validate(mut workers: Vec<Worker>) -> Result<(u32, u32, Vec<Worker>), P2p
                         l.len
                     )));
                 }
-                if geo.block_size() != g.block_size {
+                // A state group (Mamba-type: no per-token blocks) holds one state per block,
+                // whatever its block size in tokens.
+                let state = g.skipped == Some(SkipReason::NoPerTokenBlocks);
+                if !state && geo.block_size() != g.block_size {
                     return Err(P2pError::Workers(format!(
                         "layer {}: block size {} but group {} has {}",
                         l.spec.name,

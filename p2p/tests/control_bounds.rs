@@ -88,6 +88,7 @@ fn spec(request_id: &str, producer: &str) -> LoadSpec {
         request_id: request_id.into(),
         producer: producer.to_string(),
         groups: vec![LoadGroup {
+            remote_block_size: None,
             group_id: 0,
             remote_blocks: vec![Some(3), Some(5), Some(1)],
             local_blocks: vec![Some(7), Some(2), Some(10)],

@@ -73,6 +73,7 @@ fn spec(request_id: &str, producer: &Producer) -> LoadSpec {
         request_id: request_id.into(),
         producer: producer.endpoint().to_string(),
         groups: vec![LoadGroup {
+            remote_block_size: None,
             group_id: 0,
             remote_blocks: REMOTE.iter().map(|&b| Some(b)).collect(),
             local_blocks: LOCAL.iter().map(|&b| Some(b)).collect(),

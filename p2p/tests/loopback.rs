@@ -75,6 +75,7 @@ fn spec(request_id: &str, producer: &Producer) -> LoadSpec {
         request_id: request_id.into(),
         producer: producer.endpoint().to_string(),
         groups: vec![LoadGroup {
+            remote_block_size: None,
             group_id: 0,
             remote_blocks: remote_table(),
             local_blocks: local_table(),
@@ -386,6 +387,7 @@ async fn silent_producer_fails_within_the_reply_deadline() {
         request_id: "req-s".into(),
         producer: endpoint,
         groups: vec![LoadGroup {
+            remote_block_size: None,
             group_id: 0,
             remote_blocks: remote_table(),
             local_blocks: local_table(),
@@ -493,6 +495,7 @@ fn spec_for(request_id: &str, endpoint: &str) -> LoadSpec {
         request_id: request_id.into(),
         producer: endpoint.into(),
         groups: vec![LoadGroup {
+            remote_block_size: None,
             group_id: 0,
             remote_blocks: remote_table(),
             local_blocks: local_table(),
@@ -724,6 +727,7 @@ async fn sliding_window_group_with_null_blocks() {
         }
         let mut s = spec("req-sw", &producer);
         s.groups.push(LoadGroup {
+            remote_block_size: None,
             group_id: 1,
             remote_blocks: window_remote,
             local_blocks: window_local,

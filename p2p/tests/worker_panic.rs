@@ -52,6 +52,7 @@ async fn consumer_worker_panic_is_unverified_not_mismatch() {
         request_id: "req-panic".into(),
         producer: producer.endpoint().to_string(),
         groups: vec![LoadGroup {
+            remote_block_size: None,
             group_id: 0,
             remote_blocks: vec![Some(3), Some(5), Some(1)],
             local_blocks: vec![Some(7), Some(2), Some(10)],

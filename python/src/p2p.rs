@@ -639,7 +639,11 @@ impl Consumer {
     /// for a bad spec (unknown group, a local block without a producer block, nothing to load).
     /// ``load_key``: the lease's load key (``PublishInfo.load_key``); without the right one the
     /// producer answers ERROR and the load does not land.
-    #[pyo3(signature = (request_id, producer, remote_blocks, local_blocks, num_tokens, *, num_local_computed=0, timeout=None, load_key=None))]
+    /// ``remote_block_sizes[g]``: the producer's block size of group ``g`` (tokens per block of
+    /// ``remote_blocks[g]``, as it announced it); default: the same as this side's. Where it
+    /// differs, this side's blocks are filled token by token and verified by chunk sums
+    /// (a state group, with no per-token blocks, is refused: ValueError).
+    #[pyo3(signature = (request_id, producer, remote_blocks, local_blocks, num_tokens, *, num_local_computed=0, timeout=None, load_key=None, remote_block_sizes=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         &self,
@@ -652,6 +656,7 @@ impl Consumer {
         num_local_computed: u64,
         timeout: Option<f64>,
         load_key: Option<String>,
+        remote_block_sizes: Option<Vec<u64>>,
     ) -> PyResult<LoadOutcome> {
         let deadline = match timeout {
             Some(t) => seconds(t, "timeout")?,
@@ -664,12 +669,22 @@ impl Consumer {
                 local_blocks.len()
             )));
         }
+        if let Some(sizes) = &remote_block_sizes {
+            if sizes.len() != remote_blocks.len() {
+                return Err(PyValueError::new_err(format!(
+                    "remote_block_sizes has {} groups, remote_blocks {}",
+                    sizes.len(),
+                    remote_blocks.len()
+                )));
+            }
+        }
         let mut groups = Vec::new();
         for (g, (remote, local)) in remote_blocks.into_iter().zip(local_blocks).enumerate() {
             if remote.is_empty() && local.is_empty() {
                 continue;
             }
             groups.push(LoadGroup {
+                remote_block_size: remote_block_sizes.as_ref().map(|s| s[g]),
                 group_id: g as u32,
                 remote_blocks: block_table(remote, &format!("remote_blocks[{g}]"))?,
                 local_blocks: block_table(local, &format!("local_blocks[{g}]"))?,

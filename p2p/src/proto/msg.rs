@@ -164,14 +164,28 @@ pub struct WireRank {
 pub struct WireBlocks {
     /// KV cache group id.
     pub group_id: u32,
-    /// Block size (tokens) on the consumer; must equal the producer's.
+    /// Block size (tokens) on the consumer.
     pub block_size: u64,
+    /// The producer's block size (tokens) as the consumer was told it (vLLM: in the producer's
+    /// `kv_transfer_params`); 0 (or absent): the same as `block_size`. The producer refuses a
+    /// value other than its own. When the sizes differ, it fills each consumer block token by
+    /// token from its own blocks (docs/design.md §4.5).
+    #[serde(default)]
+    pub remote_block_size: u64,
     /// Block positions in the request (block `p` holds tokens `[p·block_size, (p+1)·block_size)`).
     #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_BLOCKS>")]
     pub positions: Vec<u64>,
-    /// The producer's block id at each position, as the consumer was told it.
+    /// The producer's block ids, as the consumer was told them: at each of `positions`, or,
+    /// when `remote_positions` is not empty, at each of those.
     #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_BLOCKS>")]
     pub remote_blocks: Vec<u64>,
+    /// With different block sizes: the producer block position (in producer blocks) of each of
+    /// `remote_blocks`, ascending. Empty (or absent): `remote_blocks` is parallel to `positions`.
+    #[serde(
+        default,
+        deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_BLOCKS>"
+    )]
+    pub remote_positions: Vec<u64>,
     /// The consumer's block id at each position (the write target).
     #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_BLOCKS>")]
     pub local_blocks: Vec<u64>,

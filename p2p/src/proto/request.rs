@@ -4,6 +4,8 @@
 
 use std::collections::HashSet;
 
+use kvferry_checksum::group::SkipReason;
+
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::{
     TransferRequest, WireBlocks, WireLayer, WireRank, WireRankGroup, KIND_TRANSFER_REQUEST,
@@ -21,6 +23,11 @@ pub struct LoadGroup {
     pub remote_blocks: Vec<Option<u64>>,
     /// The consumer's block table for the request.
     pub local_blocks: Vec<Option<u64>>,
+    /// The producer's block size for this group (tokens per block of `remote_blocks`), as it
+    /// announced it (vLLM: in `kv_transfer_params`); `None`: the same as the consumer's. When
+    /// it differs, the producer fills each consumer block token by token from its own blocks
+    /// (docs/design.md §4.5) and the verdict compares chunk sums (§2.6).
+    pub remote_block_size: Option<u64>,
 }
 
 /// What to load.
@@ -83,9 +90,23 @@ pub enum SpecError {
     NoProducerBlock {
         /// The group.
         group: u32,
-        /// The block position.
+        /// The block position (with different block sizes: the producer's block position
+        /// holding tokens of a consumer block to fill).
         position: u64,
     },
+    /// A state group (Mamba-type, no per-token blocks) between different block sizes.
+    #[error("group {group}: a state group (no per-token KV blocks) moves only between equal block sizes; the consumer's is {local}, the producer's {remote}")]
+    StateBlockSize {
+        /// The group.
+        group: u32,
+        /// The consumer's block size (tokens).
+        local: u64,
+        /// The producer's block size (tokens).
+        remote: u64,
+    },
+    /// A producer block size of 0.
+    #[error("group {0}: producer block size 0")]
+    RemoteBlockSizeZero(u32),
 }
 
 /// Builds the request that loads `spec` into `ranks` (a TP `tp` × PP `pp` grid, validated,
@@ -119,13 +140,30 @@ pub fn build_request(
             return Err(SpecError::GroupTwice(lg.group_id));
         }
         let bs = g.block_size;
+        let rbs = lg.remote_block_size.unwrap_or(bs);
+        if rbs == 0 {
+            return Err(SpecError::RemoteBlockSizeZero(lg.group_id));
+        }
+        if rbs != bs && g.skipped == Some(SkipReason::NoPerTokenBlocks) {
+            // A state block holds the state after its last token, not tokens: which producer
+            // state a consumer block of another size takes is not defined.
+            return Err(SpecError::StateBlockSize {
+                group: lg.group_id,
+                local: bs,
+                remote: rbs,
+            });
+        }
         let mut wb = WireBlocks {
             group_id: lg.group_id,
             block_size: bs,
+            remote_block_size: rbs,
             positions: Vec::new(),
             remote_blocks: Vec::new(),
+            remote_positions: Vec::new(),
             local_blocks: Vec::new(),
         };
+        // With different block sizes: the producer positions holding the tokens to fill.
+        let mut remote = std::collections::BTreeMap::new();
         for (p, local) in lg.local_blocks.iter().enumerate() {
             let (Some(local), p) = (*local, p as u64) else {
                 continue;
@@ -134,15 +172,33 @@ pub fn build_request(
             if first.saturating_add(bs) <= spec.num_local_computed || first >= spec.num_tokens {
                 continue;
             }
-            let remote = lg.remote_blocks.get(p as usize).copied().flatten().ok_or(
-                SpecError::NoProducerBlock {
-                    group: lg.group_id,
-                    position: p,
-                },
-            )?;
+            let no_block = |position| SpecError::NoProducerBlock {
+                group: lg.group_id,
+                position,
+            };
+            if rbs == bs {
+                let remote = lg.remote_blocks.get(p as usize).copied().flatten();
+                wb.remote_blocks.push(remote.ok_or(no_block(p))?);
+            } else {
+                // Tokens [first, end) of this block come from the producer blocks holding them.
+                // Outside a sliding window the producer may have freed some (null blocks):
+                // those tokens are not attended to and are not loaded.
+                let end = first.saturating_add(bs).min(spec.num_tokens);
+                for q in first / rbs..end.div_ceil(rbs) {
+                    match lg.remote_blocks.get(q as usize).copied().flatten() {
+                        Some(b) => {
+                            remote.insert(q, b);
+                        }
+                        None if g.sliding_window.is_some() => {}
+                        None => return Err(no_block(q)),
+                    }
+                }
+            }
             wb.positions.push(p);
-            wb.remote_blocks.push(remote);
             wb.local_blocks.push(local);
+        }
+        if rbs != bs {
+            (wb.remote_positions, wb.remote_blocks) = remote.into_iter().unzip();
         }
         landed.groups.push(LandedGroup {
             group_id: lg.group_id,

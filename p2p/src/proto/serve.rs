@@ -10,7 +10,9 @@ use crate::proto::layout::{group_heads, RankLayout};
 use crate::proto::msg::{TransferRequest, WireBlocks, WireLayer, WireRank};
 use crate::proto::plan::{pair_ranges, Copy};
 pub use crate::proto::serve_error::{LayerError, ServeError};
-use crate::wire::{compatible, from_wire};
+use crate::wire::{compatible, compatible_cells, from_wire};
+use kvferry_checksum::group::SkipReason;
+use kvferry_checksum::layout::Geometry;
 
 /// What a lease holds: the published block tables, token count and checksum payload.
 #[derive(Debug, Clone)]
@@ -73,7 +75,7 @@ pub fn plan(
                 })?;
             let heads = group_heads(producer, b.group_id).map_err(|i| without(i, b.group_id))?;
             for wl in &tg.layers {
-                layer_copies(producer, &heads, target, b, wl, &mut plans)?;
+                layer_copies(producer, &heads, target, b, req.num_tokens, wl, &mut plans)?;
             }
         }
     }
@@ -112,14 +114,19 @@ pub fn plan(
     Ok(plans)
 }
 
-/// One group's block lists against the lease: lengths, block size, the blocks at each position.
+/// One group's block lists against the lease: lengths, block sizes, the blocks at each position.
 fn check_blocks(
     producer: &[RankLayout],
     published: &Published,
     b: &WireBlocks,
 ) -> Result<(), ServeError> {
     let n = b.positions.len();
-    if b.remote_blocks.len() != n || b.local_blocks.len() != n {
+    let remote_n = if b.remote_positions.is_empty() {
+        n
+    } else {
+        b.remote_positions.len()
+    };
+    if b.remote_blocks.len() != remote_n || b.local_blocks.len() != n {
         return Err(ServeError::ListLengths(b.group_id));
     }
     let table = published
@@ -130,14 +137,41 @@ fn check_blocks(
         .first()
         .and_then(|r| r.group(b.group_id))
         .ok_or(ServeError::NoGroup(b.group_id))?;
-    if group.block_size != b.block_size {
+    let pbs = group.block_size;
+    // The producer block size the consumer was told (an older consumer sends none: then its
+    // own must be the producer's), and a consumer block size to cut tokens with.
+    let told = if b.remote_block_size == 0 {
+        b.block_size
+    } else {
+        b.remote_block_size
+    };
+    if told != pbs || b.block_size == 0 {
+        return Err(ServeError::BlockSize {
+            group: b.group_id,
+            consumer: told,
+            producer: pbs,
+        });
+    }
+    let by_tokens = !b.remote_positions.is_empty();
+    if !by_tokens && b.block_size != pbs {
         return Err(ServeError::BlockSize {
             group: b.group_id,
             consumer: b.block_size,
-            producer: group.block_size,
+            producer: pbs,
         });
     }
-    for (&pos, &remote) in b.positions.iter().zip(&b.remote_blocks) {
+    if by_tokens && group.skipped == Some(SkipReason::NoPerTokenBlocks) {
+        return Err(ServeError::StateBlockSize(b.group_id));
+    }
+    if by_tokens && b.remote_positions.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(ServeError::RemoteOrder(b.group_id));
+    }
+    let remote_positions = if by_tokens {
+        &b.remote_positions
+    } else {
+        &b.positions
+    };
+    for (&pos, &remote) in remote_positions.iter().zip(&b.remote_blocks) {
         let held = table.get(pos as usize).copied().flatten();
         if held != Some(remote) {
             return Err(ServeError::WrongBlock {
@@ -147,7 +181,7 @@ fn check_blocks(
                 held,
             });
         }
-        if pos.saturating_mul(b.block_size) >= published.num_tokens {
+        if pos.saturating_mul(pbs) >= published.num_tokens {
             return Err(ServeError::PastTokens {
                 group: b.group_id,
                 position: pos,
@@ -181,13 +215,15 @@ pub fn check_ranks(req: &TransferRequest) -> Result<(), ServeError> {
     Ok(())
 }
 
-/// Appends the copies that fill consumer layer `wl` of rank `target` for blocks `b`;
-/// `heads` is the producer's head map of `b`'s group.
+/// Appends the copies that fill consumer layer `wl` of rank `target` for blocks `b` (tokens
+/// below `num_tokens` when the block sizes differ); `heads` is the producer's head map of
+/// `b`'s group.
 fn layer_copies(
     producer: &[RankLayout],
     heads: &HeadMap<'_>,
     target: &WireRank,
     b: &WireBlocks,
+    num_tokens: u64,
     wl: &WireLayer,
     plans: &mut Vec<RankPlan>,
 ) -> Result<(), ServeError> {
@@ -200,8 +236,16 @@ fn layer_copies(
         return Err(at(LayerError::PastArray(wl.len)));
     }
     let holders = heads.holders(&wl.name);
+    // Whole blocks are copied byte for byte between equal block geometries; with different
+    // block sizes the cells are copied token by token, so only the cell layout must agree.
+    let by_tokens = !b.remote_positions.is_empty();
     for h in holders {
-        compatible(&h.spec.geometry, &theirs).map_err(|e| at(e.into()))?;
+        if by_tokens {
+            compatible_cells(&h.spec.geometry, &theirs)
+        } else {
+            compatible(&h.spec.geometry, &theirs)
+        }
+        .map_err(|e| at(e.into()))?;
     }
     if holders.is_empty() {
         return Err(ServeError::NoProducerLayer {
@@ -266,6 +310,21 @@ fn layer_copies(
                 plans.len() - 1
             }
         };
+        if by_tokens {
+            token_copies(
+                layer.addr,
+                ours,
+                wl.addr,
+                &theirs,
+                b,
+                num_tokens,
+                &ph,
+                &ch,
+                &mut plans[i].copies,
+            )
+            .map_err(at)?;
+            continue;
+        }
         for (&remote, &local) in b.remote_blocks.iter().zip(&b.local_blocks) {
             if remote >= ours.num_blocks() || local >= theirs.num_blocks() {
                 return Err(at(LayerError::BlockOutside {
@@ -283,6 +342,79 @@ fn layer_copies(
                 &mut plans[i].copies,
             )
             .map_err(|e| at(e.into()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Appends the copies that fill the consumer blocks of `b` (block size `b.block_size`, array
+/// `theirs` at `dst`, local heads `ch`) token by token from the producer blocks holding the same
+/// tokens (`b.remote_positions`, block size `ours.block_size()`, array `ours` at `src`, local
+/// heads `ph`): each consumer block gets its tokens below `num_tokens` that a listed producer
+/// block holds, in runs cut at every block and kernel-block boundary of either side (within one
+/// kernel block both sides list a token run's cells in the same logical order).
+#[allow(clippy::too_many_arguments)]
+fn token_copies(
+    src: u64,
+    ours: &Geometry,
+    dst: u64,
+    theirs: &Geometry,
+    b: &WireBlocks,
+    num_tokens: u64,
+    ph: &std::ops::Range<u64>,
+    ch: &std::ops::Range<u64>,
+    out: &mut Vec<Copy>,
+) -> Result<(), LayerError> {
+    let (pbs, cbs) = (ours.block_size(), b.block_size);
+    let (pn, cn) = (ours.tokens_per_kernel_block, theirs.tokens_per_kernel_block);
+    if theirs.block_size() != cbs {
+        return Err(LayerError::BlockSizeOfArray {
+            array: theirs.block_size(),
+            group: cbs,
+        });
+    }
+    for (&position, &local) in b.positions.iter().zip(&b.local_blocks) {
+        if local >= theirs.num_blocks() {
+            return Err(LayerError::BlockOutside {
+                remote: 0,
+                local,
+                producer_blocks: ours.num_blocks(),
+                consumer_blocks: theirs.num_blocks(),
+            });
+        }
+        let first = position.saturating_mul(cbs);
+        let end = first.saturating_add(cbs).min(num_tokens);
+        let mut t = first;
+        while t < end {
+            let q = t / pbs;
+            let next_block = q.saturating_add(1).saturating_mul(pbs).min(end);
+            let Ok(k) = b.remote_positions.binary_search(&q) else {
+                t = next_block; // not listed: outside a sliding window
+                continue;
+            };
+            let remote = b.remote_blocks[k];
+            if remote >= ours.num_blocks() {
+                return Err(LayerError::BlockOutside {
+                    remote,
+                    local,
+                    producer_blocks: ours.num_blocks(),
+                    consumer_blocks: theirs.num_blocks(),
+                });
+            }
+            while t < next_block {
+                let (pt, ct) = (t - q * pbs, t - first);
+                let run = (next_block - t).min(pn - pt % pn).min(cn - ct % cn);
+                let pkb = remote * ours.kernel_blocks_per_block + pt / pn;
+                let ckb = local * theirs.kernel_blocks_per_block + ct / cn;
+                pair_ranges(
+                    src,
+                    &ours.token_head_byte_ranges(pkb, pt % pn..pt % pn + run, ph.clone()),
+                    dst,
+                    &theirs.token_head_byte_ranges(ckb, ct % cn..ct % cn + run, ch.clone()),
+                    out,
+                )?;
+                t += run;
+            }
         }
     }
     Ok(())

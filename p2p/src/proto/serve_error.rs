@@ -31,16 +31,25 @@ pub enum ServeError {
     /// The producer's ranks have no such group.
     #[error("producer has no group {0}")]
     NoGroup(u32),
-    /// The two sides' block sizes differ.
-    #[error("group {group}: consumer block size {consumer} differs from the producer's {producer} (not supported yet)")]
+    /// The consumer was told another producer block size than the producer's, or (from a
+    /// consumer that names no producer block size) its own block size differs, or it is 0.
+    #[error("group {group}: the consumer loads blocks of {consumer} tokens as the producer's, the producer's hold {producer}")]
     BlockSize {
         /// The group.
         group: u32,
-        /// The consumer's block size (tokens).
+        /// The producer block size the consumer names (tokens).
         consumer: u64,
         /// The producer's block size (tokens).
         producer: u64,
     },
+    /// A state group (Mamba-type, no per-token blocks) asked for token by token.
+    #[error(
+        "group {0}: a state group (no per-token KV blocks) moves only between equal block sizes"
+    )]
+    StateBlockSize(u32),
+    /// With different block sizes, the producer positions are not strictly ascending.
+    #[error("group {0}: remote_positions not strictly ascending")]
+    RemoteOrder(u32),
     /// The consumer names a producer block the lease does not hold at that position.
     #[error("group {group} position {position}: consumer expects producer block {expected}, the producer holds {}", .held.map_or_else(|| "no block there".to_string(), |h| format!("block {h}")))]
     WrongBlock {
@@ -191,6 +200,15 @@ pub enum LayerError {
         producer_blocks: u64,
         /// Blocks of the consumer's array.
         consumer_blocks: u64,
+    },
+    /// The consumer's array holds blocks of another size than its group's (different block
+    /// sizes are filled token by token, which needs the consumer's own block size).
+    #[error("consumer array holds blocks of {array} tokens, its group {group}")]
+    BlockSizeOfArray {
+        /// Tokens per block of the consumer's array (its geometry).
+        array: u64,
+        /// The consumer group's block size (tokens).
+        group: u64,
     },
     /// The block's byte ranges cannot be paired.
     #[error(transparent)]

@@ -18,6 +18,21 @@ const LAYERS: u32 = 3;
 /// One side: `tp` × `pp` ranks over `kv_heads` KV heads (replicated when fewer than `tp`),
 /// layers split among PP stages; rank `i`'s memory starts at `(side + 1) << 40 | i << 32`.
 fn side(side: u64, tp: u32, pp: u32, kv_heads: u64) -> Vec<RankLayout> {
+    side_with(side, tp, pp, kv_heads, "KV B N H D", BLOCK, BLOCK, BLOCKS)
+}
+
+/// As [`side`], with a layout, block size, tokens per kernel block and blocks per array.
+#[allow(clippy::too_many_arguments)]
+fn side_with(
+    side: u64,
+    tp: u32,
+    pp: u32,
+    kv_heads: u64,
+    layout: &str,
+    block: u64,
+    per_kernel_block: u64,
+    blocks: u64,
+) -> Vec<RankLayout> {
     let per_rank = (kv_heads / tp as u64).max(1);
     let mut ranks = Vec::new();
     for pp_rank in 0..pp {
@@ -28,14 +43,15 @@ fn side(side: u64, tp: u32, pp: u32, kv_heads: u64) -> Vec<RankLayout> {
             let layers = (0..LAYERS)
                 .filter(|l| l % pp == pp_rank)
                 .map(|layer| {
+                    let kpb = block / per_kernel_block;
                     let geometry = Geometry::contiguous(
-                        Layout::parse("KV B N H D").unwrap(),
-                        BLOCKS,
-                        BLOCK,
+                        Layout::parse(layout).unwrap(),
+                        blocks * kpb,
+                        per_kernel_block,
                         per_rank,
                         8,
                         ElemBytes::new(2).unwrap(),
-                        1,
+                        kpb,
                     )
                     .unwrap();
                     let len = geometry.byte_len();
@@ -66,7 +82,7 @@ fn side(side: u64, tp: u32, pp: u32, kv_heads: u64) -> Vec<RankLayout> {
                 segment: format!("10.0.{side}.{i}:7000"),
                 groups: vec![WorkerGroup {
                     group_id: 0,
-                    block_size: BLOCK,
+                    block_size: block,
                     layers,
                     sliding_window: None,
                     skipped: None,
@@ -132,6 +148,7 @@ fn spec(remote: &[u64], local: &[u64], num_tokens: u64) -> LoadSpec {
         request_id: "r".into(),
         producer: "tcp://127.0.0.1:1".into(),
         groups: vec![LoadGroup {
+            remote_block_size: None,
             group_id: 0,
             remote_blocks: remote.iter().map(|&b| Some(b)).collect(),
             local_blocks: local.iter().map(|&b| Some(b)).collect(),
@@ -349,5 +366,210 @@ fn the_request_leaves_out_the_local_prefix_and_null_blocks() {
     assert!(matches!(
         build_request(&consumer, 2, 1, &s),
         Err(SpecError::NothingToLoad { .. })
+    ));
+}
+
+/// The value of byte `e` of element `d` of part `part` of global head `head` of `layer` at
+/// request token `t`: every cell of the request distinct.
+fn cell_byte(layer: u32, head: u64, t: u64, part: u64, d: u64, e: u64) -> u8 {
+    (layer as u64 * 131 + head * 31 + t * 7 + part * 101 + d * 3 + e * 17 + t / 5) as u8
+}
+
+impl Memory {
+    /// Writes (or with `check`, compares) the cells of tokens `tokens` of every layer of `ranks`,
+    /// token `t` in block `table[t / block_size]` (a null block: not touched); returns false
+    /// on the first difference.
+    fn cells(
+        &mut self,
+        ranks: &[RankLayout],
+        table: &[Option<u64>],
+        tokens: std::ops::Range<u64>,
+        check: bool,
+    ) -> bool {
+        for l in ranks.iter().flat_map(|r| &r.groups[0].layers) {
+            let g = &l.spec.geometry;
+            let (bs, n) = (g.block_size(), g.tokens_per_kernel_block);
+            for t in tokens.clone() {
+                let Some(block) = table[(t / bs) as usize] else {
+                    continue;
+                };
+                let kb = block * g.kernel_blocks_per_block + (t % bs) / n;
+                for h in 0..g.heads {
+                    let head = l.spec.head_offset as u64 + h;
+                    for part in 0..g.parts() {
+                        for d in 0..g.head_dim {
+                            for e in 0..g.elem.get() {
+                                let at = l.addr + g.byte_offset(part, kb, (t % bs) % n, h, d) + e;
+                                let want = cell_byte(l.spec.layer, head, t, part, d, e);
+                                let b = &mut self.at(at, 1)[0];
+                                if check && *b != want {
+                                    return false;
+                                }
+                                *b = want;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        true
+    }
+}
+
+/// Loads tokens `[lc, num_tokens)` from `producer` (table `remote`) into `consumer` (table
+/// `local`, told the producer's block size `rbs`), applying the planned copies; says whether
+/// every consumer cell of tokens `[check_from, num_tokens)` holds the producer's.
+#[allow(clippy::too_many_arguments)]
+fn lands_by_tokens(
+    producer: &[RankLayout],
+    consumer: &[RankLayout],
+    remote: &[Option<u64>],
+    local: &[Option<u64>],
+    rbs: u64,
+    lc: u64,
+    num_tokens: u64,
+    check_from: u64,
+) -> Result<bool, String> {
+    let (tp, pp) = (consumer[0].rank.tp_size, consumer[0].rank.pp_size);
+    let mut s = spec(&[], &[], num_tokens);
+    s.groups[0].remote_blocks = remote.to_vec();
+    s.groups[0].local_blocks = local.to_vec();
+    s.groups[0].remote_block_size = Some(rbs);
+    s.num_local_computed = lc;
+    let req = build_request(consumer, tp, pp, &s)
+        .map_err(|e| e.to_string())?
+        .0;
+    let lease = Published {
+        blocks: vec![remote.to_vec()],
+        num_tokens,
+        payload: None,
+    };
+    let plans = plan(producer, &lease, &req).map_err(|e| e.to_string())?;
+    let mut src = Memory::of(producer);
+    src.cells(producer, remote, 0..num_tokens, false);
+    let mut dst = Memory::of(consumer);
+    for p in &plans {
+        for c in &p.copies {
+            let bytes = src.at(c.src, c.len).to_vec();
+            dst.at(c.dst, c.len).copy_from_slice(&bytes);
+        }
+    }
+    Ok(dst.cells(consumer, local, check_from..num_tokens, true))
+}
+
+/// A block table of `n` scattered blocks of an array of `blocks`.
+fn table(n: u64, blocks: u64, salt: u64) -> Vec<Option<u64>> {
+    (0..n).map(|i| Some((i * 5 + salt) % blocks)).collect()
+}
+
+#[test]
+fn different_block_sizes_fill_consumer_blocks_token_by_token() {
+    // (block size, tokens per kernel block) of producer and consumer: both ratios, and kernel
+    // blocks that do not line up with the other side's blocks.
+    let shapes = [
+        ((4, 4), (8, 8)),
+        ((8, 8), (4, 4)),
+        ((8, 4), (4, 2)),
+        ((4, 2), (16, 8)),
+        ((16, 16), (4, 4)),
+    ];
+    let layouts = ["KV B N H D", "B KV N H D", "B KV H N D", "B H N KV D"];
+    let grids = [
+        ((1, 1), (1, 1)),
+        ((2, 1), (1, 1)),
+        ((1, 1), (4, 1)),
+        ((2, 2), (1, 3)),
+    ];
+    for layout in layouts {
+        for ((pbs, pn), (cbs, cn)) in shapes {
+            for ((ptp, ppp), (ctp, cpp)) in grids {
+                let num_tokens: u64 = 37;
+                let producer = side_with(0, ptp, ppp, 4, layout, pbs, pn, 16);
+                let consumer = side_with(1, ctp, cpp, 4, layout, cbs, cn, 16);
+                let remote = table(num_tokens.div_ceil(pbs), 16, 3);
+                let local = table(num_tokens.div_ceil(cbs), 16, 7);
+                let what =
+                    format!("{layout} {pbs}/{cbs} N {pn}/{cn} TP×PP {ptp}×{ppp} → {ctp}×{cpp}");
+                assert_eq!(
+                    lands_by_tokens(&producer, &consumer, &remote, &local, pbs, 0, num_tokens, 0),
+                    Ok(true),
+                    "{what}"
+                );
+                // A local prefix hit of one consumer block: the rest lands.
+                assert_eq!(
+                    lands_by_tokens(
+                        &producer, &consumer, &remote, &local, pbs, cbs, num_tokens, cbs
+                    ),
+                    Ok(true),
+                    "{what}, prefix hit"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn different_block_sizes_are_checked_against_the_lease() {
+    let producer = side_with(0, 1, 1, 4, "KV B N H D", 8, 8, 16);
+    let consumer = side_with(1, 1, 1, 4, "KV B N H D", 4, 4, 16);
+    let (remote, local) = (table(3, 16, 3), table(6, 16, 7));
+    // The consumer was told another producer block size.
+    assert!(
+        lands_by_tokens(&producer, &consumer, &remote, &local, 16, 0, 20, 0)
+            .unwrap_err()
+            .contains("the producer's hold 8")
+    );
+    // A null producer block inside a full-attention group is a spec error; in a sliding-window
+    // group those tokens are outside the window and are not loaded.
+    let mut holed = remote.clone();
+    holed[0] = None;
+    assert_eq!(
+        lands_by_tokens(&producer, &consumer, &holed, &local, 8, 0, 20, 0),
+        Err(SpecError::NoProducerBlock {
+            group: 0,
+            position: 0
+        }
+        .to_string())
+    );
+    let mut windowed = consumer.clone();
+    for r in &mut windowed {
+        r.groups[0].sliding_window = Some(8);
+    }
+    assert_eq!(
+        lands_by_tokens(&producer, &windowed, &holed, &local, 8, 0, 20, 8),
+        Ok(true)
+    );
+    // Producer positions out of order are refused; a consumer that names no producer block
+    // size must have the producer's.
+    let mut s = spec(&[], &[], 20);
+    s.groups[0].remote_blocks = remote.clone();
+    s.groups[0].local_blocks = local.clone();
+    s.groups[0].remote_block_size = Some(8);
+    let req = build_request(&consumer, 1, 1, &s).unwrap().0;
+    let lease = Published {
+        blocks: vec![remote.clone()],
+        num_tokens: 20,
+        payload: None,
+    };
+    assert!(plan(&producer, &lease, &req).is_ok());
+    let mut r = req.clone();
+    r.blocks[0].remote_positions.swap(0, 1);
+    r.blocks[0].remote_blocks.swap(0, 1);
+    assert_eq!(plan(&producer, &lease, &r), Err(ServeError::RemoteOrder(0)));
+    let mut r = req.clone();
+    r.blocks[0].remote_block_size = 0;
+    assert!(matches!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::BlockSize {
+            consumer: 4,
+            producer: 8,
+            ..
+        })
+    ));
+    let mut r = req.clone();
+    r.blocks[0].remote_blocks[1] = 15;
+    assert!(matches!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::WrongBlock { position: 1, .. })
     ));
 }

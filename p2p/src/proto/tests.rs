@@ -28,8 +28,10 @@ fn request(id: &str, load_id: u64) -> TransferRequest {
         blocks: vec![WireBlocks {
             group_id: 0,
             block_size: 16,
+            remote_block_size: 0,
             positions: vec![0, 1, 2],
             remote_blocks: vec![5, 6, 7],
+            remote_positions: Vec::new(),
             local_blocks: vec![1, 2, 3],
         }],
         ranks: vec![WireRank {

@@ -22,6 +22,16 @@ pub const HEAD_DIM: u64 = 8;
 pub const SMALL: (u32, u64, u64) = (LAYERS, KV_HEADS, HEAD_DIM);
 pub const BLOCK: u64 = 16;
 pub const WINDOW: u64 = 16;
+/// Bytes of one Mamba-type state block of [`Side::hybrid`] (per layer).
+pub const STATE_BYTES: u64 = 96;
+
+/// Which groups a side holds.
+#[derive(Clone, Copy)]
+enum Groups {
+    Full,
+    Window,
+    Hybrid,
+}
 
 thread_local! {
     /// The secret [`Side::authenticated`] gives the engines it builds.
@@ -40,7 +50,16 @@ impl Side {
     /// Builds a side of `tp × pp` ranks whose arrays hold `num_blocks` blocks,
     /// filled with seeded random bytes (`seed = None`: zeros).
     pub fn new(tp: u32, pp: u32, num_blocks: u64, seed: Option<u64>) -> Side {
-        Side::build(tp, pp, num_blocks, seed, false, "KV B N H D", SMALL)
+        Side::build(
+            tp,
+            pp,
+            num_blocks,
+            seed,
+            Groups::Full,
+            "KV B N H D",
+            SMALL,
+            BLOCK,
+        )
     }
 
     /// As [`Side::new`] with authenticated engines sharing `secret` (`kvferry_transfer::auth`).
@@ -52,7 +71,16 @@ impl Side {
         secret: kvferry_transfer::Secret,
     ) -> Side {
         SECRET.with(|s| *s.borrow_mut() = Some(secret));
-        let side = Side::build(tp, pp, num_blocks, seed, false, "KV B N H D", SMALL);
+        let side = Side::build(
+            tp,
+            pp,
+            num_blocks,
+            seed,
+            Groups::Full,
+            "KV B N H D",
+            SMALL,
+            BLOCK,
+        );
         SECRET.with(|s| *s.borrow_mut() = None);
         side
     }
@@ -65,13 +93,22 @@ impl Side {
         seed: Option<u64>,
         layout: &'static str,
     ) -> Side {
-        Side::build(tp, pp, num_blocks, seed, false, layout, SMALL)
+        Side::build(tp, pp, num_blocks, seed, Groups::Full, layout, SMALL, BLOCK)
     }
 
     /// As [`Side::new`], plus group 1: a sliding-window group (window [`WINDOW`]
     /// tokens) in the FlashInfer layout `B KV N H D`, layers named `...sliding`.
     pub fn with_window(tp: u32, pp: u32, num_blocks: u64, seed: Option<u64>) -> Side {
-        Side::build(tp, pp, num_blocks, seed, true, "KV B N H D", SMALL)
+        Side::build(
+            tp,
+            pp,
+            num_blocks,
+            seed,
+            Groups::Window,
+            "KV B N H D",
+            SMALL,
+            BLOCK,
+        )
     }
 
     /// As [`Side::new`] with the model's shape `(layers, KV heads, head size)`.
@@ -82,17 +119,63 @@ impl Side {
         seed: Option<u64>,
         shape: (u32, u64, u64),
     ) -> Side {
-        Side::build(tp, pp, num_blocks, seed, false, "KV B N H D", shape)
+        Side::build(
+            tp,
+            pp,
+            num_blocks,
+            seed,
+            Groups::Full,
+            "KV B N H D",
+            shape,
+            BLOCK,
+        )
     }
 
+    /// As [`Side::new`] with blocks of `block` tokens in `layout`.
+    pub fn sized(
+        tp: u32,
+        pp: u32,
+        num_blocks: u64,
+        seed: Option<u64>,
+        layout: &'static str,
+        block: u64,
+    ) -> Side {
+        Side::build(tp, pp, num_blocks, seed, Groups::Full, layout, SMALL, block)
+    }
+
+    /// A hybrid model with blocks of `block` tokens: group 0 full attention (`layout`), group 1
+    /// sliding window ([`WINDOW`] tokens, `B KV N H D`), group 2 Mamba-type state (one state of
+    /// [`STATE_BYTES`] per block, layout `B N D`, skipped by the checksum: no per-token blocks).
+    pub fn hybrid(
+        tp: u32,
+        pp: u32,
+        num_blocks: u64,
+        seed: Option<u64>,
+        layout: &'static str,
+        block: u64,
+    ) -> Side {
+        Side::build(
+            tp,
+            pp,
+            num_blocks,
+            seed,
+            Groups::Hybrid,
+            layout,
+            SMALL,
+            block,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn build(
         tp: u32,
         pp: u32,
         num_blocks: u64,
         seed: Option<u64>,
-        windowed: bool,
+        kinds: Groups,
         layout0: &'static str,
         (n_layers, kv_heads, head_dim): (u32, u64, u64),
+        block: u64,
     ) -> Side {
         let mut workers = Vec::new();
         let mut memory = Vec::new();
@@ -116,25 +199,43 @@ impl Side {
                 let engine = TransferEngine::new(config).unwrap();
                 let mut bufs = Vec::new();
                 let mut groups = Vec::new();
-                let kinds: &[(u32, &str, &str, Option<u64>)] = if windowed {
-                    &[
+                let kinds: &[(u32, &str, &str, Option<u64>)] = match kinds {
+                    Groups::Full => &[(0, layout0, "attn", None)],
+                    Groups::Window => &[
                         (0, layout0, "attn", None),
                         (1, "B KV N H D", "sliding", Some(WINDOW)),
-                    ]
-                } else {
-                    &[(0, layout0, "attn", None)]
+                    ],
+                    Groups::Hybrid => &[
+                        (0, layout0, "attn", None),
+                        (1, "B KV N H D", "sliding", Some(WINDOW)),
+                        (2, "B N D", "mamba", None),
+                    ],
                 };
                 for &(group_id, layout, suffix, sliding_window) in kinds {
+                    let state = suffix == "mamba";
                     let layout = Layout::parse(layout).unwrap();
-                    let geometry = Geometry::contiguous(
-                        layout,
-                        num_blocks,
-                        BLOCK,
-                        heads,
-                        head_dim,
-                        ElemBytes::Two,
-                        1,
-                    )
+                    // A state block: one "token" of STATE_BYTES (one head).
+                    let geometry = if state {
+                        Geometry::contiguous(
+                            layout,
+                            num_blocks,
+                            1,
+                            1,
+                            STATE_BYTES / 2,
+                            ElemBytes::Two,
+                            1,
+                        )
+                    } else {
+                        Geometry::contiguous(
+                            layout,
+                            num_blocks,
+                            block,
+                            heads,
+                            head_dim,
+                            ElemBytes::Two,
+                            1,
+                        )
+                    }
                     .unwrap();
                     let layers: Vec<u32> = (0..n_layers).filter(|l| l % pp == pp_rank).collect();
                     let caches: Vec<CacheDesc> = layers
@@ -144,6 +245,8 @@ impl Side {
                                 format!("model.layers.{l}.self_attn.{suffix}"),
                                 Some(if sliding_window.is_some() {
                                     "SlidingWindowSpec"
+                                } else if state {
+                                    "MambaSpec"
                                 } else {
                                     "FullAttentionSpec"
                                 }),
@@ -151,12 +254,29 @@ impl Side {
                                 geometry.clone(),
                             )
                         })
+                        .map(|mut c| {
+                            c.per_token_blocks = !state;
+                            c
+                        })
                         .collect();
-                    let GroupPlan::Checksum { layers: specs, .. } =
-                        plan_group(group_id, BLOCK, &caches, rank, Some(kv_heads as u32))
-                    else {
-                        panic!("group skipped");
-                    };
+                    let specs =
+                        match plan_group(group_id, block, &caches, rank, Some(kv_heads as u32)) {
+                            GroupPlan::Checksum { layers, .. } => layers,
+                            // A state group: the layers as they are (whole, on every TP rank).
+                            GroupPlan::Skipped { .. } if state => caches
+                                .iter()
+                                .map(|c| kvferry_checksum::group::LayerSpec {
+                                    name: c.name.clone(),
+                                    layer: 0,
+                                    head_offset: 0,
+                                    geometry: c.geometry.clone(),
+                                    kind: c.kind.clone(),
+                                    dtype: c.dtype.clone(),
+                                    replica: kvferry_checksum::group::ReplicaKey::NONE,
+                                })
+                                .collect(),
+                            GroupPlan::Skipped { reason, .. } => panic!("group skipped: {reason}"),
+                        };
                     let mut inputs = Vec::new();
                     for spec in specs {
                         let len = spec.geometry.byte_len();
@@ -175,10 +295,11 @@ impl Side {
                     }
                     groups.push(WorkerGroup {
                         group_id,
-                        block_size: BLOCK,
+                        block_size: block,
                         layers: inputs,
                         sliding_window,
-                        skipped: None,
+                        skipped: state
+                            .then_some(kvferry_checksum::group::SkipReason::NoPerTokenBlocks),
                     });
                 }
                 workers.push(Worker {

@@ -37,7 +37,9 @@ fn gpu(test: &str) -> Option<(CudaBackend, Tools)> {
         if std::env::var_os("KVFERRY_REQUIRE_GPU").is_some() {
             panic!("{test}: KVFERRY_REQUIRE_GPU is set but CUDA is unusable: {why}");
         }
-        eprintln!("SKIPPED {test}: {why}");
+        // Straight to stderr: libtest hides a passing test's eprintln! output.
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
         return None;
     }
     let b =

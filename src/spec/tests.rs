@@ -1,5 +1,6 @@
 //! `checksum --spec` end to end: spec files and tensor files written to a temp folder.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use kvferry_checksum::fingerprint::layer_fingerprint;
@@ -228,11 +229,19 @@ fn spec_values_match_a_python_implementation() {
         .arg("--version")
         .output()
     else {
-        eprintln!("SKIP spec_values_match_a_python_implementation: python3 not found");
+        // Straight to stderr: libtest hides a passing test's eprintln! output.
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED spec_values_match_a_python_implementation: python3 not found"
+        );
         return;
     };
     if !py.status.success() {
-        eprintln!("SKIP spec_values_match_a_python_implementation: python3 does not run");
+        // Straight to stderr: libtest hides a passing test's eprintln! output.
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED spec_values_match_a_python_implementation: python3 does not run"
+        );
         return;
     }
     let dir = tempfile::tempdir().unwrap();

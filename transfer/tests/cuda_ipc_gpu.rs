@@ -44,7 +44,9 @@ fn gpu(test: &str) -> Option<Context> {
         std::env::var_os("KVFERRY_REQUIRE_GPU").is_none(),
         "{test}: GPU required but {why}"
     );
-    eprintln!("SKIPPED {test}: {why}");
+    // Straight to stderr: libtest hides a passing test's eprintln! output.
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
     None
 }
 

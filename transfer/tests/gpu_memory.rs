@@ -30,7 +30,7 @@ fn gpu(test: &str) -> bool {
                 std::env::var_os("KVFERRY_REQUIRE_GPU").is_none(),
                 "{test}: GPU required but {why}"
             );
-            eprintln!("SKIPPED {test}: {why}");
+            common::skipped(test, &why);
             false
         }
     }

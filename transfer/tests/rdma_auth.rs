@@ -20,6 +20,10 @@ fn secret() -> Secret {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn rdma_connect_needs_the_secret_on_an_authenticated_engine() {
     if !rdma_or_skip("rdma_connect_needs_the_secret_on_an_authenticated_engine") {
         return;

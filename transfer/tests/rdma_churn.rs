@@ -21,6 +21,10 @@ fn child_consumer() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn rdma_killed_consumers_leave_no_qps_fds_or_threads_behind() {
     if !rdma_or_skip("rdma_killed_consumers_leave_no_qps_fds_or_threads_behind") {
         return;

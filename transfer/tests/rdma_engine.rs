@@ -28,6 +28,10 @@ const SIZES: &[u64] = &[
 ];
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn rdma_write_then_read_many_sizes_at_unaligned_offsets() {
     if !rdma_or_skip("rdma_write_then_read_many_sizes_at_unaligned_offsets") {
         return;
@@ -84,6 +88,10 @@ fn rdma_write_then_read_many_sizes_at_unaligned_offsets() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn rdma_batches_of_1_to_512_requests() {
     if !rdma_or_skip("rdma_batches_of_1_to_512_requests") {
         return;
@@ -143,6 +151,10 @@ fn rdma_batches_of_1_to_512_requests() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn rdma_request_spanning_two_remote_regions_and_async_submit() {
     if !rdma_or_skip("rdma_request_spanning_two_remote_regions_and_async_submit") {
         return;
@@ -195,6 +207,10 @@ fn rdma_request_spanning_two_remote_regions_and_async_submit() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn rdma_stale_rkey_is_refused_with_the_completion_status_and_recovers_after_refresh() {
     if !rdma_or_skip(
         "rdma_stale_rkey_is_refused_with_the_completion_status_and_recovers_after_refresh",
@@ -252,6 +268,10 @@ fn rdma_stale_rkey_is_refused_with_the_completion_status_and_recovers_after_refr
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn rdma_dead_peer_fails_within_the_deadline() {
     if !rdma_or_skip("rdma_dead_peer_fails_within_the_deadline") {
         return;
@@ -277,6 +297,10 @@ fn rdma_dead_peer_fails_within_the_deadline() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn rdma_mixed_mtu_peers_move_data_both_ways() {
     if !rdma_or_skip("rdma_mixed_mtu_peers_move_data_both_ways") {
         return;
@@ -314,6 +338,10 @@ fn rdma_mixed_mtu_peers_move_data_both_ways() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn rdma_timed_out_batch_sends_none_of_its_remaining_slices() {
     if !rdma_or_skip("rdma_timed_out_batch_sends_none_of_its_remaining_slices") {
         return;

@@ -23,6 +23,10 @@ use kvferry_transfer::{GpuRegistration, Location, RegistrationPath, TransferErro
 const MIB: u64 = 1 << 20;
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn unregistrable_gpu_target_is_staged_and_writes_reach_the_device() {
     if !rdma_or_skip("unregistrable_gpu_target_is_staged_and_writes_reach_the_device") {
         return;
@@ -38,12 +42,16 @@ fn unregistrable_gpu_target_is_staged_and_writes_reach_the_device() {
     let d = a.open_segment(&b.segment_name()).unwrap();
     let buf = &d.descriptor().buffers[0];
     assert_eq!(buf.keys.path, RegistrationPath::Staged);
-    let rdma_keys: kvferry_transfer::transport::rdma::RdmaRegionKeys =
-        buf.keys.transport.decode().unwrap();
-    assert!(
-        rdma_keys.staging_addr.is_some(),
-        "the peer learns the mirror"
-    );
+    // The RDMA key type exists only in an `rdma` build (without it this test is ignored).
+    #[cfg(feature = "rdma")]
+    {
+        let rdma_keys: kvferry_transfer::transport::rdma::RdmaRegionKeys =
+            buf.keys.transport.decode().unwrap();
+        assert!(
+            rdma_keys.staging_addr.is_some(),
+            "the peer learns the mirror"
+        );
+    }
 
     let src = Buf::new((3 * MIB + 777) as usize, 7);
     src.register(&a);
@@ -71,6 +79,10 @@ fn unregistrable_gpu_target_is_staged_and_writes_reach_the_device() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn staged_local_gpu_memory_writes_and_reads_through_its_mirror() {
     if !rdma_or_skip("staged_local_gpu_memory_writes_and_reads_through_its_mirror") {
         return;
@@ -102,6 +114,10 @@ fn staged_local_gpu_memory_writes_and_reads_through_its_mirror() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn forced_gpu_registration_paths_fail_clearly_or_stage_without_fallback() {
     if !rdma_or_skip("forced_gpu_registration_paths_fail_clearly_or_stage_without_fallback") {
         return;
@@ -135,6 +151,10 @@ fn forced_gpu_registration_paths_fail_clearly_or_stage_without_fallback() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn staging_syncs_outside_staged_regions_are_refused_and_copy_nothing() {
     if !rdma_or_skip("staging_syncs_outside_staged_regions_are_refused_and_copy_nothing") {
         return;
@@ -176,6 +196,10 @@ fn staging_syncs_outside_staged_regions_are_refused_and_copy_nothing() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn requests_across_staged_regions_registered_back_to_back_reach_the_device() {
     if !rdma_or_skip("requests_across_staged_regions_registered_back_to_back_reach_the_device") {
         return;
@@ -216,6 +240,10 @@ fn requests_across_staged_regions_registered_back_to_back_reach_the_device() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn tens_of_thousands_of_scattered_slices_from_a_staged_peer_complete() {
     if !rdma_or_skip("tens_of_thousands_of_scattered_slices_from_a_staged_peer_complete") {
         return;

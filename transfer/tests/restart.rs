@@ -110,6 +110,10 @@ fn restarted_consumer_on_the_same_data_port_is_loadable() {
 /// (remote access error), and the engine fetches the descriptor again and retries once.
 /// Skipped without an RDMA device (run in the soft-RoCE guest).
 #[test]
+#[cfg_attr(
+    not(feature = "rdma"),
+    ignore = "needs the `rdma` cargo feature: cargo test --features kvferry/rdma"
+)]
 fn rdma_restarted_consumer_with_same_name_and_addresses_is_loadable() {
     if !common::rdma::rdma_or_skip(
         "rdma_restarted_consumer_with_same_name_and_addresses_is_loadable",

@@ -20,7 +20,12 @@ mod tests {
                 std::env::var_os("KVFERRY_REQUIRE_GPU").is_none(),
                 "KVFERRY_REQUIRE_GPU set but no libnvrtc"
             );
-            eprintln!("SKIPPED kernels_compile_with_nvrtc: libnvrtc not found");
+            // Straight to stderr: libtest hides a passing test's eprintln! output.
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED kernels_compile_with_nvrtc: libnvrtc not found"
+            );
             return;
         }
         for (name, src) in [

@@ -10,6 +10,14 @@ use std::time::Duration;
 
 use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransportKind};
 
+/// Reports a test that passes without running its body: `SKIPPED <test>: <why>` on stderr.
+/// Written to the stream itself, not with `eprintln!`, which libtest captures and hides for a
+/// passing test: a contributor sees what `cargo test` did not test.
+pub fn skipped(test: &str, why: &dyn std::fmt::Display) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
+
 /// A TCP engine on 127.0.0.1, any port, with short deadlines so failure tests end quickly.
 pub fn engine() -> Arc<TransferEngine> {
     engine_with(|_| {})

@@ -51,7 +51,7 @@ pub fn rdma_or_skip(test: &str) -> bool {
             if std::env::var("KVFERRY_REQUIRE_RDMA").is_ok_and(|v| v == "1") {
                 panic!("{test}: KVFERRY_REQUIRE_RDMA=1 but {why}");
             }
-            eprintln!("{test}: skipped: {why}");
+            crate::common::skipped(test, &why);
             false
         }
     }

@@ -145,7 +145,9 @@ fn rdma_or_skip(test: &str) -> bool {
     if std::env::var("KVFERRY_REQUIRE_RDMA").is_ok_and(|v| v == "1") {
         panic!("{test}: KVFERRY_REQUIRE_RDMA=1 but no usable RDMA device was found");
     }
-    eprintln!("{test}: skipped: no usable RDMA device");
+    // Straight to stderr: libtest hides a passing test's eprintln! output.
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: no usable RDMA device");
     false
 }
 

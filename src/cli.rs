@@ -77,6 +77,10 @@ pub enum Command {
     Load(LoadArgs),
     /// Transfer throughput sweep (block size × batch × threads).
     Bench(BenchArgs),
+    /// Inspect this node: which path `auto` takes for host and GPU memory and why (RDMA
+    /// devices, GIDs, MTU; GPUs, dma-buf, IPC; memlock and open-file limits), each problem
+    /// with what to do.
+    Doctor(DoctorArgs),
     /// Evaluate the checksum definition on KV tensors dumped to files.
     Checksum(ChecksumArgs),
     /// Convert a checksum payload between base64 and JSON.
@@ -349,6 +353,39 @@ pub struct BenchArgs {
     #[arg(long)]
     pub csv_out: Option<PathBuf>,
     /// Print one JSON object on stdout instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kvferry doctor`.
+#[derive(Debug, Clone, Args)]
+pub struct DoctorArgs {
+    /// The transport to inspect, as `serve`/`load` take it.
+    #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
+    pub transport: TransportArg,
+    /// How RDMA registers GPU memory, as `serve`/`load` take it.
+    #[arg(long, value_enum, default_value_t = GpuRegistrationArg::Auto)]
+    pub gpu_registration: GpuRegistrationArg,
+    /// KV bytes one process registers (K/M/G suffixes; a list is summed), for the
+    /// locked-memory check. Default: `--model` × `--block-size` × `--num-blocks`.
+    #[arg(long)]
+    pub kv_bytes: Option<String>,
+    /// Model shape whose KV the pools hold (without `--kv-bytes`).
+    #[arg(long, default_value = "qwen3-0.6b")]
+    pub model: String,
+    /// Tokens per block (without `--kv-bytes`).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u64,
+    /// Blocks in the pools (without `--kv-bytes`).
+    #[arg(long, default_value_t = 4096)]
+    pub num_blocks: u64,
+    /// Ranks (transfer engines) one process runs, for the open-file check.
+    #[arg(long, default_value_t = 1, value_parser = ranks)]
+    pub ranks: u32,
+    /// The shared secret file to check (permissions, size).
+    #[arg(long, env = "KVFERRY_SECRET_FILE")]
+    pub secret_file: Option<PathBuf>,
+    /// Print one JSON object instead of the readable report.
     #[arg(long)]
     pub json: bool,
 }

@@ -3,7 +3,8 @@
 //!
 //! * [`checksum`], [`kernels`], [`transfer`], [`p2p`]: the crates, re-exported.
 //! * [`demo`] — the main job on loopback; [`roles`] — `serve`/`load` as two processes;
-//!   [`loads`] — the settings and counts `demo` and `load` share;
+//!   [`loads`] — the settings and counts `demo` and `load` share; [`doctor`] — what this node
+//!   offers and its problems;
 //!   [`bench`] — the throughput sweep; [`spec`] — `checksum --spec`; [`payload_json`] — payload ⇄ JSON.
 #![warn(missing_docs)]
 
@@ -15,6 +16,7 @@ pub use kvferry_transfer as transfer;
 pub mod bench;
 pub mod cli;
 pub mod demo;
+pub mod doctor;
 pub mod error;
 pub mod loads;
 pub mod models;

@@ -18,6 +18,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => kvferry::roles::serve(&args),
         Command::Load(args) => kvferry::roles::load(&args),
         Command::Bench(args) => kvferry::bench::run(&args),
+        Command::Doctor(args) => kvferry::doctor::run(&args),
         Command::Checksum(args) => kvferry::spec::checksum_spec(&args.spec)
             .map_err(CliError::from)
             .and_then(|v| print_json(&v)),

@@ -23,6 +23,16 @@ pub fn transport_kind(t: TransportArg) -> TransportKind {
     }
 }
 
+/// The engine's GPU registration setting for a `--gpu-registration` value.
+pub fn gpu_registration(a: GpuRegistrationArg) -> GpuRegistration {
+    match a {
+        GpuRegistrationArg::Auto => GpuRegistration::Auto,
+        GpuRegistrationArg::DmaBuf => GpuRegistration::DmaBuf,
+        GpuRegistrationArg::PeerMemory => GpuRegistration::PeerMemory,
+        GpuRegistrationArg::Staged => GpuRegistration::Staged,
+    }
+}
+
 /// The transfer engine configuration for the common options: `--data-host` (else
 /// `default_host`) as the engines' host, port picked by the OS, `--timeout` as the
 /// transfer deadline.
@@ -44,12 +54,7 @@ pub fn engine_config(c: &CommonArgs, default_host: &str) -> Result<EngineConfig,
         transport: transport_kind(c.transport),
         transfer_timeout: Duration::from_secs_f64(c.timeout),
         rdma: RdmaConfig {
-            gpu_registration: match c.gpu_registration {
-                GpuRegistrationArg::Auto => GpuRegistration::Auto,
-                GpuRegistrationArg::DmaBuf => GpuRegistration::DmaBuf,
-                GpuRegistrationArg::PeerMemory => GpuRegistration::PeerMemory,
-                GpuRegistrationArg::Staged => GpuRegistration::Staged,
-            },
+            gpu_registration: gpu_registration(c.gpu_registration),
             ..RdmaConfig::default()
         },
         auth: AuthConfig {

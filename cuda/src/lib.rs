@@ -5,6 +5,8 @@
 //! * [`probe`]: whether the CUDA driver is usable here. cudarc loads `libcuda` lazily and panics
 //!   when it is missing, so the library is probed first and the first calls run inside
 //!   `catch_unwind`; nothing here panics on a machine without CUDA.
+//! * [`inspect`]: what the GPUs offer (dma-buf, GPUDirect RDMA, IPC, peer access), for
+//!   `kvferry doctor`.
 //! * [`driver`]: thin owners of driver objects (context, stream, event, memory, module).
 //! * [`nvrtc`]: compiling CUDA C at run time (NVRTC found where the loader may not look).
 //! * [`ipc`]: sharing device memory between processes of one host (legacy IPC handles, and
@@ -13,6 +15,7 @@
 
 pub mod driver;
 pub mod error;
+pub mod inspect;
 pub mod ipc;
 pub mod location;
 pub mod nvrtc;

@@ -38,6 +38,7 @@ pub struct TransferEngine {
     instance_id: u64,
     registry: Arc<MemoryRegistry>,
     transport: Arc<dyn Transport>,
+    transport_reason: String,
     peers: Arc<PeerCache>,
     batches: BatchTable,
     handshake: Option<HandshakeServer>,
@@ -98,7 +99,8 @@ impl TransferEngine {
         };
         let chosen = crate::transport::select::choose(&ctx)?;
         let transport = chosen.transport;
-        tracing::info!(segment = %name, "kvferry transfer engine: transport {} ({}); {}", transport.kind(), chosen.why, auth.describe());
+        let transport_reason = chosen.why;
+        tracing::info!(segment = %name, "kvferry transfer engine: transport {} ({}); {}", transport.kind(), transport_reason, auth.describe());
         let server = HandshakeService {
             name: name.clone(),
             instance_id,
@@ -123,6 +125,7 @@ impl TransferEngine {
             instance_id,
             registry,
             transport,
+            transport_reason,
             peers,
             batches: BatchTable::new(),
             handshake: Some(server),
@@ -143,6 +146,13 @@ impl TransferEngine {
     /// The transport in use: `Tcp` or `Rdma` (never `Auto`).
     pub fn transport_kind(&self) -> TransportKind {
         self.transport.kind()
+    }
+
+    /// Why the engine uses its transport, as its info line gives it: `"configured"`,
+    /// `"auto: RDMA device mlx5_0 port 1, RoCE GID 3 (::ffff:10.0.0.1), MTU 4096"`,
+    /// `"auto: no usable RDMA device"`, ...
+    pub fn transport_reason(&self) -> &str {
+        &self.transport_reason
     }
 
     /// Whether peers must authenticate (a shared secret is configured; `crate::auth`).

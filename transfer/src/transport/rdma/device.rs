@@ -341,3 +341,103 @@ pub(crate) fn wanted_names(list: &DeviceList, config: &RdmaConfig) -> Vec<String
             .collect()
     }
 }
+
+/// Every device libibverbs lists with its ports and GIDs, and on each the port and GID this
+/// transport would use (`choose_port`, the code `Device::open` runs), for `node::rdma_facts`.
+/// Errors: `Verbs` when the device list cannot be read (no libibverbs).
+pub(crate) fn inventory(
+    config: &RdmaConfig,
+) -> std::result::Result<Vec<crate::node::RdmaDeviceFacts>, RdmaError> {
+    let list = list_devices()?;
+    let wanted = wanted_names(&list, config);
+    Ok(list
+        .iter()
+        .map(|d| {
+            let name = d.name();
+            let mut facts = crate::node::RdmaDeviceFacts {
+                name: name.clone(),
+                error: None,
+                ports: Vec::new(),
+                chosen: None,
+                unusable: None,
+            };
+            match d.open() {
+                Ok(ctx) => device_facts(&ctx, config, wanted.contains(&name), &mut facts),
+                Err(e) => {
+                    let e = RdmaError::verbs(format!("open {name}"), e).to_string();
+                    facts.unusable = Some(e.clone());
+                    facts.error = Some(e);
+                }
+            }
+            facts
+        })
+        .collect())
+}
+
+fn device_facts(
+    ctx: &DeviceContext,
+    config: &RdmaConfig,
+    wanted: bool,
+    facts: &mut crate::node::RdmaDeviceFacts,
+) {
+    use crate::node::{ChosenPort, GidFacts, RdmaPortFacts};
+    let attr = match ctx.query_device() {
+        Ok(a) => a,
+        Err(e) => {
+            let e = RdmaError::verbs(format!("{}: query device", facts.name), e).to_string();
+            facts.unusable = Some(e.clone());
+            facts.error = Some(e);
+            return;
+        }
+    };
+    for port in 1..=attr.phys_port_cnt() {
+        let Ok(p) = ctx.query_port(port) else {
+            continue;
+        };
+        let ethernet = p.link_layer() == LinkLayer::Ethernet;
+        let mut gids = Vec::new();
+        for index in 0..p.gid_tbl_len().max(0) as u32 {
+            let Ok(g) = ctx.query_gid(port, index) else {
+                continue;
+            };
+            if g.is_zero() {
+                continue;
+            }
+            let kind = if !ethernet {
+                "IB"
+            } else if ctx.query_gid_type(port, index).is_ok_and(|t| t == 1) {
+                "RoCEv2"
+            } else {
+                "RoCEv1"
+            };
+            gids.push(GidFacts {
+                index,
+                gid: Ipv6Addr::from(g).to_string(),
+                kind: kind.into(),
+            });
+        }
+        facts.ports.push(RdmaPortFacts {
+            port,
+            state: format!("{:?}", p.port_state()),
+            link_layer: format!("{:?}", p.link_layer()),
+            active_mtu: verbs::mtu_bytes(p.active_mtu()),
+            lid: p.lid(),
+            gids,
+        });
+    }
+    if !wanted {
+        facts.unusable = Some("not in the configured RDMA device list".into());
+        return;
+    }
+    match choose_port(ctx, config) {
+        Ok(c) => {
+            facts.chosen = Some(ChosenPort {
+                port: c.info.port,
+                gid_index: c.info.gid_index,
+                gid: c.info.gid,
+                mtu: c.info.active_mtu,
+            })
+        }
+        Err(why) => facts.unusable = Some(why.to_string()),
+    }
+}

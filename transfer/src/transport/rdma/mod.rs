@@ -47,6 +47,7 @@ use std::sync::{Arc, Mutex};
 /// dma-buf export of a GPU range, produced by the engine's `MemoryAccess::export_dmabuf`.
 pub use crate::memory::DmabufRange;
 pub use connect::{CloseNotice, ConnectReply, ConnectRequest, QpInfo};
+pub(crate) use device::inventory;
 pub use device::PortInfo;
 pub use keys::RdmaRegionKeys;
 pub use peer::RdmaPeerInfo;

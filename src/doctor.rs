@@ -47,8 +47,9 @@ pub struct Report {
     /// Whether the nvidia-peermem kernel module (or the older nv_peer_mem) is loaded: RDMA
     /// registration of GPU memory with plain `ibv_reg_mr`.
     pub peer_memory_module: bool,
-    /// Same-host GPU sharing through CUDA IPC by the transfer engine: `None` while this build
-    /// has no CUDA IPC transport (the GPUs' IPC capability is in `gpu.devices[].ipc`).
+    /// Same-host GPU sharing through CUDA IPC as the transfer engine's route: `None` while the
+    /// transport choice does not offer it (the CUDA IPC export/import exists in
+    /// `kvferry_cuda::ipc`; the GPUs' capability for it is `gpu.devices[].ipc`).
     pub cuda_ipc_transport: Option<String>,
     /// Locked-memory and open-file limits against what the configured pools need.
     pub limits: Limits,
@@ -163,7 +164,7 @@ pub fn run(args: &DoctorArgs) -> Result<(), CliError> {
 /// Gathers the facts and the problems. Errors: bad `--kv-bytes` or `--model`.
 pub fn inspect(args: &DoctorArgs) -> Result<Report, CliError> {
     let kv_bytes = match &args.kv_bytes {
-        Some(t) => crate::bench::parse_sizes(t)
+        Some(t) => crate::cli::parse_sizes(t)
             .map_err(|source| CliError::Sizes {
                 flag: "--kv-bytes",
                 source,

@@ -23,9 +23,10 @@ use crate::cli::{DemoArgs, FailurePolicyArg};
 use crate::error::CliError;
 use crate::loads::{consumer_config, producer_config, prompt_lengths, LoadCounts};
 use crate::models::model_by_name;
+use crate::models::{ModelShape, STATE_GROUP};
 use crate::setup::{engine_config, memory_paths, side_config, side_workers};
 use crate::world::{
-    build_side, fill_request, flip_bit, sides_kv_equal, BlockPool, RankKv, GROUP_ID,
+    build_side, fill_request, flip_bit, request_tables, sides_kv_equal, BlockPool, RankKv,
 };
 
 /// The demo's result, printed as JSON with `--json`.
@@ -64,6 +65,11 @@ pub struct DemoReport {
     /// After each recompute, the consumer's KV of that request equals the producer's
     /// (null when nothing was recomputed).
     pub kv_equal_after_recompute: Option<bool>,
+    /// The KV cache groups a mismatch was reported in, ascending.
+    pub mismatched_groups: Vec<u32>,
+    /// With state layers (a hybrid model): after every completed load, the consumer's state
+    /// blocks equal the producer's (they move but are not checksummed); null without them.
+    pub state_landed: Option<bool>,
     /// KV bytes moved by the transfer engines.
     pub bytes: u64,
     /// Wall seconds of the loads (request, transfer, reply, verification).
@@ -161,8 +167,8 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
             paths.push(p);
         }
     }
-    let (prod_workers, backend_name) = side_workers(&prod_ranks, c)?;
-    let (cons_workers, _) = side_workers(&cons_ranks, c)?;
+    let (prod_workers, backend_name) = side_workers(&prod_ranks, c, &model, pbs)?;
+    let (cons_workers, _) = side_workers(&cons_ranks, c, &model, cbs)?;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -252,31 +258,35 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         }
         report.prefill_seconds += t0.elapsed().as_secs_f64();
         let request_id = format!("req-{i}");
+        let (ptables, ctables) = (
+            request_tables(&model, &pblocks, tokens, pbs),
+            request_tables(&model, &cblocks, tokens, cbs),
+        );
         let info = rt
-            .block_on(producer.publish(
-                &request_id,
-                vec![pblocks.iter().map(|&b| Some(b)).collect()],
-                tokens,
-            ))
+            .block_on(producer.publish(&request_id, ptables.clone(), tokens))
             .map_err(CliError::p2p(format!("publishing {request_id}")))?;
         report.checksum_seconds += info.checksum_seconds;
-        let mut flipped_token = None;
+        let mut flipped = None;
         if corrupt.contains(&i) {
             let ranks = cons_ranks.lock().unwrap();
-            let flip = Flip::random(&mut rng, &ranks, &cblocks, tokens);
-            flipped_token = Some(flip.token);
+            let flip = Flip::random(&mut rng, &model, &ranks, &cblocks, tokens, cbs);
+            flipped = Some((flip.group, flip.token));
             *pending_flip.lock().unwrap() = Some(flip);
             report.corrupted += 1;
         }
         let spec = LoadSpec {
             request_id: request_id.clone(),
             producer: endpoint.clone(),
-            groups: vec![LoadGroup {
-                remote_block_size: Some(pbs),
-                group_id: GROUP_ID,
-                remote_blocks: pblocks.iter().map(|&b| Some(b)).collect(),
-                local_blocks: cblocks.iter().map(|&b| Some(b)).collect(),
-            }],
+            groups: model
+                .groups()
+                .into_iter()
+                .map(|g| LoadGroup {
+                    remote_block_size: Some(pbs),
+                    group_id: g,
+                    remote_blocks: ptables[g as usize].clone(),
+                    local_blocks: ctables[g as usize].clone(),
+                })
+                .collect(),
             num_local_computed: 0,
             num_tokens: tokens,
             load_key: Some(info.load_key.clone()),
@@ -288,12 +298,13 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         let corrupted = corrupt.contains(&i);
         match outcome {
             Ok(o) => {
-                let as_expected = if let Some(t) = flipped_token {
-                    // The mismatch names exactly the consumer blocks of the chunk holding the
-                    // flipped token (a chunk is the larger of the two block sizes, §2.6).
+                let as_expected = if let Some((group, t)) = flipped {
+                    // The mismatch names exactly the flipped group and the consumer blocks of
+                    // the chunk holding the flipped token (a chunk is the larger of the two
+                    // block sizes, §2.6).
                     let want = mismatch_positions(t, tokens, pbs, cbs);
                     matches!(&o.verdict, Some(Verdict::Mismatch { mismatches, .. })
-                        if mismatches.len() == 1 && mismatches[0].group_id == GROUP_ID
+                        if mismatches.len() == 1 && mismatches[0].group_id == group
                             && mismatches[0].positions == want)
                 } else {
                     matches!(o.verdict, Some(Verdict::Verified)) && o.action == Action::Complete
@@ -301,6 +312,34 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
                 if !as_expected {
                     tracing::error!(request = %request_id, corrupted, verdict = ?o.verdict, action = ?o.action, "unexpected load outcome");
                     report.unexpected += 1;
+                }
+                if let Verdict::Mismatch { mismatches, .. } =
+                    o.verdict.as_ref().unwrap_or(&Verdict::Verified)
+                {
+                    report
+                        .mismatched_groups
+                        .extend(mismatches.iter().map(|m| m.group_id));
+                    report.mismatched_groups.sort_unstable();
+                    report.mismatched_groups.dedup();
+                }
+                if model.state_layers > 0 && o.action == Action::Complete {
+                    // State blocks are not checksummed: check that they landed.
+                    let mut ranks = cons_ranks.lock().unwrap();
+                    for r in ranks.iter_mut() {
+                        r.download_blocks(&cblocks)?;
+                    }
+                    for p in prod_ranks.iter_mut() {
+                        p.download_blocks(&pblocks)?;
+                    }
+                    let equal = sides_kv_equal(
+                        &prod_ranks,
+                        &pblocks,
+                        &ranks,
+                        &cblocks,
+                        tokens,
+                        Some(STATE_GROUP),
+                    );
+                    report.state_landed = Some(report.state_landed.unwrap_or(true) && equal);
                 }
                 report.bytes += o.bytes;
                 report.checksum_seconds += o.checksum_seconds;
@@ -318,7 +357,8 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
                         for p in prod_ranks.iter_mut() {
                             p.download_blocks(&pblocks)?;
                         }
-                        let equal = sides_kv_equal(&prod_ranks, &pblocks, &ranks, &cblocks, tokens);
+                        let equal =
+                            sides_kv_equal(&prod_ranks, &pblocks, &ranks, &cblocks, tokens, None);
                         kv_equal = Some(kv_equal.unwrap_or(true) && equal);
                     }
                 }
@@ -354,9 +394,11 @@ pub fn mismatch_positions(token: u64, tokens: u64, pbs: u64, cbs: u64) -> Vec<u6
     (q * chunk / cbs..((q + 1) * chunk / cbs).min(tokens.div_ceil(cbs))).collect()
 }
 
-/// Where the landed hook flips a bit: a byte of a token the prompt holds.
+/// Where the landed hook flips a bit: a byte of a token the load wrote, in an attention
+/// layer (state layers are not checksummed).
 #[derive(Debug, Clone)]
 struct Flip {
+    group: u32,
     rank: usize,
     layer: usize,
     blocks: Vec<u64>,
@@ -368,15 +410,38 @@ struct Flip {
 }
 
 impl Flip {
-    fn random(rng: &mut impl Rng, ranks: &[RankKv], blocks: &[u64], tokens: u64) -> Flip {
-        let rank = rng.random_range(0..ranks.len());
-        let layer = rng.random_range(0..ranks[rank].layers.len());
-        let g = &ranks[rank].layers[layer].spec.geometry;
+    fn random(
+        rng: &mut impl Rng,
+        model: &ModelShape,
+        ranks: &[RankKv],
+        blocks: &[u64],
+        tokens: u64,
+        block_size: u64,
+    ) -> Flip {
+        let attention: Vec<(usize, usize)> = ranks
+            .iter()
+            .enumerate()
+            .flat_map(|(r, kv)| {
+                kv.layers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, l)| l.group != STATE_GROUP)
+                    .map(move |(i, _)| (r, i))
+            })
+            .collect();
+        let (rank, layer) = attention[rng.random_range(0..attention.len())];
+        let l = &ranks[rank].layers[layer];
+        let g = &l.spec.geometry;
+        // A sliding-window layer's blocks wholly before the window were not loaded.
+        let first = model
+            .window(l.group)
+            .map_or(0, |w| tokens.saturating_sub(w) / block_size * block_size);
         Flip {
+            group: l.group,
             rank,
             layer,
             blocks: blocks.to_vec(),
-            token: rng.random_range(0..tokens),
+            token: rng.random_range(first..tokens),
             head: rng.random_range(0..g.heads),
             part: rng.random_range(0..g.parts()),
             byte: rng.random_range(0..g.head_dim * g.elem.get()),

@@ -25,6 +25,16 @@ pub struct ModelShape {
     pub dtype: &'static str,
     /// True for MLA: one part (no separate K and V), held whole by every TP rank.
     pub mla: bool,
+    /// Sliding-window attention layers (as Gemma 3, gpt-oss): `Some((period, window))` makes
+    /// every attention layer `i` with `i % period != period - 1` a sliding-window layer of
+    /// `window` tokens (KV cache group 1); the others stay full attention (group 0).
+    pub sliding: Option<(u32, u64)>,
+    /// Mamba-type state layers after the attention layers (KV cache group 2): each holds one
+    /// state of `state_bytes` per block, its heads split over TP as the KV heads, no per-token
+    /// blocks (moved, not checksummed).
+    pub state_layers: u32,
+    /// Bytes of one state layer's state per block (unsharded model).
+    pub state_bytes: u64,
 }
 
 impl ModelShape {
@@ -34,18 +44,50 @@ impl ModelShape {
         self.layers as u64 * self.kv_heads as u64 * parts * self.head_dim * self.elem_bytes
     }
 
-    /// vLLM's KV cache spec class name for this model's attention layers.
-    pub fn kind(&self) -> &'static str {
-        if self.mla {
-            "MLAAttentionSpec"
-        } else {
-            "FullAttentionSpec"
+    /// vLLM's KV cache spec class name for this model's layers of group `group`.
+    pub fn kind(&self, group: u32) -> &'static str {
+        match group {
+            _ if self.mla => "MLAAttentionSpec",
+            SLIDING_GROUP => "SlidingWindowSpec",
+            STATE_GROUP => "MambaSpec",
+            _ => "FullAttentionSpec",
         }
     }
 
-    /// The layer module name vLLM gives layer `i`.
+    /// The layer module name vLLM gives layer `i` (attention, then state layers).
     pub fn layer_name(&self, i: u32) -> String {
-        format!("model.layers.{i}.self_attn.attn")
+        if i >= self.layers {
+            format!("model.layers.{i}.mixer")
+        } else {
+            format!("model.layers.{i}.self_attn.attn")
+        }
+    }
+
+    /// The KV cache group of layer `i` (attention layers `0..layers`, then state layers):
+    /// [`FULL_GROUP`], [`SLIDING_GROUP`] or [`STATE_GROUP`].
+    pub fn group_of(&self, i: u32) -> u32 {
+        match self.sliding {
+            _ if i >= self.layers => STATE_GROUP,
+            Some((period, _)) if i % period != period - 1 => SLIDING_GROUP,
+            _ => FULL_GROUP,
+        }
+    }
+
+    /// The KV cache groups the model has, ascending.
+    pub fn groups(&self) -> Vec<u32> {
+        let mut g: Vec<u32> = (0..self.layers + self.state_layers)
+            .map(|i| self.group_of(i))
+            .collect();
+        g.sort_unstable();
+        g.dedup();
+        g
+    }
+
+    /// The sliding window of group `group` (`None` but for [`SLIDING_GROUP`]).
+    pub fn window(&self, group: u32) -> Option<u64> {
+        self.sliding
+            .filter(|_| group == SLIDING_GROUP)
+            .map(|(_, w)| w)
     }
 }
 
@@ -60,9 +102,27 @@ impl fmt::Display for ModelShape {
             self.head_dim,
             self.dtype.trim_start_matches("torch."),
             if self.mla { ", MLA" } else { "" }
-        )
+        )?;
+        if let Some((period, window)) = self.sliding {
+            write!(
+                f,
+                ", sliding window {window} on {} of {period} layers",
+                period - 1
+            )?;
+        }
+        if self.state_layers > 0 {
+            write!(f, ", {} state layers", self.state_layers)?;
+        }
+        Ok(())
     }
 }
+
+/// The KV cache group of full-attention layers.
+pub const FULL_GROUP: u32 = 0;
+/// The KV cache group of sliding-window layers.
+pub const SLIDING_GROUP: u32 = 1;
+/// The KV cache group of Mamba-type state layers.
+pub const STATE_GROUP: u32 = 2;
 
 /// Every model shape the CLI knows, by `--model` name.
 pub const MODELS: &[ModelShape] = &[
@@ -74,6 +134,9 @@ pub const MODELS: &[ModelShape] = &[
         elem_bytes: 2,
         dtype: "torch.bfloat16",
         mla: false,
+        sliding: None,
+        state_layers: 0,
+        state_bytes: 0,
     },
     ModelShape {
         name: "llama3-8b",
@@ -83,6 +146,9 @@ pub const MODELS: &[ModelShape] = &[
         elem_bytes: 2,
         dtype: "torch.bfloat16",
         mla: false,
+        sliding: None,
+        state_layers: 0,
+        state_bytes: 0,
     },
     ModelShape {
         name: "deepseek-v2-lite",
@@ -92,6 +158,9 @@ pub const MODELS: &[ModelShape] = &[
         elem_bytes: 2,
         dtype: "torch.bfloat16",
         mla: true,
+        sliding: None,
+        state_layers: 0,
+        state_bytes: 0,
     },
     // A tiny shape for tests and emulated links (soft-RoCE under TCG).
     ModelShape {
@@ -102,6 +171,23 @@ pub const MODELS: &[ModelShape] = &[
         elem_bytes: 2,
         dtype: "torch.bfloat16",
         mla: false,
+        sliding: None,
+        state_layers: 0,
+        state_bytes: 0,
+    },
+    // A tiny hybrid: full attention, sliding-window attention and Mamba-type state layers,
+    // three KV cache groups (as vLLM's hybrid KV cache manager keeps them).
+    ModelShape {
+        name: "tiny-hybrid",
+        layers: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        elem_bytes: 2,
+        dtype: "torch.bfloat16",
+        mla: false,
+        sliding: Some((2, 48)),
+        state_layers: 2,
+        state_bytes: 2048,
     },
 ];
 

@@ -23,7 +23,7 @@ use crate::error::CliError;
 use crate::loads::{consumer_config, producer_config, prompt_lengths, LoadCounts};
 use crate::models::model_by_name;
 use crate::setup::{engine_config, host_of, local_addr_towards, secret, side_config, side_workers};
-use crate::world::{build_side, fill_request, BlockPool, GROUP_ID};
+use crate::world::{build_side, fill_request, request_tables, BlockPool};
 
 /// Prompt lengths, each request's block ids, and the total block count.
 type ProducerTables = (Vec<u64>, Vec<Vec<u64>>, u64);
@@ -100,7 +100,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
         args.seed,
         c.block_size,
     )?;
-    let side = side_config(c, model, args.tp, args.pp, c.block_size, num_blocks);
+    let side = side_config(c, model.clone(), args.tp, args.pp, c.block_size, num_blocks);
     // The engines' segment names travel to peers: by default they name the host the
     // control channel binds.
     let bind_host = host_of(&args.bind);
@@ -115,7 +115,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
     }
     let default_host = if unspecified { "127.0.0.1" } else { bind_host };
     let mut ranks = build_side(&side, &engine_config(c, default_host)?)?;
-    let (workers, backend) = side_workers(&ranks, c)?;
+    let (workers, backend) = side_workers(&ranks, c, &model, c.block_size)?;
     let rt = tokio::runtime::Runtime::new().map_err(CliError::Runtime)?;
     for (i, blocks) in tables.iter().enumerate() {
         for r in ranks.iter_mut() {
@@ -135,7 +135,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
         let id = format!("req-{i}");
         rt.block_on(producer.publish_with_key(
             &id,
-            vec![blocks.iter().map(|&b| Some(b)).collect()],
+            request_tables(&model, blocks, tokens, c.block_size),
             tokens,
             &load_key(secret.as_ref(), args.seed, &id)?,
         ))
@@ -211,12 +211,12 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
         .map(|t| t.div_ceil(c.block_size))
         .max()
         .unwrap_or(1);
-    let side = side_config(c, model, args.tp, args.pp, c.block_size, max_blocks);
+    let side = side_config(c, model.clone(), args.tp, args.pp, c.block_size, max_blocks);
     // The producer WRITEs into this side's memory: its engines must be reachable from it.
     let default_host =
         local_addr_towards(&args.producer).unwrap_or_else(|| "127.0.0.1".to_string());
     let ranks = build_side(&side, &engine_config(c, &default_host)?)?;
-    let (workers, _) = side_workers(&ranks, c)?;
+    let (workers, _) = side_workers(&ranks, c, &model, c.block_size)?;
     let rt = tokio::runtime::Runtime::new().map_err(CliError::Runtime)?;
     let consumer = Consumer::new(consumer_config(c), workers)
         .map_err(CliError::p2p("starting the consumer"))?;
@@ -230,7 +230,7 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
         requests: args.requests,
         ..LoadReport::default()
     };
-    let local: Vec<Option<u64>> = (0..max_blocks).map(Some).collect();
+    let local: Vec<u64> = (0..max_blocks).collect();
     let secret = secret(c)?;
     eprintln!("kvferry load: {}", security_line(secret.as_ref()));
     for (i, (blocks, &tokens)) in tables.iter().zip(&lengths).enumerate() {
@@ -238,12 +238,21 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
             load_key: Some(load_key(secret.as_ref(), args.seed, &format!("req-{i}"))?),
             request_id: format!("req-{i}"),
             producer: producer.clone(),
-            groups: vec![LoadGroup {
-                remote_block_size: Some(producer_block_size),
-                group_id: GROUP_ID,
-                remote_blocks: blocks.iter().map(|&b| Some(b)).collect(),
-                local_blocks: local[..tokens.div_ceil(c.block_size) as usize].to_vec(),
-            }],
+            groups: {
+                let local = &local[..tokens.div_ceil(c.block_size) as usize];
+                let remote = request_tables(&model, blocks, tokens, producer_block_size);
+                let local = request_tables(&model, local, tokens, c.block_size);
+                model
+                    .groups()
+                    .into_iter()
+                    .map(|g| LoadGroup {
+                        remote_block_size: Some(producer_block_size),
+                        group_id: g,
+                        remote_blocks: remote[g as usize].clone(),
+                        local_blocks: local[g as usize].clone(),
+                    })
+                    .collect()
+            },
             num_local_computed: 0,
             num_tokens: tokens,
         };

@@ -12,7 +12,9 @@ use kvferry_transfer::{
 use crate::cli::{CommonArgs, DeviceArg, GpuRegistrationArg, TransportArg};
 use crate::error::CliError;
 use crate::models::ModelShape;
-use crate::world::{RankKv, SideConfig, GROUP_ID};
+use crate::models::STATE_GROUP;
+use crate::world::{RankKv, SideConfig};
+use kvferry_checksum::group::SkipReason;
 
 /// The engine's transport choice for a `--transport` value.
 pub fn transport_kind(t: TransportArg) -> TransportKind {
@@ -149,11 +151,18 @@ fn device_location(d: DeviceArg) -> Location {
     }
 }
 
-/// The p2p workers of one side's ranks, and the checksum backend's name.
+/// The p2p workers of one side's ranks (`model`'s KV cache groups, blocks of `block_size`
+/// tokens: full attention, sliding window with its window, Mamba-type state skipped by the
+/// checksum), and the checksum backend's name.
 ///
 /// Errors: `--device cuda` where the CUDA checksum backend is unusable (the ranks'
 /// memory is on the GPU, so the CPU backend cannot read it).
-pub fn side_workers(ranks: &[RankKv], c: &CommonArgs) -> Result<(Vec<Worker>, String), CliError> {
+pub fn side_workers(
+    ranks: &[RankKv],
+    c: &CommonArgs,
+    model: &ModelShape,
+    block_size: u64,
+) -> Result<(Vec<Worker>, String), CliError> {
     let device = device_location(c.device);
     // No silent CPU fallback: the CPU backend cannot read GPU memory.
     let backend = try_backend_for(device).map_err(CliError::CudaBackend)?;
@@ -164,26 +173,28 @@ pub fn side_workers(ranks: &[RankKv], c: &CommonArgs) -> Result<(Vec<Worker>, St
             rank: r.rank,
             engine: r.engine.clone(),
             device,
-            groups: vec![WorkerGroup {
-                group_id: GROUP_ID,
-                block_size: r
-                    .layers
-                    .first()
-                    .map(|l| l.spec.geometry.block_size())
-                    .unwrap_or(1),
-                layers: r
-                    .layers
-                    .iter()
-                    .enumerate()
-                    .map(|(i, l)| LayerInput {
-                        spec: l.spec.clone(),
-                        addr: r.layer_addr(i),
-                        len: l.spec.geometry.byte_len(),
-                    })
-                    .collect(),
-                sliding_window: None,
-                skipped: None,
-            }],
+            // Every rank names every group, with the layers its PP stage holds (maybe none).
+            groups: model
+                .groups()
+                .into_iter()
+                .map(|group| WorkerGroup {
+                    group_id: group,
+                    block_size,
+                    layers: r
+                        .layers
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, l)| l.group == group)
+                        .map(|(i, l)| LayerInput {
+                            spec: l.spec.clone(),
+                            addr: r.layer_addr(i),
+                            len: l.spec.geometry.byte_len(),
+                        })
+                        .collect(),
+                    sliding_window: model.window(group),
+                    skipped: (group == STATE_GROUP).then_some(SkipReason::NoPerTokenBlocks),
+                })
+                .collect(),
             backend: backend.clone(),
         })
         .collect();

@@ -17,11 +17,11 @@ use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransferError, Tr
 use memmap2::MmapMut;
 use rand::{RngCore, SeedableRng};
 
-use crate::models::ModelShape;
+use crate::models::{ModelShape, STATE_GROUP};
 pub use crate::pool::BlockPool;
 
-/// The group id every demo layer belongs to (one full-attention group).
-pub const GROUP_ID: u32 = 0;
+/// The group of full-attention layers (every layer of a model that is not hybrid).
+pub const GROUP_ID: u32 = crate::models::FULL_GROUP;
 
 /// What shapes one side (producer or consumer) of the demo.
 #[derive(Debug, Clone)]
@@ -47,6 +47,8 @@ pub struct SideConfig {
 /// One layer's array inside a rank's arena.
 #[derive(Debug, Clone)]
 pub struct LayerAlloc {
+    /// The KV cache group the layer belongs to ([`crate::models::ModelShape::group_of`]).
+    pub group: u32,
     /// The layer as the checksum sees it (global heads, replica key).
     pub spec: LayerSpec,
     /// Byte offset of the array in the arena.
@@ -229,10 +231,11 @@ pub fn stage_layers(layers: u32, pp: u32, stage: u32) -> std::ops::Range<u32> {
 /// Errors: a TP size the model's heads cannot be split into, a bad layout, a
 /// layer the checksum cannot cover, an engine or registration failure.
 pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<RankKv>, WorldError> {
-    if cfg.tp == 0 || cfg.pp == 0 || cfg.pp > cfg.model.layers {
+    let all_layers = cfg.model.layers + cfg.model.state_layers;
+    if cfg.tp == 0 || cfg.pp == 0 || cfg.pp > all_layers {
         return Err(WorldError::Shape(format!(
-            "TP {} / PP {}: both must be at least 1 and PP at most the layer count {}",
-            cfg.tp, cfg.pp, cfg.model.layers
+            "TP {} / PP {}: both must be at least 1 and PP at most the layer count {all_layers}",
+            cfg.tp, cfg.pp
         )));
     }
     let m = &cfg.model;
@@ -287,36 +290,57 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
                 pp_rank,
                 pp_size: cfg.pp,
             };
-            let mut caches = Vec::new();
-            for layer in stage_layers(m.layers, cfg.pp, pp_rank) {
-                let g = Geometry::contiguous(
-                    layout.clone(),
-                    cfg.num_blocks,
-                    cfg.block_size,
-                    heads_per_rank,
-                    m.head_dim,
-                    elem,
-                    1,
-                )?;
-                caches.push(CacheDesc::new(
-                    m.layer_name(layer),
-                    Some(m.kind()),
-                    Some(m.dtype),
-                    g,
-                ));
-            }
-            let specs = match plan_group(GROUP_ID, cfg.block_size, &caches, rank, Some(m.kv_heads))
-            {
-                GroupPlan::Checksum { layers, .. } => layers,
-                GroupPlan::Skipped { reason, .. } => {
-                    return Err(WorldError::Skipped { rank, reason })
+            let stage = stage_layers(all_layers, cfg.pp, pp_rank);
+            let mut specs = Vec::new();
+            for group in m.groups() {
+                let in_group: Vec<u32> =
+                    stage.clone().filter(|&l| m.group_of(l) == group).collect();
+                if group == STATE_GROUP {
+                    specs.extend(state_specs(
+                        m,
+                        &in_group,
+                        rank,
+                        heads_per_rank,
+                        cfg.num_blocks,
+                    )?);
+                    continue;
                 }
-            };
+                let mut caches = Vec::new();
+                for &layer in &in_group {
+                    let g = Geometry::contiguous(
+                        layout.clone(),
+                        cfg.num_blocks,
+                        cfg.block_size,
+                        heads_per_rank,
+                        m.head_dim,
+                        elem,
+                        1,
+                    )?;
+                    caches.push(CacheDesc::new(
+                        m.layer_name(layer),
+                        Some(m.kind(group)),
+                        Some(m.dtype),
+                        g,
+                    ));
+                }
+                match plan_group(group, cfg.block_size, &caches, rank, Some(m.kv_heads)) {
+                    GroupPlan::Checksum { layers, .. } => {
+                        specs.extend(layers.into_iter().map(|l| (group, l)))
+                    }
+                    GroupPlan::Skipped { reason, .. } => {
+                        return Err(WorldError::Skipped { rank, reason })
+                    }
+                }
+            }
             let mut layers = Vec::with_capacity(specs.len());
             let mut offset = 0u64;
-            for spec in specs {
+            for (group, spec) in specs {
                 let len = spec.geometry.byte_len();
-                layers.push(LayerAlloc { spec, offset });
+                layers.push(LayerAlloc {
+                    group,
+                    spec,
+                    offset,
+                });
                 offset += len.next_multiple_of(4096);
             }
             let arena = MmapMut::map_anon(offset.max(4096) as usize).map_err(|source| {
@@ -364,6 +388,57 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
         }
     }
     Ok(ranks)
+}
+
+/// The specs of the state layers `layers` of `m` (group [`STATE_GROUP`]) on `rank`: one state
+/// of `state_bytes` per block (layout `B N H D`, one "token" per block, the state's heads
+/// split over TP as the KV heads), with global head offsets as the attention layers have them.
+/// The checksum skips the group (no per-token blocks); the planner maps its heads between TP
+/// sizes.
+fn state_specs(
+    m: &ModelShape,
+    layers: &[u32],
+    rank: RankInfo,
+    heads_per_rank: u64,
+    num_blocks: u64,
+) -> Result<Vec<(u32, LayerSpec)>, WorldError> {
+    let per_head = m.state_bytes / m.kv_heads.max(1) as u64;
+    if per_head == 0 || !per_head.is_multiple_of(m.elem_bytes) {
+        return Err(WorldError::Shape(format!(
+            "{}: {} state bytes do not split into {} heads of whole elements",
+            m.name, m.state_bytes, m.kv_heads
+        )));
+    }
+    let elem = ElemBytes::new(m.elem_bytes)?;
+    // TP above the head count replicates one head on consecutive ranks (as KV heads).
+    let replicas = (rank.tp_size / m.kv_heads.max(1)).max(1);
+    let head_offset = (rank.tp_rank / replicas) * heads_per_rank as u32;
+    layers
+        .iter()
+        .map(|&layer| {
+            let geometry = Geometry::contiguous(
+                Layout::parse("B N H D")?,
+                num_blocks,
+                1,
+                heads_per_rank,
+                per_head / m.elem_bytes,
+                elem,
+                1,
+            )?;
+            Ok((
+                STATE_GROUP,
+                LayerSpec {
+                    name: m.layer_name(layer),
+                    layer,
+                    head_offset,
+                    geometry,
+                    kind: Some(m.kind(STATE_GROUP).to_string()),
+                    dtype: Some(m.dtype.to_string()),
+                    replica: kvferry_checksum::group::ReplicaKey::NONE,
+                },
+            ))
+        })
+        .collect()
 }
 
 impl Drop for RankKv {
@@ -449,6 +524,35 @@ pub fn fill_request(
     Ok(written)
 }
 
+/// The block tables a serving engine keeps for a `tokens`-token request in `blocks` (ids in
+/// request order, blocks of `block_size` tokens), one per KV cache group of `model`, indexed
+/// by group id: full attention holds every block; a sliding-window group's blocks wholly
+/// before the window are null (freed, as vLLM's sliding-window manager does); a state group
+/// holds only its last block (the state after the prompt).
+pub fn request_tables(
+    model: &ModelShape,
+    blocks: &[u64],
+    tokens: u64,
+    block_size: u64,
+) -> Vec<Vec<Option<u64>>> {
+    let groups = model.groups();
+    let n = groups.iter().max().map_or(0, |g| *g as usize + 1);
+    let mut tables = vec![Vec::new(); n];
+    for g in groups {
+        let first = match (g, model.window(g)) {
+            (STATE_GROUP, _) => blocks.len().saturating_sub(1) as u64,
+            (_, Some(w)) => tokens.saturating_sub(w) / block_size,
+            _ => 0,
+        };
+        tables[g as usize] = blocks
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| (i as u64 >= first).then_some(b))
+            .collect();
+    }
+    tables
+}
+
 /// Flips bit `bit` (0..8) of the byte of token `token` (< the prompt's tokens)
 /// of `rank`'s layer `layer`, head `head`, part `part`, element byte `byte`, in
 /// the block `blocks[token / block_size]`: a corruption the checksum must see.
@@ -504,14 +608,16 @@ pub fn flip_bit(
 /// compared per layer and global KV head, so the two sides may have different TP and PP sizes:
 /// every head of every consumer rank's layer is compared with the producer rank the planner
 /// takes it from (the producer's [`HeadMap`], as in `kvferry_p2p::proto::serve::plan`). False
-/// when a consumer head has no producer holder or a block list is too short. Host shadows are
-/// compared: download GPU blocks first.
+/// when a consumer head has no producer holder or a block list is too short. A state layer's
+/// last block is compared (the request's state). `group`: only that group's layers. Host
+/// shadows are compared: download GPU blocks first.
 pub fn sides_kv_equal(
     a: &[RankKv],
     blocks_a: &[u64],
     b: &[RankKv],
     blocks_b: &[u64],
     tokens: u64,
+    group: Option<u32>,
 ) -> bool {
     // The cell of token `t` of head `head` of layer `i` of rank `r` (D innermost: the demo's
     // layouts all have it).
@@ -532,12 +638,25 @@ pub fn sides_kv_equal(
     let heads = HeadMap::of_ranks(a.iter().map(|r| r.layers.iter().map(|l| &l.spec)));
     for rb in b {
         for (ib, lb) in rb.layers.iter().enumerate() {
+            if group.is_some_and(|g| g != lb.group) {
+                continue;
+            }
             for j in 0..lb.spec.geometry.heads {
                 let h = lb.spec.head_offset as u64 + j;
                 let Some(holder) = heads.pick(&lb.spec.name, h, rb.rank.tp_rank) else {
                     return false;
                 };
                 let (ra, ia, ha) = (&a[holder.rank], holder.layer, h - holder.first());
+                if lb.group == STATE_GROUP {
+                    // One state per block: the request's state is its last block's.
+                    let last = |blocks: &[u64]| blocks.len().checked_sub(1).map(|i| i as u64);
+                    match (last(blocks_a), last(blocks_b)) {
+                        (Some(x), Some(y))
+                            if cell(ra, ia, blocks_a, ha, x) == cell(rb, ib, blocks_b, j, y) => {}
+                        _ => return false,
+                    }
+                    continue;
+                }
                 for t in 0..tokens {
                     match (cell(ra, ia, blocks_a, ha, t), cell(rb, ib, blocks_b, j, t)) {
                         (Some(x), Some(y)) if x == y => {}

@@ -233,6 +233,65 @@ fn demo_with_different_block_sizes_verifies_and_flags_the_right_blocks() {
 }
 
 #[test]
+fn demo_hybrid_model_moves_every_group_and_verifies_the_attention_groups() {
+    // Full attention, sliding window and Mamba-type state: three KV cache groups, with TP and
+    // PP sizes that differ between the sides. Every load verifies (the state group is skipped
+    // on both sides), the state blocks land, and flipped bits are mismatches at the right group
+    // and consumer blocks (the demo counts anything else as unexpected and exits 1).
+    for ranks in [
+        &["--prefill-tp", "2", "--decode-tp", "1"][..],
+        &["--prefill-tp", "1", "--decode-tp", "2", "--prefill-pp", "3"][..],
+    ] {
+        let base = [&["--model", "tiny-hybrid"][..], ranks].concat();
+        let r = demo(&base);
+        assert_eq!(n(&r, "verified"), 10, "{ranks:?}: {r}");
+        assert_eq!(r["state_landed"], Value::Bool(true), "{r}");
+        let r = demo(&[&base[..], &["--corrupt", "10"]].concat());
+        assert_eq!(
+            (n(&r, "mismatch"), n(&r, "unexpected")),
+            (10, 0),
+            "{ranks:?}: {r}"
+        );
+        assert_eq!(r["mismatched_groups"], serde_json::json!([0, 1]), "{r}");
+        let r = demo(
+            &[
+                &base[..],
+                &[
+                    "--corrupt",
+                    "3",
+                    "--fail-closed",
+                    "--load-failure-policy",
+                    "recompute",
+                ],
+            ]
+            .concat(),
+        );
+        assert_eq!(
+            (n(&r, "recomputed"), n(&r, "verified")),
+            (3, 7),
+            "{ranks:?}: {r}"
+        );
+        assert_eq!(r["kv_equal_after_recompute"], Value::Bool(true), "{r}");
+    }
+    // A state group moves only between equal block sizes: refused before any byte moves.
+    let out = kvferry()
+        .args([
+            "demo",
+            "--json",
+            "--model",
+            "tiny-hybrid",
+            "--requests",
+            "2",
+            "--decode-block-size",
+            "32",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("state group"));
+}
+
+#[test]
 fn demo_mla_with_tp2_checks_every_replica() {
     let base = [
         "--model",
@@ -412,6 +471,38 @@ fn serve_and_load_with_different_block_sizes_verify() {
         ]
         .concat(),
     );
+    let status = wait_at_most(&mut server, 30).expect("serve did not exit");
+    assert!(
+        out.status.success(),
+        "load failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(status.success(), "serve failed: {}", stderr_of(&mut server));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(n(&r, "verified"), 4, "{r}");
+}
+
+#[test]
+fn serve_and_load_a_hybrid_model() {
+    // Three KV cache groups (full, sliding window, state) between TP 2 and TP 1.
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let common = [
+        "--model",
+        "tiny-hybrid",
+        "--requests",
+        "4",
+        "--min-tokens",
+        "20",
+        "--max-tokens",
+        "200",
+        "--seed",
+        "6",
+    ];
+    let mut server = spawn_serve(
+        &addr,
+        &[&common[..], &["--exit-after", "4", "--tp", "2"]].concat(),
+    );
+    let out = run_load(&addr, &common);
     let status = wait_at_most(&mut server, 30).expect("serve did not exit");
     assert!(
         out.status.success(),

@@ -14,7 +14,11 @@ use common::Side;
 use kvferry_checksum::policy::Policy;
 use kvferry_checksum::verdict::Verdict;
 use kvferry_p2p::proto::consumer::FailReason;
-use kvferry_p2p::proto::msg::{decode_request, encode, finish_proof, Reply, Status};
+use kvferry_p2p::proto::msg::{
+    decode_consumer_message, encode, finish_proof, ConsumerMessage, Reply, Status, Welcome,
+    KIND_WELCOME, PROTOCOL_VERSION,
+};
+use kvferry_p2p::proto::session::Session;
 use kvferry_p2p::{
     Consumer, ConsumerConfig, LoadError, LoadGroup, LoadSpec, Producer, ProducerConfig,
 };
@@ -231,21 +235,44 @@ async fn a_stranger_cannot_load_another_consumers_request() {
     producer.shutdown().await;
 }
 
-/// A fake producer that answers every request FINISH with `proof(token, reply)`.
+/// A fake producer (open mode: its welcome proves nothing) that answers every request FINISH
+/// with `proof(token, session id, reply)`.
 async fn fake_producer(
-    proof: impl Fn(Option<&str>, &Reply) -> Option<Vec<u8>> + Send + 'static,
+    proof: impl Fn(Option<&str>, &[u8; 32], &Reply) -> Option<Vec<u8>> + Send + 'static,
 ) -> String {
     let mut router = zeromq::RouterSocket::new();
     let ep = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
     tokio::spawn(async move {
+        let mut session = None;
         while let Ok(m) = router.recv().await {
             let frames = m.into_vec();
-            let req = decode_request(frames.last().unwrap()).unwrap();
-            let mut reply = Reply::new(Status::Finish, &req.request_id, req.load_id);
-            reply.bytes_written = 1;
-            reply.proof = proof(req.token.as_deref(), &reply);
+            let answer = match decode_consumer_message(frames.last().unwrap()).unwrap() {
+                ConsumerMessage::Hello(h) => {
+                    let s = Session {
+                        consumer_nonce: h.nonce.as_slice().try_into().unwrap(),
+                        producer_nonce: [5; 32],
+                        producer: h.producer,
+                        consumer: h.consumer,
+                    };
+                    session = Some(s);
+                    encode(&Welcome {
+                        version: PROTOCOL_VERSION,
+                        kind: KIND_WELCOME.into(),
+                        nonce: vec![5; 32],
+                        proof: None,
+                        error: None,
+                    })
+                }
+                ConsumerMessage::Request(req) => {
+                    let sid = session.as_ref().unwrap().id();
+                    let mut reply = Reply::new(Status::Finish, &req.request_id, req.load_id);
+                    reply.bytes_written = 1;
+                    reply.proof = proof(req.token.as_deref(), &sid, &reply);
+                    encode(&reply)
+                }
+            };
             let mut msg = ZmqMessage::from(frames[0].clone());
-            msg.push_back(encode(&reply).into());
+            msg.push_back(answer.into());
             if router.send(msg).await.is_err() {
                 break;
             }
@@ -259,15 +286,15 @@ async fn a_finish_must_prove_the_loads_token() {
     let c = Side::new(1, 1, 12, None);
     let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
     let cases: Vec<(&str, String, bool)> = vec![
-        ("none", fake_producer(|_, _| None).await, false),
+        ("none", fake_producer(|_, _, _| None).await, false),
         (
             "other token",
-            fake_producer(|_, r| Some(finish_proof(&"0".repeat(32), r).to_vec())).await,
+            fake_producer(|_, sid, r| Some(finish_proof(&"0".repeat(32), sid, r).to_vec())).await,
             false,
         ),
         (
             "right token",
-            fake_producer(|t, r| Some(finish_proof(t.unwrap(), r).to_vec())).await,
+            fake_producer(|t, sid, r| Some(finish_proof(t.unwrap(), sid, r).to_vec())).await,
             true,
         ),
     ];
@@ -289,4 +316,364 @@ async fn a_finish_must_prove_the_loads_token() {
         }
         assert_eq!(c.workers[0].engine.live_grants(), 0, "{what}: grant ended");
     }
+}
+
+// ------------------------------------------------------------ mutual authentication
+
+/// What a producer without the secret got from a consumer.
+#[derive(Debug, Default)]
+struct Loot {
+    /// The `kind` of every message received.
+    kinds: Vec<String>,
+    /// Grant tokens and load keys found in them.
+    tokens: Vec<String>,
+    load_keys: Vec<String>,
+    /// Whether a WRITE with a stolen token landed.
+    wrote: bool,
+}
+
+fn field<'a>(v: &'a rmpv::Value, k: &str) -> Option<&'a rmpv::Value> {
+    v.as_map()?
+        .iter()
+        .find(|(kk, _)| kk.as_str() == Some(k))
+        .map(|(_, v)| v)
+}
+
+fn msgpack(fields: Vec<(&str, rmpv::Value)>) -> Vec<u8> {
+    let v = rmpv::Value::Map(fields.into_iter().map(|(k, v)| (k.into(), v)).collect());
+    let mut b = Vec::new();
+    rmpv::encode::write_value(&mut b, &v).unwrap();
+    b
+}
+
+/// A producer without the shared secret, written against no particular protocol version: it
+/// answers a `hello` with a welcome carrying `proof` (none, or bytes it made up), and a transfer
+/// request by WRITING into the consumer's first layer with the request's token through
+/// `thief` (an open engine with `src` registered), then FINISH with that token's proof.
+async fn stealing_producer(
+    proof: Option<Vec<u8>>,
+    thief: std::sync::Arc<TransferEngine>,
+    src: u64,
+) -> (String, std::sync::Arc<std::sync::Mutex<Loot>>) {
+    let mut router = zeromq::RouterSocket::new();
+    let ep = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let loot = std::sync::Arc::new(std::sync::Mutex::new(Loot::default()));
+    let l2 = loot.clone();
+    tokio::spawn(async move {
+        while let Ok(m) = router.recv().await {
+            let frames = m.into_vec();
+            let Ok(v) = rmpv::decode::read_value(&mut &frames.last().unwrap()[..]) else {
+                continue;
+            };
+            let kind = field(&v, "kind")
+                .and_then(|k| k.as_str())
+                .unwrap_or("")
+                .to_string();
+            l2.lock().unwrap().kinds.push(kind.clone());
+            let answer = if kind == "hello" {
+                let mut f = vec![
+                    ("version", rmpv::Value::from(2)),
+                    ("kind", "welcome".into()),
+                    ("nonce", rmpv::Value::Binary(vec![3; 32])),
+                ];
+                if let Some(p) = &proof {
+                    f.push(("proof", rmpv::Value::Binary(p.clone())));
+                }
+                msgpack(f)
+            } else {
+                let s = |k: &str| field(&v, k).and_then(|x| x.as_str()).map(String::from);
+                let (token, rid) = (s("token"), s("request_id").unwrap_or_default());
+                let load_id = field(&v, "load_id").and_then(|x| x.as_u64()).unwrap_or(0);
+                let mut wrote = false;
+                if let Some(t) = &token {
+                    let rank = &field(&v, "ranks").unwrap().as_array().unwrap()[0];
+                    let seg = field(rank, "segment")
+                        .unwrap()
+                        .as_str()
+                        .unwrap()
+                        .to_string();
+                    let layer = &field(
+                        &field(rank, "groups").unwrap().as_array().unwrap()[0],
+                        "layers",
+                    )
+                    .unwrap()
+                    .as_array()
+                    .unwrap()[0];
+                    let dst = field(layer, "addr").unwrap().as_u64().unwrap();
+                    let (thief, t) = (thief.clone(), t.parse().unwrap());
+                    wrote = tokio::task::spawn_blocking(move || {
+                        let seg = thief.open_segment_with_token(&seg, t).ok()?;
+                        let req = kvferry_transfer::TransferRequest {
+                            op: kvferry_transfer::Op::Write,
+                            local_addr: src,
+                            remote_addr: dst,
+                            len: 256,
+                        };
+                        let id = thief.submit(&seg, &[req]).ok()?;
+                        thief.wait(id, Duration::from_secs(5)).ok()
+                    })
+                    .await
+                    .unwrap()
+                    .is_some();
+                }
+                let mut l = l2.lock().unwrap();
+                l.tokens.extend(token.clone());
+                l.load_keys.extend(s("load_key"));
+                l.wrote |= wrote;
+                // FINISH proved with the stolen token (the first protocol's proof)
+                let proof = token.map(|t| {
+                    kvferry_transfer::auth::hmac_sha256(
+                        t.as_bytes(),
+                        &[
+                            b"kvferry/finish/v1",
+                            rid.as_bytes(),
+                            &load_id.to_le_bytes(),
+                            &256u64.to_le_bytes(),
+                            &[0],
+                            b"",
+                        ],
+                    )
+                });
+                let mut f = vec![
+                    ("version", field(&v, "version").cloned().unwrap_or(1.into())),
+                    ("kind", "reply".into()),
+                    ("status", 0.into()),
+                    ("request_id", rid.as_str().into()),
+                    ("load_id", load_id.into()),
+                    ("bytes_written", 256.into()),
+                ];
+                if let Some(p) = proof {
+                    f.push(("proof", rmpv::Value::Binary(p.to_vec())));
+                }
+                msgpack(f)
+            };
+            let mut msg = ZmqMessage::from(frames[0].clone());
+            msg.push_back(answer.into());
+            if router.send(msg).await.is_err() {
+                break;
+            }
+        }
+    });
+    (ep, loot)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_without_the_secret_gets_nothing_from_a_secret_consumer() {
+    // The consumer is told to load from a fake producer. It must hand over no token, no load
+    // key, nothing a descriptor or a WRITE could be had with, and report no load.
+    let c = Side::authenticated(1, 1, 12, None, secret());
+    let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
+    let thief_side = Side::new(1, 1, 8, Some(5));
+    let thief = thief_side.workers[0].engine.clone();
+    let src = thief_side.token_addr(0, 0, 0, 0);
+    let key = kvferry_p2p::derive_load_key(&secret(), "req-1");
+    for proof in [None, Some(vec![9u8; 32])] {
+        let (ep, loot) = stealing_producer(proof.clone(), thief.clone(), src).await;
+        let r = consumer.load(spec("req-1", &ep, Some(key.clone()))).await;
+        let loot = loot.lock().unwrap();
+        assert!(
+            matches!(&r, Err(LoadError::Connect { why, .. }) if why.contains("did not prove the shared secret")),
+            "proof {proof:?}: {r:?}"
+        );
+        assert_eq!(loot.kinds, vec!["hello"], "only the hello reached it");
+        assert!(loot.tokens.is_empty() && loot.load_keys.is_empty() && !loot.wrote);
+        assert!(
+            c.block_bytes(0, 0, 0).iter().all(|&b| b == 0),
+            "nothing landed"
+        );
+        assert_eq!(
+            c.workers[0].engine.live_grants(),
+            0,
+            "the load's grant ended"
+        );
+    }
+}
+
+async fn dealer(ep: &str) -> zeromq::DealerSocket {
+    let mut d = zeromq::DealerSocket::new();
+    d.connect(ep).await.unwrap();
+    d
+}
+
+async fn ask(d: &mut zeromq::DealerSocket, msg: Vec<u8>) -> Vec<u8> {
+    d.send(ZmqMessage::from(msg)).await.unwrap();
+    let m = tokio::time::timeout(Duration::from_secs(10), d.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    m.into_vec().pop().unwrap().to_vec()
+}
+
+/// Opens a session on `d` with `machine` (its secret, if any); `Err` when the welcome fails.
+async fn open_session(
+    d: &mut zeromq::DealerSocket,
+    machine: &mut kvferry_p2p::proto::consumer::ConsumerMachine,
+    ep: &str,
+) -> Result<(), kvferry_p2p::proto::consumer::SessionError> {
+    let hello = machine.hello(kvferry_transfer::auth::random_bytes().unwrap(), ep, "me:1");
+    let w = ask(d, hello).await;
+    machine.on_welcome(&w)
+}
+
+fn error_of(bytes: &[u8]) -> String {
+    let r = kvferry_p2p::proto::msg::decode_reply(bytes).unwrap();
+    assert_eq!(r.status(), Status::Error, "{r:?}");
+    r.error.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn captured_requests_are_useless_in_another_session_or_run() {
+    use kvferry_p2p::proto::consumer::ConsumerMachine;
+    let c = Side::authenticated(1, 1, 12, Some(99), secret());
+    let key = kvferry_p2p::derive_load_key(&secret(), "req-1");
+    let layouts: Vec<_> = c.workers.iter().map(|w| w.layout()).collect();
+    let (request, _) =
+        kvferry_p2p::proto::request::build_request(&layouts, 1, 1, &spec("req-1", "", None))
+            .unwrap();
+    let machine = || {
+        ConsumerMachine::new(Duration::from_secs(10), Duration::from_secs(20), 1)
+            .with_secret(Some(secret()))
+    };
+    // run 1: the owner's request for req-1 (not published yet: it waits), captured
+    let p = Side::authenticated(1, 1, 8, Some(7), secret());
+    let run1 = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let mut owner = machine();
+    let mut d = dealer(run1.endpoint()).await;
+    open_session(&mut d, &mut owner, run1.endpoint())
+        .await
+        .unwrap();
+    let (_, captured) = owner
+        .start(std::time::Instant::now(), request.clone(), Some(&key))
+        .unwrap();
+    ask(&mut d, captured.clone()).await; // CONTINUE
+                                         // in the same session, the same request again: refused
+    let e = error_of(&ask(&mut d, captured.clone()).await);
+    assert!(e.contains("already used in this session"), "{e}");
+    drop(d);
+    run1.shutdown().await;
+    // run 2, same secret, req-1 published under the same derived key
+    let run2 = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let ep = run2.endpoint().to_string();
+    run2.publish_with_key(
+        "req-1",
+        vec![vec![Some(3), Some(5), Some(1)]],
+        NUM_TOKENS,
+        &key,
+    )
+    .await
+    .unwrap();
+    // the captured request with no session, and in a session of its own: refused
+    let mut d = dealer(&ep).await;
+    let e = error_of(&ask(&mut d, captured.clone()).await);
+    assert!(e.contains("no session"), "{e}");
+    let mut stranger = ConsumerMachine::new(Duration::from_secs(10), Duration::from_secs(20), 1);
+    open_session(&mut d, &mut stranger, &ep).await.unwrap();
+    let e = error_of(&ask(&mut d, captured.clone()).await);
+    assert!(e.contains("does not prove the shared secret"), "{e}");
+    // reflection: the producer's own proof of the session as the request's
+    let mut d = dealer(&ep).await;
+    let hello = stranger.hello([4; 32], &ep, "me:1");
+    let w = kvferry_p2p::proto::msg::decode_welcome(&ask(&mut d, hello).await).unwrap();
+    let mut reflected = request.clone();
+    reflected.proof = w.proof.clone();
+    reflected.load_id = 77;
+    let e = error_of(&ask(&mut d, encode(&reflected)).await);
+    assert!(e.contains("does not prove the shared secret"), "{e}");
+    // an open-mode consumer holding the real load key: refused too
+    let open_side = Side::new(1, 1, 12, None);
+    let open = Consumer::new(consumer_config(), open_side.workers.clone()).unwrap();
+    let r = open.load(spec("req-1", &ep, Some(key.clone()))).await;
+    assert!(
+        matches!(&r, Err(LoadError::Failed { reason: FailReason::Producer(w), .. }) if w.contains("does not prove the shared secret")),
+        "{r:?}"
+    );
+    assert!(open_side.block_bytes(0, 0, 7).iter().all(|&b| b == 0));
+    // the lease is intact: its owner loads it
+    assert!(run2.released().is_empty());
+    let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
+    let out = consumer.load(spec("req-1", &ep, Some(key))).await.unwrap();
+    assert_eq!(out.verdict, Some(Verdict::Verified));
+    run2.shutdown().await;
+}
+
+/// A man in the middle: a ROUTER at its own endpoint that passes every consumer message on to
+/// `producer` and every answer back, rewriting the hello's `producer` to `rewrite` if given.
+async fn relay(producer: String, rewrite: Option<String>) -> String {
+    let mut front = zeromq::RouterSocket::new();
+    let ep = front.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    tokio::spawn(async move {
+        let mut back = dealer(&producer).await;
+        while let Ok(m) = front.recv().await {
+            let frames = m.into_vec();
+            let mut body = frames.last().unwrap().to_vec();
+            if let (Some(name), Ok(ConsumerMessage::Hello(mut h))) =
+                (&rewrite, decode_consumer_message(&body))
+            {
+                h.producer = name.clone();
+                body = encode(&h);
+            }
+            let answer = ask(&mut back, body).await;
+            let mut msg = ZmqMessage::from(frames[0].clone());
+            msg.push_back(answer.into());
+            if front.send(msg).await.is_err() {
+                break;
+            }
+        }
+    });
+    ep
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relaying_man_in_the_middle_fails_on_the_control_channel() {
+    let p = Side::authenticated(1, 1, 8, Some(7), secret());
+    let c = Side::authenticated(1, 1, 12, None, secret());
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let ep = producer.endpoint().to_string();
+    let key = kvferry_p2p::derive_load_key(&secret(), "req-1");
+    producer
+        .publish_with_key(
+            "req-1",
+            vec![vec![Some(3), Some(5), Some(1)]],
+            NUM_TOKENS,
+            &key,
+        )
+        .await
+        .unwrap();
+    // passed on as it is: the producer refuses a hello naming the relay
+    let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
+    let r = consumer
+        .load(spec(
+            "req-1",
+            &relay(ep.clone(), None).await,
+            Some(key.clone()),
+        ))
+        .await;
+    assert!(
+        matches!(&r, Err(LoadError::Connect { why, .. }) if why.contains("refused the session")),
+        "{r:?}"
+    );
+    // rewritten to name the producer: its proof names the producer, the consumer dialed the relay
+    let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
+    let r = consumer
+        .load(spec(
+            "req-1",
+            &relay(ep.clone(), Some(ep.clone())).await,
+            Some(key.clone()),
+        ))
+        .await;
+    assert!(
+        matches!(&r, Err(LoadError::Connect { why, .. }) if why.contains("did not prove the shared secret")),
+        "{r:?}"
+    );
+    assert!(c.block_bytes(0, 0, 7).iter().all(|&b| b == 0));
+    // the lease is intact
+    let out = consumer.load(spec("req-1", &ep, Some(key))).await.unwrap();
+    assert_eq!(out.verdict, Some(Verdict::Verified));
+    producer.shutdown().await;
 }

@@ -372,11 +372,30 @@ async fn wrong_producer_block_id_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_producer_fails_within_the_reply_deadline() {
-    use zeromq::{Socket, SocketRecv};
-    // A ROUTER that takes requests and never answers: a lost reply.
+    use kvferry_p2p::proto::msg::{
+        decode_consumer_message, encode, ConsumerMessage, Welcome, KIND_WELCOME, PROTOCOL_VERSION,
+    };
+    use zeromq::{Socket, SocketRecv, SocketSend};
+    // A ROUTER that opens sessions, takes requests and never answers them: a lost reply.
     let mut router = zeromq::RouterSocket::new();
     let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
-    let sink = tokio::spawn(async move { while router.recv().await.is_ok() {} });
+    let sink = tokio::spawn(async move {
+        while let Ok(m) = router.recv().await {
+            let frames = m.into_vec();
+            if let Ok(ConsumerMessage::Hello(_)) = decode_consumer_message(frames.last().unwrap()) {
+                let w = Welcome {
+                    version: PROTOCOL_VERSION,
+                    kind: KIND_WELCOME.into(),
+                    nonce: vec![1; 32],
+                    proof: None,
+                    error: None,
+                };
+                let mut msg = zeromq::ZmqMessage::from(frames[0].clone());
+                msg.push_back(encode(&w).into());
+                let _ = router.send(msg).await;
+            }
+        }
+    });
     let c = Side::new(1, 1, CONSUMER_BLOCKS, None);
     let cfg = ConsumerConfig {
         reply_timeout: Duration::from_millis(500),

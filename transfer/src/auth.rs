@@ -201,8 +201,14 @@ impl<'de> Deserialize<'de> for Token {
 /// How an initiator authenticates on a peer's handshake listener.
 #[derive(Debug, Clone)]
 pub enum Credential {
-    /// Prove the shared secret (challenge-response on the connection's nonce).
-    Secret(Secret),
+    /// Prove the shared secret, after the target proved it (mutual challenge-response over
+    /// both nonces and both names, `Hello`).
+    Secret {
+        /// The shared secret.
+        secret: Secret,
+        /// This side's own segment name, bound into both proofs.
+        initiator: String,
+    },
     /// Present a grant token the target made.
     Token(Token),
 }
@@ -373,19 +379,98 @@ impl GrantTable {
     }
 }
 
-/// The authorization state of one engine: the mode (secret or open) and the grants.
+/// The authorization state of one engine: the mode (secret or open), its name (what
+/// `Hello`s must name), the grants, and the refusal counters.
 pub(crate) struct AuthState {
     /// `Some` in authenticated mode.
     pub secret: Option<Secret>,
+    /// This engine's segment name (`host:port`): the target name a `Hello` must carry, and
+    /// the initiator name this engine binds into its own handshakes.
+    pub name: String,
     /// Grants made by this engine (checked only in authenticated mode).
     pub grants: Arc<GrantTable>,
+    /// Refused handshake authentications, and how many of them were logged.
+    refusals: RefusalLog,
+}
+
+/// Counts of refused handshake authentications (`TransferEngine::auth_refusals`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AuthRefusals {
+    /// `Hello` and `Auth` frames refused since the engine started.
+    pub refused: u64,
+    /// How many of them produced a WARN line (at most [`REFUSAL_LOG_BURST`] per
+    /// [`REFUSAL_LOG_WINDOW`]; each line after a quiet spell says how many were not logged).
+    pub logged: u64,
+}
+
+/// Most refusal WARN lines per [`REFUSAL_LOG_WINDOW`]: a peer hammering the listener with bad
+/// proofs cannot fill the log.
+pub const REFUSAL_LOG_BURST: u32 = 5;
+/// The window of [`REFUSAL_LOG_BURST`].
+pub const REFUSAL_LOG_WINDOW: Duration = Duration::from_secs(10);
+
+/// A fixed-window limit on log lines: at most `burst` lines per `window`; what is held back
+/// is counted and reported with the next line that is let through. Time is an argument.
+#[derive(Debug)]
+pub struct LogLimit {
+    burst: u32,
+    window: Duration,
+    state: std::sync::Mutex<LogWindow>,
+}
+
+#[derive(Debug, Default)]
+struct LogWindow {
+    start: Option<Instant>,
+    lines: u32,
+    held_back: u64,
+}
+
+impl LogLimit {
+    /// At most `burst` lines per `window`.
+    pub fn new(burst: u32, window: Duration) -> LogLimit {
+        LogLimit {
+            burst,
+            window,
+            state: Default::default(),
+        }
+    }
+
+    /// Whether a line may be written at `now`: `Some(n)` with the number of lines held back
+    /// since the last one written, `None` when this one is held back.
+    pub fn allow(&self, now: Instant) -> Option<u64> {
+        let mut w = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if w.start
+            .is_none_or(|s| now.saturating_duration_since(s) >= self.window)
+        {
+            w.start = Some(now);
+            w.lines = 0;
+        }
+        if w.lines >= self.burst {
+            w.held_back += 1;
+            return None;
+        }
+        w.lines += 1;
+        Some(std::mem::take(&mut w.held_back))
+    }
+}
+
+struct RefusalLog {
+    refused: std::sync::atomic::AtomicU64,
+    logged: std::sync::atomic::AtomicU64,
+    limit: LogLimit,
 }
 
 impl AuthState {
-    pub(crate) fn new(secret: Option<Secret>) -> Arc<AuthState> {
+    pub(crate) fn new(secret: Option<Secret>, name: &str) -> Arc<AuthState> {
         Arc::new(AuthState {
             secret,
+            name: name.to_string(),
             grants: Arc::new(GrantTable::default()),
+            refusals: RefusalLog {
+                refused: Default::default(),
+                logged: Default::default(),
+                limit: LogLimit::new(REFUSAL_LOG_BURST, REFUSAL_LOG_WINDOW),
+            },
         })
     }
 
@@ -394,12 +479,38 @@ impl AuthState {
         self.secret.is_some()
     }
 
-    /// What this engine presents to peers when it has no token: its secret, if any.
+    /// What this engine presents to peers: its secret, if any, else `token`.
     pub(crate) fn credential(&self, token: Option<&Token>) -> Option<Credential> {
         match (&self.secret, token) {
-            (Some(s), _) => Some(Credential::Secret(s.clone())),
+            (Some(s), _) => Some(Credential::Secret {
+                secret: s.clone(),
+                initiator: self.name.clone(),
+            }),
             (None, Some(t)) => Some(Credential::Token(*t)),
             (None, None) => None,
+        }
+    }
+
+    /// Counts a refused `Hello` or `Auth` from `peer` and logs it within the rate limit.
+    pub(crate) fn refused(&self, peer: std::net::SocketAddr, why: &TransferError) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.refusals.refused.fetch_add(1, Relaxed);
+        if let Some(held_back) = self.refusals.limit.allow(Instant::now()) {
+            self.refusals.logged.fetch_add(1, Relaxed);
+            if held_back > 0 {
+                tracing::warn!(%peer, "handshake authentication refused: {why} ({held_back} more refusals not logged)");
+            } else {
+                tracing::warn!(%peer, "handshake authentication refused: {why}");
+            }
+        }
+    }
+
+    /// The refusal counters.
+    pub(crate) fn refusals(&self) -> AuthRefusals {
+        use std::sync::atomic::Ordering::Relaxed;
+        AuthRefusals {
+            refused: self.refusals.refused.load(Relaxed),
+            logged: self.refusals.logged.load(Relaxed),
         }
     }
 
@@ -451,35 +562,237 @@ pub(crate) fn grant(table: &Arc<GrantTable>, spec: GrantSpec) -> Result<GrantGua
 /// Handshake `Auth` frame bodies: `1 ‖ proof[32]` (secret) or `2 ‖ token[16]`.
 pub(crate) const AUTH_SECRET: u8 = 1;
 pub(crate) const AUTH_TOKEN: u8 = 2;
-/// HMAC label of the handshake proof: `Secret::prove(HANDSHAKE_LABEL, &[nonce])`.
-pub const HANDSHAKE_LABEL: &str = "kvferry/handshake/v1";
+/// HMAC label of the target's proof (the `Hello` reply): one label per direction, so that a
+/// proof made by one side is never accepted as the other side's (no reflection).
+pub const HANDSHAKE_TARGET_LABEL: &str = "kvferry/handshake/v2/target";
+/// HMAC label of the initiator's proof (the `Auth` frame).
+pub const HANDSHAKE_INITIATOR_LABEL: &str = "kvferry/handshake/v2/initiator";
+/// Longest segment name a `Hello` carries, bytes (a `host:port`, or a DNS name and port).
+pub const MAX_NAME_BYTES: usize = 1024;
+/// Length of a handshake nonce, bytes.
+pub const NONCE_BYTES: usize = 32;
 
-pub(crate) fn auth_body(cred: &Credential, nonce: &[u8]) -> Vec<u8> {
+/// A handshake `Hello` request: the initiator's fresh nonce and the two names the proofs of
+/// both sides bind. Body: `nonce[32] ‖ u16 LE len ‖ target ‖ u16 LE len ‖ initiator` (names
+/// UTF-8, at most [`MAX_NAME_BYTES`] each).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// The initiator's random nonce.
+    pub nonce: [u8; NONCE_BYTES],
+    /// The segment name the initiator dialed (`host:port`): the target refuses a `Hello` that
+    /// names another segment, so a proof made for one target is useless at another.
+    pub target: String,
+    /// The initiator's own segment name (bound into both proofs; empty when it has none).
+    pub initiator: String,
+}
+
+/// Why a handshake `Hello` request or reply body cannot be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HelloError {
+    /// The body ends before the field `0` is complete.
+    #[error("Hello body ends inside its {0}")]
+    Truncated(&'static str),
+    /// A name longer than [`MAX_NAME_BYTES`].
+    #[error("Hello names a segment of {0} bytes (at most {MAX_NAME_BYTES})")]
+    NameTooLong(usize),
+    /// A name that is not UTF-8.
+    #[error("Hello names a segment that is not UTF-8")]
+    NotUtf8,
+    /// Bytes after the last field.
+    #[error("{0} bytes after the end of the Hello body")]
+    Trailing(usize),
+    /// A reply that is neither `nonce[32]` nor `nonce[32] ‖ proof[32]`.
+    #[error("Hello reply of {0} bytes (expected 32 or 64)")]
+    ReplyLength(usize),
+}
+
+impl Hello {
+    /// A fresh `Hello` to `target` from `initiator`. Errors as [`random_bytes`].
+    pub fn new(target: &str, initiator: &str) -> Result<Hello> {
+        Ok(Hello {
+            nonce: random_bytes()?,
+            target: target.to_string(),
+            initiator: initiator.to_string(),
+        })
+    }
+
+    /// The wire body. Names longer than [`MAX_NAME_BYTES`] are cut (the target then refuses
+    /// the `Hello`, as it names another segment).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = self.nonce.to_vec();
+        for name in [&self.target, &self.initiator] {
+            let n = &name.as_bytes()[..name.len().min(MAX_NAME_BYTES)];
+            b.extend_from_slice(&(n.len() as u16).to_le_bytes());
+            b.extend_from_slice(n);
+        }
+        b
+    }
+
+    /// Decodes a `Hello` body; never panics, reads nothing past a bad length.
+    pub fn decode(body: &[u8]) -> std::result::Result<Hello, HelloError> {
+        let nonce: [u8; NONCE_BYTES] = body
+            .get(..NONCE_BYTES)
+            .and_then(|n| n.try_into().ok())
+            .ok_or(HelloError::Truncated("nonce"))?;
+        let mut rest = &body[NONCE_BYTES..];
+        let mut name = |what: &'static str| -> std::result::Result<String, HelloError> {
+            let len = rest
+                .get(..2)
+                .map(|l| u16::from_le_bytes([l[0], l[1]]) as usize)
+                .ok_or(HelloError::Truncated(what))?;
+            if len > MAX_NAME_BYTES {
+                return Err(HelloError::NameTooLong(len));
+            }
+            let n = rest.get(2..2 + len).ok_or(HelloError::Truncated(what))?;
+            rest = &rest[2 + len..];
+            String::from_utf8(n.to_vec()).map_err(|_| HelloError::NotUtf8)
+        };
+        let target = name("target name")?;
+        let initiator = name("initiator name")?;
+        if !rest.is_empty() {
+            return Err(HelloError::Trailing(rest.len()));
+        }
+        Ok(Hello {
+            nonce,
+            target,
+            initiator,
+        })
+    }
+
+    /// `HMAC-SHA256(secret, label ‖ initiator nonce ‖ target nonce ‖ target ‖ initiator)`:
+    /// the proof of the side that `label` names, over this handshake's transcript.
+    fn proof(&self, secret: &Secret, label: &str, target_nonce: &[u8; NONCE_BYTES]) -> [u8; 32] {
+        secret.prove(
+            label,
+            &[
+                &self.nonce,
+                target_nonce,
+                self.target.as_bytes(),
+                self.initiator.as_bytes(),
+            ],
+        )
+    }
+
+    /// The target's proof (the `Hello` reply's last 32 bytes).
+    pub fn target_proof(&self, secret: &Secret, target_nonce: &[u8; NONCE_BYTES]) -> [u8; 32] {
+        self.proof(secret, HANDSHAKE_TARGET_LABEL, target_nonce)
+    }
+
+    /// The initiator's proof (the `Auth` frame's body after its kind byte).
+    pub fn initiator_proof(&self, secret: &Secret, target_nonce: &[u8; NONCE_BYTES]) -> [u8; 32] {
+        self.proof(secret, HANDSHAKE_INITIATOR_LABEL, target_nonce)
+    }
+}
+
+/// Decodes a `Hello` reply: the target's nonce and, from an authenticated target, its proof.
+pub fn decode_hello_reply(
+    body: &[u8],
+) -> std::result::Result<([u8; NONCE_BYTES], Option<[u8; 32]>), HelloError> {
+    let nonce = |b: &[u8]| -> [u8; NONCE_BYTES] { b[..NONCE_BYTES].try_into().expect("32 bytes") };
+    match body.len() {
+        32 => Ok((nonce(body), None)),
+        64 => Ok((
+            nonce(body),
+            Some(body[NONCE_BYTES..].try_into().expect("32 bytes")),
+        )),
+        n => Err(HelloError::ReplyLength(n)),
+    }
+}
+
+/// Whether `dialed` (the name in a `Hello`) names this target: its segment name `own`, or the
+/// address the connection arrived on (`local`, as `ip:port` or `localhost:port` on loopback).
+/// Another name is refused: a proof bound to it would be valid at another segment.
+pub(crate) fn names_me(dialed: &str, own: &str, local: Option<std::net::SocketAddr>) -> bool {
+    if dialed == own {
+        return true;
+    }
+    let Some(local) = local else { return false };
+    if let Ok(a) = dialed.parse::<std::net::SocketAddr>() {
+        return a == local;
+    }
+    match dialed.rsplit_once(':') {
+        Some(("localhost", port)) => {
+            local.ip().is_loopback() && port.parse::<u16>().ok() == Some(local.port())
+        }
+        _ => false,
+    }
+}
+
+/// What a handshake connection holds between `Hello` and `Auth`.
+#[derive(Debug, Clone)]
+pub(crate) struct PendingHello {
+    hello: Hello,
+    target_nonce: [u8; NONCE_BYTES],
+}
+
+/// The target's answer to `Hello`: a fresh nonce and, when this engine has a secret, its proof
+/// over the transcript (so that the initiator learns it talks to a holder of the secret before
+/// it proves anything itself). Refuses a `Hello` that names another segment than this one
+/// (authenticated mode) and a malformed body.
+pub(crate) fn on_hello(
+    state: &AuthState,
+    body: &[u8],
+    local: Option<std::net::SocketAddr>,
+) -> Result<(PendingHello, Vec<u8>)> {
+    let fail = |why: &'static str| TransferError::Auth(AuthError::Handshake(why));
+    let hello = Hello::decode(body).map_err(|_| fail("malformed Hello"))?;
+    let target_nonce = random_bytes::<NONCE_BYTES>()?;
+    let mut reply = target_nonce.to_vec();
+    if let Some(secret) = &state.secret {
+        if !names_me(&hello.target, &state.name, local) {
+            return Err(fail("the Hello names another segment than this one"));
+        }
+        reply.extend_from_slice(&hello.target_proof(secret, &target_nonce));
+    }
+    Ok((
+        PendingHello {
+            hello,
+            target_nonce,
+        },
+        reply,
+    ))
+}
+
+/// The initiator's side of `Hello`: checks the reply and returns the `Auth` body. With the
+/// secret, the target must have proved it over this `Hello` (else `TargetUnproven`: nothing of
+/// the initiator's goes to it); with a token, the token is presented as it is.
+pub(crate) fn answer_hello(
+    cred: &Credential,
+    hello: &Hello,
+    reply: &[u8],
+) -> std::result::Result<Vec<u8>, crate::error::HandshakeError> {
+    use crate::error::HandshakeError;
+    let (target_nonce, proof) = decode_hello_reply(reply).map_err(HandshakeError::BadHello)?;
     match cred {
-        Credential::Secret(s) => {
+        Credential::Secret { secret: s, .. } => {
+            let ok = proof.is_some_and(|p| ct_eq(&hello.target_proof(s, &target_nonce), &p));
+            if !ok {
+                return Err(HandshakeError::TargetUnproven);
+            }
             let mut b = vec![AUTH_SECRET];
-            b.extend_from_slice(&s.prove(HANDSHAKE_LABEL, &[nonce]));
-            b
+            b.extend_from_slice(&hello.initiator_proof(s, &target_nonce));
+            Ok(b)
         }
         Credential::Token(t) => {
             let mut b = vec![AUTH_TOKEN];
             b.extend_from_slice(&t.0);
-            b
+            Ok(b)
         }
     }
 }
 
-/// Checks an `Auth` frame body against the connection's `nonce` (taken: one try per nonce).
+/// Checks an `Auth` frame body against the connection's pending `Hello` (taken: one try per
+/// `Hello`).
 pub(crate) fn check_auth_body(
     state: &AuthState,
     body: &[u8],
-    nonce: Option<[u8; 32]>,
+    pending: Option<PendingHello>,
 ) -> Result<()> {
     let fail = |why: &'static str| TransferError::Auth(AuthError::Handshake(why));
     match (body.first().copied(), &state.secret) {
         (Some(AUTH_SECRET), Some(secret)) if body.len() == 33 => {
-            let nonce = nonce.ok_or_else(|| fail("send Hello for a nonce first"))?;
-            let want = secret.prove(HANDSHAKE_LABEL, &[&nonce]);
+            let p = pending.ok_or_else(|| fail("send Hello first"))?;
+            let want = p.hello.initiator_proof(secret, &p.target_nonce);
             if ct_eq(&want, &body[1..]) {
                 Ok(())
             } else {
@@ -560,6 +873,32 @@ mod tests {
     }
 
     #[test]
+    fn hello_decoding_is_total_and_bounded() {
+        assert_eq!(Hello::decode(&[0; 31]), Err(HelloError::Truncated("nonce")));
+        assert_eq!(
+            Hello::decode(&[0; 33]),
+            Err(HelloError::Truncated("target name"))
+        );
+        let mut b = vec![0u8; 32];
+        b.extend_from_slice(&(MAX_NAME_BYTES as u16 + 1).to_le_bytes());
+        assert_eq!(
+            Hello::decode(&b),
+            Err(HelloError::NameTooLong(MAX_NAME_BYTES + 1))
+        );
+        let mut b = Hello::new("a:1", "b:2").unwrap().encode();
+        b.push(0);
+        assert_eq!(Hello::decode(&b), Err(HelloError::Trailing(1)));
+        assert!(decode_hello_reply(&[0; 33]).is_err());
+        let limit = LogLimit::new(2, Duration::from_secs(10));
+        let t0 = Instant::now();
+        assert_eq!(limit.allow(t0), Some(0));
+        assert_eq!(limit.allow(t0), Some(0));
+        assert_eq!(limit.allow(t0), None);
+        assert_eq!(limit.allow(t0 + Duration::from_secs(1)), None);
+        assert_eq!(limit.allow(t0 + Duration::from_secs(10)), Some(2));
+    }
+
+    #[test]
     fn tokens_round_trip_and_secrets_are_checked() {
         let t = Token::random().unwrap();
         assert_eq!(t.to_string().parse::<Token>().unwrap(), t);
@@ -568,21 +907,48 @@ mod tests {
         assert!(Secret::from_bytes(b"short").is_err());
         let s = Secret::from_bytes(b"0123456789abcdef").unwrap();
         assert_eq!(format!("{s:?}"), "Secret(<redacted>)");
-        let st = AuthState::new(Some(s.clone()));
-        let nonce = [3u8; 32];
-        let body = auth_body(&Credential::Secret(s), &nonce);
-        assert!(check_auth_body(&st, &body, Some(nonce)).is_ok());
-        assert!(check_auth_body(&st, &body, Some([4; 32])).is_err());
+        let st = AuthState::new(Some(s.clone()), "127.0.0.1:7000");
+        let cred = Credential::Secret {
+            secret: s.clone(),
+            initiator: "127.0.0.1:7001".into(),
+        };
+        let hello = Hello::new("127.0.0.1:7000", "127.0.0.1:7001").unwrap();
+        assert_eq!(Hello::decode(&hello.encode()), Ok(hello.clone()));
+        let (pending, reply) = on_hello(&st, &hello.encode(), None).unwrap();
+        let body = answer_hello(&cred, &hello, &reply).unwrap();
+        assert!(check_auth_body(&st, &body, Some(pending.clone())).is_ok());
         assert!(check_auth_body(&st, &body, None).is_err());
+        // bound to both nonces: another Hello's pending state refuses the proof
+        let (other_pending, _) = on_hello(&st, &hello.encode(), None).unwrap();
+        assert!(check_auth_body(&st, &body, Some(other_pending)).is_err());
+        // the target's proof is not an initiator's proof (direction labels)
+        let mut reflected = vec![AUTH_SECRET];
+        reflected.extend_from_slice(&reply[32..]);
+        assert!(check_auth_body(&st, &reflected, Some(pending.clone())).is_err());
+        // a Hello naming another segment is refused by an authenticated target
+        let elsewhere = Hello::new("10.0.0.9:7000", "x").unwrap();
+        assert!(on_hello(&st, &elsewhere.encode(), None).is_err());
+        // a target without the secret (open: no proof) or with another one is not answered
+        let open = AuthState::new(None, "127.0.0.1:7000");
+        let (_, open_reply) = on_hello(&open, &hello.encode(), None).unwrap();
+        assert!(matches!(
+            answer_hello(&cred, &hello, &open_reply),
+            Err(crate::error::HandshakeError::TargetUnproven)
+        ));
         let other = Secret::from_bytes(b"0123456789abcdeX").unwrap();
-        assert!(check_auth_body(
-            &st,
-            &auth_body(&Credential::Secret(other), &nonce),
-            Some(nonce)
-        )
-        .is_err());
-        assert!(check_auth_body(&st, &[2, 1, 2], Some(nonce)).is_err());
-        assert!(check_auth_body(&st, &auth_body(&Credential::Token(t), &nonce), None).is_err());
+        let wrong = AuthState::new(Some(other), "127.0.0.1:7000");
+        let (_, wrong_reply) = on_hello(&wrong, &hello.encode(), None).unwrap();
+        assert!(answer_hello(&cred, &hello, &wrong_reply).is_err());
+        assert!(check_auth_body(&st, &[2, 1, 2], Some(pending.clone())).is_err());
+        let tb = answer_hello(&Credential::Token(t), &hello, &reply).unwrap();
+        assert!(check_auth_body(&st, &tb, None).is_err(), "no live grant");
+        // names: the segment name, or the address the connection arrived on
+        let local: std::net::SocketAddr = "127.0.0.1:7000".parse().unwrap();
+        assert!(names_me("127.0.0.1:7000", "h:7000", Some(local)));
+        assert!(names_me("localhost:7000", "h:7000", Some(local)));
+        assert!(names_me("h:7000", "h:7000", None));
+        assert!(!names_me("127.0.0.1:7001", "h:7000", Some(local)));
+        assert!(!names_me("m:7000", "h:7000", Some(local)));
         assert!(hmac_sha256(b"k", &[b"ab", b"c"]) != hmac_sha256(b"k", &[b"a", b"bc"]));
     }
 }

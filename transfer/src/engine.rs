@@ -88,7 +88,7 @@ impl TransferEngine {
         let name = segment_name(&bind_host, port);
         let instance_id = new_instance_id();
         let registry = Arc::new(MemoryRegistry::new());
-        let auth = AuthState::new(config.auth.resolve()?);
+        let auth = AuthState::new(config.auth.resolve()?, &name);
         let ctx = TransportContext {
             config: config.clone(),
             segment_name: name.clone(),
@@ -153,6 +153,19 @@ impl TransferEngine {
     /// `"auto: no usable RDMA device"`, ...
     pub fn transport_reason(&self) -> &str {
         &self.transport_reason
+    }
+
+    /// Handshake authentications this engine refused, and how many were logged (the WARN is
+    /// rate-limited: a peer sending bad proofs cannot fill the log).
+    pub fn auth_refusals(&self) -> crate::auth::AuthRefusals {
+        self.auth.refusals()
+    }
+
+    /// The shared secret this engine authenticates with, `None` in open mode. For embedders
+    /// that run a control channel beside the engine and prove the same secret on it (the P2P
+    /// connector); never logged (its `Debug` is redacted).
+    pub fn secret(&self) -> Option<&crate::auth::Secret> {
+        self.auth.secret.as_ref()
     }
 
     /// Whether peers must authenticate (a shared secret is configured; `crate::auth`).

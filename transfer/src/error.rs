@@ -318,9 +318,13 @@ pub enum HandshakeError {
         /// The request's frame type.
         expected: u8,
     },
-    /// The `Hello` reply is not a 32-byte nonce.
-    #[error("nonce of {0} bytes, expected 32")]
-    BadNonce(usize),
+    /// The `Hello` reply is malformed.
+    #[error("{0}")]
+    BadHello(#[source] crate::auth::HelloError),
+    /// The target did not prove the shared secret in its `Hello` reply (an open engine, a
+    /// wrong secret, or a relay): nothing of this side's was sent to it.
+    #[error("the target did not prove the shared secret; nothing was sent to it")]
+    TargetUnproven,
     /// A reply is not the JSON it should be (`what`: `"descriptor"`, `"RDMA connect reply"`).
     #[error("{what} is not valid JSON: {source}")]
     BadJson {

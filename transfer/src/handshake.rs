@@ -8,11 +8,14 @@
 //! (`EngineConfig::handshake_timeout`). A malformed frame (unknown type, length over the limit)
 //! gets an error reply and the connection is closed.
 //!
-//! Authentication (`crate::auth`): an initiator with a credential first sends `Hello` (empty
-//! body; the reply is the connection's random 32-byte nonce), then `Auth` (`1 ‖
-//! HMAC-SHA256(secret, label ‖ nonce)` or `2 ‖ token`); the reply is an empty `Auth` frame or
-//! an error. An authenticated engine answers `Descriptor` and `Connect` only on a connection
-//! that passed `Auth`; an open engine answers them on any connection (and accepts any `Auth`).
+//! Authentication (`crate::auth`, docs/design.md §8.1): an initiator with a credential first
+//! sends `Hello` (its random 32-byte nonce, the segment name it dialed and its own name); the
+//! reply is the target's random nonce and, from an authenticated target, the target's proof
+//! `HMAC-SHA256(secret, target label ‖ both nonces ‖ both names)`, which an initiator with the
+//! secret checks before it sends anything else. Then `Auth` (`1 ‖ HMAC-SHA256(secret, initiator
+//! label ‖ both nonces ‖ both names)` or `2 ‖ token`); the reply is an empty `Auth` frame or an
+//! error. An authenticated engine answers `Descriptor` and `Connect` only on a connection that
+//! passed `Auth`; an open engine answers them on any connection (and accepts any `Auth`).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -34,7 +37,9 @@ pub enum FrameType {
     Connect = 0,
     /// Descriptor query: empty request body; the reply body is the JSON `SegmentDescriptor`.
     Descriptor = 1,
-    /// Nonce request: empty body; the reply body is this connection's 32-byte random nonce.
+    /// Nonce exchange: `nonce[32] ‖ u16 len ‖ target name ‖ u16 len ‖ initiator name`
+    /// (`auth::Hello`); the reply body is the target's 32-byte nonce, followed by its 32-byte
+    /// proof when it has a secret.
     Hello = 2,
     /// Authentication: `1 ‖ proof[32]` or `2 ‖ token[16]`; the reply body is empty.
     Auth = 3,
@@ -176,9 +181,12 @@ pub fn request(peer: &str, ty: FrameType, body: &[u8], timeout: Duration) -> Res
     request_with(peer, ty, body, timeout, None)
 }
 
-/// As [`request`], authenticating first when `cred` is given: `Hello` for the nonce, then
-/// `Auth` with the secret's proof or the token, then the request, all on one connection and
-/// within `timeout`. A refused `Auth` is `Handshake` with `HandshakeError::Refused` (the peer's text).
+/// As [`request`], authenticating first when `cred` is given: `Hello` with this side's nonce
+/// and both names (the reply: the target's nonce and, from an authenticated target, its proof,
+/// checked before anything else is sent), then `Auth` with this side's proof or the token, then
+/// the request, all on one connection and within `timeout`. A refused `Hello` or `Auth` is
+/// `Handshake` with `HandshakeError::Refused` (the peer's text); a target that does not prove
+/// the secret is `HandshakeError::TargetUnproven`.
 pub fn request_with(
     peer: &str,
     ty: FrameType,
@@ -216,11 +224,14 @@ pub fn request_with(
     let mut s = stream.ok_or_else(|| fail(last))?;
     let _ = s.set_nodelay(true);
     if let Some(cred) = cred {
-        let nonce = exchange(&mut s, FrameType::Hello, b"", deadline).map_err(fail)?;
-        if nonce.len() != 32 {
-            return Err(fail(HandshakeError::BadNonce(nonce.len())));
-        }
-        let auth = crate::auth::auth_body(cred, &nonce);
+        let me = match cred {
+            crate::auth::Credential::Secret { initiator, .. } => initiator.as_str(),
+            crate::auth::Credential::Token(_) => "",
+        };
+        let hello = crate::auth::Hello::new(peer, me)?;
+        let reply = exchange(&mut s, FrameType::Hello, &hello.encode(), deadline).map_err(fail)?;
+        // With the secret, nothing of ours goes to a target that has not proved it first.
+        let auth = crate::auth::answer_hello(cred, &hello, &reply).map_err(fail)?;
         exchange(&mut s, FrameType::Auth, &auth, deadline).map_err(fail)?;
     }
     let reply = exchange(&mut s, ty, body, deadline).map_err(fail);
@@ -255,8 +266,10 @@ fn exchange(
 pub(crate) struct Session {
     /// The peer's address.
     pub peer: SocketAddr,
-    /// The nonce sent in reply to `Hello`, until an `Auth` frame uses it.
-    pub nonce: Option<[u8; 32]>,
+    /// The address the connection arrived on (what the peer dialed, as this side sees it).
+    pub local: Option<SocketAddr>,
+    /// The `Hello` answered on this connection, until an `Auth` frame uses it.
+    pub hello: Option<crate::auth::PendingHello>,
     /// Whether this connection passed `Auth`.
     pub authed: bool,
 }
@@ -342,9 +355,11 @@ fn call_handler(
 fn serve_conn(c: Admitted, sh: &ServerShared) {
     let (mut s, peer) = (c.stream, c.peer);
     let _ = s.set_nodelay(true);
+    let local = s.local_addr().ok();
     let mut session = Session {
         peer,
-        nonce: None,
+        local,
+        hello: None,
         authed: false,
     };
     // the first frame must arrive within the pre-authentication deadline

@@ -2,9 +2,12 @@
 //! handshake listener, frame by frame. `handshake` owns the frames, the listener and the
 //! client; this file owns the answers and the auth gate in front of them:
 //!
-//! - `Hello` → a fresh 32-byte nonce for this connection;
-//! - `Auth` → checks the secret proof over that nonce, or a live grant token
-//!   (`crate::auth`); a refusal is logged with the peer's address;
+//! - `Hello` → a fresh 32-byte nonce for this connection and, with a secret, this engine's
+//!   proof over both nonces and both names (`crate::auth::on_hello`; a `Hello` naming another
+//!   segment is refused);
+//! - `Auth` → checks the initiator's proof over that `Hello`, or a live grant token
+//!   (`crate::auth`); refusals are counted and logged within a rate limit
+//!   (`AuthState::refused`);
 //! - `Descriptor` → this engine's descriptor (`SegmentDescriptor::build`, JSON);
 //! - `Connect` → the transport's own connection set-up (`Transport::on_handshake`);
 //! - `Error` → refused (it is a reply, not a request).
@@ -87,18 +90,16 @@ impl HandshakeService {
                 self.gate(session)?;
                 self.transport.on_handshake(session.peer, body)
             }
-            FrameType::Hello => {
-                let nonce = crate::auth::random_bytes::<32>()?;
-                session.nonce = Some(nonce);
-                Ok(nonce.to_vec())
-            }
+            FrameType::Hello => crate::auth::on_hello(&self.auth, body, session.local)
+                .map(|(pending, reply)| {
+                    session.hello = Some(pending);
+                    reply
+                })
+                .inspect_err(|e| self.auth.refused(session.peer, e)),
             FrameType::Auth => {
                 if self.auth.enforced() {
-                    let r = crate::auth::check_auth_body(&self.auth, body, session.nonce.take());
-                    if let Err(e) = &r {
-                        tracing::warn!(peer = %session.peer, "handshake authentication refused: {e}");
-                    }
-                    r?;
+                    crate::auth::check_auth_body(&self.auth, body, session.hello.take())
+                        .inspect_err(|e| self.auth.refused(session.peer, e))?;
                 }
                 session.authed = true;
                 Ok(Vec::new())
@@ -160,14 +161,15 @@ mod tests {
             instance_id: 7,
             registry: Arc::new(MemoryRegistry::new()),
             transport: Arc::new(Answering),
-            auth: AuthState::new(secret),
+            auth: AuthState::new(secret, "h:1"),
         }
     }
 
     fn session() -> Session {
         Session {
             peer: "127.0.0.1:9".parse().unwrap(),
-            nonce: None,
+            local: None,
+            hello: None,
             authed: false,
         }
     }
@@ -200,16 +202,20 @@ mod tests {
             );
         }
         // a wrong proof leaves the connection unauthenticated
-        s.handle(FrameType::Hello, b"", &mut sess).unwrap();
+        let hello = crate::auth::Hello::new("h:1", "i:2").unwrap();
+        s.handle(FrameType::Hello, &hello.encode(), &mut sess)
+            .unwrap();
         assert!(s.handle(FrameType::Auth, &[1; 33], &mut sess).is_err());
         assert!(s.handle(FrameType::Descriptor, b"", &mut sess).is_err());
-        // the right proof over this connection's nonce opens it
-        let nonce: [u8; 32] = s
-            .handle(FrameType::Hello, b"", &mut sess)
-            .unwrap()
-            .try_into()
+        // the right proof over this connection's Hello opens it (after the target proved it)
+        let reply = s
+            .handle(FrameType::Hello, &hello.encode(), &mut sess)
             .unwrap();
-        let body = crate::auth::auth_body(&crate::auth::Credential::Secret(secret), &nonce);
+        let cred = crate::auth::Credential::Secret {
+            secret,
+            initiator: "i:2".into(),
+        };
+        let body = crate::auth::answer_hello(&cred, &hello, &reply).unwrap();
         s.handle(FrameType::Auth, &body, &mut sess).unwrap();
         s.handle(FrameType::Descriptor, b"", &mut sess).unwrap();
         assert_eq!(

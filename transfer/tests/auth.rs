@@ -11,7 +11,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use common::{engine_with, Buf};
-use kvferry_transfer::auth::HANDSHAKE_LABEL;
+use kvferry_transfer::auth::{decode_hello_reply, Hello, REFUSAL_LOG_BURST};
 use kvferry_transfer::{
     GrantOps, GrantSpec, Op, Secret, Token, TransferEngine, TransferError, TransferRequest,
 };
@@ -152,26 +152,35 @@ fn descriptors_need_the_secret_or_a_live_grant_token() {
     assert_eq!(t, ERROR);
     assert!(String::from_utf8_lossy(&body).contains("authenticated"));
     // a wrong secret's proof: refused, and the descriptor stays refused on that connection
-    let (t, nonce) = ask(&mut h, HELLO, b"");
-    assert_eq!((t, nonce.len()), (HELLO, 32));
+    let name = e.segment_name();
+    let hello = Hello::new(&name, "me:1").unwrap();
+    let (t, reply) = ask(&mut h, HELLO, &hello.encode());
+    assert_eq!(
+        (t, reply.len()),
+        (HELLO, 64),
+        "nonce and the target's proof"
+    );
+    let (nonce_t, proof_t) = decode_hello_reply(&reply).unwrap();
+    assert_eq!(Some(hello.target_proof(&secret(), &nonce_t)), proof_t);
     let wrong = Secret::from_bytes(b"not the shared secret at all....").unwrap();
     let mut body = vec![1u8];
-    body.extend_from_slice(&wrong.prove(HANDSHAKE_LABEL, &[&nonce]));
+    body.extend_from_slice(&hello.initiator_proof(&wrong, &nonce_t));
     assert_eq!(ask(&mut h, AUTH, &body).0, ERROR);
     assert_eq!(ask(&mut h, DESCRIPTOR, b"").0, ERROR);
     // a replayed proof (for an old nonce) is refused
-    let mut h = connect(&e.segment_name());
-    let (_, nonce1) = ask(&mut h, HELLO, b"");
+    let mut h = connect(&name);
+    let (_, reply1) = ask(&mut h, HELLO, &hello.encode());
+    let (nonce1, _) = decode_hello_reply(&reply1).unwrap();
     let mut proof1 = vec![1u8];
-    proof1.extend_from_slice(&secret().prove(HANDSHAKE_LABEL, &[&nonce1]));
+    proof1.extend_from_slice(&hello.initiator_proof(&secret(), &nonce1));
     assert_eq!(ask(&mut h, AUTH, &proof1).0, AUTH);
     assert_eq!(ask(&mut h, DESCRIPTOR, b"").0, DESCRIPTOR);
-    let mut h2 = connect(&e.segment_name());
-    ask(&mut h2, HELLO, b"");
+    let mut h2 = connect(&name);
+    ask(&mut h2, HELLO, &hello.encode());
     assert_eq!(
         ask(&mut h2, AUTH, &proof1).0,
         ERROR,
-        "a proof is bound to its nonce"
+        "a proof is bound to the target's nonce"
     );
     // an unknown token: refused; a live grant's token: served; after the grant: refused
     let mut h = connect(&e.segment_name());
@@ -330,4 +339,169 @@ fn engines_move_bytes_with_a_token_and_are_refused_without() {
     assert!(init.wait(id, Duration::from_secs(10)).is_err());
     drop(g);
     assert_eq!(target.live_grants(), 0);
+}
+
+/// A raw handshake listener that records the frame types it receives and answers `Hello` with
+/// a nonce and no proof (an open engine, or a stranger without the secret), every other frame
+/// with an empty reply of its type.
+fn recording_target() -> (String, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
+            loop {
+                let mut h = [0u8; 9];
+                if c.read_exact(&mut h).is_err() {
+                    break;
+                }
+                let mut b = vec![0u8; u64::from_le_bytes(h[..8].try_into().unwrap()) as usize];
+                if c.read_exact(&mut b).is_err() {
+                    break;
+                }
+                s2.lock().unwrap().push(h[8]);
+                let reply = if h[8] == HELLO {
+                    vec![7u8; 32]
+                } else {
+                    Vec::new()
+                };
+                if c.write_all(&frame(h[8], &reply)).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    (addr, seen)
+}
+
+#[test]
+fn a_secret_initiator_sends_nothing_to_a_target_that_does_not_prove_the_secret() {
+    // An engine with the secret asked to open a stranger's segment (a fake consumer, or an
+    // open-mode engine): the stranger gets the Hello and nothing else, no proof, no request.
+    let (fake, seen) = recording_target();
+    let init = authed();
+    let err = init.open_segment(&fake).unwrap_err();
+    assert!(
+        err.to_string().contains("did not prove the shared secret"),
+        "{err}"
+    );
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![HELLO],
+        "only the Hello reached it"
+    );
+    // an open engine is such a target: a secret engine never writes into it, even with a token
+    let open = engine_with(|_| {});
+    let err = init
+        .open_segment_with_token(&open.segment_name(), Token::random().unwrap())
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("did not prove the shared secret"),
+        "{err}"
+    );
+}
+
+/// Relays one connection's handshake frames between a client and `target`, rewriting the
+/// `Hello`'s target name to `rewrite` when given; returns the relay's address.
+fn relay(target: String, rewrite: Option<String>) -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let Ok((mut c, _)) = l.accept() else { return };
+        let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
+        let mut t = connect(&target);
+        loop {
+            let mut h = [0u8; 9];
+            if c.read_exact(&mut h).is_err() {
+                return;
+            }
+            let mut b = vec![0u8; u64::from_le_bytes(h[..8].try_into().unwrap()) as usize];
+            if c.read_exact(&mut b).is_err() {
+                return;
+            }
+            if h[8] == HELLO {
+                if let (Some(name), Ok(mut hello)) = (&rewrite, Hello::decode(&b)) {
+                    hello.target = name.clone();
+                    b = hello.encode();
+                }
+            }
+            let (ty, reply) = ask(&mut t, h[8], &b);
+            if c.write_all(&frame(ty, &reply)).is_err() {
+                return;
+            }
+        }
+    });
+    addr
+}
+
+#[test]
+fn a_relaying_man_in_the_middle_gets_no_authenticated_connection() {
+    // The initiator is made to dial a relay, which passes its handshake on to the real target
+    // (to then use the authenticated connection itself). As it is, the target refuses a Hello
+    // naming the relay; rewritten to name the target, the target's proof names the target and
+    // the initiator, which dialed the relay, refuses it and sends no proof.
+    let target = authed();
+    let init = authed();
+    let before = target.auth_refusals().refused;
+    let err = init
+        .open_segment(&relay(target.segment_name(), None))
+        .unwrap_err();
+    assert!(err.to_string().contains("names another segment"), "{err}");
+    assert_eq!(target.auth_refusals().refused, before + 1);
+    let err = init
+        .open_segment(&relay(target.segment_name(), Some(target.segment_name())))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("did not prove the shared secret"),
+        "{err}"
+    );
+}
+
+#[test]
+fn reflected_and_replayed_proofs_are_refused() {
+    let e = authed();
+    let name = e.segment_name();
+    // reflection: the target's own proof sent back as the initiator's
+    let mut h = connect(&name);
+    let hello = Hello::new(&name, "attacker:1").unwrap();
+    let (_, reply) = ask(&mut h, HELLO, &hello.encode());
+    let mut reflected = vec![1u8];
+    reflected.extend_from_slice(&reply[32..]);
+    assert_eq!(ask(&mut h, AUTH, &reflected).0, ERROR);
+    // ...nor the target's proof over a second Hello with the nonces swapped
+    let mut h = connect(&name);
+    let (_, r1) = ask(&mut h, HELLO, &hello.encode());
+    let (n_t, _) = decode_hello_reply(&r1).unwrap();
+    let mut h2 = connect(&name);
+    let swapped = Hello {
+        nonce: n_t,
+        ..hello.clone()
+    };
+    let (_, r2) = ask(&mut h2, HELLO, &swapped.encode());
+    let mut forged = vec![1u8];
+    forged.extend_from_slice(&r2[32..]);
+    assert_eq!(ask(&mut h, AUTH, &forged).0, ERROR);
+    assert_eq!(ask(&mut h, DESCRIPTOR, b"").0, ERROR);
+}
+
+#[test]
+fn refused_authentications_are_counted_and_their_warnings_rate_limited() {
+    let e = authed();
+    let name = e.segment_name();
+    let tries = 3 * REFUSAL_LOG_BURST as u64;
+    for _ in 0..tries {
+        let mut h = connect(&name);
+        let hello = Hello::new(&name, "x:1").unwrap();
+        ask(&mut h, HELLO, &hello.encode());
+        assert_eq!(ask(&mut h, AUTH, &[1u8; 33]).0, ERROR);
+    }
+    let r = e.auth_refusals();
+    assert_eq!(r.refused, tries);
+    assert_eq!(
+        r.logged, REFUSAL_LOG_BURST as u64,
+        "the rest are counted, not logged"
+    );
 }

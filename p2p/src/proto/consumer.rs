@@ -9,7 +9,12 @@
 //! retried: KV is never fetched twice for one request. A FINISH for a load sent with a token
 //! must carry the token's proof (`msg::finish_proof`), else the load fails (`BadProof`).
 //!
-//! Fail fast (issue 10): once connecting to the producer has failed, the producer is *down*:
+//! Session (docs/design.md §8.1, `proto::session`): after connecting, the shell sends
+//! [`ConsumerMachine::hello`] and feeds the answer to [`ConsumerMachine::on_welcome`]; with a
+//! shared secret, a producer that does not prove it gets nothing more (no request, no token,
+//! no proof of a load key). Requests are bound to the session.
+//!
+//! Fail fast: once connecting to the producer has failed, the producer is *down*:
 //! loads are refused at once with that failure's reason (no connect timeout each) until
 //! `retry_interval` has passed since the failure; the next load after that connects again, and
 //! a success ends the down state.
@@ -17,7 +22,13 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use super::msg::{decode_reply, encode, finish_proof, MsgError, Reply, Status, TransferRequest};
+use kvferry_transfer::Secret;
+
+use super::msg::{
+    decode_reply, decode_welcome, encode, finish_proof, Hello, MsgError, Reply, Status,
+    TransferRequest, KIND_HELLO, PROTOCOL_VERSION,
+};
+use super::session::Session;
 
 /// Why a load failed before any verdict (transport or producer side).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -74,8 +85,28 @@ pub enum ConsumerEvent {
     Invalid(MsgError),
 }
 
+/// Why a session could not be opened with the producer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SessionError {
+    /// The producer refused the `hello` (its words).
+    #[error("the producer refused the session: {0}")]
+    Refused(String),
+    /// With a shared secret: the producer did not prove it over this session (no proof, a
+    /// wrong one, or a relay that answered for another endpoint). Nothing was sent to it.
+    #[error("the producer did not prove the shared secret; nothing was sent to it")]
+    Unproven,
+    /// The answer is not a `welcome`.
+    #[error("bad answer to hello: {0}")]
+    Malformed(MsgError),
+    /// An answer with no `hello` outstanding.
+    #[error("a welcome with no hello outstanding")]
+    Unexpected,
+}
+
 struct Pending {
     request_id: String,
+    /// The session the request was sent in (bound into the FINISH proof).
+    session_id: [u8; 32],
     /// The load's grant token: a FINISH must prove it (`msg::finish_proof`).
     token: Option<String>,
     reply_deadline: Instant,
@@ -92,6 +123,11 @@ pub struct ConsumerMachine {
     needs_rebuild: bool,
     retry_interval: Duration,
     down: Option<Down>,
+    secret: Option<Secret>,
+    /// The `hello` sent on the current socket, until its `welcome`.
+    hello: Option<Session>,
+    /// The session of the current socket.
+    session: Option<Session>,
 }
 
 /// A load refused at once: the last connect to the producer failed less than the retry
@@ -124,7 +160,61 @@ impl ConsumerMachine {
             needs_rebuild: false,
             retry_interval: Duration::from_secs(1),
             down: None,
+            secret: None,
+            hello: None,
+            session: None,
         }
+    }
+
+    /// Authenticated mode: the producer must prove `secret` before anything but the `hello`
+    /// is sent, and every request carries this side's proof.
+    pub fn with_secret(mut self, secret: Option<Secret>) -> Self {
+        self.secret = secret;
+        self
+    }
+
+    /// Opens a session on a fresh socket: the `hello` to send, with this side's `nonce`
+    /// (fresh, random), the `producer` endpoint dialed and this consumer's name. Any earlier
+    /// session ends.
+    pub fn hello(&mut self, nonce: [u8; 32], producer: &str, consumer: &str) -> Vec<u8> {
+        self.session = None;
+        let s = Session {
+            consumer_nonce: nonce,
+            producer_nonce: [0; 32],
+            producer: producer.to_string(),
+            consumer: consumer.to_string(),
+        };
+        let msg = Hello {
+            version: PROTOCOL_VERSION,
+            kind: KIND_HELLO.to_string(),
+            nonce: nonce.to_vec(),
+            producer: s.producer.clone(),
+            consumer: s.consumer.clone(),
+        };
+        self.hello = Some(s);
+        encode(&msg)
+    }
+
+    /// The producer's answer to the `hello`: the session is open, or `Err` (then nothing may
+    /// be sent on this socket).
+    pub fn on_welcome(&mut self, bytes: &[u8]) -> Result<(), SessionError> {
+        let mut s = self.hello.take().ok_or(SessionError::Unexpected)?;
+        let w = decode_welcome(bytes).map_err(SessionError::Malformed)?;
+        if let Some(why) = w.error {
+            return Err(SessionError::Refused(why));
+        }
+        s.producer_nonce = w
+            .nonce
+            .as_slice()
+            .try_into()
+            .map_err(|_| SessionError::Unexpected)?;
+        if let Some(secret) = &self.secret {
+            if !s.check_producer_proof(secret, w.proof.as_deref()) {
+                return Err(SessionError::Unproven);
+            }
+        }
+        self.session = Some(s);
+        Ok(())
     }
 
     /// How long after a failed connect loads are refused at once before the next one
@@ -168,23 +258,39 @@ impl ConsumerMachine {
         self.max_wait - (self.max_wait / 4).min(Duration::from_secs(1))
     }
 
-    /// Registers a load: assigns `request.load_id` and returns it with the encoded request.
-    pub fn start(&mut self, now: Instant, mut request: TransferRequest) -> (u64, Vec<u8>) {
+    /// Registers a load on the open session: assigns `request.load_id`, sets its budget, the
+    /// proof of `load_key` (if any) and, with a secret, this side's proof over the whole
+    /// request; returns the load id and the encoded request. `None` when no session is open
+    /// (nothing registered).
+    pub fn start(
+        &mut self,
+        now: Instant,
+        mut request: TransferRequest,
+        load_key: Option<&str>,
+    ) -> Option<(u64, Vec<u8>)> {
+        let session = self.session.as_ref()?;
         let load_id = self.next_load_id;
         self.next_load_id = self.next_load_id.wrapping_add(1);
         request.load_id = load_id;
         request.budget_ms = self.budget().as_millis().min(u64::MAX as u128) as u64;
+        request.key_proof =
+            load_key.map(|k| session.key_proof(k, &request.request_id, load_id).to_vec());
+        request.proof = None;
+        if let Some(secret) = &self.secret {
+            request.proof = Some(session.request_proof(secret, &request).to_vec());
+        }
         self.pending.insert(
             load_id,
             Pending {
                 request_id: request.request_id.clone(),
+                session_id: session.id(),
                 token: request.token.clone(),
                 reply_deadline: now + self.reply_timeout,
                 deadline: now + self.max_wait,
                 continued: false,
             },
         );
-        (load_id, encode(&request))
+        Some((load_id, encode(&request)))
     }
 
     /// Loads in flight.
@@ -216,10 +322,10 @@ impl ConsumerMachine {
             }
             Status::Finish => {
                 let p = self.pending.remove(&load_id);
-                let proven = match p.and_then(|p| p.token) {
+                let proven = match p.and_then(|p| p.token.map(|t| (t, p.session_id))) {
                     None => true,
-                    Some(t) => reply.proof.as_deref().is_some_and(|got| {
-                        kvferry_transfer::auth::ct_eq(&finish_proof(&t, &reply), got)
+                    Some((t, sid)) => reply.proof.as_deref().is_some_and(|got| {
+                        kvferry_transfer::auth::ct_eq(&finish_proof(&t, &sid, &reply), got)
                     }),
                 };
                 if !proven {
@@ -294,9 +400,16 @@ impl ConsumerMachine {
         self.needs_rebuild && self.pending.is_empty()
     }
 
-    /// The shell rebuilt the socket.
+    /// The shell rebuilt the socket (its session is gone).
     pub fn rebuilt(&mut self) {
         self.needs_rebuild = false;
+        self.session = None;
+        self.hello = None;
+    }
+
+    /// The session of the current socket, once its `welcome` checked.
+    pub fn session(&self) -> Option<&Session> {
+        self.session.as_ref()
     }
 
     /// The earliest deadline of a pending load.

@@ -13,6 +13,7 @@ pub mod producer;
 pub mod request;
 pub mod serve;
 pub mod serve_error;
+pub mod session;
 
 #[cfg(test)]
 mod serve_tests;

@@ -8,7 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Version of the control-channel protocol this crate speaks.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Largest control message accepted (bytes). Block tables of long prompts fit
 /// easily; anything larger is refused before decoding.
@@ -35,6 +35,10 @@ pub const MAX_STRIDES: usize = 16;
 pub const KIND_TRANSFER_REQUEST: &str = "transfer_request";
 /// `kind` of a producer → consumer reply.
 pub const KIND_REPLY: &str = "reply";
+/// `kind` of the consumer's first message on a connection (`proto::session`).
+pub const KIND_HELLO: &str = "hello";
+/// `kind` of the producer's answer to a `hello`.
+pub const KIND_WELCOME: &str = "welcome";
 
 /// Reply status, numbered as vLLM's MooncakeConnector.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -227,12 +231,53 @@ pub struct TransferRequest {
     /// `None` from a consumer that grants nothing (then no proof is sent).
     #[serde(default)]
     pub token: Option<String>,
-    /// The load key of the request's lease (request ownership): only a request carrying the
-    /// key the producer published with may load it; a missing or wrong key gets ERROR and
-    /// leaves the lease for its owner. Travels from the producer to the consumer with the
-    /// block ids (vLLM: in `kv_transfer_params`, through the proxy).
+    /// Proof of the lease's load key for this load of this session
+    /// (`proto::session::Session::key_proof`): only a request proving the key the producer
+    /// published with may load it; a missing or wrong proof gets ERROR and leaves the lease for
+    /// its owner. The key itself never travels on the control channel.
+    #[serde(default, with = "serde_bytes")]
+    pub key_proof: Option<Vec<u8>>,
+    /// With a shared secret: the consumer's proof of it over the session and this whole
+    /// request (`proto::session::Session::request_proof`); a producer with the secret acts on
+    /// no request without a valid one.
+    #[serde(default, with = "serde_bytes")]
+    pub proof: Option<Vec<u8>>,
+}
+
+/// Consumer → producer, the first message on a connection: opens a session
+/// (`proto::session`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// [`KIND_HELLO`].
+    pub kind: String,
+    /// The consumer's fresh random nonce, 32 bytes.
+    #[serde(with = "serde_bytes")]
+    pub nonce: Vec<u8>,
+    /// The producer endpoint the consumer dialed; a producer with a secret refuses one that
+    /// does not name it.
+    pub producer: String,
+    /// The consumer's name (its first rank's segment).
+    pub consumer: String,
+}
+
+/// Producer → consumer, the answer to a [`Hello`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    /// [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// [`KIND_WELCOME`].
+    pub kind: String,
+    /// The producer's fresh random nonce, 32 bytes (empty when refused).
+    #[serde(with = "serde_bytes")]
+    pub nonce: Vec<u8>,
+    /// With a shared secret: the producer's proof of it over the session.
+    #[serde(default, with = "serde_bytes")]
+    pub proof: Option<Vec<u8>>,
+    /// Why the `hello` was refused (no session).
     #[serde(default)]
-    pub load_key: Option<String>,
+    pub error: Option<String>,
 }
 
 /// Producer → consumer reply.
@@ -264,16 +309,18 @@ pub struct Reply {
 }
 
 /// HMAC label of the FINISH proof.
-const FINISH_LABEL: &[u8] = b"kvferry/finish/v1";
+const FINISH_LABEL: &[u8] = b"kvferry/finish/v2";
 
-/// The FINISH proof: `HMAC-SHA256(token, label ‖ request_id ‖ load_id ‖ bytes_written ‖
-/// has_checksums ‖ checksums)` (each part length-prefixed), 32 bytes. It binds the payload to the load whose
-/// token only the consumer and the producer it asked know.
-pub fn finish_proof(token: &str, reply: &Reply) -> [u8; 32] {
+/// The FINISH proof: `HMAC-SHA256(token, label ‖ session id ‖ request_id ‖ load_id ‖
+/// bytes_written ‖ has_checksums ‖ checksums)` (each part length-prefixed), 32 bytes. It binds
+/// the payload to the load (of this session, `proto::session::Session::id`) whose token only
+/// the consumer and the producer it asked know.
+pub fn finish_proof(token: &str, session_id: &[u8; 32], reply: &Reply) -> [u8; 32] {
     kvferry_transfer::auth::hmac_sha256(
         token.as_bytes(),
         &[
             FINISH_LABEL,
+            session_id,
             reply.request_id.as_bytes(),
             &reply.load_id.to_le_bytes(),
             &reply.bytes_written.to_le_bytes(),
@@ -350,6 +397,58 @@ pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
 pub fn decode_request(bytes: &[u8]) -> Result<TransferRequest, MsgError> {
     check_header(bytes, KIND_TRANSFER_REQUEST)?;
     rmp_serde::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))
+}
+
+/// A message on the producer's socket: a session's `hello` or a transfer request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConsumerMessage {
+    /// Opens a session.
+    Hello(Hello),
+    /// Asks for a load.
+    Request(TransferRequest),
+}
+
+/// Decodes what a consumer sends: size and version are checked before the body; the `kind`
+/// picks a [`Hello`] (nonce of 32 bytes, names of at most `session::MAX_NAME_BYTES`) or a
+/// transfer request.
+pub fn decode_consumer_message(bytes: &[u8]) -> Result<ConsumerMessage, MsgError> {
+    match check_header(bytes, KIND_HELLO) {
+        Ok(()) => decode_hello(bytes).map(ConsumerMessage::Hello),
+        Err(MsgError::WrongKind { .. }) => decode_request(bytes).map(ConsumerMessage::Request),
+        Err(e) => Err(e),
+    }
+}
+
+/// Decodes a `hello`: header first, then a 32-byte nonce and bounded names.
+pub fn decode_hello(bytes: &[u8]) -> Result<Hello, MsgError> {
+    check_header(bytes, KIND_HELLO)?;
+    let h: Hello = rmp_serde::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
+    let max = super::session::MAX_NAME_BYTES;
+    if h.nonce.len() != super::session::NONCE_BYTES
+        || h.producer.len() > max
+        || h.consumer.len() > max
+    {
+        return Err(MsgError::Malformed(format!(
+            "hello with a nonce of {} bytes (32) or a name over {max} bytes",
+            h.nonce.len()
+        )));
+    }
+    Ok(h)
+}
+
+/// Decodes a `welcome`: header first; a nonce of 32 bytes unless refused, a proof of 32 if any.
+pub fn decode_welcome(bytes: &[u8]) -> Result<Welcome, MsgError> {
+    check_header(bytes, KIND_WELCOME)?;
+    let w: Welcome =
+        rmp_serde::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
+    let nonce_ok = w.nonce.len() == super::session::NONCE_BYTES || w.error.is_some();
+    if !nonce_ok || w.proof.as_ref().is_some_and(|p| p.len() != 32) {
+        return Err(MsgError::Malformed(format!(
+            "welcome with a nonce of {} bytes or a proof not of 32",
+            w.nonce.len()
+        )));
+    }
+    Ok(w)
 }
 
 /// Decodes a reply: size, version and kind are checked before the body; the status must be 0, 1 or 2.

@@ -10,7 +10,7 @@
 //! * While a request waits or is being served, the consumer gets a CONTINUE every
 //!   `heartbeat`, so that its silence deadline only fires for a dead producer.
 //! * Request ownership: a lease published with a load key is served only to a request
-//!   carrying that key (compared in constant time); a missing or wrong key gets ERROR and
+//!   proving that key in its session (`Session::key_proof`, compared in constant time); a missing or wrong key gets ERROR and
 //!   the lease stays for its owner. Several requests for one id may wait for its publish
 //!   when they carry keys (so that a stranger asking first cannot lock the owner out).
 //! * A request carries the consumer's budget (`budget_ms`): a transfer is started
@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use super::msg::{Reply, Status, TransferRequest};
 use super::serve_error::ServeFailure;
+use super::session::Session;
 
 /// Timeouts of the producer state machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,6 +112,8 @@ enum Entry<P, T> {
         next_beat: Instant,
         /// The load's grant token: the FINISH proves it (`msg::finish_proof`).
         token: Option<String>,
+        /// The id of the session the request came in (bound into the FINISH proof).
+        session_id: [u8; 32],
     },
     Done {
         why: String,
@@ -121,6 +124,8 @@ enum Entry<P, T> {
 struct Parked<P> {
     peer: P,
     request: TransferRequest,
+    /// The session the request came in (its key proof is checked at publish).
+    session: Session,
     /// When waiting for the publish stops (publish wait, or the consumer's budget).
     deadline: Instant,
     /// The consumer's own deadline, if it sent a budget.
@@ -141,20 +146,18 @@ const TWICE: &str = "is already being loaded (KV is never fetched twice)";
 /// Most requests with load keys that may wait for one request id's publish.
 pub const MAX_WAITING_PER_REQUEST: usize = 8;
 
-/// Whether `request` may load a lease published with `key` (constant-time compare).
-fn owns(key: &Option<String>, request: &TransferRequest) -> bool {
+/// Whether `request`, in `session`, may load a lease published with `key`: it proves the key
+/// for this session and load (constant-time compare).
+fn owns(key: &Option<String>, request: &TransferRequest, session: &Session) -> bool {
     match key {
         None => true,
-        Some(k) => request
-            .load_key
-            .as_deref()
-            .is_some_and(|got| kvferry_transfer::auth::ct_eq(k.as_bytes(), got.as_bytes())),
+        Some(k) => session.check_key_proof(k, request),
     }
 }
 
 fn not_owner(request: &TransferRequest) -> Reply {
     let id = &request.request_id;
-    let why = if request.load_key.is_some() {
+    let why = if request.key_proof.is_some() {
         "wrong"
     } else {
         "missing"
@@ -210,7 +213,14 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         })
     }
 
-    fn serve(&mut self, now: Instant, peer: P, request: TransferRequest, lease: T) -> Effect<P, T> {
+    fn serve(
+        &mut self,
+        now: Instant,
+        peer: P,
+        request: TransferRequest,
+        session: &Session,
+        lease: T,
+    ) -> Effect<P, T> {
         self.entries.insert(
             request.request_id.clone(),
             Entry::Serving {
@@ -218,6 +228,7 @@ impl<P: Clone, T> ProducerMachine<P, T> {
                 load_id: request.load_id,
                 next_beat: now + self.timeouts.heartbeat,
                 token: request.token.clone(),
+                session_id: session.id(),
             },
         );
         Effect::Serve {
@@ -270,7 +281,7 @@ impl<P: Clone, T> ProducerMachine<P, T> {
                     peer: w.peer,
                     reply,
                 });
-            } else if !owns(&key, &w.request) {
+            } else if !owns(&key, &w.request, &w.session) {
                 effects.push(Effect::Reply {
                     peer: w.peer,
                     reply: not_owner(&w.request),
@@ -281,7 +292,7 @@ impl<P: Clone, T> ProducerMachine<P, T> {
                     reply,
                 });
             } else if let Some(d) = data.take() {
-                effects.push(self.serve(now, w.peer, w.request, d));
+                effects.push(self.serve(now, w.peer, w.request, &w.session, d));
             }
         }
         if let Some(data) = data {
@@ -292,19 +303,20 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         Ok(effects)
     }
 
-    /// A consumer's transfer request arrived.
+    /// A consumer's transfer request arrived in `session` (whose proofs the shell checked).
     pub fn on_request(
         &mut self,
         now: Instant,
         peer: P,
         request: TransferRequest,
+        session: &Session,
     ) -> Vec<Effect<P, T>> {
         let id = request.request_id.clone();
         let load_id = request.load_id;
         let consumer_deadline = Self::consumer_deadline(now, &request);
         match self.entries.remove(&id) {
             Some(Entry::Held { data, expires, key }) => {
-                if !owns(&key, &request) {
+                if !owns(&key, &request, session) {
                     // A stranger: the lease stays, untouched, for its owner.
                     let reply = not_owner(&request);
                     self.entries.insert(id, Entry::Held { data, expires, key });
@@ -315,7 +327,7 @@ impl<P: Clone, T> ProducerMachine<P, T> {
                     self.entries.insert(id, Entry::Held { data, expires, key });
                     return vec![Effect::Reply { peer, reply }];
                 }
-                vec![self.serve(now, peer, request, data)]
+                vec![self.serve(now, peer, request, session, data)]
             }
             Some(e @ Entry::Serving { .. }) => {
                 self.entries.insert(id.clone(), e);
@@ -335,7 +347,8 @@ impl<P: Clone, T> ProducerMachine<P, T> {
                     .iter()
                     .filter(|p| p.request.request_id == id)
                     .count();
-                if waiting > 0 && (request.load_key.is_none() || waiting >= MAX_WAITING_PER_REQUEST)
+                if waiting > 0
+                    && (request.key_proof.is_none() || waiting >= MAX_WAITING_PER_REQUEST)
                 {
                     let reply = Reply::error(&id, load_id, format!("request {id:?} {TWICE}"));
                     return vec![Effect::Reply { peer, reply }];
@@ -362,6 +375,7 @@ impl<P: Clone, T> ProducerMachine<P, T> {
                 self.parked.push(Parked {
                     peer: peer.clone(),
                     request,
+                    session: session.clone(),
                     deadline,
                     consumer_deadline,
                     next_beat,
@@ -382,7 +396,11 @@ impl<P: Clone, T> ProducerMachine<P, T> {
     ) -> Vec<Effect<P, T>> {
         let forget_at = now + self.timeouts.tombstone;
         let token = match self.entries.get(request_id) {
-            Some(Entry::Serving { token, .. }) => token.clone(),
+            Some(Entry::Serving {
+                token: Some(t),
+                session_id,
+                ..
+            }) => Some((t.clone(), *session_id)),
             _ => None,
         };
         let (reply, why, reason) = match result {
@@ -390,8 +408,8 @@ impl<P: Clone, T> ProducerMachine<P, T> {
                 let mut reply = Reply::new(Status::Finish, request_id, load_id);
                 reply.bytes_written = bytes;
                 reply.checksums = checksums;
-                if let Some(t) = token {
-                    reply.proof = Some(super::msg::finish_proof(&t, &reply).to_vec());
+                if let Some((t, sid)) = token {
+                    reply.proof = Some(super::msg::finish_proof(&t, &sid, &reply).to_vec());
                 }
                 (
                     reply,

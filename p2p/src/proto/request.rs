@@ -246,8 +246,9 @@ pub fn build_request(
         budget_ms: 0, // set by the connection's state machine
         blocks,
         ranks,
-        token: None,    // set by the caller with the grants
-        load_key: None, // set by the caller
+        token: None,     // set by the caller with the grants
+        key_proof: None, // set with the session (the connection's state machine)
+        proof: None,     // idem
     };
     Ok((request, landed))
 }

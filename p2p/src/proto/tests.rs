@@ -11,6 +11,31 @@ use super::msg::*;
 use super::plan::{pair_ranges, Copy, PlanError};
 use super::producer::{Effect, ProducerMachine, ProducerTimeouts, PublishError, ReleaseReason};
 use super::serve_error::ServeFailure;
+use super::session::Session;
+
+/// The session the machine tests run in.
+fn sess() -> Session {
+    Session {
+        consumer_nonce: [1; 32],
+        producer_nonce: [2; 32],
+        producer: "tcp://p:1".into(),
+        consumer: "c:1".into(),
+    }
+}
+
+/// `c` with `sess()` open (an open-mode producer's welcome).
+fn opened(mut c: ConsumerMachine) -> ConsumerMachine {
+    c.hello([1; 32], "tcp://p:1", "c:1");
+    let w = Welcome {
+        version: PROTOCOL_VERSION,
+        kind: KIND_WELCOME.to_string(),
+        nonce: vec![2; 32],
+        proof: None,
+        error: None,
+    };
+    c.on_welcome(&encode(&w)).unwrap();
+    c
+}
 
 fn request(id: &str, load_id: u64) -> TransferRequest {
     TransferRequest {
@@ -24,7 +49,8 @@ fn request(id: &str, load_id: u64) -> TransferRequest {
         num_tokens: 40,
         budget_ms: 0,
         token: None,
-        load_key: None,
+        key_proof: None,
+        proof: None,
         blocks: vec![WireBlocks {
             group_id: 0,
             block_size: 16,
@@ -153,10 +179,10 @@ fn unknown_fields_are_ignored_and_optional_fields_default() {
 #[test]
 fn wrong_version_and_kind_and_status_are_clear_errors() {
     let mut r = Reply::new(Status::Finish, "r", 1);
-    r.version = 2;
+    r.version = 1; // the first protocol (no sessions): refused, not misread
     assert_eq!(
         decode_reply(&encode(&r)),
-        Err(MsgError::WrongVersion { got: Some(2) })
+        Err(MsgError::WrongVersion { got: Some(1) })
     );
     let q = request("r", 1);
     assert!(matches!(
@@ -218,8 +244,12 @@ fn lists_over_their_caps_are_refused_before_their_elements() {
 #[test]
 fn a_failed_connect_refuses_loads_until_the_retry_interval_passes() {
     let t0 = Instant::now();
-    let mut m = ConsumerMachine::new(Duration::from_secs(10), Duration::from_secs(20), 1)
-        .with_retry_interval(Duration::from_secs(2));
+    let mut m = opened(ConsumerMachine::new(
+        Duration::from_secs(10),
+        Duration::from_secs(20),
+        1,
+    ))
+    .with_retry_interval(Duration::from_secs(2));
     assert_eq!(m.admit(t0), Ok(()));
     m.on_connect_failed(t0, "connection refused");
     let why = m
@@ -261,10 +291,10 @@ fn published_lease_is_served_once() {
     let t0 = Instant::now();
     let mut m = Machine::new(timeouts(), Duration::from_secs(2));
     assert!(m.publish(t0, "a", "blocks-a").unwrap().is_empty());
-    let e = m.on_request(t0, 1, request("a", 1));
+    let e = m.on_request(t0, 1, request("a", 1), &sess());
     assert_eq!(serves(&e), vec![(1, "a".to_string(), "blocks-a")]);
     // A second request while serving: ERROR, not served again.
-    let e = m.on_request(t0, 2, request("a", 2));
+    let e = m.on_request(t0, 2, request("a", 2), &sess());
     assert_eq!(serves(&e), vec![]);
     assert_eq!(replies(&e)[0].1, Status::Error);
     let e = m.on_served(t0, 1, "a", 1, Ok((100, Some(vec![9]))));
@@ -275,7 +305,7 @@ fn published_lease_is_served_once() {
         reason: ReleaseReason::Served
     }));
     // And after it was served.
-    let e = m.on_request(t0 + Duration::from_secs(1), 3, request("a", 3));
+    let e = m.on_request(t0 + Duration::from_secs(1), 3, request("a", 3), &sess());
     let r = replies(&e);
     assert_eq!(r.len(), 1);
     assert_eq!(r[0].1, Status::Error);
@@ -299,7 +329,7 @@ fn expired_lease_is_released_and_refused() {
         }]
     );
     assert_eq!(m.held(), 0);
-    let e = m.on_request(t0 + Duration::from_secs(11), 1, request("a", 1));
+    let e = m.on_request(t0 + Duration::from_secs(11), 1, request("a", 1), &sess());
     assert_eq!(serves(&e), vec![]);
     let r = replies(&e);
     assert_eq!(r[0].1, Status::Error);
@@ -315,14 +345,14 @@ fn expired_lease_is_released_and_refused() {
 fn request_before_publish_waits_then_is_served() {
     let t0 = Instant::now();
     let mut m = Machine::new(timeouts(), Duration::from_secs(2));
-    let e = m.on_request(t0, 7, request("early", 1));
+    let e = m.on_request(t0, 7, request("early", 1), &sess());
     assert_eq!(
         replies(&e),
         vec![(7, Status::Continue, replies(&e)[0].2.clone())]
     );
     assert_eq!(m.next_deadline(), Some(t0 + Duration::from_secs(5)));
     // A duplicate while parked: ERROR.
-    let e = m.on_request(t0, 8, request("early", 2));
+    let e = m.on_request(t0, 8, request("early", 2), &sess());
     assert_eq!(replies(&e)[0].1, Status::Error);
     let e = m
         .publish(t0 + Duration::from_secs(2), "early", "blocks")
@@ -336,7 +366,7 @@ fn request_before_publish_waits_then_is_served() {
 fn request_never_published_gets_error_at_deadline() {
     let t0 = Instant::now();
     let mut m = Machine::new(timeouts(), Duration::from_secs(2));
-    m.on_request(t0, 7, request("never", 1));
+    m.on_request(t0, 7, request("never", 1), &sess());
     assert!(replies(&m.on_tick(t0 + Duration::from_millis(4999))).is_empty());
     let e = m.on_tick(t0 + Duration::from_secs(5));
     let r = replies(&e);
@@ -356,7 +386,7 @@ fn failed_serve_is_final() {
     let t0 = Instant::now();
     let mut m = Machine::new(timeouts(), Duration::from_secs(2));
     m.publish(t0, "a", "b").unwrap();
-    m.on_request(t0, 1, request("a", 1));
+    m.on_request(t0, 1, request("a", 1), &sess());
     let gone = ServeFailure::Task("peer gone".into());
     let e = m.on_served(t0, 1, "a", 1, Err(gone));
     assert_eq!(replies(&e)[0].1, Status::Error);
@@ -364,7 +394,7 @@ fn failed_serve_is_final() {
         request_id: "a".into(),
         reason: ReleaseReason::Failed("serve task failed: peer gone".into())
     }));
-    let e = m.on_request(t0, 1, request("a", 2));
+    let e = m.on_request(t0, 1, request("a", 2), &sess());
     assert_eq!(serves(&e), vec![]);
     assert_eq!(replies(&e)[0].1, Status::Error);
 }
@@ -395,7 +425,7 @@ proptest! {
             now += Duration::from_secs(dt);
             let effects = match kind {
                 0 => { let r = m.publish(now, "a", "b"); if r.is_ok() { published = true; expired = false; served = 0; } r.unwrap_or_default() }
-                1 | 2 => { load += 1; m.on_request(now, 1, request("a", load)) }
+                1 | 2 => { load += 1; m.on_request(now, 1, request("a", load), &sess()) }
                 _ => m.on_tick(now),
             };
             for e in &effects {
@@ -413,8 +443,12 @@ proptest! {
 #[test]
 fn consumer_finish_and_error_and_stale() {
     let t0 = Instant::now();
-    let mut c = ConsumerMachine::new(Duration::from_secs(2), Duration::from_secs(10), 100);
-    let (id, bytes) = c.start(t0, request("a", 0));
+    let mut c = opened(ConsumerMachine::new(
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+        100,
+    ));
+    let (id, bytes) = c.start(t0, request("a", 0), None).unwrap();
     assert_eq!(id, 100);
     assert_eq!(decode_request(&bytes).unwrap().load_id, 100);
     let mut fin = Reply::new(Status::Finish, "a", id);
@@ -432,7 +466,7 @@ fn consumer_finish_and_error_and_stale() {
         c.on_message(t0, &encode(&fin)),
         ConsumerEvent::Stale { load_id: 100 }
     );
-    let (id2, _) = c.start(t0, request("b", 0));
+    let (id2, _) = c.start(t0, request("b", 0), None).unwrap();
     let ev = c.on_message(t0, &encode(&Reply::error("b", id2, "nope")));
     assert_eq!(
         ev,
@@ -442,7 +476,7 @@ fn consumer_finish_and_error_and_stale() {
         }
     );
     // A reply naming another request for a pending load is not accepted.
-    let (id3, _) = c.start(t0, request("c", 0));
+    let (id3, _) = c.start(t0, request("c", 0), None).unwrap();
     assert!(matches!(
         c.on_message(t0, &encode(&Reply::new(Status::Finish, "zzz", id3))),
         ConsumerEvent::Invalid(_)
@@ -457,8 +491,12 @@ fn consumer_finish_and_error_and_stale() {
 #[test]
 fn consumer_lost_reply_times_out_and_rebuilds() {
     let t0 = Instant::now();
-    let mut c = ConsumerMachine::new(Duration::from_secs(2), Duration::from_secs(10), 0);
-    let (id, _) = c.start(t0, request("a", 0));
+    let mut c = opened(ConsumerMachine::new(
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+        0,
+    ));
+    let (id, _) = c.start(t0, request("a", 0), None).unwrap();
     assert_eq!(c.next_deadline(), Some(t0 + Duration::from_secs(2)));
     assert!(c.on_tick(t0 + Duration::from_millis(1999)).is_empty());
     assert!(!c.should_rebuild());
@@ -480,8 +518,12 @@ fn consumer_lost_reply_times_out_and_rebuilds() {
 #[test]
 fn consumer_continue_extends_but_not_past_overall_deadline() {
     let t0 = Instant::now();
-    let mut c = ConsumerMachine::new(Duration::from_secs(2), Duration::from_secs(5), 0);
-    let (id, _) = c.start(t0, request("a", 0));
+    let mut c = opened(ConsumerMachine::new(
+        Duration::from_secs(2),
+        Duration::from_secs(5),
+        0,
+    ));
+    let (id, _) = c.start(t0, request("a", 0), None).unwrap();
     let cont = encode(&Reply::new(Status::Continue, "a", id));
     assert_eq!(
         c.on_message(t0 + Duration::from_millis(1500), &cont),
@@ -501,9 +543,15 @@ fn consumer_continue_extends_but_not_past_overall_deadline() {
 #[test]
 fn consumer_rebuild_waits_for_other_loads() {
     let t0 = Instant::now();
-    let mut c = ConsumerMachine::new(Duration::from_secs(2), Duration::from_secs(10), 0);
-    let (a, _) = c.start(t0, request("a", 0));
-    let (b, _) = c.start(t0 + Duration::from_secs(1), request("b", 0));
+    let mut c = opened(ConsumerMachine::new(
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+        0,
+    ));
+    let (a, _) = c.start(t0, request("a", 0), None).unwrap();
+    let (b, _) = c
+        .start(t0 + Duration::from_secs(1), request("b", 0), None)
+        .unwrap();
     assert_eq!(
         c.on_tick(t0 + Duration::from_secs(2)),
         vec![(a, FailReason::NoReply(Duration::from_secs(2)))]
@@ -516,9 +564,13 @@ fn consumer_rebuild_waits_for_other_loads() {
 #[test]
 fn consumer_connection_lost_fails_all() {
     let t0 = Instant::now();
-    let mut c = ConsumerMachine::new(Duration::from_secs(2), Duration::from_secs(10), 0);
-    let (a, _) = c.start(t0, request("a", 0));
-    let (b, _) = c.start(t0, request("b", 0));
+    let mut c = opened(ConsumerMachine::new(
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+        0,
+    ));
+    let (a, _) = c.start(t0, request("a", 0), None).unwrap();
+    let (b, _) = c.start(t0, request("b", 0), None).unwrap();
     let failed = c.on_connection_lost("reset");
     assert_eq!(failed.iter().map(|f| f.0).collect::<Vec<_>>(), vec![a, b]);
     assert!(c.should_rebuild());
@@ -609,9 +661,12 @@ fn continues(effects: &[Effect<u32, &'static str>]) -> Vec<u32> {
 fn waiting_and_serving_requests_get_heartbeats() {
     let t0 = Instant::now();
     let mut m = Machine::new(beating(), Duration::from_secs(2));
-    m.on_request(t0, 1, request("early", 1));
+    m.on_request(t0, 1, request("early", 1), &sess());
     m.publish(t0, "a", "blocks").unwrap();
-    assert_eq!(serves(&m.on_request(t0, 2, request("a", 2))).len(), 1);
+    assert_eq!(
+        serves(&m.on_request(t0, 2, request("a", 2), &sess())).len(),
+        1
+    );
     assert_eq!(m.next_deadline(), Some(t0 + Duration::from_secs(1)));
     let mut beats = continues(&m.on_tick(t0 + Duration::from_secs(1)));
     beats.sort();
@@ -628,7 +683,7 @@ fn no_transfer_starts_that_could_outlast_the_consumers_budget() {
     m.publish(t0, "a", "blocks").unwrap();
     let mut short = request("a", 1);
     short.budget_ms = 1500;
-    let e = m.on_request(t0, 1, short);
+    let e = m.on_request(t0, 1, short, &sess());
     assert!(serves(&e).is_empty());
     assert!(
         replies(&e)[0].2.as_ref().unwrap().contains("budget"),
@@ -637,7 +692,7 @@ fn no_transfer_starts_that_could_outlast_the_consumers_budget() {
     // Nothing was written, so the lease is still there for a consumer with time left.
     let mut long = request("a", 2);
     long.budget_ms = 10_000;
-    match &m.on_request(t0, 2, long)[..] {
+    match &m.on_request(t0, 2, long, &sess())[..] {
         [Effect::Serve { deadline, .. }] => assert_eq!(*deadline, t0 + Duration::from_secs(2)),
         other => panic!("{other:?}"),
     }
@@ -649,7 +704,7 @@ fn waiting_for_publish_stops_when_the_budget_would_run_out() {
     let mut m = Machine::new(timeouts(), Duration::from_secs(2));
     let mut r = request("w", 1);
     r.budget_ms = 4000; // the last transfer may start at t0 + 2 s (publish wait is 5 s)
-    m.on_request(t0, 1, r);
+    m.on_request(t0, 1, r, &sess());
     assert_eq!(m.next_deadline(), Some(t0 + Duration::from_secs(2)));
     let e = m.on_tick(t0 + Duration::from_secs(2));
     assert_eq!(replies(&e)[0].1, Status::Error);
@@ -657,7 +712,7 @@ fn waiting_for_publish_stops_when_the_budget_would_run_out() {
     let mut m = Machine::new(timeouts(), Duration::from_secs(2));
     let mut r = request("w", 1);
     r.budget_ms = 4000;
-    m.on_request(t0, 1, r);
+    m.on_request(t0, 1, r, &sess());
     assert_eq!(
         serves(
             &m.publish(t0 + Duration::from_millis(1900), "w", "b")
@@ -671,8 +726,12 @@ fn waiting_for_publish_stops_when_the_budget_would_run_out() {
 #[test]
 fn consumer_sends_a_budget_that_ends_before_its_own_deadline() {
     let t0 = Instant::now();
-    let mut c = ConsumerMachine::new(Duration::from_secs(2), Duration::from_secs(10), 0);
-    let (_, bytes) = c.start(t0, request("a", 0));
+    let mut c = opened(ConsumerMachine::new(
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+        0,
+    ));
+    let (_, bytes) = c.start(t0, request("a", 0), None).unwrap();
     let sent = decode_request(&bytes).unwrap();
     assert_eq!(sent.budget_ms, 9000);
     assert!(Duration::from_millis(sent.budget_ms) < Duration::from_secs(10));

@@ -21,13 +21,15 @@ use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMess
 
 use crate::checksum::all_records;
 use crate::error::{LoadError, P2pError};
-use crate::proto::consumer::{ConsumerEvent, ConsumerMachine, FailReason};
+use crate::proto::consumer::{ConsumerEvent, ConsumerMachine, FailReason, SessionError};
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::{Reply, TransferRequest, DEFAULT_MAX_ZMTP_MESSAGE};
 use crate::proto::request::build_request;
 pub use crate::proto::request::{Landed, LandedGroup, LoadGroup, LoadSpec};
 use crate::worker::{validate, Worker, WorkerGroup};
-use kvferry_transfer::{GrantGuard, GrantOps, GrantSpec, Token, TransferEngine, TransferError};
+use kvferry_transfer::{
+    GrantGuard, GrantOps, GrantSpec, Secret, Token, TransferEngine, TransferError,
+};
 
 /// Consumer settings.
 #[derive(Debug, Clone)]
@@ -106,6 +108,8 @@ enum ConnectError {
     Timeout(Duration),
     #[error(transparent)]
     Zmq(zeromq::ZmqError),
+    #[error(transparent)]
+    Session(SessionError),
 }
 
 enum ConnFailure {
@@ -115,6 +119,8 @@ enum ConnFailure {
 
 struct LoadCmd {
     request: TransferRequest,
+    /// The lease's load key: proved in the session, never sent.
+    load_key: Option<String>,
     respond: oneshot::Sender<Result<Reply, ConnFailure>>,
 }
 
@@ -129,6 +135,10 @@ pub struct Consumer {
     pp: u32,
     conns: tokio::sync::Mutex<HashMap<String, mpsc::UnboundedSender<LoadCmd>>>,
     hook: RwLock<Option<LandedHook>>,
+    /// The workers' shared secret: producers must prove it before any request goes to them.
+    secret: Option<Secret>,
+    /// This consumer's name in sessions: its first rank's segment.
+    name: String,
 }
 
 impl Consumer {
@@ -138,7 +148,14 @@ impl Consumer {
     pub fn new(config: ConsumerConfig, workers: Vec<Worker>) -> Result<Consumer, P2pError> {
         let (tp, pp, workers) = validate(workers)?;
         let checksums = carrier_check(&config)?;
+        let secret = crate::shell::producer::workers_secret(&workers)?;
+        let name = workers
+            .first()
+            .map(|w| w.engine.segment_name())
+            .unwrap_or_default();
         Ok(Consumer {
+            secret,
+            name,
             config,
             checksums,
             layouts: workers.iter().map(Worker::layout).collect(),
@@ -176,9 +193,10 @@ impl Consumer {
             why: format!("granting the load's blocks: {e}"),
         })?;
         request.token = grants.first().map(|g| g.token().to_string());
-        request.load_key = spec.load_key.clone();
         let started = Instant::now();
-        let reply = self.send(&spec.producer, request).await;
+        let reply = self
+            .send(&spec.producer, request, spec.load_key.clone())
+            .await;
         // The transfer is over (FINISH: every WRITE was acknowledged) or failed: revoke
         // before verifying, so that nothing lands in the blocks after they are checked.
         drop(grants);
@@ -288,15 +306,30 @@ impl Consumer {
         })
     }
 
-    async fn send(&self, producer: &str, request: TransferRequest) -> Result<Reply, ConnFailure> {
+    async fn send(
+        &self,
+        producer: &str,
+        request: TransferRequest,
+        load_key: Option<String>,
+    ) -> Result<Reply, ConnFailure> {
         let (respond, answer) = oneshot::channel();
-        let mut cmd = LoadCmd { request, respond };
+        let mut cmd = LoadCmd {
+            request,
+            load_key,
+            respond,
+        };
         {
             let mut conns = self.conns.lock().await;
             for _ in 0..2 {
                 let tx = conns.entry(producer.to_string()).or_insert_with(|| {
                     let (tx, rx) = mpsc::unbounded_channel();
-                    tokio::spawn(Connection::new(producer.to_string(), &self.config).run(rx));
+                    let conn = Connection::new(
+                        producer.to_string(),
+                        &self.config,
+                        self.secret.clone(),
+                        self.name.clone(),
+                    );
+                    tokio::spawn(conn.run(rx));
                     tx
                 });
                 match tx.send(cmd) {
@@ -396,6 +429,8 @@ impl Drop for Sock {
 
 struct Connection {
     endpoint: String,
+    /// This consumer's name in sessions.
+    name: String,
     machine: ConsumerMachine,
     connect_timeout: Duration,
     send_timeout: Duration,
@@ -414,11 +449,18 @@ fn seed() -> u64 {
 }
 
 impl Connection {
-    fn new(endpoint: String, c: &ConsumerConfig) -> Connection {
+    fn new(
+        endpoint: String,
+        c: &ConsumerConfig,
+        secret: Option<Secret>,
+        name: String,
+    ) -> Connection {
         Connection {
             endpoint,
+            name,
             machine: ConsumerMachine::new(c.reply_timeout, c.max_wait, seed())
-                .with_retry_interval(c.reconnect_interval),
+                .with_retry_interval(c.reconnect_interval)
+                .with_secret(secret),
             connect_timeout: c.connect_timeout,
             send_timeout: c.send_timeout,
             max_message_bytes: c.max_message_bytes,
@@ -442,6 +484,21 @@ impl Connection {
             Ok(Err(e)) => return Err(ConnectError::Zmq(e)),
             Ok(Ok(())) => {}
         }
+        // The session first: with a secret, nothing else goes out before the producer proved it.
+        let nonce = kvferry_transfer::auth::random_bytes::<32>()
+            .map_err(|e| ConnectError::Session(SessionError::Refused(e.to_string())))?;
+        let hello = self.machine.hello(nonce, &self.endpoint, &self.name);
+        let welcome = tokio::time::timeout(self.connect_timeout, async {
+            socket.send(ZmqMessage::from(hello)).await?;
+            socket.recv().await
+        })
+        .await
+        .map_err(|_| ConnectError::Timeout(self.connect_timeout))?
+        .map_err(ConnectError::Zmq)?;
+        let body = welcome.into_vec().pop().unwrap_or_default();
+        self.machine
+            .on_welcome(&body)
+            .map_err(ConnectError::Session)?;
         self.generation += 1;
         let generation = self.generation;
         let (send, mut recv) = socket.split();
@@ -507,7 +564,7 @@ impl Connection {
             };
             tokio::select! {
                 cmd = commands.recv() => {
-                    let Some(LoadCmd { request, respond }) = cmd else { break };
+                    let Some(LoadCmd { request, load_key, respond }) = cmd else { break };
                     self.rebuild_if_needed();
                     if self.sock.is_none() {
                         if let Err(why) = self.machine.admit(Instant::now()) {
@@ -523,7 +580,10 @@ impl Connection {
                         }
                         self.machine.on_connected();
                     }
-                    let (load_id, bytes) = self.machine.start(Instant::now(), request);
+                    let Some((load_id, bytes)) = self.machine.start(Instant::now(), request, load_key.as_deref()) else {
+                        let _ = respond.send(Err(ConnFailure::Connect("no session with the producer".into())));
+                        continue;
+                    };
                     self.waiters.insert(load_id, respond);
                     let Some(sock) = self.sock.as_mut() else { continue };
                     let sent = tokio::time::timeout(self.send_timeout, sock.send.send(ZmqMessage::from(bytes))).await;

@@ -18,16 +18,34 @@ use crate::checksum::all_records;
 use crate::error::P2pError;
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::{
-    decode_request, encode, Reply, DEFAULT_MAX_ZMTP_MESSAGE, MAX_MESSAGE_BYTES,
+    decode_consumer_message, encode, ConsumerMessage, Hello, Reply, TransferRequest, Welcome,
+    DEFAULT_MAX_ZMTP_MESSAGE, KIND_WELCOME, MAX_MESSAGE_BYTES, PROTOCOL_VERSION,
 };
 use crate::proto::producer::{
     Effect, ProducerMachine, ProducerTimeouts, PublishError, ReleaseReason,
 };
 use crate::proto::serve::{plan, Published};
 use crate::proto::serve_error::ServeFailure;
+use crate::proto::session::{names_producer, Session};
 use crate::shell::serve::write_all;
 use crate::worker::{validate, Worker};
-use kvferry_transfer::Token;
+use kvferry_transfer::auth::LogLimit;
+use kvferry_transfer::{Secret, Token};
+
+/// Most control-channel sessions a producer holds (one per consumer connection); past it, the
+/// oldest goes (its consumer's next request is refused and its connection rebuilt).
+pub const MAX_SESSIONS: usize = 4096;
+
+/// The shared secret of the workers' engines: all have the same one, or none has.
+pub(crate) fn workers_secret(workers: &[Worker]) -> Result<Option<Secret>, P2pError> {
+    let first = workers.first().and_then(|w| w.engine.secret().cloned());
+    if workers.iter().any(|w| w.engine.secret() != first.as_ref()) {
+        return Err(P2pError::Config(
+            "the workers' transfer engines do not all have the same shared secret".into(),
+        ));
+    }
+    Ok(first)
+}
 
 /// Producer settings.
 #[derive(Debug, Clone)]
@@ -149,6 +167,7 @@ impl Producer {
     /// Errors: [`P2pError::Workers`], [`P2pError::Bind`].
     pub async fn start(config: ProducerConfig, workers: Vec<Worker>) -> Result<Producer, P2pError> {
         let (tp, pp, workers) = validate(workers)?;
+        let secret = workers_secret(&workers)?;
         let mut options = zeromq::SocketOptions::default();
         options.max_message_size(config.max_message_bytes);
         let mut socket = zeromq::RouterSocket::with_options(options);
@@ -178,6 +197,11 @@ impl Producer {
                 workers: workers.clone(),
                 layouts: Arc::new(workers.iter().map(Worker::layout).collect()),
                 send_timeout: config.send_timeout,
+                secret,
+                endpoint: endpoint.clone(),
+                bind: config.bind.clone(),
+                sessions: std::collections::HashMap::new(),
+                refusals: LogLimit::new(5, Duration::from_secs(10)),
             }
             .run(rx),
         );
@@ -356,6 +380,23 @@ struct EventLoop {
     /// The workers as the planner sees them (same order).
     layouts: Arc<Vec<RankLayout>>,
     send_timeout: Duration,
+    /// The workers' shared secret: consumers must prove it (authenticated mode).
+    secret: Option<Secret>,
+    /// The bound endpoint and the configured one: what a `hello` may name.
+    endpoint: String,
+    bind: String,
+    /// Open sessions by ROUTER peer identity (at most [`MAX_SESSIONS`]).
+    sessions: std::collections::HashMap<Bytes, PeerSession>,
+    /// Rate limit of the WARN lines for refused hellos and requests.
+    refusals: LogLimit,
+}
+
+struct PeerSession {
+    session: Session,
+    opened: Instant,
+    /// The highest load id served a request in this session: a request must name a higher
+    /// one (a replay within the session is refused).
+    last_load_id: Option<u64>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -397,6 +438,9 @@ impl EventLoop {
                 }
                 Event::Peer(Some(SocketEvent::AcceptFailed(e))) => {
                     warn!("control connection refused: {e}");
+                }
+                Event::Peer(Some(SocketEvent::Disconnected(peer))) => {
+                    self.sessions.remove(&Bytes::from(peer));
                 }
                 Event::Peer(Some(_)) => {}
                 Event::Peer(None) => self.monitor = None,
@@ -463,14 +507,33 @@ impl EventLoop {
             warn!("control message without a body, dropped");
             return;
         }
-        match decode_request(&body) {
-            Ok(req) => {
+        match decode_consumer_message(&body) {
+            Ok(ConsumerMessage::Hello(hello)) => {
+                let welcome = self.on_hello(&peer, hello);
+                let mut msg = ZmqMessage::from(peer);
+                msg.push_back(Bytes::from(encode(&welcome)));
+                match tokio::time::timeout(self.send_timeout, self.socket.send(msg)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => debug!("welcome not sent: {e}"),
+                    Err(_) => debug!("welcome not sent within {:?}", self.send_timeout),
+                }
+            }
+            Ok(ConsumerMessage::Request(req)) => {
                 debug!(
                     request_id = req.request_id,
                     load_id = req.load_id,
                     "transfer request"
                 );
-                let effects = self.machine.on_request(Instant::now(), peer, req);
+                let session = match self.admit(&peer, &req) {
+                    Ok(s) => s,
+                    Err(why) => {
+                        self.refused(&why);
+                        let reply = Reply::error(&req.request_id, req.load_id, why);
+                        self.send(peer, reply).await;
+                        return;
+                    }
+                };
+                let effects = self.machine.on_request(Instant::now(), peer, req, &session);
                 self.apply(effects).await;
             }
             Err(e) => {
@@ -489,6 +552,107 @@ impl EventLoop {
                 self.send(peer, reply).await;
             }
         }
+    }
+
+    /// A WARN for a refused hello or request, within the rate limit.
+    fn refused(&self, why: &str) {
+        if let Some(held_back) = self.refusals.allow(Instant::now()) {
+            warn!("control channel: refused: {why} ({held_back} earlier refusals not logged)");
+        }
+    }
+
+    /// Opens a session for `peer`, or says why not (in the welcome).
+    fn on_hello(&mut self, peer: &Bytes, hello: Hello) -> Welcome {
+        let mut w = Welcome {
+            version: PROTOCOL_VERSION,
+            kind: KIND_WELCOME.to_string(),
+            nonce: Vec::new(),
+            proof: None,
+            error: None,
+        };
+        let refuse = |w: &mut Welcome, why: String| {
+            w.error = Some(why);
+        };
+        if self.sessions.contains_key(peer) {
+            refuse(
+                &mut w,
+                "a session is already open on this connection".into(),
+            );
+        } else if self.secret.is_some()
+            && !names_producer(&hello.producer, &self.endpoint, &self.bind)
+        {
+            refuse(
+                &mut w,
+                format!(
+                    "the hello names {:?}, this producer is {}",
+                    hello.producer, self.endpoint
+                ),
+            );
+        }
+        let nonce = match kvferry_transfer::auth::random_bytes::<32>() {
+            Ok(n) => n,
+            Err(e) => {
+                refuse(&mut w, e.to_string());
+                [0; 32]
+            }
+        };
+        if let Some(why) = &w.error {
+            self.refused(why);
+            return w;
+        }
+        let session = Session {
+            consumer_nonce: hello.nonce.as_slice().try_into().unwrap_or([0; 32]),
+            producer_nonce: nonce,
+            producer: hello.producer,
+            consumer: hello.consumer,
+        };
+        w.nonce = nonce.to_vec();
+        w.proof = self
+            .secret
+            .as_ref()
+            .map(|s| session.producer_proof(s).to_vec());
+        if self.sessions.len() >= MAX_SESSIONS {
+            let oldest = self
+                .sessions
+                .iter()
+                .min_by_key(|(_, s)| s.opened)
+                .map(|(k, _)| k.clone());
+            if let Some(k) = oldest {
+                self.sessions.remove(&k);
+            }
+        }
+        self.sessions.insert(
+            peer.clone(),
+            PeerSession {
+                session,
+                opened: Instant::now(),
+                last_load_id: None,
+            },
+        );
+        w
+    }
+
+    /// The session a request of `peer` may act in: one is open, the request proves the secret
+    /// over it (authenticated mode), and its load id was not used in it before.
+    fn admit(&mut self, peer: &Bytes, req: &TransferRequest) -> Result<Session, String> {
+        let Some(s) = self.sessions.get_mut(peer) else {
+            return Err("no session on this connection: send hello first".into());
+        };
+        if let Some(secret) = &self.secret {
+            if !s.session.check_request_proof(secret, req) {
+                return Err(
+                    "the request does not prove the shared secret over this session".into(),
+                );
+            }
+        }
+        if s.last_load_id.is_some_and(|last| req.load_id <= last) {
+            return Err(format!(
+                "load id {} was already used in this session (replayed request)",
+                req.load_id
+            ));
+        }
+        s.last_load_id = Some(req.load_id);
+        Ok(s.session.clone())
     }
 
     async fn apply(&mut self, effects: Vec<Effect<Bytes, Published>>) {

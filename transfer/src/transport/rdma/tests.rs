@@ -160,7 +160,7 @@ fn context(config: EngineConfig) -> (TransportContext, TcpListener) {
         instance_id: super::verbs::random_u64(),
         registry: Arc::new(MemoryRegistry::new()),
         memory: Arc::new(HostMemoryAccess),
-        auth: crate::auth::AuthState::new(None),
+        auth: crate::auth::AuthState::new(None, "test"),
     };
     (ctx, l)
 }

@@ -677,3 +677,43 @@ async fn a_relaying_man_in_the_middle_fails_on_the_control_channel() {
     assert_eq!(out.verdict, Some(Verdict::Verified));
     producer.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_mode_key_proofs_are_bound_to_their_session() {
+    // No secret anywhere: the load key still never travels, and its proof from one session
+    // does not load the lease in another.
+    use kvferry_p2p::proto::consumer::ConsumerMachine;
+    let p = Side::new(1, 1, 8, Some(7));
+    let c = Side::new(1, 1, 12, None);
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let ep = producer.endpoint().to_string();
+    let info = producer
+        .publish("req-1", vec![vec![Some(3), Some(5), Some(1)]], NUM_TOKENS)
+        .await
+        .unwrap();
+    let layouts: Vec<_> = c.workers.iter().map(|w| w.layout()).collect();
+    let (request, _) =
+        kvferry_p2p::proto::request::build_request(&layouts, 1, 1, &spec("req-1", "", None))
+            .unwrap();
+    let mut owner = ConsumerMachine::new(Duration::from_secs(10), Duration::from_secs(20), 1);
+    let mut d = dealer(&ep).await;
+    open_session(&mut d, &mut owner, &ep).await.unwrap();
+    let (_, captured) = owner
+        .start(std::time::Instant::now(), request, Some(&info.load_key))
+        .unwrap();
+    assert!(
+        !captured
+            .windows(info.load_key.len())
+            .any(|w| w == info.load_key.as_bytes()),
+        "the key itself is not in the request"
+    );
+    let mut d2 = dealer(&ep).await;
+    let mut stranger = ConsumerMachine::new(Duration::from_secs(10), Duration::from_secs(20), 1);
+    open_session(&mut d2, &mut stranger, &ep).await.unwrap();
+    let e = error_of(&ask(&mut d2, captured).await);
+    assert!(e.contains("load key wrong"), "{e}");
+    assert!(producer.released().is_empty(), "the lease stays for its owner");
+    producer.shutdown().await;
+}

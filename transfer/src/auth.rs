@@ -1,13 +1,15 @@
-//! Authorization of the handshake and data path (issue 10; docs/design.md "Authentication").
+//! Authorization of the handshake and data path (docs/design.md §8.1).
 //!
 //! Two modes, chosen by `EngineConfig::auth`:
 //! - **Open** (no secret; the default, as in Mooncake): any peer that reaches the listeners may
 //!   fetch the descriptor, connect QPs and READ/WRITE every registered region. Trusted
 //!   networks only; the engine's info line says so.
-//! - **Authenticated** (a shared secret configured): the handshake listener hands out the
-//!   descriptor and accepts RDMA `Connect` frames only on a connection that first proved the
-//!   secret (challenge-response: `HMAC-SHA256(secret, label ‖ server nonce)`, the secret never
-//!   travels) or presented a live grant token. Every TCP data frame must carry a grant token,
+//! - **Authenticated** (a shared secret configured): both sides of a handshake prove the
+//!   secret ([`Hello`]: the target proves it over both nonces and both names before the
+//!   initiator proves it in `Auth`, each with its own label; the secret never travels). The
+//!   listener hands out the descriptor and accepts RDMA `Connect` frames only on a connection
+//!   that proved the secret or presented a live grant token, and an initiator with the secret
+//!   sends nothing after its `Hello` to a target that did not prove it. Every TCP data frame must carry a grant token,
 //!   and its op and byte ranges must lie inside what the target granted to that token, before
 //!   the grant expires or is dropped. READ is refused unless the grant allows it.
 //!

@@ -110,8 +110,9 @@ pub enum SpecError {
 }
 
 /// Builds the request that loads `spec` into `ranks` (a TP `tp` × PP `pp` grid, validated,
-/// every rank with the same groups), and the blocks it will land. `budget_ms`, `token` and
-/// `load_key` are left for the caller (the connection's state machine and the grants).
+/// every rank with the same groups), and the blocks it will land. `budget_ms`, `token`,
+/// `key_proof` and `proof` are left for the caller (the grants and the connection's state
+/// machine, which binds them to its session).
 /// Errors: [`SpecError`].
 pub fn build_request(
     ranks: &[RankLayout],

@@ -556,8 +556,10 @@ impl EventLoop {
 
     /// A WARN for a refused hello or request, within the rate limit.
     fn refused(&self, why: &str) {
-        if let Some(held_back) = self.refusals.allow(Instant::now()) {
-            warn!("control channel: refused: {why} ({held_back} earlier refusals not logged)");
+        match self.refusals.allow(Instant::now()) {
+            Some(0) => warn!("control channel: refused: {why}"),
+            Some(n) => warn!("control channel: refused: {why} ({n} more refusals not logged)"),
+            None => {}
         }
     }
 

@@ -858,13 +858,16 @@ fn serve_and_load_with_a_shared_secret_and_a_stranger_without_it() {
         &addr,
         &[&common[..], &secret, &["--exit-after", "2"]].concat(),
     );
-    // Without the secret, or with another one: no request can be loaded, none is consumed.
+    // Without the secret, or with another one: no request can be loaded, none is consumed
+    // (the producer refuses a request that does not prove the secret; a consumer with another
+    // one refuses the producer, whose proof does not check, and sends it nothing).
     for extra in [&[][..], &["--secret-file", bad.to_str().unwrap()][..]] {
         let out = run_load(&addr, &[&common[..], extra].concat());
         assert!(!out.status.success());
         let r: Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!((n(&r, "verified"), n(&r, "failed")), (0, 2), "{r}");
-        assert!(String::from_utf8_lossy(&out.stderr).contains("load key"));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("prove the shared secret"), "{err}");
     }
     // The secret's holder loads both (the env var works as --secret-file).
     let out = kvferry()

@@ -47,7 +47,7 @@ const P2PHANDSHAKE: &str = "P2PHANDSHAKE";
 /// return their failure code. Dropping the object stops the engine.
 ///
 /// Source: Mooncake `transfer_engine_py.cpp` (names, defaults, codes); kvferry docs/design.md §3
-/// (the engine underneath); issue 9.
+/// (the engine underneath).
 #[pyclass(name = "TransferEngine", module = "kvferry", frozen)]
 pub struct PyTransferEngine {
     engine: OnceLock<Arc<TransferEngine>>,

@@ -13,6 +13,7 @@ use kvferry_kernels::{Device, LayerInput};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use crate::repr::str_repr;
 use crate::tensor::{view_of, TensorView};
 
 /// `"cpu"` or `"cuda:N"`.
@@ -192,16 +193,16 @@ impl KVCacheLayer {
         (self.spec.replica.replicas, self.spec.replica.index)
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         format!(
-            "KVCacheLayer({:?}, layout={:?}, blocks={}, block_size={}, heads={}, head_offset={}, device={:?})",
-            self.spec.name,
-            self.layout(),
+            "KVCacheLayer({}, layout={}, blocks={}, block_size={}, heads={}, head_offset={}, device={})",
+            str_repr(py, &self.spec.name),
+            str_repr(py, &self.layout()),
             self.num_blocks(),
             self.block_size(),
             self.heads(),
             self.spec.head_offset,
-            self.device()
+            str_repr(py, &self.device())
         )
     }
 }
@@ -430,13 +431,13 @@ impl KVCacheGroup {
         device_name(self.device)
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         format!(
-            "KVCacheGroup({}, {} layers, block_size={}, device={:?})",
+            "KVCacheGroup({}, {} layers, block_size={}, device={})",
             self.group_id,
             self.layers.len(),
             self.block_size,
-            device_name(self.device)
+            str_repr(py, &device_name(self.device))
         )
     }
 }
@@ -530,16 +531,16 @@ impl Rank {
         device_name(self.device)
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         let r = self.rank;
         format!(
-            "Rank(tp {}/{}, pp {}/{}, {} groups, device={:?})",
+            "Rank(tp {}/{}, pp {}/{}, {} groups, device={})",
             r.tp_rank,
             r.tp_size,
             r.pp_rank,
             r.pp_size,
             self.groups.len(),
-            device_name(self.device)
+            str_repr(py, &device_name(self.device))
         )
     }
 }

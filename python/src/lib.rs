@@ -22,6 +22,7 @@ mod layer;
 mod p2p;
 mod payload;
 mod pylog;
+mod repr;
 mod runtime;
 mod tensor;
 mod verdict;
@@ -30,6 +31,7 @@ mod verdict;
 #[pymodule]
 fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pylog::install();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     engine::register(m)?;
     layer::register(m)?;
     checksum::register(m)?;

@@ -20,6 +20,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::layer::{device_name, memory_ranges, Rank};
+use crate::repr::{bool_repr, opt_str_repr, str_repr};
 use crate::runtime::{block_on, seconds};
 use crate::verdict::{action_name, KVChecksumVerdict};
 
@@ -163,10 +164,13 @@ pub struct PublishInfo {
 
 #[pymethods]
 impl PublishInfo {
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         format!(
-            "PublishInfo(checksummed={}, checksum_seconds={:.6}, payload_bytes={}, warning={:?})",
-            self.checksummed, self.checksum_seconds, self.payload_bytes, self.warning
+            "PublishInfo(checksummed={}, checksum_seconds={:.6}, payload_bytes={}, warning={})",
+            bool_repr(self.checksummed),
+            self.checksum_seconds,
+            self.payload_bytes,
+            opt_str_repr(py, self.warning.as_deref())
         )
     }
 }
@@ -421,11 +425,11 @@ impl Producer {
         Ok(false)
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         format!(
-            "Producer(endpoint={:?}, transport={:?}, {} ranks)",
-            self.endpoint,
-            self.transport,
+            "Producer(endpoint={}, transport={}, {} ranks)",
+            str_repr(py, &self.endpoint),
+            str_repr(py, &self.transport),
             self.segments.len()
         )
     }
@@ -470,11 +474,15 @@ impl LoadOutcome {
         let verdict = self
             .verdict
             .as_ref()
-            .map(|v| v.bind(py).get().status().to_string())
+            .map(|v| str_repr(py, v.bind(py).get().status()))
             .unwrap_or_else(|| "None".into());
         format!(
-            "LoadOutcome({:?}, landed={}, verdict={verdict}, action={:?}, bytes={}, error={:?})",
-            self.request_id, self.landed, self.action, self.bytes, self.error
+            "LoadOutcome({}, landed={}, verdict={verdict}, action={}, bytes={}, error={})",
+            str_repr(py, &self.request_id),
+            bool_repr(self.landed),
+            str_repr(py, self.action),
+            self.bytes,
+            opt_str_repr(py, self.error.as_deref())
         )
     }
 }
@@ -623,7 +631,7 @@ impl Consumer {
     }
 
     /// load(request_id, producer, remote_blocks, local_blocks, num_tokens, *,
-    ///      num_local_computed=0, timeout=None) -> LoadOutcome
+    ///      num_local_computed=0, timeout=None, load_key=None) -> LoadOutcome
     ///
     /// Loads a request's KV: asks ``producer`` (its ``endpoint``) to WRITE the blocks, waits for
     /// its reply, runs the landed hook, checksums the landed blocks on every rank (tokens
@@ -735,12 +743,12 @@ impl Consumer {
         }
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         format!(
-            "Consumer(transport={:?}, {} ranks, checksums={})",
-            self.transport,
+            "Consumer(transport={}, {} ranks, checksums={})",
+            str_repr(py, &self.transport),
             self.segments.len(),
-            self.inner.checksums_enabled()
+            bool_repr(self.inner.checksums_enabled())
         )
     }
 }

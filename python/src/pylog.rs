@@ -1,5 +1,5 @@
-//! kvferry's `tracing` events → Python's `logging` (issue 9: "Python's `logging` sees kvferry's
-//! log lines").
+//! kvferry's `tracing` events → Python's `logging`, so that Python's `logging` sees kvferry's log
+//! lines.
 //!
 //! A `tracing` layer formats each event (message and fields) and hands it to
 //! `logging.getLogger(name).log(level, text)`, where `name` is the event's target under the

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
 use crate::payload::KVChecksumPayload;
+use crate::repr::{bool_repr, str_repr};
 
 /// The stable code of an unverified reason (snake case of the reason).
 pub fn reason_code(r: UnverifiedReason) -> &'static str {
@@ -113,8 +114,8 @@ impl KVChecksumVerdict {
         parts.join("; ")
     }
 
-    fn __repr__(&self) -> String {
-        format!("KVChecksumVerdict({:?})", self.__str__())
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!("KVChecksumVerdict({})", str_repr(py, &self.__str__()))
     }
 }
 
@@ -274,12 +275,8 @@ impl KVChecksumPolicy {
 
     fn __repr__(&self) -> String {
         format!(
-            "KVChecksumPolicy(fail_closed={}, load_failure_policy={:?})",
-            if self.inner.fail_closed {
-                "True"
-            } else {
-                "False"
-            },
+            "KVChecksumPolicy(fail_closed={}, load_failure_policy='{}')",
+            bool_repr(self.inner.fail_closed),
             self.load_failure_policy()
         )
     }

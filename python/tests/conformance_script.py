@@ -11,7 +11,7 @@ transfer that should move bytes is followed by a byte check; the outcome records
 code(s) and the check, never a timing (except "failed within N seconds" for an unreachable
 peer, which is the behaviour under test).
 
-Cases (issue 9): 1 MiB sync write and read; 64 scattered 4 KiB writes in one batch (and a
+Cases: 1 MiB sync write and read; 64 scattered 4 KiB writes in one batch (and a
 scattered read); async batch + status; submit + check status; 8 threads at once; the GIL (a
 Python thread keeps counting while another runs a long transfer); errors: unreachable session,
 remote range outside registered memory, lists of different lengths, a write into memory

@@ -1,6 +1,6 @@
 """kvferry.checksum on CPU tensors against an independent NumPy form of the definition, in every
 layout; KVChecksumPayload byte-equal to the CLI's `kvferry payload encode`; compare and the
-failure policy (issue 9; docs/design.md §2.1-§2.7)."""
+failure policy (docs/design.md §2.1-§2.7)."""
 
 import json
 import subprocess

@@ -1,5 +1,5 @@
 """Conformance: `conformance_script.py` run against Mooncake's non-CUDA wheel and against kvferry
-must give the same outcome for every call (issue 9).
+must give the same outcome for every call.
 
 Mooncake is installed from PyPI into a throwaway venv (`mooncake-transfer-engine-non-cuda`,
 pinned to the version this table was checked against; override with

@@ -1,6 +1,6 @@
 """GPU: kvferry.checksum on torch CUDA tensors equals the CPU checksum of the same bytes and runs
 after the caller's stream without synchronising it; a Producer/Consumer pair with KV in GPU memory
-verifies loads and catches a corrupted byte under each policy (issue 9; docs/design.md §5).
+verifies loads and catches a corrupted byte under each policy (docs/design.md §5).
 
 Skipped without torch or a CUDA device, unless KVFERRY_REQUIRE_GPU=1 (scripts/gpu-tests.sh sets
 it on a machine with a GPU), which turns the skip into a failure.

@@ -1,4 +1,4 @@
-"""kvferry.Producer / kvferry.Consumer from Python (issue 9; docs/design.md §4, §2.6, §2.7): KV in
+"""kvferry.Producer / kvferry.Consumer from Python (docs/design.md §4, §2.6, §2.7): KV in
 NumPy arrays, both sides in this process over TCP on 127.0.0.1. A correct load verifies and
 lands the producer's bytes; a byte corrupted after landing (the landed hook) is caught under every
 policy; TP differs between the sides; one Producer/Consumer pair per TP rank; a load that cannot

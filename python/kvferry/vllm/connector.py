@@ -7,7 +7,7 @@ Load it with::
                            "kv_role": "kv_producer" | "kv_consumer",
                            "kv_load_failure_policy": "fail" | "recompute",
                            "kv_connector_extra_config": {"host": "10.0.0.5", "port": 17500,
-                               "protocol": "tcp", "fail_closed": true,
+                               "protocol": "auto", "fail_closed": true,
                                "lease_seconds": 30, "load_timeout_seconds": 30,
                                "connect_timeout_seconds": 5, "head_splits": 1,
                                "layer_splits": 1}}'
@@ -16,8 +16,11 @@ Extra config keys: ``host`` (this instance's address, reachable by the peer; def
 ``get_ip()``), ``port`` (side-channel base port; head unit ``j`` of layer unit ``k`` of producer
 rank ``(tp, pp)`` binds ``port + ((pp * tp_size + tp) * layer_splits + k) * head_splits + j``,
 data-parallel engine ``d`` from ``port + d * tp_size * pp_size * layer_splits * head_splits``),
-``protocol`` (``tcp`` | ``rdma`` | ``auto``),
-``fail_closed`` (an unverifiable load fails; default true), ``lease_seconds``,
+``protocol`` (``auto``, the default: RDMA when a usable device exists, else TCP, as the CLI;
+each worker logs what it chose | ``tcp`` | ``rdma``),
+``fail_closed`` (a mismatched or unverifiable load goes to vLLM's ``kv_load_failure_policy``;
+default true, unlike the CLI and ``kvferry.Consumer``: in serving, decoding from KV known to
+differ is the worse outcome), ``lease_seconds``,
 ``load_timeout_seconds``, ``connect_timeout_seconds``, ``head_splits`` (read by producers; int
 >= 1, default 1, must divide each rank's KV heads: each producer rank serves its heads through
 that many kvferry Producers, "units", of ``Hp / head_splits`` heads each; a consumer rank
@@ -29,8 +32,11 @@ nothing; docs/vllm-connector-notes.md §8), ``layer_splits`` (read by producers;
 layer_splits, a + (k + 1) * n // layer_splits)``, ``n = b - a``, times ``head_splits`` head
 units; a consumer PP stage loads and verifies the layer units inside its own layers, so its layer
 range must be a union of whole layer units: e.g. PP 1 -> PP 2 needs ``layer_splits`` 2 on the
-producer, PP 2 -> PP 1 needs nothing; a refused load names the ``layer_splits`` needed), and the
-test-only ``test_corrupt_transfer_prefix``
+producer, PP 2 -> PP 1 needs nothing; a refused load names the ``layer_splits`` needed),
+``rdma_devices`` (the RDMA NICs of each worker: ``"mlx5_0,mlx5_1"`` for every worker of the
+host, or a list with one entry per worker indexed by its local rank, e.g. ``["mlx5_0",
+"mlx5_1"]`` for GPU 0 and GPU 1; default ``""``: kvferry picks; Mooncake's ``device_name``),
+and the test-only ``test_corrupt_transfer_prefix``
 (flips a landed bit of every load whose transfer id starts with it: fault injection for the
 tests; never set it in production).
 
@@ -56,7 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvferry.vllm.layouts import layer_specs
 from kvferry.vllm.metadata import KvferryConnectorMetadata
 from kvferry.vllm.scheduler import KvferrySchedulerSide, SchedulerConfig
-from kvferry.vllm.transport import KvferryTransport, TransportConfig
+from kvferry.vllm.transport import KvferryTransport, TransportConfig, rdma_devices_for
 from kvferry.vllm.units import ConfigError
 from kvferry.vllm.worker import KvferryWorkerSide
 
@@ -73,6 +79,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvferry")
 
 DEFAULT_PORT = 17500
+# As the CLI's --transport: RDMA when a usable device exists, else TCP (each worker logs its choice).
+DEFAULT_PROTOCOL = "auto"
 
 
 def _extra(extra: dict[str, Any], key: str, kind: type, default: Any) -> Any:
@@ -128,7 +136,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         if lease <= 0 or timeout <= 0 or connect_timeout <= 0:
             raise ConfigError("kv_connector_extra_config lease_seconds, load_timeout_seconds and "
                               "connect_timeout_seconds must be > 0")
-        protocol = _extra(extra, "protocol", str, "tcp")
+        protocol = _extra(extra, "protocol", str, DEFAULT_PROTOCOL)
         if protocol not in ("tcp", "rdma", "auto"):
             raise ConfigError(f"kv_connector_extra_config['protocol'] = {protocol!r}: expected tcp, rdma or auto")
         fail_closed = _extra(extra, "fail_closed", bool, True)
@@ -138,6 +146,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         layer_splits = _extra(extra, "layer_splits", int, 1)
         if layer_splits < 1:
             raise ConfigError(f"kv_connector_extra_config['layer_splits'] = {layer_splits} must be >= 1")
+        rdma_devices = extra.get("rdma_devices")  # resolved per worker below (rdma_devices_for)
         corrupt = extra.get("test_corrupt_transfer_prefix")
         if corrupt is not None and not isinstance(corrupt, str):
             raise ConfigError(f"kv_connector_extra_config['test_corrupt_transfer_prefix'] = {corrupt!r}: expected str")
@@ -183,13 +192,16 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
+            from vllm.distributed.parallel_state import get_world_group
+
             tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+            devices = rdma_devices_for(rdma_devices, get_world_group().local_rank)
             transport = KvferryTransport(
                 TransportConfig(host=host, port=port, protocol=protocol, fail_closed=fail_closed,
                                 load_failure_policy=ktc.kv_load_failure_policy, lease_seconds=lease,
                                 load_timeout_seconds=timeout, connect_timeout_seconds=connect_timeout,
                                 test_corrupt_transfer_prefix=corrupt, head_splits=head_splits,
-                                layer_splits=layer_splits),
+                                layer_splits=layer_splits, rdma_devices=devices),
                 tp_rank=tp_rank, pp_rank=pp_rank, tp_size=pc.tensor_parallel_size,
                 pp_size=pc.pipeline_parallel_size, block_size=vllm_config.cache_config.block_size,
                 is_producer=ktc.is_kv_producer, is_consumer=ktc.is_kv_consumer,

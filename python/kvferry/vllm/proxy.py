@@ -14,7 +14,8 @@ Run::
 
     python -m kvferry.vllm.proxy --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200 --port 8000
 
-Needs ``fastapi``, ``uvicorn`` and ``httpx`` (vLLM's own requirements). Errors: a prefill that
+Needs ``fastapi``, ``uvicorn`` and ``httpx`` (vLLM's own requirements; not vLLM itself:
+``pip install 'kvferry[proxy]'`` on a machine without vLLM). Errors: a prefill that
 fails or returns no ``kv_transfer_params`` answers the client with its status and message
 (HTTP 502 when it returned no params); nothing is sent to the decode instance then.
 """
@@ -71,9 +72,26 @@ def decode_body(body: dict[str, Any], prefill_response: dict[str, Any]) -> dict[
     return out
 
 
+PROXY_PACKAGES = ("fastapi", "uvicorn", "httpx")
+
+
+def _require_web_stack() -> None:
+    """Raises ImportError naming the proxy's missing packages and the command that installs them
+    (they come with vLLM; a machine running only the proxy needs just these)."""
+    import importlib.util
+
+    missing = [p for p in PROXY_PACKAGES if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ImportError(
+            f"the kvferry proxy needs {', '.join(missing)}: pip install {' '.join(missing)} "
+            "(or pip install 'kvferry[proxy]')"
+        )
+
+
 def make_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, transport: Any = None):
     """The FastAPI app: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``.
     ``transport``: an ``httpx`` transport for the upstream calls (tests); default: the network."""
+    _require_web_stack()
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -141,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request")
     a = ap.parse_args(argv)
+    _require_web_stack()
     import uvicorn
 
     uvicorn.run(make_app(a.prefill, a.decode, a.timeout), host=a.host, port=a.port, log_level="info")

@@ -59,17 +59,20 @@ class TransportConfig:
     units.py); ``layer_splits``: producer layer units per rank (each over a contiguous run of its
     stage's layers; units.py), ``head_splits * layer_splits`` ``kvferry.Producer`` objects in all;
     ``protocol``:
-    ``"tcp"`` | ``"rdma"`` | ``"auto"``; ``fail_closed``: an unverifiable load fails;
+    ``"auto"`` (default: RDMA when a usable device exists, else TCP; the choice is logged once
+    per worker) | ``"tcp"`` | ``"rdma"``; ``fail_closed``: an unverifiable load fails;
     ``load_failure_policy``: vLLM's ``kv_load_failure_policy`` (``"fail"`` | ``"recompute"``,
     named in kvferry's logs); ``lease_seconds``: how long a producer holds published blocks;
     ``load_timeout_seconds``: one load's deadline (a producer's WRITEs for one load may take half
     of its own); ``connect_timeout_seconds``: connecting to a producer;
     ``test_corrupt_transfer_prefix``: test-only fault injection, flips a bit of the first landed
-    block of every unit load whose transfer id starts with it (None: off)."""
+    block of every unit load whose transfer id starts with it (None: off); ``rdma_devices``:
+    the RDMA devices this rank's engines may use, comma-separated (``""``: any; see
+    :func:`rdma_devices_for`)."""
 
     host: str
     port: int
-    protocol: str = "tcp"
+    protocol: str = "auto"
     fail_closed: bool = True
     load_failure_policy: str = "fail"
     lease_seconds: float = 30.0
@@ -78,6 +81,27 @@ class TransportConfig:
     test_corrupt_transfer_prefix: str | None = None
     head_splits: int = 1
     layer_splits: int = 1
+    rdma_devices: str = ""
+
+
+def rdma_devices_for(value: Any, local_rank: int) -> str:
+    """The RDMA devices one worker's engines may use, from ``kv_connector_extra_config``'s
+    ``rdma_devices``: a string (``"mlx5_0,mlx5_1"``, every worker of the host the same list; ``""``:
+    every device, kvferry picks) or a list with one string per worker of the host, indexed by
+    the worker's local rank (``["mlx5_0", "mlx5_1", ...]``: each GPU's own NIC, as Mooncake's
+    per-GPU topology does). Raises :class:`~kvferry.vllm.units.ConfigError` for another type or
+    a list without an entry for ``local_rank``."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        if 0 <= local_rank < len(value):
+            return value[local_rank]
+        raise ConfigError(f"kv_connector_extra_config['rdma_devices'] has {len(value)} entries; this worker's "
+                          f"local rank is {local_rank}: give one device list per worker of the host")
+    raise ConfigError(f"kv_connector_extra_config['rdma_devices'] = {value!r}: expected a string of "
+                      "comma-separated device names or a list of them, one per worker of the host")
 
 
 class KvferryTransport:
@@ -163,7 +187,7 @@ class KvferryTransport:
                 for j, unit_heads in enumerate(head_units):
                     producer = kvferry.Producer(
                         [self._rank(unit_heads, unit_layers)], bind=f"tcp://{c.host}:{self.unit_port(j, k)}",
-                        host=c.host, protocol=c.protocol,
+                        host=c.host, protocol=c.protocol, rdma_devices=c.rdma_devices,
                         # A consumer's load must leave the producer its whole transfer time (kvferry's p2p
                         # refuses a budget below it): half the load timeout, so equal configs pair.
                         lease=c.lease_seconds, transfer_timeout=c.load_timeout_seconds / 2)
@@ -172,6 +196,21 @@ class KvferryTransport:
                              producer.endpoint, producer.transport, _unit_text(unit_heads, unit_layers))
         if self.is_consumer:
             self._consumer(None, None)
+        self.transport = self._log_transport()
+
+    def _log_transport(self) -> str:
+        """Logs, once per worker (``register`` runs once), which transport ``protocol`` gave this
+        rank's engines, and returns it (``"tcp"``, ``"rdma"``, or both joined by ``"+"``). With
+        ``auto`` and GPU KV, ``tcp`` means the KV goes through pinned host buffers."""
+        engines = [*self.producers, *self.consumers.values()]
+        chosen = "+".join(sorted({e.transport for e in engines})) or "none"
+        why = ""
+        if self.config.protocol == "auto" and chosen == "tcp":
+            why = " (no usable RDMA device or a build without RDMA; kvferry's log says which)"
+        devices = f", RDMA devices {self.config.rdma_devices}" if self.config.rdma_devices else ""
+        log.info("kvferry rank tp=%d pp=%d: protocol %r -> transport %s%s%s", self.tp_rank, self.pp_rank,
+                 self.config.protocol, chosen, devices, why)
+        return chosen
 
     def _producer_layer_units(self) -> list[tuple[int, int] | None]:
         """The layer numbers ``[start, end)`` of each of this producer rank's layer units;
@@ -234,7 +273,8 @@ class KvferryTransport:
                 return consumer
             c = self.config
             consumer = kvferry.Consumer(
-                [self._rank(heads, layers)], host=c.host, protocol=c.protocol, fail_closed=c.fail_closed,
+                [self._rank(heads, layers)], host=c.host, protocol=c.protocol, rdma_devices=c.rdma_devices,
+                fail_closed=c.fail_closed,
                 load_failure_policy=c.load_failure_policy, reply_timeout=c.load_timeout_seconds,
                 max_wait=c.load_timeout_seconds, connect_timeout=c.connect_timeout_seconds)
             if c.test_corrupt_transfer_prefix is not None:

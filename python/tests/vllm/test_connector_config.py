@@ -51,3 +51,15 @@ def test_dp_rank_0_keeps_the_configured_port_and_a_range_past_65535_is_refused()
     assert engine_port(65534, 0, 2, 1, 1, 1) == 65534
     with pytest.raises(ConfigError, match="past 65535"):
         engine_port(65534, 1, 2, 1, 1, 1)
+
+
+def test_rdma_devices_one_list_for_all_workers_or_one_entry_per_local_rank():
+    from kvferry.vllm.transport import rdma_devices_for
+
+    assert rdma_devices_for(None, 3) == ""
+    assert rdma_devices_for("mlx5_0,mlx5_1", 3) == "mlx5_0,mlx5_1"
+    assert [rdma_devices_for(["mlx5_0", "mlx5_1"], r) for r in (0, 1)] == ["mlx5_0", "mlx5_1"]
+    with pytest.raises(ConfigError, match="2 entries; this worker's local rank is 2"):
+        rdma_devices_for(["mlx5_0", "mlx5_1"], 2)
+    with pytest.raises(ConfigError, match="expected a string"):
+        rdma_devices_for(7, 0)

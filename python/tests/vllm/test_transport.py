@@ -114,6 +114,17 @@ def test_load_lands_the_producers_blocks_verified_and_releases_the_send(pair):
     assert released == [("p-t0", "served")]
 
 
+def test_auto_is_the_default_protocol_and_each_rank_logs_its_choice_once(pair, caplog):
+    assert TransportConfig(host="h", port=1).protocol == "auto"
+    with caplog.at_level("INFO", logger="vllm.kvferry"):
+        p, c, _, _ = pair(PORT + 90)
+    lines = [r.getMessage() for r in caplog.records if "protocol 'auto' -> transport" in r.getMessage()]
+    assert len(lines) == 2, lines  # one producer rank, one consumer rank
+    assert all(line.endswith("transport tcp (no usable RDMA device or a build without RDMA; kvferry's log "
+                             "says which)") or "transport rdma" in line for line in lines), lines
+    assert p.transport in ("tcp", "rdma") and c.transport == p.transport
+
+
 def test_a_flipped_landed_bit_is_a_mismatch_and_not_ok(pair):
     p, c, _, ckv = pair(PORT + 10, test_corrupt_transfer_prefix="bad-")
     r = send_and_load(p, c, "bad-0", PORT + 10)

@@ -234,6 +234,11 @@ pub struct ServeArgs {
     /// The options demo, serve and load share (model, layout, transport, device, policy, timeout).
     #[command(flatten)]
     pub common: CommonArgs,
+    /// Serve the process's metrics (Prometheus/OpenMetrics text) over HTTP at
+    /// `http://HOST:PORT/metrics` (port 0 picks one; the info line names it). Bounded: a few
+    /// connections at once, each answered or closed within seconds.
+    #[arg(long)]
+    pub metrics_addr: Option<String>,
     /// TP ranks of this producer (prefill) side (the other side's TP size may differ).
     #[arg(long, default_value_t = 1, value_parser = ranks)]
     pub tp: u32,
@@ -267,6 +272,11 @@ pub struct LoadArgs {
     /// The options demo, serve and load share (model, layout, transport, device, policy, timeout).
     #[command(flatten)]
     pub common: CommonArgs,
+    /// Serve the process's metrics (Prometheus/OpenMetrics text) over HTTP at
+    /// `http://HOST:PORT/metrics` (port 0 picks one; the info line names it). Bounded: a few
+    /// connections at once, each answered or closed within seconds.
+    #[arg(long)]
+    pub metrics_addr: Option<String>,
     /// TP ranks of this consumer (decode) side (the other side's TP size may differ).
     #[arg(long, default_value_t = 1, value_parser = ranks)]
     pub tp: u32,

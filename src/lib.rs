@@ -19,6 +19,7 @@ pub mod demo;
 pub mod doctor;
 pub mod error;
 pub mod loads;
+pub mod metrics_http;
 pub mod models;
 pub mod payload_json;
 pub mod pool;

@@ -85,6 +85,11 @@ fn security_line(secret: Option<&Secret>) -> &'static str {
 /// reached: a request is loaded at most once), an address that cannot be bound, a side
 /// that cannot be built.
 pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
+    let _metrics = args
+        .metrics_addr
+        .as_deref()
+        .map(crate::metrics_http::MetricsServer::start)
+        .transpose()?;
     let c = &args.common;
     if args.exit_after > args.requests {
         return Err(CliError::usage(format!(
@@ -192,6 +197,11 @@ pub struct LoadReport {
 ///
 /// Errors: bad arguments, a side that cannot be built. Failed loads are counted, not errors.
 pub fn load(args: &LoadArgs) -> Result<(), CliError> {
+    let _metrics = args
+        .metrics_addr
+        .as_deref()
+        .map(crate::metrics_http::MetricsServer::start)
+        .transpose()?;
     let c = &args.common;
     let model = model_by_name(&c.model)?.clone();
     // The producer's tables are replayed with its block size; this side's blocks have its own.

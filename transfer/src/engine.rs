@@ -41,6 +41,8 @@ pub struct TransferEngine {
     transport_reason: String,
     peers: Arc<PeerCache>,
     batches: BatchTable,
+    /// What the metrics need of each batch in flight (`crate::metrics`).
+    meters: std::sync::Mutex<std::collections::HashMap<BatchId, BatchMeter>>,
     handshake: Option<HandshakeServer>,
     auth: Arc<AuthState>,
 }
@@ -128,6 +130,7 @@ impl TransferEngine {
             transport_reason,
             peers,
             batches: BatchTable::new(),
+            meters: Default::default(),
             handshake: Some(server),
             auth,
         }))
@@ -336,6 +339,7 @@ impl TransferEngine {
             self.config.slice_size,
         )?;
         let (id, state) = self.batches.start(slices.len() as u32);
+        self.meter_start(id, &desc.name, requests, slices.len() as u32);
         self.peers.touch(&desc.name);
         if !slices.is_empty() {
             let refresh =
@@ -366,6 +370,7 @@ impl TransferEngine {
     /// sent are skipped, slices already on the wire may still land), `UnknownBatch`. A finished (completed or failed) batch is freed.
     pub fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
         let r = self.batch(batch)?.wait(timeout);
+        self.meter_end(batch, &r);
         if !matches!(r, Err(TransferError::Timeout(_))) {
             self.free_batch(batch);
         }
@@ -375,6 +380,7 @@ impl TransferEngine {
     /// Async twin of `wait` for use inside a tokio runtime (needs the runtime's timer).
     pub async fn wait_async(&self, batch: BatchId, timeout: Duration) -> Result<()> {
         let r = self.batch(batch)?.wait_async(timeout).await;
+        self.meter_end(batch, &r);
         if !matches!(r, Err(TransferError::Timeout(_))) {
             self.free_batch(batch);
         }
@@ -385,6 +391,7 @@ impl TransferEngine {
     /// slices already on the wire finish unobserved.
     pub fn free_batch(&self, batch: BatchId) {
         self.batches.free(batch);
+        self.lock_meters().remove(&batch);
     }
 
     fn sync(&self, target: &str, op: Op, reqs: &[(u64, u64, u64)]) -> Result<()> {
@@ -446,6 +453,74 @@ impl TransferEngine {
         requests: &[(u64, u64, u64)],
     ) -> Result<()> {
         self.sync(target, Op::Read, requests)
+    }
+}
+
+/// A batch in flight as the metrics see it.
+struct BatchMeter {
+    started: std::time::Instant,
+    path: String,
+    peer: String,
+    op: &'static str,
+    bytes: u64,
+    slices: u32,
+}
+
+impl TransferEngine {
+    fn lock_meters(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<BatchId, BatchMeter>> {
+        self.meters.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The metrics' `path` of a batch: the transport, and for GPU memory how the first
+    /// request's local region is registered (`tcp`, `tcp-gpu-staged`, `rdma-dma-buf`, ...).
+    fn path_label(&self, requests: &[TransferRequest]) -> String {
+        let kind = self.transport.kind().as_str();
+        let reg = requests
+            .first()
+            .and_then(|r| self.region_path(r.local_addr))
+            .unwrap_or_default();
+        match reg {
+            crate::memory::RegistrationPath::Host => kind.to_string(),
+            crate::memory::RegistrationPath::Staged => format!("{kind}-gpu-staged"),
+            other => format!("{kind}-{other}"),
+        }
+    }
+
+    fn meter_start(&self, id: BatchId, peer: &str, requests: &[TransferRequest], slices: u32) {
+        let op = match requests.first().map(|r| r.op) {
+            Some(Op::Read) => "read",
+            _ => "write",
+        };
+        let meter = BatchMeter {
+            started: std::time::Instant::now(),
+            path: self.path_label(requests),
+            peer: peer.to_string(),
+            op,
+            bytes: requests.iter().fold(0u64, |a, r| a.saturating_add(r.len)),
+            slices,
+        };
+        self.lock_meters().insert(id, meter);
+    }
+
+    /// Records a waited batch's end once: done, failed, or timed out (its later end is not
+    /// recorded again).
+    fn meter_end(&self, id: BatchId, r: &Result<()>) {
+        let Some(m) = self.lock_meters().remove(&id) else {
+            return;
+        };
+        crate::metrics::global().transfer(
+            &crate::metrics::Transfer {
+                path: &m.path,
+                peer: &m.peer,
+                op: m.op,
+                bytes: m.bytes,
+                slices: m.slices,
+                seconds: m.started.elapsed().as_secs_f64(),
+            },
+            r.as_ref().map(|_| ()).map_err(|e| e.cause()),
+        );
     }
 }
 

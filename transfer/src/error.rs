@@ -126,6 +126,34 @@ pub enum TransferError {
 }
 
 impl TransferError {
+    /// A short stable name of the failure's kind (the `cause` label of
+    /// `kvferry_num_failed_transfers_total`): `timeout`, `io`, `rdma`, `refused`, ...; a batch
+    /// failure or a failed retry is named by the failure under it.
+    pub fn cause(&self) -> &'static str {
+        match self {
+            TransferError::Config(_) => "config",
+            TransferError::Bind(_) => "bind",
+            TransferError::InvalidArgument(_) => "invalid_argument",
+            TransferError::Registration(_) => "registration",
+            TransferError::NotRegistered { .. } => "not_registered",
+            TransferError::RemoteOutOfRange { .. } => "remote_out_of_range",
+            TransferError::Handshake { .. } => "handshake",
+            TransferError::Protocol(_) => "protocol",
+            TransferError::Io(_) => "io",
+            TransferError::Timeout(_) => "timeout",
+            TransferError::Unsupported(_) => "unsupported",
+            TransferError::UnknownBatch(_) => "unknown_batch",
+            TransferError::Auth(_) => "auth",
+            TransferError::Refused { .. } => "refused",
+            TransferError::Stale { .. } => "stale",
+            TransferError::Retry { source, .. } => source.cause(),
+            TransferError::Failed { first, .. } => first.cause(),
+            TransferError::Cancelled => "cancelled",
+            TransferError::Rdma(_) => "rdma",
+            TransferError::Gpu(_) => "gpu",
+        }
+    }
+
     /// Wraps an `std::io::Error` with what was being done (`"connect to 1.2.3.4:5"`).
     pub fn io(op: impl std::fmt::Display, err: std::io::Error) -> Self {
         TransferError::Io(IoError::new(op, err))

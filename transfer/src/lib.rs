@@ -36,6 +36,7 @@ pub mod fuzzing;
 pub mod handshake;
 mod handshake_service;
 pub mod memory;
+pub mod metrics;
 pub mod node;
 mod peer_cache;
 pub mod segment;

@@ -168,6 +168,7 @@ impl BatchRefresh {
 
 impl PeerRefresh for BatchRefresh {
     fn retry(&self, id: u32, err: TransferError, sink: CompletionSink) {
+        crate::metrics::global().retry(&self.inner.name);
         let mut phase = self.inner.phase.lock().unwrap_or_else(|e| e.into_inner());
         match &mut *phase {
             Phase::Fetching(w) => w.push((id, err, sink)),

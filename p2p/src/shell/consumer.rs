@@ -184,7 +184,15 @@ impl Consumer {
     /// and only then returns. `Err` when the load did not land (bad spec, producer
     /// unreachable, ERROR, no reply): see [`LoadError::action`]. A load is never
     /// retried (KV is never fetched twice).
+    /// Every load is counted in the process's metrics (`kvferry_transfer::metrics`): its
+    /// verdict (or `failed` with why), its load and checksum times, a recompute.
     pub async fn load(&self, spec: LoadSpec) -> Result<LoadOutcome, LoadError> {
+        let r = self.load_unmetered(spec).await;
+        record_load(&r);
+        r
+    }
+
+    async fn load_unmetered(&self, spec: LoadSpec) -> Result<LoadOutcome, LoadError> {
         let (mut request, landed) = self.build_request(&spec)?;
         let rid = spec.request_id.clone();
         // WRITE for exactly this load's block bytes, to this load's token, until it ends.
@@ -638,5 +646,62 @@ impl Connection {
                 }
             }
         }
+    }
+}
+
+/// The first word of a `Debug` name in snake case (`NoChecksums(..)` -> `no_checksums`).
+fn snake(debug: &str) -> String {
+    let mut out = String::new();
+    for (i, c) in debug
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric())
+        .enumerate()
+    {
+        if c.is_ascii_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_lowercase());
+    }
+    out
+}
+
+/// A load's verdict label and reason for the metrics.
+fn verdict_labels(r: &Result<LoadOutcome, LoadError>) -> (&'static str, String) {
+    match r {
+        Ok(o) => match &o.verdict {
+            None => ("unchecked", String::new()),
+            Some(Verdict::Verified) => ("verified", String::new()),
+            Some(Verdict::Mismatch { .. }) => ("mismatch", String::new()),
+            Some(Verdict::Unverified(v)) => (
+                "unverified",
+                v.first()
+                    .map(|(_, why)| snake(&format!("{why:?}")))
+                    .unwrap_or_default(),
+            ),
+        },
+        Err(e) => (
+            "failed",
+            match e {
+                LoadError::Spec { .. } => "spec".into(),
+                LoadError::Connect { .. } => "connect".into(),
+                LoadError::Failed { reason, .. } => snake(&format!("{reason:?}")),
+                LoadError::Checksum { .. } => "checksum".into(),
+            },
+        ),
+    }
+}
+
+fn record_load(r: &Result<LoadOutcome, LoadError>) {
+    let m = kvferry_transfer::metrics::global();
+    let (verdict, reason) = verdict_labels(r);
+    match r {
+        Ok(o) => {
+            let checked = o.verdict.is_some().then_some(o.checksum_seconds);
+            m.load(verdict, &reason, Some(o.transfer_seconds), checked);
+            if o.action == Action::Recompute {
+                m.recomputed();
+            }
+        }
+        Err(_) => m.load(verdict, &reason, None, None),
     }
 }

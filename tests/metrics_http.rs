@@ -1,0 +1,131 @@
+//! `kvferry serve --metrics-addr`: a scrape after a known load sequence shows what moved (the
+//! bytes `load` reports, per path and peer, no failures), and the endpoint stays bounded (other
+//! paths and methods refused, an oversized head refused, idle connections closed at the
+//! deadline, connections past the cap closed at once).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    l.local_addr().unwrap().port()
+}
+
+fn request(addr: &str, raw: &[u8]) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut s = loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() > deadline => panic!("connect {addr}: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    };
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(raw).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+/// The value of the one series whose line starts with `start`, summed over label sets.
+fn sum(text: &str, start: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(start))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum()
+}
+
+#[test]
+fn a_scrape_after_loads_counts_what_moved_and_the_endpoint_is_bounded() {
+    let ctl = format!("127.0.0.1:{}", free_port());
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let common = [
+        "--model",
+        "tiny",
+        "--requests",
+        "4",
+        "--min-tokens",
+        "20",
+        "--max-tokens",
+        "200",
+        "--seed",
+        "3",
+    ];
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["serve", "--bind", &ctl, "--metrics-addr", &metrics])
+        .args(common)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Before any load: the endpoint answers, with no transfer series yet.
+    let before = request(&metrics, b"GET /metrics HTTP/1.0\r\n\r\n");
+    assert!(before.starts_with("HTTP/1.0 200 OK"), "{before}");
+    assert!(before.contains("application/openmetrics-text"), "{before}");
+    assert!(before.trim_end().ends_with("# EOF"), "{before}");
+    assert_eq!(sum(&before, "kvferry_transferred_bytes_total{"), 0.0);
+
+    let load = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["load", "--json", "--producer", &ctl])
+        .args(common)
+        .output()
+        .unwrap();
+    assert!(
+        load.status.success(),
+        "{}",
+        String::from_utf8_lossy(&load.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&load.stdout).unwrap();
+    let bytes = report["bytes"].as_u64().unwrap();
+    assert!(bytes > 0);
+
+    let text = request(&metrics, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    // The producer WRITEs every load over TCP to the consumer's engine.
+    assert_eq!(
+        sum(&text, r#"kvferry_transferred_bytes_total{path="tcp","#),
+        bytes as f64,
+        "{text}"
+    );
+    assert!(text.contains(r#"op="write""#), "{text}");
+    assert!(
+        sum(&text, "kvferry_xfer_time_seconds_count{") >= 4.0,
+        "{text}"
+    );
+    assert_eq!(sum(&text, "kvferry_num_failed_transfers_total{"), 0.0);
+    // The producer loads nothing: its verdict counters stay empty.
+    assert_eq!(sum(&text, "kvferry_num_loads_total{"), 0.0);
+
+    // Bounded and read-only.
+    assert!(request(&metrics, b"GET / HTTP/1.0\r\n\r\n").starts_with("HTTP/1.0 404"));
+    assert!(request(&metrics, b"POST /metrics HTTP/1.0\r\n\r\n").starts_with("HTTP/1.0 405"));
+    let mut big = b"GET /metrics HTTP/1.0\r\nX: ".to_vec();
+    big.extend(std::iter::repeat_n(b'a', 20_000));
+    assert!(request(&metrics, &big).starts_with("HTTP/1.0 431"));
+
+    // Idle connections fill the cap; one more is closed at once; the idle ones are closed at
+    // the deadline.
+    let idle: Vec<TcpStream> = (0..kvferry::metrics_http::MAX_CONNECTIONS)
+        .map(|_| TcpStream::connect(&metrics).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    let extra = request(&metrics, b"GET /metrics HTTP/1.0\r\n\r\n");
+    assert_eq!(extra, "", "a connection past the cap was served");
+    assert!(t.elapsed() < Duration::from_secs(2));
+    for mut s in idle {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut b = [0u8; 16];
+        assert_eq!(s.read(&mut b).unwrap(), 0, "an idle connection stayed open");
+    }
+    assert!(t.elapsed() < kvferry::metrics_http::DEADLINE + Duration::from_secs(3));
+    let after = request(&metrics, b"GET /metrics HTTP/1.0\r\n\r\n");
+    assert!(
+        after.starts_with("HTTP/1.0 200 OK"),
+        "the cap was not released"
+    );
+
+    let _ = serve.kill();
+    let _ = serve.wait();
+}

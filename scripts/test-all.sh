@@ -33,6 +33,13 @@ if "${cites[@]}"; then
   exit 1
 fi
 
+log "structure: no import cycle between modules, no oversized source file (about a second)"
+# Each crate's module graph and the Python package's imports; files over 600 lines under
+# transfer/src or 700 elsewhere (tests aside). The self-test first: the check judges small
+# trees with known answers.
+python3 scripts/check-structure.py --self-test
+python3 scripts/check-structure.py
+
 # The RDMA transport is a cargo feature (its verbs bindings need cmake and libclang,
 # installed above); the suite builds and tests with it.
 FEATURES=(--features kvferry/rdma)

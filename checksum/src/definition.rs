@@ -11,9 +11,8 @@
 use crate::group::LayerSpec;
 use crate::layout::{Dim, Geometry};
 
-/// `H` of §2.1: a fixed bound on any layer's KV heads, so that head factors do not depend
-/// on the model's head counts or its TP split.
-pub const MAX_KV_HEADS_PER_LAYER: u64 = 65536;
+/// `H` of §2.1 (defined with the global head numbering it bounds, in `crate::group`).
+pub use crate::group::MAX_KV_HEADS_PER_LAYER;
 
 /// The odd head factor `m = 2·(layer·H + head) + 1 mod 2^64` of §2.1 (`head` is the global KV head).
 pub fn head_factor(layer: u32, head: u32) -> u64 {

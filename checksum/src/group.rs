@@ -7,6 +7,10 @@ use std::fmt;
 
 use crate::layout::Geometry;
 
+/// `H` of §2.1: a fixed bound on any layer's KV heads (global head numbers are below it), so
+/// that head factors do not depend on the model's head counts or its TP split.
+pub const MAX_KV_HEADS_PER_LAYER: u64 = 65536;
+
 /// Which copy of replicated KV a layer's values describe (§2.3): `replicas` ranks hold the same
 /// KV heads and this is copy `index` (`0 <= index < replicas`). Unreplicated KV is [`ReplicaKey::NONE`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -331,7 +335,7 @@ pub fn plan_group(
             let heads = c.geometry.heads;
             let offset = base + shard * heads;
             base += shards * heads;
-            if base > crate::definition::MAX_KV_HEADS_PER_LAYER {
+            if base > MAX_KV_HEADS_PER_LAYER {
                 return skip(SkipReason::UnknownReplicas);
             }
             layers.push(LayerSpec {

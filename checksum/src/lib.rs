@@ -9,7 +9,7 @@
 //! * [`record`] — worker records and the coordinator's sums (§2.3).
 //! * [`fingerprint`] — per-layer fingerprints (§2.3).
 //! * [`payload`] — what the producer sends (§2.4).
-//! * [`verdict`] — comparison and verdicts (§2.6).
+//! * [`verdict`] — comparison and verdicts (§2.6); [`unverified`] — why a group is not compared.
 //! * [`policy`] — fail-open / fail-closed and the load failure policy (§2.7).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -23,4 +23,5 @@ pub mod payload;
 pub mod policy;
 pub mod record;
 pub mod select;
+pub mod unverified;
 pub mod verdict;

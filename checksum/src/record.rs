@@ -14,7 +14,7 @@ use thiserror::Error;
 use crate::group::{RankInfo, ReplicaKey, SkipReason};
 use crate::payload::{Payload, PayloadGroup, PAYLOAD_VERSION};
 use crate::select::BlockSelection;
-use crate::verdict::UnverifiedReason;
+use crate::unverified::UnverifiedReason;
 
 /// One worker's values for one group.
 #[derive(Debug, Clone, PartialEq, Eq)]

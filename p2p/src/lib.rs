@@ -70,7 +70,6 @@ pub mod checksum;
 pub mod error;
 pub mod proto;
 pub mod shell;
-pub mod wire;
 pub mod worker;
 
 pub use error::{LoadError, P2pError};

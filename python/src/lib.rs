@@ -2,14 +2,16 @@
 //! package `kvferry`, `python/kvferry/__init__.py`).
 //!
 //! One file per Python-facing job:
-//! - `engine.rs`: `TransferEngine`, Mooncake's Python API over `kvferry_transfer::TransferEngine`.
+//! - `engine.rs`: `TransferEngine`, Mooncake's Python API over `kvferry_transfer::TransferEngine`;
+//!   `mooncake.rs`: Mooncake's argument forms and return codes.
 //! - `pylog.rs`: kvferry's `tracing` events forwarded to Python's `logging` (logger `kvferry`).
 //! - `tensor.rs`: reading KV tensors (`__dlpack__`, `data_ptr()`, `__array_interface__`).
 //! - `layer.rs`: `KVCacheLayer`, `KVCacheGroup`, `Rank`: KV tensors with their layout.
 //! - `checksum.rs`: block checksums of KV tensors (CPU, CUDA on the caller's stream), fingerprints.
 //! - `payload.rs`: `KVChecksumPayload`, `KVChecksumGroup` (the seed's wire format).
 //! - `verdict.rs`: `compare`, `KVChecksumVerdict`, `KVChecksumPolicy`, `decide`.
-//! - `p2p.rs`: `Producer`, `Consumer` (verified loads over kvferry-p2p).
+//! - `p2p.rs`: `Producer`, `Consumer` (verified loads over kvferry-p2p); `side.rs`: the ranks'
+//!   engines and registered tensors of one side.
 //! - `runtime.rs`: the module's tokio runtime and call deadlines.
 //!
 //! Every method that can block releases the GIL; no method panics on any input.
@@ -19,11 +21,13 @@ use pyo3::prelude::*;
 mod checksum;
 mod engine;
 mod layer;
+mod mooncake;
 mod p2p;
 mod payload;
 mod pylog;
 mod repr;
 mod runtime;
+mod side;
 mod tensor;
 mod verdict;
 

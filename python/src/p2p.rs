@@ -9,123 +9,19 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use kvferry_checksum::policy::{LoadFailurePolicy, Policy};
-use kvferry_kernels::{backend_for, ChecksumBackend, Device};
 use kvferry_p2p::{
     Consumer as P2pConsumer, ConsumerConfig, Landed, LoadError, LoadGroup, LoadSpec,
-    Producer as P2pProducer, ProducerConfig, ProducerTimeouts, ReleaseReason, Worker, WorkerGroup,
+    Producer as P2pProducer, ProducerConfig, ProducerTimeouts, ReleaseReason,
 };
-use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransportKind};
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::layer::{device_name, memory_ranges, Rank};
+use crate::layer::Rank;
 use crate::repr::{bool_repr, opt_str_repr, str_repr};
 use crate::runtime::{block_on, seconds};
+use crate::side::{build_side, Side};
 use crate::verdict::{action_name, KVChecksumVerdict};
-
-/// One side's ranks with their engines; unregisters the tensors' memory when dropped.
-struct Side {
-    workers: Vec<Worker>,
-    registered: Vec<(Arc<TransferEngine>, u64)>,
-    /// The ranks (and through them the tensors) stay alive as long as the side.
-    _ranks: Vec<Py<Rank>>,
-}
-
-impl Drop for Side {
-    fn drop(&mut self) {
-        for (engine, addr) in &self.registered {
-            let _ = engine.unregister_memory(*addr);
-        }
-    }
-}
-
-fn transport_of(protocol: &str) -> PyResult<TransportKind> {
-    protocol.parse::<TransportKind>().map_err(|_| {
-        PyValueError::new_err(format!("protocol {protocol:?}: expected tcp, rdma or auto"))
-    })
-}
-
-/// Builds the p2p workers of `ranks`: one transfer engine per rank on `host` with `protocol`,
-/// every tensor's memory registered with it, the rank's checksum backend (CUDA for GPU KV).
-fn build_side(
-    py: Python<'_>,
-    ranks: Vec<Py<Rank>>,
-    host: &str,
-    protocol: &str,
-    rdma_devices: &str,
-) -> PyResult<Side> {
-    if ranks.is_empty() {
-        return Err(PyValueError::new_err("no ranks given"));
-    }
-    let mut config = EngineConfig {
-        host: host.to_string(),
-        transport: transport_of(protocol)?,
-        ..EngineConfig::default()
-    };
-    config.rdma.devices = rdma_devices
-        .split(',')
-        .map(str::trim)
-        .filter(|d| !d.is_empty())
-        .map(String::from)
-        .collect();
-    let mut side = Side {
-        workers: Vec::new(),
-        registered: Vec::new(),
-        _ranks: Vec::new(),
-    };
-    for r in &ranks {
-        let rank = r.bind(py).get();
-        let backend: Arc<dyn ChecksumBackend> = backend_for(rank.device);
-        if rank.device != Device::Cpu && backend.name() != "cuda" {
-            return Err(PyRuntimeError::new_err(format!(
-                "rank {:?}: KV on {} but the CUDA checksum backend is unusable here (see the log)",
-                rank.rank,
-                device_name(rank.device)
-            )));
-        }
-        let cfg = config.clone();
-        let engine = py
-            .detach(|| TransferEngine::new(cfg))
-            .map_err(|e| PyRuntimeError::new_err(format!("starting a transfer engine: {e}")))?;
-        // One type for where memory lives: the rank's device is the engine's location.
-        let location: Location = rank.device;
-        for (addr, len) in memory_ranges(py, rank) {
-            // SAFETY: the range is the span of tensors the Rank keeps alive; the Side keeps the
-            // Rank and unregisters the range before it lets go of it (Drop above).
-            unsafe { engine.register_memory(addr, len, location) }.map_err(|e| {
-                PyRuntimeError::new_err(format!(
-                    "registering {len} bytes of KV at 0x{addr:x} ({}): {e}",
-                    device_name(rank.device)
-                ))
-            })?;
-            side.registered.push((engine.clone(), addr));
-        }
-        let groups = rank
-            .groups
-            .iter()
-            .map(|g| {
-                let g = g.bind(py).get();
-                WorkerGroup {
-                    group_id: g.group_id,
-                    block_size: g.block_size,
-                    layers: g.layers.iter().map(|l| l.bind(py).get().input()).collect(),
-                    sliding_window: g.sliding_window,
-                    skipped: g.skipped,
-                }
-            })
-            .collect();
-        side.workers.push(Worker {
-            rank: rank.rank,
-            engine,
-            device: rank.device,
-            groups,
-            backend,
-        });
-    }
-    side._ranks = ranks;
-    Ok(side)
-}
 
 fn block_table(blocks: Vec<Option<i64>>, what: &str) -> PyResult<Vec<Option<u64>>> {
     blocks

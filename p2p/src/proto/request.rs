@@ -11,7 +11,7 @@ use crate::proto::msg::{
     TransferRequest, WireBlocks, WireLayer, WireRank, WireRankGroup, KIND_TRANSFER_REQUEST,
     PROTOCOL_VERSION,
 };
-use crate::wire::to_wire;
+use crate::proto::wire::to_wire;
 
 /// One group of a load: the block tables of both sides, position by position
 /// from the request's first token (`None` = null block).

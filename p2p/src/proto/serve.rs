@@ -10,7 +10,7 @@ use crate::proto::layout::{group_heads, RankLayout};
 use crate::proto::msg::{TransferRequest, WireBlocks, WireLayer, WireRank};
 use crate::proto::plan::{pair_ranges, Copy};
 pub use crate::proto::serve_error::{LayerError, ServeError};
-use crate::wire::{compatible, compatible_cells, from_wire};
+use crate::proto::wire::{compatible, compatible_cells, from_wire};
 use kvferry_checksum::group::SkipReason;
 use kvferry_checksum::layout::Geometry;
 

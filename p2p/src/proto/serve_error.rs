@@ -9,7 +9,7 @@ use kvferry_checksum::layout::LayoutError;
 use kvferry_transfer::TransferError;
 
 use crate::proto::plan::PlanError;
-use crate::wire::Incompatible;
+use crate::proto::wire::Incompatible;
 
 /// Why a consumer's request cannot be served. The text goes to the consumer in the ERROR reply.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -44,7 +44,7 @@ use crate::error::{IoError, Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath, TransportKeys};
 use crate::types::{Location, TransportKind};
 use coalesce::coalesce;
-use pool::PeerPool;
+use pool::{PeerPool, Pools};
 use target::ServerShared;
 
 /// What a TCP peer advertises in its segment descriptor (`TransportInfo::details`, wire format
@@ -65,9 +65,6 @@ pub struct TcpTransport {
     listener: Listener,
     peers: Arc<Pools>,
 }
-
-/// The connection pools by segment name.
-type Pools = Mutex<HashMap<String, Arc<PeerPool>>>;
 
 impl TcpTransport {
     /// Binds the data listener on `ctx.config.host`, port chosen by the OS, and starts serving.

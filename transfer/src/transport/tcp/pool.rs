@@ -1,6 +1,7 @@
 //! Initiator side of the TCP transport: per peer instance, a pool of data connections that
 //! jobs are spread over; a connection is opened on its first job and ends broken or idle.
 
+use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -9,10 +10,12 @@ use std::time::{Duration, Instant};
 
 use super::coalesce::Job;
 use super::socket::prepare;
-use super::Pools;
 use crate::config::TcpConfig;
 use crate::error::{Result, TransferError};
 use crate::transport::TransportContext;
+
+/// The connection pools by segment name.
+pub(super) type Pools = Mutex<HashMap<String, Arc<PeerPool>>>;
 
 /// The connections to one peer instance.
 pub(super) struct PeerPool {

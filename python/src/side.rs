@@ -1,0 +1,116 @@
+//! One side's ranks for `kvferry.Producer` / `kvferry.Consumer` (`p2p.rs`): a transfer engine
+//! per rank with the rank's tensors registered, and its checksum backend, unregistered again
+//! when the side is dropped.
+
+use std::sync::Arc;
+
+use kvferry_kernels::{backend_for, ChecksumBackend, Device};
+use kvferry_p2p::{Worker, WorkerGroup};
+use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransportKind};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::layer::{device_name, memory_ranges, Rank};
+
+/// One side's ranks with their engines; unregisters the tensors' memory when dropped.
+pub(crate) struct Side {
+    pub(crate) workers: Vec<Worker>,
+    registered: Vec<(Arc<TransferEngine>, u64)>,
+    /// The ranks (and through them the tensors) stay alive as long as the side.
+    _ranks: Vec<Py<Rank>>,
+}
+
+impl Drop for Side {
+    fn drop(&mut self) {
+        for (engine, addr) in &self.registered {
+            let _ = engine.unregister_memory(*addr);
+        }
+    }
+}
+
+fn transport_of(protocol: &str) -> PyResult<TransportKind> {
+    protocol.parse::<TransportKind>().map_err(|_| {
+        PyValueError::new_err(format!("protocol {protocol:?}: expected tcp, rdma or auto"))
+    })
+}
+
+/// Builds the p2p workers of `ranks`: one transfer engine per rank on `host` with `protocol`,
+/// every tensor's memory registered with it, the rank's checksum backend (CUDA for GPU KV).
+pub(crate) fn build_side(
+    py: Python<'_>,
+    ranks: Vec<Py<Rank>>,
+    host: &str,
+    protocol: &str,
+    rdma_devices: &str,
+) -> PyResult<Side> {
+    if ranks.is_empty() {
+        return Err(PyValueError::new_err("no ranks given"));
+    }
+    let mut config = EngineConfig {
+        host: host.to_string(),
+        transport: transport_of(protocol)?,
+        ..EngineConfig::default()
+    };
+    config.rdma.devices = rdma_devices
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(String::from)
+        .collect();
+    let mut side = Side {
+        workers: Vec::new(),
+        registered: Vec::new(),
+        _ranks: Vec::new(),
+    };
+    for r in &ranks {
+        let rank = r.bind(py).get();
+        let backend: Arc<dyn ChecksumBackend> = backend_for(rank.device);
+        if rank.device != Device::Cpu && backend.name() != "cuda" {
+            return Err(PyRuntimeError::new_err(format!(
+                "rank {:?}: KV on {} but the CUDA checksum backend is unusable here (see the log)",
+                rank.rank,
+                device_name(rank.device)
+            )));
+        }
+        let cfg = config.clone();
+        let engine = py
+            .detach(|| TransferEngine::new(cfg))
+            .map_err(|e| PyRuntimeError::new_err(format!("starting a transfer engine: {e}")))?;
+        // One type for where memory lives: the rank's device is the engine's location.
+        let location: Location = rank.device;
+        for (addr, len) in memory_ranges(py, rank) {
+            // SAFETY: the range is the span of tensors the Rank keeps alive; the Side keeps the
+            // Rank and unregisters the range before it lets go of it (Drop above).
+            unsafe { engine.register_memory(addr, len, location) }.map_err(|e| {
+                PyRuntimeError::new_err(format!(
+                    "registering {len} bytes of KV at 0x{addr:x} ({}): {e}",
+                    device_name(rank.device)
+                ))
+            })?;
+            side.registered.push((engine.clone(), addr));
+        }
+        let groups = rank
+            .groups
+            .iter()
+            .map(|g| {
+                let g = g.bind(py).get();
+                WorkerGroup {
+                    group_id: g.group_id,
+                    block_size: g.block_size,
+                    layers: g.layers.iter().map(|l| l.bind(py).get().input()).collect(),
+                    sliding_window: g.sliding_window,
+                    skipped: g.skipped,
+                }
+            })
+            .collect();
+        side.workers.push(Worker {
+            rank: rank.rank,
+            engine,
+            device: rank.device,
+            groups,
+            backend,
+        });
+    }
+    side._ranks = ranks;
+    Ok(side)
+}

@@ -281,7 +281,11 @@ class RustCrate:
             code = self.code[f]
             deps: dict[Path, set] = {}
             paths = [p for p, _ in use_trees(code)]
-            for m in re.finditer(r"(?<![A-Za-z0-9_:])((?:" + IDENT + r")(?:::" + IDENT + r")+)", code):
+            # inline paths; a prefix before `::{` or `::*` is a `use` group, expanded above
+            inline = r"(?<![A-Za-z0-9_:])((?:" + IDENT + r")(?:::" + IDENT + r")+)"
+            for m in re.finditer(inline, code):
+                if re.match(r"\s*::\s*[{*]", code[m.end() : m.end() + 8]):
+                    continue
                 segs = m.group(1).split("::")
                 if segs[0] in ("crate", "super", "self") or self.is_module(mod + (segs[0],)):
                     paths.append(segs)

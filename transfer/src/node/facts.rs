@@ -1,11 +1,7 @@
-//! What this node's RDMA devices offer the transfer engine (for `kvferry doctor`): every device,
-//! its ports (state, link layer, active MTU), their GIDs with their types, and the port and GID
-//! the RDMA transport would use, found by the transport's own choice code
-//! (`transport::rdma`), so the report and the engine can never disagree.
+//! The facts `super::rdma_facts` reports: plain data, serializable, with no verbs in them (the
+//! RDMA transport fills them in, `transport::rdma::inventory`).
 
 use serde::Serialize;
-
-use crate::config::RdmaConfig;
 
 /// The RDMA side of the node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -74,34 +70,4 @@ pub struct ChosenPort {
     pub gid: String,
     /// MTU the engine advertises, bytes (the port's, capped by `RdmaConfig::mtu`).
     pub mtu: u32,
-}
-
-/// Inspects the RDMA devices with `config`'s device list, GID index and MTU cap. Never fails
-/// and never panics: where libibverbs is absent or the build has no RDMA transport,
-/// `list_error` says so and `devices` is empty.
-pub fn rdma_facts(config: &RdmaConfig) -> RdmaFacts {
-    #[cfg(feature = "rdma")]
-    {
-        match crate::transport::rdma::inventory(config) {
-            Ok(devices) => RdmaFacts {
-                built: true,
-                list_error: None,
-                devices,
-            },
-            Err(e) => RdmaFacts {
-                built: true,
-                list_error: Some(e.to_string()),
-                devices: Vec::new(),
-            },
-        }
-    }
-    #[cfg(not(feature = "rdma"))]
-    {
-        let _ = config;
-        RdmaFacts {
-            built: false,
-            list_error: Some("this build has no RDMA transport (cargo feature `rdma`)".into()),
-            devices: Vec::new(),
-        }
-    }
 }

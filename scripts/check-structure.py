@@ -46,6 +46,21 @@ KNOWN_CYCLES = {
     "breaking it means giving each part its own state type",
 }
 
+# Two more landed while this check was being written; each is to be broken like the others.
+KNOWN_CYCLES[frozenset({"p2p/src/proto/msg.rs", "p2p/src/proto/session.rs"})] = (
+    "the session's wire sizes are read by msg.rs while session.rs encodes msg's types"
+)
+KNOWN_CYCLES[
+    frozenset({"transfer/src/auth.rs", "transfer/src/error.rs", "transfer/src/types.rs"})
+] = "error.rs wraps auth's HelloError while auth.rs returns error's types"
+
+# Files over their size that are not split yet, with the non-test lines they have now: the
+# check fails when one grows past that (split it) or falls within the limit (delete the entry).
+KNOWN_OVERSIZE = {
+    "transfer/src/auth.rs": 816,
+    "p2p/src/shell/producer.rs": 737,
+}
+
 TRANSFER_LIMIT = 600
 LIMIT = 700
 SKIP_DIRS = {"target", "third_party", ".git", ".dev", "fuzz", "node_modules", "__pycache__"}
@@ -407,10 +422,10 @@ def tracked(root: Path):
 
 def main() -> int:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent)
-    return check(root.resolve(), KNOWN_CYCLES)
+    return check(root.resolve(), KNOWN_CYCLES, KNOWN_OVERSIZE)
 
 
-def check(root: Path, known: dict) -> int:
+def check(root: Path, known: dict, oversize: dict) -> int:
     """Runs both checks on the tree at `root`; 0 when it passes (failures on stderr)."""
     rel = lambda p: os.path.relpath(p, root)  # noqa: E731
     failures = []
@@ -462,6 +477,15 @@ def check(root: Path, known: dict) -> int:
         if files_tracked is not None and f not in files_tracked:
             continue
         limit = TRANSFER_LIMIT if transfer_src in f.parents else LIMIT
+        known_size = oversize.get(rel(f))
+        if known_size is not None:
+            if n <= limit:
+                failures.append(f"{rel(f)}: {n} lines, within {limit}: delete its KNOWN_OVERSIZE entry")
+            elif n > known_size:
+                failures.append(f"{rel(f)}: {n} lines of non-test code, more than its {known_size} known; split it by job")
+            else:
+                print(f"known oversized file, left for now: {rel(f)} ({n} lines, limit {limit})")
+            continue
         if n > limit:
             failures.append(f"{rel(f)}: {n} lines of non-test code, more than {limit}; split it by job")
 
@@ -495,7 +519,7 @@ def self_test() -> int:
                 p.write_text(text)
             err = io.StringIO()
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                rc = check(Path(d).resolve(), {})
+                rc = check(Path(d).resolve(), {}, {})
             return rc, err.getvalue()
 
     crate = {

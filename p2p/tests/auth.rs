@@ -714,6 +714,9 @@ async fn open_mode_key_proofs_are_bound_to_their_session() {
     open_session(&mut d2, &mut stranger, &ep).await.unwrap();
     let e = error_of(&ask(&mut d2, captured).await);
     assert!(e.contains("load key wrong"), "{e}");
-    assert!(producer.released().is_empty(), "the lease stays for its owner");
+    assert!(
+        producer.released().is_empty(),
+        "the lease stays for its owner"
+    );
     producer.shutdown().await;
 }

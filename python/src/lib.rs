@@ -31,6 +31,14 @@ mod side;
 mod tensor;
 mod verdict;
 
+/// The process's kvferry metrics in the Prometheus/OpenMetrics text format (what a
+/// Prometheus scrape of `/metrics` returns; ends with `# EOF`): transfers per path and peer,
+/// loads by verdict, checksum and load times (names in `docs/design.md` §6 "Metrics").
+#[pyfunction]
+fn metrics_text() -> String {
+    kvferry_transfer::metrics::encode_text()
+}
+
 /// The extension module: registers every class and function the package re-exports.
 #[pymodule]
 fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -42,5 +50,6 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     payload::register(m)?;
     verdict::register(m)?;
     p2p::register(m)?;
+    m.add_function(wrap_pyfunction!(metrics_text, m)?)?;
     Ok(())
 }

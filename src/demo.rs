@@ -27,6 +27,7 @@ use crate::models::{ModelShape, STATE_GROUP};
 use crate::setup::{engine_config, memory_paths, side_config, side_workers};
 use crate::world::{
     build_side, fill_request, flip_bit, request_tables, sides_kv_equal, BlockPool, RankKv,
+    WorldError,
 };
 
 /// The demo's result, printed as JSON with `--json`.
@@ -78,7 +79,20 @@ pub struct DemoReport {
     pub gb_per_s: f64,
     /// Seconds spent checksumming (producer at publish + consumer after landing).
     pub checksum_seconds: f64,
-    /// Seconds the producer spent "prefilling" (generating KV), not counted in `seconds`.
+    /// Seconds the consumer spent verifying (checksumming the landed blocks and comparing),
+    /// over all loads; part of `seconds`.
+    pub verify_seconds: f64,
+    /// The consumer's verification time as a share of its load's time (0..1): the median over
+    /// the loads that landed.
+    pub verify_share_median: f64,
+    /// The same, the largest.
+    pub verify_share_max: f64,
+    /// GB/s (10^9) of one core copying the same bytes in host memory (`memcpy` of a buffer of
+    /// up to 256 MiB, repeated until the loads' bytes or 1 GiB are copied, the best pass): the
+    /// reference beside `gb_per_s`.
+    pub copy_gb_per_s: f64,
+    /// Seconds the producer spent generating KV (seeded random bytes in the model's shape),
+    /// not counted in `seconds`.
     pub prefill_seconds: f64,
     /// Loads whose outcome was not the expected one: an uncorrupted load not verified and
     /// completed, a corrupted one not a mismatch, or a load that ended in an error. The
@@ -148,18 +162,19 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     let engine_cfg = engine_config(c, "127.0.0.1")?;
     let side = |tp, pp, bs| side_config(c, model.clone(), tp, pp, bs, num_blocks(bs));
     // Name the side: the sizes and the layout checks are per side.
+    if !args.json {
+        eprintln!(
+            "kvferry demo: {} requests of {}-shaped KV (seeded random bytes), producer TP{}×PP{} → consumer TP{}×PP{} on loopback",
+            args.requests, model.name, args.prefill_tp, args.prefill_pp, args.decode_tp, args.decode_pp
+        );
+    }
     let mut prod_ranks = build_side(&side(args.prefill_tp, args.prefill_pp, pbs), &engine_cfg)
-        .map_err(|source| CliError::Side {
-            side: "producer (--prefill-tp/--prefill-pp/--prefill-block-size)",
-            source,
-        })?;
-    let cons_ranks =
-        build_side(&side(args.decode_tp, args.decode_pp, cbs), &engine_cfg).map_err(|source| {
-            CliError::Side {
-                side: "consumer (--decode-tp/--decode-pp/--decode-block-size)",
-                source,
-            }
-        })?;
+        .map_err(side_error(
+            "producer (--prefill-tp/--prefill-pp/--prefill-block-size)",
+        ))?;
+    let cons_ranks = build_side(&side(args.decode_tp, args.decode_pp, cbs), &engine_cfg).map_err(
+        side_error("consumer (--decode-tp/--decode-pp/--decode-block-size)"),
+    )?;
     let transport_name = prod_ranks[0].engine.transport_name().to_string();
     let mut paths = memory_paths(&prod_ranks);
     for p in memory_paths(&cons_ranks) {
@@ -233,7 +248,9 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         requests: args.requests,
         ..DemoReport::default()
     };
-    let bar = if std::io::stderr().is_terminal() && !args.json {
+    // A bar on a terminal; elsewhere (a pipe, a CI log) a line every eighth of the loads.
+    let tty = std::io::stderr().is_terminal();
+    let bar = if tty && !args.json {
         let b = ProgressBar::new(args.requests as u64);
         b.set_style(
             ProgressStyle::with_template("{spinner} {bar:40} {pos}/{len} loads {msg}")
@@ -243,6 +260,8 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     } else {
         ProgressBar::hidden()
     };
+    let line_every = (args.requests / 8).max(1);
+    let mut shares: Vec<f64> = Vec::with_capacity(args.requests as usize);
     let mut kv_equal: Option<bool> = None;
     for (i, &tokens) in lengths.iter().enumerate() {
         let i = i as u32;
@@ -293,7 +312,8 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         };
         let t1 = Instant::now();
         let outcome = rt.block_on(consumer.load(spec));
-        report.seconds += t1.elapsed().as_secs_f64();
+        let load_seconds = t1.elapsed().as_secs_f64();
+        report.seconds += load_seconds;
         report.tokens += tokens;
         let corrupted = corrupt.contains(&i);
         match outcome {
@@ -343,6 +363,10 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
                 }
                 report.bytes += o.bytes;
                 report.checksum_seconds += o.checksum_seconds;
+                report.verify_seconds += o.checksum_seconds;
+                if load_seconds > 0.0 {
+                    shares.push((o.checksum_seconds / load_seconds).min(1.0));
+                }
                 report.counts.record(o.verdict.as_ref(), o.action);
                 match o.action {
                     Action::Complete | Action::Fail => {}
@@ -373,6 +397,14 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         // The load is over (served, failed or refused): the producer's blocks can be reused.
         prod_pool.free(&pblocks);
         bar.inc(1);
+        bar.set_message(format!("{} verified", report.counts.verified));
+        let done = i + 1;
+        if !tty && !args.json && (done.is_multiple_of(line_every) || done == args.requests) {
+            eprintln!(
+                "kvferry demo: {done}/{} loads, {} verified",
+                args.requests, report.counts.verified
+            );
+        }
     }
     bar.finish_and_clear();
     rt.block_on(producer.shutdown());
@@ -382,7 +414,46 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     } else {
         0.0
     };
+    shares.sort_by(f64::total_cmp);
+    report.verify_share_median = shares.get(shares.len() / 2).copied().unwrap_or(0.0);
+    report.verify_share_max = shares.last().copied().unwrap_or(0.0);
+    report.copy_gb_per_s = copy_rate(report.bytes);
     Ok(report)
+}
+
+/// Which side's options a build error names: only errors that come from a side's sizes or
+/// layout (a transport or device failure is the same on both sides and names its own option).
+fn side_error(side: &'static str) -> impl Fn(WorldError) -> CliError {
+    move |source| match source {
+        WorldError::Shape(_) | WorldError::Layout(_) | WorldError::Skipped { .. } => {
+            CliError::Side { side, source }
+        }
+        other => CliError::World(other),
+    }
+}
+
+/// GB/s (10^9) of one core copying `bytes` in host memory: a buffer of `bytes` (at least
+/// 1 MiB, at most 256 MiB) copied until `bytes` or 1 GiB have been copied (at least 3
+/// passes); the best pass. The reference the loads' throughput is read against.
+pub fn copy_rate(bytes: u64) -> f64 {
+    const MIB: u64 = 1 << 20;
+    let len = bytes.clamp(MIB, 256 * MIB) as usize;
+    // Both buffers written first: the pages are mapped before the timing starts.
+    let src: Vec<u8> = (0..len).map(|i| i as u8).collect();
+    let mut dst = vec![1u8; len];
+    let passes = (bytes.min(1 << 30) / len as u64).max(3);
+    let mut best = f64::MAX;
+    for _ in 0..passes {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    if best > 0.0 {
+        len as f64 / best / 1e9
+    } else {
+        0.0
+    }
 }
 
 /// The consumer block positions a flipped bit in token `token` of a `tokens`-token prompt is
@@ -474,8 +545,26 @@ fn print_summary(r: &DemoReport) {
         r.bytes as f64 / 1e9
     );
     println!(
-        "  loads: {:.3} s, {:.2} GB/s; checksums {:.3} s; prefill (KV generation) {:.3} s",
-        r.seconds, r.gb_per_s, r.checksum_seconds, r.prefill_seconds
+        "  loads: {:.3} s, {:.2} GB/s; raw copy on this machine {:.2} GB/s (loads at {:.2} of it)",
+        r.seconds,
+        r.gb_per_s,
+        r.copy_gb_per_s,
+        if r.copy_gb_per_s > 0.0 {
+            r.gb_per_s / r.copy_gb_per_s
+        } else {
+            0.0
+        }
+    );
+    println!(
+        "  verification: {:.0}% of a load's time (median; largest {:.0}%), {:.3} s in all",
+        r.verify_share_median * 100.0,
+        r.verify_share_max * 100.0,
+        r.verify_seconds
+    );
+    println!(
+        "  not in the loads: producer checksums at publish {:.3} s; KV generation (seeded random bytes) {:.3} s",
+        r.checksum_seconds - r.verify_seconds,
+        r.prefill_seconds
     );
     println!(
         "  verdicts: {} verified, {} mismatch, {} unverified; actions: {} completed, {} failed, {} recomputed",

@@ -69,6 +69,47 @@ fn load_key(secret: Option<&Secret>, seed: u64, request_id: &str) -> Result<Stri
     Ok(derive_load_key(s, request_id))
 }
 
+/// The options that must match between `serve` and `load` (each side replays the prompts and
+/// block tables from them).
+const SHARED_OPTIONS: &str = "--seed, --requests, --min-tokens/--max-tokens, --model, --layout and --block-size (or --producer-block-size)";
+
+/// The likely cause of a failed load and the options that fix it, from the error's text (the
+/// producer's reason travels as text), this side's secret mode and seed; `None` when the text
+/// names none of the causes below.
+pub fn load_failure_hint(
+    error: &str,
+    has_secret: bool,
+    seed: u64,
+    requests: u32,
+) -> Option<String> {
+    if error.contains("load key wrong") {
+        // A secret mismatch fails earlier, when the sides prove the secret to each other.
+        return Some(if has_secret {
+            "the producer refused this side's load key, derived from --secret-file: give serve and load the same --secret-file".to_string()
+        } else {
+            format!("the producer refused this side's load key, derived from --seed {seed} (no --secret-file here): serve runs with another --seed; give both the same")
+        });
+    }
+    if error.contains("load key missing") {
+        return Some("the producer's lease needs a load key this side did not send".to_string());
+    }
+    if error.contains("consumer expects producer block")
+        || error.contains("differ: producer")
+        || error.contains("was not published in time")
+    {
+        return Some(format!(
+            "serve and load replay different prompts: they must be given the same {SHARED_OPTIONS} (this side: --seed {seed} --requests {requests})"
+        ));
+    }
+    if error.contains("consumer's budget leaves less than") {
+        return Some("load's --timeout leaves the producer less than its transfer deadline (half of serve's --timeout): give both the same --timeout".to_string());
+    }
+    if error.contains("cannot reach producer") || error.contains("no reply from the producer") {
+        return Some("is `kvferry serve` running, and is --producer its --bind address, reachable from here?".to_string());
+    }
+    None
+}
+
 /// What protects the data path and request ownership, for the info line.
 fn security_line(secret: Option<&Secret>) -> &'static str {
     if secret.is_some() {
@@ -122,21 +163,26 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
     let mut ranks = build_side(&side, &engine_config(c, default_host)?)?;
     let (workers, backend) = side_workers(&ranks, c, &model, c.block_size)?;
     let rt = tokio::runtime::Runtime::new().map_err(CliError::Runtime)?;
-    for (i, blocks) in tables.iter().enumerate() {
+    let mut cfg = producer_config(c);
+    cfg.bind = format!(
+        "tcp://{}",
+        args.bind.strip_prefix("tcp://").unwrap_or(&args.bind)
+    );
+    cfg.timeouts.lease = Duration::from_secs_f64(args.lease);
+    // Bound before any KV is generated: a busy port fails now, not after the whole prefill.
+    let producer = rt
+        .block_on(Producer::start(cfg, workers))
+        .map_err(CliError::p2p(format!("--bind {}", args.bind)))?;
+    let secret = secret(c)?;
+    eprintln!(
+        "kvferry serve: listening on {}; generating {} requests of model-shaped KV (seeded random bytes) and publishing each",
+        producer.endpoint(),
+        args.requests
+    );
+    for (i, (blocks, &tokens)) in tables.iter().zip(&lengths).enumerate() {
         for r in ranks.iter_mut() {
             fill_request(r, args.seed, i as u64, blocks)?;
         }
-    }
-    let mut cfg = producer_config(c);
-    cfg.bind = format!("tcp://{}", args.bind);
-    let producer = rt
-        .block_on(Producer::start(cfg, workers))
-        .map_err(CliError::p2p(format!(
-            "starting the producer on {}",
-            args.bind
-        )))?;
-    let secret = secret(c)?;
-    for (i, (blocks, &tokens)) in tables.iter().zip(&lengths).enumerate() {
         let id = format!("req-{i}");
         rt.block_on(producer.publish_with_key(
             &id,
@@ -147,10 +193,11 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
         .map_err(CliError::p2p(format!("publishing {id}")))?;
     }
     eprintln!(
-        "kvferry serve: {} requests published on {} (transport {}, checksums on {backend}); {}",
+        "kvferry serve: {} requests published on {} (transport {}, checksums on {backend}, lease {} s); {}",
         args.requests,
         producer.endpoint(),
         ranks[0].engine.transport_name(),
+        args.lease,
         security_line(secret.as_ref())
     );
     // Every released lease counts towards --exit-after; the summary says how each ended.
@@ -276,6 +323,12 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
             }
             Err(e) => {
                 eprintln!("kvferry load: req-{i}: {e}");
+                // Once, at the first failure: the likely cause and the options that fix it.
+                let hint =
+                    load_failure_hint(&e.to_string(), secret.is_some(), args.seed, args.requests);
+                if let (0, Some(h)) = (report.counts.failed, hint) {
+                    eprintln!("kvferry load: {h}");
+                }
                 report.counts.failed += 1;
             }
         }

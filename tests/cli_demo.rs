@@ -66,9 +66,22 @@ fn demo_verifies_every_load_and_reports_the_contract_fields() {
         "seconds",
         "gb_per_s",
         "checksum_seconds",
+        "verify_seconds",
+        "verify_share_median",
+        "verify_share_max",
+        "copy_gb_per_s",
     ] {
         assert!(r.get(key).is_some(), "field {key} missing in {r}");
     }
+    let share = |k: &str| r[k].as_f64().unwrap();
+    assert!(
+        0.0 < share("verify_share_median")
+            && share("verify_share_median") <= share("verify_share_max")
+            && share("verify_share_max") <= 1.0,
+        "{r}"
+    );
+    assert!(share("verify_seconds") <= share("checksum_seconds"), "{r}");
+    assert!(share("copy_gb_per_s") > 0.0, "{r}");
     assert_eq!(n(&r, "requests"), 10);
     assert_eq!(n(&r, "verified"), 10);
     assert_eq!(
@@ -887,4 +900,113 @@ fn serve_and_load_with_a_shared_secret_and_a_stranger_without_it() {
     assert!(err.contains("authenticated (shared secret)"), "{err}");
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(n(&r, "verified"), 2, "{r}");
+}
+
+#[test]
+fn a_load_with_other_requests_names_the_options_serve_and_load_share() {
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let common = [
+        "--model",
+        "tiny",
+        "--min-tokens",
+        "20",
+        "--max-tokens",
+        "300",
+    ];
+    let mut server = spawn_serve(
+        &addr,
+        &[&common[..], &["--requests", "6", "--exit-after", "1"]].concat(),
+    );
+    // Fewer requests than serve published: every one exists, but the block tables differ.
+    let out = run_load(&addr, &[&common[..], &["--requests", "4"]].concat());
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("serve and load replay different prompts")
+            && err.contains("--seed, --requests")
+            && err.contains("this side: --seed 1 --requests 4"),
+        "{err}"
+    );
+}
+
+#[test]
+fn serve_on_a_busy_port_fails_before_generating_kv_and_names_bind() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let out = kvferry()
+        .args([
+            "serve",
+            "--bind",
+            &addr,
+            "--model",
+            "tiny",
+            "--requests",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("--bind {addr}")), "{err}");
+    assert!(
+        !err.contains("generating"),
+        "failed after generating KV: {err}"
+    );
+}
+
+#[test]
+fn device_and_transport_errors_name_their_own_option_not_the_side_sizes() {
+    for args in [&["--transport", "rdma"][..], &["--device", "cuda"][..]] {
+        let out = kvferry()
+            .args(["demo", "--model", "tiny", "--requests", "1"])
+            .args(args)
+            .output()
+            .unwrap();
+        if out.status.success() {
+            continue; // this machine has the device: nothing to check
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !err.contains("--prefill-tp") && !err.contains("--decode-tp"),
+            "{args:?}: {err}"
+        );
+    }
+    // A size error still names the side whose options caused it.
+    let out = kvferry()
+        .args([
+            "demo",
+            "--model",
+            "tiny",
+            "--requests",
+            "1",
+            "--prefill-tp",
+            "3",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--prefill-tp"));
+}
+
+#[test]
+fn a_load_with_another_seed_is_told_which_option_differs() {
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let common = ["--model", "tiny", "--requests", "2", "--max-tokens", "200"];
+    let mut server = spawn_serve(&addr, &[&common[..], &["--seed", "7"]].concat());
+    let out = run_load(&addr, &[&common[..], &["--seed", "8"]].concat());
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("load key wrong"), "{err}");
+    assert_eq!(
+        err.matches(
+            "derived from --seed 8 (no --secret-file here): serve runs with another --seed"
+        )
+        .count(),
+        1,
+        "{err}"
+    );
 }

@@ -61,6 +61,12 @@ cargo test --release --workspace "${FEATURES[@]}"
 log "Python package: pip install ./python, pytest python/tests (conformance with Mooncake's wheel)"
 bash scripts/python-tests.sh
 
+# The README's and docs/' code blocks marked `runnable`, as a reader runs them (the quick demo,
+# serve/load, the Python quickstarts), with the binary built above and the Python tests' venv:
+# about 5 s.
+log "code blocks of README.md and docs/ (scripts/doc-blocks.py)"
+python3 scripts/doc-blocks.py --python "${KVFERRY_PY_VENV:-.dev/py-tests}/bin/python"
+
 # kvferry.vllm with real vLLM (issue 13): a producer and two consumer engines on CPU move and
 # verify KV through the connector; a flipped landed bit is caught under fail and recompute.
 # Installs vLLM's CPU build into .dev/vllm-venv (~6 GB) first; docs/vllm-connector-notes.md

@@ -68,6 +68,7 @@ from kvferry.vllm.worker import KvferryWorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -296,6 +297,36 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         """Worker: blocks of loads that failed since the last call; vLLM's kv_load_failure_policy decides."""
         assert self._worker is not None
         return self._worker.get_block_ids_with_load_errors()
+
+    # ---- stats (vLLM's connector stats hooks; kvferry.vllm.stats) ----
+
+    def get_kv_connector_stats(self) -> "KVConnectorStats | None":
+        """Worker: this rank's loads since the last call (None when there were none)."""
+        if self._worker is None:
+            return None
+        # Test transports and the placeholder before register_kv_caches keep no stats.
+        take = getattr(self._worker.transport, "take_stats", None)
+        data = take() if take is not None else None
+        if data is None:
+            return None
+        from kvferry.vllm.stats import KvferryKVConnectorStats
+
+        return KvferryKVConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> "KVConnectorStats | None":
+        """vLLM's logger: the workers' stats data as kvferry's stats object."""
+        from kvferry.vllm.stats import KvferryKVConnectorStats
+
+        return KvferryKVConnectorStats(data=data) if data is not None else KvferryKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> "KVConnectorPromMetrics":
+        """vLLM's Prometheus logger: kvferry's metrics (``vllm:kvferry_*``)."""
+        from kvferry.vllm.stats import KvferryPromMetrics
+
+        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         """Worker: stops the load pool."""

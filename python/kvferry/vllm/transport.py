@@ -104,6 +104,11 @@ def rdma_devices_for(value: Any, local_rank: int) -> str:
                       "comma-separated device names or a list of them, one per worker of the host")
 
 
+# The keys of the loads' stats (:meth:`KvferryTransport.take_stats`, kvferry.vllm.stats).
+STATS_KEYS = ("transfer_duration", "bytes_transferred", "checksum_duration", "num_verified", "num_mismatch",
+              "num_unverified", "num_failed_transfers", "num_recomputed")
+
+
 class KvferryTransport:
     """One rank's :class:`~kvferry.vllm.worker.RankTransport` over kvferry's p2p layer.
 
@@ -154,6 +159,8 @@ class KvferryTransport:
         self._published: dict[str, list] = {}
         self._released_ready: list[tuple[str, str]] = []
         self._lock = threading.Lock()
+        self._stats: dict[str, list] = {k: [] for k in STATS_KEYS}
+        self._stats_lock = threading.Lock()
         self._consumers_lock = threading.Lock()
         self._publish_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-publish")
         self._unit_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvferry-unit-load")
@@ -422,7 +429,9 @@ class KvferryTransport:
                                 num_local_computed=spec.num_local_computed,
                                 timeout=max(deadline - time.monotonic(), 0.001), load_key=src.load_key)
         except Exception as e:  # a bad spec or an engine that cannot start: this unit failed
+            self._record(None)
             return LoadResult(ok=False, verdict="unverified", reason=f"load from {endpoint} raised {e!r}")
+        self._record(out)
         status = out.verdict.status if out.verdict is not None else "unverified"
         if not out.landed:
             return LoadResult(ok=False, verdict=status, reason=f"did not land: {out.error}")
@@ -432,6 +441,30 @@ class KvferryTransport:
                  spec.request_id, src.transfer_id, status, out.bytes, out.transfer_seconds, out.checksum_seconds,
                  _unit_text(unit.heads, unit.layers, f" from {endpoint}"))
         return LoadResult(ok=True, verdict=status)
+
+    def _record(self, out: Any) -> None:
+        """Counts one unit load (None: it raised) in the stats vLLM collects (kvferry.vllm.stats)."""
+        with self._stats_lock:
+            d = self._stats
+            if out is None or not out.landed:
+                d["num_failed_transfers"].append(1)
+                return
+            d["transfer_duration"].append(out.transfer_seconds)
+            d["bytes_transferred"].append(out.bytes)
+            if out.verdict is not None:
+                d["checksum_duration"].append(out.checksum_seconds)
+                key = {"verified": "num_verified", "mismatch": "num_mismatch"}.get(out.verdict.status, "num_unverified")
+                d[key].append(1)
+            if out.action == "recompute":
+                d["num_recomputed"].append(1)
+
+    def take_stats(self) -> dict[str, list] | None:
+        """The loads' stats since the last call (see kvferry.vllm.stats), None when there were none."""
+        with self._stats_lock:
+            if not any(self._stats.values()):
+                return None
+            out, self._stats = self._stats, {k: [] for k in STATS_KEYS}
+        return out
 
     def shutdown(self) -> None:
         """Stops the publish thread (waits for a publish in flight), then the producer units;

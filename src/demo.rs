@@ -24,7 +24,7 @@ use crate::error::CliError;
 use crate::loads::{consumer_config, producer_config, prompt_lengths, LoadCounts};
 use crate::models::model_by_name;
 use crate::models::{ModelShape, STATE_GROUP};
-use crate::setup::{engine_config, memory_paths, side_config, side_workers};
+use crate::setup::{engine_config, memory_paths, side_config, side_workers, transfer_path};
 use crate::world::{
     build_side, fill_request, flip_bit, request_tables, sides_kv_equal, BlockPool, RankKv,
     WorldError,
@@ -38,6 +38,9 @@ pub struct DemoReport {
     /// How the engines registered the KV memory of both sides: "host", or for GPU memory
     /// "dma-buf" / "peer-memory" (GPUDirect RDMA) or "staged" (through pinned host memory).
     pub memory_paths: Vec<String>,
+    /// The path the KV took between the first producer and consumer ranks: "cuda-ipc"
+    /// (device copies between GPU memory of this host), "tcp" or "rdma".
+    pub transfer_path: String,
     /// Checksum backend ("cpu" or "cuda").
     pub checksum_backend: String,
     /// Model shape.
@@ -176,6 +179,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         side_error("consumer (--decode-tp/--decode-pp/--decode-block-size)"),
     )?;
     let transport_name = prod_ranks[0].engine.transport_name().to_string();
+    let path = transfer_path(&prod_ranks[0], &cons_ranks[0]);
     let mut paths = memory_paths(&prod_ranks);
     for p in memory_paths(&cons_ranks) {
         if !paths.contains(&p) {
@@ -237,6 +241,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     let mut report = DemoReport {
         transport: transport_name,
         memory_paths: paths,
+        transfer_path: path,
         checksum_backend: backend_name,
         model: model.name.to_string(),
         prefill_tp: args.prefill_tp,
@@ -533,8 +538,9 @@ fn print_summary(r: &DemoReport) {
         r.decode_block_size
     );
     println!(
-        "  transport {} (KV memory: {}), checksums on {}",
+        "  transport {}, transfers over {} (KV memory: {}), checksums on {}",
         r.transport,
+        r.transfer_path,
         r.memory_paths.join(", "),
         r.checksum_backend
     );

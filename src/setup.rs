@@ -105,7 +105,8 @@ pub fn local_addr_towards(peer: &str) -> Option<String> {
 }
 
 /// The registration paths of the ranks' KV memory (`host`, `dma-buf`, `peer-memory`,
-/// `staged`), each once, in rank order: how the engines made it reachable by peers.
+/// `staged`, and `cuda-ipc` where GPU memory is exported to processes of this host), each
+/// once, in rank order: how the engines made it reachable by peers.
 pub fn memory_paths(ranks: &[RankKv]) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for r in ranks {
@@ -113,11 +114,32 @@ pub fn memory_paths(ranks: &[RankKv]) -> Vec<String> {
             .engine
             .region_path(r.base())
             .map_or_else(|| "unregistered".to_string(), |p| p.to_string());
-        if !out.contains(&p) {
-            out.push(p);
+        let ipc = match r.engine.region_cuda_ipc(r.base()) {
+            Some(Ok(())) => Some("cuda-ipc".to_string()),
+            Some(Err(why)) => Some(format!("no cuda-ipc ({why})")),
+            None => None,
+        };
+        for p in std::iter::once(p).chain(ipc) {
+            if !out.contains(&p) {
+                out.push(p);
+            }
         }
     }
     out
+}
+
+/// The path the transfers between the first consumer rank and the first producer rank take
+/// (`cuda-ipc`, `tcp` or `rdma`), or why it is not known.
+pub fn transfer_path(producer: &RankKv, consumer: &RankKv) -> String {
+    let name = producer.engine.segment_name();
+    match consumer.engine.open_segment(&name).and_then(|seg| {
+        consumer
+            .engine
+            .transfer_path(&seg, consumer.base(), producer.base())
+    }) {
+        Ok(p) => p.to_string(),
+        Err(e) => format!("unknown ({e})"),
+    }
 }
 
 /// One side's KV caches for the common options: `model` held by `tp × pp` ranks whose

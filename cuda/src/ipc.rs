@@ -193,22 +193,39 @@ pub fn plan_copies(copies: &[Copy]) -> CopyPlan {
 /// The piece kernel's source (compiled with NVRTC on first use per device).
 pub const COPY_SRC: &str = include_str!("../kernels/copy.cu");
 
-/// The gather/scatter piece kernel loaded in one context, with a table buffer (pinned host
-/// and device) that grows as needed. One enqueue at a time: the table is reused by the next
-/// enqueue only after the caller has seen the previous one's work complete (an event).
-pub struct PieceCopier {
+/// The gather/scatter piece kernel loaded in one device's context. Shared by any number of
+/// enqueues at once; each brings its own [`PieceTable`].
+pub struct PieceKernel {
     _module: crate::driver::Module,
     func: crate::driver::Function,
     grid_max: u32,
-    table: Option<(crate::driver::PinnedBuffer, crate::driver::DeviceBuffer)>,
-    // Last: the buffers and module above are released with the context still retained.
+    // Last: the module above is unloaded with the context still retained.
     ctx: Context,
 }
 
-impl PieceCopier {
+/// The piece list of one launch: pinned host memory and its device copy, grown as needed.
+/// Reused only after the launch that read it has completed.
+pub struct PieceTable {
+    bufs: Option<(crate::driver::PinnedBuffer, crate::driver::DeviceBuffer)>,
+}
+
+impl PieceTable {
+    /// An empty table (allocated on first use).
+    pub fn new() -> PieceTable {
+        PieceTable { bufs: None }
+    }
+}
+
+impl Default for PieceTable {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PieceKernel {
     /// Compiles and loads the kernel for `ordinal`'s device. Errors: NVRTC missing or failing,
     /// the driver's.
-    pub fn new(ordinal: u32) -> DriverResult<PieceCopier> {
+    pub fn new(ordinal: u32) -> DriverResult<PieceKernel> {
         let ctx = Context::new(ordinal)?;
         let image = crate::nvrtc::compile(COPY_SRC, "copy.cu", ctx.compute_capability()?)?;
         let module = crate::driver::Module::load(&ctx, &image)?;
@@ -217,11 +234,10 @@ impl PieceCopier {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             as u32;
         let grid_max = sms.max(1) * func.occupancy(256)?;
-        Ok(PieceCopier {
+        Ok(PieceKernel {
             _module: module,
             func,
             grid_max,
-            table: None,
             ctx,
         })
     }
@@ -231,8 +247,14 @@ impl PieceCopier {
     ///
     /// # Safety
     /// Every range is valid device memory until the stream's work completes; `stream` belongs
-    /// to this copier's context; the previous enqueue's work has completed.
-    pub unsafe fn enqueue(&mut self, plan: &CopyPlan, stream: sys::CUstream) -> DriverResult<()> {
+    /// to this kernel's context; `table`'s previous launch has completed and `table` lives
+    /// until this one has.
+    pub unsafe fn enqueue(
+        &self,
+        plan: &CopyPlan,
+        table: &mut PieceTable,
+        stream: sys::CUstream,
+    ) -> DriverResult<()> {
         self.ctx.bind()?;
         for c in &plan.direct {
             // SAFETY: forwarded from this function's contract.
@@ -250,28 +272,28 @@ impl PieceCopier {
             CudaError::Invalid(format!("{} pieces in one launch", plan.pieces.len()))
         })?;
         let bytes = plan.pieces.len() * 24;
-        if self.table.as_ref().is_none_or(|(h, _)| h.len() < bytes) {
+        if table.bufs.as_ref().is_none_or(|(h, _)| h.len() < bytes) {
             let cap = bytes.next_power_of_two().max(64 << 10);
-            self.table = Some((
+            table.bufs = Some((
                 crate::driver::PinnedBuffer::new(&self.ctx, cap)?,
                 crate::driver::DeviceBuffer::new(&self.ctx, cap)?,
             ));
         }
-        let (host, dev) = self.table.as_ref().expect("made above");
-        // SAFETY: the pinned table holds at least `bytes`; the previous enqueue's upload has
-        // completed (contract), so nothing reads it now.
+        let (host, dev) = table.bufs.as_ref().expect("made above");
+        // SAFETY: the pinned table holds at least `bytes`; its previous launch has completed
+        // (contract), so nothing reads it now.
         let words = unsafe { std::slice::from_raw_parts_mut(host.as_ptr() as *mut u64, bytes / 8) };
         for (i, c) in plan.pieces.iter().enumerate() {
             words[3 * i] = c.dst;
             words[3 * i + 1] = c.src;
             words[3 * i + 2] = c.len as u64;
         }
-        let mut table = dev.ptr();
+        let mut table_ptr = dev.ptr();
         let mut count = n;
         // One block per piece at a time.
         let grid = n.min(self.grid_max);
-        // SAFETY: the upload reads `bytes` of pinned memory kept until the next enqueue; the
-        // kernel's arguments are a device pointer and a u32, as its signature.
+        // SAFETY: the upload reads `bytes` of pinned memory the table keeps until its launch
+        // completed; the kernel's arguments are a device pointer and a u32, as its signature.
         unsafe {
             crate::driver::copy_htod_async(dev.ptr(), host.as_ptr(), bytes, stream)?;
             self.func.launch(
@@ -279,13 +301,38 @@ impl PieceCopier {
                 grid,
                 256,
                 &mut [
-                    &mut table as *mut u64 as *mut c_void,
+                    &mut table_ptr as *mut u64 as *mut c_void,
                     &mut count as *mut u32 as *mut c_void,
                 ],
             )?;
         }
         Ok(())
     }
+}
+
+/// The UUID of device `ordinal`, as 32 lowercase hex digits: the name by which two processes
+/// with different `CUDA_VISIBLE_DEVICES` agree on a device. Errors: the driver's.
+pub fn device_uuid(ordinal: u32) -> DriverResult<String> {
+    let mut dev = 0;
+    let mut u = sys::CUuuid_st { bytes: [0; 16] };
+    // SAFETY: out-pointers to live locals.
+    unsafe {
+        check("cuDeviceGet", sys::cuDeviceGet(&mut dev, ordinal as i32))?;
+        check("cuDeviceGetUuid", sys::cuDeviceGetUuid_v2(&mut u, dev))?;
+    }
+    Ok(u.bytes
+        .iter()
+        .map(|b| format!("{:02x}", *b as u8))
+        .collect())
+}
+
+/// The ordinal of the device whose UUID is `uuid` (as [`device_uuid`] writes it), if this
+/// process sees it.
+pub fn ordinal_of_uuid(uuid: &str) -> Option<u32> {
+    let mut n = 0;
+    // SAFETY: out-pointer to a live local.
+    unsafe { check("cuDeviceGetCount", sys::cuDeviceGetCount(&mut n)).ok()? };
+    (0..n.max(0) as u32).find(|&o| device_uuid(o).is_ok_and(|u| u == uuid))
 }
 
 #[cfg(test)]

@@ -9,10 +9,14 @@
 //! * `contiguous`: one copy of `size` bytes;
 //! * `64K pieces`, `4K pieces`: `size` bytes as pieces at every other piece offset on both
 //!   sides (nothing coalesces), in one launch of the piece kernel (kvferry-cuda's
-//!   `PieceCopier`);
+//!   `PieceKernel`);
 //! * `4K batch API`: the same 4 KiB pieces through one `cuMemcpyBatchAsync` (what the driver's
 //!   batch gives instead);
 //! * `vmm`: one contiguous copy into the `cuMemCreate` allocation.
+//!
+//! * `engine …`: the same requests through two transfer engines (`TransferEngine::submit` and
+//!   `wait`, the CUDA IPC transport), timed on the host from submit to the end of the wait
+//!   (so the engine's figures include what the host adds: slicing, routing, completion).
 //!
 //! The bytes of a scattered copy are checked at the end (read back through the mapping).
 //!
@@ -26,7 +30,7 @@ use kvferry_cuda::driver::{
 };
 use kvferry_cuda::ipc::{
     self, export_vmm, legacy_handle, plan_copies, ImportedVmm, LegacyHandle, OpenedLegacy,
-    PieceCopier, VmmBuffer,
+    PieceKernel, PieceTable, VmmBuffer,
 };
 use kvferry_transfer::transport::cuda_ipc::fdpass::{fetch, FdServer};
 
@@ -43,16 +47,29 @@ fn child(max: usize) {
     let ctx = Context::new(0).unwrap();
     let buf = DeviceBuffer::new(&ctx, 2 * max).unwrap();
     let vmm = VmmBuffer::new(&ctx, 2 * max).unwrap();
+    let engine = kvferry_transfer::TransferEngine::new(Default::default()).unwrap();
+    // SAFETY: the buffer lives until this process exits.
+    unsafe {
+        engine
+            .register_memory(
+                buf.ptr(),
+                (2 * max) as u64,
+                kvferry_transfer::Location::Cuda(0),
+            )
+            .unwrap()
+    };
     let srv = FdServer::start().unwrap();
     let t = srv
         .offer(Arc::new(export_vmm(vmm.ptr()).unwrap()), vmm.len() as u64)
         .unwrap();
     println!(
-        "KVF {} {} {} {}",
+        "KVF {} {} {} {} {} {}",
         hex(&legacy_handle(buf.ptr()).unwrap().0),
         srv.name(),
         hex(&t),
-        vmm.len()
+        vmm.len(),
+        engine.segment_name(),
+        buf.ptr()
     );
     std::io::stdout().flush().unwrap();
     let mut s = String::new();
@@ -134,12 +151,53 @@ fn main() {
     let local = DeviceBuffer::new(&ctx, 2 * max).unwrap();
     let stream = Stream::new(&ctx).unwrap();
     let s = stream.raw();
+    let engine = kvferry_transfer::TransferEngine::new(Default::default()).unwrap();
+    // SAFETY: `src` outlives the engine's use of it.
+    unsafe {
+        engine
+            .register_memory(
+                src.ptr(),
+                (2 * max) as u64,
+                kvferry_transfer::Location::Cuda(0),
+            )
+            .unwrap()
+    };
+    let seg = engine.open_segment(w[4]).unwrap();
+    let remote: u64 = w[5].parse().unwrap();
+    println!(
+        "engine path: {}",
+        engine.transfer_path(&seg, src.ptr(), remote).unwrap()
+    );
+    // Host seconds per batch of `reqs`, submit to the end of its wait.
+    let engine_time = |reqs: &[kvferry_transfer::TransferRequest], reps: usize| {
+        let run = || {
+            let id = engine.submit(&seg, reqs).unwrap();
+            engine.wait(id, std::time::Duration::from_secs(60)).unwrap();
+        };
+        run();
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            run();
+        }
+        t.elapsed().as_secs_f64() / reps as f64
+    };
+    let reqs = |size: usize, piece: usize| -> Vec<kvferry_transfer::TransferRequest> {
+        (0..size / piece)
+            .map(|i| kvferry_transfer::TransferRequest {
+                op: kvferry_transfer::Op::Write,
+                local_addr: src.ptr() + (2 * i * piece) as u64,
+                remote_addr: remote + (2 * i * piece) as u64,
+                len: piece as u64,
+            })
+            .collect()
+    };
     println!(
         "device: {} (one GPU, process pair, cuMemcpyBatchAsync: {})",
         ctx.name(),
         if ipc::batch_available() { "yes" } else { "no" }
     );
-    let copier = std::cell::RefCell::new(PieceCopier::new(0).expect("piece kernel (NVRTC)"));
+    let kernel = PieceKernel::new(0).expect("piece kernel (NVRTC)");
+    let table = std::cell::RefCell::new(PieceTable::new());
     println!(
         "| size | reference GB/s | contiguous | 64K pieces | 4K pieces | 4K batch API | vmm |"
     );
@@ -167,18 +225,18 @@ fn main() {
         let reference = time(&ctx, &stream, reps, copy(local.ptr()));
         let contiguous = time(&ctx, &stream, reps, copy(legacy.ptr()));
         let vm = time(&ctx, &stream, reps, copy(vmm.ptr()));
-        let scattered = |piece: usize, kernel: bool| {
+        let scattered = |piece: usize, use_kernel: bool| {
             let ps = pieces(legacy.ptr(), src.ptr(), size, piece);
             let plan = plan_copies(&ps);
-            let reps = if kernel { reps } else { reps.min(20) };
+            let reps = if use_kernel { reps } else { reps.min(20) };
             time(&ctx, &stream, reps, || {
                 // SAFETY: every piece lies inside the 2 * max byte allocations. The repeated
                 // enqueues rewrite the pinned table while an earlier upload may still read it:
                 // with the same plan every time the bytes are the same, so the race is benign
                 // here (the transport gives each batch a table of its own).
                 unsafe {
-                    if kernel {
-                        copier.borrow_mut().enqueue(&plan, s).unwrap();
+                    if use_kernel {
+                        kernel.enqueue(&plan, &mut table.borrow_mut(), s).unwrap();
                     } else {
                         ipc::copy_batch_async(&ps, s).unwrap();
                     }
@@ -192,8 +250,20 @@ fn main() {
         } else {
             "-".into()
         };
+        let ereps = ((256usize << 20) / size).clamp(5, 200);
+        let e_contig = engine_time(
+            &[kvferry_transfer::TransferRequest {
+                op: kvferry_transfer::Op::Write,
+                local_addr: src.ptr(),
+                remote_addr: remote,
+                len: size as u64,
+            }],
+            ereps,
+        );
+        let e64 = engine_time(&reqs(size, 64 << 10), ereps);
+        let e4 = engine_time(&reqs(size, 4 << 10), ereps.min(20));
         println!(
-            "| {} | {:.1} | {:.3} | {:.3} | {:.3} | {} | {:.3} |",
+            "| {} | {:.1} | {:.3} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {:.3} | {:.3} |",
             if size >= 1 << 20 {
                 format!("{} MiB", size >> 20)
             } else {
@@ -204,7 +274,10 @@ fn main() {
             reference / p64,
             reference / p4,
             l4,
-            reference / vm
+            reference / vm,
+            reference / e_contig,
+            reference / e64,
+            reference / e4
         );
         size *= 4;
     }
@@ -215,11 +288,21 @@ fn main() {
     unsafe {
         copy_htod_async(src.ptr(), pat.as_ptr(), 2 * n, s).unwrap();
         stream.synchronize().unwrap();
-        let mut k = copier.borrow_mut();
-        k.enqueue(&plan_copies(&pieces(legacy.ptr(), src.ptr(), n, 4096)), s)
+        let mut t = table.borrow_mut();
+        kernel
+            .enqueue(
+                &plan_copies(&pieces(legacy.ptr(), src.ptr(), n, 4096)),
+                &mut t,
+                s,
+            )
             .unwrap();
         stream.synchronize().unwrap();
-        k.enqueue(&plan_copies(&pieces(local.ptr(), legacy.ptr(), n, 4096)), s)
+        kernel
+            .enqueue(
+                &plan_copies(&pieces(local.ptr(), legacy.ptr(), n, 4096)),
+                &mut t,
+                s,
+            )
             .unwrap();
     }
     stream.synchronize().unwrap();

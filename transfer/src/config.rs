@@ -40,6 +40,27 @@ pub struct EngineConfig {
     /// connections have their own `tcp.idle_timeout`). Default 60 s. Peers that fail are
     /// dropped at once (issue 10, "no leaks under churn").
     pub peer_idle_timeout: Duration,
+    /// Device memory between processes of this host through CUDA IPC (docs/design.md §3.10).
+    /// Default `Auto`.
+    pub cuda_ipc: CudaIpcMode,
+}
+
+/// Whether `cuda:N` regions are offered to peers on this host through CUDA IPC
+/// (`EngineConfig::cuda_ipc`). Slices between device memory of two processes of one host
+/// then move as device copies; all others over the network transport.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CudaIpcMode {
+    /// Export every `cuda:N` region that can be exported where the CUDA driver is present; a
+    /// region that cannot be is registered for the network transport only, with a warning
+    /// naming why (its keys carry `cuda_ipc_refused`).
+    #[default]
+    Auto,
+    /// No CUDA IPC: everything over the network transport.
+    Off,
+    /// As `Auto`, but a `cuda:N` region that cannot be exported is refused at registration
+    /// with the reason.
+    Required,
 }
 
 /// Authorization settings (`crate::auth`). With neither `secret` nor `secret_file` the engine
@@ -83,6 +104,7 @@ impl Default for EngineConfig {
             slice_size: 64 * 1024,
             auth: AuthConfig::default(),
             peer_idle_timeout: Duration::from_secs(60),
+            cuda_ipc: CudaIpcMode::Auto,
         }
     }
 }

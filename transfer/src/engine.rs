@@ -234,6 +234,51 @@ impl TransferEngine {
         self.registry.find(addr, 1).map(|e| e.keys.path)
     }
 
+    /// Whether peers on this host reach the `cuda:N` region containing `addr` through CUDA IPC:
+    /// `Some(Ok(()))` when it is exported, `Some(Err(reason))` when it could not be (it moves
+    /// over the network transport), `None` for host memory, an engine without CUDA IPC, or no
+    /// region at `addr`.
+    pub fn region_cuda_ipc(&self, addr: u64) -> Option<std::result::Result<(), String>> {
+        let e = self.registry.find(addr, 1)?;
+        let t = &e.keys.transport;
+        if t.get(crate::transport::cuda_ipc::transport::KEYS_FIELD)
+            .is_some()
+        {
+            return Some(Ok(()));
+        }
+        t.get(crate::transport::cuda_ipc::transport::REFUSED_FIELD)
+            .map(|v| Err(v.as_str().unwrap_or("not exported").to_string()))
+    }
+
+    /// The path a transfer between `local_addr` (registered here) and `remote_addr` (in a
+    /// buffer of `target`) takes now: CUDA IPC, TCP or RDMA. Errors: `NotRegistered` and
+    /// `RemoteOutOfRange` as `submit`.
+    pub fn transfer_path(
+        &self,
+        target: &SegmentHandle,
+        local_addr: u64,
+        remote_addr: u64,
+    ) -> Result<crate::types::TransferPath> {
+        let local = self
+            .registry
+            .find(local_addr, 1)
+            .ok_or(TransferError::NotRegistered {
+                addr: local_addr,
+                len: 1,
+            })?;
+        let d = &target.descriptor;
+        let i = d
+            .buffers
+            .iter()
+            .position(|b| b.region.contains(remote_addr, 1))
+            .ok_or_else(|| TransferError::RemoteOutOfRange {
+                segment: d.name.clone(),
+                addr: remote_addr,
+                len: 1,
+            })?;
+        Ok(self.transport.path(d, &local.region, i))
+    }
+
     /// Unregisters the region that starts at `addr` (after any in-progress TCP target access to
     /// it ended). `InvalidArgument` when no region starts there. Peers' cached descriptors still
     /// list it; their requests to it are refused by the target.

@@ -46,7 +46,7 @@ pub mod types;
 pub mod gpu;
 
 pub use auth::{Credential, GrantGuard, GrantOps, GrantSpec, Secret, Token};
-pub use config::{AuthConfig, EngineConfig, GpuRegistration, RdmaConfig, TcpConfig};
+pub use config::{AuthConfig, CudaIpcMode, EngineConfig, GpuRegistration, RdmaConfig, TcpConfig};
 pub use descriptor::{BufferDesc, SegmentDescriptor, TransportInfo};
 pub use engine::{EngineStats, TransferEngine};
 pub use error::{
@@ -58,4 +58,4 @@ pub use memory::{
 };
 pub use segment::SegmentHandle;
 pub use transport::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
-pub use types::{BatchId, BatchStatus, Location, Op, TransferRequest, TransportKind};
+pub use types::{BatchId, BatchStatus, Location, Op, TransferPath, TransferRequest, TransportKind};

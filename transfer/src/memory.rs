@@ -128,6 +128,17 @@ impl TransportKeys {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+
+    /// One field of the keys (a wrapping transport's own, e.g. CUDA IPC's `cuda_ipc`).
+    pub fn get(&self, field: &str) -> Option<&serde_json::Value> {
+        self.0.get(field)
+    }
+
+    /// Adds a field beside the wrapped transport's keys (CUDA IPC's `cuda_ipc` or
+    /// `cuda_ipc_refused`); decoders of the wrapped transport ignore fields they do not know.
+    pub fn insert(&mut self, field: &str, value: serde_json::Value) {
+        self.0.insert(field.to_string(), value);
+    }
 }
 
 /// One registered region with the keys its transport returned.

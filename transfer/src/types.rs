@@ -58,6 +58,29 @@ impl FromStr for TransportKind {
     }
 }
 
+/// Which path carries a transfer between a local region and a peer's, as the engine reports
+/// it (`TransferEngine::transfer_path`): written `"cuda-ipc"`, `"tcp"` or `"rdma"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TransferPath {
+    /// Device copies between processes of one host through CUDA IPC (or inside one process).
+    CudaIpc,
+    /// The TCP transport.
+    Tcp,
+    /// The RDMA transport.
+    Rdma,
+}
+
+impl std::fmt::Display for TransferPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransferPath::CudaIpc => "cuda-ipc",
+            TransferPath::Tcp => "tcp",
+            TransferPath::Rdma => "rdma",
+        })
+    }
+}
+
 /// Direction of a transfer, seen from the initiator: `Write` moves local → remote,
 /// `Read` moves remote → local (Mooncake's opcode WRITE/READ).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -467,3 +467,310 @@ fn mem_info() -> (usize, usize) {
     };
     (free, total)
 }
+
+// ---- The transport through two engines ------------------------------------------------------
+
+use kvferry_transfer::{
+    EngineConfig, Location, Op, SegmentHandle, TransferEngine, TransferPath, TransferRequest,
+};
+
+/// A child process with an engine and one registered `cuda:0` region of 8 MiB (filled with
+/// pattern 7), made with `cuMemAlloc` (`legacy`) or `cuMemCreate` (`vmm`).
+/// Commands: `check <off> <len> <seed>` -> `same` | `differ`; `unregister` -> `ok`.
+#[test]
+fn child_engine() {
+    let Ok(kind) = std::env::var(ROLE) else {
+        return;
+    };
+    let Some(kind) = kind.strip_prefix("engine-") else {
+        return;
+    };
+    let ctx = Context::new(0).unwrap();
+    let len = 8 << 20;
+    let (_d, _v, ptr) = if kind == "vmm" {
+        let v = VmmBuffer::new(&ctx, len).unwrap();
+        let p = v.ptr();
+        (None, Some(v), p)
+    } else {
+        let d = DeviceBuffer::new(&ctx, len).unwrap();
+        let p = d.ptr();
+        (Some(d), None, p)
+    };
+    upload(&ctx, ptr, &pattern(7, len));
+    let engine = TransferEngine::new(EngineConfig::default()).unwrap();
+    // SAFETY: the buffer lives until this process exits.
+    unsafe {
+        engine
+            .register_memory(ptr, len as u64, Location::Cuda(0))
+            .unwrap()
+    };
+    println!(
+        "KVF ready {} {ptr} {len} {:?}",
+        engine.segment_name(),
+        engine.region_cuda_ipc(ptr)
+    );
+    for line in std::io::stdin().lock().lines() {
+        let line = line.unwrap();
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let a = match w.as_slice() {
+            ["check", off, n, seed] => {
+                let (off, n): (u64, usize) = (off.parse().unwrap(), n.parse().unwrap());
+                if download(&ctx, ptr + off, n) == pattern(seed.parse().unwrap(), n) {
+                    "same".to_string()
+                } else {
+                    "differ".to_string()
+                }
+            }
+            ["unregister"] => {
+                engine.unregister_memory(ptr).unwrap();
+                "ok".to_string()
+            }
+            _ => format!("error {line:?}"),
+        };
+        println!("KVF {a}");
+    }
+}
+
+struct Peer {
+    child: Child,
+    answers: std::sync::mpsc::Receiver<String>,
+    name: String,
+    addr: u64,
+}
+
+impl Peer {
+    fn start(kind: &str) -> Peer {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "child_engine",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env(ROLE, format!("engine-{kind}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let answers = answers_of(child.stdout.take().unwrap());
+        let ready = answers
+            .recv_timeout(ANSWER_DEADLINE)
+            .expect("child engine ready");
+        eprintln!("child engine: {ready}");
+        let w: Vec<&str> = ready.split_whitespace().collect();
+        assert_eq!(w[0], "ready");
+        assert!(
+            ready.contains("Some(Ok(()))"),
+            "the child's region is exported: {ready}"
+        );
+        Peer {
+            child,
+            answers,
+            name: w[1].to_string(),
+            addr: w[2].parse().unwrap(),
+        }
+    }
+
+    fn ask(&mut self, line: &str) -> String {
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+        self.answers
+            .recv_timeout(ANSWER_DEADLINE)
+            .unwrap_or_else(|e| panic!("child engine gave no answer to {line:?}: {e}"))
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn run(
+    engine: &TransferEngine,
+    seg: &SegmentHandle,
+    reqs: &[TransferRequest],
+) -> kvferry_transfer::Result<()> {
+    let id = engine.submit(seg, reqs)?;
+    engine.wait(id, Duration::from_secs(60))
+}
+
+/// WRITE and READ between this process's `cuMemAlloc` memory and a child's region of `kind`
+/// over CUDA IPC: contiguous and scattered requests land byte for byte; after the child
+/// unregisters its region, a WRITE to it is refused (the live table), never applied.
+fn engine_round_trip(kind: &str) {
+    let ctx = Context::new(0).unwrap();
+    let mut peer = Peer::start(kind);
+    let len = 8usize << 20;
+    let local = DeviceBuffer::new(&ctx, len).unwrap();
+    upload(&ctx, local.ptr(), &pattern(3, len));
+    let engine = TransferEngine::new(EngineConfig::default()).unwrap();
+    // SAFETY: `local` outlives the engine's use of it (dropped after the engine below).
+    unsafe {
+        engine
+            .register_memory(local.ptr(), len as u64, Location::Cuda(0))
+            .unwrap()
+    };
+    assert_eq!(engine.region_cuda_ipc(local.ptr()), Some(Ok(())));
+    let seg = engine.open_segment(&peer.name).unwrap();
+    assert_eq!(
+        engine.transfer_path(&seg, local.ptr(), peer.addr).unwrap(),
+        TransferPath::CudaIpc
+    );
+    // contiguous 1 MiB: local [0, 1 MiB) -> remote [8 KiB, ...)
+    let remote = peer.addr;
+    let w = |l: u64, r: u64, n: u64| TransferRequest {
+        op: Op::Write,
+        local_addr: local.ptr() + l,
+        remote_addr: remote + r,
+        len: n,
+    };
+    run(&engine, &seg, &[w(0, 8192, 1 << 20)]).unwrap();
+    assert_eq!(peer.ask(&format!("check 8192 {} 3", 1 << 20)), "same");
+    // scattered: 64 pieces of 4 KiB at every other 4 KiB from 2 MiB on both sides
+    let reqs: Vec<TransferRequest> = (0..64u64)
+        .map(|i| w((2 << 20) + 8192 * i, (2 << 20) + 8192 * i, 4096))
+        .collect();
+    run(&engine, &seg, &reqs).unwrap();
+    // READ: remote [6 MiB, 7 MiB) (pattern 7, untouched by the writes) -> local [4 MiB, ...)
+    run(
+        &engine,
+        &seg,
+        &[TransferRequest {
+            op: Op::Read,
+            local_addr: local.ptr() + (4 << 20),
+            remote_addr: peer.addr + (6 << 20),
+            len: 1 << 20,
+        }],
+    )
+    .unwrap();
+    assert!(
+        download(&ctx, local.ptr() + (4 << 20), 1 << 20)[..] == pattern(7, len)[6 << 20..7 << 20],
+        "bytes read over CUDA IPC differ"
+    );
+    // scattered READ back of what was written: equals this side's pattern at those offsets
+    let reqs: Vec<TransferRequest> = (0..64u64)
+        .map(|i| TransferRequest {
+            op: Op::Read,
+            local_addr: local.ptr() + (6 << 20) + 4096 * i,
+            remote_addr: peer.addr + (2 << 20) + 8192 * i,
+            len: 4096,
+        })
+        .collect();
+    run(&engine, &seg, &reqs).unwrap();
+    let back = download(&ctx, local.ptr() + (6 << 20), 64 * 4096);
+    let src = pattern(3, len);
+    for i in 0..64usize {
+        let o = (2 << 20) + 8192 * i;
+        assert!(
+            back[4096 * i..4096 * (i + 1)] == src[o..o + 4096],
+            "scattered piece {i} differs"
+        );
+    }
+    // the child unregisters: the next WRITE is refused and changes nothing
+    assert_eq!(peer.ask("unregister"), "ok");
+    let e = run(&engine, &seg, &[w(0, 0, 4096)]).unwrap_err();
+    eprintln!("WRITE after the peer unregistered: {e}");
+    assert!(e.to_string().contains("not inside a buffer"), "{e}");
+    assert_eq!(
+        peer.ask("check 0 4096 7"),
+        "same",
+        "the refused WRITE changed nothing"
+    );
+    drop(engine);
+}
+
+#[test]
+fn engine_cuda_ipc_legacy_memory() {
+    let _one = serial();
+    if gpu("engine_cuda_ipc_legacy_memory").is_none() {
+        return;
+    }
+    engine_round_trip("legacy");
+}
+
+#[test]
+fn engine_cuda_ipc_vmm_memory() {
+    let _one = serial();
+    if gpu("engine_cuda_ipc_vmm_memory").is_none() {
+        return;
+    }
+    engine_round_trip("vmm");
+}
+
+/// The peer process is killed while batches into its memory run: every batch ends within its
+/// deadline (no hang), and a later one fails naming the exited process.
+#[test]
+fn engine_cuda_ipc_peer_killed_mid_transfer() {
+    let _one = serial();
+    let Some(ctx) = gpu("engine_cuda_ipc_peer_killed_mid_transfer") else {
+        return;
+    };
+    let mut peer = Peer::start("legacy");
+    let len = 8usize << 20;
+    let local = DeviceBuffer::new(&ctx, len).unwrap();
+    let engine = TransferEngine::new(EngineConfig::default()).unwrap();
+    // SAFETY: `local` outlives the engine's use of it.
+    unsafe {
+        engine
+            .register_memory(local.ptr(), len as u64, Location::Cuda(0))
+            .unwrap()
+    };
+    let seg = engine.open_segment(&peer.name).unwrap();
+    let req = TransferRequest {
+        op: Op::Write,
+        local_addr: local.ptr(),
+        remote_addr: peer.addr,
+        len: len as u64,
+    };
+    run(&engine, &seg, &[req]).unwrap();
+    let ids: Vec<_> = (0..200)
+        .map(|_| engine.submit(&seg, &[req]).unwrap())
+        .collect();
+    let _ = peer.child.kill();
+    let _ = peer.child.wait();
+    let t = Instant::now();
+    for id in ids {
+        let _ = engine.wait(id, Duration::from_secs(60));
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(60),
+        "batches hung after the peer died"
+    );
+    let e = run(&engine, &seg, &[req]).unwrap_err();
+    eprintln!("WRITE after the peer died: {e}");
+    assert!(e.to_string().contains("exited"), "{e}");
+}
+
+/// Two engines of one process: device memory moves as in-process device copies.
+#[test]
+fn engine_cuda_ipc_in_one_process() {
+    let _one = serial();
+    let Some(ctx) = gpu("engine_cuda_ipc_in_one_process") else {
+        return;
+    };
+    let len = 4usize << 20;
+    let a = DeviceBuffer::new(&ctx, len).unwrap();
+    let b = DeviceBuffer::new(&ctx, len).unwrap();
+    upload(&ctx, a.ptr(), &pattern(11, len));
+    let ea = TransferEngine::new(EngineConfig::default()).unwrap();
+    let eb = TransferEngine::new(EngineConfig::default()).unwrap();
+    // SAFETY: both buffers outlive the engines' use of them.
+    unsafe {
+        ea.register_memory(a.ptr(), len as u64, Location::Cuda(0))
+            .unwrap();
+        eb.register_memory(b.ptr(), len as u64, Location::Cuda(0))
+            .unwrap();
+    }
+    let seg = ea.open_segment(&eb.segment_name()).unwrap();
+    assert_eq!(
+        ea.transfer_path(&seg, a.ptr(), b.ptr()).unwrap(),
+        TransferPath::CudaIpc
+    );
+    ea.transfer_sync_write(&eb.segment_name(), a.ptr(), b.ptr(), len as u64)
+        .unwrap();
+    assert!(download(&ctx, b.ptr(), len) == pattern(11, len));
+}

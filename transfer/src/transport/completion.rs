@@ -162,6 +162,33 @@ impl BatchState {
         }
     }
 
+    /// Reports every slice of `ids` succeeded under one lock (a transport that completes many
+    /// slices by one event).
+    fn report_ok(&self, ids: &[u32]) {
+        let mut c = self.lock();
+        for &id in ids {
+            match c
+                .reported
+                .get_mut(id as usize)
+                .map(|seen| std::mem::replace(seen, true))
+            {
+                Some(false) => c.succeeded += 1,
+                Some(true) => tracing::warn!(slice = id, "second completion for a slice ignored"),
+                None => tracing::warn!(
+                    slice = id,
+                    total = self.total,
+                    "completion for an unknown slice id ignored"
+                ),
+            }
+        }
+        let all = c.succeeded + c.failed == self.total;
+        drop(c);
+        if all {
+            self.cond.notify_all();
+            self.notify.notify_waiters();
+        }
+    }
+
     fn report(&self, id: u32, result: Result<(), TransferError>) {
         let mut c = self.lock();
         let Some(seen) = c.reported.get_mut(id as usize) else {
@@ -278,6 +305,11 @@ impl CompletionSink {
         TransferError::Cancelled
     }
 
+    /// Reports every slice of `ids` succeeded, as `complete(id, Ok(()))` each, under one lock.
+    pub fn succeed_all(&self, ids: &[u32]) {
+        self.state.report_ok(ids);
+    }
+
     /// Reports every id in `ids` failed with (a copy of) `err`.
     pub fn fail_all(&self, ids: impl IntoIterator<Item = u32>, err: &TransferError) {
         for id in ids {
@@ -310,6 +342,19 @@ mod tests {
             st.wait(Duration::from_millis(1)),
             Err(TransferError::Failed { .. })
         ));
+    }
+
+    #[test]
+    fn succeed_all_counts_each_slice_once() {
+        let st = BatchState::new(4);
+        let sink = CompletionSink::new(st.clone());
+        sink.succeed_all(&[0, 1]);
+        sink.succeed_all(&[1, 9]); // a repeat and an unknown id are ignored
+        assert_eq!(st.status(), BatchStatus::Pending);
+        sink.complete(2, Err(TransferError::Cancelled));
+        sink.succeed_all(&[3, 2]);
+        assert!(matches!(st.status(), BatchStatus::Failed(_)));
+        assert!(st.wait(Duration::from_secs(1)).is_err());
     }
 
     #[test]

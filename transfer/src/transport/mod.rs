@@ -161,6 +161,21 @@ pub trait Transport: Send + Sync + 'static {
         token: Option<crate::auth::Token>,
     );
 
+    /// The path a slice between `local` (a registered region here) and the peer's buffer
+    /// `remote_buffer` takes now (`TransferEngine::transfer_path`). Default: this transport's
+    /// kind (`Tcp` or `Rdma`).
+    fn path(
+        &self,
+        _peer: &SegmentDescriptor,
+        _local: &MemoryRegion,
+        _remote_buffer: usize,
+    ) -> crate::types::TransferPath {
+        match self.kind() {
+            TransportKind::Rdma => crate::types::TransferPath::Rdma,
+            _ => crate::types::TransferPath::Tcp,
+        }
+    }
+
     /// Drops cached connections/endpoints to segment `name` (the engine calls it when the peer's
     /// descriptor changed, e.g. the peer restarted). Default: nothing.
     fn disconnect(&self, _name: &str) {}

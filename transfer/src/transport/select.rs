@@ -61,11 +61,48 @@ fn rdma_create(_ctx: &TransportContext) -> Result<Arc<dyn Transport>> {
     ))
 }
 
-/// Creates the transport `ctx.config.transport` asks for. `Tcp`: TCP. `Rdma`: RDMA, or a
+/// Creates the transport `ctx.config.transport` asks for, wrapped in the CUDA IPC transport
+/// where `ctx.config.cuda_ipc` and the CUDA driver allow (device memory between processes of
+/// this host as device copies; everything else through the network transport). `Tcp`: TCP. `Rdma`: RDMA, or a
 /// `Config` error when no device is usable (or the build has none). `Auto`: RDMA when a device
 /// is usable and the transport starts (a warning names why it did not), else TCP.
 /// Errors: `Config` as above; the TCP transport's own (its data listener cannot bind).
 pub(crate) fn choose(ctx: &TransportContext) -> Result<Chosen> {
+    let net = choose_network(ctx)?;
+    match with_cuda_ipc(ctx.config.cuda_ipc, kvferry_cuda::cuda_available()) {
+        Ok(()) => Ok(Chosen {
+            transport: super::cuda_ipc::CudaIpcTransport::new(ctx, net.transport)?,
+            why: format!(
+                "{}; CUDA IPC for device memory of processes on this host",
+                net.why
+            ),
+        }),
+        Err(why) => Ok(Chosen {
+            transport: net.transport,
+            why: format!("{}; no CUDA IPC ({why})", net.why),
+        }),
+    }
+}
+
+/// Whether the CUDA IPC transport wraps the network transport: `Ok` when `mode` allows it and
+/// the driver is usable (`cuda`: the probe's device count), else why not. `Required` without a
+/// driver still wraps (its registrations then fail with the reason).
+fn with_cuda_ipc(
+    mode: crate::config::CudaIpcMode,
+    cuda: std::result::Result<u32, kvferry_cuda::CudaError>,
+) -> std::result::Result<(), String> {
+    use crate::config::CudaIpcMode;
+    match (mode, cuda) {
+        (CudaIpcMode::Off, _) => Err("off".into()),
+        (CudaIpcMode::Required, _) => Ok(()),
+        (CudaIpcMode::Auto, Ok(n)) if n > 0 => Ok(()),
+        (CudaIpcMode::Auto, Ok(_)) => Err("no CUDA device".into()),
+        (CudaIpcMode::Auto, Err(e)) => Err(e.to_string()),
+    }
+}
+
+/// The network transport `ctx.config.transport` asks for (see `choose`).
+fn choose_network(ctx: &TransportContext) -> Result<Chosen> {
     let tcp = |why: String| -> Result<Chosen> {
         Ok(Chosen {
             transport: Arc::new(TcpTransport::new(ctx.clone())?),
@@ -98,5 +135,27 @@ pub(crate) fn choose(ctx: &TransportContext) -> Result<Chosen> {
             },
             Err(why) => tcp(format!("auto: {why}")),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::CudaIpcMode;
+
+    #[test]
+    fn cuda_ipc_wraps_only_where_allowed_and_a_driver_is_present() {
+        let none = || Err(kvferry_cuda::CudaError::DriverLibraryMissing);
+        assert!(with_cuda_ipc(CudaIpcMode::Auto, Ok(1)).is_ok());
+        assert_eq!(
+            with_cuda_ipc(CudaIpcMode::Auto, none()).unwrap_err(),
+            "libcuda not found"
+        );
+        assert_eq!(
+            with_cuda_ipc(CudaIpcMode::Auto, Ok(0)).unwrap_err(),
+            "no CUDA device"
+        );
+        assert_eq!(with_cuda_ipc(CudaIpcMode::Off, Ok(8)).unwrap_err(), "off");
+        assert!(with_cuda_ipc(CudaIpcMode::Required, none()).is_ok());
     }
 }

@@ -173,28 +173,6 @@ pub fn route(
     Route::Ipc
 }
 
-/// Which path carried (or will carry) a transfer, as the engine reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum TransferPath {
-    /// Device copies between processes of one host through CUDA IPC (or inside one process).
-    CudaIpc,
-    /// The TCP transport.
-    Tcp,
-    /// The RDMA transport.
-    Rdma,
-}
-
-impl std::fmt::Display for TransferPath {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            TransferPath::CudaIpc => "cuda-ipc",
-            TransferPath::Tcp => "tcp",
-            TransferPath::Rdma => "rdma",
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,8 +6,15 @@
 //!   copy, or the fallback transport with the reason), decided without touching a GPU.
 //! * [`fdpass`]: file descriptors of `cuMemCreate` allocations passed to a peer over a Unix
 //!   socket (`SCM_RIGHTS`) against single-use tickets.
+//! * [`live`]: the owner's list of regions still registered, which peers check every slice
+//!   against before they copy.
+//! * [`transport`]: the transport itself, wrapping the network transport.
 //!
-//! The driver side (export, open, import, batched device copies) is kvferry-cuda's `ipc`.
+//! The driver side (export, open, import, the piece kernel) is kvferry-cuda's `ipc`.
 
 pub mod fdpass;
 pub mod keys;
+pub mod live;
+pub mod transport;
+
+pub use transport::CudaIpcTransport;

@@ -87,6 +87,7 @@ pub fn inspect(args: &DoctorArgs) -> Result<Report, CliError> {
     let rdma = kvferry_transfer::node::rdma_facts(&rdma_config);
     let gpu = kvferry_cuda::inspect::gpus();
     let (host_path, gpu_path) = trial(&config, &gpu);
+    let cuda_ipc_transport = cuda_ipc_facts(gpu_path.as_ref());
     let tcp = TcpConfig::default();
     let per_engine = 2 * tcp.max_server_connections as u64 + 64;
     let limits = Limits {
@@ -111,7 +112,7 @@ pub fn inspect(args: &DoctorArgs) -> Result<Report, CliError> {
         gpu,
         peer_memory_module: Path::new("/sys/module/nvidia_peermem").exists()
             || Path::new("/sys/module/nv_peer_mem").exists(),
-        cuda_ipc_transport: None,
+        cuda_ipc_transport,
         limits,
         secret_file,
         problems: Vec::new(),
@@ -235,6 +236,18 @@ fn trial(config: &EngineConfig, gpu: &GpuInventory) -> (PathFacts, Option<PathFa
     (host, gpu_path)
 }
 
+/// What the trial GPU registration says of CUDA IPC: `None` without a GPU trial.
+fn cuda_ipc_facts(gpu_path: Option<&PathFacts>) -> Option<String> {
+    let reg = gpu_path?.registration.as_deref()?;
+    Some(if reg.ends_with(", cuda-ipc") {
+        "cuda:N regions exported: device memory between processes of this host moves as device copies".into()
+    } else if let Some(i) = reg.find("(not exported for CUDA IPC: ") {
+        reg[i + 1..reg.len() - 1].to_string()
+    } else {
+        "off (EngineConfig::cuda_ipc) or no CUDA driver".into()
+    })
+}
+
 fn gpu_trial(engine: &TransferEngine) -> PathFacts {
     let mut facts = PathFacts {
         memory: "cuda:0".into(),
@@ -255,7 +268,13 @@ fn gpu_trial(engine: &TransferEngine) -> PathFacts {
             match unsafe { engine.register_memory(b.ptr(), TRIAL_BYTES as u64, Location::Cuda(0)) }
             {
                 Ok(()) => {
-                    facts.registration = engine.region_path(b.ptr()).map(|p| p.to_string());
+                    facts.registration = engine.region_path(b.ptr()).map(|p| {
+                        match engine.region_cuda_ipc(b.ptr()) {
+                            Some(Ok(())) => format!("{p}, cuda-ipc"),
+                            Some(Err(why)) => format!("{p} (not exported for CUDA IPC: {why})"),
+                            None => p.to_string(),
+                        }
+                    });
                     let _ = engine.unregister_memory(b.ptr());
                 }
                 Err(e) => facts.error = Some(e.to_string()),

@@ -18,7 +18,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvferry_transfer::{
-    BatchId, BatchStatus, EngineConfig, Op, TransferEngine, TransferRequest, TransportKind,
+    BatchId, BatchStatus, CudaIpcMode, EngineConfig, Op, TransferEngine, TransferRequest,
+    TransportKind,
 };
 use pyo3::prelude::*;
 
@@ -151,8 +152,11 @@ impl PyTransferEngine {
     /// (the handshake port is picked by the OS; read it with `get_rpc_port()`) or
     /// `"host:port"`. `metadata_server`: must be `"P2PHANDSHAKE"` (peer-to-peer handshake;
     /// kvferry has no etcd/HTTP metadata service). `protocol`: `"tcp"`, or `"rdma"`/`"auto"`
-    /// (RDMA when a usable device is found, else TCP with a warning, as Mooncake falls back).
-    /// `device_name`: comma-separated RDMA device names (e.g. `"mlx5_0,mlx5_1"`), `""` = all.
+    /// (RDMA when a usable device is found, else TCP with a warning, as Mooncake falls back),
+    /// or Mooncake's same-host GPU name `"nvlink_intra"` (also `"cuda_ipc"`): device memory
+    /// between processes of this host through CUDA IPC, a `cuda:N` region that cannot be
+    /// exported refused at registration, everything else over TCP or RDMA as `"auto"`. With
+    /// `"auto"`, `"tcp"` and `"rdma"` CUDA IPC is taken where it can be. `device_name`: comma-separated RDMA device names (e.g. `"mlx5_0,mlx5_1"`), `""` = all.
     /// `MC_TRANSFER_TIMEOUT` (seconds, at least 5) sets the sync transfers' base deadline, as in
     /// Mooncake (default 30 s, plus 1 ns per byte).
     ///
@@ -173,12 +177,17 @@ impl PyTransferEngine {
             );
             return -1;
         }
+        let mut cuda_ipc = CudaIpcMode::Auto;
         let (transport, rdma_requested) = match protocol.trim().to_ascii_lowercase().as_str() {
             "tcp" => (TransportKind::Tcp, false),
             "rdma" => (TransportKind::Auto, true),
             "auto" => (TransportKind::Auto, false),
+            "nvlink_intra" | "cuda_ipc" => {
+                cuda_ipc = CudaIpcMode::Required;
+                (TransportKind::Auto, false)
+            }
             other => {
-                tracing::error!("initialize: protocol {other:?} is not supported; use \"tcp\", \"rdma\" or \"auto\"");
+                tracing::error!("initialize: protocol {other:?} is not supported; use \"tcp\", \"rdma\", \"auto\" or \"nvlink_intra\"");
                 return -1;
             }
         };
@@ -197,6 +206,7 @@ impl PyTransferEngine {
             host,
             port,
             transport,
+            cuda_ipc,
             ..EngineConfig::default()
         };
         config.rdma.devices = device_name

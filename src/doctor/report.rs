@@ -25,9 +25,9 @@ pub struct Report {
     /// Whether the nvidia-peermem kernel module (or the older nv_peer_mem) is loaded: RDMA
     /// registration of GPU memory with plain `ibv_reg_mr`.
     pub peer_memory_module: bool,
-    /// Same-host GPU sharing through CUDA IPC as the transfer engine's route: `None` while the
-    /// transport choice does not offer it (the CUDA IPC export/import exists in
-    /// `kvferry_cuda::ipc`; the GPUs' capability for it is `gpu.devices[].ipc`).
+    /// Same-host GPU sharing through CUDA IPC as the trial GPU registration found it
+    /// (exported, or why not); `None` without a GPU trial. The GPUs' capability for it is
+    /// `gpu.devices[].ipc`.
     pub cuda_ipc_transport: Option<String>,
     /// Locked-memory and open-file limits against what the configured pools need.
     pub limits: Limits,

@@ -350,8 +350,8 @@ mod tests {
         let sink = CompletionSink::new(st.clone());
         sink.succeed_all(&[0, 1]);
         sink.succeed_all(&[1, 9]); // a repeat and an unknown id are ignored
-        assert_eq!(st.status(), BatchStatus::Pending);
         sink.complete(2, Err(TransferError::Cancelled));
+        assert_eq!(st.status(), BatchStatus::Pending, "slice 3 is still out");
         sink.succeed_all(&[3, 2]);
         assert!(matches!(st.status(), BatchStatus::Failed(_)));
         assert!(st.wait(Duration::from_secs(1)).is_err());

@@ -1101,15 +1101,32 @@ mod tests {
             .unwrap();
         let e = ask(&engine, Some(&Credential::Token(token)), None);
         assert!(e.to_string().contains("need the shared secret"), "{e}");
-        let e = ask(&engine, Some(&Credential::Secret(secret())), None);
+        let e = ask(
+            &engine,
+            Some(&Credential::Secret {
+                secret: secret(),
+                initiator: "127.0.0.1:9".into(),
+            }),
+            None,
+        );
         assert!(e.to_string().contains("need the shared secret"), "{e}");
         let wrong = Secret::from_bytes(b"another secret of 20").unwrap();
-        let e = ask(&engine, Some(&Credential::Secret(secret())), Some(&wrong));
+        let e = ask(
+            &engine,
+            Some(&Credential::Secret {
+                secret: secret(),
+                initiator: "127.0.0.1:9".into(),
+            }),
+            Some(&wrong),
+        );
         assert!(e.to_string().contains("need the shared secret"), "{e}");
         // The right proof passes the gate (then: nothing is exported on this machine).
         let e = ask(
             &engine,
-            Some(&Credential::Secret(secret())),
+            Some(&Credential::Secret {
+                secret: secret(),
+                initiator: "127.0.0.1:9".into(),
+            }),
             Some(&secret()),
         );
         assert!(
@@ -1119,7 +1136,10 @@ mod tests {
         // ...once: the same nonce again is a replay.
         let e = ask(
             &engine,
-            Some(&Credential::Secret(secret())),
+            Some(&Credential::Secret {
+                secret: secret(),
+                initiator: "127.0.0.1:9".into(),
+            }),
             Some(&secret()),
         );
         assert!(e.to_string().contains("replayed"), "{e}");

@@ -27,193 +27,27 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::path::Path;
-use std::str::FromStr;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
-use sha2::Sha256;
 
 use crate::error::{AuthError, Result, TransferError};
 use crate::types::Op;
 
-/// Smallest shared secret accepted, bytes.
-pub const MIN_SECRET_BYTES: usize = 16;
-/// Largest shared secret file read, bytes.
-pub const MAX_SECRET_BYTES: usize = 4096;
+mod hello_wire;
+mod refusals;
+mod secret;
+
+pub use hello_wire::{HelloError, MAX_NAME_BYTES, NONCE_BYTES};
+use refusals::RefusalLog;
+pub use refusals::{AuthRefusals, LogLimit, REFUSAL_LOG_BURST, REFUSAL_LOG_WINDOW};
+pub use secret::{
+    ct_eq, hmac_sha256, random_bytes, Credential, Secret, Token, MAX_SECRET_BYTES, MIN_SECRET_BYTES,
+};
+
 /// Most ranges one grant may hold (a load's block byte ranges, merged where adjacent).
 pub const MAX_GRANT_RANGES: usize = 1 << 20;
-
-/// `HMAC-SHA256(key, parts[0] ‖ parts[1] ‖ …)`; each part is prefixed with its length (u64 LE)
-/// so that different splits of the same bytes never collide.
-pub fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-    // HMAC accepts keys of any length, so `new_from_slice` cannot fail.
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
-    for p in parts {
-        mac.update(&(p.len() as u64).to_le_bytes());
-        mac.update(p);
-    }
-    mac.finalize().into_bytes().into()
-}
-
-/// Constant-time equality of two byte strings (lengths are not secret).
-pub fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    use subtle::ConstantTimeEq;
-    a.len() == b.len() && bool::from(a.ct_eq(b))
-}
-
-/// `N` bytes from the operating system's CSPRNG (`getrandom`). Errors only when the OS has
-/// no randomness to give (`Config`).
-pub fn random_bytes<const N: usize>() -> Result<[u8; N]> {
-    let mut b = [0u8; N];
-    getrandom::fill(&mut b)
-        .map_err(|e| TransferError::Config(format!("no OS randomness available: {e}")))?;
-    Ok(b)
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
-    let s = s.trim();
-    if s.len() != 2 * N || !s.is_ascii() {
-        return None;
-    }
-    let mut out = [0u8; N];
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
-    }
-    Some(out)
-}
-
-/// A shared secret (at least [`MIN_SECRET_BYTES`] bytes). Never printed (`Debug` redacts it)
-/// and never sent: peers prove they hold it with [`Secret::prove`].
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(Arc<Vec<u8>>);
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(<redacted>)")
-    }
-}
-
-impl Secret {
-    /// A secret from raw bytes. `Config` error when shorter than [`MIN_SECRET_BYTES`].
-    pub fn from_bytes(bytes: &[u8]) -> Result<Secret> {
-        if bytes.len() < MIN_SECRET_BYTES {
-            return Err(TransferError::Config(format!(
-                "shared secret of {} bytes: at least {MIN_SECRET_BYTES} are needed",
-                bytes.len()
-            )));
-        }
-        Ok(Secret(Arc::new(bytes.to_vec())))
-    }
-
-    /// Reads a secret file: its bytes with trailing whitespace (a final newline) removed,
-    /// [`MIN_SECRET_BYTES`]..=[`MAX_SECRET_BYTES`]. Warns when others may read the file.
-    /// Errors (`Config`): unreadable, too short or too long.
-    pub fn from_file(path: &Path) -> Result<Secret> {
-        let bad =
-            |why: String| TransferError::Config(format!("secret file {}: {why}", path.display()));
-        let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
-        if meta.len() > MAX_SECRET_BYTES as u64 {
-            return Err(bad(format!("over {MAX_SECRET_BYTES} bytes")));
-        }
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            if meta.permissions().mode() & 0o077 != 0 {
-                tracing::warn!(
-                    "secret file {} may be read by other users (chmod 600 it)",
-                    path.display()
-                );
-            }
-        }
-        let mut b = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
-        while b.last().is_some_and(|c| c.is_ascii_whitespace()) {
-            b.pop();
-        }
-        Secret::from_bytes(&b).map_err(|e| bad(e.to_string()))
-    }
-
-    /// `HMAC-SHA256(secret, label, data…)`: proofs of possession and derived keys.
-    pub fn prove(&self, label: &str, data: &[&[u8]]) -> [u8; 32] {
-        let mut parts: Vec<&[u8]> = Vec::with_capacity(data.len() + 1);
-        parts.push(label.as_bytes());
-        parts.extend_from_slice(data);
-        hmac_sha256(&self.0, &parts)
-    }
-}
-
-/// A grant token: 16 random bytes, written as 32 lowercase hex digits (serde, `Display`,
-/// `FromStr`). `Debug` shows only its first 4 hex digits.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Token(pub [u8; 16]);
-
-impl Token {
-    /// A fresh token from the OS CSPRNG. Errors as [`random_bytes`].
-    pub fn random() -> Result<Token> {
-        random_bytes::<16>().map(Token)
-    }
-
-    /// The raw bytes.
-    pub fn as_bytes(&self) -> &[u8; 16] {
-        &self.0
-    }
-}
-
-impl fmt::Display for Token {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&hex(&self.0))
-    }
-}
-
-impl fmt::Debug for Token {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Token({}…)", &hex(&self.0[..2]))
-    }
-}
-
-impl FromStr for Token {
-    type Err = TransferError;
-    /// 32 hex digits; anything else is `InvalidArgument`.
-    fn from_str(s: &str) -> Result<Token> {
-        unhex::<16>(s)
-            .map(Token)
-            .ok_or_else(|| TransferError::InvalidArgument("a token is 32 hex digits".into()))
-    }
-}
-
-impl Serialize for Token {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for Token {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-/// How an initiator authenticates on a peer's handshake listener.
-#[derive(Debug, Clone)]
-pub enum Credential {
-    /// Prove the shared secret, after the target proved it (mutual challenge-response over
-    /// both nonces and both names, `Hello`).
-    Secret {
-        /// The shared secret.
-        secret: Secret,
-        /// This side's own segment name, bound into both proofs.
-        initiator: String,
-    },
-    /// Present a grant token the target made.
-    Token(Token),
-}
 
 /// Which ops a grant allows.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -395,73 +229,6 @@ pub(crate) struct AuthState {
     refusals: RefusalLog,
 }
 
-/// Counts of refused handshake authentications (`TransferEngine::auth_refusals`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct AuthRefusals {
-    /// `Hello` and `Auth` frames refused since the engine started.
-    pub refused: u64,
-    /// How many of them produced a WARN line (at most [`REFUSAL_LOG_BURST`] per
-    /// [`REFUSAL_LOG_WINDOW`]; each line after a quiet spell says how many were not logged).
-    pub logged: u64,
-}
-
-/// Most refusal WARN lines per [`REFUSAL_LOG_WINDOW`]: a peer hammering the listener with bad
-/// proofs cannot fill the log.
-pub const REFUSAL_LOG_BURST: u32 = 5;
-/// The window of [`REFUSAL_LOG_BURST`].
-pub const REFUSAL_LOG_WINDOW: Duration = Duration::from_secs(10);
-
-/// A fixed-window limit on log lines: at most `burst` lines per `window`; what is held back
-/// is counted and reported with the next line that is let through. Time is an argument.
-#[derive(Debug)]
-pub struct LogLimit {
-    burst: u32,
-    window: Duration,
-    state: std::sync::Mutex<LogWindow>,
-}
-
-#[derive(Debug, Default)]
-struct LogWindow {
-    start: Option<Instant>,
-    lines: u32,
-    held_back: u64,
-}
-
-impl LogLimit {
-    /// At most `burst` lines per `window`.
-    pub fn new(burst: u32, window: Duration) -> LogLimit {
-        LogLimit {
-            burst,
-            window,
-            state: Default::default(),
-        }
-    }
-
-    /// Whether a line may be written at `now`: `Some(n)` with the number of lines held back
-    /// since the last one written, `None` when this one is held back.
-    pub fn allow(&self, now: Instant) -> Option<u64> {
-        let mut w = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if w.start
-            .is_none_or(|s| now.saturating_duration_since(s) >= self.window)
-        {
-            w.start = Some(now);
-            w.lines = 0;
-        }
-        if w.lines >= self.burst {
-            w.held_back += 1;
-            return None;
-        }
-        w.lines += 1;
-        Some(std::mem::take(&mut w.held_back))
-    }
-}
-
-struct RefusalLog {
-    refused: std::sync::atomic::AtomicU64,
-    logged: std::sync::atomic::AtomicU64,
-    limit: LogLimit,
-}
-
 impl AuthState {
     pub(crate) fn new(secret: Option<Secret>, name: &str) -> Arc<AuthState> {
         Arc::new(AuthState {
@@ -569,11 +336,6 @@ pub(crate) const AUTH_TOKEN: u8 = 2;
 pub const HANDSHAKE_TARGET_LABEL: &str = "kvferry/handshake/v2/target";
 /// HMAC label of the initiator's proof (the `Auth` frame).
 pub const HANDSHAKE_INITIATOR_LABEL: &str = "kvferry/handshake/v2/initiator";
-/// Longest segment name a `Hello` carries, bytes (a `host:port`, or a DNS name and port).
-pub const MAX_NAME_BYTES: usize = 1024;
-/// Length of a handshake nonce, bytes.
-pub const NONCE_BYTES: usize = 32;
-
 /// A handshake `Hello` request: the initiator's fresh nonce and the two names the proofs of
 /// both sides bind. Body: `nonce[32] ‖ u16 LE len ‖ target ‖ u16 LE len ‖ initiator` (names
 /// UTF-8, at most [`MAX_NAME_BYTES`] each).
@@ -586,26 +348,6 @@ pub struct Hello {
     pub target: String,
     /// The initiator's own segment name (bound into both proofs; empty when it has none).
     pub initiator: String,
-}
-
-/// Why a handshake `Hello` request or reply body cannot be decoded.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum HelloError {
-    /// The body ends before the field `0` is complete.
-    #[error("Hello body ends inside its {0}")]
-    Truncated(&'static str),
-    /// A name longer than [`MAX_NAME_BYTES`].
-    #[error("Hello names a segment of {0} bytes (at most {MAX_NAME_BYTES})")]
-    NameTooLong(usize),
-    /// A name that is not UTF-8.
-    #[error("Hello names a segment that is not UTF-8")]
-    NotUtf8,
-    /// Bytes after the last field.
-    #[error("{0} bytes after the end of the Hello body")]
-    Trailing(usize),
-    /// A reply that is neither `nonce[32]` nor `nonce[32] ‖ proof[32]`.
-    #[error("Hello reply of {0} bytes (expected 32 or 64)")]
-    ReplyLength(usize),
 }
 
 impl Hello {

@@ -408,8 +408,13 @@ pub enum ConsumerMessage {
     Request(TransferRequest),
 }
 
+/// Length of a session nonce, bytes.
+pub const NONCE_BYTES: usize = 32;
+/// Longest endpoint or consumer name a `hello` carries, bytes.
+pub const MAX_NAME_BYTES: usize = 1024;
+
 /// Decodes what a consumer sends: size and version are checked before the body; the `kind`
-/// picks a [`Hello`] (nonce of 32 bytes, names of at most `session::MAX_NAME_BYTES`) or a
+/// picks a [`Hello`] (nonce of [`NONCE_BYTES`], names of at most [`MAX_NAME_BYTES`]) or a
 /// transfer request.
 pub fn decode_consumer_message(bytes: &[u8]) -> Result<ConsumerMessage, MsgError> {
     match check_header(bytes, KIND_HELLO) {
@@ -423,11 +428,8 @@ pub fn decode_consumer_message(bytes: &[u8]) -> Result<ConsumerMessage, MsgError
 pub fn decode_hello(bytes: &[u8]) -> Result<Hello, MsgError> {
     check_header(bytes, KIND_HELLO)?;
     let h: Hello = rmp_serde::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
-    let max = super::session::MAX_NAME_BYTES;
-    if h.nonce.len() != super::session::NONCE_BYTES
-        || h.producer.len() > max
-        || h.consumer.len() > max
-    {
+    let max = MAX_NAME_BYTES;
+    if h.nonce.len() != NONCE_BYTES || h.producer.len() > max || h.consumer.len() > max {
         return Err(MsgError::Malformed(format!(
             "hello with a nonce of {} bytes (32) or a name over {max} bytes",
             h.nonce.len()
@@ -441,7 +443,7 @@ pub fn decode_welcome(bytes: &[u8]) -> Result<Welcome, MsgError> {
     check_header(bytes, KIND_WELCOME)?;
     let w: Welcome =
         rmp_serde::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
-    let nonce_ok = w.nonce.len() == super::session::NONCE_BYTES || w.error.is_some();
+    let nonce_ok = w.nonce.len() == NONCE_BYTES || w.error.is_some();
     if !nonce_ok || w.proof.as_ref().is_some_and(|p| p.len() != 32) {
         return Err(MsgError::Malformed(format!(
             "welcome with a nonce of {} bytes or a proof not of 32",

@@ -28,11 +28,8 @@ use kvferry_transfer::auth::{ct_eq, hmac_sha256};
 use kvferry_transfer::Secret;
 
 use super::msg::{encode, TransferRequest};
-
-/// Length of a session nonce, bytes.
-pub const NONCE_BYTES: usize = 32;
-/// Longest endpoint or consumer name a `hello` carries, bytes.
-pub const MAX_NAME_BYTES: usize = 1024;
+/// The sizes a `hello` carries (defined with the message, `super::msg`).
+pub use super::msg::{MAX_NAME_BYTES, NONCE_BYTES};
 
 const PRODUCER_LABEL: &str = "kvferry/control/v2/producer";
 const REQUEST_LABEL: &str = "kvferry/control/v2/request";

@@ -38,7 +38,7 @@ build() {
     ls -la "$DIR" "$DIR/wheel" >&2
 }
 
-# The kvferry Python package (python/, issue 9) as an abi3 wheel: the GPU machine has Python and
+# The kvferry Python package (python/) as an abi3 wheel: the GPU machine has Python and
 # torch but no Rust toolchain, so the wheel is built here and installed there with --no-deps.
 build_wheel() {
     local venv=.dev/maturin-venv

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Python package's tests (issue 9): a fresh venv under .dev/, `pip install ./python`
+# The Python package's tests: a fresh venv under .dev/, `pip install ./python`
 # (maturin builds the extension; it reuses $CARGO_TARGET_DIR), pytest and numpy, then
 # `pytest python/tests`. The conformance test installs Mooncake's non-CUDA wheel from PyPI into
 # a throwaway venv of its own; that wheel needs libibverbs.so.1 to import, installed here.

@@ -67,7 +67,7 @@ bash scripts/python-tests.sh
 log "code blocks of README.md and docs/ (scripts/doc-blocks.py)"
 python3 scripts/doc-blocks.py --python "${KVFERRY_PY_VENV:-.dev/py-tests}/bin/python"
 
-# kvferry.vllm with real vLLM (issue 13): a producer and two consumer engines on CPU move and
+# kvferry.vllm with real vLLM: a producer and two consumer engines on CPU move and
 # verify KV through the connector; a flipped landed bit is caught under fail and recompute.
 # Installs vLLM's CPU build into .dev/vllm-venv (~6 GB) first; docs/vllm-connector-notes.md
 # gives the measured times.
@@ -78,7 +78,7 @@ else
   bash scripts/vllm-tests.sh
 fi
 
-# Fuzzing (issue 10): every decoder of peer input for a bounded time. cargo-fuzz needs nightly
+# Fuzzing: every decoder of peer input for a bounded time. cargo-fuzz needs nightly
 # flags; RUSTC_BOOTSTRAP=1 lets the stable toolchain take them. A crash fails the suite; its
 # input lands in fuzz/artifacts/<target>/ and becomes a regression test.
 FUZZ_SECONDS="${KVFERRY_FUZZ_SECONDS:-60}"

@@ -1,6 +1,6 @@
 //! End-to-end checks of `kvferry demo`, `serve`/`load` and the file tools, run
-//! as a user runs them: the built binary, its JSON output (issue 2 and 3's
-//! "done when" counts).
+//! as a user runs them: the built binary, its JSON output (the counts a
+//! run must reach).
 
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::Duration;

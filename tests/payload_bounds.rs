@@ -1,4 +1,4 @@
-//! `kvferry payload decode` holds memory within a small multiple of its input (issue 10: 60 MB
+//! `kvferry payload decode` holds memory within a small multiple of its input (unbounded, 60 MB
 //! of 3 million tiny groups took 5.9 GB). The CLI runs as a child; its peak RSS comes from
 //! `wait4`'s rusage of that child alone.
 

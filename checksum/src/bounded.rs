@@ -1,4 +1,4 @@
-//! Sequences of peer input decoded with a cap on their element count (issue 10, "bounded
+//! Sequences of peer input decoded with a cap on their element count ("bounded
 //! decoding"): a declared length over the cap is refused before any element is read, and a
 //! sequence without a declared length is refused at element `MAX + 1`, so that the memory a
 //! decoder holds stays a small multiple of its input whatever the input claims. Used through

@@ -17,7 +17,7 @@ pub const MAX_PAYLOAD_BYTES: usize = 64 << 20;
 
 /// The most groups a payload may hold: one per KV cache group of the model (a handful), with a
 /// wide margin. A payload declaring more is refused before its groups are decoded, so that 64 MiB
-/// of tiny groups cannot turn into gigabytes of per-group allocations (issue 10).
+/// of tiny groups cannot turn into gigabytes of per-group allocations.
 pub const MAX_PAYLOAD_GROUPS: usize = 4096;
 
 /// The producer's checksums for one request (§2.4).

@@ -1,7 +1,7 @@
 //! The control port's ZMTP decoder (the patched zeromq codec, as the producer's ROUTER and the
 //! consumer's DEALER run it with a max message size) on arbitrary bytes arriving in arbitrary
-//! pieces: never a panic, and never more reserved than the limit allows (issue 10: a frame
-//! header declaring 40 GiB aborted the process).
+//! pieces: never a panic, and never more reserved than the limit allows (unbounded, a
+//! frame header declaring 40 GiB aborted the process).
 #![no_main]
 
 use asynchronous_codec::Decoder;

@@ -57,7 +57,7 @@
 //!   all, or at once when the control connection drops; the DEALER is then rebuilt
 //!   (once no other load waits on it). A failed load's blocks may still receive a
 //!   late write from a live producer until `max_wait` after the request.
-//! * Security (issue 10): every load grants the consumer's engines WRITE on exactly its
+//! * Security: every load grants the consumer's engines WRITE on exactly its
 //!   block bytes to a fresh random token, revoked when the reply arrives (before
 //!   verification); the producer writes with the token and its FINISH proves it (HMAC);
 //!   a request is served only with its lease's load key. The grants are enforced when the

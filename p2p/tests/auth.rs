@@ -1,4 +1,4 @@
-//! Hostile peers against a producer/consumer pair on loopback (issue 10): raw TCP data frames
+//! Hostile peers against a producer/consumer pair on loopback: raw TCP data frames
 //! into the blocks of either side, a stranger loading another consumer's request, a FINISH
 //! that does not prove the load's token. With a shared secret on both sides the engines are
 //! authenticated: only the producer holding the load's grant token writes, only into the

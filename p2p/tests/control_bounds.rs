@@ -1,4 +1,4 @@
-//! The control channel is bounded before allocation (issue 10): a ZMTP frame header
+//! The control channel is bounded before allocation: a ZMTP frame header
 //! declaring more than the configured limit drops that connection before anything is
 //! reserved, on the producer's ROUTER and on the consumer's DEALER, and the process keeps
 //! serving. Raw TCP peers speak ZMTP 3.0 by hand (greeting, READY, frames).

@@ -1,4 +1,4 @@
-//! Fail fast when the producer is gone (issue 10): once the control connection is lost and
+//! Fail fast when the producer is gone: once the control connection is lost and
 //! connecting again fails, the loads queued behind that attempt fail at once with its reason
 //! instead of one connect timeout each; a producer back on the same endpoint serves again.
 

@@ -1,5 +1,5 @@
 //! A consumer checksum worker whose thread panics leaves the load unverified with a reason,
-//! never a mismatch (issue 11). Its own test binary: it runs apart from loopback.rs, whose
+//! never a mismatch. Its own test binary: it runs apart from loopback.rs, whose
 //! restart test is timing-sensitive under load.
 
 mod common;

@@ -1,5 +1,5 @@
 //! Admission of served connections, one [`Listener`] type for the handshake listener
-//! (`crate::handshake`) and the TCP data listener (`transport::tcp`) (issue 10, "connection
+//! (`crate::handshake`) and the TCP data listener (`transport::tcp`) ("connection
 //! limits"; docs/design.md §3): at most `Limits::max_connections` served connections at once,
 //! at most `Limits::per_source` from one source IP (so idle connections from one host cannot
 //! lock out the others), and every admitted connection carries the deadline by which its

@@ -38,7 +38,7 @@ pub struct EngineConfig {
     /// A peer's cached descriptor not used (opened or submitted to) for this long is dropped,
     /// and so are the RDMA endpoints (QPs) to a peer with no work for this long (TCP data
     /// connections have their own `tcp.idle_timeout`). Default 60 s. Peers that fail are
-    /// dropped at once (issue 10, "no leaks under churn").
+    /// dropped at once ("no leaks under churn").
     pub peer_idle_timeout: Duration,
     /// Device memory between processes of this host through CUDA IPC (docs/design.md §3.10).
     /// Default `Auto`.

@@ -1,4 +1,4 @@
-//! The authenticated data path (issue 10, `kvferry_transfer::auth`), attacked with raw sockets
+//! The authenticated data path (`kvferry_transfer::auth`), attacked with raw sockets
 //! on loopback: descriptors only for the secret or a live grant token, TCP data frames only
 //! with a token whose grant allows the op and covers the ranges, for the grant's lifetime.
 //! The open mode keeps today's behaviour (anyone may read and write): its test shows what an

@@ -1,4 +1,4 @@
-//! No leaks under churn (issue 10): consumers (child processes) are started, loaded and killed
+//! No leaks under churn: consumers (child processes) are started, loaded and killed
 //! many times; the producer's open file descriptors and threads return to their starting count
 //! once its idle timeouts pass. The only test of this binary (besides the child mode), so no
 //! other test's sockets or threads move the counts.

@@ -1,4 +1,4 @@
-//! Connection limits (issue 10): hundreds of idle connections from one source address must not
+//! Connection limits: hundreds of idle connections from one source address must not
 //! lock other sources out of a segment's handshake and data listeners, and a connection that
 //! sends no valid first frame is closed after a short pre-authentication timeout. On loopback
 //! the idle connections come from 127.0.0.2 and the real peer from 127.0.0.1 (any 127/8

@@ -1,4 +1,4 @@
-//! The RDMA QP acceptance check (issue 10, `kvferry_transfer::auth`): an authenticated engine
+//! The RDMA QP acceptance check (`kvferry_transfer::auth`): an authenticated engine
 //! answers RDMA `Connect` frames only on a handshake connection that proved the shared secret
 //! (or presented a live grant token), so only such peers get a connected QP, the only thing
 //! that makes its rkeys usable. A peer that learned the descriptor (here through a grant

@@ -1,4 +1,4 @@
-//! No leaks under churn over RDMA (issue 10): consumers (child processes on the RDMA
+//! No leaks under churn over RDMA: consumers (child processes on the RDMA
 //! transport) are loaded and killed many times; the producer's endpoints (QPs), cached
 //! descriptors, file descriptors and threads return to their starting count once
 //! `peer_idle_timeout` passes. The only test of this binary, so no other test moves the counts.

@@ -1,4 +1,4 @@
-//! Stale descriptors (issue 10): a consumer (child process) restarted under the same segment
+//! Stale descriptors: a consumer (child process) restarted under the same segment
 //! name and the same region addresses must be loadable again. The producer's cached descriptor
 //! still names the old instance (and data port); the engine fetches the descriptor again once
 //! before failing a slice.

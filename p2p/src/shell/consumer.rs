@@ -54,7 +54,7 @@ pub struct ConsumerConfig {
     /// Deadline of handing one request to the DEALER.
     pub send_timeout: Duration,
     /// After a failed connect to a producer, loads to it fail at once with that failure's
-    /// reason for this long; the next load after it connects again (issue 10: each load
+    /// reason for this long; the next load after it connects again (without it, each load
     /// waited `connect_timeout` once the producer was gone).
     pub reconnect_interval: Duration,
     /// Largest message a producer may send on the DEALER (bytes, all frames of one message);

@@ -187,7 +187,7 @@ pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
 }
 
-/// No leaks under churn (issue 10): `rounds` child consumers (test `child`, on RDMA when
+/// No leaks under churn: `rounds` child consumers (test `child`, on RDMA when
 /// `rdma`, each registering `len` >= 512 KiB bytes) are started, each written to three times
 /// (8 × 64 KiB from `src`, registered with `producer`) and SIGKILLed; then the producer's file
 /// descriptors, threads and `stats()` must return to their starting counts within `settle`

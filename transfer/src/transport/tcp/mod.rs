@@ -18,7 +18,7 @@
 //! slices (through `CompletionSink::fail_peer`, so the engine may fetch the peer's descriptor
 //! again and retry them once) and is replaced on the next post. A connection is opened when its
 //! first job arrives and closed (socket and threads) when it broke or idled `idle_timeout`; a
-//! pool whose last connection closed is dropped (issue 10, "no leaks under churn").
+//! pool whose last connection closed is dropped ("no leaks under churn").
 //!
 //! Listener: at most `max_server_connections` served connections, `max_connections_per_source`
 //! per source IP, and a connection's first request must arrive within `first_frame_timeout`.

@@ -9,7 +9,6 @@ once its transport returned a result (landed and verified, or failed).
 
 The data path is a :class:`RankTransport`: :class:`kvferry.vllm.transport.KvferryTransport`
 (kvferry's p2p Producer/Consumer of this rank: WRITEs, checksums, verdicts, policy).
-:class:`UnavailableTransport` fails every load (kept for a connector whose rank has no KV).
 """
 
 from __future__ import annotations
@@ -69,34 +68,6 @@ class RankTransport(Protocol):
     def load(self, spec: LoadSpec, deadline: float) -> LoadResult: ...
 
     def shutdown(self) -> None: ...
-
-
-class UnavailableTransport:
-    """The transport until kvferry's per-rank Producer/Consumer exist: nothing is served (held
-    blocks are freed when their lease expires) and every load fails with this reason."""
-
-    REASON = "kvferry has no per-rank transport in this build (docs/vllm-connector-notes.md)"
-
-    def register(self, kv_caches: dict) -> None:
-        return None
-
-    def serve(self, send: SendSpec, on_publish: Callable[[], bool] | None = None) -> None:
-        return None
-
-    def released(self) -> list[tuple[str, str]]:
-        return []
-
-    def shutdown(self) -> None:
-        return None
-
-    def load(self, spec: LoadSpec, deadline: float) -> LoadResult:
-        return LoadResult(ok=False, verdict="unverified", reason=self.REASON)
-
-
-@dataclass
-class _Held:
-    send: SendSpec
-    expires: float
 
 
 class KvferryWorkerSide:
@@ -168,10 +139,6 @@ class KvferryWorkerSide:
         except Exception as e:  # a transport bug must not strand the request in WAITING_FOR_REMOTE_KVS
             result = LoadResult(ok=False, verdict="unverified", reason=f"transport raised {e!r}")
         self._done_loads.put((spec, result))
-
-    def mark_served(self, request_id: str) -> None:
-        """The transport calls this when the consumer has everything: the blocks may be freed."""
-        self._served.put(request_id)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose held blocks may be freed, requests whose load ended); a failed load

@@ -45,8 +45,10 @@
 //! replicas, consumer TP rank c takes it from the (c mod n)-th of the n holders;
 //! rank to rank when the TP sizes are equal). Paired layers must have the same
 //! layout, tokens per kernel block, head size, element size and kernel blocks per
-//! block (the number of blocks, KV heads and the strides may differ), and the same
-//! block size on both sides (docs/design.md §4.5).
+//! block (the number of blocks, KV heads and the strides may differ). The block sizes
+//! may differ too (`LoadGroup::remote_block_size`): the consumer's blocks are then filled
+//! token by token, which needs only the same layout, head size and element size; a state
+//! group (no per-token blocks) moves only between equal block sizes (docs/design.md §4.5).
 //!
 //! # Deadlines and failures (§4)
 //! * Producer: a lease lasts `timeouts.lease`; a request before its publish waits

@@ -335,7 +335,7 @@ fn skip_reason(name: &str) -> PyResult<SkipReason> {
 
 /// One KV cache group as one rank holds it: its layers (all of one block size).
 ///
-/// KVCacheGroup(group_id, layers, *, sliding_window=None, skipped=None)
+/// KVCacheGroup(group_id, layers, *, sliding_window=None, skipped=None, block_size=None)
 ///
 /// - group_id: the KV cache group id; block tables passed to ``Producer.publish`` and
 ///   ``Consumer.load`` are indexed by it.
@@ -348,9 +348,13 @@ fn skip_reason(name: &str) -> PyResult<SkipReason> {
 ///   ``"packed_head_slots"``, ``"host_resident"``, ``"not_whole_pieces"``,
 ///   ``"kernel_blocks_do_not_tile"``, ``"duplicate_layer_number"``, ``"no_layer_number"``,
 ///   ``"unknown_replicas"``.
+/// - block_size: the group's block size in tokens, for a state group
+///   (``skipped="no_per_token_blocks"``, Mamba-type: each layer holds one state per block, laid
+///   out as a one-token block, e.g. ``"B N H D"`` with N = 1); default and for any other group:
+///   the layers' block size.
 ///
 /// Raises ValueError: no layers, layers of different block sizes or devices, an unknown skip
-/// reason.
+/// reason, a ``block_size`` other than the layers' for a group that is not a state group.
 #[pyclass(frozen, module = "kvferry")]
 pub struct KVCacheGroup {
     pub(crate) group_id: u32,
@@ -364,14 +368,16 @@ pub struct KVCacheGroup {
 #[pymethods]
 impl KVCacheGroup {
     #[new]
-    #[pyo3(signature = (group_id, layers, *, sliding_window=None, skipped=None))]
+    #[pyo3(signature = (group_id, layers, *, sliding_window=None, skipped=None, block_size=None))]
     fn new(
         py: Python<'_>,
         group_id: u32,
         layers: Vec<Py<KVCacheLayer>>,
         sliding_window: Option<u64>,
         skipped: Option<&str>,
+        block_size: Option<u64>,
     ) -> PyResult<KVCacheGroup> {
+        let asked = block_size;
         let first = layers
             .first()
             .ok_or_else(|| PyValueError::new_err(format!("group {group_id}: no layers")))?
@@ -397,12 +403,23 @@ impl KVCacheGroup {
                 )));
             }
         }
+        let skipped = skipped.map(skip_reason).transpose()?;
+        let block_size = match asked {
+            None => block_size,
+            Some(b) if b > 0 && skipped == Some(SkipReason::NoPerTokenBlocks) => b,
+            Some(b) if b == block_size => b,
+            Some(b) => {
+                return Err(PyValueError::new_err(format!(
+                    "group {group_id}: block_size {b} differs from its layers' {block_size}; only a state group (skipped=\"no_per_token_blocks\") has blocks of another size than its layers"
+                )))
+            }
+        };
         Ok(KVCacheGroup {
             group_id,
             block_size,
             layers,
             sliding_window,
-            skipped: skipped.map(skip_reason).transpose()?,
+            skipped,
             device,
         })
     }

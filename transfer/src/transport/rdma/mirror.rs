@@ -2,7 +2,7 @@
 //! dma-buf and peer memory): host memory of the region's size, registered with the NIC in its
 //! place, with the device copies that keep the two in step and the retirement that ends them
 //! when the region is unregistered. The sync messages that trigger the copies are
-//! `staging.rs`.
+//! `staging_sync.rs`.
 
 use std::sync::{Arc, RwLock};
 

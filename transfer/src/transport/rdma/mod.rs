@@ -14,7 +14,7 @@
 //!
 //! GPU memory (`cuda:N` regions) is registered per `RdmaConfig::gpu_registration`: dma-buf,
 //! else peer memory, else (with a warning) a pinned host mirror kept in step with the device
-//! by copies that the initiator's syncs trigger (`staging.rs`, `stager.rs`). The path taken is
+//! by copies that the initiator's syncs trigger (`staging_sync.rs`, `stager.rs`). The path taken is
 //! published in the region's keys and reported by `TransferEngine::region_path`.
 //!
 //! libibverbs is loaded at run time (rdma-mummy-sys `dlopen`s it): on a machine without it
@@ -34,7 +34,7 @@ mod registration;
 mod retry;
 mod shared;
 mod stager;
-mod staging;
+mod staging_sync;
 mod transport;
 mod verbs;
 mod workers;

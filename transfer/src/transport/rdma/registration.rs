@@ -11,7 +11,7 @@ use sideway::ibverbs::AccessFlags;
 
 use super::device::Device;
 use super::mirror::Mirror;
-use super::staging::{self, Direction, SyncRequest};
+use super::staging_sync::{self, Direction, SyncRequest};
 use super::{lock, Shared};
 use crate::config::GpuRegistration;
 use crate::error::{RdmaError, Result, TransferError};
@@ -149,7 +149,7 @@ impl Shared {
             .filter_map(|r| r.mirror.clone())
             .collect();
         let body = &sync.staging_sync;
-        let copies = staging::resolve(body, |a, l| {
+        let copies = staging_sync::resolve(body, |a, l| {
             mirrors.iter().find(|m| m.region().contains(a, l)).cloned()
         })?;
         for (m, addr, len) in copies {

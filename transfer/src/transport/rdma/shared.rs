@@ -34,7 +34,7 @@ pub(crate) struct Work {
     pub attempts: u32,
     /// The first failure's text (kept for the final error when a retry fails differently).
     pub first_error: Option<String>,
-    /// The host mirror of the local region when it is staged GPU memory (`staging.rs`).
+    /// The host mirror of the local region when it is staged GPU memory (`staging_sync.rs`).
     pub mirror: Option<Arc<Mirror>>,
 }
 

@@ -1,5 +1,5 @@
 //! The stager thread: device copies and syncs around the work requests that touch staged GPU
-//! memory (see `staging.rs`). Slices that need nothing staged never pass through it.
+//! memory (see `staging_sync.rs`). Slices that need nothing staged never pass through it.
 //!
 //! Before the wire: a WRITE from a staged local region first copies its bytes from the device
 //! into the mirror; a READ from a peer's staged buffer first asks the peer to copy the ranges
@@ -17,7 +17,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::staging::{Direction, SyncRequest};
+use super::staging_sync::{Direction, SyncRequest};
 use super::{Shared, Work};
 use crate::error::{RdmaError, TransferError};
 use crate::handshake::{self, FrameType};

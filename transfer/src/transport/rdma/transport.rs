@@ -18,7 +18,7 @@ use super::passive::PassiveTable;
 use super::peer::RdmaPeerInfo;
 use super::registration::Registered;
 use super::stager::{self, StageJob};
-use super::staging::SyncRequest;
+use super::staging_sync::SyncRequest;
 use super::workers::{run_completions, run_events};
 use super::{lock, Shared, Work};
 use crate::descriptor::{SegmentDescriptor, TransportInfo};

@@ -1,17 +1,22 @@
 //! The control port's ZMTP decoder (the patched zeromq codec, as the producer's ROUTER and the
 //! consumer's DEALER run it with a max message size) on arbitrary bytes arriving in arbitrary
-//! pieces: never a panic, and never more reserved than the limit allows (unbounded, a
-//! frame header declaring 40 GiB aborted the process).
+//! pieces: never a panic, and never more reserved than the limit allows (a frame header
+//! declaring 40 GiB aborted the process). With the receive budget the producer shares between
+//! its connections: never more charged than the budget, and all of it refunded when the
+//! decoder is dropped.
 #![no_main]
 
 use asynchronous_codec::Decoder;
 use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
 use zeromq::__bench::{Message, ZmqCodec};
-use zeromq::SocketOptions;
+use zeromq::{ReceiveBudget, SocketOptions};
 
 /// Small, so that the fuzzer reaches it; the check is the same at the real 64 MiB.
 const LIMIT: usize = 4096;
+/// Budget mode: a message limit above the budget's charged size, and a budget of two such frames.
+const BUDGET_LIMIT: usize = 256 * 1024;
+const BUDGET: usize = 2 * ReceiveBudget::CHARGED_FROM + 1;
 /// The decoder's read chunk (zeromq's default read_buffer_max_size).
 const CHUNK: usize = 64 * 1024;
 
@@ -34,9 +39,16 @@ fuzz_target!(|data: &[u8]| {
         input.extend_from_slice(&greeting());
     }
     input.extend_from_slice(rest);
-    let piece = 1 + (mode as usize >> 1);
+    let piece = 1 + ((mode as usize >> 1) & 0x3f);
     let mut options = SocketOptions::default();
-    options.max_message_size(LIMIT);
+    let budget = ReceiveBudget::new(BUDGET);
+    let limit = if mode & 0x80 != 0 {
+        options.receive_budget(budget.clone());
+        BUDGET_LIMIT
+    } else {
+        LIMIT
+    };
+    options.max_message_size(limit);
     let mut codec = ZmqCodec::with_options(&options);
     let mut buf = BytesMut::new();
     for chunk in input.chunks(piece) {
@@ -44,22 +56,25 @@ fuzz_target!(|data: &[u8]| {
         loop {
             match codec.decode(&mut buf) {
                 Ok(Some(Message::Message(m))) => {
-                    assert!(m.iter().map(|f| f.len()).sum::<usize>() <= LIMIT)
+                    assert!(m.iter().map(|f| f.len()).sum::<usize>() <= limit)
                 }
                 Ok(Some(_)) => {}
                 Ok(None) => break,
-                Err(_) => return, // the connection is dropped
+                Err(_) => break, // the connection is dropped
             }
+            assert!(budget.used() <= BUDGET, "charged {}", budget.used());
             assert!(
-                buf.capacity() <= LIMIT + 2 * CHUNK + input.len(),
+                buf.capacity() <= limit + 2 * CHUNK + input.len(),
                 "reserved {} bytes",
                 buf.capacity()
             );
         }
         assert!(
-            buf.capacity() <= LIMIT + 2 * CHUNK + input.len(),
+            buf.capacity() <= limit + 2 * CHUNK + input.len(),
             "reserved {} bytes",
             buf.capacity()
         );
     }
+    drop(codec);
+    assert_eq!(budget.used(), 0, "a dropped decoder refunds what it held");
 });

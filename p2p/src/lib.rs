@@ -80,5 +80,7 @@ pub use proto::producer::{ProducerTimeouts, ReleaseReason};
 pub use shell::consumer::{
     Consumer, ConsumerConfig, Landed, LandedGroup, LandedHook, LoadGroup, LoadOutcome, LoadSpec,
 };
-pub use shell::producer::{derive_load_key, Producer, ProducerConfig, PublishInfo, Released};
+pub use shell::producer::{
+    derive_load_key, Producer, ProducerConfig, PublishInfo, Released, DEFAULT_RECEIVE_BUDGET,
+};
 pub use worker::{Worker, WorkerGroup};

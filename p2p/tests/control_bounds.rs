@@ -1,7 +1,10 @@
-//! The control channel is bounded before allocation: a ZMTP frame header
-//! declaring more than the configured limit drops that connection before anything is
-//! reserved, on the producer's ROUTER and on the consumer's DEALER, and the process keeps
-//! serving. Raw TCP peers speak ZMTP 3.0 by hand (greeting, READY, frames).
+//! The control channel is bounded before allocation: a ZMTP frame header declaring more than
+//! the configured limit drops that connection before anything is reserved, on the producer's
+//! ROUTER and on the consumer's DEALER, and the process keeps serving. The producer's control
+//! port is as bounded as the engine's listeners: per-source and total connection limits at
+//! accept, a deadline for the handshake and for a message once begun, one receive budget for
+//! the large frames of all connections. Raw TCP peers speak ZMTP 3.0 by hand (greeting,
+//! READY, frames), from source addresses 127.0.0.x.
 
 mod common;
 
@@ -277,4 +280,185 @@ async fn a_hostile_producer_cannot_crash_the_consumer() {
         fake.join().unwrap(),
         "the consumer must drop the connection"
     );
+}
+
+/// A raw connection to `addr` from source IP `from` (127.0.0.x: Linux routes all of 127/8 to
+/// loopback), blocking, with a read timeout for [`closed_by_peer`].
+async fn connect_from(from: &str, addr: &str) -> TcpStream {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
+    let s = sock.connect(addr.parse().unwrap()).await.unwrap();
+    let s = s.into_std().unwrap();
+    s.set_nonblocking(false).unwrap();
+    s
+}
+
+/// Greeting and READY done: a DEALER peer ready to send messages.
+fn handshake(s: &mut TcpStream) {
+    s.write_all(&greeting()).unwrap();
+    s.write_all(&ready("DEALER")).unwrap();
+    let mut g = [0u8; 64];
+    s.read_exact(&mut g).unwrap();
+    let (flags, body) = read_frame(s);
+    assert_eq!(flags & 0x04, 0x04, "the producer's READY");
+    assert_eq!(&body[1..6], b"READY");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_greeting_is_dropped_at_the_handshake_deadline() {
+    let p = Side::new(1, 1, 8, Some(7));
+    let c = Side::new(1, 1, 12, Some(99));
+    let cfg = ProducerConfig {
+        handshake_timeout: Duration::from_millis(500),
+        ..producer_config()
+    };
+    let producer = Producer::start(cfg, p.workers.clone()).await.unwrap();
+    let addr = tcp_addr(producer.endpoint());
+    let mut idle = connect_from("127.0.0.2", &addr).await;
+    let mut half = connect_from("127.0.0.2", &addr).await;
+    half.write_all(&greeting()[..10]).unwrap();
+    let closed = tokio::task::spawn_blocking(move || {
+        let until = Instant::now() + Duration::from_secs(5);
+        (
+            closed_by_peer(&mut idle, until),
+            closed_by_peer(&mut half, until),
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        closed,
+        (true, true),
+        "(silent, half greeting) must be dropped"
+    );
+    a_load_verifies(&producer, &c, "after-half-greetings").await;
+    producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_sent_frame_is_dropped_at_the_frame_deadline() {
+    let p = Side::new(1, 1, 8, Some(7));
+    let c = Side::new(1, 1, 12, Some(99));
+    let cfg = ProducerConfig {
+        frame_timeout: Duration::from_millis(500),
+        ..producer_config()
+    };
+    let producer = Producer::start(cfg, p.workers.clone()).await.unwrap();
+    let addr = tcp_addr(producer.endpoint());
+    let mut s = connect_from("127.0.0.2", &addr).await;
+    let mut quiet = connect_from("127.0.0.2", &addr).await;
+    let closed = tokio::task::spawn_blocking(move || {
+        handshake(&mut s);
+        handshake(&mut quiet);
+        // A 1 MiB frame, half of it sent, then nothing.
+        s.write_all(&long_header(1 << 20)).unwrap();
+        s.write_all(&vec![0u8; 512 << 10]).unwrap();
+        let half = closed_by_peer(&mut s, Instant::now() + Duration::from_secs(5));
+        // A connection idle between messages stays.
+        let idle_kept = !closed_by_peer(&mut quiet, Instant::now() + Duration::from_secs(1));
+        (half, idle_kept)
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        closed,
+        (true, true),
+        "(half-sent frame dropped, idle connection kept)"
+    );
+    a_load_verifies(&producer, &c, "after-half-frame").await;
+    producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_per_source_and_total_limits_are_closed_at_accept() {
+    let p = Side::new(1, 1, 8, Some(7));
+    let c = Side::new(1, 1, 12, Some(99));
+    let cfg = ProducerConfig {
+        max_connections: 12,
+        max_connections_per_source: 5,
+        handshake_timeout: Duration::from_secs(30),
+        ..producer_config()
+    };
+    let producer = Producer::start(cfg, p.workers.clone()).await.unwrap();
+    let addr = tcp_addr(producer.endpoint());
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        held.push(connect_from("127.0.0.2", &addr).await);
+    }
+    let over_source = connect_from("127.0.0.2", &addr).await;
+    for _ in 0..5 {
+        held.push(connect_from("127.0.0.3", &addr).await);
+    }
+    // 10 held: one more source may take 2 places, then the total is reached.
+    held.push(connect_from("127.0.0.4", &addr).await);
+    held.push(connect_from("127.0.0.4", &addr).await);
+    let over_total = connect_from("127.0.0.5", &addr).await;
+    let (closed, held) = tokio::task::spawn_blocking(move || {
+        let until = || Instant::now() + Duration::from_secs(2);
+        let (mut a, mut b) = (over_source, over_total);
+        let closed = (
+            closed_by_peer(&mut a, until()),
+            closed_by_peer(&mut b, until()),
+        );
+        let open = held
+            .iter()
+            .filter(|s| {
+                let mut s = (*s).try_clone().unwrap();
+                !closed_by_peer(&mut s, Instant::now() + Duration::from_millis(50))
+            })
+            .count();
+        (closed, (open, held))
+    })
+    .await
+    .unwrap();
+    assert_eq!(closed, (true, true), "(past per source, past total) closed");
+    assert_eq!(held.0, 12, "the admitted connections stay");
+    // Places free when connections close: a load from 127.0.0.1 then gets one.
+    drop(held.1);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    a_load_verifies(&producer, &c, "after-limits").await;
+    producer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_frames_of_all_connections_share_one_receive_budget() {
+    let p = Side::new(1, 1, 8, Some(7));
+    let c = Side::new(1, 1, 12, Some(99));
+    let cfg = ProducerConfig {
+        receive_budget_bytes: 5 << 20,
+        frame_timeout: Duration::from_secs(30),
+        ..producer_config()
+    };
+    let producer = Producer::start(cfg, p.workers.clone()).await.unwrap();
+    let addr = tcp_addr(producer.endpoint());
+    let mut conns = Vec::new();
+    for i in 0..3 {
+        conns.push(connect_from(&format!("127.0.0.{}", 2 + i), &addr).await);
+    }
+    let closed = tokio::task::spawn_blocking(move || {
+        let mut closed = Vec::new();
+        // Each declares 2 MiB (under the per-message cap) and sends half: 2 fit in 5 MiB.
+        for s in &mut conns {
+            handshake(s);
+            s.write_all(&long_header(2 << 20)).unwrap();
+            s.write_all(&vec![0u8; 1 << 20]).unwrap();
+        }
+        for s in &mut conns {
+            closed.push(closed_by_peer(
+                s,
+                Instant::now() + Duration::from_millis(700),
+            ));
+        }
+        closed
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        closed,
+        vec![false, false, true],
+        "the third frame does not fit"
+    );
+    // A small request is never charged: the load is served while the budget is spent.
+    a_load_verifies(&producer, &c, "budget-spent").await;
+    producer.shutdown().await;
 }

@@ -136,7 +136,7 @@ fn wait_sole_owner(
 #[pymethods]
 impl Producer {
     #[new]
-    #[pyo3(signature = (ranks, *, bind="tcp://127.0.0.1:0", host="127.0.0.1", protocol="tcp", rdma_devices="", checksums=true, lease=120.0, transfer_timeout=30.0, checksum_timeout=30.0))]
+    #[pyo3(signature = (ranks, *, bind="tcp://127.0.0.1:0", host="127.0.0.1", protocol="tcp", rdma_devices="", checksums=true, lease=120.0, transfer_timeout=30.0, checksum_timeout=30.0, secret_file=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -149,6 +149,7 @@ impl Producer {
         lease: f64,
         transfer_timeout: f64,
         checksum_timeout: f64,
+        secret_file: Option<&str>,
     ) -> PyResult<Producer> {
         let config = ProducerConfig {
             bind: bind.to_string(),
@@ -161,7 +162,7 @@ impl Producer {
             checksums,
             ..ProducerConfig::default()
         };
-        let side = build_side(py, ranks, host, protocol, rdma_devices)?;
+        let side = build_side(py, ranks, host, protocol, rdma_devices, secret_file)?;
         let segments = side
             .workers
             .iter()
@@ -434,7 +435,7 @@ pub struct Consumer {
 #[pymethods]
 impl Consumer {
     #[new]
-    #[pyo3(signature = (ranks, *, host="127.0.0.1", protocol="tcp", rdma_devices="", checksums=true, fail_closed=false, load_failure_policy="fail", reply_timeout=30.0, max_wait=120.0, checksum_timeout=30.0, connect_timeout=5.0))]
+    #[pyo3(signature = (ranks, *, host="127.0.0.1", protocol="tcp", rdma_devices="", checksums=true, fail_closed=false, load_failure_policy="fail", reply_timeout=30.0, max_wait=120.0, checksum_timeout=30.0, connect_timeout=5.0, secret_file=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -449,6 +450,7 @@ impl Consumer {
         max_wait: f64,
         checksum_timeout: f64,
         connect_timeout: f64,
+        secret_file: Option<&str>,
     ) -> PyResult<Consumer> {
         let policy = Policy {
             fail_closed,
@@ -466,7 +468,7 @@ impl Consumer {
             ..ConsumerConfig::default()
         };
         let max_wait = config.max_wait + config.connect_timeout + config.checksum_timeout;
-        let side = build_side(py, ranks, host, protocol, rdma_devices)?;
+        let side = build_side(py, ranks, host, protocol, rdma_devices, secret_file)?;
         let segments = side
             .workers
             .iter()

@@ -36,12 +36,15 @@ fn transport_of(protocol: &str) -> PyResult<TransportKind> {
 
 /// Builds the p2p workers of `ranks`: one transfer engine per rank on `host` with `protocol`,
 /// every tensor's memory registered with it, the rank's checksum backend (CUDA for GPU KV).
+/// `secret_file`: the shared secret's file (docs/design.md §8.1: the engines authenticate and
+/// loads use per-load grants), `None`: open engines.
 pub(crate) fn build_side(
     py: Python<'_>,
     ranks: Vec<Py<Rank>>,
     host: &str,
     protocol: &str,
     rdma_devices: &str,
+    secret_file: Option<&str>,
 ) -> PyResult<Side> {
     if ranks.is_empty() {
         return Err(PyValueError::new_err("no ranks given"));
@@ -57,6 +60,14 @@ pub(crate) fn build_side(
         .filter(|d| !d.is_empty())
         .map(String::from)
         .collect();
+    config.auth.secret_file = secret_file.map(std::path::PathBuf::from);
+    if secret_file.is_some() {
+        // Read once here, so a bad file is a ValueError naming it rather than one error per rank.
+        config.auth.secret = config
+            .auth
+            .resolve()
+            .map_err(|e| PyValueError::new_err(format!("secret_file: {e}")))?;
+    }
     let mut side = Side {
         workers: Vec::new(),
         registered: Vec::new(),

@@ -213,3 +213,13 @@ def test_batch_register_is_all_or_nothing():
     assert e.unregister_memory(a[0]) == -3
     assert e.batch_register_memory(a[:2], [8192, 8192]) == 0
     assert e.batch_unregister_memory(a) == 0
+
+
+def test_register_memory_refuses_ranges_the_process_has_not_mapped():
+    e = engine()
+    # Address 1 for 2**63 bytes: returned 0, and a peer then read whatever it pointed at.
+    assert e.register_memory(1, 2**63) == -1
+    assert e.register_memory(1, 2**63, "cpu") == -1
+    buf = np.zeros(8192, dtype=np.uint8)
+    assert e.register_memory(buf.ctypes.data, buf.nbytes) == 0
+    assert e.unregister_memory(buf.ctypes.data) == 0

@@ -4,6 +4,7 @@ lands the producer's bytes; a byte corrupted after landing (the landed hook) is 
 policy; TP differs between the sides; one Producer/Consumer pair per TP rank; a load that cannot
 land reports the failure action."""
 
+import os
 import socket
 import sys
 import threading
@@ -294,3 +295,28 @@ def test_groups_and_ranks_are_checked():
         kvferry.Rank([g, g])
     with pytest.raises(ValueError, match="tp_rank 2"):
         kvferry.Rank([g], tp_rank=2, tp_size=2)
+
+
+def test_secret_mode_loads_between_engines_sharing_the_secret_and_refuses_others(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    other = tmp_path / "other"
+    other.write_bytes(os.urandom(32))
+    other.chmod(0o600)
+    prank, parr = make_rank(0, 1, 6, seed=1)
+    crank, carr = make_rank(0, 1, 8, seed=None)
+    orank, oarr = make_rank(0, 1, 8, seed=None)
+    with kvferry.Producer([prank], secret_file=str(secret)) as producer:
+        consumer = kvferry.Consumer([crank], fail_closed=True, secret_file=str(secret))
+        stranger = kvferry.Consumer([orank], fail_closed=True, secret_file=str(other), reply_timeout=5.0)
+        producer.publish("s-0", [REMOTE], PROMPT, load_key="k0")
+        producer.publish("s-1", [REMOTE], PROMPT, load_key="k1")
+        # A consumer with another secret: the producer cannot write into its memory.
+        out = stranger.load("s-1", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="k1")
+        assert not out.landed
+        assert all(not a.any() for a in oarr)
+        out = consumer.load("s-0", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="k0")
+        assert out.landed and out.verdict.status == "verified", out.error
+    with pytest.raises(ValueError, match="secret_file"):
+        kvferry.Consumer([make_rank(0, 1, 2, None)[0]], secret_file=str(tmp_path / "missing"))

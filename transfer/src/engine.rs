@@ -223,6 +223,11 @@ impl TransferEngine {
             len,
             location,
         };
+        if location == Location::Cpu && len > 0 && addr.checked_add(len).is_some() {
+            // A peer reads and writes what is registered: never a range this process has not
+            // mapped (read-write), whatever the caller promised.
+            crate::memory::check_host_mapped(addr, len)?;
+        }
         let t = self.transport.clone();
         self.registry.insert(region, |r| t.register(r)).map(|_| ())
     }

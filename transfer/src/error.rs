@@ -421,6 +421,22 @@ pub enum RegistrationError {
         /// Length of that region.
         with_len: u64,
     },
+    /// Host memory not mapped readable and writable in this process (`/proc/self/maps`).
+    #[error("memory region [{addr:#x}, +{len}) is not mapped readable and writable in this process (from {at:#x})")]
+    NotMapped {
+        /// Start address.
+        addr: u64,
+        /// Length in bytes.
+        len: u64,
+        /// The first byte that is not.
+        at: u64,
+    },
+    /// `/proc/self/maps` could not be read to check a host range.
+    #[error("cannot read /proc/self/maps to check the range: {why}")]
+    MapsUnreadable {
+        /// The I/O error's kind.
+        why: String,
+    },
 }
 
 /// Result alias used across the crate.

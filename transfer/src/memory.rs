@@ -383,8 +383,107 @@ impl MemoryAccess for HostMemoryAccess {
     }
 }
 
+/// Checks that host range `[addr, addr + len)` is mapped readable and writable in this
+/// process, by reading `/proc/self/maps` (Linux). A peer may READ and WRITE registered memory,
+/// so a range with unmapped or read-only pages in it would let a peer read memory the caller
+/// never meant to expose, or crash this process on a WRITE. Only a guard against a wrong
+/// address or length: the caller still promises the memory stays mapped until unregistered
+/// (a later `munmap` is not seen). CUDA ranges are not listed there; the driver checks them.
+/// Errors: `Registration(NotMapped)` naming the first byte that is not mapped so;
+/// `Registration(MapsUnreadable)` when `/proc/self/maps` cannot be read.
+pub(crate) fn check_host_mapped(addr: u64, len: u64) -> Result<()> {
+    if !cfg!(target_os = "linux") {
+        return Ok(());
+    }
+    let maps = std::fs::read_to_string("/proc/self/maps").map_err(|e| {
+        TransferError::Registration(RegistrationError::MapsUnreadable {
+            why: e.kind().to_string(),
+        })
+    })?;
+    match first_unmapped(&maps, addr, addr.saturating_add(len)) {
+        None => Ok(()),
+        Some(at) => Err(TransferError::Registration(RegistrationError::NotMapped {
+            addr,
+            len,
+            at,
+        })),
+    }
+}
+
+/// The first byte of `[addr, end)` not inside a readable and writable mapping of `maps` (the
+/// text of `/proc/<pid>/maps`: `start-end perms ...`, hex, ascending), or `None`.
+pub(crate) fn first_unmapped(maps: &str, addr: u64, end: u64) -> Option<u64> {
+    let mut at = addr;
+    for line in maps.lines() {
+        if at >= end {
+            break;
+        }
+        let mut fields = line.split_ascii_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        let Some((s, e)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(s), Ok(e)) = (u64::from_str_radix(s, 16), u64::from_str_radix(e, 16)) else {
+            continue;
+        };
+        if e <= at {
+            continue;
+        }
+        let rw = perms.as_bytes().get(..2) == Some(b"rw".as_slice());
+        if s > at || !rw {
+            return Some(at);
+        }
+        at = e;
+    }
+    (at < end).then_some(at)
+}
+
 #[cfg(test)]
 mod tests {
+
+    const MAPS: &str = "\
+00400000-00452000 r-xp 00000000 08:02 173521 /usr/bin/x
+00652000-00655000 rw-p 00052000 08:02 173521 /usr/bin/x
+00655000-00700000 rw-p 00000000 00:00 0 [heap]
+7f0000000000-7f0000001000 ---p 00000000 00:00 0
+7f0000001000-7f0000100000 rw-p 00000000 00:00 0
+";
+
+    #[test]
+    fn a_range_must_lie_in_readable_writable_mappings() {
+        // Inside one mapping, and across two adjacent ones.
+        assert_eq!(first_unmapped(MAPS, 0x652000, 0x653000), None);
+        assert_eq!(first_unmapped(MAPS, 0x654000, 0x6ff000), None);
+        assert_eq!(first_unmapped(MAPS, 0x7f0000001000, 0x7f0000100000), None);
+        // Read-only code, a hole, a guard page, past the last mapping, address 1.
+        assert_eq!(first_unmapped(MAPS, 0x400000, 0x401000), Some(0x400000));
+        assert_eq!(first_unmapped(MAPS, 0x6ff000, 0x701000), Some(0x700000));
+        assert_eq!(
+            first_unmapped(MAPS, 0x7f0000000800, 0x7f0000002000),
+            Some(0x7f0000000800)
+        );
+        assert_eq!(
+            first_unmapped(MAPS, 0x7f00000ff000, 0x7f0000101000),
+            Some(0x7f0000100000)
+        );
+        assert_eq!(first_unmapped(MAPS, 1, 1 << 63), Some(1));
+        assert_eq!(first_unmapped("", 1, 2), Some(1));
+    }
+
+    #[test]
+    fn this_process_heap_is_mapped_and_address_1_is_not() {
+        let buf = vec![0u8; 1 << 20];
+        assert!(check_host_mapped(buf.as_ptr() as u64, buf.len() as u64).is_ok());
+        assert!(matches!(
+            check_host_mapped(1, 1 << 63),
+            Err(TransferError::Registration(RegistrationError::NotMapped {
+                at: 1,
+                ..
+            }))
+        ));
+    }
     use super::*;
 
     fn r(addr: u64, len: u64) -> MemoryRegion {

@@ -959,3 +959,50 @@ fn connection_floods_are_capped_and_the_engine_recovers() {
     }
     assert_same(&dst.bytes, &src.bytes, "after the flood");
 }
+
+#[test]
+fn register_memory_refuses_ranges_this_process_has_not_mapped() {
+    let a = engine();
+    // Address 1 for 2^63 bytes: a peer read memory the target never meant to expose.
+    // SAFETY: refused before anything is registered.
+    let e = unsafe { a.register_memory(1, 1 << 63, Location::Cpu) }.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            TransferError::Registration(RegistrationError::NotMapped { at: 1, .. })
+        ),
+        "{e}"
+    );
+    // A real buffer, then one that runs a page past an anonymous mapping's end.
+    let buf = Buf::new(8192, 1);
+    // SAFETY: `buf` outlives the engine's use of it (unregistered below).
+    unsafe { a.register_memory(buf.addr(), 8192, Location::Cpu) }.unwrap();
+    a.unregister_memory(buf.addr()).unwrap();
+    let page = 4096usize;
+    // SAFETY: a fresh anonymous mapping of two pages whose second page is then unmapped.
+    let m = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            2 * page,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(m, libc::MAP_FAILED);
+    // SAFETY: the second page of the mapping made above.
+    let unmapped = unsafe { libc::munmap(m.cast::<u8>().add(page).cast(), page) };
+    assert_eq!(unmapped, 0);
+    // SAFETY: refused (the second page is not mapped), nothing registered.
+    let e = unsafe { a.register_memory(m as u64, 2 * page as u64, Location::Cpu) }.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            TransferError::Registration(RegistrationError::NotMapped { .. })
+        ),
+        "{e}"
+    );
+    // SAFETY: the first page, still mapped.
+    unsafe { libc::munmap(m, page) };
+}

@@ -14,6 +14,7 @@ pub mod request;
 pub mod serve;
 pub mod serve_error;
 pub mod session;
+pub mod spec_checks;
 pub mod wire;
 
 #[cfg(test)]

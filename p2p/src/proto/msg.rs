@@ -137,6 +137,11 @@ pub struct WireLayer {
     pub head_offset: u32,
     /// The array's geometry on the consumer.
     pub geometry: WireGeometry,
+    /// The layer's element type (e.g. `torch.bfloat16`, the checksum crate's
+    /// `LayerSpec::dtype`), `None` when the consumer names none; the producer refuses a pair
+    /// whose types differ (`proto::spec_checks`).
+    #[serde(default)]
+    pub dtype: Option<String>,
 }
 
 /// One KV cache group's layers on one consumer rank.

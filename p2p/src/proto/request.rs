@@ -11,6 +11,9 @@ use crate::proto::msg::{
     TransferRequest, WireBlocks, WireLayer, WireRank, WireRankGroup, KIND_TRANSFER_REQUEST,
     PROTOCOL_VERSION,
 };
+use crate::proto::spec_checks::{
+    blocks_needed, cache_blocks, check_distinct, check_table, TableError,
+};
 use crate::proto::wire::to_wire;
 
 /// One group of a load: the block tables of both sides, position by position
@@ -85,6 +88,10 @@ pub enum SpecError {
     /// A group is listed twice.
     #[error("group {0} listed twice")]
     GroupTwice(u32),
+    /// A block table breaks a table rule (`proto::spec_checks`): it does not cover
+    /// `num_tokens` exactly, names a block outside the cache, or writes one block twice.
+    #[error(transparent)]
+    Table(#[from] TableError),
     /// A position with a consumer block to fill but no producer block.
     #[error("group {group} position {position}: a local block but no producer block")]
     NoProducerBlock {
@@ -154,6 +161,26 @@ pub fn build_request(
                 remote: rbs,
             });
         }
+        // Both tables cover the tokens exactly (each in its own block size); the local ids
+        // lie inside this side's cache (the producer checks its own ids against its lease).
+        let (num_blocks, _) = cache_blocks(ranks, lg.group_id)?;
+        check_table(
+            lg.group_id,
+            &lg.local_blocks,
+            spec.num_tokens,
+            bs,
+            num_blocks,
+        )?;
+        let needed = blocks_needed(spec.num_tokens, rbs).ok_or(TableError::NoCache(lg.group_id))?;
+        if lg.remote_blocks.len() as u64 != needed {
+            return Err(SpecError::Table(TableError::Coverage {
+                group: lg.group_id,
+                positions: lg.remote_blocks.len() as u64,
+                num_tokens: spec.num_tokens,
+                block_size: rbs,
+                needed,
+            }));
+        }
         let mut wb = WireBlocks {
             group_id: lg.group_id,
             block_size: bs,
@@ -201,6 +228,7 @@ pub fn build_request(
         if rbs != bs {
             (wb.remote_positions, wb.remote_blocks) = remote.into_iter().unzip();
         }
+        check_distinct(lg.group_id, &wb.positions, &wb.local_blocks)?;
         landed.groups.push(LandedGroup {
             group_id: lg.group_id,
             positions: wb.positions.clone(),
@@ -229,6 +257,7 @@ pub fn build_request(
                             len: l.len,
                             head_offset: l.spec.head_offset,
                             geometry: to_wire(&l.spec.geometry),
+                            dtype: l.spec.dtype.clone(),
                         })
                         .collect(),
                 })

@@ -10,6 +10,7 @@ use crate::proto::layout::{group_heads, RankLayout};
 use crate::proto::msg::{TransferRequest, WireBlocks, WireLayer, WireRank};
 use crate::proto::plan::{pair_ranges, Copy};
 pub use crate::proto::serve_error::{LayerError, ServeError};
+use crate::proto::spec_checks::{check_distinct, check_dtype};
 use crate::proto::wire::{compatible, compatible_cells, from_wire};
 use kvferry_checksum::group::SkipReason;
 use kvferry_checksum::layout::Geometry;
@@ -166,6 +167,7 @@ fn check_blocks(
     if by_tokens && b.remote_positions.windows(2).any(|w| w[0] >= w[1]) {
         return Err(ServeError::RemoteOrder(b.group_id));
     }
+    check_distinct(b.group_id, &b.positions, &b.local_blocks)?;
     let remote_positions = if by_tokens {
         &b.remote_positions
     } else {
@@ -246,6 +248,7 @@ fn layer_copies(
             compatible(&h.spec.geometry, &theirs)
         }
         .map_err(|e| at(e.into()))?;
+        check_dtype(h.spec.dtype.as_deref(), wl.dtype.as_deref()).map_err(|e| at(e.into()))?;
     }
     if holders.is_empty() {
         return Err(ServeError::NoProducerLayer {

@@ -9,6 +9,7 @@ use kvferry_checksum::layout::LayoutError;
 use kvferry_transfer::TransferError;
 
 use crate::proto::plan::PlanError;
+use crate::proto::spec_checks::{DtypeError, TableError};
 use crate::proto::wire::Incompatible;
 
 /// Why a consumer's request cannot be served. The text goes to the consumer in the ERROR reply.
@@ -31,6 +32,9 @@ pub enum ServeError {
     /// The producer's ranks have no such group.
     #[error("producer has no group {0}")]
     NoGroup(u32),
+    /// The request's block lists break a table rule (`proto::spec_checks`).
+    #[error(transparent)]
+    Table(#[from] TableError),
     /// The consumer was told another producer block size than the producer's, or (from a
     /// consumer that names no producer block size) its own block size differs, or it is 0.
     #[error("group {group}: the consumer loads blocks of {consumer} tokens as the producer's, the producer's hold {producer}")]
@@ -162,6 +166,9 @@ pub enum LayerError {
     /// The two sides' arrays cannot be copied byte-for-byte.
     #[error(transparent)]
     Incompatible(#[from] Incompatible),
+    /// The two sides' element types differ (`proto::spec_checks`).
+    #[error(transparent)]
+    Dtype(#[from] DtypeError),
     /// The head offset plus the head count overflows.
     #[error("head offset overflows")]
     HeadOverflow,

@@ -81,6 +81,7 @@ fn request(id: &str, load_id: u64) -> TransferRequest {
                         kernel_blocks_per_block: 1,
                         strides: vec![4096, 512, 32, 16, 2],
                     },
+                    dtype: Some("torch.bfloat16".into()),
                 }],
             }],
         }],

@@ -2,5 +2,6 @@
 //! timers and the transfer engine calls. Every await has a deadline.
 
 pub mod consumer;
+mod gate;
 pub mod producer;
 mod serve;

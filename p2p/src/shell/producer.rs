@@ -27,6 +27,8 @@ use crate::proto::producer::{
 use crate::proto::serve::{plan, Published};
 use crate::proto::serve_error::ServeFailure;
 use crate::proto::session::{names_producer, Session};
+use crate::proto::spec_checks::check_tables;
+use crate::shell::gate::{self, warn_limited, ControlGate, Gate};
 use crate::shell::serve::write_all;
 use crate::worker::{validate, Worker};
 use kvferry_transfer::auth::LogLimit;
@@ -67,7 +69,26 @@ pub struct ProducerConfig {
     /// a frame header declaring more drops that connection before anything is reserved.
     /// Default [`DEFAULT_MAX_ZMTP_MESSAGE`].
     pub max_message_bytes: usize,
+    /// Control connections served at once, from all sources (at least 1); more are closed at
+    /// accept, before the greeting. Default 256, as the transfer engine's listeners.
+    pub max_connections: usize,
+    /// Control connections served at once from one source IP (at least 1), so idle
+    /// connections from one host cannot lock out the others. Default 64.
+    pub max_connections_per_source: usize,
+    /// Time an accepted connection has to finish the ZMTP handshake (greeting and READY).
+    /// Default 2 s, as the listeners' first frame.
+    pub handshake_timeout: Duration,
+    /// Time a message has to arrive whole once its first byte came (idle connections between
+    /// messages are not affected). Default 10 s.
+    pub frame_timeout: Duration,
+    /// Bytes that large frames (64 KiB and more) of all connections may hold at once, charged
+    /// at their headers before anything is reserved; a frame that does not fit drops its
+    /// connection. Default [`DEFAULT_RECEIVE_BUDGET`].
+    pub receive_budget_bytes: usize,
 }
+
+/// Default [`ProducerConfig::receive_budget_bytes`]: four messages of the default maximum size.
+pub const DEFAULT_RECEIVE_BUDGET: usize = 4 * DEFAULT_MAX_ZMTP_MESSAGE;
 
 impl Default for ProducerConfig {
     fn default() -> Self {
@@ -79,6 +100,11 @@ impl Default for ProducerConfig {
             checksums: true,
             send_timeout: Duration::from_secs(5),
             max_message_bytes: DEFAULT_MAX_ZMTP_MESSAGE,
+            max_connections: 256,
+            max_connections_per_source: 64,
+            handshake_timeout: Duration::from_secs(2),
+            frame_timeout: Duration::from_secs(10),
+            receive_budget_bytes: DEFAULT_RECEIVE_BUDGET,
         }
     }
 }
@@ -155,6 +181,8 @@ pub struct Producer {
     /// Load keys of the leases not yet released.
     keys: Arc<Mutex<std::collections::HashMap<String, String>>>,
     workers: Arc<Vec<Worker>>,
+    /// The workers as the protocol sees them (same order).
+    layouts: Arc<Vec<RankLayout>>,
     tp: u32,
     pp: u32,
     config: ProducerConfig,
@@ -170,6 +198,15 @@ impl Producer {
         let secret = workers_secret(&workers)?;
         let mut options = zeromq::SocketOptions::default();
         options.max_message_size(config.max_message_bytes);
+        // The control port is as bounded as the engine's listeners (docs/design.md §8.1).
+        options
+            .accept_gate(Arc::new(Gate(ControlGate::new(
+                config.max_connections,
+                config.max_connections_per_source,
+            ))))
+            .handshake_timeout(config.handshake_timeout)
+            .frame_timeout(config.frame_timeout)
+            .receive_budget(zeromq::ReceiveBudget::new(config.receive_budget_bytes));
         let mut socket = zeromq::RouterSocket::with_options(options);
         // Peers refused during the ZMTP handshake (e.g. an oversized command) are reported here.
         let monitor = Some(socket.monitor());
@@ -186,6 +223,7 @@ impl Producer {
         let released = Arc::new(Mutex::new(Vec::new()));
         let keys = Arc::new(Mutex::new(std::collections::HashMap::new()));
         let workers = Arc::new(workers);
+        let layouts: Arc<Vec<RankLayout>> = Arc::new(workers.iter().map(Worker::layout).collect());
         let task = tokio::spawn(
             EventLoop {
                 machine: ProducerMachine::new(config.timeouts, config.transfer_timeout),
@@ -195,13 +233,14 @@ impl Producer {
                 released: released.clone(),
                 keys: keys.clone(),
                 workers: workers.clone(),
-                layouts: Arc::new(workers.iter().map(Worker::layout).collect()),
+                layouts: layouts.clone(),
                 send_timeout: config.send_timeout,
                 secret,
                 endpoint: endpoint.clone(),
                 bind: config.bind.clone(),
                 sessions: std::collections::HashMap::new(),
                 refusals: LogLimit::new(5, Duration::from_secs(10)),
+                peer_warnings: PeerWarnings::new(),
             }
             .run(rx),
         );
@@ -212,6 +251,7 @@ impl Producer {
             released,
             keys,
             workers,
+            layouts,
             tp,
             pp,
             config,
@@ -272,6 +312,17 @@ impl Producer {
                 return Err(perr(format!("no block table for group {}", g.group_id)));
             }
         }
+        // Before anything is checksummed or held: each table covers the tokens exactly and
+        // names blocks inside the cache (a lease over tokens no block holds would verify).
+        check_tables(
+            &self.layouts,
+            self.workers[0]
+                .groups
+                .iter()
+                .map(|g| (g.group_id, blocks[g.group_id as usize].as_slice())),
+            num_tokens,
+        )
+        .map_err(|e| perr(e.to_string()))?;
         let started = Instant::now();
         let mut info = PublishInfo {
             checksummed: false,
@@ -389,6 +440,8 @@ struct EventLoop {
     sessions: std::collections::HashMap<Bytes, PeerSession>,
     /// Rate limit of the WARN lines for refused hellos and requests.
     refusals: LogLimit,
+    /// Warnings a consumer (or anyone reaching the port) can trigger, at most one a second each.
+    peer_warnings: PeerWarnings,
 }
 
 struct PeerSession {
@@ -397,6 +450,26 @@ struct PeerSession {
     /// The highest load id served a request in this session: a request must name a higher
     /// one (a replay within the session is refused).
     last_load_id: Option<u64>,
+}
+
+/// One [`gate::LogLimit`] per kind of peer-triggered warning.
+struct PeerWarnings {
+    accept: gate::LogLimit,
+    bad_request: gate::LogLimit,
+    not_sent: gate::LogLimit,
+    load_failed: gate::LogLimit,
+}
+
+impl PeerWarnings {
+    fn new() -> Self {
+        let l = || gate::LogLimit::new(Duration::from_secs(1));
+        PeerWarnings {
+            accept: l(),
+            bad_request: l(),
+            not_sent: l(),
+            load_failed: l(),
+        }
+    }
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -437,7 +510,7 @@ impl EventLoop {
                     break;
                 }
                 Event::Peer(Some(SocketEvent::AcceptFailed(e))) => {
-                    warn!("control connection refused: {e}");
+                    warn_limited!(self.peer_warnings.accept, "control connection failed: {e}");
                 }
                 Event::Peer(Some(SocketEvent::Disconnected(peer))) => {
                     self.sessions.remove(&Bytes::from(peer));
@@ -475,7 +548,11 @@ impl EventLoop {
                     result,
                 })) => {
                     if let Err(e) = &result {
-                        warn!(request_id, "load failed: {e}");
+                        warn_limited!(
+                            self.peer_warnings.load_failed,
+                            request_id,
+                            "load failed: {e}"
+                        );
                     }
                     let effects =
                         self.machine
@@ -504,7 +581,10 @@ impl EventLoop {
             return;
         };
         if frames.len() < 2 {
-            warn!("control message without a body, dropped");
+            warn_limited!(
+                self.peer_warnings.bad_request,
+                "control message without a body, dropped"
+            );
             return;
         }
         match decode_consumer_message(&body) {
@@ -543,7 +623,11 @@ impl EventLoop {
                 } else {
                     Ids::default()
                 };
-                warn!(request_id = ?ids.request_id, "bad transfer request: {e}");
+                warn_limited!(
+                    self.peer_warnings.bad_request,
+                    request_id = ?ids.request_id,
+                    "bad transfer request: {e}"
+                );
                 let reply = Reply::error(
                     ids.request_id.as_deref().unwrap_or(""),
                     ids.load_id.unwrap_or(0),
@@ -727,10 +811,18 @@ impl EventLoop {
         msg.push_back(Bytes::from(encode(&reply)));
         match tokio::time::timeout(self.send_timeout, self.socket.send(msg)).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => warn!(request_id = reply.request_id, "reply not sent: {e}"),
-            Err(_) => warn!(
+            Ok(Err(e)) => {
+                warn_limited!(
+                    self.peer_warnings.not_sent,
+                    request_id = reply.request_id,
+                    "reply not sent: {e}"
+                )
+            }
+            Err(_) => warn_limited!(
+                self.peer_warnings.not_sent,
                 request_id = reply.request_id,
-                "reply not sent within {:?}", self.send_timeout
+                "reply not sent within {:?}",
+                self.send_timeout
             ),
         }
     }

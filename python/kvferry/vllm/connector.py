@@ -36,7 +36,14 @@ producer, PP 2 -> PP 1 needs nothing; a refused load names the ``layer_splits`` 
 ``rdma_devices`` (the RDMA NICs of each worker: ``"mlx5_0,mlx5_1"`` for every worker of the
 host, or a list with one entry per worker indexed by its local rank, e.g. ``["mlx5_0",
 "mlx5_1"]`` for GPU 0 and GPU 1; default ``""``: kvferry picks; Mooncake's ``device_name``),
-and the test-only ``test_corrupt_transfer_prefix``
+``allowed_producers`` (read by consumers: a list of ``"host"`` or ``"host:port"`` (base port)
+strings; a request whose ``kv_transfer_params`` name another producer is computed locally,
+never connected to; absent: any address, with a warning: a client that reaches the consumer's
+API could make it load KV from a host of its choosing), ``secret_file`` (the path of a shared
+secret of 16..4096 bytes, mode 600, the same on every instance: every rank's transfer engines
+authenticate and each load writes under a per-load grant, as the CLI's ``--secret-file``;
+docs/design.md §8.1; load keys stay the random per-request keys the proxy carries), and the
+test-only ``test_corrupt_transfer_prefix``
 (flips a landed bit of every load whose transfer id starts with it: fault injection for the
 tests; never set it in production).
 
@@ -59,6 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvferry.vllm import params as P
 from kvferry.vllm.layouts import layer_specs
 from kvferry.vllm.metadata import KvferryConnectorMetadata
 from kvferry.vllm.scheduler import KvferrySchedulerSide, SchedulerConfig
@@ -151,6 +159,14 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         corrupt = extra.get("test_corrupt_transfer_prefix")
         if corrupt is not None and not isinstance(corrupt, str):
             raise ConfigError(f"kv_connector_extra_config['test_corrupt_transfer_prefix'] = {corrupt!r}: expected str")
+        secret_file = extra.get("secret_file")
+        if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
+            raise ConfigError(f"kv_connector_extra_config['secret_file'] = {secret_file!r}: expected a file path")
+        allowed = extra.get("allowed_producers")
+        try:
+            allowed = None if allowed is None else P.ProducerAllowlist.parse(allowed)
+        except ValueError as e:
+            raise ConfigError(f"kv_connector_extra_config['allowed_producers']: {e}") from None
         host = extra.get("host")
         if host is None:
             from vllm.utils.network_utils import get_ip
@@ -188,6 +204,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                     head_splits=head_splits,
                     layer_splits=layer_splits,
                     stage_layers=stage_layers,
+                    allowed_producers=allowed,
                 )
             )
         else:
@@ -202,7 +219,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                                 load_failure_policy=ktc.kv_load_failure_policy, lease_seconds=lease,
                                 load_timeout_seconds=timeout, connect_timeout_seconds=connect_timeout,
                                 test_corrupt_transfer_prefix=corrupt, head_splits=head_splits,
-                                layer_splits=layer_splits, rdma_devices=devices),
+                                layer_splits=layer_splits, rdma_devices=devices, secret_file=secret_file),
                 tp_rank=tp_rank, pp_rank=pp_rank, tp_size=pc.tensor_parallel_size,
                 pp_size=pc.pipeline_parallel_size, block_size=vllm_config.cache_config.block_size,
                 is_producer=ktc.is_kv_producer, is_consumer=ktc.is_kv_consumer,

@@ -50,6 +50,18 @@ LOAD_KEY = "load_key"
 # are at most MAX_LAYERS stages too.
 MAX_LAYERS = 1 << 16
 
+# Bounds of what a request's params may hold, checked before anything is built from them (the
+# params come from whoever reaches the instance's API, through the proxy or not). Far above real
+# use: a load key is 32 URL-safe characters (scheduler.py) and kvferry's producers accept at most
+# 256 bytes; ids are vLLM request ids; a table of MAX_BLOCK_IDS blocks holds a million-token
+# prompt at block size 1; block ids index a cache of at most MAX_BLOCK_ID blocks.
+MAX_LOAD_KEY_BYTES = 256
+MAX_ID_BYTES = 1024
+MAX_HOST_BYTES = 255
+MAX_GROUPS = 64
+MAX_BLOCK_IDS = 1 << 20
+MAX_BLOCK_ID = 1 << 32
+
 
 class ParamsError(ValueError):
     """A request's ``kv_transfer_params`` lack a key or hold a value of the wrong type; the
@@ -95,6 +107,8 @@ def unit_port(base: int, tp_rank: int, pp_rank: int, tp_size: int, head_splits: 
 
 
 def _get(params: Mapping[str, Any], key: str, kind: type) -> Any:
+    if not isinstance(params, Mapping):
+        raise ParamsError(f"kv_transfer_params is {type(params).__name__}, expected a dict")
     if key not in params:
         raise ParamsError(f"kv_transfer_params lack {key!r}")
     value = params[key]
@@ -106,26 +120,56 @@ def _get(params: Mapping[str, Any], key: str, kind: type) -> Any:
     return value
 
 
+def _text(params: Mapping[str, Any], key: str, limit: int) -> str:
+    """A non-empty string key of at most ``limit`` UTF-8 bytes."""
+    value = _get(params, key, str)
+    if not value:
+        raise ParamsError(f"kv_transfer_params[{key!r}] is empty")
+    if len(value) > limit or len(value.encode("utf-8", "surrogatepass")) > limit:
+        raise ParamsError(f"kv_transfer_params[{key!r}] holds more than {limit} bytes")
+    return value
+
+
+def _block_tables(value: Any) -> tuple[tuple[int, ...], ...]:
+    """``remote_block_ids`` checked: 1..MAX_GROUPS lists, MAX_BLOCK_IDS ids in all, each an int
+    in ``[0, MAX_BLOCK_ID)``; sizes are checked before any element is looked at."""
+    key = REMOTE_BLOCK_IDS
+    if not isinstance(value, list) or not value or len(value) > MAX_GROUPS:
+        raise ParamsError(f"kv_transfer_params[{key!r}] must be a list of 1..{MAX_GROUPS} block tables")
+    if not all(isinstance(g, list) for g in value):
+        raise ParamsError(f"kv_transfer_params[{key!r}] must be a list of lists of block ids")
+    total = sum(len(g) for g in value)
+    if total > MAX_BLOCK_IDS:
+        raise ParamsError(f"kv_transfer_params[{key!r}] holds {total} block ids, more than {MAX_BLOCK_IDS}")
+    for g in value:
+        for b in g:
+            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < MAX_BLOCK_ID:
+                shown = repr(b) if len(repr(b)) <= 40 else repr(b)[:40] + "..."
+                raise ParamsError(f"kv_transfer_params[{key!r}]: block id {shown} is not an int in "
+                                  f"[0, {MAX_BLOCK_ID})")
+    return tuple(tuple(g) for g in value)
+
+
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
     """True when the producer must hold this request's KV for a consumer."""
-    return bool(params) and bool(params.get(DO_REMOTE_DECODE))
+    return isinstance(params, Mapping) and bool(params.get(DO_REMOTE_DECODE))
 
 
 def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
     """True when the consumer must load this request's prompt KV from a producer."""
-    return bool(params) and bool(params.get(DO_REMOTE_PREFILL))
+    return isinstance(params, Mapping) and bool(params.get(DO_REMOTE_PREFILL))
 
 
 def transfer_id_of(params: Mapping[str, Any]) -> str:
-    """The non-empty ``transfer_id``; :class:`ParamsError` otherwise."""
-    tid = _get(params, TRANSFER_ID, str)
-    if not tid:
-        raise ParamsError("kv_transfer_params['transfer_id'] is empty")
-    return tid
+    """The non-empty ``transfer_id`` of at most MAX_ID_BYTES bytes; :class:`ParamsError`
+    otherwise."""
+    return _text(params, TRANSFER_ID, MAX_ID_BYTES)
 
 
-def remote_source(params: Mapping[str, Any]) -> RemoteSource:
-    """Parses a consumer request's params; :class:`ParamsError` names the first bad key."""
+def remote_source(params: Mapping[str, Any], allowed: "ProducerAllowlist | None" = None) -> RemoteSource:
+    """Parses a consumer request's params, every size, type and range bounded (the MAX_*
+    constants); with ``allowed``, the producer's address must be on it. :class:`ParamsError`
+    names the first bad key."""
     port = _get(params, REMOTE_PORT, int)
     if not 1 <= port <= 65535:
         raise ParamsError(f"kv_transfer_params['remote_port'] = {port} is not a TCP port")
@@ -141,27 +185,79 @@ def remote_source(params: Mapping[str, Any]) -> RemoteSource:
         raise ParamsError(f"kv_transfer_params: the producer's last unit port {last} (remote_port {port}, "
                           f"TP {tp} x PP {pp} x layer_splits {ls} x head_splits {hs}) is not a TCP port")
     stage_layers = _stage_layers(params[REMOTE_STAGE_LAYERS], pp, ls) if REMOTE_STAGE_LAYERS in params else None
-    host = _get(params, REMOTE_HOST, str)
-    if not host:
-        raise ParamsError("kv_transfer_params['remote_host'] is empty")
-    tables = _get(params, REMOTE_BLOCK_IDS, list)
-    if not tables or not all(isinstance(g, list) and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0
-                                                         for b in g) for g in tables):
-        raise ParamsError("kv_transfer_params['remote_block_ids'] must be a non-empty list of lists of block ids >= 0")
-    load_key = _get(params, LOAD_KEY, str)
+    host = _text(params, REMOTE_HOST, MAX_HOST_BYTES)
+    if not all(c.isascii() and (c.isalnum() or c in ".-:[]_%") for c in host):
+        raise ParamsError("kv_transfer_params['remote_host'] is not a host name or address")
+    if allowed is not None:
+        allowed.check(host, port)
+    tables = _block_tables(_get(params, REMOTE_BLOCK_IDS, list))
+    load_key = _text(params, LOAD_KEY, MAX_LOAD_KEY_BYTES)
+    engine_id = _get(params, REMOTE_ENGINE_ID, str)
+    if len(engine_id) > MAX_ID_BYTES:
+        raise ParamsError(f"kv_transfer_params[{REMOTE_ENGINE_ID!r}] holds more than {MAX_ID_BYTES} bytes")
     return RemoteSource(
         transfer_id=transfer_id_of(params),
-        engine_id=_get(params, REMOTE_ENGINE_ID, str),
+        engine_id=engine_id,
         host=host,
         port=port,
         tp_size=tp,
         pp_size=pp,
-        remote_block_ids=tuple(tuple(g) for g in tables),
+        remote_block_ids=tables,
         load_key=load_key,
         head_splits=hs,
         layer_splits=ls,
         stage_layers=stage_layers,
     )
+
+
+@dataclass(frozen=True)
+class ProducerAllowlist:
+    """The producers a consumer loads from (``kv_connector_extra_config["allowed_producers"]``):
+    entries ``"host"`` (any side-channel port) or ``"host:port"`` (that base port, the
+    ``remote_port`` its replies name; ``"[v6addr]:port"`` for IPv6). Hosts compare as written,
+    case-insensitively: list them as the producers name themselves (their ``host`` setting). A
+    request naming another address is refused before anything connects, so a client that
+    reaches the consumer's API cannot make it connect to, and take KV from, a host of its
+    choosing."""
+
+    entries: tuple[tuple[str, int | None], ...]
+
+    @classmethod
+    def parse(cls, value: Any) -> "ProducerAllowlist":
+        """From the config value: a non-empty list of strings; :class:`ValueError` otherwise."""
+        if not isinstance(value, list) or not value or not all(isinstance(e, str) and e for e in value):
+            raise ValueError("allowed_producers must be a non-empty list of \"host\" or \"host:port\" strings")
+        entries = []
+        for e in value:
+            host, port = e, None
+            if e.startswith("["):
+                end = e.find("]")
+                if end < 0:
+                    raise ValueError(f"allowed_producers entry {e!r}: unclosed [")
+                host, rest = e[1:end], e[end + 1:]
+                if rest:
+                    if not rest.startswith(":"):
+                        raise ValueError(f"allowed_producers entry {e!r}: expected [host]:port")
+                    port = _entry_port(e, rest[1:])
+            elif e.count(":") == 1:
+                host, p = e.split(":")
+                port = _entry_port(e, p)
+            entries.append((host.lower(), port))
+        return cls(tuple(entries))
+
+    def check(self, host: str, port: int) -> None:
+        """:class:`ParamsError` unless ``host`` (and base ``port``) is on the list."""
+        h = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        for eh, ep in self.entries:
+            if eh == h.lower() and (ep is None or ep == port):
+                return
+        raise ParamsError(f"kv_transfer_params: producer {host}:{port} is not in allowed_producers")
+
+
+def _entry_port(entry: str, text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise ValueError(f"allowed_producers entry {entry!r}: {text!r} is not a TCP port")
+    return int(text)
 
 
 def _stage_layers(value: Any, pp_size: int, layer_splits: int) -> tuple[tuple[int, int], ...]:

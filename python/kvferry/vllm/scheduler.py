@@ -46,6 +46,8 @@ class SchedulerConfig:
     head_splits: int = 1
     layer_splits: int = 1
     stage_layers: tuple[tuple[int, int], ...] | None = None
+    # The producers a consumer loads from (``allowed_producers``); None: any address.
+    allowed_producers: P.ProducerAllowlist | None = None
 
 
 class KvferrySchedulerSide:
@@ -53,6 +55,9 @@ class KvferrySchedulerSide:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
+        if config.is_consumer and config.allowed_producers is None:
+            log.warning("kvferry: no allowed_producers in kv_connector_extra_config: this consumer connects to "
+                        "whatever producer address a request's kv_transfer_params name (trusted clients only)")
         self._new_loads: list[LoadSpec] = []
         self._new_sends: list[SendSpec] = []
         # request id -> transfer id of sends whose blocks the producer still holds
@@ -72,7 +77,7 @@ class KvferrySchedulerSide:
                         request.request_id)
             return 0, False
         try:
-            P.remote_source(kvp)
+            P.remote_source(kvp, self.config.allowed_producers)
         except P.ParamsError as e:
             log.warning("request %s: %s; computing its prompt locally", request.request_id, e)
             return 0, False
@@ -93,7 +98,7 @@ class KvferrySchedulerSide:
         if num_external_tokens <= 0:
             return
         try:
-            source = P.remote_source(kvp)
+            source = P.remote_source(kvp, self.config.allowed_producers)
         except P.ParamsError as e:  # checked in get_num_new_matched_tokens; params may change
             log.warning("request %s: %s; not loading", request.request_id, e)
             return

@@ -68,7 +68,9 @@ class TransportConfig:
     ``test_corrupt_transfer_prefix``: test-only fault injection, flips a bit of the first landed
     block of every unit load whose transfer id starts with it (None: off); ``rdma_devices``:
     the RDMA devices this rank's engines may use, comma-separated (``""``: any; see
-    :func:`rdma_devices_for`)."""
+    :func:`rdma_devices_for`); ``secret_file``: the shared secret's file, the same on every
+    instance (16..4096 bytes): the rank's transfer engines authenticate (docs/design.md §8.1) and
+    every load writes under a per-load grant (None: open engines, trusted networks only)."""
 
     host: str
     port: int
@@ -82,6 +84,7 @@ class TransportConfig:
     head_splits: int = 1
     layer_splits: int = 1
     rdma_devices: str = ""
+    secret_file: str | None = None
 
 
 def rdma_devices_for(value: Any, local_rank: int) -> str:
@@ -197,7 +200,8 @@ class KvferryTransport:
                         host=c.host, protocol=c.protocol, rdma_devices=c.rdma_devices,
                         # A consumer's load must leave the producer its whole transfer time (kvferry's p2p
                         # refuses a budget below it): half the load timeout, so equal configs pair.
-                        lease=c.lease_seconds, transfer_timeout=c.load_timeout_seconds / 2)
+                        lease=c.lease_seconds, transfer_timeout=c.load_timeout_seconds / 2,
+                        secret_file=c.secret_file)
                     self.producers.append(producer)
                     log.info("kvferry producer rank tp=%d pp=%d serves on %s (%s)%s", self.tp_rank, self.pp_rank,
                              producer.endpoint, producer.transport, _unit_text(unit_heads, unit_layers))
@@ -283,7 +287,8 @@ class KvferryTransport:
                 [self._rank(heads, layers)], host=c.host, protocol=c.protocol, rdma_devices=c.rdma_devices,
                 fail_closed=c.fail_closed,
                 load_failure_policy=c.load_failure_policy, reply_timeout=c.load_timeout_seconds,
-                max_wait=c.load_timeout_seconds, connect_timeout=c.connect_timeout_seconds)
+                max_wait=c.load_timeout_seconds, connect_timeout=c.connect_timeout_seconds,
+                secret_file=c.secret_file)
             if c.test_corrupt_transfer_prefix is not None:
                 _, view, layout, _, _ = self._layers(heads, layers)[0]
                 consumer.set_landed_hook(self._corrupt_hook(c.test_corrupt_transfer_prefix, view, layout))

@@ -7,6 +7,8 @@ mod dealer;
 mod endpoint;
 mod error;
 mod fair_queue;
+// kvferry patch: accept gate, receive budget (KVFERRY-PATCH.md).
+mod limits;
 mod message;
 mod r#pub;
 mod pull;
@@ -207,6 +209,7 @@ pub use crate::rep::*;
 pub use crate::req::*;
 pub use crate::router::*;
 pub use crate::sub::*;
+pub use crate::limits::{AcceptGate, ReceiveBudget};
 pub use crate::transport::Listener;
 pub use crate::xpub::*;
 pub use crate::xsub::*;
@@ -355,6 +358,12 @@ pub struct SocketOptions {
     pub(crate) read_buffer_short_reads: usize,
     // Largest message (sum of its frames) or command a peer may send; checked before reserving.
     pub(crate) max_message_size: Option<usize>,
+    // kvferry patch (KVFERRY-PATCH.md): admission of accepted peers, deadlines for the
+    // handshake and for a message once its first byte arrived, a budget shared by connections.
+    pub(crate) accept_gate: Option<Arc<dyn AcceptGate>>,
+    pub(crate) handshake_timeout: Option<Duration>,
+    pub(crate) frame_timeout: Option<Duration>,
+    pub(crate) receive_budget: Option<Arc<ReceiveBudget>>,
 }
 
 impl Default for SocketOptions {
@@ -366,6 +375,10 @@ impl Default for SocketOptions {
             read_buffer_max_size: 64 * 1024,
             read_buffer_short_reads: 2,
             max_message_size: None,
+            accept_gate: None,
+            handshake_timeout: None,
+            frame_timeout: None,
+            receive_budget: None,
         }
     }
 }
@@ -428,6 +441,35 @@ impl SocketOptions {
     /// Without it (the default) the decoder reserves whatever a header declares.
     pub fn max_message_size(&mut self, max_size: usize) -> &mut Self {
         self.max_message_size = Some(max_size);
+        self
+    }
+
+    /// Asks `gate` about every connection a bound endpoint accepts, before the greeting
+    /// ([`AcceptGate`]): per-source and total connection limits are the gate's policy.
+    pub fn accept_gate(&mut self, gate: Arc<dyn AcceptGate>) -> &mut Self {
+        self.accept_gate = Some(gate);
+        self
+    }
+
+    /// An accepted peer must finish the ZMTP handshake (greeting and READY) within `timeout`,
+    /// or it is dropped. Without it (the default) the handshake may wait forever.
+    pub fn handshake_timeout(&mut self, timeout: Duration) -> &mut Self {
+        self.handshake_timeout = Some(timeout);
+        self
+    }
+
+    /// Once the first byte of a message (or of the greeting) has arrived, the whole of it must
+    /// arrive within `timeout`, or the connection is dropped; idle connections between
+    /// messages are not affected. Without it (the default) a half-sent frame is held forever.
+    pub fn frame_timeout(&mut self, timeout: Duration) -> &mut Self {
+        self.frame_timeout = Some(timeout);
+        self
+    }
+
+    /// Charges large frame bodies of every peer to `budget` before reserving them
+    /// ([`ReceiveBudget`]); share one budget between sockets to bound them together.
+    pub fn receive_budget(&mut self, budget: Arc<ReceiveBudget>) -> &mut Self {
+        self.receive_budget = Some(budget);
         self
     }
 

@@ -83,7 +83,11 @@ impl SocketRecv for RouterSocket {
                     // tracing::warn!("Received unimplemented message type: {:?}", msg);
                 }
                 Some((peer_id, Err(e))) => {
-                    log::warn!("dropping ZeroMQ peer {:?}: {}", peer_id, e);
+                    // kvferry patch: peers choose how often this happens; at most one line a second.
+                    crate::limits::warn_limited(format_args!(
+                        "dropping ZeroMQ peer {:?}: {}",
+                        peer_id, e
+                    ));
                     self.backend.peer_disconnected(&peer_id);
                     // We could take an approach of using `tracing` and have that be an optional feature
                     // tracing::error!("Error receiving message from peer {}: {:?}", peer_id, e);

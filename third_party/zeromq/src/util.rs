@@ -191,7 +191,10 @@ pub(crate) async fn peer_connected(
     mut raw_socket: FramedIo,
     backend: Arc<dyn MultiPeerBackend>,
 ) -> ZmqResult<PeerIdentity> {
-    let peer_id = peer_handshake(&mut raw_socket, backend.clone()).await?;
+    // kvferry patch: an accepted peer that never finishes its greeting must not hold the
+    // connection (and its file descriptor) forever.
+    let timeout = backend.socket_options().handshake_timeout;
+    let peer_id = run_with_timeout(timeout, peer_handshake(&mut raw_socket, backend.clone())).await?;
     backend.peer_connected(&peer_id, raw_socket).await;
     Ok(peer_id)
 }

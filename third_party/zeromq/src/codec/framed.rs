@@ -6,7 +6,7 @@ use super::Message;
 
 use asynchronous_codec::{Decoder, FramedWrite};
 use bytes::BytesMut;
-use futures::{ready, AsyncRead, AsyncWrite, Stream};
+use futures::{AsyncRead, AsyncWrite, Future, Stream};
 
 use std::io;
 use std::pin::Pin;
@@ -35,6 +35,9 @@ pub struct ZmqFramedRead {
     // Configuration is shared; adaptation state belongs to this connection.
     options: Arc<SocketOptions>,
     short_reads: usize,
+    // kvferry patch: when the message in progress must have arrived (`frame_timeout`).
+    #[cfg(feature = "tokio-runtime")]
+    frame_deadline: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl ZmqFramedRead {
@@ -46,7 +49,36 @@ impl ZmqFramedRead {
             read_chunk_size: options.read_buffer_initial_size,
             options,
             short_reads: 0,
+            #[cfg(feature = "tokio-runtime")]
+            frame_deadline: None,
         }
+    }
+
+    // kvferry patch: Ready(error) once a message has been in progress for `frame_timeout`;
+    // armed when the reader waits mid-message, disarmed between messages.
+    #[cfg(feature = "tokio-runtime")]
+    fn poll_frame_deadline(&mut self, cx: &mut Context<'_>) -> Poll<CodecError> {
+        let Some(timeout) = self.options.frame_timeout else {
+            return Poll::Pending;
+        };
+        if !self.codec.mid_message(self.buffer.len()) {
+            self.frame_deadline = None;
+            return Poll::Pending;
+        }
+        let deadline = self
+            .frame_deadline
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(CodecError::Decode(
+                "Message not complete within the frame timeout",
+            )),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    #[cfg(not(feature = "tokio-runtime"))]
+    fn poll_frame_deadline(&mut self, _cx: &mut Context<'_>) -> Poll<CodecError> {
+        Poll::Pending
     }
 
     fn poll_read_into_buffer(
@@ -104,6 +136,16 @@ impl ZmqFramedRead {
     }
 }
 
+impl ZmqFramedRead {
+    // kvferry patch: a message was delivered; the next one's deadline starts at its first byte.
+    fn disarm(&mut self) {
+        #[cfg(feature = "tokio-runtime")]
+        {
+            self.frame_deadline = None;
+        }
+    }
+}
+
 impl Stream for ZmqFramedRead {
     type Item = CodecResult<Message>;
 
@@ -113,15 +155,27 @@ impl Stream for ZmqFramedRead {
         // Consume buffered data first; read from the socket only when the
         // current buffer cannot produce a full message.
         if let Some(item) = this.codec.decode(&mut this.buffer)? {
+            this.disarm();
             return Poll::Ready(Some(Ok(item)));
         }
 
         loop {
             let min_read_size = this.codec.bytes_needed(this.buffer.len());
-            let n = ready!(this.poll_read_into_buffer(cx, min_read_size))?;
+            let n = match this.poll_read_into_buffer(cx, min_read_size) {
+                Poll::Ready(r) => r?,
+                Poll::Pending => {
+                    return match this.poll_frame_deadline(cx) {
+                        Poll::Ready(e) => Poll::Ready(Some(Err(e))),
+                        Poll::Pending => Poll::Pending,
+                    }
+                }
+            };
             let ended = n == 0;
             match this.codec.decode(&mut this.buffer)? {
-                Some(item) => return Poll::Ready(Some(Ok(item))),
+                Some(item) => {
+                    this.disarm();
+                    return Poll::Ready(Some(Ok(item)));
+                }
                 None if ended => {
                     // Give the decoder one final chance at EOF; leftover bytes
                     // mean the stream ended with a truncated frame.

@@ -22,9 +22,13 @@ enum DecoderState {
     FrameHeader,
     FrameLen(Frame),
     Frame(Frame),
-    // A limit was exceeded: the stream cannot be resynchronised.
-    Refused,
+    // A limit was exceeded (which one): the stream cannot be resynchronised.
+    Refused(&'static str),
 }
+
+const TOO_LARGE: &str = "Message exceeds the maximum message size";
+// kvferry patch: the socket's shared receive budget is spent.
+const NO_BUDGET: &str = "Frame does not fit the receive budget";
 
 #[derive(Debug)]
 pub struct ZmqCodec {
@@ -38,6 +42,10 @@ pub struct ZmqCodec {
     max_message_size: usize,
     // Bytes of the frames already in `buffered_message`.
     buffered_len: usize,
+    // kvferry patch: the budget large frame bodies are charged to, and what this decoder holds
+    // of it (refunded when the message is delivered, the stream refused or the decoder dropped).
+    budget: Option<std::sync::Arc<crate::ReceiveBudget>>,
+    charged: usize,
 }
 
 impl ZmqCodec {
@@ -53,12 +61,43 @@ impl ZmqCodec {
             max_read_chunk_size: options.read_buffer_max_size,
             max_message_size: options.max_message_size.unwrap_or(usize::MAX),
             buffered_len: 0,
+            budget: options.receive_budget.clone(),
+            charged: 0,
         }
+    }
+
+    // kvferry patch: whether part of a greeting, command or message has arrived and the rest
+    // has not (the reader's frame deadline runs then); `buffered` is the reader's buffer length.
+    pub(crate) fn mid_message(&self, buffered: usize) -> bool {
+        buffered > 0
+            || self.buffered_message.is_some()
+            || matches!(self.state, DecoderState::FrameLen(_) | DecoderState::Frame(_))
+    }
+
+    fn refund(&mut self) {
+        if let Some(b) = &self.budget {
+            b.refund(self.charged);
+        }
+        self.charged = 0;
+    }
+
+    fn refuse(&mut self, why: &'static str) -> CodecError {
+        self.state = DecoderState::Refused(why);
+        self.buffered_message = None;
+        self.waiting_for = 0;
+        self.refund();
+        CodecError::Decode(why)
     }
 
     /// Returns the minimum additional bytes needed before decode can progress.
     pub(crate) fn bytes_needed(&self, buffered_len: usize) -> usize {
         self.waiting_for.saturating_sub(buffered_len)
+    }
+}
+
+impl Drop for ZmqCodec {
+    fn drop(&mut self) {
+        self.refund();
     }
 }
 
@@ -75,8 +114,8 @@ impl Decoder for ZmqCodec {
     fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Self::Item>, Self::Error> {
         // A single read can contain thousands of frames; keep stack use independent of that count.
         loop {
-            if let DecoderState::Refused = self.state {
-                return Err(CodecError::Decode("Message exceeds the maximum message size"));
+            if let DecoderState::Refused(why) = self.state {
+                return Err(CodecError::Decode(why));
             }
             if src.len() < self.waiting_for {
                 // The final read may coalesce bytes from the following frame. Reserve
@@ -136,24 +175,26 @@ impl Decoder for ZmqCodec {
                     // Before anything is reserved for the body (the top of the loop does that).
                     let pending = if frame.command { 0 } else { self.buffered_len };
                     if frame_len > self.max_message_size.saturating_sub(pending) {
-                        self.state = DecoderState::Refused;
-                        self.buffered_message = None;
-                        self.waiting_for = 0;
-                        return Err(CodecError::Decode(
-                            "Message exceeds the maximum message size",
-                        ));
+                        return Err(self.refuse(TOO_LARGE));
+                    }
+                    if let Some(budget) = &self.budget {
+                        if frame_len >= crate::ReceiveBudget::CHARGED_FROM {
+                            if !budget.try_charge(frame_len) {
+                                return Err(self.refuse(NO_BUDGET));
+                            }
+                            self.charged += frame_len;
+                        }
                     }
                     self.state = DecoderState::Frame(frame);
                     self.waiting_for = frame_len;
                 }
-                DecoderState::Refused => {
-                    return Err(CodecError::Decode("Message exceeds the maximum message size"))
-                }
+                DecoderState::Refused(why) => return Err(CodecError::Decode(why)),
                 DecoderState::Frame(frame) => {
                     let data = src.split_to(self.waiting_for);
                     self.state = DecoderState::FrameHeader;
                     self.waiting_for = 1;
                     if frame.command {
+                        self.refund();
                         return Ok(Some(Message::Command(ZmqCommand::try_from(data.freeze())?)));
                     }
 
@@ -166,6 +207,7 @@ impl Decoder for ZmqCodec {
 
                     if !frame.more {
                         self.buffered_len = 0;
+                        self.refund();
                         // Quoth the Raven “Nevermore.”
                         return Ok(Some(Message::Message(
                             self.buffered_message

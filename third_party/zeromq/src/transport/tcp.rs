@@ -19,6 +19,34 @@ use futures::{select, FutureExt};
 #[cfg(feature = "tokio-runtime")]
 const TCP_SOCKET_BUFFER_SIZE: usize = 4 * 1024 * 1024;
 
+// kvferry patch: the wait after a failed accept, doubling from MIN to MAX.
+const ACCEPT_BACKOFF_MIN: std::time::Duration = std::time::Duration::from_millis(10);
+const ACCEPT_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs(1);
+
+#[cfg(feature = "tokio-runtime")]
+fn make_permitted(
+    raw_socket: TcpStream,
+    permit: Box<dyn std::any::Any + Send + Sync>,
+    options: Arc<crate::SocketOptions>,
+) -> FramedIo {
+    make_framed(
+        crate::limits::Permitted {
+            stream: raw_socket,
+            _permit: permit,
+        },
+        options,
+    )
+}
+
+#[cfg(not(feature = "tokio-runtime"))]
+fn make_permitted(
+    raw_socket: TcpStream,
+    _permit: Box<dyn std::any::Any + Send + Sync>,
+    options: Arc<crate::SocketOptions>,
+) -> FramedIo {
+    make_framed(raw_socket, options)
+}
+
 pub(crate) async fn connect(
     host: &Host,
     port: Port,
@@ -91,9 +119,14 @@ where
     let (stop_channel, stop_callback) = futures::channel::oneshot::channel::<()>();
     let task_handle = async_rt::task::spawn(async move {
         let mut stop_callback = stop_callback.fuse();
+        // kvferry patch: after a failed accept (EMFILE, ENFILE, ENOBUFS...) the listener stays
+        // readable, so accepting again at once spins (and reports one error per turn); wait
+        // 10 ms, doubling up to 1 s, until an accept succeeds.
+        let mut backoff = ACCEPT_BACKOFF_MIN;
         loop {
             select! {
                 incoming = listener.accept().fuse() => {
+                    let failed = incoming.is_err();
                     let maybe_accepted: Result<_, _> = incoming
                         .and_then(|(raw_socket, remote_addr)| {
                             raw_socket
@@ -103,14 +136,35 @@ where
                                     (raw_socket, remote_addr)
                                 })
                         })
-                        .map(|(raw_socket, remote_addr)| {
-                            (
+                        .map_err(crate::error::ZmqError::from);
+                    // kvferry patch: the accept gate decides before the greeting; a refused
+                    // connection is closed here and costs no task.
+                    let maybe_accepted = match maybe_accepted {
+                        Ok((raw_socket, remote_addr)) => match &options.accept_gate {
+                            None => Ok((
                                 make_framed(raw_socket, Arc::clone(&options)),
                                 Endpoint::from_tcp_addr(remote_addr),
-                            )
-                        })
-                        .map_err(|err| err.into());
+                            )),
+                            Some(gate) => match gate.admit(remote_addr) {
+                                None => continue,
+                                Some(permit) => Ok((
+                                    make_permitted(raw_socket, permit, Arc::clone(&options)),
+                                    Endpoint::from_tcp_addr(remote_addr),
+                                )),
+                            },
+                        },
+                        Err(e) => Err(e),
+                    };
                     async_rt::task::spawn(cback(maybe_accepted));
+                    if failed {
+                        select! {
+                            _ = async_rt::task::sleep(backoff).fuse() => {}
+                            _ = stop_callback => break,
+                        }
+                        backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
+                    } else {
+                        backoff = ACCEPT_BACKOFF_MIN;
+                    }
                 }
                 _ = stop_callback => {
                     break

@@ -244,8 +244,15 @@ def test_bad_arguments_raise(pair):
         producer.publish("x", [], 20)
     with pytest.raises(ValueError, match="remote_blocks has 1 groups, local_blocks 2"):
         consumer.load("x", producer.endpoint, [REMOTE], [LOCAL, LOCAL], PROMPT)
-    with pytest.raises(ValueError, match="no producer block"):
+    # Tables must cover the prompt exactly, with distinct local blocks inside the cache.
+    with pytest.raises(ValueError, match="has 2 positions, 70 tokens in blocks of 16 need exactly 5"):
         consumer.load("x", producer.endpoint, [[3]], [[7, 2]], PROMPT)
+    with pytest.raises(ValueError, match="block 7 is written at positions 0 and 1"):
+        consumer.load("x", producer.endpoint, [REMOTE], [[7, 7, 7, 7, 7]], PROMPT)
+    with pytest.raises(ValueError, match="outside the cache"):
+        consumer.load("x", producer.endpoint, [REMOTE], [[7, 2, 6, 0, 8]], PROMPT)
+    with pytest.raises(ValueError, match="need exactly"):
+        producer.publish("x", [[0]], 2**63)
     with pytest.raises(ValueError, match="timeout"):
         consumer.load("x", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-x", timeout=-1)
     producer.publish("dup", [REMOTE], PROMPT, load_key="key-dup")

@@ -21,6 +21,7 @@ fn spec(request_id: &str, producer: &Producer, local: Vec<Option<u64>>, tokens: 
             group_id: 0,
             remote_blocks: vec![Some(3), Some(5), Some(1)],
             local_blocks: local,
+            remote_block_size: None,
         }],
         num_local_computed: 0,
         num_tokens: tokens,

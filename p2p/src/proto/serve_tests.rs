@@ -512,10 +512,11 @@ fn different_block_sizes_fill_consumer_blocks_token_by_token() {
 fn different_block_sizes_are_checked_against_the_lease() {
     let producer = side_with(0, 1, 1, 4, "KV B N H D", 8, 8, 16);
     let consumer = side_with(1, 1, 1, 4, "KV B N H D", 4, 4, 16);
-    let (remote, local) = (table(3, 16, 3), table(6, 16, 7));
-    // The consumer was told another producer block size.
+    // 20 tokens: 3 producer blocks of 8, 5 consumer blocks of 4 (tables cover them exactly).
+    let (remote, local) = (table(3, 16, 3), table(5, 16, 7));
+    // The consumer was told another producer block size (and a table of 2 blocks of 16).
     assert!(
-        lands_by_tokens(&producer, &consumer, &remote, &local, 16, 0, 20, 0)
+        lands_by_tokens(&producer, &consumer, &table(2, 16, 3), &local, 16, 0, 20, 0)
             .unwrap_err()
             .contains("the producer's hold 8")
     );

@@ -80,7 +80,8 @@ pub use proto::producer::{ProducerTimeouts, ReleaseReason};
 pub use shell::consumer::{
     Consumer, ConsumerConfig, Landed, LandedGroup, LandedHook, LoadGroup, LoadOutcome, LoadSpec,
 };
-pub use shell::producer::{
-    derive_load_key, Producer, ProducerConfig, PublishInfo, Released, DEFAULT_RECEIVE_BUDGET,
+pub use shell::producer::Producer;
+pub use shell::producer_config::{
+    derive_load_key, ProducerConfig, PublishInfo, Released, DEFAULT_RECEIVE_BUDGET,
 };
 pub use worker::{Worker, WorkerGroup};

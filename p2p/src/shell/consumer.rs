@@ -148,7 +148,7 @@ impl Consumer {
     pub fn new(config: ConsumerConfig, workers: Vec<Worker>) -> Result<Consumer, P2pError> {
         let (tp, pp, workers) = validate(workers)?;
         let checksums = carrier_check(&config)?;
-        let secret = crate::shell::producer::workers_secret(&workers)?;
+        let secret = crate::shell::producer_config::workers_secret(&workers)?;
         let name = workers
             .first()
             .map(|w| w.engine.segment_name())

@@ -4,4 +4,5 @@
 pub mod consumer;
 mod gate;
 pub mod producer;
+pub mod producer_config;
 mod serve;

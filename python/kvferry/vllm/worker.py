@@ -70,6 +70,14 @@ class RankTransport(Protocol):
     def shutdown(self) -> None: ...
 
 
+@dataclass
+class _Held:
+    """A send whose blocks are held until its consumer is served or ``expires`` (monotonic s)."""
+
+    send: SendSpec
+    expires: float
+
+
 class KvferryWorkerSide:
     """One rank's worker-side state; called by vLLM's model runner thread, loads run on a pool."""
 

@@ -1,63 +1,47 @@
-//! `kvferry bench`: transfer throughput sweep in the manner of Mooncake's
-//! tebench (block size × batch × threads; GB/s, average and p99 batch latency),
-//! between two transfer engines on this host (loopback TCP, or one RDMA device in
-//! loopback). Optionally checksums every landed batch to show the overhead.
+//! `kvferry bench`: transfer throughput sweep in the manner of Mooncake's tebench and
+//! `transfer_engine_bench` (block size × batch × threads, READ and WRITE, host or GPU memory;
+//! GB/s with median and spread over repeats, average, p99 and p999 batch latency).
+//!
+//! Three modes: `loopback` (the default: target and initiator engines in this process),
+//! `target` (serve one registered buffer until killed) and `initiator` (sweep against a target
+//! in another process, on this host or another). Both forms run the same initiator code, so
+//! their numbers compare. Optionally checksums every landed batch to show the overhead.
 //!
 //! Source: docs/design.md §6, docs/design.md §9 (tebench's columns).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+mod buffer;
+mod plot;
+mod sweep;
+mod target;
+mod types;
 
-use kvferry_checksum::definition::slice_checksum;
-use kvferry_transfer::{
-    EngineConfig, GrantOps, GrantSpec, Location, Op, Token, TransferEngine, TransferRequest,
-};
-use memmap2::MmapMut;
-use serde::Serialize;
+pub use target::derived_token;
+pub use types::{BatchBounds, BenchPoint, BenchReport};
 
-use crate::cli::{parse_sizes, BenchArgs, BenchPattern};
+use kvferry_transfer::{EngineConfig, Op, RdmaConfig};
+
+use crate::cli::{parse_sizes, BenchArgs, BenchMode, BenchOp, BenchPattern, DeviceArg};
 use crate::error::CliError;
-use crate::setup::transport_kind;
+use crate::setup::{gpu_registration, local_addr_towards, transport_kind};
+use buffer::Buffer;
+use sweep::{Initiator, Shape};
+use target::Target;
+use types::location;
 
-/// One point of the sweep.
-#[derive(Debug, Clone, Serialize)]
-pub struct BenchPoint {
-    /// Bytes per request.
-    pub block_size: u64,
-    /// Requests per batch.
-    pub batch: u64,
-    /// Submitting threads.
-    pub threads: u64,
-    /// `contiguous` or `scattered` (`--pattern`).
-    pub pattern: String,
-    /// Throughput, GB/s (10^9 bytes).
-    pub gb_per_s: f64,
-    /// Mean batch latency, microseconds.
-    pub avg_latency_us: f64,
-    /// 99th percentile batch latency, microseconds.
-    pub p99_latency_us: f64,
-    /// Batches completed.
-    pub batches: u64,
-    /// With `--checksum`: checksum seconds per transfer second.
-    pub checksum_overhead: Option<f64>,
-}
-
-/// The whole sweep's result.
-#[derive(Debug, Clone, Serialize)]
-pub struct BenchReport {
-    /// Transport used.
-    pub transport: String,
-    /// Points of the sweep.
-    pub points: Vec<BenchPoint>,
-}
-
-/// Runs the sweep and prints/writes the results.
+/// Runs the sweep (or the target) and prints/writes the results.
 ///
 /// Errors: bad arguments, engines that cannot start, a failed transfer.
 pub fn run(args: &BenchArgs) -> Result<(), CliError> {
+    if args.mode == BenchMode::Target {
+        let len = one_size("--buffer-size", &args.buffer_size)?;
+        return target::serve(args, engine_config(args, args.listen.as_deref())?, len);
+    }
     // Fail before the sweep, not after it, when an output file cannot be written.
-    for p in [&args.json_out, &args.csv_out].into_iter().flatten() {
+    let plot = args.plot.clone().or_else(|| {
+        let beside = args.json_out.as_ref().or(args.csv_out.as_ref())?;
+        Some(beside.with_extension("svg"))
+    });
+    for p in [&args.json_out, &args.csv_out, &plot].into_iter().flatten() {
         std::fs::File::create(p).map_err(CliError::io(format!("cannot write {}", p.display())))?;
     }
     let report = run_report(args)?;
@@ -66,53 +50,151 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
             .map_err(CliError::io(format!("writing {}", p.display())))?;
     }
     if let Some(p) = &args.csv_out {
-        let mut csv = String::from("transport,block_size,batch,threads,pattern,gb_per_s,avg_latency_us,p99_latency_us,batches,checksum_overhead\n");
-        for pt in &report.points {
-            csv += &format!(
-                "{},{},{},{},{},{:.4},{:.1},{:.1},{},{}\n",
-                report.transport,
-                pt.block_size,
-                pt.batch,
-                pt.threads,
-                pt.pattern,
-                pt.gb_per_s,
-                pt.avg_latency_us,
-                pt.p99_latency_us,
-                pt.batches,
-                pt.checksum_overhead
-                    .map(|v| format!("{v:.4}"))
-                    .unwrap_or_default()
-            );
-        }
-        std::fs::write(p, csv).map_err(CliError::io(format!("writing {}", p.display())))?;
+        std::fs::write(p, csv(&report))
+            .map_err(CliError::io(format!("writing {}", p.display())))?;
+    }
+    if let Some(p) = &plot {
+        plot::write(&report, p)?;
     }
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!("transport {}", report.transport);
-        println!(
-            "{:>10} {:>6} {:>7} {:>10} {:>12} {:>12} {:>9}",
-            "block", "batch", "threads", "GB/s", "avg lat us", "p99 lat us", "cksum/xfer"
-        );
-        for p in &report.points {
-            println!(
-                "{:>10} {:>6} {:>7} {:>10.3} {:>12.1} {:>12.1} {:>9}",
-                p.block_size,
-                p.batch,
-                p.threads,
-                p.gb_per_s,
-                p.avg_latency_us,
-                p.p99_latency_us,
-                p.checksum_overhead
-                    .map(|v| format!("{v:.3}"))
-                    .unwrap_or_else(|| "-".into())
-            );
+        print!("{}", table(&report));
+        if let Some(p) = &plot {
+            println!("plot: {}", p.display());
         }
     }
     Ok(())
 }
 
-/// Runs the sweep and returns the results.
+fn csv(report: &BenchReport) -> String {
+    let mut csv = String::from("transport,mode,device,op,block_size,batch,threads,pattern,path,gb_per_s,spread_pct,avg_latency_us,p99_latency_us,p999_latency_us,batches,checksum_overhead\n");
+    for p in &report.points {
+        csv += &format!(
+            "{},{},{},{},{},{},{},{},{},{:.4},{:.1},{:.1},{:.1},{:.1},{},{}\n",
+            report.transport,
+            report.mode,
+            report.device,
+            p.op,
+            p.block_size,
+            p.batch,
+            p.threads,
+            p.pattern,
+            p.path,
+            p.gb_per_s,
+            p.spread_pct,
+            p.avg_latency_us,
+            p.p99_latency_us,
+            p.p999_latency_us,
+            p.batches,
+            p.checksum_overhead
+                .map(|v| format!("{v:.4}"))
+                .unwrap_or_default()
+        );
+    }
+    csv
+}
+
+fn table(report: &BenchReport) -> String {
+    let mut out = format!(
+        "transport {} mode {} device {} repeats {}\n{:>5} {:>10} {:>6} {:>7} {:>8} {:>10} {:>8} {:>11} {:>11} {:>11} {:>9}\n",
+        report.transport, report.mode, report.device, report.repeats,
+        "op", "block", "batch", "threads", "path", "GB/s", "spread%", "avg lat us", "p99 lat us",
+        "p999 lat us", "cksum/xfer"
+    );
+    for p in &report.points {
+        out += &format!(
+            "{:>5} {:>10} {:>6} {:>7} {:>8} {:>10.3} {:>8.1} {:>11.1} {:>11.1} {:>11.1} {:>9}\n",
+            p.op,
+            p.block_size,
+            p.batch,
+            p.threads,
+            p.path,
+            p.gb_per_s,
+            p.spread_pct,
+            p.avg_latency_us,
+            p.p99_latency_us,
+            p.p999_latency_us,
+            p.checksum_overhead
+                .map(|v| format!("{v:.3}"))
+                .unwrap_or_else(|| "-".into())
+        );
+    }
+    out
+}
+
+fn one_size(flag: &'static str, text: &str) -> Result<u64, CliError> {
+    match parse_sizes(text).map_err(|source| CliError::Sizes { flag, source })?[..] {
+        [v] => Ok(v),
+        _ => Err(CliError::usage(format!(
+            "{flag} {text}: one size, not a list"
+        ))),
+    }
+}
+
+/// The engine configuration of either side: `listen` as `HOST:PORT` (port 0 or none: one the
+/// OS picks), the transport, NICs, GID index, GPU registration and the shared secret.
+fn engine_config(args: &BenchArgs, listen: Option<&str>) -> Result<EngineConfig, CliError> {
+    let (host, port) = match listen {
+        Some(a) => {
+            let a = a.strip_prefix("tcp://").unwrap_or(a);
+            let (h, p) = a
+                .rsplit_once(':')
+                .ok_or_else(|| CliError::usage(format!("{a}: expected HOST:PORT")))?;
+            let port: u16 = p
+                .parse()
+                .map_err(|_| CliError::usage(format!("{a}: bad port")))?;
+            (h.trim_matches(|c| c == '[' || c == ']').to_string(), port)
+        }
+        None => ("127.0.0.1".to_string(), 0),
+    };
+    if host
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_unspecified())
+    {
+        return Err(CliError::usage(format!(
+            "{host}: the engines need an address the other side can reach, not an unspecified one"
+        )));
+    }
+    let mut cfg = EngineConfig {
+        host,
+        port,
+        transport: transport_kind(args.transport),
+        rdma: RdmaConfig {
+            devices: args.nic.clone(),
+            gid_index: args.gid_index,
+            gpu_registration: gpu_registration(args.gpu_registration),
+            ..RdmaConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    cfg.auth.secret_file = args.secret_file.clone();
+    Ok(cfg)
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+/// The nearest-rank percentile `q` (0..1] of sorted `v` (not empty).
+fn percentile(v: &[f64], q: f64) -> f64 {
+    v[((v.len() as f64 * q).ceil() as usize)
+        .saturating_sub(1)
+        .min(v.len() - 1)]
+}
+
+/// Runs the sweep (loopback or initiator mode) and returns the results.
+///
+/// Errors: bad arguments, no target given in initiator mode, a target buffer too small for the
+/// largest point, engines that cannot start, a failed transfer or a request that did not land
+/// intact.
 pub fn run_report(args: &BenchArgs) -> Result<BenchReport, CliError> {
     let sizes_of = |flag: &'static str, text: &str| {
         parse_sizes(text).map_err(|source| CliError::Sizes { flag, source })
@@ -127,263 +209,192 @@ pub fn run_report(args: &BenchArgs) -> Result<BenchReport, CliError> {
         )));
     }
     let bounds = BatchBounds::new(args.min_batches, args.max_batches)?;
-    let mut cfg = EngineConfig {
-        transport: transport_kind(args.transport),
-        ..EngineConfig::default()
-    };
-    cfg.auth.secret_file = args.secret_file.clone();
-    let src_engine = TransferEngine::new(cfg.clone())
-        .map_err(CliError::transfer("starting the source engine"))?;
-    let dst_engine =
-        TransferEngine::new(cfg).map_err(CliError::transfer("starting the target engine"))?;
-    let transport = src_engine.transport_name().to_string();
-    let mut points = Vec::new();
+    let mut need = 0u64;
     for &bs in &sizes {
         for &batch in &batches {
             for &nthreads in &threads {
-                let per_thread = bs
+                let total = bs
                     .checked_mul(batch)
-                    .ok_or(CliError::usage("block size × batch overflows"))?;
-                let total = per_thread.checked_mul(nthreads).filter(|&t| t <= 8 << 30).ok_or_else(|| {
-                    CliError::usage(format!("block {bs} × batch {batch} × threads {nthreads}: more than 8 GiB of buffers"))
-                })?;
-                let mut src = MmapMut::map_anon(total as usize)
-                    .map_err(CliError::io(format!("allocating {total} bytes")))?;
-                let dst = MmapMut::map_anon(total as usize)
-                    .map_err(CliError::io(format!("allocating {total} bytes")))?;
-                for (i, b) in src.iter_mut().enumerate() {
-                    *b = (i as u8).wrapping_mul(31) ^ (i >> 12) as u8;
-                }
-                let (sa, da) = (src.as_ptr() as u64, dst.as_ptr() as u64);
-                // SAFETY: both maps outlive the registrations (unregistered below before they drop).
-                unsafe {
-                    src_engine
-                        .register_memory(sa, total, Location::Cpu)
-                        .map_err(CliError::transfer("registering the source buffer"))?;
-                    dst_engine
-                        .register_memory(da, total, Location::Cpu)
-                        .map_err(CliError::transfer("registering the target buffer"))?;
-                }
-                // Authenticated: the source writes with a token the target granted for its buffer.
-                let grant = dst_engine
-                    .grant(GrantSpec {
-                        token: Token::random().map_err(CliError::transfer("a grant token"))?,
-                        ops: GrantOps::WRITE,
-                        ranges: vec![(da, total)],
-                        ttl: Duration::from_secs(24 * 3600),
-                    })
-                    .map_err(CliError::transfer("granting the target buffer"))?;
-                let point = sweep_point(
-                    &src_engine,
-                    (&dst_engine.segment_name(), grant.token()),
-                    (&src, &dst),
-                    bs,
-                    batch,
-                    nthreads,
-                    args.seconds,
-                    bounds,
-                    args.pattern,
-                    args.checksum,
-                );
-                let _ = src_engine.unregister_memory(sa);
-                let _ = dst_engine.unregister_memory(da);
-                points.push(point?);
+                    .and_then(|v| v.checked_mul(nthreads))
+                    .filter(|&t| t <= 8 << 30)
+                    .ok_or_else(|| {
+                        CliError::usage(format!("block {bs} × batch {batch} × threads {nthreads}: more than 8 GiB of buffers"))
+                    })?;
+                need = need.max(total);
             }
         }
     }
-    Ok(BenchReport { transport, points })
-}
-
-/// How many batches each thread of a point runs: at least `min`, at most `max` (0: no
-/// bound), and no new one after the point's seconds once `min` are done.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BatchBounds {
-    min: u64,
-    max: u64,
-}
-
-impl BatchBounds {
-    /// Errors: `min` of 0, or a `max` (other than 0) below `min`.
-    pub fn new(min: u64, max: u64) -> Result<BatchBounds, CliError> {
-        if min == 0 {
-            return Err(CliError::usage("--min-batches must be at least 1"));
-        }
-        if max != 0 && max < min {
-            return Err(CliError::usage(format!(
-                "--max-batches {max} is below --min-batches {min}"
-            )));
-        }
-        Ok(BatchBounds { min, max })
-    }
-
-    /// Whether a thread that has completed `done` batches starts another; `time_up` once the
-    /// point's seconds have passed.
-    pub fn another(&self, done: u64, time_up: bool) -> bool {
-        if self.max != 0 && done >= self.max {
-            return false;
-        }
-        done < self.min || !time_up
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn sweep_point(
-    engine: &Arc<TransferEngine>,
-    (target, token): (&str, Token),
-    (src_map, dst_map): (&MmapMut, &MmapMut),
-    bs: u64,
-    batch: u64,
-    threads: u64,
-    seconds: f64,
-    bounds: BatchBounds,
-    pattern: BenchPattern,
-    checksum: bool,
-) -> Result<BenchPoint, CliError> {
-    let (src, dst) = (src_map.as_ptr() as u64, dst_map.as_ptr() as u64);
-    // The target slot of request i.
-    let slot = move |i: u64| match pattern {
-        BenchPattern::Contiguous => i,
-        BenchPattern::Scattered => batch - 1 - i,
-    };
-    let checksum_over = checksum.then_some(dst_map);
-    let seg = engine
-        .open_segment_with_token(target, token)
-        .map_err(CliError::transfer(format!("opening segment {target}")))?;
-    let stop = Arc::new(AtomicBool::new(false));
-    // Threads done with their batches, so that a point bounded by count ends when they are.
-    let finished = Arc::new(AtomicU64::new(0));
-    let latencies = Arc::new(Mutex::new(Vec::<f64>::new()));
-    let checksum_secs = Arc::new(Mutex::new(0f64));
-    let dst_bytes: Option<&[u8]> = checksum_over.map(|m| &m[..]);
-    let start = Instant::now();
-    let result: Result<(), CliError> = std::thread::scope(|s| {
-        let mut handles = Vec::new();
-        for t in 0..threads {
-            let (stop, lat, seg, cks, finished) = (
-                stop.clone(),
-                latencies.clone(),
-                seg.clone(),
-                checksum_secs.clone(),
-                finished.clone(),
-            );
-            handles.push(s.spawn(move || -> Result<(), CliError> {
-                // Counted as finished however this thread ends (an error too).
-                struct Finished(Arc<AtomicU64>);
-                impl Drop for Finished {
-                    fn drop(&mut self) {
-                        self.0.fetch_add(1, Ordering::SeqCst);
-                    }
-                }
-                let _finished = Finished(finished);
-                let mut done = 0u64;
-                let base = t * bs * batch;
-                let reqs: Vec<TransferRequest> = (0..batch)
-                    .map(|i| TransferRequest {
-                        op: Op::Write,
-                        local_addr: src + base + i * bs,
-                        remote_addr: dst + base + slot(i) * bs,
-                        len: bs,
-                    })
-                    .collect();
-                while bounds.another(done, stop.load(Ordering::Relaxed)) {
-                    done += 1;
-                    let t0 = Instant::now();
-                    let id = engine
-                        .submit(&seg, &reqs)
-                        .map_err(CliError::transfer("submitting a batch"))?;
-                    engine
-                        .wait(id, Duration::from_secs(60))
-                        .map_err(CliError::transfer("waiting for a batch"))?;
-                    lat.lock().unwrap().push(t0.elapsed().as_secs_f64());
-                    if let Some(bytes) = dst_bytes {
-                        let c0 = Instant::now();
-                        let region = &bytes[base as usize..(base + bs * batch) as usize];
-                        let words: Vec<u64> = region
-                            .chunks_exact(8)
-                            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
-                            .collect();
-                        std::hint::black_box(slice_checksum(&words, 0));
-                        *cks.lock().unwrap() += c0.elapsed().as_secs_f64();
-                    }
-                }
-                Ok(())
-            }));
-        }
-        let until = start + Duration::from_secs_f64(seconds);
-        while Instant::now() < until && finished.load(Ordering::SeqCst) < threads {
-            let left = until.saturating_duration_since(Instant::now());
-            std::thread::sleep(left.min(Duration::from_millis(10)));
-        }
-        stop.store(true, Ordering::Relaxed);
-        handles.into_iter().try_for_each(|h| {
-            h.join()
-                .map_err(|_| CliError::failed("a bench thread panicked"))?
+    let ops: Vec<Op> = args
+        .op
+        .iter()
+        .map(|o| match o {
+            BenchOp::Write => Op::Write,
+            BenchOp::Read => Op::Read,
         })
-    });
-    result?;
-    let elapsed = start.elapsed().as_secs_f64();
-    let mut lat = latencies.lock().unwrap().clone();
-    lat.sort_by(|a, b| a.total_cmp(b));
-    let n = lat.len() as u64;
-    if n == 0 {
-        return Err(CliError::failed(format!(
-            "block {bs} batch {batch}: no batch completed in {seconds} s"
+        .collect();
+    // The loopback form's target lives here; in initiator mode, in another process.
+    let (loopback, target_name) = match args.mode {
+        BenchMode::Loopback => {
+            let t = Target::start(engine_config(args, None)?, need, args, None)?;
+            let name = t.engine.segment_name();
+            (Some(t), name)
+        }
+        _ => {
+            let name = args.target.clone().ok_or_else(|| {
+                CliError::usage(
+                    "--mode initiator needs --target HOST:PORT (the segment the target printed)",
+                )
+            })?;
+            (None, name)
+        }
+    };
+    if args.checksum && args.device == DeviceArg::Cuda {
+        return Err(CliError::usage(
+            "--checksum checksums on the CPU: use it with --device cpu",
+        ));
+    }
+    let listen = match (&loopback, &args.data_host) {
+        (_, Some(h)) => Some(format!("{h}:0")),
+        (None, None) => local_addr_towards(&target_name).map(|h| format!("{h}:0")),
+        (Some(_), None) => None,
+    };
+    let engine = kvferry_transfer::TransferEngine::new(engine_config(args, listen.as_deref())?)
+        .map_err(CliError::transfer("starting the initiator engine"))?;
+    let token = match (&loopback, engine.secret()) {
+        (Some(t), _) => t.token,
+        (None, Some(s)) => Some(derived_token(s, &target_name)),
+        (None, None) => None,
+    };
+    let seg = match token {
+        Some(tok) => engine.open_segment_with_token(&target_name, tok),
+        None => engine.open_segment(&target_name),
+    }
+    .map_err(CliError::transfer(format!("opening segment {target_name}")))?;
+    let remote = seg
+        .descriptor()
+        .buffers
+        .iter()
+        .max_by_key(|b| b.region.len)
+        .map(|b| (b.region.addr, b.region.len))
+        .ok_or_else(|| CliError::failed(format!("segment {target_name} registered no buffer")))?;
+    if remote.1 < need {
+        return Err(CliError::usage(format!(
+            "the target's buffer holds {} bytes; the largest point needs {need} (block × batch × threads): start the target with a larger --buffer-size",
+            remote.1
         )));
     }
-    let xfer_secs: f64 = lat.iter().sum();
-    let p99 = lat[((lat.len() as f64 * 0.99).ceil() as usize)
-        .saturating_sub(1)
-        .min(lat.len() - 1)];
-    let cks = *checksum_secs.lock().unwrap();
-    // Every request's bytes must have landed in its slot (the source never changes).
-    for t in 0..threads {
-        let base = t * bs * batch;
-        for i in 0..batch {
-            let (s0, d0) = ((base + i * bs) as usize, (base + slot(i) * bs) as usize);
-            if src_map[s0..s0 + bs as usize] != dst_map[d0..d0 + bs as usize] {
-                return Err(CliError::failed(format!(
-                    "block {bs} batch {batch}: request {i} of thread {t} did not land intact"
-                )));
+    let local = Buffer::new(location(args), 2 * need)?;
+    local.fill_pattern(0, need)?;
+    // SAFETY: `local` outlives its registration: unregistered below before it drops.
+    unsafe { engine.register_memory(local.addr(), local.len(), local.location()) }
+        .map_err(CliError::transfer("registering the initiator buffer"))?;
+    let result = (|| -> Result<Vec<BenchPoint>, CliError> {
+        let init = Initiator {
+            engine: &engine,
+            seg: &seg,
+            local: &local,
+            remote: remote.0,
+            need,
+        };
+        let path = engine
+            .transfer_path(&seg, local.addr(), remote.0)
+            .map_err(CliError::transfer("the transfer path"))?
+            .to_string();
+        let mut points = Vec::new();
+        for &op in &ops {
+            for &bs in &sizes {
+                for &batch in &batches {
+                    for &nthreads in &threads {
+                        let shape = Shape {
+                            op,
+                            bs,
+                            batch,
+                            threads: nthreads,
+                            pattern: args.pattern,
+                        };
+                        let checksum_over = match (args.checksum, op) {
+                            (false, _) => None,
+                            (true, Op::Read) => local.host_bytes(),
+                            (true, Op::Write) => Some(
+                                loopback
+                                    .as_ref()
+                                    .and_then(|t| t.buffer.host_bytes())
+                                    .ok_or_else(|| CliError::usage("--checksum of WRITE needs the landed bytes in this process: use the loopback form or --op read"))?,
+                            ),
+                        };
+                        points.push(point(&init, &shape, args, bounds, checksum_over, &path)?);
+                    }
+                }
             }
         }
+        Ok(points)
+    })();
+    let _ = engine.unregister_memory(local.addr());
+    let points = result?;
+    Ok(BenchReport {
+        transport: engine.transport_name().to_string(),
+        mode: match args.mode {
+            BenchMode::Loopback => "loopback",
+            _ => "initiator",
+        }
+        .to_string(),
+        device: location(args).to_string(),
+        repeats: args.repeats,
+        points,
+    })
+}
+
+fn point(
+    init: &Initiator<'_>,
+    s: &Shape,
+    args: &BenchArgs,
+    bounds: BatchBounds,
+    checksum_over: Option<&[u8]>,
+    path: &str,
+) -> Result<BenchPoint, CliError> {
+    init.prepare(s)?;
+    let mut runs = Vec::new();
+    let mut lat = Vec::new();
+    let mut cks = 0.0;
+    for _ in 0..args.repeats {
+        let r = init.run(s, args.seconds, bounds, checksum_over)?;
+        runs.push(r.gb_per_s);
+        lat.extend(r.latencies);
+        cks += r.checksum_secs;
     }
+    init.check(s)?;
+    lat.sort_by(|a, b| a.total_cmp(b));
+    let xfer_secs: f64 = lat.iter().sum();
+    let med = median(&runs);
+    let (lo, hi) = runs
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(l, h), &v| (l.min(v), h.max(v)));
     Ok(BenchPoint {
-        block_size: bs,
-        batch,
-        threads,
-        pattern: match pattern {
+        op: match s.op {
+            Op::Write => "write",
+            Op::Read => "read",
+        }
+        .to_string(),
+        block_size: s.bs,
+        batch: s.batch,
+        threads: s.threads,
+        pattern: match s.pattern {
             BenchPattern::Contiguous => "contiguous",
             BenchPattern::Scattered => "scattered",
         }
         .to_string(),
-        gb_per_s: (n * bs * batch) as f64 / elapsed / 1e9,
-        avg_latency_us: xfer_secs / n as f64 * 1e6,
-        p99_latency_us: p99 * 1e6,
-        batches: n,
+        path: path.to_string(),
+        gb_per_s: med,
+        spread_pct: if med > 0.0 {
+            (hi - lo) / med * 100.0
+        } else {
+            0.0
+        },
+        gb_per_s_runs: runs,
+        avg_latency_us: xfer_secs / lat.len() as f64 * 1e6,
+        p99_latency_us: percentile(&lat, 0.99) * 1e6,
+        p999_latency_us: percentile(&lat, 0.999) * 1e6,
+        batches: lat.len() as u64,
         checksum_overhead: checksum_over.map(|_| cks / xfer_secs),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn batch_bounds_take_the_count_over_the_clock() {
-        let b = BatchBounds::new(3, 0).unwrap();
-        assert!(
-            b.another(2, true),
-            "below the minimum, time does not stop a point"
-        );
-        assert!(!b.another(3, true));
-        assert!(b.another(3, false), "no maximum: the clock decides");
-        let b = BatchBounds::new(1, 4).unwrap();
-        assert!(
-            !b.another(4, false),
-            "the maximum ends a point before its seconds"
-        );
-        assert!(b.another(3, false));
-        assert!(BatchBounds::new(0, 0).is_err());
-        assert!(BatchBounds::new(5, 2).is_err());
-    }
 }

@@ -361,9 +361,73 @@ pub enum BenchPattern {
     Scattered,
 }
 
+/// Which side of a bench this process runs (`kvferry bench --mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchMode {
+    /// Target and initiator engines in this process, over loopback (the default).
+    Loopback,
+    /// Serve one registered buffer (`--buffer-size`) on `--listen` until killed.
+    Target,
+    /// Run the sweep against the target at `--target` (this host or another).
+    Initiator,
+}
+
+/// A bench op, seen from the initiator (`kvferry bench --op`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchOp {
+    /// Local → remote.
+    Write,
+    /// Remote → local.
+    Read,
+}
+
 /// `kvferry bench`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
+    /// `loopback` (both engines in this process), `target` (serve a buffer until killed) or
+    /// `initiator` (sweep against `--target`, a target process on this host or another).
+    #[arg(long, value_enum, default_value_t = BenchMode::Loopback)]
+    pub mode: BenchMode,
+    /// Target: `HOST:PORT` its engine listens on and names as its segment (port 0: one the
+    /// OS picks). Default 127.0.0.1:0; across hosts, an address the initiator reaches.
+    #[arg(long, value_parser = bind_addr)]
+    pub listen: Option<String>,
+    /// Initiator: the target's segment, `HOST:PORT` as the target printed it.
+    #[arg(long, value_parser = host_port)]
+    pub target: Option<String>,
+    /// Initiator: the address its own engine listens on (default: this host's address
+    /// towards `--target`).
+    #[arg(long)]
+    pub data_host: Option<String>,
+    /// Target: bytes of its registered buffer (K/M/G suffixes); at least block × batch ×
+    /// threads of the largest point.
+    #[arg(long, default_value = "1G")]
+    pub buffer_size: String,
+    /// Ops to sweep, comma separated: `write` (local → remote), `read` (remote → local).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "write")]
+    pub op: Vec<BenchOp>,
+    /// Where the buffers live (both sides take it): host memory, or GPU `--gpu`, registered
+    /// as `serve` registers KV, so the path is the one `auto` picks (CUDA IPC on one host,
+    /// else dma-buf, peer memory or staging for RDMA, staging for TCP).
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+    /// The GPU of `--device cuda`.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: u32,
+    /// How RDMA registers GPU memory (with `--device cuda`).
+    #[arg(long, value_enum, default_value_t = GpuRegistrationArg::Auto)]
+    pub gpu_registration: GpuRegistrationArg,
+    /// RDMA devices (NICs) to use, comma separated (e.g. `mlx5_0,mlx5_1`); default: every
+    /// usable one. TCP uses the interface of `--listen`/`--data-host`.
+    #[arg(long, value_delimiter = ',')]
+    pub nic: Vec<String>,
+    /// RDMA GID index (default: picked, IPv4-mapped RoCEv2 first).
+    #[arg(long)]
+    pub gid_index: Option<u32>,
+    /// Runs of each point: the table gives the median throughput and the spread
+    /// ((max - min) / median), latencies over every run.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub repeats: u32,
     /// Transport of the transfer engine.
     #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
     pub transport: TransportArg,
@@ -393,8 +457,10 @@ pub struct BenchArgs {
     /// target, so no two consecutive requests continue each other).
     #[arg(long, value_enum, default_value_t = BenchPattern::Contiguous)]
     pub pattern: BenchPattern,
-    /// Authenticate both engines with this shared secret: the target grants the source's
-    /// token WRITE on its buffer and every data frame is checked (measures the check).
+    /// Authenticate both engines with this shared secret: the target grants READ and WRITE on
+    /// its buffer to a token both sides derive from the secret and the target's segment name,
+    /// and every data frame is checked (measures the check). Target and initiator take the
+    /// same file.
     #[arg(long, env = "KVFERRY_SECRET_FILE")]
     pub secret_file: Option<PathBuf>,
     /// Also checksum every landed batch (CPU backend) and report the overhead.
@@ -406,6 +472,11 @@ pub struct BenchArgs {
     /// Write the results as CSV to this file.
     #[arg(long)]
     pub csv_out: Option<PathBuf>,
+    /// Plot throughput against request size (one line per op, pattern, batch and thread
+    /// count) as SVG to this file. Default: beside `--json-out` or `--csv-out` (same name,
+    /// `.svg`), else no plot.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     /// Print one JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,

@@ -97,7 +97,16 @@ BIN=${KVFERRY_BIN:-}
 if [ -z "$BIN" ] || [ ! -x "$BIN" ]; then
     RESULTS+=("SKIP demo and bench: no kvferry binary at '${BIN}'")
 else
-    # 2. the demo over RDMA: every load verified; the corruption modes give their exact counts
+    # 2. doctor: on this node `auto` must pick RDMA for host memory over the rxe device, and
+    # the JSON names that device with a GID (seconds; the output is kept as doctor.json)
+    step doctor bash -c '
+        "$0" doctor --json >"$1/doctor.json"; rc=$?
+        cat "$1/doctor.json"; "$0" doctor || true
+        [ $rc -le 1 ] || exit 1
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); h=r[\"host_path\"]; ok=h[\"transport\"]==\"rdma\" and sys.argv[2] in json.dumps(r[\"rdma\"]); print(\"check:\", \"ok\" if ok else \"FAILED: host memory not over RDMA on \"+sys.argv[2]); sys.exit(0 if ok else 1)" "$1/doctor.json" "$2"
+    ' "$BIN" "$OUT" "$DEV"
+
+    # 3. the demo over RDMA: every load verified; the corruption modes give their exact counts
     demo() { # demo NAME PY-EXPR ARGS...
         local name=$1 expr=$2; shift 2
         step "$name" bash -c '
@@ -113,7 +122,7 @@ else
     # different TP sizes on the two sides: KV heads mapped between ranks over RDMA
     demo demo-tp2-to-tp1 "r['mismatch']==2 and r['verified']==6" --model tiny --prefill-tp 2 --decode-tp 1 --corrupt 2
 
-    # 3. benchmark: kvferry beside ib_write_bw and Mooncake on the same device, same boot;
+    # 4. benchmark: kvferry beside ib_write_bw and Mooncake on the same device, same boot;
     # rounds with the engines' order rotated, medians and spread (tests/softroce/bench.py)
     mc=()
     [ -n "${SOFTROCE_MOONCAKE_PY:-}" ] && mc=(--mooncake-python "$SOFTROCE_MOONCAKE_PY")

@@ -1,6 +1,7 @@
 //! Command-line arguments of `kvferry` (docs/design.md §6), parsed with clap.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use kvferry_transfer::{PortRange, PortRangeError};
 use std::path::PathBuf;
 
 /// Most TP or PP ranks per side the CLI starts (each rank has its own engine and threads).
@@ -56,6 +57,11 @@ fn address(text: &str, port_zero: bool) -> Result<String, ArgError> {
         return Err(bad());
     }
     Ok(text.to_string())
+}
+
+/// Parses `--engine-ports`: `LO-HI` or one port, in 1..=65535.
+pub fn port_range(text: &str) -> Result<PortRange, PortRangeError> {
+    text.parse()
 }
 
 /// Parses a duration in seconds: finite, above 0, at most a day.
@@ -208,6 +214,12 @@ pub struct CommonArgs {
     /// `--producer`.
     #[arg(long)]
     pub data_host: Option<String>,
+    /// Ports this side's transfer engines listen on, LO-HI (or one port): each engine binds the
+    /// lowest free ports of the range, one for its handshake and, over TCP, one for data (2 per
+    /// TP×PP rank), so a firewall can list them. Default: ports the OS picks (ephemeral). A
+    /// range with no free port left fails at start, naming it.
+    #[arg(long, value_parser = port_range)]
+    pub engine_ports: Option<PortRange>,
     /// Seconds a load may take before it fails (request, transfer and reply). The producer
     /// (demo, serve) gives a load's WRITEs half of it and starts none unless the consumer's
     /// `--timeout` leaves that much.

@@ -36,8 +36,8 @@ pub fn gpu_registration(a: GpuRegistrationArg) -> GpuRegistration {
 }
 
 /// The transfer engine configuration for the common options: `--data-host` (else
-/// `default_host`) as the engines' host, port picked by the OS, `--timeout` as the
-/// transfer deadline.
+/// `default_host`) as the engines' host, ports from `--engine-ports` (else picked by the OS),
+/// `--timeout` as the transfer deadline.
 ///
 /// Errors: an unspecified address (0.0.0.0, ::) as the host: peers could not reach it.
 pub fn engine_config(c: &CommonArgs, default_host: &str) -> Result<EngineConfig, CliError> {
@@ -53,6 +53,7 @@ pub fn engine_config(c: &CommonArgs, default_host: &str) -> Result<EngineConfig,
     }
     Ok(EngineConfig {
         host,
+        listen_ports: c.engine_ports,
         transport: transport_kind(c.transport),
         transfer_timeout: Duration::from_secs_f64(c.timeout),
         rdma: RdmaConfig {

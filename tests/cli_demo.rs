@@ -1010,3 +1010,155 @@ fn a_load_with_another_seed_is_told_which_option_differs() {
         "{err}"
     );
 }
+
+/// A run of `n` TCP ports on 127.0.0.1 that were free a moment ago: `"LO-HI"` and LO.
+fn free_port_range(n: u16) -> (String, u16) {
+    loop {
+        let lo = free_port("127.0.0.1");
+        let Some(hi) = lo.checked_add(n - 1) else {
+            continue;
+        };
+        if (lo..=hi).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok()) {
+            return (format!("{lo}-{hi}"), lo);
+        }
+    }
+}
+
+/// The ports of the `segment=HOST:PORT` fields in an info log.
+fn segment_ports(log: &str) -> Vec<u16> {
+    log.split("segment=")
+        .skip(1)
+        .filter_map(|s| {
+            let end = s.find(|c: char| !(c.is_ascii_alphanumeric() || ".:[]".contains(c)))?;
+            s[..end].rsplit_once(':')?.1.parse().ok()
+        })
+        .collect()
+}
+
+#[test]
+fn serve_and_load_bind_their_transfer_engines_in_the_engine_ports_range() {
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let common = [
+        "--model",
+        "tiny",
+        "--requests",
+        "2",
+        "--max-tokens",
+        "200",
+        "--transport",
+        "tcp",
+        "--log",
+        "info",
+    ];
+    let ((serve_range, s_lo), (load_range, l_lo)) = (free_port_range(8), free_port_range(8));
+    let mut server = spawn_serve(
+        &addr,
+        &[
+            &common[..],
+            &[
+                "--exit-after",
+                "2",
+                "--tp",
+                "2",
+                "--engine-ports",
+                &serve_range,
+            ],
+        ]
+        .concat(),
+    );
+    let out = run_load(
+        &addr,
+        &[&common[..], &["--engine-ports", &load_range]].concat(),
+    );
+    let status = wait_at_most(&mut server, 30).expect("serve did not exit");
+    let serve_err = stderr_of(&mut server);
+    let load_err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "load failed: {load_err}");
+    assert!(status.success(), "serve failed: {serve_err}");
+    // Two engines (TP 2) on serve's side, one on load's: each handshake port in its range.
+    let (s, l) = (segment_ports(&serve_err), segment_ports(&load_err));
+    assert!(
+        s.len() >= 2 && s.iter().all(|p| (s_lo..s_lo + 8).contains(p)),
+        "{s:?} {serve_err}"
+    );
+    assert!(
+        !l.is_empty() && l.iter().all(|p| (l_lo..l_lo + 8).contains(p)),
+        "{l:?} {load_err}"
+    );
+}
+
+#[test]
+fn a_taken_engine_port_range_fails_at_start_naming_the_range() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port();
+    let range = format!("{port}-{port}");
+    let out = kvferry()
+        .args([
+            "serve",
+            "--bind",
+            "127.0.0.1:0",
+            "--model",
+            "tiny",
+            "--requests",
+            "2",
+        ])
+        .args(["--engine-ports", &range])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("port range {range} is in use")),
+        "{err}"
+    );
+    assert!(
+        !err.contains("generating"),
+        "failed after generating KV: {err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    // A malformed range is refused while parsing, naming the option.
+    let out = kvferry()
+        .args(["demo", "--engine-ports", "20010-20000"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--engine-ports") && err.contains("LO-HI"),
+        "{err}"
+    );
+}
+
+#[test]
+fn serve_logs_why_it_refused_a_load() {
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    // A 4 s timeout: a request serve never published waits 2 s (a transfer may take half).
+    let common = ["--model", "tiny", "--max-tokens", "200", "--timeout", "4"];
+    let mut server = spawn_serve(
+        &addr,
+        &[&common[..], &["--requests", "2", "--seed", "7"]].concat(),
+    );
+    // Another seed: the same request ids, keys derived from another seed.
+    let out = run_load(
+        &addr,
+        &[&common[..], &["--requests", "2", "--seed", "8"]].concat(),
+    );
+    assert!(!out.status.success());
+    // A request serve never published (req-2).
+    let out = run_load(
+        &addr,
+        &[&common[..], &["--requests", "3", "--seed", "7"]].concat(),
+    );
+    assert!(!out.status.success());
+    let _ = server.kill();
+    let _ = server.wait();
+    let err = stderr_of(&mut server);
+    assert!(
+        err.contains("the load key it proves is not its lease's"),
+        "serve should log the wrong key: {err}"
+    );
+    assert!(
+        err.contains("\"req-2\": not published here"),
+        "serve should log the unknown request: {err}"
+    );
+}

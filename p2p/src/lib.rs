@@ -76,7 +76,7 @@ pub mod worker;
 
 pub use error::{LoadError, P2pError};
 pub use proto::msg::{DEFAULT_MAX_ZMTP_MESSAGE, MAX_MESSAGE_BYTES};
-pub use proto::producer::{ProducerTimeouts, ReleaseReason};
+pub use proto::producer::{ProducerTimeouts, Refusal, ReleaseReason};
 pub use shell::consumer::{
     Consumer, ConsumerConfig, Landed, LandedGroup, LandedHook, LoadGroup, LoadOutcome, LoadSpec,
 };

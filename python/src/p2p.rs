@@ -75,7 +75,7 @@ impl PublishInfo {
 ///
 /// Producer(ranks, *, bind="tcp://127.0.0.1:0", host="127.0.0.1", protocol="tcp",
 ///          rdma_devices="", checksums=True, lease=120.0, transfer_timeout=30.0,
-///          checksum_timeout=30.0)
+///          checksum_timeout=30.0, secret_file=None, engine_ports=None)
 ///
 /// - ranks: list of Rank, every rank of the side's TP x PP grid exactly once (any order), with
 ///   the same group ids and block sizes. Their tensors are registered with one transfer engine
@@ -88,6 +88,14 @@ impl PublishInfo {
 /// - lease: seconds published blocks are held for a consumer that has not come.
 /// - transfer_timeout: seconds one load's WRITEs may take; checksum_timeout: seconds one
 ///   rank's checksums may take at publish.
+/// - secret_file: a file holding the shared secret (16..4096 bytes), the same on both sides:
+///   the engines authenticate each other and every load writes under a per-load grant. None:
+///   open engines (any peer that reaches their ports may read and write the registered
+///   memory), trusted networks only.
+/// - engine_ports: ``"LO-HI"`` (or one port): each rank's transfer engine listens on the lowest
+///   free ports of the range, one for its handshake and, over TCP, one for data, so a firewall
+///   can list them. None: ports the OS picks (ephemeral). ValueError for a malformed range,
+///   RuntimeError naming the range when no port of it is free.
 ///
 /// One vLLM worker process per TP rank: the p2p layer sums the checksums of every rank of a
 /// side inside one Producer, so a process holding a single rank gives its Producer one Rank
@@ -136,7 +144,7 @@ fn wait_sole_owner(
 #[pymethods]
 impl Producer {
     #[new]
-    #[pyo3(signature = (ranks, *, bind="tcp://127.0.0.1:0", host="127.0.0.1", protocol="tcp", rdma_devices="", checksums=true, lease=120.0, transfer_timeout=30.0, checksum_timeout=30.0, secret_file=None))]
+    #[pyo3(signature = (ranks, *, bind="tcp://127.0.0.1:0", host="127.0.0.1", protocol="tcp", rdma_devices="", checksums=true, lease=120.0, transfer_timeout=30.0, checksum_timeout=30.0, secret_file=None, engine_ports=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -150,6 +158,7 @@ impl Producer {
         transfer_timeout: f64,
         checksum_timeout: f64,
         secret_file: Option<&str>,
+        engine_ports: Option<&str>,
     ) -> PyResult<Producer> {
         let config = ProducerConfig {
             bind: bind.to_string(),
@@ -162,7 +171,15 @@ impl Producer {
             checksums,
             ..ProducerConfig::default()
         };
-        let side = build_side(py, ranks, host, protocol, rdma_devices, secret_file)?;
+        let side = build_side(
+            py,
+            ranks,
+            host,
+            protocol,
+            rdma_devices,
+            secret_file,
+            engine_ports,
+        )?;
         let segments = side
             .workers
             .iter()
@@ -407,15 +424,20 @@ fn landed_dict<'py>(py: Python<'py>, landed: &Landed) -> PyResult<Bound<'py, PyD
 ///
 /// Consumer(ranks, *, host="127.0.0.1", protocol="tcp", rdma_devices="", checksums=True,
 ///          fail_closed=False, load_failure_policy="fail", reply_timeout=30.0, max_wait=120.0,
-///          checksum_timeout=30.0, connect_timeout=5.0)
+///          checksum_timeout=30.0, connect_timeout=5.0, secret_file=None, engine_ports=None)
 ///
 /// - ranks: list of Rank, every rank of the side's TP x PP grid exactly once (TP and PP may
 ///   differ from the producer's: KV heads are mapped between ranks). The tensors are
 ///   registered with one transfer engine per rank and must stay allocated while the consumer
 ///   lives (it keeps references). See ``Producer`` for one rank per process.
-/// - host, protocol, rdma_devices: as for ``Producer``; the producer WRITEs to ``host``.
+/// - host, protocol, rdma_devices, secret_file, engine_ports: as for ``Producer``; the producer
+///   WRITEs to ``host``.
 /// - checksums: verify loads.
-/// - fail_closed, load_failure_policy: the policy (``KVChecksumPolicy``).
+/// - fail_closed, load_failure_policy: the policy (``KVChecksumPolicy``). Fail-open by default,
+///   as in the checksum series (vLLM's ``kv_checksum_fail_closed`` is opt-in):
+///   ``load`` returns every landed load as ``"complete"`` and the caller reads
+///   ``out.verdict``; ``fail_closed=True`` fails a mismatched or unverified load instead (the
+///   vLLM connector defaults to it: a server should not decode from KV known to differ).
 /// - reply_timeout: longest silence from the producer while a load waits; max_wait: longest a
 ///   load waits in all; checksum_timeout: one rank's checksums of landed blocks;
 ///   connect_timeout: connecting to a producer. Seconds.
@@ -435,7 +457,7 @@ pub struct Consumer {
 #[pymethods]
 impl Consumer {
     #[new]
-    #[pyo3(signature = (ranks, *, host="127.0.0.1", protocol="tcp", rdma_devices="", checksums=true, fail_closed=false, load_failure_policy="fail", reply_timeout=30.0, max_wait=120.0, checksum_timeout=30.0, connect_timeout=5.0, secret_file=None))]
+    #[pyo3(signature = (ranks, *, host="127.0.0.1", protocol="tcp", rdma_devices="", checksums=true, fail_closed=false, load_failure_policy="fail", reply_timeout=30.0, max_wait=120.0, checksum_timeout=30.0, connect_timeout=5.0, secret_file=None, engine_ports=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -451,6 +473,7 @@ impl Consumer {
         checksum_timeout: f64,
         connect_timeout: f64,
         secret_file: Option<&str>,
+        engine_ports: Option<&str>,
     ) -> PyResult<Consumer> {
         let policy = Policy {
             fail_closed,
@@ -468,7 +491,15 @@ impl Consumer {
             ..ConsumerConfig::default()
         };
         let max_wait = config.max_wait + config.connect_timeout + config.checksum_timeout;
-        let side = build_side(py, ranks, host, protocol, rdma_devices, secret_file)?;
+        let side = build_side(
+            py,
+            ranks,
+            host,
+            protocol,
+            rdma_devices,
+            secret_file,
+            engine_ports,
+        )?;
         let segments = side
             .workers
             .iter()

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kvferry_kernels::{backend_for, ChecksumBackend, Device};
 use kvferry_p2p::{Worker, WorkerGroup};
-use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransportKind};
+use kvferry_transfer::{EngineConfig, Location, PortRange, TransferEngine, TransportKind};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -37,7 +37,8 @@ fn transport_of(protocol: &str) -> PyResult<TransportKind> {
 /// Builds the p2p workers of `ranks`: one transfer engine per rank on `host` with `protocol`,
 /// every tensor's memory registered with it, the rank's checksum backend (CUDA for GPU KV).
 /// `secret_file`: the shared secret's file (docs/design.md §8.1: the engines authenticate and
-/// loads use per-load grants), `None`: open engines.
+/// loads use per-load grants), `None`: open engines. `engine_ports`: `"LO-HI"`, the range the
+/// engines' listeners take their ports from (`None`: ephemeral); ValueError when malformed.
 pub(crate) fn build_side(
     py: Python<'_>,
     ranks: Vec<Py<Rank>>,
@@ -45,12 +46,18 @@ pub(crate) fn build_side(
     protocol: &str,
     rdma_devices: &str,
     secret_file: Option<&str>,
+    engine_ports: Option<&str>,
 ) -> PyResult<Side> {
     if ranks.is_empty() {
         return Err(PyValueError::new_err("no ranks given"));
     }
+    let listen_ports = engine_ports
+        .map(str::parse::<PortRange>)
+        .transpose()
+        .map_err(|e| PyValueError::new_err(format!("engine_ports: {e}")))?;
     let mut config = EngineConfig {
         host: host.to_string(),
+        listen_ports,
         transport: transport_of(protocol)?,
         ..EngineConfig::default()
     };

@@ -327,3 +327,37 @@ def test_secret_mode_loads_between_engines_sharing_the_secret_and_refuses_others
         assert out.landed and out.verdict.status == "verified", out.error
     with pytest.raises(ValueError, match="secret_file"):
         kvferry.Consumer([make_rank(0, 1, 2, None)[0]], secret_file=str(tmp_path / "missing"))
+
+
+def test_engine_ports_bind_the_engines_in_the_range_and_a_taken_range_is_an_error():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        # The range's only port is taken: the engine cannot start, and says which range.
+        with pytest.raises(RuntimeError, match=f"port range {port}-{port} is in use"):
+            kvferry.Consumer([make_rank(0, 1, 2, None)[0]], engine_ports=f"{port}-{port}")
+    # Free ports: each engine's handshake port is in the range, and loads work as before.
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            lo = s.getsockname()[1]
+        try:
+            for p in range(lo, lo + 8):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            break
+        except OSError:
+            continue
+    prank, _ = make_rank(0, 1, 6, seed=1)
+    crank, carr = make_rank(0, 1, 8, seed=None)
+    with kvferry.Producer([prank], engine_ports=f"{lo}-{lo + 7}") as producer:
+        consumer = kvferry.Consumer([crank], engine_ports=f"{lo}-{lo + 7}")
+        ports = [int(s.rsplit(":", 1)[1]) for s in [*producer.segments, *consumer.segments]]
+        assert all(lo <= p <= lo + 7 for p in ports) and len(set(ports)) == 2, ports
+        info = producer.publish("req-ports", [REMOTE], PROMPT)
+        out = consumer.load("req-ports", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key=info.load_key)
+        assert out.verdict.verified, out
+    for bad in ("", "9-1", "0-3", "1-70000", "x"):
+        with pytest.raises(ValueError, match="engine_ports"):
+            kvferry.Consumer([make_rank(0, 1, 2, None)[0]], engine_ports=bad)

@@ -13,8 +13,14 @@ pub struct EngineConfig {
     /// Host (IP or name) the handshake and data listeners bind, and the host part of this
     /// engine's segment name. Must be an address peers can reach (not `0.0.0.0`).
     pub host: String,
-    /// Handshake listener port; 0 = let the OS pick. The segment name is `host:port`.
+    /// Handshake listener port; 0 = let the OS pick (or `listen_ports`). The segment name is
+    /// `host:port`.
     pub port: u16,
+    /// Ports the handshake listener and the TCP data listener take when their own port
+    /// (`port`, `tcp.data_port`) is 0: the lowest free ports of this range, so that a firewall
+    /// can list them. `None` (the default): ports the OS picks (ephemeral). A range with no free
+    /// port left is a `Bind` error naming it.
+    pub listen_ports: Option<crate::ports::PortRange>,
     /// Transport choice (see `TransportKind`).
     pub transport: TransportKind,
     /// RDMA settings, read only by the RDMA transport.
@@ -95,6 +101,7 @@ impl Default for EngineConfig {
         EngineConfig {
             host: "127.0.0.1".into(),
             port: 0,
+            listen_ports: None,
             transport: TransportKind::Auto,
             rdma: RdmaConfig::default(),
             tcp: TcpConfig::default(),
@@ -221,7 +228,8 @@ pub struct TcpConfig {
     /// Pre-authentication deadline: an accepted connection (handshake or data) whose first
     /// valid frame has not fully arrived within this long is closed. Default 2 s.
     pub first_frame_timeout: Duration,
-    /// Port of the TCP data listener; 0 = let the OS pick (the default). A fixed port suits
+    /// Port of the TCP data listener; 0 = let the OS pick (the default) or, with
+    /// `EngineConfig::listen_ports`, the lowest free port of that range. A fixed port suits
     /// firewalls; the port is advertised in the descriptor either way.
     pub data_port: u16,
     /// Socket send/receive buffer size in bytes (SO_SNDBUF/SO_RCVBUF); 0 = OS default.

@@ -6,7 +6,6 @@
 //! - `batch`: requests cut into slices, the batch table;
 //! - `peer_cache`: peers' descriptors, their expiry and the one retry on a stale one.
 
-use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -74,15 +73,16 @@ impl TransferEngine {
             .and_then(|h| h.strip_suffix(']'))
             .unwrap_or(&host)
             .to_string();
-        let listener = TcpListener::bind((bind_host.as_str(), config.port)).map_err(|e| {
-            TransferError::Bind(IoError::new(
-                format!(
-                    "bind handshake listener on {}",
-                    segment_name(&bind_host, config.port)
-                ),
-                e,
-            ))
-        })?;
+        let listener = crate::ports::bind_listener(&bind_host, config.port, config.listen_ports)
+            .map_err(|e| {
+                TransferError::Bind(IoError::new(
+                    format!(
+                        "bind handshake listener on {}",
+                        crate::ports::listen_address(&bind_host, config.port, config.listen_ports)
+                    ),
+                    e,
+                ))
+            })?;
         let port = listener
             .local_addr()
             .map_err(|e| TransferError::io("handshake listener address", e))?

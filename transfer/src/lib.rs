@@ -39,6 +39,7 @@ pub mod memory;
 pub mod metrics;
 pub mod node;
 mod peer_cache;
+pub mod ports;
 pub mod segment;
 pub mod transport;
 pub mod types;
@@ -56,6 +57,7 @@ pub use memory::{
     DmabufRange, HostMemoryAccess, MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys,
     RegistrationPath, TransportKeys,
 };
+pub use ports::{PortRange, PortRangeError};
 pub use segment::SegmentHandle;
 pub use transport::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
 pub use types::{BatchId, BatchStatus, Location, Op, TransferPath, TransferRequest, TransportKind};

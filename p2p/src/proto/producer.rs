@@ -91,6 +91,25 @@ pub enum Effect<P, T> {
     },
 }
 
+/// A load refused for who asked or what it asked for, for the producer's log
+/// ([`ProducerMachine::take_refusals`]); the consumer gets the same cause in its ERROR reply.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// The request proved a load key that is not its lease's.
+    #[error("request {0:?}: the load key it proves is not its lease's (the consumer has another publish's key, or derived its key from another secret or seed)")]
+    KeyWrong(String),
+    /// The lease has a load key and the request proved none.
+    #[error("request {0:?}: its lease has a load key and the request proves none (the consumer was not given the key)")]
+    KeyMissing(String),
+    /// No lease of the request was published before its wait ended.
+    #[error("request {0:?}: not published here before the wait ended (an unknown request id: the consumer asks another producer's request, or both sides replay different prompts)")]
+    NotPublished(String),
+}
+
+/// Most refusals kept for [`ProducerMachine::take_refusals`]; more before the shell takes them
+/// are dropped (they are log lines, and a peer must not make the producer hold more).
+pub const MAX_PENDING_REFUSALS: usize = 64;
+
 /// Errors of [`ProducerMachine::publish`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PublishError {
@@ -139,6 +158,7 @@ pub struct ProducerMachine<P, T> {
     serve_margin: Duration,
     entries: HashMap<String, Entry<P, T>>,
     parked: Vec<Parked<P>>,
+    refusals: Vec<Refusal>,
 }
 
 const TWICE: &str = "is already being loaded (KV is never fetched twice)";
@@ -155,18 +175,26 @@ fn owns(key: &Option<String>, request: &TransferRequest, session: &Session) -> b
     }
 }
 
-fn not_owner(request: &TransferRequest) -> Reply {
+fn not_owner(request: &TransferRequest, refusals: &mut Vec<Refusal>) -> Reply {
     let id = &request.request_id;
-    let why = if request.key_proof.is_some() {
-        "wrong"
+    let (why, refusal) = if request.key_proof.is_some() {
+        ("wrong", Refusal::KeyWrong(id.clone()))
     } else {
-        "missing"
+        ("missing", Refusal::KeyMissing(id.clone()))
     };
+    note(refusals, refusal);
     Reply::error(
         id,
         request.load_id,
         format!("request {id:?}: load key {why}; only the consumer the producer's lease names may load it"),
     )
+}
+
+/// Keeps `r` for the log, within [`MAX_PENDING_REFUSALS`].
+fn note(refusals: &mut Vec<Refusal>, r: Refusal) {
+    if refusals.len() < MAX_PENDING_REFUSALS {
+        refusals.push(r);
+    }
 }
 
 impl<P: Clone, T> ProducerMachine<P, T> {
@@ -178,7 +206,15 @@ impl<P: Clone, T> ProducerMachine<P, T> {
             serve_margin,
             entries: HashMap::new(),
             parked: Vec::new(),
+            refusals: Vec::new(),
         }
+    }
+
+    /// Takes the loads refused since the last call for a wrong or missing load key or an
+    /// unknown request (at most [`MAX_PENDING_REFUSALS`]), oldest first: what the producer
+    /// should log, since only the consumer hears the reply.
+    pub fn take_refusals(&mut self) -> Vec<Refusal> {
+        std::mem::take(&mut self.refusals)
     }
 
     /// Number of leases currently held (published, not yet served or expired).
@@ -284,7 +320,7 @@ impl<P: Clone, T> ProducerMachine<P, T> {
             } else if !owns(&key, &w.request, &w.session) {
                 effects.push(Effect::Reply {
                     peer: w.peer,
-                    reply: not_owner(&w.request),
+                    reply: not_owner(&w.request, &mut self.refusals),
                 });
             } else if let Some(reply) = self.too_late(now, &w.request, w.consumer_deadline) {
                 effects.push(Effect::Reply {
@@ -318,7 +354,7 @@ impl<P: Clone, T> ProducerMachine<P, T> {
             Some(Entry::Held { data, expires, key }) => {
                 if !owns(&key, &request, session) {
                     // A stranger: the lease stays, untouched, for its owner.
-                    let reply = not_owner(&request);
+                    let reply = not_owner(&request, &mut self.refusals);
                     self.entries.insert(id, Entry::Held { data, expires, key });
                     return vec![Effect::Reply { peer, reply }];
                 }
@@ -481,6 +517,7 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         self.parked = keep;
         for p in late {
             let id = p.request.request_id;
+            note(&mut self.refusals, Refusal::NotPublished(id.clone()));
             let reply = Reply::error(
                 &id,
                 p.request.load_id,

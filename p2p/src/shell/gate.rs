@@ -59,6 +59,26 @@ macro_rules! warn_limited {
 }
 pub(crate) use warn_limited;
 
+/// One [`LogLimit`] per kind of peer-triggered warning of the producer.
+pub(crate) struct PeerWarnings {
+    pub(crate) accept: LogLimit,
+    pub(crate) bad_request: LogLimit,
+    pub(crate) not_sent: LogLimit,
+    pub(crate) load_failed: LogLimit,
+}
+
+impl PeerWarnings {
+    pub(crate) fn new() -> Self {
+        let l = || LogLimit::new(Duration::from_secs(1));
+        PeerWarnings {
+            accept: l(),
+            bad_request: l(),
+            not_sent: l(),
+            load_failed: l(),
+        }
+    }
+}
+
 struct Counts {
     total: usize,
     by_source: HashMap<IpAddr, usize>,

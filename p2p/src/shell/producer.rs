@@ -26,7 +26,7 @@ use crate::proto::serve::{plan, Published};
 use crate::proto::serve_error::ServeFailure;
 use crate::proto::session::{names_producer, Session};
 use crate::proto::spec_checks::check_tables;
-use crate::shell::gate::{self, warn_limited, ControlGate, Gate};
+use crate::shell::gate::{warn_limited, ControlGate, Gate, PeerWarnings};
 use crate::shell::producer_config::{
     workers_secret, ProducerConfig, PublishInfo, Released, MAX_LOAD_KEY_BYTES,
 };
@@ -341,26 +341,6 @@ struct PeerSession {
     last_load_id: Option<u64>,
 }
 
-/// One [`gate::LogLimit`] per kind of peer-triggered warning.
-struct PeerWarnings {
-    accept: gate::LogLimit,
-    bad_request: gate::LogLimit,
-    not_sent: gate::LogLimit,
-    load_failed: gate::LogLimit,
-}
-
-impl PeerWarnings {
-    fn new() -> Self {
-        let l = || gate::LogLimit::new(Duration::from_secs(1));
-        PeerWarnings {
-            accept: l(),
-            bad_request: l(),
-            not_sent: l(),
-            load_failed: l(),
-        }
-    }
-}
-
 #[derive(serde::Deserialize, Default)]
 struct Ids {
     #[serde(default)]
@@ -631,6 +611,10 @@ impl EventLoop {
     }
 
     async fn apply(&mut self, effects: Vec<Effect<Bytes, Published>>) {
+        // Only the consumer hears these replies: say here why a load was refused.
+        for r in self.machine.take_refusals() {
+            self.refused(&r.to_string());
+        }
         for e in effects {
             match e {
                 Effect::Reply { peer, reply } => self.send(peer, reply).await,

@@ -42,7 +42,10 @@ never connected to; absent: any address, with a warning: a client that reaches t
 API could make it load KV from a host of its choosing), ``secret_file`` (the path of a shared
 secret of 16..4096 bytes, mode 600, the same on every instance: every rank's transfer engines
 authenticate and each load writes under a per-load grant, as the CLI's ``--secret-file``;
-docs/design.md §8.1; load keys stay the random per-request keys the proxy carries), and the
+docs/design.md §8.1; load keys stay the random per-request keys the proxy carries),
+``engine_ports`` (``"LO-HI"``: the range every transfer engine of the host's workers takes its
+listening ports from, the lowest free ones, two per engine over TCP and one over RDMA, so a
+firewall can list them; default: ports the OS picks), and the
 test-only ``test_corrupt_transfer_prefix``
 (flips a landed bit of every load whose transfer id starts with it: fault injection for the
 tests; never set it in production).
@@ -99,6 +102,20 @@ def _extra(extra: dict[str, Any], key: str, kind: type, default: Any) -> Any:
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise ConfigError(f"kv_connector_extra_config[{key!r}] = {value!r}: expected {kind.__name__}")
     return value
+
+
+def port_range(value: Any) -> str:
+    """``kv_connector_extra_config["engine_ports"]``, ``"LO-HI"`` (or one port, 1..65535, LO <=
+    HI): the range every transfer engine of this instance's workers on a host takes its
+    listening ports from (the lowest free ones), returned as ``"LO-HI"``. Raises
+    :class:`~kvferry.vllm.units.ConfigError` for anything else."""
+    text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    lo, dash, hi = text.partition("-")
+    hi = hi if dash else lo
+    if not (lo.strip().isdigit() and hi.strip().isdigit() and 1 <= int(lo) <= int(hi) <= 65535):
+        raise ConfigError(f"kv_connector_extra_config['engine_ports'] = {value!r}: expected a port range "
+                          "\"LO-HI\" (e.g. \"20000-20099\"), ports 1-65535")
+    return f"{int(lo)}-{int(hi)}"
 
 
 def check_one_kv_cache_group(kv_cache_config: "KVCacheConfig | None") -> None:
@@ -159,6 +176,9 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         corrupt = extra.get("test_corrupt_transfer_prefix")
         if corrupt is not None and not isinstance(corrupt, str):
             raise ConfigError(f"kv_connector_extra_config['test_corrupt_transfer_prefix'] = {corrupt!r}: expected str")
+        engine_ports = extra.get("engine_ports")
+        if engine_ports is not None:
+            engine_ports = port_range(engine_ports)
         secret_file = extra.get("secret_file")
         if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
             raise ConfigError(f"kv_connector_extra_config['secret_file'] = {secret_file!r}: expected a file path")
@@ -219,7 +239,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                                 load_failure_policy=ktc.kv_load_failure_policy, lease_seconds=lease,
                                 load_timeout_seconds=timeout, connect_timeout_seconds=connect_timeout,
                                 test_corrupt_transfer_prefix=corrupt, head_splits=head_splits,
-                                layer_splits=layer_splits, rdma_devices=devices, secret_file=secret_file),
+                                layer_splits=layer_splits, rdma_devices=devices, secret_file=secret_file,
+                                engine_ports=engine_ports),
                 tp_rank=tp_rank, pp_rank=pp_rank, tp_size=pc.tensor_parallel_size,
                 pp_size=pc.pipeline_parallel_size, block_size=vllm_config.cache_config.block_size,
                 is_producer=ktc.is_kv_producer, is_consumer=ktc.is_kv_consumer,

@@ -70,7 +70,10 @@ class TransportConfig:
     the RDMA devices this rank's engines may use, comma-separated (``""``: any; see
     :func:`rdma_devices_for`); ``secret_file``: the shared secret's file, the same on every
     instance (16..4096 bytes): the rank's transfer engines authenticate (docs/design.md §8.1) and
-    every load writes under a per-load grant (None: open engines, trusted networks only)."""
+    every load writes under a per-load grant (None: open engines, trusted networks only);
+    ``engine_ports``: ``"LO-HI"``, the range this rank's transfer engines take their listening
+    ports from, the lowest free ones (two per engine over TCP: handshake and data; one over
+    RDMA); None: ports the OS picks (ephemeral)."""
 
     host: str
     port: int
@@ -85,6 +88,7 @@ class TransportConfig:
     layer_splits: int = 1
     rdma_devices: str = ""
     secret_file: str | None = None
+    engine_ports: str | None = None
 
 
 def rdma_devices_for(value: Any, local_rank: int) -> str:
@@ -201,7 +205,7 @@ class KvferryTransport:
                         # A consumer's load must leave the producer its whole transfer time (kvferry's p2p
                         # refuses a budget below it): half the load timeout, so equal configs pair.
                         lease=c.lease_seconds, transfer_timeout=c.load_timeout_seconds / 2,
-                        secret_file=c.secret_file)
+                        secret_file=c.secret_file, engine_ports=c.engine_ports)
                     self.producers.append(producer)
                     log.info("kvferry producer rank tp=%d pp=%d serves on %s (%s)%s", self.tp_rank, self.pp_rank,
                              producer.endpoint, producer.transport, _unit_text(unit_heads, unit_layers))
@@ -288,7 +292,7 @@ class KvferryTransport:
                 fail_closed=c.fail_closed,
                 load_failure_policy=c.load_failure_policy, reply_timeout=c.load_timeout_seconds,
                 max_wait=c.load_timeout_seconds, connect_timeout=c.connect_timeout_seconds,
-                secret_file=c.secret_file)
+                secret_file=c.secret_file, engine_ports=c.engine_ports)
             if c.test_corrupt_transfer_prefix is not None:
                 _, view, layout, _, _ = self._layers(heads, layers)[0]
                 consumer.set_landed_hook(self._corrupt_hook(c.test_corrupt_transfer_prefix, view, layout))

@@ -12,7 +12,7 @@ if importlib.util.find_spec("vllm") is None:
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
-from kvferry.vllm.connector import check_one_kv_cache_group, engine_port
+from kvferry.vllm.connector import check_one_kv_cache_group, engine_port, port_range
 from kvferry.vllm.params import unit_port
 from kvferry.vllm.units import ConfigError
 
@@ -63,3 +63,12 @@ def test_rdma_devices_one_list_for_all_workers_or_one_entry_per_local_rank():
         rdma_devices_for(["mlx5_0", "mlx5_1"], 2)
     with pytest.raises(ConfigError, match="expected a string"):
         rdma_devices_for(7, 0)
+
+
+def test_engine_ports_is_a_range_or_one_port_and_anything_else_is_refused():
+    assert port_range("20000-20099") == "20000-20099"
+    assert port_range(" 20000 - 20001 ") == "20000-20001"
+    assert port_range(20000) == "20000-20000"
+    for bad in ("", "0-5", "20-10", "1-65536", "a-b", "5-", "-5", True, [20000, 20001], None):
+        with pytest.raises(ConfigError, match="engine_ports"):
+            port_range(bad)

@@ -125,6 +125,40 @@ def test_auto_is_the_default_protocol_and_each_rank_logs_its_choice_once(pair, c
     assert p.transport in ("tcp", "rdma") and c.transport == p.transport
 
 
+def free_range(n):
+    """``n`` TCP ports on 127.0.0.1 free a moment ago: ``(first, "LO-HI")``."""
+    import socket
+
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            lo = s.getsockname()[1]
+        if lo + n - 1 > 65535:
+            continue
+        try:
+            for port in range(lo, lo + n):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return lo, f"{lo}-{lo + n - 1}"
+
+
+def test_engine_ports_bind_every_ranks_engines_in_the_range_and_loads_still_verify():
+    lo, ports = free_range(8)
+    pkv, ckv = caches(8, seed=1), caches(8, seed=None)
+    p = make("p", pkv, PORT + 95, engine_ports=ports)
+    c = make("c", ckv, PORT + 95, engine_ports=ports)
+    try:
+        segments = [s for e in (*p.producers, *c.consumers.values()) for s in e.segments]
+        assert len(segments) == 2 and all(lo <= int(s.rsplit(":", 1)[1]) < lo + 8 for s in segments), segments
+        r = send_and_load(p, c, "t-ports", PORT + 95)
+        assert r.ok and r.verdict == "verified", r
+    finally:
+        p.shutdown()
+        c.shutdown()
+
+
 def test_a_flipped_landed_bit_is_a_mismatch_and_not_ok(pair):
     p, c, _, ckv = pair(PORT + 10, test_corrupt_transfer_prefix="bad-")
     r = send_and_load(p, c, "bad-0", PORT + 10)

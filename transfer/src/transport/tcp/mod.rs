@@ -30,7 +30,7 @@ mod socket;
 mod target;
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -79,9 +79,12 @@ impl TcpTransport {
             )));
         }
         let host = ctx.config.host.clone();
-        let listener = TcpListener::bind((strip_brackets(&host), tcp.data_port)).map_err(|e| {
-            TransferError::Bind(IoError::new(format!("bind TCP data listener on {host}"), e))
-        })?;
+        let range = ctx.config.listen_ports;
+        let listener = crate::ports::bind_listener(strip_brackets(&host), tcp.data_port, range)
+            .map_err(|e| {
+                let at = crate::ports::listen_address(&host, tcp.data_port, range);
+                TransferError::Bind(IoError::new(format!("bind TCP data listener on {at}"), e))
+            })?;
         let server = Arc::new(ServerShared {
             ctx: ctx.clone(),
             stop: AtomicBool::new(false),

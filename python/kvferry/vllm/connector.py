@@ -52,8 +52,13 @@ tests; never set it in production).
 
 vLLM constructs it once in the scheduler process (role SCHEDULER: :mod:`kvferry.vllm.scheduler`)
 and once in every worker process, i.e. per TP/PP rank (role WORKER: :mod:`kvferry.vllm.worker`).
-One KV cache group only: a hybrid model needs ``--disable-hybrid-kv-cache-manager`` (refused
-otherwise). Signatures are vLLM 0.32's (`vllm/distributed/kv_transfer/kv_connector/v1/base.py`).
+Hybrid models run with vLLM's hybrid KV cache manager on: every KV cache group (full attention,
+sliding window, MLA) moves with its own block table and verifies on its own; a group the
+connector cannot move (Mamba-type state, chunked local, cross or encoder-only attention) is
+refused at start-up with the reason (:func:`kvferry.vllm.groups.kv_cache_groups`). Instances of
+different ``--block-size`` pair where the seed's chunk sums verify them (the producer names its
+block sizes in ``kv_transfer_params``; a consumer that could not verify refuses before any byte
+moves, :func:`kvferry.vllm.groups.block_size_refusal`). Signatures are vLLM 0.32's (`vllm/distributed/kv_transfer/kv_connector/v1/base.py`).
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvferry.vllm import params as P
+from kvferry.vllm.groups import kv_cache_groups
 from kvferry.vllm.layouts import layer_specs
 from kvferry.vllm.metadata import KvferryConnectorMetadata
 from kvferry.vllm.scheduler import KvferrySchedulerSide, SchedulerConfig
@@ -79,6 +85,7 @@ from kvferry.vllm.worker import KvferryWorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -118,18 +125,6 @@ def port_range(value: Any) -> str:
     return f"{int(lo)}-{int(hi)}"
 
 
-def check_one_kv_cache_group(kv_cache_config: "KVCacheConfig | None") -> None:
-    """Raises :class:`~kvferry.vllm.units.ConfigError` for a ``kv_cache_config`` with more than
-    one KV cache group (a hybrid model under vLLM's hybrid KV cache manager): kvferry describes
-    every layer as one group (transport.py), and vLLM's scheduler cannot map a failed load's
-    block ids back to requests with several groups (``_handle_invalid_blocks`` raises and stops
-    the engine). None (not given to this role): nothing to check."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if len(groups) > 1:
-        raise ConfigError(f"kvferry's connector supports one KV cache group; this model has {len(groups)} "
-                          "(a hybrid model): start vLLM with --disable-hybrid-kv-cache-manager")
-
-
 def engine_port(base: int, dp_rank: int, tp_size: int, pp_size: int, head_splits: int, layer_splits: int) -> int:
     """The side-channel base port of data-parallel engine ``dp_rank``: ``base + dp_rank *
     tp_size * pp_size * layer_splits * head_splits`` (each engine's producer units take that
@@ -150,7 +145,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
-        check_one_kv_cache_group(kv_cache_config)
+        # Refuses, with the reason, a group kvferry's connector cannot move (before any engine starts).
+        groups = kv_cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
         ktc = vllm_config.kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
         port = _extra(extra, "port", int, DEFAULT_PORT)
@@ -225,6 +221,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                     layer_splits=layer_splits,
                     stage_layers=stage_layers,
                     allowed_producers=allowed,
+                    group_block_sizes=tuple(g.block_size for g in groups),
+                    group_windows=tuple(g.sliding_window for g in groups),
                 )
             )
         else:
@@ -250,11 +248,11 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 # physical axis order of every layer's [B, H, N, C] view (notes §10).
                 kv_cache_layout=getattr(kv_cache_config, "kv_cache_layout", None)
                 or getattr(vllm_config.cache_config, "kv_cache_layout", None),
-                stage_layers=stage_layers[pp_rank])
+                stage_layers=stage_layers[pp_rank], kv_cache_groups=groups)
             # The load's deadline covers connecting and checksumming on top of the transfer.
             self._worker = KvferryWorkerSide(
                 tp_rank=tp_rank, pp_rank=pp_rank, load_timeout_seconds=timeout + connect_timeout + 30.0,
-                transport=transport,
+                transport=transport, report_blocks=len(groups) == 1,
             )
 
     # ---- scheduler side ----
@@ -331,8 +329,18 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         return self._worker.get_finished()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> "KVConnectorTransferResults":
+        """Worker: finished sends, finished loads and failed loads (a failed load is finished
+        too); vLLM's kv_load_failure_policy decides what a failed load's request does."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        assert self._worker is not None
+        sending, recving, failed = self._worker.transfer_results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Worker: blocks of loads that failed since the last call; vLLM's kv_load_failure_policy decides."""
+        """Worker: blocks of loads that failed since the last call (one KV cache group only, see
+        worker.py); vLLM's kv_load_failure_policy decides."""
         assert self._worker is not None
         return self._worker.get_block_ids_with_load_errors()
 

@@ -18,13 +18,14 @@ from kvferry.vllm.params import RemoteSource
 @dataclass(frozen=True)
 class LoadSpec:
     """A consumer rank's load: land ``num_tokens`` prompt tokens of ``source``'s request into
-    ``block_ids`` (one list per KV cache group, this engine's block ids for the request
-    positions from ``num_local_computed // block_size`` on; the first ``num_local_computed``
-    tokens are a local prefix-cache hit and are not loaded)."""
+    ``block_ids`` (one table per KV cache group: this engine's block id at each request
+    position from 0, None where nothing is written: a local prefix-cache hit of the first
+    ``num_local_computed`` tokens, a null block outside a sliding window; a shorter table is
+    padded with None)."""
 
     request_id: str
     source: RemoteSource
-    block_ids: tuple[tuple[int, ...], ...]
+    block_ids: tuple[tuple[int | None, ...], ...]
     num_tokens: int
     num_local_computed: int = 0
 
@@ -34,11 +35,12 @@ class SendSpec:
     """A producer rank's send: the finished request's KV blocks (per group) are held for the
     consumer of ``transfer_id`` until served or until ``lease_seconds`` after the worker sees
     this spec (then freed: reported in ``finished_sending``). Only a load carrying
-    ``load_key`` is served."""
+    ``load_key`` is served. ``block_ids``: per group, the block id at each request position
+    (None: a null block, outside a sliding window)."""
 
     request_id: str
     transfer_id: str
-    block_ids: tuple[tuple[int, ...], ...]
+    block_ids: tuple[tuple[int | None, ...], ...]
     num_tokens: int
     lease_seconds: float
     load_key: str

@@ -9,15 +9,18 @@ The keys follow vLLM's P2P connectors (NIXL, Mooncake in vLLM 0.32/0.33,
   :func:`producer_reply`): ``{"do_remote_prefill": True, "do_remote_decode": False,
   "transfer_id", "remote_engine_id", "remote_host", "remote_port", "remote_tp_size",
   "remote_pp_size", "remote_head_splits", "remote_layer_splits", "remote_stage_layers",
-  "remote_block_ids", "load_key"}``: ``remote_head_splits`` and ``remote_layer_splits`` say
-  through how many units (kvferry Producers) each producer rank serves its KV heads and its
+  "remote_block_ids", "remote_block_sizes", "load_key"}``: ``remote_head_splits`` and
+  ``remote_layer_splits`` say through how many units (kvferry Producers) each producer rank serves its KV heads and its
   layers (absent = 1; a rank has ``head_splits * layer_splits`` units;
   docs/vllm-connector-notes.md §8); ``remote_stage_layers`` is each producer PP stage's layer
   numbers ``[start, end)`` as ``[[start, end], ...]`` (vLLM's ``get_pp_indices``, so an
   overridden ``VLLM_PP_LAYER_PARTITION`` travels too; absent: the consumer pairs only equal PP
   sizes without layer splits); ``remote_block_ids`` is the producer's
   block table per KV cache group (block id per request position, as NIXL's and Mooncake's
-  ``remote_block_ids``); ``load_key`` the lease's key: the producer serves only a load that
+  ``remote_block_ids``; null where the group holds no block: outside a sliding window);
+  ``remote_block_sizes`` the producer's block size (tokens) of each group, so a consumer of
+  other block sizes fills its blocks token by token or refuses before any byte moves (absent:
+  a producer of the consumer's block sizes); ``load_key`` the lease's key: the producer serves only a load that
   carries it (kvferry's p2p request ownership, docs/design.md §8.1).
 - proxy -> consumer: that reply, unchanged.
 
@@ -42,6 +45,7 @@ REMOTE_HEAD_SPLITS = "remote_head_splits"
 REMOTE_LAYER_SPLITS = "remote_layer_splits"
 REMOTE_STAGE_LAYERS = "remote_stage_layers"
 REMOTE_BLOCK_IDS = "remote_block_ids"
+REMOTE_BLOCK_SIZES = "remote_block_sizes"
 LOAD_KEY = "load_key"
 
 # Layer numbers in ``remote_stage_layers`` lie in ``[0, MAX_LAYERS]`` (a stage's end at most
@@ -61,6 +65,9 @@ MAX_HOST_BYTES = 255
 MAX_GROUPS = 64
 MAX_BLOCK_IDS = 1 << 20
 MAX_BLOCK_ID = 1 << 32
+# A block of more tokens than this is no vLLM block size (vLLM's largest, hybrid Mamba pages,
+# stay far below).
+MAX_BLOCK_SIZE = 1 << 20
 
 
 class ParamsError(ValueError):
@@ -75,8 +82,10 @@ class RemoteSource:
     the producer's TP/PP sizes, its ``head_splits`` and ``layer_splits`` (head unit ``j`` of
     layer unit ``k`` of rank ``(tp, pp)`` listens on ``port + ((pp * tp_size + tp) *
     layer_splits + k) * head_splits + j``), its block table per KV cache group, the lease's load
-    key and ``stage_layers``, each producer PP stage's layer numbers ``[start, end)`` (None: not
-    sent)."""
+    key, ``stage_layers``, each producer PP stage's layer numbers ``[start, end)`` (None: not
+    sent), and ``block_sizes``, the producer's block size in tokens per group (None: not sent,
+    the consumer's own). A table holds None where the producer's group has no block (outside a
+    sliding window)."""
 
     transfer_id: str
     engine_id: str
@@ -89,6 +98,7 @@ class RemoteSource:
     head_splits: int = 1
     layer_splits: int = 1
     stage_layers: tuple[tuple[int, int], ...] | None = None
+    block_sizes: tuple[int, ...] | None = None
 
     def unit_port(self, tp_rank: int, pp_rank: int, unit: int = 0, layer_unit: int = 0) -> int:
         """Side-channel port of head unit ``unit`` (``0 <= unit < head_splits``) of layer unit
@@ -130,9 +140,10 @@ def _text(params: Mapping[str, Any], key: str, limit: int) -> str:
     return value
 
 
-def _block_tables(value: Any) -> tuple[tuple[int, ...], ...]:
+def _block_tables(value: Any) -> tuple[tuple[int | None, ...], ...]:
     """``remote_block_ids`` checked: 1..MAX_GROUPS lists, MAX_BLOCK_IDS ids in all, each an int
-    in ``[0, MAX_BLOCK_ID)``; sizes are checked before any element is looked at."""
+    in ``[0, MAX_BLOCK_ID)`` or None (a null block); sizes are checked before any element is
+    looked at."""
     key = REMOTE_BLOCK_IDS
     if not isinstance(value, list) or not value or len(value) > MAX_GROUPS:
         raise ParamsError(f"kv_transfer_params[{key!r}] must be a list of 1..{MAX_GROUPS} block tables")
@@ -143,6 +154,8 @@ def _block_tables(value: Any) -> tuple[tuple[int, ...], ...]:
         raise ParamsError(f"kv_transfer_params[{key!r}] holds {total} block ids, more than {MAX_BLOCK_IDS}")
     for g in value:
         for b in g:
+            if b is None:
+                continue
             if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < MAX_BLOCK_ID:
                 shown = repr(b) if len(repr(b)) <= 40 else repr(b)[:40] + "..."
                 raise ParamsError(f"kv_transfer_params[{key!r}]: block id {shown} is not an int in "
@@ -191,6 +204,7 @@ def remote_source(params: Mapping[str, Any], allowed: "ProducerAllowlist | None"
     if allowed is not None:
         allowed.check(host, port)
     tables = _block_tables(_get(params, REMOTE_BLOCK_IDS, list))
+    block_sizes = _block_sizes(params[REMOTE_BLOCK_SIZES], len(tables)) if REMOTE_BLOCK_SIZES in params else None
     load_key = _text(params, LOAD_KEY, MAX_LOAD_KEY_BYTES)
     engine_id = _get(params, REMOTE_ENGINE_ID, str)
     if len(engine_id) > MAX_ID_BYTES:
@@ -207,7 +221,18 @@ def remote_source(params: Mapping[str, Any], allowed: "ProducerAllowlist | None"
         head_splits=hs,
         layer_splits=ls,
         stage_layers=stage_layers,
+        block_sizes=block_sizes,
     )
+
+
+def _block_sizes(value: Any, groups: int) -> tuple[int, ...]:
+    """``remote_block_sizes`` checked: one int in ``[1, MAX_BLOCK_SIZE]`` per block table."""
+    key = REMOTE_BLOCK_SIZES
+    if not isinstance(value, list) or len(value) != groups or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= MAX_BLOCK_SIZE for b in value):
+        raise ParamsError(f"kv_transfer_params[{key!r}] must be a list of {groups} block sizes in "
+                          f"[1, {MAX_BLOCK_SIZE}] (one per table of remote_block_ids)")
+    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -286,13 +311,14 @@ def _stage_layers(value: Any, pp_size: int, layer_splits: int) -> tuple[tuple[in
 
 def producer_reply(
     transfer_id: str, engine_id: str, host: str, port: int, tp_size: int, pp_size: int,
-    block_ids: Sequence[Sequence[int]], load_key: str, head_splits: int = 1, layer_splits: int = 1,
-    stage_layers: Sequence[tuple[int, int]] | None = None,
+    block_ids: Sequence[Sequence[int | None]], load_key: str, head_splits: int = 1, layer_splits: int = 1,
+    stage_layers: Sequence[tuple[int, int]] | None = None, block_sizes: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """The params a finished producer request returns, for the proxy to hand to the consumer
     (``remote_head_splits`` and ``remote_layer_splits`` only when above 1;
     ``remote_stage_layers`` only when ``stage_layers`` is given: each PP stage's layer numbers
-    ``[start, end)``)."""
+    ``[start, end)``; ``remote_block_sizes`` only when ``block_sizes`` is given, one per
+    table of ``block_ids``)."""
     reply = {
         DO_REMOTE_PREFILL: True,
         DO_REMOTE_DECODE: False,
@@ -311,4 +337,6 @@ def producer_reply(
         reply[REMOTE_LAYER_SPLITS] = layer_splits
     if stage_layers is not None:
         reply[REMOTE_STAGE_LAYERS] = [[a, b] for a, b in stage_layers]
+    if block_sizes is not None:
+        reply[REMOTE_BLOCK_SIZES] = [int(b) for b in block_sizes]
     return reply

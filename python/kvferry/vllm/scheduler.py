@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvferry.vllm import params as P
+from kvferry.vllm.groups import block_size_refusal, consumer_table, producer_table
 from kvferry.vllm.metadata import KvferryConnectorMetadata, LoadSpec, SendSpec
 
 # Under vLLM's logger, so vLLM's logging configuration (format, level) applies.
@@ -32,7 +33,11 @@ class SchedulerConfig:
     ``lease_seconds``: how long a producer holds a finished request's blocks for its consumer.
     ``head_splits`` / ``layer_splits``: head and layer units per producer rank, and
     ``stage_layers``: each PP stage's layer numbers ``[start, end)`` (vLLM's ``get_pp_indices``;
-    None: not sent), all named in the reply (docs/vllm-connector-notes.md §8)."""
+    None: not sent), all named in the reply (docs/vllm-connector-notes.md §8).
+    ``group_block_sizes``: the block size in tokens of each KV cache group the connector moves,
+    in vLLM's group order (``kv_cache_groups``; empty: one group of ``block_size``), named in
+    the reply as ``remote_block_sizes`` and compared with a producer's before a load;
+    ``group_windows``: each group's sliding window (None: full attention)."""
 
     engine_id: str
     is_producer: bool
@@ -48,6 +53,14 @@ class SchedulerConfig:
     stage_layers: tuple[tuple[int, int], ...] | None = None
     # The producers a consumer loads from (``allowed_producers``); None: any address.
     allowed_producers: P.ProducerAllowlist | None = None
+    group_block_sizes: tuple[int, ...] = ()
+    # Each group's sliding window in tokens (None: full attention), in the same order.
+    group_windows: tuple[int | None, ...] = ()
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        """Each group's block size (``group_block_sizes``, else one group of ``block_size``)."""
+        return self.group_block_sizes or (self.block_size,)
 
 
 class KvferrySchedulerSide:
@@ -67,8 +80,9 @@ class KvferrySchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Consumer: every prompt token past the local prefix hit loads asynchronously from the
-        producer; ``(0, False)`` for any other request (or malformed params: logged, computed
-        locally)."""
+        producer; ``(0, False)`` for any other request (or malformed params, or a producer whose
+        block sizes this instance cannot verify against, :func:`~kvferry.vllm.groups.block_size_refusal`: logged,
+        computed locally, before any byte moves)."""
         kvp = request.kv_transfer_params
         if not P.wants_remote_prefill(kvp):
             return 0, False
@@ -77,9 +91,18 @@ class KvferrySchedulerSide:
                         request.request_id)
             return 0, False
         try:
-            P.remote_source(kvp, self.config.allowed_producers)
+            source = P.remote_source(kvp, self.config.allowed_producers)
         except P.ParamsError as e:
             log.warning("request %s: %s; computing its prompt locally", request.request_id, e)
+            return 0, False
+        local = self.config.block_sizes
+        remote = source.block_sizes or tuple(local[g] if g < len(local) else local[0]
+                                             for g in range(len(source.remote_block_ids)))
+        refusal = block_size_refusal(remote, local, self.config.group_windows,
+                                     len(request.prompt_token_ids or ()), num_computed_tokens)
+        if refusal is not None:
+            log.warning("request %s: not loaded from producer %s (transfer %s): %s; computing its prompt locally",
+                        request.request_id, source.engine_id, source.transfer_id, refusal)
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         if count <= 0:
@@ -88,8 +111,10 @@ class KvferrySchedulerSide:
         return count, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Consumer: queue the load into the blocks just allocated (the unhashed ones: a local
-        prefix hit is not reloaded). Only one load per request: ``do_remote_prefill`` is cleared."""
+        """Consumer: queue the load into the blocks just allocated, one table per KV cache group
+        (``blocks.blocks``: vLLM's blocks of each group by request position; a local prefix hit
+        is not reloaded, a null block outside a sliding window not written). Only one load per
+        request: ``do_remote_prefill`` is cleared."""
         kvp = request.kv_transfer_params
         if not P.wants_remote_prefill(kvp) or not self.config.is_consumer:
             return
@@ -102,10 +127,13 @@ class KvferrySchedulerSide:
         except P.ParamsError as e:  # checked in get_num_new_matched_tokens; params may change
             log.warning("request %s: %s; not loading", request.request_id, e)
             return
-        block_ids = tuple(tuple(int(b) for b in g) for g in blocks.get_unhashed_block_ids_all_groups())
+        num_tokens = local + num_external_tokens
+        # Each group's table by request position (null and prefix-hit blocks None).
+        block_ids = tuple(consumer_table(list(g), num_tokens, bs)
+                          for g, bs in zip(blocks.blocks, self.config.block_sizes))
         self._new_loads.append(
             LoadSpec(request_id=request.request_id, source=source, block_ids=block_ids,
-                     num_tokens=local + num_external_tokens, num_local_computed=local)
+                     num_tokens=num_tokens, num_local_computed=local)
         )
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
@@ -130,12 +158,17 @@ class KvferrySchedulerSide:
             log.warning("request %s: transfer id %r is already held for another request; its KV is not kept "
                         "for a consumer", request.request_id, transfer_id)
             return False, None
-        groups = tuple(tuple(int(b) for b in g) for g in block_ids)
-        if not any(groups):
-            return False, None
         num_tokens = len(request.prompt_token_ids or ())
-        # The prompt's blocks only: the sampled token's block (if any) is not sent.
-        groups = tuple(g[: -(-num_tokens // self.config.block_size)] for g in groups)
+        sizes = self.config.block_sizes
+        if len(block_ids) != len(sizes):
+            log.warning("request %s: %d block tables for %d KV cache groups; its KV is not kept for a consumer",
+                        request.request_id, len(block_ids), len(sizes))
+            return False, None
+        # The prompt's blocks only (the sampled token's block, if any, is not sent); vLLM's null
+        # block (outside a sliding window) as None.
+        groups = tuple(producer_table(list(g), num_tokens, bs) for g, bs in zip(block_ids, sizes))
+        if not any(b is not None for g in groups for b in g):
+            return False, None
         # The lease's load key: whoever holds these params may load the KV, nobody else.
         load_key = secrets.token_urlsafe(24)
         self._new_sends.append(
@@ -147,7 +180,7 @@ class KvferrySchedulerSide:
         c = self.config
         return True, P.producer_reply(transfer_id, c.engine_id, c.host, c.port, c.tp_size, c.pp_size,
                                       groups, load_key, head_splits=c.head_splits, layer_splits=c.layer_splits,
-                                      stage_layers=c.stage_layers)
+                                      stage_layers=c.stage_layers, block_sizes=c.block_sizes)
 
     def build_connector_meta(self) -> KvferryConnectorMetadata:
         """This step's new loads and sends; the queues start empty again."""

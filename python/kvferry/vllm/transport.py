@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import kvferry
 
+from kvferry.vllm.groups import GroupInfo, blocks_for
 from kvferry.vllm.layouts import LayoutError, layer_layout, layer_view
 from kvferry.vllm.metadata import LoadSpec, SendSpec
 from kvferry.vllm.params import unit_port
@@ -128,9 +129,13 @@ class KvferryTransport:
     tensor's shape where unambiguous) and vLLM's resolved ``kv_cache_layout`` name (physical
     axis order; None where unknown). ``stage_layers``: the layer numbers ``[start, end)`` of
     this rank's PP stage (vLLM's ``get_pp_indices``; None: from its layers' numbers, lowest to
-    highest). Errors: :class:`LayoutError` for an unknown tensor layout;
+    highest). ``kv_cache_groups``: vLLM's KV cache groups the connector moves
+    (:func:`kvferry.vllm.groups.kv_cache_groups`; None: one full-attention group of every layer
+    at ``block_size``); each becomes a kvferry group of the same id, with its block size and
+    sliding window. Errors: :class:`LayoutError` for an unknown tensor layout;
     :class:`~kvferry.vllm.units.ConfigError` for a ``head_splits`` that does not fit the rank's
-    KV heads or a ``layer_splits`` that does not fit its stage's layers; kvferry's
+    KV heads, a ``layer_splits`` that does not fit its stage's layers, or a layer in no KV
+    cache group; kvferry's
     ValueError/RuntimeError when an engine cannot start."""
 
     # Seconds past a load's deadline to wait for its unit loads to return (each has the
@@ -140,13 +145,16 @@ class KvferryTransport:
     def __init__(self, config: TransportConfig, *, tp_rank: int, pp_rank: int, tp_size: int, pp_size: int,
                  block_size: int, is_producer: bool, is_consumer: bool,
                  kv_cache_specs: dict[str, Any] | None = None, kv_cache_layout: str | None = None,
-                 stage_layers: tuple[int, int] | None = None):
+                 stage_layers: tuple[int, int] | None = None, kv_cache_groups: list[GroupInfo] | None = None):
         self.config = config
         self.tp_rank, self.pp_rank = tp_rank, pp_rank
         self.tp_size, self.pp_size = tp_size, pp_size
         self.block_size = block_size
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.stage_layers = stage_layers
+        self.groups = list(kv_cache_groups or [GroupInfo(0, (), block_size)])
+        # layer name -> its group (a group without names takes every layer: one group)
+        self._group_of = {name: g for g in self.groups for name in g.layer_names}
         # Producer units, head unit j of layer unit k at index k * head_splits + j.
         self.producers: list[Any] = []
         # Consumers by (layers, heads): the layer numbers and global KV heads [start, end) they
@@ -183,7 +191,12 @@ class KvferryTransport:
         whole-rank Consumer."""
         heads = []
         for name, t in kv_caches.items():
-            lay = layer_layout(t, self.block_size, self.kv_cache_specs.get(name), self.kv_cache_layout)
+            group = self._group_of.get(name)
+            if group is None:
+                if len(self.groups) > 1 or self.groups[0].layer_names:
+                    raise ConfigError(f"KV cache layer {name!r} is in none of vLLM's KV cache groups")
+                group = self._group_of[name] = self.groups[0]
+            lay = layer_layout(t, group.block_size, self.kv_cache_specs.get(name), self.kv_cache_layout)
             view, layout = lay.view, lay.layout
             self._views[name] = (view, layout, str(t.dtype))
             self._kinds[name] = lay.kind
@@ -274,10 +287,18 @@ class KvferryTransport:
 
     def _rank(self, heads: tuple[int, int] | None, layers: tuple[int, int] | None = None) -> Any:
         """A ``kvferry.Rank`` over this rank's layers in ``layers`` narrowed to ``heads`` (see
-        :meth:`_layers`)."""
-        out = [kvferry.KVCacheLayer(name, view, layout, head_offset=offset, kind=self._kinds[name], dtype=dtype)
-               for name, view, layout, offset, dtype in self._layers(heads, layers)]
-        return kvferry.Rank([kvferry.KVCacheGroup(0, out)])
+        :meth:`_layers`): one kvferry group per KV cache group holding some of them, with the
+        group's id and sliding window."""
+        by_group: dict[int, list] = {}
+        for name, view, layout, offset, dtype in self._layers(heads, layers):
+            by_group.setdefault(self._group_of[name].group_id, []).append(
+                kvferry.KVCacheLayer(name, view, layout, head_offset=offset, kind=self._kinds[name], dtype=dtype))
+        return kvferry.Rank([kvferry.KVCacheGroup(g.group_id, by_group[g.group_id], sliding_window=g.sliding_window)
+                             for g in self.groups if g.group_id in by_group])
+
+    def _group_ids(self, heads: tuple[int, int] | None, layers: tuple[int, int] | None) -> set[int]:
+        """The KV cache groups holding some of the layers of :meth:`_rank` ``(heads, layers)``."""
+        return {self._group_of[name].group_id for name, *_ in self._layers(heads, layers)}
 
     def _consumer(self, heads: tuple[int, int] | None, layers: tuple[int, int] | None = None) -> Any:
         """The Consumer over the layers ``layers`` and global KV heads ``heads`` (None, None:
@@ -294,33 +315,41 @@ class KvferryTransport:
                 max_wait=c.load_timeout_seconds, connect_timeout=c.connect_timeout_seconds,
                 secret_file=c.secret_file, engine_ports=c.engine_ports)
             if c.test_corrupt_transfer_prefix is not None:
-                _, view, layout, _, _ = self._layers(heads, layers)[0]
-                consumer.set_landed_hook(self._corrupt_hook(c.test_corrupt_transfer_prefix, view, layout))
+                # The first layer of each group: a landed block is flipped in its own group's layer.
+                first: dict[int, tuple[Any, str]] = {}
+                for name, view, layout, _, _ in self._layers(heads, layers):
+                    first.setdefault(self._group_of[name].group_id, (view, layout))
+                consumer.set_landed_hook(self._corrupt_hook(c.test_corrupt_transfer_prefix, first))
                 log.warning("kvferry TEST HOOK on: loads of transfers %r* get a landed bit flipped%s",
                             c.test_corrupt_transfer_prefix, _unit_text(heads, layers))
             self.consumers[(layers, heads)] = consumer
             return consumer
 
     @staticmethod
-    def _corrupt_hook(prefix: str, view: Any, layout: str) -> Callable[[dict], None]:
+    def _corrupt_hook(prefix: str, first: dict[int, tuple[Any, str]]) -> Callable[[dict], None]:
+        """Flips a bit of the last landed block of every group with landed blocks, in that
+        group's first layer (``first``: group id -> (view, layout)): the last block is checksummed
+        in every group (a sliding window's clip keeps it), so each group's flip is caught."""
         import torch
 
-        word = view.view(torch.int32) if view.element_size() == 4 else view.view(torch.int16)
+        words = {g: (view.view(torch.int32) if view.element_size() == 4 else view.view(torch.int16), layout)
+                 for g, (view, layout) in first.items()}
 
         def hook(landed: dict) -> None:
             if not landed["request_id"].startswith(prefix):
                 return
             for g in landed["groups"]:
-                if g["local_blocks"]:
-                    b = g["local_blocks"][0]
-                    # Element 0 of every axis but B (K, the view's first head, token 0) of the
-                    # first landed block of the first layer.
-                    word[tuple(b if axis == "B" else 0 for axis in layout.split())] ^= 0x100
-                    if word.is_cuda:
-                        torch.cuda.synchronize(word.device)
-                    log.warning("kvferry TEST HOOK: flipped a bit of landed block %d of transfer %s",
-                                b, landed["request_id"])
-                    return
+                if not g["local_blocks"] or g["group_id"] not in words:
+                    continue
+                b = g["local_blocks"][-1]
+                word, layout = words[g["group_id"]]
+                # Element 0 of every axis but B (K, the view's first head, the block's first
+                # token) of the last landed block of the group's first layer.
+                word[tuple(b if axis == "B" else 0 for axis in layout.split())] ^= 0x100
+                if word.is_cuda:
+                    torch.cuda.synchronize(word.device)
+                log.warning("kvferry TEST HOOK: flipped a bit of landed block %d of transfer %s (group %d)",
+                            b, landed["request_id"], g["group_id"])
 
         return hook
 
@@ -400,24 +429,28 @@ class KvferryTransport:
                                    producer_layer_splits=src.layer_splits)
         except PairingError as e:
             return LoadResult(ok=False, verdict="unverified", reason=str(e))
-        bs = self.block_size
-        n = -(-spec.num_tokens // bs)
-        skip = spec.num_local_computed // bs
-        remote, local = [], []
-        for g, blocks in enumerate(spec.block_ids):
-            table: list[int | None] = [None] * skip + list(blocks)
-            table = (table + [None] * n)[:n]
-            rtable = list(src.remote_block_ids[g])[:n] if g < len(src.remote_block_ids) else []
-            if len(rtable) < n:
+        remote, local, sizes = [], [], []
+        if len(spec.block_ids) != len(self.groups):
+            return LoadResult(ok=False, verdict="unverified",
+                              reason=f"{len(spec.block_ids)} block tables for {len(self.groups)} KV cache groups")
+        for g, (group, blocks) in enumerate(zip(self.groups, spec.block_ids)):
+            n = blocks_for(spec.num_tokens, group.block_size)
+            table: list[int | None] = (list(blocks) + [None] * n)[:n]
+            rbs = src.block_sizes[g] if src.block_sizes is not None and g < len(src.block_sizes) else group.block_size
+            rn = blocks_for(spec.num_tokens, rbs)
+            rtable = list(src.remote_block_ids[g])[:rn] if g < len(src.remote_block_ids) else []
+            if len(rtable) < rn:
                 return LoadResult(ok=False, verdict="unverified",
-                                  reason=f"producer's block table of group {g} covers {len(rtable)} blocks, "
-                                         f"the prompt needs {n}")
+                                  reason=f"producer's block table of group {g} covers {len(rtable)} blocks of "
+                                         f"{rbs} tokens, the prompt needs {rn}")
             remote.append(rtable)
             local.append(table)
+            sizes.append(rbs)
         if len(units) == 1:
-            results = [self._load_unit(spec, units[0], remote, local, deadline)]
+            results = [self._load_unit(spec, units[0], remote, local, sizes, deadline)]
         else:
-            futures = [self._unit_pool.submit(self._load_unit, spec, u, remote, local, deadline) for u in units]
+            futures = [self._unit_pool.submit(self._load_unit, spec, u, remote, local, sizes, deadline)
+                       for u in units]
             wait(futures, timeout=max(deadline - time.monotonic(), 0.0) + self.UNIT_JOIN_GRACE_SECONDS)
             results = [f.result() if f.done() else
                        LoadResult(ok=False, verdict="unverified", reason="the load did not return by its deadline")
@@ -428,15 +461,22 @@ class KvferryTransport:
                 return LoadResult(ok=False, verdict=result.verdict, reason=where + result.reason)
         return LoadResult(ok=True, verdict=results[0].verdict)
 
-    def _load_unit(self, spec: LoadSpec, unit: Unit, remote: list, local: list, deadline: float) -> LoadResult:
-        """One unit's load (on the calling thread); never raises."""
+    def _load_unit(self, spec: LoadSpec, unit: Unit, remote: list, local: list, sizes: list,
+                   deadline: float) -> LoadResult:
+        """One unit's load (on the calling thread); never raises. ``remote`` / ``local``: each
+        group's tables, ``sizes`` the producer's block size of each group; a group none of the
+        unit's layers belongs to is not loaded through it (empty tables)."""
         src = spec.source
         endpoint = f"tcp://{src.host}:{src.unit_port(unit.tp_rank, unit.stage, unit.unit, unit.layer_unit)}"
         try:
             consumer = self._consumer(unit.heads, unit.layers)
-            out = consumer.load(src.transfer_id, endpoint, remote, local, spec.num_tokens,
+            mine = self._group_ids(unit.heads, unit.layers)
+            keep = [g.group_id in mine for g in self.groups]
+            out = consumer.load(src.transfer_id, endpoint, [t if k else [] for t, k in zip(remote, keep)],
+                                [t if k else [] for t, k in zip(local, keep)], spec.num_tokens,
                                 num_local_computed=spec.num_local_computed,
-                                timeout=max(deadline - time.monotonic(), 0.001), load_key=src.load_key)
+                                timeout=max(deadline - time.monotonic(), 0.001), load_key=src.load_key,
+                                remote_block_sizes=sizes)
         except Exception as e:  # a bad spec or an engine that cannot start: this unit failed
             self._record(None)
             return LoadResult(ok=False, verdict="unverified", reason=f"load from {endpoint} raised {e!r}")

@@ -2,9 +2,11 @@
 
 It registers the rank's KV cache tensors, holds a producer rank's finished requests under a
 lease, runs a consumer rank's loads off the forward path (a thread per load, each with a
-deadline), and reports to vLLM: ``finished_sending`` / ``finished_recving`` through
-``get_finished`` and the blocks of failed loads through ``get_block_ids_with_load_errors`` (vLLM's
-``kv_load_failure_policy`` then fails or recomputes the request). A load counts as finished only
+deadline), and reports to vLLM: ``finished_sending`` / ``finished_recving`` / ``failed_recving`` through
+``get_transfer_results`` (:meth:`KvferryWorkerSide.transfer_results`), and with one KV cache group
+also the blocks of failed loads through ``get_block_ids_with_load_errors`` (vLLM's
+``kv_load_failure_policy`` then fails or recomputes the request; with several groups vLLM 0.32
+takes failed requests only: its block ids are unique per group, not across groups). A load counts as finished only
 once its transport returned a result (landed and verified, or failed).
 
 The data path is a :class:`RankTransport`: :class:`kvferry.vllm.transport.KvferryTransport`
@@ -88,8 +90,11 @@ class KvferryWorkerSide:
 
     def __init__(self, tp_rank: int, pp_rank: int, load_timeout_seconds: float,
                  transport: RankTransport, max_parallel_loads: int = 4,
-                 clock: Callable[[], float] = time.monotonic):
-        """``clock``: seconds, monotonic; the lease backstop's clock (tests pass their own)."""
+                 clock: Callable[[], float] = time.monotonic, report_blocks: bool = True):
+        """``clock``: seconds, monotonic; the lease backstop's clock (tests pass their own).
+        ``report_blocks``: failed loads' blocks go to :meth:`get_block_ids_with_load_errors`
+        too (one KV cache group only: vLLM 0.32 stops on block ids with several groups)."""
+        self.report_blocks = report_blocks
         self._clock = clock
         self.tp_rank = tp_rank
         self.pp_rank = pp_rank
@@ -100,6 +105,7 @@ class KvferryWorkerSide:
         self._served: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._done_loads: queue.SimpleQueue[tuple[LoadSpec, LoadResult]] = queue.SimpleQueue()
         self._load_errors: set[int] = set()
+        self._failed: set[str] = set()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_parallel_loads, thread_name_prefix="kvferry-load")
 
@@ -150,7 +156,8 @@ class KvferryWorkerSide:
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose held blocks may be freed, requests whose load ended); a failed load
-        ends too, its blocks going to :meth:`get_block_ids_with_load_errors` first."""
+        ends too, its request going to :meth:`take_failed` (and its blocks to
+        :meth:`get_block_ids_with_load_errors` with ``report_blocks``) first."""
         sending: set[str] = set()
         for rid, reason in self.transport.released():
             if reason != "served":
@@ -173,12 +180,27 @@ class KvferryWorkerSide:
             spec, result = self._done_loads.get()
             recving.add(spec.request_id)
             if not result.ok:
-                blocks = {b for group in spec.block_ids for b in group}
+                blocks = {b for group in spec.block_ids for b in group if b is not None}
                 log.error("kvferry: load of request %s (transfer %s) failed (%s): %s; %d blocks reported to vLLM's kv_load_failure_policy",
                           spec.request_id, spec.source.transfer_id, result.verdict, result.reason, len(blocks))
                 with self._lock:
-                    self._load_errors |= blocks
+                    self._failed.add(spec.request_id)
+                    if self.report_blocks:
+                        self._load_errors |= blocks
         return sending or None, recving or None
+
+    def take_failed(self) -> set[str]:
+        """Requests whose load failed since the last call (drained); each was (or is, in the
+        same :meth:`get_finished`) reported as finished too."""
+        with self._lock:
+            failed, self._failed = self._failed, set()
+        return failed
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) of this step: vLLM's
+        ``KVConnectorTransferResults``; a failed load is in both of the last two."""
+        sending, recving = self.get_finished()
+        return set(sending or ()), set(recving or ()), self.take_failed()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of loads that failed since the last call (drained)."""

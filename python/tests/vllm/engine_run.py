@@ -1,5 +1,6 @@
-"""Runs one vLLM CPU engine (a tiny random-weight Qwen3 checkpoint written here, or a DeepSeek-V2
-one with MLA for the ``*-mla`` scenarios) in this process and prints one JSON line of results.
+"""Runs one vLLM CPU engine (a tiny random-weight Qwen3 checkpoint written here, a DeepSeek-V2
+one with MLA for the ``*-mla`` scenarios, or a Llama-style hybrid of a sliding-window and a
+full-attention layer for the ``*hyb*`` ones) in this process and prints one JSON line of results.
 Driven by test_vllm_cpu.py and test_vllm_cpu_mla.py, one subprocess per engine: vLLM keeps the KV
 connector and the distributed state as process globals.
 
@@ -51,6 +52,14 @@ TINY_DSV2 = {
     "norm_topk_prob": False, "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1,
     "eos_token_id": 2, "hidden_act": "silu", "attention_bias": False,
 }
+# A Llama-style hybrid: layer 0 sliding-window attention (window 32 tokens), layer 1 full
+# attention. vLLM's hybrid KV cache manager gives each its own KV cache group (group 0 the
+# sliding window, group 1 full attention), each with its own block table.
+TINY_HYBRID = {
+    **{k: v for k, v in TINY_QWEN3.items() if k not in ("architectures", "model_type")},
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "mlp_bias": False,
+    "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32,
+}
 BLOCK_SIZE = 32
 MLA_BLOCK_SIZE = 16
 # Prompt lengths: under one block, exactly one block, several blocks with a partial tail.
@@ -63,6 +72,15 @@ def is_mla(scenario: str) -> bool:
     return scenario.endswith("mla")
 
 
+def is_hybrid(scenario: str) -> bool:
+    """The ``*hyb*`` scenarios run the tiny sliding-window + full-attention hybrid."""
+    return "hyb" in scenario
+
+
+def model_kind(scenario: str) -> str:
+    return "mla" if is_mla(scenario) else "hybrid" if is_hybrid(scenario) else "qwen3"
+
+
 def mla_args(scenario: str) -> dict:
     """``make_llm`` arguments of the MLA engines: vLLM 0.32's CPU MLA output depends on the batch
     (one prompt alone and batched with others gives other tokens, docs/vllm-connector-notes.md
@@ -70,18 +88,23 @@ def mla_args(scenario: str) -> dict:
     return {"block_size": MLA_BLOCK_SIZE, "max_num_seqs": 1} if is_mla(scenario) else {}
 
 
-def write_model(path: str, mla: bool = False) -> None:
-    """The tiny Qwen3's (or DeepSeek-V2's) config and a seeded random checkpoint (the same bytes
-    in every process; written atomically, as engines start side by side)."""
+def write_model(path: str, kind: str = "qwen3") -> None:
+    """The tiny Qwen3's (``kind`` "qwen3"), DeepSeek-V2's ("mla") or hybrid's ("hybrid") config
+    and a seeded random checkpoint (the same bytes in every process; written atomically, as
+    engines start side by side)."""
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(TINY_DSV2 if mla else TINY_QWEN3, f)
+    config = {"qwen3": TINY_QWEN3, "mla": TINY_DSV2, "hybrid": TINY_HYBRID}[kind]
+    tmp = os.path.join(path, f"config.json.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(config, f)
+    os.replace(tmp, os.path.join(path, "config.json"))
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
     from safetensors.torch import save_file
 
     tmp = os.path.join(path, f"model.safetensors.{os.getpid()}.tmp")
-    save_file(random_weights(dsv2_shapes() if mla else qwen3_shapes()), tmp)
+    shapes = {"qwen3": qwen3_shapes, "mla": dsv2_shapes, "hybrid": hybrid_shapes}[kind]()
+    save_file(random_weights(shapes), tmp)
     os.replace(tmp, os.path.join(path, "model.safetensors"))
 
 
@@ -103,6 +126,11 @@ def qwen3_shapes() -> dict:
             pre + "post_attention_layernorm.weight": (hidden,),
         })
     return shapes
+
+
+def hybrid_shapes() -> dict:
+    """Hugging Face weight name -> shape of the tiny hybrid (Qwen3's, without q/k norms)."""
+    return {k: v for k, v in qwen3_shapes().items() if "q_norm" not in k and "k_norm" not in k}
 
 
 def dsv2_shapes() -> dict:
@@ -223,7 +251,7 @@ RENDEZVOUS_TIMEOUT_S = 480
 # Consumers: name -> (kv_load_failure_policy, TP size). Their test hook flips a landed bit of
 # every load of a transfer "<name>-corrupt-...".
 CONSUMERS = {"recompute": ("recompute", 1), "fail": ("fail", 1), "tp2": ("recompute", 2), "tp1": ("recompute", 1),
-             "mla": ("recompute", 1)}
+             "mla": ("recompute", 1), "hyb-fail": ("fail", 1), "hyb-rc": ("recompute", 1)}
 # Producers: scenario -> (TP size, head_splits, base port, transfer id tag, consumer names).
 PRODUCERS = {
     "producer": (1, 1, PORT, "", ("recompute", "fail")),
@@ -232,12 +260,27 @@ PRODUCERS = {
     "producer-split": (1, 2, PORT + 20, "s-", ("tp2",)),
     # The tiny DeepSeek-V2: MLA latent caches (test_vllm_cpu_mla.py).
     "producer-mla": (1, 1, PORT + 30, "", ("mla",)),
+    # The tiny hybrid under vLLM's hybrid KV cache manager (test_vllm_cpu_hybrid.py), producers
+    # of block sizes 32 and 64 serving consumers of 32 (fail) and 64 (recompute): every pairing
+    # of equal and different block sizes.
+    "producer-hyb": (1, 1, PORT + 40, "", ("hyb-fail", "hyb-rc")),
+    "producer-hyb64": (1, 1, PORT + 50, "w-", ("hyb-fail", "hyb-rc")),
 }
+# --block-size of the scenarios whose block size is not BLOCK_SIZE (MLA's is MLA_BLOCK_SIZE).
+BLOCK_SIZES = {"producer-hyb64": 64, "hyb-rc": 64, "consumer-hyb-rc": 64}
+
+
+def engine_args(scenario: str) -> dict:
+    """``make_llm`` arguments of a scenario beyond its role: MLA's (:func:`mla_args`) or its
+    block size."""
+    if is_mla(scenario):
+        return mla_args(scenario)
+    return {"block_size": BLOCK_SIZES[scenario]} if scenario in BLOCK_SIZES else {}
 
 
 def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -> None:
     tp, head_splits, port, tag, names = PRODUCERS[scenario]
-    llm = make_llm(model, "kv_producer", tp=tp, port=port, head_splits=head_splits, **mla_args(scenario))
+    llm = make_llm(model, "kv_producer", tp=tp, port=port, head_splits=head_splits, **engine_args(scenario))
     result["startup_s"] = time.monotonic() - t0
     result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
     result["free_before"] = free_blocks(llm)
@@ -266,7 +309,7 @@ def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -
 
 def run_consumer(name: str, model: str, rdv: str, result: dict, t0: float) -> None:
     policy, tp = CONSUMERS[name]
-    llm = make_llm(model, "kv_consumer", policy, tp=tp, name=name, **mla_args(name))
+    llm = make_llm(model, "kv_consumer", policy, tp=tp, name=name, **engine_args(name))
     result["startup_s"] = time.monotonic() - t0
     result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
     # Same last token, other context: outputs must differ, or equality proves nothing.
@@ -306,7 +349,7 @@ def run_consumer(name: str, model: str, rdv: str, result: dict, t0: float) -> No
 
 def main() -> None:
     scenario, model, rdv = sys.argv[1], sys.argv[2], sys.argv[3]
-    write_model(model, is_mla(scenario))
+    write_model(model, model_kind(scenario))
     t0 = time.monotonic()
     result: dict = {"scenario": scenario}
     if scenario in PRODUCERS:

@@ -1,6 +1,7 @@
-"""kvferry.vllm.connector's engine-level checks without an engine: one KV cache group only (a
-hybrid model's several groups are refused, naming --disable-hybrid-kv-cache-manager) and each
-data-parallel engine's own side-channel base port."""
+"""kvferry.vllm.connector's engine-level checks without an engine: which KV cache groups the
+connector moves (full attention and sliding window under vLLM's hybrid KV cache manager) and
+which it refuses at start-up with the reason (Mamba-type state, chunked local attention), and
+each data-parallel engine's own side-channel base port."""
 
 import importlib.util
 
@@ -10,9 +11,11 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed in this interpreter: run scripts/vllm-tests.sh", allow_module_level=True)
 
 import torch
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                        MambaSpec, SlidingWindowSpec)
 
-from kvferry.vllm.connector import check_one_kv_cache_group, engine_port, port_range
+from kvferry.vllm.connector import engine_port, port_range
+from kvferry.vllm.groups import GroupInfo, kv_cache_groups
 from kvferry.vllm.params import unit_port
 from kvferry.vllm.units import ConfigError
 
@@ -24,15 +27,28 @@ def config(*groups):
     return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=list(groups))
 
 
-def test_one_kv_cache_group_is_accepted():
-    check_one_kv_cache_group(config(KVCacheGroupSpec(["l.0.attn", "l.1.attn"], FULL)))
-    check_one_kv_cache_group(None)
+def test_one_kv_cache_group_is_one_group_of_its_block_size():
+    assert kv_cache_groups(config(KVCacheGroupSpec(["l.0.attn", "l.1.attn"], FULL)), 32) == [
+        GroupInfo(0, ("l.0.attn", "l.1.attn"), 16, None)]
+    assert kv_cache_groups(None, 32) == [GroupInfo(0, (), 32, None)]
 
 
-def test_a_hybrid_models_two_groups_are_refused_naming_the_flag():
-    hybrid = config(KVCacheGroupSpec(["l.0.attn"], FULL), KVCacheGroupSpec(["l.1.attn"], SLIDING))
-    with pytest.raises(ConfigError, match="2 .*--disable-hybrid-kv-cache-manager"):
-        check_one_kv_cache_group(hybrid)
+def test_a_hybrid_models_sliding_window_and_full_groups_are_each_moved_with_their_window():
+    hybrid = config(KVCacheGroupSpec(["l.0.attn"], SLIDING), KVCacheGroupSpec(["l.1.attn"], FULL))
+    assert kv_cache_groups(hybrid, 16) == [GroupInfo(0, ("l.0.attn",), 16, 128), GroupInfo(1, ("l.1.attn",), 16, None)]
+
+
+def test_a_mamba_state_group_is_refused_at_start_up_with_the_reason():
+    mamba = MambaSpec(block_size=16, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.float32, torch.float32))
+    with pytest.raises(ConfigError, match="group 1 holds layer 'l.1.mixer' with MambaSpec: Mamba-type state"):
+        kv_cache_groups(config(KVCacheGroupSpec(["l.0.attn"], FULL), KVCacheGroupSpec(["l.1.mixer"], mamba)), 16)
+
+
+def test_chunked_local_attention_is_refused_with_the_reason():
+    chunked = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                                        attention_chunk_size=64)
+    with pytest.raises(ConfigError, match="ChunkedLocalAttentionSpec: chunked local attention"):
+        kv_cache_groups(config(KVCacheGroupSpec(["l.0.attn"], chunked)), 16)
 
 
 def test_dp_engines_get_disjoint_port_ranges_from_their_own_base():

@@ -262,3 +262,28 @@ def layer_layout(t: Any, block_size: int, spec: Any, kv_cache_layout: str | None
     else:
         kind = MLA_KIND if layout == "B N D" else FULL_KIND
     return LayerLayout(view, layout, kind)
+
+
+def cpu_attention_isa(dtype: Any, block_size: int, head_size: int) -> str | None:
+    """The kernel vLLM's CPU attention backend picks for a cache of ``dtype``, ``block_size``
+    and ``head_size`` (``cpu_attn._get_attn_isa``: ``"vec"``, ``"vec16"``, ``"amx"``,
+    ``"neon"``...); None where vLLM's CPU backend is not importable."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except Exception:  # not vLLM's CPU build, or another vLLM: nothing to tell
+        return None
+    return _get_attn_isa(dtype, block_size, head_size)
+
+
+def cpu_vec_parts(view: Any) -> list[tuple[str, Any, str]]:
+    """``(suffix, view, layout)`` of the K and V parts of one layer of vLLM 0.32's CPU attention
+    cache under its ``vec`` kernel (``view``: the layer's ``"B H KV N D"`` view of
+    :func:`layer_view`). That kernel writes each block's K transposed, dimension-major (``[D,
+    N]``, so its dot products read one dimension of every token at once), and V token-major
+    (``[N, D]``) (``ops.cpu_attn_reshape_and_cache``, measured on vLLM 0.32). Whole blocks move
+    the same either way, but tokens moved one by one (different block sizes) need the real
+    order, so the parts are described as two layers: ``.k`` as ``"B H D N"``, ``.v`` as
+    ``"B H N D"``."""
+    b, h, _, n, d = view.shape
+    k = view[:, :, 0].flatten(2).unflatten(2, (d, n))
+    return [("k", k, "B H D N"), ("v", view[:, :, 1], "B H N D")]

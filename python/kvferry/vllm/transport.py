@@ -35,7 +35,7 @@ from typing import Any, Callable
 import kvferry
 
 from kvferry.vllm.groups import GroupInfo, blocks_for
-from kvferry.vllm.layouts import LayoutError, layer_layout, layer_view
+from kvferry.vllm.layouts import LayoutError, cpu_attention_isa, cpu_vec_parts, layer_layout, layer_view
 from kvferry.vllm.metadata import LoadSpec, SendSpec
 from kvferry.vllm.params import unit_port
 from kvferry.vllm.units import (ConfigError, PairingError, Unit, common_heads, consumer_units, layer_number,
@@ -170,6 +170,10 @@ class KvferryTransport:
         # layer name -> kvferry's layer number (None: the name has none)
         self._numbers: dict[str, int | None] = {}
         self.local_heads: int | None = None
+        # The CPU attention kernel whose block layout is not token-addressable here (vLLM's CPU
+        # kernels other than "vec" pack each block their own way): only whole blocks move, so
+        # a load between different block sizes is refused. None: every block is described.
+        self.packed_isa: str | None = None
         # transfer id -> [vLLM request id, units not yet released, first reason other than "served"]
         self._published: dict[str, list] = {}
         self._released_ready: list[tuple[str, str]] = []
@@ -198,11 +202,21 @@ class KvferryTransport:
                 group = self._group_of[name] = self.groups[0]
             lay = layer_layout(t, group.block_size, self.kv_cache_specs.get(name), self.kv_cache_layout)
             view, layout = lay.view, lay.layout
-            self._views[name] = (view, layout, str(t.dtype))
-            self._kinds[name] = lay.kind
+            parts = [(name, view, layout)]
+            if t.device.type == "cpu" and layout == "B H KV N D":
+                isa = cpu_attention_isa(t.dtype, group.block_size, view.shape[-1])
+                if isa == "vec":
+                    # Each part a kvferry layer of its own (its own axis order, layouts.py).
+                    parts = [(f"{name}.{suffix}", v, lay_) for suffix, v, lay_ in cpu_vec_parts(view)]
+                elif isa is not None:
+                    self.packed_isa = isa
+            for part, v, lay_ in parts:
+                self._views[part] = (v, lay_, str(t.dtype))
+                self._kinds[part] = lay.kind
+                self._numbers[part] = layer_number(name)
+                self._group_of[part] = group
             axes = layout.split()
             heads.append(view.shape[axes.index("H")] if "H" in axes else None)
-            self._numbers[name] = layer_number(name)
         self.local_heads = common_heads(heads)
         numbered = [n for n in self._numbers.values() if n is not None]
         if self.stage_layers is None and numbered:
@@ -430,6 +444,12 @@ class KvferryTransport:
         except PairingError as e:
             return LoadResult(ok=False, verdict="unverified", reason=str(e))
         remote, local, sizes = [], [], []
+        if self.packed_isa is not None and src.block_sizes is not None and any(
+                r != g.block_size for r, g in zip(src.block_sizes, self.groups)):
+            return LoadResult(ok=False, verdict="unverified",
+                              reason=f"the producer's block sizes {list(src.block_sizes)} differ from this rank's "
+                                     f"{[g.block_size for g in self.groups]}, and vLLM's CPU attention kernel "
+                                     f"{self.packed_isa!r} packs each block its own way: only whole blocks move")
         if len(spec.block_ids) != len(self.groups):
             return LoadResult(ok=False, verdict="unverified",
                               reason=f"{len(spec.block_ids)} block tables for {len(self.groups)} KV cache groups")

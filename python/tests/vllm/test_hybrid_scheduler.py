@@ -154,3 +154,18 @@ def test_a_failed_load_is_reported_as_failed_and_its_blocks_only_with_one_group(
     assert worker.transfer_results() == (set(), {"r"}, {"r"})
     assert worker.get_block_ids_with_load_errors() == ({7, 8, 9} if report_blocks else set())
     assert worker.transfer_results() == (set(), set(), set())
+
+
+def test_a_rank_whose_cpu_kernel_packs_blocks_refuses_other_block_sizes_before_any_transfer():
+    from kvferry.vllm.transport import KvferryTransport, TransportConfig
+
+    t = KvferryTransport(TransportConfig(host="127.0.0.1", port=17700), tp_rank=0, pp_rank=0, tp_size=1, pp_size=1,
+                         block_size=32, is_producer=False, is_consumer=True)
+    try:
+        t.packed_isa = "amx"
+        t.consumers[(None, None)] = None  # no engine: the load must end before it needs one
+        src = P.remote_source(P.producer_reply("t", "p", "127.0.0.1", 17600, 1, 1, [[1, 2]], "k", block_sizes=[64]))
+        r = t.load(LoadSpec("r", src, ((4, 5, 6),), 75), deadline=0.0)
+        assert not r.ok and "'amx' packs each block its own way" in r.reason
+    finally:
+        t.shutdown()

@@ -18,7 +18,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed in this interpreter: run scripts/vllm-tests.sh", allow_module_level=True)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENGINE_TIMEOUT_S = 540
+ENGINE_TIMEOUT_S = 900
 
 
 def _engine(scenario: str, model: str, rdv: str | None = None) -> subprocess.Popen:

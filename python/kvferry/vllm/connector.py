@@ -58,7 +58,8 @@ connector cannot move (Mamba-type state, chunked local, cross or encoder-only at
 refused at start-up with the reason (:func:`kvferry.vllm.groups.kv_cache_groups`). Instances of
 different ``--block-size`` pair where the seed's chunk sums verify them (the producer names its
 block sizes in ``kv_transfer_params``; a consumer that could not verify refuses before any byte
-moves, :func:`kvferry.vllm.groups.block_size_refusal`). Signatures are vLLM 0.32's (`vllm/distributed/kv_transfer/kv_connector/v1/base.py`).
+moves, :func:`kvferry.vllm.groups.block_size_refusal`). Signatures are vLLM 0.32's
+(`vllm/distributed/kv_transfer/kv_connector/v1/base.py`).
 """
 
 from __future__ import annotations

@@ -933,3 +933,33 @@ async fn consumer_asking_for_more_tokens_than_published_is_refused() {
     );
     pair.producer.shutdown().await;
 }
+
+/// The producer holds `max_sessions` sessions; a consumer whose session it evicted gets a
+/// `no_session` refusal (nothing served), says hello again on a new socket and loads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_whose_session_was_evicted_says_hello_again_and_loads() {
+    let cfg = ProducerConfig {
+        max_sessions: 1,
+        ..producer_config()
+    };
+    let t = pair(1, 1, cfg, Policy::default()).await;
+    let other_side = Side::new(1, 1, CONSUMER_BLOCKS, None);
+    let other = Consumer::new(
+        consumer_config(Policy::default()),
+        other_side.workers.clone(),
+    )
+    .unwrap();
+    for (i, c) in [&t.consumer, &other, &t.consumer].into_iter().enumerate() {
+        let rid = format!("evict-{i}");
+        t.producer
+            .publish(&rid, vec![remote_table()], NUM_TOKENS)
+            .await
+            .unwrap();
+        let out = c
+            .load(spec(&rid, &t.producer))
+            .await
+            .unwrap_or_else(|e| panic!("load {i}: {e}"));
+        assert!(out.verdict.unwrap().is_verified(), "load {i}");
+    }
+    t.producer.shutdown().await;
+}

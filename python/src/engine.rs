@@ -18,14 +18,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvferry_transfer::{
-    BatchId, BatchStatus, CudaIpcMode, EngineConfig, Op, TransferEngine, TransferRequest,
-    TransportKind,
+    BatchId, BatchStatus, CudaIpcMode, EngineConfig, Op, TransferEngine, TransferError,
+    TransferRequest, TransportKind,
 };
 use pyo3::prelude::*;
 
 use crate::mooncake::{
     op_name, parse_location, probe_code, register_code, split_hostname, triples,
-    ERR_ADDRESS_NOT_REGISTERED, ERR_INVALID_ARGUMENT, P2PHANDSHAKE,
+    ERR_ADDRESS_NOT_REGISTERED, ERR_BATCH_BUSY, ERR_INVALID_ARGUMENT, P2PHANDSHAKE,
 };
 
 /// Mooncake's Python `TransferEngine`, backed by kvferry's transfer engine (TCP, or RDMA where a
@@ -278,7 +278,10 @@ impl PyTransferEngine {
 
     /// `unregister_memory(buffer_addr) -> int`: unregisters the region registered at
     /// `buffer_addr` (after any target-side access in progress ended; peers' later requests to
-    /// it fail). Returns 0, or -3 when no region was registered at that address.
+    /// it fail), once no transfer of this engine uses it (waiting up to 5 s for those in
+    /// flight, even of a batch whose wait timed out). Returns 0; -3 when no region was
+    /// registered at that address; -4 (Mooncake's `ERR_BATCH_BUSY`) when transfers still use
+    /// it: it stays registered and must not be freed yet.
     fn unregister_memory(&self, py: Python<'_>, buffer_addr: u64) -> i32 {
         let Some(e) = self.started("unregister_memory") else {
             return -1;
@@ -662,6 +665,10 @@ fn register_one(e: &TransferEngine, addr: u64, len: u64, location: &str) -> i32 
 fn unregister_one(e: &TransferEngine, addr: u64) -> i32 {
     match e.unregister_memory(addr) {
         Ok(()) => 0,
+        Err(err @ TransferError::InUse { .. }) => {
+            tracing::warn!("unregister_memory {addr:#x}: {err}");
+            ERR_BATCH_BUSY
+        }
         Err(err) => {
             tracing::warn!("unregister_memory {addr:#x}: {err}");
             ERR_ADDRESS_NOT_REGISTERED

@@ -6,6 +6,8 @@ use kvferry_transfer::{Location, Op, RegistrationError, TransferError};
 
 /// Mooncake `error.h`: invalid argument, and the generic failure of its Python layer.
 pub(crate) const ERR_INVALID_ARGUMENT: i32 = -1;
+/// Mooncake `error.h`: busy (a region batches still use cannot be unregistered).
+pub(crate) const ERR_BATCH_BUSY: i32 = -4;
 /// Mooncake `error.h`: the address is not registered.
 pub(crate) const ERR_ADDRESS_NOT_REGISTERED: i32 = -3;
 /// Mooncake `error.h`: registration overlaps a registered region.

@@ -49,6 +49,9 @@ pub struct EngineConfig {
     /// Device memory between processes of this host through CUDA IPC (docs/design.md §3.10).
     /// Default `Auto`.
     pub cuda_ipc: CudaIpcMode,
+    /// How long `unregister_memory` waits for batches in flight on the region to end before it
+    /// fails with `InUse` (the region then stays registered). Default 5 s.
+    pub unregister_timeout: Duration,
 }
 
 /// Whether `cuda:N` regions are offered to peers on this host through CUDA IPC
@@ -112,6 +115,7 @@ impl Default for EngineConfig {
             auth: AuthConfig::default(),
             peer_idle_timeout: Duration::from_secs(60),
             cuda_ipc: CudaIpcMode::Auto,
+            unregister_timeout: Duration::from_secs(5),
         }
     }
 }

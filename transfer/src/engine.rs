@@ -41,9 +41,11 @@ pub struct TransferEngine {
     peers: Arc<PeerCache>,
     batches: BatchTable,
     /// What the metrics need of each batch in flight (`crate::metrics`).
-    meters: std::sync::Mutex<std::collections::HashMap<BatchId, BatchMeter>>,
+    meters: crate::batch_meter::Meters,
     handshake: Option<HandshakeServer>,
     auth: Arc<AuthState>,
+    /// Counts this engine in the process's peer fd budget (`crate::fd_budget`).
+    _slot: crate::fd_budget::EngineSlot,
 }
 
 impl TransferEngine {
@@ -120,6 +122,7 @@ impl TransferEngine {
             auth.clone(),
             config.handshake_timeout,
             config.peer_idle_timeout,
+            config.tcp.connections_per_peer,
         ));
         Ok(Arc::new(TransferEngine {
             config,
@@ -133,6 +136,7 @@ impl TransferEngine {
             meters: Default::default(),
             handshake: Some(server),
             auth,
+            _slot: crate::fd_budget::EngineSlot::new(),
         }))
     }
 
@@ -284,11 +288,17 @@ impl TransferEngine {
         Ok(self.transport.path(d, &local.region, i))
     }
 
-    /// Unregisters the region that starts at `addr` (after any in-progress TCP target access to
-    /// it ended). `InvalidArgument` when no region starts there. Peers' cached descriptors still
-    /// list it; their requests to it are refused by the target.
+    /// Unregisters the region that starts at `addr`, once no batch of this engine moves bytes
+    /// from or into it (waiting up to `unregister_timeout` for the last slice of each to be
+    /// reported, even of a batch whose wait timed out) and any in-progress TCP target access
+    /// to it ended; it never returns while this engine may still touch the memory. Errors:
+    /// `InvalidArgument` when no region starts there; `InUse` when batches still use it at the
+    /// deadline (it stays registered: do not free it). Peers' cached descriptors still list
+    /// it; their requests to it are refused by the target (RDMA: its keys are invalidated).
     pub fn unregister_memory(&self, addr: u64) -> Result<()> {
-        let e = self.registry.remove(addr)?;
+        let e = self
+            .registry
+            .remove_when_idle(addr, self.config.unregister_timeout)?;
         if let Err(err) = self.transport.deregister(&e.region) {
             tracing::warn!("deregistering memory region {addr:#x}: {err}");
         }
@@ -388,8 +398,15 @@ impl TransferEngine {
             &remote_covers,
             self.config.slice_size,
         )?;
+        // the local regions stay registered until the last slice is reported
+        let pins = self
+            .registry
+            .pin(slices.iter().map(|s| s.local_region.addr).collect())?;
         let (id, state) = self.batches.start(slices.len() as u32);
-        self.meter_start(id, &desc.name, requests, slices.len() as u32);
+        state.hold(pins);
+        let path = self.path_label(requests);
+        self.meters
+            .start(id, path, &desc.name, requests, slices.len() as u32);
         self.peers.touch(&desc.name);
         if !slices.is_empty() {
             let refresh =
@@ -420,7 +437,7 @@ impl TransferEngine {
     /// sent are skipped, slices already on the wire may still land), `UnknownBatch`. A finished (completed or failed) batch is freed.
     pub fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
         let r = self.batch(batch)?.wait(timeout);
-        self.meter_end(batch, &r);
+        self.meters.end(batch, &r);
         if !matches!(r, Err(TransferError::Timeout(_))) {
             self.free_batch(batch);
         }
@@ -430,7 +447,7 @@ impl TransferEngine {
     /// Async twin of `wait` for use inside a tokio runtime (needs the runtime's timer).
     pub async fn wait_async(&self, batch: BatchId, timeout: Duration) -> Result<()> {
         let r = self.batch(batch)?.wait_async(timeout).await;
-        self.meter_end(batch, &r);
+        self.meters.end(batch, &r);
         if !matches!(r, Err(TransferError::Timeout(_))) {
             self.free_batch(batch);
         }
@@ -441,7 +458,7 @@ impl TransferEngine {
     /// slices already on the wire finish unobserved.
     pub fn free_batch(&self, batch: BatchId) {
         self.batches.free(batch);
-        self.lock_meters().remove(&batch);
+        self.meters.forget(batch);
     }
 
     fn sync(&self, target: &str, op: Op, reqs: &[(u64, u64, u64)]) -> Result<()> {
@@ -506,23 +523,7 @@ impl TransferEngine {
     }
 }
 
-/// A batch in flight as the metrics see it.
-struct BatchMeter {
-    started: std::time::Instant,
-    path: String,
-    peer: String,
-    op: &'static str,
-    bytes: u64,
-    slices: u32,
-}
-
 impl TransferEngine {
-    fn lock_meters(
-        &self,
-    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<BatchId, BatchMeter>> {
-        self.meters.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// The metrics' `path` of a batch: the transport, and for GPU memory how the first
     /// request's local region is registered (`tcp`, `tcp-gpu-staged`, `rdma-dma-buf`, ...).
     fn path_label(&self, requests: &[TransferRequest]) -> String {
@@ -536,41 +537,6 @@ impl TransferEngine {
             crate::memory::RegistrationPath::Staged => format!("{kind}-gpu-staged"),
             other => format!("{kind}-{other}"),
         }
-    }
-
-    fn meter_start(&self, id: BatchId, peer: &str, requests: &[TransferRequest], slices: u32) {
-        let op = match requests.first().map(|r| r.op) {
-            Some(Op::Read) => "read",
-            _ => "write",
-        };
-        let meter = BatchMeter {
-            started: std::time::Instant::now(),
-            path: self.path_label(requests),
-            peer: peer.to_string(),
-            op,
-            bytes: requests.iter().fold(0u64, |a, r| a.saturating_add(r.len)),
-            slices,
-        };
-        self.lock_meters().insert(id, meter);
-    }
-
-    /// Records a waited batch's end once: done, failed, or timed out (its later end is not
-    /// recorded again).
-    fn meter_end(&self, id: BatchId, r: &Result<()>) {
-        let Some(m) = self.lock_meters().remove(&id) else {
-            return;
-        };
-        crate::metrics::global().transfer(
-            &crate::metrics::Transfer {
-                path: &m.path,
-                peer: &m.peer,
-                op: m.op,
-                bytes: m.bytes,
-                slices: m.slices,
-                seconds: m.started.elapsed().as_secs_f64(),
-            },
-            r.as_ref().map(|_| ()).map_err(|e| e.cause()),
-        );
     }
 }
 

@@ -117,6 +117,19 @@ pub enum TransferError {
     /// The batch timed out or was freed before this slice was sent (so it never was).
     #[error("batch timed out or was freed before this slice was sent")]
     Cancelled,
+    /// A region could not be unregistered: batches still move bytes from or into it (it stays
+    /// registered; the caller must not free it yet). Mooncake's `ERR_BATCH_BUSY`.
+    #[error(
+        "memory region {addr:#x} is in use by {batches} batch(es) in flight after waiting {waited:?}; it stays registered"
+    )]
+    InUse {
+        /// Start address of the region.
+        addr: u64,
+        /// Batches whose slices use it.
+        batches: usize,
+        /// How long unregistering waited for them.
+        waited: std::time::Duration,
+    },
     /// An RDMA-specific failure (see [`RdmaError`]).
     #[error("rdma: {0}")]
     Rdma(#[source] RdmaError),
@@ -149,6 +162,7 @@ impl TransferError {
             TransferError::Retry { source, .. } => source.cause(),
             TransferError::Failed { first, .. } => first.cause(),
             TransferError::Cancelled => "cancelled",
+            TransferError::InUse { .. } => "in_use",
             TransferError::Rdma(_) => "rdma",
             TransferError::Gpu(_) => "gpu",
         }

@@ -28,13 +28,16 @@
 mod admission;
 pub mod auth;
 mod batch;
+mod batch_meter;
 pub mod config;
 pub mod descriptor;
 pub mod engine;
 pub mod error;
+pub mod fd_budget;
 pub mod fuzzing;
 pub mod handshake;
 mod handshake_service;
+mod inflight;
 pub mod memory;
 pub mod metrics;
 pub mod node;

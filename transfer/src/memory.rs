@@ -3,7 +3,7 @@
 //! read or written by a peer).
 
 use std::collections::BTreeMap;
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -157,6 +157,8 @@ pub struct RegistryEntry {
 #[derive(Debug, Default)]
 pub struct MemoryRegistry {
     regions: RwLock<BTreeMap<u64, RegistryEntry>>,
+    /// Batches in flight per region (`crate::inflight`).
+    inflight: Arc<crate::inflight::InFlight>,
 }
 
 impl MemoryRegistry {
@@ -215,6 +217,44 @@ impl MemoryRegistry {
         map.remove(&addr).ok_or_else(|| {
             TransferError::InvalidArgument(format!("no memory region registered at {addr:#x}"))
         })
+    }
+
+    /// Pins the regions starting at `starts` for a batch until the returned pins drop.
+    /// Errors: `NotRegistered` when one was unregistered meanwhile (nothing is pinned then).
+    pub(crate) fn pin(&self, starts: Vec<u64>) -> Result<crate::inflight::Pins> {
+        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        if let Some(&addr) = starts.iter().find(|s| !map.contains_key(s)) {
+            return Err(TransferError::NotRegistered { addr, len: 1 });
+        }
+        Ok(self.inflight.pin(starts))
+    }
+
+    /// As `remove`, once no batch pins the region: waits up to `wait` for the batches in
+    /// flight on it to end. Errors: `InvalidArgument` as `remove`; `InUse` when batches still
+    /// use it at the deadline (it stays registered).
+    pub fn remove_when_idle(&self, addr: u64, wait: std::time::Duration) -> Result<RegistryEntry> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            {
+                let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
+                let batches = self.inflight.count(addr);
+                if batches == 0 || !map.contains_key(&addr) {
+                    return map.remove(&addr).ok_or_else(|| {
+                        TransferError::InvalidArgument(format!(
+                            "no memory region registered at {addr:#x}"
+                        ))
+                    });
+                }
+                if std::time::Instant::now() >= deadline {
+                    return Err(TransferError::InUse {
+                        addr,
+                        batches,
+                        waited: wait,
+                    });
+                }
+            }
+            self.inflight.wait_idle(addr, deadline);
+        }
     }
 
     /// All regions, ascending by address.

@@ -20,13 +20,18 @@ struct Entry {
 }
 
 /// Descriptors by segment name. An entry not used (opened or submitted to) for `idle` is
-/// dropped; one whose peer cannot be reached any more is dropped at once (`forget`).
+/// dropped; one whose peer cannot be reached any more is dropped at once (`forget`). At most
+/// `crate::fd_budget::peer_budget` peers are held: past it the least recently used one goes
+/// with its connections, so peers that come and go never exhaust the process's fds.
 pub(crate) struct PeerCache {
     entries: Mutex<HashMap<String, Entry>>,
     transport: Arc<dyn Transport>,
     auth: Arc<AuthState>,
     handshake_timeout: Duration,
     idle: Duration,
+    /// Fds the connections to one peer hold at most: a TCP data connection holds its socket,
+    /// the reader's clone and the closer's clone; RDMA queue pairs hold none.
+    fds_per_peer: usize,
 }
 
 impl PeerCache {
@@ -35,8 +40,14 @@ impl PeerCache {
         auth: Arc<AuthState>,
         handshake_timeout: Duration,
         idle: Duration,
+        tcp_connections_per_peer: usize,
     ) -> Self {
+        let fds_per_peer = match transport.kind() {
+            crate::types::TransportKind::Rdma => 1,
+            _ => 3 * tcp_connections_per_peer.max(1),
+        };
         PeerCache {
+            fds_per_peer,
             entries: Mutex::new(HashMap::new()),
             transport,
             auth,
@@ -103,13 +114,22 @@ impl PeerCache {
                 },
             })?;
         let d = Arc::new(d.validate(name)?);
-        let old = self.lock().insert(
-            name.to_string(),
-            Entry {
-                desc: d.clone(),
-                used: Instant::now(),
-            },
-        );
+        let (old, evicted) = {
+            let mut m = self.lock();
+            let old = m.insert(
+                name.to_string(),
+                Entry {
+                    desc: d.clone(),
+                    used: Instant::now(),
+                },
+            );
+            let budget = crate::fd_budget::peer_budget(self.fds_per_peer);
+            (old, evict_over(&mut m, budget, name))
+        };
+        for e in evicted {
+            tracing::debug!(segment = %e, budget_fds = crate::fd_budget::nofile_limit(), "peer budget reached; dropping the least recently used peer's connections");
+            self.transport.disconnect(&e);
+        }
         if old.is_some_and(|o| o.desc.instance_id != d.instance_id) {
             tracing::info!(
                 segment = name,
@@ -119,6 +139,25 @@ impl PeerCache {
         }
         Ok(d)
     }
+}
+
+/// Removes the least recently used entries (never `keep`) until at most `budget` remain;
+/// returns their names.
+fn evict_over(m: &mut HashMap<String, Entry>, budget: usize, keep: &str) -> Vec<String> {
+    let mut gone = Vec::new();
+    while m.len() > budget.max(1) {
+        let Some(oldest) = m
+            .iter()
+            .filter(|(k, _)| k.as_str() != keep)
+            .min_by_key(|(_, e)| e.used)
+            .map(|(k, _)| k.clone())
+        else {
+            break;
+        };
+        m.remove(&oldest);
+        gone.push(oldest);
+    }
+    gone
 }
 
 /// One retry per batch: the first slice that fails on the peer's connection starts one

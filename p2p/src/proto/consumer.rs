@@ -52,6 +52,12 @@ pub enum FailReason {
     /// come from the producer the token was sent to, so its payload is not accepted.
     #[error("FINISH without a valid proof of the load's token; payload refused")]
     BadProof,
+    /// The producer holds no session for this connection (it evicted it): nothing was served;
+    /// the socket is rebuilt with a new session, and the load may be sent again.
+    #[error(
+        "the producer holds no session for this connection (evicted); nothing was served: {0}"
+    )]
+    NoSession(String),
 }
 
 /// Result of feeding a message to [`ConsumerMachine::on_message`].
@@ -341,6 +347,14 @@ impl ConsumerMachine {
                 let why = reply
                     .error
                     .unwrap_or_else(|| "ERROR without a reason".to_string());
+                if reply.no_session {
+                    // the session is gone on the producer's side: a new socket, a new hello
+                    self.needs_rebuild = true;
+                    return ConsumerEvent::Failed {
+                        load_id,
+                        reason: FailReason::NoSession(why),
+                    };
+                }
                 ConsumerEvent::Failed {
                     load_id,
                     reason: FailReason::Producer(why),

@@ -20,4 +20,4 @@ pub mod wire;
 #[cfg(test)]
 mod serve_tests;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -311,6 +311,11 @@ pub struct Reply {
     /// consumer accepts the payload only from the producer it sent the token to.
     #[serde(default, with = "serde_bytes")]
     pub proof: Option<Vec<u8>>,
+    /// On ERROR: the producer holds no session for this connection (it was evicted, or no
+    /// hello came): nothing was served; the consumer must say hello again (a new session) and
+    /// may send the request again. Absent (false) from producers that do not say it.
+    #[serde(default)]
+    pub no_session: bool,
 }
 
 /// HMAC label of the FINISH proof.
@@ -348,6 +353,7 @@ impl Reply {
             checksums: None,
             bytes_written: 0,
             proof: None,
+            no_session: false,
         }
     }
 

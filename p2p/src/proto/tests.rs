@@ -37,7 +37,7 @@ fn opened(mut c: ConsumerMachine) -> ConsumerMachine {
     c
 }
 
-fn request(id: &str, load_id: u64) -> TransferRequest {
+pub(crate) fn request(id: &str, load_id: u64) -> TransferRequest {
     TransferRequest {
         version: PROTOCOL_VERSION,
         kind: KIND_TRANSFER_REQUEST.to_string(),

@@ -26,6 +26,7 @@ use crate::proto::layout::RankLayout;
 use crate::proto::msg::{Reply, TransferRequest, DEFAULT_MAX_ZMTP_MESSAGE};
 use crate::proto::request::build_request;
 pub use crate::proto::request::{Landed, LandedGroup, LoadGroup, LoadSpec};
+use crate::shell::load_metrics::{record_load, Loaded};
 use crate::worker::{validate, Worker, WorkerGroup};
 use kvferry_transfer::{
     GrantGuard, GrantOps, GrantSpec, Secret, Token, TransferEngine, TransferError,
@@ -188,7 +189,12 @@ impl Consumer {
     /// verdict (or `failed` with why), its load and checksum times, a recompute.
     pub async fn load(&self, spec: LoadSpec) -> Result<LoadOutcome, LoadError> {
         let r = self.load_unmetered(spec).await;
-        record_load(&r);
+        record_load(&r.as_ref().map(|o| Loaded {
+            verdict: o.verdict.as_ref(),
+            action: o.action,
+            transfer_seconds: o.transfer_seconds,
+            checksum_seconds: o.checksum_seconds,
+        }));
         r
     }
 
@@ -315,6 +321,29 @@ impl Consumer {
     }
 
     async fn send(
+        &self,
+        producer: &str,
+        request: TransferRequest,
+        load_key: Option<String>,
+    ) -> Result<Reply, ConnFailure> {
+        let r = self
+            .send_once(producer, request.clone(), load_key.clone())
+            .await;
+        match r {
+            // Refused before anything was served (the producer evicted our session): the
+            // connection says hello again, and the load goes once more on the new session.
+            Err(ConnFailure::Failed(FailReason::NoSession(why))) => {
+                debug!(
+                    producer,
+                    "session evicted by the producer ({why}); sending again"
+                );
+                self.send_once(producer, request, load_key).await
+            }
+            r => r,
+        }
+    }
+
+    async fn send_once(
         &self,
         producer: &str,
         request: TransferRequest,
@@ -646,62 +675,5 @@ impl Connection {
                 }
             }
         }
-    }
-}
-
-/// The first word of a `Debug` name in snake case (`NoChecksums(..)` -> `no_checksums`).
-fn snake(debug: &str) -> String {
-    let mut out = String::new();
-    for (i, c) in debug
-        .chars()
-        .take_while(|c| c.is_ascii_alphanumeric())
-        .enumerate()
-    {
-        if c.is_ascii_uppercase() && i > 0 {
-            out.push('_');
-        }
-        out.push(c.to_ascii_lowercase());
-    }
-    out
-}
-
-/// A load's verdict label and reason for the metrics.
-fn verdict_labels(r: &Result<LoadOutcome, LoadError>) -> (&'static str, String) {
-    match r {
-        Ok(o) => match &o.verdict {
-            None => ("unchecked", String::new()),
-            Some(Verdict::Verified) => ("verified", String::new()),
-            Some(Verdict::Mismatch { .. }) => ("mismatch", String::new()),
-            Some(Verdict::Unverified(v)) => (
-                "unverified",
-                v.first()
-                    .map(|(_, why)| snake(&format!("{why:?}")))
-                    .unwrap_or_default(),
-            ),
-        },
-        Err(e) => (
-            "failed",
-            match e {
-                LoadError::Spec { .. } => "spec".into(),
-                LoadError::Connect { .. } => "connect".into(),
-                LoadError::Failed { reason, .. } => snake(&format!("{reason:?}")),
-                LoadError::Checksum { .. } => "checksum".into(),
-            },
-        ),
-    }
-}
-
-fn record_load(r: &Result<LoadOutcome, LoadError>) {
-    let m = kvferry_transfer::metrics::global();
-    let (verdict, reason) = verdict_labels(r);
-    match r {
-        Ok(o) => {
-            let checked = o.verdict.is_some().then_some(o.checksum_seconds);
-            m.load(verdict, &reason, Some(o.transfer_seconds), checked);
-            if o.action == Action::Recompute {
-                m.recomputed();
-            }
-        }
-        Err(_) => m.load(verdict, &reason, None, None),
     }
 }

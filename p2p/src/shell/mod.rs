@@ -3,6 +3,8 @@
 
 pub mod consumer;
 mod gate;
+mod load_metrics;
+mod peer_segments;
 pub mod producer;
 pub mod producer_config;
 mod serve;

@@ -27,6 +27,7 @@ use crate::proto::serve_error::ServeFailure;
 use crate::proto::session::{names_producer, Session};
 use crate::proto::spec_checks::check_tables;
 use crate::shell::gate::{warn_limited, ControlGate, Gate, PeerWarnings};
+use crate::shell::peer_segments::{close_segments, PeerSegments};
 use crate::shell::producer_config::{
     workers_secret, ProducerConfig, PublishInfo, Released, MAX_LOAD_KEY_BYTES,
 };
@@ -35,9 +36,7 @@ use crate::worker::{validate, Worker};
 use kvferry_transfer::auth::LogLimit;
 use kvferry_transfer::{Secret, Token};
 
-/// Most control-channel sessions a producer holds (one per consumer connection); past it, the
-/// oldest goes (its consumer's next request is refused and its connection rebuilt).
-pub const MAX_SESSIONS: usize = 4096;
+pub use crate::shell::producer_config::MAX_SESSIONS;
 
 enum Event {
     Message(zeromq::ZmqResult<ZmqMessage>),
@@ -58,6 +57,7 @@ enum Command {
         request_id: String,
         load_id: u64,
         result: Result<(u64, Option<Vec<u8>>), ServeFailure>,
+        segments: Vec<String>,
     },
     Shutdown,
 }
@@ -130,6 +130,8 @@ impl Producer {
                 sessions: std::collections::HashMap::new(),
                 refusals: LogLimit::new(5, Duration::from_secs(10)),
                 peer_warnings: PeerWarnings::new(),
+                segments: PeerSegments::default(),
+                max_sessions: config.max_sessions,
             }
             .run(rx),
         );
@@ -325,12 +327,15 @@ struct EventLoop {
     /// The bound endpoint and the configured one: what a `hello` may name.
     endpoint: String,
     bind: String,
-    /// Open sessions by ROUTER peer identity (at most [`MAX_SESSIONS`]).
+    /// Open sessions by ROUTER peer identity (at most `max_sessions`).
     sessions: std::collections::HashMap<Bytes, PeerSession>,
     /// Rate limit of the WARN lines for refused hellos and requests.
     refusals: LogLimit,
     /// Warnings a consumer (or anyone reaching the port) can trigger, at most one a second each.
     peer_warnings: PeerWarnings,
+    /// The consumer segments each session and each load in flight hold.
+    segments: PeerSegments,
+    max_sessions: usize,
 }
 
 struct PeerSession {
@@ -382,7 +387,7 @@ impl EventLoop {
                     warn_limited!(self.peer_warnings.accept, "control connection failed: {e}");
                 }
                 Event::Peer(Some(SocketEvent::Disconnected(peer))) => {
-                    self.sessions.remove(&Bytes::from(peer));
+                    self.end_session(&Bytes::from(peer));
                 }
                 Event::Peer(Some(_)) => {}
                 Event::Peer(None) => self.monitor = None,
@@ -415,7 +420,9 @@ impl EventLoop {
                     request_id,
                     load_id,
                     result,
+                    segments,
                 })) => {
+                    close_segments(&self.workers, self.segments.serve_ended(segments));
                     if let Err(e) = &result {
                         warn_limited!(
                             self.peer_warnings.load_failed,
@@ -477,7 +484,8 @@ impl EventLoop {
                     Ok(s) => s,
                     Err(why) => {
                         self.refused(&why);
-                        let reply = Reply::error(&req.request_id, req.load_id, why);
+                        let mut reply = Reply::error(&req.request_id, req.load_id, why);
+                        reply.no_session = !self.sessions.contains_key(&peer);
                         self.send(peer, reply).await;
                         return;
                     }
@@ -566,14 +574,14 @@ impl EventLoop {
             .secret
             .as_ref()
             .map(|s| session.producer_proof(s).to_vec());
-        if self.sessions.len() >= MAX_SESSIONS {
+        if self.sessions.len() >= self.max_sessions.max(1) {
             let oldest = self
                 .sessions
                 .iter()
                 .min_by_key(|(_, s)| s.opened)
                 .map(|(k, _)| k.clone());
             if let Some(k) = oldest {
-                self.sessions.remove(&k);
+                self.end_session(&k);
             }
         }
         self.sessions.insert(
@@ -607,7 +615,15 @@ impl EventLoop {
             ));
         }
         s.last_load_id = Some(req.load_id);
-        Ok(s.session.clone())
+        let session = s.session.clone();
+        self.segments.add_request(peer, req);
+        Ok(session)
+    }
+
+    /// `peer`'s session ends: its consumer's connections go once no load to it is in flight.
+    fn end_session(&mut self, peer: &Bytes) {
+        self.sessions.remove(peer);
+        close_segments(&self.workers, self.segments.session_ended(peer));
     }
 
     async fn apply(&mut self, effects: Vec<Effect<Bytes, Published>>) {
@@ -647,6 +663,7 @@ impl EventLoop {
                         continue; // the producer is being dropped
                     };
                     let (request_id, load_id) = (request.request_id.clone(), request.load_id);
+                    let segments = self.segments.serve_started(&request);
                     let serve = tokio::spawn(async move {
                         let token = match request.token.as_deref().map(str::parse::<Token>) {
                             None => Ok(None),
@@ -672,6 +689,7 @@ impl EventLoop {
                             request_id,
                             load_id,
                             result,
+                            segments,
                         });
                     });
                 }

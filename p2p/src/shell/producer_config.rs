@@ -58,7 +58,14 @@ pub struct ProducerConfig {
     /// at their headers before anything is reserved; a frame that does not fit drops its
     /// connection. Default [`DEFAULT_RECEIVE_BUDGET`].
     pub receive_budget_bytes: usize,
+    /// Control-channel sessions held at most (one per consumer connection); past it the
+    /// oldest goes: its consumer's next request is answered `no_session` and it says hello
+    /// again. Default [`MAX_SESSIONS`].
+    pub max_sessions: usize,
 }
+
+/// Default [`ProducerConfig::max_sessions`].
+pub const MAX_SESSIONS: usize = 4096;
 
 /// Default [`ProducerConfig::receive_budget_bytes`]: four messages of the default maximum size.
 pub const DEFAULT_RECEIVE_BUDGET: usize = 4 * DEFAULT_MAX_ZMTP_MESSAGE;
@@ -78,6 +85,7 @@ impl Default for ProducerConfig {
             handshake_timeout: Duration::from_secs(2),
             frame_timeout: Duration::from_secs(10),
             receive_budget_bytes: DEFAULT_RECEIVE_BUDGET,
+            max_sessions: MAX_SESSIONS,
         }
     }
 }

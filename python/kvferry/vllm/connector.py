@@ -38,8 +38,9 @@ host, or a list with one entry per worker indexed by its local rank, e.g. ``["ml
 "mlx5_1"]`` for GPU 0 and GPU 1; default ``""``: kvferry picks; Mooncake's ``device_name``),
 ``allowed_producers`` (read by consumers: a list of ``"host"`` or ``"host:port"`` (base port)
 strings; a request whose ``kv_transfer_params`` name another producer is computed locally,
-never connected to; absent: any address, with a warning: a client that reaches the consumer's
-API could make it load KV from a host of its choosing), ``secret_file`` (the path of a shared
+never connected to; absent: with ``secret_file``, any producer that proves the secret, else
+loopback producers only, so that a client that reaches the consumer's API cannot make it load
+KV from a host of its choosing; docs/deploy.md), ``secret_file`` (the path of a shared
 secret of 16..4096 bytes, mode 600, the same on every instance: every rank's transfer engines
 authenticate and each load writes under a per-load grant, as the CLI's ``--secret-file``;
 docs/design.md §8.1; load keys stay the random per-request keys the proxy carries),
@@ -181,7 +182,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError(f"kv_connector_extra_config['secret_file'] = {secret_file!r}: expected a file path")
         allowed = extra.get("allowed_producers")
         try:
-            allowed = None if allowed is None else P.ProducerAllowlist.parse(allowed)
+            allowed = P.producer_policy(allowed, secret_file)
         except ValueError as e:
             raise ConfigError(f"kv_connector_extra_config['allowed_producers']: {e}") from None
         host = extra.get("host")

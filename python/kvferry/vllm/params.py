@@ -30,6 +30,8 @@ needs no bootstrap-server address of its own.
 
 from __future__ import annotations
 
+import ipaddress
+
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -179,7 +181,8 @@ def transfer_id_of(params: Mapping[str, Any]) -> str:
     return _text(params, TRANSFER_ID, MAX_ID_BYTES)
 
 
-def remote_source(params: Mapping[str, Any], allowed: "ProducerAllowlist | None" = None) -> RemoteSource:
+def remote_source(params: Mapping[str, Any],
+                  allowed: "ProducerAllowlist | LoopbackOnly | None" = None) -> RemoteSource:
     """Parses a consumer request's params, every size, type and range bounded (the MAX_*
     constants); with ``allowed``, the producer's address must be on it. :class:`ParamsError`
     names the first bad key."""
@@ -277,6 +280,39 @@ class ProducerAllowlist:
             if eh == h.lower() and (ep is None or ep == port):
                 return
         raise ParamsError(f"kv_transfer_params: producer {host}:{port} is not in allowed_producers")
+
+
+@dataclass(frozen=True)
+class LoopbackOnly:
+    """The producers a consumer loads from when neither ``allowed_producers`` nor
+    ``secret_file`` is configured: loopback addresses only (``127.0.0.0/8``, ``::1``,
+    ``localhost``). An open-mode consumer cannot tell a real producer from any host that
+    answers, so it never connects off this host on a request's word; configure an allowlist
+    (or a shared secret, which makes every producer prove itself) for producers elsewhere."""
+
+    def check(self, host: str, port: int) -> None:
+        """:class:`ParamsError` unless ``host`` is a loopback address."""
+        h = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        h = h.lower()
+        if h == "localhost":
+            return
+        try:
+            if ipaddress.ip_address(h).is_loopback:
+                return
+        except ValueError:
+            pass
+        raise ParamsError(f"kv_transfer_params: producer {host}:{port} is not on this host, and this consumer has "
+                          "neither allowed_producers nor secret_file (open mode loads from loopback producers only)")
+
+
+def producer_policy(allowed: Any, secret_file: str | None) -> "ProducerAllowlist | LoopbackOnly | None":
+    """Which producers a consumer loads from, from ``kv_connector_extra_config``: the
+    ``allowed_producers`` list when given (:class:`ValueError` when malformed); without one, any
+    producer in secret mode (``None``: each proves the secret before it is sent anything), and
+    loopback producers only in open mode (:class:`LoopbackOnly`)."""
+    if allowed is not None:
+        return ProducerAllowlist.parse(allowed)
+    return None if secret_file else LoopbackOnly()
 
 
 def _entry_port(entry: str, text: str) -> int:

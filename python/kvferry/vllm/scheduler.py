@@ -51,8 +51,9 @@ class SchedulerConfig:
     head_splits: int = 1
     layer_splits: int = 1
     stage_layers: tuple[tuple[int, int], ...] | None = None
-    # The producers a consumer loads from (``allowed_producers``); None: any address.
-    allowed_producers: P.ProducerAllowlist | None = None
+    # The producers a consumer loads from (``allowed_producers``, or loopback only in open mode);
+    # None: any address (secret mode: every producer proves the secret before it gets anything).
+    allowed_producers: P.ProducerAllowlist | P.LoopbackOnly | None = None
     group_block_sizes: tuple[int, ...] = ()
     # Each group's sliding window in tokens (None: full attention), in the same order.
     group_windows: tuple[int | None, ...] = ()
@@ -68,9 +69,9 @@ class KvferrySchedulerSide:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        if config.is_consumer and config.allowed_producers is None:
-            log.warning("kvferry: no allowed_producers in kv_connector_extra_config: this consumer connects to "
-                        "whatever producer address a request's kv_transfer_params name (trusted clients only)")
+        if config.is_consumer and isinstance(config.allowed_producers, P.LoopbackOnly):
+            log.warning("kvferry: neither allowed_producers nor secret_file in kv_connector_extra_config: this "
+                        "consumer loads from producers on this host only (set allowed_producers for others)")
         self._new_loads: list[LoadSpec] = []
         self._new_sends: list[SendSpec] = []
         # request id -> transfer id of sends whose blocks the producer still holds

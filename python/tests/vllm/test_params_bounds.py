@@ -79,3 +79,28 @@ def test_a_consumer_computes_locally_what_an_unlisted_producer_would_send():
     assert s.get_num_new_matched_tokens(Req("ok", reply()), 0) == (40, True)
     assert s.get_num_new_matched_tokens(Req("evil", reply(remote_host="10.9.9.9")), 0) == (0, False)
     assert s.get_num_new_matched_tokens(Req("big", reply(load_key="k" * (10 << 20))), 0) == (0, False)
+
+
+def test_without_an_allowlist_open_mode_loads_from_loopback_producers_only():
+    loopback = P.producer_policy(None, None)
+    assert isinstance(loopback, P.LoopbackOnly)
+    for host in ("127.0.0.1", "127.3.2.1", "localhost", "::1", "[::1]"):
+        assert P.remote_source(reply(remote_host=host), loopback).host == host
+    for host in ("10.0.0.5", "evil.example", "0.0.0.0", "fd00::1", "127.0.0.1.evil.example"):
+        with pytest.raises(P.ParamsError, match="not on this host"):
+            P.remote_source(reply(remote_host=host), loopback)
+    # secret mode: any producer, each proving the secret before it is sent a token or a key
+    assert P.producer_policy(None, "/etc/kvferry/secret") is None
+    # an allowlist is what it says, in either mode
+    listed = P.producer_policy(["10.0.0.5"], None)
+    assert P.remote_source(reply(), listed).host == "10.0.0.5"
+    with pytest.raises(ValueError):
+        P.producer_policy([], "/etc/kvferry/secret")
+
+
+def test_an_open_mode_consumer_without_an_allowlist_computes_off_host_requests_locally():
+    s = KvferrySchedulerSide(SchedulerConfig(engine_id="d", is_producer=False, is_consumer=True, host="127.0.0.1",
+                                             port=17600, tp_size=1, pp_size=1, block_size=16, lease_seconds=30.0,
+                                             allowed_producers=P.producer_policy(None, None)))
+    assert s.get_num_new_matched_tokens(Req("local", reply(remote_host="127.0.0.1")), 0) == (40, True)
+    assert s.get_num_new_matched_tokens(Req("far", reply()), 0) == (0, False)

@@ -26,6 +26,9 @@ pub(crate) struct BatchState {
     notify: tokio::sync::Notify,
     /// Set when nobody waits any more (timed out or freed): transports skip slices not yet sent.
     cancelled: std::sync::atomic::AtomicBool,
+    /// The local regions the slices use, pinned until the last slice is reported (then they
+    /// may be unregistered): not when the waiter gives up, since slices on the wire still land.
+    pins: Mutex<Option<crate::inflight::Pins>>,
 }
 
 impl BatchState {
@@ -42,7 +45,21 @@ impl BatchState {
             cond: Condvar::new(),
             notify: tokio::sync::Notify::new(),
             cancelled: std::sync::atomic::AtomicBool::new(false),
+            pins: Mutex::new(None),
         })
+    }
+
+    /// Holds `pins` until every slice is reported (at once when none is left).
+    pub(crate) fn hold(&self, pins: crate::inflight::Pins) {
+        let c = self.lock();
+        if c.succeeded + c.failed < self.total {
+            *self.pins.lock().unwrap_or_else(|e| e.into_inner()) = Some(pins);
+        }
+    }
+
+    /// The last slice was reported: the regions are free.
+    fn unpin(&self) {
+        self.pins.lock().unwrap_or_else(|e| e.into_inner()).take();
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
@@ -184,6 +201,7 @@ impl BatchState {
         let all = c.succeeded + c.failed == self.total;
         drop(c);
         if all {
+            self.unpin();
             self.cond.notify_all();
             self.notify.notify_waiters();
         }
@@ -215,6 +233,7 @@ impl BatchState {
         let all = c.succeeded + c.failed == self.total;
         drop(c);
         if all {
+            self.unpin();
             self.cond.notify_all();
             self.notify.notify_waiters();
         }

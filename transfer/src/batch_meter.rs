@@ -1,0 +1,77 @@
+//! What the metrics need of each batch in flight (`crate::metrics`): its path, peer, op, bytes
+//! and start, recorded once when it is waited for.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
+
+use crate::error::Result;
+use crate::types::{BatchId, Op, TransferRequest};
+
+/// A batch in flight as the metrics see it.
+struct BatchMeter {
+    started: Instant,
+    path: String,
+    peer: String,
+    op: &'static str,
+    bytes: u64,
+    slices: u32,
+}
+
+/// The engine's batches in flight, by id.
+#[derive(Default)]
+pub(crate) struct Meters(Mutex<HashMap<BatchId, BatchMeter>>);
+
+impl Meters {
+    fn lock(&self) -> MutexGuard<'_, HashMap<BatchId, BatchMeter>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Batch `id` of `slices` slices of `requests` to `peer` started on `path` (a metrics label).
+    pub(crate) fn start(
+        &self,
+        id: BatchId,
+        path: String,
+        peer: &str,
+        requests: &[TransferRequest],
+        slices: u32,
+    ) {
+        let op = match requests.first().map(|r| r.op) {
+            Some(Op::Read) => "read",
+            _ => "write",
+        };
+        let meter = BatchMeter {
+            started: Instant::now(),
+            path,
+            peer: peer.to_string(),
+            op,
+            bytes: requests.iter().fold(0u64, |a, r| a.saturating_add(r.len)),
+            slices,
+        };
+        self.lock().insert(id, meter);
+    }
+
+    /// Records a waited batch's end once: done, failed, or timed out (its later end is not
+    /// recorded again).
+    pub(crate) fn end(&self, id: BatchId, r: &Result<()>) {
+        let Some(m) = self.lock().remove(&id) else {
+            return;
+        };
+        crate::metrics::global().transfer(
+            &crate::metrics::Transfer {
+                path: &m.path,
+                peer: &m.peer,
+                op: m.op,
+                bytes: m.bytes,
+                slices: m.slices,
+                seconds: m.started.elapsed().as_secs_f64(),
+            },
+            r.as_ref().map(|_| ()).map_err(|e| e.cause()),
+        );
+    }
+
+    /// Forgets batch `id` unrecorded (freed).
+    pub(crate) fn forget(&self, id: BatchId) {
+        self.lock().remove(&id);
+    }
+}

@@ -109,6 +109,15 @@ def mooncake_point(size, batch, seconds, protocol="tcp", host="127.0.0.1", devic
     """Runs in the venv python. Returns the point as a dict (same fields as kvferry's).
     Batches: at least `min_batches`, at most `max_batches` (0: no bound), none started after
     `seconds` once the minimum is done (as `kvferry bench --min-batches/--max-batches`)."""
+    return next(mooncake_points([(size, batch)], seconds, protocol, host, device, min_batches,
+                                max_batches))
+
+
+def mooncake_points(points, seconds, protocol="tcp", host="127.0.0.1", device="",
+                    min_batches=1, max_batches=0):
+    """Yields one dict per (size, batch) of `points`, measured in turn by one pair of engines
+    with one registered buffer per side (as large as the largest point): the start-up,
+    import and registration, which take most of a soft-RoCE guest's time, are paid once."""
     import numpy as np
     from mooncake.engine import TransferEngine
 
@@ -117,7 +126,7 @@ def mooncake_point(size, batch, seconds, protocol="tcp", host="127.0.0.1", devic
         if e.initialize(host, "P2PHANDSHAKE", protocol, device) != 0:
             raise RuntimeError(f"mooncake: initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device!r}) failed")
     target = f"{host}:{dst_e.get_rpc_port()}"
-    total = size * batch
+    total = max(size * batch for size, batch in points)
     # same pattern as kvferry bench: (i * 31) ^ (i >> 12), as bytes. As bytes it repeats every
     # MiB, so one MiB is computed and copied (cheap in a soft-RoCE guest, which has 2 GiB and
     # emulates every instruction)
@@ -132,39 +141,42 @@ def mooncake_point(size, batch, seconds, protocol="tcp", host="127.0.0.1", devic
     sa, da = src.ctypes.data, dst.ctypes.data
     if src_e.register_memory(sa, total) != 0 or dst_e.register_memory(da, total) != 0:
         raise RuntimeError("mooncake: register_memory failed")
-    locals_ = [sa + k * size for k in range(batch)]
-    remotes = [da + k * size for k in range(batch)]
-    lens = [size] * batch
-    # No warm-up batch: `kvferry bench` has none either (both start with cold target pages).
-    lat = []
-    start = time.perf_counter()
-    deadline = start + seconds
-    while True:
-        t0 = time.perf_counter()
-        if max_batches and len(lat) >= max_batches:
-            break
-        if t0 >= deadline and len(lat) >= min_batches:
-            break
-        if src_e.batch_transfer_sync_write(target, locals_, remotes, lens) != 0:
-            raise RuntimeError("mooncake: a batch failed")
-        lat.append(time.perf_counter() - t0)
-    elapsed = time.perf_counter() - start
-    # every batch writes the same bytes: after the last one the target must equal the source
-    if not lat or not np.array_equal(src, dst):
-        bad = int(np.flatnonzero(src != dst)[0]) if lat else -1
-        raise RuntimeError(f"mooncake: landed bytes differ from the source (first at offset {bad})")
+    for size, batch in points:
+        used = size * batch
+        dst[:used] = 0
+        locals_ = [sa + k * size for k in range(batch)]
+        remotes = [da + k * size for k in range(batch)]
+        lens = [size] * batch
+        # No warm-up batch: `kvferry bench` has none either.
+        lat = []
+        start = time.perf_counter()
+        deadline = start + seconds
+        while True:
+            t0 = time.perf_counter()
+            if max_batches and len(lat) >= max_batches:
+                break
+            if t0 >= deadline and len(lat) >= min_batches:
+                break
+            if src_e.batch_transfer_sync_write(target, locals_, remotes, lens) != 0:
+                raise RuntimeError("mooncake: a batch failed")
+            lat.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - start
+        # every batch writes the same bytes: after the last one the target must equal the source
+        if not lat or not np.array_equal(src[:used], dst[:used]):
+            bad = int(np.flatnonzero(src[:used] != dst[:used])[0]) if lat else -1
+            raise RuntimeError(f"mooncake: landed bytes differ from the source (first at offset {bad})")
+        lat.sort()
+        n = len(lat)
+        yield {
+            "block_size": size,
+            "batch": batch,
+            "gb_per_s": n * used / elapsed / 1e9,
+            "avg_latency_us": sum(lat) / n * 1e6,
+            "p99_latency_us": lat[min(n - 1, max(0, -(-n * 99 // 100) - 1))] * 1e6,
+            "batches": n,
+        }
     src_e.unregister_memory(sa)
     dst_e.unregister_memory(da)
-    lat.sort()
-    n = len(lat)
-    return {
-        "block_size": size,
-        "batch": batch,
-        "gb_per_s": n * total / elapsed / 1e9,
-        "avg_latency_us": sum(lat) / n * 1e6,
-        "p99_latency_us": lat[min(n - 1, max(0, -(-n * 99 // 100) - 1))] * 1e6,
-        "batches": n,
-    }
 
 
 def run_mooncake(python, size, batch, seconds, timeout):
@@ -436,6 +448,9 @@ def main():
     # One Mooncake point in this process (used by run_mooncake and the soft-RoCE suite).
     ap.add_argument("--mooncake-point", nargs=3, metavar=("SIZE", "BATCH", "SECONDS"),
                     help="run one Mooncake point here and print it as JSON")
+    ap.add_argument("--mooncake-points", nargs=2, metavar=("SIZE:BATCH,...", "SECONDS"),
+                    help="run several Mooncake points here with one pair of engines and print "
+                         "each as a JSON line")
     ap.add_argument("--protocol", default="tcp", help="--mooncake-point: tcp or rdma")
     ap.add_argument("--host", default="127.0.0.1", help="--mooncake-point: address of both engines")
     ap.add_argument("--device", default="", help="--mooncake-point: RDMA device names, e.g. rxe0")
@@ -453,6 +468,12 @@ def main():
         if python is None:
             return 1
         print(python)
+        return 0
+    if a.mooncake_points:
+        pts = [tuple(int(v) for v in p.split(":")) for p in a.mooncake_points[0].split(",") if p]
+        for p in mooncake_points(pts, float(a.mooncake_points[1]), a.protocol, a.host, a.device,
+                                 max(1, a.min_batches), max(0, a.max_batches)):
+            print(json.dumps(p), flush=True)
         return 0
     if a.mooncake_point:
         size, batch, secs = int(a.mooncake_point[0]), int(a.mooncake_point[1]), float(a.mooncake_point[2])

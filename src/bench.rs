@@ -169,6 +169,15 @@ fn engine_config(args: &BenchArgs, listen: Option<&str>) -> Result<EngineConfig,
         ..EngineConfig::default()
     };
     cfg.auth.secret_file = args.secret_file.clone();
+    if let Some(n) = args.qps_per_endpoint {
+        cfg.rdma.qps_per_endpoint = n as usize;
+    }
+    if let Some(n) = args.merge_bytes {
+        cfg.rdma.merge_bytes = n;
+    }
+    if let Some(n) = args.post_chain {
+        cfg.rdma.post_chain = n as usize;
+    }
     Ok(cfg)
 }
 

@@ -469,6 +469,17 @@ pub struct BenchArgs {
     /// target, so no two consecutive requests continue each other).
     #[arg(long, value_enum, default_value_t = BenchPattern::Contiguous)]
     pub pattern: BenchPattern,
+    /// RDMA: RC QPs per endpoint (`rdma.qps_per_endpoint`; default the engine's, 2).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub qps_per_endpoint: Option<u64>,
+    /// RDMA: largest work request that consecutive slices are merged into, bytes
+    /// (`rdma.merge_bytes`; default the engine's, 1 MiB; 0 posts one per slice).
+    #[arg(long)]
+    pub merge_bytes: Option<u64>,
+    /// RDMA: work requests per `ibv_post_send` call at most (`rdma.post_chain`; default the
+    /// engine's, 32; 1 posts them one by one).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub post_chain: Option<u64>,
     /// Authenticate both engines with this shared secret: the target grants READ and WRITE on
     /// its buffer to a token both sides derive from the secret and the target's segment name,
     /// and every data frame is checked (measures the check). Target and initiator take the

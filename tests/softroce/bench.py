@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
 """The soft-RoCE suite's benchmark step (run inside the guest by suite.sh): kvferry's RDMA
-transfer engine beside `ib_write_bw` and, when a Python with Mooncake's Transfer Engine is
-given, beside Mooncake's engine, on the same rxe device in the same boot.
+transfer engine beside `ib_write_bw` with as many QPs as kvferry's endpoint (`-q`) and, when a
+Python with Mooncake's Transfer Engine is given, beside Mooncake's engine, on the same rxe
+device in the same boot; and kvferry alone with other QP counts per endpoint (`--qps-sweep`).
 
-Work: WRITEs of `--batch` requests of each size between two engines on one device in
-loopback. kvferry and Mooncake submit a batch, wait for all of it and repeat; ib_write_bw
-keeps `--batch` work requests in flight (its tx depth, stated explicitly: perftest lowers the
-depth to the iteration count, so it runs at least `--min-batches` × depth iterations). Each
-engine runs at least `--min-batches` batches per point and none started after `--seconds`.
-`--rounds` rounds, the engines' order rotated each round; per point the medians over rounds
-and their min-max, and the per-round ratios kvferry / ib_write_bw and kvferry / Mooncake
-(median, min-max). The emulated link says nothing about absolute speed: only ratios of the
-same boot mean something (docs/design.md §7).
+Work: WRITEs of batches of requests of each size between two engines on one device in
+loopback: `--batch` requests, fewer where that would pass `--batch-bytes` (a 4 MiB point runs
+batches of 32). kvferry's requests land in reverse order on the target (`--pattern
+scattered`), so it merges the slices of one request into one work request but never two
+requests, as neither Mooncake nor ib_write_bw does. kvferry and Mooncake submit a batch, wait
+for all of it and repeat; ib_write_bw keeps a batch's requests in flight over its QPs (tx depth
+batch / QPs per QP, stated explicitly: perftest lowers the depth to the iteration count) and
+moves at least what kvferry's point moves (`--min-batches` batches). Each engine runs at least `--min-batches` batches
+per point and none started after `--seconds`. `--rounds` rounds, the engines' order rotated
+each round; per point the medians over rounds and their min-max, and the per-round ratios
+kvferry / ib_write_bw and kvferry / Mooncake (median, min-max). The emulated link says nothing
+about absolute speed: only ratios of the same boot mean something (docs/design.md §7).
 
 Writes OUT/bench_ratio.txt (the summary) and OUT/bench_rounds.json (every run). Exit 1 when
 kvferry did not run over RDMA or moved nothing at some point; a missing ib_write_bw or
@@ -44,11 +48,20 @@ def human(n):
     return f"{n} B"
 
 
+def batch_for(a, size):
+    """Requests per batch at `size`: `--batch`, fewer where that passes `--batch-bytes`."""
+    return max(1, min(a.batch, a.batch_bytes // size))
+
+
 def ib_point(a, size, log):
-    """ib_write_bw server + client on one device; GB/s (10^9 B/s) or None, with the reason."""
-    iters = max(a.min_batches * a.batch, -(-a.ib_bytes // size))
+    """ib_write_bw server + client on one device with `--qps` QPs; GB/s (10^9 B/s) or None,
+    with the reason, the iterations per QP and the tx depth per QP. The batch's requests are
+    in flight over all QPs together (depth per QP = batch / QPs) and the run moves what
+    kvferry's point moves at least (`-n` counts per QP; perftest lowers the depth to it)."""
+    depth = -(-batch_for(a, size) // a.qps)
+    iters = max(depth, -(-a.min_batches * batch_for(a, size) // a.qps), -(-a.ib_bytes // (size * a.qps)))
     cmd = ["ib_write_bw", "-d", a.device, "-x", str(a.gid_index), "-s", str(size), "-n", str(iters),
-           "-t", str(a.batch)]
+           "-t", str(depth), "-q", str(a.qps)]
     srv = subprocess.Popen(cmd, stdout=open(f"{log}-server.log", "w"), stderr=subprocess.STDOUT)
     out, rc = "", 1
     try:
@@ -69,51 +82,64 @@ def ib_point(a, size, log):
             srv.wait()
     Path(f"{log}.log").write_text(out)
     if rc != 0:
-        return None, f"ib_write_bw exited {rc}", iters
+        return None, f"ib_write_bw exited {rc}", iters, depth
     # result line: #bytes #iterations BW peak[MB/sec] BW average[MB/sec] MsgRate[Mpps]
     # (perftest's MB is 2^20 bytes)
     for line in reversed(out.splitlines()):
         f = line.split()
         if len(f) >= 5 and f[0] == str(size):
             try:
-                return float(f[3]) * MIB / GB, None, iters
+                return float(f[3]) * MIB / GB, None, iters, depth
             except ValueError:
                 break
-    return None, "ib_write_bw printed no result line", iters
+    return None, "ib_write_bw printed no result line", iters, depth
 
 
-def kvferry_points(a, log):
-    """{size: point} from one `kvferry bench` run over every size, or raises."""
-    cmd = [a.kvferry, "bench", "--transport", "rdma", "--block-sizes", ",".join(map(str, a.sizes)),
-           "--batch", str(a.batch), "--seconds", str(a.seconds), "--min-batches", str(a.min_batches),
-           "--json"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-    Path(f"{log}.log").write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
-    if r.returncode != 0:
-        raise RuntimeError(f"kvferry bench exited {r.returncode}: {r.stderr.strip()[-500:]}")
-    rep = json.loads(r.stdout)
-    if rep.get("transport") != "rdma":
-        raise RuntimeError(f"kvferry bench ran over {rep.get('transport')!r}, not RDMA")
-    return {p["block_size"]: p for p in rep["points"]}
+def kvferry_points(a, log, qps, sizes):
+    """{size: point} from `kvferry bench` with `qps` QPs per endpoint at `sizes` (one run per
+    batch size), or raises."""
+    by_batch = {}
+    for size in sizes:
+        by_batch.setdefault(batch_for(a, size), []).append(size)
+    pts, text = {}, ""
+    for batch, sizes in by_batch.items():
+        cmd = [a.kvferry, "bench", "--transport", "rdma", "--block-sizes", ",".join(map(str, sizes)),
+               "--batch", str(batch), "--seconds", str(a.seconds), "--min-batches", str(a.min_batches),
+               "--pattern", "scattered", "--qps-per-endpoint", str(qps), "--json"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+        text += " ".join(cmd) + "\n" + r.stdout + r.stderr
+        Path(f"{log}.log").write_text(text)
+        if r.returncode != 0:
+            raise RuntimeError(f"kvferry bench exited {r.returncode}: {r.stderr.strip()[-500:]}")
+        rep = json.loads(r.stdout)
+        if rep.get("transport") != "rdma":
+            raise RuntimeError(f"kvferry bench ran over {rep.get('transport')!r}, not RDMA")
+        pts.update({p["block_size"]: p for p in rep["points"]})
+    return pts
 
 
-def mooncake_point(a, size, log):
-    """Mooncake's point as a dict, or None with the reason."""
-    cmd = [a.mooncake_python, a.mooncake_script, "--mooncake-point", str(size), str(a.batch),
-           str(a.seconds), "--protocol", "rdma", "--host", a.ip, "--device", a.device,
-           "--min-batches", str(a.min_batches)]
+def mooncake_points(a, log):
+    """{size: point, or {"error": reason}} from one Mooncake process over every size."""
+    spec = ",".join(f"{size}:{batch_for(a, size)}" for size in a.sizes)
+    cmd = [a.mooncake_python, a.mooncake_script, "--mooncake-points", spec, str(a.seconds),
+           "--protocol", "rdma", "--host", a.ip, "--device", a.device, "--min-batches", str(a.min_batches)]
     env = dict(os.environ, GLOG_minloglevel="2")  # Mooncake logs every connection at INFO
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
-    except subprocess.TimeoutExpired:
-        Path(f"{log}.log").write_text(" ".join(cmd) + f"\ntimed out after {a.timeout} s\n")
-        return None, f"timed out after {a.timeout} s"
-    Path(f"{log}.log").write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
-    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
-    if r.returncode != 0 or not lines:
-        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        return None, f"exited {r.returncode}: {tail[-300:]}"
-    return json.loads(lines[-1]), None
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout * len(a.sizes), env=env)
+        out, err, why = r.stdout, r.stderr, None
+        if r.returncode != 0:
+            tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            why = f"exited {r.returncode}: {tail[-300:]}"
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err, why = "", f"timed out after {a.timeout * len(a.sizes):g} s"
+    Path(f"{log}.log").write_text(" ".join(cmd) + "\n" + out + err)
+    got = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            p = json.loads(line)
+            got[p["block_size"]] = p
+    return {size: got.get(size) or {"error": why or "no result"} for size in a.sizes}
 
 
 def spread(values):
@@ -135,13 +161,19 @@ def main():
     ap.add_argument("--device", default="rxe0")
     ap.add_argument("--gid-index", type=int, default=1, help="ib_write_bw -x (1: IPv4-mapped RoCEv2)")
     ap.add_argument("--ip", required=True, help="the device's IPv4 address")
-    ap.add_argument("--sizes", default="64K,1M")
-    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--sizes", default="64K,256K,1M,4M")
+    ap.add_argument("--batch", type=int, default=128, help="requests per batch (ib_write_bw: tx depth)")
+    ap.add_argument("--batch-bytes", default="128M", help="bytes per batch at most (fewer requests at large sizes)")
+    ap.add_argument("--qps", type=int, default=2,
+                    help="kvferry's QPs per endpoint (its default, 2) and ib_write_bw's -q")
+    ap.add_argument("--qps-sweep", default="1,4",
+                    help="other QP counts per endpoint kvferry runs with each round (empty: none)")
+    ap.add_argument("--qps-sweep-sizes", default="", help="sizes of the QP sweep (empty: --sizes)")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--min-batches", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ib-bytes", type=int, default=128 * MIB, help="bytes per ib_write_bw run, at least")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per engine run")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per engine run (per size for Mooncake)")
     ap.add_argument("--budget", type=float, default=900.0,
                     help="seconds for all rounds: no round starts that could end past it")
     ap.add_argument("--mooncake-python", default="", help="a python that imports mooncake.engine")
@@ -149,6 +181,9 @@ def main():
     ap.add_argument("--mooncake-skip-reason", default="", help="why Mooncake is not measured")
     a = ap.parse_args()
     a.sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
+    a.batch_bytes = parse_size(a.batch_bytes)
+    sweep = [int(q) for q in a.qps_sweep.split(",") if q.strip() and int(q) != a.qps]
+    a.sweep_sizes = [parse_size(s) for s in a.qps_sweep_sizes.split(",") if s.strip()] or a.sizes
     out = Path(a.out)
     engines = ["ib_write_bw", "kvferry"] + (["mooncake"] if a.mooncake_python else [])
 
@@ -164,30 +199,35 @@ def main():
             break
         round_began = time.time()
         order = engines[rnd % len(engines):] + engines[:rnd % len(engines)]
-        res = {"round": rnd + 1, "order": order, "ib_write_bw": {}, "kvferry": {}, "mooncake": {}}
+        # the QP sweep's runs go right after kvferry's own, in a rotating order too
+        qorder = sweep[rnd % len(sweep):] + sweep[:rnd % len(sweep)] if sweep else []
+        res = {"round": rnd + 1, "order": order, "ib_write_bw": {}, "kvferry": {}, "mooncake": {},
+               "kvferry_qps": {}}
         for who in order:
             t0 = time.time()
             if who == "ib_write_bw":
                 for size in a.sizes:
-                    gbs, why, iters = ib_point(a, size, out / f"ib_write_bw-r{rnd + 1}-{size}")
-                    res["ib_write_bw"][size] = {"gb_per_s": gbs, "iterations": iters, "tx_depth": a.batch,
-                                                "error": why}
+                    gbs, why, iters, depth = ib_point(a, size, out / f"ib_write_bw-r{rnd + 1}-{size}")
+                    res["ib_write_bw"][size] = {"gb_per_s": gbs, "iterations_per_qp": iters,
+                                                "tx_depth_per_qp": depth, "qps": a.qps, "error": why}
             elif who == "kvferry":
-                try:
-                    pts = kvferry_points(a, out / f"kvferry-bench-r{rnd + 1}")
-                except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
-                    print(f"round {rnd + 1}: kvferry: {e}", file=sys.stderr)
-                    ok = False
-                    pts = {}
-                for size in a.sizes:
-                    p = pts.get(size)
-                    if p is None or not p["gb_per_s"] > 0:
+                for q in [a.qps] + qorder:
+                    sizes = a.sizes if q == a.qps else a.sweep_sizes
+                    try:
+                        pts = kvferry_points(a, out / f"kvferry-bench-r{rnd + 1}-q{q}", q, sizes)
+                    except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+                        print(f"round {rnd + 1}: kvferry ({q} QPs): {e}", file=sys.stderr)
                         ok = False
-                    res["kvferry"][size] = p
+                        pts = {}
+                    for size in sizes:
+                        p = pts.get(size)
+                        if p is None or not p["gb_per_s"] > 0:
+                            ok = False
+                        res["kvferry_qps"].setdefault(q, {})[size] = p
+                        if q == a.qps:
+                            res["kvferry"][size] = p
             else:
-                for size in a.sizes:
-                    p, why = mooncake_point(a, size, out / f"mooncake-r{rnd + 1}-{size}")
-                    res["mooncake"][size] = p if p else {"error": why}
+                res["mooncake"] = mooncake_points(a, out / f"mooncake-r{rnd + 1}")
             print(f"round {rnd + 1}: {who} {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
         rounds.append(res)
         longest = max(longest, time.time() - round_began)
@@ -200,10 +240,16 @@ def main():
         k, b = gbs(r, "kvferry", size), gbs(r, base, size)
         return k / b if k and b else None
 
-    lines = [f"soft-RoCE bench: {a.device} under QEMU TCG, WRITE, batch {a.batch} (ib_write_bw tx depth "
-             f"{a.batch}), {len(rounds)} rounds, at least {a.min_batches} batches and {a.seconds:g} s per "
-             f"point; GB/s and ratios as median (min-max) over rounds"]
+    def qgbs(r, q, size):
+        return ((r["kvferry_qps"].get(q) or {}).get(size) or {}).get("gb_per_s")
+
+    lines = [f"soft-RoCE bench: {a.device} under QEMU TCG, WRITE, batches of {a.batch} requests (at most "
+             f"{human(a.batch_bytes)}: " + ", ".join(f"{batch_for(a, s)} at {human(s)}" for s in a.sizes)
+             + f"), kvferry with {a.qps} QPs per endpoint beside ib_write_bw -q {a.qps} (the batch's "
+             f"requests in flight over its QPs) and Mooncake (2 QPs per endpoint), {len(rounds)} rounds, at least {a.min_batches} "
+             f"batches and {a.seconds:g} s per point; GB/s and ratios as median (min-max) over rounds"]
     summary = []
+    missed = []
     for size in a.sizes:
         k = spread([gbs(r, "kvferry", size) for r in rounds])
         ib = spread([gbs(r, "ib_write_bw", size) for r in rounds])
@@ -212,11 +258,28 @@ def main():
         r_mc = spread([ratio(r, size, "mooncake") for r in rounds])
         batches = [(r["kvferry"].get(size) or {}).get("batches") for r in rounds]
         lines.append(f"block {human(size):>7}: kvferry {fmt(k)} GB/s ({'/'.join(str(b) for b in batches)} batches)"
-                     f" | ib_write_bw {fmt(ib)} | Mooncake {fmt(mc)}")
+                     f" | ib_write_bw -q {a.qps} {fmt(ib)} | Mooncake {fmt(mc)}")
         lines.append(f"{'':15}kvferry/ib_write_bw {fmt(r_ib, 2)} | kvferry/Mooncake {fmt(r_mc, 2)}")
-        summary.append({"block_size": size, "kvferry_gb_per_s": k, "ib_write_bw_gb_per_s": ib,
-                        "mooncake_gb_per_s": mc, "ratio_kvferry_over_ib_write_bw": r_ib,
-                        "ratio_kvferry_over_mooncake": r_mc})
+        if r_ib and r_ib[0] < 0.95:
+            missed.append(f"{human(size)}: kvferry/ib_write_bw {r_ib[0]:.2f} < 0.95")
+        if r_mc and r_mc[0] < 1.2:
+            missed.append(f"{human(size)}: kvferry/Mooncake {r_mc[0]:.2f} < 1.2")
+        summary.append({"block_size": size, "batch": batch_for(a, size), "kvferry_gb_per_s": k,
+                        "ib_write_bw_gb_per_s": ib, "mooncake_gb_per_s": mc,
+                        "ratio_kvferry_over_ib_write_bw": r_ib, "ratio_kvferry_over_mooncake": r_mc})
+    if sweep:
+        qs = sorted([a.qps] + sweep)
+        lines.append(f"kvferry by QPs per endpoint (GB/s median; ratio to {a.qps} QPs, per round, median):")
+        for size in a.sweep_sizes:
+            cells = []
+            for q in qs:
+                g = spread([qgbs(r, q, size) for r in rounds])
+                rel = spread([qgbs(r, q, size) / qgbs(r, a.qps, size) for r in rounds
+                              if qgbs(r, q, size) and qgbs(r, a.qps, size)])
+                cells.append(f"{q} QPs {g[0]:.4f} (x{rel[0]:.2f})" if g and rel else f"{q} QPs n/a")
+            lines.append(f"block {human(size):>7}: " + " | ".join(cells))
+    lines.append("targets (kvferry >= 0.95 x ib_write_bw -q, >= 1.2 x Mooncake, medians): "
+                 + ("met at every size" if not missed else "missed at " + "; ".join(missed)))
     for r in rounds:
         for who in ("ib_write_bw", "mooncake"):
             for size, p in r[who].items():

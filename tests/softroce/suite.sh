@@ -9,9 +9,12 @@
 #   repo, the target directory and the binary's directory shared into it (so a clone under
 #   /tmp works). Env: CARGO_TARGET_DIR (default <repo>/target), KVFERRY_BIN (default
 #   $CARGO_TARGET_DIR/release/kvferry), SOFTROCE_SKIP_CLI=1 (tests only), SOFTROCE_TIMEOUT
-#   (default 1800 s for the whole guest run), SOFTROCE_BENCH_TIMEOUT (1200 s), SOFTROCE_BENCH_BUDGET (900 s for the bench's rounds), SOFTROCE_MOONCAKE=0 (bench without Mooncake),
-#   MOONCAKE_VENV (where bench/mooncake_compare.py installs it), SOFTROCE_BENCH_ROUNDS (3),
-#   SOFTROCE_BENCH_SECONDS (4), SOFTROCE_BENCH_MIN_BATCHES (3).
+#   (default 1800 s for the whole guest run), SOFTROCE_BENCH_TIMEOUT (900 s),
+#   SOFTROCE_BENCH_BUDGET (600 s for the bench's rounds), SOFTROCE_MOONCAKE=0 (bench without
+#   Mooncake), MOONCAKE_VENV (where bench/mooncake_compare.py installs it),
+#   SOFTROCE_BENCH_ROUNDS (3), SOFTROCE_BENCH_SECONDS (4), SOFTROCE_BENCH_MIN_BATCHES (4),
+#   SOFTROCE_BENCH_SIZES (64K,256K,1M,4M), SOFTROCE_BENCH_QPS_SWEEP (1,4; empty: none),
+#   SOFTROCE_BENCH_QPS_SWEEP_SIZES (64K,1M).
 # In the guest (SOFTROCE_GUEST=1, set by run.sh): runs the steps listed in
 #   $SOFTROCE_OUT/manifest, logs each to $SOFTROCE_OUT/<step>.log, prints a summary and exits
 #   non-zero when any step failed. KVFERRY_REQUIRE_RDMA=1: a test that finds no device fails.
@@ -126,10 +129,15 @@ else
     # rounds with the engines' order rotated, medians and spread (tests/softroce/bench.py)
     mc=()
     [ -n "${SOFTROCE_MOONCAKE_PY:-}" ] && mc=(--mooncake-python "$SOFTROCE_MOONCAKE_PY")
-    STEP_TIMEOUT=${SOFTROCE_BENCH_TIMEOUT:-1200} step bench python3 "$SOFTROCE_SCRIPT_DIR/bench.py" \
-        --out "$OUT" --kvferry "$BIN" --device "$DEV" --ip "$SOFTROCE_IP" --batch 128 --sizes 64K,1M \
+    # kvferry with 2 QPs per endpoint (its default) beside ib_write_bw -q 2 and Mooncake (2 QPs
+    # too), and kvferry alone with 1 and 4 QPs at 64 KiB and 1 MiB (SOFTROCE_BENCH_QPS_SWEEP,
+    # empty: none; a sweep at every size is `bench.py --qps-sweep-sizes ''`)
+    STEP_TIMEOUT=${SOFTROCE_BENCH_TIMEOUT:-900} step bench python3 "$SOFTROCE_SCRIPT_DIR/bench.py" \
+        --out "$OUT" --kvferry "$BIN" --device "$DEV" --ip "$SOFTROCE_IP" --batch 128 --batch-bytes 128M \
+        --sizes "${SOFTROCE_BENCH_SIZES:-64K,256K,1M,4M}" --qps 2 --qps-sweep "${SOFTROCE_BENCH_QPS_SWEEP-1,4}" \
+        --qps-sweep-sizes "${SOFTROCE_BENCH_QPS_SWEEP_SIZES:-64K,1M}" \
         --rounds "${SOFTROCE_BENCH_ROUNDS:-3}" --seconds "${SOFTROCE_BENCH_SECONDS:-4}" \
-        --min-batches "${SOFTROCE_BENCH_MIN_BATCHES:-3}" --budget "${SOFTROCE_BENCH_BUDGET:-900}" "${mc[@]}" \
+        --min-batches "${SOFTROCE_BENCH_MIN_BATCHES:-4}" --budget "${SOFTROCE_BENCH_BUDGET:-600}" "${mc[@]}" \
         --mooncake-skip-reason "${SOFTROCE_MOONCAKE_SKIP:-}"
 fi
 

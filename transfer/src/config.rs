@@ -146,6 +146,14 @@ pub struct RdmaConfig {
     pub qps_per_endpoint: usize,
     /// Work requests outstanding per QP at most. Default 256.
     pub max_wr: usize,
+    /// Consecutive slices of one `post` that continue each other on both sides (same local
+    /// region, same remote buffer, same operation) go out as one work request of up to this
+    /// many bytes; each slice is still completed, failed and retried on its own. Default
+    /// 1 MiB; a value ≤ `EngineConfig::slice_size` disables merging; at most 1 GiB.
+    pub merge_bytes: u64,
+    /// Work requests posted per `ibv_post_send` call at most, as one chained list (one
+    /// doorbell per list). Default 32; 1 posts them one by one.
+    pub post_chain: usize,
     /// Times a failed slice is retried on a fresh endpoint. Default 3.
     pub max_retries: u32,
     /// Caps the active MTU this engine advertises, in bytes (256, 512, 1024, 2048 or 4096);
@@ -193,6 +201,8 @@ impl Default for RdmaConfig {
             gid_index: None,
             qps_per_endpoint: 2,
             max_wr: 256,
+            merge_bytes: 1 << 20,
+            post_chain: 32,
             max_retries: 3,
             mtu: None,
             qp_timeout: 14,

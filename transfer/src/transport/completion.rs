@@ -309,6 +309,11 @@ impl CompletionSink {
         self.state.report(id, result);
     }
 
+    /// True when both sinks report to the same batch (one `post`).
+    pub(crate) fn same_batch(&self, other: &CompletionSink) -> bool {
+        Arc::ptr_eq(&self.state, &other.state)
+    }
+
     /// True once the batch timed out or was freed: nobody waits for it any more. A transport
     /// should then fail slices it has not started (`cancelled_error()`) instead of sending them,
     /// so a late transfer cannot land in memory the caller has already reused. Slices already

@@ -173,6 +173,13 @@ pub(crate) fn check_config(config: &RdmaConfig) -> Result<()> {
     if config.max_wr == 0 {
         return Err(TransferError::Config("rdma.max_wr must be > 0".into()));
     }
+    if config.merge_bytes > super::verbs::MAX_WR_BYTES {
+        return Err(TransferError::Config(format!(
+            "rdma.merge_bytes {}: at most {} (one work request)",
+            config.merge_bytes,
+            super::verbs::MAX_WR_BYTES
+        )));
+    }
     if config.retry_count > 7 || config.qp_timeout > 31 {
         return Err(TransferError::Config(format!(
             "rdma.retry_count {} (0..=7) / qp_timeout {} (0..=31) out of range",

@@ -110,10 +110,6 @@ pub fn create(ctx: &TransportContext) -> Result<Arc<dyn Transport>> {
     Ok(RdmaTransport::new(ctx)? as Arc<dyn Transport>)
 }
 
-fn err_src(e: &dyn std::error::Error) -> String {
-    e.source().map(|s| s.to_string()).unwrap_or_default()
-}
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -1,27 +1,26 @@
 //! Posting: moves an endpoint's pending slices onto its QPs as work requests while the QPs and
 //! the device's CQ have room (the lkey and rkey lookups, the staged-mirror translation, and the
-//! refusal of slices that cannot be posted).
+//! refusal of slices that cannot be posted). Consecutive slices that continue each other on both
+//! sides go out as one work request of up to `RdmaConfig::merge_bytes` (each slice is still
+//! completed and retried on its own); the work requests of one pump are spread round robin over
+//! the endpoint's QPs and posted per QP as chained lists of up to `RdmaConfig::post_chain`
+//! (one `ibv_post_send`, one doorbell, per list).
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use sideway::ibverbs::memory_region::MemoryRegion as VerbsMr;
-use sideway::ibverbs::queue_pair::{
-    PostSendGuard, QueuePair, SetScatterGatherEntry, WorkRequestFlags,
-};
 
 use super::endpoint::Endpoint;
-use super::{err_src, lock, CompletionSink, InFlight, Shared, Work};
+use super::verbs::{self, RawWr, MAX_WR_BYTES};
+use super::{lock, CompletionSink, InFlight, Shared, Work};
 use crate::error::{Result, TransferError};
 use crate::types::Op;
 
-/// Largest single work request this transport posts, bytes (slices are far smaller; the IB
-/// limit is 2^31).
-const MAX_WR_BYTES: u64 = 1 << 30;
-
-/// A slice ready to post: its local memory region and address, its remote key and address.
+/// A run of slices ready to post as one work request: its local memory region and address,
+/// its remote key and address.
 struct WorkRequest {
     mr: Arc<VerbsMr>,
     local_addr: u64,
@@ -29,50 +28,78 @@ struct WorkRequest {
     remote_addr: u64,
 }
 
+/// Work requests built for one QP and not yet posted: (wr_id in the in-flight table, request).
+type Chain = Vec<(u64, RawWr)>;
+
 impl Shared {
     /// Posts pending slices of `ep` while its QPs and its device's CQ have room. A slice that
     /// cannot be posted (cancelled, not registered, no rkey, bad length) is reported failed; a
-    /// failed post retires the endpoint (its slice goes back to the front of the queue).
+    /// failed post retires the endpoint (its unposted slices go back to the front of the queue).
     pub(super) fn pump(self: &Arc<Self>, ep: &Arc<Endpoint>) {
-        let mut refused: Vec<(Work, TransferError)> = Vec::new();
+        let mut refused: Vec<(Vec<Work>, TransferError)> = Vec::new();
         let mut broke = None;
+        let limit = self.config.post_chain.max(1);
         {
             let mut pending = ep.lock_pending();
+            let mut chains: Vec<Chain> = ep.qps.iter().map(|_| Vec::new()).collect();
             while !ep.is_broken() && !pending.is_empty() {
-                let Some((qi, work)) = take_next(ep, &mut pending) else {
+                let Some((qi, works, len)) = take_run(ep, &mut pending, self.config.merge_bytes)
+                else {
                     break;
                 };
-                let wr = match self.prepare(ep, &work) {
+                let wr = match self.prepare(ep, &works[0], len) {
                     Ok(wr) => wr,
                     Err(e) => {
-                        ep.dev.return_credit();
-                        refused.push((work, e));
+                        release(ep, qi);
+                        refused.push((works, e));
                         continue;
                     }
                 };
-                if let Some(reason) = post_one(ep, qi, work, wr, &mut pending) {
+                chains[qi].push(in_flight(ep, qi, works, len, wr));
+                if chains[qi].len() >= limit {
+                    let chain = std::mem::take(&mut chains[qi]);
+                    if let Some(reason) = post_chain(ep, qi, chain, &mut pending, &self.posted) {
+                        broke = Some(reason);
+                        break;
+                    }
+                }
+            }
+            for (qi, chain) in chains.into_iter().enumerate() {
+                if chain.is_empty() {
+                    continue;
+                }
+                if broke.is_some() {
+                    unpost(ep, qi, &chain, &mut pending);
+                } else if let Some(reason) = post_chain(ep, qi, chain, &mut pending, &self.posted) {
                     broke = Some(reason);
-                    break;
                 }
             }
         }
-        for (w, e) in refused {
-            w.sink.complete(w.slice.id, Err(e));
+        for (ws, e) in refused {
+            for w in ws {
+                w.sink.complete(w.slice.id, Err(e.clone()));
+            }
         }
         if let Some(reason) = broke {
             self.endpoint_failed(ep, reason);
+            // the endpoint may have been retired before (then its queue was drained already):
+            // what went back into the queue since goes to a fresh endpoint
+            let left: Vec<Work> = ep.lock_pending().drain(..).collect();
+            if !left.is_empty() {
+                self.dispatch(left);
+            }
         }
     }
 
-    /// Resolves both sides of `work` into a work request, or the error to report it with
-    /// (nothing is posted for it).
-    fn prepare(&self, ep: &Endpoint, work: &Work) -> Result<WorkRequest> {
+    /// Resolves both sides of a run of `len` bytes starting at `head` into a work request, or
+    /// the error to report its slices with (nothing is posted for them).
+    fn prepare(&self, ep: &Endpoint, head: &Work, len: u64) -> Result<WorkRequest> {
         // A cancelled batch (timed out, freed) sends none of its remaining slices.
-        if work.sink.is_cancelled() {
+        if head.sink.is_cancelled() {
             return Err(CompletionSink::cancelled_error());
         }
-        let sl = work.slice;
-        match (self.local_side(ep, work), remote_side(ep, work)) {
+        let sl = crate::transport::Slice { len, ..head.slice };
+        match (self.local_side(ep, head, &sl), remote_side(ep, head, &sl)) {
             (Some((mr, local_addr)), Some((rkey, remote_addr)))
                 if sl.len > 0 && sl.len <= MAX_WR_BYTES =>
             {
@@ -89,7 +116,7 @@ impl Shared {
             }),
             (_, None) => Err(TransferError::rdma(format!(
                 "segment {} buffer {} has no rkey for its device {} (or a bad staging address)",
-                work.peer.name, sl.remote_buffer, ep.key.remote_dev
+                head.peer.name, sl.remote_buffer, ep.key.remote_dev
             ))),
             _ => Err(TransferError::InvalidArgument(format!(
                 "slice of {} bytes (1..={MAX_WR_BYTES})",
@@ -102,8 +129,12 @@ impl Shared {
     /// Staged GPU memory: the work request uses the mirror at the same offset. A region
     /// registered anew since `post` (another mirror, or none) is not the one whose mirror the
     /// stager filled: the slice is not registered (`None`).
-    fn local_side(&self, ep: &Endpoint, work: &Work) -> Option<(Arc<VerbsMr>, u64)> {
-        let sl = work.slice;
+    fn local_side(
+        &self,
+        ep: &Endpoint,
+        work: &Work,
+        sl: &crate::transport::Slice,
+    ) -> Option<(Arc<VerbsMr>, u64)> {
         let local = match &work.mirror {
             Some(m) => m.translate(sl.local_addr, sl.len),
             None => Some(sl.local_addr),
@@ -119,26 +150,62 @@ impl Shared {
     }
 }
 
-/// Room for one more work request on `ep` (a QP below `max_wr` and a CQ credit of its device)
-/// and the next pending slice; `None` (nothing taken, the credit returned) when either is
-/// missing.
-fn take_next(ep: &Endpoint, pending: &mut VecDeque<Work>) -> Option<(usize, Work)> {
+/// Room for one more work request on `ep` (a QP below `max_wr`, reserved, and a CQ credit of
+/// its device, taken) and the next run of pending slices: the first one and those after it
+/// that continue it (`continues`) within `merge_bytes` in all. Returns (QP index, slices,
+/// bytes); `None` (nothing taken or reserved) when room or slices are missing.
+fn take_run(
+    ep: &Endpoint,
+    pending: &mut VecDeque<Work>,
+    merge_bytes: u64,
+) -> Option<(usize, Vec<Work>, u64)> {
     let qi = ep.pick_qp()?;
-    if !ep.dev.take_credit() {
+    if pending.is_empty() || !ep.dev.take_credit() {
         return None;
     }
-    let Some(work) = pending.pop_front() else {
-        ep.dev.return_credit();
-        return None;
-    };
-    Some((qi, work))
+    ep.qps[qi].outstanding.fetch_add(1, Ordering::AcqRel);
+    let head = pending.pop_front()?;
+    let mut len = head.slice.len;
+    let mut works = vec![head];
+    while let Some(next) = pending.front() {
+        let last = works.last()?;
+        if len + next.slice.len > merge_bytes || !continues(last, next) {
+            break;
+        }
+        len += next.slice.len;
+        works.extend(pending.pop_front());
+    }
+    Some((qi, works, len))
 }
 
-/// The rkey (for `ep`'s remote device) and remote address of `work`'s remote side: the peer's
-/// address, or the same offset in its host mirror when the peer staged the buffer. `None` when
-/// the buffer has no rkey for that device or the staging address does not fit.
-fn remote_side(ep: &Endpoint, work: &Work) -> Option<(u32, u64)> {
-    let sl = work.slice;
+/// True when `next` can share a work request with `prev` right after it: the same batch,
+/// operation, local region (and staging mirror) and remote buffer, and contiguous on both
+/// sides.
+fn continues(prev: &Work, next: &Work) -> bool {
+    let (a, b) = (&prev.slice, &next.slice);
+    prev.sink.same_batch(&next.sink)
+        && Arc::ptr_eq(&prev.peer, &next.peer)
+        && a.op == b.op
+        && a.local_region == b.local_region
+        && a.remote_buffer == b.remote_buffer
+        && a.local_addr.checked_add(a.len) == Some(b.local_addr)
+        && a.remote_addr.checked_add(a.len) == Some(b.remote_addr)
+        && match (&prev.mirror, &next.mirror) {
+            (Some(x), Some(y)) => Arc::ptr_eq(x, y),
+            (x, y) => x.is_none() && y.is_none(),
+        }
+}
+
+/// Gives back the room `take_run` reserved on QP `qi` of `ep` and its CQ credit.
+fn release(ep: &Endpoint, qi: usize) {
+    ep.qps[qi].outstanding.fetch_sub(1, Ordering::AcqRel);
+    ep.dev.return_credit();
+}
+
+/// The rkey (for `ep`'s remote device) and remote address of `sl` (a run starting at `work`):
+/// the peer's address, or the same offset in its host mirror when the peer staged the buffer.
+/// `None` when the buffer has no rkey for that device or the staging address does not fit.
+fn remote_side(ep: &Endpoint, work: &Work, sl: &crate::transport::Slice) -> Option<(u32, u64)> {
     let b = work.peer.buffers.get(sl.remote_buffer)?;
     let keys = work.peer_info.buffers.get(sl.remote_buffer)?;
     let rkey = *keys.rkeys.get(ep.key.remote_dev)?;
@@ -149,56 +216,83 @@ fn remote_side(ep: &Endpoint, work: &Work) -> Option<(u32, u64)> {
     Some((rkey, addr))
 }
 
-/// Posts `work` on QP `qi` of `ep` as a signalled work request; the in-flight entry keeps
-/// `wr.mr` registered until the completion. Returns `None` when posted; on a failed post the
-/// slice goes back to the front of `pending` and the reason the endpoint broke (for
-/// `endpoint_failed`) is returned.
-fn post_one(
+/// Enters a run of `len` bytes for QP `qi` in the device's in-flight table (which keeps
+/// `wr.mr` registered until the completion) and returns it as a chain entry.
+fn in_flight(
     ep: &Arc<Endpoint>,
     qi: usize,
-    work: Work,
+    works: Vec<Work>,
+    len: u64,
     wr: WorkRequest,
-    pending: &mut VecDeque<Work>,
-) -> Option<String> {
-    let sl = work.slice;
-    let lkey = wr.mr.lkey();
-    let q = &ep.qps[qi];
-    q.outstanding.fetch_add(1, Ordering::AcqRel);
+) -> (u64, RawWr) {
+    let raw = RawWr {
+        wr_id: 0,
+        read: works[0].slice.op == Op::Read,
+        lkey: wr.mr.lkey(),
+        local_addr: wr.local_addr,
+        // `prepare` bounded it by MAX_WR_BYTES
+        len: len as u32,
+        rkey: wr.rkey,
+        remote_addr: wr.remote_addr,
+    };
     let wr_id = ep.dev.lock_inflight().insert(InFlight {
         ep: ep.clone(),
         qp: qi,
-        work,
+        works,
+        len,
         rkey: wr.rkey,
         _mr: wr.mr,
         posted: Instant::now(),
     });
+    (wr_id, RawWr { wr_id, ..raw })
+}
+
+/// Posts `chain` on QP `qi` of `ep` in one call, counting the work requests posted in
+/// `counter`. Returns `None` when all of it was posted; when
+/// the provider refused an entry, the entries from it on leave the in-flight table, their
+/// slices go back to the front of `pending`, and the reason the endpoint broke (for
+/// `endpoint_failed`) is returned.
+fn post_chain(
+    ep: &Arc<Endpoint>,
+    qi: usize,
+    chain: Chain,
+    pending: &mut VecDeque<Work>,
+    counter: &AtomicU64,
+) -> Option<String> {
+    let q = &ep.qps[qi];
+    let wrs: Vec<RawWr> = chain.iter().map(|(_, w)| *w).collect();
     let res = {
-        let mut qp = lock(&q.qp);
-        let mut g = qp.start_post_send();
-        let h = g.construct_wr(wr_id, WorkRequestFlags::Signaled);
-        let h = match sl.op {
-            Op::Write => h.setup_write(wr.rkey, wr.remote_addr),
-            Op::Read => h.setup_read(wr.rkey, wr.remote_addr),
-        };
-        // SAFETY: [local_addr, +len) lies in a region (or its mirror) registered as `mr`
-        // (`local_side` found it there), which the in-flight entry keeps alive until the
-        // completion; `len` <= MAX_WR_BYTES fits the u32.
-        unsafe { h.setup_sge(lkey, wr.local_addr, sl.len as u32) };
-        g.post()
+        let qp = lock(&q.qp);
+        // SAFETY: each entry's local range lies in a region (or its mirror) registered as the
+        // MR its in-flight entry holds (`local_side` found it there), which keeps it alive
+        // until the completion; the QP lives as long as `ep`.
+        unsafe { verbs::post_send_list(&qp, &wrs) }
     };
-    if let Err(e) = res {
-        q.outstanding.fetch_sub(1, Ordering::AcqRel);
-        ep.dev.return_credit();
-        if let Some(inf) = ep.dev.lock_inflight().remove(wr_id) {
-            pending.push_front(inf.work);
-        }
-        return Some(format!(
-            "post on {} QP {:#x} to {}: {e}: {}",
-            ep.dev.info.name,
-            q.qpn,
-            ep.key.peer,
-            err_src(&e)
-        ));
+    let (posted, errno) = match res {
+        Ok(()) => (wrs.len(), 0),
+        Err(e) => e,
+    };
+    counter.fetch_add(posted as u64, Ordering::Relaxed);
+    if errno == 0 {
+        return None;
     }
-    None
+    unpost(ep, qi, &chain[posted..], pending);
+    let e = std::io::Error::from_raw_os_error(errno);
+    Some(format!(
+        "post on {} QP {:#x} to {}: {e}",
+        ep.dev.info.name, q.qpn, ep.key.peer
+    ))
+}
+
+/// Takes back chain entries that were never posted: out of the in-flight table, room and
+/// credit returned, their slices to the front of `pending` in their order.
+fn unpost(ep: &Endpoint, qi: usize, chain: &[(u64, RawWr)], pending: &mut VecDeque<Work>) {
+    for (wr_id, _) in chain.iter().rev() {
+        release(ep, qi);
+        if let Some(inf) = ep.dev.lock_inflight().remove(*wr_id) {
+            for w in inf.works.into_iter().rev() {
+                pending.push_front(w);
+            }
+        }
+    }
 }

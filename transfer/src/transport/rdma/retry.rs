@@ -1,4 +1,4 @@
-//! Work completions and retries: a completed work request finishes its slice (or hands it to
+//! Work completions and retries: a completed work request finishes its slices (or hands them to
 //! the stager); a failed one retires its endpoint and retries the slice on a fresh endpoint
 //! while it has retries left, else reports it to the engine (`CompletionSink::fail_peer`).
 
@@ -58,25 +58,32 @@ impl Shared {
         ep.touch();
         ep.qps[inf.qp].outstanding.fetch_sub(1, Ordering::AcqRel);
         dev.return_credit();
-        let w = inf.work;
+        let works = inf.works;
         if wc.status == verbs::wc::SUCCESS {
-            if w.needs_after() {
-                self.stage(StageJob::After(w));
-            } else {
-                w.sink.complete(w.slice.id, Ok(()));
+            for w in works {
+                if w.needs_after() {
+                    self.stage(StageJob::After(w));
+                } else {
+                    w.sink.complete(w.slice.id, Ok(()));
+                }
             }
             return;
         }
-        let sl = &w.slice;
+        let (Some(first), Some(last)) = (works.first(), works.last()) else {
+            return;
+        };
+        let sl = &first.slice;
         let what = format!(
-            "RDMA {} of {} bytes between local {:#x} and {} remote {:#x} (rkey {:#x}) on {} QP {:#x}",
+            "RDMA {} of {} bytes (slices {}..={}) between local {:#x} and {} remote {:#x} (rkey {:#x}) on {} QP {:#x}",
             match sl.op {
                 Op::Write => "WRITE",
                 Op::Read => "READ",
             },
-            sl.len,
+            inf.len,
+            sl.id,
+            last.slice.id,
             sl.local_addr,
-            w.peer.name,
+            first.peer.name,
             sl.remote_addr,
             inf.rkey,
             dev.info.name,
@@ -97,6 +104,9 @@ impl Shared {
                 | verbs::wc::LOC_LEN_ERR
                 | verbs::wc::LOC_ACCESS_ERR
         );
-        self.retry_or_fail(w, text, retryable);
+        // the slice stays the unit of retry: each goes on alone (and may merge anew)
+        for w in works {
+            self.retry_or_fail(w, text.clone(), retryable);
+        }
     }
 }

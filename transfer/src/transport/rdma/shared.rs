@@ -42,7 +42,10 @@ pub(crate) struct Work {
 pub(crate) struct InFlight {
     pub ep: Arc<Endpoint>,
     pub qp: usize,
-    pub work: Work,
+    /// Its slices, in order, contiguous on both sides (one unless merged; never empty).
+    pub works: Vec<Work>,
+    /// Bytes of the work request (the slices' lengths summed).
+    pub len: u64,
     pub rkey: u32,
     /// Keeps the local memory region registered until the work request completes.
     pub _mr: Arc<VerbsMr>,
@@ -70,6 +73,8 @@ pub(super) struct Shared {
     pub(super) stop: AtomicBool,
     /// Slices re-dispatched after a failure (diagnostics and tests).
     pub(super) retried: AtomicU64,
+    /// Work requests posted so far (diagnostics and tests: slices merged into fewer).
+    pub(super) posted: AtomicU64,
     /// Device copies for staged GPU memory.
     pub(super) memory: Arc<dyn MemoryAccess>,
     /// Jobs for the stager thread (`stager.rs`).

@@ -116,6 +116,14 @@ fn config_is_checked() {
         ..RdmaConfig::default()
     };
     assert!(super::device::check_config(&c).is_err());
+    // a merged work request of more than 1 GiB is refused (its length must fit the verbs u32)
+    c = RdmaConfig {
+        merge_bytes: (1 << 30) + 1,
+        ..RdmaConfig::default()
+    };
+    assert!(super::device::check_config(&c).is_err());
+    c.merge_bytes = 1 << 30;
+    assert!(super::device::check_config(&c).is_ok());
 }
 
 #[test]
@@ -376,9 +384,15 @@ fn rdma_slices_in_flight_on_a_failed_endpoint_are_retried_on_a_fresh_one() {
     }
     const SLICE: usize = 64 << 10;
     const N: usize = 512; // 32 MiB: under soft-RoCE most of it is in flight at the disconnect
-    for max_retries in [0, 3] {
+                          // one work request per slice, and 16 slices merged per work request: either way each
+                          // slice of a failed work request is retried (or failed) on its own
+    for (max_retries, merge_bytes) in [(0, 0), (3, 0), (0, 1 << 20), (3, 1 << 20)] {
+        eprintln!("max_retries {max_retries}, merge_bytes {merge_bytes}");
         let target = node(|_| {});
-        let init = node(|c| c.rdma.max_retries = max_retries);
+        let init = node(|c| {
+            c.rdma.max_retries = max_retries;
+            c.rdma.merge_bytes = merge_bytes;
+        });
         let remote = vec![0u8; N * SLICE];
         let local: Vec<u8> = (0..N * SLICE)
             .map(|i| (i % 253) as u8 ^ (i >> 16) as u8)
@@ -413,16 +427,14 @@ fn rdma_slices_in_flight_on_a_failed_endpoint_are_retried_on_a_fresh_one() {
         init.t
             .post(&peer, slices, CompletionSink::new(st.clone()), None);
         let t0 = std::time::Instant::now();
-        while init.t.work_requests_in_flight() < N / 2 && t0.elapsed() < Duration::from_secs(10) {
+        while init.t.slices_in_flight() < N / 2 && t0.elapsed() < Duration::from_secs(10) {
             std::thread::sleep(Duration::from_millis(1));
         }
-        let in_flight = init.t.work_requests_in_flight();
+        let in_flight = init.t.slices_in_flight();
         // the target drops its side (as a restarted peer would): no more ACKs, the initiator's
         // work requests exceed their retries, the endpoint fails
         target.t.disconnect(&init.name);
-        eprintln!(
-            "max_retries {max_retries}: disconnected with {in_flight} work requests in flight"
-        );
+        eprintln!("max_retries {max_retries}: disconnected with {in_flight} slices in flight");
         let _ = st.wait(Duration::from_secs(120));
         let retried = init.t.retried_slices();
         match (max_retries, st.status()) {
@@ -440,6 +452,93 @@ fn rdma_slices_in_flight_on_a_failed_endpoint_are_retried_on_a_fresh_one() {
                 assert!(remote == local, "bytes differ after the retries");
             }
             (_, s) => panic!("retries on a fresh endpoint must complete the batch: {s:?}"),
+        }
+    }
+}
+
+#[test]
+fn rdma_consecutive_slices_merge_into_one_work_request_only_where_they_continue() {
+    if !rdma_or_skip("rdma_consecutive_slices_merge_into_one_work_request_only_where_they_continue")
+    {
+        return;
+    }
+    const S: usize = 64 << 10;
+    // (op, local slot, remote slot) in units of S
+    let mut layout: Vec<(Op, usize, usize)> = (0..32).map(|i| (Op::Write, i, i)).collect();
+    layout.push((Op::Write, 32, 33)); // a gap on the remote side: a new work request
+    layout.push((Op::Write, 33, 34)); // continues the one before on both sides
+    layout.push((Op::Read, 34, 35)); // continues in addresses, another operation
+    layout.push((Op::Write, 36, 36)); // a gap on the local side
+                                      // merge_bytes -> work requests: 0..32 in 1 MiB (or 256 KiB) runs, then 32-33, 34, 35
+    for (merge_bytes, want) in [(1u64 << 20, 5u64), (256 << 10, 11), (0, 36)] {
+        let target = node(|_| {});
+        let init = node(|c| c.rdma.merge_bytes = merge_bytes);
+        let remote = vec![0xA5u8; 40 * S];
+        let mut local: Vec<u8> = (0..40 * S)
+            .map(|i| (i % 251) as u8 ^ (i >> 16) as u8)
+            .collect();
+        let expect_local = {
+            let mut l = local.clone();
+            l[34 * S..35 * S].fill(0xA5);
+            l
+        };
+        let (_, keys) = register(&target, remote.as_ptr() as u64, remote.len() as u64);
+        let (lr, _) = register(&init, local.as_mut_ptr() as u64, local.len() as u64);
+        let peer = Arc::new(SegmentDescriptor {
+            name: target.name.clone(),
+            instance_id: target.instance,
+            transport: target.t.local_info(),
+            buffers: vec![BufferDesc {
+                region: MemoryRegion {
+                    addr: remote.as_ptr() as u64,
+                    len: remote.len() as u64,
+                    location: Location::Cpu,
+                },
+                keys,
+            }],
+        });
+        let slices: Vec<Slice> = layout
+            .iter()
+            .enumerate()
+            .map(|(id, &(op, l, r))| Slice {
+                id: id as u32,
+                op,
+                local_addr: lr.addr + (l * S) as u64,
+                local_region: lr,
+                remote_addr: remote.as_ptr() as u64 + (r * S) as u64,
+                remote_buffer: 0,
+                len: S as u64,
+            })
+            .collect();
+        let st = BatchState::new(slices.len() as u32);
+        init.t
+            .post(&peer, slices, CompletionSink::new(st.clone()), None);
+        let _ = st.wait(Duration::from_secs(60));
+        assert_eq!(st.status(), BatchStatus::Completed, "merge {merge_bytes}");
+        assert_eq!(
+            init.t.work_requests_posted(),
+            want,
+            "merge_bytes {merge_bytes}: work requests posted"
+        );
+        for &(op, l, r) in &layout {
+            if op == Op::Write {
+                assert!(
+                    remote[r * S..(r + 1) * S] == local[l * S..(l + 1) * S],
+                    "merge {merge_bytes}: write of local slot {l} to remote slot {r}"
+                );
+            }
+        }
+        assert!(
+            local == expect_local,
+            "merge {merge_bytes}: the read landed"
+        );
+        for untouched in [32, 37, 38, 39] {
+            assert!(
+                remote[untouched * S..(untouched + 1) * S]
+                    .iter()
+                    .all(|&b| b == 0xA5),
+                "merge {merge_bytes}: remote slot {untouched} changed"
+            );
         }
     }
 }

@@ -91,6 +91,7 @@ impl RdmaTransport {
             passive: Mutex::new(PassiveTable::default()),
             stop: AtomicBool::new(false),
             retried: AtomicU64::new(0),
+            posted: AtomicU64::new(0),
             memory: ctx.memory.clone(),
             stager: Mutex::new(stage_tx),
         });
@@ -143,6 +144,26 @@ impl RdmaTransport {
             .iter()
             .map(|d| d.lock_inflight().count)
             .sum()
+    }
+
+    /// Slices on the work requests in flight, over all devices (a merged work request carries
+    /// several).
+    pub fn slices_in_flight(&self) -> usize {
+        self.shared
+            .devices
+            .iter()
+            .map(|d| {
+                d.lock_inflight()
+                    .iter()
+                    .map(|i| i.works.len())
+                    .sum::<usize>()
+            })
+            .sum()
+    }
+
+    /// Work requests posted so far, over all devices.
+    pub fn work_requests_posted(&self) -> u64 {
+        self.shared.posted.load(Ordering::Relaxed)
     }
 
     /// Slices retried on a fresh endpoint so far.
@@ -352,7 +373,9 @@ impl Transport for RdmaTransport {
         for d in &s.devices {
             let left = d.lock_inflight().drain();
             for inf in left {
-                inf.work.sink.complete(inf.work.slice.id, Err(gone.clone()));
+                for w in inf.works {
+                    w.sink.complete(w.slice.id, Err(gone.clone()));
+                }
             }
         }
         lock(&s.passive).clear();

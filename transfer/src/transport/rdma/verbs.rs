@@ -9,6 +9,7 @@ use std::time::Duration;
 use rdma_mummy_sys as sys;
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue};
 use sideway::ibverbs::device_context::{DeviceContext, Mtu};
+use sideway::ibverbs::queue_pair::{BasicQueuePair, QueuePair};
 
 pub(crate) use sys::ibv_wc as WorkCompletion;
 
@@ -51,6 +52,102 @@ pub(crate) fn poll_cq(
     // SAFETY: ibv_poll_cq initialised the first `n` (0 <= n <= cap <= capacity) entries.
     unsafe { out.set_len(n as usize) };
     Ok(n as usize)
+}
+
+/// Largest single work request the transport posts, bytes (`RdmaConfig::merge_bytes` is
+/// bounded by it; the IB limit is 2^31).
+pub(crate) const MAX_WR_BYTES: u64 = 1 << 30;
+
+/// One RDMA WRITE or READ work request with one scatter/gather entry, as `post_send_list`
+/// posts it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawWr {
+    pub wr_id: u64,
+    /// READ (remote → local) when true, else WRITE (local → remote).
+    pub read: bool,
+    pub lkey: u32,
+    pub local_addr: u64,
+    /// Bytes (the caller bounds it by the IB limit of 2^31).
+    pub len: u32,
+    pub rkey: u32,
+    pub remote_addr: u64,
+}
+
+/// Posts `wrs` (every one signalled) on `qp` as one chained list in a single `ibv_post_send`
+/// (one doorbell instead of one per work request). `Err((posted, errno))` when the provider
+/// refused one: the first `posted` work requests are on the send queue (they complete, or
+/// flush once the QP is in error), the rest are not.
+///
+/// # Safety
+/// Every `[local_addr, +len)` must lie in memory registered under `lkey` and stay registered
+/// until the work request completes; `qp` must be a live RC QP.
+pub(crate) unsafe fn post_send_list(
+    qp: &BasicQueuePair,
+    wrs: &[RawWr],
+) -> Result<(), (usize, i32)> {
+    if wrs.is_empty() {
+        return Ok(());
+    }
+    let mut sges: Vec<sys::ibv_sge> = wrs
+        .iter()
+        .map(|w| sys::ibv_sge {
+            addr: w.local_addr,
+            length: w.len,
+            lkey: w.lkey,
+        })
+        .collect();
+    let mut list: Vec<sys::ibv_send_wr> = wrs
+        .iter()
+        .map(|w| {
+            // SAFETY: ibv_send_wr is plain data (integers, raw pointers, unions of them): all
+            // zeroes is a valid value (null pointers, no SGE, opcode WRITE).
+            let mut r: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+            r.wr_id = w.wr_id;
+            r.num_sge = 1;
+            r.opcode = if w.read {
+                sys::ibv_wr_opcode::IBV_WR_RDMA_READ
+            } else {
+                sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE
+            };
+            r.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            r.wr.rdma = sys::rdma_t {
+                remote_addr: w.remote_addr,
+                rkey: w.rkey,
+            };
+            r
+        })
+        .collect();
+    // both vectors are complete: their buffers no longer move, so the pointers stay valid
+    let n = list.len();
+    let base = list.as_mut_ptr();
+    for i in 0..n {
+        // SAFETY: i < n = list.len() = sges.len(); the next pointer is the element after i
+        // (or null for the last one).
+        unsafe {
+            let w = base.add(i);
+            (*w).sg_list = sges.as_mut_ptr().add(i);
+            (*w).next = if i + 1 < n {
+                base.add(i + 1)
+            } else {
+                std::ptr::null_mut()
+            };
+        }
+    }
+    let mut bad: *mut sys::ibv_send_wr = std::ptr::null_mut();
+    // SAFETY: the list is well formed (n linked entries with one SGE each, alive for the
+    // call); the caller guarantees the QP and the memory; `bad` is a valid out-pointer.
+    let rc = unsafe { sys::ibv_post_send(qp.qp().as_ptr(), base, &mut bad) };
+    if rc == 0 {
+        return Ok(());
+    }
+    // entries before `bad_wr` were posted; a provider that leaves it unset posted none
+    let posted = if bad.is_null() {
+        0
+    } else {
+        // SAFETY: `bad` points into `list` (the provider returns one of our entries).
+        (unsafe { bad.offset_from(base) }).clamp(0, n as isize) as usize
+    };
+    Err((posted, rc))
 }
 
 /// Arms the CQ so its next completion raises an event on its channel.

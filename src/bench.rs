@@ -160,6 +160,7 @@ fn engine_config(args: &BenchArgs, listen: Option<&str>) -> Result<EngineConfig,
         host,
         port,
         transport: transport_kind(args.transport),
+        cuda_ipc: crate::setup::cuda_ipc_mode(args.transport),
         rdma: RdmaConfig {
             devices: args.nic.clone(),
             gid_index: args.gid_index,

@@ -139,12 +139,16 @@ pub enum Command {
 /// Which transport the transfer engine uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum TransportArg {
-    /// RDMA when a usable device exists, TCP otherwise.
+    /// GPU memory of processes on this host over CUDA IPC (device copies); everything else
+    /// over RDMA when a usable device exists, TCP otherwise.
     Auto,
-    /// Force TCP.
+    /// Force TCP (GPU memory staged through pinned host buffers; no CUDA IPC).
     Tcp,
-    /// Force RDMA (an error when no device exists).
+    /// Force RDMA (an error when no device exists; no CUDA IPC).
     Rdma,
+    /// CUDA IPC for GPU memory, refusing to register GPU memory it cannot export (rather than
+    /// moving it over the network transport); other memory as `auto`.
+    CudaIpc,
 }
 
 /// Where the KV caches live.
@@ -152,7 +156,8 @@ pub enum TransportArg {
 pub enum DeviceArg {
     /// Host memory; checksums on the CPU.
     Cpu,
-    /// GPU memory of device 0; checksums with the CUDA kernels.
+    /// GPU memory (device 0 unless a `--*-gpu` option says otherwise); checksums with the
+    /// CUDA kernels.
     Cuda,
 }
 
@@ -267,6 +272,13 @@ pub struct DemoArgs {
     /// PP stages of the consumer.
     #[arg(long, default_value_t = 1, value_parser = ranks)]
     pub decode_pp: u32,
+    /// GPU (CUDA ordinal) of the producer's KV with `--device cuda` (0 on a one-GPU machine).
+    #[arg(long, default_value_t = 0)]
+    pub prefill_gpu: u32,
+    /// GPU (CUDA ordinal) of the consumer's KV with `--device cuda` (1 to move KV between
+    /// two GPUs).
+    #[arg(long, default_value_t = 0)]
+    pub decode_gpu: u32,
     /// Tokens per block of the producer (default `--block-size`). When it differs from the
     /// consumer's, the consumer's blocks are filled token by token and verified by chunk sums.
     #[arg(long)]

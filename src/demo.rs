@@ -19,7 +19,8 @@ use kvferry_p2p::{Consumer, Landed, LoadGroup, LoadSpec, Producer};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::cli::{DemoArgs, FailurePolicyArg};
+use crate::cli::{DemoArgs, DeviceArg, FailurePolicyArg};
+use crate::copy_ref::{copy_rate, device_copy_rate};
 use crate::error::CliError;
 use crate::loads::{consumer_config, producer_config, prompt_lengths, LoadCounts};
 use crate::models::model_by_name;
@@ -90,10 +91,14 @@ pub struct DemoReport {
     pub verify_share_median: f64,
     /// The same, the largest.
     pub verify_share_max: f64,
-    /// GB/s (10^9) of one core copying the same bytes in host memory (`memcpy` of a buffer of
-    /// up to 256 MiB, repeated until the loads' bytes or 1 GiB are copied, the best pass): the
-    /// reference beside `gb_per_s`.
+    /// The reference beside `gb_per_s`, GB/s (10^9): with `--device cpu` one core copying the
+    /// same bytes in host memory (`memcpy` of a buffer of up to 256 MiB, repeated until the
+    /// loads' bytes or 1 GiB are copied, the best pass); with `--device cuda` an in-process
+    /// device-to-device copy on the consumer's GPU of one load's mean bytes (the raw copy
+    /// rate of the same bytes, timed with events; 0 when it could not be measured).
     pub copy_gb_per_s: f64,
+    /// What `copy_gb_per_s` measured: `host memcpy` or `device copy`.
+    pub copy_reference: String,
     /// Seconds the producer spent generating KV (seeded random bytes in the model's shape),
     /// not counted in `seconds`.
     pub prefill_seconds: f64,
@@ -144,6 +149,11 @@ fn check_args(args: &DemoArgs) -> Result<(), CliError> {
             return Err(CliError::usage(format!("{flag} 0: must be at least 1")));
         }
     }
+    if args.common.device == DeviceArg::Cpu && (args.prefill_gpu != 0 || args.decode_gpu != 0) {
+        return Err(CliError::usage(
+            "--prefill-gpu/--decode-gpu place KV on GPUs: they need --device cuda",
+        ));
+    }
     if !args.common.fail_closed && args.common.load_failure_policy != FailurePolicyArg::Fail {
         tracing::warn!(
             "--load-failure-policy only acts under --fail-closed; fail-open completes every load"
@@ -163,7 +173,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     // Room for a couple of requests in flight on each side.
     let num_blocks = |bs: u64| lengths.iter().map(|&t| t.div_ceil(bs)).max().unwrap_or(1) * 2 + 1;
     let engine_cfg = engine_config(c, "127.0.0.1")?;
-    let side = |tp, pp, bs| side_config(c, model.clone(), tp, pp, bs, num_blocks(bs));
+    let side = |tp, pp, bs, gpu| side_config(c, model.clone(), (tp, pp), bs, num_blocks(bs), gpu);
     // Name the side: the sizes and the layout checks are per side.
     if !args.json {
         eprintln!(
@@ -171,13 +181,20 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
             args.requests, model.name, args.prefill_tp, args.prefill_pp, args.decode_tp, args.decode_pp
         );
     }
-    let mut prod_ranks = build_side(&side(args.prefill_tp, args.prefill_pp, pbs), &engine_cfg)
-        .map_err(side_error(
-            "producer (--prefill-tp/--prefill-pp/--prefill-block-size)",
-        ))?;
-    let cons_ranks = build_side(&side(args.decode_tp, args.decode_pp, cbs), &engine_cfg).map_err(
-        side_error("consumer (--decode-tp/--decode-pp/--decode-block-size)"),
-    )?;
+    let mut prod_ranks = build_side(
+        &side(args.prefill_tp, args.prefill_pp, pbs, args.prefill_gpu),
+        &engine_cfg,
+    )
+    .map_err(side_error(
+        "producer (--prefill-tp/--prefill-pp/--prefill-block-size)",
+    ))?;
+    let cons_ranks = build_side(
+        &side(args.decode_tp, args.decode_pp, cbs, args.decode_gpu),
+        &engine_cfg,
+    )
+    .map_err(side_error(
+        "consumer (--decode-tp/--decode-pp/--decode-block-size)",
+    ))?;
     let transport_name = prod_ranks[0].engine.transport_name().to_string();
     let path = transfer_path(&prod_ranks[0], &cons_ranks[0]);
     let mut paths = memory_paths(&prod_ranks);
@@ -186,8 +203,8 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
             paths.push(p);
         }
     }
-    let (prod_workers, backend_name) = side_workers(&prod_ranks, c, &model, pbs)?;
-    let (cons_workers, _) = side_workers(&cons_ranks, c, &model, cbs)?;
+    let (prod_workers, backend_name) = side_workers(&prod_ranks, c, &model, pbs, args.prefill_gpu)?;
+    let (cons_workers, _) = side_workers(&cons_ranks, c, &model, cbs, args.decode_gpu)?;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -422,7 +439,17 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     shares.sort_by(f64::total_cmp);
     report.verify_share_median = shares.get(shares.len() / 2).copied().unwrap_or(0.0);
     report.verify_share_max = shares.last().copied().unwrap_or(0.0);
-    report.copy_gb_per_s = copy_rate(report.bytes);
+    (report.copy_gb_per_s, report.copy_reference) = match c.device {
+        DeviceArg::Cpu => (copy_rate(report.bytes), "host memcpy".into()),
+        DeviceArg::Cuda => {
+            let per_load = report.bytes / u64::from(report.requests.max(1));
+            let rate = device_copy_rate(per_load, args.decode_gpu).unwrap_or_else(|e| {
+                tracing::warn!("device copy reference: {e}");
+                0.0
+            });
+            (rate, "device copy".into())
+        }
+    };
     Ok(report)
 }
 
@@ -434,30 +461,6 @@ fn side_error(side: &'static str) -> impl Fn(WorldError) -> CliError {
             CliError::Side { side, source }
         }
         other => CliError::World(other),
-    }
-}
-
-/// GB/s (10^9) of one core copying `bytes` in host memory: a buffer of `bytes` (at least
-/// 1 MiB, at most 256 MiB) copied until `bytes` or 1 GiB have been copied (at least 3
-/// passes); the best pass. The reference the loads' throughput is read against.
-pub fn copy_rate(bytes: u64) -> f64 {
-    const MIB: u64 = 1 << 20;
-    let len = bytes.clamp(MIB, 256 * MIB) as usize;
-    // Both buffers written first: the pages are mapped before the timing starts.
-    let src: Vec<u8> = (0..len).map(|i| i as u8).collect();
-    let mut dst = vec![1u8; len];
-    let passes = (bytes.min(1 << 30) / len as u64).max(3);
-    let mut best = f64::MAX;
-    for _ in 0..passes {
-        let t = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&mut dst);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    if best > 0.0 {
-        len as f64 / best / 1e9
-    } else {
-        0.0
     }
 }
 
@@ -551,9 +554,10 @@ fn print_summary(r: &DemoReport) {
         r.bytes as f64 / 1e9
     );
     println!(
-        "  loads: {:.3} s, {:.2} GB/s; raw copy on this machine {:.2} GB/s (loads at {:.2} of it)",
+        "  loads: {:.3} s, {:.2} GB/s; raw copy ({}) on this machine {:.2} GB/s (loads at {:.2} of it)",
         r.seconds,
         r.gb_per_s,
+        r.copy_reference,
         r.copy_gb_per_s,
         if r.copy_gb_per_s > 0.0 {
             r.gb_per_s / r.copy_gb_per_s

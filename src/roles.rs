@@ -146,7 +146,14 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
         args.seed,
         c.block_size,
     )?;
-    let side = side_config(c, model.clone(), args.tp, args.pp, c.block_size, num_blocks);
+    let side = side_config(
+        c,
+        model.clone(),
+        (args.tp, args.pp),
+        c.block_size,
+        num_blocks,
+        0,
+    );
     // The engines' segment names travel to peers: by default they name the host the
     // control channel binds.
     let bind_host = host_of(&args.bind);
@@ -161,7 +168,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
     }
     let default_host = if unspecified { "127.0.0.1" } else { bind_host };
     let mut ranks = build_side(&side, &engine_config(c, default_host)?)?;
-    let (workers, backend) = side_workers(&ranks, c, &model, c.block_size)?;
+    let (workers, backend) = side_workers(&ranks, c, &model, c.block_size, 0)?;
     let rt = tokio::runtime::Runtime::new().map_err(CliError::Runtime)?;
     let mut cfg = producer_config(c);
     cfg.bind = format!(
@@ -268,12 +275,19 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
         .map(|t| t.div_ceil(c.block_size))
         .max()
         .unwrap_or(1);
-    let side = side_config(c, model.clone(), args.tp, args.pp, c.block_size, max_blocks);
+    let side = side_config(
+        c,
+        model.clone(),
+        (args.tp, args.pp),
+        c.block_size,
+        max_blocks,
+        0,
+    );
     // The producer WRITEs into this side's memory: its engines must be reachable from it.
     let default_host =
         local_addr_towards(&args.producer).unwrap_or_else(|| "127.0.0.1".to_string());
     let ranks = build_side(&side, &engine_config(c, &default_host)?)?;
-    let (workers, _) = side_workers(&ranks, c, &model, c.block_size)?;
+    let (workers, _) = side_workers(&ranks, c, &model, c.block_size, 0)?;
     let rt = tokio::runtime::Runtime::new().map_err(CliError::Runtime)?;
     let consumer = Consumer::new(consumer_config(c), workers)
         .map_err(CliError::p2p("starting the consumer"))?;

@@ -6,7 +6,8 @@ use std::time::Duration;
 use kvferry_kernels::{try_backend_for, LayerInput};
 use kvferry_p2p::{Worker, WorkerGroup};
 use kvferry_transfer::{
-    AuthConfig, EngineConfig, GpuRegistration, Location, RdmaConfig, Secret, TransportKind,
+    AuthConfig, CudaIpcMode, EngineConfig, GpuRegistration, Location, RdmaConfig, Secret,
+    TransportKind,
 };
 
 use crate::cli::{CommonArgs, DeviceArg, GpuRegistrationArg, TransportArg};
@@ -22,6 +23,17 @@ pub fn transport_kind(t: TransportArg) -> TransportKind {
         TransportArg::Auto => TransportKind::Auto,
         TransportArg::Tcp => TransportKind::Tcp,
         TransportArg::Rdma => TransportKind::Rdma,
+        TransportArg::CudaIpc => TransportKind::Auto,
+    }
+}
+
+/// The engine's CUDA IPC setting for a `--transport` value: a forced network transport turns
+/// it off (so `--transport tcp` really moves GPU KV over TCP), `cuda-ipc` requires it.
+pub fn cuda_ipc_mode(t: TransportArg) -> CudaIpcMode {
+    match t {
+        TransportArg::Auto => CudaIpcMode::Auto,
+        TransportArg::Tcp | TransportArg::Rdma => CudaIpcMode::Off,
+        TransportArg::CudaIpc => CudaIpcMode::Required,
     }
 }
 
@@ -55,6 +67,7 @@ pub fn engine_config(c: &CommonArgs, default_host: &str) -> Result<EngineConfig,
         host,
         listen_ports: c.engine_ports,
         transport: transport_kind(c.transport),
+        cuda_ipc: cuda_ipc_mode(c.transport),
         transfer_timeout: Duration::from_secs_f64(c.timeout),
         rdma: RdmaConfig {
             gpu_registration: gpu_registration(c.gpu_registration),
@@ -145,14 +158,14 @@ pub fn transfer_path(producer: &RankKv, consumer: &RankKv) -> String {
 
 /// One side's KV caches for the common options: `model` held by `tp × pp` ranks whose
 /// layer arrays hold `num_blocks` blocks of `block_size` tokens in `--layout`, on the
-/// `--device` (GPU 0 for `cuda`), each rank's engine on `--transport`.
+/// `--device` (GPU `gpu` for `cuda`), each rank's engine on `--transport`.
 pub fn side_config(
     c: &CommonArgs,
     model: ModelShape,
-    tp: u32,
-    pp: u32,
+    (tp, pp): (u32, u32),
     block_size: u64,
     num_blocks: u64,
+    gpu: u32,
 ) -> SideConfig {
     SideConfig {
         model,
@@ -162,21 +175,21 @@ pub fn side_config(
         layout: c.layout.clone(),
         num_blocks,
         transport: transport_kind(c.transport),
-        location: device_location(c.device),
+        location: device_location(c.device, gpu),
     }
 }
 
-/// Where `--device` puts the KV caches: host memory, or GPU 0.
-fn device_location(d: DeviceArg) -> Location {
+/// Where `--device` puts the KV caches: host memory, or GPU `gpu`.
+pub fn device_location(d: DeviceArg, gpu: u32) -> Location {
     match d {
         DeviceArg::Cpu => Location::Cpu,
-        DeviceArg::Cuda => Location::Cuda(0),
+        DeviceArg::Cuda => Location::Cuda(gpu),
     }
 }
 
 /// The p2p workers of one side's ranks (`model`'s KV cache groups, blocks of `block_size`
 /// tokens: full attention, sliding window with its window, Mamba-type state skipped by the
-/// checksum), and the checksum backend's name.
+/// checksum), on GPU `gpu` with `--device cuda`, and the checksum backend's name.
 ///
 /// Errors: `--device cuda` where the CUDA checksum backend is unusable (the ranks'
 /// memory is on the GPU, so the CPU backend cannot read it).
@@ -185,8 +198,9 @@ pub fn side_workers(
     c: &CommonArgs,
     model: &ModelShape,
     block_size: u64,
+    gpu: u32,
 ) -> Result<(Vec<Worker>, String), CliError> {
-    let device = device_location(c.device);
+    let device = device_location(c.device, gpu);
     // No silent CPU fallback: the CPU backend cannot read GPU memory.
     let backend = try_backend_for(device).map_err(CliError::CudaBackend)?;
     let name = backend.name().to_string();
@@ -222,4 +236,28 @@ pub fn side_workers(
         })
         .collect();
     Ok((workers, name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn a_forced_network_transport_turns_cuda_ipc_off() {
+        let cfg = |t: &str| {
+            let cli =
+                crate::cli::Cli::try_parse_from(["kvferry", "demo", "--transport", t]).unwrap();
+            let crate::cli::Command::Demo(d) = cli.command else {
+                panic!("demo")
+            };
+            engine_config(&d.common, "127.0.0.1").unwrap()
+        };
+        assert_eq!(cfg("tcp").cuda_ipc, CudaIpcMode::Off);
+        assert_eq!(cfg("tcp").transport, TransportKind::Tcp);
+        assert_eq!(cfg("rdma").cuda_ipc, CudaIpcMode::Off);
+        assert_eq!(cfg("auto").cuda_ipc, CudaIpcMode::Auto);
+        assert_eq!(cfg("cuda-ipc").cuda_ipc, CudaIpcMode::Required);
+        assert_eq!(cfg("cuda-ipc").transport, TransportKind::Auto);
+    }
 }

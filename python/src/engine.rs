@@ -156,7 +156,9 @@ impl PyTransferEngine {
     /// or Mooncake's same-host GPU name `"nvlink_intra"` (also `"cuda_ipc"`): device memory
     /// between processes of this host through CUDA IPC, a `cuda:N` region that cannot be
     /// exported refused at registration, everything else over TCP or RDMA as `"auto"`. With
-    /// `"auto"`, `"tcp"` and `"rdma"` CUDA IPC is taken where it can be. `device_name`: comma-separated RDMA device names (e.g. `"mlx5_0,mlx5_1"`), `""` = all.
+    /// `"auto"` CUDA IPC is taken where it can be; `"tcp"` and `"rdma"` move everything over
+    /// that protocol (no CUDA IPC). `device_name`: comma-separated RDMA device names (e.g.
+    /// `"mlx5_0,mlx5_1"`), `""` = all.
     /// `MC_TRANSFER_TIMEOUT` (seconds, at least 5) sets the sync transfers' base deadline, as in
     /// Mooncake (default 30 s, plus 1 ns per byte).
     ///
@@ -179,8 +181,15 @@ impl PyTransferEngine {
         }
         let mut cuda_ipc = CudaIpcMode::Auto;
         let (transport, rdma_requested) = match protocol.trim().to_ascii_lowercase().as_str() {
-            "tcp" => (TransportKind::Tcp, false),
-            "rdma" => (TransportKind::Auto, true),
+            // A named network protocol is what carries the bytes: no CUDA IPC beside it.
+            "tcp" => {
+                cuda_ipc = CudaIpcMode::Off;
+                (TransportKind::Tcp, false)
+            }
+            "rdma" => {
+                cuda_ipc = CudaIpcMode::Off;
+                (TransportKind::Auto, true)
+            }
             "auto" => (TransportKind::Auto, false),
             "nvlink_intra" | "cuda_ipc" => {
                 cuda_ipc = CudaIpcMode::Required;

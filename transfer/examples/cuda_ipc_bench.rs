@@ -199,9 +199,9 @@ fn main() {
     let kernel = PieceKernel::new(0).expect("piece kernel (NVRTC)");
     let table = std::cell::RefCell::new(PieceTable::new());
     println!(
-        "| size | reference GB/s | contiguous | 64K pieces | 4K pieces | 4K batch API | vmm |"
+        "| size | reference GB/s | contiguous | 64K pieces | 4K pieces | 4K batch API | vmm | engine contiguous | engine 64K pieces | engine 4K pieces |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut size = 64 << 10;
     while size <= max {
         let reps = ((1usize << 31) / size).clamp(8, 4000);

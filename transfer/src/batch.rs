@@ -62,73 +62,94 @@ pub(crate) fn local_covers(
     registry: &MemoryRegistry,
     requests: &[TransferRequest],
 ) -> Result<Vec<Vec<(u64, u64, MemoryRegion)>>> {
-    requests
-        .iter()
-        .map(|r| {
-            if r.len == 0 {
-                return Err(TransferError::InvalidArgument(format!(
-                    "request at local {:#x} has zero length",
-                    r.local_addr
-                )));
-            }
-            registry
-                .cover(r.local_addr, r.len)
-                .map(|v| v.into_iter().map(|(a, l, e)| (a, l, e.region)).collect())
-                .ok_or(TransferError::NotRegistered {
-                    addr: r.local_addr,
-                    len: r.len,
-                })
+    if let Some(r) = requests.iter().find(|r| r.len == 0) {
+        return Err(TransferError::InvalidArgument(format!(
+            "request at local {:#x} has zero length",
+            r.local_addr
+        )));
+    }
+    registry
+        .cover_regions(requests.iter().map(|r| (r.local_addr, r.len)))
+        .into_iter()
+        .zip(requests)
+        .map(|(c, r)| {
+            c.ok_or(TransferError::NotRegistered {
+                addr: r.local_addr,
+                len: r.len,
+            })
         })
         .collect()
 }
 
 /// The slices of `requests` (ids 0..n in request order), given each request's local and
-/// remote covers (`local_covers`, `SegmentDescriptor::remote_covers`).
+/// remote covers (`local_covers`, `SegmentDescriptor::remote_covers`). `slice_size(local
+/// region, remote buffer)` is the slice size of a run between those two (> 0; the transport's
+/// choice, `Transport::slice_size`); it is asked once per pair of one submit.
 /// Errors: `InvalidArgument` when the batch would have more than `u32::MAX` slices.
 pub(crate) fn slice_requests(
     requests: &[TransferRequest],
     local: &[Vec<(u64, u64, MemoryRegion)>],
     remote: &[Vec<(u64, u64, usize)>],
-    slice_size: u64,
+    mut slice_size: impl FnMut(&MemoryRegion, usize) -> u64,
 ) -> Result<Vec<Slice>> {
-    let mut slices = Vec::new();
+    let mut slices = Vec::with_capacity(requests.len());
+    // Submits name few pairs of regions: the last answer is almost always the one wanted.
+    let mut sizes: Vec<(u64, usize, u64)> = Vec::new();
+    let mut size_of = |region: &MemoryRegion, buffer: usize| -> u64 {
+        if let Some(&(_, _, s)) = sizes
+            .iter()
+            .rev()
+            .find(|(a, b, _)| *a == region.addr && *b == buffer)
+        {
+            return s;
+        }
+        let s = slice_size(region, buffer).max(1);
+        sizes.push((region.addr, buffer, s));
+        s
+    };
     for ((r, l), rc) in requests.iter().zip(local).zip(remote) {
-        let est = r.len / slice_size + (l.len() + rc.len()) as u64;
+        let est = (l.len() + rc.len()) as u64;
         if slices.len() as u64 + est > u32::MAX as u64 {
             return Err(TransferError::InvalidArgument(
                 "batch has too many slices; raise slice_size".into(),
             ));
         }
-        cut_request(r, l, rc, slice_size, &mut slices);
+        cut_request(r, l, rc, &mut size_of, &mut slices)?;
     }
     Ok(slices)
 }
 
-/// Cuts `[0, len)` of one request at every boundary of either side, then into slices of
-/// `slice_size` (a tail of at most `slice_size/4` merged into the previous slice).
+/// Cuts `[0, len)` of one request at every boundary of either side, then each run into slices
+/// of its `slice_size` (a tail of at most `slice_size/4` merged into the previous slice).
 /// `local`/`remote` are the covers `(addr, len, item)` of the two sides, in order.
 fn cut_request(
     req: &TransferRequest,
     local: &[(u64, u64, MemoryRegion)],
     remote: &[(u64, u64, usize)],
-    slice_size: u64,
+    slice_size: &mut impl FnMut(&MemoryRegion, usize) -> u64,
     out: &mut Vec<Slice>,
-) {
+) -> Result<()> {
     let (mut li, mut ri) = (0usize, 0usize);
     let (mut lo, mut ro) = (0u64, 0u64); // offsets consumed within the current pieces
     let mut off = 0u64;
     while off < req.len {
         let (_, llen, region) = local[li];
         let (_, rlen, buffer) = remote[ri];
+        let size = slice_size(&region, buffer);
         let chunk = (llen - lo).min(rlen - ro);
         let mut at = 0u64;
-        let full = chunk / slice_size;
-        let rem = chunk % slice_size;
-        let merge_tail = full >= 1 && rem > 0 && rem <= slice_size / 4;
+        let full = chunk / size;
+        let rem = chunk % size;
+        let merge_tail = full >= 1 && rem > 0 && rem <= size / 4;
+        if out.len() as u64 + full + 1 > u32::MAX as u64 {
+            return Err(TransferError::InvalidArgument(
+                "batch has too many slices; raise slice_size".into(),
+            ));
+        }
         while at < chunk {
-            let mut n = (chunk - at).min(slice_size);
-            if merge_tail && chunk - at == slice_size + rem {
-                n = slice_size + rem;
+            let mut n = (chunk - at).min(size);
+            if merge_tail && chunk - at == size + rem {
+                n = size + rem;
             }
             out.push(Slice {
                 id: out.len() as u32,
@@ -153,6 +174,7 @@ fn cut_request(
             ro = 0;
         }
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -183,7 +205,7 @@ mod tests {
         ];
         let remote = [(5000, 250, 0usize), (5250, 50, 1usize)];
         let mut out = Vec::new();
-        cut_request(&req, &local, &remote, 64, &mut out);
+        cut_request(&req, &local, &remote, &mut |_, _| 64, &mut out).unwrap();
         let spans: Vec<(u64, u64)> = out.iter().map(|s| (s.local_addr - 1000, s.len)).collect();
         // chunk [0,100): 64 + 36 (36 > 16, not merged); [100,250): 64+64+22; [250,300): 50
         assert_eq!(
@@ -210,14 +232,56 @@ mod tests {
             &req,
             &[(1000, req.len, region(1000, 1000))],
             &[(5000, req.len, 0)],
-            64,
+            &mut |_, _| 64,
             &mut out,
-        );
+        )
+        .unwrap();
         assert_eq!(
             out.iter().map(|s| s.len).collect::<Vec<_>>(),
             vec![64, 64, 80]
         );
         assert_eq!(out.iter().map(|s| s.len).sum::<u64>(), req.len);
+    }
+
+    #[test]
+    fn each_pair_of_regions_gets_the_transports_slice_size() {
+        // Region A (local 0..1000) pairs with buffer 0 at 64-byte slices; region B (local
+        // 1000..2000) with buffer 1 in whole runs (a device-copy transport's choice).
+        let req = TransferRequest {
+            op: Op::Write,
+            local_addr: 0,
+            remote_addr: 10_000,
+            len: 2000,
+        };
+        let local = vec![vec![
+            (0, 1000, region(0, 1000)),
+            (1000, 1000, region(1000, 1000)),
+        ]];
+        let remote = vec![vec![(10_000, 1000, 0usize), (11_000, 1000, 1usize)]];
+        let mut asked = Vec::new();
+        let s = slice_requests(
+            &[req, req],
+            &[local[0].clone(), local[0].clone()],
+            &[remote[0].clone(), remote[0].clone()],
+            |r, b| {
+                asked.push((r.addr, b));
+                if b == 1 {
+                    u64::MAX
+                } else {
+                    64
+                }
+            },
+        )
+        .unwrap();
+        let per_request: Vec<u64> = s.iter().take(s.len() / 2).map(|s| s.len).collect();
+        assert_eq!(per_request.len(), 1000 / 64 + 1, "{per_request:?}");
+        assert_eq!(
+            *per_request.last().unwrap(),
+            1000,
+            "region B's run is one slice"
+        );
+        assert_eq!(s.iter().map(|s| s.len).sum::<u64>(), 4000);
+        assert_eq!(asked, vec![(0, 0), (1000, 1)], "asked once per pair");
     }
 
     #[test]
@@ -234,7 +298,7 @@ mod tests {
             vec![(500, 30, region(0, 1000))],
         ];
         let remote = vec![vec![(10_000, 100, 0)], vec![(10_500, 30, 0)]];
-        let s = slice_requests(&reqs, &local, &remote, 64).unwrap();
+        let s = slice_requests(&reqs, &local, &remote, |_, _| 64).unwrap();
         let got: Vec<(u32, u64, u64)> = s.iter().map(|s| (s.id, s.local_addr, s.len)).collect();
         assert_eq!(got, vec![(0, 0, 64), (1, 64, 36), (2, 500, 30)]);
         assert!(s.iter().all(|s| s.op == Op::Read));

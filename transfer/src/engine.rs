@@ -373,7 +373,8 @@ impl TransferEngine {
     /// range covered by registered memory (else `NotRegistered`); remote range covered by the
     /// peer's advertised buffers (else the descriptor is fetched again once, then
     /// `RemoteOutOfRange`); the peer speaks this engine's transport (else `Unsupported`).
-    /// Requests are cut into slices of `slice_size` that never cross a region on either side.
+    /// Requests are cut into slices that never cross a region on either side, of `slice_size`
+    /// or the size the transport chose for the pair of regions (`Transport::slice_size`).
     /// An empty `requests` gives a batch that is already `Completed`. The handle's token
     /// (`SegmentHandle::with_token`), if any, travels with every data frame.
     /// A slice that fails on
@@ -392,12 +393,10 @@ impl TransferEngine {
             }
         };
         desc.check_kind(self.transport.kind())?;
-        let slices = batch::slice_requests(
-            requests,
-            &local_covers,
-            &remote_covers,
-            self.config.slice_size,
-        )?;
+        let default = self.config.slice_size;
+        let slices = batch::slice_requests(requests, &local_covers, &remote_covers, |l, b| {
+            self.transport.slice_size(&desc, l, b, default)
+        })?;
         // the local regions stay registered until the last slice is reported
         let pins = self
             .registry

@@ -89,8 +89,9 @@ pub struct TransportContext {
 /// One piece of a request, as the engine hands it to `post`. Guarantees:
 /// `[local_addr, local_addr+len)` lies inside `local_region` (registered here) and
 /// `[remote_addr, remote_addr+len)` inside `peer.buffers[remote_buffer].region`; `len` > 0 and
-/// at most `slice_size + slice_size/4` (a merged tail). Ids of one `post` are 0..n, in request
-/// order; consecutive slices of one request are contiguous on both sides.
+/// at most `s + s/4` (a merged tail), `s` the slice size `Transport::slice_size` gave for the
+/// pair of regions. Ids of one `post` are 0..n, in request order; consecutive slices of one
+/// request are contiguous on both sides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Slice {
     /// Index of this slice within its `post` call: 0..slices.len(). Report it to the sink.
@@ -174,6 +175,22 @@ pub trait Transport: Send + Sync + 'static {
             TransportKind::Rdma => crate::types::TransferPath::Rdma,
             _ => crate::types::TransferPath::Tcp,
         }
+    }
+
+    /// The slice size (bytes, > 0) for runs between `local` (registered here) and the peer's
+    /// buffer `remote_buffer`; `default` is the engine's `slice_size`. The slice is the unit
+    /// of completion accounting and of the one retry on a fresh descriptor: a transport whose
+    /// cost per slice is host work rather than wire time (device copies) asks for larger ones;
+    /// a slice it hands to another transport must then still fit that one's limits.
+    /// Called at submit, once per pair of regions. Default: `default`.
+    fn slice_size(
+        &self,
+        _peer: &SegmentDescriptor,
+        _local: &MemoryRegion,
+        _remote_buffer: usize,
+        default: u64,
+    ) -> u64 {
+        default
     }
 
     /// Drops cached connections/endpoints to segment `name` (the engine calls it when the peer's

@@ -12,9 +12,13 @@
 //!
 //! The driver side (export, open, import, the piece kernel) is kvferry-cuda's `ipc`.
 
+mod copy;
 pub mod fdpass;
 pub mod keys;
 pub mod live;
+mod owner;
+mod peer;
+mod state;
 pub mod transport;
 
 pub use transport::CudaIpcTransport;

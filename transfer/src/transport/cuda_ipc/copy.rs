@@ -1,0 +1,268 @@
+//! The CUDA IPC data path (initiator side): slices checked against the owner's live table,
+//! coalesced where both sides continue each other, enqueued on this transport's stream of the
+//! local device (never a caller's), and handed to the completion thread with their event.
+
+use std::collections::HashMap;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use kvferry_cuda::driver::Event;
+use kvferry_cuda::ipc::{self, AllocationKind, PieceTable};
+
+use super::keys::IpcRegionKeys;
+use super::state::{gpu_err, lock, Job, Lane, Mapped, COPY_DEADLINE};
+use super::transport::CudaIpcTransport;
+use crate::descriptor::SegmentDescriptor;
+use crate::error::{Result, TransferError};
+use crate::transport::{CompletionSink, Slice};
+use crate::types::{Location, Op};
+
+/// Slices of one post that take CUDA IPC, resolved to device addresses.
+pub(super) struct Planned {
+    pub(super) id: u32,
+    pub(super) dst: u64,
+    pub(super) src: u64,
+    pub(super) len: u64,
+}
+
+/// Merges consecutive slices (in id order) whose both sides continue each other.
+pub(super) fn coalesce(planned: &[Planned]) -> Vec<ipc::Copy> {
+    let mut out: Vec<ipc::Copy> = Vec::new();
+    for p in planned {
+        if let Some(last) = out.last_mut() {
+            if last.dst + last.len as u64 == p.dst && last.src + last.len as u64 == p.src {
+                last.len += p.len as usize;
+                continue;
+            }
+        }
+        out.push(ipc::Copy {
+            dst: p.dst,
+            src: p.src,
+            len: p.len as usize,
+        });
+    }
+    out
+}
+
+impl CudaIpcTransport {
+    /// Starts the CUDA IPC slices; returns those that must go to the fallback transport
+    /// (their allocation could not be imported).
+    pub(super) fn post_ipc(
+        &self,
+        peer: &Arc<SegmentDescriptor>,
+        slices: Vec<(Slice, Arc<IpcRegionKeys>)>,
+        done: &CompletionSink,
+    ) -> Vec<Slice> {
+        let fail = |ids: &mut dyn Iterator<Item = u32>, e: &TransferError| done.fail_all(ids, e);
+        if done.is_cancelled() {
+            fail(
+                &mut slices.iter().map(|(s, _)| s.id),
+                &CompletionSink::cancelled_error(),
+            );
+            return Vec::new();
+        }
+        let host = slices[0].1.host.clone();
+        if self.peer_gone(&host) {
+            self.drop_peer(&peer.name);
+            let e = TransferError::Refused {
+                segment: peer.name.clone(),
+                text: format!("its process {} has exited", host.pid),
+            };
+            fail(&mut slices.iter().map(|(s, _)| s.id), &e);
+            return Vec::new();
+        }
+        // One local device per post in practice; group by it anyway.
+        let mut by_dev: HashMap<u32, Vec<(Slice, Arc<IpcRegionKeys>)>> = HashMap::new();
+        for (s, k) in slices {
+            let Location::Cuda(d) = s.local_region.location else {
+                unreachable!("routed to CUDA IPC only with device memory on both sides")
+            };
+            by_dev.entry(d).or_default().push((s, k));
+        }
+        let mut fallback = Vec::new();
+        for (dev, group) in by_dev {
+            let lane = match self.lane(dev) {
+                Ok(l) => l,
+                Err(e) => {
+                    fail(&mut group.iter().map(|(s, _)| s.id), &e);
+                    continue;
+                }
+            };
+            // Import what is missing, once per allocation.
+            let missing: Vec<(u64, u64, AllocationKind)> = {
+                let peers = lock(&self.peers);
+                let p = peers
+                    .get(&peer.name)
+                    .filter(|p| p.instance_id == peer.instance_id);
+                // Slices of one allocation come in runs: each allocation is looked at once
+                // per run, not once per slice.
+                let mut seen: Vec<u64> = Vec::new();
+                let mut out = Vec::new();
+                let mut prev = None;
+                for (_, k) in &group {
+                    if prev == Some(k.alloc_base) {
+                        continue;
+                    }
+                    prev = Some(k.alloc_base);
+                    if seen.contains(&k.alloc_base) {
+                        continue;
+                    }
+                    seen.push(k.alloc_base);
+                    if p.is_none_or(|p| !p.mapped.contains_key(&k.alloc_base)) {
+                        out.push((k.alloc_base, k.alloc_size, k.kind));
+                    }
+                }
+                out
+            };
+            if !missing.is_empty() {
+                if let Err(e) = self.import(peer, &host, &missing, &lane) {
+                    tracing::warn!(peer = %peer.name, "CUDA IPC handshake failed ({e}); these slices go over {}", self.inner.kind());
+                    let mut peers = lock(&self.peers);
+                    if let Some(p) = peers.get_mut(&peer.name) {
+                        p.failed.extend(missing.iter().map(|m| m.0));
+                    }
+                    fallback.extend(group.into_iter().map(|(s, _)| s));
+                    continue;
+                }
+            }
+            let mut planned = Vec::with_capacity(group.len());
+            let mut keep: Vec<Arc<Mapped>> = Vec::new();
+            {
+                let peers = lock(&self.peers);
+                let Some(p) = peers.get(&peer.name) else {
+                    fallback.extend(group.into_iter().map(|(s, _)| s));
+                    continue;
+                };
+                let mut last: Option<(u64, &Arc<Mapped>)> = None;
+                for (s, k) in group {
+                    let m = match last {
+                        Some((b, m)) if b == k.alloc_base => m,
+                        _ => {
+                            let Some((_, m)) = p.mapped.get(&k.alloc_base) else {
+                                fallback.push(s);
+                                continue;
+                            };
+                            if !keep.iter().any(|x| Arc::ptr_eq(x, m)) {
+                                keep.push(m.clone());
+                            }
+                            last = Some((k.alloc_base, m));
+                            m
+                        }
+                    };
+                    if !p.live.covers(s.remote_addr, s.len) {
+                        done.complete(
+                            s.id,
+                            Err(TransferError::RemoteOutOfRange {
+                                segment: peer.name.clone(),
+                                addr: s.remote_addr,
+                                len: s.len,
+                            }),
+                        );
+                        continue;
+                    }
+                    let remote = m.ptr() + (s.remote_addr - k.alloc_base);
+                    let (dst, src) = match s.op {
+                        Op::Write => (remote, s.local_addr),
+                        Op::Read => (s.local_addr, remote),
+                    };
+                    planned.push(Planned {
+                        id: s.id,
+                        dst,
+                        src,
+                        len: s.len,
+                    });
+                }
+            }
+            if planned.is_empty() {
+                continue;
+            }
+            planned.sort_by_key(|p| p.id);
+            let copies = coalesce(&planned);
+            let ids: Vec<u32> = planned.iter().map(|p| p.id).collect();
+            let bytes: u64 = planned.iter().map(|p| p.len).sum();
+            match self.enqueue(&lane, &copies) {
+                Ok((event, table)) => {
+                    let job = Job {
+                        event,
+                        done: done.clone(),
+                        ids,
+                        deadline: Instant::now() + COPY_DEADLINE + Duration::from_nanos(bytes),
+                        lane: lane.clone(),
+                        table,
+                        _keep: keep,
+                    };
+                    let tx = lock(&self.jobs).clone();
+                    let refused = match tx {
+                        Some(tx) => tx.send(job).err().map(|mpsc::SendError(j)| j),
+                        None => Some(job),
+                    };
+                    if let Some(j) = refused {
+                        // Shut down meanwhile: let the copies end before their memory goes.
+                        let _ = j.event.synchronize();
+                        j.done.fail_all(
+                            j.ids.iter().copied(),
+                            &TransferError::Unsupported(
+                                "the CUDA IPC transport is shut down".into(),
+                            ),
+                        );
+                    }
+                }
+                Err(e) => fail(&mut ids.into_iter(), &e),
+            }
+        }
+        fallback
+    }
+
+    /// Enqueues `copies` on the lane's stream and records an event after them.
+    pub(super) fn enqueue(
+        &self,
+        lane: &Lane,
+        copies: &[ipc::Copy],
+    ) -> Result<(Event, Option<PieceTable>)> {
+        lane.ctx.bind().map_err(gpu_err)?;
+        let plan = ipc::plan_copies(copies);
+        let s = lane.stream.raw();
+        let mut table = None;
+        match &lane.kernel {
+            Some(k) => {
+                let mut t = lock(&lane.tables).pop().unwrap_or_default();
+                // SAFETY: every range lies inside registered local memory or a peer
+                // allocation mapped here (kept alive by the job until the event completes);
+                // the table is ours until the job returns it after the event.
+                unsafe { k.enqueue(&plan, &mut t, s) }.map_err(gpu_err)?;
+                table = Some(t);
+            }
+            None => {
+                let all: Vec<ipc::Copy> = plan.direct.iter().chain(&plan.pieces).copied().collect();
+                // SAFETY: as above.
+                unsafe { ipc::copy_batch_async(&all, s) }.map_err(gpu_err)?;
+            }
+        }
+        let ev = Event::new(&lane.ctx, false).map_err(gpu_err)?;
+        // SAFETY: the lane's stream belongs to the lane's context.
+        unsafe { ev.record(s) }.map_err(gpu_err)?;
+        Ok((ev, table))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contiguous_slices_merge_and_gaps_do_not() {
+        let p = |id, dst, src, len| Planned { id, dst, src, len };
+        let c = coalesce(&[
+            p(0, 1000, 5000, 100),
+            p(1, 1100, 5100, 100),
+            p(2, 1300, 5200, 100), // gap on the destination side
+            p(3, 1400, 5300, 50),
+            p(4, 1450, 9000, 50), // gap on the source side
+        ]);
+        let got: Vec<(u64, u64, usize)> = c.iter().map(|c| (c.dst, c.src, c.len)).collect();
+        assert_eq!(
+            got,
+            vec![(1000, 5000, 200), (1300, 5200, 150), (1450, 9000, 50)]
+        );
+    }
+}

@@ -1,0 +1,170 @@
+//! Opening a peer's allocations (initiator side): the handle request with its proof, the
+//! live table and file descriptors fetched over the Unix socket, each allocation mapped once;
+//! and forgetting a peer.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use kvferry_cuda::ipc::{AllocationKind, ImportedVmm, LegacyHandle, OpenedLegacy};
+
+use super::fdpass::{self, hex};
+use super::keys::HostIdentity;
+use super::live::LiveView;
+use super::state::{
+    allocs_bytes, gpu_err, lock, parse_hex, AllocReply, Envelope, Lane, Mapped, Peer, Reply,
+    Request, PROOF_LABEL,
+};
+use super::transport::CudaIpcTransport;
+use crate::descriptor::SegmentDescriptor;
+use crate::error::{Result, TransferError};
+use crate::handshake::{self, FrameType};
+
+impl CudaIpcTransport {
+    /// Asks `peer` for `allocs` and maps them (initiator side). Returns the peer state made or
+    /// updated; allocations that fail to map are marked failed (with a warning).
+    pub(super) fn import(
+        &self,
+        desc: &SegmentDescriptor,
+        host: &HostIdentity,
+        allocs: &[(u64, u64, AllocationKind)],
+        lane: &Lane,
+    ) -> Result<()> {
+        let nonce = crate::auth::random_bytes::<32>()?;
+        let bases: Vec<u64> = allocs.iter().map(|a| a.0).collect();
+        let in_process = self.me.as_ref().is_some_and(|m| m.same_process(host));
+        // In-process peers need only the live table.
+        let wanted: Vec<u64> = if in_process {
+            Vec::new()
+        } else {
+            bases.clone()
+        };
+        let proof = self
+            .auth
+            .secret
+            .as_ref()
+            .map(|s| hex(&s.prove(PROOF_LABEL, &[&nonce, &allocs_bytes(&wanted)])));
+        let body = serde_json::to_vec(&Envelope {
+            cuda_ipc: Request {
+                version: 1,
+                nonce: hex(&nonce),
+                proof,
+                allocs: wanted,
+            },
+        })
+        .map_err(|e| TransferError::Protocol(format!("encode CUDA IPC request: {e}")))?;
+        let reply = handshake::request_with(
+            &desc.name,
+            FrameType::Connect,
+            &body,
+            self.handshake_timeout,
+            self.credential.as_ref(),
+        )?;
+        let reply: Envelope<Reply> = serde_json::from_slice(&reply).map_err(|e| {
+            TransferError::Protocol(format!("CUDA IPC reply from {}: {e}", desc.name))
+        })?;
+        let reply = reply.cuda_ipc;
+        let ticket = |t: &str| {
+            parse_hex::<16>(t).ok_or_else(|| {
+                TransferError::Protocol(format!(
+                    "CUDA IPC ticket from {}: 32 hex digits",
+                    desc.name
+                ))
+            })
+        };
+        let (live_fd, _) = fdpass::fetch(&reply.socket, &ticket(&reply.live)?, &desc.name)?;
+        let live = LiveView::open(&live_fd)?;
+        let mut peers = lock(&self.peers);
+        let p = match peers.get_mut(&desc.name) {
+            Some(p) if p.instance_id == desc.instance_id => {
+                p.live = live;
+                p
+            }
+            _ => {
+                peers.insert(
+                    desc.name.clone(),
+                    Peer {
+                        instance_id: desc.instance_id,
+                        live,
+                        mapped: HashMap::new(),
+                        failed: HashSet::new(),
+                    },
+                );
+                peers.get_mut(&desc.name).expect("inserted")
+            }
+        };
+        if in_process {
+            for (base, size, _) in allocs {
+                p.mapped
+                    .insert(*base, (*size, Arc::new(Mapped::InProcess(*base))));
+            }
+            return Ok(());
+        }
+        for (base, size, kind) in allocs {
+            let got = reply.allocs.iter().find(|a| a.base == *base);
+            let mapped = match (got, kind) {
+                (Some(a), _) if a.size != *size => Err(TransferError::Protocol(format!(
+                    "allocation {base:#x}: {} bytes in the reply, {size} in the descriptor",
+                    a.size
+                ))),
+                (
+                    Some(AllocReply {
+                        legacy: Some(h), ..
+                    }),
+                    AllocationKind::Legacy,
+                ) => match parse_hex::<64>(h) {
+                    Some(b) => OpenedLegacy::open(&lane.ctx, &LegacyHandle(b))
+                        .map(Mapped::Legacy)
+                        .map_err(gpu_err),
+                    None => Err(TransferError::Protocol(
+                        "legacy handle: 128 hex digits".into(),
+                    )),
+                },
+                (Some(AllocReply { fd: Some(t), .. }), AllocationKind::VmmFd) => ticket(t)
+                    .and_then(|t| fdpass::fetch(&reply.socket, &t, &desc.name))
+                    .and_then(|(fd, sz)| {
+                        if sz != *size {
+                            return Err(TransferError::Protocol(format!(
+                                "allocation {base:#x}: descriptor of {sz} bytes, expected {size}"
+                            )));
+                        }
+                        ImportedVmm::import(&lane.ctx, &fd, sz)
+                            .map(Mapped::Vmm)
+                            .map_err(gpu_err)
+                    }),
+                _ => Err(TransferError::Protocol(format!(
+                    "no {kind:?} handle for allocation {base:#x} in the reply"
+                ))),
+            };
+            match mapped {
+                Ok(m) => {
+                    p.mapped.insert(*base, (*size, Arc::new(m)));
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        peer = %desc.name,
+                        "CUDA IPC import of allocation {base:#x} failed ({e}); its slices go over {}",
+                        self.inner.kind()
+                    );
+                    p.failed.insert(*base);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the peer's process is gone (same pid namespace only; else unknown: false).
+    pub(super) fn peer_gone(&self, host: &HostIdentity) -> bool {
+        let Some(me) = &self.me else { return false };
+        if !me.same_host(host) || me.pid_ns.is_empty() || me.pid_ns != host.pid_ns {
+            return false;
+        }
+        // SAFETY: signal 0 checks existence and permission only.
+        let r = unsafe { libc::kill(host.pid as i32, 0) };
+        r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    }
+
+    pub(super) fn drop_peer(&self, name: &str) {
+        let gone = lock(&self.peers).remove(name);
+        drop(gone);
+    }
+}

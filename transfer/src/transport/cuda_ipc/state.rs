@@ -1,0 +1,224 @@
+//! The CUDA IPC transport's parts that need no transport: the handle request and reply, what
+//! is held of exports, peers and lanes, the jobs in flight and the thread that completes them.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::os::fd::OwnedFd;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use kvferry_cuda::driver::{Context, Event, EventState, Stream};
+use kvferry_cuda::ipc::{ImportedVmm, LegacyHandle, OpenedLegacy, PieceKernel, PieceTable};
+
+use super::live::LiveView;
+use crate::error::TransferError;
+use crate::transport::CompletionSink;
+
+/// HMAC label of a handle request's proof.
+pub(super) const PROOF_LABEL: &str = "kvferry cuda-ipc handles v1";
+/// Nonces of handle requests remembered against replay.
+pub(super) const NONCES_KEPT: usize = 4096;
+/// Allocations one handle request may name.
+pub(super) const MAX_ALLOCS_PER_REQUEST: usize = 1024;
+/// Longest wait for one batch's device copies (plus 1 ns per byte).
+pub(super) const COPY_DEADLINE: Duration = Duration::from_secs(30);
+
+/// One exported allocation (owner side).
+pub(super) struct Export {
+    pub(super) size: u64,
+    /// Registered regions inside it (their start addresses).
+    pub(super) regions: HashSet<u64>,
+    pub(super) legacy: Option<LegacyHandle>,
+    pub(super) fd: Option<Arc<OwnedFd>>,
+}
+
+/// An allocation of a peer mapped here.
+pub(super) enum Mapped {
+    Legacy(OpenedLegacy),
+    Vmm(ImportedVmm),
+    /// The peer is this process: its addresses are ours.
+    InProcess(u64),
+}
+
+impl Mapped {
+    pub(super) fn ptr(&self) -> u64 {
+        match self {
+            Mapped::Legacy(o) => o.ptr(),
+            Mapped::Vmm(v) => v.ptr(),
+            Mapped::InProcess(p) => *p,
+        }
+    }
+}
+
+/// What this process holds of one peer instance (initiator side).
+pub(super) struct Peer {
+    pub(super) instance_id: u64,
+    pub(super) live: LiveView,
+    /// Allocation base (peer address) → (size, mapping).
+    pub(super) mapped: HashMap<u64, (u64, Arc<Mapped>)>,
+    /// Allocations whose import failed (sent to the fallback transport from then on).
+    pub(super) failed: HashSet<u64>,
+}
+
+/// A handle request (`Connect` body `{"cuda_ipc": Request}`).
+#[derive(Serialize, Deserialize)]
+pub(super) struct Request {
+    pub(super) version: u32,
+    /// 32 random bytes as hex, proven with the secret in authenticated mode.
+    pub(super) nonce: String,
+    /// HMAC of the nonce and the allocations, hex; `None` in open mode.
+    pub(super) proof: Option<String>,
+    /// Allocation bases wanted.
+    pub(super) allocs: Vec<u64>,
+}
+
+#[derive(Serialize, Deserialize)]
+pub(super) struct Reply {
+    /// The owner's Unix socket (abstract name) for tickets.
+    pub(super) socket: String,
+    /// Ticket of the live table.
+    pub(super) live: String,
+    pub(super) allocs: Vec<AllocReply>,
+}
+
+#[derive(Serialize, Deserialize)]
+pub(super) struct AllocReply {
+    pub(super) base: u64,
+    pub(super) size: u64,
+    /// Legacy handle (64 bytes, hex).
+    pub(super) legacy: Option<String>,
+    /// Ticket of the file descriptor.
+    pub(super) fd: Option<String>,
+}
+
+#[derive(Serialize, Deserialize)]
+pub(super) struct Envelope<T> {
+    pub(super) cuda_ipc: T,
+}
+
+/// A device's copy lane: its context, this transport's stream on it, the piece kernel (when
+/// NVRTC is there) and spare tables.
+pub(super) struct Lane {
+    pub(super) ctx: Context,
+    pub(super) stream: Stream,
+    pub(super) kernel: Option<PieceKernel>,
+    pub(super) tables: Mutex<Vec<PieceTable>>,
+}
+
+/// Device copies in flight: their event, slices and what must live until they end.
+pub(super) struct Job {
+    pub(super) event: Event,
+    pub(super) done: CompletionSink,
+    pub(super) ids: Vec<u32>,
+    pub(super) deadline: Instant,
+    pub(super) lane: Arc<Lane>,
+    pub(super) table: Option<PieceTable>,
+    pub(super) _keep: Vec<Arc<Mapped>>,
+}
+
+/// Nonces of handle requests seen (a set for lookup, a queue for age), against replay.
+pub(super) type Nonces = (HashSet<[u8; 32]>, VecDeque<[u8; 32]>);
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(super) fn gpu_err(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> TransferError {
+    TransferError::gpu(e)
+}
+
+pub(super) fn allocs_bytes(a: &[u64]) -> Vec<u8> {
+    a.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub(super) fn parse_hex<const N: usize>(s: &str) -> Option<[u8; N]> {
+    // from_str_radix alone would take a leading '+'.
+    if s.len() != 2 * N || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let mut out = [0u8; N];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+/// The completion thread: polls each job's event until it completes or its deadline passes.
+pub(super) fn complete_jobs(rx: mpsc::Receiver<Job>) {
+    let mut jobs: Vec<Job> = Vec::new();
+    let mut late: Vec<Job> = Vec::new();
+    let mut open = true;
+    let mut idle_since: Option<Instant> = None;
+    while open || !jobs.is_empty() || !late.is_empty() {
+        if jobs.is_empty() && late.is_empty() {
+            match rx.recv() {
+                Ok(j) => jobs.push(j),
+                Err(_) => open = false,
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(j) => jobs.push(j),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    open = false;
+                    break;
+                }
+            }
+        }
+        let now = Instant::now();
+        let mut i = 0;
+        while i < jobs.len() {
+            let _ = jobs[i].lane.ctx.bind();
+            match jobs[i].event.query() {
+                Ok(EventState::Done) => {
+                    let j = jobs.swap_remove(i);
+                    j.done.succeed_all(&j.ids);
+                    if let Some(t) = j.table {
+                        lock(&j.lane.tables).push(t);
+                    }
+                }
+                Ok(EventState::Pending) if now < jobs[i].deadline => i += 1,
+                other => {
+                    let j = jobs.swap_remove(i);
+                    let e = match other {
+                        Err(e) => gpu_err(e),
+                        _ => TransferError::Timeout(COPY_DEADLINE),
+                    };
+                    j.done.fail_all(j.ids.iter().copied(), &e);
+                    // Its table and mappings stay until the device is done with them.
+                    late.push(j);
+                }
+            }
+        }
+        late.retain(|j| matches!(j.event.query(), Ok(EventState::Pending)));
+        if !jobs.is_empty() || !late.is_empty() {
+            // Copies take microseconds to about a millisecond (a 64 MiB slice: ~30 µs on an
+            // H200): yield for the first 2 ms of a wait (a sleep costs tens of microseconds of
+            // latency, more than the copy), then sleep.
+            if idle_since.get_or_insert(now).elapsed() < Duration::from_millis(2) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        } else {
+            idle_since = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_parsing_is_strict() {
+        assert_eq!(parse_hex::<2>("0aff"), Some([10, 255]));
+        assert_eq!(parse_hex::<2>("0af"), None);
+        assert_eq!(parse_hex::<2>("0afg"), None);
+        assert_eq!(parse_hex::<2>("+a00"), None);
+        assert_eq!(parse_hex::<1>("é"), None);
+    }
+}

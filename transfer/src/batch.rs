@@ -274,7 +274,9 @@ mod tests {
         )
         .unwrap();
         let per_request: Vec<u64> = s.iter().take(s.len() / 2).map(|s| s.len).collect();
-        assert_eq!(per_request.len(), 1000 / 64 + 1, "{per_request:?}");
+        // Region A: 15 slices of 64 and a tail of 40 (over a quarter: not merged).
+        assert_eq!(per_request.len(), 15 + 1 + 1, "{per_request:?}");
+        assert_eq!(per_request[15], 40);
         assert_eq!(
             *per_request.last().unwrap(),
             1000,

@@ -379,9 +379,14 @@ impl Transport for CudaIpcTransport {
 
 #[cfg(test)]
 mod tests {
+    use super::super::fdpass::hex;
+    use super::super::state::{
+        allocs_bytes, Envelope, Request, MAX_ALLOCS_PER_REQUEST, PROOF_LABEL,
+    };
     use super::*;
     use crate::auth::{Credential, GrantOps, GrantSpec, Secret, Token};
     use crate::config::{AuthConfig, EngineConfig};
+    use crate::handshake::{self, FrameType};
 
     fn secret() -> Secret {
         Secret::from_bytes(b"0123456789abcdef0123").unwrap()

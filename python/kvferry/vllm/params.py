@@ -118,6 +118,14 @@ def unit_port(base: int, tp_rank: int, pp_rank: int, tp_size: int, head_splits: 
     return base + ((pp_rank * tp_size + tp_rank) * layer_splits + layer_unit) * head_splits + unit
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets (``[::1]:5000``): the one form ZeroMQ
+    endpoints, segment names and messages take. A host already in brackets is kept as is."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
 def _get(params: Mapping[str, Any], key: str, kind: type) -> Any:
     if not isinstance(params, Mapping):
         raise ParamsError(f"kv_transfer_params is {type(params).__name__}, expected a dict")
@@ -279,7 +287,7 @@ class ProducerAllowlist:
         for eh, ep in self.entries:
             if eh == h.lower() and (ep is None or ep == port):
                 return
-        raise ParamsError(f"kv_transfer_params: producer {host}:{port} is not in allowed_producers")
+        raise ParamsError(f"kv_transfer_params: producer {host_port(host, port)} is not in allowed_producers")
 
 
 @dataclass(frozen=True)

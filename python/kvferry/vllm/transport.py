@@ -33,11 +33,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import kvferry
+from kvferry.outcomes import Action, Release, Verdict
 
 from kvferry.vllm.groups import GroupInfo, blocks_for
 from kvferry.vllm.layouts import LayoutError, cpu_attention_isa, cpu_vec_parts, layer_layout, layer_view
 from kvferry.vllm.metadata import LoadSpec, SendSpec
-from kvferry.vllm.params import unit_port
+from kvferry.vllm.params import host_port, unit_port
 from kvferry.vllm.units import (ConfigError, PairingError, Unit, common_heads, consumer_units, layer_number,
                                 layer_units, producer_units)
 from kvferry.vllm.worker import LoadResult
@@ -227,7 +228,7 @@ class KvferryTransport:
             for k, unit_layers in enumerate(self._producer_layer_units()):
                 for j, unit_heads in enumerate(head_units):
                     producer = kvferry.Producer(
-                        [self._rank(unit_heads, unit_layers)], bind=f"tcp://{c.host}:{self.unit_port(j, k)}",
+                        [self._rank(unit_heads, unit_layers)], bind="tcp://" + host_port(c.host, self.unit_port(j, k)),
                         host=c.host, protocol=c.protocol, rdma_devices=c.rdma_devices,
                         # A consumer's load must leave the producer its whole transfer time (kvferry's p2p
                         # refuses a budget below it): half the load timeout, so equal configs pair.
@@ -375,7 +376,7 @@ class KvferryTransport:
             log.error("kvferry: request %s asks to be served but this rank has no producer", send.request_id)
             return
         with self._lock:
-            self._published[send.transfer_id] = [send.request_id, len(self.producers), "served"]
+            self._published[send.transfer_id] = [send.request_id, len(self.producers), Release.SERVED]
         self._publish_pool.submit(self._publish, send, on_publish)
 
     def _publish(self, send: SendSpec, on_publish: Callable[[], bool] | None = None) -> None:
@@ -392,7 +393,7 @@ class KvferryTransport:
             except Exception as e:  # this unit will never release it: count it released now
                 log.error("kvferry: publishing request %s (transfer %s) on unit %d failed: %s",
                           send.request_id, send.transfer_id, j, e)
-                self._unit_released(send.transfer_id, f"failed: publish on unit {j}: {e}")
+                self._unit_released(send.transfer_id, Release.FAILED.because(f"publish on unit {j}: {e}"))
                 continue
             if info.warning:
                 log.warning("kvferry: transfer %s published without checksums on unit %d: %s",
@@ -407,7 +408,7 @@ class KvferryTransport:
             if entry is None:
                 return
             entry[1] -= 1
-            if reason != "served" and entry[2] == "served":
+            if Release.of(reason) is not Release.SERVED and entry[2] == Release.SERVED:
                 entry[2] = reason
             if entry[1] > 0:
                 return
@@ -432,7 +433,7 @@ class KvferryTransport:
         unit's verdict and reason. A producer whose units do not tile this rank's layers and
         heads is refused as unverified before any transfer (the reason says what to set)."""
         if (None, None) not in self.consumers:  # register() builds the whole-rank Consumer of a consumer rank
-            return LoadResult(ok=False, verdict="unverified", reason="this rank has no consumer")
+            return LoadResult(ok=False, verdict=Verdict.UNVERIFIED, reason="this rank has no consumer")
         src = spec.source
         try:
             units = consumer_units(tp_rank=self.tp_rank, tp_size=self.tp_size, pp_size=self.pp_size,
@@ -442,16 +443,16 @@ class KvferryTransport:
                                    layer_numbers=self._numbers.values(), producer_stage_layers=src.stage_layers,
                                    producer_layer_splits=src.layer_splits)
         except PairingError as e:
-            return LoadResult(ok=False, verdict="unverified", reason=str(e))
+            return LoadResult(ok=False, verdict=Verdict.UNVERIFIED, reason=str(e))
         remote, local, sizes = [], [], []
         if self.packed_isa is not None and src.block_sizes is not None and any(
                 r != g.block_size for r, g in zip(src.block_sizes, self.groups)):
-            return LoadResult(ok=False, verdict="unverified",
+            return LoadResult(ok=False, verdict=Verdict.UNVERIFIED,
                               reason=f"the producer's block sizes {list(src.block_sizes)} differ from this rank's "
                                      f"{[g.block_size for g in self.groups]}, and vLLM's CPU attention kernel "
                                      f"{self.packed_isa!r} packs each block its own way: only whole blocks move")
         if len(spec.block_ids) != len(self.groups):
-            return LoadResult(ok=False, verdict="unverified",
+            return LoadResult(ok=False, verdict=Verdict.UNVERIFIED,
                               reason=f"{len(spec.block_ids)} block tables for {len(self.groups)} KV cache groups")
         for g, (group, blocks) in enumerate(zip(self.groups, spec.block_ids)):
             n = blocks_for(spec.num_tokens, group.block_size)
@@ -460,7 +461,7 @@ class KvferryTransport:
             rn = blocks_for(spec.num_tokens, rbs)
             rtable = list(src.remote_block_ids[g])[:rn] if g < len(src.remote_block_ids) else []
             if len(rtable) < rn:
-                return LoadResult(ok=False, verdict="unverified",
+                return LoadResult(ok=False, verdict=Verdict.UNVERIFIED,
                                   reason=f"producer's block table of group {g} covers {len(rtable)} blocks of "
                                          f"{rbs} tokens, the prompt needs {rn}")
             remote.append(rtable)
@@ -473,7 +474,7 @@ class KvferryTransport:
                        for u in units]
             wait(futures, timeout=max(deadline - time.monotonic(), 0.0) + self.UNIT_JOIN_GRACE_SECONDS)
             results = [f.result() if f.done() else
-                       LoadResult(ok=False, verdict="unverified", reason="the load did not return by its deadline")
+                       LoadResult(ok=False, verdict=Verdict.UNVERIFIED, reason="the load did not return by its deadline")
                        for f in futures]
         for unit, result in zip(units, results):
             if not result.ok:
@@ -487,7 +488,7 @@ class KvferryTransport:
         group's tables, ``sizes`` the producer's block size of each group; a group none of the
         unit's layers belongs to is not loaded through it (empty tables)."""
         src = spec.source
-        endpoint = f"tcp://{src.host}:{src.unit_port(unit.tp_rank, unit.stage, unit.unit, unit.layer_unit)}"
+        endpoint = "tcp://" + host_port(src.host, src.unit_port(unit.tp_rank, unit.stage, unit.unit, unit.layer_unit))
         try:
             consumer = self._consumer(unit.heads, unit.layers)
             mine = self._group_ids(unit.heads, unit.layers)
@@ -499,12 +500,12 @@ class KvferryTransport:
                                 remote_block_sizes=sizes)
         except Exception as e:  # a bad spec or an engine that cannot start: this unit failed
             self._record(None)
-            return LoadResult(ok=False, verdict="unverified", reason=f"load from {endpoint} raised {e!r}")
+            return LoadResult(ok=False, verdict=Verdict.UNVERIFIED, reason=f"load from {endpoint} raised {e!r}")
         self._record(out)
-        status = out.verdict.status if out.verdict is not None else "unverified"
+        status = Verdict(out.verdict.status) if out.verdict is not None else Verdict.UNVERIFIED
         if not out.landed:
             return LoadResult(ok=False, verdict=status, reason=f"did not land: {out.error}")
-        if out.action != "complete":
+        if out.action != Action.COMPLETE:
             return LoadResult(ok=False, verdict=status, reason=f"kvferry policy says {out.action}")
         log.info("kvferry: load of request %s (transfer %s) %s: %d bytes, transfer %.4f s, checksum %.4f s%s",
                  spec.request_id, src.transfer_id, status, out.bytes, out.transfer_seconds, out.checksum_seconds,
@@ -522,9 +523,9 @@ class KvferryTransport:
             d["bytes_transferred"].append(out.bytes)
             if out.verdict is not None:
                 d["checksum_duration"].append(out.checksum_seconds)
-                key = {"verified": "num_verified", "mismatch": "num_mismatch"}.get(out.verdict.status, "num_unverified")
+                key = {Verdict.VERIFIED: "num_verified", Verdict.MISMATCH: "num_mismatch"}.get(out.verdict.status, "num_unverified")
                 d[key].append(1)
-            if out.action == "recompute":
+            if out.action == Action.RECOMPUTE:
                 d["num_recomputed"].append(1)
 
     def take_stats(self) -> dict[str, list] | None:

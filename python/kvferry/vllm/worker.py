@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from kvferry.outcomes import Release, Verdict
 from kvferry.vllm.metadata import KvferryConnectorMetadata, LoadSpec, SendSpec
 
 # Under vLLM's logger, so vLLM's logging configuration (format, level) applies.
@@ -46,10 +47,10 @@ class LayerInfo:
 @dataclass(frozen=True)
 class LoadResult:
     """What a transport says about one load: ``ok`` (landed and verified, or landed and
-    unverified under fail-open) or not, the verdict name, and a reason for the log."""
+    unverified under fail-open) or not, the verdict, and a reason for the log."""
 
     ok: bool
-    verdict: str
+    verdict: Verdict
     reason: str = ""
 
 
@@ -151,7 +152,7 @@ class KvferryWorkerSide:
         try:
             result = self.transport.load(spec, deadline)
         except Exception as e:  # a transport bug must not strand the request in WAITING_FOR_REMOTE_KVS
-            result = LoadResult(ok=False, verdict="unverified", reason=f"transport raised {e!r}")
+            result = LoadResult(ok=False, verdict=Verdict.UNVERIFIED, reason=f"transport raised {e!r}")
         self._done_loads.put((spec, result))
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
@@ -160,7 +161,7 @@ class KvferryWorkerSide:
         :meth:`get_block_ids_with_load_errors` with ``report_blocks``) first."""
         sending: set[str] = set()
         for rid, reason in self.transport.released():
-            if reason != "served":
+            if Release.of(reason) is not Release.SERVED:
                 log.warning("kvferry: request %s released without serving its consumer (%s); freeing its blocks",
                             rid, reason)
             self._served.put(rid)

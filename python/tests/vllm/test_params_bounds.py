@@ -104,3 +104,14 @@ def test_an_open_mode_consumer_without_an_allowlist_computes_off_host_requests_l
                                              allowed_producers=P.producer_policy(None, None)))
     assert s.get_num_new_matched_tokens(Req("local", reply(remote_host="127.0.0.1")), 0) == (40, True)
     assert s.get_num_new_matched_tokens(Req("far", reply()), 0) == (0, False)
+
+
+@pytest.mark.parametrize("host,port,text", [
+    ("10.0.0.5", 17500, "10.0.0.5:17500"),
+    ("prefill-0", 1, "prefill-0:1"),
+    ("::1", 17500, "[::1]:17500"),
+    ("fe80::1%eth0", 2, "[fe80::1%eth0]:2"),
+    ("[::1]", 17500, "[::1]:17500"),
+])
+def test_host_port_brackets_an_ipv6_address_once(host, port, text):
+    assert P.host_port(host, port) == text

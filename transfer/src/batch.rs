@@ -253,11 +253,11 @@ mod tests {
             remote_addr: 10_000,
             len: 2000,
         };
-        let local = vec![vec![
+        let local = [vec![
             (0, 1000, region(0, 1000)),
             (1000, 1000, region(1000, 1000)),
         ]];
-        let remote = vec![vec![(10_000, 1000, 0usize), (11_000, 1000, 1usize)]];
+        let remote = [vec![(10_000, 1000, 0usize), (11_000, 1000, 1usize)]];
         let mut asked = Vec::new();
         let s = slice_requests(
             &[req, req],

@@ -111,9 +111,19 @@ fn a_scrape_after_loads_counts_what_moved_and_the_endpoint_is_bounded() {
         .collect();
     std::thread::sleep(Duration::from_millis(300));
     let t = Instant::now();
-    let extra = request(&metrics, b"GET /metrics HTTP/1.0\r\n\r\n");
-    assert_eq!(extra, "", "a connection past the cap was served");
-    assert!(t.elapsed() < Duration::from_secs(2));
+    // On a loaded machine the server may still be accepting the idle ones: an extra request
+    // served meanwhile frees its place again, so ask until every place is held (a server
+    // without the cap serves every one and the test fails); the refusal itself is at once.
+    let refused_at_once = (0..30).any(|_| {
+        let asked = Instant::now();
+        let extra = request(&metrics, b"GET /metrics HTTP/1.0\r\n\r\n");
+        if extra.is_empty() {
+            return asked.elapsed() < Duration::from_secs(2);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        false
+    });
+    assert!(refused_at_once, "a connection past the cap was served");
     for mut s in idle {
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut b = [0u8; 16];

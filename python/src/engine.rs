@@ -13,6 +13,7 @@
 //! Every method that touches the engine releases the GIL (`py.detach`) before it can block:
 //! registration (which waits for target-side accesses in progress), transfers, waits, probes.
 
+use kvferry_transfer::sync::MutexExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -113,10 +114,7 @@ impl PyTransferEngine {
             match r {
                 Ok(id) => {
                     let deadline = started + e.config().sync_timeout(bytes);
-                    self.deadlines
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(id.0, deadline);
+                    self.deadlines.locked().insert(id.0, deadline);
                     id.0
                 }
                 Err(err) => {
@@ -128,10 +126,7 @@ impl PyTransferEngine {
     }
 
     fn take_deadline(&self, id: u64) -> Option<Instant> {
-        self.deadlines
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id)
+        self.deadlines.locked().remove(&id)
     }
 }
 
@@ -604,8 +599,7 @@ impl PyTransferEngine {
                 BatchStatus::Waiting | BatchStatus::Pending => {
                     let late = self
                         .deadlines
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
+                        .locked()
                         .get(&batch_id)
                         .is_some_and(|d| Instant::now() > *d);
                     if late {

@@ -101,10 +101,12 @@ pub(crate) fn register_code(e: &TransferError) -> i32 {
     }
 }
 
-/// Mooncake's `send_probe` code for a failed segment refresh.
+/// Mooncake's `send_probe` code for a failed segment refresh, from its cause: a name that is
+/// not `host:port` is `ERR_DNS`; a peer that cannot be reached or does not answer in time
+/// (handshake, socket, deadline) is `ERR_SOCKET`; anything else the generic failure.
 pub(crate) fn probe_code(e: &TransferError) -> i32 {
     match e {
-        TransferError::InvalidArgument(_) => ERR_DNS,
+        TransferError::BadSegmentName(_) => ERR_DNS,
         TransferError::Handshake { .. } | TransferError::Io(_) | TransferError::Timeout(_) => {
             ERR_SOCKET
         }

@@ -17,6 +17,7 @@
 //! Python thread never holds the GIL while it waits on an engine thread that waits for the GIL.
 //! While the interpreter shuts down the event is dropped (`Python::try_attach`).
 
+use kvferry_transfer::sync::MutexExt;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::Mutex;
@@ -85,12 +86,7 @@ struct PyLogLayer {
 
 impl PyLogLayer {
     fn emit(&self, py: Python<'_>, target: &'static str, level: i32, text: &str) -> PyResult<()> {
-        let cached = self
-            .loggers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(target)
-            .map(|l| l.clone_ref(py));
+        let cached = self.loggers.locked().get(target).map(|l| l.clone_ref(py));
         let logger = match cached {
             Some(l) => l,
             None => {
@@ -98,10 +94,7 @@ impl PyLogLayer {
                     .import("logging")?
                     .call_method1("getLogger", (logger_name(target),))?
                     .unbind();
-                self.loggers
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(target, l.clone_ref(py));
+                self.loggers.locked().insert(target, l.clone_ref(py));
                 l
             }
         };

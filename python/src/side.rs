@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kvferry_kernels::{backend_for, ChecksumBackend, Device};
+use kvferry_kernels::{try_backend_for, ChecksumBackend};
 use kvferry_p2p::{Worker, WorkerGroup};
 use kvferry_transfer::{EngineConfig, Location, PortRange, TransferEngine, TransportKind};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -82,14 +82,14 @@ pub(crate) fn build_side(
     };
     for r in &ranks {
         let rank = r.bind(py).get();
-        let backend: Arc<dyn ChecksumBackend> = backend_for(rank.device);
-        if rank.device != Device::Cpu && backend.name() != "cuda" {
-            return Err(PyRuntimeError::new_err(format!(
-                "rank {:?}: KV on {} but the CUDA checksum backend is unusable here (see the log)",
+        // No fallback: the CPU backend cannot read KV in GPU memory.
+        let backend: Arc<dyn ChecksumBackend> = try_backend_for(rank.device).map_err(|e| {
+            PyRuntimeError::new_err(format!(
+                "rank {:?}: KV on {} but the CUDA checksum backend is unusable here: {e}",
                 rank.rank,
                 device_name(rank.device)
-            )));
-        }
+            ))
+        })?;
         let cfg = config.clone();
         let engine = py
             .detach(|| TransferEngine::new(cfg))

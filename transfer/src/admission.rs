@@ -6,6 +6,7 @@
 //! first frame must have arrived (`Limits::first_frame`, the pre-authentication deadline).
 //! What a connection's frames mean is the serve function's business.
 
+use crate::sync::MutexExt;
 use std::collections::HashMap;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -38,7 +39,7 @@ impl Sources {
 
     /// A ticket for one more connection from `ip`, or `None` when `ip` holds its maximum.
     fn admit(self: &Arc<Self>, ip: IpAddr) -> Option<Ticket> {
-        let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut c = self.counts.locked();
         let n = c.entry(ip).or_insert(0);
         if *n >= self.max_per_source {
             return None;
@@ -53,11 +54,7 @@ impl Sources {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        let mut c = self
-            .sources
-            .counts
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut c = self.sources.counts.locked();
         if let Some(n) = c.get_mut(&self.ip) {
             *n -= 1;
             if *n == 0 {
@@ -182,7 +179,7 @@ impl Listener {
     /// Stops accepting and joins the accept thread; served connections go on. Idempotent.
     pub(crate) fn stop(&self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        let Some(t) = self.accept.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+        let Some(t) = self.accept.locked().take() else {
             return;
         };
         // Wake the blocking accept. If that connect fails (e.g. no file descriptors left),
@@ -194,13 +191,7 @@ impl Listener {
 
     /// Closes every served connection and waits up to `wait` for their threads to end.
     pub(crate) fn close_served(&self, wait: Duration) {
-        for (_, s) in self
-            .shared
-            .conns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain()
-        {
+        for (_, s) in self.shared.conns.locked().drain() {
             let _ = s.shutdown(Shutdown::Both);
         }
         let deadline = Instant::now() + wait;
@@ -244,10 +235,7 @@ fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
         }
         let id = sh.next_conn.fetch_add(1, Ordering::SeqCst);
         if let Ok(c) = s.try_clone() {
-            sh.conns
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, c);
+            sh.conns.locked().insert(id, c);
         }
         let sh2 = sh.clone();
         let spawned = std::thread::Builder::new()
@@ -258,18 +246,12 @@ fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
                     peer,
                     first_frame_deadline,
                 });
-                sh2.conns
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&id);
+                sh2.conns.locked().remove(&id);
                 drop(ticket);
                 sh2.active.fetch_sub(1, Ordering::SeqCst);
             });
         if let Err(e) = spawned {
-            sh.conns
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&id);
+            sh.conns.locked().remove(&id);
             sh.active.fetch_sub(1, Ordering::SeqCst);
             tracing::warn!("{label}: cannot spawn a connection thread: {e}");
         }

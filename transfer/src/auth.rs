@@ -25,6 +25,7 @@
 //! (secret proof or token at `Connect`) is what protects them; per-load memory windows are
 //! not implemented.
 
+use crate::sync::RwLockExt;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, RwLock};
@@ -156,7 +157,7 @@ impl GrantTable {
                 .checked_add(spec.ttl)
                 .unwrap_or(now + Duration::from_secs(1 << 30)),
         };
-        let mut map = self.map.write().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.map.write_locked();
         map.retain(|_, g| g.expires > now); // expired grants go on the next grant
         if map.contains_key(&spec.token) {
             return Err(TransferError::InvalidArgument(
@@ -168,15 +169,12 @@ impl GrantTable {
     }
 
     fn remove(&self, token: &Token) {
-        self.map
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(token);
+        self.map.write_locked().remove(token);
     }
 
     /// Whether `token` names a live grant (any ops).
     pub(crate) fn live(&self, token: &Token) -> bool {
-        let map = self.map.read().unwrap_or_else(|e| e.into_inner());
+        let map = self.map.read_locked();
         map.get(token).is_some_and(|g| g.expires > Instant::now())
     }
 
@@ -187,7 +185,7 @@ impl GrantTable {
         op: Op,
         ranges: impl IntoIterator<Item = (u64, u64)>,
     ) -> std::result::Result<(), Denied> {
-        let map = self.map.read().unwrap_or_else(|e| e.into_inner());
+        let map = self.map.read_locked();
         let g = map.get(token).ok_or(Denied::NoGrant)?;
         if g.expires <= Instant::now() {
             return Err(Denied::NoGrant);
@@ -210,7 +208,7 @@ impl GrantTable {
     /// Live grants (tests and diagnostics).
     pub(crate) fn len(&self) -> usize {
         let now = Instant::now();
-        let map = self.map.read().unwrap_or_else(|e| e.into_inner());
+        let map = self.map.read_locked();
         map.values().filter(|g| g.expires > now).count()
     }
 }

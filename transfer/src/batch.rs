@@ -2,6 +2,7 @@
 //! covers, slicing at every region boundary of either side), and the table of batches the
 //! engine tracks by id until they are waited on or freed.
 
+use crate::sync::MutexExt;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,7 +28,7 @@ impl BatchTable {
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<u64, Arc<BatchState>>> {
-        self.batches.lock().unwrap_or_else(|e| e.into_inner())
+        self.batches.locked()
     }
 
     /// A new batch of `slices` slices, tracked under a fresh id.

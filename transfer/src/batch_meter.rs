@@ -1,6 +1,7 @@
 //! What the metrics need of each batch in flight (`crate::metrics`): its path, peer, op, bytes
 //! and start, recorded once when it is waited for.
 
+use crate::sync::MutexExt;
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
@@ -24,7 +25,7 @@ pub(crate) struct Meters(Mutex<HashMap<BatchId, BatchMeter>>);
 
 impl Meters {
     fn lock(&self) -> MutexGuard<'_, HashMap<BatchId, BatchMeter>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.locked()
     }
 
     /// Batch `id` of `slices` slices of `requests` to `peer` started on `path` (a metrics label).

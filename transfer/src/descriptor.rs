@@ -7,8 +7,6 @@
 //! "buffers": [{"region", "keys"}...]}`, `kind` one of the lowercase names of
 //! [`TransportKind`] (`"tcp"`, `"rdma"`).
 
-use std::hash::{BuildHasher, Hasher};
-
 use serde::{Deserialize, Serialize};
 
 use crate::error::{HandshakeError, Result, TransferError};
@@ -185,20 +183,6 @@ impl SegmentDescriptor {
             local.as_str()
         )))
     }
-}
-
-/// A fresh random engine instance id (`SegmentDescriptor::instance_id`): differs between
-/// restarts of one process on one port, which is all it must do (it is not a secret).
-pub(crate) fn new_instance_id() -> u64 {
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    h.write_u32(std::process::id());
-    h.finish()
 }
 
 #[cfg(test)]

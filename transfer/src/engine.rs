@@ -12,13 +12,13 @@ use std::time::Duration;
 use crate::auth::{AuthState, GrantGuard, GrantSpec, Token};
 use crate::batch::{self, BatchTable};
 use crate::config::EngineConfig;
-use crate::descriptor::{new_instance_id, SegmentDescriptor};
+use crate::descriptor::SegmentDescriptor;
 use crate::error::{IoError, Result, TransferError};
 use crate::handshake::HandshakeServer;
 use crate::handshake_service::HandshakeService;
 use crate::memory::{MemoryAccess, MemoryRegion, MemoryRegistry};
 use crate::peer_cache::{BatchRefresh, PeerCache};
-use crate::segment::{check_segment_name, segment_name, SegmentHandle};
+use crate::segment::{check_segment_name, host_port, SegmentHandle};
 use crate::transport::completion::BatchState;
 use crate::transport::{CompletionSink, Transport, TransportContext};
 use crate::types::{BatchId, BatchStatus, Location, Op, TransferRequest, TransportKind};
@@ -89,8 +89,8 @@ impl TransferEngine {
             .local_addr()
             .map_err(|e| TransferError::io("handshake listener address", e))?
             .port();
-        let name = segment_name(&bind_host, port);
-        let instance_id = new_instance_id();
+        let name = host_port(&bind_host, port);
+        let instance_id = crate::ids::random_u64();
         let registry = Arc::new(MemoryRegistry::new());
         let auth = AuthState::new(config.auth.resolve()?, &name);
         let ctx = TransportContext {

@@ -26,6 +26,10 @@ pub enum TransferError {
     /// A caller argument is invalid (zero length, unknown address, bad name).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A segment name (a peer's handshake address) that is not `host:port` with a nonempty
+    /// host and a port in 1..=65535: the name as given.
+    #[error("invalid argument: segment name {0:?} is not host:port")]
+    BadSegmentName(String),
     /// A memory region could not be registered (see [`RegistrationError`]).
     #[error("invalid argument: {0}")]
     Registration(#[source] RegistrationError),
@@ -146,7 +150,9 @@ impl TransferError {
         match self {
             TransferError::Config(_) => "config",
             TransferError::Bind(_) => "bind",
-            TransferError::InvalidArgument(_) => "invalid_argument",
+            TransferError::InvalidArgument(_) | TransferError::BadSegmentName(_) => {
+                "invalid_argument"
+            }
             TransferError::Registration(_) => "registration",
             TransferError::NotRegistered { .. } => "not_registered",
             TransferError::RemoteOutOfRange { .. } => "remote_out_of_range",

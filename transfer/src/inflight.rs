@@ -3,6 +3,7 @@
 //! unregistered only once nothing pins it, so the engine never touches memory its owner was
 //! told it may free.
 
+use crate::sync::MutexExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -16,7 +17,7 @@ pub(crate) struct InFlight {
 
 impl InFlight {
     fn lock(&self) -> MutexGuard<'_, HashMap<u64, usize>> {
-        self.counts.lock().unwrap_or_else(|e| e.into_inner())
+        self.counts.locked()
     }
 
     /// Pins the regions starting at `starts` (once each per call) until the returned `Pins`
@@ -50,11 +51,7 @@ impl InFlight {
             if n == 0 || left.is_zero() {
                 return n;
             }
-            c = self
-                .idle
-                .wait_timeout(c, left.min(Duration::from_millis(100)))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            c = crate::sync::wait_timeout(&self.idle, c, left.min(Duration::from_millis(100))).0;
         }
     }
 }

@@ -37,6 +37,7 @@ pub mod fd_budget;
 pub mod fuzzing;
 pub mod handshake;
 mod handshake_service;
+pub mod ids;
 mod inflight;
 pub mod memory;
 pub mod metrics;
@@ -44,6 +45,7 @@ pub mod node;
 mod peer_cache;
 pub mod ports;
 pub mod segment;
+pub mod sync;
 pub mod transport;
 pub mod types;
 
@@ -61,6 +63,6 @@ pub use memory::{
     RegistrationPath, TransportKeys,
 };
 pub use ports::{PortRange, PortRangeError};
-pub use segment::SegmentHandle;
+pub use segment::{host_port, SegmentHandle};
 pub use transport::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
 pub use types::{BatchId, BatchStatus, Location, Op, TransferPath, TransferRequest, TransportKind};

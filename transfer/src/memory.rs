@@ -2,6 +2,7 @@
 //! (docs/design.md §3: "register_memory(addr, len, location)"; only registered memory is ever
 //! read or written by a peer).
 
+use crate::sync::RwLockExt;
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 
@@ -187,7 +188,7 @@ impl MemoryRegistry {
                 len: region.len,
             }));
         }
-        let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.regions.write_locked();
         let before = map.range(..region.end()).next_back();
         if let Some((_, e)) = before {
             if e.region.end() > region.addr {
@@ -213,7 +214,7 @@ impl MemoryRegistry {
     /// Removes the region that starts at `addr` (after every in-progress target-side access to
     /// it ended) and returns it. `InvalidArgument` when no region starts there.
     pub fn remove(&self, addr: u64) -> Result<RegistryEntry> {
-        let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.regions.write_locked();
         map.remove(&addr).ok_or_else(|| {
             TransferError::InvalidArgument(format!("no memory region registered at {addr:#x}"))
         })
@@ -222,7 +223,7 @@ impl MemoryRegistry {
     /// Pins the regions starting at `starts` for a batch until the returned pins drop.
     /// Errors: `NotRegistered` when one was unregistered meanwhile (nothing is pinned then).
     pub(crate) fn pin(&self, starts: Vec<u64>) -> Result<crate::inflight::Pins> {
-        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        let map = self.regions.read_locked();
         if let Some(&addr) = starts.iter().find(|s| !map.contains_key(s)) {
             return Err(TransferError::NotRegistered { addr, len: 1 });
         }
@@ -236,7 +237,7 @@ impl MemoryRegistry {
         let deadline = std::time::Instant::now() + wait;
         loop {
             {
-                let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
+                let mut map = self.regions.write_locked();
                 let batches = self.inflight.count(addr);
                 if batches == 0 || !map.contains_key(&addr) {
                     return map.remove(&addr).ok_or_else(|| {
@@ -259,13 +260,13 @@ impl MemoryRegistry {
 
     /// All regions, ascending by address.
     pub fn snapshot(&self) -> Vec<RegistryEntry> {
-        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        let map = self.regions.read_locked();
         map.values().cloned().collect()
     }
 
     /// The region that wholly contains `[addr, addr+len)`, if any.
     pub fn find(&self, addr: u64, len: u64) -> Option<RegistryEntry> {
-        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        let map = self.regions.read_locked();
         find_in(&map, addr, len).cloned()
     }
 
@@ -278,7 +279,7 @@ impl MemoryRegistry {
         len: u64,
         f: impl FnOnce(&RegistryEntry) -> R,
     ) -> Option<R> {
-        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        let map = self.regions.read_locked();
         find_in(&map, addr, len).map(f)
     }
 
@@ -288,7 +289,7 @@ impl MemoryRegistry {
         &self,
         ranges: impl Iterator<Item = (u64, u64)>,
     ) -> Vec<Option<Vec<(u64, u64, MemoryRegion)>>> {
-        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        let map = self.regions.read_locked();
         let mut entries: Option<Vec<&RegistryEntry>> = None;
         ranges
             .map(|(addr, len)| {
@@ -307,7 +308,7 @@ impl MemoryRegistry {
     /// Cuts `[addr, addr+len)` at region boundaries: the pieces `(addr, len, entry)` covering
     /// it in order, when registered regions cover it without a gap; `None` otherwise.
     pub fn cover(&self, addr: u64, len: u64) -> Option<Vec<(u64, u64, RegistryEntry)>> {
-        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        let map = self.regions.read_locked();
         let entries: Vec<&RegistryEntry> = map.values().collect();
         cover_sorted(&entries, |e| &e.region, addr, len)
             .map(|v| v.into_iter().map(|(a, l, e)| (a, l, e.clone())).collect())

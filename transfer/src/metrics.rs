@@ -31,6 +31,7 @@
 //! `reason`, e.g. `no_checksums`), `unchecked` (checksums off), `failed` (with `reason`: the
 //! load did not land).
 
+use crate::sync::MutexExt;
 use std::collections::HashSet;
 use std::sync::{Mutex, OnceLock};
 
@@ -210,7 +211,7 @@ impl Metrics {
     /// The peer label for `name`: itself while fewer than `MAX_PEERS` peers are labelled,
     /// else `other`.
     fn peer(&self, name: &str) -> String {
-        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut peers = self.peers.locked();
         if peers.contains(name) {
             return name.to_string();
         }

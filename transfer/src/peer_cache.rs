@@ -3,6 +3,7 @@
 //! retry of a batch's slices on a freshly fetched descriptor when the cached one turned out
 //! stale (the peer restarted under the same name).
 
+use crate::sync::MutexExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -57,7 +58,7 @@ impl PeerCache {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
-        let mut m = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let mut m = self.entries.locked();
         let idle = self.idle;
         m.retain(|_, e| e.used.elapsed() < idle);
         m
@@ -208,7 +209,7 @@ impl BatchRefresh {
 impl PeerRefresh for BatchRefresh {
     fn retry(&self, id: u32, err: TransferError, sink: CompletionSink) {
         crate::metrics::global().retry(&self.inner.name);
-        let mut phase = self.inner.phase.lock().unwrap_or_else(|e| e.into_inner());
+        let mut phase = self.inner.phase.locked();
         match &mut *phase {
             Phase::Fetching(w) => w.push((id, err, sink)),
             Phase::Done(d) => {
@@ -248,7 +249,7 @@ impl Inner {
 
     fn finish(&self, d: Result<Arc<SegmentDescriptor>>) {
         let waiting = {
-            let mut phase = self.phase.lock().unwrap_or_else(|e| e.into_inner());
+            let mut phase = self.phase.locked();
             match std::mem::replace(&mut *phase, Phase::Done(d.clone())) {
                 Phase::Fetching(w) => w,
                 _ => Vec::new(),

@@ -99,9 +99,7 @@ pub fn bind_listener(
 pub(crate) fn listen_address(host: &str, port: u16, range: Option<PortRange>) -> String {
     match range.filter(|_| port == 0) {
         Some(r) => format!("{host} port {r}"),
-        // An IPv6 host in brackets, as in segment names.
-        None if host.contains(':') && !host.starts_with('[') => format!("[{host}]:{port}"),
-        None => format!("{host}:{port}"),
+        None => crate::segment::host_port(host, port),
     }
 }
 

@@ -39,8 +39,9 @@ impl SegmentHandle {
     }
 }
 
-/// The segment name of a listener on `host:port`: `host:port`, an IPv6 host in brackets.
-pub(crate) fn segment_name(host: &str, port: u16) -> String {
+/// `host:port`, an IPv6 host in brackets (`[::1]:9`; a host already in brackets is kept as
+/// is): the one way kvferry writes an address, e.g. a listener's segment name.
+pub fn host_port(host: &str, port: u16) -> String {
     if host.contains(':') && !host.starts_with('[') {
         format!("[{host}]:{port}")
     } else {
@@ -57,9 +58,7 @@ pub(crate) fn check_segment_name(name: &str) -> Result<()> {
     if ok {
         Ok(())
     } else {
-        Err(TransferError::InvalidArgument(format!(
-            "segment name {name:?} is not host:port"
-        )))
+        Err(TransferError::BadSegmentName(name.to_string()))
     }
 }
 
@@ -79,8 +78,8 @@ mod tests {
 
     #[test]
     fn ipv6_hosts_are_bracketed() {
-        assert_eq!(segment_name("::1", 9), "[::1]:9");
-        assert_eq!(segment_name("[::1]", 9), "[::1]:9");
-        assert_eq!(segment_name("10.0.0.1", 9), "10.0.0.1:9");
+        assert_eq!(host_port("::1", 9), "[::1]:9");
+        assert_eq!(host_port("[::1]", 9), "[::1]:9");
+        assert_eq!(host_port("10.0.0.1", 9), "10.0.0.1:9");
     }
 }

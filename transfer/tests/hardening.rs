@@ -918,7 +918,7 @@ fn configuration_and_registration_errors_are_clear() {
     a.unregister_memory(buf.addr()).unwrap();
     for bad in ["nohost", "127.0.0.1", "127.0.0.1:0", ":5"] {
         assert!(
-            matches!(a.open_segment(bad), Err(TransferError::InvalidArgument(_))),
+            matches!(a.open_segment(bad), Err(TransferError::BadSegmentName(_))),
             "{bad}"
         );
     }

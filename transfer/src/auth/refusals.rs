@@ -1,6 +1,7 @@
 //! Refused handshake authentications: their counts, and a log limit so that a peer
 //! hammering the listener cannot flood the log.
 
+use crate::sync::MutexExt;
 use std::time::{Duration, Instant};
 
 /// Counts of refused handshake authentications (`TransferEngine::auth_refusals`).
@@ -48,7 +49,7 @@ impl LogLimit {
     /// Whether a line may be written at `now`: `Some(n)` with the number of lines held back
     /// since the last one written, `None` when this one is held back.
     pub fn allow(&self, now: Instant) -> Option<u64> {
-        let mut w = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut w = self.state.locked();
         if w.start
             .is_none_or(|s| now.saturating_duration_since(s) >= self.window)
         {

@@ -10,6 +10,7 @@
 //!   which the RDMA transport registers with `ibv_reg_dmabuf_mr` (installed as its exporter
 //!   by [`memory_access`] when the RDMA module is built).
 
+use crate::sync::MutexExt;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -74,10 +75,7 @@ fn device(n: u32) -> Result<&'static DeviceState> {
         Mutex<HashMap<u32, std::result::Result<&'static DeviceState, CudaError>>>,
     > = OnceLock::new();
     let count = cuda_available().map_err(|why| unsupported(Location::Cuda(n), &why))?;
-    let mut all = ALL
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
+    let mut all = ALL.get_or_init(Default::default).locked();
     let r = all.entry(n).or_insert_with(|| {
         if n >= count {
             return Err(CudaError::NoSuchDevice { ordinal: n, count });
@@ -104,7 +102,7 @@ impl DeviceState {
     }
 
     fn take(&self) -> Result<Staging> {
-        if let Some(s) = self.pool.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+        if let Some(s) = self.pool.locked().pop() {
             return Ok(s);
         }
         // First use (or more concurrent copies than before): allocate a staging set.
@@ -149,7 +147,7 @@ impl DeviceState {
     }
 
     fn give(&self, s: Staging) {
-        self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+        self.pool.locked().push(s);
     }
 }
 

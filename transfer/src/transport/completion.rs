@@ -1,6 +1,7 @@
 //! Per-batch completion accounting: transports report slices, waiters wait (Mooncake: a task is
 //! done when success + failed slices = slices).
 
+use crate::sync::MutexExt;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -53,17 +54,17 @@ impl BatchState {
     pub(crate) fn hold(&self, pins: crate::inflight::Pins) {
         let c = self.lock();
         if c.succeeded + c.failed < self.total {
-            *self.pins.lock().unwrap_or_else(|e| e.into_inner()) = Some(pins);
+            *self.pins.locked() = Some(pins);
         }
     }
 
     /// The last slice was reported: the regions are free.
     fn unpin(&self) {
-        self.pins.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.pins.locked().take();
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
-        self.counts.lock().unwrap_or_else(|e| e.into_inner())
+        self.counts.locked()
     }
 
     /// Asks transports to skip the batch's slices they have not sent yet.
@@ -142,11 +143,7 @@ impl BatchState {
                 self.cancel();
                 return Err(TransferError::Timeout(timeout));
             }
-            c = self
-                .cond
-                .wait_timeout(c, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            c = crate::sync::wait_timeout(&self.cond, c, left).0;
         }
     }
 

@@ -3,7 +3,7 @@
 
 use std::net::Ipv6Addr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use sideway::ibverbs::address::Gid;
@@ -13,7 +13,6 @@ use sideway::ibverbs::device_context::{DeviceContext, LinkLayer, PortState};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 
 use super::verbs;
-use super::InFlight;
 use crate::config::RdmaConfig;
 use crate::error::{RdmaError, Result, TransferError};
 
@@ -189,59 +188,8 @@ pub(crate) fn check_config(config: &RdmaConfig) -> Result<()> {
     Ok(())
 }
 
-/// Table of work requests in flight on one device, indexed by the low 32 bits of the wr_id;
-/// the high 32 bits are a generation so a stale id never matches a reused slot.
-#[derive(Default)]
-pub(crate) struct InFlightTable {
-    slots: Vec<(u32, Option<InFlight>)>,
-    free: Vec<u32>,
-    pub count: usize,
-}
-
-impl InFlightTable {
-    pub fn insert(&mut self, v: InFlight) -> u64 {
-        let i = match self.free.pop() {
-            Some(i) => i,
-            None => {
-                self.slots.push((0, None));
-                (self.slots.len() - 1) as u32
-            }
-        };
-        let slot = &mut self.slots[i as usize];
-        slot.0 = slot.0.wrapping_add(1);
-        slot.1 = Some(v);
-        self.count += 1;
-        ((slot.0 as u64) << 32) | i as u64
-    }
-
-    pub fn remove(&mut self, wr_id: u64) -> Option<InFlight> {
-        let i = (wr_id & 0xffff_ffff) as usize;
-        let gen = (wr_id >> 32) as u32;
-        let slot = self.slots.get_mut(i)?;
-        if slot.0 != gen {
-            return None;
-        }
-        let v = slot.1.take()?;
-        self.free.push(i as u32);
-        self.count -= 1;
-        Some(v)
-    }
-
-    /// Every entry (for the watchdog and shutdown).
-    pub fn iter(&self) -> impl Iterator<Item = &InFlight> {
-        self.slots.iter().filter_map(|s| s.1.as_ref())
-    }
-
-    pub fn drain(&mut self) -> Vec<InFlight> {
-        let out: Vec<InFlight> = self.slots.iter_mut().filter_map(|s| s.1.take()).collect();
-        self.slots.clear();
-        self.free.clear();
-        self.count = 0;
-        out
-    }
-}
-
-/// One opened device: its port choice, PD, CQ (shared by every QP on it) and in-flight table.
+/// One opened device: its port choice, PD and CQ (shared by every QP on it); its in-flight
+/// table is `Shared::inflight[index]`.
 pub(crate) struct Device {
     /// Position in the transport's device list (= index into `RegionKeys::rkeys`).
     pub index: usize,
@@ -257,7 +205,6 @@ pub(crate) struct Device {
     pub cq_depth: usize,
     /// Outstanding signalled work requests on this device (never above `cq_depth`).
     pub outstanding: AtomicUsize,
-    pub inflight: Mutex<InFlightTable>,
 }
 
 impl Device {
@@ -308,7 +255,6 @@ impl Device {
             channel,
             cq_depth,
             outstanding: AtomicUsize::new(0),
-            inflight: Mutex::new(InFlightTable::default()),
         })
     }
 
@@ -327,10 +273,6 @@ impl Device {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 Some(n.saturating_sub(1))
             });
-    }
-
-    pub fn lock_inflight(&self) -> std::sync::MutexGuard<'_, InFlightTable> {
-        self.inflight.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

@@ -2,6 +2,7 @@
 //! Connect handshake that sets them up (docs/design.md §3: QP numbers, PSNs, GIDs, LIDs and active
 //! MTUs exchanged; path MTU = the smaller side's, so mixed-MTU peers work; random PSNs).
 
+use crate::sync::MutexExt;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -13,7 +14,7 @@ use super::connect::{ConnectReply, ConnectRequest, QpInfo, CONNECT_VERSION};
 use super::device::Device;
 use super::qp::{connect_qp, create_qp, fail_qp, path_mtu};
 use super::verbs;
-use super::Work;
+use super::work::Work;
 use crate::config::RdmaConfig;
 use crate::error::{Result, TransferError};
 
@@ -74,7 +75,7 @@ impl Endpoint {
             });
             qps.push(qp);
         }
-        let id = verbs::random_u64();
+        let id = crate::ids::random_u64();
         let req = ConnectRequest {
             version: CONNECT_VERSION,
             initiator: local_segment.to_string(),
@@ -146,7 +147,7 @@ impl Endpoint {
 
     /// Marks the endpoint used now.
     pub fn touch(&self) {
-        *self.last_used.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        *self.last_used.locked() = Instant::now();
     }
 
     /// True when the endpoint works, holds no slice (pending or on its QPs) and was last used
@@ -158,12 +159,7 @@ impl Endpoint {
                 .qps
                 .iter()
                 .all(|q| q.outstanding.load(Ordering::Acquire) == 0)
-            && self
-                .last_used
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .elapsed()
-                >= idle
+            && self.last_used.locked().elapsed() >= idle
     }
 
     pub fn is_broken(&self) -> bool {
@@ -171,7 +167,7 @@ impl Endpoint {
     }
 
     pub fn lock_pending(&self) -> std::sync::MutexGuard<'_, VecDeque<Work>> {
-        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+        self.pending.locked()
     }
 
     /// Marks the endpoint failed (first call only: returns the slices still pending, and moves
@@ -186,7 +182,7 @@ impl Endpoint {
             p.drain(..).collect::<Vec<_>>()
         };
         for q in &self.qps {
-            fail_qp(&mut q.qp.lock().unwrap_or_else(|e| e.into_inner()));
+            fail_qp(&mut q.qp.locked());
         }
         Some(drained)
     }
@@ -199,4 +195,11 @@ impl Endpoint {
             .map(|k| (start + k) % n)
             .find(|&i| self.qps[i].outstanding.load(Ordering::Acquire) < self.max_wr)
     }
+}
+
+/// An endpoint cache entry (`Shared::endpoints`): slices waiting while the connect thread sets
+/// the endpoint up, or the endpoint.
+pub(super) enum Slot {
+    Connecting(Vec<Work>),
+    Ready(Arc<Endpoint>),
 }

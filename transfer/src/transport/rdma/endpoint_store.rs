@@ -2,6 +2,7 @@
 //! them (`dispatch`), the connect thread that fills a slot, the retirement of a failed endpoint,
 //! and the idle expiry that drops endpoints and tells their targets (`CloseNotice`).
 
+use crate::sync::MutexExt;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -9,15 +10,11 @@ use std::time::Duration;
 
 use super::connect::{self, CloseNotice};
 use super::device::Device;
-use super::endpoint::{Endpoint, EpKey};
-use super::{lock, Shared, Work};
+use super::endpoint::{Endpoint, EpKey, Slot};
+use super::shared::Shared;
+use super::work::Work;
 use crate::error::{RdmaError, TransferError};
 use crate::handshake::{self, FrameType};
-
-pub(super) enum Slot {
-    Connecting(Vec<Work>),
-    Ready(Arc<Endpoint>),
-}
 
 impl Shared {
     pub(super) fn key_for(&self, w: &Work) -> EpKey {
@@ -44,7 +41,7 @@ impl Shared {
                     .for_each(|w| w.sink.complete(w.slice.id, Err(e.clone())));
                 continue;
             }
-            let mut eps = lock(&self.endpoints);
+            let mut eps = self.endpoints.locked();
             let ws = match eps.get_mut(&key) {
                 Some(Slot::Ready(ep)) => {
                     let ep = ep.clone();
@@ -77,7 +74,7 @@ impl Shared {
                 .spawn(move || s.connect(k2, backoff));
             if let Err(e) = spawned {
                 let err = TransferError::io("spawn RDMA connect thread", e);
-                if let Some(Slot::Connecting(ws)) = lock(&self.endpoints).remove(&key) {
+                if let Some(Slot::Connecting(ws)) = self.endpoints.locked().remove(&key) {
                     ws.into_iter()
                         .for_each(|w| w.sink.complete(w.slice.id, Err(err.clone())));
                 }
@@ -91,7 +88,7 @@ impl Shared {
             std::thread::sleep(Duration::from_millis(50 * backoff.min(20) as u64));
         }
         let dev = self.devices[key.local_dev].clone();
-        let replaces = lock(&self.replaced).get(&key).copied();
+        let replaces = self.replaced.locked().get(&key).copied();
         let timeout = self.handshake_timeout;
         let peer = key.peer.clone();
         let cred = self.credential.clone();
@@ -104,7 +101,7 @@ impl Shared {
             &self.config,
             |body| handshake::request_with(&peer, FrameType::Connect, body, timeout, cred.as_ref()),
         );
-        let mut eps = lock(&self.endpoints);
+        let mut eps = self.endpoints.locked();
         let waiting = match eps.remove(&key) {
             Some(Slot::Connecting(w)) => w,
             Some(other) => {
@@ -148,12 +145,12 @@ impl Shared {
         };
         tracing::warn!(peer = %ep.key.peer, device = %ep.dev.info.name, "RDMA endpoint failed: {reason}");
         {
-            let mut eps = lock(&self.endpoints);
+            let mut eps = self.endpoints.locked();
             if matches!(eps.get(&ep.key), Some(Slot::Ready(e)) if e.id == ep.id) {
                 eps.remove(&ep.key);
             }
         }
-        lock(&self.replaced).insert(ep.key.clone(), ep.id);
+        self.replaced.locked().insert(ep.key.clone(), ep.id);
         if !pending.is_empty() {
             self.dispatch(pending);
         }
@@ -161,7 +158,8 @@ impl Shared {
 
     /// Endpoints on device `dev` with slices waiting.
     pub(super) fn waiting_endpoints(&self, dev: usize) -> Vec<Arc<Endpoint>> {
-        lock(&self.endpoints)
+        self.endpoints
+            .locked()
             .values()
             .filter_map(|s| match s {
                 Slot::Ready(ep) if ep.key.local_dev == dev && !ep.lock_pending().is_empty() => {
@@ -177,7 +175,7 @@ impl Shared {
     /// Forgotten replacements of peers with no endpoint left are announced the same way.
     pub(super) fn expire_idle(self: &Arc<Self>, dev: &Device) {
         let (idle, forgotten) = {
-            let mut eps = lock(&self.endpoints);
+            let mut eps = self.endpoints.locked();
             let keys: Vec<EpKey> = eps
                 .iter()
                 .filter_map(|(k, s)| match s {
@@ -197,7 +195,7 @@ impl Shared {
                 })
                 .collect();
             let mut forgotten = Vec::new();
-            lock(&self.replaced).retain(|k, id| {
+            self.replaced.locked().retain(|k, id| {
                 let keep = k.local_dev != dev.index || eps.contains_key(k);
                 if !keep {
                     forgotten.push((k.peer.clone(), *id));

@@ -4,6 +4,7 @@
 //! when the region is unregistered. The sync messages that trigger the copies are
 //! `staging_sync.rs`.
 
+use crate::sync::RwLockExt;
 use std::sync::{Arc, RwLock};
 
 use crate::error::{Result, TransferError};
@@ -65,12 +66,12 @@ impl Mirror {
     /// peer's sync served on another thread can no longer write device memory the owner has
     /// freed once its `unregister_memory` returned.
     pub fn retire(&self) {
-        *self.live.write().unwrap_or_else(|e| e.into_inner()) = false;
+        *self.live.write_locked() = false;
     }
 
     /// Runs `copy` while the region is registered. Errors: `InvalidArgument` once retired.
     fn while_live(&self, copy: impl FnOnce() -> Result<()>) -> Result<()> {
-        let live = self.live.read().unwrap_or_else(|e| e.into_inner());
+        let live = self.live.read_locked();
         if !*live {
             return Err(TransferError::InvalidArgument(format!(
                 "the staged {} region at {:#x} was unregistered",

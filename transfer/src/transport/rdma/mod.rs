@@ -24,6 +24,7 @@ mod connect;
 mod device;
 mod endpoint;
 mod endpoint_store;
+mod inflight;
 mod keys;
 mod mirror;
 mod passive;
@@ -37,12 +38,13 @@ mod stager;
 mod staging_sync;
 mod transport;
 mod verbs;
+mod work;
 mod workers;
 
 #[cfg(test)]
 mod tests;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// dma-buf export of a GPU range, produced by the engine's `MemoryAccess::export_dmabuf`.
 pub use crate::memory::DmabufRange;
@@ -53,8 +55,7 @@ pub use keys::RdmaRegionKeys;
 pub use peer::RdmaPeerInfo;
 pub use transport::RdmaTransport;
 
-use self::shared::{InFlight, Shared, Work};
-use super::{CompletionSink, Transport, TransportContext};
+use super::{Transport, TransportContext};
 use crate::config::RdmaConfig;
 use crate::error::Result;
 
@@ -108,8 +109,4 @@ pub fn probe(config: &RdmaConfig) -> Option<String> {
 /// Errors: `Config` for bad RDMA settings or when no device is usable (with the reasons).
 pub fn create(ctx: &TransportContext) -> Result<Arc<dyn Transport>> {
     Ok(RdmaTransport::new(ctx)? as Arc<dyn Transport>)
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }

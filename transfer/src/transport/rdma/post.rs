@@ -6,17 +6,21 @@
 //! the endpoint's QPs and posted per QP as chained lists of up to `RdmaConfig::post_chain`
 //! (one `ibv_post_send`, one doorbell, per list).
 
+use crate::sync::MutexExt;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 use sideway::ibverbs::memory_region::MemoryRegion as VerbsMr;
 
 use super::endpoint::Endpoint;
+use super::inflight::InFlight;
+use super::shared::Shared;
 use super::verbs::{self, RawWr, MAX_WR_BYTES};
-use super::{lock, CompletionSink, InFlight, Shared, Work};
+use super::work::Work;
 use crate::error::{Result, TransferError};
+use crate::transport::CompletionSink;
 use crate::types::Op;
 
 /// A run of slices ready to post as one work request: its local memory region and address,
@@ -55,10 +59,10 @@ impl Shared {
                         continue;
                     }
                 };
-                chains[qi].push(in_flight(ep, qi, works, len, wr));
+                chains[qi].push(in_flight(self, ep, qi, works, len, wr));
                 if chains[qi].len() >= limit {
                     let chain = std::mem::take(&mut chains[qi]);
-                    if let Some(reason) = post_chain(ep, qi, chain, &mut pending, &self.posted) {
+                    if let Some(reason) = post_chain(self, ep, qi, chain, &mut pending) {
                         broke = Some(reason);
                         break;
                     }
@@ -69,8 +73,8 @@ impl Shared {
                     continue;
                 }
                 if broke.is_some() {
-                    unpost(ep, qi, &chain, &mut pending);
-                } else if let Some(reason) = post_chain(ep, qi, chain, &mut pending, &self.posted) {
+                    unpost(self, ep, qi, &chain, &mut pending);
+                } else if let Some(reason) = post_chain(self, ep, qi, chain, &mut pending) {
                     broke = Some(reason);
                 }
             }
@@ -139,7 +143,9 @@ impl Shared {
             Some(m) => m.translate(sl.local_addr, sl.len),
             None => Some(sl.local_addr),
         }?;
-        let mr = lock(&self.regions)
+        let mr = self
+            .regions
+            .locked()
             .get(&sl.local_region.addr)
             .filter(|r| match (&r.mirror, &work.mirror) {
                 (Some(a), Some(b)) => Arc::ptr_eq(a, b),
@@ -216,9 +222,10 @@ fn remote_side(ep: &Endpoint, work: &Work, sl: &crate::transport::Slice) -> Opti
     Some((rkey, addr))
 }
 
-/// Enters a run of `len` bytes for QP `qi` in the device's in-flight table (which keeps
+/// Enters a run of `len` bytes for QP `qi` in `s`'s in-flight table of `ep`'s device (which keeps
 /// `wr.mr` registered until the completion) and returns it as a chain entry.
 fn in_flight(
+    s: &Shared,
     ep: &Arc<Endpoint>,
     qi: usize,
     works: Vec<Work>,
@@ -235,7 +242,7 @@ fn in_flight(
         rkey: wr.rkey,
         remote_addr: wr.remote_addr,
     };
-    let wr_id = ep.dev.lock_inflight().insert(InFlight {
+    let wr_id = s.lock_inflight(&ep.dev).insert(InFlight {
         ep: ep.clone(),
         qp: qi,
         works,
@@ -248,21 +255,21 @@ fn in_flight(
 }
 
 /// Posts `chain` on QP `qi` of `ep` in one call, counting the work requests posted in
-/// `counter`. Returns `None` when all of it was posted; when
+/// `s.posted`. Returns `None` when all of it was posted; when
 /// the provider refused an entry, the entries from it on leave the in-flight table, their
 /// slices go back to the front of `pending`, and the reason the endpoint broke (for
 /// `endpoint_failed`) is returned.
 fn post_chain(
+    s: &Shared,
     ep: &Arc<Endpoint>,
     qi: usize,
     chain: Chain,
     pending: &mut VecDeque<Work>,
-    counter: &AtomicU64,
 ) -> Option<String> {
     let q = &ep.qps[qi];
     let wrs: Vec<RawWr> = chain.iter().map(|(_, w)| *w).collect();
     let res = {
-        let qp = lock(&q.qp);
+        let qp = q.qp.locked();
         // SAFETY: each entry's local range lies in a region (or its mirror) registered as the
         // MR its in-flight entry holds (`local_side` found it there), which keeps it alive
         // until the completion; the QP lives as long as `ep`.
@@ -272,11 +279,11 @@ fn post_chain(
         Ok(()) => (wrs.len(), 0),
         Err(e) => e,
     };
-    counter.fetch_add(posted as u64, Ordering::Relaxed);
+    s.posted.fetch_add(posted as u64, Ordering::Relaxed);
     if errno == 0 {
         return None;
     }
-    unpost(ep, qi, &chain[posted..], pending);
+    unpost(s, ep, qi, &chain[posted..], pending);
     let e = std::io::Error::from_raw_os_error(errno);
     Some(format!(
         "post on {} QP {:#x} to {}: {e}",
@@ -286,10 +293,16 @@ fn post_chain(
 
 /// Takes back chain entries that were never posted: out of the in-flight table, room and
 /// credit returned, their slices to the front of `pending` in their order.
-fn unpost(ep: &Endpoint, qi: usize, chain: &[(u64, RawWr)], pending: &mut VecDeque<Work>) {
+fn unpost(
+    s: &Shared,
+    ep: &Endpoint,
+    qi: usize,
+    chain: &[(u64, RawWr)],
+    pending: &mut VecDeque<Work>,
+) {
     for (wr_id, _) in chain.iter().rev() {
         release(ep, qi);
-        if let Some(inf) = ep.dev.lock_inflight().remove(*wr_id) {
+        if let Some(inf) = s.lock_inflight(&ep.dev).remove(*wr_id) {
             for w in inf.works.into_iter().rev() {
                 pending.push_front(w);
             }

@@ -3,6 +3,7 @@
 //! the owner's side of a staging sync, which resolves a peer's ranges against the registered
 //! mirrors.
 
+use crate::sync::MutexExt;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 
@@ -11,8 +12,8 @@ use sideway::ibverbs::AccessFlags;
 
 use super::device::Device;
 use super::mirror::Mirror;
+use super::shared::Shared;
 use super::staging_sync::{self, Direction, SyncRequest};
-use super::{lock, Shared};
 use crate::config::GpuRegistration;
 use crate::error::{RdmaError, Result, TransferError};
 use crate::memory::{MemoryRegion, RegistrationPath};
@@ -42,13 +43,6 @@ pub(super) fn access() -> AccessFlags {
 
 /// A GPU region's registration: its memory regions (one per device), path and host mirror.
 pub(super) type GpuRegistered = (Vec<Arc<VerbsMr>>, RegistrationPath, Option<Arc<Mirror>>);
-/// A registered region: one verbs memory region per device (of the region itself, or of its
-/// host mirror when it is staged GPU memory).
-pub(super) struct Registered {
-    pub(super) mrs: Vec<Arc<VerbsMr>>,
-    pub(super) mirror: Option<Arc<Mirror>>,
-}
-
 impl Shared {
     /// `ibv_reg_mr` of `[addr, +len)` on every device; on error nothing stays registered.
     ///
@@ -144,7 +138,9 @@ impl Shared {
     /// READs). Errors: `InvalidArgument` for a range outside them (nothing is copied), the
     /// first failed copy.
     pub(super) fn serve_sync(&self, sync: &SyncRequest) -> Result<()> {
-        let mirrors: Vec<Arc<Mirror>> = lock(&self.regions)
+        let mirrors: Vec<Arc<Mirror>> = self
+            .regions
+            .locked()
             .values()
             .filter_map(|r| r.mirror.clone())
             .collect();

@@ -6,8 +6,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::device::Device;
-use super::stager::StageJob;
-use super::{verbs, Shared, Work};
+use super::shared::Shared;
+use super::verbs;
+use super::work::{StageJob, Work};
 use crate::error::TransferError;
 use crate::types::Op;
 
@@ -47,7 +48,7 @@ impl Shared {
 
     /// Handles one work completion.
     pub(super) fn complete(self: &Arc<Self>, dev: &Device, wc: &verbs::WorkCompletion) {
-        let Some(inf) = dev.lock_inflight().remove(wc.wr_id) else {
+        let Some(inf) = self.lock_inflight(dev).remove(wc.wr_id) else {
             tracing::warn!(
                 wr_id = wc.wr_id,
                 "RDMA completion for an unknown work request"

@@ -1,56 +1,26 @@
-//! The state every RDMA thread shares (devices, registered regions, the endpoint cache, the
-//! passive table, counters), and the unit of work that moves through them: a slice on its way
-//! (`Work`) and a posted work request (`InFlight`).
+//! The state every RDMA thread shares: devices, registered regions, the endpoint cache, the
+//! passive table, the in-flight tables, counters. Each part's methods on it live with the part
+//! (`impl Shared` in endpoint_store, registration, stager, retry, workers); the types they
+//! share sit below it (`work.rs`, `inflight.rs`, `endpoint.rs`), so nothing here is imported
+//! back.
 
+use crate::sync::MutexExt;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use sideway::ibverbs::memory_region::MemoryRegion as VerbsMr;
 
 use super::device::Device;
-use super::endpoint::{Endpoint, EpKey};
-use super::endpoint_store::Slot;
+use super::endpoint::{EpKey, Slot};
+use super::inflight::InFlightTable;
 use super::mirror::Mirror;
 use super::passive::PassiveTable;
-use super::peer::RdmaPeerInfo;
-use super::registration::Registered;
-use super::stager::StageJob;
-use super::CompletionSink;
+use super::work::StageJob;
 use crate::config::RdmaConfig;
-use crate::descriptor::SegmentDescriptor;
 use crate::memory::MemoryAccess;
-use crate::transport::Slice;
-
-/// One slice on its way: the engine's slice, its peer, where to report it, retries so far.
-pub(crate) struct Work {
-    pub slice: Slice,
-    pub peer: Arc<SegmentDescriptor>,
-    /// The peer's RDMA peer info, decoded from its descriptor once for the batch.
-    pub peer_info: Arc<RdmaPeerInfo>,
-    pub sink: CompletionSink,
-    pub attempts: u32,
-    /// The first failure's text (kept for the final error when a retry fails differently).
-    pub first_error: Option<String>,
-    /// The host mirror of the local region when it is staged GPU memory (`staging_sync.rs`).
-    pub mirror: Option<Arc<Mirror>>,
-}
-
-/// A posted work request: what the completion thread needs to finish it.
-pub(crate) struct InFlight {
-    pub ep: Arc<Endpoint>,
-    pub qp: usize,
-    /// Its slices, in order, contiguous on both sides (one unless merged; never empty).
-    pub works: Vec<Work>,
-    /// Bytes of the work request (the slices' lengths summed).
-    pub len: u64,
-    pub rkey: u32,
-    /// Keeps the local memory region registered until the work request completes.
-    pub _mr: Arc<VerbsMr>,
-    pub posted: Instant,
-}
 
 pub(super) struct Shared {
     pub(super) config: RdmaConfig,
@@ -79,4 +49,20 @@ pub(super) struct Shared {
     pub(super) memory: Arc<dyn MemoryAccess>,
     /// Jobs for the stager thread (`stager.rs`).
     pub(super) stager: Mutex<mpsc::Sender<StageJob>>,
+    /// Work requests in flight, one table per device (`devices[i]` posts into `inflight[i]`).
+    pub(super) inflight: Vec<Mutex<InFlightTable>>,
+}
+
+impl Shared {
+    /// The in-flight table of `dev`.
+    pub(super) fn lock_inflight(&self, dev: &Device) -> MutexGuard<'_, InFlightTable> {
+        self.inflight[dev.index].locked()
+    }
+}
+
+/// A registered region: one verbs memory region per device (of the region itself, or of its
+/// host mirror when it is staged GPU memory).
+pub(super) struct Registered {
+    pub(super) mrs: Vec<Arc<VerbsMr>>,
+    pub(super) mirror: Option<Arc<Mirror>>,
 }

@@ -11,25 +11,19 @@
 //! One thread serialises these copies; every wait is bounded (device copies by the memory
 //! backend's deadline, syncs by `handshake_timeout`).
 
+use crate::sync::MutexExt;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::shared::Shared;
 use super::staging_sync::{Direction, SyncRequest};
-use super::{Shared, Work};
+use super::work::{StageJob, Work};
 use crate::error::{RdmaError, TransferError};
 use crate::handshake::{self, FrameType};
 use crate::types::Op;
-
-/// Work for the stager.
-pub(crate) enum StageJob {
-    /// Slices to prepare, then dispatch.
-    Before(Vec<Work>),
-    /// A slice whose work request succeeded, to finish, then report.
-    After(Work),
-}
 
 /// Where a slice's staged side is, if any.
 impl Work {
@@ -61,11 +55,7 @@ impl Work {
 impl Shared {
     /// Hands `job` to the stager; if it is gone (shut down), fails the job's slices.
     pub(crate) fn stage(&self, job: StageJob) {
-        let sent = self
-            .stager
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .send(job);
+        let sent = self.stager.locked().send(job);
         if let Err(std::sync::mpsc::SendError(job)) = sent {
             fail_job(job, &gone());
         }
@@ -99,8 +89,10 @@ impl Shared {
         let mut reads: HashMap<String, Vec<Work>> = HashMap::new();
         for w in works {
             if w.sink.is_cancelled() {
-                w.sink
-                    .complete(w.slice.id, Err(super::CompletionSink::cancelled_error()));
+                w.sink.complete(
+                    w.slice.id,
+                    Err(crate::transport::CompletionSink::cancelled_error()),
+                );
                 continue;
             }
             match w.slice.op {
@@ -206,7 +198,7 @@ pub(crate) fn run_stager(s: Arc<Shared>, rx: Receiver<StageJob>) {
     }
     // Under the sender's lock: a job sent after the last drain would be dropped with the
     // receiver, its slices never reported; now a later `stage` finds the channel closed.
-    let _tx = s.stager.lock().unwrap_or_else(|e| e.into_inner());
+    let _tx = s.stager.locked();
     for job in rx.try_iter() {
         fail_job(job, &gone());
     }

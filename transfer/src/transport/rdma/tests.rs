@@ -165,7 +165,7 @@ fn context(config: EngineConfig) -> (TransportContext, TcpListener) {
     let ctx = TransportContext {
         config,
         segment_name: name,
-        instance_id: super::verbs::random_u64(),
+        instance_id: crate::ids::random_u64(),
         registry: Arc::new(MemoryRegistry::new()),
         memory: Arc::new(HostMemoryAccess),
         auth: crate::auth::AuthState::new(None, "test"),

@@ -2,6 +2,7 @@
 //! implements `Transport` on top of the shared state (registration, handshake frames, posting,
 //! stats, shutdown).
 
+use crate::sync::MutexExt;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -10,17 +11,16 @@ use std::sync::{Arc, Mutex};
 
 use super::connect::{self, CloseNotice, ConnectRequest};
 use super::device::{self, Device, PortInfo};
-use super::endpoint::Endpoint;
-use super::endpoint_store::Slot;
+use super::endpoint::{Endpoint, Slot};
 use super::keys::RdmaRegionKeys;
 use super::mirror::Mirror;
 use super::passive::PassiveTable;
 use super::peer::RdmaPeerInfo;
-use super::registration::Registered;
-use super::stager::{self, StageJob};
+use super::shared::{Registered, Shared};
+use super::stager;
 use super::staging_sync::SyncRequest;
+use super::work::{StageJob, Work};
 use super::workers::{run_completions, run_events};
-use super::{lock, Shared, Work};
 use crate::descriptor::{SegmentDescriptor, TransportInfo};
 use crate::error::{RdmaError, Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
@@ -77,6 +77,7 @@ impl RdmaTransport {
             );
         }
         let (stage_tx, stage_rx) = mpsc::channel();
+        let inflight = devices.iter().map(|_| Mutex::default()).collect();
         let shared = Arc::new(Shared {
             config,
             handshake_timeout: ctx.config.handshake_timeout,
@@ -94,6 +95,7 @@ impl RdmaTransport {
             posted: AtomicU64::new(0),
             memory: ctx.memory.clone(),
             stager: Mutex::new(stage_tx),
+            inflight,
         });
         let t = Arc::new(RdmaTransport {
             shared: shared.clone(),
@@ -109,7 +111,7 @@ impl RdmaTransport {
                     .name(format!("kvferry-rdma-{kind}-{}", d.info.name))
                     .spawn(move || f(s, dev))
                     .map_err(|e| TransferError::io("spawn RDMA thread", e))?;
-                lock(&t.threads).push(h);
+                t.threads.locked().push(h);
             }
         }
         let s = shared.clone();
@@ -117,13 +119,15 @@ impl RdmaTransport {
             .name("kvferry-rdma-stager".into())
             .spawn(move || stager::run_stager(s, stage_rx))
             .map_err(|e| TransferError::io("spawn RDMA stager thread", e))?;
-        lock(&t.threads).push(h);
+        t.threads.locked().push(h);
         Ok(t)
     }
 
     /// Path MTUs of the cached endpoints to segment `peer` (tests and diagnostics).
     pub fn path_mtus(&self, peer: &str) -> Vec<u32> {
-        lock(&self.shared.endpoints)
+        self.shared
+            .endpoints
+            .locked()
             .iter()
             .filter_map(|(k, s)| match s {
                 Slot::Ready(ep) if k.peer == peer => Some(ep.path_mtu),
@@ -139,25 +143,16 @@ impl RdmaTransport {
 
     /// Work requests posted and not yet completed, over all devices.
     pub fn work_requests_in_flight(&self) -> usize {
-        self.shared
-            .devices
-            .iter()
-            .map(|d| d.lock_inflight().count)
-            .sum()
+        self.shared.inflight.iter().map(|t| t.locked().count).sum()
     }
 
     /// Slices on the work requests in flight, over all devices (a merged work request carries
     /// several).
     pub fn slices_in_flight(&self) -> usize {
         self.shared
-            .devices
+            .inflight
             .iter()
-            .map(|d| {
-                d.lock_inflight()
-                    .iter()
-                    .map(|i| i.works.len())
-                    .sum::<usize>()
-            })
+            .map(|t| t.locked().iter().map(|i| i.works.len()).sum::<usize>())
             .sum()
     }
 
@@ -173,7 +168,7 @@ impl RdmaTransport {
 
     /// Passive (target-side) endpoints held now.
     pub fn passive_endpoints(&self) -> usize {
-        lock(&self.shared.passive).len()
+        self.shared.passive.locked().len()
     }
 }
 
@@ -231,12 +226,14 @@ impl Transport for RdmaTransport {
                 region.len
             );
         }
-        lock(&s.regions).insert(region.addr, Registered { mrs, mirror });
+        s.regions
+            .locked()
+            .insert(region.addr, Registered { mrs, mirror });
         Ok(keys)
     }
 
     fn deregister(&self, region: &MemoryRegion) -> Result<()> {
-        let gone = lock(&self.shared.regions).remove(&region.addr);
+        let gone = self.shared.regions.locked().remove(&region.addr);
         match gone {
             Some(r) => {
                 // a peer's sync may be copying into the device range on a handshake thread
@@ -259,14 +256,14 @@ impl Transport for RdmaTransport {
             return Ok(b"{}".to_vec());
         }
         if let Ok(n) = serde_json::from_slice::<CloseNotice>(body) {
-            lock(&s.passive).close(&n.initiator, &n.close);
+            s.passive.locked().close(&n.initiator, &n.close);
             return Ok(b"{}".to_vec());
         }
         let req: ConnectRequest = serde_json::from_slice(body)
             .map_err(|e| TransferError::Protocol(format!("RDMA connect from {peer}: {e}")))?;
         connect::check_request(&req, s.devices.len())?;
         let dev = &s.devices[req.device];
-        let reply = lock(&s.passive).accept(dev, &req, &s.config)?;
+        let reply = s.passive.locked().accept(dev, &req, &s.config)?;
         serde_json::to_vec(&reply).map_err(|e| TransferError::Protocol(e.to_string()))
     }
 
@@ -284,7 +281,9 @@ impl Transport for RdmaTransport {
             Ok(p) => Arc::new(p),
             Err(e) => return done.fail_all(slices.iter().map(|sl| sl.id), &e),
         };
-        let mirrors: HashMap<u64, Arc<Mirror>> = lock(&s.regions)
+        let mirrors: HashMap<u64, Arc<Mirror>> = s
+            .regions
+            .locked()
             .iter()
             .filter_map(|(a, r)| r.mirror.clone().map(|m| (*a, m)))
             .collect();
@@ -314,7 +313,7 @@ impl Transport for RdmaTransport {
     }
 
     fn stats(&self) -> TransportStats {
-        let eps = lock(&self.shared.endpoints);
+        let eps = self.shared.endpoints.locked();
         let mut peers: Vec<&str> = eps.keys().map(|k| k.peer.as_str()).collect();
         peers.sort_unstable();
         peers.dedup();
@@ -327,12 +326,15 @@ impl Transport for RdmaTransport {
                     Slot::Connecting(_) => 0,
                 })
                 .sum(),
-            served_connections: lock(&self.shared.passive).qps(),
+            served_connections: self.shared.passive.locked().qps(),
         }
     }
 
     fn disconnect(&self, name: &str) {
-        let eps: Vec<Arc<Endpoint>> = lock(&self.shared.endpoints)
+        let eps: Vec<Arc<Endpoint>> = self
+            .shared
+            .endpoints
+            .locked()
             .iter()
             .filter_map(|(k, s)| match s {
                 Slot::Ready(ep) if k.peer == name => Some(ep.clone()),
@@ -343,8 +345,8 @@ impl Transport for RdmaTransport {
             self.shared
                 .endpoint_failed(&ep, format!("disconnected from {name}"));
         }
-        lock(&self.shared.passive).remove_initiator(name);
-        lock(&self.shared.replaced).retain(|k, _| k.peer != name);
+        self.shared.passive.locked().remove_initiator(name);
+        self.shared.replaced.locked().retain(|k, _| k.peer != name);
     }
 
     fn shutdown(&self) {
@@ -352,11 +354,11 @@ impl Transport for RdmaTransport {
         if s.stop.swap(true, Ordering::SeqCst) {
             return;
         }
-        for t in lock(&self.threads).drain(..) {
+        for t in self.threads.locked().drain(..) {
             let _ = t.join();
         }
         let gone = TransferError::Rdma(RdmaError::ShutDown);
-        let slots: Vec<Slot> = lock(&s.endpoints).drain().map(|(_, v)| v).collect();
+        let slots: Vec<Slot> = s.endpoints.locked().drain().map(|(_, v)| v).collect();
         for slot in slots {
             match slot {
                 Slot::Connecting(ws) => ws
@@ -370,14 +372,14 @@ impl Transport for RdmaTransport {
                 }
             }
         }
-        for d in &s.devices {
-            let left = d.lock_inflight().drain();
+        for t in &s.inflight {
+            let left = t.locked().drain();
             for inf in left {
                 for w in inf.works {
                     w.sink.complete(w.slice.id, Err(gone.clone()));
                 }
             }
         }
-        lock(&s.passive).clear();
+        s.passive.locked().clear();
     }
 }

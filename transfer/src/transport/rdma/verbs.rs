@@ -421,24 +421,9 @@ pub(crate) fn mtu_from_bytes(b: u32) -> Option<Mtu> {
     })
 }
 
-/// Random bytes from the kernel (getrandom(2)); falls back to time and address bits.
-pub(crate) fn random_u64() -> u64 {
-    let mut v = 0u64;
-    // SAFETY: getrandom writes at most 8 bytes into `v`, a local u64 of 8 bytes.
-    let n = unsafe { libc::getrandom(&mut v as *mut u64 as *mut libc::c_void, 8, 0) };
-    if n == 8 {
-        return v;
-    }
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
-    t ^ ((&v as *const u64 as u64).rotate_left(29)) ^ (std::process::id() as u64) << 40
-}
-
 /// A random 24-bit packet sequence number.
 pub(crate) fn random_psn() -> u32 {
-    (random_u64() & 0x00ff_ffff) as u32
+    (crate::ids::random_u64() & 0x00ff_ffff) as u32
 }
 
 #[cfg(test)]

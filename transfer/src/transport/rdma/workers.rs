@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use super::device::Device;
 use super::endpoint::Endpoint;
-use super::{verbs, Shared};
+use super::shared::Shared;
+use super::verbs;
 
 /// Completions taken per poll.
 const POLL_BATCH: usize = 64;
@@ -19,7 +20,7 @@ impl Shared {
         self.expire_idle(dev);
         let limit = self.config.completion_timeout;
         let stale: Vec<Arc<Endpoint>> = {
-            let t = dev.lock_inflight();
+            let t = self.lock_inflight(dev);
             let mut v: Vec<Arc<Endpoint>> = Vec::new();
             for inf in t.iter() {
                 if inf.posted.elapsed() > limit

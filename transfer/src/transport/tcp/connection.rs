@@ -1,6 +1,7 @@
 //! One initiator data connection: its writer thread sends frames (WRITE payloads straight from
 //! registered memory), its reader thread reads the replies in order.
 
+use crate::sync::MutexExt;
 use std::borrow::Cow;
 use std::io::IoSlice;
 use std::net::{Shutdown, TcpStream};
@@ -28,7 +29,7 @@ impl PeerPool {
             Ok(s) => s,
             Err(e) => {
                 let until = Instant::now() + self.cfg.io_timeout.min(Duration::from_secs(1));
-                *self.down.lock().unwrap_or_else(|e| e.into_inner()) = Some((until, e.clone()));
+                *self.down.locked() = Some((until, e.clone()));
                 first.fail_peer(&e);
                 return Self::retire(&conn, &rx, &e);
             }
@@ -42,7 +43,7 @@ impl PeerPool {
             }
         };
         if let Ok(c) = s.try_clone() {
-            *conn.stream.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
+            *conn.stream.locked() = Some(c);
         }
         let (ftx, frx) = mpsc::sync_channel::<Job>(self.cfg.inflight_per_connection.max(1));
         let pool = self.clone();
@@ -63,7 +64,7 @@ impl PeerPool {
                 Ok(j) => j,
                 Err(RecvTimeoutError::Timeout) => {
                     // idle: stop taking jobs, then serve any that slipped in before
-                    conn.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+                    conn.tx.locked().take();
                     let mut ok = true;
                     while let Ok(j) = rx.try_recv() {
                         if ok {

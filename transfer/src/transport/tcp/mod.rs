@@ -29,6 +29,7 @@ mod pool;
 mod socket;
 mod target;
 
+use crate::sync::MutexExt;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -105,7 +106,7 @@ impl TcpTransport {
     }
 
     fn pool_for(&self, peer: &SegmentDescriptor) -> Result<Arc<PeerPool>> {
-        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut peers = self.peers.locked();
         if let Some(p) = peers.get(&peer.name) {
             if p.instance == peer.instance_id {
                 return Ok(p.clone());
@@ -119,12 +120,14 @@ impl TcpTransport {
             )));
         }
         let port = info.data_port;
-        let host = peer.name.rsplit_once(':').map(|(h, _)| h).ok_or_else(|| {
-            TransferError::InvalidArgument(format!("segment name {:?} is not host:port", peer.name))
-        })?;
+        let host = peer
+            .name
+            .rsplit_once(':')
+            .map(|(h, _)| h)
+            .ok_or_else(|| TransferError::BadSegmentName(peer.name.clone()))?;
         let pool = Arc::new(PeerPool {
             segment: peer.name.clone(),
-            addr: format!("{host}:{port}"),
+            addr: crate::segment::host_port(host, port),
             instance: peer.instance_id,
             cfg: self.ctx.config.tcp.clone(),
             ctx: self.ctx.clone(),
@@ -213,24 +216,20 @@ impl Transport for TcpTransport {
     }
 
     fn disconnect(&self, name: &str) {
-        let old = self
-            .peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name);
+        let old = self.peers.locked().remove(name);
         if let Some(p) = old {
             p.close();
         }
     }
 
     fn stats(&self) -> TransportStats {
-        let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let peers = self.peers.locked();
         TransportStats {
             peers: peers.len(),
             connections: peers
                 .values()
                 .map(|p| {
-                    let conns = p.conns.lock().unwrap_or_else(|e| e.into_inner());
+                    let conns = p.conns.locked();
                     conns.iter().filter(|c| c.is_open()).count()
                 })
                 .sum(),
@@ -239,13 +238,7 @@ impl Transport for TcpTransport {
     }
 
     fn shutdown(&self) {
-        let pools: Vec<_> = self
-            .peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain()
-            .map(|(_, p)| p)
-            .collect();
+        let pools: Vec<_> = self.peers.locked().drain().map(|(_, p)| p).collect();
         for p in pools {
             p.close();
         }

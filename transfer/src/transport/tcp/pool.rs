@@ -1,6 +1,7 @@
 //! Initiator side of the TCP transport: per peer instance, a pool of data connections that
 //! jobs are spread over; a connection is opened on its first job and ends broken or idle.
 
+use crate::sync::MutexExt;
 use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -44,20 +45,12 @@ pub(super) struct Conn {
 impl Conn {
     /// True while the socket is open (connected, not yet ended).
     pub(super) fn is_open(&self) -> bool {
-        self.stream
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        self.stream.locked().is_some()
     }
 
     pub(super) fn close(&self) {
-        self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(s) = self
-            .stream
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-        {
+        self.tx.locked().take();
+        if let Some(s) = self.stream.locked().as_ref() {
             let _ = s.shutdown(Shutdown::Both);
         }
     }
@@ -65,7 +58,7 @@ impl Conn {
 
 impl PeerPool {
     pub(super) fn send(self: &Arc<Self>, mut job: Job) {
-        if let Some((until, e)) = self.down.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        if let Some((until, e)) = self.down.locked().as_ref() {
             if Instant::now() < *until {
                 return job.fail_peer(e);
             }
@@ -75,14 +68,14 @@ impl PeerPool {
         // two tries: the chosen connection may have just gone idle or broken
         for _ in 0..2 {
             let conn = {
-                let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+                let mut conns = self.conns.locked();
                 while conns.len() < want {
                     conns.push(self.spawn_conn());
                 }
                 conns[i].clone()
             };
             let r = {
-                let tx = conn.tx.lock().unwrap_or_else(|e| e.into_inner());
+                let tx = conn.tx.locked();
                 match tx.as_ref() {
                     Some(tx) => tx.send(job).map_err(|e| e.0),
                     None => Err(job),
@@ -92,7 +85,7 @@ impl PeerPool {
                 Ok(()) => return,
                 Err(j) => {
                     job = j;
-                    let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut conns = self.conns.locked();
                     if conns.get(i).is_some_and(|c| Arc::ptr_eq(c, &conn)) {
                         conns[i] = self.spawn_conn();
                     }
@@ -111,8 +104,8 @@ impl PeerPool {
         let Some(pools) = self.pools.upgrade() else {
             return;
         };
-        let mut pools = pools.lock().unwrap_or_else(|e| e.into_inner());
-        let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pools = pools.locked();
+        let mut conns = self.conns.locked();
         conns.retain(|c| !Arc::ptr_eq(c, conn));
         let ours = pools
             .get(&self.segment)
@@ -144,12 +137,7 @@ impl PeerPool {
     }
 
     pub(super) fn close(&self) {
-        for c in self
-            .conns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-        {
+        for c in self.conns.locked().drain(..) {
             c.close();
         }
     }
@@ -200,7 +188,7 @@ impl PeerPool {
         match rx.recv_timeout(idle) {
             Ok(j) => Some(j),
             Err(RecvTimeoutError::Timeout) => {
-                conn.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+                conn.tx.locked().take();
                 rx.try_recv().ok() // one that slipped in before we stopped taking jobs
             }
             Err(RecvTimeoutError::Disconnected) => None,

@@ -13,7 +13,7 @@ use kvferry_checksum::definition::layer_block_checksum;
 use kvferry_checksum::group::{LayerSpec, ReplicaKey};
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
 use kvferry_checksum::select::BlockSelection;
-use kvferry_kernels::{ChecksumBackend, CpuBackend, Device, GroupJob, LayerInput};
+use kvferry_kernels::{ChecksumBackend, CpuBackend, GroupJob, LayerInput, Location};
 
 const BLOCKS: u64 = 4096;
 
@@ -91,7 +91,7 @@ fn bench(c: &mut Criterion) {
                     block_ids: (0..BLOCKS).collect(),
                 },
                 num_tokens: BLOCKS * 16,
-                device: Device::Cpu,
+                device: Location::Cpu,
             };
             g.bench_function("cpu_backend_1_thread", |b| {
                 b.iter(|| {

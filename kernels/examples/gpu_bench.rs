@@ -26,7 +26,7 @@ use kvferry_checksum::select::BlockSelection;
 use kvferry_kernels::cuda::driver::{DeviceBuffer, Event};
 use kvferry_kernels::cuda::tools::Tools;
 use kvferry_kernels::cuda::{unavailable_reason, CudaBackend, KernelVariant};
-use kvferry_kernels::{ChecksumBackend, CpuBackend, Device, GroupJob, LayerInput};
+use kvferry_kernels::{ChecksumBackend, CpuBackend, GroupJob, LayerInput, Location};
 use rand::seq::index::sample;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -203,7 +203,7 @@ fn cpu_reference(tools: &Tools, job: &GroupJob) -> Vec<kvferry_kernels::GroupRes
             start: job.selection.start,
             block_ids: (0..nb).collect(),
         },
-        device: Device::Cpu,
+        device: Location::Cpu,
         ..job.clone()
     };
     // SAFETY: the job's layers are host buffers of this function that outlive the wait below.
@@ -292,7 +292,7 @@ fn run_shape(
                 block_ids: ids,
             },
             num_tokens: a.tokens,
-            device: Device::Cuda(0),
+            device: Location::Cuda(0),
         }
     };
     let out = tools.alloc(8).unwrap();

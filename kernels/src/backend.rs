@@ -16,15 +16,15 @@ use thiserror::Error;
 pub struct LayerInput {
     /// Layer number, global heads, geometry, replica key.
     pub spec: LayerSpec,
-    /// Address of the layer's array (host pointer, or device pointer for [`Device::Cuda`]).
+    /// Address of the layer's array (host pointer, or device pointer for [`Location::Cuda`]).
     pub addr: u64,
     /// Bytes valid from `addr` (at least `spec.geometry.byte_len()`).
     pub len: u64,
 }
 
-/// Where a job's KV lives: the one location type of kvferry-cuda (`Device::Cpu`, or
-/// `Device::Cuda(ordinal)`), under the name this crate's API has always used.
-pub use kvferry_cuda::Location as Device;
+/// Where a job's KV lives: kvferry-cuda's one type for where memory lives (`Location::Cpu`,
+/// or `Location::Cuda(ordinal)`).
+pub use kvferry_cuda::Location;
 
 /// Checksum one group's selected blocks over all its layers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,7 +40,7 @@ pub struct GroupJob {
     /// Request tokens; slots at or past it are excluded (§2.1).
     pub num_tokens: u64,
     /// Where the layers' arrays live.
-    pub device: Device,
+    pub device: Location,
 }
 
 /// A job's result: replica key → one value per position from `start` (`selection.block_ids.len()`

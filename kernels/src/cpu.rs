@@ -10,7 +10,7 @@ use kvferry_checksum::definition::layer_block_checksum;
 use kvferry_checksum::group::ReplicaKey;
 
 use crate::backend::{
-    validate_job, Channel, ChecksumBackend, Device, GroupJob, GroupResult, KernelError, Pending,
+    validate_job, Channel, ChecksumBackend, GroupJob, GroupResult, KernelError, Location, Pending,
     PendingChecksums,
 };
 
@@ -192,7 +192,7 @@ impl ChecksumBackend for CpuBackend {
 
     unsafe fn submit(&self, jobs: Vec<GroupJob>) -> Result<PendingChecksums, KernelError> {
         for job in &jobs {
-            if job.device != Device::Cpu {
+            if job.device != Location::Cpu {
                 return Err(KernelError::InvalidJob {
                     group_id: job.group_id,
                     why: format!("the CPU backend reads host memory, not {:?}", job.device),

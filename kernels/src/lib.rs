@@ -11,17 +11,15 @@ pub mod cuda;
 use std::sync::Arc;
 
 pub use backend::{
-    validate_job, ChecksumBackend, Device, GroupJob, GroupResult, KernelError, LayerInput, Pending,
-    PendingChecksums,
+    validate_job, ChecksumBackend, GroupJob, GroupResult, KernelError, LayerInput, Location,
+    Pending, PendingChecksums,
 };
 pub use cpu::CpuBackend;
-/// Where memory lives (the same type as [`Device`]).
-pub use kvferry_cuda::Location;
 
 /// The backend for KV on `device`: CPU for host memory. For a CUDA device, the CUDA backend when
 /// it is usable, else the CPU backend with one info line (its jobs for device memory then fail
 /// with [`KernelError::InvalidJob`]). Never panics.
-pub fn backend_for(device: Device) -> Arc<dyn ChecksumBackend> {
+pub fn backend_for(device: Location) -> Arc<dyn ChecksumBackend> {
     try_backend_for(device).unwrap_or_else(|e| {
         tracing::info!(?device, reason = %e, "CUDA checksum backend unusable; using the CPU backend");
         Arc::new(CpuBackend::default())
@@ -30,9 +28,9 @@ pub fn backend_for(device: Device) -> Arc<dyn ChecksumBackend> {
 
 /// The backend for KV on `device` with no fallback: CPU for host memory, the CUDA backend for
 /// a CUDA device. Errors: why the CUDA backend is unusable (as [`cuda::CudaBackend::shared`]).
-pub fn try_backend_for(device: Device) -> Result<Arc<dyn ChecksumBackend>, KernelError> {
+pub fn try_backend_for(device: Location) -> Result<Arc<dyn ChecksumBackend>, KernelError> {
     Ok(match device {
-        Device::Cpu => Arc::new(CpuBackend::default()),
-        Device::Cuda(ordinal) => Arc::new(cuda::CudaBackend::shared(ordinal)?),
+        Location::Cpu => Arc::new(CpuBackend::default()),
+        Location::Cuda(ordinal) => Arc::new(cuda::CudaBackend::shared(ordinal)?),
     })
 }

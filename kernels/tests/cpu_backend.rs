@@ -10,7 +10,7 @@ use kvferry_checksum::group::{LayerSpec, ReplicaKey};
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
 use kvferry_checksum::select::BlockSelection;
 use kvferry_kernels::{
-    backend_for, ChecksumBackend, CpuBackend, Device, GroupJob, KernelError, LayerInput,
+    backend_for, ChecksumBackend, CpuBackend, GroupJob, KernelError, LayerInput, Location,
 };
 
 struct Layer {
@@ -63,7 +63,7 @@ fn job(layers: &[Layer], selection: BlockSelection, num_tokens: u64) -> GroupJob
             .collect(),
         selection,
         num_tokens,
-        device: Device::Cpu,
+        device: Location::Cpu,
     }
 }
 
@@ -193,7 +193,7 @@ fn bad_jobs_are_refused_before_reading() {
     j.block_size = 8;
     refuse(j, "block size");
     let mut j = job(&layers, sel.clone(), 16);
-    j.device = Device::Cuda(0);
+    j.device = Location::Cuda(0);
     refuse(j, "host memory");
     let mut j = job(&layers, sel, 16);
     j.layers[0].addr = u64::MAX - 10;
@@ -202,8 +202,8 @@ fn bad_jobs_are_refused_before_reading() {
 
 #[test]
 fn backend_for_never_panics() {
-    assert_eq!(backend_for(Device::Cpu).name(), "cpu");
-    let name = backend_for(Device::Cuda(0)).name();
+    assert_eq!(backend_for(Location::Cpu).name(), "cpu");
+    let name = backend_for(Location::Cuda(0)).name();
     assert!(name == "cpu" || name == "cuda", "{name}");
 }
 

@@ -11,11 +11,11 @@ use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
 use kvferry_checksum::select::BlockSelection;
 use kvferry_kernels::cuda::driver::{DeviceBuffer, EventState};
 use kvferry_kernels::cuda::tools::Tools;
-use kvferry_kernels::cuda::view::{group_plan, MODE_GENERIC, MODE_VEC16, MODE_VEC8};
+use kvferry_kernels::cuda::view::{launch_plan, MODE_GENERIC, MODE_VEC16, MODE_VEC8};
 use kvferry_kernels::cuda::{unavailable_reason, CudaBackend, KernelVariant};
 use kvferry_kernels::{
-    backend_for, ChecksumBackend, CpuBackend, Device, GroupJob, GroupResult, KernelError,
-    LayerInput,
+    backend_for, ChecksumBackend, CpuBackend, GroupJob, GroupResult, KernelError, LayerInput,
+    Location,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -200,7 +200,7 @@ fn random_case(rng: &mut ChaCha8Rng) -> Case {
     }
 }
 
-fn job(case: &Case, group_id: u32, device: Device, addrs: &[u64]) -> GroupJob {
+fn job(case: &Case, group_id: u32, device: Location, addrs: &[u64]) -> GroupJob {
     GroupJob {
         group_id,
         block_size: case.block_size,
@@ -241,7 +241,7 @@ fn cpu_results(cases: &[Case]) -> Vec<GroupResult> {
         .enumerate()
         .map(|(i, c)| {
             let addrs: Vec<u64> = c.host.iter().map(|h| h.as_ptr() as u64).collect();
-            job(c, i as u32, Device::Cpu, &addrs)
+            job(c, i as u32, Location::Cpu, &addrs)
         })
         .collect();
     // SAFETY: the jobs' layers are host copies that outlive the wait.
@@ -281,7 +281,7 @@ fn gpu_matches_cpu_on_random_layouts() {
                 .zip(&c.host)
                 .map(|((s, &a), h)| (s, a, h.len() as u64))
                 .collect();
-            for v in group_plan(&layers, &c.block_ids, c.start, c.num_tokens)
+            for v in launch_plan(&layers, &c.block_ids, c.start, c.num_tokens)
                 .unwrap()
                 .views
             {
@@ -293,7 +293,7 @@ fn gpu_matches_cpu_on_random_layouts() {
                 replicated += (s.replica != ReplicaKey::NONE) as usize;
             }
             partial += (c.num_tokens % c.block_size != 0) as usize;
-            jobs.push(job(c, i as u32, Device::Cuda(0), &addrs));
+            jobs.push(job(c, i as u32, Location::Cuda(0), &addrs));
             bufs.push(buf);
         }
         let want = cpu_results(&cases);
@@ -420,7 +420,7 @@ fn gpu_matches_cpu_on_model_shapes() {
         let want = cpu_results(std::slice::from_ref(&case));
         for b in std::iter::once(&backend).chain(&others) {
             // SAFETY: the job's layers are device buffers of this test that outlive the wait.
-            let got = unsafe { b.submit(vec![job(&case, 0, Device::Cuda(0), &addrs)]) }
+            let got = unsafe { b.submit(vec![job(&case, 0, Location::Cuda(0), &addrs)]) }
                 .unwrap()
                 .wait(WAIT)
                 .unwrap();
@@ -450,7 +450,7 @@ fn gpu_submit_never_synchronises_the_caller_stream() {
     // SAFETY: the buffers the launch names live until the end of the test, after it completes.
     unsafe {
         backend.submit_after(
-            vec![job(&case, 0, Device::Cuda(0), &addrs)],
+            vec![job(&case, 0, Location::Cuda(0), &addrs)],
             Some(caller.raw()),
         )
     }
@@ -473,7 +473,7 @@ fn gpu_submit_never_synchronises_the_caller_stream() {
     // stream.
     let mut pending = unsafe {
         backend.submit_after(
-            vec![job(&case, 0, Device::Cuda(0), &addrs)],
+            vec![job(&case, 0, Location::Cuda(0), &addrs)],
             Some(caller.raw()),
         )
     }
@@ -530,7 +530,7 @@ fn gpu_dropped_pending_is_safe() {
         // stream.
         let p = unsafe {
             backend.submit_after(
-                vec![job(&case, 0, Device::Cuda(0), &addrs)],
+                vec![job(&case, 0, Location::Cuda(0), &addrs)],
                 Some(caller.raw()),
             )
         }
@@ -539,7 +539,7 @@ fn gpu_dropped_pending_is_safe() {
     }
     for _ in 0..8 {
         // SAFETY: the job's layers are device buffers of this test that outlive the wait.
-        let got = unsafe { backend.submit(vec![job(&case, 0, Device::Cuda(0), &addrs)]) }
+        let got = unsafe { backend.submit(vec![job(&case, 0, Location::Cuda(0), &addrs)]) }
             .unwrap()
             .wait(WAIT)
             .unwrap();
@@ -558,20 +558,20 @@ fn gpu_rejects_bad_jobs() {
     let mut rng = ChaCha8Rng::seed_from_u64(8);
     let case = fixed_case(&mut rng, "KV B N H D", 8, 16, 2, 64, ElemBytes::Two, 2);
     let (buf, addrs) = upload_case(&tools, &case);
-    let mut bad = job(&case, 3, Device::Cuda(0), &addrs);
+    let mut bad = job(&case, 3, Location::Cuda(0), &addrs);
     bad.selection.block_ids.push(8);
     assert!(matches!(
         // SAFETY: refused before any byte is read (the test's point); no memory is touched.
         unsafe { backend.submit(vec![bad]) },
         Err(KernelError::InvalidJob { group_id: 3, .. })
     ));
-    let cpu_job = job(&case, 4, Device::Cpu, &addrs);
+    let cpu_job = job(&case, 4, Location::Cpu, &addrs);
     assert!(matches!(
         // SAFETY: refused before any byte is read (the test's point); no memory is touched.
         unsafe { backend.submit(vec![cpu_job]) },
         Err(KernelError::InvalidJob { group_id: 4, .. })
     ));
-    let mut short = job(&case, 5, Device::Cuda(0), &addrs);
+    let mut short = job(&case, 5, Location::Cuda(0), &addrs);
     short.layers[0].len -= 1;
     assert!(matches!(
         // SAFETY: refused before any byte is read (the test's point); no memory is touched.
@@ -585,7 +585,7 @@ fn gpu_rejects_bad_jobs() {
 /// panic) where it does not: this test runs, and asserts, on both kinds of machine.
 #[test]
 fn gpu_backend_for_picks_cuda_when_usable() {
-    let b = backend_for(Device::Cuda(0));
+    let b = backend_for(Location::Cuda(0));
     match unavailable_reason() {
         Some(why) => {
             eprintln!("no CUDA here ({why}): expecting the CPU fallback");

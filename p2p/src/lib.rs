@@ -20,7 +20,7 @@
 //! # The API (what an embedder uses)
 //! ```text
 //! // Each side: one Worker per TP×PP rank; the embedder owns and registers the memory.
-//! Worker { rank: RankInfo, engine: Arc<TransferEngine>, device: Device,
+//! Worker { rank: RankInfo, engine: Arc<TransferEngine>, device: Location,
 //!          groups: Vec<WorkerGroup>, backend: Arc<dyn ChecksumBackend> }
 //! WorkerGroup { group_id, block_size, layers: Vec<LayerInput>, sliding_window: Option<u64>,
 //!               skipped: Option<SkipReason> }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use kvferry_checksum::group::{RankInfo, SkipReason};
-use kvferry_kernels::{ChecksumBackend, Device};
+use kvferry_kernels::{ChecksumBackend, Location};
 use kvferry_transfer::TransferEngine;
 
 use crate::error::P2pError;
@@ -19,7 +19,7 @@ pub struct Worker {
     /// The rank's transfer engine; its memory regions must cover every layer array.
     pub engine: Arc<TransferEngine>,
     /// Where the layer arrays live (checksum jobs run there).
-    pub device: Device,
+    pub device: Location,
     /// The rank's KV cache groups.
     pub groups: Vec<WorkerGroup>,
     /// The rank's checksum backend (CPU or CUDA).

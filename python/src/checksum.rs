@@ -3,13 +3,14 @@
 //! tensors and on the GPU for CUDA tensors (ordered after the caller's stream, no host sync), and
 //! the layer fingerprints of §2.3. The pure-Python face is `kvferry/checksum.py`.
 
+use kvferry_transfer::sync::MutexExt;
 use std::sync::Mutex;
 use std::time::Duration;
 
 use kvferry_checksum::definition::MAX_KV_HEADS_PER_LAYER;
 use kvferry_checksum::fingerprint::layer_fingerprint as fingerprint_of;
 use kvferry_checksum::select::BlockSelection;
-use kvferry_kernels::{ChecksumBackend, CpuBackend, Device, GroupJob, KernelError, Pending};
+use kvferry_kernels::{ChecksumBackend, CpuBackend, GroupJob, KernelError, Location, Pending};
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 
@@ -47,14 +48,14 @@ fn take(
 impl KVChecksumPending {
     /// Whether the values are ready (never blocks).
     fn done(&self) -> bool {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.state.locked();
         if let State::Running(p) = &mut *st {
             match p.poll() {
                 None => return false,
                 Some(r) => *st = State::Done(take(r)),
             }
         }
-        self.keep.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.keep.locked().clear();
         true
     }
 
@@ -65,7 +66,7 @@ impl KVChecksumPending {
     fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<Vec<u64>> {
         let timeout = seconds(timeout, "timeout")?;
         let result = py.detach(|| {
-            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut st = self.state.locked();
             if let State::Running(p) = &mut *st {
                 match p.wait(timeout) {
                     Err(KernelError::Timeout(t)) => return Err(t),
@@ -79,7 +80,7 @@ impl KVChecksumPending {
         });
         let values = result
             .map_err(|t| PyTimeoutError::new_err(format!("checksums not ready after {t:?}")))?;
-        self.keep.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.keep.locked().clear();
         values.map_err(PyRuntimeError::new_err)
     }
 }
@@ -135,7 +136,7 @@ fn _submit_checksums(
         .flat_map(|l| l.bind(py).get().keep.iter().map(|k| k.clone_ref(py)))
         .collect();
     let state = match device {
-        Device::Cpu => {
+        Location::Cpu => {
             let r = py.detach(|| {
                 // SAFETY: validate_job checked every layer's byte span lies within the tensor
                 // it was read from, and `layers` keeps each tensor alive for this call.
@@ -144,7 +145,7 @@ fn _submit_checksums(
             });
             State::Done(take(r))
         }
-        Device::Cuda(n) => {
+        Location::Cuda(n) => {
             let backend = kvferry_kernels::cuda::CudaBackend::shared(n).map_err(|e| {
                 PyRuntimeError::new_err(format!("CUDA checksum backend for cuda:{n}: {e}"))
             })?;

@@ -9,7 +9,7 @@
 
 use kvferry_checksum::group::{parse_layer_number, LayerSpec, RankInfo, ReplicaKey, SkipReason};
 use kvferry_checksum::layout::{Dim, ElemBytes, Geometry, Layout, LayoutError};
-use kvferry_kernels::{Device, LayerInput};
+use kvferry_kernels::{LayerInput, Location};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -17,7 +17,7 @@ use crate::repr::str_repr;
 use crate::tensor::{view_of, TensorView};
 
 /// `"cpu"` or `"cuda:N"`.
-pub fn device_name(d: Device) -> String {
+pub fn device_name(d: Location) -> String {
     // The one location type's text form ("cpu" / "cuda:N").
     d.to_string()
 }
@@ -55,7 +55,7 @@ pub fn device_name(d: Device) -> String {
 pub struct KVCacheLayer {
     pub(crate) spec: LayerSpec,
     pub(crate) addr: u64,
-    pub(crate) device: Device,
+    pub(crate) device: Location,
     pub(crate) keep: Vec<Py<PyAny>>,
     pub(crate) tensor: Py<PyAny>,
 }
@@ -362,7 +362,7 @@ pub struct KVCacheGroup {
     pub(crate) layers: Vec<Py<KVCacheLayer>>,
     pub(crate) sliding_window: Option<u64>,
     pub(crate) skipped: Option<SkipReason>,
-    pub(crate) device: Device,
+    pub(crate) device: Location,
 }
 
 #[pymethods]
@@ -477,7 +477,7 @@ impl KVCacheGroup {
 pub struct Rank {
     pub(crate) rank: RankInfo,
     pub(crate) groups: Vec<Py<KVCacheGroup>>,
-    pub(crate) device: Device,
+    pub(crate) device: Location,
 }
 
 #[pymethods]

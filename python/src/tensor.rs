@@ -13,7 +13,7 @@
 
 use std::ffi::c_void;
 
-use kvferry_kernels::Device;
+use kvferry_kernels::Location;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict, PyTuple};
@@ -29,7 +29,7 @@ pub struct TensorView {
     /// Bytes per element.
     pub itemsize: u64,
     /// Where the memory is.
-    pub device: Device,
+    pub device: Location,
     /// The objects that keep the memory alive (the tensor, and a DLPack capsule).
     pub keep: Vec<Py<PyAny>>,
 }
@@ -92,11 +92,11 @@ pub fn view_of(obj: &Bound<'_, PyAny>) -> PyResult<TensorView> {
     )))
 }
 
-fn device_of(device_type: i64, device_id: i64) -> PyResult<Device> {
+fn device_of(device_type: i64, device_id: i64) -> PyResult<Location> {
     match device_type {
-        DL_CPU | DL_CUDA_HOST => Ok(Device::Cpu),
+        DL_CPU | DL_CUDA_HOST => Ok(Location::Cpu),
         DL_CUDA => u32::try_from(device_id)
-            .map(Device::Cuda)
+            .map(Location::Cuda)
             .map_err(|_| PyValueError::new_err(format!("CUDA device id {device_id}"))),
         other => Err(PyValueError::new_err(format!(
             "DLPack device type {other} is not supported (CPU, CUDA host or CUDA memory only)"
@@ -169,7 +169,7 @@ fn from_torch_like(obj: &Bound<'_, PyAny>) -> PyResult<TensorView> {
         let id: i64 = obj.call_method0("get_device")?.extract()?;
         device_of(DL_CUDA, id)?
     } else {
-        Device::Cpu
+        Location::Cpu
     };
     if strides.len() != shape.len() {
         return Err(PyValueError::new_err(format!(
@@ -224,7 +224,7 @@ fn from_array_interface(obj: &Bound<'_, PyAny>) -> PyResult<TensorView> {
         shape,
         strides,
         itemsize,
-        device: Device::Cpu,
+        device: Location::Cpu,
         keep: vec![obj.clone().unbind()],
     })
 }

@@ -21,7 +21,7 @@ pub mod tools;
 pub mod view;
 
 use crate::backend::{validate_job, ChecksumBackend, Pending, PendingChecksums};
-use crate::{Device, GroupJob, GroupResult, KernelError};
+use crate::{GroupJob, GroupResult, KernelError, Location};
 use cudarc::driver::sys;
 use driver::{Context, DeviceBuffer, Event, EventState, Function, Module, PinnedBuffer, Stream};
 use kvferry_checksum::group::{LayerSpec, ReplicaKey};
@@ -31,7 +31,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
-use view::{group_plan, GroupPlan, LayerView};
+use view::{launch_plan, LaunchPlan, LayerView};
 
 /// Source of the checksum kernel (`kernels/cuda/checksum.cu`).
 pub const CHECKSUM_SRC: &str = include_str!("../../cuda/checksum.cu");
@@ -69,7 +69,7 @@ impl KernelVariant {
 }
 
 /// Chunks one thread reads per tile, at most, over the plan's vector-path layers.
-fn chunks_per_thread(plan: &GroupPlan) -> u32 {
+fn chunks_per_thread(plan: &LaunchPlan) -> u32 {
     plan.views
         .iter()
         .filter(|v| v.mode != view::MODE_GENERIC)
@@ -260,7 +260,7 @@ impl CudaBackend {
     /// host never blocks on the device here.
     ///
     /// Errors: a job for another device, a layer the kernel cannot read (see
-    /// [`view::group_plan`]), or a driver failure.
+    /// [`view::launch_plan`]), or a driver failure.
     ///
     /// # Safety
     /// Every layer's `[addr, addr + len)` is device memory of this device that stays
@@ -273,9 +273,9 @@ impl CudaBackend {
     ) -> Result<CudaPending, KernelError> {
         let inner = &self.inner;
         let ordinal = inner.ctx.ordinal();
-        let mut plans: Vec<(u32, GroupPlan)> = Vec::with_capacity(jobs.len());
+        let mut plans: Vec<(u32, LaunchPlan)> = Vec::with_capacity(jobs.len());
         for job in &jobs {
-            if job.device != Device::Cuda(ordinal) {
+            if job.device != Location::Cuda(ordinal) {
                 return Err(KernelError::InvalidJob {
                     group_id: job.group_id,
                     why: format!(
@@ -290,7 +290,7 @@ impl CudaBackend {
                 .iter()
                 .map(|l| (&l.spec, l.addr, l.len))
                 .collect();
-            let plan = group_plan(
+            let plan = launch_plan(
                 &layers,
                 &job.selection.block_ids,
                 job.selection.start,
@@ -436,7 +436,7 @@ impl Inner {
     unsafe fn enqueue(
         &self,
         slot: &Slot,
-        plans: &[(u32, GroupPlan)],
+        plans: &[(u32, LaunchPlan)],
         param_offs: &[(usize, usize)],
         out_offs: &[usize],
         params_len: usize,

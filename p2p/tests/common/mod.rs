@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use kvferry_checksum::group::{plan_group, CacheDesc, GroupPlan, RankInfo};
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
-use kvferry_kernels::{CpuBackend, Device, LayerInput};
+use kvferry_kernels::{CpuBackend, LayerInput};
 use kvferry_p2p::{Worker, WorkerGroup};
 use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransportKind};
 use rand::RngCore;
@@ -305,7 +305,7 @@ impl Side {
                 workers.push(Worker {
                     rank,
                     engine,
-                    device: Device::Cpu,
+                    device: Location::Cpu,
                     groups,
                     backend: Arc::new(CpuBackend::new(1)),
                 });

@@ -62,7 +62,7 @@ pub use memory::{
     DmabufRange, HostMemoryAccess, MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys,
     RegistrationPath, TransportKeys,
 };
-pub use ports::{PortRange, PortRangeError};
-pub use segment::{host_port, SegmentHandle};
+pub use ports::{host_port, PortRange, PortRangeError};
+pub use segment::SegmentHandle;
 pub use transport::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
 pub use types::{BatchId, BatchStatus, Location, Op, TransferPath, TransferRequest, TransportKind};

@@ -94,12 +94,22 @@ pub fn bind_listener(
     ))
 }
 
+/// `host:port`, an IPv6 host in brackets (`[::1]:9`; a host already in brackets is kept as
+/// is): the one way kvferry writes an address, e.g. a listener's segment name.
+pub fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
 /// Where [`bind_listener`] binds, for messages: `host:port`, or `host port LO-HI` when the range
 /// applies.
 pub(crate) fn listen_address(host: &str, port: u16, range: Option<PortRange>) -> String {
     match range.filter(|_| port == 0) {
         Some(r) => format!("{host} port {r}"),
-        None => crate::segment::host_port(host, port),
+        None => host_port(host, port),
     }
 }
 

@@ -39,18 +39,8 @@ impl SegmentHandle {
     }
 }
 
-/// `host:port`, an IPv6 host in brackets (`[::1]:9`; a host already in brackets is kept as
-/// is): the one way kvferry writes an address, e.g. a listener's segment name.
-pub fn host_port(host: &str, port: u16) -> String {
-    if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
-    }
-}
-
 /// `Ok` for a name of the form `host:port` (host nonempty, port 1..=65535).
-/// Errors: `InvalidArgument` naming the bad name.
+/// Errors: `BadSegmentName` naming the bad name.
 pub(crate) fn check_segment_name(name: &str) -> Result<()> {
     let ok = name
         .rsplit_once(':')
@@ -78,6 +68,7 @@ mod tests {
 
     #[test]
     fn ipv6_hosts_are_bracketed() {
+        use crate::ports::host_port;
         assert_eq!(host_port("::1", 9), "[::1]:9");
         assert_eq!(host_port("[::1]", 9), "[::1]:9");
         assert_eq!(host_port("10.0.0.1", 9), "10.0.0.1:9");

@@ -127,7 +127,7 @@ impl TcpTransport {
             .ok_or_else(|| TransferError::BadSegmentName(peer.name.clone()))?;
         let pool = Arc::new(PeerPool {
             segment: peer.name.clone(),
-            addr: crate::segment::host_port(host, port),
+            addr: crate::ports::host_port(host, port),
             instance: peer.instance_id,
             cfg: self.ctx.config.tcp.clone(),
             ctx: self.ctx.clone(),

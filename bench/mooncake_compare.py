@@ -391,6 +391,41 @@ def run_tebench(tebench, size, batch, seconds, timeout):
 # ------------------------------------------------------------------ kvferry point
 
 
+def plot(points, out, title):
+    """Throughput against request size, kvferry beside Mooncake, one line per engine and batch
+    (solid kvferry, dashed Mooncake, one colour per batch), written to `out` (SVG or PNG by its
+    suffix). Needs matplotlib: without it, says what to install and returns False."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    batches = sorted({p["batch"] for p in points})
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, batch in enumerate(batches):
+        ps = sorted((p for p in points if p["batch"] == batch), key=lambda p: p["block_size"])
+        sizes = [p["block_size"] for p in ps]
+        c = colours[i % len(colours)]
+        ax.plot(sizes, [p["kvferry_gb_per_s"] for p in ps], "-o", color=c, label=f"kvferry, batch {batch}")
+        ax.plot(sizes, [p["mooncake_gb_per_s"] for p in ps], "--s", color=c, label=f"Mooncake, batch {batch}")
+    ax.set_xscale("log", base=2)
+    ticks = sorted({p["block_size"] for p in points})
+    ax.set_xticks(ticks, [human(t) for t in ticks])
+    ax.set_xlabel("request size")
+    ax.set_ylabel("throughput (GB/s, 10^9 bytes)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    print(f"plot: {out}", file=sys.stderr)
+    return True
+
+
 def find_kvferry(arg):
     cands = [arg] if arg else []
     cands += [os.environ.get("KVFERRY_BIN")]
@@ -430,6 +465,9 @@ def main():
                     help="skip points whose buffer (size x batch, per side) exceeds this")
     ap.add_argument("--kvferry", help="path of the kvferry binary")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--plot", help="write a plot of kvferry beside Mooncake here (.svg or .png; needs matplotlib)")
+    ap.add_argument("--plot-from", metavar="JSON",
+                    help="only plot the results a run saved with --out (to --plot, default beside it)")
     ap.add_argument("--mooncake-impl", choices=("python", "tebench"), default="python",
                     help="Mooncake through its Python API (as vLLM's connector uses it) or through "
                          "its C++ transfer_engine_bench (target + initiator processes)")
@@ -458,6 +496,11 @@ def main():
     ap.add_argument("--max-batches", type=int, default=0, help="--mooncake-point: batches at most (0: no bound)")
     a = ap.parse_args()
 
+    if a.plot_from:
+        saved = json.loads(Path(a.plot_from).read_text())
+        out = a.plot or str(Path(a.plot_from).with_suffix(".svg"))
+        title = f"loopback TCP WRITEs, {saved.get('meta', {}).get('cpus', '?')} CPUs (medians)"
+        return 0 if plot(saved.get("points", []), out, title) else 2
     if a.py_point:
         impl, size, batch, nt, secs = a.py_point
         print(json.dumps(py_point(impl, int(size), int(batch), int(nt), float(secs))), flush=True)
@@ -563,6 +606,8 @@ def main():
             "skipped": skipped,
         }
         Path(a.out).write_text(json.dumps({"meta": meta, "points": rows}, indent=2))
+    if a.plot and rows:
+        plot(rows, a.plot, f"loopback TCP WRITEs, {os.cpu_count()} CPUs (medians of {a.repeats})")
     return 0
 
 

@@ -371,6 +371,14 @@ pub struct LoadArgs {
     /// Seed (as the producer).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Flip one random bit in N landed loads, after the transfer and before verification (a
+    /// test of verification across processes: each must end as a mismatch).
+    #[arg(long, default_value_t = 0)]
+    pub corrupt: u32,
+    /// After the loads, keep answering `--metrics-addr` this many seconds before exiting, so a
+    /// final scrape sees every load (the result is printed first).
+    #[arg(long, value_parser = seconds)]
+    pub metrics_linger: Option<f64>,
     /// Print one JSON object instead of the readable summary.
     #[arg(long)]
     pub json: bool,

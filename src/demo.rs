@@ -7,7 +7,6 @@
 //!
 //! Sources: docs/design.md §4 (flow), §2.7 (policy), §6 (the CLI).
 
-use std::collections::BTreeSet;
 use std::io::IsTerminal;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -15,32 +14,35 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvferry_checksum::policy::Action;
 use kvferry_checksum::verdict::Verdict;
-use kvferry_p2p::{Consumer, Landed, LoadGroup, LoadSpec, Producer};
-use rand::{Rng, SeedableRng};
+use kvferry_p2p::{Consumer, LoadGroup, LoadSpec, Producer};
+use rand::SeedableRng;
 use serde::Serialize;
 
 use crate::cli::{DemoArgs, DeviceArg, FailurePolicyArg};
 use crate::copy_ref::{copy_rate, device_copy_rate};
+use crate::corrupt::Flip;
 use crate::error::CliError;
 use crate::loads::{consumer_config, producer_config, prompt_lengths, LoadCounts};
 use crate::models::model_by_name;
-use crate::models::{ModelShape, STATE_GROUP};
+use crate::models::STATE_GROUP;
 use crate::setup::{engine_config, memory_paths, side_config, side_workers, transfer_path};
 use crate::world::{
-    build_side, fill_request, flip_bit, request_tables, sides_kv_equal, BlockPool, RankKv,
-    WorldError,
+    build_side, fill_request, request_tables, sides_kv_equal, BlockPool, WorldError,
 };
 
 /// The demo's result, printed as JSON with `--json`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct DemoReport {
-    /// Transport the engines used ("tcp" or "rdma").
+    /// What carried the KV between the first producer and consumer ranks: "cuda-ipc"
+    /// (device copies between GPU memory of processes of this host), "tcp" or "rdma".
     pub transport: String,
+    /// The engines' network transport ("tcp" or "rdma"): what KV to other hosts takes. It
+    /// differs from `transport` only when same-host GPU KV moved over CUDA IPC.
+    pub network_transport: String,
     /// How the engines registered the KV memory of both sides: "host", or for GPU memory
     /// "dma-buf" / "peer-memory" (GPUDirect RDMA) or "staged" (through pinned host memory).
     pub memory_paths: Vec<String>,
-    /// The path the KV took between the first producer and consumer ranks: "cuda-ipc"
-    /// (device copies between GPU memory of this host), "tcp" or "rdma".
+    /// The same as `transport` (kept for scripts that read it).
     pub transfer_path: String,
     /// Checksum backend ("cpu" or "cuda").
     pub checksum_backend: String,
@@ -214,12 +216,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
 
     // Which requests get a flipped bit, and where.
     let mut rng = rand::rngs::SmallRng::seed_from_u64(args.seed ^ 0xc0ff_ee00);
-    let corrupt: BTreeSet<u32> = {
-        let mut ids: Vec<u32> = (0..args.requests).collect();
-        use rand::seq::SliceRandom;
-        ids.shuffle(&mut rng);
-        ids.into_iter().take(args.corrupt as usize).collect()
-    };
+    let corrupt = crate::corrupt::choose(&mut rng, args.requests, args.corrupt);
 
     let producer = rt
         .block_on(Producer::start(producer_config(c), prod_workers))
@@ -230,33 +227,13 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
 
     // The consumer's memory, shared with the landed hook (fault injection).
     let cons_ranks = Arc::new(Mutex::new(cons_ranks));
-    let pending_flip: Arc<Mutex<Option<Flip>>> = Arc::new(Mutex::new(None));
-    {
-        let ranks = cons_ranks.clone();
-        let pending = pending_flip.clone();
-        consumer.set_landed_hook(Some(Arc::new(move |_landed: &Landed| {
-            if let Some(f) = pending.lock().unwrap().take() {
-                let mut r = ranks.lock().unwrap();
-                if let Err(e) = flip_bit(
-                    &mut r[f.rank],
-                    f.layer,
-                    &f.blocks,
-                    f.token,
-                    f.head,
-                    f.part,
-                    f.byte,
-                    f.bit,
-                ) {
-                    tracing::error!("fault injection failed: {e}");
-                }
-            }
-        })));
-    }
+    let pending_flip = crate::corrupt::install_hook(&consumer, cons_ranks.clone());
 
     let mut prod_pool = BlockPool::new(num_blocks(pbs), args.seed);
     let mut cons_pool = BlockPool::new(num_blocks(cbs), args.seed ^ 1);
     let mut report = DemoReport {
-        transport: transport_name,
+        transport: path.clone(),
+        network_transport: transport_name,
         memory_paths: paths,
         transfer_path: path,
         checksum_backend: backend_name,
@@ -473,62 +450,6 @@ pub fn mismatch_positions(token: u64, tokens: u64, pbs: u64, cbs: u64) -> Vec<u6
     (q * chunk / cbs..((q + 1) * chunk / cbs).min(tokens.div_ceil(cbs))).collect()
 }
 
-/// Where the landed hook flips a bit: a byte of a token the load wrote, in an attention
-/// layer (state layers are not checksummed).
-#[derive(Debug, Clone)]
-struct Flip {
-    group: u32,
-    rank: usize,
-    layer: usize,
-    blocks: Vec<u64>,
-    token: u64,
-    head: u64,
-    part: u64,
-    byte: u64,
-    bit: u8,
-}
-
-impl Flip {
-    fn random(
-        rng: &mut impl Rng,
-        model: &ModelShape,
-        ranks: &[RankKv],
-        blocks: &[u64],
-        tokens: u64,
-        block_size: u64,
-    ) -> Flip {
-        let attention: Vec<(usize, usize)> = ranks
-            .iter()
-            .enumerate()
-            .flat_map(|(r, kv)| {
-                kv.layers
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, l)| l.group != STATE_GROUP)
-                    .map(move |(i, _)| (r, i))
-            })
-            .collect();
-        let (rank, layer) = attention[rng.random_range(0..attention.len())];
-        let l = &ranks[rank].layers[layer];
-        let g = &l.spec.geometry;
-        // A sliding-window layer's blocks wholly before the window were not loaded.
-        let first = model
-            .window(l.group)
-            .map_or(0, |w| tokens.saturating_sub(w) / block_size * block_size);
-        Flip {
-            group: l.group,
-            rank,
-            layer,
-            blocks: blocks.to_vec(),
-            token: rng.random_range(first..tokens),
-            head: rng.random_range(0..g.heads),
-            part: rng.random_range(0..g.parts()),
-            byte: rng.random_range(0..g.head_dim * g.elem.get()),
-            bit: rng.random_range(0..8),
-        }
-    }
-}
-
 fn print_summary(r: &DemoReport) {
     println!(
         "kvferry demo: {} — producer TP{}×PP{} → consumer TP{}×PP{}, block sizes {} → {}",
@@ -540,10 +461,15 @@ fn print_summary(r: &DemoReport) {
         r.prefill_block_size,
         r.decode_block_size
     );
+    let network = if r.network_transport == r.transport {
+        String::new()
+    } else {
+        format!(" (to other hosts: {})", r.network_transport)
+    };
     println!(
-        "  transport {}, transfers over {} (KV memory: {}), checksums on {}",
+        "  transport {}{} (KV memory: {}), checksums on {}",
         r.transport,
-        r.transfer_path,
+        network,
         r.memory_paths.join(", "),
         r.checksum_backend
     );

@@ -471,6 +471,28 @@ mod tests {
     }
 
     #[test]
+    fn gpu_over_tcp_names_cuda_ipc_and_the_missing_piece() {
+        let mut r = healthy();
+        r.gpu_path = Some(path("tcp", "staged, cuda-ipc"));
+        let p = diagnose(&r);
+        assert_eq!(p[0].key, "gpu-over-tcp");
+        assert!(p[0].what.contains("to other hosts"), "{}", p[0].what);
+        assert!(p[0].what.contains("over CUDA IPC"), "{}", p[0].what);
+        // Built with rdma: the NIC is missing, not the build.
+        assert!(p[0].fix.contains("needs an RDMA NIC"), "{}", p[0].fix);
+        assert!(!p[0].fix.contains("build with"), "{}", p[0].fix);
+        r.rdma_built = false;
+        r.gpu_path = Some(path("tcp", "staged (not exported for CUDA IPC: no driver)"));
+        let p = diagnose(&r);
+        assert!(p[0].what.contains("not available"), "{}", p[0].what);
+        assert!(
+            p[0].fix.contains("build with --features rdma"),
+            "{}",
+            p[0].fix
+        );
+    }
+
+    #[test]
     fn open_file_limit_below_need_is_a_warning_with_a_number() {
         let mut r = healthy();
         r.limits.nofile.soft = Some(256);

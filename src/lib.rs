@@ -16,6 +16,7 @@ pub use kvferry_transfer as transfer;
 pub mod bench;
 pub mod cli;
 pub mod copy_ref;
+pub mod corrupt;
 pub mod demo;
 pub mod doctor;
 pub mod error;

@@ -12,13 +12,17 @@
 //! from `--seed`, which is not secret (open mode: ownership then holds only against clients
 //! that do not know the seed; trusted networks only). Both cases are said in the info line.
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvferry_checksum::verdict::Verdict;
 use kvferry_p2p::{derive_load_key, Consumer, LoadGroup, LoadSpec, Producer, ReleaseReason};
 use kvferry_transfer::Secret;
+use rand::SeedableRng;
 use serde::Serialize;
 
 use crate::cli::{LoadArgs, ServeArgs};
+use crate::corrupt::Flip;
 use crate::error::CliError;
 use crate::loads::{consumer_config, producer_config, prompt_lengths, LoadCounts};
 use crate::models::model_by_name;
@@ -245,13 +249,17 @@ pub struct LoadReport {
     pub seconds: f64,
     /// bytes / seconds in GB/s.
     pub gb_per_s: f64,
+    /// Loads given a flipped bit (`--corrupt`).
+    pub corrupted: u32,
+    /// Of those, the ones whose verdict was a mismatch (the rest went unnoticed or failed).
+    pub caught: u32,
 }
 
 /// `kvferry load`: load every request from a `kvferry serve` producer and verify it.
 ///
 /// Errors: bad arguments, a side that cannot be built. Failed loads are counted, not errors.
 pub fn load(args: &LoadArgs) -> Result<(), CliError> {
-    let _metrics = args
+    let metrics = args
         .metrics_addr
         .as_deref()
         .map(crate::metrics_http::MetricsServer::start)
@@ -286,8 +294,15 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
     // The producer WRITEs into this side's memory: its engines must be reachable from it.
     let default_host =
         local_addr_towards(&args.producer).unwrap_or_else(|| "127.0.0.1".to_string());
+    if args.corrupt > args.requests {
+        return Err(CliError::usage(format!(
+            "--corrupt {}: at most --requests ({})",
+            args.corrupt, args.requests
+        )));
+    }
     let ranks = build_side(&side, &engine_config(c, &default_host)?)?;
     let (workers, _) = side_workers(&ranks, c, &model, c.block_size, 0)?;
+    let transport = ranks[0].engine.transport_name().to_string();
     let rt = tokio::runtime::Runtime::new().map_err(CliError::Runtime)?;
     let consumer = Consumer::new(consumer_config(c), workers)
         .map_err(CliError::p2p("starting the consumer"))?;
@@ -296,9 +311,15 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
     } else {
         format!("tcp://{}", args.producer)
     };
+    // Fault injection: the landed hook flips one bit of the chosen loads.
+    let ranks = Arc::new(Mutex::new(ranks));
+    let pending_flip = crate::corrupt::install_hook(&consumer, ranks.clone());
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(args.seed ^ 0xc0ff_ee00);
+    let corrupt = crate::corrupt::choose(&mut rng, args.requests, args.corrupt);
     let mut report = LoadReport {
-        transport: ranks[0].engine.transport_name().to_string(),
+        transport,
         requests: args.requests,
+        corrupted: args.corrupt,
         ..LoadReport::default()
     };
     let local: Vec<u64> = (0..max_blocks).collect();
@@ -327,13 +348,31 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
             num_local_computed: 0,
             num_tokens: tokens,
         };
+        let corrupted = corrupt.contains(&(i as u32));
+        if corrupted {
+            let local = &local[..tokens.div_ceil(c.block_size) as usize];
+            let flip = Flip::random(
+                &mut rng,
+                &model,
+                &ranks.lock().unwrap(),
+                local,
+                tokens,
+                c.block_size,
+            );
+            *pending_flip.lock().unwrap() = Some(flip);
+        }
         let t = Instant::now();
         let outcome = rt.block_on(consumer.load(spec));
         report.seconds += t.elapsed().as_secs_f64();
+        // A flip not applied (the load failed before landing) must not hit the next load.
+        pending_flip.lock().unwrap().take();
         match outcome {
             Ok(o) => {
                 report.bytes += o.bytes;
                 report.counts.record(o.verdict.as_ref(), o.action);
+                if corrupted && matches!(o.verdict, Some(Verdict::Mismatch { .. })) {
+                    report.caught += 1;
+                }
             }
             Err(e) => {
                 eprintln!("kvferry load: req-{i}: {e}");
@@ -352,7 +391,8 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
     } else {
         0.0
     };
-    let bad = report.requests - report.counts.verified;
+    // A corrupted load is as expected when it ended as a mismatch.
+    let bad = report.requests - report.counts.verified - report.caught;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -362,10 +402,20 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
             report.bytes as f64 / 1e9, report.seconds, report.gb_per_s
         );
     }
+    if let (Some(_), Some(linger)) = (&metrics, args.metrics_linger) {
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        std::thread::sleep(Duration::from_secs_f64(linger));
+    }
     if bad > 0 {
         return Err(CliError::failed(format!(
-            "{bad} of {} loads were not verified",
-            report.requests
+            "{bad} of {} loads were not verified{}",
+            report.requests,
+            if report.corrupted > 0 {
+                " (corrupted loads caught as a mismatch not counted)"
+            } else {
+                ""
+            }
         )));
     }
     Ok(())

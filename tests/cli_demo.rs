@@ -56,6 +56,8 @@ fn demo_verifies_every_load_and_reports_the_contract_fields() {
     let r = demo(&[]);
     for key in [
         "transport",
+        "network_transport",
+        "transfer_path",
         "requests",
         "verified",
         "mismatch",
@@ -98,6 +100,9 @@ fn demo_verifies_every_load_and_reports_the_contract_fields() {
         r["transport"], "tcp",
         "no RDMA device here: the engine must fall back to TCP"
     );
+    // Host memory: what carried the KV is the engines' network transport.
+    assert_eq!(r["network_transport"], "tcp", "{r}");
+    assert_eq!(r["transfer_path"], r["transport"], "{r}");
     assert_eq!(
         r["memory_paths"],
         serde_json::json!(["host"]),

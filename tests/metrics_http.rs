@@ -1,12 +1,24 @@
-//! `kvferry serve --metrics-addr`: a scrape after a known load sequence shows what moved (the
-//! bytes `load` reports, per path and peer, no failures), and the endpoint stays bounded (other
-//! paths and methods refused, an oversized head refused, idle connections closed at the
-//! deadline, connections past the cap closed at once).
+//! `kvferry serve --metrics-addr` and `load --metrics-addr`: a scrape after a known load
+//! sequence shows what moved (the bytes `load` reports, per path and peer, no failures) and
+//! what the loads came to (verdicts, a corrupted load's mismatch, checksum times), and the
+//! endpoint stays bounded (other paths and methods refused, an oversized head refused, idle
+//! connections closed at the deadline, connections past the cap closed at once).
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// A child process killed and reaped when dropped, so a failing assertion does not leave a
+/// `serve` (or a lingering `load`) running after the test.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
 
 fn free_port() -> u16 {
     let l = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
@@ -53,13 +65,15 @@ fn a_scrape_after_loads_counts_what_moved_and_the_endpoint_is_bounded() {
         "--seed",
         "3",
     ];
-    let mut serve = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(["serve", "--bind", &ctl, "--metrics-addr", &metrics])
-        .args(common)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let _serve = Killed(
+        Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["serve", "--bind", &ctl, "--metrics-addr", &metrics])
+            .args(common)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     // Before any load: the endpoint answers, with no transfer series yet.
     let before = request(&metrics, b"GET /metrics HTTP/1.0\r\n\r\n");
     assert!(before.starts_with("HTTP/1.0 200 OK"), "{before}");
@@ -135,7 +149,103 @@ fn a_scrape_after_loads_counts_what_moved_and_the_endpoint_is_bounded() {
         after.starts_with("HTTP/1.0 200 OK"),
         "the cap was not released"
     );
+}
 
-    let _ = serve.kill();
-    let _ = serve.wait();
+/// The value of the series whose line starts with `start` exactly once (labels included).
+fn value(text: &str, start: &str) -> f64 {
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with(start)).collect();
+    assert_eq!(lines.len(), 1, "{start} in {text}");
+    lines[0].rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_scrape_of_load_counts_verdicts_with_a_corrupted_load_and_checksum_time() {
+    let ctl = format!("127.0.0.1:{}", free_port());
+    let serve_metrics = format!("127.0.0.1:{}", free_port());
+    let load_metrics = format!("127.0.0.1:{}", free_port());
+    let common = [
+        "--model",
+        "tiny",
+        "--requests",
+        "5",
+        "--min-tokens",
+        "20",
+        "--max-tokens",
+        "200",
+        "--seed",
+        "7",
+    ];
+    let _serve = Killed(
+        Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["serve", "--bind", &ctl, "--metrics-addr", &serve_metrics])
+            .args(common)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // The endpoint answers once serve is up (it starts before any KV is generated).
+    assert!(request(&serve_metrics, b"GET /metrics HTTP/1.0\r\n\r\n").starts_with("HTTP/1.0 200"));
+    // Two of the five loads get a flipped bit after landing; load lingers so the scrape
+    // below sees every load.
+    let mut load = Killed(
+        Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["load", "--json", "--producer", &ctl, "--corrupt", "2"])
+            .args(["--metrics-addr", &load_metrics, "--metrics-linger", "120"])
+            .args(common)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    BufReader::new(load.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_str(&line).expect(&line);
+    assert_eq!(report["verified"], 3, "{report}");
+    assert_eq!(report["mismatch"], 2, "{report}");
+    assert_eq!(report["caught"], 2, "{report}");
+    let bytes = report["bytes"].as_u64().unwrap();
+
+    let text = request(&load_metrics, b"GET /metrics HTTP/1.0\r\n\r\n");
+    assert!(text.starts_with("HTTP/1.0 200 OK"), "{text}");
+    assert_eq!(
+        value(
+            &text,
+            r#"kvferry_num_loads_total{verdict="verified",reason=""} "#
+        ),
+        3.0
+    );
+    assert_eq!(
+        value(
+            &text,
+            r#"kvferry_num_loads_total{verdict="mismatch",reason=""} "#
+        ),
+        2.0
+    );
+    assert_eq!(sum(&text, "kvferry_num_loads_total{"), 5.0, "{text}");
+    // Fail-open (the default): the mismatches are used, nothing is recomputed.
+    assert_eq!(value(&text, "kvferry_num_recomputed_total "), 0.0);
+    // Every landed load was checksummed and timed, corrupted ones included.
+    assert_eq!(value(&text, "kvferry_checksum_time_seconds_count "), 5.0);
+    assert!(
+        value(&text, "kvferry_checksum_time_seconds_sum ") > 0.0,
+        "{text}"
+    );
+    assert_eq!(value(&text, "kvferry_load_time_seconds_count "), 5.0);
+    // The consumer moved nothing itself: the producer WRITEs into it.
+    assert_eq!(
+        sum(&text, "kvferry_transferred_bytes_total{"),
+        0.0,
+        "{text}"
+    );
+
+    let served = request(&serve_metrics, b"GET /metrics HTTP/1.0\r\n\r\n");
+    assert_eq!(
+        sum(&served, "kvferry_transferred_bytes_total{"),
+        bytes as f64,
+        "{served}"
+    );
+    assert_eq!(sum(&served, "kvferry_num_failed_transfers_total{"), 0.0);
 }

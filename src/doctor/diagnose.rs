@@ -25,7 +25,7 @@ pub fn diagnose(r: &Report) -> Vec<Problem> {
                 "the kernel has RDMA devices ({}) but this build has no RDMA transport: KV moves over TCP",
                 r.kernel_rdma_devices.join(", ")
             ),
-            "rebuild with `cargo build --release --features rdma` (needs cmake and libclang-dev)".into(),
+            "rebuild with `cargo build --release --features rdma`".into(),
         );
     }
     if r.rdma_built && r.rdma.devices.is_empty() && !r.kernel_rdma_devices.is_empty() {
@@ -157,12 +157,23 @@ pub fn diagnose(r: &Report) -> Vec<Problem> {
                 },
             );
         } else if g.transport.as_deref() == Some("tcp") {
-            add(
-                Severity::Info,
-                "gpu-over-tcp",
-                "GPU KV moves over TCP, copied through pinned host buffers".into(),
-                "for GPUDirect RDMA, build with --features rdma on a node with an RDMA NIC".into(),
-            );
+            // Same-host GPU KV takes CUDA IPC whatever the network transport is: only KV to
+            // other hosts goes through host memory, and the fix depends on what is missing.
+            let ipc = g
+                .registration
+                .as_deref()
+                .is_some_and(|reg| reg.ends_with(", cuda-ipc"));
+            let what = if ipc {
+                "GPU KV to other hosts moves over TCP, copied through pinned host buffers (GPU KV between processes of this host moves over CUDA IPC, as device copies)"
+            } else {
+                "GPU KV moves over TCP, copied through pinned host buffers (CUDA IPC is not available for same-host peers either)"
+            };
+            let fix = if r.rdma_built {
+                "for GPUDirect RDMA between hosts, this binary has the RDMA transport: the node needs an RDMA NIC that libibverbs lists (see RDMA above)"
+            } else {
+                "for GPUDirect RDMA between hosts, build with --features rdma on a node with an RDMA NIC"
+            };
+            add(Severity::Info, "gpu-over-tcp", what.into(), fix.into());
         }
     }
     // Limits.

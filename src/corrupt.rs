@@ -1,0 +1,108 @@
+//! Fault injection for `demo --corrupt` and `load --corrupt`: one bit of a landed load is
+//! flipped after the transfer and before verification, so the checksum must catch it.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+use kvferry_p2p::{Consumer, Landed};
+use rand::Rng;
+
+use crate::models::{ModelShape, STATE_GROUP};
+use crate::world::{flip_bit, RankKv};
+
+/// Where the landed hook flips a bit: a byte of a token the load wrote, in an attention
+/// layer (state layers are not checksummed).
+#[derive(Debug, Clone)]
+pub struct Flip {
+    /// The KV cache group of the flipped layer.
+    pub group: u32,
+    rank: usize,
+    layer: usize,
+    blocks: Vec<u64>,
+    /// The flipped token (position in the prompt).
+    pub token: u64,
+    head: u64,
+    part: u64,
+    byte: u64,
+    bit: u8,
+}
+
+impl Flip {
+    /// A random byte of a token the load writes, in a random attention layer of `ranks`
+    /// (the consumer's), whose request has `blocks` (of `block_size` tokens) and `tokens`.
+    pub fn random(
+        rng: &mut impl Rng,
+        model: &ModelShape,
+        ranks: &[RankKv],
+        blocks: &[u64],
+        tokens: u64,
+        block_size: u64,
+    ) -> Flip {
+        let attention: Vec<(usize, usize)> = ranks
+            .iter()
+            .enumerate()
+            .flat_map(|(r, kv)| {
+                kv.layers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, l)| l.group != STATE_GROUP)
+                    .map(move |(i, _)| (r, i))
+            })
+            .collect();
+        let (rank, layer) = attention[rng.random_range(0..attention.len())];
+        let l = &ranks[rank].layers[layer];
+        let g = &l.spec.geometry;
+        // A sliding-window layer's blocks wholly before the window were not loaded.
+        let first = model
+            .window(l.group)
+            .map_or(0, |w| tokens.saturating_sub(w) / block_size * block_size);
+        Flip {
+            group: l.group,
+            rank,
+            layer,
+            blocks: blocks.to_vec(),
+            token: rng.random_range(first..tokens),
+            head: rng.random_range(0..g.heads),
+            part: rng.random_range(0..g.parts()),
+            byte: rng.random_range(0..g.head_dim * g.elem.get()),
+            bit: rng.random_range(0..8),
+        }
+    }
+}
+
+/// The flip waiting for the next landed load (`None`: nothing to flip).
+pub type PendingFlip = Arc<Mutex<Option<Flip>>>;
+
+/// Installs on `consumer` a landed hook that applies the pending flip (if any) to `ranks`,
+/// once; returns the slot to put the next flip in. A flip that cannot be applied is logged.
+pub fn install_hook(consumer: &Consumer, ranks: Arc<Mutex<Vec<RankKv>>>) -> PendingFlip {
+    let pending: PendingFlip = Arc::new(Mutex::new(None));
+    let slot = pending.clone();
+    consumer.set_landed_hook(Some(Arc::new(move |_landed: &Landed| {
+        if let Some(f) = slot.lock().unwrap().take() {
+            let mut r = ranks.lock().unwrap();
+            if let Err(e) = flip_bit(
+                &mut r[f.rank],
+                f.layer,
+                &f.blocks,
+                f.token,
+                f.head,
+                f.part,
+                f.byte,
+                f.bit,
+            ) {
+                tracing::error!("fault injection failed: {e}");
+            }
+        }
+    })));
+    pending
+}
+
+/// Which `n` of the requests `0..requests` get a flipped bit (all of them when `n >=
+/// requests`), drawn from `rng`.
+pub fn choose(rng: &mut impl Rng, requests: u32, n: u32) -> BTreeSet<u32> {
+    use rand::seq::SliceRandom;
+    let mut ids: Vec<u32> = (0..requests).collect();
+    ids.shuffle(rng);
+    ids.into_iter().take(n as usize).collect()
+}

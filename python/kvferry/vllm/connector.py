@@ -225,6 +225,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                     allowed_producers=allowed,
                     group_block_sizes=tuple(g.block_size for g in groups),
                     group_windows=tuple(g.sliding_window for g in groups),
+                    group_states=tuple(g.state for g in groups),
                 )
             )
         else:
@@ -263,6 +264,12 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         """Scheduler: tokens to load from the producer, loaded asynchronously (see scheduler.py)."""
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: "Request") -> None:
+        """Scheduler: a producer of a model with Mamba-type state drops the prompt's last token
+        of a request it prefills for a consumer (see scheduler.py)."""
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         """Scheduler: queues the load into the blocks vLLM just allocated."""

@@ -17,6 +17,13 @@ from typing import Any
 
 from kvferry.vllm.units import ConfigError
 
+# vLLM's spec class of Mamba-type state (Mamba, Mamba2, GDN, linear attention, short conv): a
+# fixed-size state per request instead of per-token KV blocks.
+STATE_KIND = "MambaSpec"
+# The checksum's skip reason of a state group (docs/design.md §2.6): reported skipped on both
+# sides, so the attention groups still decide the verdict.
+STATE_SKIP = "no_per_token_blocks"
+
 # vLLM's null block: ``BlockPool.null_block`` is the pool's first block (id 0); a group's table
 # holds it where the request has no block (outside a sliding window).
 NULL_BLOCK_ID = 0
@@ -26,9 +33,6 @@ NULL_BLOCK_ID = 0
 # specs go on to layouts.py, which lays out full, sliding-window and MLA attention caches and
 # refuses the rest naming the tensor's shape.
 _REFUSED = {
-    "MambaSpec": "Mamba-type state (conv and SSM state tensors per layer, and a prompt whose last token the "
-                 "decode instance recomputes into the state) is not described to kvferry by this connector; "
-                 "kvferry's transfer layer moves state groups, this connector does not lay them out yet",
     "ChunkedLocalAttentionSpec": "chunked local attention keeps only the current chunk's blocks, a rule "
                                  "kvferry's block selection does not have",
     "CrossAttentionSpec": "cross-attention KV comes from the encoder, not from the prompt's tokens",
@@ -43,12 +47,27 @@ class GroupInfo:
     """One KV cache group the connector moves: ``group_id`` (vLLM's index in
     ``kv_cache_groups``, also kvferry's group id and the index of the request's block tables),
     its ``layer_names``, ``block_size`` in tokens and ``sliding_window`` in tokens (None: full
-    attention)."""
+    attention) and ``state`` (a Mamba-type state group: its blocks move, the checksum skips it)."""
 
     group_id: int
     layer_names: tuple[str, ...]
     block_size: int
     sliding_window: int | None = None
+    state: bool = False
+
+
+def _state_refusal(spec: Any) -> str | None:
+    """Why a Mamba-type state spec cannot be moved; None when it can: vLLM keeps one state block
+    per request (``mamba_cache_mode`` "none") holding the state after the request's computed
+    tokens. The prefix-caching modes ("all", "align") keep a state per block boundary, and
+    speculative decoding adds scratch blocks, neither at positions the consumer's table pairs."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "none":
+        return (f"mamba_cache_mode {mode!r} keeps a state per block boundary, which this connector does not pair; "
+                "run without prefix caching for Mamba layers (mamba_cache_mode 'none')")
+    if getattr(spec, "num_speculative_blocks", 0):
+        return "speculative decoding's scratch state blocks are not moved"
+    return None
 
 
 def _layer_specs(spec: Any, names: list[str]) -> list[tuple[str, Any]]:
@@ -63,8 +82,10 @@ def kv_cache_groups(kv_cache_config: Any, default_block_size: int) -> list[Group
     one full-attention group of every layer at ``default_block_size``, layer names unknown).
 
     Raises :class:`~kvferry.vllm.units.ConfigError` naming the group, its spec and the reason
-    when a group holds a spec the connector does not move (Mamba-type state, chunked local,
-    cross or encoder-only attention, attention sinks), when a group does not take
+    when a group holds a spec the connector does not move (chunked local, cross or
+    encoder-only attention, attention sinks, a Mamba-type state kept per block boundary or with
+    speculative blocks, :func:`_state_refusal`), when a group mixes state and attention layers,
+    when a group does not take
     part in vLLM's KV transfer (``enable_kv_transfer`` false: the scheduler would not hand over
     its blocks), or when one group mixes sliding windows."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
@@ -76,20 +97,28 @@ def kv_cache_groups(kv_cache_config: Any, default_block_size: int) -> list[Group
         if not getattr(group, "enable_kv_transfer", True):
             raise ConfigError(f"KV cache group {gid} (layers {names[:3]}...) does not take part in vLLM's KV "
                               "transfer: kvferry's connector cannot move this model")
-        windows = set()
+        windows, states = set(), set()
         for name, spec in _layer_specs(group.kv_cache_spec, names):
             kind = type(spec).__name__
-            refused = next((c.__name__ for c in type(spec).__mro__ if c.__name__ in _REFUSED), None)
-            if refused is not None:
-                raise ConfigError(f"KV cache group {gid} holds layer {name!r} with {kind}: {_REFUSED[refused]}. "
-                                  "kvferry's connector moves full-attention, sliding-window and MLA groups")
+            classes = [c.__name__ for c in type(spec).__mro__]
+            refused = next((c for c in classes if c in _REFUSED), None)
+            why = _REFUSED[refused] if refused is not None else \
+                _state_refusal(spec) if STATE_KIND in classes else None
+            if why is not None:
+                raise ConfigError(f"KV cache group {gid} holds layer {name!r} with {kind}: {why}. "
+                                  "kvferry's connector moves full-attention, sliding-window, MLA and Mamba-type "
+                                  "state groups")
+            states.add(STATE_KIND in classes)
             sliding = any(c.__name__ == "SlidingWindowSpec" for c in type(spec).__mro__)
             windows.add(getattr(spec, "sliding_window", None) if sliding else None)
         if len(windows) > 1:
             raise ConfigError(f"KV cache group {gid} mixes sliding windows {sorted(windows, key=str)}: one window "
                               "per group is checksummed")
+        if len(states) > 1:
+            raise ConfigError(f"KV cache group {gid} mixes Mamba-type state and attention layers: a group is "
+                              "either checksummed per token or skipped")
         block_size = int(getattr(group.kv_cache_spec, "block_size", default_block_size))
-        out.append(GroupInfo(gid, tuple(names), block_size, windows.pop()))
+        out.append(GroupInfo(gid, tuple(names), block_size, windows.pop(), state=states.pop() if states else False))
     return out
 
 
@@ -118,7 +147,7 @@ def consumer_table(blocks: list[Any], num_tokens: int, block_size: int) -> tuple
 
 
 def block_size_refusal(remote: tuple[int, ...], local: tuple[int, ...], windows: tuple[int | None, ...],
-                       num_tokens: int, num_local_computed: int) -> str | None:
+                       num_tokens: int, num_local_computed: int, states: tuple[bool, ...] = ()) -> str | None:
     """Why a consumer with group block sizes ``local`` and sliding windows ``windows`` (None: full
     attention) must not load a prompt of ``num_tokens`` tokens, ``num_local_computed`` of them a
     local prefix hit, from a producer of block sizes ``remote`` (the reply's
@@ -126,6 +155,8 @@ def block_size_refusal(remote: tuple[int, ...], local: tuple[int, ...], windows:
     rules (docs/design.md §2.5, §2.6), since such a load could only end unverified:
 
     - the group counts differ (different models or KV cache managers);
+    - a Mamba-type state group (``states[g]`` true) has different block sizes: its one state
+      block per request is not made of tokens, so it cannot be refilled token by token;
     - a group's sizes are not multiples of each other (chunks of the larger size are compared);
     - the consumer has smaller blocks and its first checksummed block starts inside a producer
       block: after a local prefix hit, or in a sliding-window group, whose checksum keeps only
@@ -138,6 +169,9 @@ def block_size_refusal(remote: tuple[int, ...], local: tuple[int, ...], windows:
     for g, (r, c) in enumerate(zip(remote, local)):
         if r == c:
             continue
+        if g < len(states) and states[g]:
+            return (f"group {g} holds Mamba-type state, whose block sizes differ ({r} at the producer, {c} here): "
+                    "a state block is not made of tokens and cannot be refilled token by token")
         if max(r, c) % min(r, c):
             return (f"group {g}: block sizes {r} (producer) and {c} (here) are not multiples of each other, "
                     "so no chunk of the larger size could be compared: the load would be unverified")

@@ -23,6 +23,16 @@ from kvferry.vllm.metadata import KvferryConnectorMetadata, LoadSpec, SendSpec
 log = logging.getLogger("vllm.kvferry")
 
 
+# Set in a producer request's params once its prompt's last token is dropped (on_new_request).
+TRUNCATED = "_kvferry_truncated"
+
+
+def loaded_tokens(num_prompt_tokens: int, has_state: bool) -> int:
+    """Prompt tokens a consumer loads: all of them, or all but the last one for a model with
+    Mamba-type state (a prompt of one token then loads nothing)."""
+    return num_prompt_tokens - 1 if has_state else num_prompt_tokens
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """What the scheduler side needs to know about its engine.
@@ -57,6 +67,15 @@ class SchedulerConfig:
     group_block_sizes: tuple[int, ...] = ()
     # Each group's sliding window in tokens (None: full attention), in the same order.
     group_windows: tuple[int | None, ...] = ()
+    # Each group's Mamba-type state flag, in the same order (any true: see ``has_state``).
+    group_states: tuple[bool, ...] = ()
+
+    @property
+    def has_state(self) -> bool:
+        """True when some group holds Mamba-type state: the consumer recomputes the prompt's last
+        token (its logits need a forward pass, and a state already holding that token would take
+        it twice), so the producer stops short of it and the consumer loads one token less."""
+        return any(self.group_states)
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
@@ -99,17 +118,37 @@ class KvferrySchedulerSide:
         local = self.config.block_sizes
         remote = source.block_sizes or tuple(local[g] if g < len(local) else local[0]
                                              for g in range(len(source.remote_block_ids)))
-        refusal = block_size_refusal(remote, local, self.config.group_windows,
-                                     len(request.prompt_token_ids or ()), num_computed_tokens)
+        loaded = loaded_tokens(len(request.prompt_token_ids or ()), self.config.has_state)
+        refusal = block_size_refusal(remote, local, self.config.group_windows, loaded, num_computed_tokens,
+                                     self.config.group_states)
         if refusal is not None:
             log.warning("request %s: not loaded from producer %s (transfer %s): %s; computing its prompt locally",
                         request.request_id, source.engine_id, source.transfer_id, refusal)
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = loaded - num_computed_tokens
         if count <= 0:
             return 0, False
         self._local_tokens[request.request_id] = num_computed_tokens
         return count, True
+
+    def on_new_request(self, request: Any) -> None:
+        """Producer of a model with Mamba-type state: a request to prefill for a consumer
+        (``do_remote_decode``) drops its prompt's last token, so that the state it leaves is the
+        one after the tokens the consumer loads (:func:`loaded_tokens`); the consumer computes
+        the last token itself. Done once per request (vLLM may add it again after a preemption)."""
+        kvp = request.kv_transfer_params
+        if not (self.config.is_producer and self.config.has_state and P.wants_remote_decode(kvp)):
+            return
+        if kvp.get(TRUNCATED) or request.prompt_token_ids is None or len(request.prompt_token_ids) <= 1:
+            return
+        prompt = request.prompt_token_ids
+        # A new list: the caller's (an offline LLM.generate's prompt) is not ours to cut.
+        request.prompt_token_ids = list(prompt[:-1])
+        all_ids = getattr(request, "_all_token_ids", None)  # vLLM's Request: its own copy, prompt + output
+        if all_ids is not None and all_ids is not prompt:
+            del all_ids[-1:]
+        request.num_prompt_tokens -= 1
+        kvp[TRUNCATED] = True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Consumer: queue the load into the blocks just allocated, one table per KV cache group

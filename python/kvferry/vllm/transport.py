@@ -35,7 +35,7 @@ from typing import Any, Callable
 import kvferry
 from kvferry.outcomes import Action, Release, Verdict
 
-from kvferry.vllm.groups import GroupInfo, blocks_for
+from kvferry.vllm.groups import STATE_KIND, STATE_SKIP, GroupInfo, blocks_for
 from kvferry.vllm.layouts import LayoutError, cpu_attention_isa, cpu_vec_parts, layer_layout, layer_view
 from kvferry.vllm.metadata import LoadSpec, SendSpec
 from kvferry.vllm.params import host_port, unit_port
@@ -201,6 +201,16 @@ class KvferryTransport:
                 if len(self.groups) > 1 or self.groups[0].layer_names:
                     raise ConfigError(f"KV cache layer {name!r} is in none of vLLM's KV cache groups")
                 group = self._group_of[name] = self.groups[0]
+            if group.state:
+                if self.config.head_splits > 1:
+                    raise ConfigError(f"kv_connector_extra_config['head_splits'] = {self.config.head_splits}: layer "
+                                      f"{name!r} holds Mamba-type state, which is not split by KV heads")
+                for part, v in state_parts(name, t):
+                    self._views[part] = (v, "B N D", str(v.dtype))
+                    self._kinds[part] = STATE_KIND
+                    self._numbers[part] = layer_number(name)
+                    self._group_of[part] = group
+                continue
             lay = layer_layout(t, group.block_size, self.kv_cache_specs.get(name), self.kv_cache_layout)
             view, layout = lay.view, lay.layout
             parts = [(name, view, layout)]
@@ -308,8 +318,10 @@ class KvferryTransport:
         for name, view, layout, offset, dtype in self._layers(heads, layers):
             by_group.setdefault(self._group_of[name].group_id, []).append(
                 kvferry.KVCacheLayer(name, view, layout, head_offset=offset, kind=self._kinds[name], dtype=dtype))
-        return kvferry.Rank([kvferry.KVCacheGroup(g.group_id, by_group[g.group_id], sliding_window=g.sliding_window)
-                             for g in self.groups if g.group_id in by_group])
+        return kvferry.Rank([
+            kvferry.KVCacheGroup(g.group_id, by_group[g.group_id], skipped=STATE_SKIP, block_size=g.block_size)
+            if g.state else kvferry.KVCacheGroup(g.group_id, by_group[g.group_id], sliding_window=g.sliding_window)
+            for g in self.groups if g.group_id in by_group])
 
     def _group_ids(self, heads: tuple[int, int] | None, layers: tuple[int, int] | None) -> set[int]:
         """The KV cache groups holding some of the layers of :meth:`_rank` ``(heads, layers)``."""
@@ -333,6 +345,8 @@ class KvferryTransport:
                 # The first layer of each group: a landed block is flipped in its own group's layer.
                 first: dict[int, tuple[Any, str]] = {}
                 for name, view, layout, _, _ in self._layers(heads, layers):
+                    if self._group_of[name].state:
+                        continue  # not checksummed (skipped on both sides): a flip there is not caught
                     first.setdefault(self._group_of[name].group_id, (view, layout))
                 consumer.set_landed_hook(self._corrupt_hook(c.test_corrupt_transfer_prefix, first))
                 log.warning("kvferry TEST HOOK on: loads of transfers %r* get a landed bit flipped%s",
@@ -445,6 +459,11 @@ class KvferryTransport:
         except PairingError as e:
             return LoadResult(ok=False, verdict=Verdict.UNVERIFIED, reason=str(e))
         remote, local, sizes = [], [], []
+        if src.tp_size != self.tp_size and any(g.state for g in self.groups):
+            return LoadResult(ok=False, verdict=Verdict.UNVERIFIED,
+                              reason=f"the producer runs TP {src.tp_size}, this instance TP {self.tp_size}: Mamba-type "
+                                     "state is split across TP ranks by its own projections, not by KV heads, so it "
+                                     "moves only between equal TP sizes")
         if self.packed_isa is not None and src.block_sizes is not None and any(
                 r != g.block_size for r, g in zip(src.block_sizes, self.groups)):
             return LoadResult(ok=False, verdict=Verdict.UNVERIFIED,
@@ -506,7 +525,7 @@ class KvferryTransport:
         if not out.landed:
             return LoadResult(ok=False, verdict=status, reason=f"did not land: {out.error}")
         if out.action != Action.COMPLETE:
-            return LoadResult(ok=False, verdict=status, reason=f"kvferry policy says {out.action}")
+            return LoadResult(ok=False, verdict=status, reason=f"kvferry policy says {out.action} (verdict: {out.verdict})")
         log.info("kvferry: load of request %s (transfer %s) %s: %d bytes, transfer %.4f s, checksum %.4f s%s",
                  spec.request_id, src.transfer_id, status, out.bytes, out.transfer_seconds, out.checksum_seconds,
                  _unit_text(unit.heads, unit.layers, f" from {endpoint}"))
@@ -550,6 +569,25 @@ class KvferryTransport:
                 log.warning("kvferry: producer unit %d shutdown: %s", j, e)
         with self._consumers_lock:
             self.consumers.clear()
+
+
+def state_parts(name: str, state: Any) -> list[tuple[str, Any]]:
+    """``(part name, view)`` of each state tensor of one Mamba-type layer (vLLM hands such a
+    layer a list of tensors, e.g. Mamba2's conv and SSM state, each ``[B, *shape]`` inside the
+    layer's page): part ``i`` as ``"<name>.state<i>"``, viewed ``[B, 1, S]`` (``"B N D"``: one
+    state per block, ``S`` elements, the same memory). Raises
+    :class:`~kvferry.vllm.layouts.LayoutError` where a state tensor's block is not contiguous
+    (it could not be described as one run per block)."""
+    tensors = list(state) if isinstance(state, (list, tuple)) else [state]
+    out = []
+    for i, t in enumerate(tensors):
+        try:
+            v = t.view(t.shape[0], 1, -1)
+        except RuntimeError:
+            raise LayoutError(f"Mamba-type state tensor {i} of layer {name!r}, shape {tuple(t.shape)}, strides "
+                              f"{tuple(t.stride())}: a block's state is not contiguous") from None
+        out.append((f"{name}.state{i}", v))
+    return out
 
 
 def _unit_text(heads: tuple[int, int] | None, layers: tuple[int, int] | None, suffix: str = "") -> str:

@@ -111,12 +111,16 @@ class KvferryWorkerSide:
         self._pool = ThreadPoolExecutor(max_workers=max_parallel_loads, thread_name_prefix="kvferry-load")
 
     def register_kv_caches(self, kv_caches: dict) -> list[LayerInfo]:
-        """Records every layer's tensor (several layers may share one storage)."""
+        """Records every layer's tensor (several layers may share one storage); a Mamba-type
+        layer's list of state tensors as ``<name>.state<i>``."""
+        tensors = [(f"{name}.state{i}", s) if isinstance(t, (list, tuple)) else (name, s)
+                   for name, t in kv_caches.items()
+                   for i, s in enumerate(t if isinstance(t, (list, tuple)) else [t])]
         self.layers = [
             LayerInfo(name=name, data_ptr=t.data_ptr(), nbytes=t.numel() * t.element_size(),
                       shape=tuple(t.shape), stride=tuple(t.stride()), dtype=str(t.dtype).removeprefix("torch."),
                       device=str(t.device))
-            for name, t in kv_caches.items()
+            for name, t in tensors
         ]
         self.transport.register(kv_caches)
         if self.layers:

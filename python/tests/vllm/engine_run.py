@@ -1,11 +1,13 @@
 """Runs one vLLM CPU engine (a tiny random-weight Qwen3 checkpoint written here, a DeepSeek-V2
-one with MLA for the ``*-mla`` scenarios, or a Llama-style hybrid of a sliding-window and a
-full-attention layer for the ``*hyb*`` ones) in this process and prints one JSON line of results.
-Driven by test_vllm_cpu.py and test_vllm_cpu_mla.py, one subprocess per engine: vLLM keeps the KV
-connector and the distributed state as process globals.
+one with MLA for the ``*-mla`` scenarios, a Llama-style hybrid of a sliding-window and a
+full-attention layer for the ``*hyb*`` ones, or a Granite 4 hybrid of a Mamba2 and a
+full-attention layer for the ``*mamba*`` ones; each kind in its own subdirectory of MODEL_DIR) in
+this process and prints one JSON line of results. Driven by test_vllm_cpu*.py, one subprocess per
+engine: vLLM keeps the KV connector and the distributed state as process globals.
 
     python engine_run.py SCENARIO MODEL_DIR RENDEZVOUS_DIR
-    SCENARIO: producer-<name> of PRODUCERS | consumer-<name> of CONSUMERS
+    SCENARIO: producer-<name> or both-<name> of PRODUCERS | consumer-<name> of CONSUMERS
+    (both-<name>: producer and consumer <name> in one engine, kv_both)
 
 Producers and their consumers run at the same time and meet through files in RENDEZVOUS_DIR:
 each consumer writes ``ready-<name>`` once started; a producer then prefills every prompt once
@@ -60,6 +62,20 @@ TINY_HYBRID = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "mlp_bias": False,
     "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32,
 }
+# A Granite 4 hybrid: layer 0 Mamba2 (vLLM's MambaMixer2, whose CPU kernels are
+# layers/mamba/ops/cpu), layer 1 full attention; dense shared MLPs, no experts. vLLM gives the
+# Mamba layer a state group (MambaSpec, one state block per request) and picks both groups' block
+# sizes itself (the attention page must hold a state: 128 and 256 tokens here).
+TINY_MAMBA = {
+    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid", "hidden_size": 128,
+    "intermediate_size": 256, "shared_intermediate_size": 256, "num_local_experts": 0, "num_experts_per_tok": 0,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+    "max_position_embeddings": 512, "layer_types": ["linear_attention", "full_attention"], "mamba_d_state": 16,
+    "mamba_n_heads": 4, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2,
+    "mamba_chunk_size": 64, "mamba_conv_bias": True, "mamba_proj_bias": False, "position_embedding_type": "rope",
+    "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "float32",
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "hidden_act": "silu", "attention_bias": False,
+}
 BLOCK_SIZE = 32
 MLA_BLOCK_SIZE = 16
 # Prompt lengths: under one block, exactly one block, several blocks with a partial tail.
@@ -77,7 +93,14 @@ def is_hybrid(scenario: str) -> bool:
     return "hyb" in scenario
 
 
+def is_mamba(scenario: str) -> bool:
+    """The ``*mamba*`` scenarios run the tiny Mamba2 + full-attention Granite 4 hybrid."""
+    return "mamba" in scenario
+
+
 def model_kind(scenario: str) -> str:
+    if is_mamba(scenario):
+        return "mamba"
     return "mla" if is_mla(scenario) else "hybrid" if is_hybrid(scenario) else "qwen3"
 
 
@@ -93,7 +116,7 @@ def write_model(path: str, kind: str = "qwen3") -> None:
     and a seeded random checkpoint (the same bytes in every process; written atomically, as
     engines start side by side)."""
     os.makedirs(path, exist_ok=True)
-    config = {"qwen3": TINY_QWEN3, "mla": TINY_DSV2, "hybrid": TINY_HYBRID}[kind]
+    config = {"qwen3": TINY_QWEN3, "mla": TINY_DSV2, "hybrid": TINY_HYBRID, "mamba": TINY_MAMBA}[kind]
     tmp = os.path.join(path, f"config.json.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         json.dump(config, f)
@@ -103,7 +126,7 @@ def write_model(path: str, kind: str = "qwen3") -> None:
     from safetensors.torch import save_file
 
     tmp = os.path.join(path, f"model.safetensors.{os.getpid()}.tmp")
-    shapes = {"qwen3": qwen3_shapes, "mla": dsv2_shapes, "hybrid": hybrid_shapes}[kind]()
+    shapes = {"qwen3": qwen3_shapes, "mla": dsv2_shapes, "hybrid": hybrid_shapes, "mamba": mamba_shapes}[kind]()
     save_file(random_weights(shapes), tmp)
     os.replace(tmp, os.path.join(path, "model.safetensors"))
 
@@ -131,6 +154,18 @@ def qwen3_shapes() -> dict:
 def hybrid_shapes() -> dict:
     """Hugging Face weight name -> shape of the tiny hybrid (Qwen3's, without q/k norms)."""
     return {k: v for k, v in qwen3_shapes().items() if "q_norm" not in k and "k_norm" not in k}
+
+
+def mamba_shapes() -> dict:
+    """Hugging Face weight name -> shape of the tiny Granite 4 hybrid, from transformers' own
+    model class (built on the meta device: no memory, no initialisation)."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    config = GraniteMoeHybridConfig(**{k: v for k, v in TINY_MAMBA.items() if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        model = GraniteMoeHybridForCausalLM(config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def dsv2_shapes() -> dict:
@@ -211,7 +246,7 @@ def generate(llm, prompts, max_tokens, params=None):
         if params is not None:
             sp.extra_args = {"kv_transfer_params": params(i)}
         sps.append(sp)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sps, use_tqdm=False)
     return [
         {"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
          "kv_transfer_params": o.kv_transfer_params}
@@ -252,7 +287,7 @@ RENDEZVOUS_TIMEOUT_S = 840
 # Consumers: name -> (kv_load_failure_policy, TP size). Their test hook flips a landed bit of
 # every load of a transfer "<name>-corrupt-...".
 CONSUMERS = {"recompute": ("recompute", 1), "fail": ("fail", 1), "tp2": ("recompute", 2), "tp1": ("recompute", 1),
-             "mla": ("recompute", 1), "hyb-fail": ("fail", 1), "hyb-rc": ("recompute", 1)}
+             "mla": ("recompute", 1), "hyb-fail": ("fail", 1), "hyb-rc": ("recompute", 1), "mamba": ("fail", 1)}
 # Producers: scenario -> (TP size, head_splits, base port, transfer id tag, consumer names).
 PRODUCERS = {
     "producer": (1, 1, PORT, "", ("recompute", "fail")),
@@ -264,15 +299,25 @@ PRODUCERS = {
     # The tiny hybrid under vLLM's hybrid KV cache manager (test_vllm_cpu_hybrid.py), producers
     # of block sizes 32 and 64 serving consumers of 32 (fail) and 64 (recompute): every pairing
     # of equal and different block sizes.
-    "producer-hyb": (1, 1, PORT + 40, "", ("hyb-fail", "hyb-rc")),
-    "producer-hyb64": (1, 1, PORT + 50, "w-", ("hyb-fail", "hyb-rc")),
+    "both-hyb-fail": (1, 1, PORT + 40, "", ("hyb-fail", "hyb-rc")),
+    "both-hyb-rc": (1, 1, PORT + 50, "w-", ("hyb-fail", "hyb-rc")),
+    # The tiny Mamba2 + attention hybrid: one engine serving itself, a state group and a
+    # full-attention group.
+    "both-mamba": (1, 1, PORT + 60, "", ("mamba",)),
 }
 # --block-size of the scenarios whose block size is not BLOCK_SIZE (MLA's is MLA_BLOCK_SIZE).
-BLOCK_SIZES = {"producer-hyb64": 64, "hyb-rc": 64, "consumer-hyb-rc": 64}
-# The hybrid producers serve two consumers one after the other on a shared 2-core machine: a
-# lease that outlasts the first consumer's loads, and no unclaimed transfers (their expiry is
-# the other producers' test) so that they need not wait for it.
+BLOCK_SIZES = {"both-hyb-rc": 64, "hyb-rc": 64}
+# The engines that are producer and consumer at once (``both-*``) serve two consumers one after
+# the other on a shared 2-core machine: a lease that outlasts the first consumer's loads, and no
+# unclaimed transfers (their expiry is the other producers' test) so that they need not wait for
+# it.
 HYBRID_LEASE_S = 120.0
+
+
+def shares_engines(scenario: str) -> bool:
+    """The hybrid and Mamba scenarios, whose engines are producer and consumer at once: no
+    unclaimed transfers, no unreachable-producer run (the Qwen3 consumers' tests)."""
+    return is_hybrid(scenario) or is_mamba(scenario)
 
 
 def engine_args(scenario: str) -> dict:
@@ -280,21 +325,20 @@ def engine_args(scenario: str) -> dict:
     block size."""
     if is_mla(scenario):
         return mla_args(scenario)
+    if is_mamba(scenario):
+        return {"block_size": None}  # vLLM aligns the attention and state pages itself
     return {"block_size": BLOCK_SIZES[scenario]} if scenario in BLOCK_SIZES else {}
 
 
-def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -> None:
-    tp, head_splits, port, tag, names = PRODUCERS[scenario]
-    lease = HYBRID_LEASE_S if is_hybrid(scenario) else LEASE_S
-    llm = make_llm(model, "kv_producer", tp=tp, port=port, head_splits=head_splits, lease=lease,
-                   **engine_args(scenario))
-    result["startup_s"] = time.monotonic() - t0
-    result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
+def start_producer(llm, scenario: str, rdv: str, result: dict) -> None:
+    """Producer: prefills every prompt once per consumer and kind for ``do_remote_decode`` and
+    writes the params (``params-<scenario>.json``)."""
+    _, _, _, tag, names = PRODUCERS[scenario]
     result["free_before"] = free_blocks(llm)
     for name in names:
         wait_for(os.path.join(rdv, f"ready-{name}"), RENDEZVOUS_TIMEOUT_S)
     tids = [f"{name}-{kind}-{tag}{i}" for name in names for kind in ("ok", "corrupt") for i in range(len(PROMPTS))]
-    if not is_hybrid(scenario):
+    if not shares_engines(scenario):
         tids += [f"unclaimed-{i}" for i in range(len(PROMPTS))]
     prompts = [PROMPTS[int(t.rsplit("-", 1)[1])] for t in tids]
     outs = generate(llm, prompts, 1, lambda i: {"do_remote_decode": True, "transfer_id": tids[i]})
@@ -305,7 +349,11 @@ def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -
     result["free_held"] = free_blocks(llm)
     touch(os.path.join(rdv, f"params-{scenario}.json"),
           json.dumps({t: o["kv_transfer_params"] for t, o in zip(tids, outs)}))
-    for name in names:
+
+
+def finish_producer(llm, scenario: str, rdv: str, result: dict, lease: float) -> None:
+    """Producer: waits for its consumers, then for its held blocks to be freed."""
+    for name in PRODUCERS[scenario][4]:
         wait_for(os.path.join(rdv, f"done-{name}"), RENDEZVOUS_TIMEOUT_S)
     # Served sends are released at once; the unclaimed ones when their lease expires.
     end = time.monotonic() + lease + 10
@@ -315,10 +363,8 @@ def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -
     result["free_after_lease"] = free_blocks(llm)
 
 
-def run_consumer(name: str, model: str, rdv: str, result: dict, t0: float) -> None:
-    policy, tp = CONSUMERS[name]
-    llm = make_llm(model, "kv_consumer", policy, tp=tp, name=name, **engine_args(name))
-    result["startup_s"] = time.monotonic() - t0
+def consumer_references(llm, name: str, rdv: str, result: dict) -> None:
+    """Consumer: the plain runs its decodes are compared with, then ``ready-<name>``."""
     result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
     # Same last token, other context: outputs must differ, or equality proves nothing.
     result["reference_context_changed"] = generate(
@@ -328,8 +374,14 @@ def run_consumer(name: str, model: str, rdv: str, result: dict, t0: float) -> No
         # continue as the reference decoded (vLLM's prefill and decode paths agree).
         result["reference_continued"] = generate(
             llm, [p + r["tokens"][:4] for p, r in zip(PROMPTS, result["reference"])], MAX_TOKENS - 4)
-    result["decode_unreachable"] = generate(llm, PROMPTS, MAX_TOKENS, fake_producer_reply)
+    if not shares_engines(name):
+        result["decode_unreachable"] = generate(llm, PROMPTS, MAX_TOKENS, fake_producer_reply)
     touch(os.path.join(rdv, f"ready-{name}"))
+
+
+def consumer_decodes(llm, name: str, rdv: str, result: dict) -> None:
+    """Consumer: decodes with the params of each of its producers as they appear, then
+    ``done-<name>``."""
     # This run's producers of this consumer, taken in the order their params appear (each
     # holds its blocks only for its lease).
     pending = {s: PRODUCERS[s][3] for s in PRODUCERS if name in PRODUCERS[s][4]}
@@ -351,16 +403,61 @@ def run_consumer(name: str, model: str, rdv: str, result: dict, t0: float) -> No
                                        lambda i: params[f"{name}-{kind}-{tag}{i}"])
     finally:
         touch(os.path.join(rdv, f"done-{name}"))
+
+
+def free_total(llm) -> int:
+    return llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+
+
+def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -> None:
+    tp, head_splits, port, _, _ = PRODUCERS[scenario]
+    lease = HYBRID_LEASE_S if shares_engines(scenario) else LEASE_S
+    llm = make_llm(model, "kv_producer", tp=tp, port=port, head_splits=head_splits, lease=lease,
+                   **engine_args(scenario))
+    result["startup_s"] = time.monotonic() - t0
+    result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
+    start_producer(llm, scenario, rdv, result)
+    finish_producer(llm, scenario, rdv, result, lease)
+
+
+def run_consumer(name: str, model: str, rdv: str, result: dict, t0: float) -> None:
+    policy, tp = CONSUMERS[name]
+    llm = make_llm(model, "kv_consumer", policy, tp=tp, name=name, **engine_args(name))
+    result["startup_s"] = time.monotonic() - t0
+    consumer_references(llm, name, rdv, result)
+    consumer_decodes(llm, name, rdv, result)
     result["free_after"] = free_blocks(llm)
-    result["free_total"] = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+    result["free_total"] = free_total(llm)
+
+
+def run_both(scenario: str, model: str, rdv: str, result: dict, t0: float) -> None:
+    """One engine as producer and consumer (``kv_both``): it serves its consumers, itself
+    included (a load from its own producer endpoint over loopback), and loads from its
+    producers; its blocks are all free again at the end."""
+    name = scenario.removeprefix("both-")
+    policy, tp = CONSUMERS[name]
+    ptp, head_splits, port, _, _ = PRODUCERS[scenario]
+    llm = make_llm(model, "kv_both", policy, tp=tp, port=port, name=name, head_splits=head_splits,
+                   lease=HYBRID_LEASE_S, **engine_args(scenario))
+    result["startup_s"] = time.monotonic() - t0
+    consumer_references(llm, name, rdv, result)
+    start_producer(llm, scenario, rdv, result)
+    consumer_decodes(llm, name, rdv, result)
+    finish_producer(llm, scenario, rdv, result, HYBRID_LEASE_S)
+    result["free_after"] = free_blocks(llm)
+    result["free_total"] = free_total(llm)
 
 
 def main() -> None:
     scenario, model, rdv = sys.argv[1], sys.argv[2], sys.argv[3]
+    # One directory per model kind: engines of several models may share one run.
+    model = os.path.join(model, model_kind(scenario))
     write_model(model, model_kind(scenario))
     t0 = time.monotonic()
     result: dict = {"scenario": scenario}
-    if scenario in PRODUCERS:
+    if scenario.startswith("both-"):
+        run_both(scenario, model, rdv, result, t0)
+    elif scenario in PRODUCERS:
         run_producer(scenario, model, rdv, result, t0)
     elif scenario.removeprefix("consumer-") in CONSUMERS:
         run_consumer(scenario.removeprefix("consumer-"), model, rdv, result, t0)

@@ -1,6 +1,7 @@
 """kvferry.vllm.connector's engine-level checks without an engine: which KV cache groups the
 connector moves (full attention and sliding window under vLLM's hybrid KV cache manager) and
-which it refuses at start-up with the reason (Mamba-type state, chunked local attention), and
+which it refuses at start-up with the reason (chunked local attention, Mamba-type state kept per
+block boundary or with speculative blocks), vLLM's own ``MambaSpec`` as a state group, and
 each data-parallel engine's own side-channel base port."""
 
 import importlib.util
@@ -15,7 +16,8 @@ from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttention
                                         MambaSpec, SlidingWindowSpec)
 
 from kvferry.vllm.connector import engine_port, port_range
-from kvferry.vllm.groups import GroupInfo, kv_cache_groups
+from kvferry.vllm.groups import GroupInfo, block_size_refusal, kv_cache_groups
+from kvferry.vllm.layouts import LayoutError
 from kvferry.vllm.params import unit_port
 from kvferry.vllm.units import ConfigError
 
@@ -38,10 +40,48 @@ def test_a_hybrid_models_sliding_window_and_full_groups_are_each_moved_with_thei
     assert kv_cache_groups(hybrid, 16) == [GroupInfo(0, ("l.0.attn",), 16, 128), GroupInfo(1, ("l.1.attn",), 16, None)]
 
 
-def test_a_mamba_state_group_is_refused_at_start_up_with_the_reason():
-    mamba = MambaSpec(block_size=16, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.float32, torch.float32))
-    with pytest.raises(ConfigError, match="group 1 holds layer 'l.1.mixer' with MambaSpec: Mamba-type state"):
-        kv_cache_groups(config(KVCacheGroupSpec(["l.0.attn"], FULL), KVCacheGroupSpec(["l.1.mixer"], mamba)), 16)
+MAMBA = MambaSpec(block_size=256, shapes=((3, 288), (4, 64, 16)), dtypes=(torch.float32, torch.float32))
+
+
+def test_a_mamba_state_group_is_moved_as_a_state_group_of_its_block_size():
+    hybrid = config(KVCacheGroupSpec(["l.0.mixer"], MAMBA), KVCacheGroupSpec(["l.1.attn"], FULL))
+    assert kv_cache_groups(hybrid, 16) == [GroupInfo(0, ("l.0.mixer",), 256, None, state=True),
+                                           GroupInfo(1, ("l.1.attn",), 16, None)]
+
+
+@pytest.mark.parametrize("mode", ["all", "align"])
+def test_a_mamba_state_kept_per_block_boundary_is_refused_at_start_up_with_the_reason(mode):
+    spec = MambaSpec(block_size=256, shapes=((3, 288),), dtypes=(torch.float32,), mamba_cache_mode=mode)
+    with pytest.raises(ConfigError, match=f"group 1 holds layer 'l.1.mixer' with MambaSpec: mamba_cache_mode '{mode}'"):
+        kv_cache_groups(config(KVCacheGroupSpec(["l.0.attn"], FULL), KVCacheGroupSpec(["l.1.mixer"], spec)), 16)
+
+
+def test_speculative_mamba_state_blocks_are_refused_at_start_up_with_the_reason():
+    spec = MambaSpec(block_size=256, shapes=((3, 288),), dtypes=(torch.float32,), num_speculative_blocks=2)
+    with pytest.raises(ConfigError, match="speculative decoding's scratch state blocks"):
+        kv_cache_groups(config(KVCacheGroupSpec(["l.1.mixer"], spec)), 16)
+
+
+def test_a_state_group_refuses_a_producer_of_another_block_size_before_any_byte_moves():
+    why = block_size_refusal((512, 16), (256, 16), (None, None), 75, 0, (True, False))
+    assert why is not None and "group 0 holds Mamba-type state" in why
+    assert block_size_refusal((256, 16), (256, 32), (None, None), 75, 0, (True, False)) is None
+
+
+def test_state_parts_are_views_of_vllms_mamba_state_tensors():
+    from kvferry.vllm.transport import state_parts
+
+    # As vLLM lays a Mamba2 layer out: both state tensors inside one padded page per block.
+    page = torch.zeros(4, 16384)
+    conv = torch.as_strided(page, (4, 3, 288), (16384, 288, 1))
+    ssm = torch.as_strided(page, (4, 4, 64, 16), (16384, 1024, 16, 1), 3 * 288)
+    parts = state_parts("l.0.mixer", [conv, ssm])
+    assert [(n, tuple(v.shape)) for n, v in parts] == [("l.0.mixer.state0", (4, 1, 864)),
+                                                       ("l.0.mixer.state1", (4, 1, 4096))]
+    parts[1][1][2, 0, 5] = 7.0
+    assert ssm[2].flatten()[5] == 7.0 and page[2, 3 * 288 + 5] == 7.0
+    with pytest.raises(LayoutError, match="a block's state is not contiguous"):
+        state_parts("l.0.mixer", [conv.transpose(1, 2)])
 
 
 def test_chunked_local_attention_is_refused_with_the_reason():

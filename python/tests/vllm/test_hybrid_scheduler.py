@@ -169,3 +169,45 @@ def test_a_rank_whose_cpu_kernel_packs_blocks_refuses_other_block_sizes_before_a
         assert not r.ok and "'amx' packs each block its own way" in r.reason
     finally:
         t.shutdown()
+
+
+def state_side(producer: bool) -> KvferrySchedulerSide:
+    # Group 0 Mamba-type state (one block of 256 tokens), group 1 full attention in blocks of 128.
+    return KvferrySchedulerSide(SchedulerConfig(
+        engine_id="e", is_producer=producer, is_consumer=not producer, host="127.0.0.1", port=17500, tp_size=1,
+        pp_size=1, block_size=128, lease_seconds=30.0, group_block_sizes=(256, 128), group_states=(True, False),
+        allowed_producers=P.ProducerAllowlist.parse(["127.0.0.1"])))
+
+
+def test_a_producer_of_a_state_model_stops_one_token_short_of_the_prompt_once():
+    s = state_side(True)
+    callers = list(range(75))
+    req = Req("r", {"do_remote_decode": True, "transfer_id": "t"}, prompt_token_ids=callers)
+    req.num_prompt_tokens = 75
+    s.on_new_request(req)
+    assert len(req.prompt_token_ids) == 74 and req.num_prompt_tokens == 74
+    assert len(callers) == 75  # the caller's prompt is left whole
+    s.on_new_request(req)  # added again (a preemption): not cut twice
+    assert len(req.prompt_token_ids) == 74
+    keep, kvp = s.request_finished(req, ([5], [3]))
+    assert keep and kvp["remote_block_ids"] == [[5], [3]] and kvp["remote_block_sizes"] == [256, 128]
+    # Nothing is cut for a plain request, nor by a producer without state groups.
+    plain = Req("p", {})
+    s.on_new_request(plain)
+    other = Req("o", {"do_remote_decode": True, "transfer_id": "u"})
+    side(True).on_new_request(other)
+    assert len(plain.prompt_token_ids) == len(other.prompt_token_ids) == 75
+
+
+def test_a_consumer_of_a_state_model_loads_all_but_the_last_prompt_token():
+    s = state_side(False)
+    kvp = P.producer_reply("t", "p", "127.0.0.1", 17600, 1, 1, [[5], [3]], "k", block_sizes=[256, 128])
+    req = Req("r", kvp)
+    assert s.get_num_new_matched_tokens(req, 0) == (74, True)
+    s.update_state_after_alloc(req, Blocks(([Block(9)], [Block(12)])), 74)
+    (load,) = s.build_connector_meta().loads
+    assert load.block_ids == ((9,), (12,)) and load.num_tokens == 74
+    # A one-token prompt has nothing to load.
+    one = Req("one", P.producer_reply("t1", "p", "127.0.0.1", 17600, 1, 1, [[5], [3]], "k", block_sizes=[256, 128]),
+              prompt_token_ids=[7])
+    assert s.get_num_new_matched_tokens(one, 0) == (0, False)

@@ -16,7 +16,15 @@
 //!
 //! * `engine …`: the same requests through two transfer engines (`TransferEngine::submit` and
 //!   `wait`, the CUDA IPC transport), timed on the host from submit to the end of the wait
-//!   (so the engine's figures include what the host adds: slicing, routing, completion).
+//!   (so the engine's figures include what the host adds: slicing, routing, completion), one
+//!   batch at a time: each batch's fixed cost (submit, completion, wake-up) is added to its
+//!   copy;
+//! * `engine … ×4`: the same with up to 4 batches in flight (a batch is submitted before the
+//!   oldest is waited on), the way the reference's copies are enqueued back to back: throughput,
+//!   with the host work of one batch overlapping the copies of the others.
+//!
+//! A second table splits the engine's host time: `submit` (validation, slicing, routing,
+//! enqueue; µs per batch, and ns per request for 64 KiB pieces) against the whole batch.
 //!
 //! The bytes of a scattered copy are checked at the end (read back through the mapping).
 //!
@@ -168,19 +176,30 @@ fn main() {
         "engine path: {}",
         engine.transfer_path(&seg, src.ptr(), remote).unwrap()
     );
-    // Host seconds per batch of `reqs`, submit to the end of its wait.
-    let engine_time = |reqs: &[kvferry_transfer::TransferRequest], reps: usize| {
-        let run = || {
-            let id = engine.submit(&seg, reqs).unwrap();
-            engine.wait(id, std::time::Duration::from_secs(60)).unwrap();
-        };
-        run();
+    // Host seconds per batch of `reqs` with up to `window` batches in flight, first submit
+    // to the end of the last wait; and the seconds per batch spent in `submit` alone.
+    let engine_run = |reqs: &[kvferry_transfer::TransferRequest], reps: usize, window: usize| {
+        let wait = |id| engine.wait(id, std::time::Duration::from_secs(60)).unwrap();
+        wait(engine.submit(&seg, reqs).unwrap());
+        let mut in_flight = std::collections::VecDeque::new();
+        let mut submitting = std::time::Duration::ZERO;
         let t = std::time::Instant::now();
         for _ in 0..reps {
-            run();
+            if in_flight.len() == window {
+                wait(in_flight.pop_front().unwrap());
+            }
+            let s = std::time::Instant::now();
+            in_flight.push_back(engine.submit(&seg, reqs).unwrap());
+            submitting += s.elapsed();
         }
-        t.elapsed().as_secs_f64() / reps as f64
+        in_flight.into_iter().for_each(wait);
+        (
+            t.elapsed().as_secs_f64() / reps as f64,
+            submitting.as_secs_f64() / reps as f64,
+        )
     };
+    let engine_time =
+        |reqs: &[kvferry_transfer::TransferRequest], reps: usize| engine_run(reqs, reps, 1).0;
     let reqs = |size: usize, piece: usize| -> Vec<kvferry_transfer::TransferRequest> {
         (0..size / piece)
             .map(|i| kvferry_transfer::TransferRequest {
@@ -199,9 +218,10 @@ fn main() {
     let kernel = PieceKernel::new(0).expect("piece kernel (NVRTC)");
     let table = std::cell::RefCell::new(PieceTable::new());
     println!(
-        "| size | reference GB/s | contiguous | 64K pieces | 4K pieces | 4K batch API | vmm | engine contiguous | engine 64K pieces | engine 4K pieces |"
+        "| size | reference GB/s | contiguous | 64K pieces | 4K pieces | 4K batch API | vmm | engine contiguous | engine 64K pieces | engine 4K pieces | engine contiguous ×4 | engine 64K pieces ×4 |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut host_rows = Vec::new();
     let mut size = 64 << 10;
     while size <= max {
         let reps = ((1usize << 31) / size).clamp(8, 4000);
@@ -262,13 +282,31 @@ fn main() {
         );
         let e64 = engine_time(&reqs(size, 64 << 10), ereps);
         let e4 = engine_time(&reqs(size, 4 << 10), ereps.min(20));
+        let contig_req = [kvferry_transfer::TransferRequest {
+            op: kvferry_transfer::Op::Write,
+            local_addr: src.ptr(),
+            remote_addr: remote,
+            len: size as u64,
+        }];
+        let (pc, pc_submit) = engine_run(&contig_req, 4 * ereps, 4);
+        let r64 = reqs(size, 64 << 10);
+        let (p64e, p64_submit) = engine_run(&r64, 4 * ereps, 4);
+        let label = if size >= 1 << 20 {
+            format!("{} MiB", size >> 20)
+        } else {
+            format!("{} KiB", size >> 10)
+        };
+        host_rows.push(format!(
+            "| {label} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} |",
+            e_contig * 1e6,
+            pc * 1e6,
+            pc_submit * 1e6,
+            p64e * 1e6,
+            p64_submit * 1e9 / r64.len() as f64
+        ));
         println!(
-            "| {} | {:.1} | {:.3} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {:.3} | {:.3} |",
-            if size >= 1 << 20 {
-                format!("{} MiB", size >> 20)
-            } else {
-                format!("{} KiB", size >> 10)
-            },
+            "| {} | {:.1} | {:.3} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |",
+            label,
             size as f64 / reference / 1e9,
             reference / contiguous,
             reference / p64,
@@ -277,9 +315,19 @@ fn main() {
             reference / vm,
             reference / e_contig,
             reference / e64,
-            reference / e4
+            reference / e4,
+            reference / pc,
+            reference / p64e
         );
         size *= 4;
+    }
+    println!();
+    println!(
+        "| size | engine contiguous µs/batch | ×4 µs/batch | ×4 submit µs/batch | engine 64K pieces ×4 µs/batch | ×4 submit ns/request |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for r in host_rows {
+        println!("{r}");
     }
     // Bytes: a pattern scattered into the child's memory as 4 KiB pieces, read back.
     let n = 16 << 20;

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{Result, TransferError};
-use crate::memory::{MemoryRegion, MemoryRegistry};
+use crate::memory::{Cover, MemoryRegion, MemoryRegistry};
 use crate::transport::completion::BatchState;
 use crate::transport::Slice;
 use crate::types::{BatchId, TransferRequest};
@@ -62,7 +62,7 @@ impl BatchTable {
 pub(crate) fn local_covers(
     registry: &MemoryRegistry,
     requests: &[TransferRequest],
-) -> Result<Vec<Vec<(u64, u64, MemoryRegion)>>> {
+) -> Result<Vec<Cover<MemoryRegion>>> {
     if let Some(r) = requests.iter().find(|r| r.len == 0) {
         return Err(TransferError::InvalidArgument(format!(
             "request at local {:#x} has zero length",
@@ -87,12 +87,16 @@ pub(crate) fn local_covers(
 /// region, remote buffer)` is the slice size of a run between those two (> 0; the transport's
 /// choice, `Transport::slice_size`); it is asked once per pair of one submit.
 /// Errors: `InvalidArgument` when the batch would have more than `u32::MAX` slices.
-pub(crate) fn slice_requests(
+pub(crate) fn slice_requests<L, R>(
     requests: &[TransferRequest],
-    local: &[Vec<(u64, u64, MemoryRegion)>],
-    remote: &[Vec<(u64, u64, usize)>],
+    local: &[L],
+    remote: &[R],
     mut slice_size: impl FnMut(&MemoryRegion, usize) -> u64,
-) -> Result<Vec<Slice>> {
+) -> Result<Vec<Slice>>
+where
+    L: AsRef<[(u64, u64, MemoryRegion)]>,
+    R: AsRef<[(u64, u64, usize)]>,
+{
     let mut slices = Vec::with_capacity(requests.len());
     // Submits name few pairs of regions: the last answer is almost always the one wanted.
     let mut sizes: Vec<(u64, usize, u64)> = Vec::new();
@@ -109,6 +113,7 @@ pub(crate) fn slice_requests(
         s
     };
     for ((r, l), rc) in requests.iter().zip(local).zip(remote) {
+        let (l, rc) = (l.as_ref(), rc.as_ref());
         let est = (l.len() + rc.len()) as u64;
         if slices.len() as u64 + est > u32::MAX as u64 {
             return Err(TransferError::InvalidArgument(
@@ -138,30 +143,24 @@ fn cut_request(
         let (_, rlen, buffer) = remote[ri];
         let size = slice_size(&region, buffer);
         let chunk = (llen - lo).min(rlen - ro);
-        let mut at = 0u64;
-        let full = chunk / size;
-        let rem = chunk % size;
-        let merge_tail = full >= 1 && rem > 0 && rem <= size / 4;
-        if out.len() as u64 + full + 1 > u32::MAX as u64 {
-            return Err(TransferError::InvalidArgument(
-                "batch has too many slices; raise slice_size".into(),
-            ));
-        }
-        while at < chunk {
-            let mut n = (chunk - at).min(size);
-            if merge_tail && chunk - at == size + rem {
-                n = size + rem;
+        if chunk <= size {
+            // One slice (the common case of small requests): no division.
+            if out.len() as u64 + 1 > u32::MAX as u64 {
+                return Err(TransferError::InvalidArgument(
+                    "batch has too many slices; raise slice_size".into(),
+                ));
             }
             out.push(Slice {
                 id: out.len() as u32,
                 op: req.op,
-                local_addr: req.local_addr + off + at,
+                local_addr: req.local_addr + off,
                 local_region: region,
-                remote_addr: req.remote_addr + off + at,
+                remote_addr: req.remote_addr + off,
                 remote_buffer: buffer,
-                len: n,
+                len: chunk,
             });
-            at += n;
+        } else {
+            cut_run(req, off, chunk, size, region, buffer, out)?;
         }
         off += chunk;
         lo += chunk;
@@ -174,6 +173,45 @@ fn cut_request(
             ri += 1;
             ro = 0;
         }
+    }
+    Ok(())
+}
+
+/// Cuts a run of `chunk` bytes at offset `off` of `req`, between `region` and the peer's
+/// `buffer`, into slices of `size` (a tail of at most `size/4` merged into the last one).
+fn cut_run(
+    req: &TransferRequest,
+    off: u64,
+    chunk: u64,
+    size: u64,
+    region: MemoryRegion,
+    buffer: usize,
+    out: &mut Vec<Slice>,
+) -> Result<()> {
+    let mut at = 0u64;
+    let full = chunk / size;
+    let rem = chunk % size;
+    let merge_tail = full >= 1 && rem > 0 && rem <= size / 4;
+    if out.len() as u64 + full + 1 > u32::MAX as u64 {
+        return Err(TransferError::InvalidArgument(
+            "batch has too many slices; raise slice_size".into(),
+        ));
+    }
+    while at < chunk {
+        let mut n = (chunk - at).min(size);
+        if merge_tail && chunk - at == size + rem {
+            n = size + rem;
+        }
+        out.push(Slice {
+            id: out.len() as u32,
+            op: req.op,
+            local_addr: req.local_addr + off + at,
+            local_region: region,
+            remote_addr: req.remote_addr + off + at,
+            remote_buffer: buffer,
+            len: n,
+        });
+        at += n;
     }
     Ok(())
 }

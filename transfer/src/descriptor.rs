@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{HandshakeError, Result, TransferError};
 use crate::handshake::MAX_FRAME_BODY;
-use crate::memory::{cover_sorted, MemoryRegion, MemoryRegistry, RegionKeys};
+use crate::memory::{cover_sorted, Cover, MemoryRegion, MemoryRegistry, RegionKeys};
 use crate::types::{TransferRequest, TransportKind};
 
 /// One buffer a segment advertises: a registered memory region and its transport keys.
@@ -150,15 +150,22 @@ impl SegmentDescriptor {
     /// The peer-side covers `(addr, len, buffer index)` of every request's remote range, in
     /// order. Errors: `RemoteOutOfRange` for the first request some byte of which no buffer
     /// holds.
-    pub(crate) fn remote_covers(
-        &self,
-        requests: &[TransferRequest],
-    ) -> Result<Vec<Vec<(u64, u64, usize)>>> {
+    pub(crate) fn remote_covers(&self, requests: &[TransferRequest]) -> Result<Vec<Cover<usize>>> {
         let idx: Vec<(usize, &BufferDesc)> = self.buffers.iter().enumerate().collect();
         let refs: Vec<&(usize, &BufferDesc)> = idx.iter().collect();
+        // Requests of one submit mostly lie in one buffer: the last one is tried first.
+        let mut last = usize::MAX;
         requests
             .iter()
             .map(|r| {
+                let one = match self.buffers.get(last) {
+                    Some(b) if b.region.contains(r.remote_addr, r.len) => Some(last),
+                    _ => self.find_buffer_index(r.remote_addr, r.len),
+                };
+                if let Some(i) = one {
+                    last = i;
+                    return Ok(smallvec::smallvec![(r.remote_addr, r.len, i)]);
+                }
                 cover_sorted(&refs, |(_, b)| &b.region, r.remote_addr, r.len)
                     .map(|v| v.into_iter().map(|(a, l, (i, _))| (a, l, *i)).collect())
                     .ok_or_else(|| TransferError::RemoteOutOfRange {
@@ -262,8 +269,14 @@ mod tests {
             remote_addr,
             len,
         };
-        let c = d.remote_covers(&[req(120, 60)]).unwrap();
-        assert_eq!(c, vec![vec![(120, 30, 0), (150, 30, 1)]]);
+        let c = d
+            .remote_covers(&[req(120, 60), req(150, 10), req(155, 5)])
+            .unwrap();
+        assert_eq!(c[0].as_slice(), [(120, 30, 0), (150, 30, 1)]);
+        assert_eq!(c[1].as_slice(), [(150, 10, 1)]);
+        assert_eq!(c[2].as_slice(), [(155, 5, 1)], "the last buffer again");
+        let c = d.remote_covers(&[req(300, 10), req(100, 5)]).unwrap();
+        assert_eq!(c[1].as_slice(), [(100, 5, 0)], "not the last buffer");
         assert!(d.remote_covers(&[req(190, 20)]).is_err()); // gap [200, 300)
         assert_eq!(d.find_buffer_index(300, 10), Some(2));
         assert_eq!(d.find_buffer_index(305, 10), None);

@@ -399,9 +399,14 @@ impl TransferEngine {
             self.transport.slice_size(&desc, l, b, default)
         })?;
         // the local regions stay registered until the last slice is reported
-        let pins = self
-            .registry
-            .pin(slices.iter().map(|s| s.local_region.addr).collect())?;
+        let mut starts: Vec<u64> = Vec::new();
+        for s in &slices {
+            // Runs of slices share a region: each run adds its region once.
+            if starts.last() != Some(&s.local_region.addr) {
+                starts.push(s.local_region.addr);
+            }
+        }
+        let pins = self.registry.pin(starts)?;
         let (id, state) = self.batches.start(slices.len() as u32);
         state.hold(pins);
         let path = self.path_label(requests);

@@ -288,15 +288,20 @@ impl MemoryRegistry {
     pub(crate) fn cover_regions(
         &self,
         ranges: impl Iterator<Item = (u64, u64)>,
-    ) -> Vec<Option<Vec<(u64, u64, MemoryRegion)>>> {
+    ) -> Vec<Option<Cover<MemoryRegion>>> {
         let map = self.regions.read_locked();
         let mut entries: Option<Vec<&RegistryEntry>> = None;
+        // Requests of one submit mostly lie in one region: the last one is tried first.
+        let mut last: Option<&RegistryEntry> = None;
         ranges
             .map(|(addr, len)| {
-                // Most requests lie inside one region: one tree lookup, no allocation of the
-                // region list.
+                // Most requests lie inside one region: one tree lookup, no allocation.
+                if let Some(e) = last.filter(|e| e.region.contains(addr, len)) {
+                    return Some(smallvec::smallvec![(addr, len, e.region)]);
+                }
                 if let Some(e) = find_in(&map, addr, len) {
-                    return Some(vec![(addr, len, e.region)]);
+                    last = Some(e);
+                    return Some(smallvec::smallvec![(addr, len, e.region)]);
                 }
                 let all = entries.get_or_insert_with(|| map.values().collect());
                 cover_sorted(all, |e| &e.region, addr, len)
@@ -319,6 +324,10 @@ fn find_in(map: &BTreeMap<u64, RegistryEntry>, addr: u64, len: u64) -> Option<&R
     let (_, e) = map.range(..=addr).next_back()?;
     e.region.contains(addr, len).then_some(e)
 }
+
+/// The pieces `(addr, len, item)` one request's range is cut into at region boundaries:
+/// almost always one, held without a heap allocation.
+pub(crate) type Cover<T> = smallvec::SmallVec<[(u64, u64, T); 1]>;
 
 /// Cuts `[addr, addr+len)` at the boundaries of `items` (sorted by address, non-overlapping):
 /// `(piece addr, piece len, item)` in order, or `None` when some byte is not covered or the

@@ -8,6 +8,10 @@ use std::time::{Duration, Instant};
 use crate::error::TransferError;
 use crate::types::BatchStatus;
 
+/// How long a waiter of a batch marked `expect_soon` polls before it sleeps: longer than a
+/// device copy of a few hundred MiB, short enough that a slow batch costs a core only briefly.
+const SOON_SPIN: Duration = Duration::from_millis(2);
+
 #[derive(Debug)]
 struct Counts {
     succeeded: u32,
@@ -27,6 +31,12 @@ pub(crate) struct BatchState {
     notify: tokio::sync::Notify,
     /// Set when nobody waits any more (timed out or freed): transports skip slices not yet sent.
     cancelled: std::sync::atomic::AtomicBool,
+    /// Set by a transport whose slices end within microseconds (device copies): a waiter then
+    /// polls `finished` for up to `SOON_SPIN` before it sleeps, since a sleeping waiter's
+    /// wake-up costs more than such a copy.
+    soon: std::sync::atomic::AtomicBool,
+    /// Set once every slice is reported (read without the counts' lock by a polling waiter).
+    finished: std::sync::atomic::AtomicBool,
     /// The local regions the slices use, pinned until the last slice is reported (then they
     /// may be unregistered): not when the waiter gives up, since slices on the wire still land.
     pins: Mutex<Option<crate::inflight::Pins>>,
@@ -46,6 +56,8 @@ impl BatchState {
             cond: Condvar::new(),
             notify: tokio::sync::Notify::new(),
             cancelled: std::sync::atomic::AtomicBool::new(false),
+            soon: std::sync::atomic::AtomicBool::new(false),
+            finished: std::sync::atomic::AtomicBool::new(total == 0),
             pins: Mutex::new(None),
         })
     }
@@ -65,6 +77,11 @@ impl BatchState {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
         self.counts.locked()
+    }
+
+    /// Marks the batch as one whose slices end within microseconds (see `soon`).
+    pub(crate) fn expect_soon(&self) {
+        self.soon.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Asks transports to skip the batch's slices they have not sent yet.
@@ -128,6 +145,15 @@ impl BatchState {
     /// runtime worker if called from async code; use `wait_async` there).
     pub(crate) fn wait(&self, timeout: Duration) -> Result<(), TransferError> {
         let deadline = Instant::now().checked_add(timeout);
+        if self.soon.load(std::sync::atomic::Ordering::Relaxed) {
+            // Poll (yielding the core) while the copies are likely still short of done.
+            let until = Instant::now() + SOON_SPIN.min(timeout);
+            while !self.finished.load(std::sync::atomic::Ordering::Acquire)
+                && Instant::now() < until
+            {
+                std::thread::yield_now();
+            }
+        }
         let mut c = self.lock();
         loop {
             let s = Self::status_of(self.total, &c);
@@ -149,6 +175,15 @@ impl BatchState {
 
     /// Async twin of `wait`; needs a tokio runtime with timers (the caller's).
     pub(crate) async fn wait_async(&self, timeout: Duration) -> Result<(), TransferError> {
+        if self.soon.load(std::sync::atomic::Ordering::Relaxed) {
+            // As `wait`, polling by yielding to the runtime (its other tasks run meanwhile).
+            let until = Instant::now() + SOON_SPIN.min(timeout);
+            while !self.finished.load(std::sync::atomic::Ordering::Acquire)
+                && Instant::now() < until
+            {
+                tokio::task::yield_now().await;
+            }
+        }
         let fut = async {
             loop {
                 let notified = self.notify.notified();
@@ -199,6 +234,8 @@ impl BatchState {
         drop(c);
         if all {
             self.unpin();
+            self.finished
+                .store(true, std::sync::atomic::Ordering::Release);
             self.cond.notify_all();
             self.notify.notify_waiters();
         }
@@ -231,6 +268,8 @@ impl BatchState {
         drop(c);
         if all {
             self.unpin();
+            self.finished
+                .store(true, std::sync::atomic::Ordering::Release);
             self.cond.notify_all();
             self.notify.notify_waiters();
         }
@@ -321,6 +360,12 @@ impl CompletionSink {
             .load(std::sync::atomic::Ordering::SeqCst)
     }
 
+    /// Says that this batch's slices end within microseconds (device copies): its waiter polls
+    /// for a short while before it sleeps, instead of paying a thread wake-up per batch.
+    pub fn expect_soon(&self) {
+        self.state.expect_soon();
+    }
+
     /// The error for a slice skipped because its batch was cancelled.
     pub fn cancelled_error() -> TransferError {
         TransferError::Cancelled
@@ -376,6 +421,27 @@ mod tests {
         sink.succeed_all(&[3, 2]);
         assert!(matches!(st.status(), BatchStatus::Failed(_)));
         assert!(st.wait(Duration::from_secs(1)).is_err());
+    }
+
+    #[test]
+    fn a_batch_expected_soon_is_polled_for_then_still_times_out() {
+        let st = BatchState::new(2);
+        let sink = CompletionSink::new(st.clone());
+        sink.expect_soon();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            sink.succeed_all(&[0, 1]);
+        });
+        st.wait(Duration::from_secs(10)).unwrap();
+        t.join().unwrap();
+        // The poll never outlasts the caller's timeout.
+        let st = BatchState::new(1);
+        CompletionSink::new(st.clone()).expect_soon();
+        assert!(matches!(
+            st.wait(Duration::from_millis(1)),
+            Err(TransferError::Timeout(_))
+        ));
+        assert_eq!(st.status(), BatchStatus::Timeout);
     }
 
     #[test]

@@ -50,7 +50,7 @@ impl CudaIpcTransport {
     pub(super) fn post_ipc(
         &self,
         peer: &Arc<SegmentDescriptor>,
-        slices: Vec<(Slice, Arc<IpcRegionKeys>)>,
+        slices: Vec<(Slice, &IpcRegionKeys)>,
         done: &CompletionSink,
     ) -> Vec<Slice> {
         let fail = |ids: &mut dyn Iterator<Item = u32>, e: &TransferError| done.fail_all(ids, e);
@@ -71,14 +71,22 @@ impl CudaIpcTransport {
             fail(&mut slices.iter().map(|(s, _)| s.id), &e);
             return Vec::new();
         }
-        // One local device per post in practice; group by it anyway.
-        let mut by_dev: HashMap<u32, Vec<(Slice, Arc<IpcRegionKeys>)>> = HashMap::new();
-        for (s, k) in slices {
-            let Location::Cuda(d) = s.local_region.location else {
-                unreachable!("routed to CUDA IPC only with device memory on both sides")
-            };
-            by_dev.entry(d).or_default().push((s, k));
-        }
+        // One local device per post in practice: no regrouping then.
+        let dev_of = |s: &Slice| match s.local_region.location {
+            Location::Cuda(d) => d,
+            _ => unreachable!("routed to CUDA IPC only with device memory on both sides"),
+        };
+        let first = dev_of(&slices[0].0);
+        type Group<'k> = Vec<(Slice, &'k IpcRegionKeys)>;
+        let by_dev: Vec<(u32, Group)> = if slices.iter().all(|(s, _)| dev_of(s) == first) {
+            vec![(first, slices)]
+        } else {
+            let mut m: HashMap<u32, Group> = HashMap::new();
+            for (s, k) in slices {
+                m.entry(dev_of(&s)).or_default().push((s, k));
+            }
+            m.into_iter().collect()
+        };
         let mut fallback = Vec::new();
         for (dev, group) in by_dev {
             let lane = match self.lane(dev) {
@@ -133,6 +141,7 @@ impl CudaIpcTransport {
                     fallback.extend(group.into_iter().map(|(s, _)| s));
                     continue;
                 };
+                let mut live = p.live.snapshot();
                 let mut last: Option<(u64, &Arc<Mapped>)> = None;
                 for (s, k) in group {
                     let m = match last {
@@ -149,7 +158,7 @@ impl CudaIpcTransport {
                             m
                         }
                     };
-                    if !p.live.covers(s.remote_addr, s.len) {
+                    if !live.covers(s.remote_addr, s.len) {
                         done.complete(
                             s.id,
                             Err(TransferError::RemoteOutOfRange {
@@ -238,7 +247,11 @@ impl CudaIpcTransport {
                 unsafe { ipc::copy_batch_async(&all, s) }.map_err(gpu_err)?;
             }
         }
-        let ev = Event::new(&lane.ctx, false).map_err(gpu_err)?;
+        let spare = lock(&lane.events).pop();
+        let ev = match spare {
+            Some(e) => e,
+            None => Event::new(&lane.ctx, false).map_err(gpu_err)?,
+        };
         // SAFETY: the lane's stream belongs to the lane's context.
         unsafe { ev.record(s) }.map_err(gpu_err)?;
         Ok((ev, table))

@@ -113,7 +113,15 @@ impl LiveView {
     /// Whether `[addr, addr+len)` lies inside one live region. A writer that never finishes
     /// (a dead owner mid-update) makes it false after a bounded number of tries.
     pub fn covers(&self, addr: u64, len: u64) -> bool {
+        self.snapshot().covers(addr, len)
+    }
+
+    /// The live regions as one consistent read, to check many slices against (one read of
+    /// the table per post instead of one per slice). A writer that never finishes (a dead
+    /// owner mid-update) gives an empty list after a bounded number of tries.
+    pub fn snapshot(&self) -> LiveSnapshot {
         let w = words(&self.map);
+        let mut regions = Vec::new();
         for _ in 0..1000 {
             let s1 = w[0].load(Ordering::Acquire);
             if s1 & 1 == 1 {
@@ -121,25 +129,51 @@ impl LiveView {
                 continue;
             }
             let n = (w[1].load(Ordering::Relaxed) as usize).min(MAX_LIVE);
-            let mut found = false;
-            for i in 0..n {
-                let a = w[2 + 2 * i].load(Ordering::Relaxed);
-                let l = w[3 + 2 * i].load(Ordering::Relaxed);
-                if addr >= a
-                    && addr
-                        .checked_add(len)
-                        .is_some_and(|e| a.checked_add(l).is_some_and(|re| e <= re))
-                {
-                    found = true;
-                    break;
-                }
-            }
+            regions.clear();
+            regions.extend((0..n).map(|i| {
+                (
+                    w[2 + 2 * i].load(Ordering::Relaxed),
+                    w[3 + 2 * i].load(Ordering::Relaxed),
+                )
+            }));
             fence(Ordering::Acquire);
             if w[0].load(Ordering::Relaxed) == s1 {
-                return found;
+                return LiveSnapshot { regions, last: 0 };
             }
         }
-        false
+        LiveSnapshot {
+            regions: Vec::new(),
+            last: 0,
+        }
+    }
+}
+
+/// The live regions at one moment ([`LiveView::snapshot`]).
+pub struct LiveSnapshot {
+    regions: Vec<(u64, u64)>,
+    /// The region that covered the last slice asked about: slices come in runs of one region.
+    last: usize,
+}
+
+impl LiveSnapshot {
+    /// Whether `[addr, addr+len)` lies inside one region of the snapshot.
+    pub fn covers(&mut self, addr: u64, len: u64) -> bool {
+        let inside = |&(a, l): &(u64, u64)| {
+            addr >= a
+                && addr
+                    .checked_add(len)
+                    .is_some_and(|e| a.checked_add(l).is_some_and(|re| e <= re))
+        };
+        if self.regions.get(self.last).is_some_and(inside) {
+            return true;
+        }
+        match self.regions.iter().position(inside) {
+            Some(i) => {
+                self.last = i;
+                true
+            }
+            None => false,
+        }
     }
 }
 
@@ -157,8 +191,22 @@ mod tests {
         assert!(v.covers(0x5008, 8));
         assert!(!v.covers(0x10ff, 2), "past the region's end");
         assert!(!v.covers(u64::MAX, 2), "wraps");
+        let mut before = v.snapshot();
         t.publish(&[(0x5000, 0x10)]).unwrap();
         assert!(!v.covers(0x1000, 1), "unregistered");
+        // A snapshot is the table when it was read; the next one sees the change.
+        assert!(before.covers(0x1000, 0x10) && before.covers(0x5000, 1));
+        assert!(
+            before.covers(0x1000, 0x10),
+            "the last region asked about, again"
+        );
+        let mut after = v.snapshot();
+        assert!(after.covers(0x5000, 0x10));
+        assert!(!after.covers(0x1000, 0x10));
+        assert!(
+            !after.covers(0x5008, 9),
+            "past the end of the last region asked about"
+        );
     }
 
     #[test]

@@ -105,6 +105,9 @@ pub(super) struct Lane {
     pub(super) stream: Stream,
     pub(super) kernel: Option<PieceKernel>,
     pub(super) tables: Mutex<Vec<PieceTable>>,
+    /// Events of completed jobs, reused (an event per batch otherwise costs a create and a
+    /// destroy in the driver).
+    pub(super) events: Mutex<Vec<Event>>,
 }
 
 /// Device copies in flight: their event, slices and what must live until they end.
@@ -145,17 +148,37 @@ pub(super) fn parse_hex<const N: usize>(s: &str) -> Option<[u8; N]> {
     Some(out)
 }
 
+/// Spare events a lane keeps.
+const EVENTS_KEPT: usize = 64;
+
+/// How long the completion thread keeps polling for new jobs after its last one ended before
+/// it blocks: batches posted back to back then find it awake (a blocked thread's wake-up
+/// costs tens of microseconds, more than a copy of several MiB).
+const HOT_AFTER_LAST: Duration = Duration::from_millis(2);
+
 /// The completion thread: polls each job's event until it completes or its deadline passes.
 pub(super) fn complete_jobs(rx: mpsc::Receiver<Job>) {
     let mut jobs: Vec<Job> = Vec::new();
     let mut late: Vec<Job> = Vec::new();
     let mut open = true;
     let mut idle_since: Option<Instant> = None;
+    let mut last_done = Instant::now() - HOT_AFTER_LAST;
     while open || !jobs.is_empty() || !late.is_empty() {
         if jobs.is_empty() && late.is_empty() {
-            match rx.recv() {
-                Ok(j) => jobs.push(j),
-                Err(_) => open = false,
+            if last_done.elapsed() < HOT_AFTER_LAST {
+                match rx.try_recv() {
+                    Ok(j) => jobs.push(j),
+                    Err(mpsc::TryRecvError::Empty) => {
+                        std::thread::yield_now();
+                        continue;
+                    }
+                    Err(mpsc::TryRecvError::Disconnected) => open = false,
+                }
+            } else {
+                match rx.recv() {
+                    Ok(j) => jobs.push(j),
+                    Err(_) => open = false,
+                }
             }
         }
         loop {
@@ -176,8 +199,13 @@ pub(super) fn complete_jobs(rx: mpsc::Receiver<Job>) {
                 Ok(EventState::Done) => {
                     let j = jobs.swap_remove(i);
                     j.done.succeed_all(&j.ids);
+                    last_done = Instant::now();
                     if let Some(t) = j.table {
                         lock(&j.lane.tables).push(t);
+                    }
+                    let mut spare = lock(&j.lane.events);
+                    if spare.len() < EVENTS_KEPT {
+                        spare.push(j.event);
                     }
                 }
                 Ok(EventState::Pending) if now < jobs[i].deadline => i += 1,

@@ -143,6 +143,7 @@ impl CudaIpcTransport {
                 stream,
                 kernel,
                 tables: Mutex::new(Vec::new()),
+                events: Mutex::new(Vec::new()),
             })
         })
         .map_err(gpu_err)?;
@@ -313,40 +314,44 @@ impl Transport for CudaIpcTransport {
         done: CompletionSink,
         token: Option<crate::auth::Token>,
     ) {
-        let mut fallback = Vec::new();
-        let mut ipc_slices: Vec<(Slice, Arc<IpcRegionKeys>)> = Vec::with_capacity(slices.len());
-        // The route depends on the two regions only: decided once per pair. Consecutive
-        // slices almost always share the pair: the last one is checked before the table.
-        type Decided = Option<Arc<IpcRegionKeys>>;
-        let mut routes: HashMap<(u64, usize), Decided> = HashMap::new();
-        let mut last: Option<((u64, usize), Decided)> = None;
-        for s in slices {
+        // The route depends on the two regions only: decided once per pair (a submit names
+        // few pairs, and consecutive slices almost always share one: the last pair is tried
+        // first). `which[i]`: the index in `routes` of slice i's pair.
+        let mut routes: Vec<((u64, usize), Option<IpcRegionKeys>)> = Vec::new();
+        let mut which: Vec<u32> = Vec::with_capacity(slices.len());
+        let mut index: HashMap<(u64, usize), usize> = HashMap::new();
+        let mut last = usize::MAX;
+        for s in &slices {
             let pair = (s.local_region.addr, s.remote_buffer);
-            let decided = match &last {
-                Some((p, d)) if *p == pair => d.clone(),
-                _ => {
-                    let d = routes
-                        .entry(pair)
-                        .or_insert_with(|| {
-                            let k = decode_keys(peer, s.remote_buffer);
-                            match self.route_of(peer, &s.local_region, s.remote_buffer, &k) {
-                                Route::Ipc | Route::InProcess => {
-                                    k.and_then(|r| r.ok()).map(Arc::new)
-                                }
-                                Route::Fallback(_) => None,
-                            }
-                        })
-                        .clone();
-                    last = Some((pair, d.clone()));
-                    d
-                }
-            };
-            match decided {
+            if routes.get(last).is_none_or(|(p, _)| *p != pair) {
+                last = match index.get(&pair) {
+                    Some(&i) => i,
+                    None => {
+                        let k = decode_keys(peer, s.remote_buffer);
+                        let d = match self.route_of(peer, &s.local_region, s.remote_buffer, &k) {
+                            Route::Ipc | Route::InProcess => k.and_then(|r| r.ok()),
+                            Route::Fallback(_) => None,
+                        };
+                        routes.push((pair, d));
+                        index.insert(pair, routes.len() - 1);
+                        routes.len() - 1
+                    }
+                };
+            }
+            which.push(last as u32);
+        }
+        let mut fallback = Vec::new();
+        let mut ipc_slices: Vec<(Slice, &IpcRegionKeys)> = Vec::with_capacity(slices.len());
+        for (s, w) in slices.into_iter().zip(which) {
+            match &routes[w as usize].1 {
                 Some(k) => ipc_slices.push((s, k)),
                 None => fallback.push(s),
             }
         }
         if !ipc_slices.is_empty() {
+            if fallback.is_empty() {
+                done.expect_soon();
+            }
             fallback.extend(self.post_ipc(peer, ipc_slices, &done));
         }
         if !fallback.is_empty() {

@@ -241,7 +241,8 @@ impl TransferEngine {
     /// in place, GPUDirect through dma-buf or peer memory, or staged through pinned host
     /// memory); `None` when no registered region contains `addr`.
     pub fn region_path(&self, addr: u64) -> Option<crate::memory::RegistrationPath> {
-        self.registry.find(addr, 1).map(|e| e.keys.path)
+        // Without cloning the entry: its keys are JSON, and this runs at every submit.
+        self.registry.with_region(addr, 1, |e| e.keys.path)
     }
 
     /// Whether peers on this host reach the `cuda:N` region containing `addr` through CUDA IPC:

@@ -69,7 +69,21 @@ pub struct CudaIpcTransport {
     pub(super) credential: Option<crate::auth::Credential>,
     /// Slice size (bytes) for runs that take CUDA IPC (see the module doc).
     pub(super) ipc_slice: u64,
+    /// Peers' region keys as decoded, per descriptor (its address, kept valid by the `Weak`)
+    /// and buffer index: a descriptor does not change, and decoding its JSON per submit
+    /// costs microseconds.
+    decoded: Mutex<HashMap<usize, DecodedOf>>,
+    /// Whether local device `a` reaches the device of UUID `b` (a fact of this host that
+    /// costs several driver calls to find).
+    access: Mutex<HashMap<(u32, String), bool>>,
 }
+
+/// A peer's keys as `decode_keys` gives them.
+type Decoded = Option<std::result::Result<IpcRegionKeys, ()>>;
+/// The decoded keys of one descriptor's buffers.
+type DecodedOf = (std::sync::Weak<SegmentDescriptor>, HashMap<usize, Decoded>);
+/// Descriptors and device pairs remembered at most (more start the memory afresh).
+const DECODED_KEPT: usize = 64;
 
 /// The largest slice asked for on a CUDA IPC route: large enough that host work per slice is
 /// nothing beside the copy (a 64 MiB copy takes about 30 µs on an H200).
@@ -112,6 +126,8 @@ impl CudaIpcTransport {
             completer: Mutex::new(Some(completer)),
             credential: ctx.auth.credential(None),
             ipc_slice: ipc_slice_size(&ctx.config, inner_kind),
+            decoded: Mutex::new(HashMap::new()),
+            access: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -164,6 +180,59 @@ fn decode_keys(
 }
 
 impl CudaIpcTransport {
+    /// `decode_keys(peer, i)`, remembered per descriptor: `held` (the descriptor's `Arc`, when
+    /// the caller has it) lets a descriptor seen for the first time be remembered.
+    fn keys_of(
+        &self,
+        peer: &SegmentDescriptor,
+        held: Option<&Arc<SegmentDescriptor>>,
+        i: usize,
+    ) -> Decoded {
+        let at = peer as *const SegmentDescriptor as usize;
+        let mut cache = lock(&self.decoded);
+        if let Some((_, m)) = cache.get(&at) {
+            if let Some(k) = m.get(&i) {
+                return k.clone();
+            }
+        }
+        let k = decode_keys(peer, i);
+        if !cache.contains_key(&at) {
+            let Some(a) = held else { return k };
+            // Entries of descriptors gone are dropped; past the bound, all.
+            cache.retain(|_, (w, _)| w.strong_count() > 0);
+            if cache.len() >= DECODED_KEPT {
+                cache.clear();
+            }
+            cache.insert(at, (Arc::downgrade(a), HashMap::new()));
+        }
+        if let Some((_, m)) = cache.get_mut(&at) {
+            if m.len() < peer.buffers.len() {
+                m.insert(i, k.clone());
+            }
+        }
+        k
+    }
+
+    /// Whether local device `a` can access the device of `uuid` (remembered).
+    fn peer_access(&self, a: u32, uuid: &str) -> bool {
+        if let Some(&ok) = lock(&self.access).get(&(a, uuid.to_string())) {
+            return ok;
+        }
+        let ok = kvferry_cuda::guarded("peer access", || {
+            Ok(match ipc::ordinal_of_uuid(uuid) {
+                Some(b) => ipc::can_access_peer(a, b).unwrap_or(false),
+                None => false,
+            })
+        })
+        .unwrap_or(false);
+        let mut m = lock(&self.access);
+        if m.len() >= DECODED_KEPT {
+            m.clear();
+        }
+        m.insert((a, uuid.to_string()), ok);
+        ok
+    }
+
     /// The route of a slice between `local` and the peer's buffer `remote_buffer` whose keys
     /// decoded to `k`.
     fn route_of(
@@ -187,17 +256,9 @@ impl CudaIpcTransport {
             local,
             &buffer.region,
             k.as_ref().map(|r| r.as_ref().map_err(|_| ())),
-            |a, _| {
-                let Some(Ok(k)) = k.as_ref() else {
-                    return false;
-                };
-                kvferry_cuda::guarded("peer access", || {
-                    Ok(match ipc::ordinal_of_uuid(&k.device_uuid) {
-                        Some(b) => ipc::can_access_peer(a, b).unwrap_or(false),
-                        None => false,
-                    })
-                })
-                .unwrap_or(false)
+            |a, _| match k.as_ref() {
+                Some(Ok(k)) => self.peer_access(a, &k.device_uuid),
+                _ => false,
             },
             failed,
         )
@@ -215,7 +276,7 @@ impl Transport for CudaIpcTransport {
             peer,
             local,
             remote_buffer,
-            &decode_keys(peer, remote_buffer),
+            &self.keys_of(peer, None, remote_buffer),
         ) {
             Route::Ipc | Route::InProcess => crate::types::TransferPath::CudaIpc,
             Route::Fallback(_) => self.inner.path(peer, local, remote_buffer),
@@ -233,7 +294,7 @@ impl Transport for CudaIpcTransport {
             peer,
             local,
             remote_buffer,
-            &decode_keys(peer, remote_buffer),
+            &self.keys_of(peer, None, remote_buffer),
         ) {
             Route::Ipc | Route::InProcess => self.ipc_slice.max(default),
             Route::Fallback(_) => self.inner.slice_size(peer, local, remote_buffer, default),
@@ -327,7 +388,7 @@ impl Transport for CudaIpcTransport {
                 last = match index.get(&pair) {
                     Some(&i) => i,
                     None => {
-                        let k = decode_keys(peer, s.remote_buffer);
+                        let k = self.keys_of(peer, Some(peer), s.remote_buffer);
                         let d = match self.route_of(peer, &s.local_region, s.remote_buffer, &k) {
                             Route::Ipc | Route::InProcess => k.and_then(|r| r.ok()),
                             Route::Fallback(_) => None,

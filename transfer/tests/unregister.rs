@@ -2,27 +2,38 @@
 //! bytes from or into the region. It waits for the batches in flight on it (even one whose
 //! wait timed out, whose slices on the wire still land) or fails with `InUse`, leaving the
 //! region registered.
+//!
+//! The tests hold a slice in flight: the local region is at a device location whose copies go
+//! through a `MemoryAccess` that parks every copy into or out of the region until the test
+//! opens its gate, so a READ is provably still landing (a WRITE still reading the region) when
+//! `unregister_memory` is called, however fast loopback is.
 
 mod common;
 
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{engine, engine_with, Buf};
-use kvferry_transfer::{BatchStatus, Op, TransferEngine, TransferError, TransferRequest};
+use common::{assert_same, config, engine, Buf};
+use kvferry_transfer::{
+    Location, MemoryAccess, Op, Result, TransferEngine, TransferError, TransferRequest,
+};
 
-const LEN: usize = 48 << 20;
+/// Bytes moved per test: a few slices.
+const LEN: usize = 4 << 20;
 
 fn register(e: &TransferEngine, b: &Buf) {
     b.register(e);
 }
 
-/// Starts one `op` of `LEN` bytes between `local` (on `a`) and `remote` (on `b`).
+/// Starts one `op` of `len` bytes between `local` (on `a`) and `remote` (on `b`).
 fn start(
     a: &TransferEngine,
     b: &TransferEngine,
     op: Op,
     local: &Buf,
     remote: &Buf,
+    len: usize,
 ) -> kvferry_transfer::BatchId {
     let seg = a.open_segment(&b.segment_name()).unwrap();
     a.submit(
@@ -31,81 +42,204 @@ fn start(
             op,
             local_addr: local.addr(),
             remote_addr: remote.addr(),
-            len: LEN as u64,
+            len: len as u64,
         }],
     )
     .unwrap()
 }
 
+/// `cuda:0` memory that is host memory, whose copies wait for `open` (up to 30 s).
+#[derive(Default)]
+struct Gate {
+    state: Mutex<(bool, usize)>,
+    changed: Condvar,
+}
+
+impl Gate {
+    fn open(&self) {
+        self.state.lock().unwrap().0 = true;
+        self.changed.notify_all();
+    }
+
+    /// Counts a parked copy and waits (up to 30 s) for `open`.
+    fn park(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut s = self.state.lock().unwrap();
+        s.1 += 1;
+        self.changed.notify_all();
+        while !s.0 && Instant::now() < deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            s = self.changed.wait_timeout(s, left).unwrap().0;
+        }
+    }
+
+    /// Waits (up to 30 s) until a copy is parked at the gate.
+    fn wait_parked(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut s = self.state.lock().unwrap();
+        while s.1 == 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "no slice reached the gate");
+            s = self.changed.wait_timeout(s, left).unwrap().0;
+        }
+    }
+}
+
+impl MemoryAccess for Gate {
+    fn name(&self) -> &'static str {
+        "gated-host"
+    }
+    fn check(&self, location: Location) -> Result<()> {
+        match location {
+            Location::Cpu | Location::Cuda(0) => Ok(()),
+            other => Err(TransferError::Unsupported(format!("no {other}"))),
+        }
+    }
+    unsafe fn copy_from(&self, location: Location, src: u64, dst: &mut [u8]) -> Result<()> {
+        self.check(location)?;
+        self.park();
+        // SAFETY: the MemoryAccess caller's contract: the range is valid for `dst.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+    unsafe fn copy_to(&self, location: Location, dst: u64, src: &[u8]) -> Result<()> {
+        self.check(location)?;
+        self.park();
+        // SAFETY: the MemoryAccess caller's contract: the range is valid and writable for
+        // `src.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+}
+
+/// An engine whose `cuda:0` copies park at `gate`, and `local` registered there as `cuda:0`.
+fn gated_engine(
+    gate: &Arc<Gate>,
+    unregister_timeout: Duration,
+    local: &Buf,
+) -> Arc<TransferEngine> {
+    let mut c = config();
+    c.unregister_timeout = unregister_timeout;
+    let a = TransferEngine::with_memory_access(c, gate.clone()).unwrap();
+    // SAFETY: the buffer outlives the engine (the test drops the engine first); the gate's
+    // copies address it as host memory.
+    unsafe { a.register_memory(local.addr(), local.len(), Location::Cuda(0)) }.unwrap();
+    a
+}
+
 #[test]
 fn an_async_read_lands_nothing_after_unregister_returns() {
+    let gate = Arc::new(Gate::default());
     let local = Buf::zeroed(LEN);
     let remote = Buf::new(LEN, 7);
-    let (a, b) = (engine(), engine());
-    register(&a, &local);
+    let a = gated_engine(&gate, Duration::from_secs(30), &local);
+    let b = engine();
     register(&b, &remote);
-    let batch = start(&a, &b, Op::Read, &local, &remote);
-    // The waiter gives up at once: the slices already on the wire still land.
+    let batch = start(&a, &b, Op::Read, &local, &remote, LEN);
+    // A slice's bytes arrived and wait at the gate to land in the region.
+    gate.wait_parked();
+    let (tx, rx) = mpsc::channel();
+    let at_return = std::thread::scope(|s| {
+        s.spawn(|| {
+            let r = a.unregister_memory(local.addr());
+            // what the buffer holds the moment the engine says it is done with it
+            let _ = tx.send((r, local.bytes.clone()));
+        });
+        // An unregister that does not wait returns within this; one that waits cannot return
+        // before the gate opens.
+        let early = rx.recv_timeout(Duration::from_millis(500));
+        gate.open();
+        let (r, bytes) = match early {
+            Ok(v) => v,
+            Err(_) => rx
+                .recv_timeout(Duration::from_secs(30))
+                .expect("unregister_memory returns once the READ landed"),
+        };
+        r.expect("unregister_memory");
+        bytes
+    });
+    // Whatever the batch still does ends here; nothing of it may land after the return.
+    let waited = a.wait(batch, Duration::from_secs(20));
     assert!(
-        matches!(
-            a.wait(batch, Duration::from_micros(1)),
-            Err(TransferError::Timeout(_))
-        ) || a.status(batch) == BatchStatus::Completed
-    );
-    a.unregister_memory(local.addr()).unwrap();
-    let after = local.bytes.clone();
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(
-        after == local.bytes,
+        at_return == local.bytes,
         "bytes landed in the buffer after unregister_memory returned"
     );
+    assert_same(
+        &at_return,
+        &remote.bytes,
+        "what the READ landed before the return",
+    );
+    waited.expect("the READ completes");
     assert!(a.region_path(local.addr()).is_none());
 }
 
 #[test]
 fn an_async_write_sends_nothing_after_unregister_returns() {
+    let gate = Arc::new(Gate::default());
     let mut local = Buf::new(LEN, 3);
+    let sent = local.bytes.clone();
     let remote = Buf::zeroed(LEN);
-    let (a, b) = (engine(), engine());
-    register(&a, &local);
+    let a = gated_engine(&gate, Duration::from_secs(30), &local);
+    let b = engine();
     register(&b, &remote);
-    let batch = start(&a, &b, Op::Write, &local, &remote);
-    a.unregister_memory(local.addr()).unwrap();
-    // The engine is done with the buffer: what the peer holds now is all it will get.
+    let batch = start(&a, &b, Op::Write, &local, &remote, LEN);
+    // A slice's bytes wait at the gate to be read from the region and sent.
+    gate.wait_parked();
+    let addr = local.addr();
+    let (tx, rx) = mpsc::channel();
+    let a2 = a.clone();
+    let unregister = std::thread::spawn(move || {
+        let _ = tx.send(a2.unregister_memory(addr));
+    });
+    // An unregister that does not wait returns within this; one that waits cannot return
+    // before the gate opens.
+    let r = match rx.recv_timeout(Duration::from_millis(500)) {
+        Ok(r) => r,
+        Err(_) => {
+            gate.open();
+            rx.recv_timeout(Duration::from_secs(30))
+                .expect("unregister_memory returns once the WRITE was sent")
+        }
+    };
+    r.expect("unregister_memory");
+    // The engine is done with the buffer: its owner reuses it.
     local.fill(99);
-    let landed = remote.bytes.clone();
-    std::thread::sleep(Duration::from_millis(300));
+    gate.open();
+    let waited = a.wait(batch, Duration::from_secs(20));
+    unregister.join().unwrap();
     assert!(
-        landed == remote.bytes,
-        "the WRITE kept sending after unregister"
+        remote.bytes == sent,
+        "the WRITE sent bytes read from the buffer after unregister_memory returned"
     );
-    assert!(matches!(
-        a.status(batch),
-        BatchStatus::Completed | BatchStatus::Failed(_) | BatchStatus::Invalid
-    ));
+    waited.expect("the WRITE completes");
+    assert!(a.region_path(addr).is_none());
 }
 
 #[test]
 fn a_region_still_in_use_at_the_deadline_stays_registered_and_unregister_says_in_use() {
+    let gate = Arc::new(Gate::default());
     let local = Buf::zeroed(LEN);
     let remote = Buf::new(LEN, 5);
-    let a = engine_with(|c| c.unregister_timeout = Duration::from_millis(1));
+    let a = gated_engine(&gate, Duration::from_millis(200), &local);
     let b = engine();
-    register(&a, &local);
     register(&b, &remote);
-    let batch = start(&a, &b, Op::Read, &local, &remote);
-    let t = Instant::now();
-    match a.unregister_memory(local.addr()) {
+    let batch = start(&a, &b, Op::Read, &local, &remote, LEN);
+    // The READ is landing (held at the gate) for the whole of the unregister deadline.
+    gate.wait_parked();
+    let r = a.unregister_memory(local.addr());
+    gate.open();
+    match r {
         Err(TransferError::InUse { addr, batches, .. }) => {
             assert_eq!(addr, local.addr());
             assert_eq!(batches, 1);
-            assert!(a.region_path(local.addr()).is_some(), "it stays registered");
         }
-        // the whole read landed within the millisecond: nothing to refuse
-        Ok(()) => assert!(t.elapsed() < Duration::from_millis(50)),
-        Err(e) => panic!("unexpected: {e}"),
+        other => panic!("unregister_memory while a READ lands in the region: {other:?}"),
     }
-    a.wait(batch, Duration::from_secs(20)).unwrap_or(());
-    let _ = a.unregister_memory(local.addr());
+    assert!(a.region_path(local.addr()).is_some(), "it stays registered");
+    // Still registered, so the READ completes into it; then it can go.
+    a.wait(batch, Duration::from_secs(20))
+        .expect("the READ completes");
+    assert_same(&local.bytes, &remote.bytes, "the READ's bytes");
+    a.unregister_memory(local.addr()).unwrap();
     assert!(a.region_path(local.addr()).is_none());
 }

@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::Side;
+use common::{consumer_config, producer_config, spec_at, Side, NUM_TOKENS};
 use kvferry_checksum::policy::Policy;
 use kvferry_checksum::verdict::Verdict;
 use kvferry_p2p::proto::consumer::FailReason;
@@ -25,42 +25,8 @@ use kvferry_p2p::{
 use kvferry_transfer::{Secret, TransferEngine};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-const NUM_TOKENS: u64 = 40;
-
 fn secret() -> Secret {
     Secret::from_bytes(b"p2p test shared secret, 32 bytes").unwrap()
-}
-
-fn producer_config() -> ProducerConfig {
-    ProducerConfig {
-        transfer_timeout: Duration::from_secs(10),
-        ..ProducerConfig::default()
-    }
-}
-
-fn consumer_config() -> ConsumerConfig {
-    ConsumerConfig {
-        policy: Policy::default(),
-        reply_timeout: Duration::from_secs(10),
-        max_wait: Duration::from_secs(20),
-        ..ConsumerConfig::default()
-    }
-}
-
-fn spec(request_id: &str, endpoint: &str, load_key: Option<String>) -> LoadSpec {
-    LoadSpec {
-        request_id: request_id.into(),
-        producer: endpoint.into(),
-        groups: vec![LoadGroup {
-            remote_block_size: None,
-            group_id: 0,
-            remote_blocks: vec![Some(3), Some(5), Some(1)],
-            local_blocks: vec![Some(7), Some(2), Some(10)],
-        }],
-        num_local_computed: 0,
-        num_tokens: NUM_TOKENS,
-        load_key,
-    }
 }
 
 /// A WRITE (op 1) or READ (op 2) frame with no token, as an attacker who fetched nothing sends.
@@ -112,7 +78,7 @@ async fn loaded_pair(secret: Option<Secret>) -> (Producer, Consumer, Side, Side)
         .await
         .unwrap();
     let out = consumer
-        .load(spec("req-1", producer.endpoint(), Some(info.load_key)))
+        .load(spec_at("req-1", producer.endpoint(), Some(info.load_key)))
         .await
         .unwrap();
     assert_eq!(out.verdict, Some(Verdict::Verified));
@@ -196,7 +162,7 @@ async fn a_stranger_cannot_load_another_consumers_request() {
     assert_eq!(info.load_key.len(), 32);
     // no key, a wrong key: ERROR, nothing written, the lease stays
     for key in [None, Some("0".repeat(32))] {
-        let err = stranger.load(spec("req-1", &ep, key)).await.unwrap_err();
+        let err = stranger.load(spec_at("req-1", &ep, key)).await.unwrap_err();
         assert!(
             matches!(&err, LoadError::Failed { reason: FailReason::Producer(w), .. } if w.contains("load key")),
             "{err}"
@@ -205,16 +171,16 @@ async fn a_stranger_cannot_load_another_consumers_request() {
     assert!(stranger_side.block_bytes(0, 0, 7).iter().all(|&b| b == 0));
     assert!(producer.released().is_empty(), "the lease was not consumed");
     let out = owner
-        .load(spec("req-1", &ep, Some(info.load_key)))
+        .load(spec_at("req-1", &ep, Some(info.load_key)))
         .await
         .unwrap();
     assert_eq!(out.verdict, Some(Verdict::Verified));
     // a stranger asking before the publish cannot lock the owner out either
-    let early = stranger.load(spec("req-2", &ep, Some("f".repeat(32))));
+    let early = stranger.load(spec_at("req-2", &ep, Some("f".repeat(32))));
     let real = async {
         tokio::time::sleep(Duration::from_millis(100)).await;
         owner
-            .load(spec("req-2", &ep, Some("owner-key".into())))
+            .load(spec_at("req-2", &ep, Some("owner-key".into())))
             .await
     };
     let publish = async {
@@ -299,7 +265,7 @@ async fn a_finish_must_prove_the_loads_token() {
         ),
     ];
     for (what, ep, accepted) in cases {
-        let r = consumer.load(spec("req-f", &ep, None)).await;
+        let r = consumer.load(spec_at("req-f", &ep, None)).await;
         if accepted {
             assert!(r.is_ok(), "{what}: {r:?}");
         } else {
@@ -469,7 +435,9 @@ async fn a_producer_without_the_secret_gets_nothing_from_a_secret_consumer() {
     let key = kvferry_p2p::derive_load_key(&secret(), "req-1");
     for proof in [None, Some(vec![9u8; 32])] {
         let (ep, loot) = stealing_producer(proof.clone(), thief.clone(), src).await;
-        let r = consumer.load(spec("req-1", &ep, Some(key.clone()))).await;
+        let r = consumer
+            .load(spec_at("req-1", &ep, Some(key.clone())))
+            .await;
         let loot = loot.lock().unwrap();
         assert!(
             matches!(&r, Err(LoadError::Connect { why, .. }) if why.contains("did not prove the shared secret")),
@@ -528,7 +496,7 @@ async fn captured_requests_are_useless_in_another_session_or_run() {
     let key = kvferry_p2p::derive_load_key(&secret(), "req-1");
     let layouts: Vec<_> = c.workers.iter().map(|w| w.layout()).collect();
     let (request, _) =
-        kvferry_p2p::proto::request::build_request(&layouts, 1, 1, &spec("req-1", "", None))
+        kvferry_p2p::proto::request::build_request(&layouts, 1, 1, &spec_at("req-1", "", None))
             .unwrap();
     let machine = || {
         ConsumerMachine::new(Duration::from_secs(10), Duration::from_secs(20), 1)
@@ -586,7 +554,7 @@ async fn captured_requests_are_useless_in_another_session_or_run() {
     // an open-mode consumer holding the real load key: refused too
     let open_side = Side::new(1, 1, 12, None);
     let open = Consumer::new(consumer_config(), open_side.workers.clone()).unwrap();
-    let r = open.load(spec("req-1", &ep, Some(key.clone()))).await;
+    let r = open.load(spec_at("req-1", &ep, Some(key.clone()))).await;
     assert!(
         matches!(&r, Err(LoadError::Failed { reason: FailReason::Producer(w), .. }) if w.contains("does not prove the shared secret")),
         "{r:?}"
@@ -595,7 +563,10 @@ async fn captured_requests_are_useless_in_another_session_or_run() {
     // the lease is intact: its owner loads it
     assert!(run2.released().is_empty());
     let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
-    let out = consumer.load(spec("req-1", &ep, Some(key))).await.unwrap();
+    let out = consumer
+        .load(spec_at("req-1", &ep, Some(key)))
+        .await
+        .unwrap();
     assert_eq!(out.verdict, Some(Verdict::Verified));
     run2.shutdown().await;
 }
@@ -648,7 +619,7 @@ async fn a_relaying_man_in_the_middle_fails_on_the_control_channel() {
     // passed on as it is: the producer refuses a hello naming the relay
     let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
     let r = consumer
-        .load(spec(
+        .load(spec_at(
             "req-1",
             &relay(ep.clone(), None).await,
             Some(key.clone()),
@@ -661,7 +632,7 @@ async fn a_relaying_man_in_the_middle_fails_on_the_control_channel() {
     // rewritten to name the producer: its proof names the producer, the consumer dialed the relay
     let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
     let r = consumer
-        .load(spec(
+        .load(spec_at(
             "req-1",
             &relay(ep.clone(), Some(ep.clone())).await,
             Some(key.clone()),
@@ -673,7 +644,10 @@ async fn a_relaying_man_in_the_middle_fails_on_the_control_channel() {
     );
     assert!(c.block_bytes(0, 0, 7).iter().all(|&b| b == 0));
     // the lease is intact
-    let out = consumer.load(spec("req-1", &ep, Some(key))).await.unwrap();
+    let out = consumer
+        .load(spec_at("req-1", &ep, Some(key)))
+        .await
+        .unwrap();
     assert_eq!(out.verdict, Some(Verdict::Verified));
     producer.shutdown().await;
 }
@@ -695,7 +669,7 @@ async fn open_mode_key_proofs_are_bound_to_their_session() {
         .unwrap();
     let layouts: Vec<_> = c.workers.iter().map(|w| w.layout()).collect();
     let (request, _) =
-        kvferry_p2p::proto::request::build_request(&layouts, 1, 1, &spec("req-1", "", None))
+        kvferry_p2p::proto::request::build_request(&layouts, 1, 1, &spec_at("req-1", "", None))
             .unwrap();
     let mut owner = ConsumerMachine::new(Duration::from_secs(10), Duration::from_secs(20), 1);
     let mut d = dealer(&ep).await;

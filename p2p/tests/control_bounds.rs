@@ -12,33 +12,12 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use common::Side;
+use common::{
+    connect_from, consumer_config, greeting, producer_config, ready, spec_at, Side, NUM_TOKENS,
+};
 use kvferry_p2p::proto::consumer::FailReason;
 use kvferry_p2p::{Consumer, ConsumerConfig, LoadError, LoadGroup, LoadSpec, Producer};
 use kvferry_p2p::{ProducerConfig, DEFAULT_MAX_ZMTP_MESSAGE};
-
-const NUM_TOKENS: u64 = 40;
-
-fn greeting() -> [u8; 64] {
-    let mut g = [0u8; 64];
-    g[0] = 0xff;
-    g[9] = 0x7f;
-    g[10] = 3;
-    g[12..16].copy_from_slice(b"NULL");
-    g
-}
-
-fn ready(socket_type: &str) -> Vec<u8> {
-    let mut body = vec![5u8];
-    body.extend_from_slice(b"READY");
-    body.push(11);
-    body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
-    body.extend_from_slice(socket_type.as_bytes());
-    let mut f = vec![0x04, body.len() as u8];
-    f.extend_from_slice(&body);
-    f
-}
 
 /// A long message frame header declaring `len` body bytes.
 fn long_header(len: u64) -> Vec<u8> {
@@ -86,37 +65,6 @@ fn closed_by_peer(s: &mut TcpStream, deadline: Instant) -> bool {
     false
 }
 
-fn spec(request_id: &str, producer: &str) -> LoadSpec {
-    LoadSpec {
-        request_id: request_id.into(),
-        producer: producer.to_string(),
-        groups: vec![LoadGroup {
-            remote_block_size: None,
-            group_id: 0,
-            remote_blocks: vec![Some(3), Some(5), Some(1)],
-            local_blocks: vec![Some(7), Some(2), Some(10)],
-        }],
-        num_local_computed: 0,
-        num_tokens: NUM_TOKENS,
-        load_key: None,
-    }
-}
-
-fn producer_config() -> ProducerConfig {
-    ProducerConfig {
-        transfer_timeout: Duration::from_secs(10),
-        ..ProducerConfig::default()
-    }
-}
-
-fn consumer_config() -> ConsumerConfig {
-    ConsumerConfig {
-        reply_timeout: Duration::from_secs(10),
-        max_wait: Duration::from_secs(20),
-        ..ConsumerConfig::default()
-    }
-}
-
 /// A real load still verifies on `producer` (it kept serving).
 async fn a_load_verifies(producer: &Producer, c: &Side, request_id: &str) {
     producer
@@ -131,7 +79,7 @@ async fn a_load_verifies(producer: &Producer, c: &Side, request_id: &str) {
     let out = consumer
         .load(LoadSpec {
             load_key: producer.load_key(request_id),
-            ..spec(request_id, producer.endpoint())
+            ..spec_at(request_id, producer.endpoint(), None)
         })
         .await
         .unwrap();
@@ -227,7 +175,7 @@ async fn a_message_over_a_configured_limit_is_refused_and_one_under_it_served() 
     )
     .unwrap();
     let err = consumer
-        .load(spec("small-limit", producer.endpoint()))
+        .load(spec_at("small-limit", producer.endpoint(), None))
         .await
         .unwrap_err();
     assert!(
@@ -271,7 +219,10 @@ async fn a_hostile_producer_cannot_crash_the_consumer() {
         closed_by_peer(&mut s, Instant::now() + Duration::from_secs(10))
     });
     let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
-    let err = consumer.load(spec("hostile", &endpoint)).await.unwrap_err();
+    let err = consumer
+        .load(spec_at("hostile", &endpoint, None))
+        .await
+        .unwrap_err();
     match &err {
         LoadError::Connect { why, .. } => assert!(why.contains("maximum message size"), "{why}"),
         other => panic!("expected a lost connection, got {other:?}"),
@@ -280,17 +231,6 @@ async fn a_hostile_producer_cannot_crash_the_consumer() {
         fake.join().unwrap(),
         "the consumer must drop the connection"
     );
-}
-
-/// A raw connection to `addr` from source IP `from` (127.0.0.x: Linux routes all of 127/8 to
-/// loopback), blocking, with a read timeout for [`closed_by_peer`].
-async fn connect_from(from: &str, addr: &str) -> TcpStream {
-    let sock = tokio::net::TcpSocket::new_v4().unwrap();
-    sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
-    let s = sock.connect(addr.parse().unwrap()).await.unwrap();
-    let s = s.into_std().unwrap();
-    s.set_nonblocking(false).unwrap();
-    s
 }
 
 /// Greeting and READY done: a DEALER peer ready to send messages.
@@ -314,8 +254,8 @@ async fn a_half_greeting_is_dropped_at_the_handshake_deadline() {
     };
     let producer = Producer::start(cfg, p.workers.clone()).await.unwrap();
     let addr = tcp_addr(producer.endpoint());
-    let mut idle = connect_from("127.0.0.2", &addr).await;
-    let mut half = connect_from("127.0.0.2", &addr).await;
+    let mut idle = connect_from("127.0.0.2", &addr).await.unwrap();
+    let mut half = connect_from("127.0.0.2", &addr).await.unwrap();
     half.write_all(&greeting()[..10]).unwrap();
     let closed = tokio::task::spawn_blocking(move || {
         let until = Instant::now() + Duration::from_secs(5);
@@ -345,8 +285,8 @@ async fn a_half_sent_frame_is_dropped_at_the_frame_deadline() {
     };
     let producer = Producer::start(cfg, p.workers.clone()).await.unwrap();
     let addr = tcp_addr(producer.endpoint());
-    let mut s = connect_from("127.0.0.2", &addr).await;
-    let mut quiet = connect_from("127.0.0.2", &addr).await;
+    let mut s = connect_from("127.0.0.2", &addr).await.unwrap();
+    let mut quiet = connect_from("127.0.0.2", &addr).await.unwrap();
     let closed = tokio::task::spawn_blocking(move || {
         handshake(&mut s);
         handshake(&mut quiet);
@@ -383,16 +323,16 @@ async fn connections_past_the_per_source_and_total_limits_are_closed_at_accept()
     let addr = tcp_addr(producer.endpoint());
     let mut held = Vec::new();
     for _ in 0..5 {
-        held.push(connect_from("127.0.0.2", &addr).await);
+        held.push(connect_from("127.0.0.2", &addr).await.unwrap());
     }
-    let over_source = connect_from("127.0.0.2", &addr).await;
+    let over_source = connect_from("127.0.0.2", &addr).await.unwrap();
     for _ in 0..5 {
-        held.push(connect_from("127.0.0.3", &addr).await);
+        held.push(connect_from("127.0.0.3", &addr).await.unwrap());
     }
     // 10 held: one more source may take 2 places, then the total is reached.
-    held.push(connect_from("127.0.0.4", &addr).await);
-    held.push(connect_from("127.0.0.4", &addr).await);
-    let over_total = connect_from("127.0.0.5", &addr).await;
+    held.push(connect_from("127.0.0.4", &addr).await.unwrap());
+    held.push(connect_from("127.0.0.4", &addr).await.unwrap());
+    let over_total = connect_from("127.0.0.5", &addr).await.unwrap();
     let (closed, held) = tokio::task::spawn_blocking(move || {
         let until = || Instant::now() + Duration::from_secs(2);
         let (mut a, mut b) = (over_source, over_total);

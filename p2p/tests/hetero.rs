@@ -8,7 +8,10 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Side, BLOCK, HEAD_DIM};
+use common::{
+    consumer_config, producer_config, spec, Side, BLOCK, HEAD_DIM, LOCAL_BLOCKS, NUM_TOKENS,
+    REMOTE_BLOCKS,
+};
 use kvferry_checksum::policy::Action;
 use kvferry_checksum::verdict::Verdict;
 use kvferry_p2p::{
@@ -17,10 +20,6 @@ use kvferry_p2p::{
 
 const PRODUCER_BLOCKS: u64 = 8;
 const CONSUMER_BLOCKS: u64 = 12;
-/// 40 tokens in 3 blocks on both sides, at different block ids.
-const NUM_TOKENS: u64 = 40;
-const REMOTE: [u64; 3] = [3, 5, 1];
-const LOCAL: [u64; 3] = [7, 2, 10];
 
 struct Pair {
     producer: Producer,
@@ -42,45 +41,15 @@ async fn pair2(
 ) -> Pair {
     let ps = Side::shaped(p.0, p.1, PRODUCER_BLOCKS, Some(7), p_shape);
     let cs = Side::shaped(c.0, c.1, CONSUMER_BLOCKS, Some(99), c_shape);
-    let producer = Producer::start(
-        ProducerConfig {
-            transfer_timeout: Duration::from_secs(10),
-            ..ProducerConfig::default()
-        },
-        ps.workers.clone(),
-    )
-    .await
-    .unwrap();
-    let consumer = Consumer::new(
-        ConsumerConfig {
-            reply_timeout: Duration::from_secs(10),
-            max_wait: Duration::from_secs(20),
-            ..ConsumerConfig::default()
-        },
-        cs.workers.clone(),
-    )
-    .unwrap();
+    let producer = Producer::start(producer_config(), ps.workers.clone())
+        .await
+        .unwrap();
+    let consumer = Consumer::new(consumer_config(), cs.workers.clone()).unwrap();
     Pair {
         producer,
         consumer,
         p: ps,
         c: cs,
-    }
-}
-
-fn spec(request_id: &str, producer: &Producer) -> LoadSpec {
-    LoadSpec {
-        request_id: request_id.into(),
-        producer: producer.endpoint().to_string(),
-        groups: vec![LoadGroup {
-            remote_block_size: None,
-            group_id: 0,
-            remote_blocks: REMOTE.iter().map(|&b| Some(b)).collect(),
-            local_blocks: LOCAL.iter().map(|&b| Some(b)).collect(),
-        }],
-        num_local_computed: 0,
-        num_tokens: NUM_TOKENS,
-        load_key: producer.load_key(request_id),
     }
 }
 
@@ -114,7 +83,7 @@ fn assert_heads_landed(pair: &Pair) {
                     .unwrap_or_else(|| {
                         panic!("no producer rank holds head {h} of {}", layer.spec.name)
                     });
-                for (r, l) in REMOTE.iter().zip(LOCAL) {
+                for (r, l) in REMOTE_BLOCKS.iter().zip(LOCAL_BLOCKS) {
                     assert_eq!(
                         pair.p.head_bytes(pr, pl, ph, *r),
                         pair.c.head_bytes(cr, cl, j, l),
@@ -140,7 +109,7 @@ fn consumer_bytes(side: &Side) -> u64 {
 
 async fn verifies(p: (u32, u32), c: (u32, u32), shape: (u32, u64, u64)) {
     let pair = pair(p, c, shape).await;
-    let table = REMOTE.iter().map(|&b| Some(b)).collect();
+    let table = REMOTE_BLOCKS.iter().map(|&b| Some(b)).collect();
     pair.producer
         .publish("req-1", vec![table], NUM_TOKENS)
         .await
@@ -204,13 +173,13 @@ async fn different_pp_sizes_and_both_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flipped_bit_is_found_with_different_tp_sizes() {
     let pair = pair((1, 1), (2, 1), TWO_HEADS).await;
-    let table = REMOTE.iter().map(|&b| Some(b)).collect();
+    let table = REMOTE_BLOCKS.iter().map(|&b| Some(b)).collect();
     pair.producer
         .publish("req-c", vec![table], NUM_TOKENS)
         .await
         .unwrap();
     // consumer TP rank 1 (head 1), second loaded block
-    let addr = pair.c.token_addr(1, 0, LOCAL[1], 3);
+    let addr = pair.c.token_addr(1, 0, LOCAL_BLOCKS[1], 3);
     pair.consumer
         .set_landed_hook(Some(Arc::new(move |_: &Landed| {
             // SAFETY: inside the consumer's layer array, which the test keeps alive.
@@ -237,7 +206,7 @@ async fn a_consumer_of_another_head_count_is_refused_with_a_clear_error() {
     // served from, silently loading part of the KV)
     for (p_shape, c_shape) in [(TWO_HEADS, FOUR_HEADS), (FOUR_HEADS, TWO_HEADS)] {
         let pair = pair2((1, 1), (2, 1), p_shape, c_shape).await;
-        let table = REMOTE.iter().map(|&b| Some(b)).collect();
+        let table = REMOTE_BLOCKS.iter().map(|&b| Some(b)).collect();
         pair.producer
             .publish("req-h", vec![table], NUM_TOKENS)
             .await

@@ -16,20 +16,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::Side;
+use common::{connect_from, consumer_config, greeting, open_fds, ready, spec, Side, NUM_TOKENS};
 use kvferry_p2p::{Consumer, ConsumerConfig, LoadGroup, LoadSpec, Producer, ProducerConfig};
 use kvferry_transfer::Secret;
 
-const NUM_TOKENS: u64 = 40;
 const FD_LIMIT: u64 = 256;
 /// Half-greetings held open at once.
 const HALF_GREETINGS: usize = 40;
-
-fn open_fds() -> u64 {
-    std::fs::read_dir("/proc/self/fd")
-        .map(|d| d.count() as u64)
-        .unwrap_or(0)
-}
 
 fn rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
@@ -54,64 +47,6 @@ impl Write for Counting {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
-}
-
-fn greeting() -> [u8; 64] {
-    let mut g = [0u8; 64];
-    g[0] = 0xff;
-    g[9] = 0x7f;
-    g[10] = 3;
-    g[12..16].copy_from_slice(b"NULL");
-    g
-}
-
-fn ready() -> Vec<u8> {
-    let mut body = vec![5u8];
-    body.extend_from_slice(b"READY");
-    body.push(11);
-    body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&6u32.to_be_bytes());
-    body.extend_from_slice(b"DEALER");
-    let mut f = vec![0x04, body.len() as u8];
-    f.extend_from_slice(&body);
-    f
-}
-
-fn spec(request_id: &str, producer: &Producer) -> LoadSpec {
-    LoadSpec {
-        request_id: request_id.into(),
-        producer: producer.endpoint().to_string(),
-        groups: vec![LoadGroup {
-            remote_block_size: None,
-            group_id: 0,
-            remote_blocks: vec![Some(3), Some(5), Some(1)],
-            local_blocks: vec![Some(7), Some(2), Some(10)],
-        }],
-        num_local_computed: 0,
-        num_tokens: NUM_TOKENS,
-        load_key: producer.load_key(request_id),
-    }
-}
-
-fn consumer_config() -> ConsumerConfig {
-    ConsumerConfig {
-        reply_timeout: Duration::from_secs(10),
-        max_wait: Duration::from_secs(20),
-        ..ConsumerConfig::default()
-    }
-}
-
-/// A raw connection to `addr` from source IP `from` (127.0.0.x: Linux routes all of 127/8 to
-/// loopback; the hostile peers are not the legitimate consumers' 127.0.0.1).
-fn connect_from(rt: &tokio::runtime::Handle, from: &str, addr: &str) -> Option<TcpStream> {
-    rt.block_on(async {
-        let sock = tokio::net::TcpSocket::new_v4().ok()?;
-        sock.bind(format!("{from}:0").parse().ok()?).ok()?;
-        let s = sock.connect(addr.parse().ok()?).await.ok()?;
-        let s = s.into_std().ok()?;
-        s.set_nonblocking(false).ok()?;
-        Some(s)
-    })
 }
 
 /// The test's runtime (each runtime of its own would cost fds under the low limit).
@@ -176,7 +111,7 @@ async fn legitimate_loads_alongside_hostile_connections_under_a_256_fd_limit() {
         let addr = control.clone();
         let (rt, from) = (runtime(), format!("127.0.0.{}", 2 + i % 4));
         threads.push(hostile(&stop, &counts[0], move || {
-            if let Some(mut s) = connect_from(&rt, &from, &addr) {
+            if let Some(mut s) = rt.block_on(connect_from(&from, &addr)) {
                 let _ = s.write_all(&greeting()[..10]);
                 let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
                 let _ = s.read(&mut [0u8; 64]);
@@ -189,9 +124,9 @@ async fn legitimate_loads_alongside_hostile_connections_under_a_256_fd_limit() {
     let addr = control.clone();
     let rt = runtime();
     threads.push(hostile(&stop, &counts[1], move || {
-        if let Some(mut s) = connect_from(&rt, "127.0.0.6", &addr) {
+        if let Some(mut s) = rt.block_on(connect_from("127.0.0.6", &addr)) {
             let _ = s.write_all(&greeting());
-            let _ = s.write_all(&ready());
+            let _ = s.write_all(&ready("DEALER"));
             let mut h = vec![0x02u8];
             h.extend_from_slice(&(8u64 << 30).to_be_bytes());
             let _ = s.write_all(&h);
@@ -206,7 +141,7 @@ async fn legitimate_loads_alongside_hostile_connections_under_a_256_fd_limit() {
     let addr = handshake.clone();
     let rt = runtime();
     threads.push(hostile(&stop, &counts[2], move || {
-        if let Some(mut s) = connect_from(&rt, "127.0.0.7", &addr) {
+        if let Some(mut s) = rt.block_on(connect_from("127.0.0.7", &addr)) {
             let mut f = (1u64 << 40).to_le_bytes().to_vec();
             f.push(1);
             let _ = s.write_all(&f);
@@ -273,14 +208,18 @@ async fn legitimate_loads_alongside_hostile_connections_under_a_256_fd_limit() {
                 failed += 1
             }
             Err(e) => {
-                eprintln!("soak: load {rid} failed: {e} ({} fds)", open_fds());
+                eprintln!("soak: load {rid} failed: {e} ({} fds)", (open_fds() as u64));
                 failed += 1
             }
         }
         drop(consumer);
         drop(c);
         if Instant::now() >= next_sample {
-            samples.push((started.elapsed().as_secs_f64(), open_fds(), rss_kib()));
+            samples.push((
+                started.elapsed().as_secs_f64(),
+                (open_fds() as u64),
+                rss_kib(),
+            ));
             next_sample += Duration::from_secs(1);
         }
     }

@@ -4,6 +4,7 @@ docstrings. Runs without Mooncake, libibverbs or a GPU."""
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -223,3 +224,52 @@ def test_register_memory_refuses_ranges_the_process_has_not_mapped():
     buf = np.zeros(8192, dtype=np.uint8)
     assert e.register_memory(buf.ctypes.data, buf.nbytes) == 0
     assert e.unregister_memory(buf.ctypes.data) == 0
+
+
+# A target engine in a process of its own (so that it can be stopped): registers LEN bytes
+# of 7s and prints its handshake port and their address.
+TARGET = """
+import sys
+import numpy as np
+from kvferry import TransferEngine
+e = TransferEngine()
+assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+buf = np.full(%d, 7, dtype=np.uint8)
+assert e.register_memory(buf.ctypes.data, buf.nbytes) == 0
+print(e.get_rpc_port(), buf.ctypes.data, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_unregister_memory_returns_4_while_a_transfer_uses_the_region():
+    """-4 (Mooncake's ERR_BATCH_BUSY) while a READ into the region is outstanding (its target
+    is stopped with SIGSTOP), after unregister_memory's 5 s wait: the region stays registered,
+    and the READ completes into it once the target runs again; then it unregisters."""
+    n = 8 << 20
+    child = subprocess.Popen([sys.executable, "-c", TARGET % n], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        port, remote = map(int, child.stdout.readline().split())
+        target = f"127.0.0.1:{port}"
+        e = engine()
+        buf = np.zeros(n, dtype=np.uint8)
+        assert e.register_memory(buf.ctypes.data, n) == 0
+        # the target's descriptor is fetched while it runs
+        assert e.transfer_sync_read(target, buf.ctypes.data, remote, 4096) == 0
+        os.kill(child.pid, signal.SIGSTOP)
+        try:
+            bid = e.batch_transfer_async_read(target, [buf.ctypes.data], [remote], [n])
+            assert bid != 0
+            assert e.unregister_memory(buf.ctypes.data) == -4
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+        assert e.get_batch_transfer_status([bid]) == 0
+        assert (buf == 7).all()
+        assert e.unregister_memory(buf.ctypes.data) == 0
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

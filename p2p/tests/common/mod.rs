@@ -1,16 +1,20 @@
 //! A small model on loopback for the connector's integration tests: 2 layers,
 //! 2 KV heads, head size 8, bf16, block size 16, layout `KV B N H D`, held by
 //! TP×PP ranks on each side; every rank has its own TCP transfer engine and CPU
-//! checksum backend, and host memory registered with its engine.
+//! checksum backend, and host memory registered with its engine. Also the tests' common load
+//! (spec, configurations), fd helpers and raw ZMTP peers.
 #![allow(dead_code)]
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvferry_checksum::group::{plan_group, CacheDesc, GroupPlan, RankInfo};
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
 use kvferry_kernels::{CpuBackend, LayerInput};
-use kvferry_p2p::{Worker, WorkerGroup};
+use kvferry_p2p::{
+    ConsumerConfig, LoadGroup, LoadSpec, Producer, ProducerConfig, Worker, WorkerGroup,
+};
 use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransportKind};
 use rand::RngCore;
 use rand_chacha::rand_core::SeedableRng;
@@ -371,4 +375,121 @@ impl Side {
         let l = &self.workers[rank].groups[group].layers[layer];
         l.addr + l.spec.geometry.byte_offset(0, block, token, 0, 0)
     }
+}
+
+// The tests' load: one request of 40 tokens in 3 blocks (the last one partly filled), at
+// different block ids on each side, with the deadlines most tests share.
+
+/// Tokens of the tests' request.
+pub const NUM_TOKENS: u64 = 40;
+/// Producer block ids of the tests' request (publish them as [`published_blocks`]).
+pub const REMOTE_BLOCKS: [u64; 3] = [3, 5, 1];
+/// Consumer block ids the tests' request lands in.
+pub const LOCAL_BLOCKS: [u64; 3] = [7, 2, 10];
+
+/// The block table to publish for the tests' request (group 0: [`REMOTE_BLOCKS`]).
+pub fn published_blocks() -> Vec<Vec<Option<u64>>> {
+    vec![REMOTE_BLOCKS.iter().map(|&b| Some(b)).collect()]
+}
+
+/// The tests' load of `request_id` from the producer at `endpoint` (`tcp://host:port`):
+/// group 0, [`REMOTE_BLOCKS`] into [`LOCAL_BLOCKS`], [`NUM_TOKENS`] tokens, none computed
+/// locally, with `load_key`.
+pub fn spec_at(request_id: &str, endpoint: &str, load_key: Option<String>) -> LoadSpec {
+    LoadSpec {
+        request_id: request_id.into(),
+        producer: endpoint.into(),
+        groups: vec![LoadGroup {
+            remote_block_size: None,
+            group_id: 0,
+            remote_blocks: REMOTE_BLOCKS.iter().map(|&b| Some(b)).collect(),
+            local_blocks: LOCAL_BLOCKS.iter().map(|&b| Some(b)).collect(),
+        }],
+        num_local_computed: 0,
+        num_tokens: NUM_TOKENS,
+        load_key,
+    }
+}
+
+/// As [`spec_at`] from `producer`, with the load key it gives for `request_id`.
+pub fn spec(request_id: &str, producer: &Producer) -> LoadSpec {
+    spec_at(
+        request_id,
+        producer.endpoint(),
+        producer.load_key(request_id),
+    )
+}
+
+/// A producer whose transfers end within 10 s.
+pub fn producer_config() -> ProducerConfig {
+    ProducerConfig {
+        transfer_timeout: Duration::from_secs(10),
+        ..ProducerConfig::default()
+    }
+}
+
+/// A consumer (default policy) that waits 10 s for a reply and 20 s for a whole load.
+pub fn consumer_config() -> ConsumerConfig {
+    ConsumerConfig {
+        reply_timeout: Duration::from_secs(10),
+        max_wait: Duration::from_secs(20),
+        ..ConsumerConfig::default()
+    }
+}
+
+// File descriptors.
+
+/// File descriptors this process has open now.
+pub fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// Lowers this process's `RLIMIT_NOFILE` (soft and hard) to `to` (it cannot be raised again:
+/// a test that does this is alone in its binary).
+pub fn lower_fd_limit(to: u64) {
+    let r = libc::rlimit {
+        rlim_cur: to,
+        rlim_max: to,
+    };
+    // SAFETY: setrlimit reads the struct it is given.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) }, 0);
+}
+
+// Raw ZMTP 3.0 peers, spoken by hand.
+
+/// A ZMTP 3.0 greeting with the NULL mechanism (64 bytes).
+pub fn greeting() -> [u8; 64] {
+    let mut g = [0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[12..16].copy_from_slice(b"NULL");
+    g
+}
+
+/// The READY command frame of a `socket_type` (`DEALER`, `ROUTER`) peer.
+pub fn ready(socket_type: &str) -> Vec<u8> {
+    let mut body = vec![5u8];
+    body.extend_from_slice(b"READY");
+    body.push(11);
+    body.extend_from_slice(b"Socket-Type");
+    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    body.extend_from_slice(socket_type.as_bytes());
+    let mut f = vec![0x04, body.len() as u8];
+    f.extend_from_slice(&body);
+    f
+}
+
+/// A blocking raw TCP connection to `addr` from source IP `from` (127.0.0.x: Linux routes all
+/// of 127/8 to loopback, so hostile peers are not the legitimate consumers' 127.0.0.1);
+/// `None` when it cannot connect (as under a low fd limit).
+pub async fn connect_from(from: &str, addr: &str) -> Option<std::net::TcpStream> {
+    let sock = tokio::net::TcpSocket::new_v4().ok()?;
+    sock.bind(format!("{from}:0").parse().ok()?).ok()?;
+    let s = sock.connect(addr.parse().ok()?).await.ok()?;
+    let s = s.into_std().ok()?;
+    s.set_nonblocking(false).ok()?;
+    Some(s)
 }

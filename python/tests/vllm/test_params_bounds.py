@@ -39,6 +39,16 @@ def test_a_producers_reply_parses():
     (P.REMOTE_BLOCK_IDS, [[1]] * 65, "block tables"),
     (P.REMOTE_BLOCK_IDS, [], "block tables"),
     (P.REMOTE_BLOCK_IDS, [(3, 4)], "lists of block ids"),
+    (P.REMOTE_PORT, 0, "is not a TCP port"),
+    (P.REMOTE_PORT, 65536, "is not a TCP port"),
+    (P.REMOTE_PORT, True, "is bool, expected int"),
+    (P.REMOTE_PORT, "17500", "is str, expected int"),
+    (P.REMOTE_TP_SIZE, 0, "must be >= 1"),
+    (P.REMOTE_BLOCK_SIZES, [0], "block sizes"),
+    (P.REMOTE_BLOCK_SIZES, [1 << 21], "block sizes"),
+    (P.REMOTE_BLOCK_SIZES, [True], "block sizes"),
+    (P.REMOTE_BLOCK_SIZES, [16, 16], "block sizes"),
+    (P.REMOTE_BLOCK_SIZES, "16", "block sizes"),
 ])
 def test_sizes_types_and_ranges_are_bounded(key, value, text):
     with pytest.raises(P.ParamsError, match=text):

@@ -11,7 +11,6 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use common::{consumer_config, producer_config, spec_at, Side, NUM_TOKENS};
-use kvferry_checksum::policy::Policy;
 use kvferry_checksum::verdict::Verdict;
 use kvferry_p2p::proto::consumer::FailReason;
 use kvferry_p2p::proto::msg::{
@@ -19,9 +18,7 @@ use kvferry_p2p::proto::msg::{
     KIND_WELCOME, PROTOCOL_VERSION,
 };
 use kvferry_p2p::proto::session::Session;
-use kvferry_p2p::{
-    Consumer, ConsumerConfig, LoadError, LoadGroup, LoadSpec, Producer, ProducerConfig,
-};
+use kvferry_p2p::{Consumer, LoadError, Producer};
 use kvferry_transfer::{Secret, TransferEngine};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 

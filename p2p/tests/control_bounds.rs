@@ -16,7 +16,7 @@ use common::{
     connect_from, consumer_config, greeting, producer_config, ready, spec_at, Side, NUM_TOKENS,
 };
 use kvferry_p2p::proto::consumer::FailReason;
-use kvferry_p2p::{Consumer, ConsumerConfig, LoadError, LoadGroup, LoadSpec, Producer};
+use kvferry_p2p::{Consumer, ConsumerConfig, LoadError, LoadSpec, Producer};
 use kvferry_p2p::{ProducerConfig, DEFAULT_MAX_ZMTP_MESSAGE};
 
 /// A long message frame header declaring `len` body bytes.
@@ -373,7 +373,11 @@ async fn large_frames_of_all_connections_share_one_receive_budget() {
     let addr = tcp_addr(producer.endpoint());
     let mut conns = Vec::new();
     for i in 0..3 {
-        conns.push(connect_from(&format!("127.0.0.{}", 2 + i), &addr).await);
+        conns.push(
+            connect_from(&format!("127.0.0.{}", 2 + i), &addr)
+                .await
+                .unwrap(),
+        );
     }
     let closed = tokio::task::spawn_blocking(move || {
         let mut closed = Vec::new();

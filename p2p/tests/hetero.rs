@@ -6,7 +6,6 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::{
     consumer_config, producer_config, spec, Side, BLOCK, HEAD_DIM, LOCAL_BLOCKS, NUM_TOKENS,
@@ -14,9 +13,7 @@ use common::{
 };
 use kvferry_checksum::policy::Action;
 use kvferry_checksum::verdict::Verdict;
-use kvferry_p2p::{
-    Consumer, ConsumerConfig, Landed, LoadGroup, LoadSpec, Producer, ProducerConfig,
-};
+use kvferry_p2p::{Consumer, Landed, Producer};
 
 const PRODUCER_BLOCKS: u64 = 8;
 const CONSUMER_BLOCKS: u64 = 12;

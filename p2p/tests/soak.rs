@@ -11,13 +11,12 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{connect_from, consumer_config, greeting, open_fds, ready, spec, Side, NUM_TOKENS};
-use kvferry_p2p::{Consumer, ConsumerConfig, LoadGroup, LoadSpec, Producer, ProducerConfig};
+use kvferry_p2p::{Consumer, LoadGroup, LoadSpec, Producer, ProducerConfig};
 use kvferry_transfer::Secret;
 
 const FD_LIMIT: u64 = 256;

@@ -5,7 +5,6 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::{consumer_config, producer_config, published_blocks, spec, Side, NUM_TOKENS};
 use kvferry_checksum::policy::Action;

@@ -172,7 +172,7 @@ def main():
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--min-batches", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--ib-bytes", type=int, default=128 * MIB, help="bytes per ib_write_bw run, at least")
+    ap.add_argument("--ib-bytes", default="128M", help="bytes per ib_write_bw run, at least")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per engine run (per size for Mooncake)")
     ap.add_argument("--budget", type=float, default=900.0,
                     help="seconds for all rounds: no round starts that could end past it")
@@ -182,6 +182,7 @@ def main():
     a = ap.parse_args()
     a.sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
     a.batch_bytes = parse_size(a.batch_bytes)
+    a.ib_bytes = parse_size(a.ib_bytes)
     sweep = [int(q) for q in a.qps_sweep.split(",") if q.strip() and int(q) != a.qps]
     a.sweep_sizes = [parse_size(s) for s in a.qps_sweep_sizes.split(",") if s.strip()] or a.sizes
     out = Path(a.out)

@@ -155,10 +155,15 @@ impl PyTransferEngine {
     /// that protocol (no CUDA IPC). `device_name`: comma-separated RDMA device names (e.g.
     /// `"mlx5_0,mlx5_1"`), `""` = all.
     /// `MC_TRANSFER_TIMEOUT` (seconds, at least 5) sets the sync transfers' base deadline, as in
-    /// Mooncake (default 30 s, plus 1 ns per byte).
+    /// Mooncake (default 30 s, plus 1 ns per byte). `KVFERRY_ENGINE_PORTS` (`"LO-HI"` or one
+    /// port) is the range the engine's listeners take the lowest free ports of, as
+    /// `engine_ports` of `Producer`/`Consumer`: the handshake port (unless `local_hostname`
+    /// names one) and, over TCP, the data port, so a firewall can list them (Mooncake's API has
+    /// no argument for it). Unset: ports the OS picks (ephemeral).
     ///
     /// Returns 0, or -1 (reason logged): unsupported metadata server or protocol, bad hostname,
-    /// port in use, already initialized.
+    /// a malformed `KVFERRY_ENGINE_PORTS` or no free port in it, port in use, already
+    /// initialized.
     #[pyo3(signature = (local_hostname, metadata_server, protocol, device_name))]
     fn initialize(
         &self,
@@ -206,9 +211,17 @@ impl PyTransferEngine {
             tracing::error!("initialize: this TransferEngine is already initialized");
             return -1;
         }
+        let listen_ports = match crate::side::engine_ports_from_env() {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!("initialize: {}: {e}", crate::side::ENGINE_PORTS_ENV);
+                return -1;
+            }
+        };
         let mut config = EngineConfig {
             host,
             port,
+            listen_ports,
             transport,
             cuda_ipc,
             ..EngineConfig::default()

@@ -73,7 +73,7 @@ impl PublishInfo {
 
 /// The producer (prefill) side: serves published KV blocks to consumers on a ZeroMQ ROUTER.
 ///
-/// Producer(ranks, *, bind="tcp://127.0.0.1:0", host="127.0.0.1", protocol="tcp",
+/// Producer(ranks, *, bind="tcp://127.0.0.1:0", host="127.0.0.1", protocol="auto",
 ///          rdma_devices="", checksums=True, lease=120.0, transfer_timeout=30.0,
 ///          checksum_timeout=30.0, secret_file=None, engine_ports=None)
 ///
@@ -82,8 +82,9 @@ impl PublishInfo {
 ///   per rank and must stay allocated until ``shutdown`` (the producer keeps references).
 /// - bind: the control endpoint (port 0: any free port; ``endpoint`` gives the real one).
 /// - host: the address the ranks' transfer engines listen on and name to peers (reachable by
-///   the consumer; not 0.0.0.0). protocol: ``"tcp"``, ``"rdma"`` or ``"auto"`` (RDMA needs a
-///   build with the rdma feature and a device); rdma_devices: comma-separated device names.
+///   the consumer; not 0.0.0.0). protocol: ``"auto"`` (the default, as the CLI's and the
+///   vLLM connector's: RDMA where a usable device exists, else TCP), ``"tcp"`` or ``"rdma"``;
+///   rdma_devices: comma-separated device names.
 /// - checksums: checksum published blocks and send the payload with each load.
 /// - lease: seconds published blocks are held for a consumer that has not come.
 /// - transfer_timeout: seconds one load's WRITEs may take; checksum_timeout: seconds one
@@ -144,7 +145,7 @@ fn wait_sole_owner(
 #[pymethods]
 impl Producer {
     #[new]
-    #[pyo3(signature = (ranks, *, bind="tcp://127.0.0.1:0", host="127.0.0.1", protocol="tcp", rdma_devices="", checksums=true, lease=120.0, transfer_timeout=30.0, checksum_timeout=30.0, secret_file=None, engine_ports=None))]
+    #[pyo3(signature = (ranks, *, bind="tcp://127.0.0.1:0", host="127.0.0.1", protocol="auto", rdma_devices="", checksums=true, lease=120.0, transfer_timeout=30.0, checksum_timeout=30.0, secret_file=None, engine_ports=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -422,7 +423,7 @@ fn landed_dict<'py>(py: Python<'py>, landed: &Landed) -> PyResult<Bound<'py, PyD
 
 /// The consumer (decode) side: loads published KV into its ranks' tensors and verifies it.
 ///
-/// Consumer(ranks, *, host="127.0.0.1", protocol="tcp", rdma_devices="", checksums=True,
+/// Consumer(ranks, *, host="127.0.0.1", protocol="auto", rdma_devices="", checksums=True,
 ///          fail_closed=False, load_failure_policy="fail", reply_timeout=30.0, max_wait=120.0,
 ///          checksum_timeout=30.0, connect_timeout=5.0, secret_file=None, engine_ports=None)
 ///
@@ -457,7 +458,7 @@ pub struct Consumer {
 #[pymethods]
 impl Consumer {
     #[new]
-    #[pyo3(signature = (ranks, *, host="127.0.0.1", protocol="tcp", rdma_devices="", checksums=true, fail_closed=false, load_failure_policy="fail", reply_timeout=30.0, max_wait=120.0, checksum_timeout=30.0, connect_timeout=5.0, secret_file=None, engine_ports=None))]
+    #[pyo3(signature = (ranks, *, host="127.0.0.1", protocol="auto", rdma_devices="", checksums=true, fail_closed=false, load_failure_policy="fail", reply_timeout=30.0, max_wait=120.0, checksum_timeout=30.0, connect_timeout=5.0, secret_file=None, engine_ports=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,

@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use kvferry_kernels::{try_backend_for, ChecksumBackend};
 use kvferry_p2p::{Worker, WorkerGroup};
-use kvferry_transfer::{EngineConfig, Location, PortRange, TransferEngine, TransportKind};
+use kvferry_transfer::{
+    EngineConfig, Location, PortRange, PortRangeError, TransferEngine, TransportKind,
+};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -25,6 +27,19 @@ impl Drop for Side {
         for (engine, addr) in &self.registered {
             let _ = engine.unregister_memory(*addr);
         }
+    }
+}
+
+/// The environment variable `TransferEngine.initialize` reads its engine port range from
+/// (Mooncake's API has no argument for it).
+pub(crate) const ENGINE_PORTS_ENV: &str = "KVFERRY_ENGINE_PORTS";
+
+/// The engine port range in `KVFERRY_ENGINE_PORTS` (`"LO-HI"` or one port); `None` when it is
+/// unset or empty. Errors: a malformed range.
+pub(crate) fn engine_ports_from_env() -> Result<Option<PortRange>, PortRangeError> {
+    match std::env::var(ENGINE_PORTS_ENV) {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse::<PortRange>().map(Some),
+        _ => Ok(None),
     }
 }
 

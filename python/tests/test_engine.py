@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import numpy as np
@@ -79,6 +78,55 @@ def test_initialize_arguments():
     e3 = TransferEngine()
     if e3.initialize("[::1]", "P2PHANDSHAKE", "tcp", "") == 0:  # hosts without IPv6 skip this
         assert e3.get_rpc_port() > 0
+
+
+def free_run(n):
+    """The first port of `n` consecutive free ports on 127.0.0.1."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            lo = s.getsockname()[1]
+        if lo + n > 65535:
+            continue
+        try:
+            for p in range(lo, lo + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return lo
+        except OSError:
+            continue
+
+
+def bindable(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_engine_ports_env_puts_the_handshake_and_data_ports_in_the_range(monkeypatch):
+    lo = free_run(2)
+    monkeypatch.setenv("KVFERRY_ENGINE_PORTS", f"{lo}-{lo + 1}")
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert lo <= e.get_rpc_port() <= lo + 1
+    # Both ports of the range are held: the handshake listener's and the TCP data listener's.
+    assert not bindable(lo) and not bindable(lo + 1)
+    # A second engine finds no free port in the range; a malformed range is refused.
+    assert TransferEngine().initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1
+    monkeypatch.setenv("KVFERRY_ENGINE_PORTS", "9-1")
+    assert TransferEngine().initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1
+    # Transfers still work between an engine in a range and one on ephemeral ports.
+    monkeypatch.delenv("KVFERRY_ENGINE_PORTS")
+    other = engine()
+    src = np.arange(4096, dtype=np.uint8)
+    dst = np.zeros(4096, dtype=np.uint8)
+    assert other.register_memory(src.ctypes.data, 4096) == 0
+    assert e.register_memory(dst.ctypes.data, 4096) == 0
+    assert other.transfer_sync_write(seg(e), src.ctypes.data, dst.ctypes.data, 4096) == 0
+    assert (dst == src).all()
 
 
 def test_locations():

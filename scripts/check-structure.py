@@ -38,7 +38,6 @@ KNOWN_CYCLES: dict[frozenset[str], str] = {}
 # Files over their size that are not split yet, with the non-test lines they have now: the
 # check fails when one grows past that (split it) or falls within the limit (delete the entry).
 KNOWN_OVERSIZE = {
-    "p2p/src/shell/producer.rs": 720,
 }
 
 TRANSFER_LIMIT = 600

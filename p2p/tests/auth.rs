@@ -477,7 +477,7 @@ async fn open_session(
 ) -> Result<(), kvferry_p2p::proto::consumer::SessionError> {
     let hello = machine.hello(kvferry_transfer::auth::random_bytes().unwrap(), ep, "me:1");
     let w = ask(d, hello).await;
-    machine.on_welcome(&w)
+    machine.handle_welcome(&w)
 }
 
 fn error_of(bytes: &[u8]) -> String {
@@ -509,9 +509,10 @@ async fn captured_requests_are_useless_in_another_session_or_run() {
     open_session(&mut d, &mut owner, run1.endpoint())
         .await
         .unwrap();
-    let (_, captured) = owner
+    owner
         .start(std::time::Instant::now(), request.clone(), Some(&key))
         .unwrap();
+    let captured = owner.poll_transmit().unwrap().bytes;
     ask(&mut d, captured.clone()).await; // CONTINUE
                                          // in the same session, the same request again: refused
     let e = error_of(&ask(&mut d, captured.clone()).await);
@@ -671,9 +672,10 @@ async fn open_mode_key_proofs_are_bound_to_their_session() {
     let mut owner = ConsumerMachine::new(Duration::from_secs(10), Duration::from_secs(20), 1);
     let mut d = dealer(&ep).await;
     open_session(&mut d, &mut owner, &ep).await.unwrap();
-    let (_, captured) = owner
+    owner
         .start(std::time::Instant::now(), request, Some(&info.load_key))
         .unwrap();
+    let captured = owner.poll_transmit().unwrap().bytes;
     assert!(
         !captured
             .windows(info.load_key.len())

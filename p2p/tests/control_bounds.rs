@@ -78,7 +78,7 @@ async fn a_load_verifies(producer: &Producer, c: &Side, request_id: &str) {
     let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
     let out = consumer
         .load(LoadSpec {
-            load_key: producer.load_key(request_id),
+            load_key: producer.load_key(request_id).await,
             ..spec_at(request_id, producer.endpoint(), None)
         })
         .await

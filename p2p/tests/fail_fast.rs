@@ -63,7 +63,7 @@ async fn queued_loads_fail_at_once_when_the_producer_is_gone() {
         .await
         .unwrap();
     let first = LoadSpec {
-        load_key: producer.load_key("first"),
+        load_key: producer.load_key("first").await,
         ..spec("first", &endpoint)
     };
     assert!(consumer.load(first).await.is_ok());
@@ -137,7 +137,7 @@ async fn a_consumer_recovers_when_the_producer_returns() {
     let deadline = Instant::now() + Duration::from_secs(20);
     let out = loop {
         let back = LoadSpec {
-            load_key: producer.load_key("back"),
+            load_key: producer.load_key("back").await,
             ..spec("back", &endpoint)
         };
         match consumer.load(back).await {

@@ -53,7 +53,7 @@ async fn load_verified(producer: &Producer, consumer: &Consumer, rid: &str) {
         .await
         .unwrap();
     let out = consumer
-        .load(spec(rid, producer))
+        .load(spec(rid, producer).await)
         .await
         .unwrap_or_else(|e| panic!("load {rid}: {e} ({} fds open)", open_fds()));
     assert!(out.verdict.unwrap().is_verified(), "load {rid}");

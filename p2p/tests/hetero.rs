@@ -113,7 +113,7 @@ async fn verifies(p: (u32, u32), c: (u32, u32), shape: (u32, u64, u64)) {
         .unwrap();
     let out = pair
         .consumer
-        .load(spec("req-1", &pair.producer))
+        .load(spec("req-1", &pair.producer).await)
         .await
         .unwrap();
     let what = format!(
@@ -184,7 +184,7 @@ async fn a_flipped_bit_is_found_with_different_tp_sizes() {
         })));
     let out = pair
         .consumer
-        .load(spec("req-c", &pair.producer))
+        .load(spec("req-c", &pair.producer).await)
         .await
         .unwrap();
     match out.verdict {
@@ -210,7 +210,7 @@ async fn a_consumer_of_another_head_count_is_refused_with_a_clear_error() {
             .unwrap();
         let err = pair
             .consumer
-            .load(spec("req-h", &pair.producer))
+            .load(spec("req-h", &pair.producer).await)
             .await
             .unwrap_err();
         assert!(

@@ -110,14 +110,14 @@ fn flip_after_landing(pair: &Pair, group: usize, blocks: &[Option<u64>], t: u64)
         })));
 }
 
-fn load_spec(pair: &Pair, id: &str, groups: Vec<LoadGroup>, lc: u64) -> LoadSpec {
+async fn load_spec(pair: &Pair, id: &str, groups: Vec<LoadGroup>, lc: u64) -> LoadSpec {
     LoadSpec {
         request_id: id.into(),
         producer: pair.producer.endpoint().to_string(),
         groups,
         num_local_computed: lc,
         num_tokens: NUM_TOKENS,
-        load_key: pair.producer.load_key(id),
+        load_key: pair.producer.load_key(id).await,
     }
 }
 
@@ -149,12 +149,7 @@ async fn block_sizes(pbs: u64, cbs: u64, ptp: u32, ctp: u32) {
     }
     let ok = pair
         .consumer
-        .load(load_spec(
-            &pair,
-            "ok",
-            vec![group(0, &remote, &local, pbs)],
-            0,
-        ))
+        .load(load_spec(&pair, "ok", vec![group(0, &remote, &local, pbs)], 0).await)
         .await
         .unwrap();
     assert_eq!(ok.verdict, Some(Verdict::Verified), "{what}");
@@ -174,12 +169,7 @@ async fn block_sizes(pbs: u64, cbs: u64, ptp: u32, ctp: u32) {
     flip_after_landing(&pair, 0, &local, 70);
     let out = pair
         .consumer
-        .load(load_spec(
-            &pair,
-            "flip",
-            vec![group(0, &remote, &local, pbs)],
-            0,
-        ))
+        .load(load_spec(&pair, "flip", vec![group(0, &remote, &local, pbs)], 0).await)
         .await
         .unwrap();
     let l = pbs.max(cbs);
@@ -202,12 +192,15 @@ async fn block_sizes(pbs: u64, cbs: u64, ptp: u32, ctp: u32) {
     // consumer's blocks are not the smaller ones.
     let out = pair
         .consumer
-        .load(load_spec(
-            &pair,
-            "unaligned",
-            vec![group(0, &remote, &local, pbs)],
-            cbs,
-        ))
+        .load(
+            load_spec(
+                &pair,
+                "unaligned",
+                vec![group(0, &remote, &local, pbs)],
+                cbs,
+            )
+            .await,
+        )
         .await
         .unwrap();
     if cbs < pbs {
@@ -272,7 +265,7 @@ async fn hybrid(ptp: u32, ctp: u32) {
     }
     let out = pair
         .consumer
-        .load(load_spec(&pair, "ok", groups(), 0))
+        .load(load_spec(&pair, "ok", groups(), 0).await)
         .await
         .unwrap();
     assert_eq!(out.verdict, Some(Verdict::Verified), "{what}");
@@ -294,7 +287,7 @@ async fn hybrid(ptp: u32, ctp: u32) {
         flip_after_landing(&pair, g, blocks, t);
         let out = pair
             .consumer
-            .load(load_spec(&pair, id, groups(), 0))
+            .load(load_spec(&pair, id, groups(), 0).await)
             .await
             .unwrap();
         assert_eq!(
@@ -322,7 +315,7 @@ async fn hybrid(ptp: u32, ctp: u32) {
         })));
     let out = pair
         .consumer
-        .load(load_spec(&pair, "state", groups(), 0))
+        .load(load_spec(&pair, "state", groups(), 0).await)
         .await
         .unwrap();
     assert_eq!(out.verdict, Some(Verdict::Verified), "{what}");
@@ -354,12 +347,15 @@ async fn a_state_group_between_different_block_sizes_is_refused_before_any_byte_
         .unwrap();
     let err = pair
         .consumer
-        .load(load_spec(
-            &pair,
-            "r",
-            vec![group(0, &remote, &local, 16), group(2, &remote, &local, 16)],
-            0,
-        ))
+        .load(
+            load_spec(
+                &pair,
+                "r",
+                vec![group(0, &remote, &local, 16), group(2, &remote, &local, 16)],
+                0,
+            )
+            .await,
+        )
         .await
         .unwrap_err();
     assert!(

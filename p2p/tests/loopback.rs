@@ -70,7 +70,7 @@ async fn pair(tp: u32, pp: u32, pcfg: ProducerConfig, policy: Policy) -> Pair {
     }
 }
 
-fn spec(request_id: &str, producer: &Producer) -> LoadSpec {
+async fn spec(request_id: &str, producer: &Producer) -> LoadSpec {
     LoadSpec {
         request_id: request_id.into(),
         producer: producer.endpoint().to_string(),
@@ -82,7 +82,7 @@ fn spec(request_id: &str, producer: &Producer) -> LoadSpec {
         }],
         num_local_computed: 0,
         num_tokens: NUM_TOKENS,
-        load_key: producer.load_key(request_id),
+        load_key: producer.load_key(request_id).await,
     }
 }
 
@@ -113,7 +113,7 @@ async fn load_verifies(tp: u32, pp: u32) {
     assert_ne!(pair.p.block_bytes(0, 0, 3), pair.c.block_bytes(0, 0, 7));
     let out = pair
         .consumer
-        .load(spec("req-1", &pair.producer))
+        .load(spec("req-1", &pair.producer).await)
         .await
         .unwrap();
     assert_eq!(out.verdict, Some(Verdict::Verified));
@@ -164,7 +164,7 @@ async fn corrupted_load(policy: Policy, tp: u32) -> (Verdict, Action) {
     flip_bit_hook(&pair, tp as usize - 1);
     let out = pair
         .consumer
-        .load(spec("req-c", &pair.producer))
+        .load(spec("req-c", &pair.producer).await)
         .await
         .unwrap();
     pair.producer.shutdown().await;
@@ -221,7 +221,7 @@ async fn flipped_bit_in_local_prefix_is_not_compared() {
             // one else now.
             unsafe { *(addr as *mut u8) ^= 1 };
         })));
-    let mut s = spec("req-p", &pair.producer);
+    let mut s = spec("req-p", &pair.producer).await;
     s.num_local_computed = BLOCK;
     let out = pair.consumer.load(s).await.unwrap();
     assert_eq!(out.verdict, Some(Verdict::Verified));
@@ -251,7 +251,7 @@ async fn no_payload_is_unverified() {
         assert!(!info.checksummed);
         let out = pair
             .consumer
-            .load(spec("req-n", &pair.producer))
+            .load(spec("req-n", &pair.producer).await)
             .await
             .unwrap();
         assert_eq!(
@@ -275,12 +275,12 @@ async fn second_load_of_a_request_gets_error() {
         .await
         .unwrap();
     pair.consumer
-        .load(spec("req-2", &pair.producer))
+        .load(spec("req-2", &pair.producer).await)
         .await
         .unwrap();
     let err = pair
         .consumer
-        .load(spec("req-2", &pair.producer))
+        .load(spec("req-2", &pair.producer).await)
         .await
         .unwrap_err();
     match &err {
@@ -316,7 +316,7 @@ async fn expired_lease_gets_error_and_is_released() {
     assert_eq!(pair.producer.released()[0].reason, ReleaseReason::Expired);
     let err = pair
         .consumer
-        .load(spec("req-e", &pair.producer))
+        .load(spec("req-e", &pair.producer).await)
         .await
         .unwrap_err();
     match &err {
@@ -337,7 +337,7 @@ async fn request_before_publish_waits_for_it() {
     let (producer, consumer) = (&pair.producer, &pair.consumer);
     let load = consumer.load(LoadSpec {
         load_key: Some("key-req-w".into()),
-        ..spec("req-w", producer)
+        ..spec("req-w", producer).await
     });
     let publish = async {
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -359,7 +359,7 @@ async fn wrong_producer_block_id_is_refused() {
         .publish("req-b", vec![remote_table()], NUM_TOKENS)
         .await
         .unwrap();
-    let mut s = spec("req-b", &pair.producer);
+    let mut s = spec("req-b", &pair.producer).await;
     s.groups[0].remote_blocks[1] = Some(4);
     let err = pair.consumer.load(s).await.unwrap_err();
     assert!(
@@ -462,7 +462,7 @@ async fn dead_producer_fails_the_load_and_a_restarted_one_is_reached() {
         .publish("r1", vec![remote_table()], NUM_TOKENS)
         .await
         .unwrap();
-    consumer.load(spec("r1", &producer)).await.unwrap();
+    consumer.load(spec("r1", &producer).await).await.unwrap();
     // The producer dies with a request published: the load fails, within its deadline.
     producer
         .publish("r2", vec![remote_table()], NUM_TOKENS)
@@ -503,7 +503,7 @@ async fn dead_producer_fails_the_load_and_a_restarted_one_is_reached() {
         .await
         .unwrap();
     s.request_id = "r3".into();
-    s.load_key = producer.load_key("r3");
+    s.load_key = producer.load_key("r3").await;
     let out = consumer.load(s).await.unwrap();
     assert_eq!(out.verdict, Some(Verdict::Verified));
     producer.shutdown().await;
@@ -564,7 +564,7 @@ async fn heartbeats_keep_a_waiting_load_alive_past_the_silence_deadline() {
     let consumer = Consumer::new(cfg, c.workers.clone()).unwrap();
     let load = consumer.load(LoadSpec {
         load_key: Some("key-req-h".into()),
-        ..spec("req-h", &producer)
+        ..spec("req-h", &producer).await
     });
     let publish = async {
         tokio::time::sleep(Duration::from_millis(1200)).await;
@@ -648,7 +648,7 @@ async fn producer_worker_not_reporting_sends_no_checksums() {
         .unwrap();
     assert!(!info.checksummed);
     assert!(info.warning.unwrap().contains("not every worker reported"));
-    let out = consumer.load(spec("req-x", &producer)).await.unwrap();
+    let out = consumer.load(spec("req-x", &producer).await).await.unwrap();
     assert_eq!(
         out.verdict,
         Some(Verdict::Unverified(vec![(
@@ -676,7 +676,7 @@ async fn consumer_worker_not_reporting_is_unverified() {
         .publish("req-y", vec![remote_table()], NUM_TOKENS)
         .await
         .unwrap();
-    let out = consumer.load(spec("req-y", &producer)).await.unwrap();
+    let out = consumer.load(spec("req-y", &producer).await).await.unwrap();
     assert_eq!(
         out.verdict,
         Some(Verdict::Unverified(vec![(
@@ -744,7 +744,7 @@ async fn sliding_window_group_with_null_blocks() {
                 unsafe { *(addr as *mut u8) ^= 0x80 };
             })));
         }
-        let mut s = spec("req-sw", &producer);
+        let mut s = spec("req-sw", &producer).await;
         s.groups.push(LoadGroup {
             remote_block_size: None,
             group_id: 1,
@@ -796,7 +796,7 @@ async fn producer_dying_during_a_load_fails_it_promptly() {
         ..consumer_config(Policy::default())
     };
     let consumer = Consumer::new(cfg, c.workers.clone()).unwrap();
-    let s = spec("never-published", &producer);
+    let s = spec("never-published", &producer).await;
     let started = Instant::now();
     let load = consumer.load(s);
     let kill = async {
@@ -830,7 +830,7 @@ async fn consumer_block_outside_its_array_is_refused() {
         .publish("req-o", vec![remote_table()], NUM_TOKENS)
         .await
         .unwrap();
-    let mut s = spec("req-o", &pair.producer);
+    let mut s = spec("req-o", &pair.producer).await;
     s.groups[0].local_blocks[2] = Some(CONSUMER_BLOCKS);
     // Refused by the consumer itself, before any request (the producer would refuse it too).
     let err = pair.consumer.load(s).await.unwrap_err();
@@ -853,7 +853,10 @@ async fn different_layouts_are_refused_not_copied_byte_for_byte() {
         .publish("req-l", vec![remote_table()], NUM_TOKENS)
         .await
         .unwrap();
-    let err = consumer.load(spec("req-l", &producer)).await.unwrap_err();
+    let err = consumer
+        .load(spec("req-l", &producer).await)
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("layouts differ"), "{err}");
     producer.shutdown().await;
 }
@@ -924,7 +927,7 @@ async fn consumer_asking_for_more_tokens_than_published_is_refused() {
         .publish("req-m", vec![remote_table()], NUM_TOKENS)
         .await
         .unwrap();
-    let mut s = spec("req-m", &pair.producer);
+    let mut s = spec("req-m", &pair.producer).await;
     s.num_tokens = NUM_TOKENS + 1;
     let err = pair.consumer.load(s).await.unwrap_err();
     assert!(
@@ -956,7 +959,7 @@ async fn a_consumer_whose_session_was_evicted_says_hello_again_and_loads() {
             .await
             .unwrap();
         let out = c
-            .load(spec(&rid, &t.producer))
+            .load(spec(&rid, &t.producer).await)
             .await
             .unwrap_or_else(|e| panic!("load {i}: {e}"));
         assert!(out.verdict.unwrap().is_verified(), "load {i}");

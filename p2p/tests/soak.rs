@@ -200,7 +200,7 @@ async fn legitimate_loads_alongside_hostile_connections_under_a_256_fd_limit() {
             .unwrap();
         let c = Side::authenticated(1, 1, 12, None, secret.clone());
         let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
-        match consumer.load(spec(&rid, &producer)).await {
+        match consumer.load(spec(&rid, &producer).await).await {
             Ok(o) if o.verdict.as_ref().is_some_and(|v| v.is_verified()) => ok += 1,
             Ok(o) => {
                 eprintln!("soak: load {rid} not verified: {:?}", o.verdict);

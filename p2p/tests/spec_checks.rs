@@ -13,7 +13,12 @@ use kvferry_p2p::{Consumer, ConsumerConfig, LoadError, LoadGroup, LoadSpec, P2pE
 
 const NUM_TOKENS: u64 = 40; // 3 blocks of 16
 
-fn spec(request_id: &str, producer: &Producer, local: Vec<Option<u64>>, tokens: u64) -> LoadSpec {
+async fn spec(
+    request_id: &str,
+    producer: &Producer,
+    local: Vec<Option<u64>>,
+    tokens: u64,
+) -> LoadSpec {
     LoadSpec {
         request_id: request_id.into(),
         producer: producer.endpoint().to_string(),
@@ -25,7 +30,7 @@ fn spec(request_id: &str, producer: &Producer, local: Vec<Option<u64>>, tokens: 
         }],
         num_local_computed: 0,
         num_tokens: tokens,
-        load_key: producer.load_key(request_id),
+        load_key: producer.load_key(request_id).await,
     }
 }
 
@@ -70,12 +75,15 @@ async fn a_float16_producer_and_an_int16_consumer_move_no_byte() {
     let before = snapshot(&c);
     let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
     let err = consumer
-        .load(spec(
-            "dtype",
-            &producer,
-            vec![Some(7), Some(2), Some(10)],
-            NUM_TOKENS,
-        ))
+        .load(
+            spec(
+                "dtype",
+                &producer,
+                vec![Some(7), Some(2), Some(10)],
+                NUM_TOKENS,
+            )
+            .await,
+        )
         .await
         .unwrap_err();
     match &err {
@@ -106,12 +114,15 @@ async fn duplicate_local_blocks_are_refused_before_the_request() {
     let before = snapshot(&c);
     let consumer = Consumer::new(consumer_config(), c.workers.clone()).unwrap();
     let err = consumer
-        .load(spec(
-            "dup",
-            &producer,
-            vec![Some(5), Some(5), Some(5)],
-            NUM_TOKENS,
-        ))
+        .load(
+            spec(
+                "dup",
+                &producer,
+                vec![Some(5), Some(5), Some(5)],
+                NUM_TOKENS,
+            )
+            .await,
+        )
         .await
         .unwrap_err();
     match &err {
@@ -126,12 +137,15 @@ async fn duplicate_local_blocks_are_refused_before_the_request() {
     assert!(snapshot(&c) == before, "no byte may land");
     // The lease is still there for a right load.
     let out = consumer
-        .load(spec(
-            "dup",
-            &producer,
-            vec![Some(7), Some(2), Some(10)],
-            NUM_TOKENS,
-        ))
+        .load(
+            spec(
+                "dup",
+                &producer,
+                vec![Some(7), Some(2), Some(10)],
+                NUM_TOKENS,
+            )
+            .await,
+        )
         .await
         .unwrap();
     assert!(out.verdict.unwrap().is_verified());
@@ -197,7 +211,7 @@ async fn a_load_is_never_verified_for_tokens_no_block_holds() {
         (vec![Some(7), Some(2)], NUM_TOKENS, "need exactly"),
     ] {
         let err = consumer
-            .load(spec("tokens", &producer, local, tokens))
+            .load(spec("tokens", &producer, local, tokens).await)
             .await
             .unwrap_err();
         match &err {

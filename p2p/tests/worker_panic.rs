@@ -26,7 +26,10 @@ async fn consumer_worker_panic_is_unverified_not_mismatch() {
         .publish("req-panic", published_blocks(), NUM_TOKENS)
         .await
         .unwrap();
-    let out = consumer.load(spec("req-panic", &producer)).await.unwrap();
+    let out = consumer
+        .load(spec("req-panic", &producer).await)
+        .await
+        .unwrap();
     assert_eq!(
         out.verdict,
         Some(Verdict::Unverified(vec![(

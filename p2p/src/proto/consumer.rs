@@ -1,6 +1,12 @@
 //! The consumer's protocol state machine for one producer connection (docs/design.md §4),
 //! without sockets or clocks.
 //!
+//! One taxonomy, as the producer's machine and quinn-proto's `Connection`: the shell feeds
+//! inputs through `handle_*` (a reply, a lost connection, a failed send, time passing) and
+//! drains the outputs: [`ConsumerMachine::poll_transmit`] (requests to send),
+//! [`ConsumerMachine::poll_event`] (loads ended, and [`ConsumerEvent::RebuildSocket`]) and
+//! [`ConsumerMachine::poll_timeout`] (when to call [`ConsumerMachine::handle_timeout`]).
+//!
 //! Every load has two deadlines: the reply deadline (`reply_timeout` after the
 //! request or after the last CONTINUE) and the overall deadline (`max_wait` after
 //! the request; CONTINUE never extends past it). A missed deadline or a lost
@@ -10,7 +16,7 @@
 //! must carry the token's proof (`msg::finish_proof`), else the load fails (`BadProof`).
 //!
 //! Session (docs/design.md §8.1, `proto::session`): after connecting, the shell sends
-//! [`ConsumerMachine::hello`] and feeds the answer to [`ConsumerMachine::on_welcome`]; with a
+//! [`ConsumerMachine::hello`] and feeds the answer to [`ConsumerMachine::handle_welcome`]; with a
 //! shared secret, a producer that does not prove it gets nothing more (no request, no token,
 //! no proof of a load key). Requests are bound to the session.
 //!
@@ -19,7 +25,7 @@
 //! `retry_interval` has passed since the failure; the next load after that connects again, and
 //! a success ends the down state.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use kvferry_transfer::Secret;
@@ -60,7 +66,7 @@ pub enum FailReason {
     NoSession(String),
 }
 
-/// Result of feeding a message to [`ConsumerMachine::on_message`].
+/// An output of the machine ([`ConsumerMachine::poll_event`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum ConsumerEvent {
     /// The load ended with FINISH; the reply carries the payload.
@@ -89,6 +95,19 @@ pub enum ConsumerEvent {
     },
     /// An undecodable message: ignored (no load can be blamed).
     Invalid(MsgError),
+    /// Close the socket: a failure spoiled it (the `zeromq` crate's DEALER does not reconnect
+    /// by itself) and no load waits on it any more. Its session is over; the next load connects
+    /// anew. Never emitted while a load is pending (that would drop the replies it waits for).
+    RebuildSocket,
+}
+
+/// A request to send on the socket ([`ConsumerMachine::poll_transmit`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transmit {
+    /// The load it starts: on a failed send, [`ConsumerMachine::handle_send_failed`] with it.
+    pub load_id: u64,
+    /// The encoded request.
+    pub bytes: Vec<u8>,
 }
 
 /// Why a session could not be opened with the producer.
@@ -134,6 +153,9 @@ pub struct ConsumerMachine {
     hello: Option<Session>,
     /// The session of the current socket.
     session: Option<Session>,
+    /// Outputs not yet polled.
+    transmits: VecDeque<Transmit>,
+    events: VecDeque<ConsumerEvent>,
 }
 
 /// A load refused at once: the last connect to the producer failed less than the retry
@@ -169,6 +191,8 @@ impl ConsumerMachine {
             secret: None,
             hello: None,
             session: None,
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
         }
     }
 
@@ -203,7 +227,7 @@ impl ConsumerMachine {
 
     /// The producer's answer to the `hello`: the session is open, or `Err` (then nothing may
     /// be sent on this socket).
-    pub fn on_welcome(&mut self, bytes: &[u8]) -> Result<(), SessionError> {
+    pub fn handle_welcome(&mut self, bytes: &[u8]) -> Result<(), SessionError> {
         let mut s = self.hello.take().ok_or(SessionError::Unexpected)?;
         let w = decode_welcome(bytes).map_err(SessionError::Malformed)?;
         if let Some(why) = w.error {
@@ -245,7 +269,7 @@ impl ConsumerMachine {
 
     /// Connecting failed with `why`: the producer is down; loads are refused at once until
     /// `retry_interval` from `now`.
-    pub fn on_connect_failed(&mut self, now: Instant, why: &str) {
+    pub fn handle_connect_failed(&mut self, now: Instant, why: &str) {
         self.down = Some(Down {
             why: why.to_string(),
             retry_at: now + self.retry_interval,
@@ -253,7 +277,7 @@ impl ConsumerMachine {
     }
 
     /// Connecting succeeded: the producer is up again.
-    pub fn on_connected(&mut self) {
+    pub fn handle_connected(&mut self) {
         self.down = None;
     }
 
@@ -266,14 +290,14 @@ impl ConsumerMachine {
 
     /// Registers a load on the open session: assigns `request.load_id`, sets its budget, the
     /// proof of `load_key` (if any) and, with a secret, this side's proof over the whole
-    /// request; returns the load id and the encoded request. `None` when no session is open
-    /// (nothing registered).
+    /// request; queues the encoded request ([`Self::poll_transmit`]) and returns the load id.
+    /// `None` when no session is open (nothing registered).
     pub fn start(
         &mut self,
         now: Instant,
         mut request: TransferRequest,
         load_key: Option<&str>,
-    ) -> Option<(u64, Vec<u8>)> {
+    ) -> Option<u64> {
         let session = self.session.as_ref()?;
         let load_id = self.next_load_id;
         self.next_load_id = self.next_load_id.wrapping_add(1);
@@ -296,7 +320,11 @@ impl ConsumerMachine {
                 continued: false,
             },
         );
-        Some((load_id, encode(&request)))
+        self.transmits.push_back(Transmit {
+            load_id,
+            bytes: encode(&request),
+        });
+        Some(load_id)
     }
 
     /// Loads in flight.
@@ -305,7 +333,13 @@ impl ConsumerMachine {
     }
 
     /// A message arrived from the producer.
-    pub fn on_message(&mut self, now: Instant, bytes: &[u8]) -> ConsumerEvent {
+    pub fn handle_message(&mut self, now: Instant, bytes: &[u8]) {
+        let event = self.message(now, bytes);
+        self.events.push_back(event);
+        self.check_rebuild();
+    }
+
+    fn message(&mut self, now: Instant, bytes: &[u8]) -> ConsumerEvent {
         let reply = match decode_reply(bytes) {
             Ok(r) => r,
             Err(e) => return ConsumerEvent::Invalid(e),
@@ -363,8 +397,8 @@ impl ConsumerMachine {
         }
     }
 
-    /// Time passed: loads past a deadline fail; the socket must then be rebuilt.
-    pub fn on_tick(&mut self, now: Instant) -> Vec<(u64, FailReason)> {
+    /// Time passed: loads past a deadline fail (the socket is then rebuilt).
+    pub fn handle_timeout(&mut self, now: Instant) {
         let mut failed = Vec::new();
         let (reply_timeout, max_wait) = (self.reply_timeout, self.max_wait);
         self.pending.retain(|id, p| {
@@ -379,46 +413,65 @@ impl ConsumerMachine {
             }
             false
         });
-        if !failed.is_empty() {
-            self.needs_rebuild = true;
-        }
-        failed.sort_by_key(|(id, _)| *id);
-        failed
+        self.fail_all(failed);
     }
 
-    /// The connection broke: every pending load fails; the socket must be rebuilt.
-    pub fn on_connection_lost(&mut self, why: &str) -> Vec<(u64, FailReason)> {
-        self.needs_rebuild = true;
-        let mut failed: Vec<_> = self
+    /// The connection broke: every pending load fails; the socket is rebuilt.
+    pub fn handle_connection_lost(&mut self, why: &str) {
+        let failed = self
             .pending
             .drain()
             .map(|(id, _)| (id, FailReason::ConnectionLost(why.to_string())))
             .collect();
-        failed.sort_by_key(|(id, _)| *id);
-        failed
-    }
-
-    /// Sending the request of `load_id` failed: the load fails (the producer never
-    /// got it), and the socket must be rebuilt. `None` when the load is not pending.
-    pub fn on_send_failed(&mut self, load_id: u64, why: &str) -> Option<FailReason> {
-        self.pending.remove(&load_id)?;
         self.needs_rebuild = true;
-        Some(FailReason::ConnectionLost(format!(
-            "request not sent: {why}"
-        )))
+        self.fail_all(failed);
     }
 
-    /// Whether the socket should be rebuilt now: after a failure, once no load is
-    /// in flight on it (rebuilding earlier would drop replies the others wait for).
-    pub fn should_rebuild(&self) -> bool {
-        self.needs_rebuild && self.pending.is_empty()
+    /// Sending the request of `load_id` failed: the load fails (the producer never got it),
+    /// and the socket is rebuilt. Nothing happens when the load is not pending.
+    pub fn handle_send_failed(&mut self, load_id: u64, why: &str) {
+        if self.pending.remove(&load_id).is_none() {
+            return;
+        }
+        let reason = FailReason::ConnectionLost(format!("request not sent: {why}"));
+        self.fail_all(vec![(load_id, reason)]);
     }
 
-    /// The shell rebuilt the socket (its session is gone).
-    pub fn rebuilt(&mut self) {
-        self.needs_rebuild = false;
-        self.session = None;
-        self.hello = None;
+    /// Queues the failures in load id order; a failure spoils the socket.
+    fn fail_all(&mut self, mut failed: Vec<(u64, FailReason)>) {
+        if !failed.is_empty() {
+            self.needs_rebuild = true;
+        }
+        failed.sort_by_key(|(id, _)| *id);
+        self.events.extend(
+            failed
+                .into_iter()
+                .map(|(load_id, reason)| ConsumerEvent::Failed { load_id, reason }),
+        );
+        self.check_rebuild();
+    }
+
+    /// After a failure, once no load is in flight on the socket (rebuilding earlier would drop
+    /// replies the others wait for): asks the shell to rebuild it; its session ends here.
+    fn check_rebuild(&mut self) {
+        if self.needs_rebuild && self.pending.is_empty() {
+            self.needs_rebuild = false;
+            self.session = None;
+            self.hello = None;
+            self.transmits.clear();
+            self.events.push_back(ConsumerEvent::RebuildSocket);
+        }
+    }
+
+    /// The next request to send, in the order the loads started.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    /// The next output: a load that ended (or made progress, or a reply ignored), or
+    /// [`ConsumerEvent::RebuildSocket`].
+    pub fn poll_event(&mut self) -> Option<ConsumerEvent> {
+        self.events.pop_front()
     }
 
     /// The session of the current socket, once its `welcome` checked.
@@ -426,8 +479,9 @@ impl ConsumerMachine {
         self.session.as_ref()
     }
 
-    /// The earliest deadline of a pending load.
-    pub fn next_deadline(&self) -> Option<Instant> {
+    /// When [`Self::handle_timeout`] has something to do: the earliest deadline of a pending
+    /// load.
+    pub fn poll_timeout(&self) -> Option<Instant> {
         self.pending.values().map(|p| p.reply_deadline).min()
     }
 }

@@ -8,15 +8,20 @@ pub mod consumer;
 pub mod heads;
 pub mod layout;
 pub mod msg;
+mod peer_segments;
 pub mod plan;
 pub mod producer;
+pub mod producer_effects;
 pub mod request;
 pub mod serve;
 pub mod serve_error;
 pub mod session;
+pub mod sessions;
 pub mod spec_checks;
 pub mod wire;
 
+#[cfg(test)]
+mod link_tests;
 #[cfg(test)]
 mod serve_tests;
 #[cfg(test)]

@@ -1,6 +1,14 @@
-//! The producer's protocol state machine (docs/design.md §4), without sockets or clocks:
-//! the shell feeds it events with the current time and carries out the effects.
+//! The producer's protocol state machine (docs/design.md §4), without sockets or clocks.
 //!
+//! One taxonomy, as the consumer's machine and quinn-proto's `Connection`: the shell feeds
+//! inputs through `handle_*` with the current time (a consumer's message, a closed connection,
+//! a publish, a finished serve, time passing) and drains the effects with
+//! [`ProducerMachine::poll`], calling [`ProducerMachine::handle_timeout`] at
+//! [`ProducerMachine::poll_timeout`].
+//!
+//! * Sessions ([`super::sessions`]): a `hello` opens one per connection; a request is acted on
+//!   only in its connection's session (proofs checked, no replayed load id); a message that does
+//!   not decode is answered with ERROR under the ids it names, where they can be read.
 //! * `publish` puts a request's blocks under a lease; a lease whose consumer never
 //!   comes expires and its blocks are released.
 //! * A transfer request for a held lease is served exactly once (KV is never
@@ -17,106 +25,20 @@
 //!   only if it can end (within `serve_margin`) before the consumer gives up, so
 //!   the producer never writes into blocks the consumer already abandoned.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::hash::Hash;
 use std::time::{Duration, Instant};
 
-use super::msg::{Reply, Status, TransferRequest};
+use kvferry_transfer::Secret;
+
+use super::msg::{decode_consumer_message, ConsumerMessage, Reply, Status, TransferRequest};
+use super::peer_segments::PeerSegments;
+pub use super::producer_effects::{
+    Effect, ProducerTimeouts, PublishError, Refusal, ReleaseReason, Warning,
+};
 use super::serve_error::ServeFailure;
 use super::session::Session;
-
-/// Timeouts of the producer state machine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ProducerTimeouts {
-    /// How long published blocks are held for a consumer that has not come.
-    pub lease: Duration,
-    /// How long a request that arrived before its publish waits for it.
-    pub publish_wait: Duration,
-    /// How long a finished request's id is remembered, so that a late request
-    /// for it gets a precise error (served / expired / failed) instead of waiting.
-    pub tombstone: Duration,
-    /// Interval of CONTINUE messages to a consumer whose request waits or is served.
-    pub heartbeat: Duration,
-}
-
-impl Default for ProducerTimeouts {
-    fn default() -> Self {
-        ProducerTimeouts {
-            lease: Duration::from_secs(120),
-            publish_wait: Duration::from_secs(30),
-            tombstone: Duration::from_secs(600),
-            heartbeat: Duration::from_secs(1),
-        }
-    }
-}
-
-/// Why a lease's blocks were released to the embedder.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ReleaseReason {
-    /// The blocks were written to a consumer (FINISH sent).
-    Served,
-    /// Serving failed (ERROR sent); the blocks are not offered again.
-    Failed(String),
-    /// No consumer came before the lease ran out.
-    Expired,
-}
-
-/// What the shell must do after an event.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Effect<P, T> {
-    /// Send `reply` to `peer`.
-    Reply {
-        /// The consumer connection.
-        peer: P,
-        /// The message.
-        reply: Reply,
-    },
-    /// Write the blocks of `lease` as `request` asks, finishing by `deadline`,
-    /// then call [`ProducerMachine::on_served`].
-    Serve {
-        /// The consumer connection.
-        peer: P,
-        /// The consumer's request.
-        request: TransferRequest,
-        /// The published data, moved out of the lease (it is served once).
-        lease: T,
-        /// When the writes must be done (the serve margin from now).
-        deadline: Instant,
-    },
-    /// The blocks of `request_id` may be reused by the embedder.
-    Released {
-        /// The request.
-        request_id: String,
-        /// Why.
-        reason: ReleaseReason,
-    },
-}
-
-/// A load refused for who asked or what it asked for, for the producer's log
-/// ([`ProducerMachine::take_refusals`]); the consumer gets the same cause in its ERROR reply.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum Refusal {
-    /// The request proved a load key that is not its lease's.
-    #[error("request {0:?}: the load key it proves is not its lease's (the consumer has another publish's key, or derived its key from another secret or seed)")]
-    KeyWrong(String),
-    /// The lease has a load key and the request proved none.
-    #[error("request {0:?}: its lease has a load key and the request proves none (the consumer was not given the key)")]
-    KeyMissing(String),
-    /// No lease of the request was published before its wait ended.
-    #[error("request {0:?}: not published here before the wait ended (an unknown request id: the consumer asks another producer's request, or both sides replay different prompts)")]
-    NotPublished(String),
-}
-
-/// Most refusals kept for [`ProducerMachine::take_refusals`]; more before the shell takes them
-/// are dropped (they are log lines, and a peer must not make the producer hold more).
-pub const MAX_PENDING_REFUSALS: usize = 64;
-
-/// Errors of [`ProducerMachine::publish`].
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PublishError {
-    /// The request id is already published, being served, or finished recently.
-    #[error("request {0:?} was already published")]
-    Duplicate(String),
-}
+use super::sessions::{os_nonces, salvage_ids, NonceSource, Sessions};
 
 enum Entry<P, T> {
     Held {
@@ -128,11 +50,15 @@ enum Entry<P, T> {
     Serving {
         peer: P,
         load_id: u64,
+        /// The lease's load key, until it is released.
+        key: Option<String>,
         next_beat: Instant,
         /// The load's grant token: the FINISH proves it (`msg::finish_proof`).
         token: Option<String>,
         /// The id of the session the request came in (bound into the FINISH proof).
         session_id: [u8; 32],
+        /// The consumer segments the load writes to (held open until it ends).
+        segments: Vec<String>,
     },
     Done {
         why: String,
@@ -152,13 +78,17 @@ struct Parked<P> {
     next_beat: Instant,
 }
 
-/// The producer's state: leases, requests waiting for their publish, finished ids.
+/// The producer's state: sessions, leases, requests waiting for their publish, finished ids.
 pub struct ProducerMachine<P, T> {
     timeouts: ProducerTimeouts,
     serve_margin: Duration,
     entries: HashMap<String, Entry<P, T>>,
     parked: Vec<Parked<P>>,
-    refusals: Vec<Refusal>,
+    sessions: Sessions<P>,
+    /// Effects not yet polled.
+    effects: VecDeque<Effect<P, T>>,
+    /// The consumer segments each session and each load in flight hold.
+    segments: PeerSegments<P>,
 }
 
 const TWICE: &str = "is already being loaded (KV is never fetched twice)";
@@ -175,46 +105,142 @@ fn owns(key: &Option<String>, request: &TransferRequest, session: &Session) -> b
     }
 }
 
-fn not_owner(request: &TransferRequest, refusals: &mut Vec<Refusal>) -> Reply {
+/// The ERROR for a request that does not own its lease, after the warning that logs it.
+fn not_owner<P, T>(peer: P, request: &TransferRequest) -> [Effect<P, T>; 2] {
     let id = &request.request_id;
     let (why, refusal) = if request.key_proof.is_some() {
         ("wrong", Refusal::KeyWrong(id.clone()))
     } else {
         ("missing", Refusal::KeyMissing(id.clone()))
     };
-    note(refusals, refusal);
-    Reply::error(
+    let reply = Reply::error(
         id,
         request.load_id,
         format!("request {id:?}: load key {why}; only the consumer the producer's lease names may load it"),
-    )
+    );
+    [
+        Effect::Warn(Warning::Load(refusal)),
+        Effect::Reply { peer, reply },
+    ]
 }
 
-/// Keeps `r` for the log, within [`MAX_PENDING_REFUSALS`].
-fn note(refusals: &mut Vec<Refusal>, r: Refusal) {
-    if refusals.len() < MAX_PENDING_REFUSALS {
-        refusals.push(r);
-    }
-}
-
-impl<P: Clone, T> ProducerMachine<P, T> {
-    /// An empty machine; `serve_margin` is the longest a transfer may take (the
-    /// shell's transfer timeout): no transfer starts with less left of the consumer's budget.
+impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
+    /// An empty machine in open mode (no secret); `serve_margin` is the longest a transfer may
+    /// take (the shell's transfer timeout): no transfer starts with less left of the
+    /// consumer's budget.
     pub fn new(timeouts: ProducerTimeouts, serve_margin: Duration) -> Self {
         ProducerMachine {
             timeouts,
             serve_margin,
             entries: HashMap::new(),
             parked: Vec::new(),
-            refusals: Vec::new(),
+            sessions: Sessions::new(None, "", "", os_nonces()),
+            effects: VecDeque::new(),
+            segments: PeerSegments::default(),
         }
     }
 
-    /// Takes the loads refused since the last call for a wrong or missing load key or an
-    /// unknown request (at most [`MAX_PENDING_REFUSALS`]), oldest first: what the producer
-    /// should log, since only the consumer hears the reply.
-    pub fn take_refusals(&mut self) -> Vec<Refusal> {
-        std::mem::take(&mut self.refusals)
+    /// Holds at most `max` sessions (at least 1; default [`super::sessions::MAX_SESSIONS`]): past it the oldest
+    /// goes, and its consumer's next request is answered `no_session`.
+    pub fn with_max_sessions(mut self, max: usize) -> Self {
+        self.sessions.set_max(max);
+        self
+    }
+
+    /// The control channel's settings: `secret` (authenticated mode: consumers must prove
+    /// it), the producer's bound `endpoint` and configured `bind` (what a `hello` may name),
+    /// and where the `welcome` nonces come from.
+    pub fn with_control(
+        mut self,
+        secret: Option<Secret>,
+        endpoint: &str,
+        bind: &str,
+        nonces: NonceSource,
+    ) -> Self {
+        self.sessions = Sessions::new(secret, endpoint, bind, nonces);
+        self
+    }
+
+    /// The next effect to carry out, in the order they arose.
+    pub fn poll(&mut self) -> Option<Effect<P, T>> {
+        self.effects.pop_front()
+    }
+
+    /// The load key of `request_id`'s lease while it is held or being served (`None` once
+    /// released, never published, or published without a key).
+    pub fn load_key(&self, request_id: &str) -> Option<&str> {
+        match self.entries.get(request_id)? {
+            Entry::Held { key, .. } | Entry::Serving { key, .. } => key.as_deref(),
+            Entry::Done { .. } => None,
+        }
+    }
+
+    /// A message from `peer` arrived: a `hello` (answered with a welcome), a request (acted on
+    /// in `peer`'s session), or something that does not decode (ERROR under the ids it names).
+    pub fn handle_message(&mut self, now: Instant, peer: P, body: &[u8]) {
+        match decode_consumer_message(body) {
+            Ok(ConsumerMessage::Hello(hello)) => {
+                let (welcome, evicted) = self.sessions.hello(now, &peer, hello);
+                if let Some(why) = &welcome.error {
+                    self.effects
+                        .push_back(Effect::Warn(Warning::Refused(why.clone())));
+                }
+                if let Some(old) = evicted {
+                    self.session_ended(&old);
+                }
+                self.effects.push_back(Effect::Welcome { peer, welcome });
+            }
+            Ok(ConsumerMessage::Request(req)) => match self.sessions.admit(&peer, &req) {
+                Ok(session) => {
+                    self.segments.add_request(&peer, &req);
+                    self.handle_request(now, peer, req, &session)
+                }
+                Err(why) => {
+                    self.effects
+                        .push_back(Effect::Warn(Warning::Refused(why.clone())));
+                    let mut reply = Reply::error(&req.request_id, req.load_id, why);
+                    // Evicted (or never said hello): the consumer says hello again and may
+                    // send the request again, since nothing was served.
+                    reply.no_session = !self.sessions.contains(&peer);
+                    self.effects.push_back(Effect::Reply { peer, reply });
+                }
+            },
+            Err(error) => {
+                let (request_id, load_id) = salvage_ids(body);
+                let reply = Reply::error(
+                    request_id.as_deref().unwrap_or(""),
+                    load_id.unwrap_or(0),
+                    format!("bad transfer request: {error}"),
+                );
+                self.effects
+                    .push_back(Effect::Warn(Warning::BadRequest { request_id, error }));
+                self.effects.push_back(Effect::Reply { peer, reply });
+            }
+        }
+    }
+
+    /// `peer`'s connection closed: its session ends.
+    pub fn handle_disconnected(&mut self, peer: &P) {
+        self.sessions.close(peer);
+        self.session_ended(peer);
+    }
+
+    /// `peer`'s session ended (closed or evicted): its consumer's data connections go once no
+    /// load to them is in flight ([`Effect::CloseSegments`]).
+    fn session_ended(&mut self, peer: &P) {
+        let unheld = self.segments.session_ended(peer);
+        self.close_segments(unheld);
+    }
+
+    fn close_segments(&mut self, segments: Vec<String>) {
+        if !segments.is_empty() {
+            self.effects.push_back(Effect::CloseSegments { segments });
+        }
+    }
+
+    /// Open sessions.
+    pub fn sessions(&self) -> usize {
+        self.sessions.len()
     }
 
     /// Number of leases currently held (published, not yet served or expired).
@@ -256,15 +282,18 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         request: TransferRequest,
         session: &Session,
         lease: T,
+        key: Option<String>,
     ) -> Effect<P, T> {
         self.entries.insert(
             request.request_id.clone(),
             Entry::Serving {
                 peer: peer.clone(),
                 load_id: request.load_id,
+                key,
                 next_beat: now + self.timeouts.heartbeat,
                 token: request.token.clone(),
                 session_id: session.id(),
+                segments: self.segments.serve_started(&request),
             },
         );
         Effect::Serve {
@@ -275,27 +304,16 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         }
     }
 
-    /// Puts `data` under a lease for `request_id` that any consumer may load; serves a
-    /// request already waiting for it. See [`Self::publish_keyed`].
-    pub fn publish(
-        &mut self,
-        now: Instant,
-        request_id: &str,
-        data: T,
-    ) -> Result<Vec<Effect<P, T>>, PublishError> {
-        self.publish_keyed(now, request_id, data, None)
-    }
-
     /// Puts `data` under a lease for `request_id` that only a request carrying `key` may load
     /// (`None`: any); serves the first waiting request that carries it; waiting requests
     /// with a missing or wrong key get ERROR.
-    pub fn publish_keyed(
+    pub fn handle_publish(
         &mut self,
         now: Instant,
         request_id: &str,
         data: T,
         key: Option<String>,
-    ) -> Result<Vec<Effect<P, T>>, PublishError> {
+    ) -> Result<(), PublishError> {
         if self.entries.contains_key(request_id) {
             return Err(PublishError::Duplicate(request_id.to_string()));
         }
@@ -318,17 +336,21 @@ impl<P: Clone, T> ProducerMachine<P, T> {
                     reply,
                 });
             } else if !owns(&key, &w.request, &w.session) {
-                effects.push(Effect::Reply {
-                    peer: w.peer,
-                    reply: not_owner(&w.request, &mut self.refusals),
-                });
+                effects.extend(not_owner(w.peer, &w.request));
             } else if let Some(reply) = self.too_late(now, &w.request, w.consumer_deadline) {
                 effects.push(Effect::Reply {
                     peer: w.peer,
                     reply,
                 });
             } else if let Some(d) = data.take() {
-                effects.push(self.serve(now, w.peer, w.request, &w.session, d));
+                // The heartbeat keeps the waiting request's cadence: its consumer heard the
+                // last CONTINUE up to a heartbeat ago, so restarting the interval at the
+                // publish would leave it silent for up to two.
+                let beat = w.next_beat;
+                effects.push(self.serve(now, w.peer, w.request, &w.session, d, key.clone()));
+                if let Some(Entry::Serving { next_beat, .. }) = self.entries.get_mut(request_id) {
+                    *next_beat = beat;
+                }
             }
         }
         if let Some(data) = data {
@@ -336,11 +358,24 @@ impl<P: Clone, T> ProducerMachine<P, T> {
             self.entries
                 .insert(request_id.to_string(), Entry::Held { data, expires, key });
         }
-        Ok(effects)
+        self.effects.extend(effects);
+        Ok(())
     }
 
-    /// A consumer's transfer request arrived in `session` (whose proofs the shell checked).
-    pub fn on_request(
+    /// A consumer's transfer request arrived in `session`, its proofs checked
+    /// ([`Self::handle_message`] does both for a message off the socket).
+    pub fn handle_request(
+        &mut self,
+        now: Instant,
+        peer: P,
+        request: TransferRequest,
+        session: &Session,
+    ) {
+        let effects = self.request(now, peer, request, session);
+        self.effects.extend(effects);
+    }
+
+    fn request(
         &mut self,
         now: Instant,
         peer: P,
@@ -354,16 +389,16 @@ impl<P: Clone, T> ProducerMachine<P, T> {
             Some(Entry::Held { data, expires, key }) => {
                 if !owns(&key, &request, session) {
                     // A stranger: the lease stays, untouched, for its owner.
-                    let reply = not_owner(&request, &mut self.refusals);
+                    let effects = not_owner(peer, &request);
                     self.entries.insert(id, Entry::Held { data, expires, key });
-                    return vec![Effect::Reply { peer, reply }];
+                    return effects.into();
                 }
                 if let Some(reply) = self.too_late(now, &request, consumer_deadline) {
                     // Nothing was written: the lease stays for a consumer with time left.
                     self.entries.insert(id, Entry::Held { data, expires, key });
                     return vec![Effect::Reply { peer, reply }];
                 }
-                vec![self.serve(now, peer, request, session, data)]
+                vec![self.serve(now, peer, request, session, data, key)]
             }
             Some(e @ Entry::Serving { .. }) => {
                 self.entries.insert(id.clone(), e);
@@ -394,11 +429,13 @@ impl<P: Clone, T> ProducerMachine<P, T> {
                     match d.checked_sub(self.serve_margin) {
                         Some(last_start) if last_start > now => deadline = deadline.min(last_start),
                         _ => {
-                            let reply = self.too_late(now, &request, consumer_deadline);
-                            return reply
-                                .map(|reply| Effect::Reply { peer, reply })
-                                .into_iter()
-                                .collect();
+                            // No time left to wait: refused, never left unanswered (a transfer
+                            // could start now, exactly at the edge, but there is nothing yet).
+                            let reply = self.too_late(now, &request, consumer_deadline)
+                                .unwrap_or_else(|| Reply::error(&id, load_id, format!(
+                                    "request {id:?} not published yet, and the consumer's budget leaves no time to wait for it"
+                                )));
+                            return vec![Effect::Reply { peer, reply }];
                         }
                     }
                 }
@@ -422,22 +459,26 @@ impl<P: Clone, T> ProducerMachine<P, T> {
     }
 
     /// Serving `request_id` ended: `Ok((bytes_written, checksum payload))` or `Err(reason)`.
-    pub fn on_served(
+    pub fn handle_served(
         &mut self,
         now: Instant,
         peer: P,
         request_id: &str,
         load_id: u64,
         result: Result<(u64, Option<Vec<u8>>), ServeFailure>,
-    ) -> Vec<Effect<P, T>> {
+    ) {
         let forget_at = now + self.timeouts.tombstone;
-        let token = match self.entries.get(request_id) {
+        let (token, segments) = match self.entries.get_mut(request_id) {
             Some(Entry::Serving {
-                token: Some(t),
+                token,
                 session_id,
+                segments,
                 ..
-            }) => Some((t.clone(), *session_id)),
-            _ => None,
+            }) => (
+                token.clone().map(|t| (t, *session_id)),
+                std::mem::take(segments),
+            ),
+            _ => (None, Vec::new()),
         };
         let (reply, why, reason) = match result {
             Ok((bytes, checksums)) => {
@@ -462,17 +503,17 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         self.entries
             .insert(request_id.to_string(), Entry::Done { why, forget_at });
         // Released first: the writes are over; the embedder learns it no later than the consumer.
-        vec![
-            Effect::Released {
-                request_id: request_id.to_string(),
-                reason,
-            },
-            Effect::Reply { peer, reply },
-        ]
+        self.effects.push_back(Effect::Released {
+            request_id: request_id.to_string(),
+            reason,
+        });
+        self.effects.push_back(Effect::Reply { peer, reply });
+        let unheld = self.segments.serve_ended(segments);
+        self.close_segments(unheld);
     }
 
     /// Time passed: expire leases and waits, send heartbeats, forget old ids.
-    pub fn on_tick(&mut self, now: Instant) -> Vec<Effect<P, T>> {
+    pub fn handle_timeout(&mut self, now: Instant) {
         let mut effects = Vec::new();
         let beat = self.timeouts.heartbeat;
         let mut expired = Vec::new();
@@ -517,7 +558,9 @@ impl<P: Clone, T> ProducerMachine<P, T> {
         self.parked = keep;
         for p in late {
             let id = p.request.request_id;
-            note(&mut self.refusals, Refusal::NotPublished(id.clone()));
+            effects.push(Effect::Warn(Warning::Load(Refusal::NotPublished(
+                id.clone(),
+            ))));
             let reply = Reply::error(
                 &id,
                 p.request.load_id,
@@ -535,11 +578,11 @@ impl<P: Clone, T> ProducerMachine<P, T> {
                 reply: Reply::new(Status::Continue, &p.request.request_id, p.request.load_id),
             });
         }
-        effects
+        self.effects.extend(effects);
     }
 
-    /// The earliest time at which [`Self::on_tick`] has something to do.
-    pub fn next_deadline(&self) -> Option<Instant> {
+    /// The earliest time at which [`Self::handle_timeout`] has something to do.
+    pub fn poll_timeout(&self) -> Option<Instant> {
         let entries = self.entries.values().map(|e| match e {
             Entry::Held { expires, .. } => *expires,
             Entry::Done { forget_at, .. } => *forget_at,

@@ -282,3 +282,24 @@ pub fn build_request(
     };
     Ok((request, landed))
 }
+
+/// The bytes a load of `request` touches on `rank`: `(address, length)` of every whole block
+/// the request writes, of the rank's heads, in every layer of the loaded groups the rank holds
+/// (groups it does not hold give none). What the consumer grants the load's token WRITE on, so
+/// that the producer can write exactly these bytes and nothing else.
+pub fn grant_ranges(rank: &RankLayout, request: &TransferRequest) -> Vec<(u64, u64)> {
+    let mut ranges = Vec::new();
+    for b in &request.blocks {
+        let Some(g) = rank.group(b.group_id) else {
+            continue;
+        };
+        for l in &g.layers {
+            for &local in &b.local_blocks {
+                for r in l.spec.geometry.block_byte_ranges(local) {
+                    ranges.push((l.addr + r.start, r.end - r.start));
+                }
+            }
+        }
+    }
+    ranges
+}

@@ -33,8 +33,44 @@ fn opened(mut c: ConsumerMachine) -> ConsumerMachine {
         proof: None,
         error: None,
     };
-    c.on_welcome(&encode(&w)).unwrap();
+    c.handle_welcome(&encode(&w)).unwrap();
     c
+}
+
+/// Starts a load of `r` on `c`: its id and the request it sends.
+fn start(c: &mut ConsumerMachine, now: Instant, r: TransferRequest) -> (u64, Vec<u8>) {
+    let id = c.start(now, r, None).unwrap();
+    let t = c.poll_transmit().unwrap();
+    assert_eq!(t.load_id, id);
+    (id, t.bytes)
+}
+
+/// Every output `c` has for the shell now.
+fn events(c: &mut ConsumerMachine) -> Vec<ConsumerEvent> {
+    std::iter::from_fn(|| c.poll_event()).collect()
+}
+
+/// The loads `c` failed since the last poll (a [`ConsumerEvent::RebuildSocket`] left in
+/// `rebuild`).
+fn failed(c: &mut ConsumerMachine, rebuild: &mut bool) -> Vec<(u64, FailReason)> {
+    let mut out = Vec::new();
+    for e in events(c) {
+        match e {
+            ConsumerEvent::Failed { load_id, reason } => out.push((load_id, reason)),
+            ConsumerEvent::RebuildSocket => *rebuild = true,
+            other => panic!("{other:?}"),
+        }
+    }
+    out
+}
+
+/// The one load event a message from the producer gives.
+fn on_message(c: &mut ConsumerMachine, now: Instant, bytes: &[u8]) -> ConsumerEvent {
+    c.handle_message(now, bytes);
+    let mut e = events(c);
+    e.retain(|e| *e != ConsumerEvent::RebuildSocket);
+    assert_eq!(e.len(), 1, "{e:?}");
+    e.remove(0)
 }
 
 pub(crate) fn request(id: &str, load_id: u64) -> TransferRequest {
@@ -98,6 +134,62 @@ fn timeouts() -> ProducerTimeouts {
 }
 
 type Machine = ProducerMachine<u32, &'static str>;
+type Effects = Vec<Effect<u32, &'static str>>;
+
+/// Each producer input followed by the effects it gives (drained as the shell drains them).
+trait Drive {
+    fn publish(
+        &mut self,
+        now: Instant,
+        id: &str,
+        data: &'static str,
+    ) -> Result<Effects, PublishError>;
+    fn on_request(&mut self, now: Instant, peer: u32, r: TransferRequest, s: &Session) -> Effects;
+    fn on_served(
+        &mut self,
+        now: Instant,
+        peer: u32,
+        id: &str,
+        load_id: u64,
+        r: Result<(u64, Option<Vec<u8>>), ServeFailure>,
+    ) -> Effects;
+    fn on_tick(&mut self, now: Instant) -> Effects;
+    fn drained(&mut self) -> Effects;
+}
+
+impl Drive for Machine {
+    fn publish(
+        &mut self,
+        now: Instant,
+        id: &str,
+        data: &'static str,
+    ) -> Result<Effects, PublishError> {
+        self.handle_publish(now, id, data, None)?;
+        Ok(self.drained())
+    }
+    fn on_request(&mut self, now: Instant, peer: u32, r: TransferRequest, s: &Session) -> Effects {
+        self.handle_request(now, peer, r, s);
+        self.drained()
+    }
+    fn on_served(
+        &mut self,
+        now: Instant,
+        peer: u32,
+        id: &str,
+        load_id: u64,
+        r: Result<(u64, Option<Vec<u8>>), ServeFailure>,
+    ) -> Effects {
+        self.handle_served(now, peer, id, load_id, r);
+        self.drained()
+    }
+    fn on_tick(&mut self, now: Instant) -> Effects {
+        self.handle_timeout(now);
+        self.drained()
+    }
+    fn drained(&mut self) -> Effects {
+        std::iter::from_fn(|| self.poll()).collect()
+    }
+}
 
 fn replies(effects: &[Effect<u32, &'static str>]) -> Vec<(u32, Status, Option<String>)> {
     effects
@@ -252,7 +344,7 @@ fn a_failed_connect_refuses_loads_until_the_retry_interval_passes() {
     ))
     .with_retry_interval(Duration::from_secs(2));
     assert_eq!(m.admit(t0), Ok(()));
-    m.on_connect_failed(t0, "connection refused");
+    m.handle_connect_failed(t0, "connection refused");
     let why = m
         .admit(t0 + Duration::from_millis(1999))
         .unwrap_err()
@@ -261,13 +353,13 @@ fn a_failed_connect_refuses_loads_until_the_retry_interval_passes() {
     assert!(why.contains("connection refused"), "{why}");
     // After the interval the next load may connect again; a success ends the down state.
     assert_eq!(m.admit(t0 + Duration::from_secs(2)), Ok(()));
-    m.on_connect_failed(t0 + Duration::from_secs(2), "still refused");
+    m.handle_connect_failed(t0 + Duration::from_secs(2), "still refused");
     assert!(m
         .admit(t0 + Duration::from_secs(3))
         .unwrap_err()
         .why
         .contains("still refused"));
-    m.on_connected();
+    m.handle_connected();
     assert_eq!(m.admit(t0 + Duration::from_secs(3)), Ok(()));
 }
 
@@ -319,7 +411,7 @@ fn expired_lease_is_released_and_refused() {
     let t0 = Instant::now();
     let mut m = Machine::new(timeouts(), Duration::from_secs(2));
     m.publish(t0, "a", "blocks-a").unwrap();
-    assert_eq!(m.next_deadline(), Some(t0 + Duration::from_secs(10)));
+    assert_eq!(m.poll_timeout(), Some(t0 + Duration::from_secs(10)));
     assert!(m.on_tick(t0 + Duration::from_secs(9)).is_empty());
     let e = m.on_tick(t0 + Duration::from_secs(10));
     assert_eq!(
@@ -351,7 +443,7 @@ fn request_before_publish_waits_then_is_served() {
         replies(&e),
         vec![(7, Status::Continue, replies(&e)[0].2.clone())]
     );
-    assert_eq!(m.next_deadline(), Some(t0 + Duration::from_secs(5)));
+    assert_eq!(m.poll_timeout(), Some(t0 + Duration::from_secs(5)));
     // A duplicate while parked: ERROR.
     let e = m.on_request(t0, 8, request("early", 2), &sess());
     assert_eq!(replies(&e)[0].1, Status::Error);
@@ -407,7 +499,7 @@ fn tombstones_are_forgotten() {
     m.publish(t0, "a", "b").unwrap();
     m.on_tick(t0 + Duration::from_secs(10));
     m.on_tick(t0 + Duration::from_secs(200));
-    assert_eq!(m.next_deadline(), None);
+    assert_eq!(m.poll_timeout(), None);
 }
 
 proptest! {
@@ -449,12 +541,12 @@ fn consumer_finish_and_error_and_stale() {
         Duration::from_secs(10),
         100,
     ));
-    let (id, bytes) = c.start(t0, request("a", 0), None).unwrap();
+    let (id, bytes) = start(&mut c, t0, request("a", 0));
     assert_eq!(id, 100);
     assert_eq!(decode_request(&bytes).unwrap().load_id, 100);
     let mut fin = Reply::new(Status::Finish, "a", id);
     fin.checksums = Some(vec![1]);
-    match c.on_message(t0, &encode(&fin)) {
+    match on_message(&mut c, t0, &encode(&fin)) {
         ConsumerEvent::Finished { load_id, reply } => {
             assert_eq!(load_id, 100);
             assert_eq!(reply.checksums, Some(vec![1]));
@@ -464,11 +556,11 @@ fn consumer_finish_and_error_and_stale() {
     assert_eq!(c.pending(), 0);
     // The same reply again is stale.
     assert_eq!(
-        c.on_message(t0, &encode(&fin)),
+        on_message(&mut c, t0, &encode(&fin)),
         ConsumerEvent::Stale { load_id: 100 }
     );
-    let (id2, _) = c.start(t0, request("b", 0), None).unwrap();
-    let ev = c.on_message(t0, &encode(&Reply::error("b", id2, "nope")));
+    let (id2, _) = start(&mut c, t0, request("b", 0));
+    let ev = on_message(&mut c, t0, &encode(&Reply::error("b", id2, "nope")));
     assert_eq!(
         ev,
         ConsumerEvent::Failed {
@@ -477,16 +569,18 @@ fn consumer_finish_and_error_and_stale() {
         }
     );
     // A reply naming another request for a pending load is not accepted.
-    let (id3, _) = c.start(t0, request("c", 0), None).unwrap();
+    let (id3, _) = start(&mut c, t0, request("c", 0));
     assert!(matches!(
-        c.on_message(t0, &encode(&Reply::new(Status::Finish, "zzz", id3))),
+        on_message(&mut c, t0, &encode(&Reply::new(Status::Finish, "zzz", id3))),
         ConsumerEvent::Invalid(_)
     ));
     assert_eq!(c.pending(), 1);
     assert!(matches!(
-        c.on_message(t0, b"garbage"),
+        on_message(&mut c, t0, b"garbage"),
         ConsumerEvent::Invalid(_)
     ));
+    // An ERROR spoils no socket.
+    assert!(events(&mut c).is_empty());
 }
 
 #[test]
@@ -497,21 +591,23 @@ fn consumer_lost_reply_times_out_and_rebuilds() {
         Duration::from_secs(10),
         0,
     ));
-    let (id, _) = c.start(t0, request("a", 0), None).unwrap();
-    assert_eq!(c.next_deadline(), Some(t0 + Duration::from_secs(2)));
-    assert!(c.on_tick(t0 + Duration::from_millis(1999)).is_empty());
-    assert!(!c.should_rebuild());
-    let failed = c.on_tick(t0 + Duration::from_secs(2));
+    let (id, _) = start(&mut c, t0, request("a", 0));
+    assert_eq!(c.poll_timeout(), Some(t0 + Duration::from_secs(2)));
+    let mut rebuild = false;
+    c.handle_timeout(t0 + Duration::from_millis(1999));
+    assert!(failed(&mut c, &mut rebuild).is_empty());
+    assert!(!rebuild);
+    c.handle_timeout(t0 + Duration::from_secs(2));
     assert_eq!(
-        failed,
+        failed(&mut c, &mut rebuild),
         vec![(id, FailReason::NoReply(Duration::from_secs(2)))]
     );
-    assert!(c.should_rebuild());
-    c.rebuilt();
-    assert!(!c.should_rebuild());
+    assert!(rebuild, "the socket is rebuilt once the load failed");
+    assert!(c.session().is_none(), "its session ended with it");
+    assert!(c.start(t0, request("b", 0), None).is_none());
     // A reply arriving after the timeout is stale, never a late success.
     assert_eq!(
-        c.on_message(t0, &encode(&Reply::new(Status::Finish, "a", id))),
+        on_message(&mut c, t0, &encode(&Reply::new(Status::Finish, "a", id))),
         ConsumerEvent::Stale { load_id: id }
     );
 }
@@ -524,19 +620,21 @@ fn consumer_continue_extends_but_not_past_overall_deadline() {
         Duration::from_secs(5),
         0,
     ));
-    let (id, _) = c.start(t0, request("a", 0), None).unwrap();
+    let (id, _) = start(&mut c, t0, request("a", 0));
     let cont = encode(&Reply::new(Status::Continue, "a", id));
     assert_eq!(
-        c.on_message(t0 + Duration::from_millis(1500), &cont),
+        on_message(&mut c, t0 + Duration::from_millis(1500), &cont),
         ConsumerEvent::Progress { load_id: id }
     );
-    assert!(c.on_tick(t0 + Duration::from_millis(3000)).is_empty());
-    c.on_message(t0 + Duration::from_millis(3400), &cont);
-    c.on_message(t0 + Duration::from_millis(4500), &cont);
-    assert_eq!(c.next_deadline(), Some(t0 + Duration::from_secs(5)));
-    let failed = c.on_tick(t0 + Duration::from_secs(5));
+    let mut rebuild = false;
+    c.handle_timeout(t0 + Duration::from_millis(3000));
+    assert!(failed(&mut c, &mut rebuild).is_empty());
+    on_message(&mut c, t0 + Duration::from_millis(3400), &cont);
+    on_message(&mut c, t0 + Duration::from_millis(4500), &cont);
+    assert_eq!(c.poll_timeout(), Some(t0 + Duration::from_secs(5)));
+    c.handle_timeout(t0 + Duration::from_secs(5));
     assert_eq!(
-        failed,
+        failed(&mut c, &mut rebuild),
         vec![(id, FailReason::Overall(Duration::from_secs(5)))]
     );
 }
@@ -549,17 +647,20 @@ fn consumer_rebuild_waits_for_other_loads() {
         Duration::from_secs(10),
         0,
     ));
-    let (a, _) = c.start(t0, request("a", 0), None).unwrap();
-    let (b, _) = c
-        .start(t0 + Duration::from_secs(1), request("b", 0), None)
-        .unwrap();
+    let (a, _) = start(&mut c, t0, request("a", 0));
+    let (b, _) = start(&mut c, t0 + Duration::from_secs(1), request("b", 0));
+    let mut rebuild = false;
+    c.handle_timeout(t0 + Duration::from_secs(2));
     assert_eq!(
-        c.on_tick(t0 + Duration::from_secs(2)),
+        failed(&mut c, &mut rebuild),
         vec![(a, FailReason::NoReply(Duration::from_secs(2)))]
     );
-    assert!(!c.should_rebuild(), "load b still waits on this socket");
-    c.on_message(t0, &encode(&Reply::new(Status::Finish, "b", b)));
-    assert!(c.should_rebuild());
+    assert!(!rebuild, "load b still waits on this socket");
+    c.handle_message(t0, &encode(&Reply::new(Status::Finish, "b", b)));
+    assert!(matches!(
+        &events(&mut c)[..],
+        [ConsumerEvent::Finished { .. }, ConsumerEvent::RebuildSocket]
+    ));
 }
 
 #[test]
@@ -570,11 +671,32 @@ fn consumer_connection_lost_fails_all() {
         Duration::from_secs(10),
         0,
     ));
-    let (a, _) = c.start(t0, request("a", 0), None).unwrap();
-    let (b, _) = c.start(t0, request("b", 0), None).unwrap();
-    let failed = c.on_connection_lost("reset");
+    let (a, _) = start(&mut c, t0, request("a", 0));
+    let (b, _) = start(&mut c, t0, request("b", 0));
+    c.handle_connection_lost("reset");
+    let mut rebuild = false;
+    let failed = failed(&mut c, &mut rebuild);
     assert_eq!(failed.iter().map(|f| f.0).collect::<Vec<_>>(), vec![a, b]);
-    assert!(c.should_rebuild());
+    assert!(rebuild);
+}
+
+#[test]
+fn a_failed_send_fails_its_load_and_rebuilds() {
+    let t0 = Instant::now();
+    let mut c = opened(ConsumerMachine::new(
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+        0,
+    ));
+    let (a, _) = start(&mut c, t0, request("a", 0));
+    c.handle_send_failed(a, "broken pipe");
+    c.handle_send_failed(a, "again: not pending any more");
+    let mut rebuild = false;
+    assert!(matches!(
+        &failed(&mut c, &mut rebuild)[..],
+        [(id, FailReason::ConnectionLost(why))] if *id == a && why.contains("broken pipe")
+    ));
+    assert!(rebuild);
 }
 
 #[test]
@@ -668,7 +790,7 @@ fn waiting_and_serving_requests_get_heartbeats() {
         serves(&m.on_request(t0, 2, request("a", 2), &sess())).len(),
         1
     );
-    assert_eq!(m.next_deadline(), Some(t0 + Duration::from_secs(1)));
+    assert_eq!(m.poll_timeout(), Some(t0 + Duration::from_secs(1)));
     let mut beats = continues(&m.on_tick(t0 + Duration::from_secs(1)));
     beats.sort();
     assert_eq!(beats, vec![1, 2]);
@@ -706,7 +828,7 @@ fn waiting_for_publish_stops_when_the_budget_would_run_out() {
     let mut r = request("w", 1);
     r.budget_ms = 4000; // the last transfer may start at t0 + 2 s (publish wait is 5 s)
     m.on_request(t0, 1, r, &sess());
-    assert_eq!(m.next_deadline(), Some(t0 + Duration::from_secs(2)));
+    assert_eq!(m.poll_timeout(), Some(t0 + Duration::from_secs(2)));
     let e = m.on_tick(t0 + Duration::from_secs(2));
     assert_eq!(replies(&e)[0].1, Status::Error);
     // A publish just before that still serves it.
@@ -725,6 +847,20 @@ fn waiting_for_publish_stops_when_the_budget_would_run_out() {
 }
 
 #[test]
+fn a_request_with_no_time_left_to_wait_is_answered() {
+    // The budget leaves exactly the serve margin: a transfer could start now, but nothing is
+    // published yet, and waiting is no longer possible. The consumer hears so at once.
+    let t0 = Instant::now();
+    let mut m = Machine::new(timeouts(), Duration::from_secs(2));
+    let mut r = request("edge", 1);
+    r.budget_ms = 2000;
+    let e = m.on_request(t0, 1, r, &sess());
+    assert_eq!(replies(&e).len(), 1, "{e:?}");
+    assert_eq!(replies(&e)[0].1, Status::Error);
+    assert_eq!(m.poll_timeout(), None, "nothing parked");
+}
+
+#[test]
 fn consumer_sends_a_budget_that_ends_before_its_own_deadline() {
     let t0 = Instant::now();
     let mut c = opened(ConsumerMachine::new(
@@ -732,7 +868,7 @@ fn consumer_sends_a_budget_that_ends_before_its_own_deadline() {
         Duration::from_secs(10),
         0,
     ));
-    let (_, bytes) = c.start(t0, request("a", 0), None).unwrap();
+    let (_, bytes) = start(&mut c, t0, request("a", 0));
     let sent = decode_request(&bytes).unwrap();
     assert_eq!(sent.budget_ms, 9000);
     assert!(Duration::from_millis(sent.budget_ms) < Duration::from_secs(10));

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::StreamExt;
 use kvferry_checksum::payload::Payload;
-use kvferry_checksum::policy::{Action, CarrierCheck, Policy};
+use kvferry_checksum::policy::Action;
 use kvferry_checksum::record::consumer_sums;
 use kvferry_checksum::select::consumer_blocks;
 use kvferry_checksum::verdict::{compare, log_verdict, UnverifiedReason, Verdict};
@@ -23,84 +23,21 @@ use crate::checksum::all_records;
 use crate::error::{LoadError, P2pError};
 use crate::proto::consumer::{ConsumerEvent, ConsumerMachine, FailReason, SessionError};
 use crate::proto::layout::RankLayout;
-use crate::proto::msg::{Reply, TransferRequest, DEFAULT_MAX_ZMTP_MESSAGE};
-use crate::proto::request::build_request;
+use crate::proto::msg::{Reply, TransferRequest};
+use crate::proto::request::{build_request, grant_ranges};
 pub use crate::proto::request::{Landed, LandedGroup, LoadGroup, LoadSpec};
+use crate::shell::consumer_config::carrier_check;
+pub use crate::shell::consumer_config::{ConsumerConfig, LoadOutcome};
 use crate::shell::load_metrics::{record_load, Loaded};
+use crate::shell::sleep_until;
 use crate::worker::{validate, Worker, WorkerGroup};
 use kvferry_transfer::{
     GrantGuard, GrantOps, GrantSpec, Secret, Token, TransferEngine, TransferError,
 };
 
-/// Consumer settings.
-#[derive(Debug, Clone)]
-pub struct ConsumerConfig {
-    /// Fail-open / fail-closed and the load failure policy (§2.7).
-    pub policy: Policy,
-    /// Verify loads with checksums.
-    pub checksums: bool,
-    /// Whether the producer's payload can reach this consumer. The connector-owned
-    /// carrier (the control-channel reply) always exists, so this is `true` unless an
-    /// embedder strips payloads; checksums without a carrier are refused at startup
-    /// when fail-closed, disabled with a warning when fail-open (§2.7).
-    pub carrier: bool,
-    /// Longest silence from the producer while a load waits (a CONTINUE restarts it).
-    pub reply_timeout: Duration,
-    /// Longest a load may wait for its reply in total.
-    pub max_wait: Duration,
-    /// Deadline of one rank's checksums of the landed blocks.
-    pub checksum_timeout: Duration,
-    /// Deadline of connecting the DEALER to a producer.
-    pub connect_timeout: Duration,
-    /// Deadline of handing one request to the DEALER.
-    pub send_timeout: Duration,
-    /// After a failed connect to a producer, loads to it fail at once with that failure's
-    /// reason for this long; the next load after it connects again (without it, each load
-    /// waited `connect_timeout` once the producer was gone).
-    pub reconnect_interval: Duration,
-    /// Largest message a producer may send on the DEALER (bytes, all frames of one message);
-    /// a frame header declaring more drops the connection (its loads fail) before anything
-    /// is reserved. Default [`DEFAULT_MAX_ZMTP_MESSAGE`].
-    pub max_message_bytes: usize,
-}
-
-impl Default for ConsumerConfig {
-    fn default() -> Self {
-        ConsumerConfig {
-            policy: Policy::default(),
-            checksums: true,
-            carrier: true,
-            reply_timeout: Duration::from_secs(30),
-            max_wait: Duration::from_secs(480),
-            checksum_timeout: Duration::from_secs(30),
-            connect_timeout: Duration::from_secs(5),
-            send_timeout: Duration::from_secs(5),
-            reconnect_interval: Duration::from_secs(1),
-            max_message_bytes: DEFAULT_MAX_ZMTP_MESSAGE,
-        }
-    }
-}
-
 /// Called after a load's transfer finished and before its verification (fault
 /// injection: the demo flips bits here). Runs on the loading task; keep it short.
 pub type LandedHook = Arc<dyn Fn(&Landed) + Send + Sync>;
-
-/// The result of a load that landed.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LoadOutcome {
-    /// The request.
-    pub request_id: String,
-    /// The verdict (§2.6); `None` when checksums are disabled.
-    pub verdict: Option<Verdict>,
-    /// What the embedder does now (§2.7): complete, fail the request, or recompute.
-    pub action: Action,
-    /// Bytes the producer wrote.
-    pub bytes: u64,
-    /// Seconds from sending the request to the producer's FINISH.
-    pub transfer_seconds: f64,
-    /// Seconds spent checksumming the landed blocks and comparing.
-    pub checksum_seconds: f64,
-}
 
 /// Why the DEALER could not connect.
 #[derive(Debug, thiserror::Error)]
@@ -141,6 +78,9 @@ pub struct Consumer {
     /// This consumer's name in sessions: its first rank's segment.
     name: String,
 }
+
+/// A byte range of a registered region: (offset, length).
+type Range = (u64, u64);
 
 impl Consumer {
     /// Validates the workers (one TP×PP grid, agreeing groups) and the carrier
@@ -263,42 +203,23 @@ impl Consumer {
     }
 
     /// Grants a fresh random token WRITE on every rank's bytes of the blocks `request` loads
-    /// (whole blocks of the rank's heads, every layer of the loaded groups), for the longest
-    /// a load may take; the guards revoke it when dropped. One grant per engine.
+    /// ([`grant_ranges`]), for the longest a load may take; the guards revoke it when dropped.
+    /// One grant per engine (ranks may share one).
     fn grant(&self, request: &TransferRequest) -> Result<Vec<GrantGuard>, TransferError> {
         let token = Token::random()?;
-        // Each engine with the (address, length) ranges granted on it.
-        type EngineRanges = (Arc<TransferEngine>, Vec<(u64, u64)>);
-        let mut per_engine: Vec<EngineRanges> = Vec::new();
-        for w in self.workers.iter() {
-            let i = match per_engine
-                .iter()
-                .position(|(e, _)| Arc::ptr_eq(e, &w.engine))
+        // (engine, the (offset, length) ranges it grants)
+        let mut per_engine: Vec<(&Arc<TransferEngine>, Vec<Range>)> = Vec::new();
+        for (w, layout) in self.workers.iter().zip(&self.layouts) {
+            let ranges = grant_ranges(layout, request);
+            match per_engine
+                .iter_mut()
+                .find(|(e, _)| Arc::ptr_eq(e, &w.engine))
             {
-                Some(i) => i,
-                None => {
-                    per_engine.push((w.engine.clone(), Vec::new()));
-                    per_engine.len() - 1
-                }
-            };
-            let ranges = &mut per_engine[i].1;
-            for b in &request.blocks {
-                let Some(g) = w.groups.iter().find(|g| g.group_id == b.group_id) else {
-                    continue;
-                };
-                for l in &g.layers {
-                    for &local in &b.local_blocks {
-                        for r in l.spec.geometry.block_byte_ranges(local) {
-                            ranges.push((l.addr + r.start, r.end - r.start));
-                        }
-                    }
-                }
+                Some((_, r)) => r.extend(ranges),
+                None => per_engine.push((&w.engine, ranges)),
             }
         }
-        let ttl = self.config.max_wait
-            + self.config.connect_timeout
-            + self.config.send_timeout
-            + Duration::from_secs(5);
+        let ttl = self.reply_bound();
         per_engine
             .into_iter()
             .filter(|(_, r)| !r.is_empty())
@@ -311,6 +232,15 @@ impl Consumer {
                 })
             })
             .collect()
+    }
+
+    /// The longest a load's reply may take (the connection enforces the deadlines; this bounds
+    /// the grants and guards against the connection task's loss).
+    fn reply_bound(&self) -> Duration {
+        self.config.max_wait
+            + self.config.connect_timeout
+            + self.config.send_timeout
+            + Duration::from_secs(5)
     }
 
     fn build_request(&self, spec: &LoadSpec) -> Result<(TransferRequest, Landed), LoadError> {
@@ -379,11 +309,7 @@ impl Consumer {
                 }
             }
         }
-        // The connection enforces the deadlines; this outer bound only guards against its loss.
-        let bound = self.config.max_wait
-            + self.config.connect_timeout
-            + self.config.send_timeout
-            + Duration::from_secs(5);
+        let bound = self.reply_bound();
         match tokio::time::timeout(bound, answer).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(ConnFailure::Failed(FailReason::ConnectionLost(
@@ -428,22 +354,6 @@ impl Consumer {
             Some(Ok(p)) => compare(Ok(Some(&p)), &sums),
             Some(Err(e)) => compare(Err(&e), &sums),
         }
-    }
-}
-
-/// §2.7: checksums with no carrier verify nothing (the checksum crate's
-/// [`Policy::check_carrier`]). Returns whether checksums run.
-fn carrier_check(config: &ConsumerConfig) -> Result<bool, P2pError> {
-    if !config.checksums {
-        return Ok(false);
-    }
-    match config.policy.check_carrier(config.carrier) {
-        Ok(CarrierCheck::Enabled) => Ok(true),
-        Ok(CarrierCheck::DisabledWithWarning(text)) => {
-            warn!("{text}");
-            Ok(false)
-        }
-        Err(e) => Err(P2pError::Config(e.to_string())),
     }
 }
 
@@ -534,7 +444,7 @@ impl Connection {
         .map_err(ConnectError::Zmq)?;
         let body = welcome.into_vec().pop().unwrap_or_default();
         self.machine
-            .on_welcome(&body)
+            .handle_welcome(&body)
             .map_err(ConnectError::Session)?;
         self.generation += 1;
         let generation = self.generation;
@@ -569,71 +479,117 @@ impl Connection {
         Ok(())
     }
 
-    fn fail(&mut self, failed: Vec<(u64, FailReason)>) {
-        for (id, reason) in failed {
-            if let Some(w) = self.waiters.remove(&id) {
-                let _ = w.send(Err(ConnFailure::Failed(reason)));
+    /// A new load: connects unless connected (or the producer is down), then starts it on the
+    /// machine; a load that cannot start is answered at once.
+    async fn start(&mut self, cmd: LoadCmd, events: &mpsc::UnboundedSender<(u64, SockEvent)>) {
+        let LoadCmd {
+            request,
+            load_key,
+            respond,
+        } = cmd;
+        let started = self.open(events).await.and_then(|()| {
+            self.machine
+                .start(Instant::now(), request, load_key.as_deref())
+                .ok_or_else(|| ConnFailure::Connect("no session with the producer".into()))
+        });
+        match started {
+            Ok(load_id) => {
+                self.waiters.insert(load_id, respond);
+            }
+            Err(e) => {
+                let _ = respond.send(Err(e));
             }
         }
     }
 
-    fn rebuild_if_needed(&mut self) {
-        if self.machine.should_rebuild() {
-            if self.sock.take().is_some() {
-                debug!(
-                    endpoint = self.endpoint,
-                    "rebuilding the DEALER after a failure"
-                );
+    /// Connects the socket unless it is open.
+    async fn open(
+        &mut self,
+        events: &mpsc::UnboundedSender<(u64, SockEvent)>,
+    ) -> Result<(), ConnFailure> {
+        if self.sock.is_some() {
+            return Ok(());
+        }
+        self.machine
+            .admit(Instant::now())
+            .map_err(|why| ConnFailure::Connect(why.to_string()))?;
+        if let Err(e) = self.connect(events).await {
+            warn!(endpoint = self.endpoint, "cannot reach the producer: {e}");
+            let e = e.to_string();
+            self.machine.handle_connect_failed(Instant::now(), &e);
+            return Err(ConnFailure::Connect(e));
+        }
+        self.machine.handle_connected();
+        Ok(())
+    }
+
+    /// Carries out the machine's outputs: sends its requests, answers the loads that ended,
+    /// rebuilds the socket when it says so.
+    async fn drain(&mut self) {
+        loop {
+            if let Some(t) = self.machine.poll_transmit() {
+                let why = match self.sock.as_mut() {
+                    None => Some("no socket".to_string()),
+                    Some(sock) => {
+                        let send = sock.send.send(ZmqMessage::from(t.bytes));
+                        match tokio::time::timeout(self.send_timeout, send).await {
+                            Ok(Ok(())) => None,
+                            Ok(Err(e)) => Some(e.to_string()),
+                            Err(_) => Some(format!(
+                                "send did not finish within {:?}",
+                                self.send_timeout
+                            )),
+                        }
+                    }
+                };
+                if let Some(why) = why {
+                    self.machine.handle_send_failed(t.load_id, &why);
+                }
+                continue;
             }
-            self.machine.rebuilt();
+            let Some(event) = self.machine.poll_event() else {
+                return;
+            };
+            match event {
+                ConsumerEvent::Finished { load_id, reply } => self.answer(load_id, Ok(reply)),
+                ConsumerEvent::Failed { load_id, reason } => {
+                    if matches!(reason, FailReason::NoReply(_) | FailReason::Overall(_)) {
+                        warn!(endpoint = self.endpoint, load_id, "load failed: {reason}");
+                    }
+                    self.answer(load_id, Err(ConnFailure::Failed(reason)))
+                }
+                ConsumerEvent::Progress { load_id } => debug!(load_id, "producer: CONTINUE"),
+                ConsumerEvent::Stale { load_id } => {
+                    warn!(load_id, "late reply for a load that already ended; ignored")
+                }
+                ConsumerEvent::Invalid(e) => {
+                    warn!(endpoint = self.endpoint, "bad reply ignored: {e}")
+                }
+                ConsumerEvent::RebuildSocket => {
+                    if self.sock.take().is_some() {
+                        debug!(
+                            endpoint = self.endpoint,
+                            "rebuilding the DEALER after a failure"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn answer(&mut self, load_id: u64, result: Result<Reply, ConnFailure>) {
+        if let Some(w) = self.waiters.remove(&load_id) {
+            let _ = w.send(result);
         }
     }
 
     async fn run(mut self, mut commands: mpsc::UnboundedReceiver<LoadCmd>) {
         let (ev_tx, mut events) = mpsc::unbounded_channel::<(u64, SockEvent)>();
         loop {
-            let deadline = self.machine.next_deadline();
-            let sleep = async {
-                match deadline {
-                    Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
-                    None => std::future::pending().await,
-                }
-            };
             tokio::select! {
                 cmd = commands.recv() => {
-                    let Some(LoadCmd { request, load_key, respond }) = cmd else { break };
-                    self.rebuild_if_needed();
-                    if self.sock.is_none() {
-                        if let Err(why) = self.machine.admit(Instant::now()) {
-                            let _ = respond.send(Err(ConnFailure::Connect(why.to_string())));
-                            continue;
-                        }
-                        if let Err(e) = self.connect(&ev_tx).await {
-                            warn!(endpoint = self.endpoint, "cannot reach the producer: {e}");
-                            let e = e.to_string();
-                            self.machine.on_connect_failed(Instant::now(), &e);
-                            let _ = respond.send(Err(ConnFailure::Connect(e)));
-                            continue;
-                        }
-                        self.machine.on_connected();
-                    }
-                    let Some((load_id, bytes)) = self.machine.start(Instant::now(), request, load_key.as_deref()) else {
-                        let _ = respond.send(Err(ConnFailure::Connect("no session with the producer".into())));
-                        continue;
-                    };
-                    self.waiters.insert(load_id, respond);
-                    let Some(sock) = self.sock.as_mut() else { continue };
-                    let sent = tokio::time::timeout(self.send_timeout, sock.send.send(ZmqMessage::from(bytes))).await;
-                    let why = match sent {
-                        Ok(Ok(())) => None,
-                        Ok(Err(e)) => Some(e.to_string()),
-                        Err(_) => Some(format!("send did not finish within {:?}", self.send_timeout)),
-                    };
-                    if let Some(why) = why {
-                        let failed = self.machine.on_send_failed(load_id, &why).map(|r| (load_id, r));
-                        self.fail(failed.into_iter().collect());
-                        self.rebuild_if_needed();
-                    }
+                    let Some(cmd) = cmd else { break };
+                    self.start(cmd, &ev_tx).await;
                 }
                 ev = events.recv() => {
                     let Some((generation, ev)) = ev else { break };
@@ -641,39 +597,20 @@ impl Connection {
                         continue; // from a socket already replaced
                     }
                     match ev {
-                        SockEvent::Message(body) => match self.machine.on_message(Instant::now(), &body) {
-                            ConsumerEvent::Finished { load_id, reply } => {
-                                if let Some(w) = self.waiters.remove(&load_id) {
-                                    let _ = w.send(Ok(reply));
-                                }
-                            }
-                            ConsumerEvent::Failed { load_id, reason } => self.fail(vec![(load_id, reason)]),
-                            ConsumerEvent::Progress { load_id } => debug!(load_id, "producer: CONTINUE"),
-                            ConsumerEvent::Stale { load_id } => warn!(load_id, "late reply for a load that already ended; ignored"),
-                            ConsumerEvent::Invalid(e) => warn!(endpoint = self.endpoint, "bad reply ignored: {e}"),
-                        },
+                        SockEvent::Message(body) => self.machine.handle_message(Instant::now(), &body),
                         SockEvent::Lost(why) => {
                             if self.machine.pending() > 0 {
                                 warn!(endpoint = self.endpoint, "control connection lost: {why}");
                             } else {
                                 debug!(endpoint = self.endpoint, "control connection closed while idle: {why}");
                             }
-                            let failed = self.machine.on_connection_lost(&why);
-                            self.fail(failed);
-                            self.rebuild_if_needed();
+                            self.machine.handle_connection_lost(&why);
                         }
                     }
-                    self.rebuild_if_needed();
                 }
-                _ = sleep => {
-                    let failed = self.machine.on_tick(Instant::now());
-                    for (id, reason) in &failed {
-                        warn!(endpoint = self.endpoint, load_id = id, "load failed: {reason}");
-                    }
-                    self.fail(failed);
-                    self.rebuild_if_needed();
-                }
+                _ = sleep_until(self.machine.poll_timeout()) => self.machine.handle_timeout(Instant::now()),
             }
+            self.drain().await;
         }
     }
 }

@@ -2,9 +2,20 @@
 //! timers and the transfer engine calls. Every await has a deadline.
 
 pub mod consumer;
+pub mod consumer_config;
 mod gate;
 mod load_metrics;
-mod peer_segments;
 pub mod producer;
 pub mod producer_config;
 mod serve;
+
+use std::time::Instant;
+
+/// Sleeps until `deadline` (a machine's `poll_timeout`), or forever when there is none: the
+/// timer arm of both shells' event loops.
+pub(crate) async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
+        None => std::future::pending().await,
+    }
+}

@@ -17,26 +17,22 @@ use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 use crate::checksum::all_records;
 use crate::error::P2pError;
 use crate::proto::layout::RankLayout;
-use crate::proto::msg::{
-    decode_consumer_message, encode, ConsumerMessage, Hello, Reply, TransferRequest, Welcome,
-    KIND_WELCOME, MAX_MESSAGE_BYTES, PROTOCOL_VERSION,
-};
-use crate::proto::producer::{Effect, ProducerMachine, PublishError, ReleaseReason};
+use crate::proto::msg::encode;
+use crate::proto::producer::{Effect, ProducerMachine, PublishError, ReleaseReason, Warning};
 use crate::proto::serve::{plan, Published};
 use crate::proto::serve_error::ServeFailure;
-use crate::proto::session::{names_producer, Session};
+use crate::proto::sessions::os_nonces;
+pub use crate::proto::sessions::MAX_SESSIONS;
 use crate::proto::spec_checks::check_tables;
 use crate::shell::gate::{warn_limited, ControlGate, Gate, PeerWarnings};
-use crate::shell::peer_segments::{close_segments, PeerSegments};
 use crate::shell::producer_config::{
     workers_secret, ProducerConfig, PublishInfo, Released, MAX_LOAD_KEY_BYTES,
 };
 use crate::shell::serve::write_all;
+use crate::shell::sleep_until;
 use crate::worker::{validate, Worker};
 use kvferry_transfer::auth::LogLimit;
-use kvferry_transfer::{Secret, Token};
-
-pub use crate::shell::producer_config::MAX_SESSIONS;
+use kvferry_transfer::Token;
 
 enum Event {
     Message(zeromq::ZmqResult<ZmqMessage>),
@@ -57,7 +53,10 @@ enum Command {
         request_id: String,
         load_id: u64,
         result: Result<(u64, Option<Vec<u8>>), ServeFailure>,
-        segments: Vec<String>,
+    },
+    LoadKey {
+        request_id: String,
+        respond: oneshot::Sender<Option<String>>,
     },
     Shutdown,
 }
@@ -67,15 +66,14 @@ pub struct Producer {
     endpoint: String,
     commands: mpsc::UnboundedSender<Command>,
     released: Arc<Mutex<Vec<Released>>>,
-    /// Load keys of the leases not yet released.
-    keys: Arc<Mutex<std::collections::HashMap<String, String>>>,
     workers: Arc<Vec<Worker>>,
     /// The workers as the protocol sees them (same order).
     layouts: Arc<Vec<RankLayout>>,
     tp: u32,
     pp: u32,
     config: ProducerConfig,
-    task: JoinHandle<()>,
+    /// The event loop, until [`Producer::shutdown`] takes it.
+    task: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Producer {
@@ -110,28 +108,22 @@ impl Producer {
             .to_string();
         let (tx, rx) = mpsc::unbounded_channel();
         let released = Arc::new(Mutex::new(Vec::new()));
-        let keys = Arc::new(Mutex::new(std::collections::HashMap::new()));
         let workers = Arc::new(workers);
         let layouts: Arc<Vec<RankLayout>> = Arc::new(workers.iter().map(Worker::layout).collect());
         let task = tokio::spawn(
             EventLoop {
-                machine: ProducerMachine::new(config.timeouts, config.transfer_timeout),
+                machine: ProducerMachine::new(config.timeouts, config.transfer_timeout)
+                    .with_control(secret, &endpoint, &config.bind, os_nonces())
+                    .with_max_sessions(config.max_sessions),
                 socket,
                 monitor,
                 commands: tx.downgrade(),
                 released: released.clone(),
-                keys: keys.clone(),
                 workers: workers.clone(),
                 layouts: layouts.clone(),
                 send_timeout: config.send_timeout,
-                secret,
-                endpoint: endpoint.clone(),
-                bind: config.bind.clone(),
-                sessions: std::collections::HashMap::new(),
                 refusals: LogLimit::new(5, Duration::from_secs(10)),
                 peer_warnings: PeerWarnings::new(),
-                segments: PeerSegments::default(),
-                max_sessions: config.max_sessions,
             }
             .run(rx),
         );
@@ -140,13 +132,12 @@ impl Producer {
             endpoint,
             commands: tx,
             released,
-            keys,
             workers,
             layouts,
             tp,
             pp,
             config,
-            task,
+            task: Mutex::new(Some(task)),
         })
     }
 
@@ -282,13 +273,18 @@ impl Producer {
     }
 
     /// The load key of `request_id`'s lease while it is held or being served (`None` once
-    /// released, or never published).
-    pub fn load_key(&self, request_id: &str) -> Option<String> {
-        self.keys
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(request_id)
-            .cloned()
+    /// released, never published, or the producer stopped), as the lease machine holds it.
+    pub async fn load_key(&self, request_id: &str) -> Option<String> {
+        let (respond, answer) = oneshot::channel();
+        let ask = Command::LoadKey {
+            request_id: request_id.to_string(),
+            respond,
+        };
+        self.commands.send(ask).ok()?;
+        tokio::time::timeout(Duration::from_secs(10), answer)
+            .await
+            .ok()?
+            .ok()?
     }
 
     /// Takes the leases released since the last call (served, failed, expired):
@@ -297,10 +293,15 @@ impl Producer {
         std::mem::take(&mut *self.released.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    /// Stops the event loop and closes the ROUTER (loads in flight get no reply).
-    pub async fn shutdown(self) {
+    /// Stops the event loop and closes the ROUTER (loads in flight get no reply), within 5 s
+    /// (past it the loop is aborted). Later calls return at once; publishes still running
+    /// fail with [`P2pError::Closed`], as every call after it does. The workers stay with the
+    /// producer until it is dropped.
+    pub async fn shutdown(&self) {
         let _ = self.commands.send(Command::Shutdown);
-        let mut task = self.task;
+        let Some(mut task) = self.task.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            return;
+        };
         if tokio::time::timeout(Duration::from_secs(5), &mut task)
             .await
             .is_err()
@@ -317,53 +318,19 @@ struct EventLoop {
     /// Weak, so that dropping the [`Producer`] ends the loop (serve tasks hold it strongly).
     commands: mpsc::WeakUnboundedSender<Command>,
     released: Arc<Mutex<Vec<Released>>>,
-    keys: Arc<Mutex<std::collections::HashMap<String, String>>>,
     workers: Arc<Vec<Worker>>,
     /// The workers as the planner sees them (same order).
     layouts: Arc<Vec<RankLayout>>,
     send_timeout: Duration,
-    /// The workers' shared secret: consumers must prove it (authenticated mode).
-    secret: Option<Secret>,
-    /// The bound endpoint and the configured one: what a `hello` may name.
-    endpoint: String,
-    bind: String,
-    /// Open sessions by ROUTER peer identity (at most `max_sessions`).
-    sessions: std::collections::HashMap<Bytes, PeerSession>,
     /// Rate limit of the WARN lines for refused hellos and requests.
     refusals: LogLimit,
     /// Warnings a consumer (or anyone reaching the port) can trigger, at most one a second each.
     peer_warnings: PeerWarnings,
-    /// The consumer segments each session and each load in flight hold.
-    segments: PeerSegments,
-    max_sessions: usize,
-}
-
-struct PeerSession {
-    session: Session,
-    opened: Instant,
-    /// The highest load id served a request in this session: a request must name a higher
-    /// one (a replay within the session is refused).
-    last_load_id: Option<u64>,
-}
-
-#[derive(serde::Deserialize, Default)]
-struct Ids {
-    #[serde(default)]
-    request_id: Option<String>,
-    #[serde(default)]
-    load_id: Option<u64>,
 }
 
 impl EventLoop {
     async fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
         loop {
-            let deadline = self.machine.next_deadline();
-            let sleep = async {
-                match deadline {
-                    Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
-                    None => std::future::pending().await,
-                }
-            };
             // The socket's recv is cancel-safe (a message is taken only when returned),
             // so one task can both receive and, after the select, send.
             let event = tokio::select! {
@@ -375,10 +342,10 @@ impl EventLoop {
                         None => std::future::pending().await,
                     }
                 } => Event::Peer(ev),
-                _ = sleep => Event::Tick,
+                _ = sleep_until(self.machine.poll_timeout()) => Event::Tick,
             };
             match event {
-                Event::Message(Ok(m)) => self.on_message(m).await,
+                Event::Message(Ok(m)) => self.on_message(m),
                 Event::Message(Err(e)) => {
                     warn!("producer control socket failed: {e}");
                     break;
@@ -387,7 +354,7 @@ impl EventLoop {
                     warn_limited!(self.peer_warnings.accept, "control connection failed: {e}");
                 }
                 Event::Peer(Some(SocketEvent::Disconnected(peer))) => {
-                    self.end_session(&Bytes::from(peer));
+                    self.machine.handle_disconnected(&Bytes::from(peer));
                 }
                 Event::Peer(Some(_)) => {}
                 Event::Peer(None) => self.monitor = None,
@@ -397,32 +364,24 @@ impl EventLoop {
                     data,
                     key,
                     respond,
-                })) => match self.machine.publish_keyed(
-                    Instant::now(),
-                    &request_id,
-                    data,
-                    Some(key.clone()),
-                ) {
-                    Ok(effects) => {
-                        self.keys
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .insert(request_id.clone(), key);
-                        let _ = respond.send(Ok(()));
-                        self.apply(effects).await;
-                    }
-                    Err(e) => {
-                        let _ = respond.send(Err(e));
-                    }
-                },
+                })) => {
+                    let r =
+                        self.machine
+                            .handle_publish(Instant::now(), &request_id, data, Some(key));
+                    let _ = respond.send(r);
+                }
+                Event::Command(Some(Command::LoadKey {
+                    request_id,
+                    respond,
+                })) => {
+                    let _ = respond.send(self.machine.load_key(&request_id).map(str::to_string));
+                }
                 Event::Command(Some(Command::Served {
                     peer,
                     request_id,
                     load_id,
                     result,
-                    segments,
                 })) => {
-                    close_segments(&self.workers, self.segments.serve_ended(segments));
                     if let Err(e) = &result {
                         warn_limited!(
                             self.peer_warnings.load_failed,
@@ -430,16 +389,12 @@ impl EventLoop {
                             "load failed: {e}"
                         );
                     }
-                    let effects =
-                        self.machine
-                            .on_served(Instant::now(), peer, &request_id, load_id, result);
-                    self.apply(effects).await;
+                    self.machine
+                        .handle_served(Instant::now(), peer, &request_id, load_id, result);
                 }
-                Event::Tick => {
-                    let effects = self.machine.on_tick(Instant::now());
-                    self.apply(effects).await;
-                }
+                Event::Tick => self.machine.handle_timeout(Instant::now()),
             }
+            self.drain().await;
         }
         // Close the listener before returning, so the endpoint can be bound again at once.
         let errors = tokio::time::timeout(Duration::from_secs(5), self.socket.close()).await;
@@ -450,7 +405,7 @@ impl EventLoop {
         }
     }
 
-    async fn on_message(&mut self, m: ZmqMessage) {
+    fn on_message(&mut self, m: ZmqMessage) {
         let frames = m.into_vec();
         // ROUTER gives [identity, (empty delimiter,)? payload].
         let (Some(peer), Some(body)) = (frames.first().cloned(), frames.last().cloned()) else {
@@ -463,56 +418,7 @@ impl EventLoop {
             );
             return;
         }
-        match decode_consumer_message(&body) {
-            Ok(ConsumerMessage::Hello(hello)) => {
-                let welcome = self.on_hello(&peer, hello);
-                let mut msg = ZmqMessage::from(peer);
-                msg.push_back(Bytes::from(encode(&welcome)));
-                match tokio::time::timeout(self.send_timeout, self.socket.send(msg)).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => debug!("welcome not sent: {e}"),
-                    Err(_) => debug!("welcome not sent within {:?}", self.send_timeout),
-                }
-            }
-            Ok(ConsumerMessage::Request(req)) => {
-                debug!(
-                    request_id = req.request_id,
-                    load_id = req.load_id,
-                    "transfer request"
-                );
-                let session = match self.admit(&peer, &req) {
-                    Ok(s) => s,
-                    Err(why) => {
-                        self.refused(&why);
-                        let mut reply = Reply::error(&req.request_id, req.load_id, why);
-                        reply.no_session = !self.sessions.contains_key(&peer);
-                        self.send(peer, reply).await;
-                        return;
-                    }
-                };
-                let effects = self.machine.on_request(Instant::now(), peer, req, &session);
-                self.apply(effects).await;
-            }
-            Err(e) => {
-                // Answer what can be attributed, so the consumer fails fast with the reason.
-                let ids: Ids = if body.len() <= MAX_MESSAGE_BYTES {
-                    rmp_serde::from_slice(&body).unwrap_or_default()
-                } else {
-                    Ids::default()
-                };
-                warn_limited!(
-                    self.peer_warnings.bad_request,
-                    request_id = ?ids.request_id,
-                    "bad transfer request: {e}"
-                );
-                let reply = Reply::error(
-                    ids.request_id.as_deref().unwrap_or(""),
-                    ids.load_id.unwrap_or(0),
-                    format!("bad transfer request: {e}"),
-                );
-                self.send(peer, reply).await;
-            }
-        }
+        self.machine.handle_message(Instant::now(), peer, &body);
     }
 
     /// A WARN for a refused hello or request, within the rate limit.
@@ -524,122 +430,37 @@ impl EventLoop {
         }
     }
 
-    /// Opens a session for `peer`, or says why not (in the welcome).
-    fn on_hello(&mut self, peer: &Bytes, hello: Hello) -> Welcome {
-        let mut w = Welcome {
-            version: PROTOCOL_VERSION,
-            kind: KIND_WELCOME.to_string(),
-            nonce: Vec::new(),
-            proof: None,
-            error: None,
-        };
-        let refuse = |w: &mut Welcome, why: String| {
-            w.error = Some(why);
-        };
-        if self.sessions.contains_key(peer) {
-            refuse(
-                &mut w,
-                "a session is already open on this connection".into(),
-            );
-        } else if self.secret.is_some()
-            && !names_producer(&hello.producer, &self.endpoint, &self.bind)
-        {
-            refuse(
-                &mut w,
-                format!(
-                    "the hello names {:?}, this producer is {}",
-                    hello.producer, self.endpoint
-                ),
-            );
-        }
-        let nonce = match kvferry_transfer::auth::random_bytes::<32>() {
-            Ok(n) => n,
-            Err(e) => {
-                refuse(&mut w, e.to_string());
-                [0; 32]
-            }
-        };
-        if let Some(why) = &w.error {
-            self.refused(why);
-            return w;
-        }
-        let session = Session {
-            consumer_nonce: hello.nonce.as_slice().try_into().unwrap_or([0; 32]),
-            producer_nonce: nonce,
-            producer: hello.producer,
-            consumer: hello.consumer,
-        };
-        w.nonce = nonce.to_vec();
-        w.proof = self
-            .secret
-            .as_ref()
-            .map(|s| session.producer_proof(s).to_vec());
-        if self.sessions.len() >= self.max_sessions.max(1) {
-            let oldest = self
-                .sessions
-                .iter()
-                .min_by_key(|(_, s)| s.opened)
-                .map(|(k, _)| k.clone());
-            if let Some(k) = oldest {
-                self.end_session(&k);
-            }
-        }
-        self.sessions.insert(
-            peer.clone(),
-            PeerSession {
-                session,
-                opened: Instant::now(),
-                last_load_id: None,
-            },
-        );
-        w
-    }
-
-    /// The session a request of `peer` may act in: one is open, the request proves the secret
-    /// over it (authenticated mode), and its load id was not used in it before.
-    fn admit(&mut self, peer: &Bytes, req: &TransferRequest) -> Result<Session, String> {
-        let Some(s) = self.sessions.get_mut(peer) else {
-            return Err("no session on this connection: send hello first".into());
-        };
-        if let Some(secret) = &self.secret {
-            if !s.session.check_request_proof(secret, req) {
-                return Err(
-                    "the request does not prove the shared secret over this session".into(),
-                );
-            }
-        }
-        if s.last_load_id.is_some_and(|last| req.load_id <= last) {
-            return Err(format!(
-                "load id {} was already used in this session (replayed request)",
-                req.load_id
-            ));
-        }
-        s.last_load_id = Some(req.load_id);
-        let session = s.session.clone();
-        self.segments.add_request(peer, req);
-        Ok(session)
-    }
-
-    /// `peer`'s session ends: its consumer's connections go once no load to it is in flight.
-    fn end_session(&mut self, peer: &Bytes) {
-        self.sessions.remove(peer);
-        close_segments(&self.workers, self.segments.session_ended(peer));
-    }
-
-    async fn apply(&mut self, effects: Vec<Effect<Bytes, Published>>) {
-        // Only the consumer hears these replies: say here why a load was refused.
-        for r in self.machine.take_refusals() {
-            self.refused(&r.to_string());
-        }
-        for e in effects {
+    /// Carries out the machine's effects.
+    async fn drain(&mut self) {
+        while let Some(e) = self.machine.poll() {
             match e {
-                Effect::Reply { peer, reply } => self.send(peer, reply).await,
+                Effect::Welcome { peer, welcome } => self.send(peer, encode(&welcome), None).await,
+                Effect::Reply { peer, reply } => {
+                    self.send(peer, encode(&reply), Some(&reply.request_id))
+                        .await
+                }
+                Effect::Warn(Warning::Refused(why)) => self.refused(&why),
+                // Only the consumer hears the reply: say here why a load was refused.
+                Effect::Warn(Warning::Load(refusal)) => self.refused(&refusal.to_string()),
+                Effect::CloseSegments { segments } => {
+                    // Off the event loop: an RDMA transport destroys its queue pairs there.
+                    let workers = self.workers.clone();
+                    tokio::task::spawn_blocking(move || {
+                        for s in &segments {
+                            debug!(segment = %s, "consumer gone; closing its data connections");
+                            for w in workers.iter() {
+                                w.engine.close_segment(s);
+                            }
+                        }
+                    });
+                }
+                Effect::Warn(Warning::BadRequest { request_id, error }) => warn_limited!(
+                    self.peer_warnings.bad_request,
+                    request_id = ?request_id,
+                    "bad transfer request: {error}"
+                ),
                 Effect::Released { request_id, reason } => {
                     debug!(request_id, ?reason, "lease released");
-                    self.keys
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&request_id);
                     if reason == ReleaseReason::Expired {
                         warn!(
                             request_id,
@@ -663,7 +484,6 @@ impl EventLoop {
                         continue; // the producer is being dropped
                     };
                     let (request_id, load_id) = (request.request_id.clone(), request.load_id);
-                    let segments = self.segments.serve_started(&request);
                     let serve = tokio::spawn(async move {
                         let token = match request.token.as_deref().map(str::parse::<Token>) {
                             None => Ok(None),
@@ -689,7 +509,6 @@ impl EventLoop {
                             request_id,
                             load_id,
                             result,
-                            segments,
                         });
                     });
                 }
@@ -697,24 +516,25 @@ impl EventLoop {
         }
     }
 
-    async fn send(&mut self, peer: Bytes, reply: Reply) {
+    /// Sends `body` to `peer` within the send timeout; a reply (naming `request_id`) not sent
+    /// is a warning, a welcome not sent a debug line (its consumer times out connecting).
+    async fn send(&mut self, peer: Bytes, body: Vec<u8>, request_id: Option<&str>) {
         let mut msg = ZmqMessage::from(peer);
-        msg.push_back(Bytes::from(encode(&reply)));
-        match tokio::time::timeout(self.send_timeout, self.socket.send(msg)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
+        msg.push_back(Bytes::from(body));
+        let why = match tokio::time::timeout(self.send_timeout, self.socket.send(msg)).await {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("not sent within {:?}", self.send_timeout),
+        };
+        match request_id {
+            Some(request_id) => {
                 warn_limited!(
                     self.peer_warnings.not_sent,
-                    request_id = reply.request_id,
-                    "reply not sent: {e}"
+                    request_id,
+                    "reply not sent: {why}"
                 )
             }
-            Err(_) => warn_limited!(
-                self.peer_warnings.not_sent,
-                request_id = reply.request_id,
-                "reply not sent within {:?}",
-                self.send_timeout
-            ),
+            None => debug!("welcome not sent: {why}"),
         }
     }
 }

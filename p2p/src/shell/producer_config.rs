@@ -65,7 +65,7 @@ pub struct ProducerConfig {
 }
 
 /// Default [`ProducerConfig::max_sessions`].
-pub const MAX_SESSIONS: usize = 4096;
+pub use crate::proto::sessions::MAX_SESSIONS;
 
 /// Default [`ProducerConfig::receive_budget_bytes`]: four messages of the default maximum size.
 pub const DEFAULT_RECEIVE_BUDGET: usize = 4 * DEFAULT_MAX_ZMTP_MESSAGE;

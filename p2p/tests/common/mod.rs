@@ -412,11 +412,11 @@ pub fn spec_at(request_id: &str, endpoint: &str, load_key: Option<String>) -> Lo
 }
 
 /// As [`spec_at`] from `producer`, with the load key it gives for `request_id`.
-pub fn spec(request_id: &str, producer: &Producer) -> LoadSpec {
+pub async fn spec(request_id: &str, producer: &Producer) -> LoadSpec {
     spec_at(
         request_id,
         producer.endpoint(),
-        producer.load_key(request_id),
+        producer.load_key(request_id).await,
     )
 }
 

@@ -1,31 +1,37 @@
 //! Which consumer segments the producer's engines hold connections to, and when they may go
-//! (docs/design.md §4): a consumer's data connections and cached descriptor are dropped once
-//! its control session has ended and no load to it is being served, not after the engine's
-//! idle timeout, so consumers that come and go leave no fds behind.
+//! (docs/design.md §4), without I/O: a consumer's data connections and cached descriptor are
+//! dropped once its control session has ended and no load to it is being served, not after the
+//! engine's idle timeout, so consumers that come and go leave no fds behind. The producer's
+//! machine says when ([`super::producer::Effect::CloseSegments`]); the shell closes them.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::hash::Hash;
 
-use bytes::Bytes;
-
-use crate::proto::msg::TransferRequest;
-use crate::worker::Worker;
+use super::msg::TransferRequest;
 
 /// Segments recorded per session at most; a consumer naming more in one session leaves the
 /// rest to the engines' peer budget (`kvferry_transfer::fd_budget`).
 const MAX_SEGMENTS_PER_SESSION: usize = 64;
 
-/// Consumer segments by control session (ROUTER peer identity), and loads being served to
-/// each segment.
-#[derive(Default)]
-pub(crate) struct PeerSegments {
-    by_peer: HashMap<Bytes, HashSet<String>>,
+/// Consumer segments by control session (`P`: the peer, a ROUTER identity in the shell), and
+/// loads being served to each segment.
+pub(crate) struct PeerSegments<P> {
+    by_peer: HashMap<P, HashSet<String>>,
     serving: HashMap<String, usize>,
 }
 
-impl PeerSegments {
+impl<P> Default for PeerSegments<P> {
+    fn default() -> Self {
+        PeerSegments {
+            by_peer: HashMap::new(),
+            serving: HashMap::new(),
+        }
+    }
+}
+
+impl<P: Clone + Eq + Hash> PeerSegments<P> {
     /// A request of `peer`'s session was admitted: its ranks' segments belong to the session.
-    pub(crate) fn add_request(&mut self, peer: &Bytes, req: &TransferRequest) {
+    pub(crate) fn add_request(&mut self, peer: &P, req: &TransferRequest) {
         let set = self.by_peer.entry(peer.clone()).or_default();
         for r in &req.ranks {
             if set.len() >= MAX_SEGMENTS_PER_SESSION {
@@ -62,7 +68,7 @@ impl PeerSegments {
 
     /// `peer`'s session ended (its connection closed, or it was evicted); returns the segments
     /// nothing holds any more (to close).
-    pub(crate) fn session_ended(&mut self, peer: &Bytes) -> Vec<String> {
+    pub(crate) fn session_ended(&mut self, peer: &P) -> Vec<String> {
         let segs = self.by_peer.remove(peer).unwrap_or_default();
         self.unheld(segs.into_iter().collect())
     }
@@ -77,27 +83,11 @@ impl PeerSegments {
     }
 }
 
-/// Drops every engine's cached descriptor of and connections to `segments` (off the event
-/// loop: an RDMA transport destroys its queue pairs there).
-pub(crate) fn close_segments(workers: &Arc<Vec<Worker>>, segments: Vec<String>) {
-    if segments.is_empty() {
-        return;
-    }
-    let workers = workers.clone();
-    tokio::task::spawn_blocking(move || {
-        for s in &segments {
-            tracing::debug!(segment = %s, "consumer gone; closing its data connections");
-            for w in workers.iter() {
-                w.engine.close_segment(s);
-            }
-        }
-    });
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::proto::msg::WireRank;
+    use bytes::Bytes;
 
     fn req(segs: &[&str]) -> TransferRequest {
         let mut r = crate::proto::tests::request("r", 1);

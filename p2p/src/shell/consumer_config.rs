@@ -1,0 +1,93 @@
+//! The consumer's settings and what a load hands back: plain data, kept apart from the
+//! loading path and the connection loop in `consumer.rs`.
+
+use std::time::Duration;
+
+use kvferry_checksum::policy::{Action, CarrierCheck, Policy};
+use kvferry_checksum::verdict::Verdict;
+use tracing::warn;
+
+use crate::error::P2pError;
+use crate::proto::msg::DEFAULT_MAX_ZMTP_MESSAGE;
+
+/// Consumer settings.
+#[derive(Debug, Clone)]
+pub struct ConsumerConfig {
+    /// Fail-open / fail-closed and the load failure policy (§2.7).
+    pub policy: Policy,
+    /// Verify loads with checksums.
+    pub checksums: bool,
+    /// Whether the producer's payload can reach this consumer. The connector-owned
+    /// carrier (the control-channel reply) always exists, so this is `true` unless an
+    /// embedder strips payloads; checksums without a carrier are refused at startup
+    /// when fail-closed, disabled with a warning when fail-open (§2.7).
+    pub carrier: bool,
+    /// Longest silence from the producer while a load waits (a CONTINUE restarts it).
+    pub reply_timeout: Duration,
+    /// Longest a load may wait for its reply in total.
+    pub max_wait: Duration,
+    /// Deadline of one rank's checksums of the landed blocks.
+    pub checksum_timeout: Duration,
+    /// Deadline of connecting the DEALER to a producer.
+    pub connect_timeout: Duration,
+    /// Deadline of handing one request to the DEALER.
+    pub send_timeout: Duration,
+    /// After a failed connect to a producer, loads to it fail at once with that failure's
+    /// reason for this long; the next load after it connects again (without it, each load
+    /// waited `connect_timeout` once the producer was gone).
+    pub reconnect_interval: Duration,
+    /// Largest message a producer may send on the DEALER (bytes, all frames of one message);
+    /// a frame header declaring more drops the connection (its loads fail) before anything
+    /// is reserved. Default [`DEFAULT_MAX_ZMTP_MESSAGE`].
+    pub max_message_bytes: usize,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        ConsumerConfig {
+            policy: Policy::default(),
+            checksums: true,
+            carrier: true,
+            reply_timeout: Duration::from_secs(30),
+            max_wait: Duration::from_secs(480),
+            checksum_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(5),
+            send_timeout: Duration::from_secs(5),
+            reconnect_interval: Duration::from_secs(1),
+            max_message_bytes: DEFAULT_MAX_ZMTP_MESSAGE,
+        }
+    }
+}
+
+/// The result of a load that landed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadOutcome {
+    /// The request.
+    pub request_id: String,
+    /// The verdict (§2.6); `None` when checksums are disabled.
+    pub verdict: Option<Verdict>,
+    /// What the embedder does now (§2.7): complete, fail the request, or recompute.
+    pub action: Action,
+    /// Bytes the producer wrote.
+    pub bytes: u64,
+    /// Seconds from sending the request to the producer's FINISH.
+    pub transfer_seconds: f64,
+    /// Seconds spent checksumming the landed blocks and comparing.
+    pub checksum_seconds: f64,
+}
+
+/// §2.7: checksums with no carrier verify nothing (the checksum crate's
+/// [`Policy::check_carrier`]). Returns whether checksums run.
+pub(crate) fn carrier_check(config: &ConsumerConfig) -> Result<bool, P2pError> {
+    if !config.checksums {
+        return Ok(false);
+    }
+    match config.policy.check_carrier(config.carrier) {
+        Ok(CarrierCheck::Enabled) => Ok(true),
+        Ok(CarrierCheck::DisabledWithWarning(text)) => {
+            warn!("{text}");
+            Ok(false)
+        }
+        Err(e) => Err(P2pError::Config(e.to_string())),
+    }
+}

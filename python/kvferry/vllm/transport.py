@@ -261,8 +261,10 @@ class KvferryTransport:
         if self.config.protocol == "auto" and chosen == "tcp":
             why = " (no usable RDMA device or a build without RDMA; kvferry's log says which)"
         devices = f", RDMA devices {self.config.rdma_devices}" if self.config.rdma_devices else ""
-        log.info("kvferry rank tp=%d pp=%d: protocol %r -> transport %s%s%s", self.tp_rank, self.pp_rank,
-                 self.config.protocol, chosen, devices, why)
+        # Which trust applies, so an operator can tell from the log that the secret was taken up.
+        mode = "secret mode (peers prove the shared secret)" if self.config.secret_file else "open mode"
+        log.info("kvferry rank tp=%d pp=%d: protocol %r -> transport %s%s%s, %s", self.tp_rank, self.pp_rank,
+                 self.config.protocol, chosen, devices, why, mode)
         return chosen
 
     def _producer_layer_units(self) -> list[tuple[int, int] | None]:

@@ -217,7 +217,7 @@ LEASE_S = 15.0
 
 def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1, port: int = PORT,
              name: str | None = None, head_splits: int = 1, block_size: int = BLOCK_SIZE, max_num_seqs: int = 4,
-             lease: float = LEASE_S):
+             lease: float = LEASE_S, secret_file: str | None = None):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -230,6 +230,8 @@ def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1, po
                                        "load_timeout_seconds": 20.0, "fail_closed": True, "head_splits": head_splits,
                                        "test_corrupt_transfer_prefix": f"{name or policy}-corrupt-"},
         )
+        if secret_file is not None:
+            ktc.kv_connector_extra_config["secret_file"] = secret_file
     llm = LLM(model=model, load_format="safetensors", skip_tokenizer_init=True, dtype="float32",
               max_model_len=256, enforce_eager=True, seed=0, block_size=block_size,
               max_num_seqs=max_num_seqs, enable_prefix_caching=False, kv_transfer_config=ktc,
@@ -320,11 +322,17 @@ def shares_engines(scenario: str) -> bool:
     return is_hybrid(scenario) or is_mamba(scenario)
 
 
-def engine_args(scenario: str) -> dict:
-    """``make_llm`` arguments of a scenario beyond its role: MLA's (:func:`mla_args`) or its
-    block size."""
+def secret_path(rdv: str) -> str:
+    """The shared secret of the run's secret-mode engines (the MLA pair): written by the test
+    before any engine starts (test_vllm_cpu.py ``run_engines``)."""
+    return os.path.join(rdv, "secret")
+
+
+def engine_args(scenario: str, rdv: str) -> dict:
+    """``make_llm`` arguments of a scenario beyond its role: MLA's (:func:`mla_args`, and secret
+    mode: the MLA pair proves a shared secret to each other) or its block size."""
     if is_mla(scenario):
-        return mla_args(scenario)
+        return {**mla_args(scenario), "secret_file": secret_path(rdv)}
     if is_mamba(scenario):
         return {"block_size": None}  # vLLM aligns the attention and state pages itself
     return {"block_size": BLOCK_SIZES[scenario]} if scenario in BLOCK_SIZES else {}
@@ -413,7 +421,7 @@ def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -
     tp, head_splits, port, _, _ = PRODUCERS[scenario]
     lease = HYBRID_LEASE_S if shares_engines(scenario) else LEASE_S
     llm = make_llm(model, "kv_producer", tp=tp, port=port, head_splits=head_splits, lease=lease,
-                   **engine_args(scenario))
+                   **engine_args(scenario, rdv))
     result["startup_s"] = time.monotonic() - t0
     result["reference"] = generate(llm, PROMPTS, MAX_TOKENS)
     start_producer(llm, scenario, rdv, result)
@@ -422,7 +430,7 @@ def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -
 
 def run_consumer(name: str, model: str, rdv: str, result: dict, t0: float) -> None:
     policy, tp = CONSUMERS[name]
-    llm = make_llm(model, "kv_consumer", policy, tp=tp, name=name, **engine_args(name))
+    llm = make_llm(model, "kv_consumer", policy, tp=tp, name=name, **engine_args(name, rdv))
     result["startup_s"] = time.monotonic() - t0
     consumer_references(llm, name, rdv, result)
     consumer_decodes(llm, name, rdv, result)
@@ -438,7 +446,7 @@ def run_both(scenario: str, model: str, rdv: str, result: dict, t0: float) -> No
     policy, tp = CONSUMERS[name]
     ptp, head_splits, port, _, _ = PRODUCERS[scenario]
     llm = make_llm(model, "kv_both", policy, tp=tp, port=port, name=name, head_splits=head_splits,
-                   lease=HYBRID_LEASE_S, **engine_args(scenario))
+                   lease=HYBRID_LEASE_S, **engine_args(scenario, rdv))
     result["startup_s"] = time.monotonic() - t0
     consumer_references(llm, name, rdv, result)
     start_producer(llm, scenario, rdv, result)

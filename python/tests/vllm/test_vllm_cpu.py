@@ -39,6 +39,10 @@ def run_engines(scenarios: list[str], tmp_path_factory, model_name: str = "tiny-
     """Runs the engines at the same time (they meet through files in one directory)."""
     model = str(tmp_path_factory.mktemp(model_name))
     rdv = str(tmp_path_factory.mktemp("rendezvous"))
+    # The secret-mode engines' shared secret (engine_run.secret_path), one per run, owner-only.
+    secret = os.path.join(rdv, "secret")
+    with open(os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(os.urandom(32).hex())
     procs = {s: _engine(s, model, rdv) for s in scenarios}
     outs = {}
     try:
@@ -154,6 +158,15 @@ def test_disaggregated_decode_equals_the_plain_run(producer, consumer_recompute,
         assert all(o["finish_reason"] == "length" for o in r["decode_ok"])
         # Every load of the clean prompts landed and verified (3 per consumer): none recomputed.
         assert _verified(r["log"]) == 3, r["log"][-3000:]
+
+
+def test_without_secret_or_allowlist_consumers_warn_they_load_from_this_host_only(consumer_recompute, consumer_fail):
+    # The connector hands its extra config's trust settings to the scheduler: open mode, no
+    # allowed_producers, so loopback producers only, said once at start-up (and the loads above
+    # came from a loopback producer).
+    for r in (consumer_recompute, consumer_fail):
+        assert "neither allowed_producers nor secret_file" in r["log"], r["log"][-3000:]
+        assert "open mode" in r["log"] and "secret mode" not in r["log"], r["log"][-3000:]
 
 
 def test_corrupted_landed_byte_recompute_gives_the_reference(consumer_recompute):

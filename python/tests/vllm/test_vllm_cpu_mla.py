@@ -58,3 +58,12 @@ def test_mla_corruption_caught_and_recomputed(mla):
     assert [o["tokens"] for o in c["decode_corrupt"]] == [o["tokens"] for o in c["reference"]]
     assert c["free_after"] == c["free_total"], "blocks leaked after the loads"
     assert mla["producer-mla"]["free_after_lease"] == mla["producer-mla"]["free_before"]
+
+
+def test_the_mla_pair_loads_in_secret_mode(mla):
+    # Both engines take up kv_connector_extra_config's secret_file (each rank logs its mode), so
+    # neither falls back to open mode's loopback-only producers, and every load above verified
+    # between two sides that each had to prove the secret.
+    for name, r in mla.items():
+        assert "secret mode (peers prove the shared secret)" in r["log"], f"{name}: {r['log'][-3000:]}"
+        assert "neither allowed_producers nor secret_file" not in r["log"], name

@@ -4,18 +4,53 @@
 # soft-RoCE suite in a QEMU guest. Fails on the first failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-log() { printf '\n==> %s\n' "$*" >&2; }
+# Each step's wall time, printed as a table when the script ends (green or red): the README's
+# step times come from it.
+T0=$SECONDS
+step_name=""
+step_t=$SECONDS
+steps=()
+log() {
+  local now=$SECONDS
+  [ -z "$step_name" ] || steps+=("$(printf '%6ds  %s' $((now - step_t)) "$step_name")")
+  step_name="$*"
+  step_t=$now
+  printf '\n==> [%dm%02ds] %s\n' $(((now - T0) / 60)) $(((now - T0) % 60)) "$*" >&2
+}
+bg_pids=()
+finish() {
+  local rc=$?
+  for p in "${bg_pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  [ -z "$step_name" ] || steps+=("$(printf '%6ds  %s' $((SECONDS - step_t)) "$step_name")")
+  printf '\nstep times (wall seconds; exit status %d after %dm%02ds):\n' "$rc" \
+    $(((SECONDS - T0) / 60)) $(((SECONDS - T0) % 60)) >&2
+  printf '%s\n' "${steps[@]}" >&2
+}
+trap finish EXIT
 
 need_pkgs=()
 # libclang: only for the lints below (--all-features includes the bindgen path of the verbs
 # bindings); the builds and tests need neither it nor cmake.
 [ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/llvm-*/lib/libclang*.so >/dev/null 2>&1 || need_pkgs+=(libclang-dev)
 command -v pkg-config >/dev/null || need_pkgs+=(pkg-config)
+# The Python venvs (ours and vLLM's, the latter created in the background below).
+python3 -c 'import ensurepip, venv' 2>/dev/null || need_pkgs+=(python3-venv)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   log "installing build dependencies: ${need_pkgs[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
+fi
+
+# vLLM's CPU build (a 6 GB venv, about 3 min, nearly all of it download) installs in the
+# background while the Rust steps use the CPU; the vLLM step below waits for it.
+VLLM_VENV="${KVFERRY_VLLM_VENV:-.dev/vllm-venv}"
+if [ "${KVFERRY_SKIP_VLLM:-0}" != "1" ]; then
+  mkdir -p .dev
+  printf '\n==> vLLM CPU build installing into %s in the background (log: .dev/vllm-env.log)\n' "$VLLM_VENV" >&2
+  bash scripts/vllm-env.sh "$VLLM_VENV" >.dev/vllm-env.log 2>&1 &
+  vllm_env_pid=$!
+  bg_pids+=("$vllm_env_pid")
 fi
 
 log "citations stay inside the repository"
@@ -75,8 +110,13 @@ python3 scripts/doc-blocks.py --python "${KVFERRY_PY_VENV:-.dev/py-tests}/bin/py
 if [ "${KVFERRY_SKIP_VLLM:-0}" = "1" ]; then
   log "vLLM connector tests skipped (KVFERRY_SKIP_VLLM=1)"
 else
-  log "vLLM connector end to end: scripts/vllm-tests.sh (installs vLLM CPU into .dev/vllm-venv)"
-  bash scripts/vllm-tests.sh
+  log "vLLM connector end to end: scripts/vllm-tests.sh (waits for the venv install started above)"
+  if ! wait "$vllm_env_pid"; then
+    tail -n 40 .dev/vllm-env.log >&2
+    echo "installing vLLM's CPU build into $VLLM_VENV failed (the log's end above)" >&2
+    exit 1
+  fi
+  KVFERRY_VLLM_VENV="$VLLM_VENV" bash scripts/vllm-tests.sh
 fi
 
 # Fuzzing: every decoder of peer input for a bounded time. cargo-fuzz needs nightly
@@ -89,10 +129,30 @@ else
   command -v cargo-fuzz >/dev/null || { log "installing cargo-fuzz"; cargo install cargo-fuzz --locked; }
   fuzz_target_dir="$(pwd)/${CARGO_TARGET_DIR:-target}/fuzz"
   case "${CARGO_TARGET_DIR:-}" in /*) fuzz_target_dir="$CARGO_TARGET_DIR/fuzz" ;; esac
-  for t in payload p2p_messages control_port transfer_frames; do
-    log "fuzz $t for ${FUZZ_SECONDS} s"
-    (cd fuzz && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="$fuzz_target_dir" \
-      cargo fuzz run -O "$t" -- -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048)
+  mkdir -p .dev
+  fuzz() { (cd fuzz && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="$fuzz_target_dir" cargo fuzz "$@"); }
+  log "fuzz targets: build (sanitizer flags: a build of its own)"
+  fuzz build -O
+  # libFuzzer runs one process per target: two targets at a time fill both cores of a 2-core
+  # machine and halve the step's time, each target still getting its full seconds.
+  targets=(payload p2p_messages control_port transfer_frames)
+  for ((i = 0; i < ${#targets[@]}; i += 2)); do
+    pair=("${targets[@]:i:2}")
+    log "fuzz ${pair[*]} for ${FUZZ_SECONDS} s each, side by side"
+    pids=()
+    for t in "${pair[@]}"; do
+      fuzz run -O "$t" -- -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 >".dev/fuzz-$t.log" 2>&1 &
+      pids+=($!)
+      bg_pids+=($!)
+    done
+    for j in "${!pair[@]}"; do
+      if ! wait "${pids[j]}"; then
+        tail -n 60 ".dev/fuzz-${pair[j]}.log" >&2
+        echo "fuzz target ${pair[j]} failed (the log's end above; its input is under fuzz/artifacts/${pair[j]}/)" >&2
+        exit 1
+      fi
+      grep -E '^Done [0-9]+ runs' ".dev/fuzz-${pair[j]}.log" | sed "s/^/${pair[j]}: /" >&2 || true
+    done
   done
 fi
 

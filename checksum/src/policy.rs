@@ -74,6 +74,13 @@ impl Policy {
         if verdict.is_verified() || !self.fail_closed {
             return Action::Complete;
         }
+        self.on_load_error()
+    }
+
+    /// The action for a load that did not land at all (bad spec, unreachable producer, ERROR
+    /// reply, no reply, a deadline): `Fail` or `Recompute` per the load failure policy,
+    /// fail-open or not (a load that did not land is never completed).
+    pub fn on_load_error(&self) -> Action {
         match self.load_failure {
             LoadFailurePolicy::Fail => Action::Fail,
             LoadFailurePolicy::Recompute => Action::Recompute,

@@ -1,6 +1,6 @@
 //! Errors of the connector's API (docs/design.md §4): setup errors and load failures.
 
-use kvferry_checksum::policy::{Action, LoadFailurePolicy, Policy};
+use kvferry_checksum::policy::{Action, Policy};
 
 use crate::proto::consumer::FailReason;
 
@@ -89,9 +89,6 @@ impl LoadError {
     /// (`fail` → [`Action::Fail`], `recompute` → [`Action::Recompute`]), fail-open
     /// or not — a load that did not land is never completed (§2.7).
     pub fn action(&self, policy: &Policy) -> Action {
-        match policy.load_failure {
-            LoadFailurePolicy::Fail => Action::Fail,
-            LoadFailurePolicy::Recompute => Action::Recompute,
-        }
+        policy.on_load_error()
     }
 }

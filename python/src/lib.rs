@@ -10,8 +10,8 @@
 //! - `checksum.rs`: block checksums of KV tensors (CPU, CUDA on the caller's stream), fingerprints.
 //! - `payload.rs`: `KVChecksumPayload`, `KVChecksumGroup` (the seed's wire format).
 //! - `verdict.rs`: `compare`, `KVChecksumVerdict`, `KVChecksumPolicy`, `decide`.
-//! - `p2p.rs`: `Producer`, `Consumer` (verified loads over kvferry-p2p); `side.rs`: the ranks'
-//!   engines and registered tensors of one side.
+//! - `p2p.rs`: `Producer`, `consumer.rs`: `Consumer` (verified loads over kvferry-p2p);
+//!   `side.rs`: the ranks' engines and registered tensors of one side.
 //! - `runtime.rs`: the module's tokio runtime and call deadlines.
 //!
 //! Every method that can block releases the GIL; no method panics on any input.
@@ -19,6 +19,7 @@
 use pyo3::prelude::*;
 
 mod checksum;
+mod consumer;
 mod engine;
 mod layer;
 mod mooncake;
@@ -50,6 +51,7 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     payload::register(m)?;
     verdict::register(m)?;
     p2p::register(m)?;
+    consumer::register(m)?;
     m.add_function(wrap_pyfunction!(metrics_text, m)?)?;
     Ok(())
 }

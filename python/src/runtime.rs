@@ -34,22 +34,34 @@ pub fn seconds(s: f64, what: &str) -> PyResult<Duration> {
     Ok(Duration::from_secs_f64(s))
 }
 
-/// Runs the future `make` returns on the module's runtime with the GIL released; `Err(())` when
-/// `deadline` passed first (the future is then dropped, which cancels it). The future is made
-/// on the calling thread once the GIL is released, so it need not be `Send`.
-pub fn block_on<M, F>(
-    py: Python<'_>,
-    deadline: Duration,
-    make: M,
-) -> PyResult<Result<F::Output, ()>>
+/// Why [`block_on`] returned no value of the future's own.
+pub enum Blocked<E> {
+    /// The runtime could not start (a RuntimeError for Python).
+    Runtime(PyErr),
+    /// The deadline passed first; the future was dropped, which cancels it.
+    TimedOut,
+    /// The future ended with this error.
+    Failed(E),
+}
+
+/// Runs the future `make` returns on the module's runtime with the GIL released, for at most
+/// `deadline`: its value, or why not ([`Blocked`]). The future is made on the calling thread
+/// once the GIL is released, so it need not be `Send`. A future that cannot fail returns
+/// `Ok::<_, Infallible>(..)`.
+pub fn block_on<M, F, T, E>(py: Python<'_>, deadline: Duration, make: M) -> Result<T, Blocked<E>>
 where
     M: FnOnce() -> F + Send,
-    F: Future,
-    F::Output: Send,
+    F: Future<Output = Result<T, E>>,
+    T: Send,
+    E: Send,
 {
-    let rt = runtime()?;
-    Ok(py.detach(|| {
+    let rt = runtime().map_err(Blocked::Runtime)?;
+    py.detach(|| {
         let f = make();
-        rt.block_on(async { tokio::time::timeout(deadline, f).await.map_err(|_| ()) })
-    }))
+        match rt.block_on(async { tokio::time::timeout(deadline, f).await }) {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(Blocked::Failed(e)),
+            Err(_) => Err(Blocked::TimedOut),
+        }
+    })
 }

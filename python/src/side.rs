@@ -147,3 +147,18 @@ pub(crate) fn build_side(
     side._ranks = ranks;
     Ok(side)
 }
+
+/// A Python block table (block ids, None for a null block) as the core's; ValueError naming
+/// `what` for a negative id.
+pub(crate) fn block_table(blocks: Vec<Option<i64>>, what: &str) -> PyResult<Vec<Option<u64>>> {
+    blocks
+        .into_iter()
+        .map(|b| match b {
+            None => Ok(None),
+            Some(id) if id >= 0 => Ok(Some(id as u64)),
+            Some(id) => Err(PyValueError::new_err(format!(
+                "{what}: block id {id} (null blocks are None)"
+            ))),
+        })
+        .collect()
+}

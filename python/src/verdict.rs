@@ -253,10 +253,7 @@ impl KVChecksumPolicy {
     /// producer, ERROR reply, no reply): ``"fail"`` or ``"recompute"`` per the load failure
     /// policy, fail-open or not (a load that did not land is never completed).
     fn on_load_error(&self) -> &'static str {
-        match self.inner.load_failure {
-            LoadFailurePolicy::Fail => "fail",
-            LoadFailurePolicy::Recompute => "recompute",
-        }
+        action_name(self.inner.on_load_error())
     }
 
     /// check_carrier(has_carrier) -> bool: the startup check for enabling checksums. True with

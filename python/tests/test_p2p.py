@@ -212,6 +212,20 @@ def test_a_load_that_cannot_land_reports_the_failure_action(policy):
     assert out.action == policy
 
 
+def test_the_default_load_deadline_is_the_cores_rule_over_the_consumers_timeouts():
+    # connect and welcome (connect_timeout each), the send (5 s), the overall wait (never less
+    # than reply_timeout), the checksums.
+    assert kvferry.Consumer.load_deadline_for() == pytest.approx(2 * 5.0 + 5.0 + 120.0 + 30.0)
+    assert kvferry.Consumer.load_deadline_for(reply_timeout=40.0, max_wait=20.0, checksum_timeout=3.0,
+                                              connect_timeout=1.0) == pytest.approx(2.0 + 5.0 + 40.0 + 3.0)
+    crank, _ = make_rank(0, 1, 8, seed=None)
+    consumer = kvferry.Consumer([crank], reply_timeout=2.0, max_wait=3.0, checksum_timeout=4.0, connect_timeout=1.0)
+    assert consumer.load_deadline == kvferry.Consumer.load_deadline_for(
+        reply_timeout=2.0, max_wait=3.0, checksum_timeout=4.0, connect_timeout=1.0)
+    with pytest.raises(ValueError):
+        kvferry.Consumer.load_deadline_for(max_wait=-1.0)
+
+
 def test_the_call_deadline_ends_a_load_waiting_for_its_publish(pair):
     producer, consumer, parr, carr = pair()
     stamps = []

@@ -203,7 +203,8 @@ impl Consumer {
     }
 
     /// Grants a fresh random token WRITE on every rank's bytes of the blocks `request` loads
-    /// ([`grant_ranges`]), for the longest a load may take; the guards revoke it when dropped.
+    /// ([`grant_ranges`]), until the load's reply deadline ([`ConsumerConfig::reply_deadline`]);
+    /// the guards revoke it when dropped.
     /// One grant per engine (ranks may share one).
     fn grant(&self, request: &TransferRequest) -> Result<Vec<GrantGuard>, TransferError> {
         let token = Token::random()?;
@@ -219,7 +220,7 @@ impl Consumer {
                 None => per_engine.push((&w.engine, ranges)),
             }
         }
-        let ttl = self.reply_bound();
+        let ttl = self.config.reply_deadline();
         per_engine
             .into_iter()
             .filter(|(_, r)| !r.is_empty())
@@ -232,15 +233,6 @@ impl Consumer {
                 })
             })
             .collect()
-    }
-
-    /// The longest a load's reply may take (the connection enforces the deadlines; this bounds
-    /// the grants and guards against the connection task's loss).
-    fn reply_bound(&self) -> Duration {
-        self.config.max_wait
-            + self.config.connect_timeout
-            + self.config.send_timeout
-            + Duration::from_secs(5)
     }
 
     fn build_request(&self, spec: &LoadSpec) -> Result<(TransferRequest, Landed), LoadError> {
@@ -256,8 +248,10 @@ impl Consumer {
         request: TransferRequest,
         load_key: Option<String>,
     ) -> Result<Reply, ConnFailure> {
+        // Both attempts end by one deadline: a load never waits past its reply deadline.
+        let until = Instant::now() + self.config.reply_deadline();
         let r = self
-            .send_once(producer, request.clone(), load_key.clone())
+            .send_once(producer, request.clone(), load_key.clone(), until)
             .await;
         match r {
             // Refused before anything was served (the producer evicted our session): the
@@ -267,7 +261,7 @@ impl Consumer {
                     producer,
                     "session evicted by the producer ({why}); sending again"
                 );
-                self.send_once(producer, request, load_key).await
+                self.send_once(producer, request, load_key, until).await
             }
             r => r,
         }
@@ -278,6 +272,7 @@ impl Consumer {
         producer: &str,
         request: TransferRequest,
         load_key: Option<String>,
+        until: Instant,
     ) -> Result<Reply, ConnFailure> {
         let (respond, answer) = oneshot::channel();
         let mut cmd = LoadCmd {
@@ -309,13 +304,15 @@ impl Consumer {
                 }
             }
         }
-        let bound = self.reply_bound();
-        match tokio::time::timeout(bound, answer).await {
+        // The connection enforces the load's deadlines; this one guards against its task's loss.
+        match tokio::time::timeout_at(until.into(), answer).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(ConnFailure::Failed(FailReason::ConnectionLost(
                 "connection task ended".into(),
             ))),
-            Err(_) => Err(ConnFailure::Failed(FailReason::Overall(bound))),
+            Err(_) => Err(ConnFailure::Failed(FailReason::Overall(
+                self.config.reply_deadline(),
+            ))),
         }
     }
 

@@ -42,6 +42,31 @@ pub struct ConsumerConfig {
     pub max_message_bytes: usize,
 }
 
+impl ConsumerConfig {
+    /// The longest a load waits for its producer's reply, from [`Consumer::load`]'s call:
+    /// connecting and the producer's welcome (`connect_timeout` each), handing the request over
+    /// (`send_timeout`), then the overall wait (`max_wait`, never less than `reply_timeout`: the
+    /// machine's own rule). The producer writes into the load's blocks only within it, so the
+    /// load's grants last this long, and the load's wait for its connection ends by it.
+    ///
+    /// [`Consumer::load`]: crate::Consumer::load
+    pub fn reply_deadline(&self) -> Duration {
+        2 * self.connect_timeout + self.send_timeout + self.max_wait.max(self.reply_timeout)
+    }
+
+    /// The longest one load may take, from [`Consumer::load`]'s call to its outcome: the
+    /// [reply deadline](Self::reply_deadline) plus the checksums of the landed blocks
+    /// (`checksum_timeout`; the landed hook's own time aside). The one rule for a load's
+    /// deadline: embedders (the Python binding's default `Consumer.load` deadline, the vLLM
+    /// connector's) take theirs from it, so their deadline never cuts a load the consumer
+    /// would still end with its own reason.
+    ///
+    /// [`Consumer::load`]: crate::Consumer::load
+    pub fn load_deadline(&self) -> Duration {
+        self.reply_deadline() + self.checksum_timeout
+    }
+}
+
 impl Default for ConsumerConfig {
     fn default() -> Self {
         ConsumerConfig {
@@ -89,5 +114,30 @@ pub(crate) fn carrier_check(config: &ConsumerConfig) -> Result<bool, P2pError> {
             Ok(false)
         }
         Err(e) => Err(P2pError::Config(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn load_deadline_covers_every_wait_of_a_load() {
+        let c = ConsumerConfig {
+            reply_timeout: Duration::from_secs(10),
+            max_wait: Duration::from_secs(100),
+            checksum_timeout: Duration::from_secs(7),
+            connect_timeout: Duration::from_secs(3),
+            send_timeout: Duration::from_secs(2),
+            ..ConsumerConfig::default()
+        };
+        assert_eq!(c.reply_deadline(), Duration::from_secs(3 + 3 + 2 + 100));
+        assert_eq!(c.load_deadline(), Duration::from_secs(3 + 3 + 2 + 100 + 7));
+        // The machine never waits less than the reply timeout overall.
+        let c = ConsumerConfig {
+            reply_timeout: Duration::from_secs(200),
+            ..c
+        };
+        assert_eq!(c.load_deadline(), Duration::from_secs(3 + 3 + 2 + 200 + 7));
     }
 }

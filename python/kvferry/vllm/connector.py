@@ -252,9 +252,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_cache_layout=getattr(kv_cache_config, "kv_cache_layout", None)
                 or getattr(vllm_config.cache_config, "kv_cache_layout", None),
                 stage_layers=stage_layers[pp_rank], kv_cache_groups=groups)
-            # The load's deadline covers connecting and checksumming on top of the transfer.
             self._worker = KvferryWorkerSide(
-                tp_rank=tp_rank, pp_rank=pp_rank, load_timeout_seconds=timeout + connect_timeout + 30.0,
+                tp_rank=tp_rank, pp_rank=pp_rank, load_timeout_seconds=transport.config.load_deadline_seconds(),
                 transport=transport, report_blocks=len(groups) == 1,
             )
 

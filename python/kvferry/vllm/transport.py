@@ -65,8 +65,10 @@ class TransportConfig:
     per worker) | ``"tcp"`` | ``"rdma"``; ``fail_closed``: an unverifiable load fails;
     ``load_failure_policy``: vLLM's ``kv_load_failure_policy`` (``"fail"`` | ``"recompute"``,
     named in kvferry's logs); ``lease_seconds``: how long a producer holds published blocks;
-    ``load_timeout_seconds``: one load's deadline (a producer's WRITEs for one load may take half
-    of its own); ``connect_timeout_seconds``: connecting to a producer;
+    ``load_timeout_seconds``: how long a load waits for its producer (reply timeout and overall
+    wait; :meth:`load_deadline_seconds` adds connecting and checksumming, and a producer's WRITEs
+    for one load may take :meth:`transfer_timeout_seconds`); ``connect_timeout_seconds``:
+    connecting to a producer; ``checksum_timeout_seconds``: one rank's checksums of a load;
     ``test_corrupt_transfer_prefix``: test-only fault injection, flips a bit of the first landed
     block of every unit load whose transfer id starts with it (None: off); ``rdma_devices``:
     the RDMA devices this rank's engines may use, comma-separated (``""``: any; see
@@ -85,12 +87,26 @@ class TransportConfig:
     lease_seconds: float = 30.0
     load_timeout_seconds: float = 30.0
     connect_timeout_seconds: float = 5.0
+    checksum_timeout_seconds: float = 30.0
     test_corrupt_transfer_prefix: str | None = None
     head_splits: int = 1
     layer_splits: int = 1
     rdma_devices: str = ""
     secret_file: str | None = None
     engine_ports: str | None = None
+
+    def load_deadline_seconds(self) -> float:
+        """The longest one load of this rank may take, from the call to its verdict: kvferry's
+        own rule (``kvferry.Consumer.load_deadline_for``) over the consumers this rank builds."""
+        return kvferry.Consumer.load_deadline_for(
+            reply_timeout=self.load_timeout_seconds, max_wait=self.load_timeout_seconds,
+            checksum_timeout=self.checksum_timeout_seconds, connect_timeout=self.connect_timeout_seconds)
+
+    def transfer_timeout_seconds(self) -> float:
+        """How long a producer unit's WRITEs for one load may take: half the load timeout. A
+        consumer's budget must leave the producer its whole transfer time (kvferry's p2p refuses
+        a budget below it): half leaves room on any load timeout, so equal configs pair."""
+        return self.load_timeout_seconds / 2
 
 
 def rdma_devices_for(value: Any, local_rank: int) -> str:
@@ -240,9 +256,7 @@ class KvferryTransport:
                     producer = kvferry.Producer(
                         [self._rank(unit_heads, unit_layers)], bind="tcp://" + host_port(c.host, self.unit_port(j, k)),
                         host=c.host, protocol=c.protocol, rdma_devices=c.rdma_devices,
-                        # A consumer's load must leave the producer its whole transfer time (kvferry's p2p
-                        # refuses a budget below it): half the load timeout, so equal configs pair.
-                        lease=c.lease_seconds, transfer_timeout=c.load_timeout_seconds / 2,
+                        lease=c.lease_seconds, transfer_timeout=c.transfer_timeout_seconds(),
                         secret_file=c.secret_file, engine_ports=c.engine_ports)
                     self.producers.append(producer)
                     log.info("kvferry producer rank tp=%d pp=%d serves on %s (%s)%s", self.tp_rank, self.pp_rank,
@@ -342,7 +356,7 @@ class KvferryTransport:
                 fail_closed=c.fail_closed,
                 load_failure_policy=c.load_failure_policy, reply_timeout=c.load_timeout_seconds,
                 max_wait=c.load_timeout_seconds, connect_timeout=c.connect_timeout_seconds,
-                secret_file=c.secret_file, engine_ports=c.engine_ports)
+                checksum_timeout=c.checksum_timeout_seconds, secret_file=c.secret_file, engine_ports=c.engine_ports)
             if c.test_corrupt_transfer_prefix is not None:
                 # The first layer of each group: a landed block is flipped in its own group's layer.
                 first: dict[int, tuple[Any, str]] = {}

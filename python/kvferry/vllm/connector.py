@@ -78,7 +78,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvferry.vllm import params as P
 from kvferry.vllm.groups import kv_cache_groups
-from kvferry.vllm.layouts import layer_specs
+from kvferry.vllm.layouts import kv_layout_tags, layer_specs
 from kvferry.vllm.metadata import KvferryConnectorMetadata
 from kvferry.vllm.scheduler import KvferrySchedulerSide, SchedulerConfig
 from kvferry.vllm.transport import KvferryTransport, TransportConfig, rdma_devices_for
@@ -226,6 +226,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                     group_block_sizes=tuple(g.block_size for g in groups),
                     group_windows=tuple(g.sliding_window for g in groups),
                     group_states=tuple(g.state for g in groups),
+                    # What packs a block beyond its shape (the CPU attention kernel's ISA).
+                    group_kv_layouts=kv_layout_tags(vllm_config, kv_cache_config, groups),
                 )
             )
         else:

@@ -275,6 +275,51 @@ def cpu_attention_isa(dtype: Any, block_size: int, head_size: int) -> str | None
     return _get_attn_isa(dtype, block_size, head_size)
 
 
+def kv_layout_tags(vllm_config: Any, kv_cache_config: Any, groups: Any) -> tuple[str | None, ...]:
+    """Each KV cache group's layout tag, in ``groups`` order (kvferry.vllm.groups.GroupInfo):
+    what decides how a block is laid out in memory beyond its shape, named in a producer's
+    ``remote_kv_layouts`` and compared by its consumers (:func:`kvferry.vllm.params.kv_layout_refusal`).
+
+    On vLLM's CPU build: an attention group's ``"CPU_ATTN:<isa>:<cache dtype>"``, ``<isa>`` the
+    kernel ``cpu_attn._get_attn_isa`` picks for the group's block size and head size and the
+    model's dtype, as the backend's metadata builder calls it (``vec``, ``vec16``, ``amx``,
+    ``neon``...: each packs a block its own way, and which one runs depends on the host's CPU,
+    AMX tiles above all); an MLA group's backend (``"AMX_MLA"`` where AMX tiles exist and the
+    CPU_MLA backend was not asked for, else ``"CPU_MLA"``, as ``platforms/cpu.py`` picks it);
+    several tags of one group (layers of other head sizes) joined by ``+``. None for a
+    Mamba-type state group and on every other platform (CUDA backends lay blocks out by the
+    shape and the resolved ``KVCacheLayout``, which kvferry reads from the strides)."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # no vLLM: nothing decides a layout beyond the shape
+        return tuple(None for _ in groups)
+    if not current_platform.is_cpu():
+        return tuple(None for _ in groups)
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    dtype = vllm_config.model_config.dtype
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    amx = current_platform.get_cpu_architecture().name == "X86" and torch.cpu._is_amx_tile_supported()
+    specs = layer_specs(kv_cache_config)
+    tags: list[str | None] = []
+    for group in groups:
+        if group.state:
+            tags.append(None)
+            continue
+        found = set()
+        for spec in [specs[n] for n in group.layer_names if n in specs] or [None]:
+            if is_mla_spec(spec):
+                found.add("AMX_MLA" if amx and getattr(backend, "name", None) != "CPU_MLA" else "CPU_MLA")
+                continue
+            head_size = getattr(spec, "head_size", None)
+            isa = _get_attn_isa(dtype, group.block_size, head_size, cache_dtype)
+            found.add(f"CPU_ATTN:{isa}:{cache_dtype}")
+        tags.append("+".join(sorted(found)))
+    return tuple(tags)
+
+
 def cpu_vec_parts(view: Any) -> list[tuple[str, Any, str]]:
     """``(suffix, view, layout)`` of the K and V parts of one layer of vLLM 0.32's CPU attention
     cache under its ``vec`` kernel (``view``: the layer's ``"B H KV N D"`` view of

@@ -21,13 +21,15 @@ class LoadSpec:
     ``block_ids`` (one table per KV cache group: this engine's block id at each request
     position from 0, None where nothing is written: a local prefix-cache hit of the first
     ``num_local_computed`` tokens, a null block outside a sliding window; a shorter table is
-    padded with None)."""
+    padded with None). ``refusal``: why the scheduler refused the load before any byte moves
+    (the producer's KV cache layout differs): every rank reports it failed without connecting."""
 
     request_id: str
     source: RemoteSource
     block_ids: tuple[tuple[int | None, ...], ...]
     num_tokens: int
     num_local_computed: int = 0
+    refusal: str | None = None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,12 @@ The keys follow vLLM's P2P connectors (NIXL, Mooncake in vLLM 0.32/0.33,
   ``remote_block_ids``; null where the group holds no block: outside a sliding window);
   ``remote_block_sizes`` the producer's block size (tokens) of each group, so a consumer of
   other block sizes fills its blocks token by token or refuses before any byte moves (absent:
-  a producer of the consumer's block sizes); ``load_key`` the lease's key: the producer serves only a load that
+  a producer of the consumer's block sizes); ``remote_kv_layouts`` the producer's KV cache
+  layout tag of each group (what decides how a block is laid out in memory beyond its shape:
+  on vLLM's CPU build the attention kernel's ISA, which packs each block its own way, e.g.
+  ``"CPU_ATTN:vec:auto"``; null where nothing beyond the shape decides, e.g. on GPUs), which a
+  consumer compares with its own before any byte moves (:func:`kv_layout_refusal`; absent: a
+  producer that names no tags); ``load_key`` the lease's key: the producer serves only a load that
   carries it (kvferry's p2p request ownership, docs/design.md §8.1).
 - proxy -> consumer: that reply, unchanged.
 
@@ -48,6 +53,7 @@ REMOTE_LAYER_SPLITS = "remote_layer_splits"
 REMOTE_STAGE_LAYERS = "remote_stage_layers"
 REMOTE_BLOCK_IDS = "remote_block_ids"
 REMOTE_BLOCK_SIZES = "remote_block_sizes"
+REMOTE_KV_LAYOUTS = "remote_kv_layouts"
 LOAD_KEY = "load_key"
 
 # Layer numbers in ``remote_stage_layers`` lie in ``[0, MAX_LAYERS]`` (a stage's end at most
@@ -70,6 +76,10 @@ MAX_BLOCK_ID = 1 << 32
 # A block of more tokens than this is no vLLM block size (vLLM's largest, hybrid Mamba pages,
 # stay far below).
 MAX_BLOCK_SIZE = 1 << 20
+# A layout tag is a short name ("CPU_ATTN:vec:auto", "AMX_MLA"): far below this, and of these
+# characters only, so a peer's tag shown in a log line is plain text.
+MAX_LAYOUT_TAG_BYTES = 64
+_TAG_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_:.+-")
 
 
 class ParamsError(ValueError):
@@ -85,8 +95,9 @@ class RemoteSource:
     layer unit ``k`` of rank ``(tp, pp)`` listens on ``port + ((pp * tp_size + tp) *
     layer_splits + k) * head_splits + j``), its block table per KV cache group, the lease's load
     key, ``stage_layers``, each producer PP stage's layer numbers ``[start, end)`` (None: not
-    sent), and ``block_sizes``, the producer's block size in tokens per group (None: not sent,
-    the consumer's own). A table holds None where the producer's group has no block (outside a
+    sent), ``block_sizes``, the producer's block size in tokens per group (None: not sent,
+    the consumer's own), and ``kv_layouts``, the producer's layout tag per group (None: not
+    sent; an element None: nothing beyond the shape decides that group's layout). A table holds None where the producer's group has no block (outside a
     sliding window)."""
 
     transfer_id: str
@@ -101,6 +112,7 @@ class RemoteSource:
     layer_splits: int = 1
     stage_layers: tuple[tuple[int, int], ...] | None = None
     block_sizes: tuple[int, ...] | None = None
+    kv_layouts: tuple[str | None, ...] | None = None
 
     def unit_port(self, tp_rank: int, pp_rank: int, unit: int = 0, layer_unit: int = 0) -> int:
         """Side-channel port of head unit ``unit`` (``0 <= unit < head_splits``) of layer unit
@@ -216,6 +228,7 @@ def remote_source(params: Mapping[str, Any],
         allowed.check(host, port)
     tables = _block_tables(_get(params, REMOTE_BLOCK_IDS, list))
     block_sizes = _block_sizes(params[REMOTE_BLOCK_SIZES], len(tables)) if REMOTE_BLOCK_SIZES in params else None
+    kv_layouts = _kv_layouts(params[REMOTE_KV_LAYOUTS], len(tables)) if REMOTE_KV_LAYOUTS in params else None
     load_key = _text(params, LOAD_KEY, MAX_LOAD_KEY_BYTES)
     engine_id = _get(params, REMOTE_ENGINE_ID, str)
     if len(engine_id) > MAX_ID_BYTES:
@@ -233,6 +246,7 @@ def remote_source(params: Mapping[str, Any],
         layer_splits=ls,
         stage_layers=stage_layers,
         block_sizes=block_sizes,
+        kv_layouts=kv_layouts,
     )
 
 
@@ -244,6 +258,47 @@ def _block_sizes(value: Any, groups: int) -> tuple[int, ...]:
         raise ParamsError(f"kv_transfer_params[{key!r}] must be a list of {groups} block sizes in "
                           f"[1, {MAX_BLOCK_SIZE}] (one per table of remote_block_ids)")
     return tuple(value)
+
+
+def _kv_layouts(value: Any, groups: int) -> tuple[str | None, ...]:
+    """``remote_kv_layouts`` checked: one element per block table, each None or a non-empty
+    string of at most MAX_LAYOUT_TAG_BYTES characters of ``[A-Za-z0-9_:.+-]``; sizes are checked
+    before any element is looked at."""
+    key = REMOTE_KV_LAYOUTS
+    if not isinstance(value, list) or len(value) != groups:
+        raise ParamsError(f"kv_transfer_params[{key!r}] must be a list of {groups} layout tags (one per table of "
+                          "remote_block_ids)")
+    for tag in value:
+        if tag is None:
+            continue
+        if not isinstance(tag, str) or not 0 < len(tag) <= MAX_LAYOUT_TAG_BYTES or not _TAG_CHARS.issuperset(tag):
+            shown = repr(tag) if len(repr(tag)) <= 40 else repr(tag)[:40] + "..."
+            raise ParamsError(f"kv_transfer_params[{key!r}]: {shown} is not a layout tag (a string of 1..."
+                              f"{MAX_LAYOUT_TAG_BYTES} characters of A-Z a-z 0-9 _ : . + -, or null)")
+    return tuple(value)
+
+
+def kv_layout_refusal(remote: tuple[str | None, ...] | None, local: tuple[str | None, ...]) -> str | None:
+    """Why a consumer whose groups have the layout tags ``local`` must not load from a producer
+    that sent ``remote`` (its ``remote_kv_layouts``; None: it sent none); None when it may.
+
+    Both sides read the KV through their own description of it, so a block packed one way and
+    read another would still verify (each side checksums what it reads) and decode wrongly: the
+    tags must be equal, group by group. Where neither side names any tag (nothing beyond the
+    shape decides either layout, e.g. two GPU instances) the shapes decide; otherwise a producer
+    that names no tags, or other ones, is refused. Group counts are compared elsewhere
+    (:func:`kvferry.vllm.groups.block_size_refusal`)."""
+    if not any(t is not None for t in local) and not any(t is not None for t in remote or ()):
+        return None
+    if remote is None:
+        return (f"the producer names no KV cache layout (remote_kv_layouts), this instance's is {list(local)}: "
+                "blocks packed another way would verify and still be read wrongly")
+    for g, (r, c) in enumerate(zip(remote, local)):
+        if r != c:
+            return (f"group {g}: the producer's KV cache layout is {r!r}, this instance's {c!r} (vLLM's CPU "
+                    "attention kernels pack each block their own way): the blocks would verify and still be read "
+                    "wrongly")
+    return None
 
 
 @dataclass(frozen=True)
@@ -357,12 +412,14 @@ def producer_reply(
     transfer_id: str, engine_id: str, host: str, port: int, tp_size: int, pp_size: int,
     block_ids: Sequence[Sequence[int | None]], load_key: str, head_splits: int = 1, layer_splits: int = 1,
     stage_layers: Sequence[tuple[int, int]] | None = None, block_sizes: Sequence[int] | None = None,
+    kv_layouts: Sequence[str | None] | None = None,
 ) -> dict[str, Any]:
     """The params a finished producer request returns, for the proxy to hand to the consumer
     (``remote_head_splits`` and ``remote_layer_splits`` only when above 1;
     ``remote_stage_layers`` only when ``stage_layers`` is given: each PP stage's layer numbers
     ``[start, end)``; ``remote_block_sizes`` only when ``block_sizes`` is given, one per
-    table of ``block_ids``)."""
+    table of ``block_ids``; ``remote_kv_layouts`` only when ``kv_layouts`` is given and names
+    a tag: one per table)."""
     reply = {
         DO_REMOTE_PREFILL: True,
         DO_REMOTE_DECODE: False,
@@ -383,4 +440,6 @@ def producer_reply(
         reply[REMOTE_STAGE_LAYERS] = [[a, b] for a, b in stage_layers]
     if block_sizes is not None:
         reply[REMOTE_BLOCK_SIZES] = [int(b) for b in block_sizes]
+    if kv_layouts is not None and any(t is not None for t in kv_layouts):
+        reply[REMOTE_KV_LAYOUTS] = list(kv_layouts)
     return reply

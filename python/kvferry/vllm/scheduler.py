@@ -47,7 +47,9 @@ class SchedulerConfig:
     ``group_block_sizes``: the block size in tokens of each KV cache group the connector moves,
     in vLLM's group order (``kv_cache_groups``; empty: one group of ``block_size``), named in
     the reply as ``remote_block_sizes`` and compared with a producer's before a load;
-    ``group_windows``: each group's sliding window (None: full attention)."""
+    ``group_windows``: each group's sliding window (None: full attention);
+    ``group_kv_layouts``: each group's layout tag (None: the shape decides), named in the reply
+    as ``remote_kv_layouts`` and compared with a producer's before a load."""
 
     engine_id: str
     is_producer: bool
@@ -69,6 +71,9 @@ class SchedulerConfig:
     group_windows: tuple[int | None, ...] = ()
     # Each group's Mamba-type state flag, in the same order (any true: see ``has_state``).
     group_states: tuple[bool, ...] = ()
+    # Each group's KV cache layout tag (kvferry.vllm.layouts.kv_layout_tags), in the same order:
+    # named in the reply as ``remote_kv_layouts``, compared with a producer's before a load.
+    group_kv_layouts: tuple[str | None, ...] = ()
 
     @property
     def has_state(self) -> bool:
@@ -97,12 +102,18 @@ class KvferrySchedulerSide:
         self.held: dict[str, str] = {}
         # request id -> tokens computed locally when the remote match was counted
         self._local_tokens: dict[str, int] = {}
+        # request id -> why its load is refused before any byte moves (reported as a failed load)
+        self._refused: dict[str, str] = {}
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Consumer: every prompt token past the local prefix hit loads asynchronously from the
         producer; ``(0, False)`` for any other request (or malformed params, or a producer whose
         block sizes this instance cannot verify against, :func:`~kvferry.vllm.groups.block_size_refusal`: logged,
-        computed locally, before any byte moves)."""
+        computed locally, before any byte moves). A producer whose KV cache layout differs from
+        this instance's (:func:`~kvferry.vllm.params.kv_layout_refusal`) is refused before any
+        byte moves too, but as a failed load: the load is queued with its refusal, and the
+        workers report it failed without connecting, so vLLM's ``kv_load_failure_policy``
+        decides (fail the request, or recompute it)."""
         kvp = request.kv_transfer_params
         if not P.wants_remote_prefill(kvp):
             return 0, False
@@ -128,8 +139,20 @@ class KvferrySchedulerSide:
         count = loaded - num_computed_tokens
         if count <= 0:
             return 0, False
+        layout = P.kv_layout_refusal(source.kv_layouts, self._kv_layouts(len(local)))
+        if layout is not None:
+            log.warning("request %s: load from producer %s (transfer %s) refused before any byte moves: %s; reported "
+                        "as a failed load to vLLM's kv_load_failure_policy", request.request_id, source.engine_id,
+                        source.transfer_id, layout)
+            self._refused[request.request_id] = layout
+        else:
+            self._refused.pop(request.request_id, None)
         self._local_tokens[request.request_id] = num_computed_tokens
         return count, True
+
+    def _kv_layouts(self, groups: int) -> tuple[str | None, ...]:
+        """This instance's layout tag per group (None throughout where the config names none)."""
+        return self.config.group_kv_layouts or tuple(None for _ in range(groups))
 
     def on_new_request(self, request: Any) -> None:
         """Producer of a model with Mamba-type state: a request to prefill for a consumer
@@ -160,6 +183,7 @@ class KvferrySchedulerSide:
             return
         kvp[P.DO_REMOTE_PREFILL] = False
         local = self._local_tokens.pop(request.request_id, 0)
+        refusal = self._refused.pop(request.request_id, None)
         if num_external_tokens <= 0:
             return
         try:
@@ -173,7 +197,7 @@ class KvferrySchedulerSide:
                           for g, bs in zip(blocks.blocks, self.config.block_sizes))
         self._new_loads.append(
             LoadSpec(request_id=request.request_id, source=source, block_ids=block_ids,
-                     num_tokens=num_tokens, num_local_computed=local)
+                     num_tokens=num_tokens, num_local_computed=local, refusal=refusal)
         )
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
@@ -220,7 +244,8 @@ class KvferrySchedulerSide:
         c = self.config
         return True, P.producer_reply(transfer_id, c.engine_id, c.host, c.port, c.tp_size, c.pp_size,
                                       groups, load_key, head_splits=c.head_splits, layer_splits=c.layer_splits,
-                                      stage_layers=c.stage_layers, block_sizes=c.block_sizes)
+                                      stage_layers=c.stage_layers, block_sizes=c.block_sizes,
+                                      kv_layouts=c.group_kv_layouts or None)
 
     def build_connector_meta(self) -> KvferryConnectorMetadata:
         """This step's new loads and sends; the queues start empty again."""

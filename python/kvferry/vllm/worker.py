@@ -153,6 +153,10 @@ class KvferryWorkerSide:
             return True
 
     def _run_load(self, spec: LoadSpec, deadline: float) -> None:
+        if spec.refusal is not None:  # refused by the scheduler: nothing connects, nothing moves
+            self._done_loads.put((spec, LoadResult(ok=False, verdict=Verdict.UNVERIFIED,
+                                                   reason=f"refused before any transfer: {spec.refusal}")))
+            return
         try:
             result = self.transport.load(spec, deadline)
         except Exception as e:  # a transport bug must not strand the request in WAITING_FOR_REMOTE_KVS

@@ -266,7 +266,7 @@ def fake_producer_reply(i: int) -> dict:
     return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": f"t{i}",
             "remote_engine_id": "producer-0", "remote_host": "127.0.0.1", "remote_port": 1,
             "remote_tp_size": 1, "remote_pp_size": 1, "remote_block_ids": [[1, 2, 3]],
-            "load_key": "no-such-lease"}
+            "remote_kv_layouts": ["CPU_ATTN:vec:auto"], "load_key": "no-such-lease"}
 
 
 def wait_for(path: str, timeout: float) -> None:
@@ -387,6 +387,21 @@ def consumer_references(llm, name: str, rdv: str, result: dict) -> None:
     touch(os.path.join(rdv, f"ready-{name}"))
 
 
+# Consumers that first decode each "ok" transfer of the first producer with the producer's KV
+# cache layout tags rewritten to another CPU attention kernel's (what a producer on a host with
+# AMX tiles running bf16 names; this host's vLLM picks one kernel per model, so the tag is
+# rewritten on its way, as a proxy could): refused before any byte moves, the lease untouched,
+# so the same transfers then load and verify.
+OTHER_LAYOUT_CONSUMERS = ("fail",)
+OTHER_LAYOUT = "CPU_ATTN:amx:auto"
+
+
+def other_layout(params: dict) -> dict:
+    """A copy of a producer's params naming OTHER_LAYOUT for every group it names a tag for."""
+    tags = params.get("remote_kv_layouts") or [None] * len(params["remote_block_ids"])
+    return {**params, "remote_kv_layouts": [OTHER_LAYOUT if t is not None else None for t in tags]}
+
+
 def consumer_decodes(llm, name: str, rdv: str, result: dict) -> None:
     """Consumer: decodes with the params of each of its producers as they appear, then
     ``done-<name>``."""
@@ -405,6 +420,9 @@ def consumer_decodes(llm, name: str, rdv: str, result: dict) -> None:
             scenario, tag = ready[0], pending.pop(ready[0])
             with open(os.path.join(rdv, f"params-{scenario}.json")) as f:
                 params = json.load(f)
+            if name in OTHER_LAYOUT_CONSUMERS and scenario == "producer":
+                result["decode_other_layout"] = generate(llm, PROMPTS, MAX_TOKENS,
+                                                         lambda i: other_layout(params[f"{name}-ok-{i}"]))
             for kind in ("ok", "corrupt"):
                 key = f"decode_{kind}" + (f"_{tag.rstrip('-')}" if tag else "")
                 result[key] = generate(llm, PROMPTS, MAX_TOKENS,

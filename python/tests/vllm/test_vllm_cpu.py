@@ -110,6 +110,8 @@ def test_producer_returns_params_for_the_consumer(producer):
         assert kvp["remote_stage_layers"] == [[0, 2]]
         assert "remote_head_splits" not in kvp and "remote_layer_splits" not in kvp
         assert kvp["remote_engine_id"] and kvp["load_key"]
+        # The CPU attention kernel vLLM picked for the group (fp32, head_dim 64, blocks of 32).
+        assert kvp["remote_kv_layouts"] == ["CPU_ATTN:vec:auto"]
         i = int(tid.rsplit("-", 1)[1])
         # The prompt's blocks, one table per KV cache group.
         assert [len(g) for g in kvp["remote_block_ids"]] == [-(-PROMPT_LENGTHS[i] // BLOCK)]
@@ -176,6 +178,23 @@ def test_corrupted_landed_byte_recompute_gives_the_reference(consumer_recompute)
     assert [o["tokens"] for o in r["decode_corrupt"]] == [o["tokens"] for o in r["reference"]]
     assert all(o["finish_reason"] == "length" for o in r["decode_corrupt"])
     assert r["free_after"] == r["free_total"], "blocks leaked after the loads"
+
+
+def test_a_producer_of_another_cpu_kernel_layout_is_refused_before_any_byte_moves(consumer_fail):
+    # The producer's params with its layout tag rewritten to the AMX kernel's: each request is
+    # refused by the scheduler (the reason logged), reported failed without connecting, and errors
+    # under the fail policy; nothing was verified against the misread layout.
+    r = consumer_fail
+    assert [o["finish_reason"] for o in r["decode_other_layout"]] == ["error"] * 3
+    refused = re.findall(r"request \S+: load from producer \S+ \(transfer fail-ok-\d\) refused before any byte "
+                         r"moves: group 0: the producer's KV cache layout is 'CPU_ATTN:amx:auto', this instance's "
+                         r"'CPU_ATTN:vec:auto'", r["log"])
+    assert len(refused) == 3, r["log"][-3000:]
+    assert len(re.findall(r"load of request \S+ \(transfer fail-ok-\d\) failed \(unverified\): refused before "
+                          r"any transfer", r["log"])) == 3, r["log"][-3000:]
+    # No byte moved: the producer's lease still held, the same transfers then loaded and verified.
+    assert _verified(r["log"], r"fail-ok-\d") == 3
+    assert [o["tokens"] for o in r["decode_ok"]] == [o["tokens"] for o in r["reference"]]
 
 
 def test_corrupted_landed_byte_fail_errors_the_request(consumer_fail):

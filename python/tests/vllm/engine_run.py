@@ -217,7 +217,7 @@ LEASE_S = 15.0
 
 def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1, port: int = PORT,
              name: str | None = None, head_splits: int = 1, block_size: int = BLOCK_SIZE, max_num_seqs: int = 4,
-             lease: float = LEASE_S, secret_file: str | None = None):
+             lease: float = LEASE_S, secret_file: str | None = None, log_stats: bool = False):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -235,8 +235,23 @@ def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1, po
     llm = LLM(model=model, load_format="safetensors", skip_tokenizer_init=True, dtype="float32",
               max_model_len=256, enforce_eager=True, seed=0, block_size=block_size,
               max_num_seqs=max_num_seqs, enable_prefix_caching=False, kv_transfer_config=ktc,
-              tensor_parallel_size=tp)
+              tensor_parallel_size=tp, disable_log_stats=not log_stats)
     return llm
+
+
+def kvferry_metrics(llm) -> dict:
+    """The connector's metrics in vLLM's Prometheus registry (``vllm:kvferry_*``, as vLLM's
+    /metrics serves them, fed by ``get_kv_connector_stats``): a counter's value, a histogram's
+    count and sum (``<name>_sum``), each summed over label sets."""
+    out: dict = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:kvferry_"):
+            if hasattr(m, "count"):
+                out[m.name] = out.get(m.name, 0) + m.count
+                out[m.name + "_sum"] = out.get(m.name + "_sum", 0) + m.sum
+            else:
+                out[m.name] = out.get(m.name, 0) + m.value
+    return out
 
 
 def generate(llm, prompts, max_tokens, params=None):
@@ -446,12 +461,19 @@ def run_producer(scenario: str, model: str, rdv: str, result: dict, t0: float) -
     finish_producer(llm, scenario, rdv, result, lease)
 
 
+# Consumers that also record vLLM's stats: their connector metrics are checked.
+STATS_CONSUMERS = ("recompute",)
+
+
 def run_consumer(name: str, model: str, rdv: str, result: dict, t0: float) -> None:
     policy, tp = CONSUMERS[name]
-    llm = make_llm(model, "kv_consumer", policy, tp=tp, name=name, **engine_args(name, rdv))
+    log_stats = name in STATS_CONSUMERS
+    llm = make_llm(model, "kv_consumer", policy, tp=tp, name=name, log_stats=log_stats, **engine_args(name, rdv))
     result["startup_s"] = time.monotonic() - t0
     consumer_references(llm, name, rdv, result)
     consumer_decodes(llm, name, rdv, result)
+    if log_stats:
+        result["kvferry_metrics"] = kvferry_metrics(llm)
     result["free_after"] = free_blocks(llm)
     result["free_total"] = free_total(llm)
 

@@ -180,6 +180,25 @@ def test_corrupted_landed_byte_recompute_gives_the_reference(consumer_recompute)
     assert r["free_after"] == r["free_total"], "blocks leaked after the loads"
 
 
+def test_connector_metrics_in_vllms_registry_count_the_loads(consumer_recompute):
+    # The recompute consumer's load sequence: 3 loads from an unreachable producer (none
+    # lands), 3 verified, 3 with a flipped bit (mismatch, recomputed). vLLM takes the stats
+    # through get_kv_connector_stats and records them with build_prom_metrics, named as its
+    # vllm:nixl_* metrics with the kvferry prefix.
+    m = consumer_recompute["kvferry_metrics"]
+    assert m.get("vllm:kvferry_num_verified_loads") == 3, m
+    assert m.get("vllm:kvferry_num_mismatched_loads") == 3, m
+    assert m.get("vllm:kvferry_num_failed_transfers") == 3, m
+    assert m.get("vllm:kvferry_num_unverified_loads") == 0, m
+    # Every landed load was timed and checksummed, the corrupted ones included.
+    assert m.get("vllm:kvferry_xfer_time_seconds") == 6, m
+    assert m.get("vllm:kvferry_checksum_time_seconds") == 6, m
+    assert m.get("vllm:kvferry_bytes_transferred") == 6, m
+    # Each prompt's KV twice: 2 layers x 2 KV heads x 64 dims x 4 bytes x 2 (K, V) per token,
+    # whole blocks of 32 tokens (1, 1 and 3 blocks for 7, 32 and 75 tokens).
+    assert m.get("vllm:kvferry_bytes_transferred_sum") == 2 * (1 + 1 + 3) * 32 * 2 * 2 * 64 * 4 * 2, m
+
+
 def test_a_producer_of_another_cpu_kernel_layout_is_refused_before_any_byte_moves(consumer_fail):
     # The producer's params with its layout tag rewritten to the AMX kernel's: each request is
     # refused by the scheduler (the reason logged), reported failed without connecting, and errors

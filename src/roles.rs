@@ -185,9 +185,10 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
         .block_on(Producer::start(cfg, workers))
         .map_err(CliError::p2p(format!("--bind {}", args.bind)))?;
     let secret = secret(c)?;
+    eprintln!("kvferry serve: listening on {}", producer.endpoint());
+    // Said right before the work, so that a failure after it shows the KV was being generated.
     eprintln!(
-        "kvferry serve: listening on {}; generating {} requests of model-shaped KV (seeded random bytes) and publishing each",
-        producer.endpoint(),
+        "kvferry serve: generating {} requests of model-shaped KV (seeded random bytes) and publishing each",
         args.requests
     );
     for (i, (blocks, &tokens)) in tables.iter().zip(&lengths).enumerate() {

@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{HandshakeError, Result, TransferError};
+use crate::error::{HandshakeError, ProtocolError, Result, TransferError};
 use crate::handshake::MAX_FRAME_BODY;
 use crate::memory::{cover_sorted, Cover, MemoryRegion, MemoryRegistry, RegionKeys};
 use crate::types::{TransferRequest, TransportKind};
@@ -59,10 +59,10 @@ impl TransportInfo {
     /// text, e.g. "devices[0]: missing field `gid`").
     pub fn decode<T: serde::de::DeserializeOwned>(&self, segment: &str) -> Result<T> {
         serde_json::from_value(self.details.clone()).map_err(|e| {
-            TransferError::Protocol(format!(
-                "segment {segment} advertises bad {} peer info: {e}",
-                self.kind
-            ))
+            TransferError::Protocol(ProtocolError::Malformed {
+                what: format!("segment {segment} advertises bad {} peer info", self.kind),
+                why: e.to_string(),
+            })
         })
     }
 }

@@ -61,9 +61,9 @@ pub enum TransferError {
         #[source]
         source: HandshakeError,
     },
-    /// A peer sent bytes that break the wire protocol (bad length, unknown frame type, bad JSON).
+    /// A peer sent bytes that break the wire protocol (see [`ProtocolError`]).
     #[error("protocol error: {0}")]
-    Protocol(String),
+    Protocol(#[source] ProtocolError),
     /// A socket operation failed; the io error's `kind()` says how (`UnexpectedEof` for a
     /// connection the peer closed, `TimedOut` for a passed deadline).
     #[error("I/O error: {0}")]
@@ -388,6 +388,92 @@ pub enum HandshakeError {
     /// The transport's `Connect` reply is unusable (its words).
     #[error("{0}")]
     BadConnectReply(String),
+}
+
+/// How bytes from a peer (or a message of ours) break the wire protocol: the data frames of
+/// the TCP transport, handshake frames, the transports' `Connect` exchanges and advertised peer
+/// info. `what` names the frame, message or field (`"data request"`, `"RDMA connect"`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolError {
+    /// Fewer bytes than the message's header needs.
+    #[error("short {0}")]
+    Short(&'static str),
+    /// A magic number that is not this protocol's.
+    #[error("{what} with bad magic {magic:#010x}")]
+    BadMagic {
+        /// The frame.
+        what: &'static str,
+        /// The magic number read.
+        magic: u32,
+    },
+    /// A length or count over its limit.
+    #[error("{what}: {len}, at most {limit}")]
+    TooLarge {
+        /// What was counted (`"frame body bytes"`, `"CUDA IPC allocations"`).
+        what: String,
+        /// The value read.
+        len: u64,
+        /// The largest allowed.
+        limit: u64,
+    },
+    /// A length or count outside its bounds, or that disagrees with another.
+    #[error("{what}: {got}, expected {expected}")]
+    Mismatch {
+        /// What was counted.
+        what: String,
+        /// The value read.
+        got: u64,
+        /// What it should be (a value or a range, as text).
+        expected: String,
+    },
+    /// An op code of no known operation.
+    #[error("unknown op {0}")]
+    UnknownOp(u8),
+    /// A message version this engine does not speak.
+    #[error("{what} version {got}, this engine speaks {speaks}")]
+    Version {
+        /// The message.
+        what: &'static str,
+        /// The version read.
+        got: u32,
+        /// The version this engine speaks.
+        speaks: u32,
+    },
+    /// A field whose value is not valid (`value`: as read, `expected`: its form).
+    #[error("{what} {value}: expected {expected}")]
+    BadField {
+        /// The field.
+        what: String,
+        /// Its value as read.
+        value: String,
+        /// The form it must have.
+        expected: &'static str,
+    },
+    /// A message that does not decode (`why`: the decoder's text, naming the field).
+    #[error("{what}: {why}")]
+    Malformed {
+        /// The message (`"CUDA IPC reply from h:p"`, `"segment h:p's rdma peer info"`).
+        what: String,
+        /// The decoder's text.
+        why: String,
+    },
+    /// One of this engine's own messages could not be encoded.
+    #[error("encode {what}: {why}")]
+    Encode {
+        /// The message.
+        what: &'static str,
+        /// The encoder's text.
+        why: String,
+    },
+    /// A frame of a type that is not a request where a request was expected.
+    #[error("a {0} frame is not a request")]
+    NotARequest(&'static str),
+    /// Handling a frame failed inside this engine (a panic caught at the frame's boundary).
+    #[error("internal error while handling the frame")]
+    Internal,
+    /// A batch's completion arrived in a state it cannot be in.
+    #[error("batch in an unexpected state")]
+    UnexpectedBatchState,
 }
 
 /// Why a request was refused for want of authorization (`crate::auth`).

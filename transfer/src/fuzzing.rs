@@ -2,7 +2,7 @@
 //! the same functions the listeners run, without a socket, for the fuzz targets
 //! (fuzz/fuzz_targets/transfer_frames.rs) and regression tests. Not a stable API.
 
-use crate::error::{Result, TransferError};
+use crate::error::{ProtocolError, Result, TransferError};
 use crate::transport::wire;
 
 /// Most pieces one scattered WRITE may carry.
@@ -18,7 +18,7 @@ pub fn handshake_frame_header(b: &[u8]) -> Result<(u64, u8)> {
     let hdr: &[u8; 9] = b
         .get(..9)
         .and_then(|h| h.try_into().ok())
-        .ok_or_else(|| TransferError::Protocol("short handshake header".into()))?;
+        .ok_or_else(|| TransferError::Protocol(ProtocolError::Short("handshake header")))?;
     Ok((crate::handshake::frame_len(hdr, "fuzz")?, hdr[8]))
 }
 
@@ -27,7 +27,7 @@ pub fn handshake_frame_header(b: &[u8]) -> Result<(u64, u8)> {
 /// `(addr, len)` the frame names. Errors: short input, bad magic, a piece count or payload
 /// over the limits, a bad piece table.
 pub fn data_request(b: &[u8]) -> Result<Vec<(u64, u64)>> {
-    let short = || TransferError::Protocol("short data request".into());
+    let short = || TransferError::Protocol(ProtocolError::Short("data request"));
     let hdr: &[u8; wire::REQ_LEN] = b
         .get(..wire::REQ_LEN)
         .and_then(|h| h.try_into().ok())
@@ -48,6 +48,6 @@ pub fn data_reply(b: &[u8]) -> Result<(u8, u64)> {
     let hdr: &[u8; wire::REP_LEN] = b
         .get(..wire::REP_LEN)
         .and_then(|h| h.try_into().ok())
-        .ok_or_else(|| TransferError::Protocol("short data reply".into()))?;
+        .ok_or_else(|| TransferError::Protocol(ProtocolError::Short("data reply")))?;
     wire::decode_reply(hdr)
 }

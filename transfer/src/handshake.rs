@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::admission::{Admitted, Limits, Listener, Names};
-use crate::error::{HandshakeError, IoError, Result, TransferError};
+use crate::error::{HandshakeError, IoError, ProtocolError, Result, TransferError};
 
 /// Largest handshake frame body, bytes (1 MiB, as Mooncake's default).
 pub const MAX_FRAME_BODY: u64 = 1 << 20;
@@ -142,9 +142,11 @@ fn encode(ty: FrameType, body: &[u8]) -> Vec<u8> {
 pub(crate) fn frame_len(hdr: &[u8; 9], what: &str) -> Result<u64> {
     let len = u64::from_le_bytes(hdr[..8].try_into().expect("8 bytes"));
     if len > MAX_FRAME_BODY {
-        return Err(TransferError::Protocol(format!(
-            "{what}: frame body of {len} bytes exceeds the {MAX_FRAME_BODY}-byte limit"
-        )));
+        return Err(TransferError::Protocol(ProtocolError::TooLarge {
+            what: format!("{what}: frame body bytes"),
+            len,
+            limit: MAX_FRAME_BODY,
+        }));
     }
     Ok(len)
 }
@@ -345,11 +347,7 @@ fn call_handler(
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         (sh.handler)(t, body, session)
     }))
-    .unwrap_or_else(|_| {
-        Err(TransferError::Protocol(
-            "internal error while handling the frame".into(),
-        ))
-    })
+    .unwrap_or_else(|_| Err(TransferError::Protocol(ProtocolError::Internal)))
 }
 
 fn serve_conn(c: Admitted, sh: &ServerShared) {

@@ -22,7 +22,7 @@ use std::time::Duration;
 use crate::admission::Limits;
 use crate::auth::AuthState;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{AuthError, Result, TransferError};
+use crate::error::{AuthError, ProtocolError, Result, TransferError};
 use crate::handshake::{FrameType, HandshakeServer, Session};
 use crate::memory::MemoryRegistry;
 use crate::transport::Transport;
@@ -83,8 +83,12 @@ impl HandshakeService {
         match ty {
             FrameType::Descriptor => {
                 self.gate(session)?;
-                serde_json::to_vec(&self.descriptor())
-                    .map_err(|e| TransferError::Protocol(format!("encode descriptor: {e}")))
+                serde_json::to_vec(&self.descriptor()).map_err(|e| {
+                    TransferError::Protocol(ProtocolError::Encode {
+                        what: "descriptor",
+                        why: e.to_string(),
+                    })
+                })
             }
             FrameType::Connect => {
                 self.gate(session)?;
@@ -104,9 +108,7 @@ impl HandshakeService {
                 session.authed = true;
                 Ok(Vec::new())
             }
-            FrameType::Error => Err(TransferError::Protocol(
-                "an error frame is not a request".into(),
-            )),
+            FrameType::Error => Err(TransferError::Protocol(ProtocolError::NotARequest("error"))),
         }
     }
 }

@@ -5,7 +5,7 @@ use crate::sync::MutexExt;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::error::TransferError;
+use crate::error::{ProtocolError, TransferError};
 use crate::types::BatchStatus;
 
 /// How long a waiter of a batch marked `expect_soon` polls before it sleeps: longer than a
@@ -134,9 +134,7 @@ impl BatchState {
                 total,
             }),
             // no final state without a first error is left: Invalid is never a batch's state
-            (_, None) => Err(TransferError::Protocol(
-                "batch in an unexpected state".into(),
-            )),
+            (_, None) => Err(TransferError::Protocol(ProtocolError::UnexpectedBatchState)),
         }
     }
 
@@ -394,14 +392,14 @@ mod tests {
         let sink = CompletionSink::new(st.clone());
         assert_eq!(st.status(), BatchStatus::Waiting);
         sink.complete(0, Ok(()));
-        sink.complete(0, Err(TransferError::Protocol("late".into()))); // ignored
+        sink.complete(0, Err(TransferError::Cancelled)); // ignored
         sink.complete(9, Ok(())); // unknown id: ignored
         assert_eq!(st.status(), BatchStatus::Pending);
-        sink.complete(2, Err(TransferError::Protocol("boom".into())));
+        sink.complete(2, Err(TransferError::UnknownBatch(4242)));
         assert_eq!(st.status(), BatchStatus::Pending);
         sink.complete(1, Ok(()));
         match st.status() {
-            BatchStatus::Failed(e) => assert!(e.contains("boom"), "{e}"),
+            BatchStatus::Failed(e) => assert!(e.contains("4242"), "{e}"),
             s => panic!("{s:?}"),
         }
         assert!(matches!(

@@ -15,7 +15,7 @@
 //! sizes that differ) are a few hundred bytes each: one frame and one ack per piece was most of
 //! the cost.
 
-use crate::error::{Result, TransferError};
+use crate::error::{ProtocolError, Result, TransferError};
 
 pub(crate) const REQ_MAGIC: u32 = 0x5446_564b; // "KVFT"
 pub(crate) const REP_MAGIC: u32 = 0x5246_564b; // "KVFR"
@@ -71,9 +71,10 @@ impl Request {
     pub(crate) fn decode(b: &[u8; REQ_LEN]) -> Result<Request> {
         let magic = u32::from_le_bytes(b[0..4].try_into().expect("4"));
         if magic != REQ_MAGIC {
-            return Err(TransferError::Protocol(format!(
-                "data request with bad magic {magic:#010x}"
-            )));
+            return Err(TransferError::Protocol(ProtocolError::BadMagic {
+                what: "data request",
+                magic,
+            }));
         }
         Ok(Request {
             op: b[4],
@@ -97,9 +98,10 @@ pub(crate) fn encode_reply(status: u8, len: u64) -> [u8; REP_LEN] {
 pub(crate) fn decode_reply(b: &[u8; REP_LEN]) -> Result<(u8, u64)> {
     let magic = u32::from_le_bytes(b[0..4].try_into().expect("4"));
     if magic != REP_MAGIC {
-        return Err(TransferError::Protocol(format!(
-            "data reply with bad magic {magic:#010x}"
-        )));
+        return Err(TransferError::Protocol(ProtocolError::BadMagic {
+            what: "data reply",
+            magic,
+        }));
     }
     Ok((b[4], u64::from_le_bytes(b[8..16].try_into().expect("8"))))
 }
@@ -119,10 +121,11 @@ pub(crate) fn encode_pieces(pieces: &[(u64, u64)]) -> Vec<u8> {
 pub(crate) fn scatter_count(req: &Request, max_payload: u64) -> Result<usize> {
     let n = req.addr;
     if n == 0 || n > MAX_PIECES as u64 || req.len == 0 || req.len > max_payload {
-        return Err(TransferError::Protocol(format!(
-            "scattered WRITE of {n} pieces and {} bytes (1..={MAX_PIECES} pieces, 1..={max_payload} bytes)",
-            req.len
-        )));
+        return Err(TransferError::Protocol(ProtocolError::Mismatch {
+            what: format!("scattered WRITE of {n} pieces and bytes"),
+            got: req.len,
+            expected: format!("1..={MAX_PIECES} pieces, 1..={max_payload} bytes"),
+        }));
     }
     Ok(n as usize)
 }
@@ -136,14 +139,20 @@ pub(crate) fn decode_pieces(b: &[u8], total: u64) -> Result<Vec<(u64, u64)>> {
         let addr = u64::from_le_bytes(e[0..8].try_into().expect("8"));
         let len = u64::from_le_bytes(e[8..16].try_into().expect("8"));
         sum = sum.checked_add(len).filter(|_| len > 0).ok_or_else(|| {
-            TransferError::Protocol(format!("scattered WRITE piece of {len} bytes"))
+            TransferError::Protocol(ProtocolError::BadField {
+                what: "scattered WRITE piece length".into(),
+                value: len.to_string(),
+                expected: "1 or more bytes, all pieces' sum within 64 bits",
+            })
         })?;
         out.push((addr, len));
     }
     if sum != total {
-        return Err(TransferError::Protocol(format!(
-            "scattered WRITE pieces sum to {sum} bytes, the header says {total}"
-        )));
+        return Err(TransferError::Protocol(ProtocolError::Mismatch {
+            what: "scattered WRITE pieces' sum of bytes".into(),
+            got: sum,
+            expected: format!("{total} (the header's)"),
+        }));
     }
     Ok(out)
 }

@@ -11,7 +11,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::error::{Result, TransferError};
+use crate::error::{ProtocolError, Result, TransferError};
 
 /// Bytes of the shared table.
 pub const TABLE_BYTES: usize = 64 << 10;
@@ -99,9 +99,11 @@ impl LiveView {
             .map_err(|e| TransferError::io("stat the CUDA IPC live table", e))?
             .len();
         if len != TABLE_BYTES as u64 {
-            return Err(TransferError::Protocol(format!(
-                "CUDA IPC live table of {len} bytes, expected {TABLE_BYTES}"
-            )));
+            return Err(TransferError::Protocol(ProtocolError::Mismatch {
+                what: "CUDA IPC live table bytes".into(),
+                got: len,
+                expected: TABLE_BYTES.to_string(),
+            }));
         }
         // SAFETY: a read-only shared mapping; the owner writes it only through atomics.
         let map = unsafe { memmap2::Mmap::map(&file) }

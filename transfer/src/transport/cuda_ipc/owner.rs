@@ -15,7 +15,7 @@ use super::state::{
     MAX_ALLOCS_PER_REQUEST, NONCES_KEPT, PROOF_LABEL,
 };
 use super::transport::CudaIpcTransport;
-use crate::error::{Result, TransferError};
+use crate::error::{ProtocolError, Result, TransferError};
 use crate::memory::MemoryRegion;
 
 impl CudaIpcTransport {
@@ -95,23 +95,34 @@ impl CudaIpcTransport {
     }
 
     pub(super) fn handle_request(&self, body: &[u8]) -> Result<Vec<u8>> {
-        let req: Envelope<Request> = serde_json::from_slice(body)
-            .map_err(|e| TransferError::Protocol(format!("CUDA IPC handle request: {e}")))?;
+        let req: Envelope<Request> = serde_json::from_slice(body).map_err(|e| {
+            TransferError::Protocol(ProtocolError::Malformed {
+                what: "CUDA IPC handle request".into(),
+                why: e.to_string(),
+            })
+        })?;
         let req = req.cuda_ipc;
         if req.version != 1 {
-            return Err(TransferError::Protocol(format!(
-                "CUDA IPC handle request version {}, this engine speaks 1",
-                req.version
-            )));
+            return Err(TransferError::Protocol(ProtocolError::Version {
+                what: "CUDA IPC handle request",
+                got: req.version,
+                speaks: 1,
+            }));
         }
         if req.allocs.len() > MAX_ALLOCS_PER_REQUEST {
-            return Err(TransferError::Protocol(format!(
-                "CUDA IPC handle request names {} allocations; at most {MAX_ALLOCS_PER_REQUEST}",
-                req.allocs.len()
-            )));
+            return Err(TransferError::Protocol(ProtocolError::TooLarge {
+                what: "CUDA IPC handle request's allocations".into(),
+                len: req.allocs.len() as u64,
+                limit: MAX_ALLOCS_PER_REQUEST as u64,
+            }));
         }
-        let nonce = parse_hex::<32>(&req.nonce)
-            .ok_or_else(|| TransferError::Protocol("CUDA IPC nonce: 64 hex digits".into()))?;
+        let nonce = parse_hex::<32>(&req.nonce).ok_or_else(|| {
+            TransferError::Protocol(ProtocolError::BadField {
+                what: "CUDA IPC nonce".into(),
+                value: format!("of {} characters", req.nonce.len()),
+                expected: "64 hex digits",
+            })
+        })?;
         if let Some(secret) = &self.auth.secret {
             // A handle gives the whole allocation: only a peer holding the secret gets one
             // (a grant token, good for some ranges, is not enough).
@@ -168,7 +179,12 @@ impl CudaIpcTransport {
                 allocs,
             },
         })
-        .map_err(|e| TransferError::Protocol(format!("encode CUDA IPC reply: {e}")))
+        .map_err(|e| {
+            TransferError::Protocol(ProtocolError::Encode {
+                what: "CUDA IPC reply",
+                why: e.to_string(),
+            })
+        })
     }
 
     pub(super) fn unexport(&self, region: &MemoryRegion) {

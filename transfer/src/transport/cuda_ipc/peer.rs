@@ -16,7 +16,7 @@ use super::state::{
 };
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{Result, TransferError};
+use crate::error::{ProtocolError, Result, TransferError};
 use crate::handshake::{self, FrameType};
 
 impl CudaIpcTransport {
@@ -51,7 +51,12 @@ impl CudaIpcTransport {
                 allocs: wanted,
             },
         })
-        .map_err(|e| TransferError::Protocol(format!("encode CUDA IPC request: {e}")))?;
+        .map_err(|e| {
+            TransferError::Protocol(ProtocolError::Encode {
+                what: "CUDA IPC request",
+                why: e.to_string(),
+            })
+        })?;
         let reply = handshake::request_with(
             &desc.name,
             FrameType::Connect,
@@ -60,15 +65,19 @@ impl CudaIpcTransport {
             self.credential.as_ref(),
         )?;
         let reply: Envelope<Reply> = serde_json::from_slice(&reply).map_err(|e| {
-            TransferError::Protocol(format!("CUDA IPC reply from {}: {e}", desc.name))
+            TransferError::Protocol(ProtocolError::Malformed {
+                what: format!("CUDA IPC reply from {}", desc.name),
+                why: e.to_string(),
+            })
         })?;
         let reply = reply.cuda_ipc;
         let ticket = |t: &str| {
             parse_hex::<16>(t).ok_or_else(|| {
-                TransferError::Protocol(format!(
-                    "CUDA IPC ticket from {}: 32 hex digits",
-                    desc.name
-                ))
+                TransferError::Protocol(ProtocolError::BadField {
+                    what: format!("CUDA IPC ticket from {}", desc.name),
+                    value: format!("of {} characters", t.len()),
+                    expected: "32 hex digits",
+                })
             })
         };
         let (live_fd, _) = fdpass::fetch(&reply.socket, &ticket(&reply.live)?, &desc.name)?;
@@ -102,10 +111,13 @@ impl CudaIpcTransport {
         for (base, size, kind) in allocs {
             let got = reply.allocs.iter().find(|a| a.base == *base);
             let mapped = match (got, kind) {
-                (Some(a), _) if a.size != *size => Err(TransferError::Protocol(format!(
-                    "allocation {base:#x}: {} bytes in the reply, {size} in the descriptor",
-                    a.size
-                ))),
+                (Some(a), _) if a.size != *size => {
+                    Err(TransferError::Protocol(ProtocolError::Mismatch {
+                        what: format!("allocation {base:#x}: bytes in the reply"),
+                        got: a.size,
+                        expected: format!("{size} (the descriptor's)"),
+                    }))
+                }
                 (
                     Some(AllocReply {
                         legacy: Some(h), ..
@@ -115,25 +127,30 @@ impl CudaIpcTransport {
                     Some(b) => OpenedLegacy::open(&lane.ctx, &LegacyHandle(b))
                         .map(Mapped::Legacy)
                         .map_err(gpu_err),
-                    None => Err(TransferError::Protocol(
-                        "legacy handle: 128 hex digits".into(),
-                    )),
+                    None => Err(TransferError::Protocol(ProtocolError::BadField {
+                        what: format!("allocation {base:#x}: legacy handle"),
+                        value: format!("of {} characters", h.len()),
+                        expected: "128 hex digits",
+                    })),
                 },
                 (Some(AllocReply { fd: Some(t), .. }), AllocationKind::VmmFd) => ticket(t)
                     .and_then(|t| fdpass::fetch(&reply.socket, &t, &desc.name))
                     .and_then(|(fd, sz)| {
                         if sz != *size {
-                            return Err(TransferError::Protocol(format!(
-                                "allocation {base:#x}: descriptor of {sz} bytes, expected {size}"
-                            )));
+                            return Err(TransferError::Protocol(ProtocolError::Mismatch {
+                                what: format!("allocation {base:#x}: descriptor bytes"),
+                                got: sz,
+                                expected: size.to_string(),
+                            }));
                         }
                         ImportedVmm::import(&lane.ctx, &fd, sz)
                             .map(Mapped::Vmm)
                             .map_err(gpu_err)
                     }),
-                _ => Err(TransferError::Protocol(format!(
-                    "no {kind:?} handle for allocation {base:#x} in the reply"
-                ))),
+                _ => Err(TransferError::Protocol(ProtocolError::Malformed {
+                    what: format!("CUDA IPC reply from {}", desc.name),
+                    why: format!("no {kind:?} handle for allocation {base:#x}"),
+                })),
             };
             match mapped {
                 Ok(m) => {

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::device::PortInfo;
 use super::verbs;
-use crate::error::{Result, TransferError};
+use crate::error::{ProtocolError, Result, TransferError};
 
 /// Version of the Connect frame body.
 pub(crate) const CONNECT_VERSION: u32 = 1;
@@ -82,33 +82,38 @@ pub struct ConnectReply {
 /// Validates a Connect request's shape before any verbs call. Errors: `Protocol`.
 pub(crate) fn check_request(req: &ConnectRequest, devices: usize) -> Result<()> {
     if req.version != CONNECT_VERSION {
-        return Err(TransferError::Protocol(format!(
-            "RDMA connect version {} (this engine speaks {CONNECT_VERSION})",
-            req.version
-        )));
+        return Err(TransferError::Protocol(ProtocolError::Version {
+            what: "RDMA connect",
+            got: req.version,
+            speaks: CONNECT_VERSION,
+        }));
     }
     if req.qps.is_empty() || req.qps.len() > MAX_QPS {
-        return Err(TransferError::Protocol(format!(
-            "RDMA connect asks for {} QPs (1..={MAX_QPS})",
-            req.qps.len()
-        )));
+        return Err(TransferError::Protocol(ProtocolError::Mismatch {
+            what: "RDMA connect's QPs".into(),
+            got: req.qps.len() as u64,
+            expected: format!("1..={MAX_QPS}"),
+        }));
     }
     if req.device >= devices {
-        return Err(TransferError::Protocol(format!(
-            "RDMA connect names device {} but this engine has {devices}",
-            req.device
-        )));
+        return Err(TransferError::Protocol(ProtocolError::Mismatch {
+            what: "RDMA connect's device index".into(),
+            got: req.device as u64,
+            expected: format!("below {devices} (this engine's devices)"),
+        }));
     }
     if verbs::mtu_from_bytes(req.port.active_mtu).is_none() {
-        return Err(TransferError::Protocol(format!(
-            "RDMA connect MTU {} is not an IB MTU",
-            req.port.active_mtu
-        )));
+        return Err(verbs::not_an_ib_mtu(
+            "RDMA connect MTU".into(),
+            req.port.active_mtu,
+        ));
     }
     if req.qps.iter().any(|q| q.qpn > 0x00ff_ffff) {
-        return Err(TransferError::Protocol(
-            "RDMA connect QP number over 24 bits".into(),
-        ));
+        return Err(TransferError::Protocol(ProtocolError::BadField {
+            what: "RDMA connect QP number".into(),
+            value: "over 24 bits".into(),
+            expected: "a 24-bit QP number",
+        }));
     }
     Ok(())
 }

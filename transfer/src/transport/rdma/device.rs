@@ -14,7 +14,7 @@ use sideway::ibverbs::protection_domain::ProtectionDomain;
 
 use super::verbs;
 use crate::config::RdmaConfig;
-use crate::error::{RdmaError, Result, TransferError};
+use crate::error::{ProtocolError, RdmaError, Result, TransferError};
 
 /// What a peer needs to address one port (published in the descriptor and in Connect frames).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,7 +39,11 @@ impl PortInfo {
     /// The GID parsed from its text. Error: `Protocol` naming the bad text.
     pub fn gid_value(&self) -> Result<Gid> {
         self.gid.parse::<Ipv6Addr>().map(Gid::from).map_err(|_| {
-            TransferError::Protocol(format!("bad GID {:?} for device {:?}", self.gid, self.name))
+            TransferError::Protocol(ProtocolError::BadField {
+                what: format!("GID of device {:?}", self.name),
+                value: format!("{:?}", self.gid),
+                expected: "IPv6 address text",
+            })
         })
     }
 }

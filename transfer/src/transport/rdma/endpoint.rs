@@ -16,7 +16,7 @@ use super::qp::{connect_qp, create_qp, fail_qp, path_mtu};
 use super::verbs;
 use super::work::Work;
 use crate::config::RdmaConfig;
-use crate::error::{Result, TransferError};
+use crate::error::{ProtocolError, Result, TransferError};
 
 /// One QP of an endpoint with its count of signalled work requests not yet completed.
 pub(crate) struct Qp {
@@ -86,7 +86,12 @@ impl Endpoint {
             port: dev.info.clone(),
             qps: infos.clone(),
         };
-        let body = serde_json::to_vec(&req).map_err(|e| TransferError::Protocol(e.to_string()))?;
+        let body = serde_json::to_vec(&req).map_err(|e| {
+            TransferError::Protocol(ProtocolError::Encode {
+                what: "RDMA connect request",
+                why: e.to_string(),
+            })
+        })?;
         let reply = exchange(&body)?;
         let reply: ConnectReply =
             serde_json::from_slice(&reply).map_err(|e| TransferError::Handshake {

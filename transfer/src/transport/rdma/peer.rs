@@ -8,7 +8,7 @@ use super::device::PortInfo;
 use super::keys::RdmaRegionKeys;
 use super::verbs;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{Result, TransferError};
+use crate::error::{ProtocolError, Result, TransferError};
 
 /// The RDMA part of a segment descriptor: `{"devices": [PortInfo...]}` (wire format of
 /// `RdmaTransport::local_info`), plus the RDMA keys of every buffer, decoded from the buffers.
@@ -30,10 +30,10 @@ impl RdmaPeerInfo {
     pub fn decode(peer: &SegmentDescriptor) -> Result<RdmaPeerInfo> {
         let mut info: RdmaPeerInfo = peer.transport.decode(&peer.name)?;
         let bad = |what: String| {
-            TransferError::Protocol(format!(
-                "segment {} advertises bad rdma peer info: {what}",
-                peer.name
-            ))
+            TransferError::Protocol(ProtocolError::Malformed {
+                what: format!("segment {} advertises bad rdma peer info", peer.name),
+                why: what,
+            })
         };
         if info.devices.is_empty() {
             return Err(bad("no device in `devices`".into()));

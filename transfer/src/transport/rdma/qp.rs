@@ -11,7 +11,7 @@ use super::connect::QpInfo;
 use super::device::{Device, PortInfo};
 use super::verbs;
 use crate::config::RdmaConfig;
-use crate::error::{RdmaError, Result, TransferError};
+use crate::error::{RdmaError, Result};
 
 /// Creates an RC QP on `dev` (send/recv CQ = the device CQ) and moves it to INIT with remote
 /// read and write access.
@@ -51,7 +51,7 @@ pub(crate) fn connect_qp(
     config: &RdmaConfig,
 ) -> Result<()> {
     let mtu = verbs::mtu_from_bytes(path_mtu)
-        .ok_or_else(|| TransferError::Protocol(format!("path MTU {path_mtu} is not an IB MTU")))?;
+        .ok_or_else(|| verbs::not_an_ib_mtu("path MTU".into(), path_mtu))?;
     let mut ah = AddressHandleAttribute::new();
     ah.setup_dest_lid(remote.lid)
         .setup_port(dev.info.port)
@@ -100,7 +100,7 @@ pub(crate) fn fail_qp(qp: &mut BasicQueuePair) {
 /// Path MTU of a connection: the smaller of both sides' advertised active MTUs.
 pub(crate) fn path_mtu(local: u32, remote: u32) -> Result<u32> {
     let m = local.min(remote);
-    verbs::mtu_from_bytes(m).map(|_| m).ok_or_else(|| {
-        TransferError::Protocol(format!("MTUs {local}/{remote}: {m} is not an IB MTU"))
-    })
+    verbs::mtu_from_bytes(m)
+        .map(|_| m)
+        .ok_or_else(|| verbs::not_an_ib_mtu(format!("path MTU of MTUs {local}/{remote}"), m))
 }

@@ -21,7 +21,7 @@ use std::time::Duration;
 use super::shared::Shared;
 use super::staging_sync::{Direction, SyncRequest};
 use super::work::{StageJob, Work};
-use crate::error::{RdmaError, TransferError};
+use crate::error::{ProtocolError, RdmaError, TransferError};
 use crate::handshake::{self, FrameType};
 use crate::types::Op;
 
@@ -71,8 +71,12 @@ impl Shared {
         ranges: Vec<(u64, u64)>,
     ) -> Result<(), TransferError> {
         for req in SyncRequest::split(direction, ranges) {
-            let body = serde_json::to_vec(&req)
-                .map_err(|e| TransferError::Protocol(format!("encode staging sync: {e}")))?;
+            let body = serde_json::to_vec(&req).map_err(|e| {
+                TransferError::Protocol(ProtocolError::Encode {
+                    what: "staging sync",
+                    why: e.to_string(),
+                })
+            })?;
             handshake::request_with(
                 peer,
                 FrameType::Connect,

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
 use super::mirror::Mirror;
-use crate::error::{Result, TransferError};
+use crate::error::{ProtocolError, Result, TransferError};
 
 /// Most ranges one sync request may name (a body is at most 1 MiB anyway).
 pub(crate) const MAX_SYNC_RANGES: usize = 65_536;
@@ -102,9 +102,10 @@ impl SyncRequest {
         match serde_json::from_slice(body) {
             Ok(r) => Some(Ok(r)),
             Err(_) if !body.windows(14).any(|w| w == b"\"staging_sync\"") => None,
-            Err(e) => Some(Err(TransferError::Protocol(format!(
-                "malformed staging sync: {e}"
-            )))),
+            Err(e) => Some(Err(TransferError::Protocol(ProtocolError::Malformed {
+                what: "staging sync".into(),
+                why: e.to_string(),
+            }))),
         }
     }
 }
@@ -217,7 +218,7 @@ mod tests {
             b"{\"staging_sync\":",
         ] {
             let e = SyncRequest::parse(junk).unwrap().unwrap_err().to_string();
-            assert!(e.contains("malformed staging sync"), "{e}");
+            assert!(e.contains("protocol error: staging sync: "), "{e}");
         }
     }
 

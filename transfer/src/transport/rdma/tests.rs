@@ -193,7 +193,9 @@ fn node(f: impl FnOnce(&mut EngineConfig)) -> Node {
     let handler =
         move |ty: FrameType, body: &[u8], session: &mut crate::handshake::Session| match ty {
             FrameType::Connect => t2.on_handshake(session.peer, body),
-            _ => Err(TransferError::Protocol("only Connect here".into())),
+            _ => Err(TransferError::Protocol(
+                crate::error::ProtocolError::NotARequest("non-Connect"),
+            )),
         };
     let server = HandshakeServer::start(l, Arc::new(handler), Duration::from_secs(5), 16).unwrap();
     Node {

@@ -22,7 +22,7 @@ use super::staging_sync::SyncRequest;
 use super::work::{StageJob, Work};
 use super::workers::{run_completions, run_events};
 use crate::descriptor::{SegmentDescriptor, TransportInfo};
-use crate::error::{RdmaError, Result, TransferError};
+use crate::error::{ProtocolError, RdmaError, Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
 use crate::transport::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
 use crate::types::{Location, TransportKind};
@@ -259,12 +259,21 @@ impl Transport for RdmaTransport {
             s.passive.locked().close(&n.initiator, &n.close);
             return Ok(b"{}".to_vec());
         }
-        let req: ConnectRequest = serde_json::from_slice(body)
-            .map_err(|e| TransferError::Protocol(format!("RDMA connect from {peer}: {e}")))?;
+        let req: ConnectRequest = serde_json::from_slice(body).map_err(|e| {
+            TransferError::Protocol(ProtocolError::Malformed {
+                what: format!("RDMA connect from {peer}"),
+                why: e.to_string(),
+            })
+        })?;
         connect::check_request(&req, s.devices.len())?;
         let dev = &s.devices[req.device];
         let reply = s.passive.locked().accept(dev, &req, &s.config)?;
-        serde_json::to_vec(&reply).map_err(|e| TransferError::Protocol(e.to_string()))
+        serde_json::to_vec(&reply).map_err(|e| {
+            TransferError::Protocol(ProtocolError::Encode {
+                what: "RDMA connect reply",
+                why: e.to_string(),
+            })
+        })
     }
 
     /// The token is not used: over RDMA the QP acceptance check (the engine answers `Connect`

@@ -421,6 +421,15 @@ pub(crate) fn mtu_from_bytes(b: u32) -> Option<Mtu> {
     })
 }
 
+/// `Protocol` error: `what`'s value `mtu` is not an IB MTU (256, 512, 1024, 2048, 4096).
+pub(crate) fn not_an_ib_mtu(what: String, mtu: u32) -> crate::error::TransferError {
+    crate::error::TransferError::Protocol(crate::error::ProtocolError::BadField {
+        what,
+        value: mtu.to_string(),
+        expected: "an IB MTU (256, 512, 1024, 2048 or 4096 bytes)",
+    })
+}
+
 /// A random 24-bit packet sequence number.
 pub(crate) fn random_psn() -> u32 {
     (crate::ids::random_u64() & 0x00ff_ffff) as u32

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use super::coalesce::Job;
 use super::pool::{Conn, PeerPool};
 use super::socket::{read_full, write_vectored_full};
-use crate::error::{AuthError, Result, TransferError};
+use crate::error::{AuthError, ProtocolError, Result, TransferError};
 use crate::transport::wire::{self, Request};
 use crate::transport::{CompletionSink, Slice};
 use crate::types::{Location, Op};
@@ -264,9 +264,11 @@ impl PeerPool {
         let (status, len) = wire::decode_reply(&h)?;
         if status != wire::ST_OK {
             if len > wire::MAX_ERROR_TEXT {
-                return Err(TransferError::Protocol(format!(
-                    "{what}: error text of {len} bytes"
-                )));
+                return Err(TransferError::Protocol(ProtocolError::TooLarge {
+                    what: format!("{what}: error text bytes"),
+                    len,
+                    limit: wire::MAX_ERROR_TEXT,
+                }));
             }
             let mut t = vec![0u8; len as usize];
             read_full(s, &mut t, &what)?;
@@ -303,9 +305,11 @@ impl PeerPool {
         }
         let expect = if sl.op == Op::Read { sl.len } else { 0 };
         if len != expect {
-            return Err(TransferError::Protocol(format!(
-                "{what}: {len} data bytes, expected {expect}"
-            )));
+            return Err(TransferError::Protocol(ProtocolError::Mismatch {
+                what: format!("{what}: data bytes"),
+                got: len,
+                expected: expect.to_string(),
+            }));
         }
         if sl.op == Op::Read {
             match sl.local_region.location {

@@ -41,7 +41,7 @@ use serde_json::json;
 use super::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
 use crate::admission::Listener;
 use crate::descriptor::{SegmentDescriptor, TransportInfo};
-use crate::error::{IoError, Result, TransferError};
+use crate::error::{IoError, ProtocolError, Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath, TransportKeys};
 use crate::types::{Location, TransportKind};
 use coalesce::coalesce;
@@ -114,10 +114,11 @@ impl TcpTransport {
         }
         let info: TcpPeerInfo = peer.transport.decode(&peer.name)?;
         if info.data_port == 0 {
-            return Err(TransferError::Protocol(format!(
-                "segment {} advertises no valid TCP data_port (0)",
-                peer.name
-            )));
+            return Err(TransferError::Protocol(ProtocolError::BadField {
+                what: format!("segment {}'s TCP data_port", peer.name),
+                value: "0".into(),
+                expected: "a port in 1..=65535",
+            }));
         }
         let port = info.data_port;
         let host = peer

@@ -11,7 +11,7 @@ use super::socket::{drain, prepare, read_full, write_full, write_vectored_full};
 use crate::admission::{Admitted, Limits, Listener, Names};
 use crate::auth::Denied;
 use crate::config::TcpConfig;
-use crate::error::{Result, TransferError};
+use crate::error::{ProtocolError, Result, TransferError};
 use crate::transport::wire::{self, Request};
 use crate::transport::TransportContext;
 use crate::types::{Location, Op};
@@ -117,16 +117,17 @@ fn serve_conn(c: Admitted, sh: &ServerShared) -> Result<()> {
             wire::OP_READ => false,
             op => {
                 let _ = reply_error(&mut s, wire::ST_BAD_REQUEST, &format!("unknown op {op}"));
-                return Err(TransferError::Protocol(format!("unknown op {op}")));
+                return Err(TransferError::Protocol(ProtocolError::UnknownOp(op)));
             }
         };
         if req.len == 0 || req.len > cfg.max_frame_payload {
-            let text = format!(
-                "request length {} is outside 1..={}",
-                req.len, cfg.max_frame_payload
-            );
-            let _ = reply_error(&mut s, wire::ST_BAD_REQUEST, &text);
-            return Err(TransferError::Protocol(text));
+            let e = ProtocolError::Mismatch {
+                what: "request length".into(),
+                got: req.len,
+                expected: format!("1..={}", cfg.max_frame_payload),
+            };
+            let _ = reply_error(&mut s, wire::ST_BAD_REQUEST, &e.to_string());
+            return Err(TransferError::Protocol(e));
         }
         let op = if is_write { Op::Write } else { Op::Read };
         if let Err(d) = authorize(sh, &req, op, [(req.addr, req.len)]) {

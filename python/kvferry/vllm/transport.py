@@ -563,6 +563,12 @@ class KvferryTransport:
             if out.action == Action.RECOMPUTE:
                 d["num_recomputed"].append(1)
 
+    def record_refused(self) -> None:
+        """Counts a load refused before any transfer (the scheduler's refusal: another KV cache
+        layout) as unverified in the stats vLLM collects: it never landed, nothing was compared."""
+        with self._stats_lock:
+            self._stats["num_unverified"].append(1)
+
     def take_stats(self) -> dict[str, list] | None:
         """The loads' stats since the last call (see kvferry.vllm.stats), None when there were none."""
         with self._stats_lock:

@@ -154,6 +154,9 @@ class KvferryWorkerSide:
 
     def _run_load(self, spec: LoadSpec, deadline: float) -> None:
         if spec.refusal is not None:  # refused by the scheduler: nothing connects, nothing moves
+            record = getattr(self.transport, "record_refused", None)  # test transports keep no stats
+            if record is not None:
+                record()
             self._done_loads.put((spec, LoadResult(ok=False, verdict=Verdict.UNVERIFIED,
                                                    reason=f"refused before any transfer: {spec.refusal}")))
             return

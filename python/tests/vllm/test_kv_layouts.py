@@ -97,6 +97,10 @@ class NoTransport:
     """A transport the refused load must never reach."""
 
     calls = 0
+    refused = 0
+
+    def record_refused(self):
+        NoTransport.refused += 1
 
     def load(self, spec, deadline):
         NoTransport.calls += 1
@@ -124,7 +128,7 @@ def test_a_producer_of_another_layout_is_refused_as_a_failed_load_that_never_rea
     worker = KvferryWorkerSide(0, 0, 5.0, NoTransport())
     worker.start(KvferryConnectorMetadata(loads=[specs["other"]]))
     worker._pool.shutdown(wait=True)
-    assert NoTransport.calls == 0
+    assert (NoTransport.calls, NoTransport.refused) == (0, 1)
     assert worker.transfer_results() == (set(), {"other"}, {"other"})
     assert worker.get_block_ids_with_load_errors() == {7, 8, 9}
 
@@ -171,3 +175,16 @@ def test_this_hosts_tags_are_the_kernels_vllm_picks_per_group():
     spec.head_size = 80
     assert kv_layout_tags(vllm_config(torch.float32), kv, groups)[0] == "CPU_ATTN:vec16:auto"
 
+
+
+def test_a_refused_load_counts_as_unverified_in_the_connectors_stats():
+    from kvferry.vllm.transport import KvferryTransport, TransportConfig
+
+    t = KvferryTransport(TransportConfig(host="127.0.0.1", port=17700), tp_rank=0, pp_rank=0, tp_size=1, pp_size=1,
+                         block_size=32, is_producer=False, is_consumer=True)
+    try:
+        t.record_refused()
+        stats = t.take_stats()
+        assert stats["num_unverified"] == [1] and not stats["num_failed_transfers"] and not stats["num_verified"]
+    finally:
+        t.shutdown()

@@ -411,6 +411,20 @@ impl Geometry {
         off
     }
 
+    /// Bytes between logical block `b` and `b + 1`: every range of
+    /// [`Geometry::block_head_byte_ranges`]`(b, heads)` is the same range of block 0 moved by
+    /// `b * block_stride()` (the block index enters an element's offset linearly), so a caller
+    /// walking many blocks computes block 0's ranges once. 0 when the layout has no `B` (never
+    /// for a valid geometry).
+    pub fn block_stride(&self) -> u64 {
+        self.layout
+            .dims()
+            .iter()
+            .zip(&self.strides)
+            .find(|(d, _)| **d == Dim::B)
+            .map_or(0, |(_, &s)| s.saturating_mul(self.kernel_blocks_per_block))
+    }
+
     /// The bytes a transfer moves for logical block `block_id`: coalesced, ascending, non-overlapping
     /// byte ranges covering every element of its kernel blocks. Empty when `block_id >= num_blocks()`.
     pub fn block_byte_ranges(&self, block_id: u64) -> Vec<Range<u64>> {

@@ -532,6 +532,32 @@ proptest! {
         prop_assert!(g.block_byte_ranges(g.num_blocks()).is_empty());
     }
 
+    /// Every block's ranges (any head range, padded strides) are block 0's moved by
+    /// `block * block_stride()`: what the planners rely on to compute block 0's once per layer.
+    #[test]
+    fn block_ranges_are_block_zeros_moved_by_the_block_stride(c in case_strategy(), pad in proptest::collection::vec(0u64..2, 5), split in 0u64..8, len in 1u64..8) {
+        let g0 = c.geometry();
+        let elem = c.elem.get();
+        let mut strides = vec![0u64; c.dims.len()];
+        let mut span = elem;
+        for i in (0..c.dims.len()).rev() {
+            strides[i] = span + pad[i] * elem;
+            span = strides[i] * g0.size_of(c.dims[i]);
+        }
+        let g = g0.with_strides(strides).unwrap();
+        let lo = split % g.heads;
+        let hi = (lo + len).min(g.heads);
+        let first = g.block_head_byte_ranges(0, lo..hi);
+        prop_assert!(!first.is_empty());
+        for block in 0..g.num_blocks() {
+            let moved: Vec<_> = first
+                .iter()
+                .map(|r| r.start + block * g.block_stride()..r.end + block * g.block_stride())
+                .collect();
+            prop_assert_eq!(g.block_head_byte_ranges(block, lo..hi), moved);
+        }
+    }
+
     /// The ranges of a head range of a block are exactly those heads' bytes (a TP rank of the
     /// other side holding some of this rank's heads), and they list the bytes in the same
     /// logical order on two arrays of different head counts: pairing them moves head `h` of

@@ -141,7 +141,9 @@ impl GrantTable {
             })?;
             r.push((a, end));
         }
-        r.sort_unstable();
+        // Stable sort: it merges the ascending runs callers usually pass (per layer, per part)
+        // in about linear time, where an unstable sort would sort them anew.
+        r.sort();
         let mut merged: Vec<(u64, u64)> = Vec::with_capacity(r.len());
         for (a, e) in r {
             match merged.last_mut() {

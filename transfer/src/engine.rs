@@ -384,6 +384,7 @@ impl TransferEngine {
     /// RDMA connection error) is retried once after the descriptor is fetched again (once per
     /// batch): a peer restarted under the same name is reached at its new ports.
     pub fn submit(&self, target: &SegmentHandle, requests: &[TransferRequest]) -> Result<BatchId> {
+        let t0 = std::time::Instant::now();
         let local_covers = batch::local_covers(&self.registry, requests)?;
         let mut desc = target.descriptor.clone();
         let remote_covers = match desc.remote_covers(requests) {
@@ -414,6 +415,8 @@ impl TransferEngine {
         self.meters
             .start(id, path, &desc.name, requests, slices.len() as u32);
         self.peers.touch(&desc.name);
+        let n_slices = slices.len();
+        let prep_us = t0.elapsed().as_micros() as u64;
         if !slices.is_empty() {
             let refresh =
                 BatchRefresh::new(self.peers.clone(), &desc.name, slices.clone(), target.token);
@@ -424,6 +427,13 @@ impl TransferEngine {
                 target.token,
             );
         }
+        tracing::debug!(
+            target: "kvferry::timing",
+            slices = n_slices,
+            prep_us,
+            post_us = t0.elapsed().as_micros() as u64 - prep_us,
+            "engine submit"
+        );
         Ok(id)
     }
 

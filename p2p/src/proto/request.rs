@@ -293,10 +293,20 @@ pub fn grant_ranges(rank: &RankLayout, request: &TransferRequest) -> Vec<(u64, u
         let Some(g) = rank.group(b.group_id) else {
             continue;
         };
+        // Ascending blocks, each of block 0's ranges for all of them in turn: the list comes in
+        // a few ascending runs, which the grant's sort merges instead of sorting anew.
+        let mut blocks = b.local_blocks.clone();
+        blocks.sort_unstable();
         for l in &g.layers {
-            for &local in &b.local_blocks {
-                for r in l.spec.geometry.block_byte_ranges(local) {
-                    ranges.push((l.addr + r.start, r.end - r.start));
+            let geo = &l.spec.geometry;
+            // Block 0's ranges once per layer, moved to each block.
+            let first = geo.block_byte_ranges(0);
+            let stride = geo.block_stride();
+            let inside = blocks.partition_point(|&b| b < geo.num_blocks());
+            for r in &first {
+                for &local in &blocks[..inside] {
+                    let base = l.addr + local * stride;
+                    ranges.push((base + r.start, r.end - r.start));
                 }
             }
         }

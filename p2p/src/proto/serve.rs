@@ -328,6 +328,12 @@ fn layer_copies(
             .map_err(at)?;
             continue;
         }
+        // Block 0's ranges once per layer; each block's are those moved by its offset.
+        let (ours0, theirs0) = (
+            ours.block_head_byte_ranges(0, ph.clone()),
+            theirs.block_head_byte_ranges(0, ch.clone()),
+        );
+        let (ps, cs) = (ours.block_stride(), theirs.block_stride());
         for (&remote, &local) in b.remote_blocks.iter().zip(&b.local_blocks) {
             if remote >= ours.num_blocks() || local >= theirs.num_blocks() {
                 return Err(at(LayerError::BlockOutside {
@@ -337,11 +343,12 @@ fn layer_copies(
                     consumer_blocks: theirs.num_blocks(),
                 }));
             }
+            // Inside the arrays (the blocks were checked against them): no overflow.
             pair_ranges(
-                layer.addr,
-                &ours.block_head_byte_ranges(remote, ph.clone()),
-                wl.addr,
-                &theirs.block_head_byte_ranges(local, ch.clone()),
+                layer.addr + remote * ps,
+                &ours0,
+                wl.addr + local * cs,
+                &theirs0,
                 &mut plans[i].copies,
             )
             .map_err(|e| at(e.into()))?;

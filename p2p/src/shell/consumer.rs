@@ -139,7 +139,9 @@ impl Consumer {
     }
 
     async fn load_unmetered(&self, spec: LoadSpec) -> Result<LoadOutcome, LoadError> {
+        let t_build = Instant::now();
         let (mut request, landed) = self.build_request(&spec)?;
+        let build_us = t_build.elapsed().as_micros();
         let rid = spec.request_id.clone();
         // WRITE for exactly this load's block bytes, to this load's token, until it ends.
         let grants = self.grant(&request).map_err(|e| LoadError::Spec {
@@ -147,6 +149,7 @@ impl Consumer {
             why: format!("granting the load's blocks: {e}"),
         })?;
         request.token = grants.first().map(|g| g.token().to_string());
+        let grant_us = t_build.elapsed().as_micros() - build_us;
         let started = Instant::now();
         let reply = self
             .send(&spec.producer, request, spec.load_key.clone())
@@ -183,6 +186,15 @@ impl Consumer {
         let started = Instant::now();
         let verdict = self.verify(&spec, &reply).await;
         let checksum_seconds = started.elapsed().as_secs_f64();
+        debug!(
+            target: "kvferry::timing",
+            request_id = rid,
+            build_us,
+            grant_us,
+            transfer_us = (transfer_seconds * 1e6) as u64,
+            verify_us = (checksum_seconds * 1e6) as u64,
+            "load phases"
+        );
         log_verdict(&rid, &verdict);
         let action = self.config.policy.decide(&verdict);
         if action != Action::Complete {

@@ -490,7 +490,15 @@ impl EventLoop {
                             Some(Ok(t)) => Ok(Some(t)),
                             Some(Err(e)) => Err(ServeFailure::Token(e)),
                         };
+                        let t_plan = Instant::now();
                         let planned = plan(&layouts, &lease, &request).map_err(ServeFailure::from);
+                        debug!(
+                            target: "kvferry::timing",
+                            request_id = request.request_id,
+                            plan_us = t_plan.elapsed().as_micros() as u64,
+                            copies = planned.as_ref().map(|p| p.iter().map(|r| r.copies.len()).sum::<usize>()).unwrap_or(0),
+                            "serve planned"
+                        );
                         let result = match (token, planned) {
                             (Err(e), _) | (_, Err(e)) => Err(e),
                             (Ok(token), Ok(plan)) => write_all(workers, plan, deadline, token)

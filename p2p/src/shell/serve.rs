@@ -32,6 +32,20 @@ pub(crate) async fn write_all(
     Ok(total)
 }
 
+/// Requests per engine batch of one rank's WRITEs: a load of many small copies (scattered
+/// blocks, per-token head slices) is cut into batches of this many, submitted on threads of
+/// their own, so that the host work per request (validation, slicing, the copy descriptors)
+/// runs on several cores and the first batch's copies start while later ones are prepared.
+const REQUESTS_PER_BATCH: usize = 2048;
+/// At most this many batches per rank and load (one per core of a typical host, with room).
+const MAX_BATCHES: usize = 8;
+
+/// How many batches `n` requests go in: one up to [`REQUESTS_PER_BATCH`], then one per
+/// [`REQUESTS_PER_BATCH`] up to [`MAX_BATCHES`].
+fn batches_for(n: usize) -> usize {
+    n.div_ceil(REQUESTS_PER_BATCH).clamp(1, MAX_BATCHES)
+}
+
 async fn write_rank(
     w: &Worker,
     segment: String,
@@ -42,9 +56,27 @@ async fn write_rank(
     if copies.is_empty() {
         return Ok(0);
     }
+    let bytes: u64 = copies.iter().map(|c| c.len).sum();
+    let per = copies.len().div_ceil(batches_for(copies.len()));
+    let runs = copies
+        .chunks(per)
+        .map(|part| write_batch(w, segment.clone(), part, deadline, token));
+    for r in futures::future::join_all(runs).await {
+        r?;
+    }
+    Ok(bytes)
+}
+
+/// Submits `copies` as one engine batch (off the event loop) and waits for it, by `deadline`.
+async fn write_batch(
+    w: &Worker,
+    segment: String,
+    copies: &[Copy],
+    deadline: Instant,
+    token: Option<Token>,
+) -> Result<(), WriteError> {
     let rank = w.rank;
     let at = |kind: WriteErrorKind| WriteError { rank, kind };
-    let bytes: u64 = copies.iter().map(|c| c.len).sum();
     let engine = w.engine.clone();
     let requests: Vec<EngineRequest> = copies
         .iter()
@@ -64,9 +96,17 @@ async fn write_rank(
             segment: segment.clone(),
             source,
         })?;
-        engine
+        let t = Instant::now();
+        let r = engine
             .submit(&handle, &requests)
-            .map_err(|source| WriteErrorKind::Submit { segment, source })
+            .map_err(|source| WriteErrorKind::Submit { segment, source });
+        tracing::debug!(
+            target: "kvferry::timing",
+            requests = requests.len(),
+            submit_us = t.elapsed().as_micros() as u64,
+            "serve submitted"
+        );
+        r
     });
     let left = deadline.saturating_duration_since(Instant::now());
     let batch = match tokio::time::timeout(left, submit).await {
@@ -75,9 +115,29 @@ async fn write_rank(
         Ok(Ok(r)) => r.map_err(at)?,
     };
     let left = deadline.saturating_duration_since(Instant::now());
+    let t = Instant::now();
     w.engine
         .wait_async(batch, left)
         .await
         .map_err(|e| at(WriteErrorKind::Transfer(e)))?;
-    Ok(bytes)
+    tracing::debug!(
+        target: "kvferry::timing",
+        wait_us = t.elapsed().as_micros() as u64,
+        "serve waited"
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_loads_go_in_one_batch_large_ones_in_a_bounded_number() {
+        assert_eq!(batches_for(1), 1);
+        assert_eq!(batches_for(REQUESTS_PER_BATCH), 1);
+        assert_eq!(batches_for(REQUESTS_PER_BATCH + 1), 2);
+        assert_eq!(batches_for(16384), MAX_BATCHES);
+        assert_eq!(batches_for(1 << 20), MAX_BATCHES);
+    }
 }

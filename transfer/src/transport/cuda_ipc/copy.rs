@@ -185,11 +185,20 @@ impl CudaIpcTransport {
             if planned.is_empty() {
                 continue;
             }
+            let t_enq = Instant::now();
             planned.sort_by_key(|p| p.id);
             let copies = coalesce(&planned);
             let ids: Vec<u32> = planned.iter().map(|p| p.id).collect();
             let bytes: u64 = planned.iter().map(|p| p.len).sum();
-            match self.enqueue(&lane, &copies) {
+            let enqueued = self.enqueue(&lane, &copies);
+            tracing::debug!(
+                target: "kvferry::timing",
+                planned = planned.len(),
+                copies = copies.len(),
+                enqueue_us = t_enq.elapsed().as_micros() as u64,
+                "cuda ipc enqueue"
+            );
+            match enqueued {
                 Ok((event, table)) => {
                     let job = Job {
                         event,

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
+use sideway::ibverbs::memory_region::MemoryRegion as VerbsMr;
 use sideway::ibverbs::queue_pair::{BasicQueuePair, QueuePair};
 
 use super::connect::{ConnectReply, ConnectRequest, QpInfo, CONNECT_VERSION};
@@ -18,11 +19,15 @@ use super::work::Work;
 use crate::config::RdmaConfig;
 use crate::error::{ProtocolError, Result, TransferError};
 
-/// One QP of an endpoint with its count of signalled work requests not yet completed.
+/// One QP of an endpoint with its count of work requests not yet completed.
 pub(crate) struct Qp {
     pub qp: Mutex<BasicQueuePair>,
     pub qpn: u32,
     pub outstanding: AtomicUsize,
+    /// The wr_ids on its send queue, in posting order. Only the last work request of a posted
+    /// chain is signalled: an RC send queue completes in order, so a completion (success,
+    /// error or flush) also finishes every work request posted before it on the QP.
+    pub sent: Mutex<VecDeque<u64>>,
 }
 
 /// Key of the endpoint cache: peer segment (name + instance) and the device pair.
@@ -48,6 +53,10 @@ pub(crate) struct Endpoint {
     pub first_error: OnceLock<String>,
     /// Slices accepted but not yet posted (no room on the QPs or the CQ).
     pub pending: Mutex<VecDeque<Work>>,
+    /// Memory regions of work requests taken back after a partly refused post (their slices
+    /// went on elsewhere, the provider may still read them): released with the endpoint, after
+    /// its QPs (declared after `qps`).
+    pub retired: Mutex<Vec<Arc<VerbsMr>>>,
     /// When work was last handed to the endpoint or completed on it (idle expiry).
     last_used: Mutex<Instant>,
 }
@@ -137,6 +146,7 @@ impl Endpoint {
                     qpn: q.qp_number(),
                     qp: Mutex::new(q),
                     outstanding: AtomicUsize::new(0),
+                    sent: Mutex::new(VecDeque::new()),
                 })
                 .collect(),
             dev,
@@ -146,6 +156,7 @@ impl Endpoint {
             broken: AtomicBool::new(false),
             first_error: OnceLock::new(),
             pending: Mutex::new(VecDeque::new()),
+            retired: Mutex::new(Vec::new()),
             last_used: Mutex::new(Instant::now()),
         })
     }

@@ -61,6 +61,12 @@ impl InFlightTable {
         Some(v)
     }
 
+    /// The entry of `wr_id`, if it is in the table.
+    pub fn get(&self, wr_id: u64) -> Option<&InFlight> {
+        let slot = self.slots.get((wr_id & 0xffff_ffff) as usize)?;
+        (slot.0 == (wr_id >> 32) as u32).then_some(slot.1.as_ref()?)
+    }
+
     /// Every entry (for the watchdog and shutdown).
     pub fn iter(&self) -> impl Iterator<Item = &InFlight> {
         self.slots.iter().filter_map(|s| s.1.as_ref())

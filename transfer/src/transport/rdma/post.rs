@@ -4,7 +4,8 @@
 //! sides go out as one work request of up to `RdmaConfig::merge_bytes` (each slice is still
 //! completed and retried on its own); the work requests of one pump are spread round robin over
 //! the endpoint's QPs and posted per QP as chained lists of up to `RdmaConfig::post_chain`
-//! (one `ibv_post_send`, one doorbell, per list).
+//! (one `ibv_post_send`, one doorbell, per list), of which only the last work request is
+//! signalled (the completion thread finishes the ones before it with it, `Qp::sent`).
 
 use crate::sync::MutexExt;
 use std::collections::VecDeque;
@@ -241,6 +242,7 @@ fn in_flight(
         len: len as u32,
         rkey: wr.rkey,
         remote_addr: wr.remote_addr,
+        signaled: false,
     };
     let wr_id = s.lock_inflight(&ep.dev).insert(InFlight {
         ep: ep.clone(),
@@ -254,11 +256,14 @@ fn in_flight(
     (wr_id, RawWr { wr_id, ..raw })
 }
 
-/// Posts `chain` on QP `qi` of `ep` in one call, counting the work requests posted in
-/// `s.posted`. Returns `None` when all of it was posted; when
-/// the provider refused an entry, the entries from it on leave the in-flight table, their
-/// slices go back to the front of `pending`, and the reason the endpoint broke (for
-/// `endpoint_failed`) is returned.
+/// Posts `chain` on QP `qi` of `ep` in one call, only its last work request signalled, counting
+/// the work requests posted in `s.posted` and the signalled ones in `s.signaled`. Returns `None`
+/// when all of it was posted; when the provider refused an entry, the entries from it on leave
+/// the in-flight table, their slices go back to the front of `pending`, and the reason the
+/// endpoint broke (for `endpoint_failed`) is returned. The entries posted before the refused
+/// one carry no signal: they may complete without a work completion, so they are taken back
+/// too (their slices retried: a WRITE or READ moved twice moves the same bytes), their memory
+/// regions kept until the endpoint goes (`Endpoint::retired`).
 fn post_chain(
     s: &Shared,
     ep: &Arc<Endpoint>,
@@ -267,9 +272,14 @@ fn post_chain(
     pending: &mut VecDeque<Work>,
 ) -> Option<String> {
     let q = &ep.qps[qi];
-    let wrs: Vec<RawWr> = chain.iter().map(|(_, w)| *w).collect();
+    let mut wrs: Vec<RawWr> = chain.iter().map(|(_, w)| *w).collect();
+    if let Some(last) = wrs.last_mut() {
+        last.signaled = true;
+    }
     let res = {
         let qp = q.qp.locked();
+        // in the queue before the post: the completion thread may see a completion at once
+        q.sent.locked().extend(chain.iter().map(|(id, _)| *id));
         // SAFETY: each entry's local range lies in a region (or its mirror) registered as the
         // MR its in-flight entry holds (`local_side` found it there), which keeps it alive
         // until the completion; the QP lives as long as `ep`.
@@ -281,9 +291,23 @@ fn post_chain(
     };
     s.posted.fetch_add(posted as u64, Ordering::Relaxed);
     if errno == 0 {
+        s.signaled.fetch_add(1, Ordering::Relaxed);
         return None;
     }
-    unpost(s, ep, qi, &chain[posted..], pending);
+    // none of the chain's entries stays on `sent`: the refused ones were never posted, the
+    // posted ones have no signalled entry after them
+    q.sent
+        .locked()
+        .retain(|id| !chain.iter().any(|(c, _)| c == id));
+    if posted > 0 {
+        let mut retired = ep.retired.locked();
+        for (wr_id, _) in &chain[..posted] {
+            if let Some(inf) = s.lock_inflight(&ep.dev).get(*wr_id) {
+                retired.push(inf._mr.clone());
+            }
+        }
+    }
+    unpost(s, ep, qi, &chain, pending);
     let e = std::io::Error::from_raw_os_error(errno);
     Some(format!(
         "post on {} QP {:#x} to {}: {e}",

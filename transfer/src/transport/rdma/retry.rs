@@ -5,7 +5,10 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use crate::sync::MutexExt;
+
 use super::device::Device;
+use super::inflight::InFlight;
 use super::shared::Shared;
 use super::verbs;
 use super::work::{StageJob, Work};
@@ -46,6 +49,22 @@ impl Shared {
         }
     }
 
+    /// Finishes a work request that completed successfully: its room and credit back, its
+    /// slices completed (or handed to the stager).
+    fn finish_ok(self: &Arc<Self>, dev: &Device, inf: InFlight) {
+        inf.ep.qps[inf.qp]
+            .outstanding
+            .fetch_sub(1, Ordering::AcqRel);
+        dev.return_credit();
+        for w in inf.works {
+            if w.needs_after() {
+                self.stage(StageJob::After(w));
+            } else {
+                w.sink.complete(w.slice.id, Ok(()));
+            }
+        }
+    }
+
     /// Handles one work completion.
     pub(super) fn complete(self: &Arc<Self>, dev: &Device, wc: &verbs::WorkCompletion) {
         let Some(inf) = self.lock_inflight(dev).remove(wc.wr_id) else {
@@ -55,22 +74,47 @@ impl Shared {
             );
             return;
         };
-        let ep = inf.ep;
+        let ep = inf.ep.clone();
         ep.touch();
-        ep.qps[inf.qp].outstanding.fetch_sub(1, Ordering::AcqRel);
-        dev.return_credit();
-        let works = inf.works;
-        if wc.status == verbs::wc::SUCCESS {
-            for w in works {
-                if w.needs_after() {
-                    self.stage(StageJob::After(w));
-                } else {
-                    w.sink.complete(w.slice.id, Ok(()));
+        // the unsignalled work requests posted before this one on its QP are done: an RC send
+        // queue completes in order, so after a success or an error they succeeded; after a flush
+        // they went before the QP failed (an unsignalled one that failed or flushed gave its own
+        // completion, which took it off `sent`), yet they go on with this one's slices: moved
+        // twice, a slice moves the same bytes, and a provider that flushes without completions
+        // for unsignalled work requests loses nothing
+        let earlier: Vec<u64> = {
+            let mut sent = ep.qps[inf.qp].sent.locked();
+            match sent.iter().position(|&id| id == wc.wr_id) {
+                Some(at) => {
+                    let mut done: Vec<u64> = sent.drain(..=at).collect();
+                    done.pop();
+                    done
                 }
+                None => Vec::new(),
             }
+        };
+        let flushed = wc.status == verbs::wc::WR_FLUSH_ERR;
+        let mut works = Vec::new();
+        for id in earlier {
+            let taken = self.lock_inflight(dev).remove(id);
+            match taken {
+                Some(e) if flushed => {
+                    ep.qps[e.qp].outstanding.fetch_sub(1, Ordering::AcqRel);
+                    dev.return_credit();
+                    works.extend(e.works);
+                }
+                Some(e) => self.finish_ok(dev, e),
+                None => {}
+            }
+        }
+        if wc.status == verbs::wc::SUCCESS {
+            self.finish_ok(dev, inf);
             return;
         }
-        let (Some(first), Some(last)) = (works.first(), works.last()) else {
+        ep.qps[inf.qp].outstanding.fetch_sub(1, Ordering::AcqRel);
+        dev.return_credit();
+        let own = inf.works;
+        let (Some(first), Some(last)) = (own.first(), own.last()) else {
             return;
         };
         let sl = &first.slice;
@@ -106,6 +150,7 @@ impl Shared {
                 | verbs::wc::LOC_ACCESS_ERR
         );
         // the slice stays the unit of retry: each goes on alone (and may merge anew)
+        works.extend(own);
         for w in works {
             self.retry_or_fail(w, text.clone(), retryable);
         }

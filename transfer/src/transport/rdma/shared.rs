@@ -45,6 +45,8 @@ pub(super) struct Shared {
     pub(super) retried: AtomicU64,
     /// Work requests posted so far (diagnostics and tests: slices merged into fewer).
     pub(super) posted: AtomicU64,
+    /// Signalled work requests posted so far (the last of each posted chain).
+    pub(super) signaled: AtomicU64,
     /// Device copies for staged GPU memory.
     pub(super) memory: Arc<dyn MemoryAccess>,
     /// Jobs for the stager thread (`stager.rs`).

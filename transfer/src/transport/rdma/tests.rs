@@ -544,3 +544,68 @@ fn rdma_consecutive_slices_merge_into_one_work_request_only_where_they_continue(
         }
     }
 }
+
+#[test]
+fn rdma_a_posted_chain_signals_only_its_last_work_request() {
+    if !rdma_or_skip("rdma_a_posted_chain_signals_only_its_last_work_request") {
+        return;
+    }
+    const S: usize = 16 << 10;
+    const N: usize = 100;
+    // slice i goes from local slot i to remote slot N-1-i: no two continue each other, so each
+    // is a work request of its own; one post puts all of them on the endpoint at once
+    // (qps, post_chain) -> signalled: ceil(per QP / post_chain) per QP
+    for (qps, chain, want) in [(1usize, 32usize, 4u64), (2, 32, 4), (2, 8, 14), (1, 1, 100)] {
+        let target = node(|_| {});
+        let init = node(|c| {
+            c.rdma.qps_per_endpoint = qps;
+            c.rdma.post_chain = chain;
+        });
+        let remote = vec![0u8; N * S];
+        let local: Vec<u8> = (0..N * S)
+            .map(|i| (i % 253) as u8 ^ (i >> 14) as u8)
+            .collect();
+        let (_, keys) = register(&target, remote.as_ptr() as u64, remote.len() as u64);
+        let (lr, _) = register(&init, local.as_ptr() as u64, local.len() as u64);
+        let peer = Arc::new(SegmentDescriptor {
+            name: target.name.clone(),
+            instance_id: target.instance,
+            transport: target.t.local_info(),
+            buffers: vec![BufferDesc {
+                region: MemoryRegion {
+                    addr: remote.as_ptr() as u64,
+                    len: remote.len() as u64,
+                    location: Location::Cpu,
+                },
+                keys,
+            }],
+        });
+        let slices: Vec<Slice> = (0..N)
+            .map(|i| Slice {
+                id: i as u32,
+                op: Op::Write,
+                local_addr: lr.addr + (i * S) as u64,
+                local_region: lr,
+                remote_addr: remote.as_ptr() as u64 + ((N - 1 - i) * S) as u64,
+                remote_buffer: 0,
+                len: S as u64,
+            })
+            .collect();
+        let st = BatchState::new(N as u32);
+        init.t
+            .post(&peer, slices, CompletionSink::new(st.clone()), None);
+        let _ = st.wait(Duration::from_secs(60));
+        let what = format!("{qps} QPs, chains of {chain}");
+        assert_eq!(st.status(), BatchStatus::Completed, "{what}");
+        assert_eq!(init.t.work_requests_posted(), N as u64, "{what}: posted");
+        assert_eq!(init.t.work_requests_signaled(), want, "{what}: signalled");
+        assert_eq!(init.t.work_requests_in_flight(), 0, "{what}: in flight");
+        for i in 0..N {
+            let r = N - 1 - i;
+            assert!(
+                remote[r * S..(r + 1) * S] == local[i * S..(i + 1) * S],
+                "{what}: slice {i}"
+            );
+        }
+    }
+}

@@ -93,6 +93,7 @@ impl RdmaTransport {
             stop: AtomicBool::new(false),
             retried: AtomicU64::new(0),
             posted: AtomicU64::new(0),
+            signaled: AtomicU64::new(0),
             memory: ctx.memory.clone(),
             stager: Mutex::new(stage_tx),
             inflight,
@@ -159,6 +160,12 @@ impl RdmaTransport {
     /// Work requests posted so far, over all devices.
     pub fn work_requests_posted(&self) -> u64 {
         self.shared.posted.load(Ordering::Relaxed)
+    }
+
+    /// Signalled work requests posted so far, over all devices: one per posted chain (the
+    /// others complete with the signalled one after them on their QP).
+    pub fn work_requests_signaled(&self) -> u64 {
+        self.shared.signaled.load(Ordering::Relaxed)
     }
 
     /// Slices retried on a fresh endpoint so far.

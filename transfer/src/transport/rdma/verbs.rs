@@ -71,9 +71,11 @@ pub(crate) struct RawWr {
     pub len: u32,
     pub rkey: u32,
     pub remote_addr: u64,
+    /// Asks for a work completion on success (an error always gives one, and so does a flush).
+    pub signaled: bool,
 }
 
-/// Posts `wrs` (every one signalled) on `qp` as one chained list in a single `ibv_post_send`
+/// Posts `wrs` (signalled where `RawWr::signaled`) on `qp` as one chained list in a single `ibv_post_send`
 /// (one doorbell instead of one per work request). `Err((posted, errno))` when the provider
 /// refused one: the first `posted` work requests are on the send queue (they complete, or
 /// flush once the QP is in error), the rest are not.
@@ -109,7 +111,11 @@ pub(crate) unsafe fn post_send_list(
             } else {
                 sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE
             };
-            r.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            r.send_flags = if w.signaled {
+                sys::ibv_send_flags::IBV_SEND_SIGNALED.0
+            } else {
+                0
+            };
             r.wr.rdma = sys::rdma_t {
                 remote_addr: w.remote_addr,
                 rkey: w.rkey,

@@ -17,6 +17,7 @@ use crate::layer::Rank;
 use crate::repr::{bool_repr, opt_str_repr, str_repr};
 use crate::runtime::{block_on, seconds, Blocked};
 use crate::side::{block_table, build_side, Side};
+use kvferry_transfer::sync::RwLockExt;
 
 /// What ``Producer.publish`` did.
 ///
@@ -225,8 +226,7 @@ impl Producer {
             .collect::<PyResult<Vec<_>>>()?;
         let serving = self
             .inner
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
+            .read_locked()
             .clone()
             .ok_or_else(|| PyRuntimeError::new_err("the producer is shut down"))?;
         let published = block_on(py, deadline, || async {
@@ -262,7 +262,7 @@ impl Producer {
     /// Takes the leases released since the last call as ``(request_id, reason)``, reason
     /// ``"served"``, ``"expired"`` or ``"failed: <why>"``: their blocks may be reused now.
     fn released(&self, py: Python<'_>) -> Vec<(String, String)> {
-        let Some(p) = self.inner.read().unwrap_or_else(|p| p.into_inner()).clone() else {
+        let Some(p) = self.inner.read_locked().clone() else {
             return Vec::new();
         };
         let released = p.producer.released();
@@ -288,7 +288,7 @@ impl Producer {
     #[pyo3(signature = (timeout=10.0))]
     fn shutdown(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
         let deadline = seconds(timeout, "timeout")?;
-        let Some(serving) = self.inner.write().unwrap_or_else(|p| p.into_inner()).take() else {
+        let Some(serving) = self.inner.write_locked().take() else {
             return Ok(());
         };
         let stopped = block_on(py, deadline, || async {

@@ -31,8 +31,8 @@ use std::time::{Duration, Instant};
 use kvferry_transfer::Secret;
 
 use super::msg::{
-    decode_reply, decode_welcome, encode, finish_proof, Hello, MsgError, Reply, Status,
-    TransferRequest, KIND_HELLO, PROTOCOL_VERSION,
+    decode_reply, decode_welcome, encode, finish_proof, Hello, LoadRequest, MsgError, Reply,
+    Status, KIND_HELLO, PROTOCOL_VERSION,
 };
 use super::session::Session;
 
@@ -295,7 +295,7 @@ impl ConsumerMachine {
     pub fn start(
         &mut self,
         now: Instant,
-        mut request: TransferRequest,
+        mut request: LoadRequest,
         load_key: Option<&str>,
     ) -> Option<u64> {
         let session = self.session.as_ref()?;

@@ -21,7 +21,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::consumer::{ConsumerEvent, ConsumerMachine, FailReason};
-use super::msg::{encode, TransferRequest, KIND_TRANSFER_REQUEST, PROTOCOL_VERSION};
+use super::msg::{encode, LoadRequest, KIND_TRANSFER_REQUEST, PROTOCOL_VERSION};
 use super::producer::{Effect, ProducerMachine, ProducerTimeouts};
 use super::serve_error::{ServeFailure, WriteError, WriteErrorKind};
 
@@ -99,8 +99,8 @@ struct Sim {
     writes: Vec<Write>,
 }
 
-fn request(id: &str) -> TransferRequest {
-    TransferRequest {
+fn request(id: &str) -> LoadRequest {
+    LoadRequest {
         version: PROTOCOL_VERSION,
         kind: KIND_TRANSFER_REQUEST.to_string(),
         request_id: id.to_string(),

@@ -200,9 +200,10 @@ pub struct WireBlocks {
     pub local_blocks: Vec<u64>,
 }
 
-/// Consumer → producer: "write request `request_id`'s blocks into my memory".
+/// Consumer → producer: "write request `request_id`'s blocks into my memory" (the wire form of a
+/// load; the engine's `kvferry_transfer::TransferRequest` is one READ or WRITE).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TransferRequest {
+pub struct LoadRequest {
     /// [`PROTOCOL_VERSION`].
     pub version: u32,
     /// [`KIND_TRANSFER_REQUEST`].
@@ -296,7 +297,7 @@ pub struct Reply {
     pub status: u8,
     /// The request this answers.
     pub request_id: String,
-    /// The load this answers ([`TransferRequest::load_id`]).
+    /// The load this answers ([`LoadRequest::load_id`]).
     pub load_id: u64,
     /// Why the load failed (ERROR) or what the producer waits for (CONTINUE).
     #[serde(default)]
@@ -405,7 +406,7 @@ pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
 }
 
 /// Decodes a transfer request: size, version and kind are checked before the body.
-pub fn decode_request(bytes: &[u8]) -> Result<TransferRequest, MsgError> {
+pub fn decode_request(bytes: &[u8]) -> Result<LoadRequest, MsgError> {
     check_header(bytes, KIND_TRANSFER_REQUEST)?;
     rmp_serde::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))
 }
@@ -416,7 +417,7 @@ pub enum ConsumerMessage {
     /// Opens a session.
     Hello(Hello),
     /// Asks for a load.
-    Request(TransferRequest),
+    Request(LoadRequest),
 }
 
 /// Length of a session nonce, bytes.

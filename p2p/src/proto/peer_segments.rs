@@ -7,7 +7,7 @@
 use std::collections::{HashMap, HashSet};
 use std::hash::Hash;
 
-use super::msg::TransferRequest;
+use super::msg::LoadRequest;
 
 /// Segments recorded per session at most; a consumer naming more in one session leaves the
 /// rest to the engines' peer budget (`kvferry_transfer::fd_budget`).
@@ -31,7 +31,7 @@ impl<P> Default for PeerSegments<P> {
 
 impl<P: Clone + Eq + Hash> PeerSegments<P> {
     /// A request of `peer`'s session was admitted: its ranks' segments belong to the session.
-    pub(crate) fn add_request(&mut self, peer: &P, req: &TransferRequest) {
+    pub(crate) fn add_request(&mut self, peer: &P, req: &LoadRequest) {
         let set = self.by_peer.entry(peer.clone()).or_default();
         for r in &req.ranks {
             if set.len() >= MAX_SEGMENTS_PER_SESSION {
@@ -44,7 +44,7 @@ impl<P: Clone + Eq + Hash> PeerSegments<P> {
     }
 
     /// A load of `req` starts being served; returns its segments (hand them to `serve_ended`).
-    pub(crate) fn serve_started(&mut self, req: &TransferRequest) -> Vec<String> {
+    pub(crate) fn serve_started(&mut self, req: &LoadRequest) -> Vec<String> {
         let segs: HashSet<&String> = req.ranks.iter().map(|r| &r.segment).collect();
         let segs: Vec<String> = segs.into_iter().cloned().collect();
         for s in &segs {
@@ -89,7 +89,7 @@ mod tests {
     use crate::proto::msg::WireRank;
     use bytes::Bytes;
 
-    fn req(segs: &[&str]) -> TransferRequest {
+    fn req(segs: &[&str]) -> LoadRequest {
         let mut r = crate::proto::tests::request("r", 1);
         r.ranks = segs
             .iter()

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use kvferry_transfer::Secret;
 
-use super::msg::{decode_consumer_message, ConsumerMessage, Reply, Status, TransferRequest};
+use super::msg::{decode_consumer_message, ConsumerMessage, LoadRequest, Reply, Status};
 use super::peer_segments::PeerSegments;
 pub use super::producer_effects::{
     Effect, ProducerTimeouts, PublishError, Refusal, ReleaseReason, Warning,
@@ -68,7 +68,7 @@ enum Entry<P, T> {
 
 struct Parked<P> {
     peer: P,
-    request: TransferRequest,
+    request: LoadRequest,
     /// The session the request came in (its key proof is checked at publish).
     session: Session,
     /// When waiting for the publish stops (publish wait, or the consumer's budget).
@@ -98,7 +98,7 @@ pub const MAX_WAITING_PER_REQUEST: usize = 8;
 
 /// Whether `request`, in `session`, may load a lease published with `key`: it proves the key
 /// for this session and load (constant-time compare).
-fn owns(key: &Option<String>, request: &TransferRequest, session: &Session) -> bool {
+fn owns(key: &Option<String>, request: &LoadRequest, session: &Session) -> bool {
     match key {
         None => true,
         Some(k) => session.check_key_proof(k, request),
@@ -106,7 +106,7 @@ fn owns(key: &Option<String>, request: &TransferRequest, session: &Session) -> b
 }
 
 /// The ERROR for a request that does not own its lease, after the warning that logs it.
-fn not_owner<P, T>(peer: P, request: &TransferRequest) -> [Effect<P, T>; 2] {
+fn not_owner<P, T>(peer: P, request: &LoadRequest) -> [Effect<P, T>; 2] {
     let id = &request.request_id;
     let (why, refusal) = if request.key_proof.is_some() {
         ("wrong", Refusal::KeyWrong(id.clone()))
@@ -251,7 +251,7 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
             .count()
     }
 
-    fn consumer_deadline(now: Instant, request: &TransferRequest) -> Option<Instant> {
+    fn consumer_deadline(now: Instant, request: &LoadRequest) -> Option<Instant> {
         (request.budget_ms > 0).then(|| now + Duration::from_millis(request.budget_ms))
     }
 
@@ -259,7 +259,7 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
     fn too_late(
         &self,
         now: Instant,
-        request: &TransferRequest,
+        request: &LoadRequest,
         consumer_deadline: Option<Instant>,
     ) -> Option<Reply> {
         let d = consumer_deadline?;
@@ -279,7 +279,7 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
         &mut self,
         now: Instant,
         peer: P,
-        request: TransferRequest,
+        request: LoadRequest,
         session: &Session,
         lease: T,
         key: Option<String>,
@@ -368,7 +368,7 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
         &mut self,
         now: Instant,
         peer: P,
-        request: TransferRequest,
+        request: LoadRequest,
         session: &Session,
     ) {
         let effects = self.request(now, peer, request, session);
@@ -379,7 +379,7 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
         &mut self,
         now: Instant,
         peer: P,
-        request: TransferRequest,
+        request: LoadRequest,
         session: &Session,
     ) -> Vec<Effect<P, T>> {
         let id = request.request_id.clone();

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::msg::{MsgError, Reply, TransferRequest, Welcome};
+use super::msg::{LoadRequest, MsgError, Reply, Welcome};
 
 /// Timeouts of the producer state machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,7 +65,7 @@ pub enum Effect<P, T> {
         /// The consumer connection.
         peer: P,
         /// The consumer's request.
-        request: TransferRequest,
+        request: LoadRequest,
         /// The published data, moved out of the lease (it is served once).
         lease: T,
         /// When the writes must be done (the serve margin from now).

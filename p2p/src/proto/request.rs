@@ -8,7 +8,7 @@ use kvferry_checksum::group::SkipReason;
 
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::{
-    TransferRequest, WireBlocks, WireLayer, WireRank, WireRankGroup, KIND_TRANSFER_REQUEST,
+    LoadRequest, WireBlocks, WireLayer, WireRank, WireRankGroup, KIND_TRANSFER_REQUEST,
     PROTOCOL_VERSION,
 };
 use crate::proto::spec_checks::{
@@ -126,7 +126,7 @@ pub fn build_request(
     tp: u32,
     pp: u32,
     spec: &LoadSpec,
-) -> Result<(TransferRequest, Landed), SpecError> {
+) -> Result<(LoadRequest, Landed), SpecError> {
     if spec.num_local_computed >= spec.num_tokens {
         return Err(SpecError::NothingToLoad {
             num_local_computed: spec.num_local_computed,
@@ -264,7 +264,7 @@ pub fn build_request(
                 .collect(),
         })
         .collect();
-    let request = TransferRequest {
+    let request = LoadRequest {
         version: PROTOCOL_VERSION,
         kind: KIND_TRANSFER_REQUEST.to_string(),
         request_id: spec.request_id.clone(),
@@ -287,7 +287,7 @@ pub fn build_request(
 /// the request writes, of the rank's heads, in every layer of the loaded groups the rank holds
 /// (groups it does not hold give none). What the consumer grants the load's token WRITE on, so
 /// that the producer can write exactly these bytes and nothing else.
-pub fn grant_ranges(rank: &RankLayout, request: &TransferRequest) -> Vec<(u64, u64)> {
+pub fn grant_ranges(rank: &RankLayout, request: &LoadRequest) -> Vec<(u64, u64)> {
     let mut ranges = Vec::new();
     for b in &request.blocks {
         let Some(g) = rank.group(b.group_id) else {

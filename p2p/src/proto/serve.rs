@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 
 use crate::proto::heads::HeadMap;
 use crate::proto::layout::{group_heads, RankLayout};
-use crate::proto::msg::{TransferRequest, WireBlocks, WireLayer, WireRank};
+use crate::proto::msg::{LoadRequest, WireBlocks, WireLayer, WireRank};
 use crate::proto::plan::{pair_ranges, Copy};
 pub use crate::proto::serve_error::{LayerError, ServeError};
 use crate::proto::spec_checks::{check_distinct, check_dtype};
@@ -46,7 +46,7 @@ pub struct RankPlan {
 pub fn plan(
     producer: &[RankLayout],
     published: &Published,
-    req: &TransferRequest,
+    req: &LoadRequest,
 ) -> Result<Vec<RankPlan>, ServeError> {
     if req.num_tokens > published.num_tokens {
         return Err(ServeError::TooManyTokens {
@@ -194,7 +194,7 @@ fn check_blocks(
 }
 
 /// The consumer's ranks: each of its TP × PP grid exactly once.
-pub fn check_ranks(req: &TransferRequest) -> Result<(), ServeError> {
+pub fn check_ranks(req: &LoadRequest) -> Result<(), ServeError> {
     let (tp, pp) = (req.tp_size, req.pp_size);
     if tp == 0 || pp == 0 || req.ranks.len() as u64 != tp as u64 * pp as u64 {
         return Err(ServeError::RankCount {

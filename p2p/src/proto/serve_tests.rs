@@ -9,7 +9,7 @@ use kvferry_kernels::LayerInput;
 use super::layout::{RankLayout, WorkerGroup};
 use super::request::{build_request, LoadGroup, LoadSpec, SpecError};
 use super::serve::{plan, LayerError, Published, RankPlan, ServeError};
-use crate::proto::msg::TransferRequest;
+use crate::proto::msg::LoadRequest;
 
 const BLOCK: u64 = 4; // tokens per block
 const BLOCKS: u64 = 6; // blocks per layer array
@@ -167,7 +167,7 @@ fn published(remote: &[u64]) -> Published {
     }
 }
 
-fn request(consumer: &[RankLayout], remote: &[u64], local: &[u64]) -> TransferRequest {
+fn request(consumer: &[RankLayout], remote: &[u64], local: &[u64]) -> LoadRequest {
     let (tp, pp) = (consumer[0].rank.tp_size, consumer[0].rank.pp_size);
     let tokens = remote.len() as u64 * BLOCK;
     build_request(consumer, tp, pp, &spec(remote, local, tokens))

@@ -27,7 +27,7 @@
 use kvferry_transfer::auth::{ct_eq, hmac_sha256};
 use kvferry_transfer::Secret;
 
-use super::msg::{encode, TransferRequest};
+use super::msg::{encode, LoadRequest};
 /// The sizes a `hello` carries (defined with the message, `super::msg`).
 pub use super::msg::{MAX_NAME_BYTES, NONCE_BYTES};
 
@@ -71,7 +71,7 @@ impl Session {
 
     /// The consumer's proof of the secret over this session and the whole of `request`
     /// (encoded with `proof` empty).
-    pub fn request_proof(&self, secret: &Secret, request: &TransferRequest) -> [u8; 32] {
+    pub fn request_proof(&self, secret: &Secret, request: &LoadRequest) -> [u8; 32] {
         let mut r = request.clone();
         r.proof = None;
         let bytes = encode(&r);
@@ -81,7 +81,7 @@ impl Session {
 
     /// Whether `request.proof` is the consumer's proof of `secret` over this session and the
     /// request.
-    pub fn check_request_proof(&self, secret: &Secret, request: &TransferRequest) -> bool {
+    pub fn check_request_proof(&self, secret: &Secret, request: &LoadRequest) -> bool {
         request
             .proof
             .as_deref()
@@ -106,7 +106,7 @@ impl Session {
     }
 
     /// Whether `request.key_proof` proves `load_key` in this session (constant-time).
-    pub fn check_key_proof(&self, load_key: &str, request: &TransferRequest) -> bool {
+    pub fn check_key_proof(&self, load_key: &str, request: &LoadRequest) -> bool {
         request.key_proof.as_deref().is_some_and(|p| {
             ct_eq(
                 &self.key_proof(load_key, &request.request_id, request.load_id),

@@ -9,9 +9,7 @@ use std::time::Instant;
 
 use kvferry_transfer::Secret;
 
-use super::msg::{
-    Hello, TransferRequest, Welcome, KIND_WELCOME, MAX_MESSAGE_BYTES, PROTOCOL_VERSION,
-};
+use super::msg::{Hello, LoadRequest, Welcome, KIND_WELCOME, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
 use super::session::{names_producer, Session, NONCE_BYTES};
 
 /// Default most control-channel sessions a producer holds (one per consumer connection); past
@@ -154,7 +152,7 @@ impl<P: Clone + Eq + Hash> Sessions<P> {
 
     /// The session a request of `peer` may act in: one is open, the request proves the secret
     /// over it (authenticated mode), and its load id was not used in it before. `Err`: why not.
-    pub fn admit(&mut self, peer: &P, req: &TransferRequest) -> Result<Session, String> {
+    pub fn admit(&mut self, peer: &P, req: &LoadRequest) -> Result<Session, String> {
         let Some(s) = self.open.get_mut(peer) else {
             return Err("no session on this connection: send hello first".into());
         };

@@ -38,7 +38,7 @@ fn opened(mut c: ConsumerMachine) -> ConsumerMachine {
 }
 
 /// Starts a load of `r` on `c`: its id and the request it sends.
-fn start(c: &mut ConsumerMachine, now: Instant, r: TransferRequest) -> (u64, Vec<u8>) {
+fn start(c: &mut ConsumerMachine, now: Instant, r: LoadRequest) -> (u64, Vec<u8>) {
     let id = c.start(now, r, None).unwrap();
     let t = c.poll_transmit().unwrap();
     assert_eq!(t.load_id, id);
@@ -73,8 +73,8 @@ fn on_message(c: &mut ConsumerMachine, now: Instant, bytes: &[u8]) -> ConsumerEv
     e.remove(0)
 }
 
-pub(crate) fn request(id: &str, load_id: u64) -> TransferRequest {
-    TransferRequest {
+pub(crate) fn request(id: &str, load_id: u64) -> LoadRequest {
+    LoadRequest {
         version: PROTOCOL_VERSION,
         kind: KIND_TRANSFER_REQUEST.to_string(),
         request_id: id.to_string(),
@@ -144,7 +144,7 @@ trait Drive {
         id: &str,
         data: &'static str,
     ) -> Result<Effects, PublishError>;
-    fn on_request(&mut self, now: Instant, peer: u32, r: TransferRequest, s: &Session) -> Effects;
+    fn on_request(&mut self, now: Instant, peer: u32, r: LoadRequest, s: &Session) -> Effects;
     fn on_served(
         &mut self,
         now: Instant,
@@ -167,7 +167,7 @@ impl Drive for Machine {
         self.handle_publish(now, id, data, None)?;
         Ok(self.drained())
     }
-    fn on_request(&mut self, now: Instant, peer: u32, r: TransferRequest, s: &Session) -> Effects {
+    fn on_request(&mut self, now: Instant, peer: u32, r: LoadRequest, s: &Session) -> Effects {
         self.handle_request(now, peer, r, s);
         self.drained()
     }
@@ -299,7 +299,7 @@ fn wrong_version_and_kind_and_status_are_clear_errors() {
 
 #[test]
 fn lists_over_their_caps_are_refused_before_their_elements() {
-    let refused = |q: &TransferRequest, limit: usize| match decode_request(&encode(q)) {
+    let refused = |q: &LoadRequest, limit: usize| match decode_request(&encode(q)) {
         Err(MsgError::Malformed(why)) => {
             assert!(
                 why.contains(&format!("more than the limit of {limit}")),

@@ -23,7 +23,7 @@ use crate::checksum::all_records;
 use crate::error::{LoadError, P2pError};
 use crate::proto::consumer::{ConsumerEvent, ConsumerMachine, FailReason, SessionError};
 use crate::proto::layout::RankLayout;
-use crate::proto::msg::{Reply, TransferRequest};
+use crate::proto::msg::{LoadRequest, Reply};
 use crate::proto::request::{build_request, grant_ranges};
 pub use crate::proto::request::{Landed, LandedGroup, LoadGroup, LoadSpec};
 use crate::shell::consumer_config::carrier_check;
@@ -31,6 +31,7 @@ pub use crate::shell::consumer_config::{ConsumerConfig, LoadOutcome};
 use crate::shell::load_metrics::{record_load, Loaded};
 use crate::shell::sleep_until;
 use crate::worker::{validate, Worker, WorkerGroup};
+use kvferry_transfer::sync::RwLockExt;
 use kvferry_transfer::{
     GrantGuard, GrantOps, GrantSpec, Secret, Token, TransferEngine, TransferError,
 };
@@ -56,7 +57,7 @@ enum ConnFailure {
 }
 
 struct LoadCmd {
-    request: TransferRequest,
+    request: LoadRequest,
     /// The lease's load key: proved in the session, never sent.
     load_key: Option<String>,
     respond: oneshot::Sender<Result<Reply, ConnFailure>>,
@@ -115,7 +116,7 @@ impl Consumer {
 
     /// Installs (or with `None` removes) the hook run after each transfer and before verification.
     pub fn set_landed_hook(&self, hook: Option<LandedHook>) {
-        *self.hook.write().unwrap_or_else(|p| p.into_inner()) = hook;
+        *self.hook.write_locked() = hook;
     }
 
     /// Loads `spec`: asks the producer to WRITE the blocks, waits for its reply
@@ -169,7 +170,7 @@ impl Consumer {
             },
         })?;
         let transfer_seconds = started.elapsed().as_secs_f64();
-        let hook = self.hook.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let hook = self.hook.read_locked().clone();
         if let Some(hook) = hook {
             hook(&landed);
         }
@@ -218,7 +219,7 @@ impl Consumer {
     /// ([`grant_ranges`]), until the load's reply deadline ([`ConsumerConfig::reply_deadline`]);
     /// the guards revoke it when dropped.
     /// One grant per engine (ranks may share one).
-    fn grant(&self, request: &TransferRequest) -> Result<Vec<GrantGuard>, TransferError> {
+    fn grant(&self, request: &LoadRequest) -> Result<Vec<GrantGuard>, TransferError> {
         let token = Token::random()?;
         // (engine, the (offset, length) ranges it grants)
         let mut per_engine: Vec<(&Arc<TransferEngine>, Vec<Range>)> = Vec::new();
@@ -247,7 +248,7 @@ impl Consumer {
             .collect()
     }
 
-    fn build_request(&self, spec: &LoadSpec) -> Result<(TransferRequest, Landed), LoadError> {
+    fn build_request(&self, spec: &LoadSpec) -> Result<(LoadRequest, Landed), LoadError> {
         build_request(&self.layouts, self.tp, self.pp, spec).map_err(|e| LoadError::Spec {
             request_id: spec.request_id.clone(),
             why: e.to_string(),
@@ -257,7 +258,7 @@ impl Consumer {
     async fn send(
         &self,
         producer: &str,
-        request: TransferRequest,
+        request: LoadRequest,
         load_key: Option<String>,
     ) -> Result<Reply, ConnFailure> {
         // Both attempts end by one deadline: a load never waits past its reply deadline.
@@ -282,7 +283,7 @@ impl Consumer {
     async fn send_once(
         &self,
         producer: &str,
-        request: TransferRequest,
+        request: LoadRequest,
         load_key: Option<String>,
         until: Instant,
     ) -> Result<Reply, ConnFailure> {

@@ -4,6 +4,7 @@
 //! transfer engine's handshake and data listeners do; and warnings a peer can trigger, logged
 //! at most once per interval with the count of those left out.
 
+use kvferry_transfer::sync::MutexExt;
 use std::any::Any;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -31,7 +32,7 @@ impl LogLimit {
     }
 
     fn allow_at(&self, now: Instant) -> Option<u64> {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = self.state.locked();
         match s.0 {
             Some(last) if now.duration_since(last) < self.interval => {
                 s.1 += 1;
@@ -116,11 +117,11 @@ impl ControlGate {
     /// Connections admitted now.
     #[cfg(test)]
     fn admitted(&self) -> usize {
-        self.counts.lock().unwrap_or_else(|p| p.into_inner()).total
+        self.counts.locked().total
     }
 
     fn admit_ip(self: &Arc<Self>, ip: IpAddr) -> Option<Ticket> {
-        let mut c = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.counts.locked();
         let from_ip = c.by_source.get(&ip).copied().unwrap_or(0);
         if c.total >= self.max_connections || from_ip >= self.per_source {
             let (total, max, per) = (c.total, self.max_connections, self.per_source);
@@ -143,7 +144,7 @@ impl ControlGate {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        let mut c = self.gate.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.gate.counts.locked();
         c.total = c.total.saturating_sub(1);
         if let Some(n) = c.by_source.get_mut(&self.ip) {
             *n -= 1;

@@ -32,6 +32,7 @@ use crate::shell::serve::write_all;
 use crate::shell::sleep_until;
 use crate::worker::{validate, Worker};
 use kvferry_transfer::auth::LogLimit;
+use kvferry_transfer::sync::MutexExt;
 use kvferry_transfer::Token;
 
 enum Event {
@@ -290,7 +291,7 @@ impl Producer {
     /// Takes the leases released since the last call (served, failed, expired):
     /// their blocks may be reused by the embedder.
     pub fn released(&self) -> Vec<Released> {
-        std::mem::take(&mut *self.released.lock().unwrap_or_else(|p| p.into_inner()))
+        std::mem::take(&mut *self.released.locked())
     }
 
     /// Stops the event loop and closes the ROUTER (loads in flight get no reply), within 5 s
@@ -299,7 +300,7 @@ impl Producer {
     /// producer until it is dropped.
     pub async fn shutdown(&self) {
         let _ = self.commands.send(Command::Shutdown);
-        let Some(mut task) = self.task.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+        let Some(mut task) = self.task.locked().take() else {
             return;
         };
         if tokio::time::timeout(Duration::from_secs(5), &mut task)
@@ -467,10 +468,7 @@ impl EventLoop {
                             "lease expired before any consumer came; blocks freed"
                         );
                     }
-                    self.released
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .push(Released { request_id, reason });
+                    self.released.locked().push(Released { request_id, reason });
                 }
                 Effect::Serve {
                     peer,

@@ -76,14 +76,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvferry.vllm import params as P
-from kvferry.vllm.groups import kv_cache_groups
+from kvferry.vllm.config import DEFAULT_PORT, DEFAULT_PROTOCOL, ConnectorConfig, engine_port, port_range
 from kvferry.vllm.layouts import kv_layout_tags, layer_specs
 from kvferry.vllm.metadata import KvferryConnectorMetadata
-from kvferry.vllm.scheduler import KvferrySchedulerSide, SchedulerConfig
-from kvferry.vllm.transport import KvferryTransport, TransportConfig, rdma_devices_for
-from kvferry.vllm.units import ConfigError
+from kvferry.vllm.scheduler import KvferrySchedulerSide
+from kvferry.vllm.transport import KvferryTransport
 from kvferry.vllm.worker import KvferryWorkerSide
+
+# The settings are read in config.py; these names stay importable from here.
+__all__ = ["DEFAULT_PORT", "DEFAULT_PROTOCOL", "KvferryConnector", "engine_port", "port_range"]
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -99,164 +100,37 @@ if TYPE_CHECKING:
 # Under vLLM's logger, so vLLM's logging configuration (format, level) applies.
 log = logging.getLogger("vllm.kvferry")
 
-DEFAULT_PORT = 17500
-# As the CLI's --transport: RDMA when a usable device exists, else TCP (each worker logs its choice).
-DEFAULT_PROTOCOL = "auto"
-
-
-def _extra(extra: dict[str, Any], key: str, kind: type, default: Any) -> Any:
-    value = extra.get(key, default)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise ConfigError(f"kv_connector_extra_config[{key!r}] = {value!r}: expected {kind.__name__}")
-    return value
-
-
-def port_range(value: Any) -> str:
-    """``kv_connector_extra_config["engine_ports"]``, ``"LO-HI"`` (or one port, 1..65535, LO <=
-    HI): the range every transfer engine of this instance's workers on a host takes its
-    listening ports from (the lowest free ones), returned as ``"LO-HI"``. Raises
-    :class:`~kvferry.vllm.units.ConfigError` for anything else."""
-    text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
-    lo, dash, hi = text.partition("-")
-    hi = hi if dash else lo
-    if not (lo.strip().isdigit() and hi.strip().isdigit() and 1 <= int(lo) <= int(hi) <= 65535):
-        raise ConfigError(f"kv_connector_extra_config['engine_ports'] = {value!r}: expected a port range "
-                          "\"LO-HI\" (e.g. \"20000-20099\"), ports 1-65535")
-    return f"{int(lo)}-{int(hi)}"
-
-
-def engine_port(base: int, dp_rank: int, tp_size: int, pp_size: int, head_splits: int, layer_splits: int) -> int:
-    """The side-channel base port of data-parallel engine ``dp_rank``: ``base + dp_rank *
-    tp_size * pp_size * layer_splits * head_splits`` (each engine's producer units take that
-    many ports from its base, params.unit_port), so DP engines on one host do not collide; the
-    scheduler names it as ``remote_port``, consumers need nothing else. Raises
-    :class:`~kvferry.vllm.units.ConfigError` when the engine's last port passes 65535."""
-    width = tp_size * pp_size * max(layer_splits, 1) * max(head_splits, 1)
-    port = base + dp_rank * width
-    if port + width - 1 > 65535:
-        raise ConfigError(f"kv_connector_extra_config['port'] = {base}: data-parallel engine {dp_rank} needs ports "
-                          f"{port}..{port + width - 1}, past 65535")
-    return port
-
-
 class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over kvferry: push flow (the consumer asks, the producer WRITEs the
     prompt's KV into the consumer's blocks), every load verified before it is reported finished."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
-        # Refuses, with the reason, a group kvferry's connector cannot move (before any engine starts).
-        groups = kv_cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
-        ktc = vllm_config.kv_transfer_config
-        extra = dict(ktc.kv_connector_extra_config or {})
-        port = _extra(extra, "port", int, DEFAULT_PORT)
-        if not 1 <= port <= 65535:
-            raise ConfigError(f"kv_connector_extra_config['port'] = {port} is not a TCP port")
-        lease = _extra(extra, "lease_seconds", float, 30.0)
-        timeout = _extra(extra, "load_timeout_seconds", float, 30.0)
-        connect_timeout = _extra(extra, "connect_timeout_seconds", float, 5.0)
-        if lease <= 0 or timeout <= 0 or connect_timeout <= 0:
-            raise ConfigError("kv_connector_extra_config lease_seconds, load_timeout_seconds and "
-                              "connect_timeout_seconds must be > 0")
-        protocol = _extra(extra, "protocol", str, DEFAULT_PROTOCOL)
-        if protocol not in ("tcp", "rdma", "auto"):
-            raise ConfigError(f"kv_connector_extra_config['protocol'] = {protocol!r}: expected tcp, rdma or auto")
-        fail_closed = _extra(extra, "fail_closed", bool, True)
-        # Checked against the rank's KV heads when a producer rank registers them (units.py).
-        head_splits = _extra(extra, "head_splits", int, 1)
-        # Checked against the stage's layers when a producer rank registers them (units.py).
-        layer_splits = _extra(extra, "layer_splits", int, 1)
-        if layer_splits < 1:
-            raise ConfigError(f"kv_connector_extra_config['layer_splits'] = {layer_splits} must be >= 1")
-        rdma_devices = extra.get("rdma_devices")  # resolved per worker below (rdma_devices_for)
-        corrupt = extra.get("test_corrupt_transfer_prefix")
-        if corrupt is not None and not isinstance(corrupt, str):
-            raise ConfigError(f"kv_connector_extra_config['test_corrupt_transfer_prefix'] = {corrupt!r}: expected str")
-        engine_ports = extra.get("engine_ports")
-        if engine_ports is not None:
-            engine_ports = port_range(engine_ports)
-        secret_file = extra.get("secret_file")
-        if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
-            raise ConfigError(f"kv_connector_extra_config['secret_file'] = {secret_file!r}: expected a file path")
-        allowed = extra.get("allowed_producers")
-        try:
-            allowed = P.producer_policy(allowed, secret_file)
-        except ValueError as e:
-            raise ConfigError(f"kv_connector_extra_config['allowed_producers']: {e}") from None
-        host = extra.get("host")
-        if host is None:
-            from vllm.utils.network_utils import get_ip
-
-            host = get_ip()
-        if not isinstance(host, str) or not host:
-            raise ConfigError(f"kv_connector_extra_config['host'] = {host!r}: expected a host name or address")
+        config = ConnectorConfig.from_vllm_config(vllm_config, kv_cache_config)
         self._scheduler: KvferrySchedulerSide | None = None
         self._worker: KvferryWorkerSide | None = None
-        pc = vllm_config.parallel_config
-        # This DP engine's own base port. data_parallel_index keeps the DP rank where vLLM resets
-        # data_parallel_rank to 0 (independent dense-model DP engines).
-        dp_rank = getattr(pc, "data_parallel_index", None)
-        port = engine_port(port, pc.data_parallel_rank if dp_rank is None else dp_rank, pc.tensor_parallel_size,
-                           pc.pipeline_parallel_size, head_splits, layer_splits)
-        # Every PP stage's layer numbers [start, end), as vLLM's model partitions them (honours
-        # VLLM_PP_LAYER_PARTITION); the producer sends them, a consumer stage pairs by them.
-        from vllm.distributed.utils import get_pp_indices
-
-        num_layers = vllm_config.model_config.get_total_num_hidden_layers()
-        stage_layers = tuple(get_pp_indices(num_layers, r, pc.pipeline_parallel_size)
-                             for r in range(pc.pipeline_parallel_size))
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = KvferrySchedulerSide(
-                SchedulerConfig(
-                    engine_id=str(ktc.engine_id),
-                    is_producer=ktc.is_kv_producer,
-                    is_consumer=ktc.is_kv_consumer,
-                    host=host,
-                    port=port,
-                    tp_size=pc.tensor_parallel_size,
-                    pp_size=pc.pipeline_parallel_size,
-                    block_size=vllm_config.cache_config.block_size,
-                    lease_seconds=lease,
-                    head_splits=head_splits,
-                    layer_splits=layer_splits,
-                    stage_layers=stage_layers,
-                    allowed_producers=allowed,
-                    group_block_sizes=tuple(g.block_size for g in groups),
-                    group_windows=tuple(g.sliding_window for g in groups),
-                    group_states=tuple(g.state for g in groups),
-                    # What packs a block beyond its shape (the CPU attention kernel's ISA).
-                    group_kv_layouts=kv_layout_tags(vllm_config, kv_cache_config, groups),
-                )
-            )
+            # What packs a block beyond its shape (the CPU attention kernel's ISA), per group.
+            layouts = kv_layout_tags(vllm_config, kv_cache_config, config.groups)
+            self._scheduler = KvferrySchedulerSide(config.scheduler_config(group_kv_layouts=layouts))
         else:
-            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
-
-            from vllm.distributed.parallel_state import get_world_group
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank, get_world_group
 
             tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
-            devices = rdma_devices_for(rdma_devices, get_world_group().local_rank)
+            transport_config = config.transport_config(get_world_group().local_rank)
             transport = KvferryTransport(
-                TransportConfig(host=host, port=port, protocol=protocol, fail_closed=fail_closed,
-                                load_failure_policy=ktc.kv_load_failure_policy, lease_seconds=lease,
-                                load_timeout_seconds=timeout, connect_timeout_seconds=connect_timeout,
-                                test_corrupt_transfer_prefix=corrupt, head_splits=head_splits,
-                                layer_splits=layer_splits, rdma_devices=devices, secret_file=secret_file,
-                                engine_ports=engine_ports),
-                tp_rank=tp_rank, pp_rank=pp_rank, tp_size=pc.tensor_parallel_size,
-                pp_size=pc.pipeline_parallel_size, block_size=vllm_config.cache_config.block_size,
-                is_producer=ktc.is_kv_producer, is_consumer=ktc.is_kv_consumer,
+                transport_config, tp_rank=tp_rank, pp_rank=pp_rank, tp_size=config.tp_size, pp_size=config.pp_size,
+                block_size=config.block_size, is_producer=config.is_producer, is_consumer=config.is_consumer,
                 # Each layer's spec decides its layout (MLA's [B, 1, N, D] looks like a one-head cache).
                 kv_cache_specs=layer_specs(kv_cache_config),
                 # The layout vLLM resolved (KVCacheConfig.kv_cache_layout, else CacheConfig's): the
                 # physical axis order of every layer's [B, H, N, C] view (notes §10).
                 kv_cache_layout=getattr(kv_cache_config, "kv_cache_layout", None)
                 or getattr(vllm_config.cache_config, "kv_cache_layout", None),
-                stage_layers=stage_layers[pp_rank], kv_cache_groups=groups)
+                stage_layers=config.stage_layers[pp_rank], kv_cache_groups=list(config.groups))
             self._worker = KvferryWorkerSide(
-                tp_rank=tp_rank, pp_rank=pp_rank, load_timeout_seconds=transport.config.load_deadline_seconds(),
-                transport=transport, report_blocks=len(groups) == 1,
+                tp_rank=tp_rank, pp_rank=pp_rank, load_timeout_seconds=transport_config.load_deadline_seconds(),
+                transport=transport, report_blocks=len(config.groups) == 1,
             )
 
     # ---- scheduler side ----

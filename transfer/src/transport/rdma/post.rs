@@ -257,7 +257,7 @@ fn in_flight(
 }
 
 /// Posts `chain` on QP `qi` of `ep` in one call, only its last work request signalled, counting
-/// the work requests posted in `s.posted` and the signalled ones in `s.signaled`. Returns `None`
+/// the work requests posted in `s.posted`. Returns `None`
 /// when all of it was posted; when the provider refused an entry, the entries from it on leave
 /// the in-flight table, their slices go back to the front of `pending`, and the reason the
 /// endpoint broke (for `endpoint_failed`) is returned. The entries posted before the refused
@@ -291,7 +291,6 @@ fn post_chain(
     };
     s.posted.fetch_add(posted as u64, Ordering::Relaxed);
     if errno == 0 {
-        s.signaled.fetch_add(1, Ordering::Relaxed);
         return None;
     }
     // none of the chain's entries stays on `sent`: the refused ones were never posted, the

@@ -45,8 +45,9 @@ pub(super) struct Shared {
     pub(super) retried: AtomicU64,
     /// Work requests posted so far (diagnostics and tests: slices merged into fewer).
     pub(super) posted: AtomicU64,
-    /// Signalled work requests posted so far (the last of each posted chain).
-    pub(super) signaled: AtomicU64,
+    /// Work completions polled so far: one per signalled work request (the last of each posted
+    /// chain), plus one per error or flush (diagnostics and tests).
+    pub(super) completions: AtomicU64,
     /// Device copies for staged GPU memory.
     pub(super) memory: Arc<dyn MemoryAccess>,
     /// Jobs for the stager thread (`stager.rs`).

@@ -93,7 +93,7 @@ impl RdmaTransport {
             stop: AtomicBool::new(false),
             retried: AtomicU64::new(0),
             posted: AtomicU64::new(0),
-            signaled: AtomicU64::new(0),
+            completions: AtomicU64::new(0),
             memory: ctx.memory.clone(),
             stager: Mutex::new(stage_tx),
             inflight,
@@ -162,10 +162,11 @@ impl RdmaTransport {
         self.shared.posted.load(Ordering::Relaxed)
     }
 
-    /// Signalled work requests posted so far, over all devices: one per posted chain (the
-    /// others complete with the signalled one after them on their QP).
-    pub fn work_requests_signaled(&self) -> u64 {
-        self.shared.signaled.load(Ordering::Relaxed)
+    /// Work completions polled so far, over all devices: one per posted chain when nothing
+    /// fails (its unsignalled work requests complete with the signalled one after them on
+    /// their QP), plus one per error or flush.
+    pub fn work_completions(&self) -> u64 {
+        self.shared.completions.load(Ordering::Relaxed)
     }
 
     /// Slices retried on a fresh endpoint so far.

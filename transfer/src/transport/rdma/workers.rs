@@ -58,6 +58,7 @@ pub(super) fn run_completions(s: Arc<Shared>, dev: Arc<Device>) {
         };
         if n > 0 {
             armed = false;
+            s.completions.fetch_add(n as u64, Ordering::Relaxed);
             for wc in wcs.iter() {
                 s.complete(&dev, wc);
             }

@@ -103,6 +103,22 @@ pub trait ChecksumBackend: Send + Sync {
     /// `device` until the result has been taken (or the pending value dropped and its work ended),
     /// and nothing may write it meanwhile if the values are to mean anything.
     unsafe fn submit(&self, jobs: Vec<GroupJob>) -> Result<PendingChecksums, KernelError>;
+
+    /// As [`ChecksumBackend::submit`], ordered after the work queued so far on `after` (a raw
+    /// `CUstream` handle of the jobs' device; 0: the legacy default stream) where the backend
+    /// reads device memory; never synchronising that stream. Default (host memory: no stream
+    /// writes it): `submit`.
+    ///
+    /// # Safety
+    /// As `submit`; `after` is 0 or a live stream of the jobs' device.
+    unsafe fn submit_after(
+        &self,
+        jobs: Vec<GroupJob>,
+        _after: u64,
+    ) -> Result<PendingChecksums, KernelError> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.submit(jobs) }
+    }
 }
 
 /// A backend's in-flight work. Implemented by each backend; wrapped in [`PendingChecksums`].

@@ -29,12 +29,15 @@ pub fn group_fingerprint(group: &WorkerGroup) -> Option<u64> {
 /// Checksums the blocks `select(group)` picks (`None` or empty: the group is left
 /// out of the record) of every group of `worker`, tokens `< num_tokens`, on the
 /// worker's backend, and returns the worker's record. Skipped groups are reported
-/// skipped. Errors: [`ChecksumError`] when the backend fails or exceeds `timeout`.
+/// skipped. `after`: the stream whose queued work writes the KV (the checksums run after it,
+/// it is never synchronised), or `None`.
+/// Errors: [`ChecksumError`] when the backend fails or exceeds `timeout`.
 pub async fn worker_record(
     worker: &Worker,
     select: &dyn Fn(&WorkerGroup) -> Option<BlockSelection>,
     num_tokens: u64,
     timeout: Duration,
+    after: Option<CallerStream>,
 ) -> Result<WorkerRecord, ChecksumError> {
     let mut jobs = Vec::new();
     let mut skipped = Vec::new();
@@ -67,9 +70,13 @@ pub async fn worker_record(
     }
     let backend = worker.backend.clone();
     let run = tokio::task::spawn_blocking(move || {
-        // SAFETY: every LayerInput describes memory the embedder keeps valid while
-        // the worker is in use (the Worker contract); the result is taken here.
-        let pending = unsafe { backend.submit(jobs) }?;
+        let pending = match after {
+            // SAFETY: as below, and a CallerStream is 0 or a live stream of the device.
+            Some(stream) => unsafe { backend.submit_after(jobs, stream.raw()) }?,
+            // SAFETY: every LayerInput describes memory the embedder keeps valid while the
+            // worker is in use (the Worker contract); the result is taken here.
+            None => unsafe { backend.submit(jobs) }?,
+        };
         pending.wait(timeout)
     });
     let results = match tokio::time::timeout(timeout + Duration::from_secs(1), run).await {
@@ -90,6 +97,27 @@ pub async fn worker_record(
         });
     }
     Ok(record)
+}
+
+/// A caller's CUDA stream that checksums and copies are ordered after (never synchronised):
+/// a raw `CUstream` handle, 0 for the legacy default stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallerStream(u64);
+
+impl CallerStream {
+    /// Wraps a raw stream handle.
+    ///
+    /// # Safety
+    /// `raw` is 0 or a live stream of the device of every CUDA worker it is used with, for as
+    /// long as it is used.
+    pub unsafe fn new(raw: u64) -> CallerStream {
+        CallerStream(raw)
+    }
+
+    /// The raw handle.
+    pub fn raw(self) -> u64 {
+        self.0
+    }
 }
 
 /// Why a rank's checksums produced no record.
@@ -116,10 +144,12 @@ pub async fn all_records(
     select: &(dyn Fn(&WorkerGroup) -> Option<BlockSelection> + Sync),
     num_tokens: u64,
     timeout: Duration,
+    after: Option<CallerStream>,
 ) -> (Vec<WorkerRecord>, Vec<String>) {
-    let runs = workers
-        .iter()
-        .map(|w| async move { (w.rank, worker_record(w, select, num_tokens, timeout).await) });
+    let runs = workers.iter().map(|w| async move {
+        let r = worker_record(w, select, num_tokens, timeout, after).await;
+        (w.rank, r)
+    });
     let mut records = Vec::new();
     let mut missing = Vec::new();
     for (rank, r) in futures::future::join_all(runs).await {

@@ -711,6 +711,29 @@ async fn publish_errors_are_clear() {
     producer.shutdown().await;
 }
 
+/// A stream given to publish orders nothing on host-memory workers (no stream writes their KV):
+/// the load verifies as without one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_after_a_stream_with_host_workers_verifies() {
+    let pair = pair(1, 1, producer_config(), Policy::default()).await;
+    // SAFETY: 0 is the legacy default stream; host workers never use it.
+    let info = unsafe {
+        pair.producer
+            .publish_after_stream("s", vec![remote_table()], NUM_TOKENS, "key-s", 0)
+    }
+    .await
+    .unwrap();
+    assert!(info.checksummed, "{info:?}");
+    let out = pair
+        .consumer
+        .load(spec("s", &pair.producer).await)
+        .await
+        .unwrap();
+    assert_eq!(out.verdict, Some(Verdict::Verified));
+    assert_blocks_landed(&pair);
+    pair.producer.shutdown().await;
+}
+
 /// Two groups: full attention (`KV B N H D`) and a sliding window of 16 tokens in
 /// the FlashInfer layout (`B KV N H D`) whose first block is out of the window
 /// (a null block on both sides). A flipped bit in the window group's last block

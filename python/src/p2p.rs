@@ -195,20 +195,25 @@ impl Producer {
         &self.transport
     }
 
-    /// publish(request_id, blocks, num_tokens, *, timeout=60.0, load_key=None) -> PublishInfo
+    /// publish(request_id, blocks, num_tokens, *, timeout=60.0, load_key=None, stream=None) -> PublishInfo
     ///
     /// A prompt's KV is complete: checksums its blocks now (tokens ``[0, num_tokens)`` of every
     /// rank, docs/design.md §2.5), then holds them under the lease until a consumer loads them or the
     /// lease expires. ``blocks[g]`` is KV cache group ``g``'s block table: the block id at each
     /// request position (None for a null block); every group id of the ranks needs an entry.
-    /// GPU KV must be written before this call (synchronise the stream that wrote it).
+    /// GPU KV: pass ``stream``, the CUDA stream (an int ``cudaStream_t``, 0 for the legacy
+    /// default stream) whose queued work writes it: an event is recorded on it, the checksums
+    /// run after it and the ranks' engines order their copies of the KV after it (the CUDA IPC
+    /// copy stream waits for the event on the device), without synchronising it. Without
+    /// ``stream`` the KV must be written before this call (synchronise the stream that wrote it).
     ///
     /// Raises ValueError: a missing block table, a negative block id, a duplicate request id;
     /// RuntimeError: the producer is shut down; TimeoutError: not done within ``timeout``
     /// seconds. A rank that fails to checksum makes the load travel without checksums
     /// (``PublishInfo.warning``). ``load_key``: the lease's load key (default: a fresh random
     /// one, returned in ``PublishInfo.load_key``); a load must carry it to be served.
-    #[pyo3(signature = (request_id, blocks, num_tokens, *, timeout=60.0, load_key=None))]
+    #[pyo3(signature = (request_id, blocks, num_tokens, *, timeout=60.0, load_key=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
     fn publish(
         &self,
         py: Python<'_>,
@@ -217,6 +222,7 @@ impl Producer {
         num_tokens: u64,
         timeout: f64,
         load_key: Option<String>,
+        stream: Option<u64>,
     ) -> PyResult<PublishInfo> {
         let deadline = seconds(timeout, "timeout")?;
         let tables = blocks
@@ -231,9 +237,23 @@ impl Producer {
             .ok_or_else(|| PyRuntimeError::new_err("the producer is shut down"))?;
         let published = block_on(py, deadline, || async {
             let p = &serving.producer;
-            match &load_key {
-                Some(k) => p.publish_with_key(request_id, tables, num_tokens, k).await,
-                None => p.publish(request_id, tables, num_tokens).await,
+            match (&load_key, stream) {
+                (Some(k), None) => p.publish_with_key(request_id, tables, num_tokens, k).await,
+                (None, None) => p.publish(request_id, tables, num_tokens).await,
+                (k, Some(s)) => {
+                    let key = match k {
+                        Some(k) => k.clone(),
+                        None => kvferry_transfer::Token::random()
+                            .map_err(|e| kvferry_p2p::P2pError::Publish {
+                                request_id: request_id.to_string(),
+                                why: e.to_string(),
+                            })?
+                            .to_string(),
+                    };
+                    // SAFETY: the caller's contract (documented): `stream` is 0 or a live
+                    // stream of the ranks' device.
+                    unsafe { p.publish_after_stream(request_id, tables, num_tokens, &key, s) }.await
+                }
             }
         });
         // After a shutdown this may be the last owner of the engines: unregister without the GIL.

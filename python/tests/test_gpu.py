@@ -148,3 +148,29 @@ def test_tp2_gpu_producer_to_tp1_gpu_consumer():
             whole = torch.cat([ranks[r][1][layer] for r in range(2)], dim=3)
             for r, l in zip(REMOTE, LOCAL):
                 assert torch.equal(whole[:, r].view(torch.int16), ct[layer][:, l].view(torch.int16))
+
+
+def test_publish_orders_the_copy_after_the_callers_stream():
+    """A kernel that spins, then the writes of the KV's final values, queued on the caller's stream
+    right before publish(stream=...): the consumer's landed bytes are the final values (the copy
+    stream waited for the event publish recorded there), and publish did not wait for the spin."""
+    prank, pt = gpu_rank(6, seed=3)
+    crank, ct = gpu_rank(8, seed=None)
+    final = [random_kv(t.shape, torch.bfloat16, 40 + i).to("cuda") for i, t in enumerate(pt)]
+    torch.cuda.synchronize()
+    stream = torch.cuda.current_stream()
+    # Without checksums: the checksums' own ordering would hold publish until the spin ends.
+    with kvferry.Producer([prank], checksums=False) as producer:
+        consumer = kvferry.Consumer([crank])
+        torch.cuda._sleep(1 << 32)  # about two seconds of one thread spinning
+        for t, f in zip(pt, final):
+            t.copy_(f)
+        producer.publish("late", [REMOTE], PROMPT, load_key="key-late", stream=stream.cuda_stream)
+        assert not stream.query(), "publish synchronised the caller's stream"
+        out = consumer.load("late", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-late")
+        assert out.landed
+        torch.cuda.synchronize()
+        for r, l in zip(REMOTE, LOCAL):
+            for f, c in zip(final, ct):
+                assert torch.equal(f[:, r].view(torch.int16), c[:, l].view(torch.int16)), \
+                    "the copy read the KV before the caller's stream wrote it"

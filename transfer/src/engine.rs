@@ -237,6 +237,21 @@ impl TransferEngine {
         self.registry.insert(region, |r| t.register(r)).map(|_| ())
     }
 
+    /// Orders this engine's later transfers of device `device`'s memory after the work queued
+    /// so far on `stream` (a raw `CUstream` of that device; 0: the legacy default stream):
+    /// an event is recorded there, the CUDA IPC copy stream waits for it on the device, and
+    /// the paths that read device memory from the host (TCP staging, RDMA) wait for it on the
+    /// host before their next such slice, up to `deadline`. Never synchronises `stream`.
+    /// Errors: no CUDA, a driver failure.
+    ///
+    /// # Safety
+    /// `stream` is 0 or a live stream of device `device`.
+    pub unsafe fn order_after(&self, device: u32, stream: u64, deadline: Duration) -> Result<()> {
+        // SAFETY: forwarded from this function's contract.
+        let point = unsafe { crate::transport::stream_point(device, stream) }?;
+        self.transport.order_after(device, &point, deadline)
+    }
+
     /// How the registered region containing `addr` was made reachable by peers (host memory
     /// in place, GPUDirect through dma-buf or peer memory, or staged through pinned host
     /// memory); `None` when no registered region contains `addr`.

@@ -673,4 +673,15 @@ impl ChecksumBackend for CudaBackend {
             unsafe { self.submit_after(jobs, None) }?,
         )))
     }
+
+    unsafe fn submit_after(
+        &self,
+        jobs: Vec<GroupJob>,
+        after: u64,
+    ) -> Result<PendingChecksums, KernelError> {
+        Ok(PendingChecksums::new(Box::new(
+            // SAFETY: forwarded from the trait's contract: `after` is a live stream or 0.
+            unsafe { CudaBackend::submit_after(self, jobs, Some(after as RawStream)) }?,
+        )))
+    }
 }

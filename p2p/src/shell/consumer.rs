@@ -337,8 +337,14 @@ impl Consumer {
             let t = tables.get(&g.group_id)?;
             consumer_blocks(&t.local_blocks, lc, nt, g.block_size, g.sliding_window)
         };
-        let (records, missing) =
-            all_records(&self.workers, &select, nt, self.config.checksum_timeout).await;
+        let (records, missing) = all_records(
+            &self.workers,
+            &select,
+            nt,
+            self.config.checksum_timeout,
+            None,
+        )
+        .await;
         if !missing.is_empty() {
             warn!(
                 request_id = spec.request_id,

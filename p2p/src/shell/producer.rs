@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::checksum::all_records;
+use crate::checksum::{all_records, CallerStream};
 use crate::error::P2pError;
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::encode;
@@ -31,6 +31,7 @@ use crate::shell::producer_config::{
 use crate::shell::serve::write_all;
 use crate::shell::sleep_until;
 use crate::worker::{validate, Worker};
+use kvferry_kernels::Location;
 use kvferry_transfer::auth::LogLimit;
 use kvferry_transfer::sync::MutexExt;
 use kvferry_transfer::Token;
@@ -180,6 +181,43 @@ impl Producer {
         num_tokens: u64,
         load_key: &str,
     ) -> Result<PublishInfo, P2pError> {
+        self.publish_inner(request_id, blocks, num_tokens, load_key, None)
+            .await
+    }
+
+    /// As [`Producer::publish_with_key`] for KV still being written on `stream` (a raw
+    /// `CUstream` of the workers' device, e.g. the forward's; 0: the legacy default stream),
+    /// without synchronising it: an event is recorded on it, the checksums run after it, and
+    /// every rank's engine orders its later copies of that device's memory after it (the CUDA
+    /// IPC copy stream waits for the event on the device; paths that read device memory from
+    /// the host wait for it on the host before their next such read, within the transfer
+    /// timeout). Workers on host memory ignore it. Errors: as `publish_with_key`, and a
+    /// driver failure recording or waiting for the event.
+    ///
+    /// # Safety
+    /// `stream` is 0 or a live stream of every CUDA worker's device.
+    pub async unsafe fn publish_after_stream(
+        &self,
+        request_id: &str,
+        blocks: Vec<Vec<Option<u64>>>,
+        num_tokens: u64,
+        load_key: &str,
+        stream: u64,
+    ) -> Result<PublishInfo, P2pError> {
+        // SAFETY: this function's contract.
+        let after = unsafe { CallerStream::new(stream) };
+        self.publish_inner(request_id, blocks, num_tokens, load_key, Some(after))
+            .await
+    }
+
+    async fn publish_inner(
+        &self,
+        request_id: &str,
+        blocks: Vec<Vec<Option<u64>>>,
+        num_tokens: u64,
+        load_key: &str,
+        after: Option<CallerStream>,
+    ) -> Result<PublishInfo, P2pError> {
         let perr = |why: String| P2pError::Publish {
             request_id: request_id.to_string(),
             why,
@@ -206,6 +244,23 @@ impl Producer {
             num_tokens,
         )
         .map_err(|e| perr(e.to_string()))?;
+        if let Some(stream) = after {
+            // Before the lease exists, so no copy of these blocks can start unordered.
+            for w in self.workers.iter() {
+                let Location::Cuda(device) = w.device else {
+                    continue;
+                };
+                let (engine, deadline) = (w.engine.clone(), self.config.transfer_timeout);
+                // Off the event loop's thread: the first call makes the device's copy stream.
+                let ordered = tokio::task::spawn_blocking(move || {
+                    // SAFETY: a CallerStream is 0 or a live stream of this device.
+                    unsafe { engine.order_after(device, stream.raw(), deadline) }
+                })
+                .await
+                .map_err(|e| perr(format!("ordering after the caller's stream: {e}")))?;
+                ordered.map_err(|e| perr(format!("ordering after the caller's stream: {e}")))?;
+            }
+        }
         let started = Instant::now();
         let mut info = PublishInfo {
             checksummed: false,
@@ -229,6 +284,7 @@ impl Producer {
                 &select,
                 num_tokens,
                 self.config.checksum_timeout,
+                after,
             )
             .await;
             if !missing.is_empty() {

@@ -48,10 +48,11 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::config::EngineConfig;
 use crate::descriptor::{SegmentDescriptor, TransportInfo};
-use crate::error::Result;
+use crate::error::{Result, TransferError};
 use crate::memory::{MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys};
 use crate::types::{Op, TransportKind};
 
@@ -205,6 +206,56 @@ pub trait Transport: Send + Sync + 'static {
     /// Stops the transport's threads and closes its connections; in-flight slices are reported
     /// failed. Called once, when the engine is dropped. Default: nothing.
     fn shutdown(&self) {}
+
+    /// Orders this transport's later copies of device `device`'s memory after `point`, an
+    /// event recorded on a caller's stream after the work that wrote the KV
+    /// (`TransferEngine::order_after`). The caller's stream is never synchronised. Default
+    /// (transports that read device memory from the host: TCP's pinned staging, RDMA): waits
+    /// on the host for the event, up to `deadline`. Errors: `Timeout`, a driver failure.
+    fn order_after(&self, _device: u32, point: &StreamPoint, deadline: Duration) -> Result<()> {
+        wait_point(point, deadline)
+    }
+}
+
+/// A point on a caller's CUDA stream: an event recorded there, shared by the transports that
+/// order their copies after it.
+pub type StreamPoint = Arc<kvferry_cuda::driver::Event>;
+
+/// An event recorded on `stream` (a raw `CUstream` of device `device`; 0: the legacy default
+/// stream) after the work queued there so far. Errors: no CUDA, a driver failure.
+///
+/// # Safety
+/// `stream` is 0 or a live stream of device `device`.
+pub unsafe fn stream_point(device: u32, stream: u64) -> Result<StreamPoint> {
+    kvferry_cuda::guarded("stream point", || {
+        let ctx = kvferry_cuda::driver::Context::new(device)?;
+        let event = kvferry_cuda::driver::Event::new(&ctx, false)?;
+        // SAFETY: the caller's contract: a live stream of this device (or the default).
+        unsafe { event.record(stream as kvferry_cuda::sys::CUstream)? };
+        Ok(Arc::new(event))
+    })
+    .map_err(TransferError::gpu)
+}
+
+/// Waits on the host until the work before `point` has completed on the device (polling the
+/// event: never a synchronisation of the stream it was recorded on), up to `deadline`.
+/// Errors: `Timeout`, a driver failure.
+pub fn wait_point(point: &StreamPoint, deadline: Duration) -> Result<()> {
+    use kvferry_cuda::driver::EventState;
+    let end = std::time::Instant::now() + deadline;
+    let mut pause = Duration::from_micros(10);
+    loop {
+        match point.query() {
+            Ok(EventState::Done) => return Ok(()),
+            Ok(EventState::Pending) => {}
+            Err(e) => return Err(TransferError::gpu(e)),
+        }
+        if std::time::Instant::now() >= end {
+            return Err(TransferError::Timeout(deadline));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(1));
+    }
 }
 
 /// A transport's connection state (`Transport::stats`), as `EngineStats` reports it.

@@ -40,7 +40,8 @@ use crate::descriptor::SegmentDescriptor;
 use crate::error::{Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys};
 use crate::transport::{
-    CompletionSink, Slice, Transport, TransportContext, TransportInfo, TransportStats,
+    wait_point, CompletionSink, Slice, StreamPoint, Transport, TransportContext, TransportInfo,
+    TransportStats,
 };
 use crate::types::{Location, TransportKind};
 
@@ -76,6 +77,9 @@ pub struct CudaIpcTransport {
     /// Whether local device `a` reaches the device of UUID `b` (a fact of this host that
     /// costs several driver calls to find).
     access: Mutex<HashMap<(u32, String), bool>>,
+    /// Caller-stream points (`Transport::order_after`) per local device that slices handed to
+    /// the wrapped transport have not waited for yet: it reads device memory from the host.
+    fallback_order: Mutex<HashMap<u32, (StreamPoint, Duration)>>,
 }
 
 /// A peer's keys as `decode_keys` gives them.
@@ -128,6 +132,7 @@ impl CudaIpcTransport {
             ipc_slice: ipc_slice_size(&ctx.config, inner_kind),
             decoded: Mutex::new(HashMap::new()),
             access: Mutex::new(HashMap::new()),
+            fallback_order: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -166,6 +171,33 @@ impl CudaIpcTransport {
         let l = Arc::new(made);
         lock(&self.lanes).insert(ordinal, l.clone());
         Ok(l)
+    }
+}
+
+impl CudaIpcTransport {
+    /// Before the wrapped transport reads device memory from the host: waits for the caller
+    /// stream points of the slices' devices not waited for yet (a point stays until it is
+    /// reached, so a timeout fails every later such post too).
+    fn wait_fallback_order(&self, slices: &[Slice]) -> Result<()> {
+        let mut devices: Vec<u32> = Vec::new();
+        for s in slices {
+            if let Location::Cuda(n) = s.local_region.location {
+                if !devices.contains(&n) {
+                    devices.push(n);
+                }
+            }
+        }
+        for n in devices {
+            let Some((point, deadline)) = lock(&self.fallback_order).get(&n).cloned() else {
+                continue;
+            };
+            wait_point(&point, deadline)?;
+            let mut pending = lock(&self.fallback_order);
+            if pending.get(&n).is_some_and(|(p, _)| Arc::ptr_eq(p, &point)) {
+                pending.remove(&n);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -416,8 +448,21 @@ impl Transport for CudaIpcTransport {
             fallback.extend(self.post_ipc(peer, ipc_slices, &done));
         }
         if !fallback.is_empty() {
+            if let Err(e) = self.wait_fallback_order(&fallback) {
+                done.fail_all(fallback.iter().map(|s| s.id), &e);
+                return;
+            }
             self.inner.post(peer, fallback, done, token);
         }
+    }
+
+    fn order_after(&self, device: u32, point: &StreamPoint, deadline: Duration) -> Result<()> {
+        let lane = self.lane(device)?;
+        // SAFETY: the lane's stream and the event are live; a stream may wait for an event of
+        // another context of the same device.
+        unsafe { kvferry_cuda::driver::stream_wait(lane.stream.raw(), point) }.map_err(gpu_err)?;
+        lock(&self.fallback_order).insert(device, (point.clone(), deadline));
+        Ok(())
     }
 
     fn disconnect(&self, name: &str) {

@@ -105,7 +105,7 @@ pub fn render(r: &Report) -> String {
         yes(r.peer_memory_module),
         r.cuda_ipc_transport
             .as_deref()
-            .unwrap_or("not in this build")
+            .unwrap_or("not tried (no usable GPU to register a trial buffer on)")
     );
     let l = &r.limits;
     let _ = writeln!(

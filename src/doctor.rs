@@ -379,7 +379,10 @@ mod tests {
     fn without_a_gpu_trial_cuda_ipc_is_untried_not_missing_from_the_build() {
         // Every build has the CUDA IPC transport; only a GPU trial can say whether it works.
         let text = render(&healthy());
-        assert!(text.contains("CUDA IPC transport: not tried (no usable GPU"), "{text}");
+        assert!(
+            text.contains("CUDA IPC transport: not tried (no usable GPU"),
+            "{text}"
+        );
         assert!(!text.contains("not in this build"), "{text}");
     }
 

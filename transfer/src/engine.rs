@@ -433,12 +433,13 @@ impl TransferEngine {
         let n_slices = slices.len();
         let prep_us = t0.elapsed().as_micros() as u64;
         if !slices.is_empty() {
-            let refresh =
-                BatchRefresh::new(self.peers.clone(), &desc.name, slices.clone(), target.token);
+            // The refresh keeps the batch's slices (a retry finds them by id); the post borrows.
+            let refresh = BatchRefresh::new(self.peers.clone(), &desc.name, slices, target.token);
+            let refresh = Arc::new(refresh);
             self.transport.post(
                 &desc,
-                slices,
-                CompletionSink::with_refresh(state, Arc::new(refresh)),
+                refresh.slices(),
+                CompletionSink::with_refresh(state, refresh.clone()),
                 target.token,
             );
         }

@@ -148,7 +148,7 @@ mod tests {
         fn post(
             &self,
             _peer: &Arc<SegmentDescriptor>,
-            slices: Vec<Slice>,
+            slices: &[Slice],
             done: CompletionSink,
             _token: Option<crate::auth::Token>,
         ) {

@@ -204,6 +204,11 @@ impl BatchRefresh {
             }),
         }
     }
+
+    /// The batch's slices by id, as given to `new`.
+    pub(crate) fn slices(&self) -> &[Slice] {
+        &self.inner.slices
+    }
 }
 
 impl PeerRefresh for BatchRefresh {
@@ -308,7 +313,7 @@ impl Inner {
             if let Err(e) = desc.check_kind(self.cache.transport.kind()) {
                 return sink.fail_all(again.iter().map(|s| s.id), &e);
             }
-            self.cache.transport.post(&desc, again, sink, self.token);
+            self.cache.transport.post(&desc, &again, sink, self.token);
         }
     }
 }

@@ -154,11 +154,13 @@ pub trait Transport: Send + Sync + 'static {
     /// checked by the engine. Before starting a slice, check `done.is_cancelled()`: a cancelled
     /// batch's unsent slices are reported with `CompletionSink::cancelled_error()`, not sent.
     /// `token`: the grant token the target made for these slices (`SegmentHandle::with_token`),
-    /// carried in every TCP data frame; `None` in open mode.
+    /// carried in every TCP data frame; `None` in open mode. `slices` is borrowed: the engine
+    /// keeps the batch's one copy (for the retry on a fresh descriptor), so a submit copies no
+    /// slice table; a transport copies only what it keeps.
     fn post(
         &self,
         peer: &Arc<SegmentDescriptor>,
-        slices: Vec<Slice>,
+        slices: &[Slice],
         done: CompletionSink,
         token: Option<crate::auth::Token>,
     );

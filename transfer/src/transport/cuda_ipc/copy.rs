@@ -186,7 +186,10 @@ impl CudaIpcTransport {
                 continue;
             }
             let t_enq = Instant::now();
-            planned.sort_by_key(|p| p.id);
+            // Slices come in id order unless a post mixed devices: check before sorting.
+            if !planned.is_sorted_by_key(|p| p.id) {
+                planned.sort_by_key(|p| p.id);
+            }
             let copies = coalesce(&planned);
             let ids: Vec<u32> = planned.iter().map(|p| p.id).collect();
             let bytes: u64 = planned.iter().map(|p| p.len).sum();

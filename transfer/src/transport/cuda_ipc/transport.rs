@@ -403,7 +403,7 @@ impl Transport for CudaIpcTransport {
     fn post(
         &self,
         peer: &Arc<SegmentDescriptor>,
-        slices: Vec<Slice>,
+        slices: &[Slice],
         done: CompletionSink,
         token: Option<crate::auth::Token>,
     ) {
@@ -414,7 +414,7 @@ impl Transport for CudaIpcTransport {
         let mut which: Vec<u32> = Vec::with_capacity(slices.len());
         let mut index: HashMap<(u64, usize), usize> = HashMap::new();
         let mut last = usize::MAX;
-        for s in &slices {
+        for s in slices {
             let pair = (s.local_region.addr, s.remote_buffer);
             if routes.get(last).is_none_or(|(p, _)| *p != pair) {
                 last = match index.get(&pair) {
@@ -435,7 +435,7 @@ impl Transport for CudaIpcTransport {
         }
         let mut fallback = Vec::new();
         let mut ipc_slices: Vec<(Slice, &IpcRegionKeys)> = Vec::with_capacity(slices.len());
-        for (s, w) in slices.into_iter().zip(which) {
+        for (&s, w) in slices.iter().zip(which) {
             match &routes[w as usize].1 {
                 Some(k) => ipc_slices.push((s, k)),
                 None => fallback.push(s),
@@ -452,7 +452,7 @@ impl Transport for CudaIpcTransport {
                 done.fail_all(fallback.iter().map(|s| s.id), &e);
                 return;
             }
-            self.inner.post(peer, fallback, done, token);
+            self.inner.post(peer, &fallback, done, token);
         }
     }
 

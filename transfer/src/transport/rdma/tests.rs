@@ -219,7 +219,7 @@ fn register(n: &Node, addr: u64, len: u64) -> (MemoryRegion, crate::memory::Regi
 /// Posts one slice and waits for its outcome.
 fn run(n: &Node, peer: &Arc<SegmentDescriptor>, slice: Slice) -> BatchStatus {
     let st = BatchState::new(1);
-    n.t.post(peer, vec![slice], CompletionSink::new(st.clone()), None);
+    n.t.post(peer, &[slice], CompletionSink::new(st.clone()), None);
     let _ = st.wait(Duration::from_secs(60));
     st.status()
 }
@@ -414,7 +414,7 @@ fn rdma_slices_in_flight_on_a_failed_endpoint_are_retried_on_a_fresh_one() {
                 keys,
             }],
         });
-        let slices = (0..N)
+        let slices: Vec<Slice> = (0..N)
             .map(|i| Slice {
                 id: i as u32,
                 op: Op::Write,
@@ -427,7 +427,7 @@ fn rdma_slices_in_flight_on_a_failed_endpoint_are_retried_on_a_fresh_one() {
             .collect();
         let st = BatchState::new(N as u32);
         init.t
-            .post(&peer, slices, CompletionSink::new(st.clone()), None);
+            .post(&peer, &slices, CompletionSink::new(st.clone()), None);
         let t0 = std::time::Instant::now();
         while init.t.slices_in_flight() < N / 2 && t0.elapsed() < Duration::from_secs(10) {
             std::thread::sleep(Duration::from_millis(1));
@@ -514,7 +514,7 @@ fn rdma_consecutive_slices_merge_into_one_work_request_only_where_they_continue(
             .collect();
         let st = BatchState::new(slices.len() as u32);
         init.t
-            .post(&peer, slices, CompletionSink::new(st.clone()), None);
+            .post(&peer, &slices, CompletionSink::new(st.clone()), None);
         let _ = st.wait(Duration::from_secs(60));
         assert_eq!(st.status(), BatchStatus::Completed, "merge {merge_bytes}");
         assert_eq!(
@@ -593,7 +593,7 @@ fn rdma_a_posted_chain_signals_only_its_last_work_request() {
             .collect();
         let st = BatchState::new(N as u32);
         init.t
-            .post(&peer, slices, CompletionSink::new(st.clone()), None);
+            .post(&peer, &slices, CompletionSink::new(st.clone()), None);
         let _ = st.wait(Duration::from_secs(60));
         let what = format!("{qps} QPs, chains of {chain}");
         assert_eq!(st.status(), BatchStatus::Completed, "{what}");

@@ -289,7 +289,7 @@ impl Transport for RdmaTransport {
     fn post(
         &self,
         peer: &Arc<SegmentDescriptor>,
-        slices: Vec<Slice>,
+        slices: &[Slice],
         done: CompletionSink,
         _token: Option<crate::auth::Token>,
     ) {
@@ -305,7 +305,7 @@ impl Transport for RdmaTransport {
             .filter_map(|(a, r)| r.mirror.clone().map(|m| (*a, m)))
             .collect();
         let (mut direct, mut staged) = (Vec::with_capacity(slices.len()), Vec::new());
-        for slice in slices {
+        for &slice in slices {
             let w = Work {
                 slice,
                 peer: peer.clone(),

@@ -47,36 +47,41 @@ impl Job {
 /// that do not continue each other become scattered WRITEs of at most `limit` bytes and
 /// `MAX_PIECES` pieces.
 pub(super) fn coalesce(
-    slices: Vec<Slice>,
+    slices: &[Slice],
     limit: u64,
     sink: &CompletionSink,
     token: [u8; 16],
 ) -> Vec<Job> {
     let mut out: Vec<Job> = Vec::new();
+    // `out.last()`'s payload bytes (`Job::bytes`), kept as pieces are gathered: summing the
+    // pieces on every gather would cost O(pieces) per slice.
+    let mut acc_bytes = 0u64;
     for j in merge_continuing(slices, limit, sink, token) {
         if let Some(acc) = out.last_mut() {
             let gather = acc.slice.op == Op::Write
                 && j.slice.op == Op::Write
                 && acc.more.len() + 1 < wire::MAX_PIECES
-                && acc.bytes() + j.slice.len <= limit;
+                && acc_bytes + j.slice.len <= limit;
             if gather {
+                acc_bytes += j.slice.len;
                 acc.more.push((j.slice, j.ids));
                 continue;
             }
         }
+        acc_bytes = j.slice.len;
         out.push(j);
     }
     out
 }
 
 fn merge_continuing(
-    slices: Vec<Slice>,
+    slices: &[Slice],
     limit: u64,
     sink: &CompletionSink,
     token: [u8; 16],
 ) -> Vec<Job> {
     let mut jobs: Vec<Job> = Vec::new();
-    for s in slices {
+    for &s in slices {
         if let Some(j) = jobs.last_mut() {
             let m = &mut j.slice;
             let continues = m.op == s.op
@@ -136,7 +141,7 @@ mod tests {
             mk(6, Op::Read, 600, 1700, 100, 1),  // would exceed 250
         ];
         let sink = CompletionSink::new(BatchState::new(7));
-        let jobs = coalesce(slices, 250, &sink, [0; 16]);
+        let jobs = coalesce(&slices, 250, &sink, [0; 16]);
         let got: Vec<(std::ops::Range<u32>, u64, u64)> = jobs
             .iter()
             .map(|j| (j.ids.clone(), j.slice.local_addr, j.slice.len))
@@ -179,7 +184,7 @@ mod tests {
             mk(5, Op::Write, 4000, 1000, 10),
             mk(6, Op::Write, 4100, 1200, 400), // alone over the limit: its own frame
         ];
-        let jobs = coalesce(slices, 300, &sink, [0; 16]);
+        let jobs = coalesce(&slices, 300, &sink, [0; 16]);
         let shape: Vec<Vec<(std::ops::Range<u32>, u64)>> = jobs
             .iter()
             .map(|j| {
@@ -203,7 +208,7 @@ mod tests {
             .map(|i| mk(i, Op::Write, i as u64 * 10, i as u64 * 10 + 3, 1))
             .collect();
         let sink = CompletionSink::new(BatchState::new(many.len() as u32));
-        let jobs = coalesce(many, 1 << 20, &sink, [0; 16]);
+        let jobs = coalesce(&many, 1 << 20, &sink, [0; 16]);
         assert_eq!(jobs.len(), 2);
         assert_eq!(jobs[0].more.len() + 1, wire::MAX_PIECES);
         assert_eq!(jobs[1].more.len() + 1, 5);

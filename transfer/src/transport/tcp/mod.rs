@@ -193,7 +193,7 @@ impl Transport for TcpTransport {
     fn post(
         &self,
         peer: &Arc<SegmentDescriptor>,
-        slices: Vec<Slice>,
+        slices: &[Slice],
         done: CompletionSink,
         token: Option<crate::auth::Token>,
     ) {

@@ -16,13 +16,15 @@ from kvferry.vllm.params import RemoteSource
 
 
 @dataclass(frozen=True)
-class LoadSpec:
-    """A consumer rank's load: land ``num_tokens`` prompt tokens of ``source``'s request into
-    ``block_ids`` (one table per KV cache group: this engine's block id at each request
-    position from 0, None where nothing is written: a local prefix-cache hit of the first
-    ``num_local_computed`` tokens, a null block outside a sliding window; a shorter table is
-    padded with None). ``refusal``: why the scheduler refused the load before any byte moves
-    (the producer's KV cache layout differs): every rank reports it failed without connecting."""
+class LoadOrder:
+    """The scheduler's order to every consumer rank to load one request (each rank's
+    transport turns it into loads of the Rust ``kvferry_p2p::LoadSpec``): land ``num_tokens``
+    prompt tokens of ``source``'s request into ``block_ids`` (one table per KV cache group:
+    this engine's block id at each request position from 0, None where nothing is written: a
+    local prefix-cache hit of the first ``num_local_computed`` tokens, a null block outside a
+    sliding window; a shorter table is padded with None). ``refusal``: why the scheduler
+    refused the load before any byte moves (the producer's KV cache layout differs): every
+    rank reports it failed without connecting."""
 
     request_id: str
     source: RemoteSource
@@ -33,12 +35,12 @@ class LoadSpec:
 
 
 @dataclass(frozen=True)
-class SendSpec:
-    """A producer rank's send: the finished request's KV blocks (per group) are held for the
-    consumer of ``transfer_id`` until served or until ``lease_seconds`` after the worker sees
-    this spec (then freed: reported in ``finished_sending``). Only a load carrying
-    ``load_key`` is served. ``block_ids``: per group, the block id at each request position
-    (None: a null block, outside a sliding window)."""
+class SendOrder:
+    """The scheduler's order to every producer rank to hold one finished request's KV blocks
+    (per group) for the consumer of ``transfer_id`` until served or until ``lease_seconds``
+    after the worker sees this order (then freed: reported in ``finished_sending``). Only a
+    load carrying ``load_key`` is served. ``block_ids``: per group, the block id at each
+    request position (None: a null block, outside a sliding window)."""
 
     request_id: str
     transfer_id: str
@@ -52,5 +54,5 @@ class SendSpec:
 class KvferryConnectorMetadata(KVConnectorMetadata):
     """One engine step's new loads (consumer) and sends (producer)."""
 
-    loads: list[LoadSpec] = field(default_factory=list)
-    sends: list[SendSpec] = field(default_factory=list)
+    loads: list[LoadOrder] = field(default_factory=list)
+    sends: list[SendOrder] = field(default_factory=list)

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from kvferry.vllm import params as P
 from kvferry.vllm.groups import block_size_refusal, consumer_table, producer_table
-from kvferry.vllm.metadata import KvferryConnectorMetadata, LoadSpec, SendSpec
+from kvferry.vllm.metadata import KvferryConnectorMetadata, LoadOrder, SendOrder
 
 # Under vLLM's logger, so vLLM's logging configuration (format, level) applies.
 log = logging.getLogger("vllm.kvferry")
@@ -96,8 +96,8 @@ class KvferrySchedulerSide:
         if config.is_consumer and isinstance(config.allowed_producers, P.LoopbackOnly):
             log.warning("kvferry: neither allowed_producers nor secret_file in kv_connector_extra_config: this "
                         "consumer loads from producers on this host only (set allowed_producers for others)")
-        self._new_loads: list[LoadSpec] = []
-        self._new_sends: list[SendSpec] = []
+        self._new_loads: list[LoadOrder] = []
+        self._new_sends: list[SendOrder] = []
         # request id -> transfer id of sends whose blocks the producer still holds
         self.held: dict[str, str] = {}
         # request id -> tokens computed locally when the remote match was counted
@@ -196,7 +196,7 @@ class KvferrySchedulerSide:
         block_ids = tuple(consumer_table(list(g), num_tokens, bs)
                           for g, bs in zip(blocks.blocks, self.config.block_sizes))
         self._new_loads.append(
-            LoadSpec(request_id=request.request_id, source=source, block_ids=block_ids,
+            LoadOrder(request_id=request.request_id, source=source, block_ids=block_ids,
                      num_tokens=num_tokens, num_local_computed=local, refusal=refusal)
         )
 
@@ -236,7 +236,7 @@ class KvferrySchedulerSide:
         # The lease's load key: whoever holds these params may load the KV, nobody else.
         load_key = secrets.token_urlsafe(24)
         self._new_sends.append(
-            SendSpec(request_id=request.request_id, transfer_id=transfer_id, block_ids=groups,
+            SendOrder(request_id=request.request_id, transfer_id=transfer_id, block_ids=groups,
                      num_tokens=num_tokens, lease_seconds=self.config.lease_seconds,
                      load_key=load_key)
         )

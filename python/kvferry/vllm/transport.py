@@ -37,7 +37,7 @@ from kvferry.outcomes import Action, Release, Verdict
 
 from kvferry.vllm.groups import STATE_KIND, STATE_SKIP, GroupInfo, blocks_for
 from kvferry.vllm.layouts import LayoutError, cpu_attention_isa, cpu_vec_parts, layer_layout, layer_view
-from kvferry.vllm.metadata import LoadSpec, SendSpec
+from kvferry.vllm.metadata import LoadOrder, SendOrder
 from kvferry.vllm.params import host_port, unit_port
 from kvferry.vllm.units import (ConfigError, PairingError, Unit, common_heads, consumer_units, layer_number,
                                 layer_units, producer_units)
@@ -398,7 +398,7 @@ class KvferryTransport:
 
         return hook
 
-    def serve(self, send: SendSpec, on_publish: Callable[[], bool] | None = None) -> None:
+    def serve(self, send: SendOrder, on_publish: Callable[[], bool] | None = None) -> None:
         """Publishes a finished prompt's blocks through every unit (checksummed now, off the
         forward path). ``on_publish``: called on the publish thread first; False drops the send
         unpublished (the worker freed its blocks meanwhile)."""
@@ -409,7 +409,7 @@ class KvferryTransport:
             self._published[send.transfer_id] = [send.request_id, len(self.producers), Release.SERVED]
         self._publish_pool.submit(self._publish, send, on_publish)
 
-    def _publish(self, send: SendSpec, on_publish: Callable[[], bool] | None = None) -> None:
+    def _publish(self, send: SendOrder, on_publish: Callable[[], bool] | None = None) -> None:
         if on_publish is not None and not on_publish():
             log.warning("kvferry: request %s (transfer %s) was freed before its publish; not published",
                         send.request_id, send.transfer_id)
@@ -456,7 +456,7 @@ class KvferryTransport:
             out, self._released_ready = self._released_ready, []
         return out
 
-    def load(self, spec: LoadSpec, deadline: float) -> LoadResult:
+    def load(self, spec: LoadOrder, deadline: float) -> LoadResult:
         """Loads and verifies one request's KV of this rank from every producer unit that holds
         some of its layers and KV heads (concurrently, one deadline); blocks until all returned
         or ``deadline``. ``ok`` only when every unit's load completed; else the first failing
@@ -517,7 +517,7 @@ class KvferryTransport:
                 return LoadResult(ok=False, verdict=result.verdict, reason=where + result.reason)
         return LoadResult(ok=True, verdict=results[0].verdict)
 
-    def _load_unit(self, spec: LoadSpec, unit: Unit, remote: list, local: list, sizes: list,
+    def _load_unit(self, spec: LoadOrder, unit: Unit, remote: list, local: list, sizes: list,
                    deadline: float) -> LoadResult:
         """One unit's load (on the calling thread); never raises. ``remote`` / ``local``: each
         group's tables, ``sizes`` the producer's block size of each group; a group none of the

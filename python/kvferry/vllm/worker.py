@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from kvferry.outcomes import Release, Verdict
-from kvferry.vllm.metadata import KvferryConnectorMetadata, LoadSpec, SendSpec
+from kvferry.vllm.metadata import KvferryConnectorMetadata, LoadOrder, SendOrder
 
 # Under vLLM's logger, so vLLM's logging configuration (format, level) applies.
 log = logging.getLogger("vllm.kvferry")
@@ -64,11 +64,11 @@ class RankTransport(Protocol):
 
     def register(self, kv_caches: dict) -> None: ...
 
-    def serve(self, send: SendSpec, on_publish: Callable[[], bool] | None = None) -> None: ...
+    def serve(self, send: SendOrder, on_publish: Callable[[], bool] | None = None) -> None: ...
 
     def released(self) -> list[tuple[str, str]]: ...
 
-    def load(self, spec: LoadSpec, deadline: float) -> LoadResult: ...
+    def load(self, spec: LoadOrder, deadline: float) -> LoadResult: ...
 
     def shutdown(self) -> None: ...
 
@@ -77,7 +77,7 @@ class RankTransport(Protocol):
 class _Held:
     """A send whose blocks are held until its consumer is served or ``expires`` (monotonic s)."""
 
-    send: SendSpec
+    send: SendOrder
     expires: float
 
 
@@ -104,7 +104,7 @@ class KvferryWorkerSide:
         self.layers: list[LayerInfo] = []
         self._held: dict[str, _Held] = {}
         self._served: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._done_loads: queue.SimpleQueue[tuple[LoadSpec, LoadResult]] = queue.SimpleQueue()
+        self._done_loads: queue.SimpleQueue[tuple[LoadOrder, LoadResult]] = queue.SimpleQueue()
         self._load_errors: set[int] = set()
         self._failed: set[str] = set()
         self._lock = threading.Lock()
@@ -141,7 +141,7 @@ class KvferryWorkerSide:
             deadline = now + self.load_timeout_seconds
             self._pool.submit(self._run_load, spec, deadline)
 
-    def _publishing(self, send: SendSpec) -> bool:
+    def _publishing(self, send: SendOrder) -> bool:
         """The transport's publish thread is about to publish ``send`` (its lease starts): the
         backstop restarts from now. False when the backstop freed its blocks already (then it
         must not be published: vLLM may have reused them)."""
@@ -152,7 +152,7 @@ class KvferryWorkerSide:
             held.expires = self._clock() + send.lease_seconds + self.LEASE_BACKSTOP_SECONDS
             return True
 
-    def _run_load(self, spec: LoadSpec, deadline: float) -> None:
+    def _run_load(self, spec: LoadOrder, deadline: float) -> None:
         if spec.refusal is not None:  # refused by the scheduler: nothing connects, nothing moves
             record = getattr(self.transport, "record_refused", None)  # test transports keep no stats
             if record is not None:

@@ -33,7 +33,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 import kvferry.checksum as kc
 import kvferry.vllm.transport as transport_mod
 from kvferry.vllm.layouts import LAYER_VIEW_ORDER, LAYOUT_ALIASES, LayoutError, layer_layout, layer_view
-from kvferry.vllm.metadata import LoadSpec, SendSpec
+from kvferry.vllm.metadata import LoadOrder, SendOrder
 from kvferry.vllm.params import RemoteSource
 from kvferry.vllm.transport import KvferryTransport, TransportConfig
 
@@ -211,11 +211,11 @@ def pair(monkeypatch):
 
 
 def send_and_load(producer, consumer, tid, port, num_tokens=43, remote=(3, 0, 5), local=(7, 2, 6)):
-    producer.serve(SendSpec(request_id="p-" + tid, transfer_id=tid, block_ids=(remote,), num_tokens=num_tokens,
+    producer.serve(SendOrder(request_id="p-" + tid, transfer_id=tid, block_ids=(remote,), num_tokens=num_tokens,
                             lease_seconds=10.0, load_key="k-" + tid))
     src = RemoteSource(transfer_id=tid, engine_id="e", host="127.0.0.1", port=port, tp_size=1, pp_size=1,
                        remote_block_ids=(remote,), load_key="k-" + tid)
-    return consumer.load(LoadSpec(request_id="d-" + tid, source=src, block_ids=(local,), num_tokens=num_tokens),
+    return consumer.load(LoadOrder(request_id="d-" + tid, source=src, block_ids=(local,), num_tokens=num_tokens),
                          time.monotonic() + 20)
 
 

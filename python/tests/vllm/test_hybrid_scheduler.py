@@ -18,7 +18,7 @@ from kvferry.vllm import params as P
 from kvferry.vllm.groups import block_size_refusal
 from kvferry.vllm.scheduler import KvferrySchedulerSide, SchedulerConfig
 from kvferry.vllm.worker import KvferryWorkerSide, LoadResult
-from kvferry.vllm.metadata import KvferryConnectorMetadata, LoadSpec
+from kvferry.vllm.metadata import KvferryConnectorMetadata, LoadOrder
 
 Status = Enum("Status", ["FINISHED_LENGTH_CAPPED"])
 
@@ -149,7 +149,7 @@ class FailingTransport:
 def test_a_failed_load_is_reported_as_failed_and_its_blocks_only_with_one_group(report_blocks):
     worker = KvferryWorkerSide(0, 0, 5.0, FailingTransport(), report_blocks=report_blocks)
     src = P.remote_source(P.producer_reply("t", "p", "127.0.0.1", 17600, 1, 1, [[1, 2], [3, 4]], "k"))
-    worker.start(KvferryConnectorMetadata(loads=[LoadSpec("r", src, ((None, 7), (8, 9)), 40)]))
+    worker.start(KvferryConnectorMetadata(loads=[LoadOrder("r", src, ((None, 7), (8, 9)), 40)]))
     worker._pool.shutdown(wait=True)
     assert worker.transfer_results() == (set(), {"r"}, {"r"})
     assert worker.get_block_ids_with_load_errors() == ({7, 8, 9} if report_blocks else set())
@@ -165,7 +165,7 @@ def test_a_rank_whose_cpu_kernel_packs_blocks_refuses_other_block_sizes_before_a
         t.packed_isa = "amx"
         t.consumers[(None, None)] = None  # no engine: the load must end before it needs one
         src = P.remote_source(P.producer_reply("t", "p", "127.0.0.1", 17600, 1, 1, [[1, 2]], "k", block_sizes=[64]))
-        r = t.load(LoadSpec("r", src, ((4, 5, 6),), 75), deadline=0.0)
+        r = t.load(LoadOrder("r", src, ((4, 5, 6),), 75), deadline=0.0)
         assert not r.ok and "'amx' packs each block its own way" in r.reason
     finally:
         t.shutdown()

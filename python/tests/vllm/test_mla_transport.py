@@ -15,7 +15,7 @@ import torch
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
 from kvferry.vllm.layouts import LayoutError
-from kvferry.vllm.metadata import LoadSpec, SendSpec
+from kvferry.vllm.metadata import LoadOrder, SendOrder
 from kvferry.vllm.params import RemoteSource
 from kvferry.vllm.transport import KvferryTransport, TransportConfig
 
@@ -46,11 +46,11 @@ def make(role, kv, port, specs, tp_rank=0, tp_size=1, **cfg):
 
 def send_and_load(producer, consumer, tid, port, tp_size=1, num_tokens=43, remote=(3, 0, 5), local=(7, 2, 6)):
     if producer is not None:  # None: already served
-        producer.serve(SendSpec(request_id="p-" + tid, transfer_id=tid, block_ids=(remote,), num_tokens=num_tokens,
+        producer.serve(SendOrder(request_id="p-" + tid, transfer_id=tid, block_ids=(remote,), num_tokens=num_tokens,
                                 lease_seconds=10.0, load_key="k-" + tid))
     src = RemoteSource(transfer_id=tid, engine_id="e", host="127.0.0.1", port=port, tp_size=tp_size, pp_size=1,
                        remote_block_ids=(remote,), load_key="k-" + tid)
-    spec_ = LoadSpec(request_id="d-" + tid, source=src, block_ids=(local,), num_tokens=num_tokens)
+    spec_ = LoadOrder(request_id="d-" + tid, source=src, block_ids=(local,), num_tokens=num_tokens)
     return consumer.load(spec_, time.monotonic() + 20)
 
 

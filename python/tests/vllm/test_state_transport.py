@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 
 from kvferry.vllm.groups import kv_cache_groups
 from kvferry.vllm.layouts import layer_specs
-from kvferry.vllm.metadata import LoadSpec, SendSpec
+from kvferry.vllm.metadata import LoadOrder, SendOrder
 from kvferry.vllm.params import RemoteSource
 from kvferry.vllm.transport import KvferryTransport, TransportConfig
 from kvferry.vllm.units import ConfigError
@@ -52,7 +52,7 @@ def make(role, kv, port, **cfg):
 def load(consumer, tid, port, tp_size=1):
     src = RemoteSource(transfer_id=tid, engine_id="e", host="127.0.0.1", port=port, tp_size=tp_size, pp_size=1,
                        remote_block_ids=((3,), (5,)), load_key="k-" + tid, block_sizes=(256, 128))
-    return consumer.load(LoadSpec(request_id="d-" + tid, source=src, block_ids=((6,), (2,)), num_tokens=74),
+    return consumer.load(LoadOrder(request_id="d-" + tid, source=src, block_ids=((6,), (2,)), num_tokens=74),
                          time.monotonic() + 20)
 
 
@@ -65,7 +65,7 @@ def pair():
         p, c = make("p", pkv, port), make("c", ckv, port)
         made.extend([p, c])
         for tid in ("t0", "t1"):
-            p.serve(SendSpec(request_id="p-" + tid, transfer_id=tid, block_ids=((3,), (5,)), num_tokens=74,
+            p.serve(SendOrder(request_id="p-" + tid, transfer_id=tid, block_ids=((3,), (5,)), num_tokens=74,
                              lease_seconds=10.0, load_key="k-" + tid))
         return p, c, pkv, ckv
 

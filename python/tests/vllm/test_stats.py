@@ -10,7 +10,7 @@ import prometheus_client
 import pytest
 
 from kvferry.vllm.connector import KvferryConnector
-from kvferry.vllm.metadata import LoadSpec, SendSpec
+from kvferry.vllm.metadata import LoadOrder, SendOrder
 from kvferry.vllm.params import RemoteSource
 from kvferry.vllm.stats import KvferryKVConnectorStats, KvferryPromMetrics
 
@@ -28,11 +28,11 @@ def loaded():
         assert send_and_load(p, c, "good-0", PORT).verdict == "verified"
         assert send_and_load(p, c, "bad-0", PORT).verdict == "mismatch"
         # Published with another load key: the producer refuses it, nothing lands.
-        p.serve(SendSpec(request_id="p-lost", transfer_id="lost-0", block_ids=((1,),), num_tokens=5,
+        p.serve(SendOrder(request_id="p-lost", transfer_id="lost-0", block_ids=((1,),), num_tokens=5,
                          lease_seconds=10.0, load_key="right"))
         src = RemoteSource(transfer_id="lost-0", engine_id="e", host="127.0.0.1", port=PORT, tp_size=1,
                            pp_size=1, remote_block_ids=((1,),), load_key="wrong")
-        r = c.load(LoadSpec(request_id="d-lost", source=src, block_ids=((2,),), num_tokens=5),
+        r = c.load(LoadOrder(request_id="d-lost", source=src, block_ids=((2,),), num_tokens=5),
                    time.monotonic() + 10)
         assert not r.ok and "did not land" in r.reason, r
         data = c.take_stats()

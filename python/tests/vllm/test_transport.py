@@ -15,7 +15,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from transport_helpers import released_soon
-from kvferry.vllm.metadata import LoadSpec, SendSpec
+from kvferry.vllm.metadata import LoadOrder, SendOrder
 from kvferry.vllm.params import RemoteSource
 from kvferry.vllm.transport import KvferryTransport, LayoutError, TransportConfig, layer_view
 from kvferry.vllm.units import ConfigError
@@ -54,7 +54,7 @@ def rank_slice(kv, tp_rank, tp_size):
 
 def serve(producers, tid, num_tokens=75, remote=(3, 0, 5)):
     for p in producers:
-        p.serve(SendSpec(request_id="p-" + tid, transfer_id=tid, block_ids=(remote,), num_tokens=num_tokens,
+        p.serve(SendOrder(request_id="p-" + tid, transfer_id=tid, block_ids=(remote,), num_tokens=num_tokens,
                          lease_seconds=10.0, load_key="k-" + tid))
 
 
@@ -62,7 +62,7 @@ def load(consumer, tid, port, num_tokens=75, remote=(3, 0, 5), local=(7, 2, 6), 
          pp_size=1):
     src = RemoteSource(transfer_id=tid, engine_id="e", host="127.0.0.1", port=port, tp_size=tp_size,
                        pp_size=pp_size, remote_block_ids=(remote,), load_key="k-" + tid, head_splits=head_splits)
-    spec = LoadSpec(request_id="d-" + tid, source=src, block_ids=(local,), num_tokens=num_tokens)
+    spec = LoadOrder(request_id="d-" + tid, source=src, block_ids=(local,), num_tokens=num_tokens)
     return consumer.load(spec, time.monotonic() + 20)
 
 
@@ -171,11 +171,11 @@ def test_a_flipped_landed_bit_is_a_mismatch_and_not_ok(pair):
 
 def test_a_wrong_load_key_does_not_land(pair):
     p, c, _, _ = pair(PORT + 20)
-    p.serve(SendSpec(request_id="p", transfer_id="t", block_ids=((1,),), num_tokens=5, lease_seconds=10.0,
+    p.serve(SendOrder(request_id="p", transfer_id="t", block_ids=((1,),), num_tokens=5, lease_seconds=10.0,
                      load_key="right"))
     src = RemoteSource(transfer_id="t", engine_id="e", host="127.0.0.1", port=PORT + 20, tp_size=1, pp_size=1,
                        remote_block_ids=((1,),), load_key="wrong")
-    r = c.load(LoadSpec(request_id="d", source=src, block_ids=((2,),), num_tokens=5), time.monotonic() + 20)
+    r = c.load(LoadOrder(request_id="d", source=src, block_ids=((2,),), num_tokens=5), time.monotonic() + 20)
     assert not r.ok and "did not land" in r.reason
 
 

@@ -15,7 +15,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from transport_helpers import released_soon
-from kvferry.vllm.metadata import LoadSpec, SendSpec
+from kvferry.vllm.metadata import LoadOrder, SendOrder
 from kvferry.vllm.params import RemoteSource
 from kvferry.vllm.transport import KvferryTransport, TransportConfig, layer_view
 from kvferry.vllm.units import ConfigError
@@ -71,7 +71,7 @@ def built():
 
 def serve(producers, tid):
     for p in producers:
-        p.serve(SendSpec(request_id="p-" + tid, transfer_id=tid, block_ids=(REMOTE,), num_tokens=TOKENS,
+        p.serve(SendOrder(request_id="p-" + tid, transfer_id=tid, block_ids=(REMOTE,), num_tokens=TOKENS,
                          lease_seconds=10.0, load_key="k-" + tid))
 
 
@@ -81,7 +81,7 @@ def load(consumer, tid, port, stages, tp_size=1, head_splits=1, layer_splits=1):
     src = RemoteSource(transfer_id=tid, engine_id="e", host="127.0.0.1", port=port, tp_size=tp_size,
                        pp_size=len(stages), remote_block_ids=(REMOTE,), load_key="k-" + tid, head_splits=head_splits,
                        layer_splits=layer_splits, stage_layers=tuple(stages))
-    spec = LoadSpec(request_id="d-" + tid, source=src, block_ids=(LOCAL,), num_tokens=TOKENS)
+    spec = LoadOrder(request_id="d-" + tid, source=src, block_ids=(LOCAL,), num_tokens=TOKENS)
     return consumer.load(spec, time.monotonic() + 20)
 
 

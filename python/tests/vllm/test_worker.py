@@ -13,7 +13,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed in this interpreter: run scripts/vllm-tests.sh", allow_module_level=True)
 
 from test_transport import caches, make
-from kvferry.vllm.metadata import KvferryConnectorMetadata, SendSpec
+from kvferry.vllm.metadata import KvferryConnectorMetadata, SendOrder
 from kvferry.vllm.worker import KvferryWorkerSide
 
 LEASE = 5.0
@@ -41,7 +41,7 @@ def backlogged():
 
 
 def send(tid):
-    return SendSpec(request_id="r-" + tid, transfer_id=tid, block_ids=((3, 0, 5),), num_tokens=75,
+    return SendOrder(request_id="r-" + tid, transfer_id=tid, block_ids=((3, 0, 5),), num_tokens=75,
                     lease_seconds=LEASE, load_key="k-" + tid)
 
 

@@ -7,6 +7,8 @@
 pub mod backend;
 pub mod cpu;
 pub mod cuda;
+#[cfg(any(test, feature = "test-tools"))]
+pub mod oracle;
 
 use std::sync::Arc;
 

@@ -5,10 +5,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use kvferry_checksum::definition::layer_block_checksum_direct;
 use kvferry_checksum::group::{LayerSpec, ReplicaKey};
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
 use kvferry_checksum::select::BlockSelection;
+use kvferry_kernels::oracle::direct_values;
 use kvferry_kernels::{
     backend_for, ChecksumBackend, CpuBackend, GroupJob, KernelError, LayerInput, Location,
 };
@@ -67,27 +67,14 @@ fn job(layers: &[Layer], selection: BlockSelection, num_tokens: u64) -> GroupJob
     }
 }
 
+/// The oracle's values for `layers` (the definition's direct form, summed per replica key).
 fn expected(
     layers: &[Layer],
     sel: &BlockSelection,
     num_tokens: u64,
 ) -> BTreeMap<ReplicaKey, Vec<u64>> {
-    let mut out: BTreeMap<ReplicaKey, Vec<u64>> = BTreeMap::new();
-    for l in layers {
-        let v = out
-            .entry(l.spec.replica)
-            .or_insert_with(|| vec![0; sel.block_ids.len()]);
-        for (i, &b) in sel.block_ids.iter().enumerate() {
-            v[i] = v[i].wrapping_add(layer_block_checksum_direct(
-                &l.spec,
-                &l.bytes,
-                b,
-                sel.start + i as u64,
-                num_tokens,
-            ));
-        }
-    }
-    out
+    let pairs: Vec<(&LayerSpec, &[u8])> = layers.iter().map(|l| (&l.spec, &l.bytes[..])).collect();
+    direct_values(&pairs, sel, num_tokens)
 }
 
 fn model() -> Vec<Layer> {

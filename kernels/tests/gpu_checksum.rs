@@ -1,6 +1,7 @@
-//! GPU checksum kernel against the CPU backend (docs/design.md §5): random data, every layout
-//! of §2.2, element sizes 1/2/4/8, kernel-block splits, random block lists, partial last
-//! blocks, replica keys, strided and misaligned arrays; and the asynchrony contract (the
+//! GPU checksum kernel against the tests' oracle, the definition's direct form (docs/design.md
+//! §5, `kvferry_kernels::oracle`): random data, every layout of §2.2, element sizes 1/2/4/8,
+//! kernel-block splits, random block lists, partial last blocks, replica keys, strided and
+//! misaligned arrays; and the asynchrony contract (the
 //! caller's stream is never synchronised; work is ordered after it).
 //!
 //! Every test prints `SKIPPED: <reason>` and passes where no usable CUDA device exists
@@ -13,9 +14,9 @@ use kvferry_kernels::cuda::driver::{DeviceBuffer, EventState};
 use kvferry_kernels::cuda::tools::Tools;
 use kvferry_kernels::cuda::view::{launch_plan, MODE_GENERIC, MODE_VEC16, MODE_VEC8};
 use kvferry_kernels::cuda::{unavailable_reason, CudaBackend, KernelVariant};
+use kvferry_kernels::oracle::direct_values;
 use kvferry_kernels::{
-    backend_for, ChecksumBackend, CpuBackend, GroupJob, GroupResult, KernelError, LayerInput,
-    Location,
+    backend_for, ChecksumBackend, GroupJob, GroupResult, KernelError, LayerInput, Location,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -235,26 +236,35 @@ fn upload_case(tools: &Tools, case: &Case) -> (DeviceBuffer, Vec<u64>) {
     (buf, addrs)
 }
 
-fn cpu_results(cases: &[Case]) -> Vec<GroupResult> {
-    let jobs = cases
+/// The oracle's results for `cases` (group `i` is `cases[i]`), from their host copies.
+fn want_results(cases: &[Case]) -> Vec<GroupResult> {
+    cases
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let addrs: Vec<u64> = c.host.iter().map(|h| h.as_ptr() as u64).collect();
-            job(c, i as u32, Location::Cpu, &addrs)
+            let layers: Vec<(&LayerSpec, &[u8])> = c
+                .specs
+                .iter()
+                .zip(&c.host)
+                .map(|(s, h)| (s, h.as_slice()))
+                .collect();
+            let selection = BlockSelection {
+                start: c.start,
+                block_ids: c.block_ids.clone(),
+            };
+            GroupResult {
+                group_id: i as u32,
+                start: c.start,
+                values: direct_values(&layers, &selection, c.num_tokens),
+            }
         })
-        .collect();
-    // SAFETY: the jobs' layers are host copies that outlive the wait.
-    unsafe { CpuBackend::new(2).submit(jobs) }
-        .unwrap()
-        .wait(WAIT)
-        .unwrap()
+        .collect()
 }
 
 #[test]
-fn gpu_matches_cpu_on_random_layouts() {
+fn gpu_matches_oracle_on_random_layouts() {
     let _serial = serial();
-    let Some((backend, tools)) = gpu("gpu_matches_cpu_on_random_layouts") else {
+    let Some((backend, tools)) = gpu("gpu_matches_oracle_on_random_layouts") else {
         return;
     };
     let others = other_variants();
@@ -296,7 +306,7 @@ fn gpu_matches_cpu_on_random_layouts() {
             jobs.push(job(c, i as u32, Location::Cuda(0), &addrs));
             bufs.push(buf);
         }
-        let want = cpu_results(&cases);
+        let want = want_results(&cases);
         for b in std::iter::once(&backend).chain(&others) {
             // SAFETY: the jobs' layers are device buffers of this test that outlive the wait.
             let got = unsafe { b.submit(jobs.clone()) }
@@ -398,9 +408,9 @@ fn fixed_case(
 /// latent rows (72 chunks: not a power of two), a 4096-element fp32 row (more chunks than
 /// threads), fp8.
 #[test]
-fn gpu_matches_cpu_on_model_shapes() {
+fn gpu_matches_oracle_on_model_shapes() {
     let _serial = serial();
-    let Some((backend, tools)) = gpu("gpu_matches_cpu_on_model_shapes") else {
+    let Some((backend, tools)) = gpu("gpu_matches_oracle_on_model_shapes") else {
         return;
     };
     let others = other_variants();
@@ -417,7 +427,7 @@ fn gpu_matches_cpu_on_model_shapes() {
     for (layout, n, h, d, e) in shapes {
         let case = fixed_case(&mut rng, layout, 40, n, h, d, e, 3);
         let (buf, addrs) = upload_case(&tools, &case);
-        let want = cpu_results(std::slice::from_ref(&case));
+        let want = want_results(std::slice::from_ref(&case));
         for b in std::iter::once(&backend).chain(&others) {
             // SAFETY: the job's layers are device buffers of this test that outlive the wait.
             let got = unsafe { b.submit(vec![job(&case, 0, Location::Cuda(0), &addrs)]) }
@@ -501,7 +511,7 @@ fn gpu_submit_never_synchronises_the_caller_stream() {
     for (h, &a) in case.host.iter_mut().zip(&addrs) {
         *h = tools.download(a, h.len()).unwrap();
     }
-    let want = cpu_results(std::slice::from_ref(&case));
+    let want = want_results(std::slice::from_ref(&case));
     assert_eq!(
         got, want,
         "checksums did not see the caller stream's writes"
@@ -520,7 +530,7 @@ fn gpu_dropped_pending_is_safe() {
     let mut rng = ChaCha8Rng::seed_from_u64(6);
     let case = fixed_case(&mut rng, "B KV H N D", 64, 16, 8, 128, ElemBytes::Two, 4);
     let (buf, addrs) = upload_case(&tools, &case);
-    let want = cpu_results(std::slice::from_ref(&case));
+    let want = want_results(std::slice::from_ref(&case));
     let caller = tools.stream().unwrap();
     let flag = tools.alloc(8).unwrap();
     // SAFETY: `flag` is a live device buffer and `caller` a live stream of the backend's context.

@@ -2,8 +2,9 @@
 //! compares with the definition's reference, so index arithmetic and the plan are
 //! checked here, without a GPU.
 use super::*;
-use kvferry_checksum::definition::layer_block_checksum_direct;
+use crate::oracle::direct_values;
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
+use kvferry_checksum::select::BlockSelection;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -362,23 +363,21 @@ fn replayed_kernel_matches_definition() {
         let slices: Vec<&[u8]> = mems.iter().map(|m| m.as_slice()).collect();
         let got = replay(&plan, &slices);
         let ns = plan.keys.len();
-        for (bi, &b) in block_ids.iter().enumerate() {
+        let pairs: Vec<(&LayerSpec, &[u8])> = specs
+            .iter()
+            .zip(&mems)
+            .map(|(s, m)| (s, m.as_slice()))
+            .collect();
+        let selection = BlockSelection {
+            start,
+            block_ids: block_ids.clone(),
+        };
+        let want = direct_values(&pairs, &selection, num_tokens);
+        for bi in 0..block_ids.len() {
             for (k, key) in plan.keys.iter().enumerate() {
-                let mut want = 0u64;
-                for (s, m) in specs.iter().zip(&mems) {
-                    if s.replica == *key {
-                        want = want.wrapping_add(layer_block_checksum_direct(
-                            s,
-                            m,
-                            b,
-                            start + bi as u64,
-                            num_tokens,
-                        ));
-                    }
-                }
                 assert_eq!(
                     got[bi * ns + k],
-                    want,
+                    want[key][bi],
                     "case {case} block {bi} key {key:?} views {:?}",
                     plan.views
                 );

@@ -13,7 +13,7 @@ use crate::auth::{AuthState, GrantGuard, GrantSpec, Token};
 use crate::batch::{self, BatchTable};
 use crate::config::EngineConfig;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{IoError, Result, TransferError};
+use crate::error::{ConfigError, IoError, Result, TransferError};
 use crate::handshake::HandshakeServer;
 use crate::handshake_service::HandshakeService;
 use crate::memory::{MemoryAccess, MemoryRegion, MemoryRegistry};
@@ -65,11 +65,16 @@ impl TransferEngine {
         memory: Arc<dyn MemoryAccess>,
     ) -> Result<Arc<TransferEngine>> {
         if config.slice_size == 0 {
-            return Err(TransferError::Config("slice_size must be > 0".into()));
+            return Err(TransferError::Config(ConfigError::OutOfRange {
+                key: "slice_size",
+                value: 0,
+                min: 1,
+                max: u64::MAX,
+            }));
         }
         let host = config.host.trim().to_string();
         if host.is_empty() {
-            return Err(TransferError::Config("host is empty".into()));
+            return Err(TransferError::Config(ConfigError::EmptyHost));
         }
         let bind_host = host
             .strip_prefix('[')

@@ -12,13 +12,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+mod config;
+pub use config::{ConfigError, NoRdma, SecretFileError};
+
 /// Every failure the transfer engine reports. Variants name the address, segment or peer
 /// involved; no variant is ever produced by a panic.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum TransferError {
-    /// The engine configuration is unusable (bad host, forced RDMA without a device).
+    /// The engine configuration is unusable (see [`ConfigError`]: which key, what was given,
+    /// what is allowed).
     #[error("configuration error: {0}")]
-    Config(String),
+    Config(#[source] ConfigError),
     /// A listener could not be bound (port in use, address not local); `op` names the
     /// listener and the address (`"bind handshake listener on h:p"`).
     #[error("configuration error: cannot {0}")]

@@ -56,8 +56,8 @@ pub use config::{AuthConfig, CudaIpcMode, EngineConfig, GpuRegistration, RdmaCon
 pub use descriptor::{BufferDesc, SegmentDescriptor, TransportInfo};
 pub use engine::{EngineStats, TransferEngine};
 pub use error::{
-    AuthError, HandshakeError, IoError, ProtocolError, RdmaError, RegistrationError, Result,
-    Shared, TransferError,
+    AuthError, ConfigError, HandshakeError, IoError, NoRdma, ProtocolError, RdmaError,
+    RegistrationError, Result, SecretFileError, Shared, TransferError,
 };
 pub use memory::{
     DmabufRange, HostMemoryAccess, MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys,

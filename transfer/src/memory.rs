@@ -8,7 +8,7 @@ use std::sync::{Arc, RwLock};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{RegistrationError, Result, TransferError};
+use crate::error::{ConfigError, RegistrationError, Result, TransferError};
 use crate::types::Location;
 
 /// A registered range of memory: `len` bytes from virtual address `addr` of this process,
@@ -111,10 +111,13 @@ impl TransportKeys {
             Ok(serde_json::Value::Object(map)) if !map.contains_key("path") => {
                 Ok(TransportKeys(map))
             }
-            Ok(other) => Err(TransferError::Config(format!(
-                "transport keys must be a JSON object without `path`, got {other}"
-            ))),
-            Err(e) => Err(TransferError::Config(format!("transport keys: {e}"))),
+            Ok(other) => Err(TransferError::Config(ConfigError::KeysShape {
+                got: Box::new(other),
+            })),
+            Err(e) => Err(TransferError::Config(ConfigError::KeysEncode {
+                transport: "transport",
+                source: Arc::new(e),
+            })),
         }
     }
 

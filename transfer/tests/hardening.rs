@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use common::{assert_same, engine, engine_with, Buf};
 use kvferry_transfer::{
-    BatchStatus, EngineConfig, Location, Op, RegistrationError, TransferEngine, TransferError,
-    TransferRequest, TransportKind,
+    BatchStatus, ConfigError, EngineConfig, Location, Op, RegistrationError, TransferEngine,
+    TransferError, TransferRequest, TransportKind,
 };
 
 // ------------------------------------------------------------------ raw wire helpers (spec copies)
@@ -850,7 +850,8 @@ fn configuration_and_registration_errors_are_clear() {
     .unwrap();
     assert!(
         // "no usable RDMA device" with the rdma feature, "this build has no RDMA transport" without
-        matches!(e, TransferError::Config(ref t) if t.contains("RDMA is not usable here")),
+        matches!(e, TransferError::Config(ConfigError::RdmaUnusable(_)))
+            && e.to_string().contains("RDMA is not usable here"),
         "{e}"
     );
     let e = TransferEngine::new(EngineConfig {
@@ -859,7 +860,21 @@ fn configuration_and_registration_errors_are_clear() {
     })
     .err()
     .unwrap();
-    assert!(matches!(e, TransferError::Config(_)), "{e}");
+    assert!(
+        matches!(
+            e,
+            TransferError::Config(ConfigError::OutOfRange {
+                key: "slice_size",
+                value: 0,
+                ..
+            })
+        ),
+        "{e}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "configuration error: slice_size 0: expected at least 1"
+    );
     let a = engine();
     let port: u16 = a
         .segment_name()

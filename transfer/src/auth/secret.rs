@@ -10,7 +10,7 @@ use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-use crate::error::{Result, TransferError};
+use crate::error::{ConfigError, IoError, Result, SecretFileError, TransferError};
 
 /// Smallest shared secret accepted, bytes.
 pub const MIN_SECRET_BYTES: usize = 16;
@@ -39,8 +39,7 @@ pub fn ct_eq(a: &[u8], b: &[u8]) -> bool {
 /// no randomness to give (`Config`).
 pub fn random_bytes<const N: usize>() -> Result<[u8; N]> {
     let mut b = [0u8; N];
-    getrandom::fill(&mut b)
-        .map_err(|e| TransferError::Config(format!("no OS randomness available: {e}")))?;
+    getrandom::fill(&mut b).map_err(|e| TransferError::Config(ConfigError::NoRandomness(e)))?;
     Ok(b)
 }
 
@@ -75,10 +74,10 @@ impl Secret {
     /// A secret from raw bytes. `Config` error when shorter than [`MIN_SECRET_BYTES`].
     pub fn from_bytes(bytes: &[u8]) -> Result<Secret> {
         if bytes.len() < MIN_SECRET_BYTES {
-            return Err(TransferError::Config(format!(
-                "shared secret of {} bytes: at least {MIN_SECRET_BYTES} are needed",
-                bytes.len()
-            )));
+            return Err(TransferError::Config(ConfigError::SecretTooShort {
+                len: bytes.len(),
+                min: MIN_SECRET_BYTES,
+            }));
         }
         Ok(Secret(Arc::new(bytes.to_vec())))
     }
@@ -87,11 +86,18 @@ impl Secret {
     /// [`MIN_SECRET_BYTES`]..=[`MAX_SECRET_BYTES`]. Warns when others may read the file.
     /// Errors (`Config`): unreadable, too short or too long.
     pub fn from_file(path: &Path) -> Result<Secret> {
-        let bad =
-            |why: String| TransferError::Config(format!("secret file {}: {why}", path.display()));
-        let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
+        let bad = |why: SecretFileError| {
+            TransferError::Config(ConfigError::SecretFile {
+                path: path.to_path_buf(),
+                why,
+            })
+        };
+        let unreadable = |e| bad(SecretFileError::Unreadable(IoError::new("cannot read", e)));
+        let meta = std::fs::metadata(path).map_err(unreadable)?;
         if meta.len() > MAX_SECRET_BYTES as u64 {
-            return Err(bad(format!("over {MAX_SECRET_BYTES} bytes")));
+            return Err(bad(SecretFileError::TooLarge {
+                limit: MAX_SECRET_BYTES,
+            }));
         }
         #[cfg(unix)]
         {
@@ -103,11 +109,17 @@ impl Secret {
                 );
             }
         }
-        let mut b = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+        let mut b = std::fs::read(path).map_err(unreadable)?;
         while b.last().is_some_and(|c| c.is_ascii_whitespace()) {
             b.pop();
         }
-        Secret::from_bytes(&b).map_err(|e| bad(e.to_string()))
+        if b.len() < MIN_SECRET_BYTES {
+            return Err(bad(SecretFileError::TooShort {
+                len: b.len(),
+                min: MIN_SECRET_BYTES,
+            }));
+        }
+        Secret::from_bytes(&b)
     }
 
     /// `HMAC-SHA256(secret, label, data…)`: proofs of possession and derived keys.

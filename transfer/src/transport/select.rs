@@ -12,7 +12,7 @@ use std::sync::Arc;
 use super::tcp::TcpTransport;
 use super::{Transport, TransportContext};
 use crate::config::RdmaConfig;
-use crate::error::{Result, TransferError};
+use crate::error::{ConfigError, NoRdma, Result, TransferError};
 use crate::types::TransportKind;
 
 /// The transport `choose` made, and why (for the engine's one info line).
@@ -24,24 +24,6 @@ pub(crate) struct Chosen {
     pub why: String,
 }
 
-/// Why the engine does not use RDMA (the reason in its one info line).
-#[derive(Debug, Clone, Copy, thiserror::Error)]
-enum NoRdma {
-    #[cfg_attr(
-        not(feature = "rdma"),
-        allow(dead_code, reason = "built with the rdma feature")
-    )]
-    #[error("no usable RDMA device")]
-    NoDevice,
-    #[cfg_attr(
-        feature = "rdma",
-        allow(dead_code, reason = "built without the rdma feature")
-    )]
-    #[error("this build has no RDMA transport (cargo feature `rdma`)")]
-    NotBuilt,
-}
-
-/// `Ok(device)` when RDMA is usable, else why not (for the one info line).
 #[cfg(feature = "rdma")]
 fn rdma_probe(c: &RdmaConfig) -> std::result::Result<String, NoRdma> {
     super::rdma::probe(c).ok_or(NoRdma::NoDevice)
@@ -56,9 +38,9 @@ fn rdma_create(ctx: &TransportContext) -> Result<Arc<dyn Transport>> {
 }
 #[cfg(not(feature = "rdma"))]
 fn rdma_create(_ctx: &TransportContext) -> Result<Arc<dyn Transport>> {
-    Err(TransferError::Config(
-        "this build has no RDMA transport".into(),
-    ))
+    Err(TransferError::Config(ConfigError::RdmaUnusable(
+        NoRdma::NotBuilt,
+    )))
 }
 
 /// Creates the transport `ctx.config.transport` asks for, wrapped in the CUDA IPC transport
@@ -116,9 +98,7 @@ fn choose_network(ctx: &TransportContext) -> Result<Chosen> {
                 transport: rdma_create(ctx)?,
                 why: format!("configured; device {dev}"),
             }),
-            Err(why) => Err(TransferError::Config(format!(
-                "transport rdma was requested but RDMA is not usable here ({why}); use tcp or auto"
-            ))),
+            Err(why) => Err(TransferError::Config(ConfigError::RdmaUnusable(why))),
         },
         TransportKind::Auto => match rdma_probe(&ctx.config.rdma) {
             Ok(dev) => match rdma_create(ctx) {

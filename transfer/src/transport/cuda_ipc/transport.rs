@@ -37,7 +37,7 @@ use super::state::{complete_jobs, gpu_err, lock, Export, Job, Lane, Nonces, Peer
 use crate::auth::AuthState;
 use crate::config::CudaIpcMode;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{Result, TransferError};
+use crate::error::{ConfigError, Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys};
 use crate::transport::{
     wait_point, CompletionSink, Slice, StreamPoint, Transport, TransportContext, TransportInfo,
@@ -356,8 +356,12 @@ impl Transport for CudaIpcTransport {
             Ok(k) => {
                 keys.transport.insert(
                     KEYS_FIELD,
-                    serde_json::to_value(&k)
-                        .map_err(|e| TransferError::Config(format!("CUDA IPC keys: {e}")))?,
+                    serde_json::to_value(&k).map_err(|e| {
+                        TransferError::Config(ConfigError::KeysEncode {
+                            transport: "CUDA IPC",
+                            source: Arc::new(e),
+                        })
+                    })?,
                 );
             }
             Err(e) if self.mode == CudaIpcMode::Required => {

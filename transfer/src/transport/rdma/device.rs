@@ -14,7 +14,7 @@ use sideway::ibverbs::protection_domain::ProtectionDomain;
 
 use super::verbs;
 use crate::config::RdmaConfig;
-use crate::error::{ProtocolError, RdmaError, Result, TransferError};
+use crate::error::{ConfigError, ProtocolError, RdmaError, Result, TransferError};
 
 /// What a peer needs to address one port (published in the descriptor and in Connect frames).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -162,32 +162,40 @@ pub(crate) fn choose_port(
 pub(crate) fn check_config(config: &RdmaConfig) -> Result<()> {
     if let Some(m) = config.mtu {
         if verbs::mtu_from_bytes(m).is_none() {
-            return Err(TransferError::Config(format!(
-                "rdma.mtu {m}: expected 256, 512, 1024, 2048 or 4096"
-            )));
+            return Err(TransferError::Config(ConfigError::NotOneOf {
+                key: "rdma.mtu",
+                value: u64::from(m),
+                allowed: &[256, 512, 1024, 2048, 4096],
+            }));
         }
     }
-    if config.qps_per_endpoint == 0 || config.qps_per_endpoint > 64 {
-        return Err(TransferError::Config(format!(
-            "rdma.qps_per_endpoint {}: expected 1..=64",
-            config.qps_per_endpoint
-        )));
-    }
-    if config.max_wr == 0 {
-        return Err(TransferError::Config("rdma.max_wr must be > 0".into()));
-    }
-    if config.merge_bytes > super::verbs::MAX_WR_BYTES {
-        return Err(TransferError::Config(format!(
-            "rdma.merge_bytes {}: at most {} (one work request)",
+    // merge_bytes: at most one work request's bytes
+    let bounded: [(&'static str, u64, u64, u64); 5] = [
+        (
+            "rdma.qps_per_endpoint",
+            config.qps_per_endpoint as u64,
+            1,
+            64,
+        ),
+        ("rdma.max_wr", config.max_wr as u64, 1, u64::MAX),
+        (
+            "rdma.merge_bytes",
             config.merge_bytes,
-            super::verbs::MAX_WR_BYTES
-        )));
-    }
-    if config.retry_count > 7 || config.qp_timeout > 31 {
-        return Err(TransferError::Config(format!(
-            "rdma.retry_count {} (0..=7) / qp_timeout {} (0..=31) out of range",
-            config.retry_count, config.qp_timeout
-        )));
+            0,
+            super::verbs::MAX_WR_BYTES,
+        ),
+        ("rdma.retry_count", u64::from(config.retry_count), 0, 7),
+        ("rdma.qp_timeout", u64::from(config.qp_timeout), 0, 31),
+    ];
+    for (key, value, min, max) in bounded {
+        if !(min..=max).contains(&value) {
+            return Err(TransferError::Config(ConfigError::OutOfRange {
+                key,
+                value,
+                min,
+                max,
+            }));
+        }
     }
     Ok(())
 }

@@ -22,7 +22,7 @@ use super::staging_sync::SyncRequest;
 use super::work::{StageJob, Work};
 use super::workers::{run_completions, run_events};
 use crate::descriptor::{SegmentDescriptor, TransportInfo};
-use crate::error::{ProtocolError, RdmaError, Result, TransferError};
+use crate::error::{ConfigError, ProtocolError, RdmaError, Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
 use crate::transport::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
 use crate::types::{Location, TransportKind};
@@ -38,31 +38,21 @@ impl RdmaTransport {
     pub fn new(ctx: &TransportContext) -> Result<Arc<RdmaTransport>> {
         let config = ctx.config.rdma.clone();
         device::check_config(&config)?;
-        let list = device::list_devices().map_err(|e| {
-            TransferError::Config(format!("no usable RDMA device: cannot list devices: {e}"))
-        })?;
+        let list = device::list_devices()
+            .map_err(|e| TransferError::Config(ConfigError::RdmaDeviceList(e)))?;
         let mut devices = Vec::new();
         let mut why = Vec::new();
         for name in device::wanted_names(&list, &config) {
             match Device::open(devices.len(), &list, &name, &config) {
                 Ok(d) => devices.push(Arc::new(d)),
-                Err(e) => why.push(e.to_string()),
+                Err(e) => why.push(e),
             }
         }
         if devices.is_empty() {
-            return Err(TransferError::Config(format!(
-                "no usable RDMA device{}{}",
-                if config.devices.is_empty() {
-                    String::new()
-                } else {
-                    format!(" among {:?}", config.devices)
-                },
-                if why.is_empty() {
-                    String::new()
-                } else {
-                    format!(": {}", why.join("; "))
-                }
-            )));
+            return Err(TransferError::Config(ConfigError::NoRdmaDevice {
+                wanted: config.devices.clone(),
+                tried: why,
+            }));
         }
         for d in &devices {
             tracing::info!(

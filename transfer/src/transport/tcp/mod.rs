@@ -41,7 +41,7 @@ use serde_json::json;
 use super::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
 use crate::admission::Listener;
 use crate::descriptor::{SegmentDescriptor, TransportInfo};
-use crate::error::{IoError, ProtocolError, Result, TransferError};
+use crate::error::{ConfigError, IoError, ProtocolError, Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath, TransportKeys};
 use crate::types::{Location, TransportKind};
 use coalesce::coalesce;
@@ -74,10 +74,10 @@ impl TcpTransport {
     pub fn new(ctx: TransportContext) -> Result<Self> {
         let (slice, tcp) = (ctx.config.slice_size, &ctx.config.tcp);
         if slice.saturating_add(slice / 4) > tcp.max_frame_payload {
-            return Err(TransferError::Config(format!(
-                "slice_size {slice} (+ a merged tail of up to a quarter) exceeds tcp.max_frame_payload {}",
-                tcp.max_frame_payload
-            )));
+            return Err(TransferError::Config(ConfigError::SliceOverFrame {
+                slice_size: slice,
+                max_frame_payload: tcp.max_frame_payload,
+            }));
         }
         let host = ctx.config.host.clone();
         let range = ctx.config.listen_ports;

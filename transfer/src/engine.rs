@@ -65,16 +65,11 @@ impl TransferEngine {
         memory: Arc<dyn MemoryAccess>,
     ) -> Result<Arc<TransferEngine>> {
         if config.slice_size == 0 {
-            return Err(TransferError::Config(ConfigError::OutOfRange {
-                key: "slice_size",
-                value: 0,
-                min: 1,
-                max: u64::MAX,
-            }));
+            return Err(ConfigError::at_least("slice_size", 0, 1).into());
         }
         let host = config.host.trim().to_string();
         if host.is_empty() {
-            return Err(TransferError::Config(ConfigError::EmptyHost));
+            return Err(ConfigError::EmptyHost.into());
         }
         let bind_host = host
             .strip_prefix('[')

@@ -13,7 +13,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod config;
+mod io;
+mod rdma;
 pub use config::{ConfigError, NoRdma, SecretFileError};
+pub use io::{IoError, Shared};
+pub use rdma::RdmaError;
 
 /// Every failure the transfer engine reports. Variants name the address, segment or peer
 /// involved; no variant is ever produced by a panic.
@@ -216,120 +220,10 @@ impl TransferError {
     }
 }
 
-/// An `std::io::Error` with what was being done. `Clone` (an error reaches every slice of a
-/// frame): a clone is rebuilt from the original's OS error code, else its kind and text.
-#[derive(Debug, thiserror::Error)]
-#[error("{op}: {source}")]
-pub struct IoError {
-    /// What was being done (`"connect to 1.2.3.4:5"`, `"reply from segment h:p"`).
-    pub op: String,
-    /// The io error.
-    #[source]
-    pub source: std::io::Error,
-}
-
-impl IoError {
-    /// `source` while doing `op`.
-    pub fn new(op: impl std::fmt::Display, source: std::io::Error) -> Self {
-        IoError {
-            op: op.to_string(),
-            source,
-        }
+impl From<ConfigError> for TransferError {
+    fn from(e: ConfigError) -> Self {
+        TransferError::Config(e)
     }
-}
-
-impl Clone for IoError {
-    fn clone(&self) -> Self {
-        let source = match self.source.raw_os_error() {
-            Some(code) => std::io::Error::from_raw_os_error(code),
-            None => std::io::Error::new(self.source.kind(), self.source.to_string()),
-        };
-        IoError {
-            op: self.op.clone(),
-            source,
-        }
-    }
-}
-
-/// An RDMA-specific failure (`transport::rdma`).
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum RdmaError {
-    /// A verbs call failed: `op` names the device and the call; `source` is the verbs
-    /// library's error (whose own source is the OS error).
-    #[error("{op}: {}", chain(source.0.as_ref()))]
-    Verbs {
-        /// Device and call (`"rxe0: create QP"`).
-        op: String,
-        /// The verbs library's error.
-        #[source]
-        source: Shared,
-    },
-    /// The device has no ACTIVE port.
-    #[error("{device}: no ACTIVE port")]
-    NoActivePort {
-        /// The device's name.
-        device: String,
-    },
-    /// The device's active port has no usable GID.
-    #[error("{device} port {port}: no usable GID (gid_index {gid_index:?})")]
-    NoUsableGid {
-        /// The device's name.
-        device: String,
-        /// The port number.
-        port: u8,
-        /// `RdmaConfig::gid_index`.
-        gid_index: Option<u32>,
-    },
-    /// The transport shut down before the slice finished.
-    #[error("RDMA transport shut down")]
-    ShutDown,
-    /// A failure with no underlying error (its words: a missing rkey, a region over the
-    /// device's limit, a work completion's status).
-    #[error("{0}")]
-    Other(String),
-}
-
-impl RdmaError {
-    /// A verbs call `op` failed with `source`.
-    pub fn verbs(
-        op: impl std::fmt::Display,
-        source: impl std::error::Error + Send + Sync + 'static,
-    ) -> Self {
-        RdmaError::Verbs {
-            op: op.to_string(),
-            source: Shared(Arc::new(source)),
-        }
-    }
-}
-
-/// An error of any type made `Clone` by sharing it. Its `source()` is the error itself, so a
-/// walk down the chain reaches the original and can downcast to its type (an `Arc` in the
-/// chain would stand in for it and hide the type).
-#[derive(Debug, Clone)]
-pub struct Shared(pub Arc<dyn std::error::Error + Send + Sync>);
-
-impl std::fmt::Display for Shared {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl std::error::Error for Shared {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(self.0.as_ref())
-    }
-}
-
-/// `e` and its sources, joined by `": "` (verbs errors carry the errno text as a source).
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        cur = s.source();
-    }
-    out
 }
 
 impl From<RdmaError> for TransferError {

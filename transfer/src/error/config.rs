@@ -5,7 +5,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::{IoError, TransferError};
+use super::io::IoError;
+use super::rdma::RdmaError;
 
 /// Why the engine configuration is unusable. Each variant names the key (`"rdma.mtu"`), the
 /// value given and what is allowed; none is produced by a peer.
@@ -59,11 +60,11 @@ pub enum ConfigError {
         /// `RdmaConfig::devices`.
         wanted: Vec<String>,
         /// Each device tried and why it could not be opened.
-        tried: Vec<TransferError>,
+        tried: Vec<RdmaError>,
     },
     /// The verbs library could not list the RDMA devices.
     #[error("no usable RDMA device: cannot list devices: {0}")]
-    RdmaDeviceList(#[source] super::RdmaError),
+    RdmaDeviceList(#[source] RdmaError),
     /// The operating system has no randomness to give (ids, tokens, nonces).
     #[error("no OS randomness available: {0}")]
     NoRandomness(getrandom::Error),
@@ -102,6 +103,18 @@ pub enum ConfigError {
     },
 }
 
+impl ConfigError {
+    /// `key`'s `value` is below `min` (no upper bound).
+    pub fn at_least(key: &'static str, value: u64, min: u64) -> Self {
+        ConfigError::OutOfRange {
+            key,
+            value,
+            min,
+            max: u64::MAX,
+        }
+    }
+}
+
 /// Why a secret file cannot be used ([`ConfigError::SecretFile`]).
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum SecretFileError {
@@ -136,12 +149,6 @@ pub enum NoRdma {
     NotBuilt,
 }
 
-impl From<ConfigError> for TransferError {
-    fn from(e: ConfigError) -> Self {
-        TransferError::Config(e)
-    }
-}
-
 /// `min..=max` in words: `at least 1` without an upper bound, `at most 7` from 0.
 fn bounds(min: u64, max: u64) -> String {
     match (min, max) {
@@ -164,7 +171,7 @@ fn among(wanted: &[String]) -> String {
     }
 }
 
-fn failures(tried: &[TransferError]) -> String {
+fn failures(tried: &[RdmaError]) -> String {
     let v: Vec<String> = tried.iter().map(ToString::to_string).collect();
     if v.is_empty() {
         String::new()
@@ -176,6 +183,7 @@ fn failures(tried: &[TransferError]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::TransferError;
 
     #[test]
     fn config_causes_name_the_key_the_value_and_the_bounds() {
@@ -211,13 +219,13 @@ mod tests {
         );
         let none = ConfigError::NoRdmaDevice {
             wanted: vec!["mlx5_9".into()],
-            tried: vec![TransferError::Rdma(super::super::RdmaError::NoActivePort {
+            tried: vec![RdmaError::NoActivePort {
                 device: "mlx5_9".into(),
-            })],
+            }],
         };
         assert_eq!(
             t(none),
-            "configuration error: no usable RDMA device among [\"mlx5_9\"]: rdma: mlx5_9: no ACTIVE port"
+            "configuration error: no usable RDMA device among [\"mlx5_9\"]: mlx5_9: no ACTIVE port"
         );
         let file = ConfigError::SecretFile {
             path: "/s".into(),

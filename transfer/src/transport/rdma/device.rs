@@ -226,15 +226,17 @@ impl Device {
         list: &DeviceList,
         name: &str,
         config: &RdmaConfig,
-    ) -> Result<Device> {
+    ) -> std::result::Result<Device, RdmaError> {
         let dev = list
             .iter()
             .find(|d| d.name() == name)
-            .ok_or_else(|| TransferError::rdma(format!("device {name} disappeared")))?;
+            .ok_or_else(|| RdmaError::DeviceGone {
+                device: name.to_string(),
+            })?;
         let ctx = dev
             .open()
             .map_err(|e| RdmaError::verbs(format!("open {name}"), e))?;
-        let choice = choose_port(&ctx, config).map_err(TransferError::Rdma)?;
+        let choice = choose_port(&ctx, config)?;
         let pd = ctx
             .alloc_pd()
             .map_err(|e| RdmaError::verbs(format!("{name}: alloc PD"), e))?;

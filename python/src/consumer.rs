@@ -185,12 +185,7 @@ impl Consumer {
             secret_file,
             engine_ports,
         )?;
-        let segments = side
-            .workers
-            .iter()
-            .map(|w| w.engine.segment_name())
-            .collect();
-        let transport = side.workers[0].engine.transport_name().to_string();
+        let (segments, transport) = (side.segments.clone(), side.transport.clone());
         let inner = P2pConsumer::new(config, side.workers.clone())
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(Consumer {

@@ -148,12 +148,7 @@ impl Producer {
             secret_file,
             engine_ports,
         )?;
-        let segments = side
-            .workers
-            .iter()
-            .map(|w| w.engine.segment_name())
-            .collect();
-        let transport = side.workers[0].engine.transport_name().to_string();
+        let (segments, transport) = (side.segments.clone(), side.transport.clone());
         let workers = side.workers.clone();
         let started = block_on(py, Duration::from_secs(30), || {
             P2pProducer::start(config, workers)

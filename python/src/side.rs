@@ -17,6 +17,10 @@ use crate::layer::{device_name, memory_ranges, Rank};
 /// One side's ranks with their engines; unregisters the tensors' memory when dropped.
 pub(crate) struct Side {
     pub(crate) workers: Vec<Worker>,
+    /// The ranks' segment names, in rank order (what `segments` reports).
+    pub(crate) segments: Vec<String>,
+    /// The transport the engines chose (`"tcp"` or `"rdma"`; what `transport` reports).
+    pub(crate) transport: String,
     registered: Vec<(Arc<TransferEngine>, u64)>,
     /// The ranks (and through them the tensors) stay alive as long as the side.
     _ranks: Vec<Py<Rank>>,
@@ -92,6 +96,8 @@ pub(crate) fn build_side(
     }
     let mut side = Side {
         workers: Vec::new(),
+        segments: Vec::new(),
+        transport: String::new(),
         registered: Vec::new(),
         _ranks: Vec::new(),
     };
@@ -144,6 +150,13 @@ pub(crate) fn build_side(
             backend,
         });
     }
+    side.segments = side
+        .workers
+        .iter()
+        .map(|w| w.engine.segment_name())
+        .collect();
+    // Every rank's engine has the one config: the first one's choice speaks for the side.
+    side.transport = side.workers[0].engine.transport_name().to_string();
     side._ranks = ranks;
     Ok(side)
 }

@@ -8,9 +8,10 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
-use kvferry_transfer::{
-    EngineConfig, Location, Op, TransferEngine, TransferRequest, TransportKind,
-};
+use kvferry_transfer::{EngineConfig, Op, TransferRequest, TransportKind};
+
+mod support;
+use support::EnginePair;
 
 fn baseline(bytes: &[u8], rounds: usize) -> f64 {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -57,18 +58,8 @@ fn main() {
     if let Some(&c) = args.get(4) {
         cfg.tcp.connections_per_peer = c as usize;
     }
-    let a = TransferEngine::new(cfg.clone()).unwrap();
-    let b = TransferEngine::new(cfg).unwrap();
-    let src = vec![7u8; size];
-    let dst = vec![1u8; size]; // touched: page faults are not the transport's cost
-                               // SAFETY: the buffers live until the end of main, after the engines are dropped.
-    unsafe {
-        a.register_memory(src.as_ptr() as u64, size as u64, Location::Cpu)
-            .unwrap();
-        b.register_memory(dst.as_ptr() as u64, size as u64, Location::Cpu)
-            .unwrap();
-    }
-    let seg = a.open_segment(&b.segment_name()).unwrap();
+    let pair = EnginePair::new(cfg, size);
+    let (a, seg) = (&pair.a, &pair.seg);
     let req_len = req_kib << 10;
     let rounds = 3;
     let run = |op: Op| -> f64 {
@@ -81,8 +72,8 @@ fn main() {
                         let o = off + i * req_len;
                         (o + req_len <= size as u64).then_some(TransferRequest {
                             op,
-                            local_addr: src.as_ptr() as u64 + o,
-                            remote_addr: dst.as_ptr() as u64 + o,
+                            local_addr: pair.src_addr(o),
+                            remote_addr: pair.dst_addr(o),
                             len: req_len,
                         })
                     })
@@ -91,7 +82,7 @@ fn main() {
                     break;
                 }
                 off += reqs.len() as u64 * req_len;
-                let id = a.submit(&seg, &reqs).unwrap();
+                let id = a.submit(seg, &reqs).unwrap();
                 a.wait(id, std::time::Duration::from_secs(60)).unwrap();
             }
         }
@@ -99,7 +90,7 @@ fn main() {
     };
     let w = run(Op::Write);
     let r = run(Op::Read);
-    let base = baseline(&src, rounds);
+    let base = baseline(&pair.src, rounds);
     println!(
         "total {total_mib} MiB x{rounds}, request {req_kib} KiB, batch {batch}, slice {} KiB, {} connections",
         a.config().slice_size >> 10,

@@ -10,9 +10,10 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry_transfer::{
-    EngineConfig, Location, Op, TransferEngine, TransferRequest, TransportKind,
-};
+use kvferry_transfer::{EngineConfig, Op, TransferRequest, TransportKind};
+
+mod support;
+use support::EnginePair;
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -32,30 +33,20 @@ fn main() {
         transport: TransportKind::Tcp,
         ..EngineConfig::default()
     };
-    let a = TransferEngine::new(cfg.clone()).unwrap();
-    let b = TransferEngine::new(cfg).unwrap();
-    let src = vec![7u8; size];
-    let dst = vec![1u8; size];
-    // SAFETY: the buffers live until the end of main, after the engines are dropped.
-    unsafe {
-        a.register_memory(src.as_ptr() as u64, size as u64, Location::Cpu)
-            .unwrap();
-        b.register_memory(dst.as_ptr() as u64, size as u64, Location::Cpu)
-            .unwrap();
-    }
-    let seg = a.open_segment(&b.segment_name()).unwrap();
+    let pair = EnginePair::new(cfg, size);
+    let (a, seg) = (&pair.a, &pair.seg);
     let reqs: Vec<TransferRequest> = (0..n)
         .map(|i| TransferRequest {
             op: Op::Write,
-            local_addr: src.as_ptr() as u64 + 2 * i * len,
-            remote_addr: dst.as_ptr() as u64 + 2 * i * len,
+            local_addr: pair.src_addr(2 * i * len),
+            remote_addr: pair.dst_addr(2 * i * len),
             len,
         })
         .collect();
     let (mut submit_ns, mut total_ns) = (Vec::new(), Vec::new());
     for round in 0..=rounds {
         let t = Instant::now();
-        let id = a.submit(&seg, &reqs).unwrap();
+        let id = a.submit(seg, &reqs).unwrap();
         let s = t.elapsed();
         a.wait(id, Duration::from_secs(60)).unwrap();
         let w = t.elapsed();
@@ -65,7 +56,7 @@ fn main() {
             total_ns.push(w.as_nanos() as f64 / n as f64);
         }
     }
-    assert_eq!(src[..len as usize], dst[..len as usize]);
+    assert_eq!(pair.src[..len as usize], pair.dst[..len as usize]);
     println!(
         "requests {n} of {len} B, {rounds} rounds: submit {:.1} ns/request, submit+completion {:.1} ns/request (medians)",
         median(&mut submit_ns),

@@ -222,12 +222,46 @@ fn register(n: &Node, addr: u64, len: u64) -> (MemoryRegion, crate::memory::Regi
     (r, k)
 }
 
-/// Posts one slice and waits for its outcome.
-fn run(n: &Node, peer: &Arc<SegmentDescriptor>, slice: Slice) -> BatchStatus {
-    let st = BatchState::new(1);
-    n.t.post(peer, &[slice], CompletionSink::new(st.clone()), None);
+/// `target`'s segment as an initiator sees it: one buffer, `region` (host memory) with the
+/// `keys` `target` registered for it. `region` may claim more than was registered.
+fn descriptor(
+    target: &Node,
+    region: MemoryRegion,
+    keys: crate::memory::RegionKeys,
+) -> Arc<SegmentDescriptor> {
+    Arc::new(SegmentDescriptor {
+        name: target.name.clone(),
+        instance_id: target.instance,
+        transport: target.t.local_info(),
+        buffers: vec![BufferDesc { region, keys }],
+    })
+}
+
+/// Registers `remote` whole on `target` and `local` whole on `init` (each the address and
+/// length of host memory): the descriptor `init` posts to (its one buffer, index 0, is
+/// `remote`) and `init`'s region for `local`.
+fn one_buffer_each(
+    target: &Node,
+    init: &Node,
+    (remote, remote_len): (u64, u64),
+    (local, local_len): (u64, u64),
+) -> (Arc<SegmentDescriptor>, MemoryRegion) {
+    let (region, keys) = register(target, remote, remote_len);
+    let (local_region, _) = register(init, local, local_len);
+    (descriptor(target, region, keys), local_region)
+}
+
+/// Posts `slices` in one call and waits (60 s at most) for the batch's outcome.
+fn run_all(n: &Node, peer: &Arc<SegmentDescriptor>, slices: &[Slice]) -> BatchStatus {
+    let st = BatchState::new(slices.len() as u32);
+    n.t.post(peer, slices, CompletionSink::new(st.clone()), None);
     let _ = st.wait(Duration::from_secs(60));
     st.status()
+}
+
+/// Posts one slice and waits for its outcome.
+fn run(n: &Node, peer: &Arc<SegmentDescriptor>, slice: Slice) -> BatchStatus {
+    run_all(n, peer, &[slice])
 }
 
 #[test]
@@ -246,19 +280,12 @@ fn rdma_out_of_region_request_with_a_valid_rkey_is_refused_and_writes_nothing() 
     let (lr, _) = register(&init, local.as_ptr() as u64, K as u64);
     // a descriptor that claims twice the registered length: the engine's own check passes, the
     // NIC's rkey scope must refuse
-    let peer = Arc::new(SegmentDescriptor {
-        name: target.name.clone(),
-        instance_id: target.instance,
-        transport: target.t.local_info(),
-        buffers: vec![BufferDesc {
-            region: MemoryRegion {
-                addr: mid,
-                len: 2 * K as u64,
-                location: Location::Cpu,
-            },
-            keys,
-        }],
-    });
+    let claimed = MemoryRegion {
+        addr: mid,
+        len: 2 * K as u64,
+        location: Location::Cpu,
+    };
+    let peer = descriptor(&target, claimed, keys);
     let slice = |op, remote_addr, len| Slice {
         id: 0,
         op,
@@ -314,21 +341,12 @@ fn rdma_path_mtu_is_the_smaller_of_both_sides() {
             .min(target_mtu.unwrap_or(port_mtu));
         let remote = vec![0u8; 100_000];
         let local: Vec<u8> = (0..100_000).map(|i| (i % 251) as u8).collect();
-        let (_, keys) = register(&target, remote.as_ptr() as u64, remote.len() as u64);
-        let (lr, _) = register(&init, local.as_ptr() as u64, local.len() as u64);
-        let peer = Arc::new(SegmentDescriptor {
-            name: target.name.clone(),
-            instance_id: target.instance,
-            transport: target.t.local_info(),
-            buffers: vec![BufferDesc {
-                region: MemoryRegion {
-                    addr: remote.as_ptr() as u64,
-                    len: remote.len() as u64,
-                    location: Location::Cpu,
-                },
-                keys,
-            }],
-        });
+        let (peer, lr) = one_buffer_each(
+            &target,
+            &init,
+            (remote.as_ptr() as u64, remote.len() as u64),
+            (local.as_ptr() as u64, local.len() as u64),
+        );
         let s = Slice {
             id: 0,
             op: Op::Write,
@@ -405,21 +423,12 @@ fn rdma_slices_in_flight_on_a_failed_endpoint_are_retried_on_a_fresh_one() {
         let local: Vec<u8> = (0..N * SLICE)
             .map(|i| (i % 253) as u8 ^ (i >> 16) as u8)
             .collect();
-        let (_, keys) = register(&target, remote.as_ptr() as u64, remote.len() as u64);
-        let (lr, _) = register(&init, local.as_ptr() as u64, local.len() as u64);
-        let peer = Arc::new(SegmentDescriptor {
-            name: target.name.clone(),
-            instance_id: target.instance,
-            transport: target.t.local_info(),
-            buffers: vec![BufferDesc {
-                region: MemoryRegion {
-                    addr: remote.as_ptr() as u64,
-                    len: remote.len() as u64,
-                    location: Location::Cpu,
-                },
-                keys,
-            }],
-        });
+        let (peer, lr) = one_buffer_each(
+            &target,
+            &init,
+            (remote.as_ptr() as u64, remote.len() as u64),
+            (local.as_ptr() as u64, local.len() as u64),
+        );
         let slices: Vec<Slice> = (0..N)
             .map(|i| Slice {
                 id: i as u32,
@@ -490,21 +499,12 @@ fn rdma_consecutive_slices_merge_into_one_work_request_only_where_they_continue(
             l[34 * S..35 * S].fill(0xA5);
             l
         };
-        let (_, keys) = register(&target, remote.as_ptr() as u64, remote.len() as u64);
-        let (lr, _) = register(&init, local.as_mut_ptr() as u64, local.len() as u64);
-        let peer = Arc::new(SegmentDescriptor {
-            name: target.name.clone(),
-            instance_id: target.instance,
-            transport: target.t.local_info(),
-            buffers: vec![BufferDesc {
-                region: MemoryRegion {
-                    addr: remote.as_ptr() as u64,
-                    len: remote.len() as u64,
-                    location: Location::Cpu,
-                },
-                keys,
-            }],
-        });
+        let (peer, lr) = one_buffer_each(
+            &target,
+            &init,
+            (remote.as_ptr() as u64, remote.len() as u64),
+            (local.as_mut_ptr() as u64, local.len() as u64),
+        );
         let slices: Vec<Slice> = layout
             .iter()
             .enumerate()
@@ -518,11 +518,11 @@ fn rdma_consecutive_slices_merge_into_one_work_request_only_where_they_continue(
                 len: S as u64,
             })
             .collect();
-        let st = BatchState::new(slices.len() as u32);
-        init.t
-            .post(&peer, &slices, CompletionSink::new(st.clone()), None);
-        let _ = st.wait(Duration::from_secs(60));
-        assert_eq!(st.status(), BatchStatus::Completed, "merge {merge_bytes}");
+        assert_eq!(
+            run_all(&init, &peer, &slices),
+            BatchStatus::Completed,
+            "merge {merge_bytes}"
+        );
         assert_eq!(
             init.t.work_requests_posted(),
             want,
@@ -571,21 +571,12 @@ fn rdma_a_posted_chain_signals_only_its_last_work_request() {
         let local: Vec<u8> = (0..N * S)
             .map(|i| (i % 253) as u8 ^ (i >> 14) as u8)
             .collect();
-        let (_, keys) = register(&target, remote.as_ptr() as u64, remote.len() as u64);
-        let (lr, _) = register(&init, local.as_ptr() as u64, local.len() as u64);
-        let peer = Arc::new(SegmentDescriptor {
-            name: target.name.clone(),
-            instance_id: target.instance,
-            transport: target.t.local_info(),
-            buffers: vec![BufferDesc {
-                region: MemoryRegion {
-                    addr: remote.as_ptr() as u64,
-                    len: remote.len() as u64,
-                    location: Location::Cpu,
-                },
-                keys,
-            }],
-        });
+        let (peer, lr) = one_buffer_each(
+            &target,
+            &init,
+            (remote.as_ptr() as u64, remote.len() as u64),
+            (local.as_ptr() as u64, local.len() as u64),
+        );
         let slices: Vec<Slice> = (0..N)
             .map(|i| Slice {
                 id: i as u32,
@@ -597,12 +588,12 @@ fn rdma_a_posted_chain_signals_only_its_last_work_request() {
                 len: S as u64,
             })
             .collect();
-        let st = BatchState::new(N as u32);
-        init.t
-            .post(&peer, &slices, CompletionSink::new(st.clone()), None);
-        let _ = st.wait(Duration::from_secs(60));
         let what = format!("{qps} QPs, chains of {chain}");
-        assert_eq!(st.status(), BatchStatus::Completed, "{what}");
+        assert_eq!(
+            run_all(&init, &peer, &slices),
+            BatchStatus::Completed,
+            "{what}"
+        );
         assert_eq!(init.t.work_requests_posted(), N as u64, "{what}: posted");
         assert_eq!(init.t.work_completions(), want, "{what}: work completions");
         assert_eq!(init.t.work_requests_in_flight(), 0, "{what}: in flight");

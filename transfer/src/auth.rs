@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{AuthError, Result, TransferError};
+use crate::error::{ArgumentError, AuthError, Result, TransferError};
 use crate::types::Op;
 
 mod hello_wire;
@@ -129,16 +129,18 @@ pub(crate) struct GrantTable {
 impl GrantTable {
     fn insert(&self, spec: GrantSpec) -> Result<()> {
         if spec.ranges.len() > MAX_GRANT_RANGES {
-            return Err(TransferError::InvalidArgument(format!(
-                "a grant of {} ranges (at most {MAX_GRANT_RANGES})",
-                spec.ranges.len()
-            )));
+            return Err(ArgumentError::TooManyGrantRanges {
+                ranges: spec.ranges.len(),
+                limit: MAX_GRANT_RANGES,
+            }
+            .into());
         }
         let mut r: Vec<(u64, u64)> = Vec::with_capacity(spec.ranges.len());
         for &(a, l) in &spec.ranges {
-            let end = a.checked_add(l).filter(|_| l > 0).ok_or_else(|| {
-                TransferError::InvalidArgument(format!("grant range [{a:#x}, +{l})"))
-            })?;
+            let end = a
+                .checked_add(l)
+                .filter(|_| l > 0)
+                .ok_or(ArgumentError::BadGrantRange { addr: a, len: l })?;
             r.push((a, end));
         }
         // Stable sort: it merges the ascending runs callers usually pass (per layer, per part)
@@ -162,9 +164,7 @@ impl GrantTable {
         let mut map = self.map.write_locked();
         map.retain(|_, g| g.expires > now); // expired grants go on the next grant
         if map.contains_key(&spec.token) {
-            return Err(TransferError::InvalidArgument(
-                "this token already has a live grant".into(),
-            ));
+            return Err(ArgumentError::GrantExists.into());
         }
         map.insert(spec.token, Arc::new(g));
         Ok(())

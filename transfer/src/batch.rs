@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::error::{Result, TransferError};
+use crate::error::{ArgumentError, Result, TransferError};
 use crate::memory::{Cover, MemoryRegion, MemoryRegistry};
 use crate::transport::completion::BatchState;
 use crate::transport::Slice;
@@ -64,10 +64,10 @@ pub(crate) fn local_covers(
     requests: &[TransferRequest],
 ) -> Result<Vec<Cover<MemoryRegion>>> {
     if let Some(r) = requests.iter().find(|r| r.len == 0) {
-        return Err(TransferError::InvalidArgument(format!(
-            "request at local {:#x} has zero length",
-            r.local_addr
-        )));
+        return Err(ArgumentError::ZeroLengthRequest {
+            local_addr: r.local_addr,
+        }
+        .into());
     }
     registry
         .cover_regions(requests.iter().map(|r| (r.local_addr, r.len)))
@@ -116,9 +116,7 @@ where
         let (l, rc) = (l.as_ref(), rc.as_ref());
         let est = (l.len() + rc.len()) as u64;
         if slices.len() as u64 + est > u32::MAX as u64 {
-            return Err(TransferError::InvalidArgument(
-                "batch has too many slices; raise slice_size".into(),
-            ));
+            return Err(too_many_slices());
         }
         cut_request(r, l, rc, &mut size_of, &mut slices)?;
     }
@@ -146,9 +144,7 @@ fn cut_request(
         if chunk <= size {
             // One slice (the common case of small requests): no division.
             if out.len() as u64 + 1 > u32::MAX as u64 {
-                return Err(TransferError::InvalidArgument(
-                    "batch has too many slices; raise slice_size".into(),
-                ));
+                return Err(too_many_slices());
             }
             out.push(Slice {
                 id: out.len() as u32,
@@ -193,9 +189,7 @@ fn cut_run(
     let rem = chunk % size;
     let merge_tail = full >= 1 && rem > 0 && rem <= size / 4;
     if out.len() as u64 + full + 1 > u32::MAX as u64 {
-        return Err(TransferError::InvalidArgument(
-            "batch has too many slices; raise slice_size".into(),
-        ));
+        return Err(too_many_slices());
     }
     while at < chunk {
         let mut n = (chunk - at).min(size);
@@ -214,6 +208,14 @@ fn cut_run(
         at += n;
     }
     Ok(())
+}
+
+/// A batch of more slices than its `u32` slice ids can count.
+fn too_many_slices() -> TransferError {
+    ArgumentError::TooManySlices {
+        limit: u64::from(u32::MAX),
+    }
+    .into()
 }
 
 #[cfg(test)]

@@ -194,6 +194,18 @@ pub enum GpuRegistration {
     Staged,
 }
 
+impl GpuRegistration {
+    /// The configuration's spelling: `"auto"`, `"dma-buf"`, `"peer-memory"`, `"staged"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GpuRegistration::Auto => "auto",
+            GpuRegistration::DmaBuf => "dma-buf",
+            GpuRegistration::PeerMemory => "peer-memory",
+            GpuRegistration::Staged => "staged",
+        }
+    }
+}
+
 impl Default for RdmaConfig {
     fn default() -> Self {
         RdmaConfig {

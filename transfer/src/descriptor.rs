@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{HandshakeError, ProtocolError, Result, TransferError};
+use crate::error::{HandshakeError, ProtocolError, Result, TransferError, UnsupportedError};
 use crate::handshake::MAX_FRAME_BODY;
 use crate::memory::{cover_sorted, Cover, MemoryRegion, MemoryRegistry, RegionKeys};
 use crate::types::{TransferRequest, TransportKind};
@@ -183,12 +183,12 @@ impl SegmentDescriptor {
         if self.transport.kind == local {
             return Ok(());
         }
-        Err(TransferError::Unsupported(format!(
-            "segment {} uses transport {:?}, this engine uses {:?}",
-            self.name,
-            self.transport.kind.as_str(),
-            local.as_str()
-        )))
+        Err(UnsupportedError::TransportMismatch {
+            segment: self.name.clone(),
+            theirs: self.transport.kind.as_str(),
+            ours: local.as_str(),
+        }
+        .into())
     }
 }
 

@@ -12,12 +12,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+mod argument;
 mod config;
 mod io;
 mod rdma;
+mod unsupported;
+pub use argument::{ArgumentError, SyncBound};
 pub use config::{ConfigError, NoRdma, SecretFileError};
 pub use io::{IoError, Shared};
 pub use rdma::RdmaError;
+pub use unsupported::UnsupportedError;
 
 /// Every failure the transfer engine reports. Variants name the address, segment or peer
 /// involved; no variant is ever produced by a panic.
@@ -31,9 +35,10 @@ pub enum TransferError {
     /// listener and the address (`"bind handshake listener on h:p"`).
     #[error("configuration error: cannot {0}")]
     Bind(#[source] IoError),
-    /// A caller argument is invalid (zero length, unknown address, bad name).
+    /// A caller argument (or a peer's request for this side's memory) is invalid (see
+    /// [`ArgumentError`]: the address, length or limit).
     #[error("invalid argument: {0}")]
-    InvalidArgument(String),
+    InvalidArgument(#[source] ArgumentError),
     /// A segment name (a peer's handshake address) that is not `host:port` with a nonempty
     /// host and a port in 1..=65535: the name as given.
     #[error("invalid argument: segment name {0:?} is not host:port")]
@@ -79,9 +84,10 @@ pub enum TransferError {
     /// A wait ran past its deadline.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
-    /// The transport cannot do what was asked (e.g. GPU memory over TCP without the GPU backend).
+    /// The transport cannot do what was asked (see [`UnsupportedError`]: GPU memory without
+    /// the GPU backend, a peer of another transport, a budget spent).
     #[error("unsupported: {0}")]
-    Unsupported(String),
+    Unsupported(#[source] UnsupportedError),
     /// The batch id is unknown (never issued, or already freed by a finished wait).
     #[error("unknown batch id {0}")]
     UnknownBatch(u64),
@@ -217,6 +223,18 @@ impl TransferError {
             cur = e.source();
         }
         None
+    }
+}
+
+impl From<ArgumentError> for TransferError {
+    fn from(e: ArgumentError) -> Self {
+        TransferError::InvalidArgument(e)
+    }
+}
+
+impl From<UnsupportedError> for TransferError {
+    fn from(e: UnsupportedError) -> Self {
+        TransferError::Unsupported(e)
     }
 }
 

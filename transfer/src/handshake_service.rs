@@ -152,7 +152,9 @@ mod tests {
             done: CompletionSink,
             _token: Option<crate::auth::Token>,
         ) {
-            let e = TransferError::Unsupported("moves nothing".into());
+            let e = TransferError::Unsupported(crate::error::UnsupportedError::ShutDown {
+                transport: "test",
+            });
             done.fail_all(slices.iter().map(|s| s.id), &e);
         }
     }

@@ -8,7 +8,9 @@ use std::sync::{Arc, RwLock};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{ConfigError, RegistrationError, Result, TransferError};
+use crate::error::{
+    ArgumentError, ConfigError, RegistrationError, Result, TransferError, UnsupportedError,
+};
 use crate::types::Location;
 
 /// A registered range of memory: `len` bytes from virtual address `addr` of this process,
@@ -218,9 +220,8 @@ impl MemoryRegistry {
     /// it ended) and returns it. `InvalidArgument` when no region starts there.
     pub fn remove(&self, addr: u64) -> Result<RegistryEntry> {
         let mut map = self.regions.write_locked();
-        map.remove(&addr).ok_or_else(|| {
-            TransferError::InvalidArgument(format!("no memory region registered at {addr:#x}"))
-        })
+        map.remove(&addr)
+            .ok_or_else(|| TransferError::InvalidArgument(ArgumentError::NoRegionAt { addr }))
     }
 
     /// Pins the regions starting at `starts` for a batch until the returned pins drop.
@@ -244,9 +245,7 @@ impl MemoryRegistry {
                 let batches = self.inflight.count(addr);
                 if batches == 0 || !map.contains_key(&addr) {
                     return map.remove(&addr).ok_or_else(|| {
-                        TransferError::InvalidArgument(format!(
-                            "no memory region registered at {addr:#x}"
-                        ))
+                        TransferError::InvalidArgument(ArgumentError::NoRegionAt { addr })
                     });
                 }
                 if std::time::Instant::now() >= deadline {
@@ -397,11 +396,11 @@ pub trait MemoryAccess: Send + Sync + 'static {
     /// transport's `ibv_reg_dmabuf_mr` (docs/design.md §3 "GPU memory": dma-buf first, then the
     /// peer-memory path, else a pinned host mirror). Default: `Unsupported` (no exporter).
     fn export_dmabuf(&self, region: &MemoryRegion) -> Result<DmabufRange> {
-        Err(TransferError::Unsupported(format!(
-            "{} memory access exports no dma-buf for {} memory",
-            self.name(),
-            region.location
-        )))
+        Err(UnsupportedError::NoDmabuf {
+            backend: self.name(),
+            location: region.location,
+        }
+        .into())
     }
 }
 
@@ -422,10 +421,7 @@ pub struct HostMemoryAccess;
 
 impl HostMemoryAccess {
     fn refuse(location: Location) -> TransferError {
-        TransferError::Unsupported(format!(
-            "memory at {location} cannot be moved by this transport: GPU memory needs the GPU \
-             memory backend (transfer/src/gpu, cuda support), which is not available in this build"
-        ))
+        TransferError::Unsupported(UnsupportedError::NoGpuBackend { location })
     }
 }
 

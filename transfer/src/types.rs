@@ -4,7 +4,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::TransferError;
+use crate::error::{ArgumentError, TransferError};
 
 /// Where a memory region lives: defined once in kvferry-cuda and used by every crate.
 pub use kvferry_cuda::Location;
@@ -51,9 +51,7 @@ impl FromStr for TransportKind {
             "auto" => Ok(TransportKind::Auto),
             "tcp" => Ok(TransportKind::Tcp),
             "rdma" => Ok(TransportKind::Rdma),
-            _ => Err(TransferError::InvalidArgument(format!(
-                "transport {s:?}: expected auto, tcp or rdma"
-            ))),
+            _ => Err(ArgumentError::unknown_transport(s).into()),
         }
     }
 }

@@ -95,7 +95,7 @@ fn cuda_memory_is_refused_cleanly_without_cuda() {
         _ => {
             let e = m.check(Location::Cuda(0)).unwrap_err();
             assert!(
-                matches!(e, TransferError::Unsupported(ref t) if t.contains("cuda:0")),
+                matches!(e, TransferError::Unsupported(_)) && e.to_string().contains("cuda:0"),
                 "{e}"
             );
             let mut b = [0u8; 8];
@@ -183,7 +183,7 @@ fn registration_checks_device_ranges() {
         .check_region(&region(host.as_ptr() as u64, 4096))
         .unwrap_err();
     assert!(
-        matches!(e, TransferError::InvalidArgument(ref t) if t.contains("cuda:0")),
+        matches!(e, TransferError::InvalidArgument(_)) && e.to_string().contains("cuda:0"),
         "{e}"
     );
     let a = engine();

@@ -25,7 +25,9 @@ impl MemoryAccess for FakeDevice {
     fn check(&self, location: Location) -> Result<()> {
         match location {
             Location::Cpu | Location::Cuda(0) => Ok(()),
-            other => Err(TransferError::Unsupported(format!("no {other}"))),
+            other => Err(TransferError::Unsupported(
+                kvferry_transfer::UnsupportedError::NoGpuBackend { location: other },
+            )),
         }
     }
     unsafe fn copy_from(&self, location: Location, src: u64, dst: &mut [u8]) -> Result<()> {
@@ -39,9 +41,7 @@ impl MemoryAccess for FakeDevice {
     unsafe fn copy_to(&self, location: Location, dst: u64, src: &[u8]) -> Result<()> {
         self.check(location)?;
         if self.fail_writes.load(Ordering::SeqCst) {
-            return Err(TransferError::Unsupported(
-                "device copy failed (injected)".into(),
-            ));
+            return Err(TransferError::gpu("device copy failed (injected)"));
         }
         self.to.fetch_add(1, Ordering::SeqCst);
         // SAFETY: the MemoryAccess caller's contract: the host range is valid and writable for

@@ -10,7 +10,7 @@ use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-use crate::error::{ConfigError, IoError, Result, SecretFileError, TransferError};
+use crate::error::{ArgumentError, ConfigError, IoError, Result, SecretFileError, TransferError};
 
 /// Smallest shared secret accepted, bytes.
 pub const MIN_SECRET_BYTES: usize = 16;
@@ -166,7 +166,7 @@ impl FromStr for Token {
     fn from_str(s: &str) -> Result<Token> {
         unhex::<16>(s)
             .map(Token)
-            .ok_or_else(|| TransferError::InvalidArgument("a token is 32 hex digits".into()))
+            .ok_or(TransferError::InvalidArgument(ArgumentError::BadToken))
     }
 }
 

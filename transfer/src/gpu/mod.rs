@@ -21,7 +21,7 @@ use kvferry_cuda::driver::Context;
 use kvferry_cuda::sys;
 use kvferry_cuda::CudaError;
 
-use crate::error::{Result, TransferError};
+use crate::error::{ArgumentError, Result, Shared, TransferError, UnsupportedError};
 use crate::memory::{DmabufRange, MemoryAccess, MemoryRegion};
 use crate::types::Location;
 
@@ -92,8 +92,11 @@ fn device(n: u32) -> Result<&'static DeviceState> {
         .map_err(|why| unsupported(Location::Cuda(n), &why))
 }
 
-fn unsupported(location: Location, why: &dyn std::fmt::Display) -> TransferError {
-    TransferError::Unsupported(format!("memory at {location} cannot be used: {why}"))
+fn unsupported(location: Location, why: &CudaError) -> TransferError {
+    TransferError::Unsupported(UnsupportedError::Unusable {
+        location,
+        why: Shared(Arc::new(why.clone())),
+    })
 }
 
 impl DeviceState {
@@ -221,17 +224,23 @@ impl MemoryAccess for CudaMemoryAccess {
         let d = device(n)?;
         d.bind()?;
         let (start, size, ordinal) = allocation_of(region.addr).map_err(|why| {
-            TransferError::InvalidArgument(format!(
-                "[{:#x}, +{}) is not cuda:{n} memory: {why}",
-                region.addr, region.len
-            ))
+            TransferError::InvalidArgument(ArgumentError::NotDeviceMemory {
+                addr: region.addr,
+                len: region.len,
+                ordinal: n,
+                source: Shared(Arc::new(why)),
+            })
         })?;
         if ordinal != n as i32 || region.end() > start + size {
-            return Err(TransferError::InvalidArgument(format!(
-                "[{:#x}, +{}) is not inside one allocation of cuda:{n} memory (allocation [{start:#x}, +{size}) \
-                 on cuda:{ordinal})",
-                region.addr, region.len
-            )));
+            return Err(ArgumentError::SpansAllocations {
+                addr: region.addr,
+                len: region.len,
+                ordinal: n,
+                alloc_addr: start,
+                alloc_len: size,
+                alloc_ordinal: i64::from(ordinal),
+            }
+            .into());
         }
         Ok(())
     }
@@ -425,10 +434,10 @@ unsafe fn pointer_attribute<T: Default>(
 /// driver lacks dma-buf support, `InvalidArgument` for a host region.
 pub fn export_dmabuf(region: &MemoryRegion) -> Result<(OwnedFd, u64)> {
     let Location::Cuda(n) = region.location else {
-        return Err(TransferError::InvalidArgument(format!(
-            "dma-buf export of {} memory: only cuda:N memory is exported",
-            region.location
-        )));
+        return Err(ArgumentError::DmabufOfHost {
+            location: region.location,
+        }
+        .into());
     };
     let d = device(n)?;
     d.bind()?;
@@ -437,10 +446,10 @@ pub fn export_dmabuf(region: &MemoryRegion) -> Result<(OwnedFd, u64)> {
         .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)
         .map_err(io)?;
     if supported == 0 {
-        return Err(unsupported(
-            region.location,
-            &"the device or driver does not support dma-buf",
-        ));
+        return Err(UnsupportedError::NoDmabufSupport {
+            location: region.location,
+        }
+        .into());
     }
     // SAFETY: sysconf takes a constant and has no preconditions.
     let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
@@ -466,10 +475,10 @@ pub fn export_dmabuf(region: &MemoryRegion) -> Result<(OwnedFd, u64)> {
         .map_err(|e| unsupported(region.location, &e))?;
     }
     if fd < 0 {
-        return Err(unsupported(
-            region.location,
-            &"cuMemGetHandleForAddressRange returned no fd",
-        ));
+        return Err(UnsupportedError::DmabufNoFd {
+            location: region.location,
+        }
+        .into());
     }
     // SAFETY: the driver returned a fresh fd that nothing else owns.
     Ok((unsafe { OwnedFd::from_raw_fd(fd) }, region.addr - start))

@@ -54,9 +54,16 @@ impl FakeGpu {
 
     fn host(&self, addr: u64, len: usize) -> Result<*mut u8> {
         if addr < self.base || addr - self.base + len as u64 > self.len {
-            return Err(TransferError::InvalidArgument(format!(
-                "[{addr:#x}, +{len}) is not fake device memory"
-            )));
+            return Err(TransferError::InvalidArgument(
+                kvferry_transfer::ArgumentError::NotDeviceMemory {
+                    addr,
+                    len: len as u64,
+                    ordinal: 0,
+                    source: kvferry_transfer::Shared(Arc::new(std::io::Error::other(
+                        "outside the fake device range",
+                    ))),
+                },
+            ));
         }
         // SAFETY: inside the backing store (checked).
         Ok(unsafe { self.backing.add((addr - self.base) as usize) })
@@ -85,7 +92,9 @@ impl MemoryAccess for FakeGpu {
     fn check(&self, location: Location) -> Result<()> {
         match location {
             Location::Cpu | Location::Cuda(0) => Ok(()),
-            other => Err(TransferError::Unsupported(format!("no {other}"))),
+            other => Err(TransferError::Unsupported(
+                kvferry_transfer::UnsupportedError::NoGpuBackend { location: other },
+            )),
         }
     }
     fn check_region(&self, region: &MemoryRegion) -> Result<()> {

@@ -13,7 +13,7 @@ use super::keys::IpcRegionKeys;
 use super::state::{gpu_err, lock, Job, Lane, Mapped, COPY_DEADLINE};
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{Result, TransferError};
+use crate::error::{Result, TransferError, UnsupportedError};
 use crate::transport::{CompletionSink, Slice};
 use crate::types::{Location, Op};
 
@@ -222,9 +222,9 @@ impl CudaIpcTransport {
                         let _ = j.event.synchronize();
                         j.done.fail_all(
                             j.ids.iter().copied(),
-                            &TransferError::Unsupported(
-                                "the CUDA IPC transport is shut down".into(),
-                            ),
+                            &TransferError::Unsupported(UnsupportedError::ShutDown {
+                                transport: "CUDA IPC",
+                            }),
                         );
                     }
                 }

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use sendfd::{RecvWithFd, SendWithFd};
 
-use crate::error::{Result, TransferError};
+use crate::error::{Result, TransferError, UnsupportedError};
 
 /// Outstanding tickets at most; a peer asking for more is refused until some expire or are used.
 pub const MAX_TICKETS: usize = 4096;
@@ -95,9 +95,7 @@ impl FdServer {
             .unwrap_or_else(|p| p.into_inner());
         t.retain(|_, o| o.expires > now);
         if t.len() >= MAX_TICKETS {
-            return Err(TransferError::Unsupported(format!(
-                "{MAX_TICKETS} CUDA IPC descriptor tickets are outstanding; try again later"
-            )));
+            return Err(UnsupportedError::TooManyTickets { limit: MAX_TICKETS }.into());
         }
         t.insert(
             ticket,

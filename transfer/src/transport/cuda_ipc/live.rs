@@ -11,7 +11,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::error::{ProtocolError, Result, TransferError};
+use crate::error::{ProtocolError, Result, TransferError, UnsupportedError};
 
 /// Bytes of the shared table.
 pub const TABLE_BYTES: usize = 64 << 10;
@@ -65,10 +65,11 @@ impl LiveTable {
     /// [`MAX_LIVE`] regions (nothing changes then).
     pub fn publish(&mut self, regions: &[(u64, u64)]) -> Result<()> {
         if regions.len() > MAX_LIVE {
-            return Err(TransferError::Unsupported(format!(
-                "{} regions exported for CUDA IPC; at most {MAX_LIVE}",
-                regions.len()
-            )));
+            return Err(UnsupportedError::TooManyExports {
+                regions: regions.len(),
+                limit: MAX_LIVE,
+            }
+            .into());
         }
         let w = words(&self.map);
         let seq = w[0].load(Ordering::Relaxed);

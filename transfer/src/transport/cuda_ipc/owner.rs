@@ -15,23 +15,29 @@ use super::state::{
     MAX_ALLOCS_PER_REQUEST, NONCES_KEPT, PROOF_LABEL,
 };
 use super::transport::CudaIpcTransport;
-use crate::error::{ProtocolError, Result, TransferError};
+use crate::error::{ArgumentError, ProtocolError, Result, TransferError, UnsupportedError};
 use crate::memory::MemoryRegion;
 
 impl CudaIpcTransport {
     /// Exports the allocation holding `region` and returns its keys (owner side).
     pub(super) fn export(&self, region: &MemoryRegion, ordinal: u32) -> Result<IpcRegionKeys> {
-        let me = self.me.clone().ok_or_else(|| {
-            TransferError::Unsupported("no host identity (/proc/sys/kernel/random/boot_id)".into())
-        })?;
+        let me = self
+            .me
+            .clone()
+            .ok_or(TransferError::Unsupported(UnsupportedError::NoHostIdentity))?;
         let lane = self.lane(ordinal)?;
         lane.ctx.bind().map_err(gpu_err)?;
         let a = allocation_of(region.addr).map_err(gpu_err)?;
         if a.ordinal != ordinal || region.end() > a.base + a.size {
-            return Err(TransferError::InvalidArgument(format!(
-                "[{:#x}, +{}) is not inside one allocation of cuda:{ordinal} (allocation [{:#x}, +{}) on cuda:{})",
-                region.addr, region.len, a.base, a.size, a.ordinal
-            )));
+            return Err(ArgumentError::SpansAllocations {
+                addr: region.addr,
+                len: region.len,
+                ordinal,
+                alloc_addr: a.base,
+                alloc_len: a.size,
+                alloc_ordinal: i64::from(a.ordinal),
+            }
+            .into());
         }
         let uuid = ipc::device_uuid(ordinal).map_err(gpu_err)?;
         let mut ex = lock(&self.exports);
@@ -151,9 +157,10 @@ impl CudaIpcTransport {
             }
         }
         let srv = self.fd_server()?;
-        let live_fd = lock(&self.live).as_ref().map(|l| l.fd()).ok_or_else(|| {
-            TransferError::Unsupported("no region is exported for CUDA IPC".into())
-        })?;
+        let live_fd = lock(&self.live)
+            .as_ref()
+            .map(|l| l.fd())
+            .ok_or_else(|| TransferError::Unsupported(UnsupportedError::NothingExported))?;
         let live = hex(&srv.offer(live_fd, super::live::TABLE_BYTES as u64)?);
         let ex = lock(&self.exports);
         let mut allocs = Vec::with_capacity(req.allocs.len());

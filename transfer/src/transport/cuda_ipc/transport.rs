@@ -37,7 +37,7 @@ use super::state::{complete_jobs, gpu_err, lock, Export, Job, Lane, Nonces, Peer
 use crate::auth::AuthState;
 use crate::config::CudaIpcMode;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{ConfigError, Result, TransferError};
+use crate::error::{ConfigError, Result, Shared, TransferError, UnsupportedError};
 use crate::memory::{MemoryRegion, RegionKeys};
 use crate::transport::{
     wait_point, CompletionSink, Slice, StreamPoint, Transport, TransportContext, TransportInfo,
@@ -61,7 +61,7 @@ pub struct CudaIpcTransport {
     /// Exported regions (addr → len): what the live table lists.
     pub(super) live_lens: Mutex<HashMap<u64, u64>>,
     pub(super) live: Mutex<Option<LiveTable>>,
-    pub(super) fd_server: OnceLock<std::result::Result<FdServer, String>>,
+    pub(super) fd_server: OnceLock<Result<FdServer>>,
     pub(super) peers: Mutex<HashMap<String, Peer>>,
     pub(super) nonces: Mutex<Nonces>,
     pub(super) lanes: Mutex<HashMap<u32, Arc<Lane>>>,
@@ -138,9 +138,9 @@ impl CudaIpcTransport {
 
     pub(super) fn fd_server(&self) -> Result<&FdServer> {
         self.fd_server
-            .get_or_init(|| FdServer::start().map_err(|e| e.to_string()))
+            .get_or_init(FdServer::start)
             .as_ref()
-            .map_err(|e| TransferError::Unsupported(format!("CUDA IPC socket: {e}")))
+            .map_err(|e| UnsupportedError::IpcSocket(Shared(Arc::new(e.clone()))).into())
     }
 
     pub(super) fn lane(&self, ordinal: u32) -> Result<Arc<Lane>> {

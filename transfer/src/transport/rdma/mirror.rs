@@ -7,7 +7,7 @@
 use crate::sync::RwLockExt;
 use std::sync::{Arc, RwLock};
 
-use crate::error::{Result, TransferError};
+use crate::error::{ArgumentError, Result, TransferError};
 use crate::memory::{MemoryAccess, MemoryRegion};
 
 /// A host mirror of one staged GPU region: `region.len` bytes of anonymous memory, pinned by
@@ -44,7 +44,7 @@ impl Mirror {
     /// room for them (the text names the size).
     pub fn new(region: &MemoryRegion) -> Result<Arc<Mirror>> {
         let len = usize::try_from(region.len).map_err(|_| {
-            TransferError::InvalidArgument(format!("region of {} bytes", region.len))
+            TransferError::InvalidArgument(ArgumentError::RegionTooLarge { len: region.len })
         })?;
         let mut map = memmap2::MmapMut::map_anon(len).map_err(|e| {
             TransferError::rdma(format!(
@@ -73,10 +73,11 @@ impl Mirror {
     fn while_live(&self, copy: impl FnOnce() -> Result<()>) -> Result<()> {
         let live = self.live.read_locked();
         if !*live {
-            return Err(TransferError::InvalidArgument(format!(
-                "the staged {} region at {:#x} was unregistered",
-                self.region.location, self.region.addr
-            )));
+            return Err(ArgumentError::StagedRegionGone {
+                location: self.region.location,
+                addr: self.region.addr,
+            }
+            .into());
         }
         copy()
     }
@@ -100,10 +101,12 @@ impl Mirror {
 
     fn bytes(&self, addr: u64, len: u64) -> Result<*mut u8> {
         let at = self.translate(addr, len).ok_or_else(|| {
-            TransferError::InvalidArgument(format!(
-                "[{addr:#x}, +{len}) is not inside the staged region [{:#x}, +{})",
-                self.region.addr, self.region.len
-            ))
+            TransferError::InvalidArgument(ArgumentError::OutsideStagedRegion {
+                addr,
+                len,
+                region_addr: self.region.addr,
+                region_len: self.region.len,
+            })
         })?;
         Ok(at as *mut u8)
     }

@@ -20,7 +20,7 @@ use super::inflight::InFlight;
 use super::shared::Shared;
 use super::verbs::{self, RawWr, MAX_WR_BYTES};
 use super::work::Work;
-use crate::error::{Result, TransferError};
+use crate::error::{ArgumentError, Result, TransferError};
 use crate::transport::CompletionSink;
 use crate::types::Op;
 
@@ -123,10 +123,11 @@ impl Shared {
                 "segment {} buffer {} has no rkey for its device {} (or a bad staging address)",
                 head.peer.name, sl.remote_buffer, ep.key.remote_dev
             ))),
-            _ => Err(TransferError::InvalidArgument(format!(
-                "slice of {} bytes (1..={MAX_WR_BYTES})",
-                sl.len
-            ))),
+            _ => Err(ArgumentError::SliceLength {
+                len: sl.len,
+                max: MAX_WR_BYTES,
+            }
+            .into()),
         }
     }
 

@@ -15,7 +15,7 @@ use super::mirror::Mirror;
 use super::shared::Shared;
 use super::staging_sync::{self, Direction, SyncRequest};
 use crate::config::GpuRegistration;
-use crate::error::{RdmaError, Result, TransferError};
+use crate::error::{RdmaError, Result, UnsupportedError};
 use crate::memory::{MemoryRegion, RegistrationPath};
 
 /// Registers a dma-buf range on one device (`ibv_reg_dmabuf_mr`), `iova` = the address peers
@@ -75,7 +75,7 @@ impl Shared {
         if matches!(mode, GpuRegistration::Auto | GpuRegistration::DmaBuf) {
             match self.reg_dmabuf_all(region) {
                 Ok(mrs) => return Ok((mrs, RegistrationPath::DmaBuf, None)),
-                Err(e) => why.push(format!("dma-buf: {e}")),
+                Err(e) => why.push(("dma-buf", crate::error::Shared(Arc::new(e)))),
             }
         }
         if matches!(mode, GpuRegistration::Auto | GpuRegistration::PeerMemory) {
@@ -83,7 +83,7 @@ impl Shared {
             // fails (the kernel cannot pin memory the host cannot map).
             match unsafe { self.reg_host(region.addr, region.len) } {
                 Ok(mrs) => return Ok((mrs, RegistrationPath::PeerMemory, None)),
-                Err(e) => why.push(format!("peer memory: {e}")),
+                Err(e) => why.push(("peer memory", crate::error::Shared(Arc::new(e)))),
             }
         }
         if matches!(mode, GpuRegistration::Auto | GpuRegistration::Staged) {
@@ -103,22 +103,26 @@ impl Shared {
                             region.location,
                             region.addr,
                             region.len,
-                            why.join("; "),
+                            why.iter()
+                                .map(|(path, e)| format!("{path}: {e}"))
+                                .collect::<Vec<_>>()
+                                .join("; "),
                             region.len
                         );
                     }
                     return Ok((mrs, RegistrationPath::Staged, Some(m)));
                 }
-                Err(e) => why.push(format!("staging: {e}")),
+                Err(e) => why.push(("staging", crate::error::Shared(Arc::new(e)))),
             }
         }
-        Err(TransferError::Unsupported(format!(
-            "{} region [{:#x}, +{}) cannot be registered for RDMA (gpu_registration {mode:?}): {}",
-            region.location,
-            region.addr,
-            region.len,
-            why.join("; ")
-        )))
+        Err(UnsupportedError::GpuRegistration {
+            location: region.location,
+            addr: region.addr,
+            len: region.len,
+            mode: mode.as_str(),
+            attempts: why,
+        }
+        .into())
     }
 
     /// dma-buf registration of a GPU region on every device (one export).

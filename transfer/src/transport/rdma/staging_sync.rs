@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
 use super::mirror::Mirror;
-use crate::error::{ProtocolError, Result, TransferError};
+use crate::error::{ArgumentError, ProtocolError, Result, SyncBound, TransferError};
 
 /// Most ranges one sync request may name (a body is at most 1 MiB anyway).
 pub(crate) const MAX_SYNC_RANGES: usize = 65_536;
@@ -135,23 +135,17 @@ pub(crate) fn resolve(
     find: impl Fn(u64, u64) -> Option<Arc<Mirror>>,
 ) -> Result<Vec<(Arc<Mirror>, u64, u64)>> {
     if body.ranges.len() > MAX_SYNC_RANGES {
-        return Err(TransferError::InvalidArgument(format!(
-            "staging sync names {} ranges (at most {MAX_SYNC_RANGES})",
-            body.ranges.len()
-        )));
+        return Err(bound(SyncBound::TooManyRanges {
+            ranges: body.ranges.len(),
+            limit: MAX_SYNC_RANGES,
+        }));
     }
     let mut copies = Vec::with_capacity(body.ranges.len());
     for &(addr, len) in &body.ranges {
         if len == 0 {
-            return Err(TransferError::InvalidArgument(format!(
-                "staging sync range at {addr:#x} has zero length"
-            )));
+            return Err(bound(SyncBound::ZeroLength { addr }));
         }
-        let outside = || {
-            TransferError::InvalidArgument(format!(
-                "staging sync range [{addr:#x}, +{len}) is not inside a staged region"
-            ))
-        };
+        let outside = || bound(SyncBound::NotStaged { addr, len });
         let end = addr.checked_add(len).ok_or_else(outside)?;
         let mut at = addr;
         while at < end {
@@ -162,9 +156,9 @@ pub(crate) fn resolve(
                 return Err(outside());
             }
             if copies.len() >= MAX_SYNC_COPIES {
-                return Err(TransferError::InvalidArgument(format!(
-                    "staging sync spans more than {MAX_SYNC_COPIES} pieces of staged regions"
-                )));
+                return Err(bound(SyncBound::TooManyPieces {
+                    limit: MAX_SYNC_COPIES,
+                }));
             }
             copies.push((m, at, piece));
             at += piece;
@@ -172,6 +166,11 @@ pub(crate) fn resolve(
     }
     Ok(copies)
 }
+/// `b` as the `InvalidArgument` a bad sync request gets.
+fn bound(b: SyncBound) -> TransferError {
+    TransferError::InvalidArgument(ArgumentError::StagingSync(b))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

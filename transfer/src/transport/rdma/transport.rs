@@ -22,7 +22,7 @@ use super::staging_sync::SyncRequest;
 use super::work::{StageJob, Work};
 use super::workers::{run_completions, run_events};
 use crate::descriptor::{SegmentDescriptor, TransportInfo};
-use crate::error::{ConfigError, ProtocolError, RdmaError, Result, TransferError};
+use crate::error::{ArgumentError, ConfigError, ProtocolError, RdmaError, Result, TransferError};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
 use crate::transport::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
 use crate::types::{Location, TransportKind};
@@ -240,10 +240,7 @@ impl Transport for RdmaTransport {
                 }
                 Ok(())
             }
-            None => Err(TransferError::InvalidArgument(format!(
-                "no RDMA registration at {:#x}",
-                region.addr
-            ))),
+            None => Err(ArgumentError::NoRdmaRegistration { addr: region.addr }.into()),
         }
     }
 

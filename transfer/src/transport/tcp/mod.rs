@@ -41,7 +41,7 @@ use serde_json::json;
 use super::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
 use crate::admission::Listener;
 use crate::descriptor::{SegmentDescriptor, TransportInfo};
-use crate::error::{ConfigError, IoError, ProtocolError, Result, TransferError};
+use crate::error::{ConfigError, IoError, ProtocolError, Result, TransferError, UnsupportedError};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath, TransportKeys};
 use crate::types::{Location, TransportKind};
 use coalesce::coalesce;
@@ -185,9 +185,7 @@ impl Transport for TcpTransport {
     }
 
     fn on_handshake(&self, _peer: SocketAddr, _body: &[u8]) -> Result<Vec<u8>> {
-        Err(TransferError::Unsupported(
-            "the tcp transport takes no connect frames".into(),
-        ))
+        Err(UnsupportedError::NoConnectFrames { transport: "tcp" }.into())
     }
 
     fn post(

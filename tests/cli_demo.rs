@@ -7,6 +7,9 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+mod common;
+use common::KillOnDrop;
+
 fn kvferry() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kvferry"));
     c.env("KVFERRY_LOG", "warn");
@@ -377,8 +380,9 @@ fn free_port(host: &str) -> u16 {
 }
 
 /// Starts `kvferry serve --bind ADDR ARGS...` (stderr kept for [`stderr_of`]) and gives it
-/// a moment to bind; the consumer also retries within its deadline while it starts.
-fn spawn_serve(addr: &str, args: &[&str]) -> Child {
+/// a moment to bind; the consumer also retries within its deadline while it starts. Killed
+/// when dropped, so a failing assertion leaves no `serve` behind.
+fn spawn_serve(addr: &str, args: &[&str]) -> KillOnDrop {
     let child = kvferry()
         .args(["serve", "--bind", addr])
         .args(args)
@@ -387,7 +391,7 @@ fn spawn_serve(addr: &str, args: &[&str]) -> Child {
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_millis(500));
-    child
+    KillOnDrop(child)
 }
 
 /// Runs `kvferry load --json --producer ADDR ARGS...` to its end.

@@ -6,19 +6,11 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// A child process killed and reaped when dropped, so a failing assertion does not leave a
-/// `serve` (or a lingering `load`) running after the test.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+mod common;
+use common::KillOnDrop;
 
 fn free_port() -> u16 {
     let l = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
@@ -65,7 +57,7 @@ fn a_scrape_after_loads_counts_what_moved_and_the_endpoint_is_bounded() {
         "--seed",
         "3",
     ];
-    let _serve = Killed(
+    let _serve = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_kvferry"))
             .args(["serve", "--bind", &ctl, "--metrics-addr", &metrics])
             .args(common)
@@ -175,7 +167,7 @@ fn a_scrape_of_load_counts_verdicts_with_a_corrupted_load_and_checksum_time() {
         "--seed",
         "7",
     ];
-    let _serve = Killed(
+    let _serve = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_kvferry"))
             .args(["serve", "--bind", &ctl, "--metrics-addr", &serve_metrics])
             .args(common)
@@ -188,7 +180,7 @@ fn a_scrape_of_load_counts_verdicts_with_a_corrupted_load_and_checksum_time() {
     assert!(request(&serve_metrics, b"GET /metrics HTTP/1.0\r\n\r\n").starts_with("HTTP/1.0 200"));
     // Two of the five loads get a flipped bit after landing; load lingers so the scrape
     // below sees every load.
-    let mut load = Killed(
+    let mut load = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_kvferry"))
             .args(["load", "--json", "--producer", &ctl, "--corrupt", "2"])
             .args(["--metrics-addr", &load_metrics, "--metrics-linger", "120"])
@@ -199,7 +191,7 @@ fn a_scrape_of_load_counts_verdicts_with_a_corrupted_load_and_checksum_time() {
             .unwrap(),
     );
     let mut line = String::new();
-    BufReader::new(load.0.stdout.take().unwrap())
+    BufReader::new(load.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
     let report: serde_json::Value = serde_json::from_str(&line).expect(&line);

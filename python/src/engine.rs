@@ -7,8 +7,10 @@
 //! 0.3.x (checked against `mooncake-transfer-engine-non-cuda` 0.3.13.post1 by
 //! `python/tests/test_conformance.py`). Errors never raise: the method logs the reason (Python
 //! logger `kvferry.python.engine`) and returns Mooncake's code. Codes that name a cause are
-//! Mooncake's `error.h` values: -1 invalid argument or failure, -3 address not registered,
-//! -7 overlapping registration, -101 bad peer name, -102 peer unreachable.
+//! Mooncake's `error.h` values, mapped from the error's typed cause by
+//! `kvferry_transfer::error::mooncake::code`: -1 invalid argument or failure, -3 address not
+//! registered, -4 region busy, -7 overlapping registration, -101 unresolvable peer host or bad
+//! name, -102 peer unreachable, -103 malformed reply.
 //!
 //! Every method that touches the engine releases the GIL (`py.detach`) before it can block:
 //! registration (which waits for target-side accesses in progress), transfers, waits, probes.
@@ -19,14 +21,13 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvferry_transfer::{
-    BatchId, BatchStatus, CudaIpcMode, EngineConfig, Op, TransferEngine, TransferError,
-    TransferRequest, TransportKind,
+    BatchId, BatchStatus, CudaIpcMode, EngineConfig, Op, TransferEngine, TransferRequest,
+    TransportKind,
 };
 use pyo3::prelude::*;
 
 use crate::mooncake::{
-    op_name, parse_location, probe_code, register_code, split_hostname, triples,
-    ERR_ADDRESS_NOT_REGISTERED, ERR_BATCH_BUSY, ERR_INVALID_ARGUMENT, P2PHANDSHAKE,
+    code, op_name, parse_location, split_hostname, triples, ERR_INVALID_ARGUMENT, P2PHANDSHAKE,
 };
 
 /// Mooncake's Python `TransferEngine`, backed by kvferry's transfer engine (TCP, or RDMA where a
@@ -298,7 +299,7 @@ impl PyTransferEngine {
     /// it fail), once no transfer of this engine uses it (waiting up to 5 s for those in
     /// flight, even of a batch whose wait timed out). Returns 0; -3 when no region was
     /// registered at that address; -4 (Mooncake's `ERR_BATCH_BUSY`) when transfers still use
-    /// it: it stays registered and must not be freed yet.
+    /// it: it stays registered and must not be freed yet; -1 for any other failure.
     fn unregister_memory(&self, py: Python<'_>, buffer_addr: u64) -> i32 {
         let Some(e) = self.started("unregister_memory") else {
             return -1;
@@ -632,8 +633,9 @@ impl PyTransferEngine {
     /// `send_probe(peer_server_name) -> int`: checks that the engine `peer_server_name`
     /// (`"host:port"`) answers its handshake (deadline 5 s) and refreshes the cached copy of
     /// its registered memory (a peer that restarted or registered more memory is seen at
-    /// once). Returns 0; -101 for a name that is not `host:port`; -102 when the peer cannot be
-    /// reached or does not answer in time; -1 otherwise (reason logged).
+    /// once). Returns 0; -101 for a name that is not `host:port` or a host that does not
+    /// resolve; -102 when the peer cannot be reached or does not answer in time; -103 when its
+    /// reply does not parse; -1 otherwise (reason logged).
     fn send_probe(&self, py: Python<'_>, peer_server_name: &str) -> i32 {
         let Some(e) = self.started("send_probe") else {
             return -1;
@@ -642,7 +644,7 @@ impl PyTransferEngine {
             Ok(_) => 0,
             Err(err) => {
                 tracing::warn!("send_probe {peer_server_name}: {err}");
-                probe_code(&err)
+                code(&err)
             }
         })
     }
@@ -673,7 +675,7 @@ fn register_one(e: &TransferEngine, addr: u64, len: u64, location: &str) -> i32 
         Ok(()) => 0,
         Err(err) => {
             tracing::warn!("register_memory [{addr:#x}, +{len}) at {loc}: {err}");
-            register_code(&err)
+            code(&err)
         }
     }
 }
@@ -681,13 +683,9 @@ fn register_one(e: &TransferEngine, addr: u64, len: u64, location: &str) -> i32 
 fn unregister_one(e: &TransferEngine, addr: u64) -> i32 {
     match e.unregister_memory(addr) {
         Ok(()) => 0,
-        Err(err @ TransferError::InUse { .. }) => {
-            tracing::warn!("unregister_memory {addr:#x}: {err}");
-            ERR_BATCH_BUSY
-        }
         Err(err) => {
             tracing::warn!("unregister_memory {addr:#x}: {err}");
-            ERR_ADDRESS_NOT_REGISTERED
+            code(&err)
         }
     }
 }

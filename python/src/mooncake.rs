@@ -1,21 +1,10 @@
-//! Mooncake's Python argument forms and return codes, translated for `engine.rs`: its
-//! `error.h` codes, `local_hostname` and `location` parsing, the batch argument triples, and
-//! which code a transfer error maps to.
+//! Mooncake's Python argument forms, translated for `engine.rs`: `local_hostname` and
+//! `location` parsing, the batch argument triples. Its `error.h` codes, and which one an
+//! error's cause maps to, live with the errors (`kvferry_transfer::error::mooncake`).
 
-use kvferry_transfer::{Location, Op, RegistrationError, TransferError};
+use kvferry_transfer::{Location, Op};
 
-/// Mooncake `error.h`: invalid argument, and the generic failure of its Python layer.
-pub(crate) const ERR_INVALID_ARGUMENT: i32 = -1;
-/// Mooncake `error.h`: busy (a region batches still use cannot be unregistered).
-pub(crate) const ERR_BATCH_BUSY: i32 = -4;
-/// Mooncake `error.h`: the address is not registered.
-pub(crate) const ERR_ADDRESS_NOT_REGISTERED: i32 = -3;
-/// Mooncake `error.h`: registration overlaps a registered region.
-pub(crate) const ERR_ADDRESS_OVERLAPPED: i32 = -7;
-/// Mooncake `error.h` (`ERR_DNS`): the peer name cannot be resolved / is not `host:port`.
-pub(crate) const ERR_DNS: i32 = -101;
-/// Mooncake `error.h` (`ERR_SOCKET`): the peer's handshake listener cannot be reached.
-pub(crate) const ERR_SOCKET: i32 = -102;
+pub(crate) use kvferry_transfer::error::mooncake::{code, ERR_INVALID_ARGUMENT};
 
 /// The metadata server value Mooncake uses for its peer-to-peer handshake (no etcd, no HTTP
 /// metadata service); the only one kvferry supports.
@@ -91,27 +80,6 @@ pub(crate) fn parse_location(location: &str, addr: u64) -> Result<Location, Loca
     }
     l.parse::<Location>()
         .map_err(|_| LocationError(location.to_string()))
-}
-
-/// Mooncake's code for a failed registration.
-pub(crate) fn register_code(e: &TransferError) -> i32 {
-    match e {
-        TransferError::Registration(RegistrationError::Overlaps { .. }) => ERR_ADDRESS_OVERLAPPED,
-        _ => ERR_INVALID_ARGUMENT,
-    }
-}
-
-/// Mooncake's `send_probe` code for a failed segment refresh, from its cause: a name that is
-/// not `host:port` is `ERR_DNS`; a peer that cannot be reached or does not answer in time
-/// (handshake, socket, deadline) is `ERR_SOCKET`; anything else the generic failure.
-pub(crate) fn probe_code(e: &TransferError) -> i32 {
-    match e {
-        TransferError::BadSegmentName(_) => ERR_DNS,
-        TransferError::Handshake { .. } | TransferError::Io(_) | TransferError::Timeout(_) => {
-            ERR_SOCKET
-        }
-        _ => ERR_INVALID_ARGUMENT,
-    }
 }
 
 /// `(local, remote, len)` triples of a batch call; zero-length entries are dropped (Mooncake

@@ -156,6 +156,14 @@ def test_send_probe_bad_name():
     assert e.transfer_sync_write("no-port-here", 1, 2, 3) == -1
 
 
+def test_send_probe_unresolvable_host_is_err_dns():
+    # Mooncake's probe answers ERR_DNS when getaddrinfo fails (".invalid" never resolves);
+    # a transfer to it is the generic -1, as Mooncake's transfer_sync
+    e = engine()
+    assert e.send_probe("kvferry-no-such-host.invalid:12345") == -101
+    assert e.transfer_sync_write("kvferry-no-such-host.invalid:12345", 1, 2, 3) == -1
+
+
 def test_send_probe_sees_memory_registered_after_first_contact():
     a, b = engine(), engine()
     src = np.arange(8192, dtype=np.uint8)

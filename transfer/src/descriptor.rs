@@ -9,7 +9,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{HandshakeError, ProtocolError, Result, TransferError, UnsupportedError};
+use crate::error::{
+    DescriptorError, HandshakeError, ProtocolError, Result, TransferError, UnsupportedError,
+};
 use crate::handshake::MAX_FRAME_BODY;
 use crate::memory::{cover_sorted, Cover, MemoryRegion, MemoryRegistry, RegionKeys};
 use crate::types::{TransferRequest, TransportKind};
@@ -108,26 +110,29 @@ impl SegmentDescriptor {
     /// `opened_as` (reach the peer by the name we used: its own host may be a bind address).
     /// Errors: `Handshake` (`InvalidDescriptor`) naming the bad buffer.
     pub(crate) fn validate(mut self, opened_as: &str) -> Result<SegmentDescriptor> {
-        let bad = |why: String| TransferError::Handshake {
+        let bad = |why: DescriptorError| TransferError::Handshake {
             peer: opened_as.to_string(),
             source: HandshakeError::InvalidDescriptor(why),
         };
         self.buffers.sort_by_key(|b| b.region.addr);
         let mut prev_end = 0u64;
         for (i, b) in self.buffers.iter().enumerate() {
-            let end = b
-                .region
-                .addr
-                .checked_add(b.region.len)
-                .ok_or_else(|| bad(format!("buffer {:#x} wraps", b.region.addr)))?;
+            let end = b.region.addr.checked_add(b.region.len).ok_or_else(|| {
+                bad(DescriptorError::Wraps {
+                    addr: b.region.addr,
+                    len: b.region.len,
+                })
+            })?;
             if b.region.len == 0 {
-                return Err(bad(format!("buffer {:#x} has zero length", b.region.addr)));
+                return Err(bad(DescriptorError::ZeroLength {
+                    addr: b.region.addr,
+                }));
             }
             if i > 0 && b.region.addr < prev_end {
-                return Err(bad(format!(
-                    "buffer {:#x} overlaps the previous one",
-                    b.region.addr
-                )));
+                return Err(bad(DescriptorError::Overlaps {
+                    addr: b.region.addr,
+                    prev_end,
+                }));
             }
             prev_end = end;
         }

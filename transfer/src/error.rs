@@ -15,11 +15,12 @@ use std::time::Duration;
 mod argument;
 mod config;
 mod io;
+pub mod mooncake;
 mod rdma;
 mod unsupported;
 pub use argument::{ArgumentError, SyncBound};
 pub use config::{ConfigError, NoRdma, SecretFileError};
-pub use io::{IoError, Shared};
+pub use io::{IoError, PeerText, Shared};
 pub use rdma::RdmaError;
 pub use unsupported::UnsupportedError;
 
@@ -271,9 +272,9 @@ pub enum HandshakeError {
     /// The peer closed the connection before replying.
     #[error("connection closed before the reply")]
     Closed,
-    /// The peer answered with an error frame: its text.
+    /// The peer answered with an error frame: its text (bounded, escaped).
     #[error("{0}")]
-    Refused(String),
+    Refused(PeerText),
     /// The reply has another frame type than the request.
     #[error("reply has frame type {got}, expected {expected}")]
     UnexpectedReply {
@@ -298,12 +299,52 @@ pub enum HandshakeError {
         #[source]
         source: Arc<serde_json::Error>,
     },
-    /// The descriptor is inconsistent (no transport kind, buffers that wrap or overlap).
+    /// The descriptor is inconsistent (see [`DescriptorError`]).
     #[error("invalid descriptor: {0}")]
-    InvalidDescriptor(String),
-    /// The transport's `Connect` reply is unusable (its words).
-    #[error("{0}")]
-    BadConnectReply(String),
+    InvalidDescriptor(#[source] DescriptorError),
+    /// The RDMA `Connect` reply answers another request than ours (what it says, what we
+    /// asked).
+    #[error(
+        "RDMA connect reply does not match the request (version {version}, endpoint \
+         {endpoint:#x}, {qps} QPs for {asked_qps})"
+    )]
+    ConnectReplyMismatch {
+        /// The reply's protocol version.
+        version: u32,
+        /// The endpoint id it names.
+        endpoint: u64,
+        /// QPs it describes.
+        qps: usize,
+        /// QPs the request described.
+        asked_qps: usize,
+    },
+}
+
+/// How a peer's descriptor is inconsistent: which buffer (by its start address).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DescriptorError {
+    /// `addr + len` overflows the address space.
+    #[error("buffer {addr:#x} wraps")]
+    Wraps {
+        /// The buffer's start.
+        addr: u64,
+        /// Its length.
+        len: u64,
+    },
+    /// A buffer of length 0.
+    #[error("buffer {addr:#x} has zero length")]
+    ZeroLength {
+        /// The buffer's start.
+        addr: u64,
+    },
+    /// A buffer that starts inside the one before it (by address).
+    #[error("buffer {addr:#x} overlaps the previous one (which ends at {prev_end:#x})")]
+    Overlaps {
+        /// The buffer's start.
+        addr: u64,
+        /// The end of the buffer before it.
+        prev_end: u64,
+    },
 }
 
 /// How bytes from a peer (or a message of ours) break the wire protocol: the data frames of
@@ -518,6 +559,28 @@ mod tests {
             copy.io_error_kind(),
             Some(std::io::ErrorKind::ConnectionRefused)
         );
+    }
+
+    #[test]
+    fn a_peers_text_is_bounded_and_kept_on_one_line() {
+        let flood = format!("no\nlive grant{}", "x".repeat(1 << 20));
+        let e = TransferError::Handshake {
+            peer: "h:1".into(),
+            source: HandshakeError::Refused(PeerText::from_bytes(flood.as_bytes())),
+        };
+        let text = e.to_string();
+        assert!(
+            text.starts_with("handshake with h:1 failed: no\\nlive grant"),
+            "{}",
+            &text[..64]
+        );
+        assert!(!text.contains('\n'));
+        assert!(
+            text.len() < PeerText::MAX_CHARS + 64,
+            "{} bytes",
+            text.len()
+        );
+        assert!(text.ends_with("..."));
     }
 
     #[test]

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::admission::{Admitted, Limits, Listener, Names};
-use crate::error::{HandshakeError, IoError, ProtocolError, Result, TransferError};
+use crate::error::{HandshakeError, IoError, PeerText, ProtocolError, Result, TransferError};
 
 /// Largest handshake frame body, bytes (1 MiB, as Mooncake's default).
 pub const MAX_FRAME_BODY: u64 = 1 << 20;
@@ -254,9 +254,9 @@ fn exchange(
     match reply {
         None => Err(HandshakeError::Closed),
         Some((t, b)) if t == ty as u8 => Ok(b),
-        Some((t, b)) if t == FrameType::Error as u8 => Err(HandshakeError::Refused(
-            String::from_utf8_lossy(&b).into_owned(),
-        )),
+        Some((t, b)) if t == FrameType::Error as u8 => {
+            Err(HandshakeError::Refused(PeerText::from_bytes(&b)))
+        }
         Some((got, _)) => Err(HandshakeError::UnexpectedReply {
             got,
             expected: ty as u8,

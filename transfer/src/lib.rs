@@ -56,9 +56,9 @@ pub use config::{AuthConfig, CudaIpcMode, EngineConfig, GpuRegistration, RdmaCon
 pub use descriptor::{BufferDesc, SegmentDescriptor, TransportInfo};
 pub use engine::{EngineStats, TransferEngine};
 pub use error::{
-    ArgumentError, AuthError, ConfigError, HandshakeError, IoError, NoRdma, ProtocolError,
-    RdmaError, RegistrationError, Result, SecretFileError, Shared, SyncBound, TransferError,
-    UnsupportedError,
+    ArgumentError, AuthError, ConfigError, DescriptorError, HandshakeError, IoError, NoRdma,
+    PeerText, ProtocolError, RdmaError, RegistrationError, Result, SecretFileError, Shared,
+    SyncBound, TransferError, UnsupportedError,
 };
 pub use memory::{
     DmabufRange, HostMemoryAccess, MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys,

@@ -1,5 +1,6 @@
 //! Foreign errors made `Clone` and given what was being done: [`IoError`] (an
-//! `std::io::Error` with its operation) and [`Shared`] (any error, shared).
+//! `std::io::Error` with its operation), [`Shared`] (any error, shared) and [`PeerText`] (a
+//! peer's own words, bounded).
 
 use std::sync::Arc;
 
@@ -66,4 +67,44 @@ pub(super) fn chain(e: &(dyn std::error::Error + 'static)) -> String {
         cur = s.source();
     }
     out
+}
+
+/// Text a peer sent (an error frame's words), kept for messages and logs: at most
+/// [`PeerText::MAX_CHARS`] characters, invalid UTF-8 replaced and control characters escaped,
+/// so a peer can neither flood a log line nor break it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerText(String);
+
+impl PeerText {
+    /// Characters kept; the rest is cut and marked with `...`.
+    pub const MAX_CHARS: usize = 512;
+
+    /// The peer's bytes, decoded (lossy), escaped and cut to [`PeerText::MAX_CHARS`].
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        let text = String::from_utf8_lossy(bytes);
+        let mut out = String::new();
+        for (i, c) in text.chars().enumerate() {
+            if i == Self::MAX_CHARS {
+                out.push_str("...");
+                break;
+            }
+            if c.is_control() {
+                out.extend(c.escape_debug());
+            } else {
+                out.push(c);
+            }
+        }
+        PeerText(out)
+    }
+
+    /// The text as kept.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for PeerText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }

@@ -116,13 +116,12 @@ impl Endpoint {
         {
             return Err(TransferError::Handshake {
                 peer: key.peer.clone(),
-                source: crate::error::HandshakeError::BadConnectReply(format!(
-                    "RDMA connect reply does not match the request (version {}, endpoint {:#x}, {} QPs for {})",
-                    reply.version,
-                    reply.endpoint_id,
-                    reply.qps.len(),
-                    qps.len()
-                )),
+                source: crate::error::HandshakeError::ConnectReplyMismatch {
+                    version: reply.version,
+                    endpoint: reply.endpoint_id,
+                    qps: reply.qps.len(),
+                    asked_qps: qps.len(),
+                },
             });
         }
         let mtu = path_mtu(dev.info.active_mtu, reply.port.active_mtu)?;

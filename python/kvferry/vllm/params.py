@@ -38,7 +38,7 @@ from __future__ import annotations
 import ipaddress
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
@@ -278,6 +278,12 @@ def _kv_layouts(value: Any, groups: int) -> tuple[str | None, ...]:
     return tuple(value)
 
 
+def _names_a_layout(tags: Iterable[str | None] | None) -> bool:
+    """Whether ``tags`` (layout tags per group; None: none sent) names any layout: a tag that is
+    not null. All-null and absent tags both leave the layout to the shapes."""
+    return any(t is not None for t in tags or ())
+
+
 def kv_layout_refusal(remote: tuple[str | None, ...] | None, local: tuple[str | None, ...]) -> str | None:
     """Why a consumer whose groups have the layout tags ``local`` must not load from a producer
     that sent ``remote`` (its ``remote_kv_layouts``; None: it sent none); None when it may.
@@ -288,7 +294,7 @@ def kv_layout_refusal(remote: tuple[str | None, ...] | None, local: tuple[str | 
     shape decides either layout, e.g. two GPU instances) the shapes decide; otherwise a producer
     that names no tags, or other ones, is refused. Group counts are compared elsewhere
     (:func:`kvferry.vllm.groups.block_size_refusal`)."""
-    if not any(t is not None for t in local) and not any(t is not None for t in remote or ()):
+    if not _names_a_layout(local) and not _names_a_layout(remote):
         return None
     if remote is None:
         return (f"the producer names no KV cache layout (remote_kv_layouts), this instance's is {list(local)}: "
@@ -440,6 +446,6 @@ def producer_reply(
         reply[REMOTE_STAGE_LAYERS] = [[a, b] for a, b in stage_layers]
     if block_sizes is not None:
         reply[REMOTE_BLOCK_SIZES] = [int(b) for b in block_sizes]
-    if kv_layouts is not None and any(t is not None for t in kv_layouts):
+    if _names_a_layout(kv_layouts):
         reply[REMOTE_KV_LAYOUTS] = list(kv_layouts)
     return reply

@@ -91,9 +91,8 @@ class ParamsError(ValueError):
 class RemoteSource:
     """Where a consumer loads a request's KV from: the producer's transfer id, engine id, the
     side-channel base address (``host:port`` of the producer's TP rank 0 / PP rank 0's unit 0),
-    the producer's TP/PP sizes, its ``head_splits`` and ``layer_splits`` (head unit ``j`` of
-    layer unit ``k`` of rank ``(tp, pp)`` listens on ``port + ((pp * tp_size + tp) *
-    layer_splits + k) * head_splits + j``), its block table per KV cache group, the lease's load
+    the producer's TP/PP sizes, its ``head_splits`` and ``layer_splits`` (where each unit
+    listens: :meth:`unit_port`), its block table per KV cache group, the lease's load
     key, ``stage_layers``, each producer PP stage's layer numbers ``[start, end)`` (None: not
     sent), ``block_sizes``, the producer's block size in tokens per group (None: not sent,
     the consumer's own), and ``kv_layouts``, the producer's layout tag per group (None: not

@@ -37,9 +37,8 @@ def loaded_tokens(num_prompt_tokens: int, has_state: bool) -> int:
 class SchedulerConfig:
     """What the scheduler side needs to know about its engine.
 
-    ``host``/``port``: the side-channel base address the producer names in its reply (head unit
-    ``j`` of layer unit ``k`` of rank ``(tp, pp)`` listens on ``port + ((pp * tp_size + tp) *
-    layer_splits + k) * head_splits + j``).
+    ``host``/``port``: the side-channel base address the producer names in its reply (where
+    each unit listens: :func:`kvferry.vllm.params.unit_port`).
     ``lease_seconds``: how long a producer holds a finished request's blocks for its consumer.
     ``head_splits`` / ``layer_splits``: head and layer units per producer rank, and
     ``stage_layers``: each PP stage's layer numbers ``[start, end)`` (vLLM's ``get_pp_indices``;

@@ -55,8 +55,8 @@ class TransportConfig:
     """One rank's transport settings (from ``kv_connector_extra_config``, see connector.py).
 
     ``host``: the address this rank's transfer engines and control sockets listen on and name to
-    peers; ``port``: the side-channel base port (head unit ``j`` of layer unit ``k`` of rank
-    ``(tp, pp)`` binds ``port + ((pp * tp_size + tp) * layer_splits + k) * head_splits + j``);
+    peers; ``port``: the side-channel base port (where each unit binds:
+    :func:`kvferry.vllm.params.unit_port`);
     ``head_splits``: producer head units per rank (each over an equal run of the rank's KV heads;
     units.py); ``layer_splits``: producer layer units per rank (each over a contiguous run of its
     stage's layers; units.py), ``head_splits * layer_splits`` ``kvferry.Producer`` objects in all;

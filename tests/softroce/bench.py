@@ -13,7 +13,9 @@ for all of it and repeat; ib_write_bw keeps a batch's requests in flight over it
 batch / QPs per QP, stated explicitly: perftest lowers the depth to the iteration count) and
 moves at least what kvferry's point moves (`--min-batches` batches). Each engine runs at least `--min-batches` batches
 per point and none started after `--seconds`. `--rounds` rounds, the engines' order rotated
-each round; per point the medians over rounds and their min-max, and the per-round ratios
+each round: ib_write_bw and kvferry side by side at each size (a shared machine's load drifts
+over minutes), Mooncake's one process before or after them; per point the medians over rounds
+and their min-max, and the per-round ratios
 kvferry / ib_write_bw and kvferry / Mooncake (median, min-max). The emulated link says nothing
 about absolute speed: only ratios of the same boot mean something (docs/design.md §7).
 
@@ -191,6 +193,7 @@ def main():
     rounds = []
     ok = True
     began, longest, cut = time.time(), 0.0, None
+    sweep_cut = []
     for rnd in range(a.rounds):
         # a round that could not end within the budget is not started (the step's timeout
         # would kill it, and with it every figure measured so far)
@@ -200,36 +203,55 @@ def main():
             break
         round_began = time.time()
         order = engines[rnd % len(engines):] + engines[:rnd % len(engines)]
-        # the QP sweep's runs go right after kvferry's own, in a rotating order too
+        # ib_write_bw and kvferry run side by side per size (the load of a shared machine
+        # drifts over minutes: a ratio of two runs seconds apart means more than one of runs
+        # minutes apart), in the round's order; Mooncake's one process per round (its start-up
+        # is paid once) goes before or after them, as the rotation puts it
+        pair = [e for e in order if e != "mooncake"]
+        mc_first = bool(a.mooncake_python) and order[0] == "mooncake"
+        # the QP sweep's runs go right after kvferry's own at each sweep size, rotated too
         qorder = sweep[rnd % len(sweep):] + sweep[:rnd % len(sweep)] if sweep else []
         res = {"round": rnd + 1, "order": order, "ib_write_bw": {}, "kvferry": {}, "mooncake": {},
                "kvferry_qps": {}}
-        for who in order:
+        spent = {e: 0.0 for e in engines}
+
+        def run_mooncake():
             t0 = time.time()
-            if who == "ib_write_bw":
-                for size in a.sizes:
+            res["mooncake"] = mooncake_points(a, out / f"mooncake-r{rnd + 1}")
+            spent["mooncake"] += time.time() - t0
+
+        if mc_first:
+            run_mooncake()
+        for size in a.sizes:
+            for who in pair:
+                t0 = time.time()
+                if who == "ib_write_bw":
                     gbs, why, iters, depth = ib_point(a, size, out / f"ib_write_bw-r{rnd + 1}-{size}")
                     res["ib_write_bw"][size] = {"gb_per_s": gbs, "iterations_per_qp": iters,
                                                 "tx_depth_per_qp": depth, "qps": a.qps, "error": why}
-            elif who == "kvferry":
-                for q in [a.qps] + qorder:
-                    sizes = a.sizes if q == a.qps else a.sweep_sizes
-                    try:
-                        pts = kvferry_points(a, out / f"kvferry-bench-r{rnd + 1}-q{q}", q, sizes)
-                    except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
-                        print(f"round {rnd + 1}: kvferry ({q} QPs): {e}", file=sys.stderr)
-                        ok = False
-                        pts = {}
-                    for size in sizes:
+                else:
+                    for q in [a.qps] + (qorder if size in a.sweep_sizes else []):
+                        # the sweep yields to the budget: past it, only the main points run
+                        if q != a.qps and time.time() - began > a.budget:
+                            sweep_cut.append(f"round {rnd + 1}: kvferry with {q} QPs at {human(size)}")
+                            continue
+                        try:
+                            pts = kvferry_points(a, out / f"kvferry-bench-r{rnd + 1}-q{q}-{size}", q, [size])
+                        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+                            print(f"round {rnd + 1}: kvferry ({q} QPs, {human(size)}): {e}", file=sys.stderr)
+                            ok = False
+                            pts = {}
                         p = pts.get(size)
                         if p is None or not p["gb_per_s"] > 0:
                             ok = False
                         res["kvferry_qps"].setdefault(q, {})[size] = p
                         if q == a.qps:
                             res["kvferry"][size] = p
-            else:
-                res["mooncake"] = mooncake_points(a, out / f"mooncake-r{rnd + 1}")
-            print(f"round {rnd + 1}: {who} {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+                spent[who] += time.time() - t0
+        if a.mooncake_python and not mc_first:
+            run_mooncake()
+        print(f"round {rnd + 1}: " + ", ".join(f"{w} {spent[w]:.0f} s" for w in engines),
+              file=sys.stderr, flush=True)
         rounds.append(res)
         longest = max(longest, time.time() - round_began)
 
@@ -288,6 +310,8 @@ def main():
                     lines.append(f"round {r['round']}: {who} {human(size)}: left out ({p['error']})")
     if cut:
         lines.append(cut)
+    if sweep_cut:
+        lines.append(f"QP sweep cut past the {a.budget:g} s budget: " + "; ".join(sweep_cut))
     if not a.mooncake_python:
         lines.append(f"Mooncake: not measured ({a.mooncake_skip_reason or 'no --mooncake-python'})")
     if not ok:

@@ -13,9 +13,9 @@
 #   SOFTROCE_TIMEOUT (default 1800 s for the whole guest run, 2500 s in the full bench mode), SOFTROCE_MOONCAKE=0 (bench
 #   without Mooncake), MOONCAKE_VENV (where bench/mooncake_compare.py installs it).
 #   SOFTROCE_BENCH: `quick` (the default, what the test command runs: one round, at least 6
-#   batches and 2 s per point, no QP sweep, 240 s of rounds at most), `full` (3 rounds, at
-#   least 6 batches and 4 s per point, kvferry with 1 and 4 QPs at 64K and 1M too, 2000 s of
-#   rounds at most) or `off`. Each of the mode's settings can be overridden:
+#   batches and 2 s per point, kvferry with 1 and 4 QPs at 64K and 1M too, 420 s of rounds at
+#   most), `full` (3 rounds, at least 6 batches and 4 s per point, the same QP sweep, 2000 s
+#   of rounds at most) or `off`. Each of the mode's settings can be overridden:
 #   SOFTROCE_BENCH_ROUNDS, SOFTROCE_BENCH_SECONDS, SOFTROCE_BENCH_MIN_BATCHES,
 #   SOFTROCE_BENCH_BUDGET, SOFTROCE_BENCH_TIMEOUT (the step's), SOFTROCE_BENCH_SIZES
 #   (64K,256K,1M,4M), SOFTROCE_BENCH_BATCH_BYTES (32M: a batch's bytes at most, and what
@@ -147,11 +147,11 @@ else
     # 4. benchmark: kvferry beside ib_write_bw and Mooncake on the same device, same boot;
     # rounds with the engines' order rotated, medians and spread (tests/softroce/bench.py).
     # kvferry with 2 QPs per endpoint (its default) beside ib_write_bw -q 2 and Mooncake (2 QPs
-    # too). `quick` (the test command) is one round with no QP sweep; `full` is 3 rounds and
-    # kvferry alone with 1 and 4 QPs at 64 KiB and 1 MiB (a sweep at every size:
-    # SOFTROCE_BENCH_QPS_SWEEP_SIZES=64K,256K,1M,4M).
+    # too), side by side with ib_write_bw per size. `quick` (the test command) is one round,
+    # `full` 3; both run kvferry alone with 1 and 4 QPs at 64 KiB and 1 MiB too (a sweep at
+    # every size: SOFTROCE_BENCH_QPS_SWEEP_SIZES=64K,256K,1M,4M).
     case "${SOFTROCE_BENCH:-quick}" in
-        quick) b_rounds=1 b_seconds=2 b_min=6 b_budget=240 b_timeout=600 b_sweep="" ;;
+        quick) b_rounds=1 b_seconds=2 b_min=6 b_budget=420 b_timeout=900 b_sweep=1,4 ;;
         full) b_rounds=3 b_seconds=4 b_min=6 b_budget=2000 b_timeout=2300 b_sweep=1,4 ;;
         off|0) b_rounds=0 ;;
         *) echo "SOFTROCE_BENCH=${SOFTROCE_BENCH}: not quick, full or off" >&2; b_rounds=-1 ;;

@@ -1,9 +1,11 @@
 //! The error types of the transfer engine (docs/design.md §3), nested in rustls's style: one
-//! [`TransferError`] whose variants carry the typed cause ([`HandshakeError`], [`AuthError`],
-//! [`RegistrationError`], an `std::io::Error`, the first failed slice of a batch) and expose it
-//! through `std::error::Error::source`, so a caller can walk to the root (an io error's
-//! `kind()`, the peer's own refusal text). Free text remains only where no structured cause
-//! exists (a configuration or argument the caller got wrong, a peer's malformed bytes).
+//! [`TransferError`] whose variants carry the typed cause ([`ConfigError`], [`ArgumentError`],
+//! [`UnsupportedError`], [`HandshakeError`], [`AuthError`], [`RegistrationError`],
+//! [`RdmaError`], an `std::io::Error`, the first failed slice of a batch) with the values as
+//! fields (which key, which limit, what was given) and expose it through
+//! `std::error::Error::source`, so a caller can walk to the root (an io error's `kind()`, the
+//! peer's own refusal text). A peer's own words are kept as [`PeerText`] or bounded by the
+//! frame that carried them; [`mooncake::code`] maps a cause to Mooncake's return code.
 //!
 //! Every error is `Clone` (a batch reports one cause to many slices), so io and JSON sources
 //! are held in an `Arc`. The `Display` of an outer error includes its cause's text, as the
@@ -194,9 +196,9 @@ impl TransferError {
         TransferError::Io(IoError::new(op, err))
     }
 
-    /// An RDMA failure with no underlying error (`RdmaError::Other`).
+    /// A failed RDMA work request as the completion path words it (`RdmaError::WorkFailed`).
     pub fn rdma(text: impl Into<String>) -> Self {
-        TransferError::Rdma(RdmaError::Other(text.into()))
+        TransferError::Rdma(RdmaError::WorkFailed(text.into()))
     }
 
     /// Wraps the CUDA layer's error (a typed error, or its text until it has one).

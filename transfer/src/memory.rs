@@ -583,7 +583,9 @@ mod tests {
     #[test]
     fn failed_transport_registration_records_nothing() {
         let reg = MemoryRegistry::new();
-        let e = reg.insert(r(0x1000, 10), |_| Err(TransferError::rdma("reg_mr")));
+        let e = reg.insert(r(0x1000, 10), |_| {
+            Err(TransferError::Rdma(crate::error::RdmaError::ShutDown))
+        });
         assert!(e.is_err());
         assert!(reg.snapshot().is_empty());
     }

@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use super::io::{chain, Shared};
+use kvferry_cuda::Location;
+
+use super::io::{chain, IoError, Shared};
 
 /// An RDMA-specific failure (`transport::rdma`).
 #[derive(Debug, Clone, thiserror::Error)]
@@ -40,13 +42,77 @@ pub enum RdmaError {
         /// The device's name.
         device: String,
     },
+    /// A region larger than a device can register as one memory region.
+    #[error("region of {len} bytes exceeds {device}'s largest memory region ({max} bytes)")]
+    RegionOverDeviceLimit {
+        /// The region's length.
+        len: u64,
+        /// The device's name.
+        device: String,
+        /// Its largest memory region (`max_mr_size`), bytes.
+        max: u64,
+    },
+    /// The host mirror of a staged region could not be mapped.
+    #[error(
+        "cannot map a {len}-byte host mirror for the {location} region at {addr:#x}: {source}"
+    )]
+    MirrorMap {
+        /// The mirror's length.
+        len: u64,
+        /// Where the staged region lives.
+        location: Location,
+        /// The staged region's start.
+        addr: u64,
+        /// The mapping's error.
+        #[source]
+        source: IoError,
+    },
+    /// A peer's buffer has no rkey for the device the endpoint uses (or a staged address that
+    /// does not translate).
+    #[error(
+        "segment {segment} buffer {buffer} has no rkey for its device {device} (or a bad \
+         staging address)"
+    )]
+    NoRkey {
+        /// The peer's segment name.
+        segment: String,
+        /// The buffer's index in its descriptor.
+        buffer: usize,
+        /// The peer's device index.
+        device: usize,
+    },
+    /// Staged GPU memory: the copy between the device and the host mirror failed on this side
+    /// (`way`: `"to"` or `"from"` the device).
+    #[error("staged GPU memory: copy {way} the device failed: {source}")]
+    StagedCopy {
+        /// `"to"` or `"from"`.
+        way: &'static str,
+        /// The copy's error.
+        #[source]
+        source: Shared,
+    },
+    /// Staged GPU memory of a peer: the sync asking it to copy between its device and its
+    /// mirror failed (its refusal, its copy error, or why it could not be reached in time).
+    #[error(
+        "staged GPU memory of segment {peer}: sync asking it to copy {way} its device failed: \
+         {source}"
+    )]
+    StagedSync {
+        /// The peer's segment name.
+        peer: String,
+        /// `"to"` or `"from"`.
+        way: &'static str,
+        /// The sync's error.
+        #[source]
+        source: Shared,
+    },
     /// The transport shut down before the slice finished.
     #[error("RDMA transport shut down")]
     ShutDown,
-    /// A failure with no underlying error (its words: a missing rkey, a region over the
-    /// device's limit, a work completion's status).
+    /// A work request that failed (its description, the work completion's status, and the
+    /// failures before it when retried), as the completion path words it.
     #[error("{0}")]
-    Other(String),
+    WorkFailed(String),
 }
 
 impl RdmaError {

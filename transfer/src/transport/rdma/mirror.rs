@@ -7,7 +7,7 @@
 use crate::sync::RwLockExt;
 use std::sync::{Arc, RwLock};
 
-use crate::error::{ArgumentError, Result, TransferError};
+use crate::error::{ArgumentError, IoError, RdmaError, Result, TransferError};
 use crate::memory::{MemoryAccess, MemoryRegion};
 
 /// A host mirror of one staged GPU region: `region.len` bytes of anonymous memory, pinned by
@@ -47,10 +47,12 @@ impl Mirror {
             TransferError::InvalidArgument(ArgumentError::RegionTooLarge { len: region.len })
         })?;
         let mut map = memmap2::MmapMut::map_anon(len).map_err(|e| {
-            TransferError::rdma(format!(
-                "cannot map a {len}-byte host mirror for the {} region at {:#x}: {e}",
-                region.location, region.addr
-            ))
+            TransferError::Rdma(RdmaError::MirrorMap {
+                len: region.len,
+                location: region.location,
+                addr: region.addr,
+                source: IoError::new("mmap", e),
+            })
         })?;
         let ptr = map.as_mut_ptr();
         Ok(Arc::new(Mirror {

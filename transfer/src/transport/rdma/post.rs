@@ -20,7 +20,7 @@ use super::inflight::InFlight;
 use super::shared::Shared;
 use super::verbs::{self, RawWr, MAX_WR_BYTES};
 use super::work::Work;
-use crate::error::{ArgumentError, Result, TransferError};
+use crate::error::{ArgumentError, RdmaError, Result, TransferError};
 use crate::transport::CompletionSink;
 use crate::types::Op;
 
@@ -119,10 +119,12 @@ impl Shared {
                 addr: sl.local_addr,
                 len: sl.len,
             }),
-            (_, None) => Err(TransferError::rdma(format!(
-                "segment {} buffer {} has no rkey for its device {} (or a bad staging address)",
-                head.peer.name, sl.remote_buffer, ep.key.remote_dev
-            ))),
+            (_, None) => Err(RdmaError::NoRkey {
+                segment: head.peer.name.clone(),
+                buffer: sl.remote_buffer,
+                device: ep.key.remote_dev,
+            }
+            .into()),
             _ => Err(ArgumentError::SliceLength {
                 len: sl.len,
                 max: MAX_WR_BYTES,

@@ -225,15 +225,18 @@ fn fail_job(job: StageJob, e: &TransferError) {
     }
 }
 
-fn copy_failed(way: &str, e: TransferError) -> TransferError {
-    TransferError::rdma(format!(
-        "staged GPU memory: copy {way} the device failed: {e}"
-    ))
+fn copy_failed(way: &'static str, e: TransferError) -> TransferError {
+    TransferError::Rdma(RdmaError::StagedCopy {
+        way,
+        source: crate::error::Shared(Arc::new(e)),
+    })
 }
 
-fn sync_failed(peer: &str, way: &str, e: TransferError) -> TransferError {
+fn sync_failed(peer: &str, way: &'static str, e: TransferError) -> TransferError {
     // `e` is the peer's refusal or copy error, or why it could not be reached in time
-    TransferError::rdma(format!(
-        "staged GPU memory of segment {peer}: sync asking it to copy {way} its device failed: {e}"
-    ))
+    TransferError::Rdma(RdmaError::StagedSync {
+        peer: peer.to_string(),
+        way,
+        source: crate::error::Shared(Arc::new(e)),
+    })
 }

@@ -192,10 +192,12 @@ impl Transport for RdmaTransport {
         let s = &self.shared;
         for d in &s.devices {
             if region.len > d.max_mr_size {
-                return Err(TransferError::rdma(format!(
-                    "region of {} bytes exceeds {}'s largest memory region ({} bytes)",
-                    region.len, d.info.name, d.max_mr_size
-                )));
+                return Err(RdmaError::RegionOverDeviceLimit {
+                    len: region.len,
+                    device: d.info.name.clone(),
+                    max: d.max_mr_size,
+                }
+                .into());
             }
         }
         let (mrs, path, mirror) = match region.location {

@@ -122,7 +122,7 @@ pub enum TransferError {
         #[source]
         source: Box<TransferError>,
         /// What happened when it was retried.
-        retry: String,
+        retry: RetryOutcome,
     },
     /// Some slices of a batch failed; `first` is the first failure reported.
     #[error("transfer failed: {first}{}", if *.failed > 1 { format!(" (and {} more failed slices of {})", .failed - 1, .total) } else { String::new() })]
@@ -227,6 +227,28 @@ impl TransferError {
         }
         None
     }
+}
+
+/// What happened when a failed slice was retried on a fresh descriptor
+/// ([`TransferError::Retry`]).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RetryOutcome {
+    /// The descriptor could not be fetched again.
+    #[error("fetching its descriptor again: {0}")]
+    Refetch(Box<TransferError>),
+    /// The descriptor fetched again holds no buffer for the slice's remote range.
+    #[error(
+        "the descriptor fetched again has no buffer holding [{addr:#x}, +{len}) (instance \
+         {instance:#x})"
+    )]
+    NotInDescriptor {
+        /// The slice's remote start.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// The peer instance the new descriptor names.
+        instance: u64,
+    },
 }
 
 impl From<ArgumentError> for TransferError {
@@ -522,7 +544,7 @@ mod tests {
         let batch = TransferError::Failed {
             first: Box::new(TransferError::Retry {
                 source: Box::new(io),
-                retry: "fetching its descriptor again: refused".into(),
+                retry: RetryOutcome::Refetch(Box::new(TransferError::Cancelled)),
             }),
             failed: 3,
             total: 8,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::auth::{AuthState, Token};
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{HandshakeError, Result, TransferError};
+use crate::error::{HandshakeError, Result, RetryOutcome, TransferError};
 use crate::handshake::{self, FrameType};
 use crate::transport::completion::PeerRefresh;
 use crate::transport::{CompletionSink, Slice, Transport};
@@ -276,10 +276,7 @@ impl Inner {
                 for (id, err, s) in failed {
                     s.complete(
                         id,
-                        Err(annotate(
-                            err,
-                            &format!("fetching its descriptor again: {fe}"),
-                        )),
+                        Err(annotate(err, RetryOutcome::Refetch(Box::new(fe.clone())))),
                     );
                 }
                 return;
@@ -300,11 +297,11 @@ impl Inner {
                     id,
                     Err(annotate(
                         err,
-                        &format!(
-                            "the descriptor fetched again has no buffer holding [{:#x}, +{}) \
-                             (instance {:#x})",
-                            sl.remote_addr, sl.len, desc.instance_id
-                        ),
+                        RetryOutcome::NotInDescriptor {
+                            addr: sl.remote_addr,
+                            len: sl.len,
+                            instance: desc.instance_id,
+                        },
                     )),
                 ),
             }
@@ -318,9 +315,9 @@ impl Inner {
     }
 }
 
-fn annotate(err: TransferError, retry: &str) -> TransferError {
+fn annotate(err: TransferError, retry: RetryOutcome) -> TransferError {
     TransferError::Retry {
         source: Box::new(err),
-        retry: retry.to_string(),
+        retry,
     }
 }

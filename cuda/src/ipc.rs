@@ -18,6 +18,7 @@
 //! [`crate::guarded`], as for the rest of this crate.
 
 mod share;
+mod strided;
 
 use std::ffi::c_void;
 
@@ -28,6 +29,9 @@ use crate::error::CudaError;
 pub use share::{
     allocation_of, export_vmm, legacy_handle, Allocation, AllocationKind, ExportRefused,
     ImportedVmm, LegacyHandle, OpenedLegacy, VmmBuffer,
+};
+pub use strided::{
+    strided_table, StridedCopies, StridedKernel, StridedTable, STRIDED_PIECE_MAX, STRIDED_SRC,
 };
 
 /// Whether device `a` can read and write device `b`'s memory (`cuDeviceCanAccessPeer`); true

@@ -19,6 +19,9 @@
 //!   (so the engine's figures include what the host adds: slicing, routing, completion), one
 //!   batch at a time: each batch's fixed cost (submit, completion, wake-up) is added to its
 //!   copy;
+//! * `engine … strided ×4`: the scattered pieces as one strided request
+//!   (`TransferEngine::submit_strided`: one range, a block per piece), validated per block and
+//!   copied by one launch of the strided kernel, 4 batches in flight;
 //! * `engine … ×4`: the same with up to 4 batches in flight (a batch is submitted before the
 //!   oldest is waited on), the way the reference's copies are enqueued back to back: throughput,
 //!   with the host work of one batch overlapping the copies of the others.
@@ -198,6 +201,45 @@ fn main() {
             submitting.as_secs_f64() / reps as f64,
         )
     };
+    // As `engine_run` for one strided request (`TransferEngine::submit_strided`).
+    let strided_run = |req: &kvferry_transfer::StridedRequest, reps: usize, window: usize| {
+        let wait = |id| engine.wait(id, std::time::Duration::from_secs(60)).unwrap();
+        let one = std::slice::from_ref(req);
+        wait(engine.submit_strided(&seg, one).unwrap());
+        let mut in_flight = std::collections::VecDeque::new();
+        let mut submitting = std::time::Duration::ZERO;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            if in_flight.len() == window {
+                wait(in_flight.pop_front().unwrap());
+            }
+            let s = std::time::Instant::now();
+            in_flight.push_back(engine.submit_strided(&seg, one).unwrap());
+            submitting += s.elapsed();
+        }
+        in_flight.into_iter().for_each(wait);
+        (
+            t.elapsed().as_secs_f64() / reps as f64,
+            submitting.as_secs_f64() / reps as f64,
+        )
+    };
+    // `size` bytes as pieces of `piece` at every other piece offset, as one strided request.
+    let strided = |size: usize, piece: usize| kvferry_transfer::StridedRequest {
+        op: kvferry_transfer::Op::Write,
+        ranges: vec![kvferry_transfer::StridedRange {
+            local: 0,
+            remote: 0,
+            len: piece as u64,
+        }],
+        blocks: (0..size / piece)
+            .map(|i| {
+                (
+                    src.ptr() + (2 * i * piece) as u64,
+                    remote + (2 * i * piece) as u64,
+                )
+            })
+            .collect(),
+    };
     let engine_time =
         |reqs: &[kvferry_transfer::TransferRequest], reps: usize| engine_run(reqs, reps, 1).0;
     let reqs = |size: usize, piece: usize| -> Vec<kvferry_transfer::TransferRequest> {
@@ -218,9 +260,9 @@ fn main() {
     let kernel = PieceKernel::new(0).expect("piece kernel (NVRTC)");
     let table = std::cell::RefCell::new(PieceTable::new());
     println!(
-        "| size | reference GB/s | contiguous | 64K pieces | 4K pieces | 4K batch API | vmm | engine contiguous | engine 64K pieces | engine 4K pieces | engine contiguous ×4 | engine 64K pieces ×4 |"
+        "| size | reference GB/s | contiguous | 64K pieces | 4K pieces | 4K batch API | vmm | engine contiguous | engine 64K pieces | engine 4K pieces | engine contiguous ×4 | engine 64K pieces ×4 | engine 64K strided ×4 | engine 4K strided ×4 |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut host_rows = Vec::new();
     let mut size = 64 << 10;
     while size <= max {
@@ -291,21 +333,25 @@ fn main() {
         let (pc, pc_submit) = engine_run(&contig_req, 4 * ereps, 4);
         let r64 = reqs(size, 64 << 10);
         let (p64e, p64_submit) = engine_run(&r64, 4 * ereps, 4);
+        let (s64, s64_submit) = strided_run(&strided(size, 64 << 10), 4 * ereps, 4);
+        let (s4, _) = strided_run(&strided(size, 4 << 10), 4 * ereps, 4);
         let label = if size >= 1 << 20 {
             format!("{} MiB", size >> 20)
         } else {
             format!("{} KiB", size >> 10)
         };
         host_rows.push(format!(
-            "| {label} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} |",
+            "| {label} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} |",
             e_contig * 1e6,
             pc * 1e6,
             pc_submit * 1e6,
             p64e * 1e6,
-            p64_submit * 1e9 / r64.len() as f64
+            p64_submit * 1e9 / r64.len() as f64,
+            s64 * 1e6,
+            s64_submit * 1e6,
         ));
         println!(
-            "| {} | {:.1} | {:.3} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |",
+            "| {} | {:.1} | {:.3} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |",
             label,
             size as f64 / reference / 1e9,
             reference / contiguous,
@@ -317,15 +363,17 @@ fn main() {
             reference / e64,
             reference / e4,
             reference / pc,
-            reference / p64e
+            reference / p64e,
+            reference / s64,
+            reference / s4
         );
         size *= 4;
     }
     println!();
     println!(
-        "| size | engine contiguous µs/batch | ×4 µs/batch | ×4 submit µs/batch | engine 64K pieces ×4 µs/batch | ×4 submit ns/request |"
+        "| size | engine contiguous µs/batch | ×4 µs/batch | ×4 submit µs/batch | engine 64K pieces ×4 µs/batch | ×4 submit ns/request | engine 64K strided ×4 µs/batch | ×4 strided submit µs/batch |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     for r in host_rows {
         println!("{r}");
     }

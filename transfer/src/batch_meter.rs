@@ -37,16 +37,30 @@ impl Meters {
         requests: &[TransferRequest],
         slices: u32,
     ) {
-        let op = match requests.first().map(|r| r.op) {
-            Some(Op::Read) => "read",
-            _ => "write",
-        };
+        let op = requests.first().map(|r| r.op).unwrap_or(Op::Write);
+        let bytes = requests.iter().fold(0u64, |a, r| a.saturating_add(r.len));
+        self.start_with(id, path, peer, op, bytes, slices);
+    }
+
+    /// As `start`, for a batch of `bytes` whose first request is an `op`.
+    pub(crate) fn start_with(
+        &self,
+        id: BatchId,
+        path: String,
+        peer: &str,
+        op: Op,
+        bytes: u64,
+        slices: u32,
+    ) {
         let meter = BatchMeter {
             started: Instant::now(),
             path,
             peer: peer.to_string(),
-            op,
-            bytes: requests.iter().fold(0u64, |a, r| a.saturating_add(r.len)),
+            op: match op {
+                Op::Read => "read",
+                Op::Write => "write",
+            },
+            bytes,
             slices,
         };
         self.lock().insert(id, meter);

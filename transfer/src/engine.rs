@@ -33,16 +33,16 @@ use crate::types::{BatchId, BatchStatus, Location, Op, TransferRequest, Transpor
 /// thread, inside a tokio runtime too (they block that worker: from async code prefer
 /// `submit` + `wait_async`).
 pub struct TransferEngine {
-    config: EngineConfig,
+    pub(crate) config: EngineConfig,
     name: String,
     instance_id: u64,
-    registry: Arc<MemoryRegistry>,
-    transport: Arc<dyn Transport>,
+    pub(crate) registry: Arc<MemoryRegistry>,
+    pub(crate) transport: Arc<dyn Transport>,
     transport_reason: String,
-    peers: Arc<PeerCache>,
-    batches: BatchTable,
+    pub(crate) peers: Arc<PeerCache>,
+    pub(crate) batches: BatchTable,
     /// What the metrics need of each batch in flight (`crate::metrics`).
-    meters: crate::batch_meter::Meters,
+    pub(crate) meters: crate::batch_meter::Meters,
     handshake: Option<HandshakeServer>,
     auth: Arc<AuthState>,
     /// Counts this engine in the process's peer fd budget (`crate::fd_budget`).
@@ -559,10 +559,14 @@ impl TransferEngine {
     /// The metrics' `path` of a batch: the transport, and for GPU memory how the first
     /// request's local region is registered (`tcp`, `tcp-gpu-staged`, `rdma-dma-buf`, ...).
     fn path_label(&self, requests: &[TransferRequest]) -> String {
+        self.path_label_at(requests.first().map(|r| r.local_addr))
+    }
+
+    /// `path_label` for a batch whose first local address is `first`.
+    pub(crate) fn path_label_at(&self, first: Option<u64>) -> String {
         let kind = self.transport.kind().as_str();
-        let reg = requests
-            .first()
-            .and_then(|r| self.region_path(r.local_addr))
+        let reg = first
+            .and_then(|a| self.region_path(a))
             .unwrap_or_default();
         match reg {
             crate::memory::RegistrationPath::Host => kind.to_string(),

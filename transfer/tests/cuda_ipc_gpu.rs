@@ -471,7 +471,8 @@ fn mem_info() -> (usize, usize) {
 // ---- The transport through two engines ------------------------------------------------------
 
 use kvferry_transfer::{
-    EngineConfig, Location, Op, SegmentHandle, TransferEngine, TransferPath, TransferRequest,
+    EngineConfig, Location, Op, SegmentHandle, StridedRange, StridedRequest, TransferEngine,
+    TransferPath, TransferRequest,
 };
 
 /// A child process with an engine and one registered `cuda:0` region of 8 MiB (filled with
@@ -670,6 +671,7 @@ fn engine_round_trip(kind: &str) {
             "scattered piece {i} differs"
         );
     }
+    strided_round_trip(&ctx, &engine, &seg, local.ptr(), peer.addr);
     // the child unregisters: the next WRITE is refused and changes nothing
     assert_eq!(peer.ask("unregister"), "ok");
     let e = run(&engine, &seg, &[w(0, 0, 4096)]).unwrap_err();
@@ -681,6 +683,50 @@ fn engine_round_trip(kind: &str) {
         "the refused WRITE changed nothing"
     );
     drop(engine);
+}
+
+/// Strided WRITE then strided READ back (ranges of 16-byte and odd lengths, one longer than
+/// the kernel's longest piece) of 8 blocks: local [3 MiB, ...) → remote [3 MiB, ...) →
+/// local [5 MiB, ...); every copy's bytes come back equal. A strided request one block of
+/// which is past the peer's buffer is refused as the per-copy submit refuses it.
+fn strided_round_trip(ctx: &Context, engine: &TransferEngine, seg: &SegmentHandle, local: u64, remote: u64) {
+    let r = |l, r, len| StridedRange {
+        local: l,
+        remote: r,
+        len,
+    };
+    let ranges = vec![r(0, 0, 1024), r(4096, 2048, 3000), r(10_000, 9_008, 70_000)];
+    let stride = 96u64 << 10;
+    let blocks = |l0: u64| -> Vec<(u64, u64)> {
+        (0..8u64)
+            .map(|i| (local + l0 + stride * (7 - i), remote + (3 << 20) + stride * i))
+            .collect()
+    };
+    let req = |op, l0| StridedRequest {
+        op,
+        ranges: ranges.clone(),
+        blocks: blocks(l0),
+    };
+    let id = engine.submit_strided(seg, &[req(Op::Write, 3 << 20)]).unwrap();
+    engine.wait(id, Duration::from_secs(60)).unwrap();
+    let id = engine.submit_strided(seg, &[req(Op::Read, 5 << 20)]).unwrap();
+    engine.wait(id, Duration::from_secs(60)).unwrap();
+    let src = pattern(3, 8 << 20);
+    let back = download(ctx, local + (5 << 20), 8 * stride as usize);
+    for i in 0..8usize {
+        for g in &ranges {
+            let s = (3 << 20) + stride as usize * (7 - i) + g.local as usize;
+            let b = stride as usize * (7 - i) + g.local as usize;
+            assert!(
+                back[b..b + g.len as usize] == src[s..s + g.len as usize],
+                "strided block {i} range {g:?} differs"
+            );
+        }
+    }
+    let mut past = req(Op::Write, 3 << 20);
+    past.blocks.push((local, remote + (8 << 20) - 4096));
+    let e = engine.submit_strided(seg, &[past]).unwrap_err();
+    assert!(matches!(e, kvferry_transfer::TransferError::RemoteOutOfRange { .. }), "{e}");
 }
 
 #[test]

@@ -33,8 +33,67 @@ pub struct RankPlan {
     pub rank: usize,
     /// The consumer rank's segment.
     pub segment: String,
-    /// The copies, producer address → consumer address.
+    /// The copies cut token by token (block sizes differ), producer address → consumer
+    /// address.
     pub copies: Vec<Copy>,
+    /// The whole-block copies, one entry per run of layers sharing block 0's ranges.
+    pub strided: Vec<BlockCopies>,
+}
+
+/// Whole-block copies of one or more layers: every range of `ranges` (`src`, `dst` offsets from
+/// a block's bases, `len` bytes) copied for every `(producer base, consumer base)` of `blocks`,
+/// block by block, each block's ranges in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockCopies {
+    /// Block 0's copies as offsets from its bases (the same for every block of the layers).
+    pub ranges: Vec<Copy>,
+    /// Each block's `(producer base, consumer base)`: the layer's array address plus the
+    /// block's offset (`Geometry::block_stride` × block id).
+    pub blocks: Vec<(u64, u64)>,
+}
+
+impl BlockCopies {
+    /// Number of copies: ranges × blocks.
+    pub fn len(&self) -> usize {
+        self.ranges.len() * self.blocks.len()
+    }
+
+    /// Whether there is no copy.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl RankPlan {
+    /// Every copy of the plan as plain copies, a copy that continues the previous one on both
+    /// sides merged into it: the strided ones (block by block) then the token-by-token ones.
+    pub fn all_copies(&self) -> Vec<Copy> {
+        let mut out: Vec<Copy> = Vec::new();
+        for s in &self.strided {
+            for &(src, dst) in &s.blocks {
+                for r in &s.ranges {
+                    let c = Copy {
+                        src: src + r.src,
+                        dst: dst + r.dst,
+                        len: r.len,
+                    };
+                    match out.last_mut() {
+                        Some(l) if l.src + l.len == c.src && l.dst + l.len == c.dst => {
+                            l.len += c.len
+                        }
+                        _ => out.push(c),
+                    }
+                }
+            }
+        }
+        out.extend_from_slice(&self.copies);
+        out
+    }
+
+    /// Number of copies before merging (strided and token by token).
+    pub fn copy_count(&self) -> usize {
+        self.copies.len() + self.strided.iter().map(BlockCopies::len).sum::<usize>()
+    }
 }
 
 /// Builds the copies that serve `req` from `producer`'s ranks (docs/design.md §4). Each layer
@@ -309,6 +368,7 @@ fn layer_copies(
                     rank: ri,
                     segment: target.segment.clone(),
                     copies: Vec::new(),
+                    strided: Vec::new(),
                 });
                 plans.len() - 1
             }
@@ -328,12 +388,16 @@ fn layer_copies(
             .map_err(at)?;
             continue;
         }
-        // Block 0's ranges once per layer; each block's are those moved by its offset.
+        // Block 0's ranges once per layer; each block's are those moved by its offset. Layers
+        // whose block 0 pairs alike (every layer of a model, as a rule) share one entry.
         let (ours0, theirs0) = (
             ours.block_head_byte_ranges(0, ph.clone()),
             theirs.block_head_byte_ranges(0, ch.clone()),
         );
         let (ps, cs) = (ours.block_stride(), theirs.block_stride());
+        let mut ranges = Vec::new();
+        pair_ranges(0, &ours0, 0, &theirs0, &mut ranges).map_err(|e| at(e.into()))?;
+        let mut blocks = Vec::with_capacity(b.local_blocks.len());
         for (&remote, &local) in b.remote_blocks.iter().zip(&b.local_blocks) {
             if remote >= ours.num_blocks() || local >= theirs.num_blocks() {
                 return Err(at(LayerError::BlockOutside {
@@ -344,14 +408,14 @@ fn layer_copies(
                 }));
             }
             // Inside the arrays (the blocks were checked against them): no overflow.
-            pair_ranges(
-                layer.addr + remote * ps,
-                &ours0,
-                wl.addr + local * cs,
-                &theirs0,
-                &mut plans[i].copies,
-            )
-            .map_err(|e| at(e.into()))?;
+            blocks.push((layer.addr + remote * ps, wl.addr + local * cs));
+        }
+        if ranges.is_empty() || blocks.is_empty() {
+            continue;
+        }
+        match plans[i].strided.last_mut() {
+            Some(s) if s.ranges == ranges => s.blocks.extend(blocks),
+            _ => plans[i].strided.push(BlockCopies { ranges, blocks }),
         }
     }
     Ok(())

@@ -189,7 +189,7 @@ fn lands(producer: &[RankLayout], consumer: &[RankLayout]) -> (bool, Vec<RankPla
             consumer.iter().filter(|r| r.segment == p.segment).count(),
             1
         );
-        for c in &p.copies {
+        for c in &p.all_copies() {
             let bytes = src.at(c.src, c.len).to_vec();
             dst.at(c.dst, c.len).copy_from_slice(&bytes);
         }
@@ -449,7 +449,7 @@ fn lands_by_tokens(
     src.cells(producer, remote, 0..num_tokens, false);
     let mut dst = Memory::of(consumer);
     for p in &plans {
-        for c in &p.copies {
+        for c in &p.all_copies() {
             let bytes = src.at(c.src, c.len).to_vec();
             dst.at(c.dst, c.len).copy_from_slice(&bytes);
         }

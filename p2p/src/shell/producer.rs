@@ -550,7 +550,7 @@ impl EventLoop {
                             target: "kvferry::timing",
                             request_id = request.request_id,
                             plan_us = t_plan.elapsed().as_micros() as u64,
-                            copies = planned.as_ref().map(|p| p.iter().map(|r| r.copies.len()).sum::<usize>()).unwrap_or(0),
+                            copies = planned.as_ref().map(|p| p.iter().map(|r| r.copy_count()).sum::<usize>()).unwrap_or(0),
                             "serve planned"
                         );
                         let result = match (token, planned) {

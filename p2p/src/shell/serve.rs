@@ -4,10 +4,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvferry_transfer::{Op, Token, TransferRequest as EngineRequest};
+use kvferry_transfer::{
+    Op, StridedRange, StridedRequest, Token, TransferRequest as EngineRequest,
+};
 
 use crate::proto::plan::Copy;
-use crate::proto::serve::RankPlan;
+use crate::proto::serve::{BlockCopies, RankPlan};
 use crate::proto::serve_error::{WriteError, WriteErrorKind};
 use crate::worker::Worker;
 
@@ -23,7 +25,15 @@ pub(crate) async fn write_all(
 ) -> Result<u64, WriteError> {
     let runs = plans.into_iter().map(|p| {
         let workers = workers.clone();
-        async move { write_rank(&workers[p.rank], p.segment, p.copies, deadline, token).await }
+        async move {
+            let w = &workers[p.rank];
+            let (strided, copies) = futures::future::join(
+                write_strided(w, p.segment.clone(), p.strided, deadline, token),
+                write_rank(w, p.segment, p.copies, deadline, token),
+            )
+            .await;
+            Ok::<u64, WriteError>(strided? + copies?)
+        }
     });
     let mut total = 0u64;
     for r in futures::future::join_all(runs).await {
@@ -67,6 +77,48 @@ async fn write_rank(
     Ok(bytes)
 }
 
+/// WRITEs the whole-block copies as one engine batch of strided requests (one per entry):
+/// validated per block, and on the CUDA IPC path copied by one launch without a request per
+/// copy; other transports get them cut into slices by the engine. Returns the bytes written.
+async fn write_strided(
+    w: &Worker,
+    segment: String,
+    strided: Vec<BlockCopies>,
+    deadline: Instant,
+    token: Option<Token>,
+) -> Result<u64, WriteError> {
+    if strided.iter().all(BlockCopies::is_empty) {
+        return Ok(0);
+    }
+    let requests: Vec<StridedRequest> = strided
+        .into_iter()
+        .map(|s| StridedRequest {
+            op: Op::Write,
+            ranges: s
+                .ranges
+                .iter()
+                .map(|r| StridedRange {
+                    local: r.src,
+                    remote: r.dst,
+                    len: r.len,
+                })
+                .collect(),
+            blocks: s.blocks,
+        })
+        .collect();
+    let bytes = requests
+        .iter()
+        .fold(0u64, |a, r| a.saturating_add(r.bytes()));
+    submit_and_wait(w, segment, Submission::Strided(requests), deadline, token).await?;
+    Ok(bytes)
+}
+
+/// What one engine batch carries.
+enum Submission {
+    Plain(Vec<EngineRequest>),
+    Strided(Vec<StridedRequest>),
+}
+
 /// Submits `copies` as one engine batch (off the event loop) and waits for it, by `deadline`.
 async fn write_batch(
     w: &Worker,
@@ -75,9 +127,6 @@ async fn write_batch(
     deadline: Instant,
     token: Option<Token>,
 ) -> Result<(), WriteError> {
-    let rank = w.rank;
-    let at = |kind: WriteErrorKind| WriteError { rank, kind };
-    let engine = w.engine.clone();
     let requests: Vec<EngineRequest> = copies
         .iter()
         .map(|c| EngineRequest {
@@ -87,6 +136,20 @@ async fn write_batch(
             len: c.len,
         })
         .collect();
+    submit_and_wait(w, segment, Submission::Plain(requests), deadline, token).await
+}
+
+/// Submits one batch (off the event loop) and waits for it, by `deadline`.
+async fn submit_and_wait(
+    w: &Worker,
+    segment: String,
+    requests: Submission,
+    deadline: Instant,
+    token: Option<Token>,
+) -> Result<(), WriteError> {
+    let rank = w.rank;
+    let at = |kind: WriteErrorKind| WriteError { rank, kind };
+    let engine = w.engine.clone();
     let submit = tokio::task::spawn_blocking(move || {
         let handle = match token {
             Some(t) => engine.open_segment_with_token(&segment, t),
@@ -97,12 +160,14 @@ async fn write_batch(
             source,
         })?;
         let t = Instant::now();
-        let r = engine
-            .submit(&handle, &requests)
-            .map_err(|source| WriteErrorKind::Submit { segment, source });
+        let (r, n) = match &requests {
+            Submission::Plain(r) => (engine.submit(&handle, r), r.len()),
+            Submission::Strided(r) => (engine.submit_strided(&handle, r), r.len()),
+        };
+        let r = r.map_err(|source| WriteErrorKind::Submit { segment, source });
         tracing::debug!(
             target: "kvferry::timing",
-            requests = requests.len(),
+            requests = n,
             submit_us = t.elapsed().as_micros() as u64,
             "serve submitted"
         );

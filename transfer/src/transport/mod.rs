@@ -30,6 +30,10 @@
 //!    [`Transport::post`] once per submit with all slices of the batch. The transport executes
 //!    them asynchronously and reports each slice exactly once to the [`CompletionSink`]. The batch
 //!    is done when success + failed slices = slices (as in Mooncake).
+//!    `submit_strided` validates strided requests per block and, for the pairs of regions a
+//!    transport says it takes ([`Transport::takes_strided`]), calls [`Transport::post_strided`]
+//!    with whole groups of blocks instead (each group one unit of completion); otherwise it cuts
+//!    the copies into slices as above.
 //! 6. **Shutdown.** When the engine is dropped it calls [`Transport::shutdown`].
 //!
 //! # What the RDMA module must provide (`transport/rdma/mod.rs`)
@@ -164,6 +168,40 @@ pub trait Transport: Send + Sync + 'static {
         done: CompletionSink,
         token: Option<crate::auth::Token>,
     );
+
+    /// Whether [`Transport::post_strided`] takes strided groups between `local` (registered
+    /// here) and the peer's buffer `remote_buffer` (`TransferEngine::submit_strided`): a
+    /// transport whose copies are device work (CUDA IPC) carries a group's copies without
+    /// one slice each. Called at submit, once per pair of regions. Default: `false` (the
+    /// engine then cuts the copies into slices and calls `post`, as for `submit`).
+    fn takes_strided(
+        &self,
+        _peer: &SegmentDescriptor,
+        _local: &MemoryRegion,
+        _remote_buffer: usize,
+    ) -> bool {
+        false
+    }
+
+    /// Starts the strided groups (all to segment `peer`, every pair one `takes_strided`
+    /// accepted) and returns without waiting. Guarantees as for `Slice`: every byte of every
+    /// copy of a group lies inside its `local_region` and the peer's buffer `remote_buffer`;
+    /// ids are 0..groups.len(). Each group is reported exactly once with
+    /// `done.complete(group.id, result)`, `Ok(())` only when all its copies are in place;
+    /// a cancelled batch's unstarted groups with `CompletionSink::cancelled_error()`. A
+    /// group has no retry on a fresh descriptor. Default (never called while `takes_strided`
+    /// is `false`): reports every group `Unsupported`.
+    fn post_strided(
+        &self,
+        _peer: &Arc<SegmentDescriptor>,
+        groups: &[crate::strided::StridedGroup],
+        done: CompletionSink,
+    ) {
+        done.fail_all(
+            groups.iter().map(|g| g.id),
+            &TransferError::Unsupported("this transport takes no strided groups".into()),
+        );
+    }
 
     /// The path a slice between `local` (a registered region here) and the peer's buffer
     /// `remote_buffer` takes now (`TransferEngine::transfer_path`). Default: this transport's

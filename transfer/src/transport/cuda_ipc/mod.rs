@@ -19,6 +19,7 @@ pub mod live;
 mod owner;
 mod peer;
 mod state;
+mod strided;
 pub mod transport;
 
 pub use transport::CudaIpcTransport;

@@ -104,6 +104,9 @@ pub(super) struct Lane {
     pub(super) ctx: Context,
     pub(super) stream: Stream,
     pub(super) kernel: Option<PieceKernel>,
+    /// The strided kernel (when NVRTC is there and it compiled): strided groups take the
+    /// per-copy path without it.
+    pub(super) strided: Option<kvferry_cuda::ipc::StridedKernel>,
     pub(super) tables: Mutex<Vec<PieceTable>>,
     /// Events of completed jobs, reused (an event per batch otherwise costs a create and a
     /// destroy in the driver).

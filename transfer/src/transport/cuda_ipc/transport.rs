@@ -159,10 +159,20 @@ impl CudaIpcTransport {
                     None
                 }
             };
+            let strided = match ipc::StridedKernel::new(ordinal) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    tracing::warn!(
+                        "cuda:{ordinal}: no strided kernel ({e}); strided requests go one slice per copy"
+                    );
+                    None
+                }
+            };
             Ok(Lane {
                 ctx,
                 stream,
                 kernel,
+                strided,
                 tables: Mutex::new(Vec::new()),
                 events: Mutex::new(Vec::new()),
             })
@@ -214,7 +224,7 @@ fn decode_keys(
 impl CudaIpcTransport {
     /// `decode_keys(peer, i)`, remembered per descriptor: `held` (the descriptor's `Arc`, when
     /// the caller has it) lets a descriptor seen for the first time be remembered.
-    fn keys_of(
+    pub(super) fn keys_of(
         &self,
         peer: &SegmentDescriptor,
         held: Option<&Arc<SegmentDescriptor>>,
@@ -267,7 +277,7 @@ impl CudaIpcTransport {
 
     /// The route of a slice between `local` and the peer's buffer `remote_buffer` whose keys
     /// decoded to `k`.
-    fn route_of(
+    pub(super) fn route_of(
         &self,
         peer: &SegmentDescriptor,
         local: &MemoryRegion,
@@ -331,6 +341,24 @@ impl Transport for CudaIpcTransport {
             Route::Ipc | Route::InProcess => self.ipc_slice.max(default),
             Route::Fallback(_) => self.inner.slice_size(peer, local, remote_buffer, default),
         }
+    }
+
+    fn takes_strided(
+        &self,
+        peer: &SegmentDescriptor,
+        local: &MemoryRegion,
+        remote_buffer: usize,
+    ) -> bool {
+        self.takes_strided_pair(peer, local, remote_buffer)
+    }
+
+    fn post_strided(
+        &self,
+        peer: &Arc<SegmentDescriptor>,
+        groups: &[crate::strided::StridedGroup],
+        done: CompletionSink,
+    ) {
+        self.post_strided_groups(peer, groups, done)
     }
 
     fn kind(&self) -> TransportKind {

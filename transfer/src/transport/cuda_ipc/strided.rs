@@ -1,0 +1,282 @@
+//! Strided groups on the CUDA IPC path (`Transport::post_strided`): each group's blocks checked
+//! against the owner's live table once per block, then all groups of a device in one launch of
+//! the strided kernel, whose table holds the groups' ranges and block bases (O(ranges +
+//! blocks)), never one entry per copy.
+
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use kvferry_cuda::driver::Event;
+use kvferry_cuda::ipc::{self, AllocationKind, StridedCopies};
+
+use super::keys::{IpcRegionKeys, Route};
+use super::state::{gpu_err, lock, Job, Lane, Mapped, COPY_DEADLINE};
+use super::transport::CudaIpcTransport;
+use crate::descriptor::SegmentDescriptor;
+use crate::error::{Result, TransferError};
+use crate::memory::MemoryRegion;
+use crate::strided::StridedGroup;
+use crate::transport::CompletionSink;
+use crate::types::{Location, Op};
+
+/// One group resolved to device addresses: ranges as (dst, src) offsets, bases as (dst, src).
+struct Resolved {
+    id: u32,
+    ranges: Vec<ipc::Copy>,
+    bases: Vec<(u64, u64)>,
+    bytes: u64,
+}
+
+impl CudaIpcTransport {
+    /// Whether the pair goes over CUDA IPC now and the local device has the strided kernel.
+    pub(super) fn takes_strided_pair(
+        &self,
+        peer: &SegmentDescriptor,
+        local: &MemoryRegion,
+        remote_buffer: usize,
+    ) -> bool {
+        let Location::Cuda(dev) = local.location else {
+            return false;
+        };
+        let k = self.keys_of(peer, None, remote_buffer);
+        matches!(
+            self.route_of(peer, local, remote_buffer, &k),
+            Route::Ipc | Route::InProcess
+        ) && self.lane(dev).is_ok_and(|l| l.strided.is_some())
+    }
+
+    /// `Transport::post_strided`: every group one id, completed by the event after its launch.
+    pub(super) fn post_strided_groups(
+        &self,
+        peer: &Arc<SegmentDescriptor>,
+        groups: &[StridedGroup],
+        done: CompletionSink,
+    ) {
+        if done.is_cancelled() {
+            done.fail_all(
+                groups.iter().map(|g| g.id),
+                &CompletionSink::cancelled_error(),
+            );
+            return;
+        }
+        // The route was decided at submit; a descriptor change meanwhile fails the group
+        // (the per-copy path would have retried it on the fallback transport).
+        let mut work: Vec<(&StridedGroup, IpcRegionKeys, u32)> = Vec::with_capacity(groups.len());
+        for g in groups {
+            let k = self.keys_of(peer, Some(peer), g.remote_buffer);
+            let route = self.route_of(peer, &g.local_region, g.remote_buffer, &k);
+            match (k, g.local_region.location, route) {
+                (Some(Ok(k)), Location::Cuda(d), Route::Ipc | Route::InProcess) => {
+                    work.push((g, k, d))
+                }
+                _ => done.complete(
+                    g.id,
+                    Err(TransferError::Unsupported(format!(
+                        "buffer {} of {} is no longer reachable over CUDA IPC",
+                        g.remote_buffer, peer.name
+                    ))),
+                ),
+            }
+        }
+        let Some(host) = work.first().map(|w| w.1.host.clone()) else {
+            return;
+        };
+        if self.peer_gone(&host) {
+            self.drop_peer(&peer.name);
+            let e = TransferError::Refused {
+                segment: peer.name.clone(),
+                text: format!("its process {} has exited", host.pid),
+            };
+            done.fail_all(work.iter().map(|w| w.0.id), &e);
+            return;
+        }
+        let mut devices: Vec<u32> = work.iter().map(|w| w.2).collect();
+        devices.sort_unstable();
+        devices.dedup();
+        done.expect_soon();
+        for dev in devices {
+            let part: Vec<&(&StridedGroup, IpcRegionKeys, u32)> =
+                work.iter().filter(|w| w.2 == dev).collect();
+            let ids = || part.iter().map(|w| w.0.id);
+            if let Err(e) = self.post_device(peer, &host, dev, &part, &done) {
+                done.fail_all(ids(), &e);
+            }
+        }
+    }
+
+    /// The groups of one local device: imports what is missing, checks and resolves every
+    /// group (failing those outside the live table), enqueues one launch and hands the job to
+    /// the completion thread. An `Err` fails the groups not reported yet.
+    fn post_device(
+        &self,
+        peer: &Arc<SegmentDescriptor>,
+        host: &super::keys::HostIdentity,
+        dev: u32,
+        part: &[&(&StridedGroup, IpcRegionKeys, u32)],
+        done: &CompletionSink,
+    ) -> Result<()> {
+        let lane = self.lane(dev)?;
+        let missing: Vec<(u64, u64, AllocationKind)> = {
+            let peers = lock(&self.peers);
+            let p = peers
+                .get(&peer.name)
+                .filter(|p| p.instance_id == peer.instance_id);
+            let mut out: Vec<(u64, u64, AllocationKind)> = Vec::new();
+            for (_, k, _) in part.iter().copied() {
+                if out.iter().any(|m| m.0 == k.alloc_base) {
+                    continue;
+                }
+                if p.is_none_or(|p| !p.mapped.contains_key(&k.alloc_base)) {
+                    out.push((k.alloc_base, k.alloc_size, k.kind));
+                }
+            }
+            out
+        };
+        if !missing.is_empty() {
+            if let Err(e) = self.import(peer, host, &missing, &lane) {
+                // Later submits of these pairs take the per-copy path (to the fallback).
+                let mut peers = lock(&self.peers);
+                if let Some(p) = peers.get_mut(&peer.name) {
+                    p.failed.extend(missing.iter().map(|m| m.0));
+                }
+                return Err(e);
+            }
+        }
+        let mut keep: Vec<Arc<Mapped>> = Vec::new();
+        let mut resolved: Vec<Resolved> = Vec::with_capacity(part.len());
+        {
+            let peers = lock(&self.peers);
+            let p = peers.get(&peer.name).ok_or_else(|| {
+                TransferError::Unsupported(format!("{} was forgotten meanwhile", peer.name))
+            })?;
+            let mut live = p.live.snapshot();
+            for (g, k, _) in part.iter().copied() {
+                let Some((_, m)) = p.mapped.get(&k.alloc_base) else {
+                    done.complete(g.id, Err(TransferError::Unsupported("not imported".into())));
+                    continue;
+                };
+                // Every copy's remote side lies in the block's span, which lies in one buffer
+                // (checked at submit): the span inside the live table covers every copy.
+                let lo = g.ranges.iter().map(|r| r.remote).min().unwrap_or(0);
+                let hi = g.ranges.iter().map(|r| r.remote + r.len).max().unwrap_or(0);
+                if let Some(&(_, rb)) = g.blocks.iter().find(|(_, rb)| !live.covers(rb + lo, hi - lo)) {
+                    done.complete(
+                        g.id,
+                        Err(TransferError::RemoteOutOfRange {
+                            segment: peer.name.clone(),
+                            addr: rb + lo,
+                            len: hi - lo,
+                        }),
+                    );
+                    continue;
+                }
+                if !keep.iter().any(|x| Arc::ptr_eq(x, m)) {
+                    keep.push(m.clone());
+                }
+                // The block's remote base moved into this process's mapping (wrapping: a base
+                // may lie below the allocation when every range starts past it).
+                let shift = m.ptr().wrapping_sub(k.alloc_base);
+                let ranges = g
+                    .ranges
+                    .iter()
+                    .map(|r| match g.op {
+                        Op::Write => ipc::Copy {
+                            dst: r.remote,
+                            src: r.local,
+                            len: r.len as usize,
+                        },
+                        Op::Read => ipc::Copy {
+                            dst: r.local,
+                            src: r.remote,
+                            len: r.len as usize,
+                        },
+                    })
+                    .collect();
+                let bases = g
+                    .blocks
+                    .iter()
+                    .map(|&(lb, rb)| match g.op {
+                        Op::Write => (rb.wrapping_add(shift), lb),
+                        Op::Read => (lb, rb.wrapping_add(shift)),
+                    })
+                    .collect();
+                let per: u64 = g.ranges.iter().map(|r| r.len).sum();
+                resolved.push(Resolved {
+                    id: g.id,
+                    ranges,
+                    bases,
+                    bytes: per.saturating_mul(g.blocks.len() as u64),
+                });
+            }
+        }
+        if resolved.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<u32> = resolved.iter().map(|r| r.id).collect();
+        let bytes = resolved.iter().fold(0u64, |a, r| a.saturating_add(r.bytes));
+        let launch: Vec<StridedCopies<'_>> = resolved
+            .iter()
+            .map(|r| StridedCopies {
+                ranges: &r.ranges,
+                bases: &r.bases,
+            })
+            .collect();
+        let (event, table) = match self.enqueue_strided(&lane, &launch) {
+            Ok(x) => x,
+            Err(e) => {
+                done.fail_all(ids, &e);
+                return Ok(());
+            }
+        };
+        let job = Job {
+            event,
+            done: done.clone(),
+            ids,
+            deadline: Instant::now() + COPY_DEADLINE + Duration::from_nanos(bytes),
+            lane: lane.clone(),
+            table: Some(table),
+            _keep: keep,
+        };
+        let tx = lock(&self.jobs).clone();
+        let refused = match tx {
+            Some(tx) => tx.send(job).err().map(|mpsc::SendError(j)| j),
+            None => Some(job),
+        };
+        if let Some(j) = refused {
+            // Shut down meanwhile: let the copies end before their memory goes.
+            let _ = j.event.synchronize();
+            j.done.fail_all(
+                j.ids.iter().copied(),
+                &TransferError::Unsupported("the CUDA IPC transport is shut down".into()),
+            );
+        }
+        Ok(())
+    }
+
+    /// One launch of the strided kernel for `groups` on the lane's stream, and an event after.
+    fn enqueue_strided(
+        &self,
+        lane: &Lane,
+        groups: &[StridedCopies<'_>],
+    ) -> Result<(Event, ipc::PieceTable)> {
+        let kernel = lane
+            .strided
+            .as_ref()
+            .ok_or_else(|| TransferError::Unsupported("no strided kernel on this device".into()))?;
+        lane.ctx.bind().map_err(gpu_err)?;
+        let s = lane.stream.raw();
+        let mut t = lock(&lane.tables).pop().unwrap_or_default();
+        // SAFETY: every copy lies inside registered local memory or a peer allocation mapped
+        // here (checked at submit and against the live table; kept alive by the job until the
+        // event completes); the table is ours until the job returns it after the event.
+        unsafe { kernel.enqueue(groups, &mut t, s) }.map_err(gpu_err)?;
+        let spare = lock(&lane.events).pop();
+        let ev = match spare {
+            Some(e) => e,
+            None => Event::new(&lane.ctx, false).map_err(gpu_err)?,
+        };
+        // SAFETY: the lane's stream belongs to the lane's context.
+        unsafe { ev.record(s) }.map_err(gpu_err)?;
+        Ok((ev, t))
+    }
+}

@@ -17,6 +17,7 @@
 //! the driver first ([`crate::cuda_available`]) and run the first call inside
 //! [`crate::guarded`], as for the rest of this crate.
 
+mod piece;
 mod share;
 mod strided;
 
@@ -30,6 +31,7 @@ pub use share::{
     allocation_of, export_vmm, legacy_handle, Allocation, AllocationKind, ExportRefused,
     ImportedVmm, LegacyHandle, OpenedLegacy, VmmBuffer,
 };
+pub use piece::{Copy, PieceTable};
 pub use strided::{
     strided_table, StridedCopies, StridedKernel, StridedTable, STRIDED_PIECE_MAX, STRIDED_SRC,
 };
@@ -52,17 +54,6 @@ pub fn can_access_peer(a: u32, b: u32) -> DriverResult<bool> {
         )?;
     }
     Ok(can != 0)
-}
-
-/// One copy of a batch: `len` bytes from device address `src` to `dst`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Copy {
-    /// Destination device address.
-    pub dst: u64,
-    /// Source device address.
-    pub src: u64,
-    /// Bytes.
-    pub len: usize,
 }
 
 /// Enqueues `copies` on `stream`: one `cuMemcpyBatchAsync` where the driver has it (CUDA 12.8
@@ -207,25 +198,6 @@ pub struct PieceKernel {
     ctx: Context,
 }
 
-/// The piece list of one launch: pinned host memory and its device copy, grown as needed.
-/// Reused only after the launch that read it has completed.
-pub struct PieceTable {
-    bufs: Option<(crate::driver::PinnedBuffer, crate::driver::DeviceBuffer)>,
-}
-
-impl PieceTable {
-    /// An empty table (allocated on first use).
-    pub fn new() -> PieceTable {
-        PieceTable { bufs: None }
-    }
-}
-
-impl Default for PieceTable {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl PieceKernel {
     /// Compiles and loads the kernel for `ordinal`'s device. Errors: NVRTC missing or failing,
     /// the driver's.
@@ -276,14 +248,7 @@ impl PieceKernel {
             CudaError::Invalid(format!("{} pieces in one launch", plan.pieces.len()))
         })?;
         let bytes = plan.pieces.len() * 24;
-        if table.bufs.as_ref().is_none_or(|(h, _)| h.len() < bytes) {
-            let cap = bytes.next_power_of_two().max(64 << 10);
-            table.bufs = Some((
-                crate::driver::PinnedBuffer::new(&self.ctx, cap)?,
-                crate::driver::DeviceBuffer::new(&self.ctx, cap)?,
-            ));
-        }
-        let (host, dev) = table.bufs.as_ref().expect("made above");
+        let (host, dev) = table.ensure(&self.ctx, bytes)?;
         // SAFETY: the pinned table holds at least `bytes`; its previous launch has completed
         // (contract), so nothing reads it now.
         let words = unsafe { std::slice::from_raw_parts_mut(host.as_ptr() as *mut u64, bytes / 8) };

@@ -5,7 +5,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys;
 
-use super::{Copy, PieceTable};
+use super::piece::{Copy, PieceTable};
 use crate::driver::{Context, DriverResult};
 use crate::error::CudaError;
 
@@ -146,14 +146,7 @@ impl StridedKernel {
         }
         self.ctx.bind()?;
         let bytes = t.words.len() * 8;
-        if table.bufs.as_ref().is_none_or(|(h, _)| h.len() < bytes) {
-            let cap = bytes.next_power_of_two().max(64 << 10);
-            table.bufs = Some((
-                crate::driver::PinnedBuffer::new(&self.ctx, cap)?,
-                crate::driver::DeviceBuffer::new(&self.ctx, cap)?,
-            ));
-        }
-        let (host, dev) = table.bufs.as_ref().expect("made above");
+        let (host, dev) = table.ensure(&self.ctx, bytes)?;
         // SAFETY: the pinned table holds at least `bytes`; its previous launch has completed
         // (contract), so nothing reads it now.
         unsafe {

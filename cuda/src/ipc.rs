@@ -27,11 +27,11 @@ use cudarc::driver::sys;
 
 use crate::driver::{check, Context, DriverResult};
 use crate::error::CudaError;
+pub use piece::{Copy, PieceTable};
 pub use share::{
     allocation_of, export_vmm, legacy_handle, Allocation, AllocationKind, ExportRefused,
     ImportedVmm, LegacyHandle, OpenedLegacy, VmmBuffer,
 };
-pub use piece::{Copy, PieceTable};
 pub use strided::{
     strided_table, StridedCopies, StridedKernel, StridedTable, STRIDED_PIECE_MAX, STRIDED_SRC,
 };

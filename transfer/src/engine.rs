@@ -565,9 +565,7 @@ impl TransferEngine {
     /// `path_label` for a batch whose first local address is `first`.
     pub(crate) fn path_label_at(&self, first: Option<u64>) -> String {
         let kind = self.transport.kind().as_str();
-        let reg = first
-            .and_then(|a| self.region_path(a))
-            .unwrap_or_default();
+        let reg = first.and_then(|a| self.region_path(a)).unwrap_or_default();
         match reg {
             crate::memory::RegistrationPath::Host => kind.to_string(),
             crate::memory::RegistrationPath::Staged => format!("{kind}-gpu-staged"),

@@ -58,7 +58,9 @@ impl TransferEngine {
             .iter()
             .find_map(|r| Some(r.blocks.first()?.0 + r.ranges.first()?.local));
         let op = requests.first().map(|r| r.op).unwrap_or(Op::Write);
-        let bytes = requests.iter().fold(0u64, |a, r| a.saturating_add(r.bytes()));
+        let bytes = requests
+            .iter()
+            .fold(0u64, |a, r| a.saturating_add(r.bytes()));
         let path = self.path_label_at(first);
         self.meters
             .start_with(id, path, &desc.name, op, bytes, groups.len() as u32);

@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use crate::error::{Result, TransferError};
+use crate::error::{ArgumentError, Result, TransferError};
 use crate::memory::MemoryRegion;
 use crate::types::{Op, TransferRequest};
 
@@ -49,7 +49,10 @@ impl StridedRequest {
 
     /// Bytes of all copies (saturating).
     pub fn bytes(&self) -> u64 {
-        let per = self.ranges.iter().fold(0u64, |a, r| a.saturating_add(r.len));
+        let per = self
+            .ranges
+            .iter()
+            .fold(0u64, |a, r| a.saturating_add(r.len));
         per.saturating_mul(self.blocks.len() as u64)
     }
 
@@ -86,16 +89,19 @@ impl StridedRequest {
 fn ends(lb: u64, rb: u64, r: &StridedRange) -> Result<(u64, u64)> {
     if r.len == 0 {
         return Err(TransferError::InvalidArgument(
-            "strided request has a range of zero length".into(),
+            ArgumentError::StridedZeroLength,
         ));
     }
-    let l = lb.checked_add(r.local).filter(|a| a.checked_add(r.len).is_some());
-    let rm = rb.checked_add(r.remote).filter(|a| a.checked_add(r.len).is_some());
+    let l = lb
+        .checked_add(r.local)
+        .filter(|a| a.checked_add(r.len).is_some());
+    let rm = rb
+        .checked_add(r.remote)
+        .filter(|a| a.checked_add(r.len).is_some());
     match (l, rm) {
         (Some(l), Some(rm)) => Ok((l, rm)),
-        _ => Err(TransferError::InvalidArgument(
-            "strided request's copy overflows the address space".into(),
-        )),
+        (None, _) => Err(overflow(lb, r.local)),
+        _ => Err(overflow(rb, r.remote)),
     }
 }
 
@@ -114,9 +120,8 @@ fn hull(ranges: &[StridedRange]) -> Result<Option<Hull>> {
         let (l_end, r_end) = ends(0, 0, r).and_then(|_| {
             match (r.local.checked_add(r.len), r.remote.checked_add(r.len)) {
                 (Some(a), Some(b)) => Ok((a, b)),
-                _ => Err(TransferError::InvalidArgument(
-                    "strided request's copy overflows the address space".into(),
-                )),
+                (None, _) => Err(overflow(r.local, r.len)),
+                _ => Err(overflow(r.remote, r.len)),
             }
         })?;
         h = Some(match h {
@@ -195,11 +200,15 @@ pub(crate) fn validate(
             // Both ends of the block's span are ends of some copy: checked here as there.
             let (la, ra) = match (lb.checked_add(h.local.0), rb.checked_add(h.remote.0)) {
                 (Some(a), Some(b)) => (a, b),
-                _ => return Err(overflow()),
+                (None, _) => return Err(overflow(lb, h.local.0)),
+                _ => return Err(overflow(rb, h.remote.0)),
             };
             let (ll, rl) = (h.local.1 - h.local.0, h.remote.1 - h.remote.0);
-            if la.checked_add(ll).is_none() || ra.checked_add(rl).is_none() {
-                return Err(overflow());
+            if la.checked_add(ll).is_none() {
+                return Err(overflow(lb, h.local.1));
+            }
+            if ra.checked_add(rl).is_none() {
+                return Err(overflow(rb, h.remote.1));
             }
             if expand {
                 continue; // still check every block's arithmetic: the error wins over Expand
@@ -240,7 +249,9 @@ pub(crate) fn validate(
                 }
                 _ => {
                     let id = u32::try_from(groups.len()).map_err(|_| {
-                        TransferError::InvalidArgument("strided submit has too many groups".into())
+                        TransferError::InvalidArgument(ArgumentError::TooManySlices {
+                            limit: u32::MAX as u64,
+                        })
                     })?;
                     groups.push(StridedGroup {
                         id,
@@ -261,8 +272,8 @@ pub(crate) fn validate(
     })
 }
 
-fn overflow() -> TransferError {
-    TransferError::InvalidArgument("strided request's copy overflows the address space".into())
+fn overflow(base: u64, offset: u64) -> TransferError {
+    TransferError::InvalidArgument(ArgumentError::StridedOverflow { base, offset })
 }
 
 /// Every request's copies, in order (`StridedRequest::copies`).

@@ -35,7 +35,13 @@ fn compact(
     validate(
         requests,
         |a, n| local.iter().copied().find(|g| g.contains(a, n)),
-        |a, n| remote.iter().copied().enumerate().find(|(_, g)| g.contains(a, n)),
+        |a, n| {
+            remote
+                .iter()
+                .copied()
+                .enumerate()
+                .find(|(_, g)| g.contains(a, n))
+        },
         |_, _| takes,
     )
 }
@@ -47,7 +53,12 @@ fn regions(rng: &mut impl Rng, base: u64) -> Vec<MemoryRegion> {
     for _ in 0..rng.random_range(1..4) {
         let len = rng.random_range(1..600);
         out.push(region(at, len));
-        at += len + if rng.random_bool(0.5) { 0 } else { rng.random_range(1..64) };
+        at += len
+            + if rng.random_bool(0.5) {
+                0
+            } else {
+                rng.random_range(1..64)
+            };
     }
     out
 }
@@ -74,7 +85,11 @@ fn request(rng: &mut impl Rng, lbase: u64, rbase: u64) -> StridedRequest {
         })
         .collect();
     StridedRequest {
-        op: if rng.random_bool(0.5) { Op::Write } else { Op::Read },
+        op: if rng.random_bool(0.5) {
+            Op::Write
+        } else {
+            Op::Read
+        },
         ranges,
         blocks,
     }
@@ -133,10 +148,16 @@ fn compact_validation_accepts_exactly_what_per_copy_validation_accepts() {
         if !want {
             refused_n += 1;
         }
-        assert_eq!(got, want, "case {case}: {reqs:?} local {local:?} remote {remote:?}");
+        assert_eq!(
+            got, want,
+            "case {case}: {reqs:?} local {local:?} remote {remote:?}"
+        );
     }
     // The generator reaches every outcome often.
-    assert!(compact_n > 2000 && expanded_n > 2000 && refused_n > 2000, "{compact_n} {expanded_n} {refused_n}");
+    assert!(
+        compact_n > 2000 && expanded_n > 2000 && refused_n > 2000,
+        "{compact_n} {expanded_n} {refused_n}"
+    );
 }
 
 #[test]

@@ -689,7 +689,13 @@ fn engine_round_trip(kind: &str) {
 /// the kernel's longest piece) of 8 blocks: local [3 MiB, ...) → remote [3 MiB, ...) →
 /// local [5 MiB, ...); every copy's bytes come back equal. A strided request one block of
 /// which is past the peer's buffer is refused as the per-copy submit refuses it.
-fn strided_round_trip(ctx: &Context, engine: &TransferEngine, seg: &SegmentHandle, local: u64, remote: u64) {
+fn strided_round_trip(
+    ctx: &Context,
+    engine: &TransferEngine,
+    seg: &SegmentHandle,
+    local: u64,
+    remote: u64,
+) {
     let r = |l, r, len| StridedRange {
         local: l,
         remote: r,
@@ -699,7 +705,12 @@ fn strided_round_trip(ctx: &Context, engine: &TransferEngine, seg: &SegmentHandl
     let stride = 96u64 << 10;
     let blocks = |l0: u64| -> Vec<(u64, u64)> {
         (0..8u64)
-            .map(|i| (local + l0 + stride * (7 - i), remote + (3 << 20) + stride * i))
+            .map(|i| {
+                (
+                    local + l0 + stride * (7 - i),
+                    remote + (3 << 20) + stride * i,
+                )
+            })
             .collect()
     };
     let req = |op, l0| StridedRequest {
@@ -707,9 +718,13 @@ fn strided_round_trip(ctx: &Context, engine: &TransferEngine, seg: &SegmentHandl
         ranges: ranges.clone(),
         blocks: blocks(l0),
     };
-    let id = engine.submit_strided(seg, &[req(Op::Write, 3 << 20)]).unwrap();
+    let id = engine
+        .submit_strided(seg, &[req(Op::Write, 3 << 20)])
+        .unwrap();
     engine.wait(id, Duration::from_secs(60)).unwrap();
-    let id = engine.submit_strided(seg, &[req(Op::Read, 5 << 20)]).unwrap();
+    let id = engine
+        .submit_strided(seg, &[req(Op::Read, 5 << 20)])
+        .unwrap();
     engine.wait(id, Duration::from_secs(60)).unwrap();
     let src = pattern(3, 8 << 20);
     let back = download(ctx, local + (5 << 20), 8 * stride as usize);
@@ -726,7 +741,10 @@ fn strided_round_trip(ctx: &Context, engine: &TransferEngine, seg: &SegmentHandl
     let mut past = req(Op::Write, 3 << 20);
     past.blocks.push((local, remote + (8 << 20) - 4096));
     let e = engine.submit_strided(seg, &[past]).unwrap_err();
-    assert!(matches!(e, kvferry_transfer::TransferError::RemoteOutOfRange { .. }), "{e}");
+    assert!(
+        matches!(e, kvferry_transfer::TransferError::RemoteOutOfRange { .. }),
+        "{e}"
+    );
 }
 
 #[test]

@@ -212,7 +212,10 @@ mod tests {
     #[test]
     fn the_kernels_pieces_are_the_groups_copies_with_long_ranges_cut() {
         let c = |dst, src, len| Copy { dst, src, len };
-        let r1 = [c(0, 100, 16), c(200, 300, STRIDED_PIECE_MAX as usize * 2 + 5)];
+        let r1 = [
+            c(0, 100, 16),
+            c(200, 300, STRIDED_PIECE_MAX as usize * 2 + 5),
+        ];
         let r2 = [c(8, 8, 32)];
         let b1 = [(1 << 30, 1 << 20), (2 << 30, 2 << 20)];
         let b2 = [(7, 9), (11, 13), (17, 19)];

@@ -4,9 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvferry_transfer::{
-    Op, StridedRange, StridedRequest, Token, TransferRequest as EngineRequest,
-};
+use kvferry_transfer::{Op, StridedRange, StridedRequest, Token, TransferRequest as EngineRequest};
 
 use crate::proto::plan::Copy;
 use crate::proto::serve::{BlockCopies, RankPlan};

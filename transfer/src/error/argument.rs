@@ -132,6 +132,17 @@ pub enum ArgumentError {
         /// Its length.
         len: u64,
     },
+    /// A strided request with a range of length 0 (and at least one block).
+    #[error("strided request has a range of zero length")]
+    StridedZeroLength,
+    /// A strided request one copy of which runs past the end of the address space.
+    #[error("a strided request's copy at base {base:#x} + offset {offset:#x} overflows the address space")]
+    StridedOverflow {
+        /// The block's base on the side that overflows.
+        base: u64,
+        /// The offset added to it (a range's offset, or the end of block 0's span).
+        offset: u64,
+    },
     /// A grant for a token that already has a live one.
     #[error("this token already has a live grant")]
     GrantExists,

@@ -112,6 +112,25 @@ pub enum UnsupportedError {
     /// The CUDA IPC descriptor socket could not be started.
     #[error("CUDA IPC socket: {0}")]
     IpcSocket(#[source] Shared),
+    /// A transport that takes no strided groups was handed some.
+    #[error("the {transport} transport takes no strided groups")]
+    NoStridedGroups {
+        /// The transport's name.
+        transport: &'static str,
+    },
+    /// A strided group's pair of regions stopped going over CUDA IPC between submit and post
+    /// (the peer's descriptor changed, its allocation could not be imported).
+    #[error("the peer's buffer {buffer} is no longer reached over CUDA IPC")]
+    NotOverCudaIpc {
+        /// Index of the peer's buffer.
+        buffer: usize,
+    },
+    /// The local device has no strided copy kernel (NVRTC missing or failing).
+    #[error("no strided copy kernel on cuda:{ordinal}")]
+    NoStridedKernel {
+        /// The device.
+        ordinal: u32,
+    },
 }
 
 fn attempts_text(attempts: &[(&'static str, Shared)]) -> String {

@@ -199,7 +199,9 @@ pub trait Transport: Send + Sync + 'static {
     ) {
         done.fail_all(
             groups.iter().map(|g| g.id),
-            &TransferError::Unsupported("this transport takes no strided groups".into()),
+            &TransferError::Unsupported(crate::error::UnsupportedError::NoStridedGroups {
+                transport: self.kind().as_str(),
+            }),
         );
     }
 

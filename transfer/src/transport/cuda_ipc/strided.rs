@@ -13,7 +13,7 @@ use super::keys::{IpcRegionKeys, Route};
 use super::state::{gpu_err, lock, Job, Lane, Mapped, COPY_DEADLINE};
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{Result, TransferError};
+use crate::error::{Result, TransferError, UnsupportedError};
 use crate::memory::MemoryRegion;
 use crate::strided::StridedGroup;
 use crate::transport::CompletionSink;
@@ -69,13 +69,7 @@ impl CudaIpcTransport {
                 (Some(Ok(k)), Location::Cuda(d), Route::Ipc | Route::InProcess) => {
                     work.push((g, k, d))
                 }
-                _ => done.complete(
-                    g.id,
-                    Err(TransferError::Unsupported(format!(
-                        "buffer {} of {} is no longer reachable over CUDA IPC",
-                        g.remote_buffer, peer.name
-                    ))),
-                ),
+                _ => done.complete(g.id, Err(not_over_ipc(g.remote_buffer))),
             }
         }
         let Some(host) = work.first().map(|w| w.1.host.clone()) else {
@@ -146,20 +140,24 @@ impl CudaIpcTransport {
         let mut resolved: Vec<Resolved> = Vec::with_capacity(part.len());
         {
             let peers = lock(&self.peers);
-            let p = peers.get(&peer.name).ok_or_else(|| {
-                TransferError::Unsupported(format!("{} was forgotten meanwhile", peer.name))
-            })?;
+            let p = peers
+                .get(&peer.name)
+                .ok_or_else(|| not_over_ipc(part[0].0.remote_buffer))?;
             let mut live = p.live.snapshot();
             for (g, k, _) in part.iter().copied() {
                 let Some((_, m)) = p.mapped.get(&k.alloc_base) else {
-                    done.complete(g.id, Err(TransferError::Unsupported("not imported".into())));
+                    done.complete(g.id, Err(not_over_ipc(g.remote_buffer)));
                     continue;
                 };
                 // Every copy's remote side lies in the block's span, which lies in one buffer
                 // (checked at submit): the span inside the live table covers every copy.
                 let lo = g.ranges.iter().map(|r| r.remote).min().unwrap_or(0);
                 let hi = g.ranges.iter().map(|r| r.remote + r.len).max().unwrap_or(0);
-                if let Some(&(_, rb)) = g.blocks.iter().find(|(_, rb)| !live.covers(rb + lo, hi - lo)) {
+                if let Some(&(_, rb)) = g
+                    .blocks
+                    .iter()
+                    .find(|(_, rb)| !live.covers(rb + lo, hi - lo))
+                {
                     done.complete(
                         g.id,
                         Err(TransferError::RemoteOutOfRange {
@@ -221,7 +219,7 @@ impl CudaIpcTransport {
                 bases: &r.bases,
             })
             .collect();
-        let (event, table) = match self.enqueue_strided(&lane, &launch) {
+        let (event, table) = match self.enqueue_strided(dev, &lane, &launch) {
             Ok(x) => x,
             Err(e) => {
                 done.fail_all(ids, &e);
@@ -247,7 +245,9 @@ impl CudaIpcTransport {
             let _ = j.event.synchronize();
             j.done.fail_all(
                 j.ids.iter().copied(),
-                &TransferError::Unsupported("the CUDA IPC transport is shut down".into()),
+                &TransferError::Unsupported(UnsupportedError::ShutDown {
+                    transport: "CUDA IPC",
+                }),
             );
         }
         Ok(())
@@ -256,13 +256,13 @@ impl CudaIpcTransport {
     /// One launch of the strided kernel for `groups` on the lane's stream, and an event after.
     fn enqueue_strided(
         &self,
+        dev: u32,
         lane: &Lane,
         groups: &[StridedCopies<'_>],
     ) -> Result<(Event, ipc::PieceTable)> {
-        let kernel = lane
-            .strided
-            .as_ref()
-            .ok_or_else(|| TransferError::Unsupported("no strided kernel on this device".into()))?;
+        let kernel = lane.strided.as_ref().ok_or(TransferError::Unsupported(
+            UnsupportedError::NoStridedKernel { ordinal: dev },
+        ))?;
         lane.ctx.bind().map_err(gpu_err)?;
         let s = lane.stream.raw();
         let mut t = lock(&lane.tables).pop().unwrap_or_default();
@@ -279,4 +279,8 @@ impl CudaIpcTransport {
         unsafe { ev.record(s) }.map_err(gpu_err)?;
         Ok((ev, t))
     }
+}
+
+fn not_over_ipc(buffer: usize) -> TransferError {
+    TransferError::Unsupported(UnsupportedError::NotOverCudaIpc { buffer })
 }

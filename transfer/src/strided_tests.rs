@@ -175,7 +175,7 @@ fn overflowing_and_zero_length_copies_are_refused_both_ways() {
     };
     for r in [req(u64::MAX - 20, 8), req(0, 0)] {
         assert!(matches!(
-            compact(&[r.clone()], &local, &remote, true),
+            compact(std::slice::from_ref(&r), &local, &remote, true),
             Err(TransferError::InvalidArgument(_))
         ));
         assert!(matches!(r.copies(), Err(TransferError::InvalidArgument(_))));
@@ -211,7 +211,8 @@ fn blocks_of_one_pair_are_one_group_and_copies_merge_where_contiguous() {
         ],
         blocks: vec![(0, 5000), (100, 5100), (1000, 6000)],
     };
-    let Validated::Compact(g) = compact(&[r.clone()], &local, &remote, true).unwrap() else {
+    let Validated::Compact(g) = compact(std::slice::from_ref(&r), &local, &remote, true).unwrap()
+    else {
         panic!("fits")
     };
     assert_eq!(g.len(), 2, "a new group where the local region changes");

@@ -9,6 +9,7 @@ pub mod cpu;
 pub mod cuda;
 #[cfg(any(test, feature = "test-tools"))]
 pub mod oracle;
+mod sync;
 
 use std::sync::Arc;
 

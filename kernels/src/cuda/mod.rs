@@ -21,6 +21,7 @@ pub mod tools;
 pub mod view;
 
 use crate::backend::{validate_job, ChecksumBackend, Pending, PendingChecksums};
+use crate::sync::MutexExt;
 use crate::{GroupJob, GroupResult, KernelError, Location};
 use cudarc::driver::sys;
 use driver::{Context, DeviceBuffer, Event, EventState, Function, Module, PinnedBuffer, Stream};
@@ -210,12 +211,7 @@ impl CudaBackend {
             let slots = (0..PREALLOCATED_SLOTS)
                 .map(|_| inner.new_slot(PREALLOCATED_BYTES))
                 .collect::<Result<Vec<_>, _>>()?;
-            inner
-                .pool
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .free
-                .extend(slots);
+            inner.pool.locked().free.extend(slots);
             Ok(CudaBackend {
                 inner: Arc::new(inner),
             })
@@ -228,10 +224,7 @@ impl CudaBackend {
     pub fn shared(ordinal: u32) -> Result<CudaBackend, KernelError> {
         static ALL: OnceLock<Mutex<HashMap<u32, Result<CudaBackend, KernelError>>>> =
             OnceLock::new();
-        let mut all = ALL
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut all = ALL.get_or_init(Default::default).locked();
         all.entry(ordinal)
             .or_insert_with(|| CudaBackend::new(ordinal))
             .clone()
@@ -361,12 +354,7 @@ impl CudaBackend {
             // Whatever was queued may still run: retire the slot behind a fresh record.
             // SAFETY: the backend's own stream, of the event's context.
             let _ = unsafe { slot.done.record(inner.stream.raw()) };
-            inner
-                .pool
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .retiring
-                .push(slot);
+            inner.pool.locked().retiring.push(slot);
             return Err(kerr(e));
         }
         let groups = plans
@@ -392,7 +380,7 @@ impl CudaBackend {
 impl Inner {
     fn take_slot(&self, need: usize) -> Result<Slot, KernelError> {
         {
-            let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+            let mut pool = self.pool.locked();
             let mut k = 0;
             while k < pool.retiring.len() {
                 if matches!(pool.retiring[k].done.query(), Ok(EventState::Done)) {
@@ -529,12 +517,7 @@ impl CudaPending {
             Ok(EventState::Pending) => None,
             Err(e) => {
                 let slot = self.slot.take().expect("checked above");
-                self.inner
-                    .pool
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .retiring
-                    .push(slot);
+                self.inner.pool.locked().retiring.push(slot);
                 Some(Err(kerr(e)))
             }
             Ok(EventState::Done) => {
@@ -570,12 +553,7 @@ impl CudaPending {
                         }
                     })
                     .collect();
-                self.inner
-                    .pool
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .free
-                    .push(slot);
+                self.inner.pool.locked().free.push(slot);
                 Some(Ok(results))
             }
         }
@@ -632,12 +610,7 @@ impl CudaPending {
 impl Drop for CudaPending {
     fn drop(&mut self) {
         if let Some(slot) = self.slot.take() {
-            self.inner
-                .pool
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .retiring
-                .push(slot);
+            self.inner.pool.locked().retiring.push(slot);
         }
     }
 }

@@ -10,10 +10,11 @@ use kvferry_cuda::driver::Event;
 use kvferry_cuda::ipc::{self, AllocationKind, PieceTable};
 
 use super::keys::IpcRegionKeys;
-use super::state::{gpu_err, lock, Job, Lane, Mapped, COPY_DEADLINE};
+use super::state::{gpu_err, Job, Lane, Mapped, COPY_DEADLINE};
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Result, TransferError, UnsupportedError};
+use crate::sync::MutexExt;
 use crate::transport::{CompletionSink, Slice};
 use crate::types::{Location, Op};
 
@@ -98,7 +99,7 @@ impl CudaIpcTransport {
             };
             // Import what is missing, once per allocation.
             let missing: Vec<(u64, u64, AllocationKind)> = {
-                let peers = lock(&self.peers);
+                let peers = self.peers.locked();
                 let p = peers
                     .get(&peer.name)
                     .filter(|p| p.instance_id == peer.instance_id);
@@ -125,7 +126,7 @@ impl CudaIpcTransport {
             if !missing.is_empty() {
                 if let Err(e) = self.import(peer, &host, &missing, &lane) {
                     tracing::warn!(peer = %peer.name, "CUDA IPC handshake failed ({e}); these slices go over {}", self.inner.kind());
-                    let mut peers = lock(&self.peers);
+                    let mut peers = self.peers.locked();
                     if let Some(p) = peers.get_mut(&peer.name) {
                         p.failed.extend(missing.iter().map(|m| m.0));
                     }
@@ -136,7 +137,7 @@ impl CudaIpcTransport {
             let mut planned = Vec::with_capacity(group.len());
             let mut keep: Vec<Arc<Mapped>> = Vec::new();
             {
-                let peers = lock(&self.peers);
+                let peers = self.peers.locked();
                 let Some(p) = peers.get(&peer.name) else {
                     fallback.extend(group.into_iter().map(|(s, _)| s));
                     continue;
@@ -212,7 +213,7 @@ impl CudaIpcTransport {
                         table,
                         _keep: keep,
                     };
-                    let tx = lock(&self.jobs).clone();
+                    let tx = self.jobs.locked().clone();
                     let refused = match tx {
                         Some(tx) => tx.send(job).err().map(|mpsc::SendError(j)| j),
                         None => Some(job),
@@ -246,7 +247,7 @@ impl CudaIpcTransport {
         let mut table = None;
         match &lane.kernel {
             Some(k) => {
-                let mut t = lock(&lane.tables).pop().unwrap_or_default();
+                let mut t = lane.tables.locked().pop().unwrap_or_default();
                 // SAFETY: every range lies inside registered local memory or a peer
                 // allocation mapped here (kept alive by the job until the event completes);
                 // the table is ours until the job returns it after the event.
@@ -259,7 +260,7 @@ impl CudaIpcTransport {
                 unsafe { ipc::copy_batch_async(&all, s) }.map_err(gpu_err)?;
             }
         }
-        let spare = lock(&lane.events).pop();
+        let spare = lane.events.locked().pop();
         let ev = match spare {
             Some(e) => e,
             None => Event::new(&lane.ctx, false).map_err(gpu_err)?,

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use sendfd::{RecvWithFd, SendWithFd};
 
 use crate::error::{Result, TransferError, UnsupportedError};
+use crate::sync::MutexExt;
 
 /// Outstanding tickets at most; a peer asking for more is refused until some expire or are used.
 pub const MAX_TICKETS: usize = 4096;
@@ -88,11 +89,7 @@ impl FdServer {
     pub fn offer(&self, fd: Arc<OwnedFd>, size: u64) -> Result<[u8; 16]> {
         let ticket = crate::auth::random_bytes::<16>()?;
         let now = Instant::now();
-        let mut t = self
-            .shared
-            .tickets
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut t = self.shared.tickets.locked();
         t.retain(|_, o| o.expires > now);
         if t.len() >= MAX_TICKETS {
             return Err(UnsupportedError::TooManyTickets { limit: MAX_TICKETS }.into());
@@ -110,11 +107,7 @@ impl FdServer {
 
     /// Tickets outstanding now (expired ones included until the next offer or use).
     pub fn outstanding(&self) -> usize {
-        self.shared
-            .tickets
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .len()
+        self.shared.tickets.locked().len()
     }
 }
 
@@ -153,7 +146,7 @@ fn answer(s: &UnixStream, sh: &Shared) -> std::io::Result<()> {
     let mut ticket = [0u8; 16];
     (&*s).read_exact(&mut ticket)?;
     let offer = {
-        let mut t = sh.tickets.lock().unwrap_or_else(|p| p.into_inner());
+        let mut t = sh.tickets.locked();
         t.remove(&ticket).filter(|o| o.expires > Instant::now())
     };
     match offer {

@@ -11,12 +11,13 @@ use super::fdpass::hex;
 use super::keys::IpcRegionKeys;
 use super::live::LiveTable;
 use super::state::{
-    allocs_bytes, gpu_err, lock, parse_hex, AllocReply, Envelope, Export, Reply, Request,
+    allocs_bytes, gpu_err, parse_hex, AllocReply, Envelope, Export, Reply, Request,
     MAX_ALLOCS_PER_REQUEST, NONCES_KEPT, PROOF_LABEL,
 };
 use super::transport::CudaIpcTransport;
 use crate::error::{ArgumentError, ProtocolError, Result, TransferError, UnsupportedError};
 use crate::memory::MemoryRegion;
+use crate::sync::MutexExt;
 
 impl CudaIpcTransport {
     /// Exports the allocation holding `region` and returns its keys (owner side).
@@ -40,7 +41,7 @@ impl CudaIpcTransport {
             .into());
         }
         let uuid = ipc::device_uuid(ordinal).map_err(gpu_err)?;
-        let mut ex = lock(&self.exports);
+        let mut ex = self.exports.locked();
         let e = match ex.entry(a.base) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
@@ -76,7 +77,7 @@ impl CudaIpcTransport {
 
     /// Republishes the live table from the export list.
     pub(super) fn publish_live(&self, registered: &[(u64, u64)]) -> Result<()> {
-        let mut live = lock(&self.live);
+        let mut live = self.live.locked();
         if live.is_none() {
             *live = Some(LiveTable::new()?);
         }
@@ -89,7 +90,9 @@ impl CudaIpcTransport {
         extra: Option<&MemoryRegion>,
         gone: Option<u64>,
     ) -> Vec<(u64, u64)> {
-        let mut v: Vec<(u64, u64)> = lock(&self.live_lens)
+        let mut v: Vec<(u64, u64)> = self
+            .live_lens
+            .locked()
             .iter()
             .filter(|(a, _)| Some(**a) != gone)
             .map(|(a, l)| (*a, *l))
@@ -143,7 +146,7 @@ impl CudaIpcTransport {
                     "CUDA IPC handles need the shared secret's proof",
                 )));
             }
-            let mut n = lock(&self.nonces);
+            let mut n = self.nonces.locked();
             if !n.0.insert(nonce) {
                 return Err(TransferError::Auth(crate::error::AuthError::Handshake(
                     "CUDA IPC handle request replayed",
@@ -157,12 +160,14 @@ impl CudaIpcTransport {
             }
         }
         let srv = self.fd_server()?;
-        let live_fd = lock(&self.live)
+        let live_fd = self
+            .live
+            .locked()
             .as_ref()
             .map(|l| l.fd())
             .ok_or_else(|| TransferError::Unsupported(UnsupportedError::NothingExported))?;
         let live = hex(&srv.offer(live_fd, super::live::TABLE_BYTES as u64)?);
-        let ex = lock(&self.exports);
+        let ex = self.exports.locked();
         let mut allocs = Vec::with_capacity(req.allocs.len());
         for base in &req.allocs {
             let e = ex.get(base).ok_or_else(|| TransferError::Refused {
@@ -195,7 +200,7 @@ impl CudaIpcTransport {
     }
 
     pub(super) fn unexport(&self, region: &MemoryRegion) {
-        let mut ex = lock(&self.exports);
+        let mut ex = self.exports.locked();
         let empty: Vec<u64> = ex
             .iter_mut()
             .filter_map(|(base, e)| {

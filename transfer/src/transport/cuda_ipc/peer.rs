@@ -11,13 +11,14 @@ use super::fdpass::{self, hex};
 use super::keys::HostIdentity;
 use super::live::LiveView;
 use super::state::{
-    allocs_bytes, gpu_err, lock, parse_hex, AllocReply, Envelope, Lane, Mapped, Peer, Reply,
-    Request, PROOF_LABEL,
+    allocs_bytes, gpu_err, parse_hex, AllocReply, Envelope, Lane, Mapped, Peer, Reply, Request,
+    PROOF_LABEL,
 };
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{ProtocolError, Result, TransferError};
 use crate::handshake::{self, FrameType};
+use crate::sync::MutexExt;
 
 impl CudaIpcTransport {
     /// Asks `peer` for `allocs` and maps them (initiator side). Returns the peer state made or
@@ -82,7 +83,7 @@ impl CudaIpcTransport {
         };
         let (live_fd, _) = fdpass::fetch(&reply.socket, &ticket(&reply.live)?, &desc.name)?;
         let live = LiveView::open(&live_fd)?;
-        let mut peers = lock(&self.peers);
+        let mut peers = self.peers.locked();
         let p = match peers.get_mut(&desc.name) {
             Some(p) if p.instance_id == desc.instance_id => {
                 p.live = live;
@@ -181,7 +182,7 @@ impl CudaIpcTransport {
     }
 
     pub(super) fn drop_peer(&self, name: &str) {
-        let gone = lock(&self.peers).remove(name);
+        let gone = self.peers.locked().remove(name);
         drop(gone);
     }
 }

@@ -14,6 +14,7 @@ use kvferry_cuda::ipc::{ImportedVmm, LegacyHandle, OpenedLegacy, PieceKernel, Pi
 
 use super::live::LiveView;
 use crate::error::TransferError;
+use crate::sync::MutexExt;
 use crate::transport::CompletionSink;
 
 /// HMAC label of a handle request's proof.
@@ -127,10 +128,6 @@ pub(super) struct Job {
 /// Nonces of handle requests seen (a set for lookup, a queue for age), against replay.
 pub(super) type Nonces = (HashSet<[u8; 32]>, VecDeque<[u8; 32]>);
 
-pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 pub(super) fn gpu_err(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> TransferError {
     TransferError::gpu(e)
 }
@@ -204,9 +201,9 @@ pub(super) fn complete_jobs(rx: mpsc::Receiver<Job>) {
                     j.done.succeed_all(&j.ids);
                     last_done = Instant::now();
                     if let Some(t) = j.table {
-                        lock(&j.lane.tables).push(t);
+                        j.lane.tables.locked().push(t);
                     }
-                    let mut spare = lock(&j.lane.events);
+                    let mut spare = j.lane.events.locked();
                     if spare.len() < EVENTS_KEPT {
                         spare.push(j.event);
                     }

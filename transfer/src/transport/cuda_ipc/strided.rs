@@ -10,12 +10,13 @@ use kvferry_cuda::driver::Event;
 use kvferry_cuda::ipc::{self, AllocationKind, StridedCopies};
 
 use super::keys::{IpcRegionKeys, Route};
-use super::state::{gpu_err, lock, Job, Lane, Mapped, COPY_DEADLINE};
+use super::state::{gpu_err, Job, Lane, Mapped, COPY_DEADLINE};
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Result, TransferError, UnsupportedError};
 use crate::memory::MemoryRegion;
 use crate::strided::StridedGroup;
+use crate::sync::MutexExt;
 use crate::transport::CompletionSink;
 use crate::types::{Location, Op};
 
@@ -111,7 +112,7 @@ impl CudaIpcTransport {
     ) -> Result<()> {
         let lane = self.lane(dev)?;
         let missing: Vec<(u64, u64, AllocationKind)> = {
-            let peers = lock(&self.peers);
+            let peers = self.peers.locked();
             let p = peers
                 .get(&peer.name)
                 .filter(|p| p.instance_id == peer.instance_id);
@@ -129,7 +130,7 @@ impl CudaIpcTransport {
         if !missing.is_empty() {
             if let Err(e) = self.import(peer, host, &missing, &lane) {
                 // Later submits of these pairs take the per-copy path (to the fallback).
-                let mut peers = lock(&self.peers);
+                let mut peers = self.peers.locked();
                 if let Some(p) = peers.get_mut(&peer.name) {
                     p.failed.extend(missing.iter().map(|m| m.0));
                 }
@@ -139,7 +140,7 @@ impl CudaIpcTransport {
         let mut keep: Vec<Arc<Mapped>> = Vec::new();
         let mut resolved: Vec<Resolved> = Vec::with_capacity(part.len());
         {
-            let peers = lock(&self.peers);
+            let peers = self.peers.locked();
             let p = peers
                 .get(&peer.name)
                 .ok_or_else(|| not_over_ipc(part[0].0.remote_buffer))?;
@@ -235,7 +236,7 @@ impl CudaIpcTransport {
             table: Some(table),
             _keep: keep,
         };
-        let tx = lock(&self.jobs).clone();
+        let tx = self.jobs.locked().clone();
         let refused = match tx {
             Some(tx) => tx.send(job).err().map(|mpsc::SendError(j)| j),
             None => Some(job),
@@ -265,12 +266,12 @@ impl CudaIpcTransport {
         ))?;
         lane.ctx.bind().map_err(gpu_err)?;
         let s = lane.stream.raw();
-        let mut t = lock(&lane.tables).pop().unwrap_or_default();
+        let mut t = lane.tables.locked().pop().unwrap_or_default();
         // SAFETY: every copy lies inside registered local memory or a peer allocation mapped
         // here (checked at submit and against the live table; kept alive by the job until the
         // event completes); the table is ours until the job returns it after the event.
         unsafe { kernel.enqueue(groups, &mut t, s) }.map_err(gpu_err)?;
-        let spare = lock(&lane.events).pop();
+        let spare = lane.events.locked().pop();
         let ev = match spare {
             Some(e) => e,
             None => Event::new(&lane.ctx, false).map_err(gpu_err)?,

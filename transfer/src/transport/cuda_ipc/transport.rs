@@ -33,12 +33,13 @@ use kvferry_cuda::ipc::{self, PieceKernel};
 use super::fdpass::FdServer;
 use super::keys::{route, HostIdentity, IpcRegionKeys, Route};
 use super::live::LiveTable;
-use super::state::{complete_jobs, gpu_err, lock, Export, Job, Lane, Nonces, Peer};
+use super::state::{complete_jobs, gpu_err, Export, Job, Lane, Nonces, Peer};
 use crate::auth::AuthState;
 use crate::config::CudaIpcMode;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{ConfigError, Result, Shared, TransferError, UnsupportedError};
 use crate::memory::{MemoryRegion, RegionKeys};
+use crate::sync::MutexExt;
 use crate::transport::{
     wait_point, CompletionSink, Slice, StreamPoint, Transport, TransportContext, TransportInfo,
     TransportStats,
@@ -144,7 +145,7 @@ impl CudaIpcTransport {
     }
 
     pub(super) fn lane(&self, ordinal: u32) -> Result<Arc<Lane>> {
-        if let Some(l) = lock(&self.lanes).get(&ordinal) {
+        if let Some(l) = self.lanes.locked().get(&ordinal) {
             return Ok(l.clone());
         }
         let made = kvferry_cuda::guarded("CUDA IPC lane", || {
@@ -179,7 +180,7 @@ impl CudaIpcTransport {
         })
         .map_err(gpu_err)?;
         let l = Arc::new(made);
-        lock(&self.lanes).insert(ordinal, l.clone());
+        self.lanes.locked().insert(ordinal, l.clone());
         Ok(l)
     }
 }
@@ -198,11 +199,11 @@ impl CudaIpcTransport {
             }
         }
         for n in devices {
-            let Some((point, deadline)) = lock(&self.fallback_order).get(&n).cloned() else {
+            let Some((point, deadline)) = self.fallback_order.locked().get(&n).cloned() else {
                 continue;
             };
             wait_point(&point, deadline)?;
-            let mut pending = lock(&self.fallback_order);
+            let mut pending = self.fallback_order.locked();
             if pending.get(&n).is_some_and(|(p, _)| Arc::ptr_eq(p, &point)) {
                 pending.remove(&n);
             }
@@ -231,7 +232,7 @@ impl CudaIpcTransport {
         i: usize,
     ) -> Decoded {
         let at = peer as *const SegmentDescriptor as usize;
-        let mut cache = lock(&self.decoded);
+        let mut cache = self.decoded.locked();
         if let Some((_, m)) = cache.get(&at) {
             if let Some(k) = m.get(&i) {
                 return k.clone();
@@ -257,7 +258,7 @@ impl CudaIpcTransport {
 
     /// Whether local device `a` can access the device of `uuid` (remembered).
     fn peer_access(&self, a: u32, uuid: &str) -> bool {
-        if let Some(&ok) = lock(&self.access).get(&(a, uuid.to_string())) {
+        if let Some(&ok) = self.access.locked().get(&(a, uuid.to_string())) {
             return ok;
         }
         let ok = kvferry_cuda::guarded("peer access", || {
@@ -267,7 +268,7 @@ impl CudaIpcTransport {
             })
         })
         .unwrap_or(false);
-        let mut m = lock(&self.access);
+        let mut m = self.access.locked();
         if m.len() >= DECODED_KEPT {
             m.clear();
         }
@@ -288,7 +289,7 @@ impl CudaIpcTransport {
             return Route::Fallback(super::keys::FallbackWhy::NotExported);
         };
         let failed = match k {
-            Some(Ok(k)) => lock(&self.peers).get(&peer.name).is_some_and(|p| {
+            Some(Ok(k)) => self.peers.locked().get(&peer.name).is_some_and(|p| {
                 p.instance_id == peer.instance_id && p.failed.contains(&k.alloc_base)
             }),
             _ => false,
@@ -377,7 +378,7 @@ impl Transport for CudaIpcTransport {
         let exported = self.export(region, ordinal).and_then(|k| {
             let regs = self.live_regions(Some(region), None);
             self.publish_live(&regs)?;
-            lock(&self.live_lens).insert(region.addr, region.len);
+            self.live_lens.locked().insert(region.addr, region.len);
             Ok(k)
         });
         match exported {
@@ -415,7 +416,7 @@ impl Transport for CudaIpcTransport {
 
     fn deregister(&self, region: &MemoryRegion) -> Result<()> {
         if region.location != Location::Cpu {
-            lock(&self.live_lens).remove(&region.addr);
+            self.live_lens.locked().remove(&region.addr);
             let regs = self.live_regions(None, Some(region.addr));
             if let Err(e) = self.publish_live(&regs) {
                 tracing::warn!("CUDA IPC live table: {e}");
@@ -493,7 +494,9 @@ impl Transport for CudaIpcTransport {
         // SAFETY: the lane's stream and the event are live; a stream may wait for an event of
         // another context of the same device.
         unsafe { kvferry_cuda::driver::stream_wait(lane.stream.raw(), point) }.map_err(gpu_err)?;
-        lock(&self.fallback_order).insert(device, (point.clone(), deadline));
+        self.fallback_order
+            .locked()
+            .insert(device, (point.clone(), deadline));
         Ok(())
     }
 
@@ -504,18 +507,18 @@ impl Transport for CudaIpcTransport {
 
     fn stats(&self) -> TransportStats {
         let mut s = self.inner.stats();
-        let peers = lock(&self.peers);
+        let peers = self.peers.locked();
         s.peers += peers.len();
         s.connections += peers.values().map(|p| p.mapped.len()).sum::<usize>();
         s
     }
 
     fn shutdown(&self) {
-        lock(&self.jobs).take();
-        if let Some(t) = lock(&self.completer).take() {
+        self.jobs.locked().take();
+        if let Some(t) = self.completer.locked().take() {
             let _ = t.join();
         }
-        lock(&self.peers).clear();
+        self.peers.locked().clear();
         self.inner.shutdown();
     }
 }

@@ -190,8 +190,8 @@ impl SegmentDescriptor {
         }
         Err(UnsupportedError::TransportMismatch {
             segment: self.name.clone(),
-            theirs: self.transport.kind.as_str(),
-            ours: local.as_str(),
+            theirs: self.transport.kind,
+            ours: local,
         }
         .into())
     }

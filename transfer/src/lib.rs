@@ -49,6 +49,7 @@ pub mod segment;
 pub mod strided;
 pub mod sync;
 pub mod transport;
+mod transport_kind;
 pub mod types;
 
 pub mod gpu;

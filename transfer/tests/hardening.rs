@@ -459,8 +459,8 @@ fn bad_peer_descriptors_are_refused_with_clear_errors() {
         matches!(
             e,
             TransferError::Unsupported(kvferry_transfer::UnsupportedError::TransportMismatch {
-                theirs: "rdma",
-                ours: "tcp",
+                theirs: kvferry_transfer::TransportKind::Rdma,
+                ours: kvferry_transfer::TransportKind::Tcp,
                 ..
             })
         ),

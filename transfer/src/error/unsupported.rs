@@ -5,6 +5,8 @@
 
 use kvferry_cuda::Location;
 
+use crate::transport_kind::TransportKind;
+
 use super::io::Shared;
 
 /// Why the engine (or one of its transports) cannot do what was asked.
@@ -68,14 +70,14 @@ pub enum UnsupportedError {
         attempts: Vec<(&'static str, Shared)>,
     },
     /// A peer whose descriptor names another transport than this engine's.
-    #[error("segment {segment} uses transport {theirs:?}, this engine uses {ours:?}")]
+    #[error("segment {segment} uses transport \"{theirs}\", this engine uses \"{ours}\"")]
     TransportMismatch {
         /// The peer's segment name.
         segment: String,
         /// The peer's transport kind.
-        theirs: &'static str,
+        theirs: TransportKind,
         /// This engine's transport kind.
-        ours: &'static str,
+        ours: TransportKind,
     },
     /// A transport that takes no `Connect` handshake frames was sent one.
     #[error("the {transport} transport takes no connect frames")]

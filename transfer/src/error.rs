@@ -23,7 +23,7 @@ mod unsupported;
 pub use argument::{ArgumentError, SyncBound};
 pub use config::{ConfigError, NoRdma, SecretFileError};
 pub use io::{IoError, PeerText, Shared};
-pub use rdma::RdmaError;
+pub use rdma::{EndpointFailure, FailedWork, RdmaError, WcStatus, WorkOp, WorkRequest};
 pub use unsupported::UnsupportedError;
 
 /// Every failure the transfer engine reports. Variants name the address, segment or peer
@@ -194,11 +194,6 @@ impl TransferError {
     /// Wraps an `std::io::Error` with what was being done (`"connect to 1.2.3.4:5"`).
     pub fn io(op: impl std::fmt::Display, err: std::io::Error) -> Self {
         TransferError::Io(IoError::new(op, err))
-    }
-
-    /// A failed RDMA work request as the completion path words it (`RdmaError::WorkFailed`).
-    pub fn rdma(text: impl Into<String>) -> Self {
-        TransferError::Rdma(RdmaError::WorkFailed(text.into()))
     }
 
     /// Wraps the CUDA layer's error (a typed error, or its text until it has one).

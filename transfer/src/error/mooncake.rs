@@ -35,7 +35,9 @@ pub const ERR_MALFORMED_JSON: i32 = -103;
 /// - `ERR_SOCKET` (-102): the peer cannot be reached, closes the connection, does not answer
 ///   in time, answers with another frame, or refuses the handshake.
 /// - `ERR_MALFORMED_JSON` (-103): the peer's reply is not the JSON it should be.
-/// - `ERR_INVALID_ARGUMENT` (-1): anything else (bad argument, configuration, transport).
+/// - `ERR_INVALID_ARGUMENT` (-1): anything else (bad argument, configuration, transport; an
+///   RDMA work request that failed, whatever its work completion status, and a failed RDMA
+///   connect: Mooncake reports those as a failed transfer, -1 from its Python layer).
 pub fn code(e: &TransferError) -> i32 {
     match e {
         TransferError::Registration(RegistrationError::Overlaps { .. }) => ERR_ADDRESS_OVERLAPPED,
@@ -168,5 +170,47 @@ mod tests {
             source: Arc::new(bad),
         });
         assert_eq!(code(&e), ERR_MALFORMED_JSON);
+    }
+
+    #[test]
+    fn err_invalid_argument_for_a_failed_rdma_work_request_or_connect() {
+        use crate::error::{FailedWork, RdmaError, Shared, WcStatus, WorkOp, WorkRequest};
+        for status in [0, 5, 10, 12, 99] {
+            let work = TransferError::Rdma(RdmaError::WorkFailed(Box::new(FailedWork {
+                request: WorkRequest {
+                    op: WorkOp::Read,
+                    bytes: 8,
+                    first_slice: 0,
+                    last_slice: 0,
+                    wr_id: 1,
+                    local_addr: 0x1000,
+                    peer: "h:1".into(),
+                    remote_addr: 0x2000,
+                    rkey: 1,
+                    device: "rxe0".into(),
+                    qp_num: 1,
+                },
+                status: WcStatus::from_code(status),
+                vendor_err: 0,
+                after: None,
+            })));
+            assert_eq!(code(&work), ERR_INVALID_ARGUMENT, "{work}");
+            assert_eq!(work.cause(), "rdma");
+        }
+        // a connect that failed for want of an address is still a failed transfer, not -101
+        let connect = RdmaError::Connect {
+            peer: "h:1".into(),
+            source: Shared(Arc::new(handshake(HandshakeError::NoAddress))),
+        };
+        let retried = TransferError::Rdma(RdmaError::Retried {
+            last: Box::new(connect),
+            retries: 2,
+            first: None,
+        });
+        assert_eq!(code(&retried), ERR_INVALID_ARGUMENT, "{retried}");
+        assert_eq!(
+            retried.to_string(),
+            "rdma: RDMA connect to h:1: handshake with h:1 failed: no address (after 2 retries)"
+        );
     }
 }

@@ -7,6 +7,9 @@ use kvferry_cuda::Location;
 
 use super::io::{chain, IoError, Shared};
 
+mod work;
+pub use work::{EndpointFailure, FailedWork, WcStatus, WorkOp, WorkRequest};
+
 /// An RDMA-specific failure (`transport::rdma`).
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum RdmaError {
@@ -109,10 +112,35 @@ pub enum RdmaError {
     /// The transport shut down before the slice finished.
     #[error("RDMA transport shut down")]
     ShutDown,
-    /// A work request that failed (its description, the work completion's status, and the
-    /// failures before it when retried), as the completion path words it.
+    /// A work request whose completion came back with an error status (see [`FailedWork`]:
+    /// the request, the status, and what flushed it).
     #[error("{0}")]
-    WorkFailed(String),
+    WorkFailed(#[source] Box<FailedWork>),
+    /// Connecting to a peer (the RDMA `Connect` handshake, or setting up the QPs) failed:
+    /// `source` is the engine's error for it (a `TransferError`).
+    #[error("RDMA connect to {peer}: {source}")]
+    Connect {
+        /// The peer's segment name.
+        peer: String,
+        /// Why (a `TransferError`, shared).
+        #[source]
+        source: Shared,
+    },
+    /// A slice failed on every attempt: `last` is the last failure, `first` the first when it
+    /// differs; each attempt went to a fresh endpoint (`RdmaConfig::max_retries`).
+    #[error(
+        "{last} (after {retries} retries{})",
+        match .first { Some(first) => format!("; first failure: {first}"), None => String::new() }
+    )]
+    Retried {
+        /// The last attempt's failure.
+        #[source]
+        last: Box<RdmaError>,
+        /// Attempts after the first.
+        retries: u32,
+        /// The first attempt's failure, when its text differs from the last's.
+        first: Option<Box<RdmaError>>,
+    },
 }
 
 impl RdmaError {

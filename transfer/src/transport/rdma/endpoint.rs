@@ -17,7 +17,7 @@ use super::qp::{connect_qp, create_qp, fail_qp, path_mtu};
 use super::verbs;
 use super::work::Work;
 use crate::config::RdmaConfig;
-use crate::error::{ProtocolError, Result, TransferError};
+use crate::error::{EndpointFailure, ProtocolError, Result, TransferError};
 
 /// One QP of an endpoint with its count of work requests not yet completed.
 pub(crate) struct Qp {
@@ -50,7 +50,7 @@ pub(crate) struct Endpoint {
     pub max_wr: usize,
     next_qp: AtomicUsize,
     broken: AtomicBool,
-    pub first_error: OnceLock<String>,
+    pub first_error: OnceLock<EndpointFailure>,
     /// Slices accepted but not yet posted (no room on the QPs or the CQ).
     pub pending: Mutex<VecDeque<Work>>,
     /// Memory regions of work requests taken back after a partly refused post (their slices
@@ -187,13 +187,13 @@ impl Endpoint {
 
     /// Marks the endpoint failed (first call only: returns the slices still pending, and moves
     /// the QPs to ERR so their outstanding work requests flush); later calls return None.
-    pub fn mark_broken(&self, reason: &str) -> Option<Vec<Work>> {
+    pub fn mark_broken(&self, reason: &EndpointFailure) -> Option<Vec<Work>> {
         let drained = {
             let mut p = self.lock_pending();
             if self.broken.swap(true, Ordering::AcqRel) {
                 return None;
             }
-            let _ = self.first_error.set(reason.to_string());
+            let _ = self.first_error.set(reason.clone());
             p.drain(..).collect::<Vec<_>>()
         };
         for q in &self.qps {

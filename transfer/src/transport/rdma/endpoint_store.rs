@@ -13,7 +13,7 @@ use super::device::Device;
 use super::endpoint::{Endpoint, EpKey, Slot};
 use super::shared::Shared;
 use super::work::Work;
-use crate::error::{RdmaError, TransferError};
+use crate::error::{EndpointFailure, RdmaError, TransferError};
 use crate::handshake::{self, FrameType};
 
 impl Shared {
@@ -128,9 +128,12 @@ impl Shared {
             Err(e) => {
                 drop(eps);
                 tracing::warn!("RDMA connect to {} failed: {e}", key.peer);
-                let text = format!("RDMA connect to {}: {e}", key.peer);
+                let e = RdmaError::Connect {
+                    peer: key.peer.clone(),
+                    source: crate::error::Shared(Arc::new(e)),
+                };
                 for w in waiting {
-                    self.retry_or_fail(w, text.clone(), true);
+                    self.retry_or_fail(w, e.clone(), true);
                 }
             }
         }
@@ -139,7 +142,7 @@ impl Shared {
     /// Retires a failed endpoint (first failure only): out of the cache, QPs to ERR (their
     /// outstanding work requests flush and are retried as they complete), pending slices
     /// re-dispatched to a fresh endpoint.
-    pub(super) fn endpoint_failed(self: &Arc<Self>, ep: &Arc<Endpoint>, reason: String) {
+    pub(super) fn endpoint_failed(self: &Arc<Self>, ep: &Arc<Endpoint>, reason: EndpointFailure) {
         let Some(pending) = ep.mark_broken(&reason) else {
             return;
         };
@@ -210,7 +213,7 @@ impl Shared {
         let mut by_peer: HashMap<String, Vec<u64>> = HashMap::new();
         for ep in &idle {
             // a dispatch that took the endpoint before it left the cache re-dispatches
-            if let Some(pending) = ep.mark_broken("idle") {
+            if let Some(pending) = ep.mark_broken(&EndpointFailure::Idle) {
                 if !pending.is_empty() {
                     self.dispatch(pending);
                 }

@@ -20,7 +20,7 @@ use super::inflight::InFlight;
 use super::shared::Shared;
 use super::verbs::{self, RawWr, MAX_WR_BYTES};
 use super::work::Work;
-use crate::error::{ArgumentError, RdmaError, Result, TransferError};
+use crate::error::{ArgumentError, EndpointFailure, IoError, RdmaError, Result, TransferError};
 use crate::transport::CompletionSink;
 use crate::types::Op;
 
@@ -273,7 +273,7 @@ fn post_chain(
     qi: usize,
     chain: Chain,
     pending: &mut VecDeque<Work>,
-) -> Option<String> {
+) -> Option<EndpointFailure> {
     let q = &ep.qps[qi];
     let mut wrs: Vec<RawWr> = chain.iter().map(|(_, w)| *w).collect();
     if let Some(last) = wrs.last_mut() {
@@ -310,11 +310,13 @@ fn post_chain(
         }
     }
     unpost(s, ep, qi, &chain, pending);
-    let e = std::io::Error::from_raw_os_error(errno);
-    Some(format!(
-        "post on {} QP {:#x} to {}: {e}",
-        ep.dev.info.name, q.qpn, ep.key.peer
-    ))
+    Some(EndpointFailure::Post(IoError::new(
+        format_args!(
+            "post on {} QP {:#x} to {}",
+            ep.dev.info.name, q.qpn, ep.key.peer
+        ),
+        std::io::Error::from_raw_os_error(errno),
+    )))
 }
 
 /// Takes back chain entries that were never posted: out of the in-flight table, room and

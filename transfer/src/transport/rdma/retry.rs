@@ -12,13 +12,21 @@ use super::inflight::InFlight;
 use super::shared::Shared;
 use super::verbs;
 use super::work::{StageJob, Work};
-use crate::error::TransferError;
+use crate::error::{
+    EndpointFailure, FailedWork, RdmaError, TransferError, WcStatus, WorkOp, WorkRequest,
+};
 use crate::types::Op;
 
 impl Shared {
     /// Retries a failed slice on a fresh endpoint while it has retries left (and the failure
-    /// can change on retry), else reports it failed with `text`.
-    pub(super) fn retry_or_fail(self: &Arc<Self>, mut w: Work, text: String, retryable: bool) {
+    /// can change on retry), else reports it failed with `failure` (and the first failure,
+    /// when a retry failed differently).
+    pub(super) fn retry_or_fail(
+        self: &Arc<Self>,
+        mut w: Work,
+        failure: RdmaError,
+        retryable: bool,
+    ) {
         if retryable
             && w.attempts < self.config.max_retries
             && !w.sink.is_cancelled()
@@ -26,26 +34,29 @@ impl Shared {
         {
             w.attempts += 1;
             self.retried.fetch_add(1, Ordering::Relaxed);
-            if w.first_error.is_none() {
-                w.first_error = Some(text.clone());
-            }
             tracing::debug!(
                 slice = w.slice.id,
                 attempt = w.attempts,
-                "retrying RDMA slice: {text}"
+                "retrying RDMA slice: {failure}"
             );
+            if w.first_error.is_none() {
+                w.first_error = Some(failure);
+            }
             self.dispatch(vec![w]);
         } else {
-            let msg = match (&w.first_error, w.attempts) {
-                (_, 0) => text,
-                (Some(first), n) if *first != text => {
-                    format!("{text} (after {n} retries; first failure: {first})")
-                }
-                (_, n) => format!("{text} (after {n} retries)"),
+            let err = match (w.first_error.take(), w.attempts) {
+                (_, 0) => failure,
+                (first, retries) => RdmaError::Retried {
+                    first: first
+                        .filter(|f| f.to_string() != failure.to_string())
+                        .map(Box::new),
+                    last: Box::new(failure),
+                    retries,
+                },
             };
             // a connect or QP failure may mean the peer restarted (new instance, ports and
             // rkeys): the engine fetches its descriptor again and retries the slice once
-            w.sink.fail_peer(w.slice.id, TransferError::rdma(msg));
+            w.sink.fail_peer(w.slice.id, TransferError::Rdma(err));
         }
     }
 
@@ -93,7 +104,8 @@ impl Shared {
                 None => Vec::new(),
             }
         };
-        let flushed = wc.status == verbs::wc::WR_FLUSH_ERR;
+        let status = WcStatus::from_code(wc.status);
+        let flushed = status == WcStatus::WrFlushErr;
         let mut works = Vec::new();
         for id in earlier {
             let taken = self.lock_inflight(dev).remove(id);
@@ -107,7 +119,7 @@ impl Shared {
                 None => {}
             }
         }
-        if wc.status == verbs::wc::SUCCESS {
+        if status == WcStatus::Success {
             self.finish_ok(dev, inf);
             return;
         }
@@ -118,41 +130,38 @@ impl Shared {
             return;
         };
         let sl = &first.slice;
-        let what = format!(
-            "RDMA {} of {} bytes (slices {}..={}) between local {:#x} and {} remote {:#x} (rkey {:#x}) on {} QP {:#x}",
-            match sl.op {
-                Op::Write => "WRITE",
-                Op::Read => "READ",
+        let failed = FailedWork {
+            request: WorkRequest {
+                op: match sl.op {
+                    Op::Write => WorkOp::Write,
+                    Op::Read => WorkOp::Read,
+                },
+                bytes: inf.len,
+                first_slice: sl.id,
+                last_slice: last.slice.id,
+                wr_id: wc.wr_id,
+                local_addr: sl.local_addr,
+                peer: first.peer.name.clone(),
+                remote_addr: sl.remote_addr,
+                rkey: inf.rkey,
+                device: dev.info.name.clone(),
+                qp_num: ep.qps[inf.qp].qpn,
             },
-            inf.len,
-            sl.id,
-            last.slice.id,
-            sl.local_addr,
-            first.peer.name,
-            sl.remote_addr,
-            inf.rkey,
-            dev.info.name,
-            ep.qps[inf.qp].qpn
-        );
-        let status = verbs::wc_status_text(wc.status);
-        let text = match (wc.status, ep.first_error.get()) {
-            (verbs::wc::WR_FLUSH_ERR, Some(first)) => format!("{what}: {status}, after: {first}"),
-            _ => format!("{what}: work completion status {status}"),
+            status,
+            vendor_err: wc.vendor_err,
+            after: if flushed {
+                ep.first_error.get().cloned()
+            } else {
+                None
+            },
         };
-        self.endpoint_failed(&ep, text.clone());
-        // errors a retry cannot change: the request itself is wrong
-        let retryable = !matches!(
-            wc.status,
-            verbs::wc::REM_ACCESS_ERR
-                | verbs::wc::REM_INV_REQ_ERR
-                | verbs::wc::LOC_PROT_ERR
-                | verbs::wc::LOC_LEN_ERR
-                | verbs::wc::LOC_ACCESS_ERR
-        );
+        self.endpoint_failed(&ep, EndpointFailure::Work(Box::new(failed.clone())));
+        let retryable = status.retry_can_help();
+        let failure = RdmaError::WorkFailed(Box::new(failed));
         // the slice stays the unit of retry: each goes on alone (and may merge anew)
         works.extend(own);
         for w in works {
-            self.retry_or_fail(w, text.clone(), retryable);
+            self.retry_or_fail(w, failure.clone(), retryable);
         }
     }
 }

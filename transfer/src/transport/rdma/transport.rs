@@ -22,7 +22,9 @@ use super::staging_sync::SyncRequest;
 use super::work::{StageJob, Work};
 use super::workers::{run_completions, run_events};
 use crate::descriptor::{SegmentDescriptor, TransportInfo};
-use crate::error::{ArgumentError, ConfigError, ProtocolError, RdmaError, Result, TransferError};
+use crate::error::{
+    ArgumentError, ConfigError, EndpointFailure, ProtocolError, RdmaError, Result, TransferError,
+};
 use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
 use crate::transport::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
 use crate::types::{Location, TransportKind};
@@ -348,8 +350,12 @@ impl Transport for RdmaTransport {
             })
             .collect();
         for ep in eps {
-            self.shared
-                .endpoint_failed(&ep, format!("disconnected from {name}"));
+            self.shared.endpoint_failed(
+                &ep,
+                EndpointFailure::Disconnected {
+                    peer: name.to_string(),
+                },
+            );
         }
         self.shared.passive.locked().remove_initiator(name);
         self.shared.replaced.locked().retain(|k, _| k.peer != name);
@@ -371,7 +377,7 @@ impl Transport for RdmaTransport {
                     .into_iter()
                     .for_each(|w| w.sink.complete(w.slice.id, Err(gone.clone()))),
                 Slot::Ready(ep) => {
-                    if let Some(ws) = ep.mark_broken("shut down") {
+                    if let Some(ws) = ep.mark_broken(&EndpointFailure::ShutDown) {
                         ws.into_iter()
                             .for_each(|w| w.sink.complete(w.slice.id, Err(gone.clone())));
                     }

@@ -2,7 +2,6 @@
 //! events, status texts), via rdma-mummy-sys, which loads libibverbs with `dlopen` at start-up:
 //! with no libibverbs every call reports `EOPNOTSUPP` instead of crashing.
 
-use std::ffi::CStr;
 use std::os::fd::RawFd;
 use std::time::Duration;
 
@@ -12,30 +11,6 @@ use sideway::ibverbs::device_context::{DeviceContext, Mtu};
 use sideway::ibverbs::queue_pair::{BasicQueuePair, QueuePair};
 
 pub(crate) use sys::ibv_wc as WorkCompletion;
-
-/// Work completion status values (`enum ibv_wc_status`, libibverbs/verbs.h).
-pub(crate) mod wc {
-    pub const SUCCESS: u32 = 0;
-    pub const LOC_LEN_ERR: u32 = 1;
-    pub const LOC_PROT_ERR: u32 = 4;
-    pub const WR_FLUSH_ERR: u32 = 5;
-    pub const LOC_ACCESS_ERR: u32 = 8;
-    pub const REM_INV_REQ_ERR: u32 = 9;
-    pub const REM_ACCESS_ERR: u32 = 10;
-}
-
-/// libibverbs' text for a work completion status, with the number: "remote access error (10)".
-pub(crate) fn wc_status_text(status: u32) -> String {
-    // SAFETY: ibv_wc_status_str returns a static string (or NULL when libibverbs is absent).
-    let p = unsafe { sys::ibv_wc_status_str(status) };
-    let s = if p.is_null() {
-        "unknown status".to_string()
-    } else {
-        // SAFETY: non-null: a NUL-terminated static string owned by libibverbs.
-        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-    };
-    format!("{s} ({status})")
-}
 
 /// Polls up to `out.capacity()` completions into `out` (cleared first). Err(errno) on failure.
 pub(crate) fn poll_cq(

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use super::mirror::Mirror;
 use super::peer::RdmaPeerInfo;
 use crate::descriptor::SegmentDescriptor;
+use crate::error::RdmaError;
 use crate::transport::{CompletionSink, Slice};
 
 /// One slice on its way: the engine's slice, its peer, where to report it, retries so far.
@@ -16,8 +17,8 @@ pub(crate) struct Work {
     pub peer_info: Arc<RdmaPeerInfo>,
     pub sink: CompletionSink,
     pub attempts: u32,
-    /// The first failure's text (kept for the final error when a retry fails differently).
-    pub first_error: Option<String>,
+    /// The first failure (kept for the final error when a retry fails differently).
+    pub first_error: Option<RdmaError>,
     /// The host mirror of the local region when it is staged GPU memory (`staging_sync.rs`).
     pub mirror: Option<Arc<Mirror>>,
 }

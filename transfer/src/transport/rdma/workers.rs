@@ -9,6 +9,7 @@ use super::device::Device;
 use super::endpoint::Endpoint;
 use super::shared::Shared;
 use super::verbs;
+use crate::error::EndpointFailure;
 
 /// Completions taken per poll.
 const POLL_BATCH: usize = 64;
@@ -35,7 +36,10 @@ impl Shared {
         for ep in stale {
             self.endpoint_failed(
                 &ep,
-                format!("no work completion within {limit:?} on {}", dev.info.name),
+                EndpointFailure::NoCompletion {
+                    waited: limit,
+                    device: dev.info.name.clone(),
+                },
             );
         }
     }

@@ -25,8 +25,9 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys;
 
-use crate::driver::{check, Context, DriverResult};
+use crate::driver::{check, DriverResult};
 use crate::error::CudaError;
+use piece::LoadedKernel;
 pub use piece::{Copy, PieceTable};
 pub use share::{
     allocation_of, export_vmm, legacy_handle, Allocation, AllocationKind, ExportRefused,
@@ -190,32 +191,13 @@ pub const COPY_SRC: &str = include_str!("../kernels/copy.cu");
 
 /// The gather/scatter piece kernel loaded in one device's context. Shared by any number of
 /// enqueues at once; each brings its own [`PieceTable`].
-pub struct PieceKernel {
-    _module: crate::driver::Module,
-    func: crate::driver::Function,
-    grid_max: u32,
-    // Last: the module above is unloaded with the context still retained.
-    ctx: Context,
-}
+pub struct PieceKernel(LoadedKernel);
 
 impl PieceKernel {
     /// Compiles and loads the kernel for `ordinal`'s device. Errors: NVRTC missing or failing,
     /// the driver's.
     pub fn new(ordinal: u32) -> DriverResult<PieceKernel> {
-        let ctx = Context::new(ordinal)?;
-        let image = crate::nvrtc::compile(COPY_SRC, "copy.cu", ctx.compute_capability()?)?;
-        let module = crate::driver::Module::load(&ctx, &image)?;
-        let func = module.function("kvf_copy_pieces")?;
-        let sms = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
-            as u32;
-        let grid_max = sms.max(1) * func.occupancy(256)?;
-        Ok(PieceKernel {
-            _module: module,
-            func,
-            grid_max,
-            ctx,
-        })
+        LoadedKernel::load(ordinal, COPY_SRC, "copy.cu", "kvf_copy_pieces").map(PieceKernel)
     }
 
     /// Enqueues `plan` on `stream`: its direct copies, then one launch for its pieces (the
@@ -231,7 +213,8 @@ impl PieceKernel {
         table: &mut PieceTable,
         stream: sys::CUstream,
     ) -> DriverResult<()> {
-        self.ctx.bind()?;
+        let k = &self.0;
+        k.bind()?;
         for c in &plan.direct {
             // SAFETY: forwarded from this function's contract.
             unsafe {
@@ -247,35 +230,30 @@ impl PieceKernel {
         let n = u32::try_from(plan.pieces.len()).map_err(|_| {
             CudaError::Invalid(format!("{} pieces in one launch", plan.pieces.len()))
         })?;
-        let bytes = plan.pieces.len() * 24;
-        let (host, dev) = table.ensure(&self.ctx, bytes)?;
-        // SAFETY: the pinned table holds at least `bytes`; its previous launch has completed
-        // (contract), so nothing reads it now.
-        let words = unsafe { std::slice::from_raw_parts_mut(host.as_ptr() as *mut u64, bytes / 8) };
-        for (i, c) in plan.pieces.iter().enumerate() {
-            words[3 * i] = c.dst;
-            words[3 * i + 1] = c.src;
-            words[3 * i + 2] = c.len as u64;
-        }
-        let mut table_ptr = dev.ptr();
+        let fill = |words: &mut [u64]| {
+            for (i, c) in plan.pieces.iter().enumerate() {
+                words[3 * i] = c.dst;
+                words[3 * i + 1] = c.src;
+                words[3 * i + 2] = c.len as u64;
+            }
+        };
+        // SAFETY: forwarded from this function's contract; the context is bound above.
+        let mut table_ptr = unsafe { k.upload(table, 3 * plan.pieces.len(), fill, stream) }?;
         let mut count = n;
         // One block per piece at a time.
-        let grid = n.min(self.grid_max);
-        // SAFETY: the upload reads `bytes` of pinned memory the table keeps until its launch
-        // completed; the kernel's arguments are a device pointer and a u32, as its signature.
+        let grid = n.min(k.grid_max);
+        // SAFETY: the kernel's arguments are a device pointer and a u32, as its signature; the
+        // table it names lives until the launch completed (contract).
         unsafe {
-            crate::driver::copy_htod_async(dev.ptr(), host.as_ptr(), bytes, stream)?;
-            self.func.launch(
+            k.launch(
                 stream,
                 grid,
-                256,
                 &mut [
                     &mut table_ptr as *mut u64 as *mut c_void,
                     &mut count as *mut u32 as *mut c_void,
                 ],
-            )?;
+            )
         }
-        Ok(())
     }
 }
 

@@ -179,11 +179,12 @@ fn main() {
         "engine path: {}",
         engine.transfer_path(&seg, src.ptr(), remote).unwrap()
     );
-    // Host seconds per batch of `reqs` with up to `window` batches in flight, first submit
-    // to the end of the last wait; and the seconds per batch spent in `submit` alone.
-    let engine_run = |reqs: &[kvferry_transfer::TransferRequest], reps: usize, window: usize| {
+    // Host seconds per batch of those `submit` makes, with up to `window` batches in flight,
+    // first submit to the end of the last wait; and the seconds per batch spent in `submit`
+    // alone.
+    let windowed = |submit: &dyn Fn() -> kvferry_transfer::BatchId, reps: usize, window: usize| {
         let wait = |id| engine.wait(id, std::time::Duration::from_secs(60)).unwrap();
-        wait(engine.submit(&seg, reqs).unwrap());
+        wait(submit());
         let mut in_flight = std::collections::VecDeque::new();
         let mut submitting = std::time::Duration::ZERO;
         let t = std::time::Instant::now();
@@ -192,7 +193,7 @@ fn main() {
                 wait(in_flight.pop_front().unwrap());
             }
             let s = std::time::Instant::now();
-            in_flight.push_back(engine.submit(&seg, reqs).unwrap());
+            in_flight.push_back(submit());
             submitting += s.elapsed();
         }
         in_flight.into_iter().for_each(wait);
@@ -201,27 +202,14 @@ fn main() {
             submitting.as_secs_f64() / reps as f64,
         )
     };
-    // As `engine_run` for one strided request (`TransferEngine::submit_strided`).
+    // `windowed` for batches of `reqs`.
+    let engine_run = |reqs: &[kvferry_transfer::TransferRequest], reps: usize, window: usize| {
+        windowed(&|| engine.submit(&seg, reqs).unwrap(), reps, window)
+    };
+    // `windowed` for one strided request (`TransferEngine::submit_strided`).
     let strided_run = |req: &kvferry_transfer::StridedRequest, reps: usize, window: usize| {
-        let wait = |id| engine.wait(id, std::time::Duration::from_secs(60)).unwrap();
         let one = std::slice::from_ref(req);
-        wait(engine.submit_strided(&seg, one).unwrap());
-        let mut in_flight = std::collections::VecDeque::new();
-        let mut submitting = std::time::Duration::ZERO;
-        let t = std::time::Instant::now();
-        for _ in 0..reps {
-            if in_flight.len() == window {
-                wait(in_flight.pop_front().unwrap());
-            }
-            let s = std::time::Instant::now();
-            in_flight.push_back(engine.submit_strided(&seg, one).unwrap());
-            submitting += s.elapsed();
-        }
-        in_flight.into_iter().for_each(wait);
-        (
-            t.elapsed().as_secs_f64() / reps as f64,
-            submitting.as_secs_f64() / reps as f64,
-        )
+        windowed(&|| engine.submit_strided(&seg, one).unwrap(), reps, window)
     };
     // `size` bytes as pieces of `piece` at every other piece offset, as one strided request.
     let strided = |size: usize, piece: usize| kvferry_transfer::StridedRequest {

@@ -1,6 +1,14 @@
-//! What the piece kernels share: one copy, and the table of a launch.
+//! What the piece kernels share: one copy, the table of a launch, and how a kernel is loaded
+//! and launched with its table.
 
-use crate::driver::{Context, DeviceBuffer, DriverResult, PinnedBuffer};
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+
+use crate::driver::{Context, DeviceBuffer, DriverResult, Function, Module, PinnedBuffer};
+
+/// Threads per block of every piece kernel launch.
+const THREADS: u32 = 256;
 
 /// One copy of a batch: `len` bytes from device address `src` to `dst`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,5 +54,85 @@ impl PieceTable {
         }
         let (h, d) = self.bufs.as_ref().expect("made above");
         Ok((h, d))
+    }
+}
+
+/// A piece kernel compiled with NVRTC and loaded in one device's context, with the largest
+/// grid worth launching (the blocks of [`THREADS`] threads the device keeps resident). Shared
+/// by any number of enqueues at once; each brings its own [`PieceTable`].
+pub(crate) struct LoadedKernel {
+    _module: Module,
+    func: Function,
+    /// Resident blocks of the device at 256 threads per block (at least one per
+    /// multiprocessor).
+    pub(crate) grid_max: u32,
+    // Last: the module above is unloaded with the context still retained.
+    ctx: Context,
+}
+
+impl LoadedKernel {
+    /// Compiles `src` (named `file` in NVRTC's messages) for `ordinal`'s device and loads its
+    /// kernel `name`. Errors: NVRTC missing or failing, the driver's.
+    pub(crate) fn load(ordinal: u32, src: &str, file: &str, name: &str) -> DriverResult<Self> {
+        let ctx = Context::new(ordinal)?;
+        let image = crate::nvrtc::compile(src, file, ctx.compute_capability()?)?;
+        let module = Module::load(&ctx, &image)?;
+        let func = module.function(name)?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            as u32;
+        let grid_max = sms.max(1) * func.occupancy(THREADS)?.max(1);
+        Ok(LoadedKernel {
+            _module: module,
+            func,
+            grid_max,
+            ctx,
+        })
+    }
+
+    /// Makes the kernel's context current on this thread. Errors: the driver's.
+    pub(crate) fn bind(&self) -> DriverResult<()> {
+        self.ctx.bind()
+    }
+
+    /// Writes a table of `words` u64 words with `fill` into `table`'s pinned host buffer and
+    /// enqueues its upload on `stream`; returns the device address of the table. Errors: the
+    /// driver's (growing the table, the upload).
+    ///
+    /// # Safety
+    /// `stream` belongs to this kernel's context, which is current; `table`'s previous launch
+    /// has completed and `table` lives until the launch that reads this upload has.
+    pub(crate) unsafe fn upload(
+        &self,
+        table: &mut PieceTable,
+        words: usize,
+        fill: impl FnOnce(&mut [u64]),
+        stream: sys::CUstream,
+    ) -> DriverResult<u64> {
+        let bytes = words * 8;
+        let (host, dev) = table.ensure(&self.ctx, bytes)?;
+        // SAFETY: the pinned table (page-aligned) holds at least `bytes`; its previous launch
+        // has completed (contract), so nothing reads it now.
+        fill(unsafe { std::slice::from_raw_parts_mut(host.as_ptr() as *mut u64, words) });
+        // SAFETY: the upload reads `bytes` of pinned memory the table keeps until its launch
+        // completed (contract).
+        unsafe { crate::driver::copy_htod_async(dev.ptr(), host.as_ptr(), bytes, stream)? };
+        Ok(dev.ptr())
+    }
+
+    /// Launches the kernel on `stream` with `grid` blocks of [`THREADS`] threads; `params`
+    /// point at its argument values, in order. Errors: the driver's.
+    ///
+    /// # Safety
+    /// As [`Function::launch`]: the arguments match the kernel's signature and the memory they
+    /// name is valid until the launch completes; `stream` belongs to this kernel's context.
+    pub(crate) unsafe fn launch(
+        &self,
+        stream: sys::CUstream,
+        grid: u32,
+        params: &mut [*mut c_void],
+    ) -> DriverResult<()> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.func.launch(stream, grid, THREADS, params) }
     }
 }

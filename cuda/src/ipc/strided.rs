@@ -5,8 +5,8 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys;
 
-use super::piece::{Copy, PieceTable};
-use crate::driver::{Context, DriverResult};
+use super::piece::{Copy, LoadedKernel, PieceTable};
+use crate::driver::DriverResult;
 use crate::error::CudaError;
 
 /// Ranges longer than this are cut into ranges of at most this many bytes (one warp copies
@@ -98,33 +98,14 @@ pub fn strided_table(groups: &[StridedCopies<'_>]) -> DriverResult<StridedTable>
 
 /// The strided kernel loaded in one device's context. Shared by any number of enqueues at
 /// once; each brings its own [`PieceTable`].
-pub struct StridedKernel {
-    _module: crate::driver::Module,
-    func: crate::driver::Function,
-    /// Resident warps of the device at 256 threads per block, as blocks.
-    grid_max: u32,
-    // Last: the module above is unloaded with the context still retained.
-    ctx: Context,
-}
+pub struct StridedKernel(LoadedKernel);
 
 impl StridedKernel {
     /// Compiles and loads the kernel for `ordinal`'s device. Errors: NVRTC missing or failing,
     /// the driver's.
     pub fn new(ordinal: u32) -> DriverResult<StridedKernel> {
-        let ctx = Context::new(ordinal)?;
-        let image = crate::nvrtc::compile(STRIDED_SRC, "strided.cu", ctx.compute_capability()?)?;
-        let module = crate::driver::Module::load(&ctx, &image)?;
-        let func = module.function("kvf_copy_strided")?;
-        let sms = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
-            as u32;
-        let grid_max = sms.max(1) * func.occupancy(256)?.max(1);
-        Ok(StridedKernel {
-            _module: module,
-            func,
-            grid_max,
-            ctx,
-        })
+        LoadedKernel::load(ordinal, STRIDED_SRC, "strided.cu", "kvf_copy_strided")
+            .map(StridedKernel)
     }
 
     /// Enqueues the copies of `groups` on `stream`: the table goes up with an async copy, then
@@ -144,30 +125,24 @@ impl StridedKernel {
         if t.pieces == 0 {
             return Ok(0);
         }
-        self.ctx.bind()?;
-        let bytes = t.words.len() * 8;
-        let (host, dev) = table.ensure(&self.ctx, bytes)?;
-        // SAFETY: the pinned table holds at least `bytes`; its previous launch has completed
-        // (contract), so nothing reads it now.
-        unsafe {
-            std::ptr::copy_nonoverlapping(t.words.as_ptr() as *const u8, host.as_ptr(), bytes)
-        };
-        let mut groups_ptr = dev.ptr();
+        let k = &self.0;
+        k.bind()?;
+        let fill = |words: &mut [u64]| words.copy_from_slice(&t.words);
+        // SAFETY: forwarded from this function's contract; the context is bound above.
+        let dev = unsafe { k.upload(table, t.words.len(), fill, stream) }?;
+        let mut groups_ptr = dev;
         let mut ng = t.groups;
-        let mut ranges_ptr = dev.ptr() + 8 * t.ranges_at as u64;
-        let mut bases_ptr = dev.ptr() + 8 * t.bases_at as u64;
+        let mut ranges_ptr = dev + 8 * t.ranges_at as u64;
+        let mut bases_ptr = dev + 8 * t.bases_at as u64;
         let mut total = t.pieces;
         // One warp per piece at a time: 8 pieces per block of 256 threads.
-        let grid = t.pieces.div_ceil(8).min(self.grid_max as u64) as u32;
-        // SAFETY: the upload reads `bytes` of pinned memory the table keeps until its launch
-        // completed; the kernel's arguments are device pointers, a u32 and a u64, as its
-        // signature.
+        let grid = t.pieces.div_ceil(8).min(k.grid_max as u64) as u32;
+        // SAFETY: the kernel's arguments are device pointers, a u32 and a u64, as its
+        // signature; the table they name lives until the launch completed (contract).
         unsafe {
-            crate::driver::copy_htod_async(dev.ptr(), host.as_ptr(), bytes, stream)?;
-            self.func.launch(
+            k.launch(
                 stream,
                 grid,
-                256,
                 &mut [
                     &mut groups_ptr as *mut u64 as *mut c_void,
                     &mut ng as *mut u32 as *mut c_void,

@@ -203,32 +203,7 @@ impl CudaIpcTransport {
                 "cuda ipc enqueue"
             );
             match enqueued {
-                Ok((event, table)) => {
-                    let job = Job {
-                        event,
-                        done: done.clone(),
-                        ids,
-                        deadline: Instant::now() + COPY_DEADLINE + Duration::from_nanos(bytes),
-                        lane: lane.clone(),
-                        table,
-                        _keep: keep,
-                    };
-                    let tx = self.jobs.locked().clone();
-                    let refused = match tx {
-                        Some(tx) => tx.send(job).err().map(|mpsc::SendError(j)| j),
-                        None => Some(job),
-                    };
-                    if let Some(j) = refused {
-                        // Shut down meanwhile: let the copies end before their memory goes.
-                        let _ = j.event.synchronize();
-                        j.done.fail_all(
-                            j.ids.iter().copied(),
-                            &TransferError::Unsupported(UnsupportedError::ShutDown {
-                                transport: "CUDA IPC",
-                            }),
-                        );
-                    }
-                }
+                Ok(launched) => self.enqueue_job(&lane, done, ids, bytes, launched, keep),
                 Err(e) => fail(&mut ids.into_iter(), &e),
             }
         }
@@ -247,7 +222,7 @@ impl CudaIpcTransport {
         let mut table = None;
         match &lane.kernel {
             Some(k) => {
-                let mut t = lane.tables.locked().pop().unwrap_or_default();
+                let mut t = lane.take_table();
                 // SAFETY: every range lies inside registered local memory or a peer
                 // allocation mapped here (kept alive by the job until the event completes);
                 // the table is ours until the job returns it after the event.
@@ -260,14 +235,47 @@ impl CudaIpcTransport {
                 unsafe { ipc::copy_batch_async(&all, s) }.map_err(gpu_err)?;
             }
         }
-        let spare = lane.events.locked().pop();
-        let ev = match spare {
-            Some(e) => e,
-            None => Event::new(&lane.ctx, false).map_err(gpu_err)?,
+        Ok((lane.record_event()?, table))
+    }
+
+    /// Hands the copies enqueued on `lane` (`launched`: their event and table) to the
+    /// completion thread, which reports `ids` on `done` when the event completes or fails them
+    /// at the deadline (`COPY_DEADLINE` plus 1 ns per byte of `bytes`); `keep` lives until
+    /// then. When the transport shut down meanwhile, waits for the copies (their memory must
+    /// outlive them) and fails `ids`.
+    pub(super) fn enqueue_job(
+        &self,
+        lane: &Arc<Lane>,
+        done: &CompletionSink,
+        ids: Vec<u32>,
+        bytes: u64,
+        (event, table): (Event, Option<PieceTable>),
+        keep: Vec<Arc<Mapped>>,
+    ) {
+        let job = Job {
+            event,
+            done: done.clone(),
+            ids,
+            deadline: Instant::now() + COPY_DEADLINE + Duration::from_nanos(bytes),
+            lane: lane.clone(),
+            table,
+            _keep: keep,
         };
-        // SAFETY: the lane's stream belongs to the lane's context.
-        unsafe { ev.record(s) }.map_err(gpu_err)?;
-        Ok((ev, table))
+        let tx = self.jobs.locked().clone();
+        let refused = match tx {
+            Some(tx) => tx.send(job).err().map(|mpsc::SendError(j)| j),
+            None => Some(job),
+        };
+        if let Some(j) = refused {
+            // Shut down meanwhile: let the copies end before their memory goes.
+            let _ = j.event.synchronize();
+            j.done.fail_all(
+                j.ids.iter().copied(),
+                &TransferError::Unsupported(UnsupportedError::ShutDown {
+                    transport: "CUDA IPC",
+                }),
+            );
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use kvferry_cuda::driver::{Context, Event, EventState, Stream};
 use kvferry_cuda::ipc::{ImportedVmm, LegacyHandle, OpenedLegacy, PieceKernel, PieceTable};
 
 use super::live::LiveView;
-use crate::error::TransferError;
+use crate::error::{Result, TransferError};
 use crate::sync::MutexExt;
 use crate::transport::CompletionSink;
 
@@ -112,6 +112,26 @@ pub(super) struct Lane {
     /// Events of completed jobs, reused (an event per batch otherwise costs a create and a
     /// destroy in the driver).
     pub(super) events: Mutex<Vec<Event>>,
+}
+
+impl Lane {
+    /// A spare table of this lane, or a new one (allocated on first use).
+    pub(super) fn take_table(&self) -> PieceTable {
+        self.tables.locked().pop().unwrap_or_default()
+    }
+
+    /// Records an event (a spare one, or a new one) on the lane's stream after the work
+    /// enqueued there so far. The lane's context is current. Errors: the driver's.
+    pub(super) fn record_event(&self) -> Result<Event> {
+        let spare = self.events.locked().pop();
+        let ev = match spare {
+            Some(e) => e,
+            None => Event::new(&self.ctx, false).map_err(gpu_err)?,
+        };
+        // SAFETY: the lane's stream belongs to the lane's context.
+        unsafe { ev.record(self.stream.raw()) }.map_err(gpu_err)?;
+        Ok(ev)
+    }
 }
 
 /// Device copies in flight: their event, slices and what must live until they end.

@@ -3,14 +3,13 @@
 //! the strided kernel, whose table holds the groups' ranges and block bases (O(ranges +
 //! blocks)), never one entry per copy.
 
-use std::sync::{mpsc, Arc};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use kvferry_cuda::driver::Event;
 use kvferry_cuda::ipc::{self, AllocationKind, StridedCopies};
 
 use super::keys::{IpcRegionKeys, Route};
-use super::state::{gpu_err, Job, Lane, Mapped, COPY_DEADLINE};
+use super::state::{gpu_err, Lane, Mapped};
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Result, TransferError, UnsupportedError};
@@ -220,36 +219,11 @@ impl CudaIpcTransport {
                 bases: &r.bases,
             })
             .collect();
-        let (event, table) = match self.enqueue_strided(dev, &lane, &launch) {
-            Ok(x) => x,
-            Err(e) => {
-                done.fail_all(ids, &e);
-                return Ok(());
+        match self.enqueue_strided(dev, &lane, &launch) {
+            Ok((event, table)) => {
+                self.enqueue_job(&lane, done, ids, bytes, (event, Some(table)), keep)
             }
-        };
-        let job = Job {
-            event,
-            done: done.clone(),
-            ids,
-            deadline: Instant::now() + COPY_DEADLINE + Duration::from_nanos(bytes),
-            lane: lane.clone(),
-            table: Some(table),
-            _keep: keep,
-        };
-        let tx = self.jobs.locked().clone();
-        let refused = match tx {
-            Some(tx) => tx.send(job).err().map(|mpsc::SendError(j)| j),
-            None => Some(job),
-        };
-        if let Some(j) = refused {
-            // Shut down meanwhile: let the copies end before their memory goes.
-            let _ = j.event.synchronize();
-            j.done.fail_all(
-                j.ids.iter().copied(),
-                &TransferError::Unsupported(UnsupportedError::ShutDown {
-                    transport: "CUDA IPC",
-                }),
-            );
+            Err(e) => done.fail_all(ids, &e),
         }
         Ok(())
     }
@@ -266,19 +240,12 @@ impl CudaIpcTransport {
         ))?;
         lane.ctx.bind().map_err(gpu_err)?;
         let s = lane.stream.raw();
-        let mut t = lane.tables.locked().pop().unwrap_or_default();
+        let mut t = lane.take_table();
         // SAFETY: every copy lies inside registered local memory or a peer allocation mapped
         // here (checked at submit and against the live table; kept alive by the job until the
         // event completes); the table is ours until the job returns it after the event.
         unsafe { kernel.enqueue(groups, &mut t, s) }.map_err(gpu_err)?;
-        let spare = lane.events.locked().pop();
-        let ev = match spare {
-            Some(e) => e,
-            None => Event::new(&lane.ctx, false).map_err(gpu_err)?,
-        };
-        // SAFETY: the lane's stream belongs to the lane's context.
-        unsafe { ev.record(s) }.map_err(gpu_err)?;
-        Ok((ev, t))
+        Ok((lane.record_event()?, t))
     }
 }
 

@@ -30,11 +30,11 @@ pub enum ArgError {
 /// Checks a `HOST:PORT` address (an optional `tcp://` prefix, an IPv6 host in brackets, a
 /// port in 1..=65535) and returns it as given. Catching `127.0.0.1` without its port here says
 /// what is wrong before anything starts, instead of ZeroMQ's "Invalid Syntax" at connect time.
-pub fn host_port(text: &str) -> Result<String, ArgError> {
+pub fn connect_addr(text: &str) -> Result<String, ArgError> {
     address(text, false)
 }
 
-/// [`host_port`] for an address to bind: port 0 (any free port) allowed.
+/// [`connect_addr`] for an address to bind: port 0 (any free port) allowed.
 pub fn bind_addr(text: &str) -> Result<String, ArgError> {
     address(text, true)
 }
@@ -352,7 +352,7 @@ pub struct LoadArgs {
     #[arg(long, default_value_t = 1, value_parser = ranks)]
     pub pp: u32,
     /// The producer's control channel, HOST:PORT (`kvferry serve --bind`).
-    #[arg(long, value_parser = host_port)]
+    #[arg(long, value_parser = connect_addr)]
     pub producer: String,
     /// Tokens per block of the producer (its `--block-size`; default this side's
     /// `--block-size`). The producer's block tables are replayed with it; this side's blocks
@@ -425,7 +425,7 @@ pub struct BenchArgs {
     #[arg(long, value_parser = bind_addr)]
     pub listen: Option<String>,
     /// Initiator: the target's segment, `HOST:PORT` as the target printed it.
-    #[arg(long, value_parser = host_port)]
+    #[arg(long, value_parser = connect_addr)]
     pub target: Option<String>,
     /// Initiator: the address its own engine listens on (default: this host's address
     /// towards `--target`).
@@ -641,7 +641,7 @@ mod tests {
             "prefill-0.example:65535",
             "*:17100",
         ] {
-            assert_eq!(host_port(ok).as_deref(), Ok(ok), "{ok}");
+            assert_eq!(connect_addr(ok).as_deref(), Ok(ok), "{ok}");
         }
         for bad in [
             "127.0.0.1",
@@ -654,7 +654,11 @@ mod tests {
             "a b:1",
             "",
         ] {
-            assert_eq!(host_port(bad), Err(ArgError::HostPort(bad.into())), "{bad}");
+            assert_eq!(
+                connect_addr(bad),
+                Err(ArgError::HostPort(bad.into())),
+                "{bad}"
+            );
         }
     }
 

@@ -27,7 +27,8 @@ use kvferry_transfer::{
 use pyo3::prelude::*;
 
 use crate::mooncake::{
-    code, op_name, parse_location, split_hostname, triples, ERR_INVALID_ARGUMENT, P2PHANDSHAKE,
+    code, op_name, parse_location, single, split_hostname, triples, ERR_INVALID_ARGUMENT,
+    P2PHANDSHAKE,
 };
 
 /// Mooncake's Python `TransferEngine`, backed by kvferry's transfer engine (TCP, or RDMA where a
@@ -58,15 +59,19 @@ impl PyTransferEngine {
         e
     }
 
-    /// A sync transfer of `reqs` with segment `target`: 0 or -1 (reason logged).
+    /// A sync transfer of `reqs` with segment `target`: 0 or -1 (reason logged; `reqs` `None`:
+    /// the call's lists did not match, said by [`triples`]).
     fn sync(
         &self,
         py: Python<'_>,
         call: &str,
         target: &str,
         op: Op,
-        reqs: Vec<(u64, u64, u64)>,
+        reqs: Option<Vec<(u64, u64, u64)>>,
     ) -> i32 {
+        let Some(reqs) = reqs else {
+            return -1;
+        };
         let Some(e) = self.started(call) else {
             return -1;
         };
@@ -85,15 +90,19 @@ impl PyTransferEngine {
         })
     }
 
-    /// Submits `reqs` to `target` without waiting; the batch id, or 0 (reason logged).
+    /// Submits `reqs` to `target` without waiting; the batch id, or 0 (reason logged; `reqs`
+    /// `None` as [`Self::sync`]).
     fn submit(
         &self,
         py: Python<'_>,
         call: &str,
         target: &str,
         op: Op,
-        reqs: Vec<(u64, u64, u64)>,
+        reqs: Option<Vec<(u64, u64, u64)>>,
     ) -> u64 {
+        let Some(reqs) = reqs else {
+            return 0;
+        };
         let Some(e) = self.started(call) else {
             return 0;
         };
@@ -379,11 +388,7 @@ impl PyTransferEngine {
         transport_hint: &str,
     ) -> i32 {
         let _ = transport_hint;
-        let reqs = if length > 0 {
-            vec![(buffer, peer_buffer_address, length)]
-        } else {
-            vec![]
-        };
+        let reqs = Some(single(buffer, peer_buffer_address, length));
         self.sync(py, "transfer_sync_write", target_hostname, Op::Write, reqs)
     }
 
@@ -401,11 +406,7 @@ impl PyTransferEngine {
         transport_hint: &str,
     ) -> i32 {
         let _ = transport_hint;
-        let reqs = if length > 0 {
-            vec![(buffer, peer_buffer_address, length)]
-        } else {
-            vec![]
-        };
+        let reqs = Some(single(buffer, peer_buffer_address, length));
         self.sync(py, "transfer_sync_read", target_hostname, Op::Read, reqs)
     }
 
@@ -427,17 +428,9 @@ impl PyTransferEngine {
         transport_hint: &str,
     ) -> i32 {
         let _ = transport_hint;
-        let Some(reqs) = triples(&buffers, &peer_buffer_addresses, &lengths) else {
-            tracing::warn!("batch_transfer_sync_write: buffers, peer_buffer_addresses and lengths have different lengths");
-            return -1;
-        };
-        self.sync(
-            py,
-            "batch_transfer_sync_write",
-            target_hostname,
-            Op::Write,
-            reqs,
-        )
+        let call = "batch_transfer_sync_write";
+        let reqs = triples(call, &buffers, &peer_buffer_addresses, &lengths);
+        self.sync(py, call, target_hostname, Op::Write, reqs)
     }
 
     /// `batch_transfer_sync_read(target_hostname, buffers, peer_buffer_addresses, lengths,
@@ -455,17 +448,9 @@ impl PyTransferEngine {
         transport_hint: &str,
     ) -> i32 {
         let _ = transport_hint;
-        let Some(reqs) = triples(&buffers, &peer_buffer_addresses, &lengths) else {
-            tracing::warn!("batch_transfer_sync_read: buffers, peer_buffer_addresses and lengths have different lengths");
-            return -1;
-        };
-        self.sync(
-            py,
-            "batch_transfer_sync_read",
-            target_hostname,
-            Op::Read,
-            reqs,
-        )
+        let call = "batch_transfer_sync_read";
+        let reqs = triples(call, &buffers, &peer_buffer_addresses, &lengths);
+        self.sync(py, call, target_hostname, Op::Read, reqs)
     }
 
     /// `batch_transfer_async_write(target_hostname, buffers, peer_buffer_addresses, lengths,
@@ -485,17 +470,9 @@ impl PyTransferEngine {
         transport_hint: &str,
     ) -> u64 {
         let _ = transport_hint;
-        let Some(reqs) = triples(&buffers, &peer_buffer_addresses, &lengths) else {
-            tracing::warn!("batch_transfer_async_write: buffers, peer_buffer_addresses and lengths have different lengths");
-            return 0;
-        };
-        self.submit(
-            py,
-            "batch_transfer_async_write",
-            target_hostname,
-            Op::Write,
-            reqs,
-        )
+        let call = "batch_transfer_async_write";
+        let reqs = triples(call, &buffers, &peer_buffer_addresses, &lengths);
+        self.submit(py, call, target_hostname, Op::Write, reqs)
     }
 
     /// `batch_transfer_async_read(target_hostname, buffers, peer_buffer_addresses, lengths,
@@ -512,17 +489,9 @@ impl PyTransferEngine {
         transport_hint: &str,
     ) -> u64 {
         let _ = transport_hint;
-        let Some(reqs) = triples(&buffers, &peer_buffer_addresses, &lengths) else {
-            tracing::warn!("batch_transfer_async_read: buffers, peer_buffer_addresses and lengths have different lengths");
-            return 0;
-        };
-        self.submit(
-            py,
-            "batch_transfer_async_read",
-            target_hostname,
-            Op::Read,
-            reqs,
-        )
+        let call = "batch_transfer_async_read";
+        let reqs = triples(call, &buffers, &peer_buffer_addresses, &lengths);
+        self.submit(py, call, target_hostname, Op::Read, reqs)
     }
 
     /// `get_batch_transfer_status(batch_ids) -> int`
@@ -573,11 +542,7 @@ impl PyTransferEngine {
         transport_hint: &str,
     ) -> u64 {
         let _ = transport_hint;
-        let reqs = if length > 0 {
-            vec![(buffer, peer_buffer_address, length)]
-        } else {
-            vec![]
-        };
+        let reqs = Some(single(buffer, peer_buffer_address, length));
         self.submit(
             py,
             "transfer_submit_write",

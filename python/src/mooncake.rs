@@ -82,14 +82,27 @@ pub(crate) fn parse_location(location: &str, addr: u64) -> Result<Location, Loca
         .map_err(|_| LocationError(location.to_string()))
 }
 
-/// `(local, remote, len)` triples of a batch call; zero-length entries are dropped (Mooncake
-/// completes them as no-ops). `None` when the three lists differ in length.
+/// The `(local, remote, len)` triple of a one-transfer call: none for length 0 (a no-op, as
+/// [`triples`] drops).
+pub(crate) fn single(buffer: u64, peer_buffer_address: u64, length: u64) -> Vec<(u64, u64, u64)> {
+    if length > 0 {
+        vec![(buffer, peer_buffer_address, length)]
+    } else {
+        vec![]
+    }
+}
+
+/// `(local, remote, len)` triples of the batch call `call`; zero-length entries are dropped
+/// (Mooncake completes them as no-ops). `None` (a warning logged, naming `call`) when the three
+/// lists differ in length.
 pub(crate) fn triples(
+    call: &str,
     buffers: &[u64],
     peer_buffer_addresses: &[u64],
     lengths: &[u64],
 ) -> Option<Vec<(u64, u64, u64)>> {
     if buffers.len() != peer_buffer_addresses.len() || buffers.len() != lengths.len() {
+        tracing::warn!("{call}: buffers, peer_buffer_addresses and lengths have different lengths");
         return None;
     }
     Some(

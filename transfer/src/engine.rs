@@ -71,11 +71,7 @@ impl TransferEngine {
         if host.is_empty() {
             return Err(ConfigError::EmptyHost.into());
         }
-        let bind_host = host
-            .strip_prefix('[')
-            .and_then(|h| h.strip_suffix(']'))
-            .unwrap_or(&host)
-            .to_string();
+        let bind_host = crate::ports::unbracket(&host).to_string();
         let listener = crate::ports::bind_listener(&bind_host, config.port, config.listen_ports)
             .map_err(|e| {
                 TransferError::Bind(IoError::new(

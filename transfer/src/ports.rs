@@ -104,6 +104,14 @@ pub fn host_port(host: &str, port: u16) -> String {
     }
 }
 
+/// `host` without the brackets an IPv6 address is written in (`[::1]` → `::1`), as a socket
+/// binds it; any other host as is.
+pub fn unbracket(host: &str) -> &str {
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+}
+
 /// Where [`bind_listener`] binds, for messages: `host:port`, or `host port LO-HI` when the range
 /// applies.
 pub(crate) fn listen_address(host: &str, port: u16, range: Option<PortRange>) -> String {
@@ -116,6 +124,15 @@ pub(crate) fn listen_address(host: &str, port: u16, range: Option<PortRange>) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bracketed_ipv6_hosts_bind_without_their_brackets() {
+        assert_eq!(unbracket("[::1]"), "::1");
+        assert_eq!(unbracket("::1"), "::1");
+        assert_eq!(unbracket("10.0.0.1"), "10.0.0.1");
+        assert_eq!(unbracket("[::1"), "[::1");
+        assert_eq!(unbracket(&host_port("fe80::1", 9)[..9]), "fe80::1");
+    }
 
     #[test]
     fn ranges_parse_and_bad_ones_are_refused() {

@@ -222,7 +222,7 @@ impl Sim {
     }
 
     fn drain_producer(&mut self) {
-        while let Some(e) = self.producer.poll() {
+        while let Some(e) = self.producer.poll_effect() {
             match e {
                 Effect::Welcome { peer, welcome } => {
                     let c = self.consumer_of[&peer];

@@ -162,7 +162,7 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
     }
 
     /// The next effect to carry out, in the order they arose.
-    pub fn poll(&mut self) -> Option<Effect<P, T>> {
+    pub fn poll_effect(&mut self) -> Option<Effect<P, T>> {
         self.effects.pop_front()
     }
 

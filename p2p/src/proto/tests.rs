@@ -187,7 +187,7 @@ impl Drive for Machine {
         self.drained()
     }
     fn drained(&mut self) -> Effects {
-        std::iter::from_fn(|| self.poll()).collect()
+        std::iter::from_fn(|| self.poll_effect()).collect()
     }
 }
 

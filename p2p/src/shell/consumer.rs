@@ -403,12 +403,11 @@ struct Connection {
     waiters: HashMap<u64, oneshot::Sender<Result<Reply, ConnFailure>>>,
 }
 
+/// A connection's first load id: random, so that the ids of a rebuilt or restarted consumer do
+/// not collide with earlier ones; below 2^52, so that they stay exact where a peer reads JSON
+/// numbers as doubles and never wrap.
 fn seed() -> u64 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
-    (t ^ ((std::process::id() as u64) << 32)) & 0x000f_ffff_ffff_ffff
+    kvferry_transfer::ids::random_u64() & 0x000f_ffff_ffff_ffff
 }
 
 impl Connection {

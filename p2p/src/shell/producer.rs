@@ -22,7 +22,6 @@ use crate::proto::producer::{Effect, ProducerMachine, PublishError, ReleaseReaso
 use crate::proto::serve::{plan, Published};
 use crate::proto::serve_error::ServeFailure;
 use crate::proto::sessions::os_nonces;
-pub use crate::proto::sessions::MAX_SESSIONS;
 use crate::proto::spec_checks::check_tables;
 use crate::shell::gate::{warn_limited, ControlGate, Gate, PeerWarnings};
 use crate::shell::producer_config::{
@@ -489,7 +488,7 @@ impl EventLoop {
 
     /// Carries out the machine's effects.
     async fn drain(&mut self) {
-        while let Some(e) = self.machine.poll() {
+        while let Some(e) = self.machine.poll_effect() {
             match e {
                 Effect::Welcome { peer, welcome } => self.send(peer, encode(&welcome), None).await,
                 Effect::Reply { peer, reply } => {

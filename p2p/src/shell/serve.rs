@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvferry_transfer::{Op, StridedRange, StridedRequest, Token, TransferRequest as EngineRequest};
+use kvferry_transfer::{Op, StridedRange, StridedRequest, Token, TransferRequest};
 
 use crate::proto::plan::Copy;
 use crate::proto::serve::{BlockCopies, RankPlan};
@@ -113,7 +113,7 @@ async fn write_strided(
 
 /// What one engine batch carries.
 enum Submission {
-    Plain(Vec<EngineRequest>),
+    Plain(Vec<TransferRequest>),
     Strided(Vec<StridedRequest>),
 }
 
@@ -125,9 +125,9 @@ async fn write_batch(
     deadline: Instant,
     token: Option<Token>,
 ) -> Result<(), WriteError> {
-    let requests: Vec<EngineRequest> = copies
+    let requests: Vec<TransferRequest> = copies
         .iter()
-        .map(|c| EngineRequest {
+        .map(|c| TransferRequest {
             op: Op::Write,
             local_addr: c.src,
             remote_addr: c.dst,

@@ -369,8 +369,9 @@ class LoopbackOnly:
                 return
         except ValueError:
             pass
-        raise ParamsError(f"kv_transfer_params: producer {host}:{port} is not on this host, and this consumer has "
-                          "neither allowed_producers nor secret_file (open mode loads from loopback producers only)")
+        raise ParamsError(f"kv_transfer_params: producer {host_port(host, port)} is not on this host, and this "
+                          "consumer has neither allowed_producers nor secret_file (open mode loads from loopback "
+                          "producers only)")
 
 
 def producer_policy(allowed: Any, secret_file: str | None) -> "ProducerAllowlist | LoopbackOnly | None":

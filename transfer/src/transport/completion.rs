@@ -343,7 +343,8 @@ impl CompletionSink {
         self.state.report(id, result);
     }
 
-    /// True when both sinks report to the same batch (one `post`).
+    /// True when both sinks report to the same batch (one `post`). Used by RDMA's merging.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub(crate) fn same_batch(&self, other: &CompletionSink) -> bool {
         Arc::ptr_eq(&self.state, &other.state)
     }

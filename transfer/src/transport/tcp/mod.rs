@@ -81,11 +81,12 @@ impl TcpTransport {
         }
         let host = ctx.config.host.clone();
         let range = ctx.config.listen_ports;
-        let listener = crate::ports::bind_listener(strip_brackets(&host), tcp.data_port, range)
-            .map_err(|e| {
-                let at = crate::ports::listen_address(&host, tcp.data_port, range);
-                TransferError::Bind(IoError::new(format!("bind TCP data listener on {at}"), e))
-            })?;
+        let listener =
+            crate::ports::bind_listener(crate::ports::unbracket(&host), tcp.data_port, range)
+                .map_err(|e| {
+                    let at = crate::ports::listen_address(&host, tcp.data_port, range);
+                    TransferError::Bind(IoError::new(format!("bind TCP data listener on {at}"), e))
+                })?;
         let server = Arc::new(ServerShared {
             ctx: ctx.clone(),
             stop: AtomicBool::new(false),
@@ -142,12 +143,6 @@ impl TcpTransport {
         }
         Ok(pool)
     }
-}
-
-fn strip_brackets(host: &str) -> &str {
-    host.strip_prefix('[')
-        .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host)
 }
 
 impl Transport for TcpTransport {

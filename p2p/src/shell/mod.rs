@@ -1,6 +1,7 @@
 //! The thin tokio shell around the [`crate::proto`] state machines: sockets,
 //! timers and the transfer engine calls. Every await has a deadline.
 
+mod connection;
 pub mod consumer;
 pub mod consumer_config;
 mod gate;

@@ -1,0 +1,305 @@
+//! The consumer's connection to one producer (docs/design.md §4.4): a tokio task that owns the
+//! DEALER socket, says hello, feeds the consumer machine the socket's messages, the loads it is
+//! given and its timers, and carries out what the machine polls out (requests to send, loads
+//! ended, the socket to rebuild).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tracing::{debug, warn};
+use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::proto::consumer::{ConsumerEvent, ConsumerMachine, FailReason, SessionError};
+use crate::proto::msg::{LoadRequest, Reply};
+use crate::shell::consumer_config::ConsumerConfig;
+use crate::shell::sleep_until;
+use kvferry_transfer::Secret;
+
+/// Why the DEALER could not connect.
+#[derive(Debug, thiserror::Error)]
+enum ConnectError {
+    #[error("connect did not finish within {0:?}")]
+    Timeout(Duration),
+    #[error(transparent)]
+    Zmq(zeromq::ZmqError),
+    #[error(transparent)]
+    Session(SessionError),
+}
+
+/// Why a load got no reply: its connection failed, or the machine failed it.
+pub(crate) enum ConnFailure {
+    Connect(String),
+    Failed(FailReason),
+}
+
+/// A load for a connection's task: the request, its lease's key and where its outcome goes.
+pub(crate) struct LoadCmd {
+    pub(crate) request: LoadRequest,
+    /// The lease's load key: proved in the session, never sent.
+    pub(crate) load_key: Option<String>,
+    pub(crate) respond: oneshot::Sender<Result<Reply, ConnFailure>>,
+}
+
+enum SockEvent {
+    Message(Bytes),
+    Lost(String),
+}
+
+/// A connected DEALER; dropping it closes the socket (its reader is aborted).
+struct Sock {
+    send: zeromq::DealerSendHalf,
+    reader: JoinHandle<()>,
+}
+
+impl Drop for Sock {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+/// The task of one (consumer, producer) DEALER: drives a [`ConsumerMachine`] with the socket's
+/// messages, the loads it is given and its timers, and carries out its outputs.
+pub(crate) struct Connection {
+    endpoint: String,
+    /// This consumer's name in sessions.
+    name: String,
+    machine: ConsumerMachine,
+    connect_timeout: Duration,
+    send_timeout: Duration,
+    max_message_bytes: usize,
+    sock: Option<Sock>,
+    generation: u64,
+    waiters: HashMap<u64, oneshot::Sender<Result<Reply, ConnFailure>>>,
+}
+
+/// A connection's first load id: random, so that the ids of a rebuilt or restarted consumer do
+/// not collide with earlier ones; below 2^52, so that they stay exact where a peer reads JSON
+/// numbers as doubles and never wrap.
+fn seed() -> u64 {
+    kvferry_transfer::ids::random_u64() & 0x000f_ffff_ffff_ffff
+}
+
+impl Connection {
+    pub(crate) fn new(
+        endpoint: String,
+        c: &ConsumerConfig,
+        secret: Option<Secret>,
+        name: String,
+    ) -> Connection {
+        Connection {
+            endpoint,
+            name,
+            machine: ConsumerMachine::new(c.reply_timeout, c.max_wait, seed())
+                .with_retry_interval(c.reconnect_interval)
+                .with_secret(secret),
+            connect_timeout: c.connect_timeout,
+            send_timeout: c.send_timeout,
+            max_message_bytes: c.max_message_bytes,
+            sock: None,
+            generation: 0,
+            waiters: HashMap::new(),
+        }
+    }
+
+    async fn connect(
+        &mut self,
+        events: &mpsc::UnboundedSender<(u64, SockEvent)>,
+    ) -> Result<(), ConnectError> {
+        let mut options = SocketOptions::default();
+        options.connect_timeout(self.connect_timeout);
+        options.max_message_size(self.max_message_bytes);
+        let mut socket = zeromq::DealerSocket::with_options(options);
+        let mut monitor = socket.monitor();
+        match tokio::time::timeout(self.connect_timeout, socket.connect(&self.endpoint)).await {
+            Err(_) => return Err(ConnectError::Timeout(self.connect_timeout)),
+            Ok(Err(e)) => return Err(ConnectError::Zmq(e)),
+            Ok(Ok(())) => {}
+        }
+        // The session first: with a secret, nothing else goes out before the producer proved it.
+        let nonce = kvferry_transfer::auth::random_bytes::<32>()
+            .map_err(|e| ConnectError::Session(SessionError::Refused(e.to_string())))?;
+        let hello = self.machine.hello(nonce, &self.endpoint, &self.name);
+        let welcome = tokio::time::timeout(self.connect_timeout, async {
+            socket.send(ZmqMessage::from(hello)).await?;
+            socket.recv().await
+        })
+        .await
+        .map_err(|_| ConnectError::Timeout(self.connect_timeout))?
+        .map_err(ConnectError::Zmq)?;
+        let body = welcome.into_vec().pop().unwrap_or_default();
+        self.machine
+            .handle_welcome(&body)
+            .map_err(ConnectError::Session)?;
+        self.generation += 1;
+        let generation = self.generation;
+        let (send, mut recv) = socket.split();
+        let events = events.clone();
+        let reader = tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    m = recv.recv() => match m {
+                        Ok(m) => {
+                            if let Some(body) = m.into_vec().pop() {
+                                let _ = events.send((generation, SockEvent::Message(body)));
+                            }
+                        }
+                        Err(e) => {
+                            let _ = events.send((generation, SockEvent::Lost(e.to_string())));
+                            break;
+                        }
+                    },
+                    ev = monitor.next() => match ev {
+                        Some(SocketEvent::Disconnected(_)) | None => {
+                            let _ = events.send((generation, SockEvent::Lost("producer disconnected".into())));
+                            break;
+                        }
+                        Some(_) => {}
+                    },
+                }
+            }
+        });
+        self.sock = Some(Sock { send, reader });
+        debug!(endpoint = self.endpoint, generation, "DEALER connected");
+        Ok(())
+    }
+
+    /// A new load: connects unless connected (or the producer is down), then starts it on the
+    /// machine; a load that cannot start is answered at once.
+    async fn start(&mut self, cmd: LoadCmd, events: &mpsc::UnboundedSender<(u64, SockEvent)>) {
+        let LoadCmd {
+            request,
+            load_key,
+            respond,
+        } = cmd;
+        let started = self.open(events).await.and_then(|()| {
+            self.machine
+                .start(Instant::now(), request, load_key.as_deref())
+                .ok_or_else(|| ConnFailure::Connect("no session with the producer".into()))
+        });
+        match started {
+            Ok(load_id) => {
+                self.waiters.insert(load_id, respond);
+            }
+            Err(e) => {
+                let _ = respond.send(Err(e));
+            }
+        }
+    }
+
+    /// Connects the socket unless it is open.
+    async fn open(
+        &mut self,
+        events: &mpsc::UnboundedSender<(u64, SockEvent)>,
+    ) -> Result<(), ConnFailure> {
+        if self.sock.is_some() {
+            return Ok(());
+        }
+        self.machine
+            .admit(Instant::now())
+            .map_err(|why| ConnFailure::Connect(why.to_string()))?;
+        if let Err(e) = self.connect(events).await {
+            warn!(endpoint = self.endpoint, "cannot reach the producer: {e}");
+            let e = e.to_string();
+            self.machine.handle_connect_failed(Instant::now(), &e);
+            return Err(ConnFailure::Connect(e));
+        }
+        self.machine.handle_connected();
+        Ok(())
+    }
+
+    /// Carries out the machine's outputs: sends its requests, answers the loads that ended,
+    /// rebuilds the socket when it says so.
+    async fn drain(&mut self) {
+        loop {
+            if let Some(t) = self.machine.poll_transmit() {
+                let why = match self.sock.as_mut() {
+                    None => Some("no socket".to_string()),
+                    Some(sock) => {
+                        let send = sock.send.send(ZmqMessage::from(t.bytes));
+                        match tokio::time::timeout(self.send_timeout, send).await {
+                            Ok(Ok(())) => None,
+                            Ok(Err(e)) => Some(e.to_string()),
+                            Err(_) => Some(format!(
+                                "send did not finish within {:?}",
+                                self.send_timeout
+                            )),
+                        }
+                    }
+                };
+                if let Some(why) = why {
+                    self.machine.handle_send_failed(t.load_id, &why);
+                }
+                continue;
+            }
+            let Some(event) = self.machine.poll_event() else {
+                return;
+            };
+            match event {
+                ConsumerEvent::Finished { load_id, reply } => self.answer(load_id, Ok(reply)),
+                ConsumerEvent::Failed { load_id, reason } => {
+                    if matches!(reason, FailReason::NoReply(_) | FailReason::Overall(_)) {
+                        warn!(endpoint = self.endpoint, load_id, "load failed: {reason}");
+                    }
+                    self.answer(load_id, Err(ConnFailure::Failed(reason)))
+                }
+                ConsumerEvent::Progress { load_id } => debug!(load_id, "producer: CONTINUE"),
+                ConsumerEvent::Stale { load_id } => {
+                    warn!(load_id, "late reply for a load that already ended; ignored")
+                }
+                ConsumerEvent::Invalid(e) => {
+                    warn!(endpoint = self.endpoint, "bad reply ignored: {e}")
+                }
+                ConsumerEvent::RebuildSocket => {
+                    if self.sock.take().is_some() {
+                        debug!(
+                            endpoint = self.endpoint,
+                            "rebuilding the DEALER after a failure"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn answer(&mut self, load_id: u64, result: Result<Reply, ConnFailure>) {
+        if let Some(w) = self.waiters.remove(&load_id) {
+            let _ = w.send(result);
+        }
+    }
+
+    /// Runs until `commands` closes (the consumer dropped it).
+    pub(crate) async fn run(mut self, mut commands: mpsc::UnboundedReceiver<LoadCmd>) {
+        let (ev_tx, mut events) = mpsc::unbounded_channel::<(u64, SockEvent)>();
+        loop {
+            tokio::select! {
+                cmd = commands.recv() => {
+                    let Some(cmd) = cmd else { break };
+                    self.start(cmd, &ev_tx).await;
+                }
+                ev = events.recv() => {
+                    let Some((generation, ev)) = ev else { break };
+                    if generation != self.generation {
+                        continue; // from a socket already replaced
+                    }
+                    match ev {
+                        SockEvent::Message(body) => self.machine.handle_message(Instant::now(), &body),
+                        SockEvent::Lost(why) => {
+                            if self.machine.pending() > 0 {
+                                warn!(endpoint = self.endpoint, "control connection lost: {why}");
+                            } else {
+                                debug!(endpoint = self.endpoint, "control connection closed while idle: {why}");
+                            }
+                            self.machine.handle_connection_lost(&why);
+                        }
+                    }
+                }
+                _ = sleep_until(self.machine.poll_timeout()) => self.machine.handle_timeout(Instant::now()),
+            }
+            self.drain().await;
+        }
+    }
+}

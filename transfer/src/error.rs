@@ -19,11 +19,13 @@ mod config;
 mod io;
 pub mod mooncake;
 mod rdma;
+mod refusal;
 mod unsupported;
 pub use argument::{ArgumentError, SyncBound};
 pub use config::{ConfigError, NoRdma, SecretFileError};
 pub use io::{IoError, PeerText, Shared};
 pub use rdma::{EndpointFailure, FailedWork, RdmaError, WcStatus, WorkOp, WorkRequest};
+pub use refusal::Refusal;
 pub use unsupported::UnsupportedError;
 
 /// Every failure the transfer engine reports. Variants name the address, segment or peer
@@ -97,13 +99,14 @@ pub enum TransferError {
     /// The request was refused for want of authorization (see [`AuthError`], `crate::auth`).
     #[error("not authorized: {0}")]
     Auth(#[source] AuthError),
-    /// The target segment refused a request for a reason of its own (`text`: its words).
-    #[error("segment {segment} refused the request: {text}")]
+    /// The target segment refused a request for a reason of its own (see [`Refusal`]: its
+    /// words, or the CUDA IPC transport's case).
+    #[error("segment {segment} refused the request: {why}")]
     Refused {
         /// The target segment's name.
         segment: String,
-        /// The target's error text.
-        text: String,
+        /// Why.
+        why: Refusal,
     },
     /// The target is another instance than the descriptor names (it restarted): the engine
     /// fetches the descriptor again and retries.
@@ -111,8 +114,8 @@ pub enum TransferError {
     Stale {
         /// The target segment's name.
         segment: String,
-        /// The target's error text.
-        text: String,
+        /// The target's error text (bounded, escaped).
+        text: PeerText,
     },
     /// A slice failed, was retried on a fresh descriptor, and failed again or could not be:
     /// `source` is its first failure, `retry` what happened on the retry.
@@ -469,8 +472,8 @@ pub enum AuthError {
     Refused {
         /// The target segment's name.
         segment: String,
-        /// The target's refusal text.
-        text: String,
+        /// The target's refusal text (bounded, escaped).
+        text: PeerText,
     },
 }
 

@@ -60,8 +60,8 @@ pub use descriptor::{BufferDesc, SegmentDescriptor, TransportInfo};
 pub use engine::{EngineStats, TransferEngine};
 pub use error::{
     ArgumentError, AuthError, ConfigError, DescriptorError, HandshakeError, IoError, NoRdma,
-    PeerText, ProtocolError, RdmaError, RegistrationError, Result, RetryOutcome, SecretFileError,
-    Shared, SyncBound, TransferError, UnsupportedError,
+    PeerText, ProtocolError, RdmaError, Refusal, RegistrationError, Result, RetryOutcome,
+    SecretFileError, Shared, SyncBound, TransferError, UnsupportedError,
 };
 pub use memory::{
     DmabufRange, HostMemoryAccess, MemoryAccess, MemoryRegion, MemoryRegistry, RegionKeys,

@@ -13,7 +13,7 @@ use super::keys::IpcRegionKeys;
 use super::state::{gpu_err, Job, Lane, Mapped, COPY_DEADLINE};
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{Result, TransferError, UnsupportedError};
+use crate::error::{Refusal, Result, TransferError, UnsupportedError};
 use crate::sync::MutexExt;
 use crate::transport::{CompletionSink, Slice};
 use crate::types::{Location, Op};
@@ -67,7 +67,7 @@ impl CudaIpcTransport {
             self.drop_peer(&peer.name);
             let e = TransferError::Refused {
                 segment: peer.name.clone(),
-                text: format!("its process {} has exited", host.pid),
+                why: Refusal::ProcessExited { pid: host.pid },
             };
             fail(&mut slices.iter().map(|(s, _)| s.id), &e);
             return Vec::new();

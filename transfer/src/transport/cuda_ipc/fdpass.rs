@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use sendfd::{RecvWithFd, SendWithFd};
 
-use crate::error::{Result, TransferError, UnsupportedError};
+use crate::error::{Refusal, Result, TransferError, UnsupportedError};
 use crate::sync::MutexExt;
 
 /// Outstanding tickets at most; a peer asking for more is refused until some expire or are used.
@@ -191,7 +191,7 @@ pub fn fetch(name: &str, ticket: &[u8; 16], segment: &str) -> Result<(OwnedFd, u
         Some(fd) => Ok((fd, u64::from_le_bytes(size))),
         None => Err(TransferError::Refused {
             segment: segment.to_string(),
-            text: "CUDA IPC ticket unknown, used or expired".into(),
+            why: Refusal::UnknownTicket,
         }),
     }
 }

@@ -15,7 +15,9 @@ use super::state::{
     MAX_ALLOCS_PER_REQUEST, NONCES_KEPT, PROOF_LABEL,
 };
 use super::transport::CudaIpcTransport;
-use crate::error::{ArgumentError, ProtocolError, Result, TransferError, UnsupportedError};
+use crate::error::{
+    ArgumentError, ProtocolError, Refusal, Result, TransferError, UnsupportedError,
+};
 use crate::memory::MemoryRegion;
 use crate::sync::MutexExt;
 
@@ -172,7 +174,7 @@ impl CudaIpcTransport {
         for base in &req.allocs {
             let e = ex.get(base).ok_or_else(|| TransferError::Refused {
                 segment: "this engine".into(),
-                text: format!("allocation {base:#x} is not exported for CUDA IPC"),
+                why: Refusal::NotExported { base: *base },
             })?;
             allocs.push(AllocReply {
                 base: *base,

@@ -12,7 +12,7 @@ use super::keys::{IpcRegionKeys, Route};
 use super::state::{gpu_err, Lane, Mapped};
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{Result, TransferError, UnsupportedError};
+use crate::error::{Refusal, Result, TransferError, UnsupportedError};
 use crate::memory::MemoryRegion;
 use crate::strided::StridedGroup;
 use crate::sync::MutexExt;
@@ -79,7 +79,7 @@ impl CudaIpcTransport {
             self.drop_peer(&peer.name);
             let e = TransferError::Refused {
                 segment: peer.name.clone(),
-                text: format!("its process {} has exited", host.pid),
+                why: Refusal::ProcessExited { pid: host.pid },
             };
             done.fail_all(work.iter().map(|w| w.0.id), &e);
             return;

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use super::coalesce::Job;
 use super::pool::{Conn, PeerPool};
 use super::socket::{read_full, write_vectored_full};
-use crate::error::{AuthError, ProtocolError, Result, TransferError};
+use crate::error::{AuthError, PeerText, ProtocolError, Refusal, Result, TransferError};
 use crate::transport::wire::{self, Request};
 use crate::transport::{CompletionSink, Slice};
 use crate::types::{Location, Op};
@@ -272,32 +272,10 @@ impl PeerPool {
             }
             let mut t = vec![0u8; len as usize];
             read_full(s, &mut t, &what)?;
-            let text = String::from_utf8_lossy(&t).into_owned();
-            let err = match status {
-                wire::ST_OUT_OF_RANGE if scatter => TransferError::Refused {
-                    segment: self.segment.clone(),
-                    text: format!("scattered WRITE: {text}"),
-                },
-                wire::ST_OUT_OF_RANGE => TransferError::RemoteOutOfRange {
-                    segment: self.segment.clone(),
-                    addr: sl.remote_addr,
-                    len: sl.len,
-                },
-                wire::ST_DENIED => TransferError::Auth(AuthError::Refused {
-                    segment: self.segment.clone(),
-                    text,
-                }),
-                wire::ST_STALE => {
-                    return Ok(Reply::Stale(TransferError::Stale {
-                        segment: self.segment.clone(),
-                        text,
-                    }))
-                }
-                _ => TransferError::Refused {
-                    segment: self.segment.clone(),
-                    text,
-                },
-            };
+            let err = reply_error(&self.segment, status, &t, sl, scatter);
+            if status == wire::ST_STALE {
+                return Ok(Reply::Stale(err));
+            }
             if status == wire::ST_BAD_REQUEST {
                 return Err(err); // the target closes after a bad request
             }
@@ -338,10 +316,104 @@ impl PeerPool {
     }
 }
 
+/// The error for a reply of `status` (not `ST_OK`) from target `segment` to slice `sl` (sent
+/// scattered or not), with the target's error text `text`, which is kept bounded and escaped
+/// ([`PeerText`]): a target cannot flood or break the lines its words are logged on.
+fn reply_error(segment: &str, status: u8, text: &[u8], sl: &Slice, scatter: bool) -> TransferError {
+    let text = PeerText::from_bytes(text);
+    let segment = segment.to_string();
+    match status {
+        wire::ST_OUT_OF_RANGE if scatter => TransferError::Refused {
+            segment,
+            why: Refusal::Scattered(text),
+        },
+        wire::ST_OUT_OF_RANGE => TransferError::RemoteOutOfRange {
+            segment,
+            addr: sl.remote_addr,
+            len: sl.len,
+        },
+        wire::ST_DENIED => TransferError::Auth(AuthError::Refused { segment, text }),
+        wire::ST_STALE => TransferError::Stale { segment, text },
+        _ => TransferError::Refused {
+            segment,
+            why: Refusal::Peer(text),
+        },
+    }
+}
+
 /// A reply's outcome for its slices.
 enum Reply {
     /// The slices' result.
     Done(Result<()>),
     /// The target is another instance than the descriptor names (it restarted).
     Stale(TransferError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::MemoryRegion;
+
+    #[test]
+    fn a_targets_error_text_is_bounded_escaped_and_typed_by_its_status() {
+        let sl = Slice {
+            id: 0,
+            op: Op::Write,
+            local_addr: 0x1000,
+            local_region: MemoryRegion {
+                addr: 0x1000,
+                len: 8,
+                location: Location::Cpu,
+            },
+            remote_addr: 0x2000,
+            remote_buffer: 0,
+            len: 8,
+        };
+        let flood = format!("no live grant\n\u{1b}[2J{}", "x".repeat(1 << 16));
+        for status in [
+            wire::ST_SERVER_ERROR,
+            wire::ST_BAD_REQUEST,
+            wire::ST_DENIED,
+            wire::ST_STALE,
+        ] {
+            let e = reply_error("h:1", status, flood.as_bytes(), &sl, false);
+            let text = e.to_string();
+            assert!(!text.contains('\n') && !text.contains('\u{1b}'), "{text}");
+            assert!(text.contains("no live grant\\n\\u{1b}[2J"), "{text}");
+            assert!(
+                text.len() < PeerText::MAX_CHARS + 64,
+                "{} bytes",
+                text.len()
+            );
+            assert!(text.ends_with("..."), "{text}");
+        }
+        let denied = reply_error("h:1", wire::ST_DENIED, b"no grant", &sl, false);
+        assert!(matches!(
+            denied,
+            TransferError::Auth(AuthError::Refused { .. })
+        ));
+        let stale = reply_error("h:1", wire::ST_STALE, b"instance 2", &sl, false);
+        assert!(matches!(stale, TransferError::Stale { .. }));
+        let scattered = reply_error("h:1", wire::ST_OUT_OF_RANGE, b"piece 3", &sl, true);
+        assert!(matches!(
+            scattered,
+            TransferError::Refused {
+                why: Refusal::Scattered(_),
+                ..
+            }
+        ));
+        assert_eq!(
+            scattered.to_string(),
+            "segment h:1 refused the request: scattered WRITE: piece 3"
+        );
+        let out = reply_error("h:1", wire::ST_OUT_OF_RANGE, b"", &sl, false);
+        assert!(matches!(
+            out,
+            TransferError::RemoteOutOfRange {
+                addr: 0x2000,
+                len: 8,
+                ..
+            }
+        ));
+    }
 }

@@ -1,0 +1,33 @@
+//! Why a target segment refused a request ([`TransferError::Refused`](super::TransferError)):
+//! its own words, or one of the refusals the CUDA IPC transport makes itself.
+
+use super::io::PeerText;
+
+/// Why a target refused a request: a remote target's words as it sent them (bounded, escaped),
+/// or a refusal of the CUDA IPC transport, which knows the case.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// The target's error frame: its words.
+    #[error("{0}")]
+    Peer(PeerText),
+    /// The target refused a scattered WRITE (one of its pieces lies outside its buffers):
+    /// its words.
+    #[error("scattered WRITE: {0}")]
+    Scattered(PeerText),
+    /// CUDA IPC: the peer's process (on this host) has exited.
+    #[error("its process {pid} has exited")]
+    ProcessExited {
+        /// The peer's process id.
+        pid: u32,
+    },
+    /// CUDA IPC: a file descriptor was asked for with a ticket that is unknown, used or
+    /// expired.
+    #[error("CUDA IPC ticket unknown, used or expired")]
+    UnknownTicket,
+    /// CUDA IPC: a peer asked for an allocation this engine did not export.
+    #[error("allocation {base:#x} is not exported for CUDA IPC")]
+    NotExported {
+        /// The allocation's base address.
+        base: u64,
+    },
+}

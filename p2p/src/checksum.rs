@@ -81,7 +81,7 @@ pub async fn worker_record(
     });
     let results = match tokio::time::timeout(timeout + Duration::from_secs(1), run).await {
         Err(_) => return Err(ChecksumError::Timeout(timeout)),
-        Ok(Err(join)) => return Err(ChecksumError::Task(join.to_string())),
+        Ok(Err(join)) => return Err(ChecksumError::Task(join)),
         Ok(Ok(r)) => r?,
     };
     for r in results {
@@ -129,9 +129,9 @@ pub enum ChecksumError {
     /// The backend did not finish in time.
     #[error("checksums did not finish within {0:?}")]
     Timeout(Duration),
-    /// The blocking task running the backend ended abnormally (its runtime's text).
+    /// The blocking task running the backend ended abnormally (it panicked or was cancelled).
     #[error("checksum task failed: {0}")]
-    Task(String),
+    Task(#[source] tokio::task::JoinError),
     /// The backend returned a group that was not asked for.
     #[error("backend returned group {0} that was not asked for")]
     Unasked(u32),

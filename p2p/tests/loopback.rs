@@ -287,7 +287,7 @@ async fn second_load_of_a_request_gets_error() {
         LoadError::Failed {
             reason: FailReason::Producer(why),
             ..
-        } => assert!(why.contains("already loaded"), "{why}"),
+        } => assert!(why.as_str().contains("already loaded"), "{why}"),
         other => panic!("{other:?}"),
     }
     assert_eq!(
@@ -323,7 +323,7 @@ async fn expired_lease_gets_error_and_is_released() {
         LoadError::Failed {
             reason: FailReason::Producer(why),
             ..
-        } => assert!(why.contains("lease expired"), "{why}"),
+        } => assert!(why.as_str().contains("lease expired"), "{why}"),
         other => panic!("{other:?}"),
     }
     // No stale block was written.
@@ -364,7 +364,7 @@ async fn wrong_producer_block_id_is_refused() {
     let err = pair.consumer.load(s).await.unwrap_err();
     assert!(
         matches!(&err, LoadError::Failed { reason: FailReason::Producer(w), .. }
-            if w.contains("position 1: consumer expects producer block 4, the producer holds block 5")),
+            if w.as_str().contains("position 1: consumer expects producer block 4, the producer holds block 5")),
         "{err}"
     );
     pair.producer.shutdown().await;
@@ -858,7 +858,7 @@ async fn consumer_block_outside_its_array_is_refused() {
     // Refused by the consumer itself, before any request (the producer would refuse it too).
     let err = pair.consumer.load(s).await.unwrap_err();
     assert!(
-        matches!(&err, LoadError::Spec { why, .. } if why.contains("outside the cache")),
+        matches!(&err, LoadError::Spec { why, .. } if why.as_str().contains("outside the cache")),
         "{err}"
     );
     pair.producer.shutdown().await;
@@ -919,7 +919,9 @@ async fn bad_worker_sets_are_refused() {
     let cfg = || consumer_config(Policy::default());
     let refused =
         |workers: Vec<kvferry_p2p::Worker>, what: &str| match Consumer::new(cfg(), workers) {
-            Err(kvferry_p2p::P2pError::Workers(why)) => assert!(why.contains(what), "{why}"),
+            Err(kvferry_p2p::P2pError::Workers(why)) => {
+                assert!(why.as_str().contains(what), "{why}")
+            }
             Err(e) => panic!("{e}"),
             Ok(_) => panic!("accepted workers with {what}"),
         };

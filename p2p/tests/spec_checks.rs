@@ -91,7 +91,8 @@ async fn a_float16_producer_and_an_int16_consumer_move_no_byte() {
             reason: FailReason::Producer(why),
             ..
         } => assert!(
-            why.contains("element type: producer torch.bfloat16, consumer torch.int16"),
+            why.as_str()
+                .contains("element type: producer torch.bfloat16, consumer torch.int16"),
             "{why}"
         ),
         other => panic!("expected the producer's refusal, got {other:?}"),
@@ -128,7 +129,8 @@ async fn duplicate_local_blocks_are_refused_before_the_request() {
     match &err {
         LoadError::Spec { why, .. } => {
             assert!(
-                why.contains("block 5 is written at positions 0 and 1"),
+                why.as_str()
+                    .contains("block 5 is written at positions 0 and 1"),
                 "{why}"
             )
         }
@@ -164,7 +166,7 @@ async fn a_publish_must_cover_its_tokens_with_blocks_inside_the_cache() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&short, P2pError::Publish { why, .. } if why.contains("need exactly")),
+        matches!(&short, P2pError::Publish { why, .. } if why.as_str().contains("need exactly")),
         "{short}"
     );
     // Block 8 of an 8-block cache.
@@ -173,7 +175,7 @@ async fn a_publish_must_cover_its_tokens_with_blocks_inside_the_cache() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&outside, P2pError::Publish { why, .. } if why.contains("outside the cache")),
+        matches!(&outside, P2pError::Publish { why, .. } if why.as_str().contains("outside the cache")),
         "{outside}"
     );
     // A table longer than the tokens names blocks no token is in.
@@ -215,7 +217,7 @@ async fn a_load_is_never_verified_for_tokens_no_block_holds() {
             .await
             .unwrap_err();
         match &err {
-            LoadError::Spec { why, .. } => assert!(why.contains(text), "{why}"),
+            LoadError::Spec { why, .. } => assert!(why.as_str().contains(text), "{why}"),
             other => panic!("expected a spec error, got {other:?}"),
         }
     }

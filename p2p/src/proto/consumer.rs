@@ -28,7 +28,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use kvferry_transfer::Secret;
+use kvferry_transfer::{PeerText, Secret};
 
 use super::msg::{
     decode_reply, decode_welcome, encode, finish_proof, Hello, LoadRequest, MsgError, Reply,
@@ -51,9 +51,9 @@ pub enum FailReason {
     /// `NoReply`, the load's blocks are safe to reuse only after `max_wait`.
     #[error("connection to the producer lost: {0}")]
     ConnectionLost(String),
-    /// The producer answered ERROR.
+    /// The producer answered ERROR: its words (bounded, escaped).
     #[error("producer error: {0}")]
-    Producer(String),
+    Producer(PeerText),
     /// A FINISH whose proof does not match the load's token (missing or wrong): it did not
     /// come from the producer the token was sent to, so its payload is not accepted.
     #[error("FINISH without a valid proof of the load's token; payload refused")]
@@ -63,7 +63,7 @@ pub enum FailReason {
     #[error(
         "the producer holds no session for this connection (evicted); nothing was served: {0}"
     )]
-    NoSession(String),
+    NoSession(PeerText),
 }
 
 /// An output of the machine ([`ConsumerMachine::poll_event`]).
@@ -113,9 +113,9 @@ pub struct Transmit {
 /// Why a session could not be opened with the producer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SessionError {
-    /// The producer refused the `hello` (its words).
+    /// The producer refused the `hello`: its words (bounded, escaped).
     #[error("the producer refused the session: {0}")]
-    Refused(String),
+    Refused(PeerText),
     /// With a shared secret: the producer did not prove it over this session (no proof, a
     /// wrong one, or a relay that answered for another endpoint). Nothing was sent to it.
     #[error("the producer did not prove the shared secret; nothing was sent to it")]
@@ -231,7 +231,7 @@ impl ConsumerMachine {
         let mut s = self.hello.take().ok_or(SessionError::Unexpected)?;
         let w = decode_welcome(bytes).map_err(SessionError::Malformed)?;
         if let Some(why) = w.error {
-            return Err(SessionError::Refused(why));
+            return Err(SessionError::Refused(PeerText::from_bytes(why.as_bytes())));
         }
         s.producer_nonce = w
             .nonce
@@ -378,9 +378,13 @@ impl ConsumerMachine {
             }
             Status::Error => {
                 self.pending.remove(&load_id);
-                let why = reply
-                    .error
-                    .unwrap_or_else(|| "ERROR without a reason".to_string());
+                let why = PeerText::from_bytes(
+                    reply
+                        .error
+                        .as_deref()
+                        .unwrap_or("ERROR without a reason")
+                        .as_bytes(),
+                );
                 if reply.no_session {
                     // the session is gone on the producer's side: a new socket, a new hello
                     self.needs_rebuild = true;

@@ -255,9 +255,10 @@ pub enum WriteErrorKind {
         /// Why.
         source: TransferError,
     },
-    /// The blocking task that opened and submitted ended abnormally (its runtime's text).
-    #[error("{0}")]
-    Task(String),
+    /// The blocking task that opened and submitted ended abnormally (it panicked or was
+    /// cancelled).
+    #[error("the task that opens and submits failed: {0}")]
+    Task(#[source] tokio::task::JoinError),
     /// The WRITEs failed or did not end within the deadline.
     #[error("transfer: {0}")]
     Transfer(#[source] TransferError),
@@ -275,7 +276,7 @@ pub enum ServeFailure {
     /// A WRITE failed.
     #[error(transparent)]
     Write(#[from] WriteError),
-    /// The serve task ended abnormally (its runtime's text).
+    /// The serve task ended abnormally (it panicked or was cancelled).
     #[error("serve task failed: {0}")]
-    Task(String),
+    Task(#[source] tokio::task::JoinError),
 }

@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use kvferry_transfer::PeerText;
 use proptest::prelude::*;
 use serde::Serialize;
 
@@ -480,12 +481,14 @@ fn failed_serve_is_final() {
     let mut m = Machine::new(timeouts(), Duration::from_secs(2));
     m.publish(t0, "a", "b").unwrap();
     m.on_request(t0, 1, request("a", 1), &sess());
-    let gone = ServeFailure::Task("peer gone".into());
+    let gone = ServeFailure::Token(kvferry_transfer::TransferError::Cancelled);
     let e = m.on_served(t0, 1, "a", 1, Err(gone));
     assert_eq!(replies(&e)[0].1, Status::Error);
     assert!(e.contains(&Effect::Released {
         request_id: "a".into(),
-        reason: ReleaseReason::Failed("serve task failed: peer gone".into())
+        reason: ReleaseReason::Failed(
+            "bad grant token: batch timed out or was freed before this slice was sent".into()
+        )
     }));
     let e = m.on_request(t0, 1, request("a", 2), &sess());
     assert_eq!(serves(&e), vec![]);
@@ -534,6 +537,38 @@ proptest! {
 }
 
 #[test]
+fn a_producers_error_text_is_bounded_and_kept_on_one_line() {
+    let t0 = Instant::now();
+    let mut c = opened(ConsumerMachine::new(
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+        100,
+    ));
+    let (id, _) = start(&mut c, t0, request("a", 0));
+    let flood = format!("lease expired\n\u{1b}[2J{}", "x".repeat(100_000));
+    match on_message(&mut c, t0, &encode(&Reply::error("a", id, &flood))) {
+        ConsumerEvent::Failed {
+            reason: reason @ FailReason::Producer(_),
+            ..
+        } => {
+            let text = reason.to_string();
+            assert!(
+                text.starts_with("producer error: lease expired\\n\\u{1b}[2J"),
+                "{}",
+                &text[..80]
+            );
+            assert!(!text.contains('\n') && !text.contains('\u{1b}'));
+            assert!(
+                text.len() < PeerText::MAX_CHARS + 64,
+                "{} bytes",
+                text.len()
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
 fn consumer_finish_and_error_and_stale() {
     let t0 = Instant::now();
     let mut c = opened(ConsumerMachine::new(
@@ -565,7 +600,7 @@ fn consumer_finish_and_error_and_stale() {
         ev,
         ConsumerEvent::Failed {
             load_id: id2,
-            reason: FailReason::Producer("nope".into())
+            reason: FailReason::Producer(PeerText::from_bytes(b"nope"))
         }
     );
     // A reply naming another request for a pending load is not accepted.

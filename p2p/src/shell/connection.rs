@@ -28,6 +28,9 @@ enum ConnectError {
     Zmq(zeromq::ZmqError),
     #[error(transparent)]
     Session(SessionError),
+    /// The session's nonce could not be drawn (the OS's random source failed).
+    #[error("cannot draw the session nonce: {0}")]
+    Nonce(#[source] kvferry_transfer::TransferError),
 }
 
 /// Why a load got no reply: its connection failed, or the machine failed it.
@@ -120,8 +123,7 @@ impl Connection {
             Ok(Ok(())) => {}
         }
         // The session first: with a secret, nothing else goes out before the producer proved it.
-        let nonce = kvferry_transfer::auth::random_bytes::<32>()
-            .map_err(|e| ConnectError::Session(SessionError::Refused(e.to_string())))?;
+        let nonce = kvferry_transfer::auth::random_bytes::<32>().map_err(ConnectError::Nonce)?;
         let hello = self.machine.hello(nonce, &self.endpoint, &self.name);
         let welcome = tokio::time::timeout(self.connect_timeout, async {
             socket.send(ZmqMessage::from(hello)).await?;

@@ -562,9 +562,7 @@ impl EventLoop {
                     });
                     // Whatever happens to the serve task, the lease ends and the consumer hears.
                     tokio::spawn(async move {
-                        let result = serve
-                            .await
-                            .unwrap_or_else(|e| Err(ServeFailure::Task(e.to_string())));
+                        let result = serve.await.unwrap_or_else(|e| Err(ServeFailure::Task(e)));
                         let _ = commands.send(Command::Served {
                             peer,
                             request_id,

@@ -174,7 +174,7 @@ async fn submit_and_wait(
     let left = deadline.saturating_duration_since(Instant::now());
     let batch = match tokio::time::timeout(left, submit).await {
         Err(_) => return Err(at(WriteErrorKind::OpenTimeout(left))),
-        Ok(Err(e)) => return Err(at(WriteErrorKind::Task(e.to_string()))),
+        Ok(Err(e)) => return Err(at(WriteErrorKind::Task(e))),
         Ok(Ok(r)) => r.map_err(at)?,
     };
     let left = deadline.saturating_duration_since(Instant::now());

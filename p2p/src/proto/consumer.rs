@@ -349,10 +349,11 @@ impl ConsumerMachine {
             return ConsumerEvent::Stale { load_id };
         };
         if p.request_id != reply.request_id {
-            return ConsumerEvent::Invalid(MsgError::Malformed(format!(
-                "reply for load {load_id} names request {:?}, the load is for {:?}",
-                reply.request_id, p.request_id
-            )));
+            return ConsumerEvent::Invalid(MsgError::RequestMismatch {
+                load_id,
+                got: reply.request_id,
+                expected: p.request_id.clone(),
+            });
         }
         match reply.status() {
             Status::Continue => {

@@ -5,6 +5,8 @@
 //! ([`MAX_GROUPS`], [`MAX_RANKS`], [`MAX_LAYERS`], [`MAX_BLOCKS`], [`MAX_STRIDES`]) before
 //! its elements are read, so a decoded message holds a small multiple of its bytes.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 /// Version of the control-channel protocol this crate speaks.
@@ -78,9 +80,47 @@ pub enum MsgError {
     /// The message is larger than [`MAX_MESSAGE_BYTES`].
     #[error("control message of {0} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")]
     TooLarge(usize),
-    /// Not a msgpack map with the expected fields.
+    /// Not a msgpack map with the expected fields (the decoder's error: which field, which
+    /// limit).
     #[error("malformed control message: {0}")]
-    Malformed(String),
+    Malformed(#[source] DecodeError),
+    /// A `hello` whose nonce is not 32 bytes or whose names are over [`MAX_NAME_BYTES`].
+    #[error(
+        "malformed control message: hello with a nonce of {nonce} bytes (32) or a name over \
+         {MAX_NAME_BYTES} bytes (producer {producer}, consumer {consumer})"
+    )]
+    BadHello {
+        /// The nonce's length, bytes.
+        nonce: usize,
+        /// The producer name's length, bytes.
+        producer: usize,
+        /// The consumer name's length, bytes.
+        consumer: usize,
+    },
+    /// A `welcome` without a 32-byte nonce (and no refusal), or with a proof not of 32 bytes.
+    #[error(
+        "malformed control message: welcome with a nonce of {nonce} bytes or a proof not of 32 \
+         ({proof:?} bytes)"
+    )]
+    BadWelcome {
+        /// The nonce's length, bytes.
+        nonce: usize,
+        /// The proof's length, bytes, if it has one.
+        proof: Option<usize>,
+    },
+    /// A reply for a pending load that names another request than the load's.
+    #[error(
+        "malformed control message: reply for load {load_id} names request {got:?}, the load \
+         is for {expected:?}"
+    )]
+    RequestMismatch {
+        /// The load.
+        load_id: u64,
+        /// The request id the reply names.
+        got: String,
+        /// The load's request id.
+        expected: String,
+    },
     /// A `version` other than [`PROTOCOL_VERSION`] (or none at all).
     #[error("control message version {got:?}, this peer speaks version {PROTOCOL_VERSION}")]
     WrongVersion {
@@ -99,6 +139,39 @@ pub enum MsgError {
     #[error("reply status {0} is not FINISH=0, CONTINUE=1 or ERROR=2")]
     BadStatus(u8),
 }
+
+impl MsgError {
+    /// The decoder's error for a message that does not decode.
+    fn decode(e: rmp_serde::decode::Error) -> Self {
+        MsgError::Malformed(DecodeError(Arc::new(e)))
+    }
+}
+
+/// The msgpack decoder's error (rmp-serde's), shared so that a [`MsgError`] stays `Clone`; its
+/// `source()` is the decoder's error itself, for a caller that downcasts. Two are equal when
+/// they say the same (the decoder's errors have no equality of their own).
+#[derive(Debug, Clone)]
+pub struct DecodeError(pub Arc<rmp_serde::decode::Error>);
+
+impl std::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for DecodeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self.0.as_ref())
+    }
+}
+
+impl PartialEq for DecodeError {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for DecodeError {}
 
 /// A layer's cache array geometry on the wire: the checksum crate's `Geometry`
 /// (docs/design.md §2.2) flattened into plain numbers.
@@ -383,8 +456,7 @@ fn check_header(bytes: &[u8], expected: &'static str) -> Result<(), MsgError> {
     if bytes.len() > MAX_MESSAGE_BYTES {
         return Err(MsgError::TooLarge(bytes.len()));
     }
-    let header: Header =
-        rmp_serde::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
+    let header: Header = rmp_serde::from_slice(bytes).map_err(MsgError::decode)?;
     if header.version != Some(PROTOCOL_VERSION as u64) {
         return Err(MsgError::WrongVersion {
             got: header.version,
@@ -408,7 +480,7 @@ pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
 /// Decodes a transfer request: size, version and kind are checked before the body.
 pub fn decode_request(bytes: &[u8]) -> Result<LoadRequest, MsgError> {
     check_header(bytes, KIND_TRANSFER_REQUEST)?;
-    rmp_serde::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))
+    rmp_serde::from_slice(bytes).map_err(MsgError::decode)
 }
 
 /// A message on the producer's socket: a session's `hello` or a transfer request.
@@ -439,13 +511,14 @@ pub fn decode_consumer_message(bytes: &[u8]) -> Result<ConsumerMessage, MsgError
 /// Decodes a `hello`: header first, then a 32-byte nonce and bounded names.
 pub fn decode_hello(bytes: &[u8]) -> Result<Hello, MsgError> {
     check_header(bytes, KIND_HELLO)?;
-    let h: Hello = rmp_serde::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
+    let h: Hello = rmp_serde::from_slice(bytes).map_err(MsgError::decode)?;
     let max = MAX_NAME_BYTES;
     if h.nonce.len() != NONCE_BYTES || h.producer.len() > max || h.consumer.len() > max {
-        return Err(MsgError::Malformed(format!(
-            "hello with a nonce of {} bytes (32) or a name over {max} bytes",
-            h.nonce.len()
-        )));
+        return Err(MsgError::BadHello {
+            nonce: h.nonce.len(),
+            producer: h.producer.len(),
+            consumer: h.consumer.len(),
+        });
     }
     Ok(h)
 }
@@ -453,14 +526,13 @@ pub fn decode_hello(bytes: &[u8]) -> Result<Hello, MsgError> {
 /// Decodes a `welcome`: header first; a nonce of 32 bytes unless refused, a proof of 32 if any.
 pub fn decode_welcome(bytes: &[u8]) -> Result<Welcome, MsgError> {
     check_header(bytes, KIND_WELCOME)?;
-    let w: Welcome =
-        rmp_serde::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
+    let w: Welcome = rmp_serde::from_slice(bytes).map_err(MsgError::decode)?;
     let nonce_ok = w.nonce.len() == NONCE_BYTES || w.error.is_some();
     if !nonce_ok || w.proof.as_ref().is_some_and(|p| p.len() != 32) {
-        return Err(MsgError::Malformed(format!(
-            "welcome with a nonce of {} bytes or a proof not of 32",
-            w.nonce.len()
-        )));
+        return Err(MsgError::BadWelcome {
+            nonce: w.nonce.len(),
+            proof: w.proof.as_ref().map(|p| p.len()),
+        });
     }
     Ok(w)
 }
@@ -468,8 +540,7 @@ pub fn decode_welcome(bytes: &[u8]) -> Result<Welcome, MsgError> {
 /// Decodes a reply: size, version and kind are checked before the body; the status must be 0, 1 or 2.
 pub fn decode_reply(bytes: &[u8]) -> Result<Reply, MsgError> {
     check_header(bytes, KIND_REPLY)?;
-    let reply: Reply =
-        rmp_serde::from_slice(bytes).map_err(|e| MsgError::Malformed(e.to_string()))?;
+    let reply: Reply = rmp_serde::from_slice(bytes).map_err(MsgError::decode)?;
     if Status::from_code(reply.status).is_none() {
         return Err(MsgError::BadStatus(reply.status));
     }

@@ -299,11 +299,51 @@ fn wrong_version_and_kind_and_status_are_clear_errors() {
 }
 
 #[test]
+fn a_bad_hello_or_welcome_is_refused_with_its_lengths() {
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        kind: KIND_HELLO.into(),
+        nonce: vec![0; 31],
+        producer: "tcp://p:1".into(),
+        consumer: "c".repeat(MAX_NAME_BYTES + 1),
+    };
+    assert_eq!(
+        decode_hello(&encode(&hello)),
+        Err(MsgError::BadHello {
+            nonce: 31,
+            producer: 9,
+            consumer: MAX_NAME_BYTES + 1
+        })
+    );
+    let welcome = Welcome {
+        version: PROTOCOL_VERSION,
+        kind: KIND_WELCOME.into(),
+        nonce: vec![0; 32],
+        proof: Some(vec![0; 5]),
+        error: None,
+    };
+    let e = decode_welcome(&encode(&welcome)).unwrap_err();
+    assert_eq!(
+        e,
+        MsgError::BadWelcome {
+            nonce: 32,
+            proof: Some(5)
+        }
+    );
+    assert!(e.to_string().contains("(Some(5) bytes)"), "{e}");
+    // the decoder's own error stays reachable by type
+    let bad = decode_reply(&[0x81, 0xc1]).unwrap_err();
+    let source = std::error::Error::source(&bad).expect("the decoder's error");
+    assert!(source.downcast_ref::<DecodeError>().is_some(), "{bad}");
+}
+
+#[test]
 fn lists_over_their_caps_are_refused_before_their_elements() {
     let refused = |q: &LoadRequest, limit: usize| match decode_request(&encode(q)) {
         Err(MsgError::Malformed(why)) => {
             assert!(
-                why.contains(&format!("more than the limit of {limit}")),
+                why.to_string()
+                    .contains(&format!("more than the limit of {limit}")),
                 "{why}"
             )
         }

@@ -180,10 +180,9 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
     pub fn handle_message(&mut self, now: Instant, peer: P, body: &[u8]) {
         match decode_consumer_message(body) {
             Ok(ConsumerMessage::Hello(hello)) => {
-                let (welcome, evicted) = self.sessions.hello(now, &peer, hello);
-                if let Some(why) = &welcome.error {
-                    self.effects
-                        .push_back(Effect::Warn(Warning::Refused(why.clone())));
+                let (welcome, evicted, refused) = self.sessions.hello(now, &peer, hello);
+                if let Some(why) = refused {
+                    self.effects.push_back(Effect::Warn(Warning::Refused(why)));
                 }
                 if let Some(old) = evicted {
                     self.session_ended(&old);
@@ -198,7 +197,7 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
                 Err(why) => {
                     self.effects
                         .push_back(Effect::Warn(Warning::Refused(why.clone())));
-                    let mut reply = Reply::error(&req.request_id, req.load_id, why);
+                    let mut reply = Reply::error(&req.request_id, req.load_id, why.to_string());
                     // Evicted (or never said hello): the consumer says hello again and may
                     // send the request again, since nothing was served.
                     reply.no_session = !self.sessions.contains(&peer);

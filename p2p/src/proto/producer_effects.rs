@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use super::msg::{LoadRequest, MsgError, Reply, Welcome};
+use super::sessions::SessionRefusal;
 
 /// Timeouts of the producer state machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,7 +96,7 @@ pub enum Effect<P, T> {
 pub enum Warning {
     /// A `hello` or a request refused (no session, an unproven secret, a replayed load id, a
     /// hello naming another producer): why, as the consumer was told.
-    Refused(String),
+    Refused(SessionRefusal),
     /// A load refused for a wrong or missing load key, or never published.
     Load(Refusal),
     /// A consumer message that does not decode (answered with ERROR).

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::hash::Hash;
 use std::time::Instant;
 
-use kvferry_transfer::Secret;
+use kvferry_transfer::{Secret, TransferError};
 
 use super::msg::{Hello, LoadRequest, Welcome, KIND_WELCOME, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
 use super::session::{names_producer, Session, NONCE_BYTES};
@@ -17,14 +17,58 @@ use super::session::{names_producer, Session, NONCE_BYTES};
 /// again on a new connection).
 pub const MAX_SESSIONS: usize = 4096;
 
-/// Fresh random nonces for `welcome`s; `Err` (the reason, sent to the consumer) when none can
-/// be had.
-pub type NonceSource = Box<dyn FnMut() -> Result<[u8; NONCE_BYTES], String> + Send>;
+/// Fresh random nonces for `welcome`s; `Err` (why, told to the consumer) when none can be had.
+pub type NonceSource = Box<dyn FnMut() -> Result<[u8; NONCE_BYTES], TransferError> + Send>;
 
 /// The OS's randomness ([`kvferry_transfer::auth::random_bytes`]).
 pub fn os_nonces() -> NonceSource {
-    Box::new(|| kvferry_transfer::auth::random_bytes::<NONCE_BYTES>().map_err(|e| e.to_string()))
+    Box::new(kvferry_transfer::auth::random_bytes::<NONCE_BYTES>)
 }
+
+/// Why a `hello` or a request was refused its session: the consumer is told the `Display`
+/// text (in the welcome's `error`, or an ERROR reply), and the producer logs it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SessionRefusal {
+    /// A `hello` on a connection that has a session already.
+    #[error("a session is already open on this connection")]
+    AlreadyOpen,
+    /// With a secret: the `hello` names another producer than this one (a relay, or a
+    /// consumer configured for another endpoint).
+    #[error("the hello names {named:?}, this producer is {this}")]
+    OtherProducer {
+        /// The endpoint the `hello` names (the consumer's words, as decoded: bounded by
+        /// `MAX_NAME_BYTES`).
+        named: String,
+        /// This producer's endpoint.
+        this: String,
+    },
+    /// No nonce could be drawn for the session.
+    #[error("{0}")]
+    NoNonce(#[source] NonceError),
+    /// A request on a connection without a session (never said hello, or evicted).
+    #[error("no session on this connection: send hello first")]
+    NoSession,
+    /// With a secret: the request does not prove it over its session.
+    #[error("the request does not prove the shared secret over this session")]
+    Unproven,
+    /// A request whose load id is not above the last one of its session (a replay).
+    #[error("load id {0} was already used in this session (replayed request)")]
+    Replayed(u64),
+}
+
+/// Why no nonce could be drawn (the engine's error for the OS's randomness). Two are equal
+/// when they say the same (the engine's errors have no equality of their own).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct NonceError(#[source] pub TransferError);
+
+impl PartialEq for NonceError {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for NonceError {}
 
 struct PeerSession {
     session: Session,
@@ -82,10 +126,15 @@ impl<P: Clone + Eq + Hash> Sessions<P> {
         self.open.is_empty()
     }
 
-    /// Opens a session for `peer`, or says why not (in the welcome's `error`). At most
-    /// [`Self::set_max`] sessions: the oldest goes to make room, and is returned (its session
-    /// ended).
-    pub fn hello(&mut self, now: Instant, peer: &P, hello: Hello) -> (Welcome, Option<P>) {
+    /// Opens a session for `peer`, or says why not (in the welcome's `error`, and as the
+    /// third value). At most [`Self::set_max`] sessions: the oldest goes to make room, and is
+    /// returned (its session ended).
+    pub fn hello(
+        &mut self,
+        now: Instant,
+        peer: &P,
+        hello: Hello,
+    ) -> (Welcome, Option<P>, Option<SessionRefusal>) {
         let mut w = Welcome {
             version: PROTOCOL_VERSION,
             kind: KIND_WELCOME.to_string(),
@@ -93,25 +142,27 @@ impl<P: Clone + Eq + Hash> Sessions<P> {
             proof: None,
             error: None,
         };
+        let mut refused = None;
         if self.open.contains_key(peer) {
-            w.error = Some("a session is already open on this connection".into());
+            refused = Some(SessionRefusal::AlreadyOpen);
         } else if self.secret.is_some()
             && !names_producer(&hello.producer, &self.endpoint, &self.bind)
         {
-            w.error = Some(format!(
-                "the hello names {:?}, this producer is {}",
-                hello.producer, self.endpoint
-            ));
+            refused = Some(SessionRefusal::OtherProducer {
+                named: hello.producer.clone(),
+                this: self.endpoint.clone(),
+            });
         }
         let nonce = match (self.nonces)() {
             Ok(n) => n,
             Err(e) => {
-                w.error = Some(e);
+                refused = refused.or(Some(SessionRefusal::NoNonce(NonceError(e))));
                 [0; NONCE_BYTES]
             }
         };
-        if w.error.is_some() {
-            return (w, None);
+        if let Some(why) = refused {
+            w.error = Some(why.to_string());
+            return (w, None, Some(why));
         }
         let session = Session {
             consumer_nonce: hello
@@ -147,27 +198,22 @@ impl<P: Clone + Eq + Hash> Sessions<P> {
                 last_load_id: None,
             },
         );
-        (w, evicted)
+        (w, evicted, None)
     }
 
     /// The session a request of `peer` may act in: one is open, the request proves the secret
     /// over it (authenticated mode), and its load id was not used in it before. `Err`: why not.
-    pub fn admit(&mut self, peer: &P, req: &LoadRequest) -> Result<Session, String> {
+    pub fn admit(&mut self, peer: &P, req: &LoadRequest) -> Result<Session, SessionRefusal> {
         let Some(s) = self.open.get_mut(peer) else {
-            return Err("no session on this connection: send hello first".into());
+            return Err(SessionRefusal::NoSession);
         };
         if let Some(secret) = &self.secret {
             if !s.session.check_request_proof(secret, req) {
-                return Err(
-                    "the request does not prove the shared secret over this session".into(),
-                );
+                return Err(SessionRefusal::Unproven);
             }
         }
         if s.last_load_id.is_some_and(|last| req.load_id <= last) {
-            return Err(format!(
-                "load id {} was already used in this session (replayed request)",
-                req.load_id
-            ));
+            return Err(SessionRefusal::Replayed(req.load_id));
         }
         s.last_load_id = Some(req.load_id);
         Ok(s.session.clone())

@@ -338,6 +338,43 @@ fn a_bad_hello_or_welcome_is_refused_with_its_lengths() {
 }
 
 #[test]
+fn a_session_refusal_is_typed_and_the_consumer_hears_its_text() {
+    use super::sessions::{SessionRefusal, Sessions};
+    let t0 = Instant::now();
+    let hello = || Hello {
+        version: PROTOCOL_VERSION,
+        kind: KIND_HELLO.into(),
+        nonce: vec![7; 32],
+        producer: "tcp://p:1".into(),
+        consumer: "c".into(),
+    };
+    let mut broken = Sessions::<u32>::new(
+        None,
+        "tcp://p:1",
+        "tcp://p:1",
+        Box::new(|| Err(kvferry_transfer::TransferError::Cancelled)),
+    );
+    let (w, _, why) = broken.hello(t0, &1, hello());
+    assert!(matches!(why, Some(SessionRefusal::NoNonce(_))), "{why:?}");
+    assert_eq!(w.error, why.map(|w| w.to_string()));
+    let mut s = Sessions::<u32>::new(None, "tcp://p:1", "tcp://p:1", Box::new(|| Ok([1; 32])));
+    let q = request("a", 5);
+    assert_eq!(s.admit(&1, &q).unwrap_err(), SessionRefusal::NoSession);
+    let (w, _, why) = s.hello(t0, &1, hello());
+    assert!(w.error.is_none() && why.is_none());
+    assert!(s.admit(&1, &q).is_ok());
+    let replay = s.admit(&1, &q).unwrap_err();
+    assert_eq!(replay, SessionRefusal::Replayed(q.load_id));
+    assert!(replay.to_string().contains("already used in this session"));
+    let (w, _, why) = s.hello(t0, &1, hello());
+    assert_eq!(why, Some(SessionRefusal::AlreadyOpen));
+    assert_eq!(
+        w.error.as_deref(),
+        Some("a session is already open on this connection")
+    );
+}
+
+#[test]
 fn lists_over_their_caps_are_refused_before_their_elements() {
     let refused = |q: &LoadRequest, limit: usize| match decode_request(&encode(q)) {
         Err(MsgError::Malformed(why)) => {

@@ -495,7 +495,7 @@ impl EventLoop {
                     self.send(peer, encode(&reply), Some(&reply.request_id))
                         .await
                 }
-                Effect::Warn(Warning::Refused(why)) => self.refused(&why),
+                Effect::Warn(Warning::Refused(why)) => self.refused(&why.to_string()),
                 // Only the consumer hears the reply: say here why a load was refused.
                 Effect::Warn(Warning::Load(refusal)) => self.refused(&refusal.to_string()),
                 Effect::CloseSegments { segments } => {

@@ -310,6 +310,7 @@ impl Consumer {
             let t = tables.get(&g.group_id)?;
             consumer_blocks(&t.local_blocks, lc, nt, g.block_size, g.sliding_window)
         };
+        let t_records = Instant::now();
         let (records, missing) = all_records(
             &self.workers,
             &select,
@@ -318,6 +319,7 @@ impl Consumer {
             None,
         )
         .await;
+        let records_us = t_records.elapsed().as_micros() as u64;
         if !missing.is_empty() {
             warn!(
                 request_id = spec.request_id,
@@ -326,6 +328,7 @@ impl Consumer {
             );
             return Verdict::Unverified(vec![(None, UnverifiedReason::NotEveryWorkerReported)]);
         }
+        let t_sums = Instant::now();
         let mut sums = match consumer_sums(&records, self.tp, self.pp, nt) {
             Ok(s) => s,
             Err(reason) => return Verdict::Unverified(vec![(None, reason)]),
@@ -338,10 +341,22 @@ impl Consumer {
                 sums.expect_blocks(g.group_id, &sel);
             }
         }
-        match reply.checksums.as_deref().map(Payload::from_bytes) {
+        let sums_us = t_sums.elapsed().as_micros() as u64;
+        let verdict = match reply.checksums.as_deref().map(Payload::from_bytes) {
             None => compare(Ok(None), &sums),
             Some(Ok(p)) => compare(Ok(Some(&p)), &sums),
             Some(Err(e)) => compare(Err(&e), &sums),
-        }
+        };
+        // The checksums (submit, kernels, results back) against the host work after them: the
+        // ranks' sums, then decoding the payload and comparing.
+        debug!(
+            target: "kvferry::timing",
+            request_id = spec.request_id,
+            records_us,
+            sums_us,
+            compare_us = (t_sums.elapsed().as_micros() as u64).saturating_sub(sums_us),
+            "verify phases"
+        );
+        verdict
     }
 }

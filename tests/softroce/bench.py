@@ -17,7 +17,9 @@ each round: ib_write_bw and kvferry side by side at each size (a shared machine'
 over minutes), Mooncake's one process before or after them; per point the medians over rounds
 and their min-max, and the per-round ratios
 kvferry / ib_write_bw and kvferry / Mooncake (median, min-max). The emulated link says nothing
-about absolute speed: only ratios of the same boot mean something (docs/design.md §7).
+about absolute speed: only ratios of the same boot mean something (docs/design.md §7). Each
+run's go-back-N retries (the device's `completer_retry_err` and `duplicate_request` counters)
+are recorded beside its rate: they swing a run's rate more than any engine setting measured.
 
 Writes OUT/bench_ratio.txt (the summary) and OUT/bench_rounds.json (every run). Exit 1 when
 kvferry did not run over RDMA or moved nothing at some point; a missing ib_write_bw or
@@ -48,6 +50,29 @@ def human(n):
         if n % v == 0:
             return f"{n // v} {unit}"
     return f"{n} B"
+
+
+# rxe's port counters that say a run retransmitted: `completer_retry_err` counts the requester's
+# go-back-N retries (its ACK timer fired, or a NAK), `duplicate_request` the packets the
+# responder had already received (what a retry sent again)
+RETRY_COUNTERS = ("completer_retry_err", "duplicate_request")
+
+
+def counters(a):
+    """{name: value} of the device's RETRY_COUNTERS ({} where the device has none)."""
+    d = Path(f"/sys/class/infiniband/{a.device}/ports/1/hw_counters")
+    vals = {}
+    for name in RETRY_COUNTERS:
+        try:
+            vals[name] = int((d / name).read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return vals
+
+
+def delta(before, after):
+    """Counter increments between two `counters` reads (a counter one read lacks is left out)."""
+    return {k: after[k] - before[k] for k in before if k in after}
 
 
 def batch_for(a, size):
@@ -216,8 +241,10 @@ def main():
         spent = {e: 0.0 for e in engines}
 
         def run_mooncake():
-            t0 = time.time()
+            t0, c0 = time.time(), counters(a)
             res["mooncake"] = mooncake_points(a, out / f"mooncake-r{rnd + 1}")
+            # one process for every size: its retries are the round's, not a size's
+            res["mooncake_retries"] = delta(c0, counters(a))
             spent["mooncake"] += time.time() - t0
 
         if mc_first:
@@ -226,15 +253,18 @@ def main():
             for who in pair:
                 t0 = time.time()
                 if who == "ib_write_bw":
+                    c0 = counters(a)
                     gbs, why, iters, depth = ib_point(a, size, out / f"ib_write_bw-r{rnd + 1}-{size}")
                     res["ib_write_bw"][size] = {"gb_per_s": gbs, "iterations_per_qp": iters,
-                                                "tx_depth_per_qp": depth, "qps": a.qps, "error": why}
+                                                "tx_depth_per_qp": depth, "qps": a.qps, "error": why,
+                                                "retries": delta(c0, counters(a))}
                 else:
                     for q in [a.qps] + (qorder if size in a.sweep_sizes else []):
                         # the sweep yields to the budget: past it, only the main points run
                         if q != a.qps and time.time() - began > a.budget:
                             sweep_cut.append(f"round {rnd + 1}: kvferry with {q} QPs at {human(size)}")
                             continue
+                        c0 = counters(a)
                         try:
                             pts = kvferry_points(a, out / f"kvferry-bench-r{rnd + 1}-q{q}-{size}", q, [size])
                         except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
@@ -244,6 +274,8 @@ def main():
                         p = pts.get(size)
                         if p is None or not p["gb_per_s"] > 0:
                             ok = False
+                        else:
+                            p["retries"] = delta(c0, counters(a))
                         res["kvferry_qps"].setdefault(q, {})[size] = p
                         if q == a.qps:
                             res["kvferry"][size] = p
@@ -301,6 +333,20 @@ def main():
                               if qgbs(r, q, size) and qgbs(r, a.qps, size)])
                 cells.append(f"{q} QPs {g[0]:.4f} (x{rel[0]:.2f})" if g and rel else f"{q} QPs n/a")
             lines.append(f"block {human(size):>7}: " + " | ".join(cells))
+    # a go-back-N retry (the requester's ACK timer fired, or a NAK) resends from the last
+    # acknowledged packet: runs of one setting in one boot swung 2x with their retries. kvferry's
+    # count includes its run's set-up and read-back check
+    def retries(p):
+        return ((p or {}).get("retries") or {}).get("completer_retry_err")
+
+    cells = []
+    for size in a.sizes:
+        k = [retries(r["kvferry"].get(size)) for r in rounds]
+        ib = [retries(r["ib_write_bw"].get(size)) for r in rounds]
+        cells.append(f"{human(size)} kvferry {'/'.join(str(v) for v in k)}, ib_write_bw {'/'.join(str(v) for v in ib)}")
+    mcr = [(r.get("mooncake_retries") or {}).get("completer_retry_err") for r in rounds]
+    lines.append("retries (rxe completer_retry_err per run, rounds in order): " + "; ".join(cells)
+                 + (f"; Mooncake (all sizes) {'/'.join(str(v) for v in mcr)}" if a.mooncake_python else ""))
     lines.append("targets (kvferry >= 0.95 x ib_write_bw -q, >= 1.2 x Mooncake, medians): "
                  + ("met at every size" if not missed else "missed at " + "; ".join(missed)))
     for r in rounds:

@@ -61,9 +61,9 @@ impl TransportInfo {
     /// text, e.g. "devices[0]: missing field `gid`").
     pub fn decode<T: serde::de::DeserializeOwned>(&self, segment: &str) -> Result<T> {
         serde_json::from_value(self.details.clone()).map_err(|e| {
-            TransferError::Protocol(ProtocolError::Malformed {
+            TransferError::Protocol(ProtocolError::BadJson {
                 what: format!("segment {segment} advertises bad {} peer info", self.kind),
-                why: e.to_string(),
+                source: e.into(),
             })
         })
     }
@@ -201,6 +201,40 @@ impl SegmentDescriptor {
 mod tests {
     use super::*;
     use crate::types::{Location, Op};
+
+    #[test]
+    fn bad_peer_info_keeps_the_json_error_by_type() {
+        #[derive(Debug, serde::Deserialize)]
+        struct Info {
+            #[allow(dead_code)]
+            data_port: u16,
+        }
+        let info = TransportInfo {
+            kind: TransportKind::Tcp,
+            details: serde_json::json!({"data_port": "x"}),
+        };
+        let e = info.decode::<Info>("h:1").unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("segment h:1 advertises bad tcp peer info")
+                && text.contains("expected u16"),
+            "{text}"
+        );
+        let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+        let mut json = None;
+        while let Some(c) = cur {
+            json = json.or(c.downcast_ref::<serde_json::Error>());
+            cur = c.source();
+        }
+        assert!(json.is_some_and(|j| j.is_data()), "{text}");
+        assert!(
+            matches!(&e, TransferError::Protocol(p) if *p == match e.clone() {
+                TransferError::Protocol(q) => q,
+                _ => unreachable!(),
+            }),
+            "a clone is equal"
+        );
+    }
 
     fn region(addr: u64, len: u64) -> MemoryRegion {
         MemoryRegion {

@@ -428,21 +428,32 @@ pub enum ProtocolError {
         /// The form it must have.
         expected: &'static str,
     },
-    /// A message that does not decode (`why`: the decoder's text, naming the field).
+    /// A message that decodes but says something it cannot (`why`: what is wrong with it,
+    /// naming the field).
     #[error("{what}: {why}")]
     Malformed {
         /// The message (`"CUDA IPC reply from h:p"`, `"segment h:p's rdma peer info"`).
         what: String,
-        /// The decoder's text.
+        /// What is wrong.
         why: String,
     },
+    /// A JSON message that does not decode (`source`: the decoder's error, naming the field).
+    #[error("{what}: {source}")]
+    BadJson {
+        /// The message (`"CUDA IPC reply from h:p"`, `"segment h:p's rdma peer info"`).
+        what: String,
+        /// The JSON decoder's error.
+        #[source]
+        source: JsonError,
+    },
     /// One of this engine's own messages could not be encoded.
-    #[error("encode {what}: {why}")]
+    #[error("encode {what}: {source}")]
     Encode {
         /// The message.
         what: &'static str,
-        /// The encoder's text.
-        why: String,
+        /// The JSON encoder's error.
+        #[source]
+        source: JsonError,
     },
     /// A frame of a type that is not a request where a request was expected.
     #[error("a {0} frame is not a request")]
@@ -454,6 +465,38 @@ pub enum ProtocolError {
     #[error("batch in an unexpected state")]
     UnexpectedBatchState,
 }
+
+/// A JSON error (serde_json's), shared so that a [`ProtocolError`] stays `Clone`; its
+/// `source()` is the JSON error itself, for a caller that downcasts. Two are equal when they
+/// say the same (serde_json's errors have no equality of their own).
+#[derive(Debug, Clone)]
+pub struct JsonError(pub Arc<serde_json::Error>);
+
+impl From<serde_json::Error> for JsonError {
+    fn from(e: serde_json::Error) -> Self {
+        JsonError(Arc::new(e))
+    }
+}
+
+impl std::fmt::Display for JsonError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for JsonError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self.0.as_ref())
+    }
+}
+
+impl PartialEq for JsonError {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for JsonError {}
 
 /// Why a request was refused for want of authorization (`crate::auth`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

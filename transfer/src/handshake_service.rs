@@ -86,7 +86,7 @@ impl HandshakeService {
                 serde_json::to_vec(&self.descriptor()).map_err(|e| {
                     TransferError::Protocol(ProtocolError::Encode {
                         what: "descriptor",
-                        why: e.to_string(),
+                        source: e.into(),
                     })
                 })
             }

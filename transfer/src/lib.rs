@@ -59,8 +59,8 @@ pub use config::{AuthConfig, CudaIpcMode, EngineConfig, GpuRegistration, RdmaCon
 pub use descriptor::{BufferDesc, SegmentDescriptor, TransportInfo};
 pub use engine::{EngineStats, TransferEngine};
 pub use error::{
-    ArgumentError, AuthError, ConfigError, DescriptorError, HandshakeError, IoError, NoRdma,
-    PeerText, ProtocolError, RdmaError, Refusal, RegistrationError, Result, RetryOutcome,
+    ArgumentError, AuthError, ConfigError, DescriptorError, HandshakeError, IoError, JsonError,
+    NoRdma, PeerText, ProtocolError, RdmaError, Refusal, RegistrationError, Result, RetryOutcome,
     SecretFileError, Shared, SyncBound, TransferError, UnsupportedError,
 };
 pub use memory::{

@@ -107,9 +107,9 @@ impl CudaIpcTransport {
 
     pub(super) fn handle_request(&self, body: &[u8]) -> Result<Vec<u8>> {
         let req: Envelope<Request> = serde_json::from_slice(body).map_err(|e| {
-            TransferError::Protocol(ProtocolError::Malformed {
+            TransferError::Protocol(ProtocolError::BadJson {
                 what: "CUDA IPC handle request".into(),
-                why: e.to_string(),
+                source: e.into(),
             })
         })?;
         let req = req.cuda_ipc;
@@ -196,7 +196,7 @@ impl CudaIpcTransport {
         .map_err(|e| {
             TransferError::Protocol(ProtocolError::Encode {
                 what: "CUDA IPC reply",
-                why: e.to_string(),
+                source: e.into(),
             })
         })
     }

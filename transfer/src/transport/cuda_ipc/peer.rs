@@ -55,7 +55,7 @@ impl CudaIpcTransport {
         .map_err(|e| {
             TransferError::Protocol(ProtocolError::Encode {
                 what: "CUDA IPC request",
-                why: e.to_string(),
+                source: e.into(),
             })
         })?;
         let reply = handshake::request_with(
@@ -66,9 +66,9 @@ impl CudaIpcTransport {
             self.credential.as_ref(),
         )?;
         let reply: Envelope<Reply> = serde_json::from_slice(&reply).map_err(|e| {
-            TransferError::Protocol(ProtocolError::Malformed {
+            TransferError::Protocol(ProtocolError::BadJson {
                 what: format!("CUDA IPC reply from {}", desc.name),
-                why: e.to_string(),
+                source: e.into(),
             })
         })?;
         let reply = reply.cuda_ipc;

@@ -98,7 +98,7 @@ impl Endpoint {
         let body = serde_json::to_vec(&req).map_err(|e| {
             TransferError::Protocol(ProtocolError::Encode {
                 what: "RDMA connect request",
-                why: e.to_string(),
+                source: e.into(),
             })
         })?;
         let reply = exchange(&body)?;

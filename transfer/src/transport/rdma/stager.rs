@@ -74,7 +74,7 @@ impl Shared {
             let body = serde_json::to_vec(&req).map_err(|e| {
                 TransferError::Protocol(ProtocolError::Encode {
                     what: "staging sync",
-                    why: e.to_string(),
+                    source: e.into(),
                 })
             })?;
             handshake::request_with(

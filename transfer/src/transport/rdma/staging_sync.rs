@@ -102,9 +102,9 @@ impl SyncRequest {
         match serde_json::from_slice(body) {
             Ok(r) => Some(Ok(r)),
             Err(_) if !body.windows(14).any(|w| w == b"\"staging_sync\"") => None,
-            Err(e) => Some(Err(TransferError::Protocol(ProtocolError::Malformed {
+            Err(e) => Some(Err(TransferError::Protocol(ProtocolError::BadJson {
                 what: "staging sync".into(),
-                why: e.to_string(),
+                source: e.into(),
             }))),
         }
     }

@@ -259,9 +259,9 @@ impl Transport for RdmaTransport {
             return Ok(b"{}".to_vec());
         }
         let req: ConnectRequest = serde_json::from_slice(body).map_err(|e| {
-            TransferError::Protocol(ProtocolError::Malformed {
+            TransferError::Protocol(ProtocolError::BadJson {
                 what: format!("RDMA connect from {peer}"),
-                why: e.to_string(),
+                source: e.into(),
             })
         })?;
         connect::check_request(&req, s.devices.len())?;
@@ -270,7 +270,7 @@ impl Transport for RdmaTransport {
         serde_json::to_vec(&reply).map_err(|e| {
             TransferError::Protocol(ProtocolError::Encode {
                 what: "RDMA connect reply",
-                why: e.to_string(),
+                source: e.into(),
             })
         })
     }

@@ -1,0 +1,166 @@
+//! The CUDA IPC transport's tests that need no GPU: the handle service's gate (the secret's
+//! proof, replays, malformed requests) and the slice size it cuts copies into.
+
+use super::super::fdpass::hex;
+use super::super::state::{allocs_bytes, Envelope, Request, MAX_ALLOCS_PER_REQUEST, PROOF_LABEL};
+use super::*;
+use crate::auth::{Credential, GrantOps, GrantSpec, Secret, Token};
+use crate::config::{AuthConfig, EngineConfig};
+use crate::handshake::{self, FrameType};
+
+fn secret() -> Secret {
+    Secret::from_bytes(b"0123456789abcdef0123").unwrap()
+}
+
+fn ask(
+    engine: &crate::TransferEngine,
+    cred: Option<&Credential>,
+    proof_with: Option<&Secret>,
+) -> TransferError {
+    let nonce = [7u8; 32];
+    let body = serde_json::to_vec(&Envelope {
+        cuda_ipc: Request {
+            version: 1,
+            nonce: hex(&nonce),
+            proof: proof_with.map(|s| hex(&s.prove(PROOF_LABEL, &[&nonce, &allocs_bytes(&[])]))),
+            allocs: vec![],
+        },
+    })
+    .unwrap();
+    handshake::request_with(
+        &engine.segment_name(),
+        FrameType::Connect,
+        &body,
+        Duration::from_secs(5),
+        cred,
+    )
+    .unwrap_err()
+}
+
+/// In secret mode a handle goes only to a peer that proves the secret: a grant token (good
+/// for some ranges only) or a connection without the proof gets nothing.
+#[test]
+fn handles_need_the_secrets_proof() {
+    let engine = crate::TransferEngine::new(EngineConfig {
+        auth: AuthConfig {
+            secret: Some(secret()),
+            ..AuthConfig::default()
+        },
+        cuda_ipc: CudaIpcMode::Required,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let token = Token::random().unwrap();
+    let _g = engine
+        .grant(GrantSpec {
+            token,
+            ops: GrantOps::WRITE,
+            ranges: vec![(0x1000, 16)],
+            ttl: Duration::from_secs(60),
+        })
+        .unwrap();
+    let e = ask(&engine, Some(&Credential::Token(token)), None);
+    assert!(e.to_string().contains("need the shared secret"), "{e}");
+    let e = ask(
+        &engine,
+        Some(&Credential::Secret {
+            secret: secret(),
+            initiator: "127.0.0.1:9".into(),
+        }),
+        None,
+    );
+    assert!(e.to_string().contains("need the shared secret"), "{e}");
+    let wrong = Secret::from_bytes(b"another secret of 20").unwrap();
+    let e = ask(
+        &engine,
+        Some(&Credential::Secret {
+            secret: secret(),
+            initiator: "127.0.0.1:9".into(),
+        }),
+        Some(&wrong),
+    );
+    assert!(e.to_string().contains("need the shared secret"), "{e}");
+    // The right proof passes the gate (then: nothing is exported on this machine).
+    let e = ask(
+        &engine,
+        Some(&Credential::Secret {
+            secret: secret(),
+            initiator: "127.0.0.1:9".into(),
+        }),
+        Some(&secret()),
+    );
+    assert!(
+        e.to_string().contains("no region is exported"),
+        "the proof should pass: {e}"
+    );
+    // ...once: the same nonce again is a replay.
+    let e = ask(
+        &engine,
+        Some(&Credential::Secret {
+            secret: secret(),
+            initiator: "127.0.0.1:9".into(),
+        }),
+        Some(&secret()),
+    );
+    assert!(e.to_string().contains("replayed"), "{e}");
+}
+
+#[test]
+fn ipc_slices_are_large_but_fit_the_fallback_transport() {
+    let mut c = EngineConfig::default();
+    assert_eq!(ipc_slice_size(&c, TransportKind::Rdma), IPC_SLICE_MAX);
+    assert_eq!(
+        ipc_slice_size(&c, TransportKind::Tcp),
+        IPC_SLICE_MAX.min(c.tcp.max_frame_payload / 5 * 4)
+    );
+    // A slice handed to TCP after a failed import, with its merged tail, fits one frame.
+    c.tcp.max_frame_payload = 8 << 20;
+    let s = ipc_slice_size(&c, TransportKind::Tcp);
+    assert!(s + s / 4 <= c.tcp.max_frame_payload, "{s}");
+    // Never below the engine's own slice size.
+    c.slice_size = 16 << 20;
+    assert_eq!(ipc_slice_size(&c, TransportKind::Tcp), 16 << 20);
+}
+
+#[test]
+fn a_malformed_request_is_refused_not_fatal() {
+    let engine = crate::TransferEngine::new(EngineConfig {
+        cuda_ipc: CudaIpcMode::Required,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    for body in [
+        &b"{\"cuda_ipc\": 5}"[..],
+        b"{\"cuda_ipc\": {\"version\": 2, \"nonce\": \"00\", \"proof\": null, \"allocs\": []}}",
+        b"{\"cuda_ipc\": {\"version\": 1, \"nonce\": \"zz\", \"proof\": null, \"allocs\": []}}",
+    ] {
+        let e = handshake::request_with(
+            &engine.segment_name(),
+            FrameType::Connect,
+            body,
+            Duration::from_secs(5),
+            None,
+        )
+        .unwrap_err();
+        assert!(!e.to_string().is_empty());
+    }
+    let many: Vec<u64> = (0..=MAX_ALLOCS_PER_REQUEST as u64).collect();
+    let body = serde_json::to_vec(&Envelope {
+        cuda_ipc: Request {
+            version: 1,
+            nonce: hex(&[1u8; 32]),
+            proof: None,
+            allocs: many,
+        },
+    })
+    .unwrap();
+    let e = handshake::request_with(
+        &engine.segment_name(),
+        FrameType::Connect,
+        &body,
+        Duration::from_secs(5),
+        None,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("at most"), "{e}");
+}

@@ -33,6 +33,7 @@ pub mod config;
 pub mod descriptor;
 pub mod engine;
 mod engine_strided;
+mod engine_sync;
 pub mod error;
 pub mod fd_budget;
 pub mod fuzzing;

@@ -560,10 +560,10 @@ pub enum RegistrationError {
         at: u64,
     },
     /// `/proc/self/maps` could not be read to check a host range.
-    #[error("cannot read /proc/self/maps to check the range: {why}")]
+    #[error("cannot read /proc/self/maps to check the range: {kind}")]
     MapsUnreadable {
-        /// The I/O error's kind.
-        why: String,
+        /// The I/O error's kind (kept alone so that the error stays comparable).
+        kind: std::io::ErrorKind,
     },
 }
 

@@ -467,9 +467,7 @@ pub(crate) fn check_host_mapped(addr: u64, len: u64) -> Result<()> {
         return Ok(());
     }
     let maps = std::fs::read_to_string("/proc/self/maps").map_err(|e| {
-        TransferError::Registration(RegistrationError::MapsUnreadable {
-            why: e.kind().to_string(),
-        })
+        TransferError::Registration(RegistrationError::MapsUnreadable { kind: e.kind() })
     })?;
     match first_unmapped(&maps, addr, addr.saturating_add(len)) {
         None => Ok(()),

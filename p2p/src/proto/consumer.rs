@@ -26,6 +26,7 @@
 //! a success ends the down state.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvferry_transfer::{PeerText, Secret};
@@ -50,7 +51,7 @@ pub enum FailReason {
     /// The connection to the producer broke (producer died or restarted). As for
     /// `NoReply`, the load's blocks are safe to reuse only after `max_wait`.
     #[error("connection to the producer lost: {0}")]
-    ConnectionLost(String),
+    ConnectionLost(LinkError),
     /// The producer answered ERROR: its words (bounded, escaped).
     #[error("producer error: {0}")]
     Producer(PeerText),
@@ -65,6 +66,55 @@ pub enum FailReason {
     )]
     NoSession(PeerText),
 }
+
+/// Why the control connection to the producer failed, as the shell saw it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LinkError {
+    /// The socket's own error.
+    #[error("{0}")]
+    Socket(#[source] SocketError),
+    /// The producer disconnected (the socket's monitor said so, or its events ended).
+    #[error("producer disconnected")]
+    Disconnected,
+    /// No socket was open to send on (it was closed after a failure).
+    #[error("no socket")]
+    NoSocket,
+    /// A send did not finish within the send timeout.
+    #[error("send did not finish within {0:?}")]
+    SendTimeout(Duration),
+    /// The task that owns the connection ended before it answered.
+    #[error("connection task ended")]
+    TaskEnded,
+    /// The load's request could not be sent (so the producer never got it): why.
+    #[error("request not sent: {0}")]
+    NotSent(#[source] Box<LinkError>),
+}
+
+/// A socket's error (the shell's transport's), shared so that a [`LinkError`] stays `Clone`;
+/// its `source()` is the error itself, for a caller that downcasts. Two are equal when they say
+/// the same (socket errors have no equality of their own).
+#[derive(Debug, Clone)]
+pub struct SocketError(pub Arc<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for SocketError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for SocketError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self.0.as_ref())
+    }
+}
+
+impl PartialEq for SocketError {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for SocketError {}
 
 /// An output of the machine ([`ConsumerMachine::poll_event`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -422,11 +472,11 @@ impl ConsumerMachine {
     }
 
     /// The connection broke: every pending load fails; the socket is rebuilt.
-    pub fn handle_connection_lost(&mut self, why: &str) {
+    pub fn handle_connection_lost(&mut self, why: LinkError) {
         let failed = self
             .pending
             .drain()
-            .map(|(id, _)| (id, FailReason::ConnectionLost(why.to_string())))
+            .map(|(id, _)| (id, FailReason::ConnectionLost(why.clone())))
             .collect();
         self.needs_rebuild = true;
         self.fail_all(failed);
@@ -434,11 +484,11 @@ impl ConsumerMachine {
 
     /// Sending the request of `load_id` failed: the load fails (the producer never got it),
     /// and the socket is rebuilt. Nothing happens when the load is not pending.
-    pub fn handle_send_failed(&mut self, load_id: u64, why: &str) {
+    pub fn handle_send_failed(&mut self, load_id: u64, why: LinkError) {
         if self.pending.remove(&load_id).is_none() {
             return;
         }
-        let reason = FailReason::ConnectionLost(format!("request not sent: {why}"));
+        let reason = FailReason::ConnectionLost(LinkError::NotSent(Box::new(why)));
         self.fail_all(vec![(load_id, reason)]);
     }
 

@@ -7,7 +7,7 @@ use kvferry_transfer::PeerText;
 use proptest::prelude::*;
 use serde::Serialize;
 
-use super::consumer::{ConsumerEvent, ConsumerMachine, FailReason};
+use super::consumer::{ConsumerEvent, ConsumerMachine, FailReason, LinkError, SocketError};
 use super::msg::*;
 use super::plan::{pair_ranges, Copy, PlanError};
 use super::producer::{Effect, ProducerMachine, ProducerTimeouts, PublishError, ReleaseReason};
@@ -785,7 +785,7 @@ fn consumer_connection_lost_fails_all() {
     ));
     let (a, _) = start(&mut c, t0, request("a", 0));
     let (b, _) = start(&mut c, t0, request("b", 0));
-    c.handle_connection_lost("reset");
+    c.handle_connection_lost(LinkError::Disconnected);
     let mut rebuild = false;
     let failed = failed(&mut c, &mut rebuild);
     assert_eq!(failed.iter().map(|f| f.0).collect::<Vec<_>>(), vec![a, b]);
@@ -801,12 +801,17 @@ fn a_failed_send_fails_its_load_and_rebuilds() {
         0,
     ));
     let (a, _) = start(&mut c, t0, request("a", 0));
-    c.handle_send_failed(a, "broken pipe");
-    c.handle_send_failed(a, "again: not pending any more");
+    let pipe = || {
+        LinkError::Socket(SocketError(std::sync::Arc::new(std::io::Error::from(
+            std::io::ErrorKind::BrokenPipe,
+        ))))
+    };
+    c.handle_send_failed(a, pipe());
+    c.handle_send_failed(a, LinkError::NoSocket);
     let mut rebuild = false;
     assert!(matches!(
         &failed(&mut c, &mut rebuild)[..],
-        [(id, FailReason::ConnectionLost(why))] if *id == a && why.contains("broken pipe")
+        [(id, FailReason::ConnectionLost(LinkError::NotSent(why)))] if *id == a && **why == pipe()
     ));
     assert!(rebuild);
 }

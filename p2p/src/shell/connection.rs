@@ -4,6 +4,7 @@
 //! ended, the socket to rebuild).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -13,7 +14,9 @@ use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::proto::consumer::{ConsumerEvent, ConsumerMachine, FailReason, SessionError};
+use crate::proto::consumer::{
+    ConsumerEvent, ConsumerMachine, FailReason, LinkError, SessionError, SocketError,
+};
 use crate::proto::msg::{LoadRequest, Reply};
 use crate::shell::consumer_config::ConsumerConfig;
 use crate::shell::sleep_until;
@@ -49,7 +52,7 @@ pub(crate) struct LoadCmd {
 
 enum SockEvent {
     Message(Bytes),
-    Lost(String),
+    Lost(LinkError),
 }
 
 /// A connected DEALER; dropping it closes the socket (its reader is aborted).
@@ -150,13 +153,13 @@ impl Connection {
                             }
                         }
                         Err(e) => {
-                            let _ = events.send((generation, SockEvent::Lost(e.to_string())));
+                            let _ = events.send((generation, SockEvent::Lost(LinkError::Socket(SocketError(Arc::new(e))))));
                             break;
                         }
                     },
                     ev = monitor.next() => match ev {
                         Some(SocketEvent::Disconnected(_)) | None => {
-                            let _ = events.send((generation, SockEvent::Lost("producer disconnected".into())));
+                            let _ = events.send((generation, SockEvent::Lost(LinkError::Disconnected)));
                             break;
                         }
                         Some(_) => {}
@@ -219,21 +222,18 @@ impl Connection {
         loop {
             if let Some(t) = self.machine.poll_transmit() {
                 let why = match self.sock.as_mut() {
-                    None => Some("no socket".to_string()),
+                    None => Some(LinkError::NoSocket),
                     Some(sock) => {
                         let send = sock.send.send(ZmqMessage::from(t.bytes));
                         match tokio::time::timeout(self.send_timeout, send).await {
                             Ok(Ok(())) => None,
-                            Ok(Err(e)) => Some(e.to_string()),
-                            Err(_) => Some(format!(
-                                "send did not finish within {:?}",
-                                self.send_timeout
-                            )),
+                            Ok(Err(e)) => Some(LinkError::Socket(SocketError(Arc::new(e)))),
+                            Err(_) => Some(LinkError::SendTimeout(self.send_timeout)),
                         }
                     }
                 };
                 if let Some(why) = why {
-                    self.machine.handle_send_failed(t.load_id, &why);
+                    self.machine.handle_send_failed(t.load_id, why);
                 }
                 continue;
             }
@@ -295,7 +295,7 @@ impl Connection {
                             } else {
                                 debug!(endpoint = self.endpoint, "control connection closed while idle: {why}");
                             }
-                            self.machine.handle_connection_lost(&why);
+                            self.machine.handle_connection_lost(why);
                         }
                     }
                 }

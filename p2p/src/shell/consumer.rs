@@ -17,7 +17,7 @@ use tracing::{debug, warn};
 
 use crate::checksum::all_records;
 use crate::error::{LoadError, P2pError};
-use crate::proto::consumer::FailReason;
+use crate::proto::consumer::{FailReason, LinkError};
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::{LoadRequest, Reply};
 use crate::proto::request::{build_request, grant_ranges};
@@ -294,7 +294,7 @@ impl Consumer {
         match tokio::time::timeout_at(until.into(), answer).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(ConnFailure::Failed(FailReason::ConnectionLost(
-                "connection task ended".into(),
+                LinkError::TaskEnded,
             ))),
             Err(_) => Err(ConnFailure::Failed(FailReason::Overall(
                 self.config.reply_deadline(),

@@ -54,7 +54,7 @@ pub enum LoadError {
         /// The producer's endpoint.
         producer: String,
         /// Why.
-        why: String,
+        why: crate::proto::consumer::ConnectFailure,
     },
     /// The transfer failed: ERROR reply, no reply, or a lost connection.
     #[error("load {request_id:?}: {reason}")]

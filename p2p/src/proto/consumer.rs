@@ -72,7 +72,7 @@ pub enum FailReason {
 pub enum LinkError {
     /// The socket's own error.
     #[error("{0}")]
-    Socket(#[source] SocketError),
+    Socket(#[source] ShellError),
     /// The producer disconnected (the socket's monitor said so, or its events ended).
     #[error("producer disconnected")]
     Disconnected,
@@ -90,31 +90,31 @@ pub enum LinkError {
     NotSent(#[source] Box<LinkError>),
 }
 
-/// A socket's error (the shell's transport's), shared so that a [`LinkError`] stays `Clone`;
-/// its `source()` is the error itself, for a caller that downcasts. Two are equal when they say
-/// the same (socket errors have no equality of their own).
+/// An error of the shell's I/O (its socket, its random source), shared so that a [`LinkError`]
+/// or [`ConnectFailure`] stays `Clone`; its `source()` is the error itself, for a caller that
+/// downcasts. Two are equal when they say the same (such errors have no equality of their own).
 #[derive(Debug, Clone)]
-pub struct SocketError(pub Arc<dyn std::error::Error + Send + Sync>);
+pub struct ShellError(pub Arc<dyn std::error::Error + Send + Sync>);
 
-impl std::fmt::Display for SocketError {
+impl std::fmt::Display for ShellError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.0.fmt(f)
     }
 }
 
-impl std::error::Error for SocketError {
+impl std::error::Error for ShellError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         Some(self.0.as_ref())
     }
 }
 
-impl PartialEq for SocketError {
+impl PartialEq for ShellError {
     fn eq(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
     }
 }
 
-impl Eq for SocketError {}
+impl Eq for ShellError {}
 
 /// An output of the machine ([`ConsumerMachine::poll_event`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -208,6 +208,29 @@ pub struct ConsumerMachine {
     events: VecDeque<ConsumerEvent>,
 }
 
+/// Why the control connection could not be made, or a load could not start on it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConnectFailure {
+    /// Connecting (or the hello exchange) did not finish within the connect timeout.
+    #[error("connect did not finish within {0:?}")]
+    Timeout(Duration),
+    /// The socket's error.
+    #[error("{0}")]
+    Socket(#[source] ShellError),
+    /// The session could not be opened.
+    #[error(transparent)]
+    Session(SessionError),
+    /// The session's nonce could not be drawn (the OS's random source failed).
+    #[error("cannot draw the session nonce: {0}")]
+    Nonce(#[source] ShellError),
+    /// The machine has no session to start the load in.
+    #[error("no session with the producer")]
+    NoSession,
+    /// The last connect failed less than the retry interval ago.
+    #[error(transparent)]
+    Unreachable(Unreachable),
+}
+
 /// A load refused at once: the last connect to the producer failed less than the retry
 /// interval ago ([`ConsumerMachine::admit`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -215,13 +238,13 @@ pub struct ConsumerMachine {
 pub struct Unreachable {
     /// The retry interval.
     pub retry_interval: Duration,
-    /// Why the last connect failed (the transport's text).
-    pub why: String,
+    /// Why the last connect failed.
+    pub why: Box<ConnectFailure>,
 }
 
 /// The last connect failed: loads are refused until `retry_at`.
 struct Down {
-    why: String,
+    why: ConnectFailure,
     retry_at: Instant,
 }
 
@@ -311,7 +334,7 @@ impl ConsumerMachine {
         match &self.down {
             Some(d) if now < d.retry_at => Err(Unreachable {
                 retry_interval: self.retry_interval,
-                why: d.why.clone(),
+                why: Box::new(d.why.clone()),
             }),
             _ => Ok(()),
         }
@@ -319,9 +342,9 @@ impl ConsumerMachine {
 
     /// Connecting failed with `why`: the producer is down; loads are refused at once until
     /// `retry_interval` from `now`.
-    pub fn handle_connect_failed(&mut self, now: Instant, why: &str) {
+    pub fn handle_connect_failed(&mut self, now: Instant, why: ConnectFailure) {
         self.down = Some(Down {
-            why: why.to_string(),
+            why,
             retry_at: now + self.retry_interval,
         });
     }

@@ -7,7 +7,9 @@ use kvferry_transfer::PeerText;
 use proptest::prelude::*;
 use serde::Serialize;
 
-use super::consumer::{ConsumerEvent, ConsumerMachine, FailReason, LinkError, SocketError};
+use super::consumer::{
+    ConnectFailure, ConsumerEvent, ConsumerMachine, FailReason, LinkError, ShellError,
+};
 use super::msg::*;
 use super::plan::{pair_ranges, Copy, PlanError};
 use super::producer::{Effect, ProducerMachine, ProducerTimeouts, PublishError, ReleaseReason};
@@ -422,7 +424,13 @@ fn a_failed_connect_refuses_loads_until_the_retry_interval_passes() {
     ))
     .with_retry_interval(Duration::from_secs(2));
     assert_eq!(m.admit(t0), Ok(()));
-    m.handle_connect_failed(t0, "connection refused");
+    let refused = |what: &str| {
+        ConnectFailure::Socket(ShellError(std::sync::Arc::new(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            what.to_string(),
+        ))))
+    };
+    m.handle_connect_failed(t0, refused("connection refused"));
     let why = m
         .admit(t0 + Duration::from_millis(1999))
         .unwrap_err()
@@ -431,11 +439,12 @@ fn a_failed_connect_refuses_loads_until_the_retry_interval_passes() {
     assert!(why.contains("connection refused"), "{why}");
     // After the interval the next load may connect again; a success ends the down state.
     assert_eq!(m.admit(t0 + Duration::from_secs(2)), Ok(()));
-    m.handle_connect_failed(t0 + Duration::from_secs(2), "still refused");
+    m.handle_connect_failed(t0 + Duration::from_secs(2), refused("still refused"));
     assert!(m
         .admit(t0 + Duration::from_secs(3))
         .unwrap_err()
         .why
+        .to_string()
         .contains("still refused"));
     m.handle_connected();
     assert_eq!(m.admit(t0 + Duration::from_secs(3)), Ok(()));
@@ -802,7 +811,7 @@ fn a_failed_send_fails_its_load_and_rebuilds() {
     ));
     let (a, _) = start(&mut c, t0, request("a", 0));
     let pipe = || {
-        LinkError::Socket(SocketError(std::sync::Arc::new(std::io::Error::from(
+        LinkError::Socket(ShellError(std::sync::Arc::new(std::io::Error::from(
             std::io::ErrorKind::BrokenPipe,
         ))))
     };

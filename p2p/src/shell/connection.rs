@@ -15,30 +15,16 @@ use tracing::{debug, warn};
 use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::proto::consumer::{
-    ConsumerEvent, ConsumerMachine, FailReason, LinkError, SessionError, SocketError,
+    ConnectFailure, ConsumerEvent, ConsumerMachine, FailReason, LinkError, ShellError,
 };
 use crate::proto::msg::{LoadRequest, Reply};
 use crate::shell::consumer_config::ConsumerConfig;
 use crate::shell::sleep_until;
 use kvferry_transfer::Secret;
 
-/// Why the DEALER could not connect.
-#[derive(Debug, thiserror::Error)]
-enum ConnectError {
-    #[error("connect did not finish within {0:?}")]
-    Timeout(Duration),
-    #[error(transparent)]
-    Zmq(zeromq::ZmqError),
-    #[error(transparent)]
-    Session(SessionError),
-    /// The session's nonce could not be drawn (the OS's random source failed).
-    #[error("cannot draw the session nonce: {0}")]
-    Nonce(#[source] kvferry_transfer::TransferError),
-}
-
 /// Why a load got no reply: its connection failed, or the machine failed it.
 pub(crate) enum ConnFailure {
-    Connect(String),
+    Connect(ConnectFailure),
     Failed(FailReason),
 }
 
@@ -114,31 +100,32 @@ impl Connection {
     async fn connect(
         &mut self,
         events: &mpsc::UnboundedSender<(u64, SockEvent)>,
-    ) -> Result<(), ConnectError> {
+    ) -> Result<(), ConnectFailure> {
         let mut options = SocketOptions::default();
         options.connect_timeout(self.connect_timeout);
         options.max_message_size(self.max_message_bytes);
         let mut socket = zeromq::DealerSocket::with_options(options);
         let mut monitor = socket.monitor();
         match tokio::time::timeout(self.connect_timeout, socket.connect(&self.endpoint)).await {
-            Err(_) => return Err(ConnectError::Timeout(self.connect_timeout)),
-            Ok(Err(e)) => return Err(ConnectError::Zmq(e)),
+            Err(_) => return Err(ConnectFailure::Timeout(self.connect_timeout)),
+            Ok(Err(e)) => return Err(ConnectFailure::Socket(ShellError(Arc::new(e)))),
             Ok(Ok(())) => {}
         }
         // The session first: with a secret, nothing else goes out before the producer proved it.
-        let nonce = kvferry_transfer::auth::random_bytes::<32>().map_err(ConnectError::Nonce)?;
+        let nonce = kvferry_transfer::auth::random_bytes::<32>()
+            .map_err(|e| ConnectFailure::Nonce(ShellError(Arc::new(e))))?;
         let hello = self.machine.hello(nonce, &self.endpoint, &self.name);
         let welcome = tokio::time::timeout(self.connect_timeout, async {
             socket.send(ZmqMessage::from(hello)).await?;
             socket.recv().await
         })
         .await
-        .map_err(|_| ConnectError::Timeout(self.connect_timeout))?
-        .map_err(ConnectError::Zmq)?;
+        .map_err(|_| ConnectFailure::Timeout(self.connect_timeout))?
+        .map_err(|e| ConnectFailure::Socket(ShellError(Arc::new(e))))?;
         let body = welcome.into_vec().pop().unwrap_or_default();
         self.machine
             .handle_welcome(&body)
-            .map_err(ConnectError::Session)?;
+            .map_err(ConnectFailure::Session)?;
         self.generation += 1;
         let generation = self.generation;
         let (send, mut recv) = socket.split();
@@ -153,7 +140,7 @@ impl Connection {
                             }
                         }
                         Err(e) => {
-                            let _ = events.send((generation, SockEvent::Lost(LinkError::Socket(SocketError(Arc::new(e))))));
+                            let _ = events.send((generation, SockEvent::Lost(LinkError::Socket(ShellError(Arc::new(e))))));
                             break;
                         }
                     },
@@ -183,7 +170,7 @@ impl Connection {
         let started = self.open(events).await.and_then(|()| {
             self.machine
                 .start(Instant::now(), request, load_key.as_deref())
-                .ok_or_else(|| ConnFailure::Connect("no session with the producer".into()))
+                .ok_or(ConnFailure::Connect(ConnectFailure::NoSession))
         });
         match started {
             Ok(load_id) => {
@@ -205,11 +192,11 @@ impl Connection {
         }
         self.machine
             .admit(Instant::now())
-            .map_err(|why| ConnFailure::Connect(why.to_string()))?;
+            .map_err(|why| ConnFailure::Connect(ConnectFailure::Unreachable(why)))?;
         if let Err(e) = self.connect(events).await {
             warn!(endpoint = self.endpoint, "cannot reach the producer: {e}");
-            let e = e.to_string();
-            self.machine.handle_connect_failed(Instant::now(), &e);
+            self.machine
+                .handle_connect_failed(Instant::now(), e.clone());
             return Err(ConnFailure::Connect(e));
         }
         self.machine.handle_connected();
@@ -227,7 +214,7 @@ impl Connection {
                         let send = sock.send.send(ZmqMessage::from(t.bytes));
                         match tokio::time::timeout(self.send_timeout, send).await {
                             Ok(Ok(())) => None,
-                            Ok(Err(e)) => Some(LinkError::Socket(SocketError(Arc::new(e)))),
+                            Ok(Err(e)) => Some(LinkError::Socket(ShellError(Arc::new(e)))),
                             Err(_) => Some(LinkError::SendTimeout(self.send_timeout)),
                         }
                     }

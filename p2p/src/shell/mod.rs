@@ -8,6 +8,7 @@ mod gate;
 mod load_metrics;
 pub mod producer;
 pub mod producer_config;
+mod producer_loop;
 mod serve;
 
 use std::time::Instant;

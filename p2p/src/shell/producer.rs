@@ -5,62 +5,29 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use futures::StreamExt;
 use kvferry_checksum::record::producer_payload;
 use kvferry_checksum::select::producer_blocks;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
-use tracing::{debug, info, warn};
-use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
+use tracing::{info, warn};
+use zeromq::Socket;
 
 use crate::checksum::{all_records, CallerStream};
 use crate::error::P2pError;
 use crate::proto::layout::RankLayout;
-use crate::proto::msg::encode;
-use crate::proto::producer::{Effect, ProducerMachine, PublishError, ReleaseReason, Warning};
-use crate::proto::serve::{plan, Published};
-use crate::proto::serve_error::ServeFailure;
+use crate::proto::producer::ProducerMachine;
+use crate::proto::serve::Published;
 use crate::proto::sessions::os_nonces;
 use crate::proto::spec_checks::check_tables;
-use crate::shell::gate::{warn_limited, ControlGate, Gate, PeerWarnings};
+use crate::shell::gate::{ControlGate, Gate, PeerWarnings};
 use crate::shell::producer_config::{
     workers_secret, ProducerConfig, PublishInfo, Released, MAX_LOAD_KEY_BYTES,
 };
-use crate::shell::serve::write_all;
-use crate::shell::sleep_until;
+use crate::shell::producer_loop::{Command, EventLoop};
 use crate::worker::{validate, Worker};
 use kvferry_kernels::Location;
 use kvferry_transfer::auth::LogLimit;
 use kvferry_transfer::sync::MutexExt;
-use kvferry_transfer::Token;
-
-enum Event {
-    Message(zeromq::ZmqResult<ZmqMessage>),
-    Command(Option<Command>),
-    Peer(Option<SocketEvent>),
-    Tick,
-}
-
-enum Command {
-    Publish {
-        request_id: String,
-        data: Published,
-        key: String,
-        respond: oneshot::Sender<Result<(), PublishError>>,
-    },
-    Served {
-        peer: Bytes,
-        request_id: String,
-        load_id: u64,
-        result: Result<(u64, Option<Vec<u8>>), ServeFailure>,
-    },
-    LoadKey {
-        request_id: String,
-        respond: oneshot::Sender<Option<String>>,
-    },
-    Shutdown,
-}
 
 /// A running producer: one ROUTER, one event loop task, TP×PP workers.
 pub struct Producer {
@@ -363,237 +330,6 @@ impl Producer {
             .is_err()
         {
             task.abort();
-        }
-    }
-}
-
-struct EventLoop {
-    machine: ProducerMachine<Bytes, Published>,
-    socket: zeromq::RouterSocket,
-    monitor: Option<futures::channel::mpsc::Receiver<SocketEvent>>,
-    /// Weak, so that dropping the [`Producer`] ends the loop (serve tasks hold it strongly).
-    commands: mpsc::WeakUnboundedSender<Command>,
-    released: Arc<Mutex<Vec<Released>>>,
-    workers: Arc<Vec<Worker>>,
-    /// The workers as the planner sees them (same order).
-    layouts: Arc<Vec<RankLayout>>,
-    send_timeout: Duration,
-    /// Rate limit of the WARN lines for refused hellos and requests.
-    refusals: LogLimit,
-    /// Warnings a consumer (or anyone reaching the port) can trigger, at most one a second each.
-    peer_warnings: PeerWarnings,
-}
-
-impl EventLoop {
-    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
-        loop {
-            // The socket's recv is cancel-safe (a message is taken only when returned),
-            // so one task can both receive and, after the select, send.
-            let event = tokio::select! {
-                m = self.socket.recv() => Event::Message(m),
-                c = commands.recv() => Event::Command(c),
-                ev = async {
-                    match self.monitor.as_mut() {
-                        Some(m) => m.next().await,
-                        None => std::future::pending().await,
-                    }
-                } => Event::Peer(ev),
-                _ = sleep_until(self.machine.poll_timeout()) => Event::Tick,
-            };
-            match event {
-                Event::Message(Ok(m)) => self.on_message(m),
-                Event::Message(Err(e)) => {
-                    warn!("producer control socket failed: {e}");
-                    break;
-                }
-                Event::Peer(Some(SocketEvent::AcceptFailed(e))) => {
-                    warn_limited!(self.peer_warnings.accept, "control connection failed: {e}");
-                }
-                Event::Peer(Some(SocketEvent::Disconnected(peer))) => {
-                    self.machine.handle_disconnected(&Bytes::from(peer));
-                }
-                Event::Peer(Some(_)) => {}
-                Event::Peer(None) => self.monitor = None,
-                Event::Command(None | Some(Command::Shutdown)) => break,
-                Event::Command(Some(Command::Publish {
-                    request_id,
-                    data,
-                    key,
-                    respond,
-                })) => {
-                    let r =
-                        self.machine
-                            .handle_publish(Instant::now(), &request_id, data, Some(key));
-                    let _ = respond.send(r);
-                }
-                Event::Command(Some(Command::LoadKey {
-                    request_id,
-                    respond,
-                })) => {
-                    let _ = respond.send(self.machine.load_key(&request_id).map(str::to_string));
-                }
-                Event::Command(Some(Command::Served {
-                    peer,
-                    request_id,
-                    load_id,
-                    result,
-                })) => {
-                    if let Err(e) = &result {
-                        warn_limited!(
-                            self.peer_warnings.load_failed,
-                            request_id,
-                            "load failed: {e}"
-                        );
-                    }
-                    self.machine
-                        .handle_served(Instant::now(), peer, &request_id, load_id, result);
-                }
-                Event::Tick => self.machine.handle_timeout(Instant::now()),
-            }
-            self.drain().await;
-        }
-        // Close the listener before returning, so the endpoint can be bound again at once.
-        let errors = tokio::time::timeout(Duration::from_secs(5), self.socket.close()).await;
-        if let Ok(errors) = errors {
-            for e in errors {
-                warn!("closing the producer socket: {e}");
-            }
-        }
-    }
-
-    fn on_message(&mut self, m: ZmqMessage) {
-        let frames = m.into_vec();
-        // ROUTER gives [identity, (empty delimiter,)? payload].
-        let (Some(peer), Some(body)) = (frames.first().cloned(), frames.last().cloned()) else {
-            return;
-        };
-        if frames.len() < 2 {
-            warn_limited!(
-                self.peer_warnings.bad_request,
-                "control message without a body, dropped"
-            );
-            return;
-        }
-        self.machine.handle_message(Instant::now(), peer, &body);
-    }
-
-    /// A WARN for a refused hello or request, within the rate limit.
-    fn refused(&self, why: &str) {
-        match self.refusals.allow(Instant::now()) {
-            Some(0) => warn!("control channel: refused: {why}"),
-            Some(n) => warn!("control channel: refused: {why} ({n} more refusals not logged)"),
-            None => {}
-        }
-    }
-
-    /// Carries out the machine's effects.
-    async fn drain(&mut self) {
-        while let Some(e) = self.machine.poll_effect() {
-            match e {
-                Effect::Welcome { peer, welcome } => self.send(peer, encode(&welcome), None).await,
-                Effect::Reply { peer, reply } => {
-                    self.send(peer, encode(&reply), Some(&reply.request_id))
-                        .await
-                }
-                Effect::Warn(Warning::Refused(why)) => self.refused(&why.to_string()),
-                // Only the consumer hears the reply: say here why a load was refused.
-                Effect::Warn(Warning::Load(refusal)) => self.refused(&refusal.to_string()),
-                Effect::CloseSegments { segments } => {
-                    // Off the event loop: an RDMA transport destroys its queue pairs there.
-                    let workers = self.workers.clone();
-                    tokio::task::spawn_blocking(move || {
-                        for s in &segments {
-                            debug!(segment = %s, "consumer gone; closing its data connections");
-                            for w in workers.iter() {
-                                w.engine.close_segment(s);
-                            }
-                        }
-                    });
-                }
-                Effect::Warn(Warning::BadRequest { request_id, error }) => warn_limited!(
-                    self.peer_warnings.bad_request,
-                    request_id = ?request_id,
-                    "bad transfer request: {error}"
-                ),
-                Effect::Released { request_id, reason } => {
-                    debug!(request_id, ?reason, "lease released");
-                    if reason == ReleaseReason::Expired {
-                        warn!(
-                            request_id,
-                            "lease expired before any consumer came; blocks freed"
-                        );
-                    }
-                    self.released.locked().push(Released { request_id, reason });
-                }
-                Effect::Serve {
-                    peer,
-                    request,
-                    lease,
-                    deadline,
-                } => {
-                    let workers = self.workers.clone();
-                    let layouts = self.layouts.clone();
-                    let Some(commands) = self.commands.upgrade() else {
-                        continue; // the producer is being dropped
-                    };
-                    let (request_id, load_id) = (request.request_id.clone(), request.load_id);
-                    let serve = tokio::spawn(async move {
-                        let token = match request.token.as_deref().map(str::parse::<Token>) {
-                            None => Ok(None),
-                            Some(Ok(t)) => Ok(Some(t)),
-                            Some(Err(e)) => Err(ServeFailure::Token(e)),
-                        };
-                        let t_plan = Instant::now();
-                        let planned = plan(&layouts, &lease, &request).map_err(ServeFailure::from);
-                        debug!(
-                            target: "kvferry::timing",
-                            request_id = request.request_id,
-                            plan_us = t_plan.elapsed().as_micros() as u64,
-                            copies = planned.as_ref().map(|p| p.iter().map(|r| r.copy_count()).sum::<usize>()).unwrap_or(0),
-                            "serve planned"
-                        );
-                        let result = match (token, planned) {
-                            (Err(e), _) | (_, Err(e)) => Err(e),
-                            (Ok(token), Ok(plan)) => write_all(workers, plan, deadline, token)
-                                .await
-                                .map_err(ServeFailure::from),
-                        };
-                        result.map(|bytes| (bytes, lease.payload))
-                    });
-                    // Whatever happens to the serve task, the lease ends and the consumer hears.
-                    tokio::spawn(async move {
-                        let result = serve.await.unwrap_or_else(|e| Err(ServeFailure::Task(e)));
-                        let _ = commands.send(Command::Served {
-                            peer,
-                            request_id,
-                            load_id,
-                            result,
-                        });
-                    });
-                }
-            }
-        }
-    }
-
-    /// Sends `body` to `peer` within the send timeout; a reply (naming `request_id`) not sent
-    /// is a warning, a welcome not sent a debug line (its consumer times out connecting).
-    async fn send(&mut self, peer: Bytes, body: Vec<u8>, request_id: Option<&str>) {
-        let mut msg = ZmqMessage::from(peer);
-        msg.push_back(Bytes::from(body));
-        let why = match tokio::time::timeout(self.send_timeout, self.socket.send(msg)).await {
-            Ok(Ok(())) => return,
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("not sent within {:?}", self.send_timeout),
-        };
-        match request_id {
-            Some(request_id) => {
-                warn_limited!(
-                    self.peer_warnings.not_sent,
-                    request_id,
-                    "reply not sent: {why}"
-                )
-            }
-            None => debug!("welcome not sent: {why}"),
         }
     }
 }

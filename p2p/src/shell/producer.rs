@@ -1,6 +1,6 @@
-//! The producer (docs/design.md §4): a ZeroMQ ROUTER serving transfer requests, the
-//! lease state machine of [`crate::proto::producer`], and the publish path that
-//! checksums a request's blocks when its KV is complete.
+//! The producer (docs/design.md §4): a ZeroMQ ROUTER serving transfer requests through the
+//! lease state machine of [`crate::proto::producer`] (its event loop in `producer_loop.rs`),
+//! and the publish path that checksums a request's blocks when its KV is complete.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -1,6 +1,6 @@
 //! The producer's settings and what its API hands back (publish results, releases, derived
-//! load keys): plain data, kept apart from the event loop in `producer.rs` so that file stays
-//! about the socket and the lease machine.
+//! load keys): plain data, kept apart from `producer.rs` (the API) and `producer_loop.rs` (the
+//! event loop) so that those stay about the publish path and the socket.
 
 use std::time::Duration;
 

@@ -15,16 +15,15 @@ use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::encode;
 use crate::proto::producer::{Effect, ProducerMachine, PublishError, ReleaseReason, Warning};
-use crate::proto::serve::{plan, Published};
+use crate::proto::serve::Published;
 use crate::proto::serve_error::ServeFailure;
 use crate::shell::gate::{warn_limited, PeerWarnings};
 use crate::shell::producer_config::Released;
-use crate::shell::serve::write_all;
+use crate::shell::serve::serve_load;
 use crate::shell::sleep_until;
 use crate::worker::Worker;
 use kvferry_transfer::auth::LogLimit;
 use kvferry_transfer::sync::MutexExt;
-use kvferry_transfer::Token;
 
 enum Event {
     Message(zeromq::ZmqResult<ZmqMessage>),
@@ -228,29 +227,8 @@ impl EventLoop {
                         continue; // the producer is being dropped
                     };
                     let (request_id, load_id) = (request.request_id.clone(), request.load_id);
-                    let serve = tokio::spawn(async move {
-                        let token = match request.token.as_deref().map(str::parse::<Token>) {
-                            None => Ok(None),
-                            Some(Ok(t)) => Ok(Some(t)),
-                            Some(Err(e)) => Err(ServeFailure::Token(e)),
-                        };
-                        let t_plan = Instant::now();
-                        let planned = plan(&layouts, &lease, &request).map_err(ServeFailure::from);
-                        debug!(
-                            target: "kvferry::timing",
-                            request_id = request.request_id,
-                            plan_us = t_plan.elapsed().as_micros() as u64,
-                            copies = planned.as_ref().map(|p| p.iter().map(|r| r.copy_count()).sum::<usize>()).unwrap_or(0),
-                            "serve planned"
-                        );
-                        let result = match (token, planned) {
-                            (Err(e), _) | (_, Err(e)) => Err(e),
-                            (Ok(token), Ok(plan)) => write_all(workers, plan, deadline, token)
-                                .await
-                                .map_err(ServeFailure::from),
-                        };
-                        result.map(|bytes| (bytes, lease.payload))
-                    });
+                    let serve =
+                        tokio::spawn(serve_load(workers, layouts, lease, request, deadline));
                     // Whatever happens to the serve task, the lease ends and the consumer hears.
                     tokio::spawn(async move {
                         let result = serve.await.unwrap_or_else(|e| Err(ServeFailure::Task(e)));

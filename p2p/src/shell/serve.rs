@@ -1,15 +1,53 @@
-//! Serving one load on the producer (docs/design.md §4): WRITE the copies planned by
-//! [`crate::proto::serve::plan`] through each producer rank's engine.
+//! Serving one load on the producer (docs/design.md §4): plan the copies with
+//! [`crate::proto::serve::plan`] and WRITE them through each producer rank's engine.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use kvferry_transfer::{Op, StridedRange, StridedRequest, Token, TransferRequest};
+use tracing::debug;
 
+use crate::proto::layout::RankLayout;
+use crate::proto::msg::LoadRequest;
 use crate::proto::plan::Copy;
-use crate::proto::serve::{BlockCopies, RankPlan};
-use crate::proto::serve_error::{WriteError, WriteErrorKind};
+use crate::proto::serve::{plan, BlockCopies, Published, RankPlan};
+use crate::proto::serve_error::{ServeFailure, WriteError, WriteErrorKind};
 use crate::worker::Worker;
+
+/// Serves one load (a `Serve` effect of the producer machine): parses the request's grant
+/// token, plans the copies from `lease` to the consumer's ranks (`layouts`: the workers as the
+/// planner sees them, same order) and WRITEs them by `deadline` ([`write_all`]). Returns the
+/// bytes written and the lease's checksum payload (for the reply); errors: a token that does
+/// not parse, a request the plan refuses, a failed WRITE ([`ServeFailure`]).
+pub(crate) async fn serve_load(
+    workers: Arc<Vec<Worker>>,
+    layouts: Arc<Vec<RankLayout>>,
+    lease: Published,
+    request: LoadRequest,
+    deadline: Instant,
+) -> Result<(u64, Option<Vec<u8>>), ServeFailure> {
+    let token = match request.token.as_deref().map(str::parse::<Token>) {
+        None => Ok(None),
+        Some(Ok(t)) => Ok(Some(t)),
+        Some(Err(e)) => Err(ServeFailure::Token(e)),
+    };
+    let t_plan = Instant::now();
+    let planned = plan(&layouts, &lease, &request).map_err(ServeFailure::from);
+    debug!(
+        target: "kvferry::timing",
+        request_id = request.request_id,
+        plan_us = t_plan.elapsed().as_micros() as u64,
+        copies = planned.as_ref().map(|p| p.iter().map(|r| r.copy_count()).sum::<usize>()).unwrap_or(0),
+        "serve planned"
+    );
+    let result = match (token, planned) {
+        (Err(e), _) | (_, Err(e)) => Err(e),
+        (Ok(token), Ok(plan)) => write_all(workers, plan, deadline, token)
+            .await
+            .map_err(ServeFailure::from),
+    };
+    result.map(|bytes| (bytes, lease.payload))
+}
 
 /// WRITEs every plan through its producer rank's engine, all concurrently, all
 /// done by `deadline`. Returns the bytes written.

@@ -82,9 +82,10 @@ async fn legitimate_loads_alongside_hostile_connections_under_a_256_fd_limit() {
         .unwrap_or(20);
     let log_bytes = Arc::new(AtomicU64::new(0));
     let writer = Counting(log_bytes.clone());
-    // The producer side's warnings (the wrong-secret consumers' own complaints are theirs).
+    // The producer side's warnings (the wrong-secret consumers' own complaints are theirs: the
+    // consumer's shell and its connection tasks).
     let _ = tracing_subscriber::fmt()
-        .with_env_filter("warn,kvferry_p2p::shell::consumer=off")
+        .with_env_filter("warn,kvferry_p2p::shell::consumer=off,kvferry_p2p::shell::connection=off")
         .with_writer(move || writer.clone())
         .try_init();
 

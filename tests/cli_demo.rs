@@ -390,8 +390,33 @@ fn spawn_serve(addr: &str, args: &[&str]) -> KillOnDrop {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    KillOnDrop(child)
+    let mut server = KillOnDrop(child);
+    wait_listening(&mut server, addr);
+    server
+}
+
+/// Returns once `addr` accepts a TCP connection (the serve process has bound its control
+/// port), or the process has exited, or 30 s have passed; for port 0 (an address nobody can
+/// connect to) after a fixed 500 ms. A fixed sleep alone raced a slow start on a loaded
+/// machine: the load's connect then timed out against a producer that was still setting up.
+fn wait_listening(server: &mut Child, addr: &str) {
+    let Ok(target) = addr.parse::<std::net::SocketAddr>() else {
+        std::thread::sleep(Duration::from_millis(500));
+        return;
+    };
+    if target.port() == 0 {
+        std::thread::sleep(Duration::from_millis(500));
+        return;
+    }
+    for _ in 0..300 {
+        if server.try_wait().unwrap().is_some() {
+            return;
+        }
+        if std::net::TcpStream::connect_timeout(&target, Duration::from_millis(100)).is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Runs `kvferry load --json --producer ADDR ARGS...` to its end.

@@ -17,13 +17,17 @@ use std::time::Duration;
 mod argument;
 mod config;
 mod io;
+mod json;
 pub mod mooncake;
+mod peer_info;
 mod rdma;
 mod refusal;
 mod unsupported;
 pub use argument::{ArgumentError, SyncBound};
 pub use config::{ConfigError, NoRdma, SecretFileError};
 pub use io::{IoError, PeerText, Shared};
+pub use json::JsonError;
+pub use peer_info::{CudaIpcReplyFault, RdmaInfoFault};
 pub use rdma::{EndpointFailure, FailedWork, RdmaError, WcStatus, WorkOp, WorkRequest};
 pub use refusal::Refusal;
 pub use unsupported::UnsupportedError;
@@ -428,14 +432,23 @@ pub enum ProtocolError {
         /// The form it must have.
         expected: &'static str,
     },
-    /// A message that decodes but says something it cannot (`why`: what is wrong with it,
-    /// naming the field).
-    #[error("{what}: {why}")]
-    Malformed {
-        /// The message (`"CUDA IPC reply from h:p"`, `"segment h:p's rdma peer info"`).
-        what: String,
-        /// What is wrong.
-        why: String,
+    /// A segment's RDMA peer info or buffer keys that decode but say something they cannot.
+    #[error("segment {segment} advertises bad rdma peer info: {fault}")]
+    RdmaPeerInfo {
+        /// The segment's name (`"h:p"`).
+        segment: String,
+        /// What is wrong, naming the field.
+        #[source]
+        fault: RdmaInfoFault,
+    },
+    /// A CUDA IPC reply that decodes but lacks what an allocation needs.
+    #[error("CUDA IPC reply from {peer}: {fault}")]
+    CudaIpcReply {
+        /// The peer's segment name (`"h:p"`).
+        peer: String,
+        /// What is missing.
+        #[source]
+        fault: CudaIpcReplyFault,
     },
     /// A JSON message that does not decode (`source`: the decoder's error, naming the field).
     #[error("{what}: {source}")]
@@ -465,38 +478,6 @@ pub enum ProtocolError {
     #[error("batch in an unexpected state")]
     UnexpectedBatchState,
 }
-
-/// A JSON error (serde_json's), shared so that a [`ProtocolError`] stays `Clone`; its
-/// `source()` is the JSON error itself, for a caller that downcasts. Two are equal when they
-/// say the same (serde_json's errors have no equality of their own).
-#[derive(Debug, Clone)]
-pub struct JsonError(pub Arc<serde_json::Error>);
-
-impl From<serde_json::Error> for JsonError {
-    fn from(e: serde_json::Error) -> Self {
-        JsonError(Arc::new(e))
-    }
-}
-
-impl std::fmt::Display for JsonError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl std::error::Error for JsonError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(self.0.as_ref())
-    }
-}
-
-impl PartialEq for JsonError {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
-    }
-}
-
-impl Eq for JsonError {}
 
 /// Why a request was refused for want of authorization (`crate::auth`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

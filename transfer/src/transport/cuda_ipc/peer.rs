@@ -16,7 +16,7 @@ use super::state::{
 };
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{ProtocolError, Result, TransferError};
+use crate::error::{CudaIpcReplyFault, ProtocolError, Result, TransferError};
 use crate::handshake::{self, FrameType};
 use crate::sync::MutexExt;
 
@@ -148,9 +148,15 @@ impl CudaIpcTransport {
                             .map(Mapped::Vmm)
                             .map_err(gpu_err)
                     }),
-                _ => Err(TransferError::Protocol(ProtocolError::Malformed {
-                    what: format!("CUDA IPC reply from {}", desc.name),
-                    why: format!("no {kind:?} handle for allocation {base:#x}"),
+                (got, kind) => Err(TransferError::Protocol(ProtocolError::CudaIpcReply {
+                    peer: desc.name.clone(),
+                    fault: match got {
+                        None => CudaIpcReplyFault::NotListed { base: *base },
+                        Some(_) => CudaIpcReplyFault::NoHandle {
+                            base: *base,
+                            kind: *kind,
+                        },
+                    },
                 })),
             };
             match mapped {

@@ -38,13 +38,18 @@ pub struct PortInfo {
 impl PortInfo {
     /// The GID parsed from its text. Error: `Protocol` naming the bad text.
     pub fn gid_value(&self) -> Result<Gid> {
-        self.gid.parse::<Ipv6Addr>().map(Gid::from).map_err(|_| {
+        self.parse_gid().map_err(|_| {
             TransferError::Protocol(ProtocolError::BadField {
                 what: format!("GID of device {:?}", self.name),
                 value: format!("{:?}", self.gid),
                 expected: "IPv6 address text",
             })
         })
+    }
+
+    /// The GID parsed from its IPv6 text; the parser's error if it is not IPv6 address text.
+    pub(crate) fn parse_gid(&self) -> std::result::Result<Gid, std::net::AddrParseError> {
+        self.gid.parse::<Ipv6Addr>().map(Gid::from)
     }
 }
 

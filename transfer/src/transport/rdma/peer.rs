@@ -8,7 +8,7 @@ use super::device::PortInfo;
 use super::keys::RdmaRegionKeys;
 use super::verbs;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{ProtocolError, Result, TransferError};
+use crate::error::{ProtocolError, RdmaInfoFault, Result, TransferError};
 
 /// The RDMA part of a segment descriptor: `{"devices": [PortInfo...]}` (wire format of
 /// `RdmaTransport::local_info`), plus the RDMA keys of every buffer, decoded from the buffers.
@@ -29,38 +29,44 @@ impl RdmaPeerInfo {
     /// `rkeys`, or with another number of rkeys than devices); nothing is defaulted.
     pub fn decode(peer: &SegmentDescriptor) -> Result<RdmaPeerInfo> {
         let mut info: RdmaPeerInfo = peer.transport.decode(&peer.name)?;
-        let bad = |what: String| {
-            TransferError::Protocol(ProtocolError::Malformed {
-                what: format!("segment {} advertises bad rdma peer info", peer.name),
-                why: what,
+        let bad = |fault: RdmaInfoFault| {
+            TransferError::Protocol(ProtocolError::RdmaPeerInfo {
+                segment: peer.name.clone(),
+                fault,
             })
         };
         if info.devices.is_empty() {
-            return Err(bad("no device in `devices`".into()));
+            return Err(bad(RdmaInfoFault::NoDevice));
         }
-        for (i, d) in info.devices.iter().enumerate() {
+        for (device, d) in info.devices.iter().enumerate() {
             if verbs::mtu_from_bytes(d.active_mtu).is_none() {
-                return Err(bad(format!(
-                    "devices[{i}].active_mtu {} is not an IB MTU",
-                    d.active_mtu
-                )));
+                return Err(bad(RdmaInfoFault::BadMtu {
+                    device,
+                    mtu: d.active_mtu,
+                }));
             }
-            d.gid_value()
-                .map_err(|e| bad(format!("devices[{i}].gid: {e}")))?;
+            d.parse_gid().map_err(|source| {
+                bad(RdmaInfoFault::BadGid {
+                    device,
+                    gid: d.gid.clone(),
+                    source,
+                })
+            })?;
         }
-        for (i, b) in peer.buffers.iter().enumerate() {
-            let keys: RdmaRegionKeys = b
-                .keys
-                .transport
-                .decode()
-                .map_err(|e| bad(format!("buffers[{i}].keys: {e}")))?;
+        for (buffer, b) in peer.buffers.iter().enumerate() {
+            let keys: RdmaRegionKeys = b.keys.transport.decode().map_err(|e| {
+                bad(RdmaInfoFault::BadKeys {
+                    buffer,
+                    source: e.into(),
+                })
+            })?;
             // A missing rkey would only surface when a slice to that device is posted.
             if keys.rkeys.len() != info.devices.len() {
-                return Err(bad(format!(
-                    "buffers[{i}].keys has {} rkeys for {} devices",
-                    keys.rkeys.len(),
-                    info.devices.len()
-                )));
+                return Err(bad(RdmaInfoFault::RkeyCount {
+                    buffer,
+                    rkeys: keys.rkeys.len(),
+                    devices: info.devices.len(),
+                }));
             }
             info.buffers.push(keys);
         }
@@ -174,5 +180,68 @@ mod tests {
             assert!(e.to_string().contains(text), "{bad}: {e}");
             assert!(e.to_string().contains("peer:1"), "{e}");
         }
+    }
+
+    /// Each refusal keeps its typed cause: the segment, the fault with its index and values,
+    /// and for a bad GID the field check it came from (walkable through `source()`).
+    #[test]
+    fn rdma_peer_info_refusals_are_typed_faults() {
+        use std::error::Error as _;
+        let fault = |d: &SegmentDescriptor| match RdmaPeerInfo::decode(d) {
+            Err(TransferError::Protocol(ProtocolError::RdmaPeerInfo { segment, fault })) => {
+                assert_eq!(segment, "peer:1");
+                fault
+            }
+            other => panic!("{other:?}"),
+        };
+        let no_device = descriptor_with(serde_json::json!({ "devices": [] }));
+        assert_eq!(fault(&no_device), RdmaInfoFault::NoDevice);
+        let mut dev = port(1024);
+        dev.active_mtu = 1000;
+        let bad_mtu = descriptor_with(serde_json::json!({ "devices": [port(1024), dev] }));
+        assert_eq!(
+            fault(&bad_mtu),
+            RdmaInfoFault::BadMtu {
+                device: 1,
+                mtu: 1000
+            }
+        );
+        let mut dev = port(1024);
+        dev.gid = "not a gid".into();
+        let bad_gid = descriptor_with(serde_json::json!({ "devices": [dev] }));
+        let f = fault(&bad_gid);
+        match &f {
+            RdmaInfoFault::BadGid { device: 0, gid, .. } => assert_eq!(gid, "not a gid"),
+            other => panic!("{other:?}"),
+        }
+        let below = f.source().expect("a bad GID has a source");
+        assert!(
+            below.downcast_ref::<std::net::AddrParseError>().is_some(),
+            "{below:?}"
+        );
+
+        let with_keys = |k: serde_json::Value| {
+            let mut d = descriptor_with(serde_json::json!({ "devices": [port(1024)] }));
+            d.buffers = vec![serde_json::from_value(serde_json::json!({
+                "region": {"addr": 4096, "len": 4096, "location": "cpu"},
+                "keys": k,
+            }))
+            .unwrap()];
+            d
+        };
+        match fault(&with_keys(serde_json::json!({"path": "host"}))) {
+            RdmaInfoFault::BadKeys { buffer: 0, source } => {
+                assert!(source.0.is_data(), "{source:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            fault(&with_keys(serde_json::json!({"rkeys": [1, 2]}))),
+            RdmaInfoFault::RkeyCount {
+                buffer: 0,
+                rkeys: 2,
+                devices: 1
+            }
+        );
     }
 }

@@ -257,19 +257,20 @@ impl TransferEngine {
     }
 
     /// Whether peers on this host reach the `cuda:N` region containing `addr` through CUDA IPC:
-    /// `Some(Ok(()))` when it is exported, `Some(Err(reason))` when it could not be (it moves
-    /// over the network transport), `None` for host memory, an engine without CUDA IPC, or no
-    /// region at `addr`.
-    pub fn region_cuda_ipc(&self, addr: u64) -> Option<std::result::Result<(), String>> {
+    /// `Some(Ok(()))` when it is exported, `Some(Err(e))` when it could not be (`e`: the
+    /// export's error, e.g. `Gpu` from the driver or `Unsupported(NoHostIdentity)`; the region
+    /// moves over the network transport), `None` for host memory, an engine without CUDA IPC,
+    /// or no region at `addr`.
+    pub fn region_cuda_ipc(&self, addr: u64) -> Option<Result<()>> {
         let e = self.registry.find(addr, 1)?;
-        let t = &e.keys.transport;
-        if t.get(crate::transport::cuda_ipc::transport::KEYS_FIELD)
+        if e.keys
+            .transport
+            .get(crate::transport::cuda_ipc::transport::KEYS_FIELD)
             .is_some()
         {
             return Some(Ok(()));
         }
-        t.get(crate::transport::cuda_ipc::transport::REFUSED_FIELD)
-            .map(|v| Err(v.as_str().unwrap_or("not exported").to_string()))
+        self.transport.not_exported(e.region.addr).map(Err)
     }
 
     /// The path a transfer between `local_addr` (registered here) and `remote_addr` (in a

@@ -615,7 +615,7 @@ fn engine_round_trip(kind: &str) {
             .register_memory(local.ptr(), len as u64, Location::Cuda(0))
             .unwrap()
     };
-    assert_eq!(engine.region_cuda_ipc(local.ptr()), Some(Ok(())));
+    assert!(matches!(engine.region_cuda_ipc(local.ptr()), Some(Ok(()))));
     let seg = engine.open_segment(&peer.name).unwrap();
     assert_eq!(
         engine.transfer_path(&seg, local.ptr(), peer.addr).unwrap(),

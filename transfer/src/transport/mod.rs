@@ -236,6 +236,14 @@ pub trait Transport: Send + Sync + 'static {
         default
     }
 
+    /// Why the registered region at base address `addr` is not shared with peers on this host
+    /// the way this transport shares device memory (CUDA IPC: the export's error; the region
+    /// then moves over the wrapped network transport). `None`: it is shared, is not device
+    /// memory, or this transport shares nothing that way (the default).
+    fn not_exported(&self, _addr: u64) -> Option<crate::error::TransferError> {
+        None
+    }
+
     /// Drops cached connections/endpoints to segment `name` (the engine calls it when the peer's
     /// descriptor changed, e.g. the peer restarted). Default: nothing.
     fn disconnect(&self, _name: &str) {}

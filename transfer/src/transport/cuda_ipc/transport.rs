@@ -6,8 +6,8 @@
 //! * **Owner side.** `register` lets the wrapped transport register the region, then exports
 //!   the allocation holding it (legacy handle or file descriptor, once per allocation) and
 //!   publishes [`IpcRegionKeys`] under `cuda_ipc` in the region's keys, and the region in the
-//!   live table; memory that cannot be exported publishes `cuda_ipc_refused` with the reason
-//!   instead (or is refused, with [`CudaIpcMode::Required`]). A `Connect` frame
+//!   live table; memory that cannot be exported publishes `cuda_ipc_refused` with the reason's
+//!   text (the typed error stays here for `TransferEngine::region_cuda_ipc`) instead (or is refused, with [`CudaIpcMode::Required`]). A `Connect` frame
 //!   `{"cuda_ipc": {...}}` asks for the handles of named allocations: legacy handles come in
 //!   the reply, file descriptors (and the live table's) as tickets for the Unix socket.
 //! * **Initiator side.** Per peer (name and instance id), each allocation is opened once and
@@ -48,7 +48,8 @@ use crate::types::{Location, TransportKind};
 
 /// The key of a region's CUDA IPC facts in its keys.
 pub const KEYS_FIELD: &str = "cuda_ipc";
-/// The key of the reason a `cuda:N` region was not exported.
+/// The key of the reason (text, for peers and logs) a `cuda:N` region was not exported; the
+/// typed error stays here (`Transport::not_exported`).
 pub const REFUSED_FIELD: &str = "cuda_ipc_refused";
 
 /// The transport (see the module doc).
@@ -81,6 +82,9 @@ pub struct CudaIpcTransport {
     /// Caller-stream points (`Transport::order_after`) per local device that slices handed to
     /// the wrapped transport have not waited for yet: it reads device memory from the host.
     fallback_order: Mutex<HashMap<u32, (StreamPoint, Duration)>>,
+    /// Why each registered `cuda:N` region that is not exported could not be (base address →
+    /// the export's error): one entry per registered region at most, removed at deregister.
+    refused: Mutex<HashMap<u64, TransferError>>,
 }
 
 /// A peer's keys as `decode_keys` gives them.
@@ -134,6 +138,7 @@ impl CudaIpcTransport {
             decoded: Mutex::new(HashMap::new()),
             access: Mutex::new(HashMap::new()),
             fallback_order: Mutex::new(HashMap::new()),
+            refused: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -366,6 +371,10 @@ impl Transport for CudaIpcTransport {
         self.inner.kind()
     }
 
+    fn not_exported(&self, addr: u64) -> Option<TransferError> {
+        self.refused.locked().get(&addr).cloned()
+    }
+
     fn local_info(&self) -> TransportInfo {
         self.inner.local_info()
     }
@@ -409,6 +418,7 @@ impl Transport for CudaIpcTransport {
                 );
                 keys.transport
                     .insert(REFUSED_FIELD, serde_json::Value::String(e.to_string()));
+                self.refused.locked().insert(region.addr, e);
             }
         }
         Ok(keys)
@@ -422,6 +432,7 @@ impl Transport for CudaIpcTransport {
                 tracing::warn!("CUDA IPC live table: {e}");
             }
             self.unexport(region);
+            self.refused.locked().remove(&region.addr);
         }
         self.inner.deregister(region)
     }

@@ -164,3 +164,73 @@ fn a_malformed_request_is_refused_not_fatal() {
     .unwrap_err();
     assert!(e.to_string().contains("at most"), "{e}");
 }
+
+/// Memory access that takes any location and copies nothing: the TCP transport registers
+/// device memory through it without a driver.
+struct AnyLocation;
+
+impl crate::memory::MemoryAccess for AnyLocation {
+    fn name(&self) -> &'static str {
+        "any"
+    }
+
+    fn check(&self, _location: Location) -> Result<()> {
+        Ok(())
+    }
+
+    unsafe fn copy_from(&self, location: Location, _src: u64, _dst: &mut [u8]) -> Result<()> {
+        self.refuse(location)
+    }
+
+    unsafe fn copy_to(&self, location: Location, _dst: u64, _src: &[u8]) -> Result<()> {
+        self.refuse(location)
+    }
+}
+
+impl AnyLocation {
+    fn refuse(&self, location: Location) -> Result<()> {
+        Err(TransferError::Unsupported(UnsupportedError::NoGpuBackend {
+            location,
+        }))
+    }
+}
+
+/// A `cuda:N` region whose export fails (here: no driver) is registered over the wrapped
+/// transport, and why it was not exported stays the export's typed error, not its text,
+/// until the region is deregistered.
+#[test]
+fn a_refused_export_keeps_its_typed_error_until_deregistered() {
+    let ctx = TransportContext {
+        config: EngineConfig::default(),
+        segment_name: "127.0.0.1:1".into(),
+        instance_id: 1,
+        registry: Arc::new(crate::memory::MemoryRegistry::new()),
+        memory: Arc::new(AnyLocation),
+        auth: crate::auth::AuthState::new(None, "test"),
+    };
+    let inner: Arc<dyn Transport> =
+        Arc::new(crate::transport::tcp::TcpTransport::new(ctx.clone()).unwrap());
+    let t = CudaIpcTransport::new(&ctx, inner).unwrap();
+    assert_eq!(t.mode, CudaIpcMode::Auto);
+    let region = MemoryRegion {
+        addr: 0x7000_0000,
+        len: 4096,
+        location: Location::Cuda(0),
+    };
+    let keys = t
+        .register(&region)
+        .expect("a refused export still registers");
+    assert!(keys.transport.get(KEYS_FIELD).is_none(), "{keys:?}");
+    let why = t.not_exported(region.addr).expect("the refusal is kept");
+    assert_eq!(
+        keys.transport.get(REFUSED_FIELD),
+        Some(&serde_json::Value::String(why.to_string()))
+    );
+    assert!(
+        matches!(why, TransferError::Gpu(_) | TransferError::Unsupported(_)),
+        "{why:?}"
+    );
+    assert!(t.not_exported(region.addr + 1).is_none());
+    t.deregister(&region).unwrap();
+    assert!(t.not_exported(region.addr).is_none());
+}

@@ -4,22 +4,26 @@ use kvferry_checksum::policy::{Action, Policy};
 
 use crate::proto::consumer::FailReason;
 
+mod setup;
+pub use setup::{BindFailure, ConfigFault, PublishFailure, WorkersFault};
+
 /// Setup and publish errors.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum P2pError {
     /// The workers do not form a TP×PP grid, disagree on groups, or describe memory wrongly.
     #[error("workers: {0}")]
-    Workers(String),
+    Workers(#[source] WorkersFault),
     /// A configuration that cannot work (e.g. checksums fail-closed with no carrier).
     #[error("config: {0}")]
-    Config(String),
+    Config(#[source] ConfigFault),
     /// The control socket could not be bound.
     #[error("bind {endpoint}: {why}")]
     Bind {
         /// The endpoint asked for.
         endpoint: String,
         /// Why.
-        why: String,
+        #[source]
+        why: BindFailure,
     },
     /// A publish that cannot be accepted (duplicate id, wrong block table).
     #[error("publish {request_id:?}: {why}")]
@@ -27,7 +31,8 @@ pub enum P2pError {
         /// The request.
         request_id: String,
         /// Why.
-        why: String,
+        #[source]
+        why: PublishFailure,
     },
     /// The producer's event loop is gone (shut down or crashed).
     #[error("producer is shut down")]

@@ -7,7 +7,7 @@ use kvferry_checksum::group::{RankInfo, SkipReason};
 use kvferry_kernels::{ChecksumBackend, Location};
 use kvferry_transfer::TransferEngine;
 
-use crate::error::P2pError;
+use crate::error::{P2pError, WorkersFault};
 use crate::proto::layout::RankLayout;
 pub use crate::proto::layout::WorkerGroup;
 
@@ -56,28 +56,28 @@ impl std::fmt::Debug for Worker {
 pub fn validate(mut workers: Vec<Worker>) -> Result<(u32, u32, Vec<Worker>), P2pError> {
     let first = workers
         .first()
-        .ok_or_else(|| P2pError::Workers("no workers".into()))?;
+        .ok_or(P2pError::Workers(WorkersFault::NoWorkers))?;
     let (tp, pp) = (first.rank.tp_size, first.rank.pp_size);
     if tp == 0 || pp == 0 {
-        return Err(P2pError::Workers(format!(
-            "tp_size {tp} / pp_size {pp} must be at least 1"
-        )));
+        return Err(P2pError::Workers(WorkersFault::ZeroSize { tp, pp }));
     }
     if workers.len() as u64 != tp as u64 * pp as u64 {
-        return Err(P2pError::Workers(format!(
-            "{} workers for TP {tp} × PP {pp}",
-            workers.len()
-        )));
+        return Err(P2pError::Workers(WorkersFault::Count {
+            workers: workers.len(),
+            tp,
+            pp,
+        }));
     }
     workers.sort_by_key(|w| (w.rank.pp_rank, w.rank.tp_rank));
     for (i, w) in workers.iter().enumerate() {
         let want = ((i as u32) / tp, (i as u32) % tp);
         if w.rank.tp_size != tp || w.rank.pp_size != pp || (w.rank.pp_rank, w.rank.tp_rank) != want
         {
-            return Err(P2pError::Workers(format!(
-                "worker {:?} does not fit a TP {tp} × PP {pp} grid (each rank exactly once)",
-                w.rank
-            )));
+            return Err(P2pError::Workers(WorkersFault::OffGrid {
+                rank: w.rank,
+                tp,
+                pp,
+            }));
         }
     }
     let groups = |w: &Worker| {
@@ -91,45 +91,41 @@ pub fn validate(mut workers: Vec<Worker>) -> Result<(u32, u32, Vec<Worker>), P2p
     ids.sort_unstable();
     ids.dedup();
     if ids.len() != reference.len() {
-        return Err(P2pError::Workers("a group id appears twice".into()));
+        return Err(P2pError::Workers(WorkersFault::DuplicateGroup));
     }
     for w in &workers {
         if groups(w) != reference {
-            return Err(P2pError::Workers(format!(
-                "rank {:?} has groups {:?}, rank 0 has {:?} (ids and block sizes must agree)",
-                w.rank,
-                groups(w),
-                reference
-            )));
+            return Err(P2pError::Workers(WorkersFault::GroupsDiffer {
+                rank: w.rank,
+                groups: groups(w),
+                reference,
+            }));
         }
         for g in &w.groups {
             if g.block_size == 0 {
-                return Err(P2pError::Workers(format!(
-                    "group {}: block_size 0",
-                    g.group_id
-                )));
+                return Err(P2pError::Workers(WorkersFault::ZeroBlockSize {
+                    group: g.group_id,
+                }));
             }
             for l in &g.layers {
                 let geo = &l.spec.geometry;
                 if geo.byte_len() > l.len {
-                    return Err(P2pError::Workers(format!(
-                        "layer {}: geometry spans {} bytes but len is {}",
-                        l.spec.name,
-                        geo.byte_len(),
-                        l.len
-                    )));
+                    return Err(P2pError::Workers(WorkersFault::LayerTooShort {
+                        layer: l.spec.name.clone(),
+                        spans: geo.byte_len(),
+                        len: l.len,
+                    }));
                 }
                 // A state group (Mamba-type: no per-token blocks) holds one state per block,
                 // whatever its block size in tokens.
                 let state = g.skipped == Some(SkipReason::NoPerTokenBlocks);
                 if !state && geo.block_size() != g.block_size {
-                    return Err(P2pError::Workers(format!(
-                        "layer {}: block size {} but group {} has {}",
-                        l.spec.name,
-                        geo.block_size(),
-                        g.group_id,
-                        g.block_size
-                    )));
+                    return Err(P2pError::Workers(WorkersFault::BlockSizeDiffers {
+                        layer: l.spec.name.clone(),
+                        layer_block_size: geo.block_size(),
+                        group: g.group_id,
+                        group_block_size: g.block_size,
+                    }));
                 }
             }
         }

@@ -534,7 +534,9 @@ async fn fail_closed_without_carrier_is_refused_at_startup() {
     };
     assert!(matches!(
         Consumer::new(cfg, c.workers.clone()),
-        Err(kvferry_p2p::P2pError::Config(_))
+        Err(kvferry_p2p::P2pError::Config(
+            kvferry_p2p::ConfigFault::NoCarrier(_)
+        ))
     ));
     let cfg = ConsumerConfig {
         carrier: false,
@@ -703,12 +705,78 @@ async fn publish_errors_are_clear() {
         .await
         .unwrap_err();
     assert!(e.to_string().contains("already published"), "{e}");
+    assert!(
+        matches!(
+            &e,
+            kvferry_p2p::P2pError::Publish {
+                why: kvferry_p2p::PublishFailure::Refused(
+                    kvferry_p2p::proto::producer::PublishError::Duplicate(id)
+                ),
+                ..
+            } if id == "dup"
+        ),
+        "{e:?}"
+    );
     let e = producer
         .publish("no-groups", vec![], NUM_TOKENS)
         .await
         .unwrap_err();
     assert!(e.to_string().contains("no block table for group 0"), "{e}");
+    assert!(
+        matches!(
+            &e,
+            kvferry_p2p::P2pError::Publish {
+                why: kvferry_p2p::PublishFailure::NoTable(0),
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = producer
+        .publish_with_key("empty-key", vec![remote_table()], NUM_TOKENS, "")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            kvferry_p2p::P2pError::Publish {
+                why: kvferry_p2p::PublishFailure::KeyLength { bytes: 0, .. },
+                ..
+            }
+        ),
+        "{e:?}"
+    );
     producer.shutdown().await;
+}
+
+/// A control endpoint that cannot be bound is a `Bind` error whose cause is the socket's own
+/// error, reachable through `source()`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unbindable_endpoint_keeps_the_sockets_error() {
+    use std::error::Error as _;
+    let p = Side::new(1, 1, PRODUCER_BLOCKS, None);
+    let e = Producer::start(
+        ProducerConfig {
+            bind: "tcp://203.0.113.1:1".into(),
+            ..producer_config()
+        },
+        p.workers.clone(),
+    )
+    .await
+    .err()
+    .expect("an address of no local interface is not bound");
+    let kvferry_p2p::P2pError::Bind { endpoint, why } = &e else {
+        panic!("{e:?}")
+    };
+    assert_eq!(endpoint, "tcp://203.0.113.1:1");
+    let kvferry_p2p::BindFailure::Socket(socket) = why else {
+        panic!("{why:?}")
+    };
+    let below = socket.source().expect("the socket's error");
+    assert!(
+        below.downcast_ref::<zeromq::ZmqError>().is_some(),
+        "{below:?}"
+    );
 }
 
 /// A stream given to publish orders nothing on host-memory workers (no stream writes their KV):
@@ -915,28 +983,49 @@ async fn dropping_the_producer_stops_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_worker_sets_are_refused() {
+    use kvferry_p2p::WorkersFault;
     let side = Side::new(2, 1, PRODUCER_BLOCKS, None);
     let cfg = || consumer_config(Policy::default());
+    // Each refusal keeps its case and values, not only its text.
     let refused =
-        |workers: Vec<kvferry_p2p::Worker>, what: &str| match Consumer::new(cfg(), workers) {
-            Err(kvferry_p2p::P2pError::Workers(why)) => {
-                assert!(why.as_str().contains(what), "{why}")
+        |workers: Vec<kvferry_p2p::Worker>, what: &str, case: fn(&WorkersFault) -> bool| {
+            match Consumer::new(cfg(), workers) {
+                Err(kvferry_p2p::P2pError::Workers(why)) => {
+                    assert!(why.to_string().contains(what), "{why}");
+                    assert!(case(&why), "{why:?}");
+                }
+                Err(e) => panic!("{e}"),
+                Ok(_) => panic!("accepted workers with {what}"),
             }
-            Err(e) => panic!("{e}"),
-            Ok(_) => panic!("accepted workers with {what}"),
         };
-    refused(vec![side.workers[0].clone()], "workers for TP 2");
+    refused(vec![side.workers[0].clone()], "workers for TP 2", |f| {
+        matches!(
+            f,
+            WorkersFault::Count {
+                workers: 1,
+                tp: 2,
+                pp: 1
+            }
+        )
+    });
     refused(
         vec![side.workers[0].clone(), side.workers[0].clone()],
         "grid",
+        |f| matches!(f, WorkersFault::OffGrid { tp: 2, pp: 1, .. }),
     );
     let mut w = side.workers.clone();
     w[1].groups[0].layers[0].len -= 1;
-    refused(w, "spans");
+    refused(
+        w,
+        "spans",
+        |f| matches!(f, WorkersFault::LayerTooShort { spans, len, .. } if spans == &(len + 1)),
+    );
     let mut w = side.workers.clone();
     w[1].groups[0].block_size = 32;
-    refused(w, "groups");
-    refused(vec![], "no workers");
+    refused(w, "groups", |f| {
+        matches!(f, WorkersFault::GroupsDiffer { .. })
+    });
+    refused(vec![], "no workers", |f| f == &WorkersFault::NoWorkers);
     // Producer::start runs the same checks.
     let e = Producer::start(producer_config(), vec![side.workers[1].clone()])
         .await

@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use common::Side;
 use kvferry_p2p::proto::consumer::FailReason;
-use kvferry_p2p::ProducerConfig;
+use kvferry_p2p::proto::spec_checks::TableError;
 use kvferry_p2p::{Consumer, ConsumerConfig, LoadError, LoadGroup, LoadSpec, P2pError, Producer};
+use kvferry_p2p::{ProducerConfig, PublishFailure};
 
 const NUM_TOKENS: u64 = 40; // 3 blocks of 16
 
@@ -166,7 +167,7 @@ async fn a_publish_must_cover_its_tokens_with_blocks_inside_the_cache() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&short, P2pError::Publish { why, .. } if why.as_str().contains("need exactly")),
+        matches!(&short, P2pError::Publish { why: PublishFailure::Table(TableError::Coverage { .. }), .. } if short.to_string().contains("need exactly")),
         "{short}"
     );
     // Block 8 of an 8-block cache.
@@ -175,7 +176,7 @@ async fn a_publish_must_cover_its_tokens_with_blocks_inside_the_cache() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&outside, P2pError::Publish { why, .. } if why.as_str().contains("outside the cache")),
+        matches!(&outside, P2pError::Publish { why: PublishFailure::Table(TableError::Outside { block: 8, .. }), .. } if outside.to_string().contains("outside the cache")),
         "{outside}"
     );
     // A table longer than the tokens names blocks no token is in.

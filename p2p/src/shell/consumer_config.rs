@@ -113,7 +113,7 @@ pub(crate) fn carrier_check(config: &ConsumerConfig) -> Result<bool, P2pError> {
             warn!("{text}");
             Ok(false)
         }
-        Err(e) => Err(P2pError::Config(e.to_string())),
+        Err(e) => Err(P2pError::Config(e.into())),
     }
 }
 

@@ -13,7 +13,8 @@ use tracing::{info, warn};
 use zeromq::Socket;
 
 use crate::checksum::{all_records, CallerStream};
-use crate::error::P2pError;
+use crate::error::{BindFailure, P2pError, PublishFailure};
+use crate::proto::consumer::ShellError;
 use crate::proto::layout::RankLayout;
 use crate::proto::producer::ProducerMachine;
 use crate::proto::serve::Published;
@@ -65,14 +66,15 @@ impl Producer {
         let mut socket = zeromq::RouterSocket::with_options(options);
         // Peers refused during the ZMTP handshake (e.g. an oversized command) are reported here.
         let monitor = Some(socket.monitor());
-        let bind_err = |why: String| P2pError::Bind {
+        let bind_err = |why: BindFailure| P2pError::Bind {
             endpoint: config.bind.clone(),
             why,
         };
-        let endpoint = tokio::time::timeout(Duration::from_secs(10), socket.bind(&config.bind))
+        let bind_within = Duration::from_secs(10);
+        let endpoint = tokio::time::timeout(bind_within, socket.bind(&config.bind))
             .await
-            .map_err(|_| bind_err("timed out".into()))?
-            .map_err(|e| bind_err(e.to_string()))?
+            .map_err(|_| bind_err(BindFailure::TimedOut(bind_within)))?
+            .map_err(|e| bind_err(BindFailure::Socket(ShellError(Arc::new(e)))))?
             .to_string();
         let (tx, rx) = mpsc::unbounded_channel();
         let released = Arc::new(Mutex::new(Vec::new()));
@@ -131,7 +133,7 @@ impl Producer {
     ) -> Result<PublishInfo, P2pError> {
         let key = kvferry_transfer::Token::random().map_err(|e| P2pError::Publish {
             request_id: request_id.to_string(),
-            why: e.to_string(),
+            why: PublishFailure::NoKey(ShellError(Arc::new(e))),
         })?;
         self.publish_with_key(request_id, blocks, num_tokens, &key.to_string())
             .await
@@ -184,19 +186,19 @@ impl Producer {
         load_key: &str,
         after: Option<CallerStream>,
     ) -> Result<PublishInfo, P2pError> {
-        let perr = |why: String| P2pError::Publish {
+        let perr = |why: PublishFailure| P2pError::Publish {
             request_id: request_id.to_string(),
             why,
         };
         if load_key.is_empty() || load_key.len() > MAX_LOAD_KEY_BYTES {
-            return Err(perr(format!(
-                "load key of {} bytes (1..={MAX_LOAD_KEY_BYTES})",
-                load_key.len()
-            )));
+            return Err(perr(PublishFailure::KeyLength {
+                bytes: load_key.len(),
+                max: MAX_LOAD_KEY_BYTES,
+            }));
         }
         for g in &self.workers[0].groups {
             if blocks.len() <= g.group_id as usize {
-                return Err(perr(format!("no block table for group {}", g.group_id)));
+                return Err(perr(PublishFailure::NoTable(g.group_id)));
             }
         }
         // Before anything is checksummed or held: each table covers the tokens exactly and
@@ -209,7 +211,7 @@ impl Producer {
                 .map(|g| (g.group_id, blocks[g.group_id as usize].as_slice())),
             num_tokens,
         )
-        .map_err(|e| perr(e.to_string()))?;
+        .map_err(|e| perr(PublishFailure::Table(e)))?;
         if let Some(stream) = after {
             // Before the lease exists, so no copy of these blocks can start unordered.
             for w in self.workers.iter() {
@@ -223,8 +225,8 @@ impl Producer {
                     unsafe { engine.order_after(device, stream.raw(), deadline) }
                 })
                 .await
-                .map_err(|e| perr(format!("ordering after the caller's stream: {e}")))?;
-                ordered.map_err(|e| perr(format!("ordering after the caller's stream: {e}")))?;
+                .map_err(|e| perr(PublishFailure::Order(ShellError(Arc::new(e)))))?;
+                ordered.map_err(|e| perr(PublishFailure::Order(ShellError(Arc::new(e)))))?;
             }
         }
         let started = Instant::now();
@@ -290,7 +292,7 @@ impl Producer {
             .map_err(|_| P2pError::Closed)?;
         match tokio::time::timeout(Duration::from_secs(10), answer).await {
             Ok(Ok(Ok(()))) => Ok(info),
-            Ok(Ok(Err(why))) => Err(perr(why.to_string())),
+            Ok(Ok(Err(why))) => Err(perr(PublishFailure::Refused(why))),
             _ => Err(P2pError::Closed),
         }
     }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::error::P2pError;
+use crate::error::{ConfigFault, P2pError};
 use crate::proto::msg::DEFAULT_MAX_ZMTP_MESSAGE;
 use crate::proto::producer::{ProducerTimeouts, ReleaseReason};
 use crate::worker::Worker;
@@ -14,9 +14,7 @@ use kvferry_transfer::Secret;
 pub(crate) fn workers_secret(workers: &[Worker]) -> Result<Option<Secret>, P2pError> {
     let first = workers.first().and_then(|w| w.engine.secret().cloned());
     if workers.iter().any(|w| w.engine.secret() != first.as_ref()) {
-        return Err(P2pError::Config(
-            "the workers' transfer engines do not all have the same shared secret".into(),
-        ));
+        return Err(P2pError::Config(ConfigFault::SecretsDiffer));
     }
     Ok(first)
 }

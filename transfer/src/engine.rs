@@ -100,7 +100,7 @@ impl TransferEngine {
         };
         let chosen = crate::transport::select::choose(&ctx)?;
         let transport = chosen.transport;
-        let transport_reason = chosen.why;
+        let transport_reason = chosen.why.to_string();
         tracing::info!(segment = %name, "kvferry transfer engine: transport {} ({}); {}", transport.kind(), transport_reason, auth.describe());
         let server = HandshakeService {
             name: name.clone(),

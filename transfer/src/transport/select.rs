@@ -19,9 +19,70 @@ use crate::types::TransportKind;
 pub(crate) struct Chosen {
     /// The transport the engine uses for every region and peer.
     pub transport: Arc<dyn Transport>,
-    /// Why this one: `"configured"`, `"auto: RDMA device rxe0 ..."`, `"auto: no usable RDMA
-    /// device"`...
-    pub why: String,
+    /// Why this one (its `Display` is the info line's reason: `"configured"`, `"auto: RDMA
+    /// device rxe0"`, `"auto: no usable RDMA device; no CUDA IPC (off)"`...).
+    pub why: Choice,
+}
+
+/// Why the engine's transport is the one it is: the network transport's reason and, once
+/// `choose` has decided, whether CUDA IPC wraps it.
+#[derive(Debug)]
+pub(crate) struct Choice {
+    /// Why this network transport.
+    pub network: NetworkChoice,
+    /// `Some(Ok)`: CUDA IPC wraps it; `Some(Err)`: why not; `None`: not decided yet.
+    pub cuda_ipc: Option<std::result::Result<(), NoCudaIpc>>,
+}
+
+impl std::fmt::Display for Choice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.network)?;
+        match &self.cuda_ipc {
+            Some(Ok(())) => write!(f, "; CUDA IPC for device memory of processes on this host"),
+            Some(Err(why)) => write!(f, "; no CUDA IPC ({why})"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Why this network transport.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum NetworkChoice {
+    /// TCP, as configured.
+    #[error("configured")]
+    ConfiguredTcp,
+    /// RDMA, as configured, on this device.
+    #[error("configured; device {0}")]
+    ConfiguredRdma(String),
+    /// `Auto` found this RDMA device and its transport started.
+    #[error("auto: RDMA device {0}")]
+    AutoRdma(String),
+    /// `Auto` found this RDMA device but its transport did not start (`source`: why): TCP.
+    #[error("auto: RDMA device {device} unusable")]
+    AutoRdmaUnusable {
+        /// The device.
+        device: String,
+        /// The RDMA transport's error.
+        #[source]
+        source: TransferError,
+    },
+    /// `Auto` found no usable RDMA device: TCP.
+    #[error("auto: {0}")]
+    AutoNoRdma(#[source] NoRdma),
+}
+
+/// Why the CUDA IPC transport does not wrap the network transport.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum NoCudaIpc {
+    /// `CudaIpcMode::Off`.
+    #[error("off")]
+    Off,
+    /// The driver is present but lists no device.
+    #[error("no CUDA device")]
+    NoDevice,
+    /// The driver's probe failed (e.g. libcuda is absent).
+    #[error("{0}")]
+    Driver(#[source] kvferry_cuda::CudaError),
 }
 
 #[cfg(feature = "rdma")]
@@ -51,19 +112,18 @@ fn rdma_create(_ctx: &TransportContext) -> Result<Arc<dyn Transport>> {
 /// Errors: `Config` as above; the TCP transport's own (its data listener cannot bind).
 pub(crate) fn choose(ctx: &TransportContext) -> Result<Chosen> {
     let net = choose_network(ctx)?;
-    match with_cuda_ipc(ctx.config.cuda_ipc, kvferry_cuda::cuda_available()) {
-        Ok(()) => Ok(Chosen {
-            transport: super::cuda_ipc::CudaIpcTransport::new(ctx, net.transport)?,
-            why: format!(
-                "{}; CUDA IPC for device memory of processes on this host",
-                net.why
-            ),
-        }),
-        Err(why) => Ok(Chosen {
-            transport: net.transport,
-            why: format!("{}; no CUDA IPC ({why})", net.why),
-        }),
-    }
+    let wrap = with_cuda_ipc(ctx.config.cuda_ipc, kvferry_cuda::cuda_available());
+    let transport = match wrap {
+        Ok(()) => super::cuda_ipc::CudaIpcTransport::new(ctx, net.transport)?,
+        Err(_) => net.transport,
+    };
+    Ok(Chosen {
+        transport,
+        why: Choice {
+            cuda_ipc: Some(wrap),
+            ..net.why
+        },
+    })
 }
 
 /// Whether the CUDA IPC transport wraps the network transport: `Ok` when `mode` allows it and
@@ -72,48 +132,52 @@ pub(crate) fn choose(ctx: &TransportContext) -> Result<Chosen> {
 fn with_cuda_ipc(
     mode: crate::config::CudaIpcMode,
     cuda: std::result::Result<u32, kvferry_cuda::CudaError>,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), NoCudaIpc> {
     use crate::config::CudaIpcMode;
     match (mode, cuda) {
-        (CudaIpcMode::Off, _) => Err("off".into()),
+        (CudaIpcMode::Off, _) => Err(NoCudaIpc::Off),
         (CudaIpcMode::Required, _) => Ok(()),
         (CudaIpcMode::Auto, Ok(n)) if n > 0 => Ok(()),
-        (CudaIpcMode::Auto, Ok(_)) => Err("no CUDA device".into()),
-        (CudaIpcMode::Auto, Err(e)) => Err(e.to_string()),
+        (CudaIpcMode::Auto, Ok(_)) => Err(NoCudaIpc::NoDevice),
+        (CudaIpcMode::Auto, Err(e)) => Err(NoCudaIpc::Driver(e)),
     }
 }
 
 /// The network transport `ctx.config.transport` asks for (see `choose`).
 fn choose_network(ctx: &TransportContext) -> Result<Chosen> {
-    let tcp = |why: String| -> Result<Chosen> {
-        Ok(Chosen {
-            transport: Arc::new(TcpTransport::new(ctx.clone())?),
-            why,
-        })
+    let chosen = |transport: Arc<dyn Transport>, network: NetworkChoice| Chosen {
+        transport,
+        why: Choice {
+            network,
+            cuda_ipc: None,
+        },
+    };
+    let tcp = |why: NetworkChoice| -> Result<Chosen> {
+        Ok(chosen(Arc::new(TcpTransport::new(ctx.clone())?), why))
     };
     match ctx.config.transport {
-        TransportKind::Tcp => tcp("configured".into()),
+        TransportKind::Tcp => tcp(NetworkChoice::ConfiguredTcp),
         TransportKind::Rdma => match rdma_probe(&ctx.config.rdma) {
-            Ok(dev) => Ok(Chosen {
-                transport: rdma_create(ctx)?,
-                why: format!("configured; device {dev}"),
-            }),
+            Ok(dev) => Ok(chosen(
+                rdma_create(ctx)?,
+                NetworkChoice::ConfiguredRdma(dev),
+            )),
             Err(why) => Err(TransferError::Config(ConfigError::RdmaUnusable(why))),
         },
         TransportKind::Auto => match rdma_probe(&ctx.config.rdma) {
             Ok(dev) => match rdma_create(ctx) {
-                Ok(transport) => Ok(Chosen {
-                    transport,
-                    why: format!("auto: RDMA device {dev}"),
-                }),
+                Ok(transport) => Ok(chosen(transport, NetworkChoice::AutoRdma(dev))),
                 Err(e) => {
                     tracing::warn!(
                         "RDMA device {dev} found but unusable ({e}); falling back to TCP"
                     );
-                    tcp(format!("auto: RDMA device {dev} unusable"))
+                    tcp(NetworkChoice::AutoRdmaUnusable {
+                        device: dev,
+                        source: e,
+                    })
                 }
             },
-            Err(why) => tcp(format!("auto: {why}")),
+            Err(why) => tcp(NetworkChoice::AutoNoRdma(why)),
         },
     }
 }
@@ -127,15 +191,39 @@ mod tests {
     fn cuda_ipc_wraps_only_where_allowed_and_a_driver_is_present() {
         let none = || Err(kvferry_cuda::CudaError::DriverLibraryMissing);
         assert!(with_cuda_ipc(CudaIpcMode::Auto, Ok(1)).is_ok());
+        // The driver's own error survives as the cause, and the text is unchanged.
+        let no_driver = with_cuda_ipc(CudaIpcMode::Auto, none()).unwrap_err();
         assert_eq!(
-            with_cuda_ipc(CudaIpcMode::Auto, none()).unwrap_err(),
-            "libcuda not found"
+            no_driver,
+            NoCudaIpc::Driver(kvferry_cuda::CudaError::DriverLibraryMissing)
         );
+        assert_eq!(no_driver.to_string(), "libcuda not found");
         assert_eq!(
-            with_cuda_ipc(CudaIpcMode::Auto, Ok(0)).unwrap_err(),
-            "no CUDA device"
+            with_cuda_ipc(CudaIpcMode::Auto, Ok(0)),
+            Err(NoCudaIpc::NoDevice)
         );
-        assert_eq!(with_cuda_ipc(CudaIpcMode::Off, Ok(8)).unwrap_err(), "off");
+        assert_eq!(with_cuda_ipc(CudaIpcMode::Off, Ok(8)), Err(NoCudaIpc::Off));
         assert!(with_cuda_ipc(CudaIpcMode::Required, none()).is_ok());
+    }
+
+    /// The reason's text is the info line's, built from the typed choice.
+    #[test]
+    fn the_choice_reads_as_the_info_line() {
+        let c = Choice {
+            network: NetworkChoice::AutoNoRdma(NoRdma::NotBuilt),
+            cuda_ipc: Some(Err(NoCudaIpc::Off)),
+        };
+        assert_eq!(
+            c.to_string(),
+            format!("auto: {}; no CUDA IPC (off)", NoRdma::NotBuilt)
+        );
+        let c = Choice {
+            network: NetworkChoice::ConfiguredTcp,
+            cuda_ipc: Some(Ok(())),
+        };
+        assert_eq!(
+            c.to_string(),
+            "configured; CUDA IPC for device memory of processes on this host"
+        );
     }
 }

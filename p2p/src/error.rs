@@ -5,7 +5,7 @@ use kvferry_checksum::policy::{Action, Policy};
 use crate::proto::consumer::FailReason;
 
 mod setup;
-pub use setup::{BindFailure, ConfigFault, PublishFailure, WorkersFault};
+pub use setup::{BindFailure, ConfigFault, LoadSpecFault, PublishFailure, WorkersFault};
 
 /// Setup and publish errors.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -49,7 +49,8 @@ pub enum LoadError {
         /// The request.
         request_id: String,
         /// Why.
-        why: String,
+        #[source]
+        why: LoadSpecFault,
     },
     /// The control connection could not be made.
     #[error("load {request_id:?}: cannot reach producer {producer}: {why}")]

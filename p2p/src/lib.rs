@@ -74,7 +74,9 @@ pub mod proto;
 pub mod shell;
 pub mod worker;
 
-pub use error::{BindFailure, ConfigFault, LoadError, P2pError, PublishFailure, WorkersFault};
+pub use error::{
+    BindFailure, ConfigFault, LoadError, LoadSpecFault, P2pError, PublishFailure, WorkersFault,
+};
 pub use proto::msg::{DEFAULT_MAX_ZMTP_MESSAGE, MAX_MESSAGE_BYTES};
 pub use proto::producer::{ProducerTimeouts, Refusal, ReleaseReason};
 pub use shell::consumer::{

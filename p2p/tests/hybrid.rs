@@ -359,7 +359,7 @@ async fn a_state_group_between_different_block_sizes_is_refused_before_any_byte_
         .await
         .unwrap_err();
     assert!(
-        matches!(&err, LoadError::Spec { why, .. } if why.contains("state group")),
+        matches!(&err, LoadError::Spec { why, .. } if why.to_string().contains("state group")),
         "{err}"
     );
     pair.producer.shutdown().await;

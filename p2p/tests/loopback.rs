@@ -926,7 +926,7 @@ async fn consumer_block_outside_its_array_is_refused() {
     // Refused by the consumer itself, before any request (the producer would refuse it too).
     let err = pair.consumer.load(s).await.unwrap_err();
     assert!(
-        matches!(&err, LoadError::Spec { why, .. } if why.as_str().contains("outside the cache")),
+        matches!(&err, LoadError::Spec { why: kvferry_p2p::LoadSpecFault::Spec(_), .. } if err.to_string().contains("outside the cache")),
         "{err}"
     );
     pair.producer.shutdown().await;

@@ -130,7 +130,19 @@ async fn duplicate_local_blocks_are_refused_before_the_request() {
     match &err {
         LoadError::Spec { why, .. } => {
             assert!(
-                why.as_str()
+                matches!(
+                    why,
+                    kvferry_p2p::LoadSpecFault::Spec(
+                        kvferry_p2p::proto::request::SpecError::Table(TableError::Duplicate {
+                            block: 5,
+                            ..
+                        })
+                    )
+                ),
+                "{why:?}"
+            );
+            assert!(
+                why.to_string()
                     .contains("block 5 is written at positions 0 and 1"),
                 "{why}"
             )
@@ -218,7 +230,7 @@ async fn a_load_is_never_verified_for_tokens_no_block_holds() {
             .await
             .unwrap_err();
         match &err {
-            LoadError::Spec { why, .. } => assert!(why.as_str().contains(text), "{why}"),
+            LoadError::Spec { why, .. } => assert!(why.to_string().contains(text), "{why}"),
             other => panic!("expected a spec error, got {other:?}"),
         }
     }

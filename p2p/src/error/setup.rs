@@ -1,5 +1,6 @@
 //! The typed causes of [`crate::P2pError`]'s setup and publish errors: [`WorkersFault`],
-//! [`ConfigFault`], [`BindFailure`] and [`PublishFailure`].
+//! [`ConfigFault`], [`BindFailure`] and [`PublishFailure`]; and of a load refused before it
+//! starts, [`LoadSpecFault`].
 
 use std::time::Duration;
 
@@ -8,6 +9,7 @@ use kvferry_checksum::policy::NoCarrierError;
 
 use crate::proto::consumer::ShellError;
 use crate::proto::producer_effects::PublishError;
+use crate::proto::request::SpecError;
 use crate::proto::spec_checks::TableError;
 
 /// Why the workers do not form one TP×PP grid with agreeing groups and memory.
@@ -137,4 +139,15 @@ pub enum PublishFailure {
     /// The producer refused it (e.g. the request id is already published).
     #[error("{0}")]
     Refused(#[source] PublishError),
+}
+
+/// Why a load spec was refused before any request was sent (nothing landed).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoadSpecFault {
+    /// The spec does not fit the workers (unknown group, block outside the cache, ...).
+    #[error("{0}")]
+    Spec(#[source] SpecError),
+    /// The engines could not grant write access to the load's blocks (their error).
+    #[error("granting the load's blocks: {0}")]
+    Grant(#[source] ShellError),
 }

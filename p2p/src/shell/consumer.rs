@@ -16,8 +16,8 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
 
 use crate::checksum::all_records;
-use crate::error::{LoadError, P2pError};
-use crate::proto::consumer::{FailReason, LinkError};
+use crate::error::{LoadError, LoadSpecFault, P2pError};
+use crate::proto::consumer::{FailReason, LinkError, ShellError};
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::{LoadRequest, Reply};
 use crate::proto::request::{build_request, grant_ranges};
@@ -120,7 +120,7 @@ impl Consumer {
         // WRITE for exactly this load's block bytes, to this load's token, until it ends.
         let grants = self.grant(&request).map_err(|e| LoadError::Spec {
             request_id: rid.clone(),
-            why: format!("granting the load's blocks: {e}"),
+            why: LoadSpecFault::Grant(ShellError(Arc::new(e))),
         })?;
         request.token = grants.first().map(|g| g.token().to_string());
         let grant_us = t_build.elapsed().as_micros() - build_us;
@@ -224,7 +224,7 @@ impl Consumer {
     fn build_request(&self, spec: &LoadSpec) -> Result<(LoadRequest, Landed), LoadError> {
         build_request(&self.layouts, self.tp, self.pp, spec).map_err(|e| LoadError::Spec {
             request_id: spec.request_id.clone(),
-            why: e.to_string(),
+            why: LoadSpecFault::Spec(e),
         })
     }
 

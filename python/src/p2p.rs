@@ -241,11 +241,9 @@ impl Producer {
                         None => kvferry_transfer::Token::random()
                             .map_err(|e| kvferry_p2p::P2pError::Publish {
                                 request_id: request_id.to_string(),
-                                why: kvferry_p2p::PublishFailure::NoKey(
-                                    kvferry_p2p::proto::consumer::ShellError(std::sync::Arc::new(
-                                        e,
-                                    )),
-                                ),
+                                why: kvferry_p2p::PublishFailure::NoKey(kvferry_transfer::Shared(
+                                    std::sync::Arc::new(e),
+                                )),
                             })?
                             .to_string(),
                     };

@@ -25,7 +25,7 @@ mod refusal;
 mod unsupported;
 pub use argument::{ArgumentError, SyncBound};
 pub use config::{ConfigError, NoRdma, SecretFileError};
-pub use io::{IoError, PeerText, Shared};
+pub use io::{AsError, IoError, PeerText, Shared};
 pub use json::JsonError;
 pub use peer_info::{CudaIpcReplyFault, RdmaInfoFault};
 pub use rdma::{EndpointFailure, FailedWork, RdmaError, WcStatus, WorkOp, WorkRequest};

@@ -26,10 +26,10 @@
 //! a success ends the down state.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+
 use std::time::{Duration, Instant};
 
-use kvferry_transfer::{PeerText, Secret};
+use kvferry_transfer::{PeerText, Secret, Shared};
 
 use super::msg::{
     decode_reply, decode_welcome, encode, finish_proof, Hello, LoadRequest, MsgError, Reply,
@@ -92,29 +92,8 @@ pub enum LinkError {
 
 /// An error of the shell's I/O (its socket, its random source), shared so that a [`LinkError`]
 /// or [`ConnectFailure`] stays `Clone`; its `source()` is the error itself, for a caller that
-/// downcasts. Two are equal when they say the same (such errors have no equality of their own).
-#[derive(Debug, Clone)]
-pub struct ShellError(pub Arc<dyn std::error::Error + Send + Sync>);
-
-impl std::fmt::Display for ShellError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl std::error::Error for ShellError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(self.0.as_ref())
-    }
-}
-
-impl PartialEq for ShellError {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
-    }
-}
-
-impl Eq for ShellError {}
+/// downcasts. Equality is [`Shared`]'s (the same error, or the same text).
+pub type ShellError = Shared;
 
 /// An output of the machine ([`ConsumerMachine::poll_event`]).
 #[derive(Debug, Clone, PartialEq)]

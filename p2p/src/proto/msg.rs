@@ -5,7 +5,7 @@
 //! ([`MAX_GROUPS`], [`MAX_RANKS`], [`MAX_LAYERS`], [`MAX_BLOCKS`], [`MAX_STRIDES`]) before
 //! its elements are read, so a decoded message holds a small multiple of its bytes.
 
-use std::sync::Arc;
+use kvferry_transfer::Shared;
 
 use serde::{Deserialize, Serialize};
 
@@ -143,35 +143,14 @@ pub enum MsgError {
 impl MsgError {
     /// The decoder's error for a message that does not decode.
     fn decode(e: rmp_serde::decode::Error) -> Self {
-        MsgError::Malformed(DecodeError(Arc::new(e)))
+        MsgError::Malformed(Shared::new(e))
     }
 }
 
 /// The msgpack decoder's error (rmp-serde's), shared so that a [`MsgError`] stays `Clone`; its
-/// `source()` is the decoder's error itself, for a caller that downcasts. Two are equal when
-/// they say the same (the decoder's errors have no equality of their own).
-#[derive(Debug, Clone)]
-pub struct DecodeError(pub Arc<rmp_serde::decode::Error>);
-
-impl std::fmt::Display for DecodeError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl std::error::Error for DecodeError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(self.0.as_ref())
-    }
-}
-
-impl PartialEq for DecodeError {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
-    }
-}
-
-impl Eq for DecodeError {}
+/// `source()` is the decoder's error itself, for a caller that downcasts. Equality is
+/// [`Shared`]'s (the same error, or the same text).
+pub type DecodeError = Shared<rmp_serde::decode::Error>;
 
 /// A layer's cache array geometry on the wire: the checksum crate's `Geometry`
 /// (docs/design.md §2.2) flattened into plain numbers.

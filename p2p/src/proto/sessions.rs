@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::hash::Hash;
 use std::time::Instant;
 
-use kvferry_transfer::{Secret, TransferError};
+use kvferry_transfer::{Secret, Shared, TransferError};
 
 use super::msg::{Hello, LoadRequest, Welcome, KIND_WELCOME, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
 use super::session::{names_producer, Session, NONCE_BYTES};
@@ -56,19 +56,10 @@ pub enum SessionRefusal {
     Replayed(u64),
 }
 
-/// Why no nonce could be drawn (the engine's error for the OS's randomness). Two are equal
-/// when they say the same (the engine's errors have no equality of their own).
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{0}")]
-pub struct NonceError(#[source] pub TransferError);
-
-impl PartialEq for NonceError {
-    fn eq(&self, other: &Self) -> bool {
-        self.0.to_string() == other.0.to_string()
-    }
-}
-
-impl Eq for NonceError {}
+/// Why no nonce could be drawn (the engine's error for the OS's randomness), shared; equality
+/// is [`Shared`]'s (the same error, or the same text: the engine's errors have no equality of
+/// their own).
+pub type NonceError = Shared<TransferError>;
 
 struct PeerSession {
     session: Session,
@@ -156,7 +147,7 @@ impl<P: Clone + Eq + Hash> Sessions<P> {
         let nonce = match (self.nonces)() {
             Ok(n) => n,
             Err(e) => {
-                refused = refused.or(Some(SessionRefusal::NoNonce(NonceError(e))));
+                refused = refused.or(Some(SessionRefusal::NoNonce(Shared::new(e))));
                 [0; NONCE_BYTES]
             }
         };

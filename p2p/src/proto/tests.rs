@@ -7,9 +7,7 @@ use kvferry_transfer::PeerText;
 use proptest::prelude::*;
 use serde::Serialize;
 
-use super::consumer::{
-    ConnectFailure, ConsumerEvent, ConsumerMachine, FailReason, LinkError, ShellError,
-};
+use super::consumer::{ConnectFailure, ConsumerEvent, ConsumerMachine, FailReason, LinkError};
 use super::msg::*;
 use super::plan::{pair_ranges, Copy, PlanError};
 use super::producer::{Effect, ProducerMachine, ProducerTimeouts, PublishError, ReleaseReason};
@@ -425,10 +423,9 @@ fn a_failed_connect_refuses_loads_until_the_retry_interval_passes() {
     .with_retry_interval(Duration::from_secs(2));
     assert_eq!(m.admit(t0), Ok(()));
     let refused = |what: &str| {
-        ConnectFailure::Socket(ShellError(std::sync::Arc::new(std::io::Error::new(
-            std::io::ErrorKind::ConnectionRefused,
-            what.to_string(),
-        ))))
+        ConnectFailure::Socket(kvferry_transfer::Shared(std::sync::Arc::new(
+            std::io::Error::new(std::io::ErrorKind::ConnectionRefused, what.to_string()),
+        )))
     };
     m.handle_connect_failed(t0, refused("connection refused"));
     let why = m
@@ -811,9 +808,9 @@ fn a_failed_send_fails_its_load_and_rebuilds() {
     ));
     let (a, _) = start(&mut c, t0, request("a", 0));
     let pipe = || {
-        LinkError::Socket(ShellError(std::sync::Arc::new(std::io::Error::from(
-            std::io::ErrorKind::BrokenPipe,
-        ))))
+        LinkError::Socket(kvferry_transfer::Shared(std::sync::Arc::new(
+            std::io::Error::from(std::io::ErrorKind::BrokenPipe),
+        )))
     };
     c.handle_send_failed(a, pipe());
     c.handle_send_failed(a, LinkError::NoSocket);

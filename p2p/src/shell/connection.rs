@@ -15,12 +15,12 @@ use tracing::{debug, warn};
 use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::proto::consumer::{
-    ConnectFailure, ConsumerEvent, ConsumerMachine, FailReason, LinkError, ShellError,
+    ConnectFailure, ConsumerEvent, ConsumerMachine, FailReason, LinkError,
 };
 use crate::proto::msg::{LoadRequest, Reply};
 use crate::shell::consumer_config::ConsumerConfig;
 use crate::shell::sleep_until;
-use kvferry_transfer::Secret;
+use kvferry_transfer::{Secret, Shared};
 
 /// Why a load got no reply: its connection failed, or the machine failed it.
 pub(crate) enum ConnFailure {
@@ -108,12 +108,12 @@ impl Connection {
         let mut monitor = socket.monitor();
         match tokio::time::timeout(self.connect_timeout, socket.connect(&self.endpoint)).await {
             Err(_) => return Err(ConnectFailure::Timeout(self.connect_timeout)),
-            Ok(Err(e)) => return Err(ConnectFailure::Socket(ShellError(Arc::new(e)))),
+            Ok(Err(e)) => return Err(ConnectFailure::Socket(Shared(Arc::new(e)))),
             Ok(Ok(())) => {}
         }
         // The session first: with a secret, nothing else goes out before the producer proved it.
         let nonce = kvferry_transfer::auth::random_bytes::<32>()
-            .map_err(|e| ConnectFailure::Nonce(ShellError(Arc::new(e))))?;
+            .map_err(|e| ConnectFailure::Nonce(Shared(Arc::new(e))))?;
         let hello = self.machine.hello(nonce, &self.endpoint, &self.name);
         let welcome = tokio::time::timeout(self.connect_timeout, async {
             socket.send(ZmqMessage::from(hello)).await?;
@@ -121,7 +121,7 @@ impl Connection {
         })
         .await
         .map_err(|_| ConnectFailure::Timeout(self.connect_timeout))?
-        .map_err(|e| ConnectFailure::Socket(ShellError(Arc::new(e))))?;
+        .map_err(|e| ConnectFailure::Socket(Shared(Arc::new(e))))?;
         let body = welcome.into_vec().pop().unwrap_or_default();
         self.machine
             .handle_welcome(&body)
@@ -140,7 +140,7 @@ impl Connection {
                             }
                         }
                         Err(e) => {
-                            let _ = events.send((generation, SockEvent::Lost(LinkError::Socket(ShellError(Arc::new(e))))));
+                            let _ = events.send((generation, SockEvent::Lost(LinkError::Socket(Shared(Arc::new(e))))));
                             break;
                         }
                     },
@@ -214,7 +214,7 @@ impl Connection {
                         let send = sock.send.send(ZmqMessage::from(t.bytes));
                         match tokio::time::timeout(self.send_timeout, send).await {
                             Ok(Ok(())) => None,
-                            Ok(Err(e)) => Some(LinkError::Socket(ShellError(Arc::new(e)))),
+                            Ok(Err(e)) => Some(LinkError::Socket(Shared(Arc::new(e)))),
                             Err(_) => Some(LinkError::SendTimeout(self.send_timeout)),
                         }
                     }

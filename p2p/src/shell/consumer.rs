@@ -17,7 +17,7 @@ use tracing::{debug, warn};
 
 use crate::checksum::all_records;
 use crate::error::{LoadError, LoadSpecFault, P2pError};
-use crate::proto::consumer::{FailReason, LinkError, ShellError};
+use crate::proto::consumer::{FailReason, LinkError};
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::{LoadRequest, Reply};
 use crate::proto::request::{build_request, grant_ranges};
@@ -29,7 +29,7 @@ use crate::shell::load_metrics::{record_load, Loaded};
 use crate::worker::{validate, Worker, WorkerGroup};
 use kvferry_transfer::sync::RwLockExt;
 use kvferry_transfer::{
-    GrantGuard, GrantOps, GrantSpec, Secret, Token, TransferEngine, TransferError,
+    GrantGuard, GrantOps, GrantSpec, Secret, Shared, Token, TransferEngine, TransferError,
 };
 
 /// Called after a load's transfer finished and before its verification (fault
@@ -120,7 +120,7 @@ impl Consumer {
         // WRITE for exactly this load's block bytes, to this load's token, until it ends.
         let grants = self.grant(&request).map_err(|e| LoadError::Spec {
             request_id: rid.clone(),
-            why: LoadSpecFault::Grant(ShellError(Arc::new(e))),
+            why: LoadSpecFault::Grant(Shared(Arc::new(e))),
         })?;
         request.token = grants.first().map(|g| g.token().to_string());
         let grant_us = t_build.elapsed().as_micros() - build_us;

@@ -14,7 +14,7 @@ use zeromq::Socket;
 
 use crate::checksum::{all_records, CallerStream};
 use crate::error::{BindFailure, P2pError, PublishFailure};
-use crate::proto::consumer::ShellError;
+
 use crate::proto::layout::RankLayout;
 use crate::proto::producer::ProducerMachine;
 use crate::proto::serve::Published;
@@ -29,6 +29,7 @@ use crate::worker::{validate, Worker};
 use kvferry_kernels::Location;
 use kvferry_transfer::auth::LogLimit;
 use kvferry_transfer::sync::MutexExt;
+use kvferry_transfer::Shared;
 
 /// A running producer: one ROUTER, one event loop task, TP×PP workers.
 pub struct Producer {
@@ -74,7 +75,7 @@ impl Producer {
         let endpoint = tokio::time::timeout(bind_within, socket.bind(&config.bind))
             .await
             .map_err(|_| bind_err(BindFailure::TimedOut(bind_within)))?
-            .map_err(|e| bind_err(BindFailure::Socket(ShellError(Arc::new(e)))))?
+            .map_err(|e| bind_err(BindFailure::Socket(Shared(Arc::new(e)))))?
             .to_string();
         let (tx, rx) = mpsc::unbounded_channel();
         let released = Arc::new(Mutex::new(Vec::new()));
@@ -133,7 +134,7 @@ impl Producer {
     ) -> Result<PublishInfo, P2pError> {
         let key = kvferry_transfer::Token::random().map_err(|e| P2pError::Publish {
             request_id: request_id.to_string(),
-            why: PublishFailure::NoKey(ShellError(Arc::new(e))),
+            why: PublishFailure::NoKey(Shared(Arc::new(e))),
         })?;
         self.publish_with_key(request_id, blocks, num_tokens, &key.to_string())
             .await
@@ -225,8 +226,8 @@ impl Producer {
                     unsafe { engine.order_after(device, stream.raw(), deadline) }
                 })
                 .await
-                .map_err(|e| perr(PublishFailure::Order(ShellError(Arc::new(e)))))?;
-                ordered.map_err(|e| perr(PublishFailure::Order(ShellError(Arc::new(e)))))?;
+                .map_err(|e| perr(PublishFailure::Order(Shared(Arc::new(e)))))?;
+                ordered.map_err(|e| perr(PublishFailure::Order(Shared(Arc::new(e)))))?;
             }
         }
         let started = Instant::now();

@@ -39,21 +39,72 @@ impl Clone for IoError {
     }
 }
 
-/// An error of any type made `Clone` by sharing it. Its `source()` is the error itself, so a
-/// walk down the chain reaches the original and can downcast to its type (an `Arc` in the
-/// chain would stand in for it and hide the type).
-#[derive(Debug, Clone)]
-pub struct Shared(pub Arc<dyn std::error::Error + Send + Sync>);
+/// An error made `Clone` (and `Eq`) by sharing it: `Shared<E>` holds an `E` behind an `Arc`;
+/// plain `Shared` holds an error of any type. Its `source()` is the error itself, so a walk
+/// down the chain reaches the original and can downcast to its type (an `Arc` in the chain
+/// would stand in for it and hide the type).
+///
+/// Two are equal when they are the same shared error or say the same: foreign errors (io,
+/// serde's, the decoder's) have no equality of their own, and an error is compared so that a
+/// state machine's outputs holding one can be compared in tests.
+#[derive(Debug)]
+pub struct Shared<E: ?Sized = dyn std::error::Error + Send + Sync>(pub Arc<E>);
 
-impl std::fmt::Display for Shared {
+impl<E: ?Sized> Clone for Shared<E> {
+    fn clone(&self) -> Self {
+        Shared(Arc::clone(&self.0))
+    }
+}
+
+impl<E> Shared<E> {
+    /// `e`, shared.
+    pub fn new(e: E) -> Self {
+        Shared(Arc::new(e))
+    }
+}
+
+impl<E> From<E> for Shared<E> {
+    fn from(e: E) -> Self {
+        Shared::new(e)
+    }
+}
+
+impl<E: std::fmt::Display + ?Sized> std::fmt::Display for Shared<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.0.fmt(f)
     }
 }
 
-impl std::error::Error for Shared {
+impl<E: AsError + std::fmt::Debug + std::fmt::Display + ?Sized> std::error::Error for Shared<E> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(self.0.as_ref())
+        Some(self.0.as_error())
+    }
+}
+
+impl<E: std::fmt::Display + ?Sized> PartialEq for Shared<E> {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl<E: std::fmt::Display + ?Sized> Eq for Shared<E> {}
+
+/// An error seen as `dyn Error` (what [`Shared`]'s `source()` returns): every sized error
+/// type, and the unsized `dyn Error + Send + Sync` of plain `Shared`.
+pub trait AsError {
+    /// `self` as a `dyn Error`.
+    fn as_error(&self) -> &(dyn std::error::Error + 'static);
+}
+
+impl<E: std::error::Error + 'static> AsError for E {
+    fn as_error(&self) -> &(dyn std::error::Error + 'static) {
+        self
+    }
+}
+
+impl AsError for dyn std::error::Error + Send + Sync {
+    fn as_error(&self) -> &(dyn std::error::Error + 'static) {
+        self
     }
 }
 
@@ -106,5 +157,30 @@ impl PeerText {
 impl std::fmt::Display for PeerText {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_is_equal_to_its_clone_and_to_an_error_saying_the_same() {
+        let a: Shared = Shared(Arc::new(std::io::Error::other("disk gone")));
+        assert_eq!(a, a.clone());
+        let same_words: Shared = Shared(Arc::new(std::io::Error::other("disk gone")));
+        assert_eq!(a, same_words);
+        let other: Shared = Shared(Arc::new(std::io::Error::other("link down")));
+        assert_ne!(a, other);
+    }
+
+    #[test]
+    fn shared_source_is_the_error_itself_typed_or_not() {
+        let typed = Shared::new(std::io::Error::other("x"));
+        let source = std::error::Error::source(&typed).expect("a source");
+        assert!(source.downcast_ref::<std::io::Error>().is_some());
+        let plain: Shared = Shared(Arc::new(std::io::Error::other("x")));
+        let source = std::error::Error::source(&plain).expect("a source");
+        assert!(source.downcast_ref::<std::io::Error>().is_some());
     }
 }

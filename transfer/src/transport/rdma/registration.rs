@@ -71,7 +71,7 @@ impl Shared {
     /// Errors: `Unsupported` with every path's failure when none works.
     pub(super) fn register_gpu(&self, region: &MemoryRegion) -> Result<GpuRegistered> {
         let mode = self.config.gpu_registration;
-        let mut why = Vec::new();
+        let mut why: Vec<(&str, crate::error::Shared)> = Vec::new();
         if matches!(mode, GpuRegistration::Auto | GpuRegistration::DmaBuf) {
             match self.reg_dmabuf_all(region) {
                 Ok(mrs) => return Ok((mrs, RegistrationPath::DmaBuf, None)),

@@ -8,4 +8,4 @@
 from kvferry._kvferry import *  # noqa: F401,F403
 from kvferry._kvferry import __version__  # noqa: F401  (the crate's version; `*` skips dunders)
 from kvferry import checksum  # noqa: F401,E402
-from kvferry.outcomes import Action, Release, Verdict  # noqa: F401,E402
+from kvferry.outcomes import Action, Release, ReleaseReason, Verdict  # noqa: F401,E402

@@ -1,6 +1,6 @@
 """Names of the outcomes kvferry reports, as enums that are also the strings it has always
-returned: a checksum verdict's ``status``, the failure policy's action, and why a producer
-released a lease. Each member is a ``str`` equal to its value (``Verdict.VERIFIED ==
+returned: a checksum verdict's ``status``, the failure policy's action, and the kind of why a
+producer released a lease (:class:`ReleaseReason`, that kind with a failure's text). Each member is a ``str`` equal to its value (``Verdict.VERIFIED ==
 "verified"``, ``str(Action.RECOMPUTE) == "recompute"``), so code that compares the strings
 keeps working, and ``Verdict(verdict.status)`` turns a returned string into the member
 (``ValueError`` for anything else).
@@ -8,9 +8,10 @@ keeps working, and ``Verdict(verdict.status)`` turns a returned string into the 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
-__all__ = ["Action", "Release", "Verdict"]
+__all__ = ["Action", "Release", "ReleaseReason", "Verdict"]
 
 
 class _StrEnum(str, enum.Enum):
@@ -44,28 +45,34 @@ class Action(_StrEnum):
 
 
 class Release(_StrEnum):
-    """Why a producer released a lease (``Producer.released()``): its consumer was served, no
-    consumer came before the lease ran out, or serving failed. A failure's reason is
-    ``"failed: <why>"``: it starts with :attr:`FAILED` and is not equal to it; use
-    :meth:`of` to classify any reason."""
+    """Why a producer released a lease: its consumer was served, no consumer came before the
+    lease ran out, or serving failed. ``Producer.released()`` gives it as the ``kind`` of a
+    :class:`ReleaseReason`."""
 
     SERVED = "served"
     EXPIRED = "expired"
     FAILED = "failed"
 
-    @classmethod
-    def of(cls, reason: str) -> Release:
-        """The member a released reason is: ``"served"``, ``"expired"``, or ``"failed: ..."``
-        (anything else is taken as a failure too, so it is never mistaken for served)."""
-        if reason == cls.SERVED:
-            return cls.SERVED
-        if reason == cls.EXPIRED:
-            return cls.EXPIRED
-        return cls.FAILED
 
-    def because(self, why: str) -> str:
-        """The released reason of this kind with ``why`` (``"failed: <why>"``); only
-        :attr:`FAILED` takes one."""
-        if self is not Release.FAILED:
-            raise ValueError(f"a {self.value} release carries no reason")
-        return f"{self.value}: {why}"
+@dataclasses.dataclass(frozen=True)
+class ReleaseReason:
+    """Why a producer released a lease (``Producer.released()``'s second item): ``kind``, a
+    :class:`Release`, and for :attr:`Release.FAILED` only, ``why``, the failure's text (for
+    logs: classify by ``kind``, never by the text). ``str()`` is the reason as a log line says
+    it: ``"served"``, ``"expired"`` or ``"failed: <why>"``."""
+
+    kind: Release
+    why: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Release(self.kind))
+        if (self.why is None) != (self.kind is not Release.FAILED):
+            raise ValueError(f"a {self.kind.value} release {'needs' if self.why is None else 'carries no'} reason")
+
+    @classmethod
+    def failed(cls, why: str) -> ReleaseReason:
+        """A failed release because of ``why``."""
+        return cls(Release.FAILED, why)
+
+    def __str__(self) -> str:
+        return self.kind.value if self.why is None else f"{self.kind.value}: {self.why}"

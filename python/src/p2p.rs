@@ -274,26 +274,28 @@ impl Producer {
         })
     }
 
-    /// released() -> list[tuple[str, str]]
+    /// released() -> list[tuple[str, kvferry.ReleaseReason]]
     ///
-    /// Takes the leases released since the last call as ``(request_id, reason)``, reason
-    /// ``"served"``, ``"expired"`` or ``"failed: <why>"``: their blocks may be reused now.
-    fn released(&self, py: Python<'_>) -> Vec<(String, String)> {
+    /// Takes the leases released since the last call as ``(request_id, reason)``: their blocks
+    /// may be reused now. ``reason.kind`` is a ``kvferry.Release`` (served, expired, failed);
+    /// a failed one's ``reason.why`` is the failure's text.
+    fn released<'py>(&self, py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
         let Some(p) = self.inner.read_locked().clone() else {
-            return Vec::new();
+            return Ok(Vec::new());
         };
         let released = p.producer.released();
         // After a shutdown this may be the last owner of the engines: unregister without the GIL.
         py.detach(|| drop(p));
+        let reason_class = py.import("kvferry.outcomes")?.getattr("ReleaseReason")?;
         released
             .into_iter()
             .map(|r| {
-                let reason = match r.reason {
-                    ReleaseReason::Served => "served".to_string(),
-                    ReleaseReason::Expired => "expired".to_string(),
-                    ReleaseReason::Failed(why) => format!("failed: {why}"),
+                let (kind, why) = match r.reason {
+                    ReleaseReason::Served => ("served", None),
+                    ReleaseReason::Expired => ("expired", None),
+                    ReleaseReason::Failed(e) => ("failed", Some(e.to_string())),
                 };
-                (r.request_id, reason)
+                Ok((r.request_id, reason_class.call1((kind, why))?))
             })
             .collect()
     }

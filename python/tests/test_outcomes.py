@@ -1,7 +1,9 @@
 """kvferry.Verdict / Action / Release: enums that are still the strings kvferry returns."""
 
+import pytest
+
 import kvferry
-from kvferry import Action, Release, Verdict
+from kvferry import Action, Release, ReleaseReason, Verdict
 
 
 def test_members_are_the_strings_returned_before():
@@ -19,12 +21,25 @@ def test_str_and_format_are_the_value():
     assert f"{Action.FAIL}" == "fail" and "%s" % Release.EXPIRED == "expired"
 
 
-def test_release_reasons_classify_and_build():
-    assert Release.of("served") is Release.SERVED
-    assert Release.of("expired") is Release.EXPIRED
-    assert Release.of("failed: peer gone") is Release.FAILED
-    assert Release.of("something new") is Release.FAILED  # never mistaken for served
-    assert Release.FAILED.because("publish on unit 1: x") == "failed: publish on unit 1: x"
+def test_release_reasons_are_typed_and_print_as_before():
+    served = ReleaseReason(Release.SERVED)
+    assert served.kind is Release.SERVED and served.why is None
+    assert ReleaseReason("expired").kind is Release.EXPIRED  # the binding passes the value
+    failed = ReleaseReason.failed("publish on unit 1: x")
+    assert failed.kind is Release.FAILED and failed.why == "publish on unit 1: x"
+    assert failed == ReleaseReason(Release.FAILED, "publish on unit 1: x")
+    # Log lines keep the words they had when reasons were strings.
+    assert (str(served), str(ReleaseReason(Release.EXPIRED))) == ("served", "expired")
+    assert str(failed) == "failed: publish on unit 1: x"
+
+
+def test_a_release_reason_takes_a_why_only_when_failed():
+    with pytest.raises(ValueError):
+        ReleaseReason(Release.FAILED)
+    with pytest.raises(ValueError):
+        ReleaseReason(Release.SERVED, "why")
+    with pytest.raises(ValueError):
+        ReleaseReason("something new")  # an unknown kind is never taken for served
 
 
 def test_the_policy_and_verdict_strings_convert():

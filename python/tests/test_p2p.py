@@ -90,7 +90,7 @@ def test_a_load_lands_the_producers_bytes_and_verifies(pair):
     while not released and time.monotonic() < deadline:
         released = producer.released()
         time.sleep(0.01)
-    assert released == [("req-0", "served")]
+    assert released == [("req-0", kvferry.ReleaseReason(kvferry.Release.SERVED))]
 
 
 def flip_hook(carr, layer, block_of, token, seen):

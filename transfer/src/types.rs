@@ -4,7 +4,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{ArgumentError, TransferError};
+use crate::error::{ArgumentError, Shared, TransferError};
 
 /// Where a memory region lives: defined once in kvferry-cuda and used by every crate.
 pub use kvferry_cuda::Location;
@@ -90,8 +90,10 @@ pub enum BatchStatus {
     /// Every slice succeeded: the bytes are in place at the target (TCP: applied before the ACK;
     /// RDMA: the work completion arrived).
     Completed,
-    /// Every slice finished and at least one failed; the text is the first failure.
-    Failed(String),
+    /// Every slice finished and at least one failed: the batch's error
+    /// ([`TransferError::Failed`]: the first slice failure, and how many failed of how many),
+    /// shared so that the status stays `Clone` and `Eq`.
+    Failed(Shared<TransferError>),
     /// A `wait` on the batch ran past its deadline. Slices still in flight may land later.
     Timeout,
     /// Unknown id (never issued, or freed after a finished wait).

@@ -29,7 +29,7 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
-use kvferry_transfer::Secret;
+use kvferry_transfer::{Secret, Shared};
 
 use super::msg::{decode_consumer_message, ConsumerMessage, LoadRequest, Reply, Status};
 use super::peer_segments::PeerSegments;
@@ -60,8 +60,10 @@ enum Entry<P, T> {
         /// The consumer segments the load writes to (held open until it ends).
         segments: Vec<String>,
     },
+    /// The lease ended (served, failed or expired); a request for it again is answered from
+    /// `reason` (`ProducerMachine::ended_text`).
     Done {
-        why: String,
+        reason: ReleaseReason,
         forget_at: Instant,
     },
 }
@@ -254,6 +256,20 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
         (request.budget_ms > 0).then(|| now + Duration::from_millis(request.budget_ms))
     }
 
+    /// Why a request for a lease that ended as `reason` is refused (the ERROR reply's text).
+    fn ended_text(&self, reason: &ReleaseReason) -> String {
+        match reason {
+            ReleaseReason::Served => "already loaded (KV is never fetched twice)".to_string(),
+            ReleaseReason::Failed(e) => {
+                format!("an earlier load failed ({e}); KV is never fetched twice")
+            }
+            ReleaseReason::Expired => format!(
+                "lease expired after {:?}; its blocks were freed",
+                self.timeouts.lease
+            ),
+        }
+    }
+
     /// `Some(ERROR)` when a transfer started now could outlast the consumer's budget.
     fn too_late(
         &self,
@@ -404,9 +420,10 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
                 let reply = Reply::error(&id, load_id, format!("request {id:?} {TWICE}"));
                 vec![Effect::Reply { peer, reply }]
             }
-            Some(Entry::Done { why, forget_at }) => {
+            Some(Entry::Done { reason, forget_at }) => {
+                let why = self.ended_text(&reason);
                 let reply = Reply::error(&id, load_id, format!("request {id:?}: {why}"));
-                self.entries.insert(id, Entry::Done { why, forget_at });
+                self.entries.insert(id, Entry::Done { reason, forget_at });
                 vec![Effect::Reply { peer, reply }]
             }
             None => {
@@ -479,7 +496,7 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
             ),
             _ => (None, Vec::new()),
         };
-        let (reply, why, reason) = match result {
+        let (reply, reason) = match result {
             Ok((bytes, checksums)) => {
                 let mut reply = Reply::new(Status::Finish, request_id, load_id);
                 reply.bytes_written = bytes;
@@ -487,20 +504,20 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
                 if let Some((t, sid)) = token {
                     reply.proof = Some(super::msg::finish_proof(&t, &sid, &reply).to_vec());
                 }
-                (
-                    reply,
-                    "already loaded (KV is never fetched twice)".to_string(),
-                    ReleaseReason::Served,
-                )
+                (reply, ReleaseReason::Served)
             }
             Err(e) => (
                 Reply::error(request_id, load_id, format!("transfer failed: {e}")),
-                format!("an earlier load failed ({e}); KV is never fetched twice"),
-                ReleaseReason::Failed(e.to_string()),
+                ReleaseReason::Failed(Shared::new(e)),
             ),
         };
-        self.entries
-            .insert(request_id.to_string(), Entry::Done { why, forget_at });
+        self.entries.insert(
+            request_id.to_string(),
+            Entry::Done {
+                reason: reason.clone(),
+                forget_at,
+            },
+        );
         // Released first: the writes are over; the embedder learns it no later than the consumer.
         self.effects.push_back(Effect::Released {
             request_id: request_id.to_string(),
@@ -539,10 +556,7 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
             self.entries.insert(
                 id.clone(),
                 Entry::Done {
-                    why: format!(
-                        "lease expired after {:?}; its blocks were freed",
-                        self.timeouts.lease
-                    ),
+                    reason: ReleaseReason::Expired,
                     forget_at: now + self.timeouts.tombstone,
                 },
             );

@@ -4,7 +4,10 @@
 
 use std::time::{Duration, Instant};
 
+use kvferry_transfer::Shared;
+
 use super::msg::{LoadRequest, MsgError, Reply, Welcome};
+use super::serve_error::ServeFailure;
 use super::sessions::SessionRefusal;
 
 /// Timeouts of the producer state machine.
@@ -37,8 +40,8 @@ impl Default for ProducerTimeouts {
 pub enum ReleaseReason {
     /// The blocks were written to a consumer (FINISH sent).
     Served,
-    /// Serving failed (ERROR sent); the blocks are not offered again.
-    Failed(String),
+    /// Serving failed (ERROR sent) for this cause; the blocks are not offered again.
+    Failed(Shared<ServeFailure>),
     /// No consumer came before the lease ran out.
     Expired,
 }

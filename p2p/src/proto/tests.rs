@@ -569,9 +569,9 @@ fn failed_serve_is_final() {
     assert_eq!(replies(&e)[0].1, Status::Error);
     assert!(e.contains(&Effect::Released {
         request_id: "a".into(),
-        reason: ReleaseReason::Failed(
-            "bad grant token: batch timed out or was freed before this slice was sent".into()
-        )
+        reason: ReleaseReason::Failed(kvferry_transfer::Shared::new(ServeFailure::Token(
+            kvferry_transfer::TransferError::Cancelled
+        )))
     }));
     let e = m.on_request(t0, 1, request("a", 2), &sess());
     assert_eq!(serves(&e), vec![]);

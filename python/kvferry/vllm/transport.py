@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import kvferry
-from kvferry.outcomes import Action, Release, Verdict
+from kvferry.outcomes import Action, Release, ReleaseReason, Verdict
 
 from kvferry.vllm.groups import STATE_KIND, STATE_SKIP, GroupInfo, blocks_for
 from kvferry.vllm.layouts import LayoutError, cpu_attention_isa, cpu_vec_parts, layer_layout, layer_view
@@ -191,9 +191,9 @@ class KvferryTransport:
         # kernels other than "vec" pack each block their own way): only whole blocks move, so
         # a load between different block sizes is refused. None: every block is described.
         self.packed_isa: str | None = None
-        # transfer id -> [vLLM request id, units not yet released, first reason other than "served"]
+        # transfer id -> [vLLM request id, units not yet released, first reason not served]
         self._published: dict[str, list] = {}
-        self._released_ready: list[tuple[str, str]] = []
+        self._released_ready: list[tuple[str, ReleaseReason]] = []
         self._lock = threading.Lock()
         self._stats: dict[str, list] = {k: [] for k in STATS_KEYS}
         self._stats_lock = threading.Lock()
@@ -406,7 +406,7 @@ class KvferryTransport:
             log.error("kvferry: request %s asks to be served but this rank has no producer", send.request_id)
             return
         with self._lock:
-            self._published[send.transfer_id] = [send.request_id, len(self.producers), Release.SERVED]
+            self._published[send.transfer_id] = [send.request_id, len(self.producers), ReleaseReason(Release.SERVED)]
         self._publish_pool.submit(self._publish, send, on_publish)
 
     def _publish(self, send: SendOrder, on_publish: Callable[[], bool] | None = None) -> None:
@@ -423,32 +423,31 @@ class KvferryTransport:
             except Exception as e:  # this unit will never release it: count it released now
                 log.error("kvferry: publishing request %s (transfer %s) on unit %d failed: %s",
                           send.request_id, send.transfer_id, j, e)
-                self._unit_released(send.transfer_id, Release.FAILED.because(f"publish on unit {j}: {e}"))
+                self._unit_released(send.transfer_id, ReleaseReason.failed(f"publish on unit {j}: {e}"))
                 continue
             if info.warning:
                 log.warning("kvferry: transfer %s published without checksums on unit %d: %s",
                             send.transfer_id, j, info.warning)
 
-    def _unit_released(self, transfer_id: str, reason: str) -> None:
+    def _unit_released(self, transfer_id: str, reason: ReleaseReason) -> None:
         """Counts one unit's release of ``transfer_id``; queues ``(request id, reason)`` for
-        :meth:`released` once every unit released it (reason ``served`` when all were served,
-        else the first other reason)."""
+        :meth:`released` once every unit released it (reason :attr:`Release.SERVED` when all
+        were served, else the first other reason)."""
         with self._lock:
             entry = self._published.get(transfer_id)
             if entry is None:
                 return
             entry[1] -= 1
-            if Release.of(reason) is not Release.SERVED and entry[2] == Release.SERVED:
+            if reason.kind is not Release.SERVED and entry[2].kind is Release.SERVED:
                 entry[2] = reason
             if entry[1] > 0:
                 return
             del self._published[transfer_id]
             self._released_ready.append((entry[0], entry[2]))
 
-    def released(self) -> list[tuple[str, str]]:
+    def released(self) -> list[tuple[str, ReleaseReason]]:
         """``(vLLM request id, reason)`` of the sends every unit released since the last call
-        (``served``, ``expired``, ``failed: ...``; the first reason other than ``served`` of any
-        unit): their blocks may be freed."""
+        (the first reason not served of any unit): their blocks may be freed."""
         for producer in self.producers:
             for transfer_id, reason in producer.released():
                 self._unit_released(transfer_id, reason)

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from kvferry.outcomes import Release, Verdict
+from kvferry.outcomes import Release, ReleaseReason, Verdict
 from kvferry.vllm.metadata import KvferryConnectorMetadata, LoadOrder, SendOrder
 
 # Under vLLM's logger, so vLLM's logging configuration (format, level) applies.
@@ -66,7 +66,7 @@ class RankTransport(Protocol):
 
     def serve(self, send: SendOrder, on_publish: Callable[[], bool] | None = None) -> None: ...
 
-    def released(self) -> list[tuple[str, str]]: ...
+    def released(self) -> list[tuple[str, ReleaseReason]]: ...
 
     def load(self, spec: LoadOrder, deadline: float) -> LoadResult: ...
 
@@ -172,7 +172,7 @@ class KvferryWorkerSide:
         :meth:`get_block_ids_with_load_errors` with ``report_blocks``) first."""
         sending: set[str] = set()
         for rid, reason in self.transport.released():
-            if Release.of(reason) is not Release.SERVED:
+            if reason.kind is not Release.SERVED:
                 log.warning("kvferry: request %s released without serving its consumer (%s); freeing its blocks",
                             rid, reason)
             self._served.put(rid)

@@ -15,6 +15,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from transport_helpers import released_soon
+from kvferry.outcomes import Release, ReleaseReason
 from kvferry.vllm.metadata import LoadOrder, SendOrder
 from kvferry.vllm.params import RemoteSource
 from kvferry.vllm.transport import KvferryTransport, LayoutError, TransportConfig, layer_view
@@ -111,7 +112,7 @@ def test_load_lands_the_producers_blocks_verified_and_releases_the_send(pair):
     while not released and time.monotonic() < end:
         released = p.released()
         time.sleep(0.05)
-    assert released == [("p-t0", "served")]
+    assert released == [("p-t0", ReleaseReason(Release.SERVED))]
 
 
 def test_auto_is_the_default_protocol_and_each_rank_logs_its_choice_once(pair, caplog):
@@ -213,7 +214,7 @@ def test_tp2_producer_to_tp1_consumer_loads_both_ranks_units_verified(built):
     assert_landed(pkv, ckv, (0, 2))
     # One Consumer per producer unit (a head each) besides the whole-rank one.
     assert sorted(k for k in c.consumers if k != (None, None)) == [(None, (0, 1)), (None, (1, 2))]
-    assert [released_soon(p) for p in producers] == [[("p-t", "served")]] * 2
+    assert [released_soon(p) for p in producers] == [[("p-t", ReleaseReason(Release.SERVED))]] * 2
 
 
 def test_tp1_producer_split_in_two_to_tp2_consumer_each_rank_loads_its_unit(built):
@@ -230,7 +231,7 @@ def test_tp1_producer_split_in_two_to_tp2_consumer_each_rank_loads_its_unit(buil
     assert p.released() == []
     r1 = load(consumers[1], "t", port, head_splits=2)
     assert r1.ok and r1.verdict == "verified", r1
-    assert released_soon(p) == [("p-t", "served")]
+    assert released_soon(p) == [("p-t", ReleaseReason(Release.SERVED))]
     for rank, c in enumerate(consumers):
         # Each consumer rank's one KV head is a whole unit: one load, no sliced Consumer.
         assert list(c.consumers) == [(None, None)]

@@ -15,6 +15,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from transport_helpers import released_soon
+from kvferry.outcomes import Release, ReleaseReason
 from kvferry.vllm.metadata import LoadOrder, SendOrder
 from kvferry.vllm.params import RemoteSource
 from kvferry.vllm.transport import KvferryTransport, TransportConfig, layer_view
@@ -125,7 +126,7 @@ def test_pp2_producer_to_pp1_consumer_loads_both_stages_verified(built):
     assert_landed(pkv, ckv)
     # One Consumer per producer stage's layers besides the whole-rank one.
     assert sorted(k for k in c.consumers if k != (None, None)) == [((0, 2), None), ((2, 4), None)]
-    assert [released_soon(p) for p in producers] == [[("p-t", "served")]] * 2
+    assert [released_soon(p) for p in producers] == [[("p-t", ReleaseReason(Release.SERVED))]] * 2
 
 
 def test_pp1_producer_split_in_two_layer_units_to_pp2_consumer_each_stage_loads_its_unit(built):
@@ -142,7 +143,7 @@ def test_pp1_producer_split_in_two_layer_units_to_pp2_consumer_each_stage_loads_
     assert p.released() == []
     r1 = load(consumers[1], "t", port, [(0, 4)], layer_splits=2)
     assert r1.ok and r1.verdict == "verified", r1
-    assert released_soon(p) == [("p-t", "served")]
+    assert released_soon(p) == [("p-t", ReleaseReason(Release.SERVED))]
     for s, c in enumerate(consumers):
         # Each stage's layers are a whole unit: one load, no layer-subset Consumer.
         assert list(c.consumers) == [(None, None)]
@@ -161,7 +162,7 @@ def test_tp2_pp2_producer_to_tp1_pp1_consumer_loads_four_units_verified(built):
     assert_landed(pkv, ckv)
     assert sorted(k for k in c.consumers if k != (None, None)) == [
         (lay, heads) for lay in ((0, 2), (2, 4)) for heads in ((0, 1), (1, 2))]
-    assert [released_soon(p) for p in producers] == [[("p-t", "served")]] * 4
+    assert [released_soon(p) for p in producers] == [[("p-t", ReleaseReason(Release.SERVED))]] * 4
 
 
 def test_tp1_pp1_producer_split_two_by_two_to_tp2_pp2_consumer_ranks_load_their_unit(built):
@@ -179,7 +180,7 @@ def test_tp1_pp1_producer_split_two_by_two_to_tp2_pp2_consumer_ranks_load_their_
             assert r.ok and r.verdict == "verified", (s, tp, r)
             assert list(c.consumers) == [(None, None)]
             assert_landed(pkv, ckv, (tp, tp + 1), (0, 1))
-    assert released_soon(p) == [("p-t", "served")]
+    assert released_soon(p) == [("p-t", ReleaseReason(Release.SERVED))]
 
 
 def test_a_flipped_bit_in_one_stages_landed_layers_fails_the_load(built):

@@ -5,7 +5,7 @@ use crate::sync::MutexExt;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::error::{ProtocolError, TransferError};
+use crate::error::{ProtocolError, Shared, TransferError};
 use crate::types::BatchStatus;
 
 /// How long a waiter of a batch marked `expect_soon` polls before it sleeps: longer than a
@@ -104,11 +104,11 @@ impl BatchState {
         if done >= total {
             match &c.first_error {
                 None => BatchStatus::Completed,
-                Some(e) => BatchStatus::Failed(if c.failed > 1 {
-                    format!("{e} (and {} more failed slices of {total})", c.failed - 1)
-                } else {
-                    e.to_string()
-                }),
+                Some(first) => BatchStatus::Failed(Shared::new(TransferError::Failed {
+                    first: Box::new(first.clone()),
+                    failed: c.failed,
+                    total,
+                })),
             }
         } else if done == 0 {
             BatchStatus::Waiting
@@ -117,24 +117,15 @@ impl BatchState {
         }
     }
 
-    /// The wait's result for a final `status`; `c`: the batch's counts (a failed batch's
-    /// error keeps its first slice failure as its source).
-    fn finish(
-        total: u32,
-        c: &Counts,
-        status: BatchStatus,
-        timeout: Duration,
-    ) -> Result<(), TransferError> {
-        match (status, &c.first_error) {
-            (BatchStatus::Completed, _) => Ok(()),
-            (BatchStatus::Timeout, _) => Err(TransferError::Timeout(timeout)),
-            (_, Some(first)) => Err(TransferError::Failed {
-                first: Box::new(first.clone()),
-                failed: c.failed,
-                total,
-            }),
-            // no final state without a first error is left: Invalid is never a batch's state
-            (_, None) => Err(TransferError::Protocol(ProtocolError::UnexpectedBatchState)),
+    /// The wait's result for a final `status` (a failed batch's error keeps its first slice
+    /// failure as its source).
+    fn finish(status: BatchStatus, timeout: Duration) -> Result<(), TransferError> {
+        match status {
+            BatchStatus::Completed => Ok(()),
+            BatchStatus::Timeout => Err(TransferError::Timeout(timeout)),
+            BatchStatus::Failed(e) => Err(TransferError::clone(&e.0)),
+            // Invalid is never a batch's state, and finish is called for final states only
+            _ => Err(TransferError::Protocol(ProtocolError::UnexpectedBatchState)),
         }
     }
 
@@ -156,7 +147,7 @@ impl BatchState {
         loop {
             let s = Self::status_of(self.total, &c);
             if s.is_final() {
-                return Self::finish(self.total, &c, s, timeout);
+                return Self::finish(s, timeout);
             }
             let left = match deadline {
                 Some(d) => d.saturating_duration_since(Instant::now()),
@@ -195,12 +186,12 @@ impl BatchState {
             }
         };
         match tokio::time::timeout(timeout, fut).await {
-            Ok(s) => Self::finish(self.total, &self.lock(), s, timeout),
+            Ok(s) => Self::finish(s, timeout),
             Err(_) => {
                 let mut c = self.lock();
                 let s = Self::status_of(self.total, &c);
                 if s.is_final() {
-                    return Self::finish(self.total, &c, s, timeout);
+                    return Self::finish(s, timeout);
                 }
                 c.timed_out = true;
                 self.cancel();
@@ -400,7 +391,13 @@ mod tests {
         assert_eq!(st.status(), BatchStatus::Pending);
         sink.complete(1, Ok(()));
         match st.status() {
-            BatchStatus::Failed(e) => assert!(e.contains("4242"), "{e}"),
+            BatchStatus::Failed(e) => {
+                assert!(
+                    matches!(*e.0, TransferError::Failed { ref first, failed: 1, total: 3 }
+                        if matches!(**first, TransferError::UnknownBatch(4242))),
+                    "{e}"
+                )
+            }
             s => panic!("{s:?}"),
         }
         assert!(matches!(

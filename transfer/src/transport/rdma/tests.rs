@@ -302,6 +302,7 @@ fn rdma_out_of_region_request_with_a_valid_rkey_is_refused_and_writes_nothing() 
         for op in [Op::Write, Op::Read] {
             match run(&init, &peer, slice(op, addr, len)) {
                 BatchStatus::Failed(t) => {
+                    let t = t.to_string();
                     eprintln!("{what} {op:?}: {t}");
                     assert!(t.contains("remote access error"), "{what} {op:?}: {t}");
                 }
@@ -456,6 +457,7 @@ fn rdma_slices_in_flight_on_a_failed_endpoint_are_retried_on_a_fresh_one() {
         let retried = init.t.retried_slices();
         match (max_retries, st.status()) {
             (0, BatchStatus::Failed(t)) => {
+                let t = t.to_string();
                 eprintln!("no retries: {t}");
                 assert!(
                     t.to_lowercase().contains("retry"),

@@ -9,7 +9,7 @@ pub mod cpu;
 pub mod cuda;
 #[cfg(any(test, feature = "test-tools"))]
 pub mod oracle;
-mod sync;
+pub mod sync;
 
 use std::sync::Arc;
 

@@ -3,12 +3,13 @@
 //! section either finishes its update or has changed nothing before the code that can panic),
 //! so the next holder takes the data as it is instead of spreading the panic to every later
 //! caller. The transfer engine's `sync` module says the same for its locks; this crate sits
-//! below it and keeps its own copy of the one helper it needs.
+//! below it and keeps its own copy of the one helper it needs, public for its tests (and any
+//! caller) to lock the same way.
 
 use std::sync::{Mutex, MutexGuard};
 
 /// [`Mutex::lock`] that ignores poisoning (see the module docs).
-pub(crate) trait MutexExt<T: ?Sized> {
+pub trait MutexExt<T: ?Sized> {
     /// The guard, whether or not a holder panicked.
     fn locked(&self) -> MutexGuard<'_, T>;
 }

@@ -15,6 +15,7 @@ use kvferry_kernels::cuda::tools::Tools;
 use kvferry_kernels::cuda::view::{launch_plan, MODE_GENERIC, MODE_VEC16, MODE_VEC8};
 use kvferry_kernels::cuda::{unavailable_reason, CudaBackend, KernelVariant};
 use kvferry_kernels::oracle::direct_values;
+use kvferry_kernels::sync::MutexExt;
 use kvferry_kernels::{
     backend_for, ChecksumBackend, GroupJob, GroupResult, KernelError, LayerInput, Location,
 };
@@ -29,7 +30,7 @@ const WAIT: Duration = Duration::from_secs(30);
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+    ONE_AT_A_TIME.locked()
 }
 
 fn gpu(test: &str) -> Option<(CudaBackend, Tools)> {

@@ -70,14 +70,6 @@ pub enum LoadError {
         /// Why.
         reason: FailReason,
     },
-    /// Checksumming the landed blocks failed to run at all (fail-closed treats it as a load failure).
-    #[error("load {request_id:?}: consumer checksums failed: {why}")]
-    Checksum {
-        /// The request.
-        request_id: String,
-        /// Why.
-        why: String,
-    },
 }
 
 impl LoadError {
@@ -86,8 +78,7 @@ impl LoadError {
         match self {
             LoadError::Spec { request_id, .. }
             | LoadError::Connect { request_id, .. }
-            | LoadError::Failed { request_id, .. }
-            | LoadError::Checksum { request_id, .. } => request_id,
+            | LoadError::Failed { request_id, .. } => request_id,
         }
     }
 

@@ -20,6 +20,7 @@ use kvferry_cuda::ipc::{
     self, allocation_of, export_vmm, legacy_handle, AllocationKind, ImportedVmm, LegacyHandle,
     OpenedLegacy, VmmBuffer,
 };
+use kvferry_transfer::sync::MutexExt;
 use kvferry_transfer::transport::cuda_ipc::fdpass::{fetch, FdServer};
 
 const ROLE: &str = "KVFERRY_IPC_TEST_ROLE";
@@ -28,7 +29,7 @@ const ROLE: &str = "KVFERRY_IPC_TEST_ROLE";
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+    SERIAL.locked()
 }
 
 fn gpu(test: &str) -> Option<Context> {

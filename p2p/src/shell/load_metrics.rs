@@ -50,7 +50,6 @@ fn verdict_labels(r: &Result<Loaded<'_>, &LoadError>) -> (&'static str, String) 
                 LoadError::Spec { .. } => "spec".into(),
                 LoadError::Connect { .. } => "connect".into(),
                 LoadError::Failed { reason, .. } => snake(&format!("{reason:?}")),
-                LoadError::Checksum { .. } => "checksum".into(),
             },
         ),
     }

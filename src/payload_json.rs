@@ -7,6 +7,7 @@
 //! on input).
 
 use kvferry_checksum::payload::{Payload, PayloadError, PayloadGroup, PAYLOAD_VERSION};
+use kvferry_transfer::JsonError;
 use serde_json::{json, Map, Value};
 use thiserror::Error;
 
@@ -16,9 +17,9 @@ pub enum PayloadJsonError {
     /// The base64 text or bytes are not a valid payload.
     #[error("invalid payload: {0}")]
     Payload(#[from] PayloadError),
-    /// The JSON text does not parse.
+    /// The JSON text does not parse: serde_json's error (with line and column).
     #[error("invalid JSON: {0}")]
-    Json(String),
+    Json(#[source] JsonError),
     /// A field is missing or holds an unusable value.
     #[error("{field} = {value}: {why}")]
     Field {
@@ -27,8 +28,40 @@ pub enum PayloadJsonError {
         /// The value found, as JSON text (`missing` when absent).
         value: String,
         /// Why it is refused.
-        why: String,
+        why: FieldFault,
     },
+}
+
+/// Why a field of the payload's JSON is refused ([`PayloadJsonError::Field`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+pub enum FieldFault {
+    /// The field is absent.
+    #[error("required")]
+    Missing,
+    /// A JSON number that is negative, fractional or above `u64::MAX`.
+    #[error("not an unsigned 64-bit integer")]
+    NotU64,
+    /// A string that is neither `0x` with 1 to 16 hex digits nor a decimal u64.
+    #[error("expected 0x followed by at most 16 hex digits, or a decimal number")]
+    BadNumberText,
+    /// Neither a number nor a string.
+    #[error("expected a number or a hex string")]
+    NotNumber,
+    /// A u64 above `u32::MAX` where 32 bits are the most.
+    #[error("does not fit in 32 bits")]
+    NotU32,
+    /// A `version` other than the one payload version.
+    #[error("only version 1 exists")]
+    Version,
+    /// A `block_size` of 0.
+    #[error("must be at least 1")]
+    ZeroBlockSize,
+    /// Not a JSON object where one is expected.
+    #[error("expected an object")]
+    NotObject,
+    /// Not a JSON array where one is expected.
+    #[error("expected an array")]
+    NotArray,
 }
 
 fn hex(v: u64) -> Value {
@@ -117,40 +150,32 @@ pub fn decode_to_json(base64_text: &str) -> Result<Value, PayloadJsonError> {
     Ok(payload_to_json(&Payload::from_base64(base64_text)?))
 }
 
-fn bad(field: &str, value: &Value, why: &str) -> PayloadJsonError {
+fn bad(field: &str, value: &Value, why: FieldFault) -> PayloadJsonError {
     PayloadJsonError::Field {
         field: field.to_string(),
         value: value.to_string(),
-        why: why.to_string(),
+        why,
     }
 }
 
 /// A u64 from a JSON number or a `"0x…"` / decimal string.
 fn u64_of(v: &Value, field: &str) -> Result<u64, PayloadJsonError> {
     match v {
-        Value::Number(n) => n
-            .as_u64()
-            .ok_or_else(|| bad(field, v, "not an unsigned 64-bit integer")),
+        Value::Number(n) => n.as_u64().ok_or_else(|| bad(field, v, FieldFault::NotU64)),
         Value::String(s) => {
             let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
                 Some(h) if !h.is_empty() && h.len() <= 16 => u64::from_str_radix(h, 16).ok(),
                 Some(_) => None,
                 None => s.parse::<u64>().ok(),
             };
-            parsed.ok_or_else(|| {
-                bad(
-                    field,
-                    v,
-                    "expected 0x followed by at most 16 hex digits, or a decimal number",
-                )
-            })
+            parsed.ok_or_else(|| bad(field, v, FieldFault::BadNumberText))
         }
-        _ => Err(bad(field, v, "expected a number or a hex string")),
+        _ => Err(bad(field, v, FieldFault::NotNumber)),
     }
 }
 
 fn u32_of(v: &Value, field: &str) -> Result<u32, PayloadJsonError> {
-    u32::try_from(u64_of(v, field)?).map_err(|_| bad(field, v, "does not fit in 32 bits"))
+    u32::try_from(u64_of(v, field)?).map_err(|_| bad(field, v, FieldFault::NotU32))
 }
 
 fn get<'a>(
@@ -161,13 +186,13 @@ fn get<'a>(
     obj.get(key).ok_or_else(|| PayloadJsonError::Field {
         field: format!("{at}{key}"),
         value: "missing".into(),
-        why: "required".into(),
+        why: FieldFault::Missing,
     })
 }
 
 fn object<'a>(v: &'a Value, at: &str) -> Result<&'a Map<String, Value>, PayloadJsonError> {
     v.as_object()
-        .ok_or_else(|| bad(at, v, "expected an object"))
+        .ok_or_else(|| bad(at, v, FieldFault::NotObject))
 }
 
 /// A payload from its JSON form. Errors name the field: missing fields, values that are not
@@ -176,14 +201,14 @@ pub fn payload_from_json(v: &Value) -> Result<Payload, PayloadJsonError> {
     let top = object(v, "payload")?;
     let version = u64_of(get(top, "version", "")?, "version")?;
     if version != PAYLOAD_VERSION as u64 {
-        return Err(bad("version", &top["version"], "only version 1 exists"));
+        return Err(bad("version", &top["version"], FieldFault::Version));
     }
     let tp_size = u32_of(get(top, "tp_size", "")?, "tp_size")?;
     let num_tokens = u64_of(get(top, "num_tokens", "")?, "num_tokens")?;
     let groups_v = get(top, "groups", "")?;
     let groups_a = groups_v
         .as_array()
-        .ok_or_else(|| bad("groups", groups_v, "expected an array"))?;
+        .ok_or_else(|| bad("groups", groups_v, FieldFault::NotArray))?;
     let mut groups = Vec::with_capacity(groups_a.len());
     for (i, gv) in groups_a.iter().enumerate() {
         let at = format!("groups[{i}].");
@@ -194,13 +219,13 @@ pub fn payload_from_json(v: &Value) -> Result<Payload, PayloadJsonError> {
             return Err(bad(
                 &field("block_size"),
                 &g["block_size"],
-                "must be at least 1",
+                FieldFault::ZeroBlockSize,
             ));
         }
         let values_v = get(g, "values", &at)?;
         let values_a = values_v
             .as_array()
-            .ok_or_else(|| bad(&field("values"), values_v, "expected an array"))?;
+            .ok_or_else(|| bad(&field("values"), values_v, FieldFault::NotArray))?;
         let values = values_a
             .iter()
             .enumerate()
@@ -225,7 +250,7 @@ pub fn payload_from_json(v: &Value) -> Result<Payload, PayloadJsonError> {
 /// Encodes JSON text of the form above as base64 payload text.
 pub fn encode_from_json(json_text: &str) -> Result<String, PayloadJsonError> {
     let v: Value =
-        serde_json::from_str(json_text).map_err(|e| PayloadJsonError::Json(e.to_string()))?;
+        serde_json::from_str(json_text).map_err(|e| PayloadJsonError::Json(JsonError::new(e)))?;
     Ok(payload_from_json(&v)?.to_base64())
 }
 
@@ -290,32 +315,44 @@ mod tests {
             (
                 r#"{"version":2,"tp_size":1,"num_tokens":1,"groups":[]}"#,
                 "version",
+                FieldFault::Version,
             ),
-            (r#"{"version":1,"num_tokens":1,"groups":[]}"#, "tp_size"),
+            (
+                r#"{"version":1,"num_tokens":1,"groups":[]}"#,
+                "tp_size",
+                FieldFault::Missing,
+            ),
             (
                 r#"{"version":1,"tp_size":1,"num_tokens":1,"groups":[{"group_id":0,"fingerprint":"0x1","block_size":0,"start":0,"values":[]}]}"#,
                 "groups[0].block_size",
+                FieldFault::ZeroBlockSize,
             ),
             (
                 r#"{"version":1,"tp_size":1,"num_tokens":1,"groups":[{"group_id":0,"fingerprint":"0x1","block_size":16,"start":0,"values":["0xzz"]}]}"#,
                 "groups[0].values[0]",
+                FieldFault::BadNumberText,
             ),
             (
                 r#"{"version":1,"tp_size":1,"num_tokens":1,"groups":[{"group_id":0,"fingerprint":"0x11112222333344445","block_size":16,"start":0,"values":[]}]}"#,
                 "groups[0].fingerprint",
+                FieldFault::BadNumberText,
             ),
             (
                 r#"{"version":1,"tp_size":1,"num_tokens":-1,"groups":[]}"#,
                 "num_tokens",
+                FieldFault::NotU64,
             ),
             (
                 r#"{"version":1,"tp_size":1,"num_tokens":1,"groups":[{"fingerprint":"0x1","block_size":16,"start":0,"values":[]}]}"#,
                 "groups[0].group_id",
+                FieldFault::Missing,
             ),
         ];
-        for (text, field) in cases {
+        for (text, field, fault) in cases {
             match encode_from_json(text) {
-                Err(PayloadJsonError::Field { field: f, .. }) => assert_eq!(f, field, "{text}"),
+                Err(PayloadJsonError::Field { field: f, why, .. }) => {
+                    assert_eq!((f.as_str(), why), (field, fault), "{text}")
+                }
                 other => panic!("{text}: {other:?}"),
             }
         }

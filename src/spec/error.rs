@@ -1,6 +1,9 @@
 //! Errors of `checksum --spec`: every message names the spec field or the file and its value.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
+
+use kvferry_checksum::layout::LayoutError;
 
 use thiserror::Error;
 
@@ -16,12 +19,12 @@ pub enum SpecError {
         source: std::io::Error,
     },
     /// The spec is not JSON of the expected shape.
-    #[error("spec {path}: {msg}")]
+    #[error("spec {path}: {source}")]
     Json {
         /// The spec file's path, as given.
         path: PathBuf,
-        /// serde_json's message (with line and column).
-        msg: String,
+        /// serde_json's error (with line and column).
+        source: serde_json::Error,
     },
     /// A field holds a value that cannot be used.
     #[error("{field} = {value}: {why}")]
@@ -31,7 +34,7 @@ pub enum SpecError {
         /// The value found, as text.
         value: String,
         /// Why it cannot be used.
-        why: String,
+        why: FieldFault,
     },
     /// A tensor file is missing, unreadable or does not match the spec.
     #[error("{field}: file {path}: {why}")]
@@ -41,7 +44,107 @@ pub enum SpecError {
         /// The tensor file's path (relative paths resolved against the spec's folder).
         path: PathBuf,
         /// What is wrong with it (missing, unreadable, wrong size, ...).
-        why: String,
+        why: FileFault,
+    },
+}
+
+/// Why a spec field's value cannot be used ([`SpecError::Field`]).
+#[derive(Debug, Error)]
+pub enum FieldFault {
+    /// The layout, element size or dims do not make a layout or geometry (the checksum
+    /// crate's error).
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// `dims.KV` given: KV is implied.
+    #[error("KV is always 2 and must not be given")]
+    KvGiven,
+    /// A dims key other than B, N, H, D.
+    #[error("expected B, N, H or D")]
+    UnknownDim,
+    /// A dimension the layout needs is absent.
+    #[error("{0} is required")]
+    DimRequired(&'static str),
+    /// `H` absent although the layout has heads.
+    #[error("H is required by the layout")]
+    HeadsRequired,
+    /// `H` other than 1 for a layout without heads.
+    #[error("layout {0:?} has no H dimension")]
+    NoHeads(String),
+    /// A cell that is not whole 8-byte pieces.
+    #[error(
+        "a cell of {cell_bytes} bytes (parts {parts} × D {head_dim} × elem_bytes {elem_bytes}) \
+         is not whole 8-byte pieces"
+    )]
+    Cell {
+        /// Bytes of one cell.
+        cell_bytes: u64,
+        /// Parts per cell (2 for K and V, 1 for a latent).
+        parts: u64,
+        /// D.
+        head_dim: u64,
+        /// Bytes per element.
+        elem_bytes: u64,
+    },
+    /// A block size of 0.
+    #[error("must be at least 1")]
+    Zero,
+    /// A layer name without exactly one layer number.
+    #[error("holds no (single) layer number")]
+    NoLayerNumber,
+    /// The layer's kernel blocks × N differ from the group's block size.
+    #[error(
+        "kernel_blocks × N = {layer_block_size} but the group's block_size is {group_block_size}"
+    )]
+    KernelBlocks {
+        /// The layer's block size (kernel_blocks × N), tokens.
+        layer_block_size: u64,
+        /// The group's block size, tokens.
+        group_block_size: u64,
+    },
+    /// A block id at or past a layer's logical block count.
+    #[error("layer {layer} holds {blocks} logical blocks")]
+    BlockId {
+        /// The layer's index in its group.
+        layer: usize,
+        /// Logical blocks in that layer.
+        blocks: u64,
+    },
+    /// A `.safetensors` file without `"tensor"`.
+    #[error("a .safetensors file needs \"tensor\": the tensor's name")]
+    TensorNeeded,
+    /// `"tensor"` for a file that has no named tensors.
+    #[error("only .safetensors files hold named tensors")]
+    TensorNotNamed,
+}
+
+/// What is wrong with a tensor file ([`SpecError::File`]).
+#[derive(Debug, Error)]
+pub enum FileFault {
+    /// It cannot be opened or its size read.
+    #[error("{0}")]
+    Read(#[source] std::io::Error),
+    /// It is empty where KV is expected.
+    #[error("is empty, expected {0} bytes of KV")]
+    Empty(u64),
+    /// It cannot be mapped.
+    #[error("cannot map: {0}")]
+    Map(#[source] std::io::Error),
+    /// A `.npy` or `.safetensors` file that does not hold the layer's array.
+    #[error("{0}")]
+    Format(#[source] FormatError),
+    /// A raw file whose size is not the layer's.
+    #[error("holds {len} bytes, but layout {layout} with dims {dims:?} and elem_bytes {elem_bytes} needs {want}")]
+    Size {
+        /// The file's bytes.
+        len: u64,
+        /// The layout text.
+        layout: String,
+        /// The dims.
+        dims: BTreeMap<String, u64>,
+        /// Bytes per element.
+        elem_bytes: u64,
+        /// The bytes the layer's geometry spans.
+        want: u64,
     },
 }
 
@@ -67,11 +170,11 @@ impl From<String> for FormatError {
 pub(super) fn field_err(
     field: impl Into<String>,
     value: impl ToString,
-    why: impl Into<String>,
+    why: FieldFault,
 ) -> SpecError {
     SpecError::Field {
         field: field.into(),
         value: value.to_string(),
-        why: why.into(),
+        why,
     }
 }

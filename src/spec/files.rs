@@ -7,7 +7,7 @@ use std::path::Path;
 use kvferry_checksum::layout::Geometry;
 use memmap2::Mmap;
 
-use super::error::{field_err, SpecError};
+use super::error::{field_err, FieldFault, FileFault, SpecError};
 use super::schema::SpecLayer;
 use super::{npy, safetensors_lookup};
 
@@ -33,13 +33,13 @@ pub(super) fn map_layer(
     at: &str,
 ) -> Result<Mapped, SpecError> {
     let path = dir.join(&l.path);
-    let ferr = |why: String| SpecError::File {
+    let ferr = |why: FileFault| SpecError::File {
         field: format!("{at}.path"),
         path: path.clone(),
         why,
     };
-    let file = File::open(&path).map_err(|e| ferr(e.to_string()))?;
-    let len = file.metadata().map_err(|e| ferr(e.to_string()))?.len();
+    let file = File::open(&path).map_err(|e| ferr(FileFault::Read(e)))?;
+    let len = file.metadata().map_err(|e| ferr(FileFault::Read(e)))?.len();
     let want = g.byte_len();
     if len == 0 {
         return match want {
@@ -47,40 +47,46 @@ pub(super) fn map_layer(
                 map: None,
                 range: 0..0,
             }),
-            _ => Err(ferr(format!("is empty, expected {want} bytes of KV"))),
+            _ => Err(ferr(FileFault::Empty(want))),
         };
     }
     // SAFETY: the file is mapped read-only for the duration of this command; like any tool that
     // reads a file, it assumes no other process truncates or rewrites the file meanwhile.
-    let map = unsafe { Mmap::map(&file) }.map_err(|e| ferr(format!("cannot map: {e}")))?;
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| ferr(FileFault::Map(e)))?;
     let ext = path
         .extension()
         .and_then(|e| e.to_str())
         .unwrap_or("")
         .to_ascii_lowercase();
     let range = match ext.as_str() {
-        "npy" => npy::npy_range(&map, g, l.elem_bytes).map_err(|e| ferr(e.0))?,
+        "npy" => npy::npy_range(&map, g, l.elem_bytes).map_err(|e| ferr(FileFault::Format(e)))?,
         "safetensors" => {
             let Some(name) = l.tensor.as_deref() else {
                 return Err(field_err(
                     format!("{at}.tensor"),
                     "null",
-                    "a .safetensors file needs \"tensor\": the tensor's name",
+                    FieldFault::TensorNeeded,
                 ));
             };
             safetensors_lookup::safetensors_range(&map, name, g, l.elem_bytes)
-                .map_err(|e| ferr(e.0))?
+                .map_err(|e| ferr(FileFault::Format(e)))?
         }
         _ => {
             if l.tensor.is_some() {
                 return Err(field_err(
                     format!("{at}.tensor"),
                     format!("{:?}", l.tensor),
-                    "only .safetensors files hold named tensors",
+                    FieldFault::TensorNotNamed,
                 ));
             }
             if len != want {
-                return Err(ferr(format!("holds {len} bytes, but layout {} with dims {:?} and elem_bytes {} needs {want}", l.layout, l.dims, l.elem_bytes)));
+                return Err(ferr(FileFault::Size {
+                    len,
+                    layout: l.layout.clone(),
+                    dims: l.dims.clone(),
+                    elem_bytes: l.elem_bytes,
+                    want,
+                }));
             }
             0..want as usize
         }

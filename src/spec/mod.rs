@@ -35,7 +35,7 @@ use kvferry_checksum::group::{parse_layer_number, LayerSpec, ReplicaKey};
 use serde_json::{json, Value};
 
 use error::field_err;
-pub use error::{FormatError, SpecError};
+pub use error::{FieldFault, FileFault, FormatError, SpecError};
 use files::map_layer;
 use schema::{geometry, SpecFile};
 
@@ -48,9 +48,9 @@ pub fn checksum_spec(path: &Path) -> Result<Value, SpecError> {
         path: path.to_path_buf(),
         source,
     })?;
-    let spec: SpecFile = serde_json::from_str(&text).map_err(|e| SpecError::Json {
+    let spec: SpecFile = serde_json::from_str(&text).map_err(|source| SpecError::Json {
         path: path.to_path_buf(),
-        msg: e.to_string(),
+        source,
     })?;
     let dir = path.parent().unwrap_or(Path::new("."));
     let mut groups = Vec::new();
@@ -59,7 +59,7 @@ pub fn checksum_spec(path: &Path) -> Result<Value, SpecError> {
             return Err(field_err(
                 format!("groups[{gi}].block_size"),
                 0,
-                "must be at least 1",
+                FieldFault::Zero,
             ));
         }
         let mut values = vec![0u64; grp.block_ids.len()];
@@ -70,7 +70,7 @@ pub fn checksum_spec(path: &Path) -> Result<Value, SpecError> {
                 field_err(
                     format!("{at}.name"),
                     format!("{:?}", l.name),
-                    "holds no (single) layer number",
+                    FieldFault::NoLayerNumber,
                 )
             })?;
             let g = geometry(l, &at)?;
@@ -78,11 +78,10 @@ pub fn checksum_spec(path: &Path) -> Result<Value, SpecError> {
                 return Err(field_err(
                     format!("{at}.kernel_blocks"),
                     l.kernel_blocks,
-                    format!(
-                        "kernel_blocks × N = {} but the group's block_size is {}",
-                        g.block_size(),
-                        grp.block_size
-                    ),
+                    FieldFault::KernelBlocks {
+                        layer_block_size: g.block_size(),
+                        group_block_size: grp.block_size,
+                    },
                 ));
             }
             if let Some((i, id)) = grp
@@ -94,7 +93,10 @@ pub fn checksum_spec(path: &Path) -> Result<Value, SpecError> {
                 return Err(field_err(
                     format!("groups[{gi}].block_ids[{i}]"),
                     id,
-                    format!("layer {li} holds {} logical blocks", g.num_blocks()),
+                    FieldFault::BlockId {
+                        layer: li,
+                        blocks: g.num_blocks(),
+                    },
                 ));
             }
             let mapped = map_layer(dir, l, &g, &at)?;

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
 use serde::Deserialize;
 
-use super::error::{field_err, SpecError};
+use super::error::{field_err, FieldFault, SpecError};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -55,26 +55,26 @@ pub(super) fn geometry(l: &SpecLayer, at: &str) -> Result<Geometry, SpecError> {
         field_err(
             format!("{at}.layout"),
             format!("{:?}", l.layout),
-            e.to_string(),
+            FieldFault::Layout(e),
         )
     })?;
     for key in l.dims.keys() {
         let known = matches!(key.as_str(), "B" | "N" | "H" | "D");
         if !known {
             let why = if key == "KV" {
-                "KV is always 2 and must not be given"
+                FieldFault::KvGiven
             } else {
-                "expected B, N, H or D"
+                FieldFault::UnknownDim
             };
             return Err(field_err(format!("{at}.dims.{key}"), l.dims[key], why));
         }
     }
-    let dim = |name: &str| -> Result<u64, SpecError> {
+    let dim = |name: &'static str| -> Result<u64, SpecError> {
         l.dims.get(name).copied().ok_or_else(|| {
             field_err(
                 format!("{at}.dims"),
                 format!("{:?}", l.dims),
-                format!("{name} is required"),
+                FieldFault::DimRequired(name),
             )
         })
     };
@@ -84,7 +84,7 @@ pub(super) fn geometry(l: &SpecLayer, at: &str) -> Result<Geometry, SpecError> {
             return Err(field_err(
                 format!("{at}.dims"),
                 format!("{:?}", l.dims),
-                "H is required by the layout",
+                FieldFault::HeadsRequired,
             ))
         }
         (false, None) | (false, Some(1)) => 1,
@@ -92,12 +92,12 @@ pub(super) fn geometry(l: &SpecLayer, at: &str) -> Result<Geometry, SpecError> {
             return Err(field_err(
                 format!("{at}.dims.H"),
                 h,
-                format!("layout {:?} has no H dimension", l.layout),
+                FieldFault::NoHeads(l.layout.clone()),
             ))
         }
     };
     let elem = ElemBytes::new(l.elem_bytes)
-        .map_err(|e| field_err(format!("{at}.elem_bytes"), l.elem_bytes, e.to_string()))?;
+        .map_err(|e| field_err(format!("{at}.elem_bytes"), l.elem_bytes, e.into()))?;
     let g = Geometry::contiguous(
         layout,
         dim("B")?,
@@ -107,18 +107,17 @@ pub(super) fn geometry(l: &SpecLayer, at: &str) -> Result<Geometry, SpecError> {
         elem,
         l.kernel_blocks,
     )
-    .map_err(|e| field_err(format!("{at}.dims"), format!("{:?}", l.dims), e.to_string()))?;
+    .map_err(|e| field_err(format!("{at}.dims"), format!("{:?}", l.dims), e.into()))?;
     if g.pieces_per_cell().is_none() {
         return Err(field_err(
             format!("{at}.dims.D"),
             g.head_dim,
-            format!(
-                "a cell of {} bytes (parts {} × D {} × elem_bytes {}) is not whole 8-byte pieces",
-                g.cell_bytes(),
-                g.parts(),
-                g.head_dim,
-                l.elem_bytes
-            ),
+            FieldFault::Cell {
+                cell_bytes: g.cell_bytes(),
+                parts: g.parts(),
+                head_dim: g.head_dim,
+                elem_bytes: l.elem_bytes,
+            },
         ));
     }
     Ok(g)

@@ -434,3 +434,58 @@ fn npy_and_safetensors_mismatches_are_errors() {
     );
     assert!(e.contains("16 bits"), "{e}");
 }
+
+#[test]
+fn errors_carry_typed_causes() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("ok.bin"), vec![0u8; 4 * 16 * 8 * 2]).unwrap();
+    let run = |layer: Value, block_ids: Value| {
+        let spec = json!({"num_tokens": 20, "groups": [{"group_id": 0, "block_size": 16, "block_ids": block_ids, "layers": [layer]}]});
+        checksum_spec(&write_spec(dir.path(), &spec)).unwrap_err()
+    };
+    let base = json!({"name": "model.layers.1.attn", "path": "ok.bin", "layout": "B N D",
+                      "dims": {"B": 4, "N": 16, "D": 8}, "elem_bytes": 2});
+    let mut kv = base.clone();
+    kv["dims"]["KV"] = json!(2);
+    assert!(matches!(
+        run(kv, json!([0])),
+        SpecError::Field {
+            why: super::FieldFault::KvGiven,
+            ..
+        }
+    ));
+    assert!(matches!(
+        run(base.clone(), json!([0, 4])),
+        SpecError::Field {
+            why: super::FieldFault::BlockId {
+                layer: 0,
+                blocks: 4
+            },
+            ..
+        }
+    ));
+    let mut big = base.clone();
+    big["dims"]["B"] = json!(5);
+    assert!(matches!(
+        run(big, json!([0])),
+        SpecError::File {
+            why: super::FileFault::Size {
+                len: 1024,
+                want: 1280,
+                ..
+            },
+            ..
+        }
+    ));
+    let mut missing = base;
+    missing["path"] = json!("missing.bin");
+    match run(missing, json!([0])) {
+        SpecError::File {
+            why: super::FileFault::Read(e),
+            ..
+        } => {
+            assert_eq!(e.kind(), std::io::ErrorKind::NotFound)
+        }
+        other => panic!("{other:?}"),
+    }
+}

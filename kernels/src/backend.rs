@@ -63,13 +63,16 @@ pub enum KernelError {
     InvalidJob {
         /// The job's KV cache group id.
         group_id: u32,
-        /// What is wrong with it, in words.
-        why: String,
+        /// What is wrong with it.
+        #[source]
+        why: JobFault,
     },
-    /// The device failed in a way that has no driver error (a host thread that cannot start,
-    /// results taken twice).
-    #[error("device error: {0}")]
-    Device(String),
+    /// A host thread for the checksums could not be started: the OS's error kind.
+    #[error("device error: cannot start a checksum thread: {0}")]
+    NoThread(std::io::ErrorKind),
+    /// The results were asked for again after they were taken.
+    #[error("device error: results already taken")]
+    Taken,
     /// The CUDA layer failed (driver call, kernel compilation, no usable device); the driver's
     /// or NVRTC's error is the source.
     #[error("CUDA: {0}")]
@@ -89,6 +92,68 @@ pub enum KernelError {
     /// The worker computing the result went away without one.
     #[error("checksum worker ended without a result")]
     Lost,
+}
+
+/// Why a job cannot be run as given ([`KernelError::InvalidJob`]); a layer is named by its
+/// spec's name.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum JobFault {
+    /// The job's memory is not where this backend reads (`backend`: the CPU backend reads host
+    /// memory only, a CUDA backend its own device only).
+    #[error("job for {job} given to the {backend} backend")]
+    WrongDevice {
+        /// Where the job's arrays live.
+        job: Location,
+        /// Where this backend reads.
+        backend: Location,
+    },
+    /// A cell whose bytes are not whole 8-byte pieces.
+    #[error("layer {layer}: cell of {cell_bytes} bytes is not whole 8-byte pieces")]
+    Cell {
+        /// The layer.
+        layer: String,
+        /// Bytes of one cell.
+        cell_bytes: u64,
+    },
+    /// A layer's block size (tokens) is not the group's.
+    #[error("layer {layer}: block size {layer_block_size} != group block size {group_block_size}")]
+    BlockSize {
+        /// The layer.
+        layer: String,
+        /// The layer's block size, tokens.
+        layer_block_size: u64,
+        /// The job's block size, tokens.
+        group_block_size: u64,
+    },
+    /// A layer's array is longer than the memory given for it.
+    #[error("layer {layer}: array spans {spans} bytes but only {given} are given")]
+    Short {
+        /// The layer.
+        layer: String,
+        /// Bytes the array's geometry spans.
+        spans: u64,
+        /// Bytes given (`len`).
+        given: u64,
+    },
+    /// `addr + len` overflows.
+    #[error("layer {layer}: address range overflows")]
+    Overflow {
+        /// The layer.
+        layer: String,
+    },
+    /// A block id at or past the layer's block count.
+    #[error("layer {layer}: block id {id} out of range (blocks: {blocks})")]
+    BlockOutOfRange {
+        /// The layer.
+        layer: String,
+        /// The block id.
+        id: u64,
+        /// Blocks in the layer's array.
+        blocks: u64,
+    },
+    /// The CUDA kernel cannot checksum the layers (its launch plan's error).
+    #[error("{0}")]
+    Plan(crate::cuda::view::PlanError),
 }
 
 /// A checksum backend: CPU or CUDA.
@@ -233,7 +298,7 @@ impl Pending for Channel {
 /// Checks a job against its layers before any byte is read: every layer's array fits in its
 /// `len`, has whole pieces and the job's block size, and every block id exists.
 pub fn validate_job(job: &GroupJob) -> Result<(), KernelError> {
-    let bad = |why: String| {
+    let bad = |why: JobFault| {
         Err(KernelError::InvalidJob {
             group_id: job.group_id,
             why,
@@ -241,31 +306,29 @@ pub fn validate_job(job: &GroupJob) -> Result<(), KernelError> {
     };
     for l in &job.layers {
         let g = &l.spec.geometry;
+        let layer = || l.spec.name.clone();
         if g.pieces_per_cell().is_none() {
-            return bad(format!(
-                "layer {}: cell of {} bytes is not whole 8-byte pieces",
-                l.spec.name,
-                g.cell_bytes()
-            ));
+            return bad(JobFault::Cell {
+                layer: layer(),
+                cell_bytes: g.cell_bytes(),
+            });
         }
         if g.block_size() != job.block_size {
-            return bad(format!(
-                "layer {}: block size {} != group block size {}",
-                l.spec.name,
-                g.block_size(),
-                job.block_size
-            ));
+            return bad(JobFault::BlockSize {
+                layer: layer(),
+                layer_block_size: g.block_size(),
+                group_block_size: job.block_size,
+            });
         }
         if g.byte_len() > l.len {
-            return bad(format!(
-                "layer {}: array spans {} bytes but only {} are given",
-                l.spec.name,
-                g.byte_len(),
-                l.len
-            ));
+            return bad(JobFault::Short {
+                layer: layer(),
+                spans: g.byte_len(),
+                given: l.len,
+            });
         }
         if l.addr.checked_add(l.len).is_none() {
-            return bad(format!("layer {}: address range overflows", l.spec.name));
+            return bad(JobFault::Overflow { layer: layer() });
         }
         if let Some(&id) = job
             .selection
@@ -273,11 +336,11 @@ pub fn validate_job(job: &GroupJob) -> Result<(), KernelError> {
             .iter()
             .find(|&&id| id >= g.num_blocks())
         {
-            return bad(format!(
-                "layer {}: block id {id} out of range (blocks: {})",
-                l.spec.name,
-                g.num_blocks()
-            ));
+            return bad(JobFault::BlockOutOfRange {
+                layer: layer(),
+                id,
+                blocks: g.num_blocks(),
+            });
         }
     }
     Ok(())

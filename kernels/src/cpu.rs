@@ -10,8 +10,8 @@ use kvferry_checksum::definition::layer_block_checksum;
 use kvferry_checksum::group::ReplicaKey;
 
 use crate::backend::{
-    validate_job, Channel, ChecksumBackend, GroupJob, GroupResult, KernelError, Location, Pending,
-    PendingChecksums,
+    validate_job, Channel, ChecksumBackend, GroupJob, GroupResult, JobFault, KernelError, Location,
+    Pending, PendingChecksums,
 };
 
 /// Checksums host-memory KV on `threads` threads (one job's layers are split between them).
@@ -195,7 +195,10 @@ impl ChecksumBackend for CpuBackend {
             if job.device != Location::Cpu {
                 return Err(KernelError::InvalidJob {
                     group_id: job.group_id,
-                    why: format!("the CPU backend reads host memory, not {:?}", job.device),
+                    why: JobFault::WrongDevice {
+                        job: job.device,
+                        backend: Location::Cpu,
+                    },
                 });
             }
             validate_job(job)?;
@@ -226,7 +229,7 @@ impl ChecksumBackend for CpuBackend {
                 });
                 let _ = tx.send(out);
             })
-            .map_err(|e| KernelError::Device(format!("cannot start a checksum thread: {e}")))?;
+            .map_err(|e| KernelError::NoThread(e.kind()))?;
         Ok(PendingChecksums::new(Box::new(CpuPending {
             results: Channel::new(rx),
             handle: Some(handle),

@@ -14,8 +14,8 @@ pub mod sync;
 use std::sync::Arc;
 
 pub use backend::{
-    validate_job, ChecksumBackend, GroupJob, GroupResult, KernelError, LayerInput, Location,
-    Pending, PendingChecksums,
+    validate_job, ChecksumBackend, GroupJob, GroupResult, JobFault, KernelError, LayerInput,
+    Location, Pending, PendingChecksums,
 };
 pub use cpu::CpuBackend;
 

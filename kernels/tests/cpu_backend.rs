@@ -10,7 +10,7 @@ use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
 use kvferry_checksum::select::BlockSelection;
 use kvferry_kernels::oracle::direct_values;
 use kvferry_kernels::{
-    backend_for, ChecksumBackend, CpuBackend, GroupJob, KernelError, LayerInput, Location,
+    backend_for, ChecksumBackend, CpuBackend, GroupJob, JobFault, KernelError, LayerInput, Location,
 };
 
 struct Layer {
@@ -154,18 +154,16 @@ fn bad_jobs_are_refused_before_reading() {
         start: 0,
         block_ids: vec![0],
     };
-    let refuse = |j: GroupJob, want: &str| {
+    let refuse = |j: GroupJob, want: fn(&JobFault) -> bool| {
         // SAFETY: refused jobs read nothing; valid ones point at `layers`.
         match unsafe { backend.submit(vec![j]) } {
-            Err(KernelError::InvalidJob { group_id: 4, why }) => {
-                assert!(why.contains(want), "{why}")
-            }
-            other => panic!("expected InvalidJob containing {want:?}, got {other:?}"),
+            Err(KernelError::InvalidJob { group_id: 4, why }) => assert!(want(&why), "{why}"),
+            other => panic!("expected InvalidJob, got {other:?}"),
         }
     };
     let mut j = job(&layers, sel.clone(), 16);
     j.layers[1].len -= 1;
-    refuse(j, "only");
+    refuse(j, |f| matches!(f, JobFault::Short { .. }));
     let mut j = job(
         &layers,
         BlockSelection {
@@ -175,16 +173,29 @@ fn bad_jobs_are_refused_before_reading() {
         16,
     );
     j.layers.truncate(1);
-    refuse(j, "out of range");
+    refuse(j, |f| matches!(f, JobFault::BlockOutOfRange { id: 6, .. }));
     let mut j = job(&layers, sel.clone(), 16);
     j.block_size = 8;
-    refuse(j, "block size");
+    refuse(j, |f| {
+        matches!(
+            f,
+            JobFault::BlockSize {
+                group_block_size: 8,
+                ..
+            }
+        )
+    });
     let mut j = job(&layers, sel.clone(), 16);
     j.device = Location::Cuda(0);
-    refuse(j, "host memory");
+    refuse(j, |f| {
+        *f == JobFault::WrongDevice {
+            job: Location::Cuda(0),
+            backend: Location::Cpu,
+        }
+    });
     let mut j = job(&layers, sel, 16);
     j.layers[0].addr = u64::MAX - 10;
-    refuse(j, "overflows");
+    refuse(j, |f| matches!(f, JobFault::Overflow { .. }));
 }
 
 #[test]

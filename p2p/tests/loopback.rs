@@ -631,7 +631,9 @@ impl kvferry_kernels::ChecksumBackend for BrokenBackend {
         &self,
         _jobs: Vec<kvferry_kernels::GroupJob>,
     ) -> Result<kvferry_kernels::PendingChecksums, kvferry_kernels::KernelError> {
-        Err(kvferry_kernels::KernelError::Device("test: broken".into()))
+        Err(kvferry_kernels::KernelError::NoThread(
+            std::io::ErrorKind::OutOfMemory,
+        ))
     }
 }
 

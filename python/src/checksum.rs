@@ -128,7 +128,7 @@ fn _submit_checksums(
         device,
     };
     kvferry_kernels::validate_job(&job).map_err(|e| match e {
-        KernelError::InvalidJob { why, .. } => PyValueError::new_err(why),
+        KernelError::InvalidJob { why, .. } => PyValueError::new_err(why.to_string()),
         other => PyValueError::new_err(other.to_string()),
     })?;
     let keep: Vec<Py<PyAny>> = layers

@@ -22,7 +22,7 @@ pub mod view;
 
 use crate::backend::{validate_job, ChecksumBackend, Pending, PendingChecksums};
 use crate::sync::MutexExt;
-use crate::{GroupJob, GroupResult, KernelError, Location};
+use crate::{GroupJob, GroupResult, JobFault, KernelError, Location};
 use cudarc::driver::sys;
 use driver::{Context, DeviceBuffer, Event, EventState, Function, Module, PinnedBuffer, Stream};
 use kvferry_checksum::group::{LayerSpec, ReplicaKey};
@@ -271,10 +271,10 @@ impl CudaBackend {
             if job.device != Location::Cuda(ordinal) {
                 return Err(KernelError::InvalidJob {
                     group_id: job.group_id,
-                    why: format!(
-                        "job for {:?} given to the cuda:{ordinal} backend",
-                        job.device
-                    ),
+                    why: JobFault::WrongDevice {
+                        job: job.device,
+                        backend: Location::Cuda(ordinal),
+                    },
                 });
             }
             validate_job(job)?;
@@ -291,7 +291,7 @@ impl CudaBackend {
             )
             .map_err(|e| KernelError::InvalidJob {
                 group_id: job.group_id,
-                why: e.0,
+                why: JobFault::Plan(e),
             })?;
             plans.push((job.group_id, plan));
         }
@@ -508,7 +508,7 @@ impl CudaPending {
     /// `Some(Ok(results))` once, in job order; later calls give `Some(Err(..))`.
     pub fn poll(&mut self) -> Option<Result<Vec<GroupResult>, KernelError>> {
         let Some(slot) = self.slot.as_ref() else {
-            return Some(Err(KernelError::Device("results already taken".into())));
+            return Some(Err(KernelError::Taken));
         };
         if let Err(e) = self.inner.ctx.bind() {
             return Some(Err(kerr(e)));

@@ -108,7 +108,7 @@ impl RankKv {
                                 len,
                                 g.stream.raw(),
                             )
-                            .map_err(cuda)?;
+                            .map_err(WorldError::Cuda)?;
                         } else {
                             copy_dtoh_async(
                                 self.arena.as_mut_ptr().add(off),
@@ -116,13 +116,13 @@ impl RankKv {
                                 len,
                                 g.stream.raw(),
                             )
-                            .map_err(cuda)?;
+                            .map_err(WorldError::Cuda)?;
                         }
                     }
                 }
             }
         }
-        g.stream.synchronize().map_err(cuda)
+        g.stream.synchronize().map_err(WorldError::Cuda)
     }
 
     /// Makes the host view of `blocks` current (downloads them from the GPU).
@@ -180,9 +180,19 @@ pub enum WorldError {
         /// Why.
         source: KernelError,
     },
-    /// A CUDA driver call failed (allocation, stream, copy); the driver's text.
+    /// A CUDA driver call failed (stream, copy): the driver's error.
     #[error("{0}")]
-    Cuda(String),
+    Cuda(#[from] kvferry_cuda::CudaError),
+    /// A rank's KV memory could not be allocated on its GPU.
+    #[error("allocating {bytes} bytes on cuda:{ordinal}: {source}")]
+    GpuAlloc {
+        /// Bytes asked for.
+        bytes: usize,
+        /// The GPU.
+        ordinal: u32,
+        /// The driver's error.
+        source: kvferry_cuda::CudaError,
+    },
     /// A rank's transfer engine did not start.
     #[error("starting the transfer engine of {}: {source}", rank_name(*.rank))]
     Engine {
@@ -199,11 +209,6 @@ pub enum WorldError {
         /// Why.
         source: TransferError,
     },
-}
-
-/// A CUDA driver failure (the driver reports text) as a [`WorldError`].
-fn cuda(e: impl std::fmt::Display) -> WorldError {
-    WorldError::Cuda(e.to_string())
 }
 
 /// "TP rank 1/2, PP rank 0/1": a rank for messages.
@@ -354,10 +359,15 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
                 Location::Cuda(n) => {
                     let backend = CudaBackend::shared(n)
                         .map_err(|source| WorldError::Gpu { ordinal: n, source })?;
-                    let dev = DeviceBuffer::new(backend.context(), arena.len()).map_err(|e| {
-                        cuda(format!("allocating {} bytes on cuda:{n}: {e}", arena.len()))
-                    })?;
-                    let stream = Stream::new(backend.context()).map_err(cuda)?;
+                    let dev =
+                        DeviceBuffer::new(backend.context(), arena.len()).map_err(|source| {
+                            WorldError::GpuAlloc {
+                                bytes: arena.len(),
+                                ordinal: n,
+                                source,
+                            }
+                        })?;
+                    let stream = Stream::new(backend.context()).map_err(WorldError::Cuda)?;
                     Some(GpuArena {
                         dev,
                         stream,
@@ -591,12 +601,12 @@ pub fn flip_bit(
                     1,
                     gpu.stream.raw(),
                 )
-                .map_err(cuda)?;
-                gpu.stream.synchronize().map_err(cuda)?;
+                .map_err(WorldError::Cuda)?;
+                gpu.stream.synchronize().map_err(WorldError::Cuda)?;
                 b[0] ^= 1 << bit;
                 copy_htod_async(gpu.dev.ptr() + at as u64, b.as_ptr(), 1, gpu.stream.raw())
-                    .map_err(cuda)?;
-                gpu.stream.synchronize().map_err(cuda)?;
+                    .map_err(WorldError::Cuda)?;
+                gpu.stream.synchronize().map_err(WorldError::Cuda)?;
             }
         }
     }

@@ -54,12 +54,16 @@ pub enum PayloadError {
     /// More than [`MAX_PAYLOAD_BYTES`].
     #[error("payload of {0} bytes exceeds the limit of {MAX_PAYLOAD_BYTES}")]
     TooLarge(usize),
-    /// Not standard base64.
+    /// Not standard base64: the decoder's error.
     #[error("payload is not valid base64: {0}")]
-    Base64(String),
-    /// Not the msgpack structure of §2.4 (truncated, wrong types, trailing bytes).
+    Base64(#[source] base64::DecodeError),
+    /// Not the msgpack structure of §2.4 (truncated, wrong types): the msgpack decoder's text
+    /// (its error is neither `Clone` nor `Eq`, which a payload error is).
     #[error("payload is malformed: {0}")]
     Malformed(String),
+    /// Bytes after the payload's msgpack value (this many).
+    #[error("payload is malformed: {0} trailing bytes")]
+    Trailing(usize),
     /// A version other than [`PAYLOAD_VERSION`].
     #[error("payload version {0} is not supported (expected {PAYLOAD_VERSION})")]
     Version(u64),
@@ -197,7 +201,7 @@ impl Payload {
         }
         let bytes = base64::engine::general_purpose::STANDARD
             .decode(text)
-            .map_err(|e| PayloadError::Base64(e.to_string()))?;
+            .map_err(PayloadError::Base64)?;
         Payload::from_bytes(&bytes)
     }
 }
@@ -212,10 +216,7 @@ fn decode_exact<T: serde::de::DeserializeOwned>(
     if exact {
         let used = de.position() as usize;
         if used != bytes.len() {
-            return Err(PayloadError::Malformed(format!(
-                "{} trailing bytes",
-                bytes.len() - used
-            )));
+            return Err(PayloadError::Trailing(bytes.len() - used));
         }
     }
     Ok(v)

@@ -97,10 +97,7 @@ fn rejects_wrong_version_values_and_trailing_bytes() {
     );
     let mut b = python_bytes();
     b.push(0x00);
-    assert!(matches!(
-        Payload::from_bytes(&b),
-        Err(PayloadError::Malformed(_))
-    ));
+    assert_eq!(Payload::from_bytes(&b), Err(PayloadError::Trailing(1)));
     // 7 bytes of values.
     let mut b = vec![
         0x94, 0x01, 0x01, 0x28, 0x91, 0x95, 0x00, 0x00, 0x10, 0x00, 0xc4, 0x07,

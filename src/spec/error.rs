@@ -43,8 +43,9 @@ pub enum SpecError {
         field: String,
         /// The tensor file's path (relative paths resolved against the spec's folder).
         path: PathBuf,
-        /// What is wrong with it (missing, unreadable, wrong size, ...).
-        why: FileFault,
+        /// What is wrong with it (missing, unreadable, wrong size, ...); boxed, as it is the
+        /// largest cause and every spec result carries it.
+        why: Box<FileFault>,
     },
 }
 
@@ -148,22 +149,109 @@ pub enum FileFault {
     },
 }
 
-/// Why a `.npy` or `.safetensors` file does not hold the KV a layer needs; the text says
-/// which part of the file (magic, header, dtype, shape, length).
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
-#[error("{0}")]
-pub struct FormatError(pub String);
-
-impl From<&str> for FormatError {
-    fn from(s: &str) -> FormatError {
-        FormatError(s.to_string())
-    }
-}
-
-impl From<String> for FormatError {
-    fn from(s: String) -> FormatError {
-        FormatError(s)
-    }
+/// Why a `.npy` or `.safetensors` file does not hold the KV a layer needs; each names the
+/// part of the file (magic, header, dtype, shape, length).
+#[derive(Debug, Error)]
+pub enum FormatError {
+    /// Not `\x93NUMPY` at the start (or under 10 bytes).
+    #[error("not a .npy file (bad magic)")]
+    NpyMagic,
+    /// A `.npy` format version other than 1, 2, 3 (or a 2/3 header cut short).
+    #[error(".npy version {0} is not supported")]
+    NpyVersion(u8),
+    /// The header's length runs past the file's end.
+    #[error(".npy header runs past the end of the file")]
+    NpyHeaderPastEnd,
+    /// The header is not UTF-8.
+    #[error(".npy header is not text")]
+    NpyHeaderText,
+    /// The header lacks this key (`descr` or `shape`).
+    #[error(".npy header has no '{0}'")]
+    NpyNoKey(&'static str),
+    /// `descr` is not a quoted string.
+    #[error(".npy descr is not a string")]
+    NpyDescrNotString,
+    /// `descr` (this one) is not a byte order, kind and size.
+    #[error(".npy descr {0:?} is not a simple type")]
+    NpyDescrType(String),
+    /// The elements' size is not the spec's `elem_bytes`.
+    #[error(".npy descr {descr:?} has {itemsize}-byte elements, but elem_bytes is {elem_bytes}")]
+    NpyElemBytes {
+        /// The descr.
+        descr: String,
+        /// Bytes per element in the file.
+        itemsize: u64,
+        /// Bytes per element in the spec.
+        elem_bytes: u64,
+    },
+    /// Big-endian elements (this descr) wider than a byte.
+    #[error(".npy descr {0:?} is big-endian; the checksum reads the bytes as they lie in memory")]
+    NpyBigEndian(String),
+    /// A Fortran-ordered array.
+    #[error(".npy array is in Fortran order; save it C-contiguous")]
+    NpyFortran,
+    /// `shape` is not a tuple.
+    #[error(".npy shape is not a tuple")]
+    NpyShapeNotTuple,
+    /// `shape` (this text) holds something other than integers.
+    #[error(".npy shape ({0}) is not integers")]
+    NpyShapeNotIntegers(String),
+    /// The product of `shape` overflows u64.
+    #[error(".npy shape overflows")]
+    NpyShapeOverflow,
+    /// The array's bytes are not the layer's.
+    #[error(
+        ".npy shape ({shape}) holds {count} elements of {itemsize} bytes, but the layout needs \
+         {want} bytes"
+    )]
+    NpyLength {
+        /// The shape, as written.
+        shape: String,
+        /// Elements in the shape.
+        count: u64,
+        /// Bytes per element.
+        itemsize: u64,
+        /// Bytes the layer's geometry spans.
+        want: u64,
+    },
+    /// Fewer bytes after the header than the shape says.
+    #[error("the .npy file is shorter than its header says")]
+    NpyShort,
+    /// Not a safetensors file: the safetensors reader's error.
+    #[error("not a safetensors file: {0}")]
+    Safetensors(#[source] safetensors::SafeTensorError),
+    /// The named tensor cannot be read: the safetensors reader's error.
+    #[error("tensor {name:?}: {source}")]
+    Tensor {
+        /// The tensor's name.
+        name: String,
+        /// The reader's error.
+        source: safetensors::SafeTensorError,
+    },
+    /// The tensor's dtype is not `elem_bytes` wide.
+    #[error("tensor {name:?} has dtype {dtype} ({bits} bits), but elem_bytes is {elem_bytes}")]
+    Dtype {
+        /// The tensor's name.
+        name: String,
+        /// Its dtype.
+        dtype: safetensors::Dtype,
+        /// Bits per element.
+        bits: u64,
+        /// Bytes per element in the spec.
+        elem_bytes: u64,
+    },
+    /// The tensor's bytes are not the layer's.
+    #[error("tensor {name:?} of shape {shape:?} holds {len} bytes, but the layout needs {want}")]
+    TensorLength {
+        /// The tensor's name.
+        name: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// Its bytes.
+        len: usize,
+        /// Bytes the layer's geometry spans.
+        want: u64,
+    },
 }
 
 /// A [`SpecError::Field`]: `field` holds `value`, which cannot be used because `why`.

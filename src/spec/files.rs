@@ -36,7 +36,7 @@ pub(super) fn map_layer(
     let ferr = |why: FileFault| SpecError::File {
         field: format!("{at}.path"),
         path: path.clone(),
-        why,
+        why: Box::new(why),
     };
     let file = File::open(&path).map_err(|e| ferr(FileFault::Read(e)))?;
     let len = file.metadata().map_err(|e| ferr(FileFault::Read(e)))?.len();

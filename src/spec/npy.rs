@@ -15,7 +15,7 @@ pub(super) fn npy_range(
     elem_bytes: u64,
 ) -> Result<std::ops::Range<usize>, FormatError> {
     if data.len() < 10 || &data[..6] != b"\x93NUMPY" {
-        return Err("not a .npy file (bad magic)".into());
+        return Err(FormatError::NpyMagic);
     }
     let (header_len, start) = match data[6] {
         1 => (u16::from_le_bytes([data[8], data[9]]) as usize, 10usize),
@@ -23,21 +23,21 @@ pub(super) fn npy_range(
             u32::from_le_bytes([data[8], data[9], data[10], data[11]]) as usize,
             12,
         ),
-        v => return Err(format!(".npy version {v} is not supported").into()),
+        v => return Err(FormatError::NpyVersion(v)),
     };
     let end = start
         .checked_add(header_len)
         .filter(|&e| e <= data.len())
-        .ok_or(".npy header runs past the end of the file")?;
-    let header = std::str::from_utf8(&data[start..end]).map_err(|_| ".npy header is not text")?;
-    let descr = npy_value(header, "descr").ok_or(".npy header has no 'descr'")?;
+        .ok_or(FormatError::NpyHeaderPastEnd)?;
+    let header = std::str::from_utf8(&data[start..end]).map_err(|_| FormatError::NpyHeaderText)?;
+    let descr = npy_value(header, "descr").ok_or(FormatError::NpyNoKey("descr"))?;
     let quote = descr
         .chars()
         .next()
         .filter(|c| *c == '\'' || *c == '"')
-        .ok_or(".npy descr is not a string")?;
+        .ok_or(FormatError::NpyDescrNotString)?;
     let descr = &descr[1..];
-    let descr = &descr[..descr.find(quote).ok_or(".npy descr is not a string")?];
+    let descr = &descr[..descr.find(quote).ok_or(FormatError::NpyDescrNotString)?];
     let (order, size) = descr.split_at(descr.len().min(1));
     let kind_size: String = size
         .chars()
@@ -45,37 +45,43 @@ pub(super) fn npy_range(
         .collect();
     let itemsize: u64 = kind_size
         .parse()
-        .map_err(|_| format!(".npy descr {descr:?} is not a simple type"))?;
+        .map_err(|_| FormatError::NpyDescrType(descr.to_string()))?;
     if itemsize != elem_bytes {
-        return Err(format!(
-            ".npy descr {descr:?} has {itemsize}-byte elements, but elem_bytes is {elem_bytes}"
-        )
-        .into());
+        return Err(FormatError::NpyElemBytes {
+            descr: descr.to_string(),
+            itemsize,
+            elem_bytes,
+        });
     }
     if order == ">" && itemsize > 1 {
-        return Err(format!(".npy descr {descr:?} is big-endian; the checksum reads the bytes as they lie in memory").into());
+        return Err(FormatError::NpyBigEndian(descr.to_string()));
     }
     if npy_value(header, "fortran_order").is_some_and(|v| v.starts_with("True")) {
-        return Err(".npy array is in Fortran order; save it C-contiguous".into());
+        return Err(FormatError::NpyFortran);
     }
-    let shape = npy_value(header, "shape").ok_or(".npy header has no 'shape'")?;
+    let shape = npy_value(header, "shape").ok_or(FormatError::NpyNoKey("shape"))?;
     let shape = shape.trim_start_matches('(');
-    let shape = &shape[..shape.find(')').ok_or(".npy shape is not a tuple")?];
+    let shape = &shape[..shape.find(')').ok_or(FormatError::NpyShapeNotTuple)?];
     let mut count: u64 = 1;
     for d in shape.split(',').map(str::trim).filter(|d| !d.is_empty()) {
         let d: u64 = d
             .parse()
-            .map_err(|_| format!(".npy shape ({shape}) is not integers"))?;
-        count = count.checked_mul(d).ok_or(".npy shape overflows")?;
+            .map_err(|_| FormatError::NpyShapeNotIntegers(shape.to_string()))?;
+        count = count.checked_mul(d).ok_or(FormatError::NpyShapeOverflow)?;
     }
     let want = g.byte_len();
     if count.checked_mul(itemsize) != Some(want) {
-        return Err(format!(".npy shape ({shape}) holds {count} elements of {itemsize} bytes, but the layout needs {want} bytes").into());
+        return Err(FormatError::NpyLength {
+            shape: shape.to_string(),
+            count,
+            itemsize,
+            want,
+        });
     }
     let data_end = end
         .checked_add(want as usize)
         .filter(|&e| e <= data.len())
-        .ok_or("the .npy file is shorter than its header says")?;
+        .ok_or(FormatError::NpyShort)?;
     Ok(end..data_end)
 }
 

@@ -13,28 +13,28 @@ pub(super) fn safetensors_range(
     g: &Geometry,
     elem_bytes: u64,
 ) -> Result<std::ops::Range<usize>, FormatError> {
-    let st = safetensors::SafeTensors::deserialize(data)
-        .map_err(|e| format!("not a safetensors file: {e}"))?;
-    let t = st
-        .tensor(name)
-        .map_err(|e| format!("tensor {name:?}: {e}"))?;
+    let st = safetensors::SafeTensors::deserialize(data).map_err(FormatError::Safetensors)?;
+    let t = st.tensor(name).map_err(|source| FormatError::Tensor {
+        name: name.to_string(),
+        source,
+    })?;
     let bits = t.dtype().bitsize() as u64;
     if bits != elem_bytes * 8 {
-        return Err(format!(
-            "tensor {name:?} has dtype {} ({bits} bits), but elem_bytes is {elem_bytes}",
-            t.dtype()
-        )
-        .into());
+        return Err(FormatError::Dtype {
+            name: name.to_string(),
+            dtype: t.dtype(),
+            bits,
+            elem_bytes,
+        });
     }
     let bytes = t.data();
     if bytes.len() as u64 != g.byte_len() {
-        return Err(format!(
-            "tensor {name:?} of shape {:?} holds {} bytes, but the layout needs {}",
-            t.shape(),
-            bytes.len(),
-            g.byte_len()
-        )
-        .into());
+        return Err(FormatError::TensorLength {
+            name: name.to_string(),
+            shape: t.shape().to_vec(),
+            len: bytes.len(),
+            want: g.byte_len(),
+        });
     }
     let start = bytes.as_ptr() as usize - data.as_ptr() as usize;
     Ok(start..start + bytes.len())

@@ -464,28 +464,31 @@ fn errors_carry_typed_causes() {
             ..
         }
     ));
+    let file_fault = |e: SpecError| match e {
+        SpecError::File { why, .. } => *why,
+        other => panic!("{other:?}"),
+    };
     let mut big = base.clone();
     big["dims"]["B"] = json!(5);
     assert!(matches!(
-        run(big, json!([0])),
-        SpecError::File {
-            why: super::FileFault::Size {
-                len: 1024,
-                want: 1280,
-                ..
-            },
+        file_fault(run(big, json!([0]))),
+        super::FileFault::Size {
+            len: 1024,
+            want: 1280,
             ..
         }
     ));
+    std::fs::write(dir.path().join("junk.npy"), b"not numpy at all").unwrap();
+    let mut junk = base.clone();
+    junk["path"] = json!("junk.npy");
+    assert!(matches!(
+        file_fault(run(junk, json!([0]))),
+        super::FileFault::Format(FormatError::NpyMagic)
+    ));
     let mut missing = base;
     missing["path"] = json!("missing.bin");
-    match run(missing, json!([0])) {
-        SpecError::File {
-            why: super::FileFault::Read(e),
-            ..
-        } => {
-            assert_eq!(e.kind(), std::io::ErrorKind::NotFound)
-        }
+    match file_fault(run(missing, json!([0]))) {
+        super::FileFault::Read(e) => assert_eq!(e.kind(), std::io::ErrorKind::NotFound),
         other => panic!("{other:?}"),
     }
 }

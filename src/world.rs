@@ -7,6 +7,9 @@
 
 use std::sync::Arc;
 
+mod shape;
+pub use shape::ShapeFault;
+
 use kvferry_checksum::group::{plan_group, CacheDesc, GroupPlan, LayerSpec, RankInfo};
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
 use kvferry_kernels::cuda::driver::{copy_dtoh_async, copy_htod_async, DeviceBuffer, Stream};
@@ -150,9 +153,9 @@ impl RankKv {
 /// Why one side's ranks could not be built or their memory copied.
 #[derive(Debug, thiserror::Error)]
 pub enum WorldError {
-    /// Sizes, a layout or a model the demo's sides cannot be built with (the text says which).
+    /// Sizes, a layout or a model the demo's sides cannot be built with.
     #[error("{0}")]
-    Shape(String),
+    Shape(#[from] ShapeFault),
     /// The layout or the geometry is invalid.
     #[error(transparent)]
     Layout(#[from] kvferry_checksum::layout::LayoutError),
@@ -238,42 +241,40 @@ pub fn stage_layers(layers: u32, pp: u32, stage: u32) -> std::ops::Range<u32> {
 pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<RankKv>, WorldError> {
     let all_layers = cfg.model.layers + cfg.model.state_layers;
     if cfg.tp == 0 || cfg.pp == 0 || cfg.pp > all_layers {
-        return Err(WorldError::Shape(format!(
-            "TP {} / PP {}: both must be at least 1 and PP at most the layer count {all_layers}",
-            cfg.tp, cfg.pp
-        )));
+        return Err(ShapeFault::Parallelism {
+            tp: cfg.tp,
+            pp: cfg.pp,
+            layers: all_layers,
+        }
+        .into());
     }
     let m = &cfg.model;
     if !m.mla && m.kv_heads > cfg.tp && !m.kv_heads.is_multiple_of(cfg.tp) {
-        return Err(WorldError::Shape(format!(
-            "TP {}: {} KV heads do not split evenly",
-            cfg.tp, m.kv_heads
-        )));
+        return Err(ShapeFault::HeadsSplit {
+            tp: cfg.tp,
+            heads: m.kv_heads,
+        }
+        .into());
     }
     if !m.mla && cfg.tp > m.kv_heads && !cfg.tp.is_multiple_of(m.kv_heads) {
-        return Err(WorldError::Shape(format!(
-            "TP {}: not a multiple of the {} KV heads",
-            cfg.tp, m.kv_heads
-        )));
+        return Err(ShapeFault::NotHeadMultiple {
+            tp: cfg.tp,
+            heads: m.kv_heads,
+        }
+        .into());
     }
     let layout_text = if m.mla { "B N D" } else { cfg.layout.as_str() };
     let layout = Layout::parse(layout_text)?;
     if m.mla == layout.has_kv() {
-        return Err(WorldError::Shape(format!(
-            "layout {layout_text:?}: {} needs {}",
-            m.name,
-            if m.mla {
-                "no KV dimension"
-            } else {
-                "a KV dimension"
-            }
-        )));
+        return Err(ShapeFault::KvDim {
+            layout: layout_text.to_string(),
+            model: m.name,
+            mla: m.mla,
+        }
+        .into());
     }
     if layout.dims().last() != Some(&kvferry_checksum::layout::Dim::D) {
-        return Err(WorldError::Shape(format!(
-            "layout {layout_text:?}: the demo's KV generator needs D innermost (as every vLLM layout has); \
-             other layouts are covered by `kvferry checksum --spec` and the checksum tests"
-        )));
+        return Err(ShapeFault::DNotInnermost(layout_text.to_string()).into());
     }
     let heads_per_rank = if m.mla {
         1
@@ -281,9 +282,11 @@ pub fn build_side(cfg: &SideConfig, engine_cfg: &EngineConfig) -> Result<Vec<Ran
         (m.kv_heads / cfg.tp).max(1)
     } as u64;
     if !layout.has_heads() && heads_per_rank != 1 {
-        return Err(WorldError::Shape(format!(
-            "layout {layout_text:?} has no H dimension but each rank holds {heads_per_rank} heads"
-        )));
+        return Err(ShapeFault::NoHeadDim {
+            layout: layout_text.to_string(),
+            heads_per_rank,
+        }
+        .into());
     }
     let elem = ElemBytes::new(m.elem_bytes)?;
     let mut ranks = Vec::new();
@@ -414,10 +417,12 @@ fn state_specs(
 ) -> Result<Vec<(u32, LayerSpec)>, WorldError> {
     let per_head = m.state_bytes / m.kv_heads.max(1) as u64;
     if per_head == 0 || !per_head.is_multiple_of(m.elem_bytes) {
-        return Err(WorldError::Shape(format!(
-            "{}: {} state bytes do not split into {} heads of whole elements",
-            m.name, m.state_bytes, m.kv_heads
-        )));
+        return Err(ShapeFault::StateSplit {
+            model: m.name,
+            state_bytes: m.state_bytes,
+            heads: m.kv_heads,
+        }
+        .into());
     }
     let elem = ElemBytes::new(m.elem_bytes)?;
     // TP above the head count replicates one head on consecutive ranks (as KV heads).
@@ -682,6 +687,44 @@ pub fn sides_kv_equal(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn side(tp: u32, pp: u32, layout: &str) -> SideConfig {
+        SideConfig {
+            model: crate::models::MODELS[0].clone(),
+            tp,
+            pp,
+            block_size: 16,
+            layout: layout.to_string(),
+            num_blocks: 4,
+            transport: TransportKind::Tcp,
+            location: Location::Cpu,
+        }
+    }
+
+    #[test]
+    fn a_side_that_cannot_be_built_says_why_in_a_typed_fault() {
+        let shape = |cfg: SideConfig| match build_side(&cfg, &EngineConfig::default()) {
+            Err(WorldError::Shape(f)) => f,
+            other => panic!("{:?}", other.map(|r| r.len())),
+        };
+        let layers = crate::models::MODELS[0].layers + crate::models::MODELS[0].state_layers;
+        assert_eq!(
+            shape(side(0, 1, "KV B N H D")),
+            ShapeFault::Parallelism {
+                tp: 0,
+                pp: 1,
+                layers
+            }
+        );
+        assert_eq!(
+            shape(side(3, 1, "KV B N H D")),
+            ShapeFault::HeadsSplit { tp: 3, heads: 8 }
+        );
+        assert_eq!(
+            shape(side(1, 1, "KV B N D H")),
+            ShapeFault::DNotInnermost("KV B N D H".into())
+        );
+    }
 
     #[test]
     fn stages_cover_all_layers_once() {

@@ -115,9 +115,14 @@ def mooncake_point(size, batch, seconds, protocol="tcp", host="127.0.0.1", devic
 
 def mooncake_points(points, seconds, protocol="tcp", host="127.0.0.1", device="",
                     min_batches=1, max_batches=0):
-    """Yields one dict per (size, batch) of `points`, measured in turn by one pair of engines
-    with one registered buffer per side (as large as the largest point): the start-up,
-    import and registration, which take most of a soft-RoCE guest's time, are paid once."""
+    """Yields one dict per (size, batch[, threads]) of `points`, measured in turn by one pair of
+    engines with one registered buffer per side (as large as the largest point): the start-up,
+    import and registration, which take most of a soft-RoCE guest's time, are paid once.
+    `threads` (default 1) threads each loop `batch_transfer_sync_write` over their own `batch`
+    requests (their own slice of both buffers), so up to `threads` batches are in flight (the
+    binding releases the GIL while a batch runs); `min_batches`/`max_batches` count per thread."""
+    import threading
+
     import numpy as np
     from mooncake.engine import TransferEngine
 
@@ -126,7 +131,8 @@ def mooncake_points(points, seconds, protocol="tcp", host="127.0.0.1", device=""
         if e.initialize(host, "P2PHANDSHAKE", protocol, device) != 0:
             raise RuntimeError(f"mooncake: initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device!r}) failed")
     target = f"{host}:{dst_e.get_rpc_port()}"
-    total = max(size * batch for size, batch in points)
+    points = [(p[0], p[1], p[2] if len(p) > 2 else 1) for p in points]
+    total = max(size * batch * threads for size, batch, threads in points)
     # same pattern as kvferry bench: (i * 31) ^ (i >> 12), as bytes. As bytes it repeats every
     # MiB, so one MiB is computed and copied (cheap in a soft-RoCE guest, which has 2 GiB and
     # emulates every instruction)
@@ -141,38 +147,53 @@ def mooncake_points(points, seconds, protocol="tcp", host="127.0.0.1", device=""
     sa, da = src.ctypes.data, dst.ctypes.data
     if src_e.register_memory(sa, total) != 0 or dst_e.register_memory(da, total) != 0:
         raise RuntimeError("mooncake: register_memory failed")
-    for size, batch in points:
-        used = size * batch
+    for size, batch, threads in points:
+        per = size * batch
+        used = per * threads
         dst[:used] = 0
-        locals_ = [sa + k * size for k in range(batch)]
-        remotes = [da + k * size for k in range(batch)]
-        lens = [size] * batch
         # No warm-up batch: `kvferry bench` has none either.
-        lat = []
+        lat = [[] for _ in range(threads)]
+        errors = []
         start = time.perf_counter()
         deadline = start + seconds
-        while True:
-            t0 = time.perf_counter()
-            if max_batches and len(lat) >= max_batches:
-                break
-            if t0 >= deadline and len(lat) >= min_batches:
-                break
-            if src_e.batch_transfer_sync_write(target, locals_, remotes, lens) != 0:
-                raise RuntimeError("mooncake: a batch failed")
-            lat.append(time.perf_counter() - t0)
+
+        def work(t):
+            locals_ = [sa + t * per + k * size for k in range(batch)]
+            remotes = [da + t * per + k * size for k in range(batch)]
+            lens = [size] * batch
+            mine = lat[t]
+            while not errors:
+                t0 = time.perf_counter()
+                if max_batches and len(mine) >= max_batches:
+                    break
+                if t0 >= deadline and len(mine) >= min_batches:
+                    break
+                if src_e.batch_transfer_sync_write(target, locals_, remotes, lens) != 0:
+                    errors.append("mooncake: a batch failed")
+                    break
+                mine.append(time.perf_counter() - t0)
+
+        ths = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
         elapsed = time.perf_counter() - start
+        if errors:
+            raise RuntimeError(errors[0])
+        all_lat = sorted(x for l in lat for x in l)
         # every batch writes the same bytes: after the last one the target must equal the source
-        if not lat or not np.array_equal(src[:used], dst[:used]):
-            bad = int(np.flatnonzero(src[:used] != dst[:used])[0]) if lat else -1
+        if not all_lat or not np.array_equal(src[:used], dst[:used]):
+            bad = int(np.flatnonzero(src[:used] != dst[:used])[0]) if all_lat else -1
             raise RuntimeError(f"mooncake: landed bytes differ from the source (first at offset {bad})")
-        lat.sort()
-        n = len(lat)
+        n = len(all_lat)
         yield {
             "block_size": size,
             "batch": batch,
-            "gb_per_s": n * used / elapsed / 1e9,
-            "avg_latency_us": sum(lat) / n * 1e6,
-            "p99_latency_us": lat[min(n - 1, max(0, -(-n * 99 // 100) - 1))] * 1e6,
+            "threads": threads,
+            "gb_per_s": n * per / elapsed / 1e9,
+            "avg_latency_us": sum(all_lat) / n * 1e6,
+            "p99_latency_us": all_lat[min(n - 1, max(0, -(-n * 99 // 100) - 1))] * 1e6,
             "batches": n,
         }
     src_e.unregister_memory(sa)
@@ -486,9 +507,9 @@ def main():
     # One Mooncake point in this process (used by run_mooncake and the soft-RoCE suite).
     ap.add_argument("--mooncake-point", nargs=3, metavar=("SIZE", "BATCH", "SECONDS"),
                     help="run one Mooncake point here and print it as JSON")
-    ap.add_argument("--mooncake-points", nargs=2, metavar=("SIZE:BATCH,...", "SECONDS"),
+    ap.add_argument("--mooncake-points", nargs=2, metavar=("SIZE:BATCH[:THREADS],...", "SECONDS"),
                     help="run several Mooncake points here with one pair of engines and print "
-                         "each as a JSON line")
+                         "each as a JSON line (THREADS batches in flight, default 1)")
     ap.add_argument("--protocol", default="tcp", help="--mooncake-point: tcp or rdma")
     ap.add_argument("--host", default="127.0.0.1", help="--mooncake-point: address of both engines")
     ap.add_argument("--device", default="", help="--mooncake-point: RDMA device names, e.g. rxe0")

@@ -8,11 +8,17 @@ Work: WRITEs of batches of requests of each size between two engines on one devi
 loopback: `--batch` requests, fewer where that would pass `--batch-bytes` (a 4 MiB point runs
 batches of 32). kvferry's requests land in reverse order on the target (`--pattern
 scattered`), so it merges the slices of one request into one work request but never two
-requests, as neither Mooncake nor ib_write_bw does. kvferry and Mooncake submit a batch, wait
-for all of it and repeat; ib_write_bw keeps a batch's requests in flight over its QPs (tx depth
-batch / QPs per QP, stated explicitly: perftest lowers the depth to the iteration count) and
-moves at least what kvferry's point moves (`--min-batches` batches). Each engine runs at least `--min-batches` batches
-per point and none started after `--seconds`. `--rounds` rounds, the engines' order rotated
+requests, as neither Mooncake nor ib_write_bw does. ib_write_bw keeps a batch's requests in
+flight over its QPs all the time (tx depth batch / QPs per QP, stated explicitly: perftest lowers
+the depth to the iteration count) and moves at least what kvferry's point moves (`--min-batches`
+batches). kvferry and Mooncake split the batch into `--inflight` batches (2: two halves), each
+submitted and waited for by a thread of its own, so that at most the batch's requests are in
+flight, as with ib_write_bw, but a finished half is submitted again while the other still
+moves, as a serving engine's transfer pool and Mooncake's own `transfer_engine_bench` (threads
+that each loop submit and wait) keep batches in flight; one batch drained before the next
+(`--inflight 1`) leaves the link idle between batches. `--inflight-sweep` runs kvferry with
+other counts too. Each engine runs at least `--min-batches` batches (per thread) per point and
+none started after `--seconds`. `--rounds` rounds, the engines' order rotated
 each round: ib_write_bw and kvferry side by side at each size (a shared machine's load drifts
 over minutes), Mooncake's one process before or after them; per point the medians over rounds
 and their min-max, and the per-round ratios
@@ -80,6 +86,15 @@ def batch_for(a, size):
     return max(1, min(a.batch, a.batch_bytes // size))
 
 
+def split(a, size, inflight):
+    """(requests per submitted batch, submitting threads) at `size` with `inflight` batches in
+    flight: the batch of `batch_for` split into that many, so that at most its requests are in
+    flight together."""
+    batch = batch_for(a, size)
+    threads = max(1, min(inflight, batch))
+    return batch // threads, threads
+
+
 def ib_point(a, size, log):
     """ib_write_bw server + client on one device with `--qps` QPs; GB/s (10^9 B/s) or None,
     with the reason, the iterations per QP and the tx depth per QP. The batch's requests are
@@ -122,16 +137,17 @@ def ib_point(a, size, log):
     return None, "ib_write_bw printed no result line", iters, depth
 
 
-def kvferry_points(a, log, qps, sizes):
-    """{size: point} from `kvferry bench` with `qps` QPs per endpoint at `sizes` (one run per
-    batch size), or raises."""
+def kvferry_points(a, log, qps, sizes, inflight):
+    """{size: point} from `kvferry bench` with `qps` QPs per endpoint and `inflight` batches in
+    flight (`split`) at `sizes` (one run per batch shape), or raises."""
     by_batch = {}
     for size in sizes:
-        by_batch.setdefault(batch_for(a, size), []).append(size)
+        by_batch.setdefault(split(a, size, inflight), []).append(size)
     pts, text = {}, ""
-    for batch, sizes in by_batch.items():
+    for (batch, threads), sizes in by_batch.items():
         cmd = [a.kvferry, "bench", "--transport", "rdma", "--block-sizes", ",".join(map(str, sizes)),
-               "--batch", str(batch), "--seconds", str(a.seconds), "--min-batches", str(a.min_batches),
+               "--batch", str(batch), "--threads", str(threads),
+               "--seconds", str(a.seconds), "--min-batches", str(a.min_batches),
                "--pattern", "scattered", "--qps-per-endpoint", str(qps), "--json"]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
         text += " ".join(cmd) + "\n" + r.stdout + r.stderr
@@ -147,7 +163,7 @@ def kvferry_points(a, log, qps, sizes):
 
 def mooncake_points(a, log):
     """{size: point, or {"error": reason}} from one Mooncake process over every size."""
-    spec = ",".join(f"{size}:{batch_for(a, size)}" for size in a.sizes)
+    spec = ",".join("%d:%d:%d" % ((size,) + split(a, size, a.inflight)) for size in a.sizes)
     cmd = [a.mooncake_python, a.mooncake_script, "--mooncake-points", spec, str(a.seconds),
            "--protocol", "rdma", "--host", a.ip, "--device", a.device, "--min-batches", str(a.min_batches)]
     env = dict(os.environ, GLOG_minloglevel="2")  # Mooncake logs every connection at INFO
@@ -196,6 +212,12 @@ def main():
     ap.add_argument("--qps-sweep", default="1,4",
                     help="other QP counts per endpoint kvferry runs with each round (empty: none)")
     ap.add_argument("--qps-sweep-sizes", default="", help="sizes of the QP sweep (empty: --sizes)")
+    ap.add_argument("--inflight", type=int, default=2,
+                    help="batches in flight per engine (kvferry and Mooncake): the batch split into "
+                         "this many, each on a submitting thread of its own")
+    ap.add_argument("--inflight-sweep", default="",
+                    help="other batches-in-flight counts kvferry runs with each round (e.g. 1: one "
+                         "batch drained before the next; empty: none)")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--min-batches", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
@@ -211,6 +233,9 @@ def main():
     a.batch_bytes = parse_size(a.batch_bytes)
     a.ib_bytes = parse_size(a.ib_bytes)
     sweep = [int(q) for q in a.qps_sweep.split(",") if q.strip() and int(q) != a.qps]
+    if a.inflight < 1:
+        ap.error("--inflight must be at least 1")
+    isweep = [int(k) for k in a.inflight_sweep.split(",") if k.strip() and int(k) != a.inflight]
     a.sweep_sizes = [parse_size(s) for s in a.qps_sweep_sizes.split(",") if s.strip()] or a.sizes
     out = Path(a.out)
     engines = ["ib_write_bw", "kvferry"] + (["mooncake"] if a.mooncake_python else [])
@@ -237,7 +262,7 @@ def main():
         # the QP sweep's runs go right after kvferry's own at each sweep size, rotated too
         qorder = sweep[rnd % len(sweep):] + sweep[:rnd % len(sweep)] if sweep else []
         res = {"round": rnd + 1, "order": order, "ib_write_bw": {}, "kvferry": {}, "mooncake": {},
-               "kvferry_qps": {}}
+               "kvferry_qps": {}, "kvferry_inflight": {}}
         spent = {e: 0.0 for e in engines}
 
         def run_mooncake():
@@ -266,7 +291,8 @@ def main():
                             continue
                         c0 = counters(a)
                         try:
-                            pts = kvferry_points(a, out / f"kvferry-bench-r{rnd + 1}-q{q}-{size}", q, [size])
+                            pts = kvferry_points(a, out / f"kvferry-bench-r{rnd + 1}-q{q}-{size}", q, [size],
+                                                 a.inflight)
                         except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
                             print(f"round {rnd + 1}: kvferry ({q} QPs, {human(size)}): {e}", file=sys.stderr)
                             ok = False
@@ -279,6 +305,23 @@ def main():
                         res["kvferry_qps"].setdefault(q, {})[size] = p
                         if q == a.qps:
                             res["kvferry"][size] = p
+                    # other batches-in-flight counts, right after kvferry's own run (the
+                    # budget as the QP sweep's)
+                    for k in isweep:
+                        if time.time() - began > a.budget:
+                            sweep_cut.append(f"round {rnd + 1}: kvferry with {k} in flight at {human(size)}")
+                            continue
+                        c0 = counters(a)
+                        try:
+                            pts = kvferry_points(a, out / f"kvferry-bench-r{rnd + 1}-i{k}-{size}", a.qps,
+                                                 [size], k)
+                        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+                            print(f"round {rnd + 1}: kvferry ({k} in flight, {human(size)}): {e}", file=sys.stderr)
+                            pts = {}
+                        p = pts.get(size)
+                        if p is not None:
+                            p["retries"] = delta(c0, counters(a))
+                        res["kvferry_inflight"].setdefault(k, {})[size] = p
                 spent[who] += time.time() - t0
         if a.mooncake_python and not mc_first:
             run_mooncake()
@@ -301,8 +344,11 @@ def main():
     lines = [f"soft-RoCE bench: {a.device} under QEMU TCG, WRITE, batches of {a.batch} requests (at most "
              f"{human(a.batch_bytes)}: " + ", ".join(f"{batch_for(a, s)} at {human(s)}" for s in a.sizes)
              + f"), kvferry with {a.qps} QPs per endpoint beside ib_write_bw -q {a.qps} (the batch's "
-             f"requests in flight over its QPs) and Mooncake (2 QPs per endpoint), {len(rounds)} rounds, at least {a.min_batches} "
-             f"batches and {a.seconds:g} s per point; GB/s and ratios as median (min-max) over rounds"]
+             f"requests in flight over its QPs all the time) and Mooncake (2 QPs per endpoint); kvferry and "
+             f"Mooncake with the batch split into {a.inflight} in flight ("
+             + ", ".join("%d x %d" % split(a, s, a.inflight)[::-1] for s in a.sizes)
+             + f"), {len(rounds)} rounds, at least {a.min_batches} "
+             f"batches per thread and {a.seconds:g} s per point; GB/s and ratios as median (min-max) over rounds"]
     summary = []
     missed = []
     for size in a.sizes:
@@ -322,6 +368,20 @@ def main():
         summary.append({"block_size": size, "batch": batch_for(a, size), "kvferry_gb_per_s": k,
                         "ib_write_bw_gb_per_s": ib, "mooncake_gb_per_s": mc,
                         "ratio_kvferry_over_ib_write_bw": r_ib, "ratio_kvferry_over_mooncake": r_mc})
+    def igbs(r, k, size):
+        return ((r["kvferry_inflight"].get(k) or {}).get(size) or {}).get("gb_per_s")
+
+    for k in isweep:
+        cells = []
+        for size in a.sizes:
+            g = spread([igbs(r, k, size) for r in rounds])
+            rel = spread([igbs(r, k, size) / gbs(r, "kvferry", size) for r in rounds
+                          if igbs(r, k, size) and gbs(r, "kvferry", size)])
+            vs_ib = spread([igbs(r, k, size) / gbs(r, "ib_write_bw", size) for r in rounds
+                            if igbs(r, k, size) and gbs(r, "ib_write_bw", size)])
+            cells.append(f"{human(size)} {fmt(g)} GB/s, x{fmt(rel, 2)} of {a.inflight} in flight, "
+                         f"/ib_write_bw {fmt(vs_ib, 2)}")
+        lines.append(f"kvferry with {k} batch(es) in flight (median (min-max) over rounds): " + "; ".join(cells))
     if sweep:
         qs = sorted([a.qps] + sweep)
         lines.append(f"kvferry by QPs per endpoint (GB/s median; ratio to {a.qps} QPs, per round, median):")

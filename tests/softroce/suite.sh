@@ -20,7 +20,9 @@
 #   SOFTROCE_BENCH_BUDGET, SOFTROCE_BENCH_TIMEOUT (the step's), SOFTROCE_BENCH_SIZES
 #   (64K,256K,1M,4M), SOFTROCE_BENCH_BATCH_BYTES (32M: a batch's bytes at most, and what
 #   ib_write_bw moves per run at least), SOFTROCE_BENCH_QPS_SWEEP (empty: none),
-#   SOFTROCE_BENCH_QPS_SWEEP_SIZES.
+#   SOFTROCE_BENCH_QPS_SWEEP_SIZES, SOFTROCE_BENCH_INFLIGHT (2: kvferry and Mooncake run the
+#   batch as that many parts in flight, each on a thread of its own),
+#   SOFTROCE_BENCH_INFLIGHT_SWEEP (1: kvferry with the whole batch drained as well; empty: none).
 set -uo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -151,8 +153,8 @@ else
     # `full` 3; both run kvferry alone with 1 and 4 QPs at 64 KiB and 1 MiB too (a sweep at
     # every size: SOFTROCE_BENCH_QPS_SWEEP_SIZES=64K,256K,1M,4M).
     case "${SOFTROCE_BENCH:-quick}" in
-        quick) b_rounds=1 b_seconds=2 b_min=6 b_budget=420 b_timeout=900 b_sweep=1,4 ;;
-        full) b_rounds=3 b_seconds=4 b_min=6 b_budget=2000 b_timeout=2300 b_sweep=1,4 ;;
+        quick) b_rounds=1 b_seconds=2 b_min=6 b_budget=420 b_timeout=900 b_sweep=1,4 b_isweep=1 ;;
+        full) b_rounds=3 b_seconds=4 b_min=6 b_budget=2000 b_timeout=2300 b_sweep=1,4 b_isweep=1 ;;
         off|0) b_rounds=0 ;;
         *) echo "SOFTROCE_BENCH=${SOFTROCE_BENCH}: not quick, full or off" >&2; b_rounds=-1 ;;
     esac
@@ -168,6 +170,7 @@ else
             --ib-bytes "${SOFTROCE_BENCH_BATCH_BYTES:-32M}" \
             --sizes "${SOFTROCE_BENCH_SIZES:-64K,256K,1M,4M}" --qps 2 --qps-sweep "${SOFTROCE_BENCH_QPS_SWEEP-$b_sweep}" \
             --qps-sweep-sizes "${SOFTROCE_BENCH_QPS_SWEEP_SIZES:-64K,1M}" \
+            --inflight "${SOFTROCE_BENCH_INFLIGHT:-2}" --inflight-sweep "${SOFTROCE_BENCH_INFLIGHT_SWEEP-$b_isweep}" \
             --rounds "${SOFTROCE_BENCH_ROUNDS:-$b_rounds}" --seconds "${SOFTROCE_BENCH_SECONDS:-$b_seconds}" \
             --min-batches "${SOFTROCE_BENCH_MIN_BATCHES:-$b_min}" --budget "${SOFTROCE_BENCH_BUDGET:-$b_budget}" "${mc[@]}" \
             --mooncake-skip-reason "${SOFTROCE_MOONCAKE_SKIP:-}"

@@ -64,6 +64,16 @@ pub enum CliError {
         /// Why.
         source: crate::cli::SizeError,
     },
+    /// The log filter (`--log` or `KVFERRY_LOG`) does not parse.
+    #[error("{from} {filter:?}: not a log filter ({source})")]
+    LogFilter {
+        /// Where it came from: `"--log"`, `"KVFERRY_LOG"` or `"default"`.
+        from: &'static str,
+        /// The filter text.
+        filter: String,
+        /// The parser's error.
+        source: tracing_subscriber::filter::ParseError,
+    },
     /// A file or stream could not be read or written (`what` names it).
     #[error("{what}: {source}")]
     Io {

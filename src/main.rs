@@ -43,8 +43,11 @@ fn init_tracing(filter: Option<&str>) -> Result<(), CliError> {
         (None, Ok(f)) => (f, "KVFERRY_LOG"),
         (None, Err(_)) => ("info".to_string(), "default"),
     };
-    let env_filter = EnvFilter::try_new(&filter)
-        .map_err(|e| CliError::usage(format!("{from} {filter:?}: not a log filter ({e})")))?;
+    let env_filter = EnvFilter::try_new(&filter).map_err(|source| CliError::LogFilter {
+        from,
+        filter: filter.clone(),
+        source,
+    })?;
     let _ = tracing_subscriber::fmt()
         .with_env_filter(env_filter)
         .with_writer(std::io::stderr)

@@ -31,10 +31,11 @@ pub struct MetricsServer {
 
 impl MetricsServer {
     /// Binds `addr` (`HOST:PORT`; port 0 picks one) and serves on a thread of its own.
-    /// Errors: `Usage` for an address that does not bind.
+    /// Errors: `Io` (the bind's error) for an address that does not bind.
     pub fn start(addr: &str) -> Result<MetricsServer, CliError> {
-        let listener = TcpListener::bind(addr)
-            .map_err(|e| CliError::usage(format!("--metrics-addr {addr}: cannot listen: {e}")))?;
+        let listener = TcpListener::bind(addr).map_err(CliError::io(format!(
+            "--metrics-addr {addr}: cannot listen"
+        )))?;
         let local = listener
             .local_addr()
             .map_err(CliError::io("--metrics-addr address"))?;
@@ -159,4 +160,22 @@ fn answer(
     s.write_all(head.as_bytes())?;
     s.write_all(body)?;
     s.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_address_that_does_not_bind_is_an_io_error_with_its_cause() {
+        let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap().to_string();
+        match MetricsServer::start(&addr) {
+            Err(CliError::Io { what, source }) => {
+                assert_eq!(source.kind(), std::io::ErrorKind::AddrInUse);
+                assert!(what.contains("--metrics-addr"), "{what}");
+            }
+            other => panic!("{:?}", other.map(|s| s.addr)),
+        }
+    }
 }

@@ -227,3 +227,30 @@ fn a_panicked_worker_is_an_error_not_missing_layers() {
         }
     }
 }
+
+/// The CUDA launch plan (pure host code) says why a layer cannot be planned in a typed cause.
+#[test]
+fn launch_plan_refusals_are_typed() {
+    use kvferry_kernels::cuda::view::{launch_plan, PlanError};
+    let layers = model();
+    let spec = &layers[0].spec;
+    let len = layers[0].bytes.len() as u64;
+    let addr = layers[0].bytes.as_ptr() as u64;
+    assert_eq!(
+        launch_plan(&[(spec, addr, len - 1)], &[0], 0, 16).err(),
+        Some(PlanError::Short {
+            layer: spec.name.clone(),
+            spans: len,
+            given: len - 1,
+        })
+    );
+    let blocks = spec.geometry.num_blocks();
+    assert_eq!(
+        launch_plan(&[(spec, addr, len)], &[blocks], 0, 16).err(),
+        Some(PlanError::BlockOutOfRange {
+            layer: spec.name.clone(),
+            id: blocks,
+            blocks,
+        })
+    );
+}

@@ -90,21 +90,65 @@ pub struct LaunchPlan {
     pub total_tiles: u32,
 }
 
-/// Why a layer cannot be checksummed by the CUDA kernel.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PlanError(pub String);
-
-impl std::fmt::Display for PlanError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
+/// Why a layer cannot be checksummed by the CUDA kernel; `layer` is the layer's spec name
+/// (`"(group)"` for a count over the whole group).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// A count above the kernel's 32-bit counters (`what`: blocks, tiles, tiles per block,
+    /// or a stride or size of the layer).
+    #[error("layer {layer}: {what} = {value} exceeds the kernel's 32-bit range")]
+    Range {
+        /// The layer.
+        layer: String,
+        /// What is counted.
+        what: &'static str,
+        /// Its value.
+        value: u64,
+    },
+    /// A cell whose bytes are not whole 8-byte pieces.
+    #[error("layer {layer}: cell of {cell_bytes} bytes is not whole 8-byte pieces")]
+    Cell {
+        /// The layer.
+        layer: String,
+        /// Bytes of one cell.
+        cell_bytes: u64,
+    },
+    /// The array is longer than the memory given for it.
+    #[error("layer {layer}: array spans {spans} bytes but only {given} are given")]
+    Short {
+        /// The layer.
+        layer: String,
+        /// Bytes the array spans.
+        spans: u64,
+        /// Bytes given.
+        given: u64,
+    },
+    /// A dimension of size 0.
+    #[error("layer {0}: zero-sized dimension")]
+    ZeroDim(String),
+    /// D × element bytes overflows u64.
+    #[error("layer {0}: D * elem overflows")]
+    RowOverflow(String),
+    /// A block id at or past the layer's block count.
+    #[error("layer {layer}: block id {id} outside its {blocks} blocks")]
+    BlockOutOfRange {
+        /// The layer.
+        layer: String,
+        /// The block id.
+        id: u64,
+        /// Blocks in the layer.
+        blocks: u64,
+    },
+    /// The layer's last head index does not fit in u32.
+    #[error("layer {0}: head index past u32")]
+    HeadIndex(String),
 }
 
-fn to_u32(what: &str, layer: &str, v: u64) -> Result<u32, PlanError> {
-    u32::try_from(v).map_err(|_| {
-        PlanError(format!(
-            "layer {layer}: {what} = {v} exceeds the kernel's 32-bit range"
-        ))
+fn to_u32(what: &'static str, layer: &str, v: u64) -> Result<u32, PlanError> {
+    u32::try_from(v).map_err(|_| PlanError::Range {
+        layer: layer.to_string(),
+        what,
+        value: v,
     })
 }
 
@@ -114,24 +158,23 @@ fn to_u32(what: &str, layer: &str, v: u64) -> Result<u32, PlanError> {
 pub fn layer_view(spec: &LayerSpec, addr: u64, len: u64) -> Result<LayerView, PlanError> {
     let g = &spec.geometry;
     let name = spec.name.as_str();
-    let pieces = g.pieces_per_cell().ok_or_else(|| {
-        PlanError(format!(
-            "layer {name}: cell of {} bytes is not whole 8-byte pieces",
-            g.cell_bytes()
-        ))
+    let pieces = g.pieces_per_cell().ok_or_else(|| PlanError::Cell {
+        layer: name.to_string(),
+        cell_bytes: g.cell_bytes(),
     })?;
     if g.byte_len() > len {
-        return Err(PlanError(format!(
-            "layer {name}: array spans {} bytes but only {len} are given",
-            g.byte_len()
-        )));
+        return Err(PlanError::Short {
+            layer: name.to_string(),
+            spans: g.byte_len(),
+            given: len,
+        });
     }
     if g.kernel_blocks_per_block == 0
         || g.tokens_per_kernel_block == 0
         || g.heads == 0
         || g.head_dim == 0
     {
-        return Err(PlanError(format!("layer {name}: zero-sized dimension")));
+        return Err(PlanError::ZeroDim(name.to_string()));
     }
     let e = g.elem.get();
     let parts = g.parts();
@@ -140,7 +183,7 @@ pub fn layer_view(spec: &LayerSpec, addr: u64, len: u64) -> Result<LayerView, Pl
     let d = g.head_dim;
     let row_bytes = d
         .checked_mul(e)
-        .ok_or_else(|| PlanError(format!("layer {name}: D * elem overflows")))?;
+        .ok_or_else(|| PlanError::RowOverflow(name.to_string()))?;
     let (s_block, s_part, s_tok, s_head, s_d) = (
         g.stride_of(Dim::B),
         g.stride_of(Dim::Kv),
@@ -251,16 +294,14 @@ pub fn launch_plan(
         let mut v = layer_view(spec, *addr, *len)?;
         let nblocks = spec.geometry.num_blocks();
         if let Some(&bad) = block_ids.iter().find(|&&b| b >= nblocks) {
-            return Err(PlanError(format!(
-                "layer {}: block id {bad} outside its {nblocks} blocks",
-                spec.name
-            )));
+            return Err(PlanError::BlockOutOfRange {
+                layer: spec.name.clone(),
+                id: bad,
+                blocks: nblocks,
+            });
         }
         if spec.head_offset as u64 + spec.geometry.heads - 1 > u32::MAX as u64 {
-            return Err(PlanError(format!(
-                "layer {}: head index past u32",
-                spec.name
-            )));
+            return Err(PlanError::HeadIndex(spec.name.clone()));
         }
         v.tile_begin = to_u32("tiles", "(group)", tiles)?;
         v.slot = keys.binary_search(&spec.replica).unwrap_or(0) as u32;

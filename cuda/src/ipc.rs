@@ -34,7 +34,8 @@ pub use share::{
     ImportedVmm, LegacyHandle, OpenedLegacy, VmmBuffer,
 };
 pub use strided::{
-    strided_table, StridedCopies, StridedKernel, StridedTable, STRIDED_PIECE_MAX, STRIDED_SRC,
+    strided_cut, strided_table, StridedCopies, StridedKernel, StridedTable, STRIDED_PIECES_WANTED,
+    STRIDED_PIECE_MAX, STRIDED_PIECE_MIN, STRIDED_SRC,
 };
 
 /// Whether device `a` can read and write device `b`'s memory (`cuDeviceCanAccessPeer`); true

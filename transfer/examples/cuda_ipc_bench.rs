@@ -28,6 +28,9 @@
 //!
 //! A second table splits the engine's host time: `submit` (validation, slicing, routing,
 //! enqueue; µs per batch, and ns per request for 64 KiB pieces) against the whole batch.
+//! A third gives the host's part of each driver call a batch makes (a copy, an event record
+//! and query, a context switch, a launch of the piece kernel with its table): µs per call, the
+//! floor under the engine's own work per batch.
 //!
 //! The bytes of a scattered copy are checked at the end (read back through the mapping).
 //!
@@ -364,6 +367,69 @@ fn main() {
     println!("|---|---|---|---|---|---|---|---|");
     for r in host_rows {
         println!("{r}");
+    }
+    // The host's part of each driver call a batch makes: µs per call, `n` calls back to back
+    // timed on the host (the stream drained before and after, so no call waits for room).
+    let per_call = |n: usize, f: &mut dyn FnMut()| -> f64 {
+        stream.synchronize().unwrap();
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            f();
+        }
+        let us = t.elapsed().as_secs_f64() * 1e6 / n as f64;
+        stream.synchronize().unwrap();
+        us
+    };
+    let copy_into = |len: usize| {
+        let c = [ipc::Copy {
+            dst: legacy.ptr(),
+            src: src.ptr(),
+            len,
+        }];
+        // SAFETY: `len` bytes inside both allocations (of 2 * max bytes).
+        move || unsafe {
+            ipc::copy_batch_async(&c, s).unwrap();
+        }
+    };
+    let ev = Event::new(&ctx, false).unwrap();
+    let small = plan_copies(&pieces(legacy.ptr(), src.ptr(), 64 << 10, 4 << 10));
+    let mut calls: Vec<(&str, f64)> = vec![
+        (
+            "cuMemcpyDtoDAsync 64 KiB (into the IPC mapping)",
+            per_call(200, &mut copy_into(64 << 10)),
+        ),
+        (
+            "cuMemcpyDtoDAsync 1 MiB (into the IPC mapping)",
+            per_call(200, &mut copy_into(1 << 20)),
+        ),
+        ("cuEventRecord", {
+            // SAFETY: a live event and stream of this context.
+            per_call(1000, &mut || unsafe { ev.record(s).unwrap() })
+        }),
+        (
+            "cuEventQuery (completed)",
+            per_call(1000, &mut || {
+                ev.query().unwrap();
+            }),
+        ),
+        (
+            "cuCtxSetCurrent (the same context)",
+            per_call(1000, &mut || ctx.bind().unwrap()),
+        ),
+    ];
+    calls.push((
+        "piece kernel: 16 pieces (table upload + launch)",
+        per_call(200, &mut || {
+            // SAFETY: as the scattered runs above (the same plan each time: the pinned
+            // table's bytes do not change while an upload may read them).
+            unsafe { kernel.enqueue(&small, &mut table.borrow_mut(), s).unwrap() }
+        }),
+    ));
+    println!();
+    println!("| driver call (host side) | µs per call |");
+    println!("|---|---|");
+    for (what, us) in calls {
+        println!("| {what} | {us:.2} |");
     }
     // Bytes: a pattern scattered into the child's memory as 4 KiB pieces, read back.
     let n = 16 << 20;

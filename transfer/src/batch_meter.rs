@@ -12,7 +12,7 @@ use crate::types::{BatchId, Op, TransferRequest};
 /// A batch in flight as the metrics see it.
 struct BatchMeter {
     started: Instant,
-    path: String,
+    path: &'static str,
     peer: String,
     op: &'static str,
     bytes: u64,
@@ -32,7 +32,7 @@ impl Meters {
     pub(crate) fn start(
         &self,
         id: BatchId,
-        path: String,
+        path: &'static str,
         peer: &str,
         requests: &[TransferRequest],
         slices: u32,
@@ -46,7 +46,7 @@ impl Meters {
     pub(crate) fn start_with(
         &self,
         id: BatchId,
-        path: String,
+        path: &'static str,
         peer: &str,
         op: Op,
         bytes: u64,
@@ -74,7 +74,7 @@ impl Meters {
         };
         crate::metrics::global().transfer(
             &crate::metrics::Transfer {
-                path: &m.path,
+                path: m.path,
                 peer: &m.peer,
                 op: m.op,
                 bytes: m.bytes,

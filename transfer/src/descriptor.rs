@@ -156,8 +156,10 @@ impl SegmentDescriptor {
     /// order. Errors: `RemoteOutOfRange` for the first request some byte of which no buffer
     /// holds.
     pub(crate) fn remote_covers(&self, requests: &[TransferRequest]) -> Result<Vec<Cover<usize>>> {
-        let idx: Vec<(usize, &BufferDesc)> = self.buffers.iter().enumerate().collect();
-        let refs: Vec<&(usize, &BufferDesc)> = idx.iter().collect();
+        // Built only for a request that spans buffers (most lie in one: no O(buffers) work
+        // per submit then).
+        let idx: std::cell::OnceCell<Vec<(usize, &BufferDesc)>> = std::cell::OnceCell::new();
+        let refs: std::cell::OnceCell<Vec<&(usize, &BufferDesc)>> = std::cell::OnceCell::new();
         // Requests of one submit mostly lie in one buffer: the last one is tried first.
         let mut last = usize::MAX;
         requests
@@ -171,7 +173,12 @@ impl SegmentDescriptor {
                     last = i;
                     return Ok(smallvec::smallvec![(r.remote_addr, r.len, i)]);
                 }
-                cover_sorted(&refs, |(_, b)| &b.region, r.remote_addr, r.len)
+                let refs = refs.get_or_init(|| {
+                    idx.get_or_init(|| self.buffers.iter().enumerate().collect())
+                        .iter()
+                        .collect()
+                });
+                cover_sorted(refs, |(_, b)| &b.region, r.remote_addr, r.len)
                     .map(|v| v.into_iter().map(|(a, l, (i, _))| (a, l, *i)).collect())
                     .ok_or_else(|| TransferError::RemoteOutOfRange {
                         segment: self.name.clone(),

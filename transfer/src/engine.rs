@@ -494,19 +494,39 @@ impl TransferEngine {
 impl TransferEngine {
     /// The metrics' `path` of a batch: the transport, and for GPU memory how the first
     /// request's local region is registered (`tcp`, `tcp-gpu-staged`, `rdma-dma-buf`, ...).
-    fn path_label(&self, requests: &[TransferRequest]) -> String {
+    fn path_label(&self, requests: &[TransferRequest]) -> &'static str {
         self.path_label_at(requests.first().map(|r| r.local_addr))
     }
 
     /// `path_label` for a batch whose first local address is `first`.
-    pub(crate) fn path_label_at(&self, first: Option<u64>) -> String {
-        let kind = self.transport.kind().as_str();
+    pub(crate) fn path_label_at(&self, first: Option<u64>) -> &'static str {
         let reg = first.and_then(|a| self.region_path(a)).unwrap_or_default();
-        match reg {
-            crate::memory::RegistrationPath::Host => kind.to_string(),
-            crate::memory::RegistrationPath::Staged => format!("{kind}-gpu-staged"),
-            other => format!("{kind}-{other}"),
-        }
+        path_label_of(self.transport.kind(), reg)
+    }
+}
+
+/// The metrics' `path` of a batch moved by a transport of `kind` from a region registered
+/// along `reg`: the kind alone for host memory, else `{kind}-gpu-staged`, `{kind}-dma-buf`,
+/// `{kind}-peer-memory`. A static text: a submit formats no label.
+pub(crate) fn path_label_of(
+    kind: TransportKind,
+    reg: crate::memory::RegistrationPath,
+) -> &'static str {
+    use crate::memory::RegistrationPath as P;
+    use TransportKind as K;
+    match (kind, reg) {
+        (K::Tcp, P::Host) => "tcp",
+        (K::Tcp, P::Staged) => "tcp-gpu-staged",
+        (K::Tcp, P::DmaBuf) => "tcp-dma-buf",
+        (K::Tcp, P::PeerMemory) => "tcp-peer-memory",
+        (K::Rdma, P::Host) => "rdma",
+        (K::Rdma, P::Staged) => "rdma-gpu-staged",
+        (K::Rdma, P::DmaBuf) => "rdma-dma-buf",
+        (K::Rdma, P::PeerMemory) => "rdma-peer-memory",
+        (K::Auto, P::Host) => "auto",
+        (K::Auto, P::Staged) => "auto-gpu-staged",
+        (K::Auto, P::DmaBuf) => "auto-dma-buf",
+        (K::Auto, P::PeerMemory) => "auto-peer-memory",
     }
 }
 
@@ -530,5 +550,26 @@ impl Drop for TransferEngine {
     fn drop(&mut self) {
         self.handshake.take();
         self.transport.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::RegistrationPath as P;
+
+    #[test]
+    fn path_labels_are_the_kind_and_the_registration_path() {
+        for k in [TransportKind::Auto, TransportKind::Tcp, TransportKind::Rdma] {
+            for r in [P::Host, P::Staged, P::DmaBuf, P::PeerMemory] {
+                let kind = k.as_str();
+                let want = match r {
+                    P::Host => kind.to_string(),
+                    P::Staged => format!("{kind}-gpu-staged"),
+                    other => format!("{kind}-{other}"),
+                };
+                assert_eq!(path_label_of(k, r), want);
+            }
+        }
     }
 }

@@ -192,10 +192,51 @@ pub(crate) fn validate(
     let mut last_local: Option<MemoryRegion> = None;
     let mut last_remote: Option<(usize, MemoryRegion)> = None;
     let mut taken: Vec<(u64, usize, bool)> = Vec::new();
+    let mut takes_pair = |region: &MemoryRegion, buffer: usize| match taken
+        .iter()
+        .find(|(a, b, _)| *a == region.addr && *b == buffer)
+    {
+        Some(&(_, _, ok)) => ok,
+        None => {
+            let ok = takes(region, buffer);
+            taken.push((region.addr, buffer, ok));
+            ok
+        }
+    };
     for (req, h) in requests.iter().zip(hulls) {
         let Some(h) = h else { continue };
         let ranges: Arc<[StridedRange]> = req.ranges.as_slice().into();
         let first_group = groups.len();
+        if !expand {
+            let whole = whole_request(
+                &req.blocks,
+                &h,
+                &mut |a, n| match last_local.filter(|g| g.contains(a, n)) {
+                    Some(g) => Some(g),
+                    None => local(a, n),
+                },
+                &mut |a, n| match last_remote.filter(|(_, g)| g.contains(a, n)) {
+                    Some(b) => Some(b),
+                    None => remote(a, n),
+                },
+            )
+            .filter(|(region, (buffer, _))| takes_pair(region, *buffer));
+            if let Some((region, buffer)) = whole {
+                // Every block lies in this pair: the per-block loop below would make them
+                // one group, in order.
+                last_local = Some(region);
+                last_remote = Some(buffer);
+                groups.push(StridedGroup {
+                    id: group_id(groups.len())?,
+                    op: req.op,
+                    local_region: region,
+                    remote_buffer: buffer.0,
+                    ranges,
+                    blocks: req.blocks.clone(),
+                });
+                continue;
+            }
+        }
         for &(lb, rb) in &req.blocks {
             // Both ends of the block's span are ends of some copy: checked here as there.
             let (la, ra) = match (lb.checked_add(h.local.0), rb.checked_add(h.remote.0)) {
@@ -228,18 +269,7 @@ pub(crate) fn validate(
             last_local = Some(region);
             last_remote = Some(buffer);
             let buffer = buffer.0;
-            let ok = match taken
-                .iter()
-                .find(|(a, b, _)| *a == region.addr && *b == buffer)
-            {
-                Some(&(_, _, ok)) => ok,
-                None => {
-                    let ok = takes(&region, buffer);
-                    taken.push((region.addr, buffer, ok));
-                    ok
-                }
-            };
-            if !ok {
+            if !takes_pair(&region, buffer) {
                 expand = true;
                 continue;
             }
@@ -248,13 +278,8 @@ pub(crate) fn validate(
                     g.blocks.push((lb, rb))
                 }
                 _ => {
-                    let id = u32::try_from(groups.len()).map_err(|_| {
-                        TransferError::InvalidArgument(ArgumentError::TooManySlices {
-                            limit: u32::MAX as u64,
-                        })
-                    })?;
                     groups.push(StridedGroup {
-                        id,
+                        id: group_id(groups.len())?,
                         op: req.op,
                         local_region: region,
                         remote_buffer: buffer,
@@ -270,6 +295,45 @@ pub(crate) fn validate(
     } else {
         Validated::Compact(groups)
     })
+}
+
+/// The id of the group at index `i`. Errors: more than `u32::MAX` groups.
+fn group_id(i: usize) -> Result<u32> {
+    u32::try_from(i).map_err(|_| {
+        TransferError::InvalidArgument(ArgumentError::TooManySlices {
+            limit: u32::MAX as u64,
+        })
+    })
+}
+
+/// The one pair (local region, remote buffer) holding every block of a request whose ranges'
+/// span is `h`, found from the hull of all its blocks' spans (the lowest base plus the span's
+/// start to the highest base plus its end) with one lookup per side: a region or buffer is an
+/// interval, so holding the hull it holds every block. `None` when the hull lies in no one
+/// region or buffer (the blocks may still fit one by one), or some block's end overflows
+/// (the per-block check names it): then the caller checks block by block. O(blocks) of
+/// arithmetic, no lookup per block.
+fn whole_request(
+    blocks: &[(u64, u64)],
+    h: &Hull,
+    local: &mut dyn FnMut(u64, u64) -> Option<MemoryRegion>,
+    remote: &mut dyn FnMut(u64, u64) -> Option<(usize, MemoryRegion)>,
+) -> Option<(MemoryRegion, (usize, MemoryRegion))> {
+    let (mut l0, mut l1, mut r0, mut r1) = (u64::MAX, 0u64, u64::MAX, 0u64);
+    for &(lb, rb) in blocks {
+        l0 = l0.min(lb);
+        l1 = l1.max(lb);
+        r0 = r0.min(rb);
+        r1 = r1.max(rb);
+    }
+    let la = l0.checked_add(h.local.0)?;
+    let le = l1.checked_add(h.local.1)?;
+    let ra = r0.checked_add(h.remote.0)?;
+    let re = r1.checked_add(h.remote.1)?;
+    // Spans are not empty (every range has a length), so the ends lie past the starts.
+    let region = local(la, le.checked_sub(la)?)?;
+    let buffer = remote(ra, re.checked_sub(ra)?)?;
+    Some((region, buffer))
 }
 
 fn overflow(base: u64, offset: u64) -> TransferError {

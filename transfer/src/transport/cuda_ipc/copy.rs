@@ -62,8 +62,9 @@ impl CudaIpcTransport {
             );
             return Vec::new();
         }
-        let host = slices[0].1.host.clone();
-        if self.peer_gone(&host) {
+        // A reference into the post's keys (which outlive `slices`): no copy of its strings.
+        let host = &slices[0].1.host;
+        if self.peer_gone(host) {
             self.drop_peer(&peer.name);
             let e = TransferError::Refused {
                 segment: peer.name.clone(),
@@ -124,7 +125,7 @@ impl CudaIpcTransport {
                 out
             };
             if !missing.is_empty() {
-                if let Err(e) = self.import(peer, &host, &missing, &lane) {
+                if let Err(e) = self.import(peer, host, &missing, &lane) {
                     tracing::warn!(peer = %peer.name, "CUDA IPC handshake failed ({e}); these slices go over {}", self.inner.kind());
                     let mut peers = self.peers.locked();
                     if let Some(p) = peers.get_mut(&peer.name) {
@@ -217,8 +218,16 @@ impl CudaIpcTransport {
         copies: &[ipc::Copy],
     ) -> Result<(Event, Option<PieceTable>)> {
         lane.ctx.bind().map_err(gpu_err)?;
-        let plan = ipc::plan_copies(copies);
         let s = lane.stream.raw();
+        if let [one] = copies {
+            // One run (a contiguous request): one driver copy, as the plan would make it,
+            // without the plan's lists, a table or the kernel's own context switch.
+            // SAFETY: the range lies inside registered local memory or a peer allocation
+            // mapped here (kept alive by the job until the event completes).
+            unsafe { ipc::copy_batch_async(std::slice::from_ref(one), s) }.map_err(gpu_err)?;
+            return Ok((lane.record_event()?, None));
+        }
+        let plan = ipc::plan_copies(copies);
         let mut table = None;
         match &lane.kernel {
             Some(k) => {

@@ -183,6 +183,8 @@ pub(super) fn complete_jobs(rx: mpsc::Receiver<Job>) {
     let mut open = true;
     let mut idle_since: Option<Instant> = None;
     let mut last_done = Instant::now() - HOT_AFTER_LAST;
+    // Lanes with a pending job this round (kept across rounds: no allocation per round).
+    let mut waiting: Vec<*const Lane> = Vec::new();
     while open || !jobs.is_empty() || !late.is_empty() {
         if jobs.is_empty() && late.is_empty() {
             if last_done.elapsed() < HOT_AFTER_LAST {
@@ -212,14 +214,34 @@ pub(super) fn complete_jobs(rx: mpsc::Receiver<Job>) {
             }
         }
         let now = Instant::now();
+        // A lane's jobs are events on one stream, recorded in about the order they arrive
+        // here: once one is pending, the lane's later ones are too (or end with it), so they
+        // are not asked this round unless past their deadline. One driver query per lane and
+        // round, not one per job: the queries take the driver's locks that the submitting
+        // threads' copies need.
+        waiting.clear();
+        let mut bound: *const Lane = std::ptr::null();
         let mut i = 0;
         while i < jobs.len() {
-            let _ = jobs[i].lane.ctx.bind();
+            let lane = Arc::as_ptr(&jobs[i].lane);
+            if waiting.contains(&lane) && now < jobs[i].deadline {
+                i += 1;
+                continue;
+            }
+            if bound != lane {
+                let _ = jobs[i].lane.ctx.bind();
+                bound = lane;
+            }
             match jobs[i].event.query() {
                 Ok(EventState::Done) => {
-                    let j = jobs.swap_remove(i);
+                    // In order (not swap_remove): the next job of the lane is asked next.
+                    let j = jobs.remove(i);
                     j.done.succeed_all(&j.ids);
                     last_done = Instant::now();
+                    // Progress: the next wait starts its yielding window afresh (else a
+                    // stream of batches kept in flight for over 2 ms would be polled every
+                    // sleep, tens of microseconds, longer than the copies queued behind).
+                    idle_since = None;
                     if let Some(t) = j.table {
                         j.lane.tables.locked().push(t);
                     }
@@ -228,9 +250,12 @@ pub(super) fn complete_jobs(rx: mpsc::Receiver<Job>) {
                         spare.push(j.event);
                     }
                 }
-                Ok(EventState::Pending) if now < jobs[i].deadline => i += 1,
+                Ok(EventState::Pending) if now < jobs[i].deadline => {
+                    waiting.push(lane);
+                    i += 1
+                }
                 other => {
-                    let j = jobs.swap_remove(i);
+                    let j = jobs.remove(i);
                     let e = match other {
                         Err(e) => gpu_err(e),
                         _ => TransferError::Timeout(COPY_DEADLINE),
@@ -244,8 +269,8 @@ pub(super) fn complete_jobs(rx: mpsc::Receiver<Job>) {
         late.retain(|j| matches!(j.event.query(), Ok(EventState::Pending)));
         if !jobs.is_empty() || !late.is_empty() {
             // Copies take microseconds to about a millisecond (a 64 MiB slice: ~30 µs on an
-            // H200): yield for the first 2 ms of a wait (a sleep costs tens of microseconds of
-            // latency, more than the copy), then sleep.
+            // H200): yield for the first 2 ms without a completion (a sleep costs tens of
+            // microseconds of latency, more than the copy), then sleep.
             if idle_since.get_or_insert(now).elapsed() < Duration::from_millis(2) {
                 std::thread::yield_now();
             } else {

@@ -19,11 +19,16 @@ use crate::sync::MutexExt;
 use crate::transport::CompletionSink;
 use crate::types::{Location, Op};
 
-/// One group resolved to device addresses: ranges as (dst, src) offsets, bases as (dst, src).
-struct Resolved {
+/// One group resolved to device addresses: ranges as (dst, src) offsets; its blocks (the
+/// group's own list, borrowed) with the shift of the remote bases into this process's mapping
+/// and which side is the destination.
+struct Resolved<'g> {
     id: u32,
     ranges: Vec<ipc::Copy>,
-    bases: Vec<(u64, u64)>,
+    blocks: &'g [(u64, u64)],
+    /// Write: the remote base (second of a block's pair) is the destination.
+    dst_second: bool,
+    shift: (u64, u64),
     bytes: u64,
 }
 
@@ -61,7 +66,8 @@ impl CudaIpcTransport {
         }
         // The route was decided at submit; a descriptor change meanwhile fails the group
         // (the per-copy path would have retried it on the fallback transport).
-        let mut work: Vec<(&StridedGroup, IpcRegionKeys, u32)> = Vec::with_capacity(groups.len());
+        let mut work: Vec<(&StridedGroup, Arc<IpcRegionKeys>, u32)> =
+            Vec::with_capacity(groups.len());
         for g in groups {
             let k = self.keys_of(peer, Some(peer), g.remote_buffer);
             let route = self.route_of(peer, &g.local_region, g.remote_buffer, &k);
@@ -72,10 +78,11 @@ impl CudaIpcTransport {
                 _ => done.complete(g.id, Err(not_over_ipc(g.remote_buffer))),
             }
         }
-        let Some(host) = work.first().map(|w| w.1.host.clone()) else {
+        let Some(first) = work.first().map(|w| w.1.clone()) else {
             return;
         };
-        if self.peer_gone(&host) {
+        let host = &first.host;
+        if self.peer_gone(host) {
             self.drop_peer(&peer.name);
             let e = TransferError::Refused {
                 segment: peer.name.clone(),
@@ -89,10 +96,10 @@ impl CudaIpcTransport {
         devices.dedup();
         done.expect_soon();
         for dev in devices {
-            let part: Vec<&(&StridedGroup, IpcRegionKeys, u32)> =
+            let part: Vec<&(&StridedGroup, Arc<IpcRegionKeys>, u32)> =
                 work.iter().filter(|w| w.2 == dev).collect();
             let ids = || part.iter().map(|w| w.0.id);
-            if let Err(e) = self.post_device(peer, &host, dev, &part, &done) {
+            if let Err(e) = self.post_device(peer, host, dev, &part, &done) {
                 done.fail_all(ids(), &e);
             }
         }
@@ -106,7 +113,7 @@ impl CudaIpcTransport {
         peer: &Arc<SegmentDescriptor>,
         host: &super::keys::HostIdentity,
         dev: u32,
-        part: &[&(&StridedGroup, IpcRegionKeys, u32)],
+        part: &[&(&StridedGroup, Arc<IpcRegionKeys>, u32)],
         done: &CompletionSink,
     ) -> Result<()> {
         let lane = self.lane(dev)?;
@@ -137,7 +144,7 @@ impl CudaIpcTransport {
             }
         }
         let mut keep: Vec<Arc<Mapped>> = Vec::new();
-        let mut resolved: Vec<Resolved> = Vec::with_capacity(part.len());
+        let mut resolved: Vec<Resolved<'_>> = Vec::with_capacity(part.len());
         {
             let peers = self.peers.locked();
             let p = peers
@@ -153,11 +160,7 @@ impl CudaIpcTransport {
                 // (checked at submit): the span inside the live table covers every copy.
                 let lo = g.ranges.iter().map(|r| r.remote).min().unwrap_or(0);
                 let hi = g.ranges.iter().map(|r| r.remote + r.len).max().unwrap_or(0);
-                if let Some(&(_, rb)) = g
-                    .blocks
-                    .iter()
-                    .find(|(_, rb)| !live.covers(rb + lo, hi - lo))
-                {
+                if let Some(rb) = first_dead_block(&mut live, &g.blocks, lo, hi) {
                     done.complete(
                         g.id,
                         Err(TransferError::RemoteOutOfRange {
@@ -190,19 +193,17 @@ impl CudaIpcTransport {
                         },
                     })
                     .collect();
-                let bases = g
-                    .blocks
-                    .iter()
-                    .map(|&(lb, rb)| match g.op {
-                        Op::Write => (rb.wrapping_add(shift), lb),
-                        Op::Read => (lb, rb.wrapping_add(shift)),
-                    })
-                    .collect();
+                let (dst_second, shift) = match g.op {
+                    Op::Write => (true, (shift, 0)),
+                    Op::Read => (false, (0, shift)),
+                };
                 let per: u64 = g.ranges.iter().map(|r| r.len).sum();
                 resolved.push(Resolved {
                     id: g.id,
                     ranges,
-                    bases,
+                    blocks: &g.blocks,
+                    dst_second,
+                    shift,
                     bytes: per.saturating_mul(g.blocks.len() as u64),
                 });
             }
@@ -216,7 +217,9 @@ impl CudaIpcTransport {
             .iter()
             .map(|r| StridedCopies {
                 ranges: &r.ranges,
-                bases: &r.bases,
+                bases: r.blocks,
+                dst_second: r.dst_second,
+                shift: r.shift,
             })
             .collect();
         match self.enqueue_strided(dev, &lane, &launch) {
@@ -249,6 +252,98 @@ impl CudaIpcTransport {
     }
 }
 
+/// The remote base of the first block whose remote span `[base + lo, base + hi)` the live
+/// table does not hold, `None` when it holds every block's. One lookup for the hull of all
+/// the spans (a live region is an interval: holding the hull, it holds every span), one per
+/// block only when the hull is not inside one region.
+fn first_dead_block(
+    live: &mut super::live::LiveSnapshot,
+    blocks: &[(u64, u64)],
+    lo: u64,
+    hi: u64,
+) -> Option<u64> {
+    let (mut r0, mut r1) = (u64::MAX, 0u64);
+    for &(_, rb) in blocks {
+        r0 = r0.min(rb);
+        r1 = r1.max(rb);
+    }
+    let hull = r0
+        .checked_add(lo)
+        .zip(r1.checked_add(hi))
+        .filter(|(a, e)| a < e);
+    if let Some((a, e)) = hull {
+        if live.covers(a, e - a) {
+            return None;
+        }
+    }
+    blocks
+        .iter()
+        .find(|(_, rb)| rb.checked_add(lo).is_none_or(|a| !live.covers(a, hi - lo)))
+        .map(|&(_, rb)| rb)
+}
+
 fn not_over_ipc(buffer: usize) -> TransferError {
     TransferError::Unsupported(UnsupportedError::NotOverCudaIpc { buffer })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::live::{LiveTable, LiveView};
+    use super::*;
+
+    #[test]
+    fn a_block_outside_the_live_regions_is_found_with_or_without_the_hull() {
+        let mut t = LiveTable::new().unwrap();
+        let v = LiveView::open(&t.fd()).unwrap();
+        t.publish(&[(0x10000, 0x1000), (0x20000, 0x1000)]).unwrap();
+        // Spans [base + 0x10, base + 0x90).
+        let (lo, hi) = (0x10, 0x90);
+        let b = |rb: u64| (0u64, rb);
+        // All in the first region: the hull is.
+        assert_eq!(
+            first_dead_block(
+                &mut v.snapshot(),
+                &[b(0x10000), b(0x10f00), b(0x10100)],
+                lo,
+                hi
+            ),
+            None
+        );
+        // In two regions: the hull is in none, every block is in one.
+        assert_eq!(
+            first_dead_block(&mut v.snapshot(), &[b(0x10000), b(0x20f00)], lo, hi),
+            None
+        );
+        // Past the end of the first region by one byte (0x10f71 + 0x90 = 0x11001).
+        assert_eq!(
+            first_dead_block(
+                &mut v.snapshot(),
+                &[b(0x10000), b(0x10f71), b(0x20000)],
+                lo,
+                hi
+            ),
+            Some(0x10f71)
+        );
+        // Between the two regions.
+        assert_eq!(
+            first_dead_block(
+                &mut v.snapshot(),
+                &[b(0x10000), b(0x18000), b(0x20000)],
+                lo,
+                hi
+            ),
+            Some(0x18000)
+        );
+        // A region unregistered since: its blocks are refused.
+        t.publish(&[(0x20000, 0x1000)]).unwrap();
+        assert_eq!(
+            first_dead_block(&mut v.snapshot(), &[b(0x20000), b(0x10000)], lo, hi),
+            Some(0x10000)
+        );
+        // Ends past u64::MAX: refused, no overflow.
+        assert_eq!(
+            first_dead_block(&mut v.snapshot(), &[b(u64::MAX - 0x20)], lo, hi),
+            Some(u64::MAX - 0x20)
+        );
+    }
 }

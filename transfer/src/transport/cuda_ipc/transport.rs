@@ -77,8 +77,9 @@ pub struct CudaIpcTransport {
     /// costs microseconds.
     decoded: Mutex<HashMap<usize, DecodedOf>>,
     /// Whether local device `a` reaches the device of UUID `b` (a fact of this host that
-    /// costs several driver calls to find).
-    access: Mutex<HashMap<(u32, String), bool>>,
+    /// costs several driver calls to find), by local device, then UUID (looked up by `&str`:
+    /// no key is built per submit).
+    access: Mutex<HashMap<u32, HashMap<String, bool>>>,
     /// Caller-stream points (`Transport::order_after`) per local device that slices handed to
     /// the wrapped transport have not waited for yet: it reads device memory from the host.
     fallback_order: Mutex<HashMap<u32, (StreamPoint, Duration)>>,
@@ -87,12 +88,17 @@ pub struct CudaIpcTransport {
     refused: Mutex<HashMap<u64, TransferError>>,
 }
 
-/// A peer's keys as `decode_keys` gives them.
-type Decoded = Option<std::result::Result<IpcRegionKeys, ()>>;
+/// A pair's keys when it goes over CUDA IPC, `None` when it goes to the wrapped transport.
+type RouteKeys = Option<Arc<IpcRegionKeys>>;
+/// A peer's keys as `decode_keys` gives them: shared, so that a submit's route lookups copy
+/// no host identity (four strings) per call.
+pub(super) type Decoded = Option<std::result::Result<Arc<IpcRegionKeys>, ()>>;
 /// The decoded keys of one descriptor's buffers.
 type DecodedOf = (std::sync::Weak<SegmentDescriptor>, HashMap<usize, Decoded>);
 /// Descriptors and device pairs remembered at most (more start the memory afresh).
 const DECODED_KEPT: usize = 64;
+/// Pairs of regions one post looks up by a search of its list before it builds a map.
+const PAIRS_SEARCHED: usize = 8;
 
 /// The largest slice asked for on a CUDA IPC route: large enough that host work per slice is
 /// nothing beside the copy (a 64 MiB copy takes about 30 µs on an H200).
@@ -219,12 +225,13 @@ impl CudaIpcTransport {
 
 /// The CUDA IPC keys of the peer's buffer `i`: `None` when it publishes none, `Some(Err)` when
 /// they do not decode.
-fn decode_keys(
-    peer: &SegmentDescriptor,
-    i: usize,
-) -> Option<std::result::Result<IpcRegionKeys, ()>> {
+fn decode_keys(peer: &SegmentDescriptor, i: usize) -> Decoded {
     let v = peer.buffers.get(i)?.keys.transport.get(KEYS_FIELD)?;
-    Some(serde_json::from_value::<IpcRegionKeys>(v.clone()).map_err(|_| ()))
+    Some(
+        serde_json::from_value::<IpcRegionKeys>(v.clone())
+            .map(Arc::new)
+            .map_err(|_| ()),
+    )
 }
 
 impl CudaIpcTransport {
@@ -263,7 +270,7 @@ impl CudaIpcTransport {
 
     /// Whether local device `a` can access the device of `uuid` (remembered).
     fn peer_access(&self, a: u32, uuid: &str) -> bool {
-        if let Some(&ok) = self.access.locked().get(&(a, uuid.to_string())) {
+        if let Some(&ok) = self.access.locked().get(&a).and_then(|m| m.get(uuid)) {
             return ok;
         }
         let ok = kvferry_cuda::guarded("peer access", || {
@@ -274,10 +281,10 @@ impl CudaIpcTransport {
         })
         .unwrap_or(false);
         let mut m = self.access.locked();
-        if m.len() >= DECODED_KEPT {
+        if m.values().map(HashMap::len).sum::<usize>() >= DECODED_KEPT {
             m.clear();
         }
-        m.insert((a, uuid.to_string()), ok);
+        m.entry(a).or_default().insert(uuid.to_string(), ok);
         ok
     }
 
@@ -288,7 +295,7 @@ impl CudaIpcTransport {
         peer: &SegmentDescriptor,
         local: &MemoryRegion,
         remote_buffer: usize,
-        k: &Option<std::result::Result<IpcRegionKeys, ()>>,
+        k: &Decoded,
     ) -> Route {
         let Some(buffer) = peer.buffers.get(remote_buffer) else {
             return Route::Fallback(super::keys::FallbackWhy::NotExported);
@@ -303,7 +310,7 @@ impl CudaIpcTransport {
             self.me.as_ref(),
             local,
             &buffer.region,
-            k.as_ref().map(|r| r.as_ref().map_err(|_| ())),
+            k.as_ref().map(|r| r.as_deref().map_err(|_| ())),
             |a, _| match k.as_ref() {
                 Some(Ok(k)) => self.peer_access(a, &k.device_uuid),
                 _ => false,
@@ -454,15 +461,22 @@ impl Transport for CudaIpcTransport {
         // The route depends on the two regions only: decided once per pair (a submit names
         // few pairs, and consecutive slices almost always share one: the last pair is tried
         // first). `which[i]`: the index in `routes` of slice i's pair.
-        let mut routes: Vec<((u64, usize), Option<IpcRegionKeys>)> = Vec::new();
+        let mut routes: Vec<((u64, usize), RouteKeys)> = Vec::new();
         let mut which: Vec<u32> = Vec::with_capacity(slices.len());
         let mut index: HashMap<(u64, usize), usize> = HashMap::new();
         let mut last = usize::MAX;
         for s in slices {
             let pair = (s.local_region.addr, s.remote_buffer);
             if routes.get(last).is_none_or(|(p, _)| *p != pair) {
-                last = match index.get(&pair) {
-                    Some(&i) => i,
+                // A few pairs are searched in place; the map (no allocation until then) only
+                // past `PAIRS_SEARCHED`.
+                let found = if routes.len() <= PAIRS_SEARCHED {
+                    routes.iter().position(|(p, _)| *p == pair)
+                } else {
+                    index.get(&pair).copied()
+                };
+                last = match found {
+                    Some(i) => i,
                     None => {
                         let k = self.keys_of(peer, Some(peer), s.remote_buffer);
                         let d = match self.route_of(peer, &s.local_region, s.remote_buffer, &k) {
@@ -470,7 +484,13 @@ impl Transport for CudaIpcTransport {
                             Route::Fallback(_) => None,
                         };
                         routes.push((pair, d));
-                        index.insert(pair, routes.len() - 1);
+                        if routes.len() > PAIRS_SEARCHED {
+                            if index.is_empty() {
+                                index.extend(routes.iter().enumerate().map(|(i, (p, _))| (*p, i)));
+                            } else {
+                                index.insert(pair, routes.len() - 1);
+                            }
+                        }
                         routes.len() - 1
                     }
                 };
@@ -481,7 +501,7 @@ impl Transport for CudaIpcTransport {
         let mut ipc_slices: Vec<(Slice, &IpcRegionKeys)> = Vec::with_capacity(slices.len());
         for (&s, w) in slices.iter().zip(which) {
             match &routes[w as usize].1 {
-                Some(k) => ipc_slices.push((s, k)),
+                Some(k) => ipc_slices.push((s, &**k)),
                 None => fallback.push(s),
             }
         }

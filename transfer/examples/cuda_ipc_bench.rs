@@ -417,6 +417,15 @@ fn main() {
             per_call(1000, &mut || ctx.bind().unwrap()),
         ),
     ];
+    let pinned = kvferry_cuda::driver::PinnedBuffer::new(&ctx, 4096).unwrap();
+    let dev_table = DeviceBuffer::new(&ctx, 4096).unwrap();
+    calls.push((
+        "cuMemcpyHtoDAsync 384 B from pinned memory (a piece table's upload)",
+        // SAFETY: 384 bytes of live pinned and device buffers of 4096 bytes.
+        per_call(200, &mut || unsafe {
+            copy_htod_async(dev_table.ptr(), pinned.as_ptr(), 384, s).unwrap()
+        }),
+    ));
     calls.push((
         "piece kernel: 16 pieces (table upload + launch)",
         per_call(200, &mut || {

@@ -15,10 +15,11 @@ pub const STRIDED_PIECE_MAX: u64 = 64 << 10;
 /// The shortest cut: long ranges are cut no finer than this (a warp moves 2 KiB per round of
 /// its loads; finer pieces spend more on finding them than on copying).
 pub const STRIDED_PIECE_MIN: u64 = 8 << 10;
-/// Pieces wanted per launch: enough warps for every multiprocessor of an H100/H200 (132) to
-/// keep many loads in flight. With fewer, 16 MiB of 64 KiB ranges are 256 pieces: 256 warps
+/// Pieces wanted per launch: a warp each, 8 per block of 256 threads, so 1024 blocks: about
+/// what an H100/H200 keeps resident (132 multiprocessors × 8 blocks), every multiprocessor
+/// with many loads in flight. With fewer, 16 MiB of 64 KiB ranges were 256 pieces: 256 warps
 /// on 32 multiprocessors, a quarter of the device's bandwidth.
-pub const STRIDED_PIECES_WANTED: u64 = 4096;
+pub const STRIDED_PIECES_WANTED: u64 = 8192;
 
 /// The strided kernel's source (compiled with NVRTC on first use per device).
 pub const STRIDED_SRC: &str = include_str!("../../kernels/strided.cu");
@@ -336,10 +337,12 @@ mod tests {
         };
         // 16 MiB of 64 KiB ranges: 2048 pieces of 8 KiB, not 256 of 64 KiB (256 warps).
         assert_eq!(cut_of(16), STRIDED_PIECE_MIN);
-        assert_eq!(cut_of(64), 16 << 10);
-        assert_eq!(cut_of(256), STRIDED_PIECE_MAX);
+        assert_eq!(cut_of(64), STRIDED_PIECE_MIN);
+        assert_eq!(cut_of(256), 32 << 10);
+        assert_eq!(cut_of(512), STRIDED_PIECE_MAX);
         assert_eq!(cut_of(1024), STRIDED_PIECE_MAX, "never longer");
-        for mib in [16, 64, 256] {
+        // Where the finest cut does not bind, about the pieces wanted.
+        for mib in [64, 256, 512] {
             assert!((mib << 20) / cut_of(mib) >= STRIDED_PIECES_WANTED / 2);
         }
     }

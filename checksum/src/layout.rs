@@ -120,7 +120,40 @@ pub enum LayoutError {
     },
     /// Strides that do not match the dimensions or address outside the array.
     #[error("strides: {0}")]
-    BadStrides(String),
+    BadStrides(StrideFault),
+}
+
+/// What is wrong with explicit strides ([`Geometry::with_strides`]).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum StrideFault {
+    /// Not one stride per layout dimension.
+    #[error("{given} strides for layout {layout} with {dims} dimensions")]
+    Count {
+        /// Strides given.
+        given: usize,
+        /// The layout.
+        layout: Layout,
+        /// Its dimensions.
+        dims: usize,
+    },
+    /// A stride of 0 (the `index`-th, of `dim`).
+    #[error("stride {index} ({}) is zero", .dim.name())]
+    Zero {
+        /// Position in the strides.
+        index: usize,
+        /// Its dimension.
+        dim: Dim,
+    },
+    /// The array's span overflows u64 at the `index`-th stride.
+    #[error("stride {index} ({}) = {stride} overflows", .dim.name())]
+    Overflow {
+        /// Position in the strides.
+        index: usize,
+        /// Its dimension.
+        dim: Dim,
+        /// The stride, bytes.
+        stride: u64,
+    },
 }
 
 /// The order of a layer's array dimensions, outermost first, e.g. `KV B N H D`
@@ -307,26 +340,26 @@ impl Geometry {
     /// Errors ([`LayoutError::BadStrides`]) on a wrong count, a zero stride, or a span that overflows.
     pub fn with_strides(mut self, strides: Vec<u64>) -> Result<Geometry, LayoutError> {
         if strides.len() != self.layout.dims().len() {
-            return Err(LayoutError::BadStrides(format!(
-                "{} strides for layout {} with {} dimensions",
-                strides.len(),
-                self.layout,
-                self.layout.dims().len()
-            )));
+            return Err(LayoutError::BadStrides(StrideFault::Count {
+                given: strides.len(),
+                layout: self.layout.clone(),
+                dims: self.layout.dims().len(),
+            }));
         }
         let mut span: u64 = self.elem.get();
         for (i, (&dim, &s)) in self.layout.dims().iter().zip(&strides).enumerate() {
             if s == 0 {
-                return Err(LayoutError::BadStrides(format!(
-                    "stride {i} ({}) is zero",
-                    dim.name()
-                )));
+                return Err(LayoutError::BadStrides(StrideFault::Zero { index: i, dim }));
             }
             let extent = (self.size_of(dim) - 1)
                 .checked_mul(s)
                 .and_then(|e| e.checked_add(span))
                 .ok_or_else(|| {
-                    LayoutError::BadStrides(format!("stride {i} ({}) = {s} overflows", dim.name()))
+                    LayoutError::BadStrides(StrideFault::Overflow {
+                        index: i,
+                        dim,
+                        stride: s,
+                    })
                 })?;
             span = extent;
         }

@@ -8,7 +8,7 @@ use kvferry_checksum::definition::{
     slice_checksum_direct, MAX_KV_HEADS_PER_LAYER,
 };
 use kvferry_checksum::group::{LayerSpec, ReplicaKey};
-use kvferry_checksum::layout::{Dim, ElemBytes, Geometry, Layout, LayoutError};
+use kvferry_checksum::layout::{Dim, ElemBytes, Geometry, Layout, LayoutError, StrideFault};
 use proptest::prelude::*;
 
 fn spec(layer: u32, head_offset: u32, geometry: Geometry) -> LayerSpec {
@@ -452,9 +452,28 @@ fn layouts_parse_and_reject_bad_text() {
     );
     assert!(Geometry::contiguous(l.clone(), 0, 16, 1, 64, ElemBytes::Two, 1).is_err());
     let g = Geometry::contiguous(l, 4, 16, 1, 64, ElemBytes::Two, 1).unwrap();
-    assert!(g.clone().with_strides(vec![1, 2]).is_err());
-    assert!(g.clone().with_strides(vec![0, 128, 2]).is_err());
-    assert!(g.with_strides(vec![u64::MAX / 2, 128, 2]).is_err());
+    assert!(matches!(
+        g.clone().with_strides(vec![1, 2]),
+        Err(LayoutError::BadStrides(StrideFault::Count {
+            given: 2,
+            dims: 3,
+            ..
+        }))
+    ));
+    assert_eq!(
+        g.clone().with_strides(vec![0, 128, 2]).err(),
+        Some(LayoutError::BadStrides(StrideFault::Zero {
+            index: 0,
+            dim: Dim::B
+        }))
+    );
+    assert!(matches!(
+        g.with_strides(vec![u64::MAX / 2, 128, 2]),
+        Err(LayoutError::BadStrides(StrideFault::Overflow {
+            index: 0,
+            ..
+        }))
+    ));
 }
 
 #[test]

@@ -354,13 +354,11 @@ impl Geometry {
             let extent = (self.size_of(dim) - 1)
                 .checked_mul(s)
                 .and_then(|e| e.checked_add(span))
-                .ok_or_else(|| {
-                    LayoutError::BadStrides(StrideFault::Overflow {
-                        index: i,
-                        dim,
-                        stride: s,
-                    })
-                })?;
+                .ok_or(LayoutError::BadStrides(StrideFault::Overflow {
+                    index: i,
+                    dim,
+                    stride: s,
+                }))?;
             span = extent;
         }
         self.strides = strides;

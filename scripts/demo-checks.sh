@@ -27,4 +27,7 @@ check "--model deepseek-v2-lite --prefill-tp 2 --decode-tp 2 --requests 8 --corr
 check "--prefill-tp 2 --decode-tp 1 --requests 16 --layout 'B KV H N D'" "r['verified']==16"
 check "--prefill-tp 1 --decode-tp 2 --prefill-pp 2 --requests 16 --corrupt 5 --fail-closed --load-failure-policy recompute" "r['recomputed']==5 and r['verified']==11 and r['kv_equal_after_recompute'] is True"
 check "--model deepseek-v2-lite --prefill-tp 2 --decode-tp 4 --requests 8 --corrupt 2" "r['verified']==6 and r['mismatch']==2"
+# loads in flight: one at a time, and all 16 at once, with exact counts (the default is 4)
+check "--in-flight 1 --requests 16 --corrupt 5 --fail-closed --load-failure-policy recompute" "r['in_flight']==1 and r['recomputed']==5 and r['verified']==11 and r['kv_equal_after_recompute'] is True"
+check "--in-flight 16 --requests 16 --corrupt 5 --fail-closed --load-failure-policy fail" "r['in_flight']==16 and r['failed']==5 and r['mismatch']==5 and r['verified']==11"
 echo "demo checks passed" >&2

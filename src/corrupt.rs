@@ -1,8 +1,9 @@
 //! Fault injection for `demo --corrupt` and `load --corrupt`: one bit of a landed load is
-//! flipped after the transfer and before verification, so the checksum must catch it.
+//! flipped after the transfer and before verification, so the checksum must catch it. Flips
+//! are armed per request, so loads in flight together each get exactly their own.
 
-use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use kvferry_p2p::{Consumer, Landed};
 use rand::Rng;
@@ -70,16 +71,37 @@ impl Flip {
     }
 }
 
-/// The flip waiting for the next landed load (`None`: nothing to flip).
-pub type PendingFlip = Arc<Mutex<Option<Flip>>>;
+/// The flips waiting for their loads to land, by request id: with several loads in flight,
+/// each flip must hit its own request's blocks, whichever load lands first.
+#[derive(Clone, Default)]
+pub struct PendingFlips(Arc<Mutex<HashMap<String, Flip>>>);
 
-/// Installs on `consumer` a landed hook that applies the pending flip (if any) to `ranks`,
-/// once; returns the slot to put the next flip in. A flip that cannot be applied is logged.
-pub fn install_hook(consumer: &Consumer, ranks: Arc<Mutex<Vec<RankKv>>>) -> PendingFlip {
-    let pending: PendingFlip = Arc::new(Mutex::new(None));
-    let slot = pending.clone();
-    consumer.set_landed_hook(Some(Arc::new(move |_landed: &Landed| {
-        if let Some(f) = slot.lock().unwrap().take() {
+impl PendingFlips {
+    /// Arms `flip` for the load of `request_id` (replacing one armed before for it).
+    pub fn arm(&self, request_id: &str, flip: Flip) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(request_id.to_string(), flip);
+    }
+
+    /// Takes the flip armed for `request_id`, if any: the landed hook applies it, and a load
+    /// that ended without landing takes it back so that no later load of the same id gets it.
+    pub fn take(&self, request_id: &str) -> Option<Flip> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(request_id)
+    }
+}
+
+/// Installs on `consumer` a landed hook that applies the flip armed for the landed request
+/// (if any) to `ranks`, once; returns the flips to arm. A flip that cannot be applied is logged.
+pub fn install_hook(consumer: &Consumer, ranks: Arc<Mutex<Vec<RankKv>>>) -> PendingFlips {
+    let pending = PendingFlips::default();
+    let flips = pending.clone();
+    consumer.set_landed_hook(Some(Arc::new(move |landed: &Landed| {
+        if let Some(f) = flips.take(&landed.request_id) {
             let mut r = ranks.lock().unwrap();
             if let Err(e) = flip_bit(
                 &mut r[f.rank],
@@ -91,7 +113,7 @@ pub fn install_hook(consumer: &Consumer, ranks: Arc<Mutex<Vec<RankKv>>>) -> Pend
                 f.byte,
                 f.bit,
             ) {
-                tracing::error!("fault injection failed: {e}");
+                tracing::error!(request = %landed.request_id, "fault injection failed: {e}");
             }
         }
     })));

@@ -8,13 +8,13 @@
 //! Sources: docs/design.md §4 (flow), §2.7 (policy), §6 (the CLI).
 
 use std::io::IsTerminal;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kvferry_checksum::policy::Action;
 use kvferry_checksum::verdict::Verdict;
-use kvferry_p2p::{Consumer, LoadGroup, LoadSpec, Producer};
+use kvferry_p2p::{Consumer, LoadError, LoadGroup, LoadOutcome, LoadSpec, Producer};
 use rand::SeedableRng;
 use serde::Serialize;
 
@@ -23,11 +23,11 @@ use crate::copy_ref::{copy_rate, device_copy_rate};
 use crate::corrupt::Flip;
 use crate::error::CliError;
 use crate::loads::{consumer_config, producer_config, prompt_lengths, LoadCounts};
-use crate::models::model_by_name;
 use crate::models::STATE_GROUP;
+use crate::models::{model_by_name, ModelShape};
 use crate::setup::{engine_config, memory_paths, side_config, side_workers, transfer_path};
 use crate::world::{
-    build_side, fill_request, request_tables, sides_kv_equal, BlockPool, WorldError,
+    build_side, fill_request, request_tables, sides_kv_equal, BlockPool, RankKv, WorldError,
 };
 
 /// The demo's result, printed as JSON with `--json`.
@@ -77,12 +77,23 @@ pub struct DemoReport {
     /// With state layers (a hybrid model): after every completed load, the consumer's state
     /// blocks equal the producer's (they move but are not checksummed); null without them.
     pub state_landed: Option<bool>,
+    /// Loads in flight at once (`--in-flight`, at most `requests`).
+    pub in_flight: u32,
+    /// Worker threads of the runtime both sides ran on (from `in_flight` and the cores).
+    pub runtime_workers: u32,
     /// KV bytes moved by the transfer engines.
     pub bytes: u64,
-    /// Wall seconds of the loads (request, transfer, reply, verification).
+    /// Wall seconds of the load phase (request, transfer, reply, verification): the sum over
+    /// the waves of `in_flight` loads of the time from their start to the last one's end; with
+    /// one load in flight, the sum of the loads' latencies. Prefill and publish are not in it.
     pub seconds: f64,
-    /// bytes / seconds, in GB/s (10^9).
+    /// bytes / seconds, in GB/s (10^9): the loads' throughput with `in_flight` loads at once.
     pub gb_per_s: f64,
+    /// One load's latency (request to verdict), seconds: the median over all loads (the
+    /// upper one of an even count), failed ones included.
+    pub load_seconds_median: f64,
+    /// The same, the largest.
+    pub load_seconds_max: f64,
     /// Seconds spent checksumming (producer at publish + consumer after landing).
     pub checksum_seconds: f64,
     /// Seconds the consumer spent verifying (checksumming the landed blocks and comparing),
@@ -164,7 +175,31 @@ fn check_args(args: &DemoArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// Tokio worker threads for `in_flight` loads on a machine of `available` cores: two per load
+/// in flight (the consumer's loading task and the producer's serving task of each load do host
+/// work at once), at least 2 (serial loads keep the runtime they always had) and at most the
+/// cores, capped at 8 (both sides share the process; more threads only spin on the same
+/// device).
+pub fn runtime_workers(in_flight: u32, available: usize) -> usize {
+    (2 * in_flight as usize).clamp(2, available.clamp(2, 8))
+}
+
+/// One request of a wave: its blocks on both sides, what it was given and how it is loaded.
+struct Request {
+    index: u32,
+    tokens: u64,
+    pblocks: Vec<u64>,
+    cblocks: Vec<u64>,
+    /// The flipped bit's (group, token), when the request was corrupted.
+    flipped: Option<(u32, u64)>,
+    spec: LoadSpec,
+}
+
 /// Runs the demo and returns its report (the tests use this).
+///
+/// Requests go in waves of `--in-flight`: the producer fills and publishes a wave's requests,
+/// the consumer loads them all at once (each on its own task), then each outcome is checked
+/// and the blocks are freed. The load phase's time is the sum of the waves' wall times.
 pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     check_args(args)?;
     let c = &args.common;
@@ -172,15 +207,18 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     let lengths = prompt_lengths(args.requests, args.min_tokens, args.max_tokens, args.seed);
     let pbs = args.prefill_block_size.unwrap_or(c.block_size);
     let cbs = args.decode_block_size.unwrap_or(c.block_size);
-    // Room for a couple of requests in flight on each side.
-    let num_blocks = |bs: u64| lengths.iter().map(|&t| t.div_ceil(bs)).max().unwrap_or(1) * 2 + 1;
+    let in_flight = args.in_flight.clamp(1, args.requests.max(1));
+    // Room for the requests in flight on each side (at least two, as serial loads always had).
+    let num_blocks = |bs: u64| {
+        lengths.iter().map(|&t| t.div_ceil(bs)).max().unwrap_or(1) * u64::from(in_flight.max(2)) + 1
+    };
     let engine_cfg = engine_config(c, "127.0.0.1")?;
     let side = |tp, pp, bs, gpu| side_config(c, model.clone(), (tp, pp), bs, num_blocks(bs), gpu);
     // Name the side: the sizes and the layout checks are per side.
     if !args.json {
         eprintln!(
-            "kvferry demo: {} requests of {}-shaped KV (seeded random bytes), producer TP{}×PP{} → consumer TP{}×PP{} on loopback",
-            args.requests, model.name, args.prefill_tp, args.prefill_pp, args.decode_tp, args.decode_pp
+            "kvferry demo: {} requests of {}-shaped KV (seeded random bytes), {} in flight, producer TP{}×PP{} → consumer TP{}×PP{} on loopback",
+            args.requests, model.name, in_flight, args.prefill_tp, args.prefill_pp, args.decode_tp, args.decode_pp
         );
     }
     let mut prod_ranks = build_side(
@@ -208,8 +246,10 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     let (prod_workers, backend_name) = side_workers(&prod_ranks, c, &model, pbs, args.prefill_gpu)?;
     let (cons_workers, _) = side_workers(&cons_ranks, c, &model, cbs, args.decode_gpu)?;
 
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let threads = runtime_workers(in_flight, cores);
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(threads)
         .enable_all()
         .build()
         .map_err(CliError::Runtime)?;
@@ -222,12 +262,14 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         .block_on(Producer::start(producer_config(c), prod_workers))
         .map_err(CliError::p2p("starting the producer"))?;
     let endpoint = producer.endpoint().to_string();
-    let consumer = Consumer::new(consumer_config(c), cons_workers)
-        .map_err(CliError::p2p("starting the consumer"))?;
+    let consumer = Arc::new(
+        Consumer::new(consumer_config(c), cons_workers)
+            .map_err(CliError::p2p("starting the consumer"))?,
+    );
 
     // The consumer's memory, shared with the landed hook (fault injection).
     let cons_ranks = Arc::new(Mutex::new(cons_ranks));
-    let pending_flip = crate::corrupt::install_hook(&consumer, cons_ranks.clone());
+    let pending_flips = crate::corrupt::install_hook(&consumer, cons_ranks.clone());
 
     let mut prod_pool = BlockPool::new(num_blocks(pbs), args.seed);
     let mut cons_pool = BlockPool::new(num_blocks(cbs), args.seed ^ 1);
@@ -245,6 +287,8 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         prefill_block_size: pbs,
         decode_block_size: cbs,
         requests: args.requests,
+        in_flight,
+        runtime_workers: threads as u32,
         ..DemoReport::default()
     };
     // A bar on a terminal; elsewhere (a pipe, a CI log) a line every eighth of the loads.
@@ -260,162 +304,116 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         ProgressBar::hidden()
     };
     let line_every = (args.requests / 8).max(1);
-    let mut shares: Vec<f64> = Vec::with_capacity(args.requests as usize);
-    let mut kv_equal: Option<bool> = None;
-    for (i, &tokens) in lengths.iter().enumerate() {
-        let i = i as u32;
-        let pblocks = prod_pool
-            .alloc(tokens.div_ceil(pbs) as usize)
-            .ok_or(CliError::failed("producer block pool exhausted"))?;
-        let cblocks = cons_pool
-            .alloc(tokens.div_ceil(cbs) as usize)
-            .ok_or(CliError::failed("consumer block pool exhausted"))?;
-        let t0 = Instant::now();
-        for r in prod_ranks.iter_mut() {
-            fill_request(r, args.seed, i as u64, &pblocks)?;
-        }
-        report.prefill_seconds += t0.elapsed().as_secs_f64();
-        let request_id = format!("req-{i}");
-        let (ptables, ctables) = (
-            request_tables(&model, &pblocks, tokens, pbs),
-            request_tables(&model, &cblocks, tokens, cbs),
-        );
-        let info = rt
-            .block_on(producer.publish(&request_id, ptables.clone(), tokens))
-            .map_err(CliError::p2p(format!("publishing {request_id}")))?;
-        report.checksum_seconds += info.checksum_seconds;
-        let mut flipped = None;
-        if corrupt.contains(&i) {
-            let ranks = cons_ranks.lock().unwrap();
-            let flip = Flip::random(&mut rng, &model, &ranks, &cblocks, tokens, cbs);
-            flipped = Some((flip.group, flip.token));
-            *pending_flip.lock().unwrap() = Some(flip);
-            report.corrupted += 1;
-        }
-        let spec = LoadSpec {
-            request_id: request_id.clone(),
-            producer: endpoint.clone(),
-            groups: model
-                .groups()
-                .into_iter()
-                .map(|g| LoadGroup {
-                    remote_block_size: Some(pbs),
-                    group_id: g,
-                    remote_blocks: ptables[g as usize].clone(),
-                    local_blocks: ctables[g as usize].clone(),
-                })
-                .collect(),
-            num_local_computed: 0,
-            num_tokens: tokens,
-            load_key: Some(info.load_key.clone()),
-        };
-        let t1 = Instant::now();
-        let outcome = rt.block_on(consumer.load(spec));
-        let load_seconds = t1.elapsed().as_secs_f64();
-        report.seconds += load_seconds;
-        report.tokens += tokens;
-        let corrupted = corrupt.contains(&i);
-        match outcome {
-            Ok(o) => {
-                let as_expected = if let Some((group, t)) = flipped {
-                    // The mismatch names exactly the flipped group and the consumer blocks of
-                    // the chunk holding the flipped token (a chunk is the larger of the two
-                    // block sizes, §2.6).
-                    let want = mismatch_positions(t, tokens, pbs, cbs);
-                    matches!(&o.verdict, Some(Verdict::Mismatch { mismatches, .. })
-                        if mismatches.len() == 1 && mismatches[0].group_id == group
-                            && mismatches[0].positions == want)
-                } else {
-                    matches!(o.verdict, Some(Verdict::Verified)) && o.action == Action::Complete
-                };
-                if !as_expected {
-                    tracing::error!(request = %request_id, corrupted, verdict = ?o.verdict, action = ?o.action, "unexpected load outcome");
-                    report.unexpected += 1;
-                }
-                if let Verdict::Mismatch { mismatches, .. } =
-                    o.verdict.as_ref().unwrap_or(&Verdict::Verified)
-                {
-                    report
-                        .mismatched_groups
-                        .extend(mismatches.iter().map(|m| m.group_id));
-                    report.mismatched_groups.sort_unstable();
-                    report.mismatched_groups.dedup();
-                }
-                if model.state_layers > 0 && o.action == Action::Complete {
-                    // State blocks are not checksummed: check that they landed.
-                    let mut ranks = cons_ranks.lock().unwrap();
-                    for r in ranks.iter_mut() {
-                        r.download_blocks(&cblocks)?;
-                    }
-                    for p in prod_ranks.iter_mut() {
-                        p.download_blocks(&pblocks)?;
-                    }
-                    let equal = sides_kv_equal(
-                        &prod_ranks,
-                        &pblocks,
-                        &ranks,
-                        &cblocks,
-                        tokens,
-                        Some(STATE_GROUP),
-                    );
-                    report.state_landed = Some(report.state_landed.unwrap_or(true) && equal);
-                }
-                report.bytes += o.bytes;
-                report.checksum_seconds += o.checksum_seconds;
-                report.verify_seconds += o.checksum_seconds;
-                if load_seconds > 0.0 {
-                    shares.push((o.checksum_seconds / load_seconds).min(1.0));
-                }
-                report.counts.record(o.verdict.as_ref(), o.action);
-                match o.action {
-                    Action::Complete | Action::Fail => {}
-                    Action::Recompute => {
-                        // The embedder's job: recompute the prompt locally (same seeded KV),
-                        // then the consumer's KV must equal the producer's.
-                        let mut ranks = cons_ranks.lock().unwrap();
-                        for r in ranks.iter_mut() {
-                            fill_request(r, args.seed, i as u64, &cblocks)?;
-                            r.download_blocks(&cblocks)?;
-                        }
-                        for p in prod_ranks.iter_mut() {
-                            p.download_blocks(&pblocks)?;
-                        }
-                        let equal =
-                            sides_kv_equal(&prod_ranks, &pblocks, &ranks, &cblocks, tokens, None);
-                        kv_equal = Some(kv_equal.unwrap_or(true) && equal);
-                    }
-                }
+    let mut checks = Checks::default();
+    let mut latencies: Vec<f64> = Vec::with_capacity(args.requests as usize);
+    let mut done = 0u32;
+    for wave in lengths.chunks(in_flight as usize) {
+        // Prefill and publish the wave's requests (not part of the load phase's time).
+        let mut requests = Vec::with_capacity(wave.len());
+        for &tokens in wave {
+            let i = done + requests.len() as u32;
+            let pblocks = prod_pool
+                .alloc(tokens.div_ceil(pbs) as usize)
+                .ok_or(CliError::failed("producer block pool exhausted"))?;
+            let cblocks = cons_pool
+                .alloc(tokens.div_ceil(cbs) as usize)
+                .ok_or(CliError::failed("consumer block pool exhausted"))?;
+            let t0 = Instant::now();
+            for r in prod_ranks.iter_mut() {
+                fill_request(r, args.seed, i as u64, &pblocks)?;
             }
-            Err(e) => {
-                tracing::error!(request = %request_id, "load failed: {e}");
-                report.counts.failed += 1;
-                report.unexpected += 1;
-            }
-        }
-        cons_pool.free(&cblocks);
-        // The load is over (served, failed or refused): the producer's blocks can be reused.
-        prod_pool.free(&pblocks);
-        bar.inc(1);
-        bar.set_message(format!("{} verified", report.counts.verified));
-        let done = i + 1;
-        if !tty && !args.json && (done.is_multiple_of(line_every) || done == args.requests) {
-            eprintln!(
-                "kvferry demo: {done}/{} loads, {} verified",
-                args.requests, report.counts.verified
+            report.prefill_seconds += t0.elapsed().as_secs_f64();
+            let request_id = format!("req-{i}");
+            let (ptables, ctables) = (
+                request_tables(&model, &pblocks, tokens, pbs),
+                request_tables(&model, &cblocks, tokens, cbs),
             );
+            let info = rt
+                .block_on(producer.publish(&request_id, ptables.clone(), tokens))
+                .map_err(CliError::p2p(format!("publishing {request_id}")))?;
+            report.checksum_seconds += info.checksum_seconds;
+            let mut flipped = None;
+            if corrupt.contains(&i) {
+                let ranks = cons_ranks.lock().unwrap_or_else(PoisonError::into_inner);
+                let flip = Flip::random(&mut rng, &model, &ranks, &cblocks, tokens, cbs);
+                flipped = Some((flip.group, flip.token));
+                pending_flips.arm(&request_id, flip);
+                report.corrupted += 1;
+            }
+            let spec = LoadSpec {
+                request_id,
+                producer: endpoint.clone(),
+                groups: model
+                    .groups()
+                    .into_iter()
+                    .map(|g| LoadGroup {
+                        remote_block_size: Some(pbs),
+                        group_id: g,
+                        remote_blocks: ptables[g as usize].clone(),
+                        local_blocks: ctables[g as usize].clone(),
+                    })
+                    .collect(),
+                num_local_computed: 0,
+                num_tokens: tokens,
+                load_key: Some(info.load_key.clone()),
+            };
+            requests.push(Request {
+                index: i,
+                tokens,
+                pblocks,
+                cblocks,
+                flipped,
+                spec,
+            });
+        }
+        // Load the wave: every load on its own task, all in flight at once.
+        let specs: Vec<LoadSpec> = requests.iter().map(|r| r.spec.clone()).collect();
+        let t1 = Instant::now();
+        let outcomes = rt.block_on(load_all(&consumer, specs));
+        report.seconds += t1.elapsed().as_secs_f64();
+        for (req, (outcome, load_seconds)) in requests.into_iter().zip(outcomes) {
+            // A flip not applied (the load failed before landing) must not stay armed.
+            pending_flips.take(&req.spec.request_id);
+            latencies.push(load_seconds);
+            report.tokens += req.tokens;
+            checks.outcome(
+                &mut report,
+                Landing {
+                    args,
+                    model: &model,
+                    prod_ranks: &mut prod_ranks,
+                    cons_ranks: &cons_ranks,
+                    pbs,
+                    cbs,
+                },
+                &req,
+                outcome,
+                load_seconds,
+            )?;
+            cons_pool.free(&req.cblocks);
+            // The load is over (served, failed or refused): the producer's blocks can be reused.
+            prod_pool.free(&req.pblocks);
+            bar.inc(1);
+            bar.set_message(format!("{} verified", report.counts.verified));
+            done += 1;
+            if !tty && !args.json && (done.is_multiple_of(line_every) || done == args.requests) {
+                eprintln!(
+                    "kvferry demo: {done}/{} loads, {} verified",
+                    args.requests, report.counts.verified
+                );
+            }
         }
     }
     bar.finish_and_clear();
     rt.block_on(producer.shutdown());
-    report.kv_equal_after_recompute = kv_equal;
+    report.kv_equal_after_recompute = checks.kv_equal;
     report.gb_per_s = if report.seconds > 0.0 {
         report.bytes as f64 / report.seconds / 1e9
     } else {
         0.0
     };
-    shares.sort_by(f64::total_cmp);
-    report.verify_share_median = shares.get(shares.len() / 2).copied().unwrap_or(0.0);
-    report.verify_share_max = shares.last().copied().unwrap_or(0.0);
+    (report.verify_share_median, report.verify_share_max) = median_max(&mut checks.shares);
+    (report.load_seconds_median, report.load_seconds_max) = median_max(&mut latencies);
     (report.copy_gb_per_s, report.copy_reference) = match c.device {
         DeviceArg::Cpu => (copy_rate(report.bytes), "host memcpy".into()),
         DeviceArg::Cuda => {
@@ -428,6 +426,162 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         }
     };
     Ok(report)
+}
+
+/// The median (the upper one of an even count) and the largest of `v` (sorted in place);
+/// zeros when empty.
+fn median_max(v: &mut [f64]) -> (f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (
+        v.get(v.len() / 2).copied().unwrap_or(0.0),
+        v.last().copied().unwrap_or(0.0),
+    )
+}
+
+/// Loads `specs` at once, each on a task of its own, and returns each outcome with its load's
+/// seconds, in the order of `specs`. A task that ended without an outcome (it panicked) is a
+/// failed load.
+async fn load_all(consumer: &Arc<Consumer>, specs: Vec<LoadSpec>) -> Vec<(LoadEnd, f64)> {
+    let t0 = Instant::now();
+    let tasks: Vec<_> = specs
+        .into_iter()
+        .map(|spec| {
+            let consumer = consumer.clone();
+            tokio::spawn(async move {
+                let t = Instant::now();
+                let outcome = consumer.load(spec).await;
+                (Ok(outcome), t.elapsed().as_secs_f64())
+            })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        out.push(
+            task.await
+                .unwrap_or_else(|e| (Err(e), t0.elapsed().as_secs_f64())),
+        );
+    }
+    out
+}
+
+/// How a load ended: its outcome or error, or (`Err`) its task ended without one (it
+/// panicked).
+type LoadEnd = Result<Result<LoadOutcome, LoadError>, tokio::task::JoinError>;
+
+/// What checking a landed load needs of the demo's world.
+struct Landing<'a> {
+    args: &'a DemoArgs,
+    model: &'a ModelShape,
+    prod_ranks: &'a mut [RankKv],
+    cons_ranks: &'a Arc<Mutex<Vec<RankKv>>>,
+    pbs: u64,
+    cbs: u64,
+}
+
+/// What the checks of the loads' outcomes gather beside the report.
+#[derive(Default)]
+struct Checks {
+    /// Each landed load's verification share of its time.
+    shares: Vec<f64>,
+    /// After every recompute so far, the consumer's KV equals the producer's.
+    kv_equal: Option<bool>,
+}
+
+impl Checks {
+    /// Checks one load's outcome against what the request was given (a flip or none), counts
+    /// it in `report`, and for a hybrid model's completed load or a recompute compares the
+    /// two sides' KV. Errors: a failed copy from GPU memory.
+    fn outcome(
+        &mut self,
+        report: &mut DemoReport,
+        w: Landing<'_>,
+        req: &Request,
+        outcome: LoadEnd,
+        load_seconds: f64,
+    ) -> Result<(), CliError> {
+        let (args, model, (pbs, cbs)) = (w.args, w.model, (w.pbs, w.cbs));
+        let (tokens, request_id) = (req.tokens, &req.spec.request_id);
+        let o = match outcome {
+            Ok(Ok(o)) => o,
+            Ok(Err(e)) => {
+                tracing::error!(request = %request_id, "load failed: {e}");
+                report.counts.failed += 1;
+                report.unexpected += 1;
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::error!(request = %request_id, "the loading task ended: {e}");
+                report.counts.failed += 1;
+                report.unexpected += 1;
+                return Ok(());
+            }
+        };
+        let as_expected = if let Some((group, t)) = req.flipped {
+            // The mismatch names exactly the flipped group and the consumer blocks of the
+            // chunk holding the flipped token (a chunk is the larger of the two block sizes,
+            // §2.6).
+            let want = mismatch_positions(t, tokens, pbs, cbs);
+            matches!(&o.verdict, Some(Verdict::Mismatch { mismatches, .. })
+                if mismatches.len() == 1 && mismatches[0].group_id == group
+                    && mismatches[0].positions == want)
+        } else {
+            matches!(o.verdict, Some(Verdict::Verified)) && o.action == Action::Complete
+        };
+        if !as_expected {
+            tracing::error!(request = %request_id, corrupted = req.flipped.is_some(), verdict = ?o.verdict, action = ?o.action, "unexpected load outcome");
+            report.unexpected += 1;
+        }
+        if let Some(Verdict::Mismatch { mismatches, .. }) = o.verdict.as_ref() {
+            report
+                .mismatched_groups
+                .extend(mismatches.iter().map(|m| m.group_id));
+            report.mismatched_groups.sort_unstable();
+            report.mismatched_groups.dedup();
+        }
+        let (pblocks, cblocks) = (&req.pblocks, &req.cblocks);
+        if model.state_layers > 0 && o.action == Action::Complete {
+            // State blocks are not checksummed: check that they landed.
+            let mut ranks = w.cons_ranks.lock().unwrap_or_else(PoisonError::into_inner);
+            for r in ranks.iter_mut() {
+                r.download_blocks(cblocks)?;
+            }
+            for p in w.prod_ranks.iter_mut() {
+                p.download_blocks(pblocks)?;
+            }
+            let equal = sides_kv_equal(
+                w.prod_ranks,
+                pblocks,
+                &ranks,
+                cblocks,
+                tokens,
+                Some(STATE_GROUP),
+            );
+            report.state_landed = Some(report.state_landed.unwrap_or(true) && equal);
+        }
+        report.bytes += o.bytes;
+        report.checksum_seconds += o.checksum_seconds;
+        report.verify_seconds += o.checksum_seconds;
+        if load_seconds > 0.0 {
+            self.shares
+                .push((o.checksum_seconds / load_seconds).min(1.0));
+        }
+        report.counts.record(o.verdict.as_ref(), o.action);
+        if o.action == Action::Recompute {
+            // The embedder's job: recompute the prompt locally (same seeded KV), then the
+            // consumer's KV must equal the producer's.
+            let mut ranks = w.cons_ranks.lock().unwrap_or_else(PoisonError::into_inner);
+            for r in ranks.iter_mut() {
+                fill_request(r, args.seed, u64::from(req.index), cblocks)?;
+                r.download_blocks(cblocks)?;
+            }
+            for p in w.prod_ranks.iter_mut() {
+                p.download_blocks(pblocks)?;
+            }
+            let equal = sides_kv_equal(w.prod_ranks, pblocks, &ranks, cblocks, tokens, None);
+            self.kv_equal = Some(self.kv_equal.unwrap_or(true) && equal);
+        }
+        Ok(())
+    }
 }
 
 /// Which side's options a build error names: only errors that come from a side's sizes or
@@ -492,6 +646,12 @@ fn print_summary(r: &DemoReport) {
         }
     );
     println!(
+        "  {} loads in flight at once; a load's latency {:.2} ms (median), {:.2} ms at most",
+        r.in_flight,
+        r.load_seconds_median * 1e3,
+        r.load_seconds_max * 1e3
+    );
+    println!(
         "  verification: {:.0}% of a load's time (median; largest {:.0}%), {:.3} s in all",
         r.verify_share_median * 100.0,
         r.verify_share_max * 100.0,
@@ -519,5 +679,30 @@ fn print_summary(r: &DemoReport) {
             "  consumer KV equals producer KV after recovery: {}",
             if eq { "yes" } else { "NO" }
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runtime_workers_grow_with_loads_in_flight_within_the_cores() {
+        // Serial loads keep the runtime they always had.
+        assert_eq!(runtime_workers(1, 16), 2);
+        assert_eq!(runtime_workers(2, 16), 4);
+        assert_eq!(runtime_workers(4, 16), 8);
+        // At most 8, and at most the cores, but never below 2.
+        assert_eq!(runtime_workers(64, 128), 8);
+        assert_eq!(runtime_workers(3, 4), 4);
+        assert_eq!(runtime_workers(8, 2), 2);
+        assert_eq!(runtime_workers(8, 1), 2);
+    }
+
+    #[test]
+    fn median_is_the_upper_middle_and_max_the_largest() {
+        assert_eq!(median_max(&mut []), (0.0, 0.0));
+        assert_eq!(median_max(&mut [3.0, 1.0, 2.0]), (2.0, 3.0));
+        assert_eq!(median_max(&mut [4.0, 1.0, 3.0, 2.0]), (3.0, 4.0));
     }
 }

@@ -20,6 +20,7 @@ pub mod corrupt;
 pub mod demo;
 pub mod doctor;
 pub mod error;
+pub mod fill;
 pub mod loads;
 pub mod metrics_http;
 pub mod models;

@@ -360,13 +360,14 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
                 tokens,
                 c.block_size,
             );
-            *pending_flip.lock().unwrap() = Some(flip);
+            pending_flip.arm(&spec.request_id, flip);
         }
+        let request_id = spec.request_id.clone();
         let t = Instant::now();
         let outcome = rt.block_on(consumer.load(spec));
         report.seconds += t.elapsed().as_secs_f64();
-        // A flip not applied (the load failed before landing) must not hit the next load.
-        pending_flip.lock().unwrap().take();
+        // A flip not applied (the load failed before landing) must not stay armed.
+        pending_flip.take(&request_id);
         match outcome {
             Ok(o) => {
                 report.bytes += o.bytes;

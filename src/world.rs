@@ -18,7 +18,6 @@ use kvferry_kernels::KernelError;
 use kvferry_p2p::proto::heads::HeadMap;
 use kvferry_transfer::{EngineConfig, Location, TransferEngine, TransferError, TransportKind};
 use memmap2::MmapMut;
-use rand::{RngCore, SeedableRng};
 
 use crate::models::{ModelShape, STATE_GROUP};
 pub use crate::pool::BlockPool;
@@ -463,31 +462,12 @@ impl Drop for RankKv {
     }
 }
 
-/// Tokens of one seeded stretch of KV: a token's bytes do not depend on the block size.
-const STRETCH: u64 = 16;
-
-/// Seed of one (request, layer, global head, stretch of [`STRETCH`] tokens) of KV, so that
-/// any rank holding the head, with any block size, and a consumer recomputing it, make the
-/// same bytes.
-fn stretch_seed(seed: u64, request: u64, layer: u32, head: u64, stretch: u64) -> u64 {
-    // SplitMix64 over the fields: cheap, well mixed, deterministic.
-    let mut x = seed ^ 0x9E37_79B9_7F4A_7C15;
-    for v in [request, layer as u64, head, stretch] {
-        x = x
-            .wrapping_add(v.wrapping_mul(0xBF58_476D_1CE4_E5B9))
-            .wrapping_add(0x9E37_79B9_7F4A_7C15);
-        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        x ^= x >> 31;
-    }
-    x
-}
-
 /// "Prefill": writes request `request`'s KV into `blocks` (block ids in request
 /// order) of every layer of `rank`, every slot of every block (also those past the
 /// prompt's end), from seeded pseudo-random bytes that depend only on (seed,
 /// request, layer, global head, token): the same prompt gives the same bytes per token on
-/// sides of different block sizes. Returns the bytes written.
+/// sides of different block sizes ([`crate::fill`], the layers on threads of their own).
+/// Returns the bytes written.
 ///
 /// Errors: a failed upload to GPU memory.
 pub fn fill_request(
@@ -496,45 +476,19 @@ pub fn fill_request(
     request: u64,
     blocks: &[u64],
 ) -> Result<u64, WorldError> {
-    let mut written = 0u64;
-    let layers = rank.layers.clone();
-    let arena = &mut rank.arena[..];
-    let mut buf = Vec::new();
-    for l in &layers {
-        let g = &l.spec.geometry;
-        let chunk = (g.head_dim * g.elem.get()) as usize;
-        let cell = chunk * g.parts() as usize;
-        let (n, bs) = (g.tokens_per_kernel_block, g.block_size());
-        buf.resize(STRETCH as usize * cell, 0);
-        for h in 0..g.heads {
-            let global = l.spec.head_offset as u64 + h;
-            let mut current = None;
-            for (position, &block) in blocks.iter().enumerate() {
-                for i in 0..bs {
-                    let t = position as u64 * bs + i;
-                    if current != Some(t / STRETCH) {
-                        current = Some(t / STRETCH);
-                        let mut rng = rand::rngs::SmallRng::seed_from_u64(stretch_seed(
-                            seed,
-                            request,
-                            l.spec.layer,
-                            global,
-                            t / STRETCH,
-                        ));
-                        rng.fill_bytes(&mut buf);
-                    }
-                    let kb = block * g.kernel_blocks_per_block + i / n;
-                    let mut src = (t % STRETCH) as usize * cell;
-                    for part in 0..g.parts() {
-                        let at = (l.offset + g.byte_offset(part, kb, i % n, h, 0)) as usize;
-                        arena[at..at + chunk].copy_from_slice(&buf[src..src + chunk]);
-                        src += chunk;
-                    }
-                    written += cell as u64;
-                }
-            }
-        }
+    // Each layer's own bytes of the arena (the layers lie in order, apart).
+    let mut parts = Vec::with_capacity(rank.layers.len());
+    let mut rest = &mut rank.arena[..];
+    let mut at = 0u64;
+    for l in &rank.layers {
+        let skip = std::mem::take(&mut rest)
+            .split_at_mut((l.offset - at) as usize)
+            .1;
+        let (layer, tail) = skip.split_at_mut(l.spec.geometry.byte_len() as usize);
+        parts.push((layer, &l.spec));
+        (rest, at) = (tail, l.offset + l.spec.geometry.byte_len());
     }
+    let written = crate::fill::fill_layers(parts, seed, request, blocks);
     rank.copy_blocks(blocks, true)?;
     Ok(written)
 }

@@ -343,6 +343,70 @@ fn demo_layouts_all_verify() {
     }
 }
 
+/// With several loads in flight, each corrupted load is caught at exactly its own flipped
+/// bit (the demo exits 1 otherwise), and the counts are exact under each policy: flips are
+/// armed per request, not in one slot the first landed load would take.
+#[test]
+fn loads_in_flight_keep_exact_counts_under_every_policy() {
+    let base = ["--requests", "12", "--in-flight", "5", "--corrupt", "4"];
+    let r = demo(&base);
+    assert_eq!(n(&r, "in_flight"), 5, "{r}");
+    assert_eq!((n(&r, "verified"), n(&r, "mismatch")), (8, 4), "{r}");
+    assert_eq!((n(&r, "completed"), n(&r, "unexpected")), (12, 0), "{r}");
+    let fail = demo(
+        &[
+            &base[..],
+            &["--fail-closed", "--load-failure-policy", "fail"],
+        ]
+        .concat(),
+    );
+    assert_eq!((n(&fail, "mismatch"), n(&fail, "failed")), (4, 4), "{fail}");
+    assert_eq!(n(&fail, "completed"), 8, "{fail}");
+    let rec = demo(
+        &[
+            &base[..],
+            &["--fail-closed", "--load-failure-policy", "recompute"],
+        ]
+        .concat(),
+    );
+    assert_eq!(
+        (n(&rec, "mismatch"), n(&rec, "recomputed")),
+        (4, 4),
+        "{rec}"
+    );
+    assert_eq!(rec["kv_equal_after_recompute"], true, "{rec}");
+    // Different block sizes: each mismatch names exactly its chunk's blocks, loads in flight.
+    let blocks = ["--prefill-block-size", "16", "--decode-block-size", "32"];
+    let r = demo(&[&base[..], &blocks[..]].concat());
+    assert_eq!((n(&r, "verified"), n(&r, "mismatch")), (8, 4), "{r}");
+    // A hybrid model's state blocks land with loads in flight too.
+    let h = demo(&["--model", "tiny-hybrid", "--in-flight", "4"]);
+    assert_eq!(n(&h, "verified"), 10, "{h}");
+    assert_eq!(h["state_landed"], true, "{h}");
+}
+
+/// One load in flight is the serial demo; more than the requests is the requests; the
+/// report gives each load's latency beside the throughput.
+#[test]
+fn in_flight_is_reported_with_the_loads_latency() {
+    for (asked, want) in [("1", 1), ("64", 10)] {
+        let r = demo(&["--in-flight", asked]);
+        assert_eq!(n(&r, "in_flight"), want, "{r}");
+        assert_eq!(n(&r, "verified"), 10, "{r}");
+        let f = |k: &str| {
+            r[k].as_f64()
+                .unwrap_or_else(|| panic!("{k} missing in {r}"))
+        };
+        assert!(
+            0.0 < f("load_seconds_median") && f("load_seconds_median") <= f("load_seconds_max"),
+            "{r}"
+        );
+        // The load phase's wall time holds every load, so no load is longer than it.
+        assert!(f("load_seconds_max") <= f("seconds"), "{r}");
+        assert!(n(&r, "runtime_workers") >= 2, "{r}");
+    }
+}
+
 #[test]
 fn demo_rejects_bad_arguments_with_a_clear_error() {
     for (args, needle) in [
@@ -357,6 +421,9 @@ fn demo_rejects_bad_arguments_with_a_clear_error() {
         (vec!["--layout", "KV B N Q D"], "Q"),
         (vec!["--gpu-registration", "sideways"], "--gpu-registration"),
         (vec!["--decode-block-size", "0"], "--decode-block-size"),
+        (vec!["--in-flight", "0"], "--in-flight"),
+        (vec!["--in-flight", "65"], "--in-flight"),
+        (vec!["--in-flight", "many"], "--in-flight"),
     ] {
         let out = kvferry()
             .args(["demo", "--json", "--model", "tiny", "--requests", "10"])

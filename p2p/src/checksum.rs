@@ -34,7 +34,7 @@ pub fn group_fingerprint(group: &WorkerGroup) -> Option<u64> {
 /// Errors: [`ChecksumError`] when the backend fails or exceeds `timeout`.
 pub async fn worker_record(
     worker: &Worker,
-    select: &dyn Fn(&WorkerGroup) -> Option<BlockSelection>,
+    select: &(dyn Fn(&WorkerGroup) -> Option<BlockSelection> + Sync),
     num_tokens: u64,
     timeout: Duration,
     after: Option<CallerStream>,

@@ -134,6 +134,26 @@ async fn tp1_load_verifies() {
     load_verifies(1, 1).await;
 }
 
+/// A load's future can be sent to another thread: an embedder (the demo with loads in flight, a
+/// connector starting a load per scheduled request) spawns each load on a task of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_runs_on_a_spawned_task() {
+    let pair = pair(1, 1, producer_config(), Policy::default()).await;
+    pair.producer
+        .publish("req-1", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    let spec = spec("req-1", &pair.producer).await;
+    let consumer = Arc::new(pair.consumer);
+    let task = tokio::spawn({
+        let consumer = consumer.clone();
+        async move { consumer.load(spec).await }
+    });
+    let out = task.await.unwrap().unwrap();
+    assert_eq!(out.verdict, Some(Verdict::Verified));
+    pair.producer.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tp2_load_verifies() {
     load_verifies(2, 1).await;

@@ -30,6 +30,27 @@ impl CudaIpcTransport {
         allocs: &[(u64, u64, AllocationKind)],
         lane: &Lane,
     ) -> Result<()> {
+        // One import at a time; what another one mapped meanwhile is not asked for again (a
+        // second mapping of an allocation would replace the first, unmapped once its copies end).
+        let t0 = std::time::Instant::now();
+        let _one = self.importing.locked();
+        let waited_us = t0.elapsed().as_micros() as u64;
+        let allocs: Vec<(u64, u64, AllocationKind)> = {
+            let peers = self.peers.locked();
+            let p = peers
+                .get(&desc.name)
+                .filter(|p| p.instance_id == desc.instance_id);
+            allocs
+                .iter()
+                .filter(|a| p.is_none_or(|p| !p.mapped.contains_key(&a.0)))
+                .copied()
+                .collect()
+        };
+        if allocs.is_empty() {
+            tracing::debug!(target: "kvferry::timing", waited_us, "cuda ipc import: mapped meanwhile");
+            return Ok(());
+        }
+        let allocs = &allocs[..];
         let nonce = crate::auth::random_bytes::<32>()?;
         let bases: Vec<u64> = allocs.iter().map(|a| a.0).collect();
         let in_process = self.me.as_ref().is_some_and(|m| m.same_process(host));
@@ -81,8 +102,18 @@ impl CudaIpcTransport {
                 })
             })
         };
+        let asked_us = t0.elapsed().as_micros() as u64 - waited_us;
         let (live_fd, _) = fdpass::fetch(&reply.socket, &ticket(&reply.live)?, &desc.name)?;
         let live = LiveView::open(&live_fd)?;
+        tracing::debug!(
+            target: "kvferry::timing",
+            waited_us,
+            asked_us,
+            live_us = t0.elapsed().as_micros() as u64 - waited_us - asked_us,
+            allocs = allocs.len(),
+            in_process,
+            "cuda ipc import"
+        );
         let mut peers = self.peers.locked();
         let p = match peers.get_mut(&desc.name) {
             Some(p) if p.instance_id == desc.instance_id => {

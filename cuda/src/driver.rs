@@ -5,7 +5,7 @@
 use cudarc::driver::sys;
 use std::ffi::c_void;
 
-use crate::error::CudaError;
+use crate::error::{CudaError, InvalidArg};
 
 /// A driver call's outcome: on failure, what was being done and the driver's error.
 pub type DriverResult<T> = Result<T, CudaError>;
@@ -410,8 +410,13 @@ impl Module {
 
     /// The `extern "C"` kernel named `name`.
     pub fn function(&self, name: &str) -> DriverResult<Function> {
-        let c = std::ffi::CString::new(name)
-            .map_err(|e| CudaError::Invalid(format!("kernel name {name:?}: {e}")))?;
+        let c = std::ffi::CString::new(name).map_err(|source| {
+            CudaError::Invalid(InvalidArg::Nul {
+                what: "kernel name",
+                name: name.to_string(),
+                source,
+            })
+        })?;
         let mut f = std::ptr::null_mut();
         // SAFETY: `c` is a NUL-terminated name alive for the call, `self.raw` a loaded module,
         // `f` a live local.

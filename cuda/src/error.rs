@@ -62,7 +62,36 @@ pub enum CudaError {
     },
     /// A value handed to the driver cannot be passed as given (e.g. a name with a NUL byte).
     #[error("{0}")]
-    Invalid(String),
+    Invalid(InvalidArg),
+}
+
+/// A value the driver cannot take as given ([`CudaError::Invalid`]).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum InvalidArg {
+    /// A name or source text (`what`) with a NUL byte.
+    #[error("{what} {name:?}: {source}")]
+    Nul {
+        /// What it is: `"kernel name"`, `"name"`, `"source"`.
+        what: &'static str,
+        /// The name (of the source: its program name).
+        name: String,
+        /// Where the NUL is.
+        source: std::ffi::NulError,
+    },
+    /// More items (`what`: pieces, strided groups) in one launch than its 32-bit count holds.
+    #[error("{count} {what} in one launch")]
+    TooMany {
+        /// What is counted.
+        what: &'static str,
+        /// How many.
+        count: usize,
+    },
+    /// An allocation size (bytes) that does not fit in `usize`.
+    #[error("allocation size {0} too large")]
+    Size(u64),
+    /// The driver's export returned no file descriptor.
+    #[error("cuMemExportToShareableHandle returned no file descriptor")]
+    NoFd,
 }
 
 impl CudaError {

@@ -26,7 +26,7 @@ use std::ffi::c_void;
 use cudarc::driver::sys;
 
 use crate::driver::{check, DriverResult};
-use crate::error::CudaError;
+use crate::error::{CudaError, InvalidArg};
 use piece::LoadedKernel;
 pub use piece::{Copy, PieceTable};
 pub use share::{
@@ -229,7 +229,10 @@ impl PieceKernel {
             return Ok(());
         }
         let n = u32::try_from(plan.pieces.len()).map_err(|_| {
-            CudaError::Invalid(format!("{} pieces in one launch", plan.pieces.len()))
+            CudaError::Invalid(InvalidArg::TooMany {
+                what: "pieces",
+                count: plan.pieces.len(),
+            })
         })?;
         let fill = |words: &mut [u64]| {
             for (i, c) in plan.pieces.iter().enumerate() {

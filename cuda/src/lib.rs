@@ -21,7 +21,7 @@ pub mod location;
 pub mod nvrtc;
 pub mod probe;
 
-pub use error::CudaError;
+pub use error::{CudaError, InvalidArg};
 pub use location::{Location, ParseLocationError};
 pub use probe::{cuda_available, driver_library_present, guarded};
 

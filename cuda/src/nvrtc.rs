@@ -6,7 +6,7 @@
 //! entry point first checks that the libraries load (`is_culib_present`), then runs the
 //! first calls inside `catch_unwind` as a last resort.
 
-use crate::CudaError;
+use crate::{CudaError, InvalidArg};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::ffi::CString;
 use std::panic::catch_unwind;
@@ -103,9 +103,17 @@ pub fn compile(src: &str, name: &str, cc: (i32, i32)) -> Result<Vec<u8>, CudaErr
 }
 
 fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8>, CudaError> {
-    let csrc = CString::new(src).map_err(|e| CudaError::Invalid(format!("source {name}: {e}")))?;
-    let cname =
-        CString::new(name).map_err(|e| CudaError::Invalid(format!("name {name:?}: {e}")))?;
+    let nul = |what: &'static str| {
+        move |source| {
+            CudaError::Invalid(InvalidArg::Nul {
+                what,
+                name: name.to_string(),
+                source,
+            })
+        }
+    };
+    let csrc = CString::new(src).map_err(nul("source"))?;
+    let cname = CString::new(name).map_err(nul("name"))?;
     let prog = nvrtc::create_program(&csrc, Some(&cname))
         .map_err(|e| CudaError::nvrtc("nvrtcCreateProgram", e))?;
     let opts = [
@@ -163,4 +171,26 @@ fn compile_with(src: &str, name: &str, arch: &str, cubin: bool) -> Result<Vec<u8
         let _ = nvrtc::destroy_program(prog);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_nul_byte_is_a_typed_invalid_argument_before_nvrtc_is_called() {
+        match compile_with("a\0b", "k", "--gpu-architecture=sm_90", true) {
+            Err(CudaError::Invalid(InvalidArg::Nul { what, name, source })) => {
+                assert_eq!(
+                    (what, name.as_str(), source.nul_position()),
+                    ("source", "k", 1)
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        match compile_with("ok", "k\0", "--gpu-architecture=sm_90", true) {
+            Err(CudaError::Invalid(InvalidArg::Nul { what: "name", .. })) => {}
+            other => panic!("{other:?}"),
+        }
+    }
 }

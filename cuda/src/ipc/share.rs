@@ -8,7 +8,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use cudarc::driver::sys;
 
 use crate::driver::{check, Context, DriverResult};
-use crate::error::CudaError;
+use crate::error::{CudaError, InvalidArg};
 
 /// How an allocation was made, which decides how a peer process can map it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -237,9 +237,7 @@ pub fn export_vmm(addr: u64) -> Result<OwnedFd, ExportRefused> {
     };
     r.map_err(driver)?;
     if fd < 0 {
-        return Err(driver(CudaError::Invalid(
-            "cuMemExportToShareableHandle returned no file descriptor".into(),
-        )));
+        return Err(driver(CudaError::Invalid(InvalidArg::NoFd)));
     }
     // SAFETY: the driver returned a fresh descriptor that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -264,8 +262,7 @@ impl ImportedVmm {
     /// the failing driver call; nothing stays mapped or reserved then.
     pub fn import(ctx: &Context, fd: &OwnedFd, size: u64) -> DriverResult<ImportedVmm> {
         ctx.bind()?;
-        let size = usize::try_from(size)
-            .map_err(|_| CudaError::Invalid(format!("allocation size {size} too large")))?;
+        let size = usize::try_from(size).map_err(|_| CudaError::Invalid(InvalidArg::Size(size)))?;
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: the POSIX fd handle type takes the descriptor's value cast to a pointer
         // (CUDA's documented convention); `handle` is a live local.

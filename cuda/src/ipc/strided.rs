@@ -7,7 +7,7 @@ use cudarc::driver::sys;
 
 use super::piece::{Copy, LoadedKernel, PieceTable};
 use crate::driver::DriverResult;
-use crate::error::CudaError;
+use crate::error::{CudaError, InvalidArg};
 
 /// Ranges longer than this are cut into ranges of at most this many bytes (one warp copies
 /// one piece: a long one would keep it busy while the others idle).
@@ -95,8 +95,12 @@ pub fn strided_cut(groups: &[StridedCopies<'_>]) -> u64 {
 
 fn layout(groups: &[StridedCopies<'_>]) -> DriverResult<Layout> {
     let n = groups.iter().filter(|g| g.live()).count();
-    let n = u32::try_from(n)
-        .map_err(|_| CudaError::Invalid(format!("{n} strided groups in one launch")))?;
+    let n = u32::try_from(n).map_err(|_| {
+        CudaError::Invalid(InvalidArg::TooMany {
+            what: "strided groups",
+            count: n,
+        })
+    })?;
     let cut = strided_cut(groups);
     let pieces_of = |c: &Copy| (c.len as u64).div_ceil(cut).max(1);
     let (mut n_ranges, mut n_bases, mut pieces) = (0u64, 0usize, 0u64);

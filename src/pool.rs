@@ -17,6 +17,19 @@ impl BlockPool {
         BlockPool { free }
     }
 
+    /// As [`BlockPool::new`], or `None` when the `num_blocks` ids (8 bytes each) cannot be
+    /// allocated: a block count taken from flags (requests times tokens) can ask for more
+    /// than any machine holds, which `new` would abort on.
+    pub fn try_new(num_blocks: u64, seed: u64) -> Option<BlockPool> {
+        use rand::seq::SliceRandom;
+        let mut free: Vec<u64> = Vec::new();
+        free.try_reserve_exact(usize::try_from(num_blocks).ok()?)
+            .ok()?;
+        free.extend(0..num_blocks);
+        free.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed));
+        Some(BlockPool { free })
+    }
+
     /// Takes `n` blocks, or `None` when fewer are free.
     pub fn alloc(&mut self, n: usize) -> Option<Vec<u64>> {
         if n > self.free.len() {
@@ -34,6 +47,16 @@ impl BlockPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pool_too_large_to_allocate_is_none_not_an_abort() {
+        assert!(BlockPool::try_new(u64::MAX, 1).is_none());
+        assert!(BlockPool::try_new(1 << 61, 1).is_none());
+        let mut p = BlockPool::try_new(4, 1).unwrap();
+        let mut got = p.alloc(4).unwrap();
+        got.sort_unstable();
+        assert_eq!(got, vec![0, 1, 2, 3]);
+    }
 
     #[test]
     fn pool_hands_out_distinct_blocks() {

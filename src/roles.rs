@@ -45,8 +45,18 @@ fn producer_tables(
         return Err(CliError::usage(format!("--min-tokens {min} / --max-tokens {max} / --block-size {block_size}: need 1 <= min <= max and a block size >= 1")));
     }
     let lengths = prompt_lengths(requests, min, max, seed);
-    let total: u64 = lengths.iter().map(|t| t.div_ceil(block_size)).sum();
-    let mut pool = BlockPool::new(total.max(1), seed);
+    // The flags can ask for more blocks than a u64 counts or any machine holds: a clear
+    // error here, not an overflow or an aborted allocation.
+    let total = lengths
+        .iter()
+        .try_fold(0u64, |s, t| s.checked_add(t.div_ceil(block_size)));
+    let Some((total, mut pool)) =
+        total.and_then(|n| Some((n, BlockPool::try_new(n.max(1), seed)?)))
+    else {
+        return Err(CliError::usage(format!(
+            "--requests {requests} of up to --max-tokens {max} tokens in blocks of {block_size}: more blocks than this machine can hold; lower --max-tokens or --requests"
+        )));
+    };
     let tables = lengths
         .iter()
         .map(|t| {
@@ -421,4 +431,25 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_counts_no_machine_holds_are_a_usage_error_not_a_panic() {
+        // One request of u64::MAX blocks; four whose sum overflows; 2^63 block ids.
+        for (requests, tokens) in [(1, u64::MAX), (4, u64::MAX), (2, 1 << 62)] {
+            assert!(
+                matches!(
+                    producer_tables(requests, tokens, tokens, 1, 1),
+                    Err(CliError::Usage(_))
+                ),
+                "{requests} × {tokens}"
+            );
+        }
+        let (_, tables, total) = producer_tables(2, 10, 10, 1, 4).unwrap();
+        assert_eq!((tables.len(), total), (2, 6));
+    }
 }

@@ -288,7 +288,8 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 0)]
     pub decode_gpu: u32,
     /// Tokens per block of the producer (default `--block-size`). When it differs from the
-    /// consumer's, the consumer's blocks are filled token by token and verified by chunk sums.
+    /// consumer's, the consumer's blocks are filled token by token and verified by chunk sums;
+    /// one of the two must then be a multiple of the other.
     #[arg(long)]
     pub prefill_block_size: Option<u64>,
     /// Tokens per block of the consumer (default `--block-size`).

@@ -162,6 +162,18 @@ fn check_args(args: &DemoArgs) -> Result<(), CliError> {
             return Err(CliError::usage(format!("{flag} 0: must be at least 1")));
         }
     }
+    // Sizes not multiples of each other cannot be verified (the checksum's chunks would
+    // straddle blocks on one side): every load would end unverified and the run fail.
+    let bs = args.common.block_size;
+    let (pbs, cbs) = (
+        args.prefill_block_size.unwrap_or(bs),
+        args.decode_block_size.unwrap_or(bs),
+    );
+    if pbs % cbs != 0 && cbs % pbs != 0 {
+        return Err(CliError::usage(format!(
+            "--prefill-block-size {pbs} / --decode-block-size {cbs}: one must be a multiple of the other (else no load can be verified)"
+        )));
+    }
     if args.common.device == DeviceArg::Cpu && (args.prefill_gpu != 0 || args.decode_gpu != 0) {
         return Err(CliError::usage(
             "--prefill-gpu/--decode-gpu place KV on GPUs: they need --device cuda",

@@ -424,6 +424,10 @@ fn demo_rejects_bad_arguments_with_a_clear_error() {
         (vec!["--in-flight", "0"], "--in-flight"),
         (vec!["--in-flight", "65"], "--in-flight"),
         (vec!["--in-flight", "many"], "--in-flight"),
+        (
+            vec!["--prefill-block-size", "3", "--decode-block-size", "7"],
+            "--prefill-block-size 3 / --decode-block-size 7",
+        ),
     ] {
         let out = kvferry()
             .args(["demo", "--json", "--model", "tiny", "--requests", "10"])

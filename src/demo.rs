@@ -221,8 +221,16 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     let cbs = args.decode_block_size.unwrap_or(c.block_size);
     let in_flight = args.in_flight.clamp(1, args.requests.max(1));
     // Room for the requests in flight on each side (at least two, as serial loads always had).
+    // Saturating: a count past u64 (huge --max-tokens) is refused as too large by the side's
+    // layout, not wrapped to a small pool that runs out mid-run.
     let num_blocks = |bs: u64| {
-        lengths.iter().map(|&t| t.div_ceil(bs)).max().unwrap_or(1) * u64::from(in_flight.max(2)) + 1
+        lengths
+            .iter()
+            .map(|&t| t.div_ceil(bs))
+            .max()
+            .unwrap_or(1)
+            .saturating_mul(u64::from(in_flight.max(2)))
+            .saturating_add(1)
     };
     let engine_cfg = engine_config(c, "127.0.0.1")?;
     let side = |tp, pp, bs, gpu| side_config(c, model.clone(), (tp, pp), bs, num_blocks(bs), gpu);

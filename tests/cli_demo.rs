@@ -424,6 +424,18 @@ fn demo_rejects_bad_arguments_with_a_clear_error() {
         (vec!["--in-flight", "0"], "--in-flight"),
         (vec!["--in-flight", "65"], "--in-flight"),
         (vec!["--in-flight", "many"], "--in-flight"),
+        // 4 in flight of 2^62 + 1 blocks: 2^64 + 5 blocks, refused (not wrapped to 5).
+        (
+            vec![
+                "--block-size",
+                "1",
+                "--min-tokens",
+                "4611686018427387905",
+                "--max-tokens",
+                "4611686018427387905",
+            ],
+            "too large",
+        ),
         (
             vec!["--prefill-block-size", "3", "--decode-block-size", "7"],
             "--prefill-block-size 3 / --decode-block-size 7",

@@ -218,6 +218,18 @@ fn too_many_slices() -> TransferError {
     .into()
 }
 
+/// The start addresses of the local regions `slices` use, each run of slices sharing a region
+/// adding its region once (slices of one region are adjacent, as `slice_requests` cuts them).
+pub(crate) fn region_starts(slices: &[Slice]) -> Vec<u64> {
+    let mut starts: Vec<u64> = Vec::new();
+    for s in slices {
+        if starts.last() != Some(&s.local_region.addr) {
+            starts.push(s.local_region.addr);
+        }
+    }
+    starts
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,6 +3,7 @@
 //! - `transport::select`: which transport the engine uses (and why);
 //! - `handshake_service`: what the handshake listener answers, behind the auth gate;
 //! - `descriptor`: descriptors built, validated, covered, kind-checked;
+//! - `path`: path reporting (region paths, CUDA IPC export, transfer paths, metrics labels);
 //! - `batch`: requests cut into slices, the batch table;
 //! - `peer_cache`: peers' descriptors, their expiry and the one retry on a stale one.
 
@@ -13,12 +14,11 @@ use crate::auth::{AuthState, GrantGuard, GrantSpec, Token};
 use crate::batch::{self, BatchTable};
 use crate::config::EngineConfig;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{ConfigError, IoError, Result, TransferError};
+use crate::error::{ConfigError, Result, TransferError};
 use crate::handshake::HandshakeServer;
 use crate::handshake_service::HandshakeService;
 use crate::memory::{MemoryAccess, MemoryRegion, MemoryRegistry};
 use crate::peer_cache::{BatchRefresh, PeerCache};
-use crate::ports::host_port;
 use crate::segment::{check_segment_name, SegmentHandle};
 use crate::transport::completion::BatchState;
 use crate::transport::{CompletionSink, Transport, TransportContext};
@@ -71,22 +71,7 @@ impl TransferEngine {
         if host.is_empty() {
             return Err(ConfigError::EmptyHost.into());
         }
-        let bind_host = crate::ports::unbracket(&host).to_string();
-        let listener = crate::ports::bind_listener(&bind_host, config.port, config.listen_ports)
-            .map_err(|e| {
-                TransferError::Bind(IoError::new(
-                    format!(
-                        "bind handshake listener on {}",
-                        crate::ports::listen_address(&bind_host, config.port, config.listen_ports)
-                    ),
-                    e,
-                ))
-            })?;
-        let port = listener
-            .local_addr()
-            .map_err(|e| TransferError::io("handshake listener address", e))?
-            .port();
-        let name = host_port(&bind_host, port);
+        let (listener, name) = crate::handshake_service::bind(&host, &config)?;
         let instance_id = crate::ids::random_u64();
         let registry = Arc::new(MemoryRegistry::new());
         let auth = AuthState::new(config.auth.resolve()?, &name);
@@ -200,12 +185,8 @@ impl TransferEngine {
     /// The descriptor this engine returns to a peer's descriptor query (its registered buffers
     /// now).
     pub fn local_descriptor(&self) -> SegmentDescriptor {
-        SegmentDescriptor::build(
-            &self.name,
-            self.instance_id,
-            self.transport.local_info(),
-            &self.registry,
-        )
+        let info = self.transport.local_info();
+        SegmentDescriptor::build(&self.name, self.instance_id, info, &self.registry)
     }
 
     /// Registers `[addr, addr+len)` at `location` for transfers: peers may then READ and WRITE
@@ -252,8 +233,7 @@ impl TransferEngine {
     /// in place, GPUDirect through dma-buf or peer memory, or staged through pinned host
     /// memory); `None` when no registered region contains `addr`.
     pub fn region_path(&self, addr: u64) -> Option<crate::memory::RegistrationPath> {
-        // Without cloning the entry: its keys are JSON, and this runs at every submit.
-        self.registry.with_region(addr, 1, |e| e.keys.path)
+        crate::path::region_path(&self.registry, addr)
     }
 
     /// Whether peers on this host reach the `cuda:N` region containing `addr` through CUDA IPC:
@@ -262,15 +242,7 @@ impl TransferEngine {
     /// moves over the network transport), `None` for host memory, an engine without CUDA IPC,
     /// or no region at `addr`.
     pub fn region_cuda_ipc(&self, addr: u64) -> Option<Result<()>> {
-        let e = self.registry.find(addr, 1)?;
-        if e.keys
-            .transport
-            .get(crate::transport::cuda_ipc::transport::KEYS_FIELD)
-            .is_some()
-        {
-            return Some(Ok(()));
-        }
-        self.transport.not_exported(e.region.addr).map(Err)
+        crate::path::region_cuda_ipc(&self.registry, self.transport.as_ref(), addr)
     }
 
     /// The path a transfer between `local_addr` (registered here) and `remote_addr` (in a
@@ -282,24 +254,8 @@ impl TransferEngine {
         local_addr: u64,
         remote_addr: u64,
     ) -> Result<crate::types::TransferPath> {
-        let local = self
-            .registry
-            .find(local_addr, 1)
-            .ok_or(TransferError::NotRegistered {
-                addr: local_addr,
-                len: 1,
-            })?;
-        let d = &target.descriptor;
-        let i = d
-            .buffers
-            .iter()
-            .position(|b| b.region.contains(remote_addr, 1))
-            .ok_or_else(|| TransferError::RemoteOutOfRange {
-                segment: d.name.clone(),
-                addr: remote_addr,
-                len: 1,
-            })?;
-        Ok(self.transport.path(d, &local.region, i))
+        let t = self.transport.as_ref();
+        crate::path::transfer_path(&self.registry, t, target, local_addr, remote_addr)
     }
 
     /// Unregisters the region that starts at `addr`, once no batch of this engine moves bytes
@@ -326,17 +282,7 @@ impl TransferEngine {
     /// Errors: `InvalidArgument` for a name that is not `host:port`; `Handshake` when the peer
     /// cannot be reached or answers badly.
     pub fn open_segment(&self, name: &str) -> Result<SegmentHandle> {
-        check_segment_name(name)?;
-        if let Some(d) = self.peers.get(name) {
-            return Ok(SegmentHandle {
-                descriptor: d,
-                token: None,
-            });
-        }
-        Ok(SegmentHandle {
-            descriptor: self.peers.fetch(name, None)?,
-            token: None,
-        })
+        self.open(name, None)
     }
 
     /// As `open_segment`, for a peer that granted `token` (`crate::auth`): an uncached
@@ -344,15 +290,17 @@ impl TransferEngine {
     /// a secret), and the returned handle carries the token into every request submitted with
     /// it. Errors as `open_segment`; a token the peer does not know is a `Handshake` error.
     pub fn open_segment_with_token(&self, name: &str, token: Token) -> Result<SegmentHandle> {
+        self.open(name, Some(token))
+    }
+
+    /// The cached descriptor of `name`, or one fetched presenting `token`; the handle carries it.
+    fn open(&self, name: &str, token: Option<Token>) -> Result<SegmentHandle> {
         check_segment_name(name)?;
         let descriptor = match self.peers.get(name) {
             Some(d) => d,
-            None => self.peers.fetch(name, Some(&token))?,
+            None => self.peers.fetch(name, token.as_ref())?,
         };
-        Ok(SegmentHandle {
-            descriptor,
-            token: Some(token),
-        })
+        Ok(SegmentHandle { descriptor, token })
     }
 
     /// Fetches segment `name`'s descriptor again (e.g. after the peer registered more memory) and
@@ -413,17 +361,10 @@ impl TransferEngine {
             self.transport.slice_size(&desc, l, b, default)
         })?;
         // the local regions stay registered until the last slice is reported
-        let mut starts: Vec<u64> = Vec::new();
-        for s in &slices {
-            // Runs of slices share a region: each run adds its region once.
-            if starts.last() != Some(&s.local_region.addr) {
-                starts.push(s.local_region.addr);
-            }
-        }
-        let pins = self.registry.pin(starts)?;
+        let pins = self.registry.pin(batch::region_starts(&slices))?;
         let (id, state) = self.batches.start(slices.len() as u32);
         state.hold(pins);
-        let path = self.path_label(requests);
+        let path = self.path_label_at(requests.first().map(|r| r.local_addr));
         self.meters
             .start(id, path, &desc.name, requests, slices.len() as u32);
         self.peers.touch(&desc.name);
@@ -466,16 +407,17 @@ impl TransferEngine {
     /// sent are skipped, slices already on the wire may still land), `UnknownBatch`. A finished (completed or failed) batch is freed.
     pub fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
         let r = self.batch(batch)?.wait(timeout);
-        self.meters.end(batch, &r);
-        if !matches!(r, Err(TransferError::Timeout(_))) {
-            self.free_batch(batch);
-        }
-        r
+        self.finish(batch, r)
     }
 
     /// Async twin of `wait` for use inside a tokio runtime (needs the runtime's timer).
     pub async fn wait_async(&self, batch: BatchId, timeout: Duration) -> Result<()> {
         let r = self.batch(batch)?.wait_async(timeout).await;
+        self.finish(batch, r)
+    }
+
+    /// Ends a wait with `r`: meters it, and frees the batch unless it timed out.
+    fn finish(&self, batch: BatchId, r: Result<()>) -> Result<()> {
         self.meters.end(batch, &r);
         if !matches!(r, Err(TransferError::Timeout(_))) {
             self.free_batch(batch);
@@ -492,41 +434,9 @@ impl TransferEngine {
 }
 
 impl TransferEngine {
-    /// The metrics' `path` of a batch: the transport, and for GPU memory how the first
-    /// request's local region is registered (`tcp`, `tcp-gpu-staged`, `rdma-dma-buf`, ...).
-    fn path_label(&self, requests: &[TransferRequest]) -> &'static str {
-        self.path_label_at(requests.first().map(|r| r.local_addr))
-    }
-
-    /// `path_label` for a batch whose first local address is `first`.
+    /// The metrics' `path` of a batch whose first local address is `first` (`crate::path`).
     pub(crate) fn path_label_at(&self, first: Option<u64>) -> &'static str {
-        let reg = first.and_then(|a| self.region_path(a)).unwrap_or_default();
-        path_label_of(self.transport.kind(), reg)
-    }
-}
-
-/// The metrics' `path` of a batch moved by a transport of `kind` from a region registered
-/// along `reg`: the kind alone for host memory, else `{kind}-gpu-staged`, `{kind}-dma-buf`,
-/// `{kind}-peer-memory`. A static text: a submit formats no label.
-pub(crate) fn path_label_of(
-    kind: TransportKind,
-    reg: crate::memory::RegistrationPath,
-) -> &'static str {
-    use crate::memory::RegistrationPath as P;
-    use TransportKind as K;
-    match (kind, reg) {
-        (K::Tcp, P::Host) => "tcp",
-        (K::Tcp, P::Staged) => "tcp-gpu-staged",
-        (K::Tcp, P::DmaBuf) => "tcp-dma-buf",
-        (K::Tcp, P::PeerMemory) => "tcp-peer-memory",
-        (K::Rdma, P::Host) => "rdma",
-        (K::Rdma, P::Staged) => "rdma-gpu-staged",
-        (K::Rdma, P::DmaBuf) => "rdma-dma-buf",
-        (K::Rdma, P::PeerMemory) => "rdma-peer-memory",
-        (K::Auto, P::Host) => "auto",
-        (K::Auto, P::Staged) => "auto-gpu-staged",
-        (K::Auto, P::DmaBuf) => "auto-dma-buf",
-        (K::Auto, P::PeerMemory) => "auto-peer-memory",
+        crate::path::label_at(&self.registry, self.transport.kind(), first)
     }
 }
 
@@ -550,26 +460,5 @@ impl Drop for TransferEngine {
     fn drop(&mut self) {
         self.handshake.take();
         self.transport.shutdown();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::memory::RegistrationPath as P;
-
-    #[test]
-    fn path_labels_are_the_kind_and_the_registration_path() {
-        for k in [TransportKind::Auto, TransportKind::Tcp, TransportKind::Rdma] {
-            for r in [P::Host, P::Staged, P::DmaBuf, P::PeerMemory] {
-                let kind = k.as_str();
-                let want = match r {
-                    P::Host => kind.to_string(),
-                    P::Staged => format!("{kind}-gpu-staged"),
-                    other => format!("{kind}-{other}"),
-                };
-                assert_eq!(path_label_of(k, r), want);
-            }
-        }
     }
 }

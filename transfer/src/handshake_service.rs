@@ -21,11 +21,30 @@ use std::time::Duration;
 
 use crate::admission::Limits;
 use crate::auth::AuthState;
+use crate::config::EngineConfig;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{AuthError, ProtocolError, Result, TransferError};
+use crate::error::{AuthError, IoError, ProtocolError, Result, TransferError};
 use crate::handshake::{FrameType, HandshakeServer, Session};
 use crate::memory::MemoryRegistry;
 use crate::transport::Transport;
+
+/// Binds the handshake listener on `host` (brackets allowed around an IPv6 address) at
+/// `config.port` (0 = any port; else within `config.listen_ports`); returns it and the segment
+/// name, `host:port` of the port bound. Errors: `Bind` naming the address tried, `Io` when the
+/// bound address cannot be read.
+pub(crate) fn bind(host: &str, config: &EngineConfig) -> Result<(TcpListener, String)> {
+    let bind_host = crate::ports::unbracket(host);
+    let listener = crate::ports::bind_listener(bind_host, config.port, config.listen_ports)
+        .map_err(|e| {
+            let at = crate::ports::listen_address(bind_host, config.port, config.listen_ports);
+            TransferError::Bind(IoError::new(format!("bind handshake listener on {at}"), e))
+        })?;
+    let port = listener
+        .local_addr()
+        .map_err(|e| TransferError::io("handshake listener address", e))?
+        .port();
+    Ok((listener, crate::ports::host_port(bind_host, port)))
+}
 
 /// What the handshake service answers from: the engine's name, instance id, registry,
 /// transport and auth state (shared with the engine).

@@ -44,6 +44,7 @@ mod inflight;
 pub mod memory;
 pub mod metrics;
 pub mod node;
+mod path;
 mod peer_cache;
 pub mod ports;
 pub mod segment;

@@ -34,7 +34,11 @@ use types::location;
 pub fn run(args: &BenchArgs) -> Result<(), CliError> {
     if args.mode == BenchMode::Target {
         let len = one_size("--buffer-size", &args.buffer_size)?;
-        return target::serve(args, engine_config(args, args.listen.as_deref())?, len);
+        return target::serve(
+            args,
+            engine_config(args, "--listen", args.listen.as_deref())?,
+            len,
+        );
     }
     // Fail before the sweep, not after it, when an output file cannot be written.
     let plot = args.plot.clone().or_else(|| {
@@ -133,17 +137,25 @@ fn one_size(flag: &'static str, text: &str) -> Result<u64, CliError> {
 }
 
 /// The engine configuration of either side: `listen` as `HOST:PORT` (port 0 or none: one the
-/// OS picks), the transport, NICs, GID index, GPU registration and the shared secret.
-fn engine_config(args: &BenchArgs, listen: Option<&str>) -> Result<EngineConfig, CliError> {
+/// OS picks; `flag` names the option it came from), the transport, NICs, GID index, GPU
+/// registration and the shared secret. Errors: `Usage` for no port or an unspecified host,
+/// `Port` for a port that is not a `u16`.
+fn engine_config(
+    args: &BenchArgs,
+    flag: &'static str,
+    listen: Option<&str>,
+) -> Result<EngineConfig, CliError> {
     let (host, port) = match listen {
         Some(a) => {
             let a = a.strip_prefix("tcp://").unwrap_or(a);
             let (h, p) = a
                 .rsplit_once(':')
                 .ok_or_else(|| CliError::usage(format!("{a}: expected HOST:PORT")))?;
-            let port: u16 = p
-                .parse()
-                .map_err(|_| CliError::usage(format!("{a}: bad port")))?;
+            let port: u16 = p.parse().map_err(|source| CliError::Port {
+                flag,
+                addr: a.to_string(),
+                source,
+            })?;
             (h.trim_matches(|c| c == '[' || c == ']').to_string(), port)
         }
         None => ("127.0.0.1".to_string(), 0),
@@ -245,7 +257,7 @@ pub fn run_report(args: &BenchArgs) -> Result<BenchReport, CliError> {
     // The loopback form's target lives here; in initiator mode, in another process.
     let (loopback, target_name) = match args.mode {
         BenchMode::Loopback => {
-            let t = Target::start(engine_config(args, None)?, need, args, None)?;
+            let t = Target::start(engine_config(args, "--listen", None)?, need, args, None)?;
             let name = t.engine.segment_name();
             (Some(t), name)
         }
@@ -268,8 +280,12 @@ pub fn run_report(args: &BenchArgs) -> Result<BenchReport, CliError> {
         (None, None) => local_addr_towards(&target_name).map(|h| format!("{h}:0")),
         (Some(_), None) => None,
     };
-    let engine = kvferry_transfer::TransferEngine::new(engine_config(args, listen.as_deref())?)
-        .map_err(CliError::transfer("starting the initiator engine"))?;
+    let engine = kvferry_transfer::TransferEngine::new(engine_config(
+        args,
+        "--data-host",
+        listen.as_deref(),
+    )?)
+    .map_err(CliError::transfer("starting the initiator engine"))?;
     let token = match (&loopback, engine.secret()) {
         (Some(t), _) => t.token,
         (None, Some(s)) => Some(derived_token(s, &target_name)),
@@ -407,4 +423,57 @@ fn point(
         batches: lat.len() as u64,
         checksum_overhead: checksum_over.map(|_| cks / xfer_secs),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::num::IntErrorKind;
+
+    fn bench_args() -> BenchArgs {
+        use clap::Parser;
+        match crate::cli::Cli::try_parse_from(["kvferry", "bench"])
+            .unwrap()
+            .command
+        {
+            crate::cli::Command::Bench(b) => b,
+            _ => unreachable!("`kvferry bench` parses as the bench command"),
+        }
+    }
+
+    #[test]
+    fn a_bad_port_keeps_its_parse_error_and_names_the_flag() {
+        let args = bench_args();
+        for (port, kind) in [
+            ("70000", IntErrorKind::PosOverflow),
+            ("x1", IntErrorKind::InvalidDigit),
+            ("", IntErrorKind::Empty),
+        ] {
+            let addr = format!("127.0.0.1:{port}");
+            match engine_config(&args, "--data-host", Some(&addr)) {
+                Err(CliError::Port {
+                    flag,
+                    addr: a,
+                    source,
+                }) => {
+                    assert_eq!(flag, "--data-host");
+                    assert_eq!(a, addr);
+                    assert_eq!(source.kind(), &kind);
+                }
+                other => panic!("{addr}: {other:?}"),
+            }
+        }
+        let e = engine_config(&args, "--listen", Some("127.0.0.1:70000")).unwrap_err();
+        let source = std::error::Error::source(&e).expect("the parse error as the source");
+        assert!(source.is::<std::num::ParseIntError>());
+        assert!(e
+            .to_string()
+            .starts_with("--listen 127.0.0.1:70000: bad port"));
+        assert_eq!(
+            engine_config(&args, "--listen", Some("127.0.0.1:7000"))
+                .unwrap()
+                .port,
+            7000
+        );
+    }
 }

@@ -64,6 +64,17 @@ pub enum CliError {
         /// Why.
         source: crate::cli::SizeError,
     },
+    /// The port of a `HOST:PORT` option is not a number from 0 to 65535 (`flag` names the
+    /// option, `addr` the address given).
+    #[error("{flag} {addr}: bad port")]
+    Port {
+        /// The option, e.g. "--listen".
+        flag: &'static str,
+        /// The `HOST:PORT` text given.
+        addr: String,
+        /// The parser's error.
+        source: std::num::ParseIntError,
+    },
     /// The log filter (`--log` or `KVFERRY_LOG`) does not parse.
     #[error("{from} {filter:?}: not a log filter ({source})")]
     LogFilter {

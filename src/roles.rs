@@ -109,7 +109,8 @@ pub fn load_failure_hint(
     }
     if error.contains("consumer expects producer block")
         || error.contains("differ: producer")
-        || error.contains("was not published in time")
+        // A group the producer never published: the sides' models (groups) differ.
+        || error.contains("was not published")
     {
         return Some(format!(
             "serve and load replay different prompts: they must be given the same {SHARED_OPTIONS} (this side: --seed {seed} --requests {requests})"
@@ -451,5 +452,16 @@ mod tests {
         }
         let (_, tables, total) = producer_tables(2, 10, 10, 1, 4).unwrap();
         assert_eq!((tables.len(), total), (2, 6));
+    }
+
+    #[test]
+    fn a_group_the_producer_never_published_names_the_shared_options() {
+        // What a load with another --model than serve's gets (a hybrid model's second group).
+        let e = "load \"req-0\": producer error: transfer failed: group 1 was not published";
+        let hint = load_failure_hint(e, false, 1, 2).unwrap_or_default();
+        assert!(
+            hint.contains("replay different prompts") && hint.contains("--model"),
+            "{hint}"
+        );
     }
 }

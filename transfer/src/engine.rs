@@ -22,6 +22,7 @@ use crate::peer_cache::{BatchRefresh, PeerCache};
 use crate::segment::{check_segment_name, SegmentHandle};
 use crate::transport::completion::BatchState;
 use crate::transport::{CompletionSink, Transport, TransportContext};
+pub use crate::types::EngineStats;
 use crate::types::{BatchId, BatchStatus, Location, TransferRequest, TransportKind};
 
 /// A transfer engine: one segment (`host:port`), its registered memory, and the transport that
@@ -438,22 +439,6 @@ impl TransferEngine {
     pub(crate) fn path_label_at(&self, first: Option<u64>) -> &'static str {
         crate::path::label_at(&self.registry, self.transport.kind(), first)
     }
-}
-
-/// What an engine holds for peers (`TransferEngine::stats`): what must return to its starting
-/// values once peers die or go idle (churn must not leak).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct EngineStats {
-    /// Peer descriptors cached (`open_segment`).
-    pub cached_segments: usize,
-    /// Peers the transport holds connection state for (TCP connection pools, RDMA peers with
-    /// endpoints).
-    pub peers: usize,
-    /// Connections this engine opened: TCP data connections, RDMA QPs of its endpoints.
-    pub connections: usize,
-    /// Connections peers opened to this engine and it serves now: TCP data connections, RDMA
-    /// QPs of passive endpoints.
-    pub served_connections: usize,
 }
 
 impl Drop for TransferEngine {

@@ -107,6 +107,22 @@ impl BatchStatus {
     }
 }
 
+/// What an engine holds for peers (`TransferEngine::stats`): what must return to its starting
+/// values once peers die or go idle (churn must not leak).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Peer descriptors cached (`open_segment`).
+    pub cached_segments: usize,
+    /// Peers the transport holds connection state for (TCP connection pools, RDMA peers with
+    /// endpoints).
+    pub peers: usize,
+    /// Connections this engine opened: TCP data connections, RDMA QPs of its endpoints.
+    pub connections: usize,
+    /// Connections peers opened to this engine and it serves now: TCP data connections, RDMA
+    /// QPs of passive endpoints.
+    pub served_connections: usize,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -38,7 +38,11 @@ pub(super) fn npy_range(
         .ok_or(FormatError::NpyDescrNotString)?;
     let descr = &descr[1..];
     let descr = &descr[..descr.find(quote).ok_or(FormatError::NpyDescrNotString)?];
-    let (order, size) = descr.split_at(descr.len().min(1));
+    // The byte-order mark is one ASCII byte: a first character of more bytes is no dtype
+    // (and no place to split the text).
+    let (order, size) = descr
+        .split_at_checked(descr.len().min(1))
+        .ok_or_else(|| FormatError::NpyDescrType(descr.to_string()))?;
     let kind_size: String = size
         .chars()
         .skip_while(|c| c.is_ascii_alphabetic())

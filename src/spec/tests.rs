@@ -405,6 +405,10 @@ fn npy_and_safetensors_mismatches_are_errors() {
     )
     .unwrap();
     assert!(err_of(dir.path(), with("short.npy", json!({})), json!([0])).contains("needs"));
+    // A descr whose first character is more than one byte: an error, not a panic.
+    std::fs::write(dir.path().join("utf.npy"), npy(&[4, 16, 8], "é2", &data)).unwrap();
+    let e = err_of(dir.path(), with("utf.npy", json!({})), json!([0]));
+    assert!(e.contains("é2"), "{e}");
     std::fs::write(dir.path().join("junk.npy"), b"not numpy at all").unwrap();
     assert!(err_of(dir.path(), with("junk.npy", json!({})), json!([0])).contains("magic"));
     std::fs::write(dir.path().join("ok.npy"), npy(&[4, 16, 8], "<f2", &data)).unwrap();

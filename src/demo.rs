@@ -7,6 +7,8 @@
 //!
 //! Sources: docs/design.md §4 (flow), §2.7 (policy), §6 (the CLI).
 
+mod args;
+
 use std::io::IsTerminal;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
@@ -18,7 +20,7 @@ use kvferry_p2p::{Consumer, LoadError, LoadGroup, LoadOutcome, LoadSpec, Produce
 use rand::SeedableRng;
 use serde::Serialize;
 
-use crate::cli::{DemoArgs, DeviceArg, FailurePolicyArg};
+use crate::cli::{DemoArgs, DeviceArg};
 use crate::copy_ref::{copy_rate, device_copy_rate};
 use crate::corrupt::Flip;
 use crate::error::CliError;
@@ -140,53 +142,6 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-fn check_args(args: &DemoArgs) -> Result<(), CliError> {
-    if args.min_tokens == 0 || args.min_tokens > args.max_tokens {
-        return Err(CliError::usage(format!(
-            "--min-tokens {} / --max-tokens {}: need 1 <= min <= max",
-            args.min_tokens, args.max_tokens
-        )));
-    }
-    if args.corrupt > args.requests {
-        return Err(CliError::usage(format!(
-            "--corrupt {}: at most --requests ({})",
-            args.corrupt, args.requests
-        )));
-    }
-    for (flag, v) in [
-        ("--block-size", Some(args.common.block_size)),
-        ("--prefill-block-size", args.prefill_block_size),
-        ("--decode-block-size", args.decode_block_size),
-    ] {
-        if v == Some(0) {
-            return Err(CliError::usage(format!("{flag} 0: must be at least 1")));
-        }
-    }
-    // Sizes not multiples of each other cannot be verified (the checksum's chunks would
-    // straddle blocks on one side): every load would end unverified and the run fail.
-    let bs = args.common.block_size;
-    let (pbs, cbs) = (
-        args.prefill_block_size.unwrap_or(bs),
-        args.decode_block_size.unwrap_or(bs),
-    );
-    if pbs % cbs != 0 && cbs % pbs != 0 {
-        return Err(CliError::usage(format!(
-            "--prefill-block-size {pbs} / --decode-block-size {cbs}: one must be a multiple of the other (else no load can be verified)"
-        )));
-    }
-    if args.common.device == DeviceArg::Cpu && (args.prefill_gpu != 0 || args.decode_gpu != 0) {
-        return Err(CliError::usage(
-            "--prefill-gpu/--decode-gpu place KV on GPUs: they need --device cuda",
-        ));
-    }
-    if !args.common.fail_closed && args.common.load_failure_policy != FailurePolicyArg::Fail {
-        tracing::warn!(
-            "--load-failure-policy only acts under --fail-closed; fail-open completes every load"
-        );
-    }
-    Ok(())
-}
-
 /// Tokio worker threads for `in_flight` loads on a machine of `available` cores: two per load
 /// in flight (the consumer's loading task and the producer's serving task of each load do host
 /// work at once), at least 2 (serial loads keep the runtime they always had) and at most the
@@ -213,7 +168,7 @@ struct Request {
 /// the consumer loads them all at once (each on its own task), then each outcome is checked
 /// and the blocks are freed. The load phase's time is the sum of the waves' wall times.
 pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
-    check_args(args)?;
+    args::check_args(args)?;
     let c = &args.common;
     let model = model_by_name(&c.model)?.clone();
     let lengths = prompt_lengths(args.requests, args.min_tokens, args.max_tokens, args.seed);

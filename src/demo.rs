@@ -479,6 +479,9 @@ fn side_error(side: &'static str) -> impl Fn(WorldError) -> CliError {
         WorldError::Shape(_) | WorldError::Layout(_) | WorldError::Skipped { .. } => {
             CliError::Side { side, source }
         }
+        WorldError::Alloc { .. } | WorldError::GpuAlloc { .. } => {
+            CliError::SideMemory { side, source }
+        }
         other => CliError::World(other),
     }
 }
@@ -495,6 +498,22 @@ pub fn mismatch_positions(token: u64, tokens: u64, pbs: u64, cbs: u64) -> Vec<u6
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_side_without_memory_for_its_blocks_names_the_options_that_size_them() {
+        let e = side_error("producer (--prefill-tp)")(WorldError::Alloc {
+            bytes: 1 << 40,
+            source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+        });
+        let text = e.to_string();
+        assert!(matches!(e, CliError::SideMemory { .. }), "{e:?}");
+        assert!(
+            text.starts_with("producer (--prefill-tp): allocating 1099511627776 bytes")
+                && text.contains("--in-flight")
+                && text.contains("--max-tokens"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn runtime_workers_grow_with_loads_in_flight_within_the_cores() {

@@ -33,6 +33,15 @@ pub enum CliError {
         /// Why.
         source: WorldError,
     },
+    /// One side of the demo could not allocate its KV memory (`side` names its options): the
+    /// blocks it holds grow with `--in-flight` and `--max-tokens`.
+    #[error("{side}: {source}; each side holds blocks for --in-flight of the longest prompts (--max-tokens): lower one of them")]
+    SideMemory {
+        /// As in [`CliError::Side`].
+        side: &'static str,
+        /// The allocation's error ([`WorldError::Alloc`] or [`WorldError::GpuAlloc`]).
+        source: WorldError,
+    },
     /// `--device cuda` where the CUDA checksum backend is unusable (the ranks' memory is on
     /// the GPU, so the CPU backend cannot read it).
     #[error("--device cuda: the CUDA checksum backend is unusable here: {0}")]

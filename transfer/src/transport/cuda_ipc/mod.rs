@@ -14,6 +14,7 @@
 
 mod copy;
 pub mod fdpass;
+mod gate;
 pub mod keys;
 pub mod live;
 mod owner;

@@ -30,10 +30,14 @@ impl CudaIpcTransport {
         allocs: &[(u64, u64, AllocationKind)],
         lane: &Lane,
     ) -> Result<()> {
-        // One import at a time; what another one mapped meanwhile is not asked for again (a
-        // second mapping of an allocation would replace the first, unmapped once its copies end).
+        // One import at a time per peer; what another one mapped meanwhile is not asked for
+        // again (a second mapping of an allocation would replace the first, unmapped once its
+        // copies end).
         let t0 = std::time::Instant::now();
-        let _one = self.importing.locked();
+        let _turn = self
+            .importing
+            .turn(&desc.name, self.handshake_timeout)
+            .ok_or(TransferError::Timeout(self.handshake_timeout))?;
         let waited_us = t0.elapsed().as_micros() as u64;
         let allocs: Vec<(u64, u64, AllocationKind)> = {
             let peers = self.peers.locked();

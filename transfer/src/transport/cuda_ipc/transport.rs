@@ -67,10 +67,8 @@ pub struct CudaIpcTransport {
     pub(super) peers: Mutex<HashMap<String, Peer>>,
     pub(super) nonces: Mutex<Nonces>,
     pub(super) lanes: Mutex<HashMap<u32, Arc<Lane>>>,
-    /// Held through one import of a peer's allocations: posts in flight together that find the
-    /// same allocations unmapped wait for the first one's import (bounded by its handshake and
-    /// descriptor deadlines) instead of each asking the peer and mapping them again.
-    pub(super) importing: Mutex<()>,
+    /// One import of a peer's allocations at a time, per peer (see [`super::gate`]).
+    pub(super) importing: super::gate::ImportGates,
     pub(super) jobs: Mutex<Option<mpsc::Sender<Job>>>,
     pub(super) completer: Mutex<Option<std::thread::JoinHandle<()>>>,
     pub(super) credential: Option<crate::auth::Credential>,
@@ -141,7 +139,7 @@ impl CudaIpcTransport {
             peers: Mutex::new(HashMap::new()),
             nonces: Mutex::new((HashSet::new(), VecDeque::new())),
             lanes: Mutex::new(HashMap::new()),
-            importing: Mutex::new(()),
+            importing: Default::default(),
             jobs: Mutex::new(Some(tx)),
             completer: Mutex::new(Some(completer)),
             credential: ctx.auth.credential(None),

@@ -283,10 +283,11 @@ impl Producer {
         let Some(p) = self.inner.read_locked().clone() else {
             return Ok(Vec::new());
         };
+        // The class first: once taken, the leases exist only in this call's result.
+        let reason_class = py.import("kvferry.outcomes")?.getattr("ReleaseReason")?;
         let released = p.producer.released();
         // After a shutdown this may be the last owner of the engines: unregister without the GIL.
         py.detach(|| drop(p));
-        let reason_class = py.import("kvferry.outcomes")?.getattr("ReleaseReason")?;
         released
             .into_iter()
             .map(|r| {

@@ -245,8 +245,8 @@ pub struct DemoArgs {
     /// The options demo, serve and load share (model, layout, transport, device, policy, timeout).
     #[command(flatten)]
     pub common: CommonArgs,
-    /// Number of requests (at most 100000).
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    /// Number of requests (1 to 100000).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub requests: u32,
     /// Shortest prompt, in tokens.
     #[arg(long, default_value_t = 100)]
@@ -325,8 +325,8 @@ pub struct ServeArgs {
     /// they are released (counted as expired).
     #[arg(long, default_value_t = 120.0, value_parser = seconds)]
     pub lease: f64,
-    /// Number of requests published (the consumer must use the same; at most 100000).
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    /// Number of requests published (the consumer must use the same; 1 to 100000).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub requests: u32,
     /// Shortest prompt, in tokens.
     #[arg(long, default_value_t = 100)]
@@ -368,8 +368,8 @@ pub struct LoadArgs {
     /// are filled token by token when it differs.
     #[arg(long)]
     pub producer_block_size: Option<u64>,
-    /// Number of requests to load (at most 100000).
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    /// Number of requests to load (1 to 100000).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub requests: u32,
     /// Shortest prompt, in tokens (as the producer).
     #[arg(long, default_value_t = 100)]

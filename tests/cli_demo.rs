@@ -766,6 +766,52 @@ fn bad_durations_and_rank_counts_are_refused_without_panic() {
     }
 }
 
+/// Zero requests is a run that does nothing and reports success: refused when parsing, as
+/// `--in-flight 0` is, by every command that takes `--requests` (waited for at most 20 s, so
+/// a serve that accepted it and started serving fails the test instead of hanging it).
+#[test]
+fn zero_requests_are_refused_by_demo_serve_and_load() {
+    for args in [
+        vec!["demo", "--model", "tiny", "--requests", "0"],
+        vec![
+            "serve",
+            "--model",
+            "tiny",
+            "--bind",
+            "127.0.0.1:0",
+            "--requests",
+            "0",
+        ],
+        vec![
+            "load",
+            "--model",
+            "tiny",
+            "--producer",
+            "127.0.0.1:1",
+            "--timeout",
+            "5",
+            "--requests",
+            "0",
+        ],
+    ] {
+        let child = kvferry()
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut child = KillOnDrop(child);
+        let status = wait_at_most(&mut child, 20);
+        let err = stderr_of(&mut child);
+        assert!(
+            status.is_some_and(|s| !s.success()),
+            "{args:?} should be refused: {status:?} {err}"
+        );
+        assert!(err.contains("--requests"), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
 #[test]
 fn payload_encode_decode_round_trip_and_junk_is_an_error() {
     let json = r#"{"version":1,"tp_size":2,"num_tokens":40,"groups":[{"group_id":0,"fingerprint":"0x0000000000000001","block_size":16,"start":0,"values":["0x0000000000000002","0xffffffffffffffff","0x00000000000000aa"]}]}"#;

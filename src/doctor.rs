@@ -16,7 +16,10 @@
 use std::path::Path;
 
 use kvferry_cuda::inspect::GpuInventory;
-use kvferry_transfer::{EngineConfig, Location, RdmaConfig, TcpConfig, TransferEngine};
+use kvferry_transfer::{
+    ConfigError, EngineConfig, Location, RdmaConfig, RegistrationError, TcpConfig, TransferEngine,
+    TransferError,
+};
 
 use crate::cli::DoctorArgs;
 use crate::error::CliError;
@@ -27,7 +30,7 @@ mod report;
 
 pub use diagnose::diagnose;
 pub use render::render;
-pub use report::{Limit, Limits, PathFacts, Problem, Report, SecretFileFacts, Severity};
+pub use report::{Limit, Limits, PathCause, PathFacts, Problem, Report, SecretFileFacts, Severity};
 
 /// Bytes of the trial buffers registered with the trial engine.
 const TRIAL_BYTES: usize = 2 << 20;
@@ -202,6 +205,7 @@ fn trial(config: &EngineConfig, gpu: &GpuInventory) -> (PathFacts, Option<PathFa
             why: format!("the transfer engine does not start: {e}"),
             registration: None,
             error: Some(e.to_string()),
+            cause: Some(path_cause(e)),
         },
         Ok(engine) => {
             let buf = vec![0u8; TRIAL_BYTES];
@@ -218,7 +222,8 @@ fn trial(config: &EngineConfig, gpu: &GpuInventory) -> (PathFacts, Option<PathFa
                 transport: Some(engine.transport_name().into()),
                 why: engine.transport_reason().into(),
                 registration,
-                error: r.err().map(|e| e.to_string()),
+                error: r.as_ref().err().map(|e| e.to_string()),
+                cause: r.as_ref().err().map(path_cause),
             }
         }
     };
@@ -230,10 +235,32 @@ fn trial(config: &EngineConfig, gpu: &GpuInventory) -> (PathFacts, Option<PathFa
             why: format!("the transfer engine does not start: {e}"),
             registration: None,
             error: Some(e.to_string()),
+            cause: Some(path_cause(e)),
         }),
         (Ok(engine), Some(_)) => Some(gpu_trial(engine)),
     };
     (host, gpu_path)
+}
+
+/// The kind of a trial engine's failure, for the fix [`diagnose`] gives.
+fn path_cause(e: &TransferError) -> PathCause {
+    match e {
+        TransferError::Bind(_) => PathCause::Bind,
+        TransferError::Config(
+            ConfigError::RdmaUnusable(_)
+            | ConfigError::NoRdmaDevice { .. }
+            | ConfigError::RdmaDeviceList(_),
+        ) => PathCause::NoRdma,
+        TransferError::Config(ConfigError::NoRandomness(_)) => PathCause::NoRandomness,
+        TransferError::Config(_) | TransferError::InvalidArgument(_) => PathCause::Config,
+        TransferError::Registration(RegistrationError::MapsUnreadable { .. }) => {
+            PathCause::ProcMaps
+        }
+        TransferError::Io(_) => PathCause::Io,
+        TransferError::Unsupported(_) => PathCause::Unsupported,
+        TransferError::Gpu(_) => PathCause::Gpu,
+        _ => PathCause::Other,
+    }
 }
 
 /// What the trial GPU registration says of CUDA IPC: `None` without a GPU trial.
@@ -255,6 +282,7 @@ fn gpu_trial(engine: &TransferEngine) -> PathFacts {
         why: engine.transport_reason().into(),
         registration: None,
         error: None,
+        cause: None,
     };
     let buffer = kvferry_cuda::guarded("allocating a trial buffer on cuda:0", || {
         let ctx = kvferry_cuda::driver::Context::new(0)?;
@@ -262,7 +290,10 @@ fn gpu_trial(engine: &TransferEngine) -> PathFacts {
         Ok((ctx, b))
     });
     match buffer {
-        Err(e) => facts.error = Some(e.to_string()),
+        Err(e) => {
+            facts.error = Some(e.to_string());
+            facts.cause = Some(PathCause::Gpu);
+        }
         Ok((_ctx, b)) => {
             // SAFETY: `b` is live device memory of cuda:0 until it is unregistered below.
             match unsafe { engine.register_memory(b.ptr(), TRIAL_BYTES as u64, Location::Cuda(0)) }
@@ -277,7 +308,10 @@ fn gpu_trial(engine: &TransferEngine) -> PathFacts {
                     });
                     let _ = engine.unregister_memory(b.ptr());
                 }
-                Err(e) => facts.error = Some(e.to_string()),
+                Err(e) => {
+                    facts.error = Some(e.to_string());
+                    facts.cause = Some(path_cause(&e));
+                }
             }
         }
     }
@@ -297,6 +331,7 @@ mod tests {
             why: "auto: test".into(),
             registration: Some(registration.into()),
             error: None,
+            cause: None,
         }
     }
 
@@ -520,5 +555,46 @@ mod tests {
         let p = diagnose(&r);
         assert_eq!(p[0].severity, Severity::Error);
         assert_eq!(p[1].severity, Severity::Warning);
+    }
+
+    /// Each cause of a failed trial on TCP gets its own fix, naming what to check or change;
+    /// none leaves the reader with the error alone.
+    #[test]
+    fn a_failed_host_trial_without_rdma_gets_a_fix_for_its_cause() {
+        for (cause, needle) in [
+            (PathCause::Bind, "ip link set lo up"),
+            (PathCause::NoRdma, "--transport auto"),
+            (PathCause::Config, "--transport"),
+            (PathCause::NoRandomness, "getrandom"),
+            (PathCause::ProcMaps, "/proc"),
+            (PathCause::Io, "ulimit -n"),
+            (PathCause::Unsupported, "--features"),
+            (PathCause::Gpu, "nvidia-smi"),
+            (PathCause::Other, "KVFERRY_LOG=debug"),
+        ] {
+            let mut r = healthy();
+            r.host_path.error = Some("bad".into());
+            r.host_path.cause = Some(cause);
+            let p = diagnose(&r);
+            let p = p
+                .iter()
+                .find(|p| p.key == "host-registration-fails")
+                .unwrap();
+            assert!(p.fix.contains(needle), "{cause:?}: {}", p.fix);
+            assert!(!p.fix.contains("read the error"), "{cause:?}: {}", p.fix);
+        }
+    }
+
+    #[test]
+    fn trial_failures_are_classified_from_the_typed_error() {
+        use kvferry_transfer::NoRdma;
+        let no_rdma = TransferError::Config(ConfigError::RdmaUnusable(NoRdma::NotBuilt));
+        assert_eq!(path_cause(&no_rdma), PathCause::NoRdma);
+        let maps = TransferError::Registration(RegistrationError::MapsUnreadable {
+            kind: std::io::ErrorKind::NotFound,
+        });
+        assert_eq!(path_cause(&maps), PathCause::ProcMaps);
+        let config = TransferError::Config(ConfigError::EmptyHost);
+        assert_eq!(path_cause(&config), PathCause::Config);
     }
 }

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use super::report::{human, Problem, Report, Severity};
+use super::report::{human, PathCause, Problem, Report, Severity};
 
 /// The problems in `r`, worst first, each with what to do. Pure.
 pub fn diagnose(r: &Report) -> Vec<Problem> {
@@ -118,7 +118,7 @@ pub fn diagnose(r: &Report) -> Vec<Problem> {
             if host_rdma {
                 "raise the locked-memory limit (see memlock) and check the RDMA device (`ibv_devinfo`)".into()
             } else {
-                "read the error; `kvferry doctor --transport tcp` shows whether TCP works".into()
+                host_trial_fix(r.host_path.cause).into()
             },
         );
     }
@@ -241,4 +241,20 @@ pub fn diagnose(r: &Report) -> Vec<Problem> {
     }
     out.sort_by_key(|p| std::cmp::Reverse(p.severity));
     out
+}
+
+/// What to check or change when the trial engine did not start, or its host buffer did not
+/// register, without RDMA: by the failure's kind.
+fn host_trial_fix(cause: Option<PathCause>) -> &'static str {
+    match cause {
+        Some(PathCause::Bind) => "the trial engine binds loopback: check `lo` is up (`ip link set lo up`) and 127.0.0.1 is assigned; in a container, give it a network namespace with loopback",
+        Some(PathCause::NoRdma) => "use --transport auto (or tcp) on this node; for RDMA, build with --features rdma and check `ibv_devinfo` lists a device with an active port",
+        Some(PathCause::Config) => "change the option the error names (--transport, --gpu-registration) back to its default and run doctor again",
+        Some(PathCause::NoRandomness) => "the kernel's random source is unavailable: check getrandom(2) works (in a seccomp sandbox, allow it) or /dev/urandom exists",
+        Some(PathCause::ProcMaps) => "mount /proc (host ranges are checked against /proc/self/maps): in a container, do not mask /proc",
+        Some(PathCause::Io) => "check the open-file limit (`ulimit -n`, see nofile) and that sockets may be created (no seccomp or sandbox blocking socket/bind)",
+        Some(PathCause::Unsupported) => "this build cannot do what was asked: use --transport auto, or rebuild with the needed --features (rdma, cuda)",
+        Some(PathCause::Gpu) => "check the GPU and driver (`nvidia-smi`) or run without GPU memory",
+        Some(PathCause::Other) | None => "run `KVFERRY_LOG=debug kvferry doctor --transport tcp` to see which step fails, and report it with that output",
+    }
 }

@@ -51,6 +51,35 @@ pub struct PathFacts {
     pub registration: Option<String>,
     /// Why the trial registration failed.
     pub error: Option<String>,
+    /// The kind of that failure, from the engine's typed error: what [`super::diagnose`]
+    /// bases the fix on. `None` when nothing failed.
+    pub cause: Option<PathCause>,
+}
+
+/// What kind of failure kept a trial engine from starting or a trial buffer from registering
+/// (read from the engine's typed error), so that the fix names what to check or change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PathCause {
+    /// A listener could not be bound on loopback (`TransferError::Bind`).
+    Bind,
+    /// `--transport rdma` was asked but no RDMA device is usable (a `ConfigError` about RDMA).
+    NoRdma,
+    /// The engine configuration was refused (another `ConfigError`, an invalid argument).
+    Config,
+    /// The OS has no randomness for the engine's secrets (`ConfigError::NoRandomness`).
+    NoRandomness,
+    /// `/proc/self/maps` could not be read to check the buffer (`RegistrationError::MapsUnreadable`).
+    ProcMaps,
+    /// A socket or file operation failed (`TransferError::Io`): descriptors or sockets.
+    Io,
+    /// The transport cannot do it (`TransferError::Unsupported`), e.g. GPU memory in a build
+    /// without the GPU backend.
+    Unsupported,
+    /// The GPU layer failed (`TransferError::Gpu`).
+    Gpu,
+    /// Anything else (an RDMA failure, or a fault of the trial itself).
+    Other,
 }
 
 /// A resource limit of this process (`getrlimit`); `None` = unlimited.

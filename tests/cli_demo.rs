@@ -565,6 +565,54 @@ fn serve_and_load_as_two_processes() {
     assert_eq!(n(&r, "verified"), 5, "{r}");
 }
 
+/// A load against a port where nothing listens says the connection was refused and asks
+/// whether serve runs there, instead of only that connecting timed out.
+#[test]
+fn a_load_with_no_producer_listening_says_the_connection_was_refused() {
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let out = run_load(
+        &addr,
+        &["--model", "tiny", "--requests", "1", "--timeout", "2"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("connection refused by {addr}")) && err.contains("kvferry serve"),
+        "{err}"
+    );
+}
+
+/// A producer that starts listening while the load is connecting is still waited for: the
+/// refusals seen before it listened do not end the connect early.
+#[test]
+fn a_load_started_before_its_producer_connects_once_it_listens() {
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let common = [
+        "--model",
+        "tiny",
+        "--requests",
+        "2",
+        "--max-tokens",
+        "100",
+        "--timeout",
+        "30",
+    ];
+    let load = kvferry()
+        .args(["load", "--json", "--producer", &addr])
+        .args(common)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut load = KillOnDrop(load);
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut server = spawn_serve(&addr, &[&common[..], &["--exit-after", "2"]].concat());
+    let status = wait_at_most(&mut load, 60).expect("load still running after 60 s");
+    let err = stderr_of(&mut load);
+    assert!(status.success(), "load failed: {err}");
+    assert!(wait_at_most(&mut server, 30).is_some_and(|s| s.success()));
+}
+
 #[test]
 fn serve_and_load_with_different_block_sizes_verify() {
     // The producer runs 32-token blocks, the consumer 16 (and TP 2 against TP 1): the load

@@ -193,6 +193,16 @@ pub enum ConnectFailure {
     /// Connecting (or the hello exchange) did not finish within the connect timeout.
     #[error("connect did not finish within {0:?}")]
     Timeout(Duration),
+    /// Connecting did not finish within the connect timeout (`waited`), and the last plain
+    /// TCP connect to the producer's control port, `addr` (HOST:PORT), was refused: nothing
+    /// listens there (yet).
+    #[error("connection refused by {addr} for {waited:?} (is `kvferry serve` running there?)")]
+    Refused {
+        /// The producer's control address, HOST:PORT.
+        addr: String,
+        /// How long connecting was tried.
+        waited: Duration,
+    },
     /// The socket's error.
     #[error("{0}")]
     Socket(#[source] ShellError),

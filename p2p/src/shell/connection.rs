@@ -75,6 +75,32 @@ fn seed() -> u64 {
     kvferry_transfer::ids::random_u64() & 0x000f_ffff_ffff_ffff
 }
 
+/// Tries a plain TCP connect to `addr` (HOST:PORT) every [`PROBE_INTERVAL`], from one
+/// interval on (a producer that is up is connected to by ZeroMQ before the first probe), and
+/// sets `refused` to whether the last attempt was refused. Stops probing, and waits forever,
+/// once one connects or the address cannot be resolved: the caller's connect or deadline ends
+/// it. Each probe is bounded by the interval.
+async fn probe_refusals(addr: &str, refused: &mut bool) -> std::convert::Infallible {
+    loop {
+        tokio::time::sleep(PROBE_INTERVAL).await;
+        match tokio::time::timeout(PROBE_INTERVAL, tokio::net::TcpStream::connect(addr)).await {
+            Ok(Ok(_)) => break,
+            Ok(Err(e)) => {
+                *refused = e.kind() == std::io::ErrorKind::ConnectionRefused;
+                if e.kind() == std::io::ErrorKind::InvalidInput {
+                    break;
+                }
+            }
+            Err(_) => *refused = false,
+        }
+    }
+    *refused = false;
+    std::future::pending().await
+}
+
+/// How often [`probe_refusals`] probes, and how long each probe may take.
+const PROBE_INTERVAL: Duration = Duration::from_millis(250);
+
 impl Connection {
     pub(crate) fn new(
         endpoint: String,
@@ -106,7 +132,30 @@ impl Connection {
         options.max_message_size(self.max_message_bytes);
         let mut socket = zeromq::DealerSocket::with_options(options);
         let mut monitor = socket.monitor();
-        match tokio::time::timeout(self.connect_timeout, socket.connect(&self.endpoint)).await {
+        // ZeroMQ retries a refused connect until its timeout and then only says it timed out;
+        // a plain TCP probe beside it remembers what the last attempt saw, so that a producer
+        // that is not running is told from a slow one (the whole timeout is still waited: a
+        // producer that is starting is connected to as soon as it listens).
+        let addr = self
+            .endpoint
+            .strip_prefix("tcp://")
+            .unwrap_or(&self.endpoint)
+            .to_string();
+        let mut refused = false;
+        let connected = tokio::time::timeout(self.connect_timeout, async {
+            tokio::select! {
+                r = socket.connect(&self.endpoint) => r,
+                never = probe_refusals(&addr, &mut refused) => match never {},
+            }
+        })
+        .await;
+        match connected {
+            Err(_) if refused => {
+                return Err(ConnectFailure::Refused {
+                    addr,
+                    waited: self.connect_timeout,
+                })
+            }
             Err(_) => return Err(ConnectFailure::Timeout(self.connect_timeout)),
             Ok(Err(e)) => return Err(ConnectFailure::Socket(Shared(Arc::new(e)))),
             Ok(Ok(())) => {}

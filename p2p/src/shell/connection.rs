@@ -157,6 +157,14 @@ impl Connection {
                 })
             }
             Err(_) => return Err(ConnectFailure::Timeout(self.connect_timeout)),
+            // ZeroMQ may give up on its own just before the deadline ("Connect timed out"):
+            // what the probes saw still says why.
+            Ok(Err(_)) if refused => {
+                return Err(ConnectFailure::Refused {
+                    addr,
+                    waited: self.connect_timeout,
+                })
+            }
             Ok(Err(e)) => return Err(ConnectFailure::Socket(Shared(Arc::new(e)))),
             Ok(Ok(())) => {}
         }

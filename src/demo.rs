@@ -16,7 +16,7 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvferry_checksum::policy::Action;
 use kvferry_checksum::verdict::Verdict;
-use kvferry_p2p::{Consumer, LoadError, LoadGroup, LoadOutcome, LoadSpec, Producer};
+use kvferry_p2p::{Consumer, LoadError, LoadOutcome, LoadSpec, Producer};
 use rand::SeedableRng;
 
 mod report;
@@ -28,7 +28,7 @@ use crate::cli::{DemoArgs, DeviceArg};
 use crate::copy_ref::{copy_rate, device_copy_rate};
 use crate::corrupt::Flip;
 use crate::error::CliError;
-use crate::loads::{consumer_config, producer_config, prompt_lengths};
+use crate::loads::{consumer_config, load_groups, producer_config, prompt_lengths};
 use crate::models::STATE_GROUP;
 use crate::models::{model_by_name, ModelShape};
 use crate::setup::{engine_config, memory_paths, side_config, side_workers, transfer_path};
@@ -231,16 +231,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
             let spec = LoadSpec {
                 request_id,
                 producer: endpoint.clone(),
-                groups: model
-                    .groups()
-                    .into_iter()
-                    .map(|g| LoadGroup {
-                        remote_block_size: Some(pbs),
-                        group_id: g,
-                        remote_blocks: ptables[g as usize].clone(),
-                        local_blocks: ctables[g as usize].clone(),
-                    })
-                    .collect(),
+                groups: load_groups(&model, &ptables, &ctables, pbs),
                 num_local_computed: 0,
                 num_tokens: tokens,
                 load_key: Some(info.load_key.clone()),

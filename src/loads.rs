@@ -6,11 +6,12 @@ use std::time::Duration;
 
 use kvferry_checksum::policy::{Action, LoadFailurePolicy, Policy};
 use kvferry_checksum::verdict::Verdict;
-use kvferry_p2p::{ConsumerConfig, ProducerConfig};
+use kvferry_p2p::{ConsumerConfig, LoadGroup, ProducerConfig};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use crate::cli::{CommonArgs, FailurePolicyArg};
+use crate::models::ModelShape;
 
 /// The consumer's settings for the common options: every wait bounded by `--timeout`.
 pub(crate) fn consumer_config(c: &CommonArgs) -> ConsumerConfig {
@@ -82,4 +83,25 @@ pub(crate) fn policy_of(c: &CommonArgs) -> Policy {
 pub fn prompt_lengths(n: u32, min: u64, max: u64, seed: u64) -> Vec<u64> {
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ 0x5eed_1e57);
     (0..n).map(|_| rng.random_range(min..=max)).collect()
+}
+
+/// The groups of a load of `model`'s KV: for each KV cache group, the producer's block table
+/// (`remote`, blocks of `remote_block_size` tokens) and the consumer's (`local`), as
+/// [`crate::world::request_tables`] gives them (indexed by group id).
+pub(crate) fn load_groups(
+    model: &ModelShape,
+    remote: &[Vec<Option<u64>>],
+    local: &[Vec<Option<u64>>],
+    remote_block_size: u64,
+) -> Vec<LoadGroup> {
+    model
+        .groups()
+        .into_iter()
+        .map(|g| LoadGroup {
+            remote_block_size: Some(remote_block_size),
+            group_id: g,
+            remote_blocks: remote[g as usize].clone(),
+            local_blocks: local[g as usize].clone(),
+        })
+        .collect()
 }

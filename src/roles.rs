@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvferry_checksum::verdict::Verdict;
-use kvferry_p2p::{derive_load_key, Consumer, LoadGroup, LoadSpec, Producer, ReleaseReason};
+use kvferry_p2p::{derive_load_key, Consumer, LoadSpec, Producer, ReleaseReason};
 use kvferry_transfer::Secret;
 use rand::SeedableRng;
 use serde::Serialize;
@@ -24,7 +24,7 @@ use serde::Serialize;
 use crate::cli::{LoadArgs, ServeArgs};
 use crate::corrupt::Flip;
 use crate::error::CliError;
-use crate::loads::{consumer_config, producer_config, prompt_lengths, LoadCounts};
+use crate::loads::{consumer_config, load_groups, producer_config, prompt_lengths, LoadCounts};
 use crate::models::model_by_name;
 use crate::setup::{engine_config, host_of, local_addr_towards, secret, side_config, side_workers};
 use crate::world::{build_side, fill_request, request_tables, BlockPool};
@@ -346,16 +346,7 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
                 let local = &local[..tokens.div_ceil(c.block_size) as usize];
                 let remote = request_tables(&model, blocks, tokens, producer_block_size);
                 let local = request_tables(&model, local, tokens, c.block_size);
-                model
-                    .groups()
-                    .into_iter()
-                    .map(|g| LoadGroup {
-                        remote_block_size: Some(producer_block_size),
-                        group_id: g,
-                        remote_blocks: remote[g as usize].clone(),
-                        local_blocks: local[g as usize].clone(),
-                    })
-                    .collect()
+                load_groups(&model, &remote, &local, producer_block_size)
             },
             num_local_computed: 0,
             num_tokens: tokens,

@@ -3,9 +3,10 @@
 //! are armed per request, so loads in flight together each get exactly their own.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use kvferry_p2p::{Consumer, Landed};
+use kvferry_transfer::sync::MutexExt;
 use rand::Rng;
 
 use crate::models::{ModelShape, STATE_GROUP};
@@ -79,19 +80,13 @@ pub struct PendingFlips(Arc<Mutex<HashMap<String, Flip>>>);
 impl PendingFlips {
     /// Arms `flip` for the load of `request_id` (replacing one armed before for it).
     pub fn arm(&self, request_id: &str, flip: Flip) {
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(request_id.to_string(), flip);
+        self.0.locked().insert(request_id.to_string(), flip);
     }
 
     /// Takes the flip armed for `request_id`, if any: the landed hook applies it, and a load
     /// that ended without landing takes it back so that no later load of the same id gets it.
     pub fn take(&self, request_id: &str) -> Option<Flip> {
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(request_id)
+        self.0.locked().remove(request_id)
     }
 }
 

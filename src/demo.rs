@@ -10,13 +10,14 @@
 mod args;
 
 use std::io::IsTerminal;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kvferry_checksum::policy::Action;
 use kvferry_checksum::verdict::Verdict;
 use kvferry_p2p::{Consumer, LoadError, LoadOutcome, LoadSpec, Producer};
+use kvferry_transfer::sync::MutexExt;
 use rand::SeedableRng;
 
 mod report;
@@ -222,7 +223,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
             report.checksum_seconds += info.checksum_seconds;
             let mut flipped = None;
             if corrupt.contains(&i) {
-                let ranks = cons_ranks.lock().unwrap_or_else(PoisonError::into_inner);
+                let ranks = cons_ranks.locked();
                 let flip = Flip::random(&mut rng, &model, &ranks, &cblocks, tokens, cbs);
                 flipped = Some((flip.group, flip.token));
                 pending_flips.arm(&request_id, flip);
@@ -420,7 +421,7 @@ impl Checks {
         let (pblocks, cblocks) = (&req.pblocks, &req.cblocks);
         if model.state_layers > 0 && o.action == Action::Complete {
             // State blocks are not checksummed: check that they landed.
-            let mut ranks = w.cons_ranks.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut ranks = w.cons_ranks.locked();
             for r in ranks.iter_mut() {
                 r.download_blocks(cblocks)?;
             }
@@ -448,7 +449,7 @@ impl Checks {
         if o.action == Action::Recompute {
             // The embedder's job: recompute the prompt locally (same seeded KV), then the
             // consumer's KV must equal the producer's.
-            let mut ranks = w.cons_ranks.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut ranks = w.cons_ranks.locked();
             for r in ranks.iter_mut() {
                 fill_request(r, args.seed, u64::from(req.index), cblocks)?;
                 r.download_blocks(cblocks)?;

@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::sync::MutexExt;
+use crate::sync::{wait_timeout, MutexExt};
 
 /// Peers (segment names) whose allocations a post is importing right now: at most one entry
 /// per peer, removed when that import ends.
@@ -34,11 +34,7 @@ impl ImportGates {
         let mut busy = self.busy.locked();
         while busy.contains(peer) {
             let left = end.checked_duration_since(Instant::now())?;
-            busy = self
-                .freed
-                .wait_timeout(busy, left)
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .0;
+            busy = wait_timeout(&self.freed, busy, left).0;
         }
         busy.insert(peer.to_string());
         Some(ImportTurn {

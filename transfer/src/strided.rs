@@ -319,13 +319,7 @@ fn whole_request(
     local: &mut dyn FnMut(u64, u64) -> Option<MemoryRegion>,
     remote: &mut dyn FnMut(u64, u64) -> Option<(usize, MemoryRegion)>,
 ) -> Option<(MemoryRegion, (usize, MemoryRegion))> {
-    let (mut l0, mut l1, mut r0, mut r1) = (u64::MAX, 0u64, u64::MAX, 0u64);
-    for &(lb, rb) in blocks {
-        l0 = l0.min(lb);
-        l1 = l1.max(lb);
-        r0 = r0.min(rb);
-        r1 = r1.max(rb);
-    }
+    let ((l0, l1), (r0, r1)) = base_bounds(blocks);
     let la = l0.checked_add(h.local.0)?;
     let le = l1.checked_add(h.local.1)?;
     let ra = r0.checked_add(h.remote.0)?;
@@ -334,6 +328,16 @@ fn whole_request(
     let region = local(la, le.checked_sub(la)?)?;
     let buffer = remote(ra, re.checked_sub(ra)?)?;
     Some((region, buffer))
+}
+
+/// The lowest and highest base of `blocks` (local, remote) pairs, per side: `((local low,
+/// local high), (remote low, remote high))`; `((u64::MAX, 0), (u64::MAX, 0))` when empty. The
+/// hull of the blocks' spans starts at a low base and ends past a high one.
+pub(crate) fn base_bounds(blocks: &[(u64, u64)]) -> ((u64, u64), (u64, u64)) {
+    blocks.iter().fold(
+        ((u64::MAX, 0), (u64::MAX, 0)),
+        |((l0, l1), (r0, r1)), &(lb, rb)| ((l0.min(lb), l1.max(lb)), (r0.min(rb), r1.max(rb))),
+    )
 }
 
 fn overflow(base: u64, offset: u64) -> TransferError {

@@ -14,7 +14,7 @@ use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Refusal, Result, TransferError, UnsupportedError};
 use crate::memory::MemoryRegion;
-use crate::strided::StridedGroup;
+use crate::strided::{base_bounds, StridedGroup};
 use crate::sync::MutexExt;
 use crate::transport::CompletionSink;
 use crate::types::{Location, Op};
@@ -262,11 +262,7 @@ fn first_dead_block(
     lo: u64,
     hi: u64,
 ) -> Option<u64> {
-    let (mut r0, mut r1) = (u64::MAX, 0u64);
-    for &(_, rb) in blocks {
-        r0 = r0.min(rb);
-        r1 = r1.max(rb);
-    }
+    let (_, (r0, r1)) = base_bounds(blocks);
     let hull = r0
         .checked_add(lo)
         .zip(r1.checked_add(hi))

@@ -150,21 +150,15 @@ impl Connection {
         })
         .await;
         match connected {
-            Err(_) if refused => {
+            // ZeroMQ may also give up on its own just before the deadline ("Connect timed
+            // out"): either way, what the probes saw says why.
+            Err(_) | Ok(Err(_)) if refused => {
                 return Err(ConnectFailure::Refused {
                     addr,
                     waited: self.connect_timeout,
                 })
             }
             Err(_) => return Err(ConnectFailure::Timeout(self.connect_timeout)),
-            // ZeroMQ may give up on its own just before the deadline ("Connect timed out"):
-            // what the probes saw still says why.
-            Ok(Err(_)) if refused => {
-                return Err(ConnectFailure::Refused {
-                    addr,
-                    waited: self.connect_timeout,
-                })
-            }
             Ok(Err(e)) => return Err(ConnectFailure::Socket(Shared(Arc::new(e)))),
             Ok(Ok(())) => {}
         }

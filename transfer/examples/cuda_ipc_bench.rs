@@ -417,6 +417,26 @@ fn main() {
             per_call(1000, &mut || ctx.bind().unwrap()),
         ),
     ];
+    // The same copy call while another thread asks an event in a loop, as the transport's
+    // completion thread does: what the driver's locks shared with that thread add per call.
+    let polled = {
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                ctx.bind().unwrap();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    ev.query().unwrap();
+                }
+            });
+            let us = per_call(200, &mut copy_into(1 << 20));
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            us
+        })
+    };
+    calls.push((
+        "cuMemcpyDtoDAsync 1 MiB, another thread querying an event meanwhile",
+        polled,
+    ));
     let pinned = kvferry_cuda::driver::PinnedBuffer::new(&ctx, 4096).unwrap();
     let dev_table = DeviceBuffer::new(&ctx, 4096).unwrap();
     calls.push((

@@ -5,7 +5,9 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys;
 
-use crate::driver::{Context, DeviceBuffer, DriverResult, Function, Module, PinnedBuffer};
+use crate::driver::{
+    Context, DeviceBuffer, DriverResult, Event, Function, Module, PinnedBuffer, Stream,
+};
 
 /// Threads per block of every piece kernel launch.
 const THREADS: u32 = 256;
@@ -21,16 +23,21 @@ pub struct Copy {
     pub len: usize,
 }
 
-/// The piece list of one launch: pinned host memory and its device copy, grown as needed.
-/// Reused only after the launch that read it has completed.
+/// The piece list of one launch: pinned host memory and its device copy, grown as needed,
+/// and the event that marks its upload done. Reused only after the launch that read it has
+/// completed.
 pub struct PieceTable {
     bufs: Option<(PinnedBuffer, DeviceBuffer)>,
+    uploaded: Option<Event>,
 }
 
 impl PieceTable {
     /// An empty table (allocated on first use).
     pub fn new() -> PieceTable {
-        PieceTable { bufs: None }
+        PieceTable {
+            bufs: None,
+            uploaded: None,
+        }
     }
 }
 
@@ -66,6 +73,10 @@ pub(crate) struct LoadedKernel {
     /// Resident blocks of the device at 256 threads per block (at least one per
     /// multiprocessor).
     pub(crate) grid_max: u32,
+    /// Where the tables go up: beside the launch streams, so that a launch queued behind
+    /// another waits for that one only, not for its own upload queued behind it too (the
+    /// host-to-device copy and its hand-over to the kernel cost microseconds per launch).
+    uploads: Stream,
     // Last: the module above is unloaded with the context still retained.
     ctx: Context,
 }
@@ -82,10 +93,13 @@ impl LoadedKernel {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             as u32;
         let grid_max = sms.max(1) * func.occupancy(THREADS)?.max(1);
+        ctx.bind()?;
+        let uploads = Stream::new(&ctx)?;
         Ok(LoadedKernel {
             _module: module,
             func,
             grid_max,
+            uploads,
             ctx,
         })
     }
@@ -95,9 +109,10 @@ impl LoadedKernel {
         self.ctx.bind()
     }
 
-    /// Writes a table of `words` u64 words with `fill` into `table`'s pinned host buffer and
-    /// enqueues its upload on `stream`; returns the device address of the table. Errors: the
-    /// driver's (growing the table, the upload).
+    /// Writes a table of `words` u64 words with `fill` into `table`'s pinned host buffer,
+    /// enqueues its upload on the kernel's upload stream and makes `stream` wait for it (so
+    /// the upload runs while `stream` still works on earlier launches); returns the device
+    /// address of the table. Errors: the driver's (growing the table, its event, the upload).
     ///
     /// # Safety
     /// `stream` belongs to this kernel's context, which is current; `table`'s previous launch
@@ -114,10 +129,23 @@ impl LoadedKernel {
         // SAFETY: the pinned table (page-aligned) holds at least `bytes`; its previous launch
         // has completed (contract), so nothing reads it now.
         fill(unsafe { std::slice::from_raw_parts_mut(host.as_ptr() as *mut u64, words) });
+        let dev = dev.ptr();
+        let host = host.as_ptr();
+        if table.uploaded.is_none() {
+            table.uploaded = Some(Event::new(&self.ctx, false)?);
+        }
+        let done = table.uploaded.as_ref().expect("made above");
+        let up = self.uploads.raw();
         // SAFETY: the upload reads `bytes` of pinned memory the table keeps until its launch
-        // completed (contract).
-        unsafe { crate::driver::copy_htod_async(dev.ptr(), host.as_ptr(), bytes, stream)? };
-        Ok(dev.ptr())
+        // completed (contract); the upload stream and the event belong to this kernel's
+        // context, as `stream` does (contract); `stream`'s launch after this waits for the
+        // event, so it reads the table only once it is up.
+        unsafe {
+            crate::driver::copy_htod_async(dev, host, bytes, up)?;
+            done.record(up)?;
+            crate::driver::stream_wait(stream, done)?;
+        }
+        Ok(dev)
     }
 
     /// Launches the kernel on `stream` with `grid` blocks of [`THREADS`] threads; `params`

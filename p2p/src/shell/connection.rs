@@ -65,7 +65,8 @@ pub(crate) struct Connection {
     max_message_bytes: usize,
     sock: Option<Sock>,
     generation: u64,
-    waiters: HashMap<u64, oneshot::Sender<Result<Reply, ConnFailure>>>,
+    /// Each load's answer channel and when it was started here (for its timing line).
+    waiters: HashMap<u64, (oneshot::Sender<Result<Reply, ConnFailure>>, Instant)>,
 }
 
 /// A connection's first load id: random, so that the ids of a rebuilt or restarted consumer do
@@ -225,7 +226,7 @@ impl Connection {
         });
         match started {
             Ok(load_id) => {
-                self.waiters.insert(load_id, respond);
+                self.waiters.insert(load_id, (respond, Instant::now()));
             }
             Err(e) => {
                 let _ = respond.send(Err(e));
@@ -306,7 +307,13 @@ impl Connection {
     }
 
     fn answer(&mut self, load_id: u64, result: Result<Reply, ConnFailure>) {
-        if let Some(w) = self.waiters.remove(&load_id) {
+        if let Some((w, started)) = self.waiters.remove(&load_id) {
+            debug!(
+                target: "kvferry::timing",
+                load_id,
+                answered_us = started.elapsed().as_micros() as u64,
+                "load answered on the connection"
+            );
             let _ = w.send(result);
         }
     }

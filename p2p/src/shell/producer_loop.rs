@@ -45,6 +45,8 @@ pub(super) enum Command {
         request_id: String,
         load_id: u64,
         result: Result<(u64, Option<Vec<u8>>), ServeFailure>,
+        /// When the serve task was spawned (for the timing line of its way back).
+        spawned: Instant,
     },
     LoadKey {
         request_id: String,
@@ -127,7 +129,14 @@ impl EventLoop {
                     request_id,
                     load_id,
                     result,
+                    spawned,
                 })) => {
+                    debug!(
+                        target: "kvferry::timing",
+                        request_id,
+                        served_us = spawned.elapsed().as_micros() as u64,
+                        "serve back on the loop"
+                    );
                     if let Err(e) = &result {
                         warn_limited!(
                             self.peer_warnings.load_failed,
@@ -164,7 +173,14 @@ impl EventLoop {
             );
             return;
         }
-        self.machine.handle_message(Instant::now(), peer, &body);
+        let t = Instant::now();
+        self.machine.handle_message(t, peer, &body);
+        debug!(
+            target: "kvferry::timing",
+            bytes = body.len(),
+            handle_us = t.elapsed().as_micros() as u64,
+            "request handled"
+        );
     }
 
     /// A WARN for a refused hello or request, within the rate limit.
@@ -182,8 +198,17 @@ impl EventLoop {
             match e {
                 Effect::Welcome { peer, welcome } => self.send(peer, encode(&welcome), None).await,
                 Effect::Reply { peer, reply } => {
-                    self.send(peer, encode(&reply), Some(&reply.request_id))
-                        .await
+                    let t = Instant::now();
+                    let body = encode(&reply);
+                    let encode_us = t.elapsed().as_micros() as u64;
+                    self.send(peer, body, Some(&reply.request_id)).await;
+                    debug!(
+                        target: "kvferry::timing",
+                        request_id = reply.request_id,
+                        encode_us,
+                        send_us = t.elapsed().as_micros() as u64 - encode_us,
+                        "reply sent"
+                    );
                 }
                 Effect::Warn(Warning::Refused(why)) => self.refused(&why.to_string()),
                 // Only the consumer hears the reply: say here why a load was refused.
@@ -227,6 +252,7 @@ impl EventLoop {
                         continue; // the producer is being dropped
                     };
                     let (request_id, load_id) = (request.request_id.clone(), request.load_id);
+                    let spawned = Instant::now();
                     let serve =
                         tokio::spawn(serve_load(workers, layouts, lease, request, deadline));
                     // Whatever happens to the serve task, the lease ends and the consumer hears.
@@ -237,6 +263,7 @@ impl EventLoop {
                             request_id,
                             load_id,
                             result,
+                            spawned,
                         });
                     });
                 }

@@ -46,6 +46,12 @@ pub(crate) async fn serve_load(
             .await
             .map_err(ServeFailure::from),
     };
+    debug!(
+        target: "kvferry::timing",
+        request_id = request.request_id,
+        serve_us = t_plan.elapsed().as_micros() as u64,
+        "serve done"
+    );
     result.map(|bytes| (bytes, lease.payload))
 }
 

@@ -116,6 +116,7 @@ impl CudaIpcTransport {
         part: &[&(&StridedGroup, Arc<IpcRegionKeys>, u32)],
         done: &CompletionSink,
     ) -> Result<()> {
+        let t0 = std::time::Instant::now();
         let lane = self.lane(dev)?;
         let missing: Vec<(u64, u64, AllocationKind)> = {
             let peers = self.peers.locked();
@@ -222,12 +223,24 @@ impl CudaIpcTransport {
                 shift: r.shift,
             })
             .collect();
-        match self.enqueue_strided(dev, &lane, &launch) {
+        let resolve_us = t0.elapsed().as_micros() as u64;
+        let enqueued = self.enqueue_strided(dev, &lane, &launch);
+        let enqueue_us = t0.elapsed().as_micros() as u64 - resolve_us;
+        match enqueued {
             Ok((event, table)) => {
                 self.enqueue_job(&lane, done, ids, bytes, (event, Some(table)), keep)
             }
             Err(e) => done.fail_all(ids, &e),
         }
+        // Where a strided post's host time goes: imports, checks and table inputs; the table
+        // written and the launch enqueued; the hand-off to the completion thread.
+        tracing::debug!(
+            target: "kvferry::timing",
+            resolve_us,
+            enqueue_us,
+            job_us = t0.elapsed().as_micros() as u64 - resolve_us - enqueue_us,
+            "cuda ipc strided post"
+        );
         Ok(())
     }
 

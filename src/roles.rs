@@ -16,7 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvferry_checksum::verdict::Verdict;
-use kvferry_p2p::{derive_load_key, Consumer, LoadSpec, Producer, ReleaseReason};
+use kvferry_p2p::proto::consumer::{ConnectFailure, FailReason};
+use kvferry_p2p::{derive_load_key, Consumer, LoadError, LoadSpec, Producer, ReleaseReason};
 use kvferry_transfer::Secret;
 use rand::SeedableRng;
 use serde::Serialize;
@@ -87,16 +88,33 @@ fn load_key(secret: Option<&Secret>, seed: u64, request_id: &str) -> Result<Stri
 /// block tables from them).
 const SHARED_OPTIONS: &str = "--seed, --requests, --min-tokens/--max-tokens, --model, --layout and --block-size (or --producer-block-size)";
 
-/// The likely cause of a failed load and the options that fix it, from the error's text (the
-/// producer's reason travels as text), this side's secret mode and seed; `None` when the text
-/// names none of the causes below.
+/// The likely cause of a failed load and the options that fix it, from the error (the
+/// producer's reason travels as text, so a producer ERROR is read by its words), this side's
+/// secret mode and seed; `None` when the error names none of the causes below, or already
+/// gives the advice itself (a refused connect asks whether `kvferry serve` runs there).
 pub fn load_failure_hint(
-    error: &str,
+    error: &LoadError,
     has_secret: bool,
     seed: u64,
     requests: u32,
 ) -> Option<String> {
-    if error.contains("load key wrong") {
+    const REACH: &str =
+        "is `kvferry serve` running, and is --producer its --bind address, reachable from here?";
+    let words = match error {
+        LoadError::Connect { why, .. } => {
+            return (!refused(why)).then(|| REACH.to_string());
+        }
+        LoadError::Failed {
+            reason: FailReason::NoReply(_),
+            ..
+        } => return Some(REACH.to_string()),
+        LoadError::Failed {
+            reason: FailReason::Producer(words),
+            ..
+        } => words.as_str(),
+        _ => return None,
+    };
+    if words.contains("load key wrong") {
         // A secret mismatch fails earlier, when the sides prove the secret to each other.
         return Some(if has_secret {
             "the producer refused this side's load key, derived from --secret-file: give serve and load the same --secret-file".to_string()
@@ -104,25 +122,33 @@ pub fn load_failure_hint(
             format!("the producer refused this side's load key, derived from --seed {seed} (no --secret-file here): serve runs with another --seed; give both the same")
         });
     }
-    if error.contains("load key missing") {
+    if words.contains("load key missing") {
         return Some("the producer's lease needs a load key this side did not send".to_string());
     }
-    if error.contains("consumer expects producer block")
-        || error.contains("differ: producer")
+    if words.contains("consumer expects producer block")
+        || words.contains("differ: producer")
         // A group the producer never published: the sides' models (groups) differ.
-        || error.contains("was not published")
+        || words.contains("was not published")
     {
         return Some(format!(
             "serve and load replay different prompts: they must be given the same {SHARED_OPTIONS} (this side: --seed {seed} --requests {requests})"
         ));
     }
-    if error.contains("consumer's budget leaves less than") {
+    if words.contains("consumer's budget leaves less than") {
         return Some("load's --timeout leaves the producer less than its transfer deadline (half of serve's --timeout): give both the same --timeout".to_string());
     }
-    if error.contains("cannot reach producer") || error.contains("no reply from the producer") {
-        return Some("is `kvferry serve` running, and is --producer its --bind address, reachable from here?".to_string());
-    }
     None
+}
+
+/// Whether a connect failed because nothing listens at the producer's address (its message
+/// already asks whether `kvferry serve` runs there), directly or as the cause of a load
+/// refused at once after it.
+fn refused(why: &ConnectFailure) -> bool {
+    match why {
+        ConnectFailure::Refused { .. } => true,
+        ConnectFailure::Unreachable(u) => refused(&u.why),
+        _ => false,
+    }
 }
 
 /// What protects the data path and request ownership, for the info line.
@@ -381,8 +407,7 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
             Err(e) => {
                 eprintln!("kvferry load: req-{i}: {e}");
                 // Once, at the first failure: the likely cause and the options that fix it.
-                let hint =
-                    load_failure_hint(&e.to_string(), secret.is_some(), args.seed, args.requests);
+                let hint = load_failure_hint(&e, secret.is_some(), args.seed, args.requests);
                 if let (0, Some(h)) = (report.counts.failed, hint) {
                     eprintln!("kvferry load: {h}");
                 }
@@ -445,14 +470,53 @@ mod tests {
         assert_eq!((tables.len(), total), (2, 6));
     }
 
+    /// A producer ERROR with `words`, as a load gets it.
+    fn producer_error(words: &str) -> LoadError {
+        LoadError::Failed {
+            request_id: "req-0".into(),
+            reason: FailReason::Producer(kvferry_transfer::PeerText::from_bytes(words.as_bytes())),
+        }
+    }
+
     #[test]
     fn a_group_the_producer_never_published_names_the_shared_options() {
         // What a load with another --model than serve's gets (a hybrid model's second group).
-        let e = "load \"req-0\": producer error: transfer failed: group 1 was not published";
-        let hint = load_failure_hint(e, false, 1, 2).unwrap_or_default();
+        let e = producer_error("transfer failed: group 1 was not published");
+        let hint = load_failure_hint(&e, false, 1, 2).unwrap_or_default();
         assert!(
             hint.contains("replay different prompts") && hint.contains("--model"),
             "{hint}"
         );
+    }
+
+    #[test]
+    fn a_refused_connect_is_not_given_the_advice_its_message_already_gives() {
+        let connect = |why| LoadError::Connect {
+            request_id: "req-0".into(),
+            producer: "tcp://127.0.0.1:9".into(),
+            why,
+        };
+        let refused = ConnectFailure::Refused {
+            addr: "127.0.0.1:9".into(),
+            waited: Duration::from_secs(2),
+        };
+        // The message asks whether serve runs there; a hint asking again would repeat it.
+        assert!(connect(refused.clone())
+            .to_string()
+            .contains("kvferry serve"));
+        assert_eq!(
+            load_failure_hint(&connect(refused.clone()), false, 1, 1),
+            None
+        );
+        let after = ConnectFailure::Unreachable(kvferry_p2p::proto::consumer::Unreachable {
+            retry_interval: Duration::from_secs(1),
+            why: Box::new(refused),
+        });
+        assert_eq!(load_failure_hint(&connect(after), false, 1, 1), None);
+        // A connect that only timed out says nothing of serve: the hint does.
+        let timeout = connect(ConnectFailure::Timeout(Duration::from_secs(2)));
+        assert!(!timeout.to_string().contains("kvferry serve"));
+        let hint = load_failure_hint(&timeout, false, 1, 1).unwrap_or_default();
+        assert!(hint.contains("kvferry serve"), "{hint}");
     }
 }

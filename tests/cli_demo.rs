@@ -566,7 +566,7 @@ fn serve_and_load_as_two_processes() {
 }
 
 /// A load against a port where nothing listens says the connection was refused and asks
-/// whether serve runs there, instead of only that connecting timed out.
+/// whether serve runs there (once), instead of only that connecting timed out.
 #[test]
 fn a_load_with_no_producer_listening_says_the_connection_was_refused() {
     let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
@@ -580,6 +580,8 @@ fn a_load_with_no_producer_listening_says_the_connection_was_refused() {
         err.contains(&format!("connection refused by {addr}")) && err.contains("kvferry serve"),
         "{err}"
     );
+    // Once: the message asks it, so no hint line under it asks again.
+    assert_eq!(err.matches("kvferry serve").count(), 1, "{err}");
 }
 
 /// A producer that starts listening while the load is connecting is still waited for: the

@@ -246,7 +246,9 @@ impl Connection {
             .admit(Instant::now())
             .map_err(|why| ConnFailure::Connect(ConnectFailure::Unreachable(why)))?;
         if let Err(e) = self.connect(events).await {
-            warn!(endpoint = self.endpoint, "cannot reach the producer: {e}");
+            // Debug, not a warning: every load waiting on this connect gets `e` as its
+            // `LoadError::Connect` and its caller reports it; a warning would say it twice.
+            debug!(endpoint = self.endpoint, "cannot reach the producer: {e}");
             self.machine
                 .handle_connect_failed(Instant::now(), e.clone());
             return Err(ConnFailure::Connect(e));

@@ -565,6 +565,35 @@ fn serve_and_load_as_two_processes() {
     assert_eq!(n(&r, "verified"), 5, "{r}");
 }
 
+/// A load with the wrong --model is refused before any byte moves, and leaves the producer's
+/// requests for a load with the right one: both loads' requests are the same, and serve ends
+/// having served every one, none failed.
+#[test]
+fn a_load_with_the_wrong_model_leaves_the_requests_for_a_right_one() {
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let common = ["--requests", "2", "--max-tokens", "100", "--seed", "3"];
+    let mut server = spawn_serve(
+        &addr,
+        &[&common[..], &["--model", "tiny", "--exit-after", "2"]].concat(),
+    );
+    let wrong = run_load(&addr, &[&common[..], &["--model", "tiny-hybrid"]].concat());
+    let err = String::from_utf8_lossy(&wrong.stderr);
+    assert!(!wrong.status.success(), "{err}");
+    assert!(err.contains("nothing written"), "{err}");
+    let right = run_load(&addr, &[&common[..], &["--model", "tiny"]].concat());
+    assert!(
+        right.status.success(),
+        "{}",
+        String::from_utf8_lossy(&right.stderr)
+    );
+    let r: Value = serde_json::from_slice(&right.stdout).unwrap();
+    assert_eq!(n(&r, "verified"), 2, "{r}");
+    let status = wait_at_most(&mut server, 30).expect("serve did not exit");
+    let err = stderr_of(&mut server);
+    assert!(status.success(), "{err}");
+    assert!(err.contains("2 loads served, 0 failed"), "{err}");
+}
+
 /// A load against a port where nothing listens says the connection was refused and asks
 /// whether serve runs there (once), instead of only that connecting timed out.
 #[test]

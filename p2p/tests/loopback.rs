@@ -373,7 +373,7 @@ async fn request_before_publish_waits_for_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wrong_producer_block_id_is_refused() {
+async fn wrong_producer_block_id_is_refused_and_the_lease_stays_for_a_fitting_load() {
     let pair = pair(1, 1, producer_config(), Policy::default()).await;
     pair.producer
         .publish("req-b", vec![remote_table()], NUM_TOKENS)
@@ -387,6 +387,16 @@ async fn wrong_producer_block_id_is_refused() {
             if w.as_str().contains("position 1: consumer expects producer block 4, the producer holds block 5")),
         "{err}"
     );
+    // Refused before any byte moved: the lease stays for a consumer whose request fits.
+    assert!(pair.producer.released().is_empty());
+    let out = pair
+        .consumer
+        .load(spec("req-b", &pair.producer).await)
+        .await
+        .unwrap();
+    assert_eq!(out.verdict, Some(Verdict::Verified));
+    assert_blocks_landed(&pair);
+    assert_eq!(pair.producer.released()[0].reason, ReleaseReason::Served);
     pair.producer.shutdown().await;
 }
 

@@ -45,8 +45,9 @@ class Action(_StrEnum):
 
 
 class Release(_StrEnum):
-    """Why a producer released a lease: its consumer was served, no consumer came before the
-    lease ran out, or serving failed. ``Producer.released()`` gives it as the ``kind`` of a
+    """Why a producer released a lease: its consumer was served, no consumer loaded it before
+    the lease ran out (a request refused before any write leaves the lease held), or serving
+    failed once its writes had started. ``Producer.released()`` gives it as the ``kind`` of a
     :class:`ReleaseReason`."""
 
     SERVED = "served"

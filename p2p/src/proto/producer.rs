@@ -13,6 +13,11 @@
 //!   comes expires and its blocks are released.
 //! * A transfer request for a held lease is served exactly once (KV is never
 //!   fetched twice); a second request, or one for an expired lease, gets ERROR.
+//! * A request the serve refuses before writing anything (one that does not fit the lease:
+//!   another model, other block tables; a grant token that does not parse) gets ERROR and the
+//!   lease goes back under its first deadline, for a consumer whose request fits: one
+//!   consumer's mistake does not end a request another could still load, and no refusal
+//!   holds it past the lease it was published with.
 //! * A request that arrives before its publish waits (bounded by `publish_wait`);
 //!   the consumer gets CONTINUE meanwhile and ERROR when the wait runs out.
 //! * While a request waits or is being served, the consumer gets a CONTINUE every
@@ -52,6 +57,8 @@ enum Entry<P, T> {
         load_id: u64,
         /// The lease's load key, until it is released.
         key: Option<String>,
+        /// When the lease expires, should the serve refuse the request and give it back.
+        expires: Instant,
         next_beat: Instant,
         /// The load's grant token: the FINISH proves it (`msg::finish_proof`).
         token: Option<String>,
@@ -290,6 +297,8 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
         })
     }
 
+    /// Serves `lease` (held until `expires`) to `request`.
+    #[allow(clippy::too_many_arguments)] // the lease's parts, each kept for a refusal
     fn serve(
         &mut self,
         now: Instant,
@@ -298,6 +307,7 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
         session: &Session,
         lease: T,
         key: Option<String>,
+        expires: Instant,
     ) -> Effect<P, T> {
         self.entries.insert(
             request.request_id.clone(),
@@ -305,6 +315,7 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
                 peer: peer.clone(),
                 load_id: request.load_id,
                 key,
+                expires,
                 next_beat: now + self.timeouts.heartbeat,
                 token: request.token.clone(),
                 session_id: session.id(),
@@ -362,7 +373,16 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
                 // last CONTINUE up to a heartbeat ago, so restarting the interval at the
                 // publish would leave it silent for up to two.
                 let beat = w.next_beat;
-                effects.push(self.serve(now, w.peer, w.request, &w.session, d, key.clone()));
+                let expires = now + self.timeouts.lease;
+                effects.push(self.serve(
+                    now,
+                    w.peer,
+                    w.request,
+                    &w.session,
+                    d,
+                    key.clone(),
+                    expires,
+                ));
                 if let Some(Entry::Serving { next_beat, .. }) = self.entries.get_mut(request_id) {
                     *next_beat = beat;
                 }
@@ -413,7 +433,7 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
                     self.entries.insert(id, Entry::Held { data, expires, key });
                     return vec![Effect::Reply { peer, reply }];
                 }
-                vec![self.serve(now, peer, request, session, data, key)]
+                vec![self.serve(now, peer, request, session, data, key, expires)]
             }
             Some(e @ Entry::Serving { .. }) => {
                 self.entries.insert(id.clone(), e);
@@ -525,6 +545,62 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
         });
         self.effects.push_back(Effect::Reply { peer, reply });
         let unheld = self.segments.serve_ended(segments);
+        self.close_segments(unheld);
+    }
+
+    /// Serving `request_id` was refused before anything was written (`why`: the request does
+    /// not fit the lease or the ranks, or its grant token does not parse), and `lease` comes
+    /// back untouched: the consumer gets ERROR, and the lease is held again under its key and
+    /// its first deadline (expiring then as if never asked), for a consumer whose request fits.
+    /// Nothing is released.
+    pub fn handle_refused(
+        &mut self,
+        now: Instant,
+        peer: P,
+        request_id: &str,
+        load_id: u64,
+        why: ServeFailure,
+        lease: T,
+    ) {
+        let reply = Reply::error(
+            request_id,
+            load_id,
+            format!("request refused, nothing written (the lease stays for a request that fits it): {why}"),
+        );
+        let mut unheld = Vec::new();
+        match self.entries.remove(request_id) {
+            Some(Entry::Serving {
+                key,
+                expires,
+                segments,
+                ..
+            }) => {
+                unheld = self.segments.serve_ended(segments);
+                // Refused after its deadline: it ends as it would have, unasked.
+                let entry = if expires <= now {
+                    self.effects.push_back(Effect::Released {
+                        request_id: request_id.to_string(),
+                        reason: ReleaseReason::Expired,
+                    });
+                    Entry::Done {
+                        reason: ReleaseReason::Expired,
+                        forget_at: now + self.timeouts.tombstone,
+                    }
+                } else {
+                    Entry::Held {
+                        data: lease,
+                        expires,
+                        key,
+                    }
+                };
+                self.entries.insert(request_id.to_string(), entry);
+            }
+            Some(other) => {
+                self.entries.insert(request_id.to_string(), other);
+            }
+            None => {}
+        }
+        self.effects.push_back(Effect::Reply { peer, reply });
         self.close_segments(unheld);
     }
 

@@ -40,7 +40,8 @@ impl Default for ProducerTimeouts {
 pub enum ReleaseReason {
     /// The blocks were written to a consumer (FINISH sent).
     Served,
-    /// Serving failed (ERROR sent) for this cause; the blocks are not offered again.
+    /// Serving failed (ERROR sent) for this cause once WRITEs had started (a request refused
+    /// before any WRITE leaves the lease held instead); the blocks are not offered again.
     Failed(Shared<ServeFailure>),
     /// No consumer came before the lease ran out.
     Expired,

@@ -578,6 +578,79 @@ fn failed_serve_is_final() {
     assert_eq!(replies(&e)[0].1, Status::Error);
 }
 
+/// A request the serve refuses before writing (here: one naming a group the lease lacks, as
+/// from a consumer running another model) does not end the lease: a request that fits is
+/// served after it, and nothing is released until then.
+#[test]
+fn a_refused_request_leaves_the_lease_for_one_that_fits() {
+    use super::serve_error::ServeError;
+    let t0 = Instant::now();
+    let mut m = Machine::new(timeouts(), Duration::from_secs(2));
+    m.publish(t0, "a", "b").unwrap();
+    assert_eq!(
+        serves(&m.on_request(t0, 1, request("a", 1), &sess())).len(),
+        1
+    );
+    m.handle_refused(
+        t0,
+        1,
+        "a",
+        1,
+        ServeFailure::Plan(ServeError::NotPublished(1)),
+        "b",
+    );
+    let e = m.drained();
+    let r = replies(&e);
+    assert_eq!((r.len(), r[0].1), (1, Status::Error), "{e:?}");
+    assert!(r[0]
+        .2
+        .as_ref()
+        .unwrap()
+        .contains("group 1 was not published"));
+    assert!(
+        !e.iter().any(|e| matches!(e, Effect::Released { .. })),
+        "{e:?}"
+    );
+    assert_eq!(m.held(), 1);
+    // Another consumer, whose request fits, gets the same blocks.
+    let e = m.on_request(t0 + Duration::from_secs(1), 2, request("a", 2), &sess());
+    assert_eq!(serves(&e), vec![(2, "a".to_string(), "b")]);
+    let e = m.on_served(t0 + Duration::from_secs(1), 2, "a", 2, Ok((1, None)));
+    assert!(e.contains(&Effect::Released {
+        request_id: "a".into(),
+        reason: ReleaseReason::Served
+    }));
+}
+
+/// Refusals do not hold a lease past its first deadline: given back, it expires when it
+/// would have unasked (or at once, when the refusal comes after it).
+#[test]
+fn a_refused_request_does_not_extend_the_lease() {
+    let t0 = Instant::now();
+    let bad = || ServeFailure::Token(kvferry_transfer::TransferError::Cancelled);
+    let mut m = Machine::new(timeouts(), Duration::from_secs(2));
+    m.publish(t0, "a", "b").unwrap();
+    m.on_request(t0 + Duration::from_secs(9), 1, request("a", 1), &sess());
+    m.handle_refused(t0 + Duration::from_secs(9), 1, "a", 1, bad(), "b");
+    m.drained();
+    assert_eq!(m.poll_timeout(), Some(t0 + Duration::from_secs(10)));
+    let e = m.on_tick(t0 + Duration::from_secs(10));
+    assert!(e.contains(&Effect::Released {
+        request_id: "a".into(),
+        reason: ReleaseReason::Expired
+    }));
+    // Refused only after the deadline passed while it was planned: released as expired now.
+    m.publish(t0, "c", "d").unwrap();
+    m.on_request(t0 + Duration::from_secs(9), 1, request("c", 2), &sess());
+    m.handle_refused(t0 + Duration::from_secs(11), 1, "c", 2, bad(), "d");
+    let e = m.drained();
+    assert!(e.contains(&Effect::Released {
+        request_id: "c".into(),
+        reason: ReleaseReason::Expired
+    }));
+    assert_eq!(m.held(), 0);
+}
+
 #[test]
 fn tombstones_are_forgotten() {
     let t0 = Instant::now();

@@ -19,7 +19,7 @@ use crate::proto::serve::Published;
 use crate::proto::serve_error::ServeFailure;
 use crate::shell::gate::{warn_limited, PeerWarnings};
 use crate::shell::producer_config::Released;
-use crate::shell::serve::serve_load;
+use crate::shell::serve::{serve_load, ServeEnd};
 use crate::shell::sleep_until;
 use crate::worker::Worker;
 use kvferry_transfer::auth::LogLimit;
@@ -44,7 +44,7 @@ pub(super) enum Command {
         peer: Bytes,
         request_id: String,
         load_id: u64,
-        result: Result<(u64, Option<Vec<u8>>), ServeFailure>,
+        result: ServeEnd,
         /// When the serve task was spawned (for the timing line of its way back).
         spawned: Instant,
     },
@@ -137,15 +137,35 @@ impl EventLoop {
                         served_us = spawned.elapsed().as_micros() as u64,
                         "serve back on the loop"
                     );
-                    if let Err(e) = &result {
-                        warn_limited!(
-                            self.peer_warnings.load_failed,
-                            request_id,
-                            "load failed: {e}"
-                        );
+                    let now = Instant::now();
+                    match result {
+                        ServeEnd::Ran(result) => {
+                            if let Err(e) = &result {
+                                warn_limited!(
+                                    self.peer_warnings.load_failed,
+                                    request_id,
+                                    "load failed: {e}"
+                                );
+                            }
+                            self.machine
+                                .handle_served(now, peer, &request_id, load_id, result);
+                        }
+                        ServeEnd::Refused(why, lease) => {
+                            warn_limited!(
+                                self.peer_warnings.load_failed,
+                                request_id,
+                                "load refused, nothing written; the lease stays: {why}"
+                            );
+                            self.machine.handle_refused(
+                                now,
+                                peer,
+                                &request_id,
+                                load_id,
+                                why,
+                                lease,
+                            );
+                        }
                     }
-                    self.machine
-                        .handle_served(Instant::now(), peer, &request_id, load_id, result);
                 }
                 Event::Tick => self.machine.handle_timeout(Instant::now()),
             }
@@ -235,7 +255,7 @@ impl EventLoop {
                     if reason == ReleaseReason::Expired {
                         warn!(
                             request_id,
-                            "lease expired before any consumer came; blocks freed"
+                            "lease expired before any consumer loaded it; blocks freed"
                         );
                     }
                     self.released.locked().push(Released { request_id, reason });
@@ -255,9 +275,12 @@ impl EventLoop {
                     let spawned = Instant::now();
                     let serve =
                         tokio::spawn(serve_load(workers, layouts, lease, request, deadline));
-                    // Whatever happens to the serve task, the lease ends and the consumer hears.
+                    // Whatever happens to the serve task, the consumer hears, and the lease
+                    // ends or (refused before any WRITE) is held again.
                     tokio::spawn(async move {
-                        let result = serve.await.unwrap_or_else(|e| Err(ServeFailure::Task(e)));
+                        let result = serve
+                            .await
+                            .unwrap_or_else(|e| ServeEnd::Ran(Err(ServeFailure::Task(e))));
                         let _ = commands.send(Command::Served {
                             peer,
                             request_id,

@@ -14,25 +14,36 @@ use crate::proto::serve::{plan, BlockCopies, Published, RankPlan};
 use crate::proto::serve_error::{ServeFailure, WriteError, WriteErrorKind};
 use crate::worker::Worker;
 
+/// How serving one load ended ([`serve_load`]).
+#[derive(Debug)]
+pub(crate) enum ServeEnd {
+    /// The WRITEs ran: the bytes written and the lease's checksum payload (for the reply), or
+    /// why they failed (the lease ends: bytes may have landed).
+    Ran(Result<(u64, Option<Vec<u8>>), ServeFailure>),
+    /// Refused before any WRITE (a grant token that does not parse, a request the plan
+    /// refuses): why, and the lease, untouched, to be held again.
+    Refused(ServeFailure, Published),
+}
+
 /// Serves one load (a `Serve` effect of the producer machine): parses the request's grant
 /// token, plans the copies from `lease` to the consumer's ranks (`layouts`: the workers as the
-/// planner sees them, same order) and WRITEs them by `deadline` ([`write_all`]). Returns the
-/// bytes written and the lease's checksum payload (for the reply); errors: a token that does
-/// not parse, a request the plan refuses, a failed WRITE ([`ServeFailure`]).
+/// planner sees them, same order) and WRITEs them by `deadline` ([`write_all`]). A token that
+/// does not parse or a request the plan refuses gives the lease back ([`ServeEnd::Refused`]);
+/// otherwise the WRITEs' result ([`ServeEnd::Ran`]).
 pub(crate) async fn serve_load(
     workers: Arc<Vec<Worker>>,
     layouts: Arc<Vec<RankLayout>>,
     lease: Published,
     request: LoadRequest,
     deadline: Instant,
-) -> Result<(u64, Option<Vec<u8>>), ServeFailure> {
+) -> ServeEnd {
     let token = match request.token.as_deref().map(str::parse::<Token>) {
-        None => Ok(None),
-        Some(Ok(t)) => Ok(Some(t)),
-        Some(Err(e)) => Err(ServeFailure::Token(e)),
+        None => None,
+        Some(Ok(t)) => Some(t),
+        Some(Err(e)) => return ServeEnd::Refused(ServeFailure::Token(e), lease),
     };
     let t_plan = Instant::now();
-    let planned = plan(&layouts, &lease, &request).map_err(ServeFailure::from);
+    let planned = plan(&layouts, &lease, &request);
     debug!(
         target: "kvferry::timing",
         request_id = request.request_id,
@@ -40,19 +51,20 @@ pub(crate) async fn serve_load(
         copies = planned.as_ref().map(|p| p.iter().map(|r| r.copy_count()).sum::<usize>()).unwrap_or(0),
         "serve planned"
     );
-    let result = match (token, planned) {
-        (Err(e), _) | (_, Err(e)) => Err(e),
-        (Ok(token), Ok(plan)) => write_all(workers, plan, deadline, token)
-            .await
-            .map_err(ServeFailure::from),
+    let plan = match planned {
+        Ok(plan) => plan,
+        Err(e) => return ServeEnd::Refused(ServeFailure::Plan(e), lease),
     };
+    let written = write_all(workers, plan, deadline, token)
+        .await
+        .map_err(ServeFailure::from);
     debug!(
         target: "kvferry::timing",
         request_id = request.request_id,
         serve_us = t_plan.elapsed().as_micros() as u64,
         "serve done"
     );
-    result.map(|bytes| (bytes, lease.payload))
+    ServeEnd::Ran(written.map(|bytes| (bytes, lease.payload)))
 }
 
 /// WRITEs every plan through its producer rank's engine, all concurrently, all

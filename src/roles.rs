@@ -26,36 +26,88 @@ use crate::cli::{LoadArgs, ServeArgs};
 use crate::corrupt::Flip;
 use crate::error::CliError;
 use crate::loads::{consumer_config, load_groups, producer_config, prompt_lengths, LoadCounts};
-use crate::models::model_by_name;
-use crate::setup::{engine_config, host_of, local_addr_towards, secret, side_config, side_workers};
+use crate::models::{model_by_name, ModelShape};
+use crate::setup::{
+    engine_config, host_of, local_addr_towards, physical_memory, secret, side_config, side_workers,
+};
 use crate::world::{build_side, fill_request, request_tables, BlockPool};
 
 /// Prompt lengths, each request's block ids, and the total block count.
 type ProducerTables = (Vec<u64>, Vec<Vec<u64>>, u64);
 
+/// What a block count may cost on this side, checked before anything is allocated: `per_block`
+/// bytes per block (of `what`), and at most `limit` bytes in all (this machine's memory).
+#[derive(Debug, Clone, Copy)]
+struct BlockCost {
+    per_block: u64,
+    what: &'static str,
+    limit: u64,
+}
+
+impl BlockCost {
+    /// The least KV one block of `block_size` tokens of `model` takes over a whole side: every
+    /// layer and head once, a state per state layer (TP replicas and page rounding add to it).
+    fn kv(model: &ModelShape, block_size: u64, limit: u64) -> BlockCost {
+        let state = u64::from(model.state_layers).saturating_mul(model.state_bytes);
+        BlockCost {
+            per_block: model
+                .bytes_per_token()
+                .saturating_mul(block_size)
+                .saturating_add(state),
+            what: "of KV",
+            limit,
+        }
+    }
+
+    /// Ok when `blocks` blocks fit the limit, else a usage error naming `flags` (what asked
+    /// for the blocks), the bytes and the limit.
+    fn check(&self, blocks: u64, flags: &str) -> Result<(), CliError> {
+        match blocks.checked_mul(self.per_block) {
+            Some(bytes) if bytes <= self.limit => Ok(()),
+            bytes => Err(CliError::usage(format!(
+                "{flags}: {blocks} blocks, {} bytes {}, more than this machine's {} bytes of memory; lower --max-tokens or --requests",
+                bytes.map_or_else(|| "over 2^64".to_string(), |b| b.to_string()),
+                self.what,
+                self.limit
+            ))),
+        }
+    }
+}
+
 /// The producer's block table of every request: lengths and block ids, replayed
-/// identically by both roles.
+/// identically by both roles. `cost` is what each producer block costs this side (serve holds
+/// its KV; load only replays its id): a count past the limit is a usage error before the
+/// block ids are allocated.
 fn producer_tables(
     requests: u32,
     min: u64,
     max: u64,
     seed: u64,
     block_size: u64,
+    cost: BlockCost,
 ) -> Result<ProducerTables, CliError> {
     if min == 0 || min > max || block_size == 0 {
         return Err(CliError::usage(format!("--min-tokens {min} / --max-tokens {max} / --block-size {block_size}: need 1 <= min <= max and a block size >= 1")));
     }
     let lengths = prompt_lengths(requests, min, max, seed);
+    let flags = format!(
+        "--requests {requests} of up to --max-tokens {max} tokens in blocks of {block_size}"
+    );
     // The flags can ask for more blocks than a u64 counts or any machine holds: a clear
-    // error here, not an overflow or an aborted allocation.
+    // error here, not an overflow, an aborted allocation, or gigabytes of block ids
+    // allocated before the KV allocation fails.
     let total = lengths
         .iter()
         .try_fold(0u64, |s, t| s.checked_add(t.div_ceil(block_size)));
-    let Some((total, mut pool)) =
-        total.and_then(|n| Some((n, BlockPool::try_new(n.max(1), seed)?)))
-    else {
+    let Some(total) = total else {
         return Err(CliError::usage(format!(
-            "--requests {requests} of up to --max-tokens {max} tokens in blocks of {block_size}: more blocks than this machine can hold; lower --max-tokens or --requests"
+            "{flags}: more blocks than a 64-bit count holds; lower --max-tokens or --requests"
+        )));
+    };
+    cost.check(total, &flags)?;
+    let Some(mut pool) = BlockPool::try_new(total.max(1), seed) else {
+        return Err(CliError::usage(format!(
+            "{flags}: {total} block ids cannot be allocated here; lower --max-tokens or --requests"
         )));
     };
     let tables = lengths
@@ -180,12 +232,14 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
         )));
     }
     let model = model_by_name(&c.model)?.clone();
+    // The producer's arena holds every request's blocks at once.
     let (lengths, tables, num_blocks) = producer_tables(
         args.requests,
         args.min_tokens,
         args.max_tokens,
         args.seed,
         c.block_size,
+        BlockCost::kv(&model, c.block_size, physical_memory()),
     )?;
     let side = side_config(
         c,
@@ -306,16 +360,33 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
     let model = model_by_name(&c.model)?.clone();
     // The producer's tables are replayed with its block size; this side's blocks have its own.
     let producer_block_size = args.producer_block_size.unwrap_or(c.block_size);
+    if c.block_size == 0 {
+        return Err(CliError::usage("--block-size 0: must be at least 1"));
+    }
+    // This side's arena holds the longest request's blocks, checked first; the producer's
+    // tables are only replayed here (8 bytes per block id: the producer's KV is on its machine).
+    let limit = physical_memory();
+    let max_blocks = args.max_tokens.div_ceil(c.block_size);
+    BlockCost::kv(&model, c.block_size, limit).check(
+        max_blocks,
+        &format!(
+            "--max-tokens {} in blocks of {} (the longest request, loaded here)",
+            args.max_tokens, c.block_size
+        ),
+    )?;
+    let ids = BlockCost {
+        per_block: 8,
+        what: "of the producer's block ids replayed",
+        limit,
+    };
     let (lengths, tables, _) = producer_tables(
         args.requests,
         args.min_tokens,
         args.max_tokens,
         args.seed,
         producer_block_size,
+        ids,
     )?;
-    if c.block_size == 0 {
-        return Err(CliError::usage("--block-size 0: must be at least 1"));
-    }
     let max_blocks = lengths
         .iter()
         .map(|t| t.div_ceil(c.block_size))
@@ -457,17 +528,61 @@ mod tests {
     #[test]
     fn block_counts_no_machine_holds_are_a_usage_error_not_a_panic() {
         // One request of u64::MAX blocks; four whose sum overflows; 2^63 block ids.
+        let ids = BlockCost {
+            per_block: 8,
+            what: "of ids",
+            limit: u64::MAX,
+        };
         for (requests, tokens) in [(1, u64::MAX), (4, u64::MAX), (2, 1 << 62)] {
             assert!(
                 matches!(
-                    producer_tables(requests, tokens, tokens, 1, 1),
+                    producer_tables(requests, tokens, tokens, 1, 1, ids),
                     Err(CliError::Usage(_))
                 ),
                 "{requests} × {tokens}"
             );
         }
-        let (_, tables, total) = producer_tables(2, 10, 10, 1, 4).unwrap();
+        let (_, tables, total) = producer_tables(2, 10, 10, 1, 4, ids).unwrap();
         assert_eq!((tables.len(), total), (2, 6));
+    }
+
+    #[test]
+    fn a_block_count_whose_kv_exceeds_the_memory_is_refused_before_any_allocation() {
+        let tiny = model_by_name("tiny").unwrap();
+        // 2 requests of 1000 tokens: 126 blocks of 16 tokens, 32 KiB of tiny's KV each.
+        let cost = BlockCost::kv(tiny, 16, 4_000_000);
+        let e = producer_tables(2, 1000, 1000, 1, 16, cost).map(|_| ());
+        let Err(CliError::Usage(text)) = e else {
+            panic!("{e:?}")
+        };
+        assert!(
+            text.contains("--max-tokens 1000")
+                && text.contains(&(126u64 * 32768).to_string())
+                && text.contains("4000000 bytes of memory"),
+            "{text}"
+        );
+        // What fits is allocated; block ids are 8 bytes each, whatever the model.
+        assert!(producer_tables(2, 1000, 1000, 1, 16, BlockCost::kv(tiny, 16, 8 << 20)).is_ok());
+        let ids = BlockCost {
+            per_block: 8,
+            what: "of ids",
+            limit: 126 * 8,
+        };
+        assert!(producer_tables(2, 1000, 1000, 1, 16, ids).is_ok());
+        let one_less = BlockCost {
+            limit: 126 * 8 - 1,
+            ..ids
+        };
+        assert!(producer_tables(2, 1000, 1000, 1, 16, one_less).is_err());
+        // A count whose bytes pass 2^64 is refused, not wrapped.
+        let e = BlockCost::kv(tiny, 16, u64::MAX).check(u64::MAX / 2, "--max-tokens");
+        assert!(matches!(e, Err(CliError::Usage(t)) if t.contains("over 2^64")));
+    }
+
+    #[test]
+    fn this_machine_reports_its_memory() {
+        let m = physical_memory();
+        assert!((1 << 20..u64::MAX).contains(&m), "{m}");
     }
 
     /// A producer ERROR with `words`, as a load gets it.

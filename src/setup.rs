@@ -94,6 +94,23 @@ pub fn secret(c: &CommonArgs) -> Result<Option<Secret>, CliError> {
         })
 }
 
+/// This machine's physical memory in bytes (`sysconf`: pages × page size), or `u64::MAX`
+/// where the OS does not say. Every side's KV arena is host memory (with `--device cuda` as
+/// well: the host copy the KV is generated in), so no block count may ask for more.
+pub fn physical_memory() -> u64 {
+    // SAFETY: sysconf reads a system value; it has no preconditions and touches no memory of ours.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    match (u64::try_from(pages), u64::try_from(page)) {
+        (Ok(n), Ok(p)) if n > 0 && p > 0 => n.saturating_mul(p),
+        _ => u64::MAX,
+    }
+}
+
 /// The host part of `HOST:PORT` (brackets kept off an IPv6 host), or the text itself.
 pub fn host_of(addr: &str) -> &str {
     let a = addr.strip_prefix("tcp://").unwrap_or(addr);

@@ -800,8 +800,10 @@ fn serve_refuses_an_exit_after_it_could_never_reach() {
     assert!(err.contains("--exit-after 3"), "{err}");
 }
 
+/// Loads the producer refuses (another layout) leave the requests held, but only for their
+/// lease: serve then counts them expired, not served nor failed.
 #[test]
-fn serve_summary_tells_failed_loads_from_served_ones() {
+fn serve_summary_counts_requests_only_refused_as_expired_at_their_lease() {
     let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
     let common = [
         "--model",
@@ -816,7 +818,11 @@ fn serve_summary_tells_failed_loads_from_served_ones() {
     let layout = |l: &'static str| [&common[..], &["--layout", l]].concat();
     let mut server = spawn_serve(
         &addr,
-        &[&layout("KV B N H D")[..], &["--exit-after", "2"]].concat(),
+        &[
+            &layout("KV B N H D")[..],
+            &["--exit-after", "2", "--lease", "3"],
+        ]
+        .concat(),
     );
     // Another layout: the producer refuses every load.
     let out = run_load(&addr, &layout("B KV H N D"));
@@ -824,7 +830,10 @@ fn serve_summary_tells_failed_loads_from_served_ones() {
     let status = wait_at_most(&mut server, 30).expect("serve did not exit");
     let err = stderr_of(&mut server);
     assert!(status.success(), "{err}");
-    assert!(err.contains("0 loads served, 2 failed"), "{err}");
+    assert!(
+        err.contains("0 loads served, 0 failed, 2 expired unloaded"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -139,6 +139,14 @@ impl PeerCache {
             );
             self.transport.disconnect(name);
         }
+        // What the first transfer would set up (CUDA IPC imports) is set up now, outside the
+        // cache's lock; a failure leaves it to that transfer.
+        if let Err(e) = self.transport.warm_up(&d) {
+            tracing::warn!(
+                segment = name,
+                "preparing transfers to this segment failed ({e}); the first transfer prepares them"
+            );
+        }
         Ok(d)
     }
 }

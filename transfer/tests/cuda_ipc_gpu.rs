@@ -618,6 +618,13 @@ fn engine_round_trip(kind: &str) {
     };
     assert!(matches!(engine.region_cuda_ipc(local.ptr()), Some(Ok(()))));
     let seg = engine.open_segment(&peer.name).unwrap();
+    // Opening the segment imported the peer's allocation (the warm-up): the first post finds
+    // it mapped and asks the peer for nothing.
+    assert_eq!(
+        engine.stats().connections,
+        1,
+        "the peer's allocation is mapped once the segment is open, before any transfer"
+    );
     assert_eq!(
         engine.transfer_path(&seg, local.ptr(), peer.addr).unwrap(),
         TransferPath::CudaIpc
@@ -632,6 +639,11 @@ fn engine_round_trip(kind: &str) {
     };
     run(&engine, &seg, &[w(0, 8192, 1 << 20)]).unwrap();
     assert_eq!(peer.ask(&format!("check 8192 {} 3", 1 << 20)), "same");
+    assert_eq!(
+        engine.stats().connections,
+        1,
+        "the first transfer used the mapping the warm-up made, not one of its own"
+    );
     // scattered: 64 pieces of 4 KiB at every other 4 KiB from 2 MiB on both sides
     let reqs: Vec<TransferRequest> = (0..64u64)
         .map(|i| w((2 << 20) + 8192 * i, (2 << 20) + 8192 * i, 4096))
@@ -831,6 +843,11 @@ fn engine_cuda_ipc_in_one_process() {
             .unwrap();
     }
     let seg = ea.open_segment(&eb.segment_name()).unwrap();
+    assert_eq!(
+        ea.stats().connections,
+        1,
+        "the peer's live table is fetched when the segment opens, before any transfer"
+    );
     assert_eq!(
         ea.transfer_path(&seg, a.ptr(), b.ptr()).unwrap(),
         TransferPath::CudaIpc

@@ -22,5 +22,6 @@ mod peer;
 mod state;
 mod strided;
 pub mod transport;
+mod warm;
 
 pub use transport::CudaIpcTransport;

@@ -88,6 +88,9 @@ pub struct CudaIpcTransport {
     /// Why each registered `cuda:N` region that is not exported could not be (base address →
     /// the export's error): one entry per registered region at most, removed at deregister.
     refused: Mutex<HashMap<u64, TransferError>>,
+    /// The devices (ordinals) of the `cuda:N` regions exported so far: where a warm-up
+    /// (`Transport::warm_up`) imports a peer's allocations. Never more than the devices.
+    pub(super) devices: Mutex<Vec<u32>>,
 }
 
 /// A pair's keys when it goes over CUDA IPC, `None` when it goes to the wrapped transport.
@@ -148,6 +151,7 @@ impl CudaIpcTransport {
             access: Mutex::new(HashMap::new()),
             fallback_order: Mutex::new(HashMap::new()),
             refused: Mutex::new(HashMap::new()),
+            devices: Mutex::new(Vec::new()),
         }))
     }
 
@@ -402,6 +406,11 @@ impl Transport for CudaIpcTransport {
         });
         match exported {
             Ok(k) => {
+                let mut devices = self.devices.locked();
+                if !devices.contains(&ordinal) {
+                    devices.push(ordinal);
+                }
+                drop(devices);
                 keys.transport.insert(
                     KEYS_FIELD,
                     serde_json::to_value(&k).map_err(|e| {
@@ -521,6 +530,11 @@ impl Transport for CudaIpcTransport {
             }
             self.inner.post(peer, &fallback, done, token);
         }
+    }
+
+    fn warm_up(&self, peer: &Arc<SegmentDescriptor>) -> Result<usize> {
+        let warmed = self.warm(peer)?;
+        Ok(warmed + self.inner.warm_up(peer)?)
     }
 
     fn order_after(&self, device: u32, point: &StreamPoint, deadline: Duration) -> Result<()> {

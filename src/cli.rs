@@ -260,12 +260,13 @@ pub struct DemoArgs {
     /// Flip one random bit in N landed loads, after the transfer and before verification.
     #[arg(long, default_value_t = 0)]
     pub corrupt: u32,
-    /// Loads in flight at once (1..=64). The producer prefills and publishes this many
-    /// requests ahead, then the consumer loads them together, as a decode instance loads the
-    /// requests it schedules together; the reported GB/s is the bytes over the wall time of
-    /// these loads, and 1 loads one request at a time (each load's latency alone). Default 4,
-    /// as the transfer engine's bench keeps 4 batches in flight. Each side holds blocks for
-    /// this many of the largest requests.
+    /// Loads in flight at once (1..=64). The producer prefills and publishes as many requests
+    /// as both sides' blocks hold, then the consumer loads them keeping this many in flight
+    /// (the next one starts as one ends), as a decode instance loads the requests it
+    /// schedules; the reported GB/s is the bytes over the wall time of these loads, and 1
+    /// loads one request at a time (each load's latency alone). Default 4, as the transfer
+    /// engine's bench keeps 4 batches in flight. Each side holds blocks for twice this many
+    /// of the largest requests.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub in_flight: u32,
     /// TP ranks of the producer (prefill).

@@ -65,7 +65,7 @@ pub fn runtime_workers(in_flight: u32, available: usize) -> usize {
     (2 * in_flight as usize).clamp(2, available.clamp(2, 8))
 }
 
-/// One request of a wave: its blocks on both sides, what it was given and how it is loaded.
+/// One request of a stage: its blocks on both sides, what it was given and how it is loaded.
 struct Request {
     index: u32,
     tokens: u64,
@@ -78,9 +78,11 @@ struct Request {
 
 /// Runs the demo and returns its report (the tests use this).
 ///
-/// Requests go in waves of `--in-flight`: the producer fills and publishes a wave's requests,
-/// the consumer loads them all at once (each on its own task), then each outcome is checked
-/// and the blocks are freed. The load phase's time is the sum of the waves' wall times.
+/// Requests go in stages: the producer fills and publishes as many requests as both sides'
+/// block pools hold (each pool holds twice `--in-flight` of the largest requests), then the
+/// consumer loads them keeping `--in-flight` loads in flight (each on its own task, the next
+/// one started as one ends), then each outcome is checked and the blocks are freed. The load
+/// phase's time is the sum of the stages' wall times.
 pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     args::check_args(args)?;
     let c = &args.common;
@@ -89,7 +91,9 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     let pbs = args.prefill_block_size.unwrap_or(c.block_size);
     let cbs = args.decode_block_size.unwrap_or(c.block_size);
     let in_flight = args.in_flight.clamp(1, args.requests.max(1));
-    // Room for the requests in flight on each side (at least two, as serial loads always had).
+    // Room on each side for twice the requests in flight (at least two, as serial loads always
+    // had): a stage then holds more requests than the window, so loads go on sliding while
+    // the first ones of the stage end, and the window drains only once per stage.
     // Saturating: a count past u64 (huge --max-tokens) is refused as too large by the side's
     // layout, not wrapped to a small pool that runs out mid-run.
     let num_blocks = |bs: u64| {
@@ -98,7 +102,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
             .map(|&t| t.div_ceil(bs))
             .max()
             .unwrap_or(1)
-            .saturating_mul(u64::from(in_flight.max(2)))
+            .saturating_mul(u64::from((2 * in_flight).max(2)))
             .saturating_add(1)
     };
     let engine_cfg = engine_config(c, "127.0.0.1")?;
@@ -156,10 +160,6 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
             .map_err(CliError::p2p("starting the consumer"))?,
     );
 
-    // The consumer's memory, shared with the landed hook (fault injection).
-    let cons_ranks = Arc::new(Mutex::new(cons_ranks));
-    let pending_flips = crate::corrupt::install_hook(&consumer, cons_ranks.clone());
-
     let mut prod_pool = BlockPool::new(num_blocks(pbs), args.seed);
     let mut cons_pool = BlockPool::new(num_blocks(cbs), args.seed ^ 1);
     let mut report = DemoReport {
@@ -196,17 +196,39 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     let mut checks = Checks::default();
     let mut latencies: Vec<f64> = Vec::with_capacity(args.requests as usize);
     let mut done = 0u32;
-    for wave in lengths.chunks(in_flight as usize) {
-        // Prefill and publish the wave's requests (not part of the load phase's time).
-        let mut requests = Vec::with_capacity(wave.len());
-        for &tokens in wave {
-            let i = done + requests.len() as u32;
-            let pblocks = prod_pool
-                .alloc(tokens.div_ceil(pbs) as usize)
-                .ok_or(CliError::failed("producer block pool exhausted"))?;
-            let cblocks = cons_pool
-                .alloc(tokens.div_ceil(cbs) as usize)
-                .ok_or(CliError::failed("consumer block pool exhausted"))?;
+    // What the first load would otherwise set up is set up now, outside the load phase, as a
+    // serving pair does when it starts: the producer's engines open the consumer's segments
+    // (importing its memory, with CUDA IPC) and the consumer opens its session.
+    for p in &prod_ranks {
+        for c in cons_ranks.iter() {
+            let name = c.engine.segment_name();
+            if let Err(e) = p.engine.open_segment(&name) {
+                tracing::warn!(segment = %name, "producer: opening the consumer's segment ahead of the loads failed ({e}); the first load opens it");
+            }
+        }
+    }
+    if let Err(e) = rt.block_on(consumer.connect(&endpoint)) {
+        tracing::warn!("consumer: connecting to the producer ahead of the loads failed ({e}); the first load connects");
+    }
+    // The consumer's memory, shared with the landed hook (fault injection).
+    let cons_ranks = Arc::new(Mutex::new(cons_ranks));
+    let pending_flips = crate::corrupt::install_hook(&consumer, cons_ranks.clone());
+    let mut next = 0usize;
+    while next < lengths.len() {
+        // Prefill and publish as many requests as both sides' blocks hold (not part of the
+        // load phase's time).
+        let mut requests = Vec::new();
+        while let Some(&tokens) = lengths.get(next) {
+            let Some((pblocks, cblocks)) = take_blocks(
+                &mut prod_pool,
+                &mut cons_pool,
+                tokens.div_ceil(pbs) as usize,
+                tokens.div_ceil(cbs) as usize,
+            ) else {
+                break;
+            };
+            let i = next as u32;
+            next += 1;
             let t0 = Instant::now();
             for r in prod_ranks.iter_mut() {
                 fill_request(r, args.seed, i as u64, &pblocks)?;
@@ -246,10 +268,13 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
                 spec,
             });
         }
-        // Load the wave: every load on its own task, all in flight at once.
+        if requests.is_empty() {
+            return Err(CliError::failed("block pool exhausted"));
+        }
+        // Load them `in_flight` at a time, the next one started as one ends.
         let specs: Vec<LoadSpec> = requests.iter().map(|r| r.spec.clone()).collect();
         let t1 = Instant::now();
-        let outcomes = rt.block_on(load_all(&consumer, specs));
+        let outcomes = rt.block_on(load_window(&consumer, specs, in_flight as usize));
         report.seconds += t1.elapsed().as_secs_f64();
         for (req, (outcome, load_seconds)) in requests.into_iter().zip(outcomes) {
             // A flip not applied (the load failed before landing) must not stay armed.
@@ -318,35 +343,71 @@ fn median_max(v: &mut [f64]) -> (f64, f64) {
     )
 }
 
-/// Loads `specs` at once, each on a task of its own, and returns each outcome with its load's
-/// seconds, in the order of `specs`. A task that ended without an outcome (it panicked) is a
-/// failed load.
-async fn load_all(consumer: &Arc<Consumer>, specs: Vec<LoadSpec>) -> Vec<(LoadEnd, f64)> {
-    let t0 = Instant::now();
-    let tasks: Vec<_> = specs
-        .into_iter()
-        .map(|spec| {
-            let consumer = consumer.clone();
-            tokio::spawn(async move {
-                let t = Instant::now();
-                let outcome = consumer.load(spec).await;
-                (Ok(outcome), t.elapsed().as_secs_f64())
-            })
-        })
-        .collect();
-    let mut out = Vec::with_capacity(tasks.len());
-    for task in tasks {
-        out.push(
-            task.await
-                .unwrap_or_else(|e| (Err(e), t0.elapsed().as_secs_f64())),
-        );
+/// Loads `specs` keeping `window` (at least 1) loads in flight, each on a task of its own: the
+/// next one starts as soon as one ends. Returns each outcome with its load's seconds, in the
+/// order of `specs`. A task that ended without an outcome (it panicked) is a failed load.
+async fn load_window(
+    consumer: &Arc<Consumer>,
+    specs: Vec<LoadSpec>,
+    window: usize,
+) -> Vec<(LoadEnd, f64)> {
+    use std::collections::HashMap;
+    let n = specs.len();
+    let mut out: Vec<Option<(LoadEnd, f64)>> = (0..n).map(|_| None).collect();
+    let mut tasks = tokio::task::JoinSet::new();
+    // Task id → (index in `specs`, start): a task that panicked is known by its id alone.
+    let mut started = HashMap::new();
+    let mut queue = specs.into_iter().enumerate();
+    type Started = HashMap<tokio::task::Id, (usize, Instant)>;
+    let start = |tasks: &mut tokio::task::JoinSet<_>,
+                 started: &mut Started,
+                 (i, spec): (usize, LoadSpec)| {
+        let consumer = consumer.clone();
+        let t = Instant::now();
+        let h = tasks.spawn(async move { consumer.load(spec).await });
+        started.insert(h.id(), (i, t));
+    };
+    for item in queue.by_ref().take(window.max(1)) {
+        start(&mut tasks, &mut started, item);
     }
-    out
+    while let Some(joined) = tasks.join_next_with_id().await {
+        let (id, end) = match joined {
+            Ok((id, o)) => (id, Ok(o)),
+            Err(e) => (e.id(), Err(Some(e))),
+        };
+        if let Some((i, t)) = started.remove(&id) {
+            out[i] = Some((end, t.elapsed().as_secs_f64()));
+        }
+        if let Some(item) = queue.next() {
+            start(&mut tasks, &mut started, item);
+        }
+    }
+    out.into_iter()
+        .map(|o| o.unwrap_or((Err(None), 0.0)))
+        .collect()
+}
+
+/// Blocks for one request on both sides (`np` of the producer's pool, `nc` of the consumer's),
+/// or `None`, with both pools as they were, when either has too few free.
+fn take_blocks(
+    prod: &mut BlockPool,
+    cons: &mut BlockPool,
+    np: usize,
+    nc: usize,
+) -> Option<(Vec<u64>, Vec<u64>)> {
+    let p = prod.alloc(np)?;
+    match cons.alloc(nc) {
+        Some(c) => Some((p, c)),
+        None => {
+            prod.free(&p);
+            None
+        }
+    }
 }
 
 /// How a load ended: its outcome or error, or (`Err`) its task ended without one (it
-/// panicked).
-type LoadEnd = Result<Result<LoadOutcome, LoadError>, tokio::task::JoinError>;
+/// panicked; `None`: no task reported it).
+type LoadEnd = Result<Result<LoadOutcome, LoadError>, Option<tokio::task::JoinError>>;
 
 /// What checking a landed load needs of the demo's world.
 struct Landing<'a> {
@@ -390,7 +451,10 @@ impl Checks {
                 return Ok(());
             }
             Err(e) => {
-                tracing::error!(request = %request_id, "the loading task ended: {e}");
+                match e {
+                    Some(e) => tracing::error!(request = %request_id, "the loading task ended: {e}"),
+                    None => tracing::error!(request = %request_id, "the load gave no outcome"),
+                }
                 report.counts.failed += 1;
                 report.unexpected += 1;
                 return Ok(());
@@ -518,6 +582,16 @@ mod tests {
         assert_eq!(runtime_workers(3, 4), 4);
         assert_eq!(runtime_workers(8, 2), 2);
         assert_eq!(runtime_workers(8, 1), 2);
+    }
+
+    #[test]
+    fn a_request_takes_blocks_on_both_sides_or_on_neither() {
+        let (mut p, mut c) = (BlockPool::new(10, 1), BlockPool::new(4, 2));
+        let (pb, cb) = take_blocks(&mut p, &mut c, 6, 3).expect("room on both sides");
+        assert_eq!((pb.len(), cb.len()), (6, 3));
+        // The consumer's pool has 1 block left: the producer's 4 stay free.
+        assert!(take_blocks(&mut p, &mut c, 4, 2).is_none());
+        assert!(take_blocks(&mut p, &mut c, 4, 1).is_some());
     }
 
     #[test]

@@ -1112,3 +1112,57 @@ async fn a_consumer_whose_session_was_evicted_says_hello_again_and_loads() {
     }
     t.producer.shutdown().await;
 }
+
+/// `connect` opens the control connection and the session before the first load (as the
+/// demo does, so that no load pays them), and the load after it goes on that session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_ahead_opens_the_session_the_first_load_uses() {
+    let pair = pair(1, 1, producer_config(), Policy::default()).await;
+    pair.consumer
+        .connect(pair.producer.endpoint())
+        .await
+        .expect("connect to a running producer");
+    pair.producer
+        .publish("req-1", vec![remote_table()], NUM_TOKENS)
+        .await
+        .unwrap();
+    let out = pair
+        .consumer
+        .load(spec("req-1", &pair.producer).await)
+        .await
+        .unwrap();
+    assert_eq!(out.verdict, Some(Verdict::Verified));
+    assert_blocks_landed(&pair);
+    pair.producer.shutdown().await;
+}
+
+/// `connect` to a port nothing listens on ends within twice the connect timeout with why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_ahead_to_no_producer_fails_within_its_deadline() {
+    let c = Side::new(1, 1, CONSUMER_BLOCKS, None);
+    let cfg = ConsumerConfig {
+        connect_timeout: Duration::from_millis(600),
+        ..consumer_config(Policy::default())
+    };
+    let consumer = Consumer::new(cfg, c.workers.clone()).unwrap();
+    // A port that was just free: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let started = Instant::now();
+    let e = tokio::time::timeout(
+        Duration::from_secs(10),
+        consumer.connect(&format!("tcp://127.0.0.1:{port}")),
+    )
+    .await
+    .expect("connect hung")
+    .unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    eprintln!("connect to nothing: {e}");
+}

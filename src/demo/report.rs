@@ -58,8 +58,10 @@ pub struct DemoReport {
     /// KV bytes moved by the transfer engines.
     pub bytes: u64,
     /// Wall seconds of the load phase (request, transfer, reply, verification): the sum over
-    /// the waves of `in_flight` loads of the time from their start to the last one's end; with
-    /// one load in flight, the sum of the loads' latencies. Prefill and publish are not in it.
+    /// the stages (the requests published together, loaded `in_flight` at a time, the next
+    /// one started as one ends) of the time from their first load's start to the last one's
+    /// end; with one load in flight, the sum of the loads' latencies. Prefill and publish are
+    /// not in it.
     pub seconds: f64,
     /// bytes / seconds, in GB/s (10^9): the loads' throughput with `in_flight` loads at once.
     pub gb_per_s: f64,

@@ -36,6 +36,13 @@ pub(crate) struct LoadCmd {
     pub(crate) respond: oneshot::Sender<Result<Reply, ConnFailure>>,
 }
 
+/// What a connection's task is told: start a load, or connect now (ahead of the first load)
+/// and say whether it could.
+pub(crate) enum ConnCmd {
+    Load(LoadCmd),
+    Connect(oneshot::Sender<Result<(), ConnectFailure>>),
+}
+
 enum SockEvent {
     Message(Bytes),
     Lost(LinkError),
@@ -321,14 +328,21 @@ impl Connection {
     }
 
     /// Runs until `commands` closes (the consumer dropped it).
-    pub(crate) async fn run(mut self, mut commands: mpsc::UnboundedReceiver<LoadCmd>) {
+    pub(crate) async fn run(mut self, mut commands: mpsc::UnboundedReceiver<ConnCmd>) {
         let (ev_tx, mut events) = mpsc::unbounded_channel::<(u64, SockEvent)>();
         loop {
             tokio::select! {
-                cmd = commands.recv() => {
-                    let Some(cmd) = cmd else { break };
-                    self.start(cmd, &ev_tx).await;
-                }
+                cmd = commands.recv() => match cmd {
+                    None => break,
+                    Some(ConnCmd::Load(cmd)) => self.start(cmd, &ev_tx).await,
+                    Some(ConnCmd::Connect(respond)) => {
+                        let r = self.open(&ev_tx).await.map_err(|f| match f {
+                            ConnFailure::Connect(why) => why,
+                            ConnFailure::Failed(_) => ConnectFailure::NoSession,
+                        });
+                        let _ = respond.send(r);
+                    }
+                },
                 ev = events.recv() => {
                     let Some((generation, ev)) = ev else { break };
                     if generation != self.generation {

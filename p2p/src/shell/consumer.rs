@@ -22,7 +22,8 @@ use crate::proto::layout::RankLayout;
 use crate::proto::msg::{LoadRequest, Reply};
 use crate::proto::request::{build_request, grant_ranges};
 pub use crate::proto::request::{Landed, LandedGroup, LoadGroup, LoadSpec};
-use crate::shell::connection::{ConnFailure, Connection, LoadCmd};
+use crate::proto::consumer::ConnectFailure;
+use crate::shell::connection::{ConnCmd, ConnFailure, Connection, LoadCmd};
 use crate::shell::consumer_config::carrier_check;
 pub use crate::shell::consumer_config::{ConsumerConfig, LoadOutcome};
 use crate::shell::load_metrics::{record_load, Loaded};
@@ -45,7 +46,7 @@ pub struct Consumer {
     layouts: Vec<RankLayout>,
     tp: u32,
     pp: u32,
-    conns: tokio::sync::Mutex<HashMap<String, mpsc::UnboundedSender<LoadCmd>>>,
+    conns: tokio::sync::Mutex<HashMap<String, mpsc::UnboundedSender<ConnCmd>>>,
     hook: RwLock<Option<LandedHook>>,
     /// The workers' shared secret: producers must prove it before any request goes to them.
     secret: Option<Secret>,
@@ -261,35 +262,15 @@ impl Consumer {
         until: Instant,
     ) -> Result<Reply, ConnFailure> {
         let (respond, answer) = oneshot::channel();
-        let mut cmd = LoadCmd {
-            request,
-            load_key,
-            respond,
-        };
-        {
-            let mut conns = self.conns.lock().await;
-            for _ in 0..2 {
-                let tx = conns.entry(producer.to_string()).or_insert_with(|| {
-                    let (tx, rx) = mpsc::unbounded_channel();
-                    let conn = Connection::new(
-                        producer.to_string(),
-                        &self.config,
-                        self.secret.clone(),
-                        self.name.clone(),
-                    );
-                    tokio::spawn(conn.run(rx));
-                    tx
-                });
-                match tx.send(cmd) {
-                    Ok(()) => break,
-                    Err(mpsc::error::SendError(c)) => {
-                        // The connection task is gone; start a fresh one.
-                        cmd = c;
-                        conns.remove(producer);
-                    }
-                }
-            }
-        }
+        self.dispatch(
+            producer,
+            ConnCmd::Load(LoadCmd {
+                request,
+                load_key,
+                respond,
+            }),
+        )
+        .await;
         // The connection enforces the load's deadlines; this one guards against its task's loss.
         match tokio::time::timeout_at(until.into(), answer).await {
             Ok(Ok(r)) => r,
@@ -299,6 +280,49 @@ impl Consumer {
             Err(_) => Err(ConnFailure::Failed(FailReason::Overall(
                 self.config.reply_deadline(),
             ))),
+        }
+    }
+
+    /// Hands `cmd` to `producer`'s connection task, starting one (again) where there is none
+    /// or it ended. A command no task took is dropped: its answer channel then says so.
+    async fn dispatch(&self, producer: &str, mut cmd: ConnCmd) {
+        let mut conns = self.conns.lock().await;
+        for _ in 0..2 {
+            let tx = conns.entry(producer.to_string()).or_insert_with(|| {
+                let (tx, rx) = mpsc::unbounded_channel();
+                let conn = Connection::new(
+                    producer.to_string(),
+                    &self.config,
+                    self.secret.clone(),
+                    self.name.clone(),
+                );
+                tokio::spawn(conn.run(rx));
+                tx
+            });
+            match tx.send(cmd) {
+                Ok(()) => break,
+                Err(mpsc::error::SendError(c)) => {
+                    // The connection task is gone; start a fresh one.
+                    cmd = c;
+                    conns.remove(producer);
+                }
+            }
+        }
+    }
+
+    /// Opens the control connection and the session to `producer` (`tcp://HOST:PORT`) now,
+    /// as the first load to it would, so that no load pays the connect and the hello. Waits
+    /// at most twice the connect timeout (the connect, then the hello). Errors: why it could
+    /// not connect ([`ConnectFailure`]); a later load then tries again, as without this call.
+    pub async fn connect(&self, producer: &str) -> Result<(), ConnectFailure> {
+        let (respond, answer) = oneshot::channel();
+        self.dispatch(producer, ConnCmd::Connect(respond)).await;
+        let limit = self.config.connect_timeout.saturating_mul(2);
+        match tokio::time::timeout(limit, answer).await {
+            Ok(Ok(r)) => r,
+            // The task ended without answering: no session was made.
+            Ok(Err(_)) => Err(ConnectFailure::NoSession),
+            Err(_) => Err(ConnectFailure::Timeout(limit)),
         }
     }
 

@@ -452,7 +452,9 @@ impl Checks {
             }
             Err(e) => {
                 match e {
-                    Some(e) => tracing::error!(request = %request_id, "the loading task ended: {e}"),
+                    Some(e) => {
+                        tracing::error!(request = %request_id, "the loading task ended: {e}")
+                    }
                     None => tracing::error!(request = %request_id, "the load gave no outcome"),
                 }
                 report.counts.failed += 1;

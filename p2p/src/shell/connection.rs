@@ -39,7 +39,7 @@ pub(crate) struct LoadCmd {
 /// What a connection's task is told: start a load, or connect now (ahead of the first load)
 /// and say whether it could.
 pub(crate) enum ConnCmd {
-    Load(LoadCmd),
+    Load(Box<LoadCmd>),
     Connect(oneshot::Sender<Result<(), ConnectFailure>>),
 }
 
@@ -334,7 +334,7 @@ impl Connection {
             tokio::select! {
                 cmd = commands.recv() => match cmd {
                     None => break,
-                    Some(ConnCmd::Load(cmd)) => self.start(cmd, &ev_tx).await,
+                    Some(ConnCmd::Load(cmd)) => self.start(*cmd, &ev_tx).await,
                     Some(ConnCmd::Connect(respond)) => {
                         let r = self.open(&ev_tx).await.map_err(|f| match f {
                             ConnFailure::Connect(why) => why,

@@ -17,12 +17,12 @@ use tracing::{debug, warn};
 
 use crate::checksum::all_records;
 use crate::error::{LoadError, LoadSpecFault, P2pError};
+use crate::proto::consumer::ConnectFailure;
 use crate::proto::consumer::{FailReason, LinkError};
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::{LoadRequest, Reply};
 use crate::proto::request::{build_request, grant_ranges};
 pub use crate::proto::request::{Landed, LandedGroup, LoadGroup, LoadSpec};
-use crate::proto::consumer::ConnectFailure;
 use crate::shell::connection::{ConnCmd, ConnFailure, Connection, LoadCmd};
 use crate::shell::consumer_config::carrier_check;
 pub use crate::shell::consumer_config::{ConsumerConfig, LoadOutcome};
@@ -194,6 +194,7 @@ impl Consumer {
     /// the guards revoke it when dropped.
     /// One grant per engine (ranks may share one).
     fn grant(&self, request: &LoadRequest) -> Result<Vec<GrantGuard>, TransferError> {
+        let t0 = Instant::now();
         let token = Token::random()?;
         // (engine, the (offset, length) ranges it grants)
         let mut per_engine: Vec<(&Arc<TransferEngine>, Vec<Range>)> = Vec::new();
@@ -208,7 +209,12 @@ impl Consumer {
             }
         }
         let ttl = self.config.reply_deadline();
-        per_engine
+        let (t_insert, ranges) = (
+            Instant::now(),
+            per_engine.iter().map(|(_, r)| r.len()).sum::<usize>(),
+        );
+        let ranges_us = t_insert.duration_since(t0).as_micros() as u64;
+        let grants = per_engine
             .into_iter()
             .filter(|(_, r)| !r.is_empty())
             .map(|(e, ranges)| {
@@ -219,7 +225,16 @@ impl Consumer {
                     ttl,
                 })
             })
-            .collect()
+            .collect();
+        debug!(
+            target: "kvferry::timing",
+            request_id = request.request_id,
+            ranges,
+            ranges_us,
+            insert_us = t_insert.elapsed().as_micros() as u64,
+            "grant phases"
+        );
+        grants
     }
 
     fn build_request(&self, spec: &LoadSpec) -> Result<(LoadRequest, Landed), LoadError> {
@@ -264,11 +279,11 @@ impl Consumer {
         let (respond, answer) = oneshot::channel();
         self.dispatch(
             producer,
-            ConnCmd::Load(LoadCmd {
+            ConnCmd::Load(Box::new(LoadCmd {
                 request,
                 load_key,
                 respond,
-            }),
+            })),
         )
         .await;
         // The connection enforces the load's deadlines; this one guards against its task's loss.

@@ -192,6 +192,23 @@ pub fn load_failure_hint(
     None
 }
 
+/// What `load` prints of a failed load: the error, except for a load refused at once because
+/// the last connect failed moments ago (`earlier`: a load before it failed, and printed why):
+/// that one says so briefly instead of repeating the earlier cause and its advice.
+fn failure_line(error: &LoadError, earlier: bool) -> String {
+    match error {
+        LoadError::Connect {
+            why: ConnectFailure::Unreachable(u),
+            producer,
+            ..
+        } if earlier => format!(
+            "not tried: the last connect to {producer} failed less than {:?} ago (above)",
+            u.retry_interval
+        ),
+        other => other.to_string(),
+    }
+}
+
 /// Whether a connect failed because nothing listens at the producer's address (its message
 /// already asks whether `kvferry serve` runs there), directly or as the cause of a load
 /// refused at once after it.
@@ -476,7 +493,10 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
                 }
             }
             Err(e) => {
-                eprintln!("kvferry load: req-{i}: {e}");
+                eprintln!(
+                    "kvferry load: req-{i}: {}",
+                    failure_line(&e, report.counts.failed > 0)
+                );
                 // Once, at the first failure: the likely cause and the options that fix it.
                 let hint = load_failure_hint(&e, secret.is_some(), args.seed, args.requests);
                 if let (0, Some(h)) = (report.counts.failed, hint) {
@@ -625,9 +645,21 @@ mod tests {
         );
         let after = ConnectFailure::Unreachable(kvferry_p2p::proto::consumer::Unreachable {
             retry_interval: Duration::from_secs(1),
-            why: Box::new(refused),
+            why: Box::new(refused.clone()),
         });
-        assert_eq!(load_failure_hint(&connect(after), false, 1, 1), None);
+        assert_eq!(
+            load_failure_hint(&connect(after.clone()), false, 1, 1),
+            None
+        );
+        // The loads refused at once after it say so briefly, without the cause again.
+        let first = failure_line(&connect(refused.clone()), false);
+        let next = failure_line(&connect(after.clone()), true);
+        assert!(first.contains("kvferry serve"), "{first}");
+        assert!(
+            !next.contains("kvferry serve") && next.contains("not tried"),
+            "{next}"
+        );
+        assert!(failure_line(&connect(after), false).contains("kvferry serve"));
         // A connect that only timed out says nothing of serve: the hint does.
         let timeout = connect(ConnectFailure::Timeout(Duration::from_secs(2)));
         assert!(!timeout.to_string().contains("kvferry serve"));

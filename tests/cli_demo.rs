@@ -599,9 +599,11 @@ fn a_load_with_the_wrong_model_leaves_the_requests_for_a_right_one() {
 #[test]
 fn a_load_with_no_producer_listening_says_the_connection_was_refused() {
     let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    // The second load is refused at once (the connect failed moments ago): it says so
+    // briefly, without the cause and its advice again.
     let out = run_load(
         &addr,
-        &["--model", "tiny", "--requests", "1", "--timeout", "2"],
+        &["--model", "tiny", "--requests", "2", "--timeout", "2"],
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
@@ -611,6 +613,7 @@ fn a_load_with_no_producer_listening_says_the_connection_was_refused() {
     );
     // Once: the message asks it, so no hint line under it asks again.
     assert_eq!(err.matches("kvferry serve").count(), 1, "{err}");
+    assert!(err.contains("req-1: not tried"), "{err}");
 }
 
 /// A producer that starts listening while the load is connecting is still waited for: the

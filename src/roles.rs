@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvferry_checksum::verdict::Verdict;
-use kvferry_p2p::proto::consumer::{ConnectFailure, FailReason};
+use kvferry_p2p::proto::consumer::{ConnectFailure, FailReason, SessionError};
 use kvferry_p2p::{derive_load_key, Consumer, LoadError, LoadSpec, Producer, ReleaseReason};
 use kvferry_transfer::Secret;
 use rand::SeedableRng;
@@ -140,6 +140,10 @@ fn load_key(secret: Option<&Secret>, seed: u64, request_id: &str) -> Result<Stri
 /// block tables from them).
 const SHARED_OPTIONS: &str = "--seed, --requests, --min-tokens/--max-tokens, --model, --layout and --block-size (or --producer-block-size)";
 
+/// The hint for a producer that cannot be reached or does not answer.
+const REACH: &str =
+    "is `kvferry serve` running, and is --producer its --bind address, reachable from here?";
+
 /// The likely cause of a failed load and the options that fix it, from the error (the
 /// producer's reason travels as text, so a producer ERROR is read by its words), this side's
 /// secret mode and seed; `None` when the error names none of the causes below, or already
@@ -150,12 +154,8 @@ pub fn load_failure_hint(
     seed: u64,
     requests: u32,
 ) -> Option<String> {
-    const REACH: &str =
-        "is `kvferry serve` running, and is --producer its --bind address, reachable from here?";
     let words = match error {
-        LoadError::Connect { why, .. } => {
-            return (!refused(why)).then(|| REACH.to_string());
-        }
+        LoadError::Connect { why, .. } => return connect_hint(why),
         LoadError::Failed {
             reason: FailReason::NoReply(_),
             ..
@@ -172,6 +172,13 @@ pub fn load_failure_hint(
             "the producer refused this side's load key, derived from --secret-file: give serve and load the same --secret-file".to_string()
         } else {
             format!("the producer refused this side's load key, derived from --seed {seed} (no --secret-file here): serve runs with another --seed; give both the same")
+        });
+    }
+    if words.contains("does not prove the shared secret") {
+        return Some(if has_secret {
+            "the producer did not accept this side's --secret-file: give serve and load the same secret".to_string()
+        } else {
+            "serve runs with a shared secret: give load the same one (--secret-file or KVFERRY_SECRET_FILE)".to_string()
         });
     }
     if words.contains("load key missing") {
@@ -209,14 +216,18 @@ fn failure_line(error: &LoadError, earlier: bool) -> String {
     }
 }
 
-/// Whether a connect failed because nothing listens at the producer's address (its message
-/// already asks whether `kvferry serve` runs there), directly or as the cause of a load
-/// refused at once after it.
-fn refused(why: &ConnectFailure) -> bool {
+/// The hint for a connect that failed with `why`: none where its message already gives the
+/// advice (nothing listens there: it asks whether `kvferry serve` runs there) or the producer
+/// refused the session in its own words; the secret for a producer that did not prove it
+/// (directly, or as the cause of a load refused at once after it); else where to look.
+fn connect_hint(why: &ConnectFailure) -> Option<String> {
     match why {
-        ConnectFailure::Refused { .. } => true,
-        ConnectFailure::Unreachable(u) => refused(&u.why),
-        _ => false,
+        ConnectFailure::Refused { .. } | ConnectFailure::Session(SessionError::Refused(_)) => None,
+        ConnectFailure::Unreachable(u) => connect_hint(&u.why),
+        ConnectFailure::Session(SessionError::Unproven) => Some(
+            "the producer did not prove this side's --secret-file: serve runs with another secret or none; give both the same --secret-file".to_string(),
+        ),
+        _ => Some(REACH.to_string()),
     }
 }
 
@@ -625,6 +636,15 @@ mod tests {
     }
 
     #[test]
+    fn a_load_without_the_producers_secret_is_told_to_give_it() {
+        let e = producer_error("the request does not prove the shared secret over this session");
+        let hint = load_failure_hint(&e, false, 1, 1).unwrap_or_default();
+        assert!(hint.contains("KVFERRY_SECRET_FILE"), "{hint}");
+        let hint = load_failure_hint(&e, true, 1, 1).unwrap_or_default();
+        assert!(hint.contains("the same secret"), "{hint}");
+    }
+
+    #[test]
     fn a_refused_connect_is_not_given_the_advice_its_message_already_gives() {
         let connect = |why| LoadError::Connect {
             request_id: "req-0".into(),
@@ -660,6 +680,13 @@ mod tests {
             "{next}"
         );
         assert!(failure_line(&connect(after), false).contains("kvferry serve"));
+        // A producer with another secret: the secret, not whether serve runs.
+        let unproven = connect(ConnectFailure::Session(SessionError::Unproven));
+        let hint = load_failure_hint(&unproven, true, 1, 1).unwrap_or_default();
+        assert!(
+            hint.contains("--secret-file") && !hint.contains("running"),
+            "{hint}"
+        );
         // A connect that only timed out says nothing of serve: the hint does.
         let timeout = connect(ConnectFailure::Timeout(Duration::from_secs(2)));
         assert!(!timeout.to_string().contains("kvferry serve"));

@@ -8,6 +8,7 @@ pub mod consumer;
 pub mod heads;
 pub mod layout;
 pub mod msg;
+mod msg_header;
 mod peer_segments;
 pub mod plan;
 pub mod producer;

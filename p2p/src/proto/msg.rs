@@ -5,6 +5,7 @@
 //! ([`MAX_GROUPS`], [`MAX_RANKS`], [`MAX_LAYERS`], [`MAX_BLOCKS`], [`MAX_STRIDES`]) before
 //! its elements are read, so a decoded message holds a small multiple of its bytes.
 
+use super::msg_header::{leading_header, Header};
 use kvferry_transfer::Shared;
 
 use serde::{Deserialize, Serialize};
@@ -423,24 +424,26 @@ impl Reply {
     }
 }
 
-#[derive(Deserialize)]
-struct Header {
-    #[serde(default)]
-    version: Option<u64>,
-    #[serde(default)]
-    kind: Option<String>,
-}
-
-fn check_header(bytes: &[u8], expected: &'static str) -> Result<(), MsgError> {
+/// A message's size checked, then its header read ([`leading_header`], else the whole map)
+/// and its version checked.
+fn header(bytes: &[u8]) -> Result<Header, MsgError> {
     if bytes.len() > MAX_MESSAGE_BYTES {
         return Err(MsgError::TooLarge(bytes.len()));
     }
-    let header: Header = rmp_serde::from_slice(bytes).map_err(MsgError::decode)?;
+    let header: Header = match leading_header(bytes) {
+        Some(h) => h,
+        None => rmp_serde::from_slice(bytes).map_err(MsgError::decode)?,
+    };
     if header.version != Some(PROTOCOL_VERSION as u64) {
         return Err(MsgError::WrongVersion {
             got: header.version,
         });
     }
+    Ok(header)
+}
+
+fn check_header(bytes: &[u8], expected: &'static str) -> Result<(), MsgError> {
+    let header = header(bytes)?;
     if header.kind.as_deref() != Some(expected) {
         return Err(MsgError::WrongKind {
             got: header.kind,
@@ -480,16 +483,28 @@ pub const MAX_NAME_BYTES: usize = 1024;
 /// picks a [`Hello`] (nonce of [`NONCE_BYTES`], names of at most [`MAX_NAME_BYTES`]) or a
 /// transfer request.
 pub fn decode_consumer_message(bytes: &[u8]) -> Result<ConsumerMessage, MsgError> {
-    match check_header(bytes, KIND_HELLO) {
-        Ok(()) => decode_hello(bytes).map(ConsumerMessage::Hello),
-        Err(MsgError::WrongKind { .. }) => decode_request(bytes).map(ConsumerMessage::Request),
-        Err(e) => Err(e),
+    // The header once: each check of it reads the message again.
+    let h = header(bytes)?;
+    match h.kind.as_deref() {
+        Some(KIND_HELLO) => hello_body(bytes).map(ConsumerMessage::Hello),
+        Some(KIND_TRANSFER_REQUEST) => rmp_serde::from_slice(bytes)
+            .map(ConsumerMessage::Request)
+            .map_err(MsgError::decode),
+        _ => Err(MsgError::WrongKind {
+            got: h.kind,
+            expected: KIND_TRANSFER_REQUEST,
+        }),
     }
 }
 
 /// Decodes a `hello`: header first, then a 32-byte nonce and bounded names.
 pub fn decode_hello(bytes: &[u8]) -> Result<Hello, MsgError> {
     check_header(bytes, KIND_HELLO)?;
+    hello_body(bytes)
+}
+
+/// A `hello` whose header was checked: its nonce and names.
+fn hello_body(bytes: &[u8]) -> Result<Hello, MsgError> {
     let h: Hello = rmp_serde::from_slice(bytes).map_err(MsgError::decode)?;
     let max = MAX_NAME_BYTES;
     if h.nonce.len() != NONCE_BYTES || h.producer.len() > max || h.consumer.len() > max {

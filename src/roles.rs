@@ -184,11 +184,7 @@ pub fn load_failure_hint(
     if words.contains("load key missing") {
         return Some("the producer's lease needs a load key this side did not send".to_string());
     }
-    if words.contains("consumer expects producer block")
-        || words.contains("differ: producer")
-        // A group the producer never published: the sides' models (groups) differ.
-        || words.contains("was not published")
-    {
+    if options_differ(error) {
         return Some(format!(
             "serve and load replay different prompts: they must be given the same {SHARED_OPTIONS} (this side: --seed {seed} --requests {requests})"
         ));
@@ -214,6 +210,25 @@ fn failure_line(error: &LoadError, earlier: bool) -> String {
         ),
         other => other.to_string(),
     }
+}
+
+/// Whether the producer refused a load because the two sides replay different prompts or
+/// models from their options (a block table or a group that does not match the lease): then
+/// every other request of the run is refused the same way.
+fn options_differ(error: &LoadError) -> bool {
+    let LoadError::Failed {
+        reason: FailReason::Producer(words),
+        ..
+    } = error
+    else {
+        return false;
+    };
+    let words = words.as_str();
+    words.contains("consumer expects producer block")
+        || words.contains("differ: producer")
+        // A group the producer never published: the sides' models (groups) differ. (A
+        // request not published in time is another matter: serve may be slower.)
+        || (words.contains("group ") && words.contains(" was not published") && !words.contains("in time"))
 }
 
 /// The hint for a connect that failed with `why`: none where its message already gives the
@@ -514,6 +529,14 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
                     eprintln!("kvferry load: {h}");
                 }
                 report.counts.failed += 1;
+                // The rest would be refused the same way, each after its wait for a publish
+                // where serve has fewer requests: counted failed, not tried.
+                let rest = args.requests - i as u32 - 1;
+                if options_differ(&e) && rest > 0 {
+                    eprintln!("kvferry load: the other {rest} requests not tried: the producer would refuse them the same way");
+                    report.counts.failed += rest;
+                    break;
+                }
             }
         }
     }
@@ -633,6 +656,20 @@ mod tests {
             hint.contains("replay different prompts") && hint.contains("--model"),
             "{hint}"
         );
+    }
+
+    #[test]
+    fn only_a_refusal_for_other_prompts_says_the_options_differ() {
+        for words in [
+            "request refused, nothing written: group 1 was not published",
+            "request refused, nothing written: group 0 position 0: consumer expects producer block 4, the producer holds block 5",
+        ] {
+            assert!(options_differ(&producer_error(words)), "{words}");
+        }
+        // Serve may only be slower: the other requests may still come.
+        let late = "request \"req-4\" was not published in time (publish wait 30s or the consumer's budget)";
+        assert!(!options_differ(&producer_error(late)));
+        assert!(!options_differ(&producer_error("lease expired after 120s")));
     }
 
     #[test]

@@ -594,6 +594,26 @@ fn a_load_with_the_wrong_model_leaves_the_requests_for_a_right_one() {
     assert!(err.contains("2 loads served, 0 failed"), "{err}");
 }
 
+/// A load whose options replay other prompts than serve's (here: more requests) stops at the
+/// first refusal instead of waiting for each request serve never published.
+#[test]
+fn a_load_with_other_prompts_stops_at_the_first_refusal() {
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let common = ["--model", "tiny", "--max-tokens", "100", "--timeout", "6"];
+    let _server = spawn_serve(&addr, &[&common[..], &["--requests", "2"]].concat());
+    let out = run_load(&addr, &[&common[..], &["--requests", "4"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("replay different prompts")
+            && err.contains("the other 3 requests not tried")
+            && !err.contains("req-1:"),
+        "{err}"
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(n(&r, "failed"), 4, "{r}");
+}
+
 /// A load against a port where nothing listens says the connection was refused and asks
 /// whether serve runs there (once), instead of only that connecting timed out.
 #[test]

@@ -189,6 +189,15 @@ pub fn load_failure_hint(
             "serve and load replay different prompts: they must be given the same {SHARED_OPTIONS} (this side: --seed {seed} --requests {requests})"
         ));
     }
+    if words.contains("already loaded") {
+        return Some(
+            "serve serves each request once: restart `kvferry serve` to load them again"
+                .to_string(),
+        );
+    }
+    if words.contains("lease expired") {
+        return Some("serve holds each request for its --lease (120 s by default) and frees it then: start load sooner, or give serve a longer --lease".to_string());
+    }
     if words.contains("consumer's budget leaves less than") {
         return Some("load's --timeout leaves the producer less than its transfer deadline (half of serve's --timeout): give both the same --timeout".to_string());
     }
@@ -670,6 +679,17 @@ mod tests {
         let late = "request \"req-4\" was not published in time (publish wait 30s or the consumer's budget)";
         assert!(!options_differ(&producer_error(late)));
         assert!(!options_differ(&producer_error("lease expired after 120s")));
+    }
+
+    #[test]
+    fn a_load_of_requests_already_served_or_expired_is_told_why() {
+        let again = producer_error("request \"req-0\": already loaded (KV is never fetched twice)");
+        let hint = load_failure_hint(&again, false, 1, 1).unwrap_or_default();
+        assert!(hint.contains("restart `kvferry serve`"), "{hint}");
+        let late =
+            producer_error("request \"req-0\": lease expired after 120s; its blocks were freed");
+        let hint = load_failure_hint(&late, false, 1, 1).unwrap_or_default();
+        assert!(hint.contains("--lease"), "{hint}");
     }
 
     #[test]

@@ -119,6 +119,30 @@ impl fmt::Display for Denied {
     }
 }
 
+/// The end of the grant range `(addr, len)`. Errors: `BadGrantRange` for len 0 or a wrap.
+fn range_end(addr: u64, len: u64) -> Result<u64> {
+    addr.checked_add(len)
+        .filter(|_| len > 0)
+        .ok_or_else(|| ArgumentError::BadGrantRange { addr, len }.into())
+}
+
+/// `ranges` (`(addr, len)`) as sorted, merged, disjoint `[start, end)` in one pass when their
+/// starts ascend (as a load's grant lists them: layer by layer, each part's blocks in order),
+/// with no copy and no sort; `None` as soon as one start is below the one before (the caller
+/// sorts then). Errors: `BadGrantRange` for a range of len 0 or one that wraps.
+fn merge_ascending(ranges: &[(u64, u64)]) -> Result<Option<Vec<(u64, u64)>>> {
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for &(a, l) in ranges {
+        let e = range_end(a, l)?;
+        match merged.last_mut() {
+            Some(m) if a < m.0 => return Ok(None),
+            Some(m) if a <= m.1 => m.1 = m.1.max(e),
+            _ => merged.push((a, e)),
+        }
+    }
+    Ok(Some(merged))
+}
+
 /// The grants of one engine, shared by the engine (which makes them) and its transport
 /// (which checks every frame).
 #[derive(Default)]
@@ -135,24 +159,26 @@ impl GrantTable {
             }
             .into());
         }
-        let mut r: Vec<(u64, u64)> = Vec::with_capacity(spec.ranges.len());
-        for &(a, l) in &spec.ranges {
-            let end = a
-                .checked_add(l)
-                .filter(|_| l > 0)
-                .ok_or(ArgumentError::BadGrantRange { addr: a, len: l })?;
-            r.push((a, end));
-        }
-        // Stable sort: it merges the ascending runs callers usually pass (per layer, per part)
-        // in about linear time, where an unstable sort would sort them anew.
-        r.sort();
-        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(r.len());
-        for (a, e) in r {
-            match merged.last_mut() {
-                Some(m) if a <= m.1 => m.1 = m.1.max(e),
-                _ => merged.push((a, e)),
+        let merged = match merge_ascending(&spec.ranges)? {
+            Some(m) => m,
+            None => {
+                let mut r: Vec<(u64, u64)> = Vec::with_capacity(spec.ranges.len());
+                for &(a, l) in &spec.ranges {
+                    r.push((a, range_end(a, l)?));
+                }
+                // Stable sort: it merges the ascending runs callers usually pass (per layer,
+                // per part) in about linear time, where an unstable sort would sort them anew.
+                r.sort();
+                let mut merged: Vec<(u64, u64)> = Vec::with_capacity(r.len());
+                for (a, e) in r {
+                    match merged.last_mut() {
+                        Some(m) if a <= m.1 => m.1 = m.1.max(e),
+                        _ => merged.push((a, e)),
+                    }
+                }
+                merged
             }
-        }
+        };
         let now = Instant::now();
         let g = Grant {
             ops: spec.ops,
@@ -576,6 +602,49 @@ mod tests {
         )
         .unwrap();
         (t, g)
+    }
+
+    #[test]
+    fn ascending_and_shuffled_ranges_make_the_same_grant() {
+        // Touching, overlapping, nested and apart, ascending by start.
+        let asc = vec![
+            (100, 50),
+            (150, 10),
+            (155, 20),
+            (160, 2),
+            (300, 10),
+            (400, 1),
+        ];
+        let want = vec![(100, 175), (300, 310), (400, 401)];
+        assert_eq!(merge_ascending(&asc).unwrap(), Some(want.clone()));
+        let mut shuffled = asc.clone();
+        shuffled.swap(0, 4);
+        // A start below the one before: left to the sorting path, which merges alike.
+        assert_eq!(merge_ascending(&shuffled).unwrap(), None);
+        let tok = Token([7; 16]);
+        for ranges in [asc, shuffled] {
+            let (t, _g) = table_with(ranges, GrantOps::WRITE, Duration::from_secs(60));
+            let g = t.map.read_locked().get(&tok).cloned().unwrap();
+            assert_eq!(g.ranges, want);
+        }
+        // Bad ranges are refused on either path.
+        for bad in [
+            vec![(100, 0)],
+            vec![(5, 1), (u64::MAX, 2)],
+            vec![(9, 1), (5, 0)],
+        ] {
+            assert!(
+                GrantTable::default()
+                    .insert(GrantSpec {
+                        token: tok,
+                        ops: GrantOps::WRITE,
+                        ranges: bad.clone(),
+                        ttl: Duration::from_secs(1),
+                    })
+                    .is_err(),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

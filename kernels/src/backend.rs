@@ -55,6 +55,68 @@ pub struct GroupResult {
     pub values: BTreeMap<ReplicaKey, Vec<u64>>,
 }
 
+/// Why [`GroupResult::absorb`] refused a part: it is not of the same group's same blocks.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error(
+    "a partial result of group {part_group} from position {part_start} ({part_len} values) \
+     does not add to group {group} from position {start} ({len} values)"
+)]
+pub struct PartMismatch {
+    /// The result's group id.
+    pub group: u32,
+    /// The result's first position.
+    pub start: u64,
+    /// The result's values per key (0 when it has no key yet).
+    pub len: usize,
+    /// The part's group id.
+    pub part_group: u32,
+    /// The part's first position.
+    pub part_start: u64,
+    /// The part's values of the first key whose length differs (else of its first key).
+    pub part_len: usize,
+}
+
+impl GroupResult {
+    /// Adds `part`, the result of the same group's same blocks over other layers, into this
+    /// one: a group's value per replica key and position is the sum of its layers' (mod 2^64),
+    /// so the results of a group's layers split in parts add up to the result over all of
+    /// them, bit for bit (what checking each layer group as its copies land relies on). Keys
+    /// only in `part` are taken as they are. Errors: [`PartMismatch`] when the group, the
+    /// first position or the number of values differ; `self` is unchanged then.
+    pub fn absorb(&mut self, part: GroupResult) -> Result<(), PartMismatch> {
+        let len = self.values.values().next().map_or(0, Vec::len);
+        let other_len = part.values.values().map(Vec::len).find(|&n| n != len);
+        if part.group_id != self.group_id
+            || part.start != self.start
+            || (len != 0 && other_len.is_some())
+        {
+            return Err(PartMismatch {
+                group: self.group_id,
+                start: self.start,
+                len,
+                part_group: part.group_id,
+                part_start: part.start,
+                part_len: other_len
+                    .or_else(|| part.values.values().next().map(Vec::len))
+                    .unwrap_or(0),
+            });
+        }
+        for (key, values) in part.values {
+            match self.values.get_mut(&key) {
+                Some(mine) => {
+                    for (a, b) in mine.iter_mut().zip(values) {
+                        *a = a.wrapping_add(b);
+                    }
+                }
+                None => {
+                    self.values.insert(key, values);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Errors of a backend.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum KernelError {

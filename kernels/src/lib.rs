@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 pub use backend::{
     validate_job, ChecksumBackend, GroupJob, GroupResult, JobFault, KernelError, LayerInput,
-    Location, Pending, PendingChecksums,
+    Location, PartMismatch, Pending, PendingChecksums,
 };
 pub use cpu::CpuBackend;
 

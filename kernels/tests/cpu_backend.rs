@@ -1,6 +1,7 @@
 //! The CPU backend (docs/design.md §5): results equal the direct form of §2.1 summed per replica key,
 //! for several layers, layouts and thread counts; bad jobs are refused before any byte is read;
-//! poll/wait behave; `backend_for` never panics.
+//! poll/wait behave; `backend_for` never panics; a group's layers checked in parts add up to the
+//! result over all of them.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -115,6 +116,54 @@ fn results_equal_the_direct_form_for_any_thread_count() {
         assert_eq!(results[0].values, want, "threads {threads}");
         assert_eq!(results[1].values, expected(&layers[..1], &sel, 55));
     }
+}
+
+#[test]
+fn a_groups_layers_checked_in_parts_add_up_to_the_whole_bit_for_bit() {
+    let layers = model();
+    let sel = BlockSelection {
+        start: 2,
+        block_ids: vec![4, 1, 0],
+    };
+    let backend = CpuBackend::new(2);
+    let run = |part: &[Layer]| {
+        // SAFETY: `layers` outlives the wait.
+        let pending = unsafe { backend.submit(vec![job(part, sel.clone(), 40)]) }.unwrap();
+        pending.wait(Duration::from_secs(60)).unwrap().remove(0)
+    };
+    let whole = run(&layers);
+    // Every split in two, and one in three: the parts' keys differ (layers 2 and 4 are
+    // replicated, the others not), so keys are both added and taken over.
+    let splits: [&[usize]; 5] = [&[1], &[2], &[3], &[4], &[1, 3]];
+    for cuts in splits {
+        let mut bounds = vec![0];
+        bounds.extend_from_slice(cuts);
+        bounds.push(layers.len());
+        let mut sum = run(&layers[bounds[0]..bounds[1]]);
+        for w in bounds[1..].windows(2) {
+            sum.absorb(run(&layers[w[0]..w[1]])).unwrap();
+        }
+        assert_eq!(sum, whole, "layers cut at {cuts:?}");
+    }
+    // A part of other blocks is refused, and the result stays as it was.
+    let mut first = run(&layers[..2]);
+    let kept = first.clone();
+    let mut other = run(&layers[2..]);
+    other.start += 1;
+    let e = first.absorb(other).unwrap_err();
+    assert_eq!((e.start, e.part_start), (2, 3));
+    assert_eq!(first, kept);
+    let mut short = run(&layers[2..]);
+    short.values.values_mut().for_each(|v| {
+        v.pop();
+    });
+    let e = first.absorb(short).unwrap_err();
+    assert_eq!((e.len, e.part_len), (3, 2));
+    assert_eq!(first, kept);
+    let mut group = run(&layers[2..]);
+    group.group_id += 1;
+    assert!(first.absorb(group).is_err());
+    assert_eq!(first, kept);
 }
 
 #[test]

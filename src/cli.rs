@@ -265,8 +265,9 @@ pub struct DemoArgs {
     /// (the next one starts as one ends), as a decode instance loads the requests it
     /// schedules; the reported GB/s is the bytes over the wall time of these loads, and 1
     /// loads one request at a time (each load's latency alone). Default 4, as the transfer
-    /// engine's bench keeps 4 batches in flight. Each side holds blocks for twice this many
-    /// of the largest requests.
+    /// engine's bench keeps 4 batches in flight. Each side holds blocks for this many of the
+    /// largest requests (twice this many with `--device cuda`, so that a stage holds more
+    /// requests than the window), never more than all the requests need.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub in_flight: u32,
     /// TP ranks of the producer (prefill).

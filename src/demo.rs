@@ -79,7 +79,7 @@ struct Request {
 /// Runs the demo and returns its report (the tests use this).
 ///
 /// Requests go in stages: the producer fills and publishes as many requests as both sides'
-/// block pools hold (each pool holds twice `--in-flight` of the largest requests), then the
+/// block pools hold (`--in-flight` of the largest requests, twice that with `--device cuda`), then the
 /// consumer loads them keeping `--in-flight` loads in flight (each on its own task, the next
 /// one started as one ends), then each outcome is checked and the blocks are freed. The load
 /// phase's time is the sum of the stages' wall times.
@@ -91,7 +91,13 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     let pbs = args.prefill_block_size.unwrap_or(c.block_size);
     let cbs = args.decode_block_size.unwrap_or(c.block_size);
     let in_flight = args.in_flight.clamp(1, args.requests.max(1));
-    let num_blocks = |bs: u64| pool_blocks(&lengths, bs, in_flight);
+    // Stages of more requests than the window where the KV is on a GPU; host memory keeps
+    // the pools it had (a stage then holds the window's worth of the largest requests).
+    let slots = match c.device {
+        DeviceArg::Cuda => 2 * in_flight,
+        DeviceArg::Cpu => in_flight,
+    };
+    let num_blocks = |bs: u64| pool_blocks(&lengths, bs, slots);
     let engine_cfg = engine_config(c, "127.0.0.1")?;
     let side = |tp, pp, bs, gpu| side_config(c, model.clone(), (tp, pp), bs, num_blocks(bs), gpu);
     // Name the side: the sizes and the layout checks are per side.
@@ -374,19 +380,18 @@ async fn load_window(
         .collect()
 }
 
-/// Blocks of a side's pool for requests of `lengths` tokens in blocks of `block_size`, loaded
-/// `in_flight` at a time: twice the requests in flight (at least two, as serial loads always
-/// had) of the largest, so that a stage holds more requests than the window and loads go on
-/// sliding while the stage's first ones end (the window drains once per stage); never more
-/// than all the requests together; plus one. Saturating: a count past u64 (huge
-/// `--max-tokens`) is refused as too large by the side's layout, not wrapped to a small pool
-/// that runs out mid-run.
-fn pool_blocks(lengths: &[u64], block_size: u64, in_flight: u32) -> u64 {
+/// Blocks of a side's pool for requests of `lengths` tokens in blocks of `block_size`: room
+/// for `slots` (at least two, as serial loads always had) of the largest, never more than all
+/// the requests together, plus one. With twice the loads in flight, a stage holds more requests
+/// than the window, so loads go on sliding while the stage's first ones end (the window
+/// drains once per stage). Saturating: a count past u64 (huge `--max-tokens`) is refused as
+/// too large by the side's layout, not wrapped to a small pool that runs out mid-run.
+fn pool_blocks(lengths: &[u64], block_size: u64, slots: u32) -> u64 {
     let blocks = lengths.iter().map(|&t| t.div_ceil(block_size));
     let largest = blocks.clone().max().unwrap_or(1);
     let all = blocks.fold(0u64, u64::saturating_add).max(largest);
     largest
-        .saturating_mul(u64::from((2 * in_flight).max(2)))
+        .saturating_mul(u64::from(slots.max(2)))
         .min(all)
         .saturating_add(1)
 }
@@ -591,15 +596,15 @@ mod tests {
     }
 
     #[test]
-    fn a_pool_holds_twice_the_window_of_the_largest_requests_but_never_more_than_all() {
+    fn a_pool_holds_its_slots_of_the_largest_requests_but_never_more_than_all() {
         // Largest request 4 blocks of 16 tokens; all six together 16 blocks.
         let lengths = [64, 20, 33, 16, 50, 17];
-        assert_eq!(pool_blocks(&lengths, 16, 1), 4 * 2 + 1);
-        assert_eq!(pool_blocks(&lengths, 16, 1), pool_blocks(&lengths, 16, 0));
-        // Twice 3 in flight would be 24 blocks: all the requests need only 16.
-        assert_eq!(pool_blocks(&lengths, 16, 3), 16 + 1);
-        assert_eq!(pool_blocks(&[64], 16, 8), 4 + 1);
-        assert_eq!(pool_blocks(&[u64::MAX, u64::MAX], 1, 64), u64::MAX);
+        assert_eq!(pool_blocks(&lengths, 16, 2), 4 * 2 + 1);
+        assert_eq!(pool_blocks(&lengths, 16, 1), pool_blocks(&lengths, 16, 2));
+        // 6 slots would be 24 blocks: all the requests need only 16.
+        assert_eq!(pool_blocks(&lengths, 16, 6), 16 + 1);
+        assert_eq!(pool_blocks(&[64], 16, 16), 4 + 1);
+        assert_eq!(pool_blocks(&[u64::MAX, u64::MAX], 1, 128), u64::MAX);
     }
 
     #[test]

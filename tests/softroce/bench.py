@@ -88,11 +88,14 @@ def batch_for(a, size):
 
 def split(a, size, inflight):
     """(requests per submitted batch, submitting threads) at `size` with `inflight` batches in
-    flight: the batch of `batch_for` split into that many, so that at most its requests are in
-    flight together."""
+    flight: the batch of `batch_for` split into that many. Every thread submits as many
+    requests (`kvferry bench --batch` and Mooncake's points take one count for all), so an
+    uneven batch rounds up, as ib_write_bw's depth per QP does: 2 x 3 for a batch of 5, never
+    2 x 2 with a request dropped; fewer threads where the last would add none."""
     batch = batch_for(a, size)
-    threads = max(1, min(inflight, batch))
-    return batch // threads, threads
+    per = -(-batch // max(1, min(inflight, batch)))
+    # no thread with nothing to add: a batch of 4 in 3 goes as 2 x 2
+    return per, -(-batch // per)
 
 
 def ib_point(a, size, log):
@@ -197,7 +200,24 @@ def fmt(s, digits=4):
     return f"{s[0]:.{digits}f} ({s[1]:.{digits}f}-{s[2]:.{digits}f})"
 
 
+def self_test():
+    """Checks of the bench's own arithmetic (`bench.py --self-test`, run by suite.sh before the
+    bench): every request of a batch is submitted, however it splits."""
+    for batch in range(1, 40):
+        for inflight in range(1, 5):
+            a = argparse.Namespace(batch=batch, batch_bytes=1 << 40)
+            per, threads = split(a, 1, inflight)
+            assert per * threads >= batch, (batch, inflight, per, threads)
+            assert per * (threads - 1) < batch, (batch, inflight, per, threads)
+    assert split(argparse.Namespace(batch=5, batch_bytes=1 << 40), 1, 2) == (3, 2)
+    assert split(argparse.Namespace(batch=128, batch_bytes=32 * MIB), 4 * MIB, 2) == (4, 2)
+    print("bench.py self-test: ok")
+
+
 def main():
+    if sys.argv[1:] == ["--self-test"]:
+        self_test()
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--kvferry", required=True)

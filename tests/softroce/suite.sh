@@ -163,6 +163,7 @@ else
     elif [ "$b_rounds" = 0 ]; then
         RESULTS+=("SKIP bench (SOFTROCE_BENCH=${SOFTROCE_BENCH})")
     else
+        step bench-self-test python3 "$SOFTROCE_SCRIPT_DIR/bench.py" --self-test
         mc=()
         [ -n "${SOFTROCE_MOONCAKE_PY:-}" ] && mc=(--mooncake-python "$SOFTROCE_MOONCAKE_PY")
         STEP_TIMEOUT=${SOFTROCE_BENCH_TIMEOUT:-$b_timeout} step bench python3 "$SOFTROCE_SCRIPT_DIR/bench.py" \

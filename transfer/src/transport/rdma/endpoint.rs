@@ -202,6 +202,21 @@ impl Endpoint {
         Some(drained)
     }
 
+    /// The QP one pump puts its work requests on (`home_qp`), `None` to spread them round
+    /// robin: see `home_qp`.
+    pub fn home_qp(&self) -> Option<usize> {
+        let loads: Vec<usize> = self
+            .qps
+            .iter()
+            .map(|q| q.outstanding.load(Ordering::Acquire))
+            .collect();
+        home_qp(
+            &loads,
+            self.next_qp.fetch_add(1, Ordering::Relaxed),
+            self.max_wr,
+        )
+    }
+
     /// A QP index with room for one more work request, round robin.
     pub fn pick_qp(&self) -> Option<usize> {
         let n = self.qps.len();
@@ -212,9 +227,52 @@ impl Endpoint {
     }
 }
 
+/// The QP a pump (one submission's slices, or what waited for room) puts its work requests
+/// on, given the work requests outstanding per QP (`loads`), a rotating `start` and the room
+/// per QP (`max_wr`): `None` (spread round robin) when every QP is idle, so a lone batch uses
+/// them all; else the least loaded QP with room (ties: the first from `start` on), so that
+/// batches in flight together go to different QPs instead of each spreading over all of them.
+/// Why: a batch spread over every QP couples the submitters: each waits for the others' work
+/// on every QP (and on soft-RoCE the protocol runs inside `ibv_post_send`, on whichever thread
+/// posts to a busy QP first). `None` as well when no QP has room (the pump then finds none).
+pub(super) fn home_qp(loads: &[usize], start: usize, max_wr: usize) -> Option<usize> {
+    if loads.iter().all(|&l| l == 0) {
+        return None;
+    }
+    let n = loads.len();
+    (0..n)
+        .map(|k| (start + k) % n)
+        .filter(|&i| loads[i] < max_wr)
+        .min_by_key(|&i| loads[i])
+}
+
 /// An endpoint cache entry (`Shared::endpoints`): slices waiting while the connect thread sets
 /// the endpoint up, or the endpoint.
 pub(super) enum Slot {
     Connecting(Vec<Work>),
     Ready(Arc<Endpoint>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::home_qp;
+
+    #[test]
+    fn a_pump_spreads_over_idle_qps_and_keeps_to_the_least_loaded_one_otherwise() {
+        // an idle endpoint: a lone batch is spread over every QP
+        assert_eq!(home_qp(&[0, 0], 0, 256), None);
+        assert_eq!(home_qp(&[0, 0, 0, 0], 7, 256), None);
+        // another batch in flight: the new one goes to the QP it does not load
+        assert_eq!(home_qp(&[32, 0], 0, 256), Some(1));
+        assert_eq!(home_qp(&[0, 32], 1, 256), Some(0));
+        // spread over both already: the least loaded one
+        assert_eq!(home_qp(&[20, 12], 0, 256), Some(1));
+        // ties go round robin from `start`
+        assert_eq!(home_qp(&[5, 5, 9], 0, 256), Some(0));
+        assert_eq!(home_qp(&[5, 5, 9], 1, 256), Some(1));
+        assert_eq!(home_qp(&[5, 5, 9], 2, 256), Some(0));
+        // a full QP is never the home, however loaded the others are
+        assert_eq!(home_qp(&[256, 300], 0, 256), None);
+        assert_eq!(home_qp(&[1, 256], 1, 256), Some(0));
+    }
 }

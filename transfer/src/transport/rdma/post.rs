@@ -2,10 +2,13 @@
 //! the device's CQ have room (the lkey and rkey lookups, the staged-mirror translation, and the
 //! refusal of slices that cannot be posted). Consecutive slices that continue each other on both
 //! sides go out as one work request of up to `RdmaConfig::merge_bytes` (each slice is still
-//! completed and retried on its own); the work requests of one pump are spread round robin over
-//! the endpoint's QPs and posted per QP as chained lists of up to `RdmaConfig::post_chain`
-//! (one `ibv_post_send`, one doorbell, per list), of which only the last work request is
-//! signalled (the completion thread finishes the ones before it with it, `Qp::sent`).
+//! completed and retried on its own); the work requests of one pump go to one QP, the least
+//! loaded, while other work is in flight on the endpoint, and are spread round robin over its
+//! QPs when it is idle (`endpoint::home_qp` says why), and are posted per QP as chained lists of
+//! up to `RdmaConfig::post_chain` (one `ibv_post_send`, one doorbell, per list), of which only
+//! the last work request is signalled (the completion thread finishes the ones before it with
+//! it, `Qp::sent`). The lists are built under the endpoint's pending lock and posted after it
+//! is released.
 
 use crate::sync::MutexExt;
 use std::collections::VecDeque;
@@ -42,13 +45,18 @@ impl Shared {
     /// failed post retires the endpoint (its unposted slices go back to the front of the queue).
     pub(super) fn pump(self: &Arc<Self>, ep: &Arc<Endpoint>) {
         let mut refused: Vec<(Vec<Work>, TransferError)> = Vec::new();
-        let mut broke = None;
         let limit = self.config.post_chain.max(1);
+        // Chains are built under the pending lock and posted after it is released: a post can
+        // take long (soft-RoCE runs the protocol inside `ibv_post_send`), and the lock is what
+        // the other submitters and the completion thread (`waiting_endpoints`) wait on.
+        let mut ready: Vec<(usize, Chain)> = Vec::new();
         {
             let mut pending = ep.lock_pending();
+            let home = ep.home_qp();
             let mut chains: Vec<Chain> = ep.qps.iter().map(|_| Vec::new()).collect();
             while !ep.is_broken() && !pending.is_empty() {
-                let Some((qi, works, len)) = take_run(ep, &mut pending, self.config.merge_bytes)
+                let Some((qi, works, len)) =
+                    take_run(ep, &mut pending, self.config.merge_bytes, home)
                 else {
                     break;
                 };
@@ -62,22 +70,22 @@ impl Shared {
                 };
                 chains[qi].push(in_flight(self, ep, qi, works, len, wr));
                 if chains[qi].len() >= limit {
-                    let chain = std::mem::take(&mut chains[qi]);
-                    if let Some(reason) = post_chain(self, ep, qi, chain, &mut pending) {
-                        broke = Some(reason);
-                        break;
-                    }
+                    ready.push((qi, std::mem::take(&mut chains[qi])));
                 }
             }
-            for (qi, chain) in chains.into_iter().enumerate() {
-                if chain.is_empty() {
-                    continue;
-                }
-                if broke.is_some() {
-                    unpost(self, ep, qi, &chain, &mut pending);
-                } else if let Some(reason) = post_chain(self, ep, qi, chain, &mut pending) {
-                    broke = Some(reason);
-                }
+            ready.extend(
+                chains
+                    .into_iter()
+                    .enumerate()
+                    .filter(|(_, c)| !c.is_empty()),
+            );
+        }
+        let mut broke = None;
+        for (qi, chain) in ready {
+            if broke.is_some() {
+                unpost(self, ep, qi, &chain, &mut ep.lock_pending());
+            } else if let Some(reason) = post_chain(self, ep, qi, chain) {
+                broke = Some(reason);
             }
         }
         for (ws, e) in refused {
@@ -160,16 +168,21 @@ impl Shared {
     }
 }
 
-/// Room for one more work request on `ep` (a QP below `max_wr`, reserved, and a CQ credit of
-/// its device, taken) and the next run of pending slices: the first one and those after it
-/// that continue it (`continues`) within `merge_bytes` in all. Returns (QP index, slices,
-/// bytes); `None` (nothing taken or reserved) when room or slices are missing.
+/// Room for one more work request on `ep` (a QP below `max_wr`: `home` while it has room,
+/// else the next one round robin; reserved, and a CQ credit of its device, taken) and the next
+/// run of pending slices: the first one and those after it that continue it (`continues`)
+/// within `merge_bytes` in all. Returns (QP index, slices, bytes); `None` (nothing taken or
+/// reserved) when room or slices are missing.
 fn take_run(
     ep: &Endpoint,
     pending: &mut VecDeque<Work>,
     merge_bytes: u64,
+    home: Option<usize>,
 ) -> Option<(usize, Vec<Work>, u64)> {
-    let qi = ep.pick_qp()?;
+    let qi = match home {
+        Some(h) if ep.qps[h].outstanding.load(Ordering::Acquire) < ep.max_wr => h,
+        _ => ep.pick_qp()?,
+    };
     if pending.is_empty() || !ep.dev.take_credit() {
         return None;
     }
@@ -262,18 +275,12 @@ fn in_flight(
 /// Posts `chain` on QP `qi` of `ep` in one call, only its last work request signalled, counting
 /// the work requests posted in `s.posted`. Returns `None`
 /// when all of it was posted; when the provider refused an entry, the entries from it on leave
-/// the in-flight table, their slices go back to the front of `pending`, and the reason the
+/// the in-flight table, their slices go back to the front of `ep`'s pending queue, and the reason the
 /// endpoint broke (for `endpoint_failed`) is returned. The entries posted before the refused
 /// one carry no signal: they may complete without a work completion, so they are taken back
 /// too (their slices retried: a WRITE or READ moved twice moves the same bytes), their memory
 /// regions kept until the endpoint goes (`Endpoint::retired`).
-fn post_chain(
-    s: &Shared,
-    ep: &Arc<Endpoint>,
-    qi: usize,
-    chain: Chain,
-    pending: &mut VecDeque<Work>,
-) -> Option<EndpointFailure> {
+fn post_chain(s: &Shared, ep: &Arc<Endpoint>, qi: usize, chain: Chain) -> Option<EndpointFailure> {
     let q = &ep.qps[qi];
     let mut wrs: Vec<RawWr> = chain.iter().map(|(_, w)| *w).collect();
     if let Some(last) = wrs.last_mut() {
@@ -309,7 +316,7 @@ fn post_chain(
             }
         }
     }
-    unpost(s, ep, qi, &chain, pending);
+    unpost(s, ep, qi, &chain, &mut ep.lock_pending());
     Some(EndpointFailure::Post(IoError::new(
         format_args!(
             "post on {} QP {:#x} to {}",

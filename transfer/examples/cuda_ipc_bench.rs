@@ -158,7 +158,7 @@ fn main() {
     let legacy = OpenedLegacy::open(&ctx, &LegacyHandle(h)).unwrap();
     let mut t = [0u8; 16];
     t.copy_from_slice(&unhex(w[2]));
-    let (fd, vsize) = fetch(w[1], &t, "child").unwrap();
+    let (fd, vsize) = fetch(w[1], &t, "child", None).unwrap();
     assert_eq!(vsize, w[3].parse::<u64>().unwrap());
     let vmm = ImportedVmm::import(&ctx, &fd, vsize).unwrap();
     let src = DeviceBuffer::new(&ctx, 2 * max).unwrap();

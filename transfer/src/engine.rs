@@ -299,7 +299,7 @@ impl TransferEngine {
         check_segment_name(name)?;
         let descriptor = match self.peers.get(name) {
             Some(d) => d,
-            None => self.peers.fetch(name, token.as_ref())?,
+            None => self.peers.fetch(name, token.as_ref(), true)?,
         };
         Ok(SegmentHandle { descriptor, token })
     }
@@ -309,7 +309,7 @@ impl TransferEngine {
     pub fn refresh_segment(&self, name: &str) -> Result<SegmentHandle> {
         check_segment_name(name)?;
         Ok(SegmentHandle {
-            descriptor: self.peers.fetch(name, None)?,
+            descriptor: self.peers.fetch(name, None, true)?,
             token: None,
         })
     }
@@ -352,7 +352,10 @@ impl TransferEngine {
             Ok(c) => c,
             Err(_) => {
                 check_segment_name(target.name())?;
-                desc = self.peers.fetch(target.name(), target.token.as_ref())?;
+                // No warm-up here: a submit returns at once; its post imports what it needs.
+                desc = self
+                    .peers
+                    .fetch(target.name(), target.token.as_ref(), false)?;
                 desc.remote_covers(requests)?
             }
         };

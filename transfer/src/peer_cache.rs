@@ -93,12 +93,16 @@ impl PeerCache {
 
     /// Fetches `name`'s descriptor by a handshake (within the handshake timeout; presenting
     /// this engine's secret proof or `token`, `crate::auth`), validates and caches it. A new
-    /// instance id drops the transport's connections to the old instance.
+    /// instance id drops the transport's connections to the old instance. With `warm`, what
+    /// the first transfer would set up (`Transport::warm_up`, within one handshake timeout)
+    /// is set up before it returns; callers that must return at once (a submit's re-fetch, a
+    /// batch's retry) pass `false` and leave it to the transfer.
     /// Errors: `Handshake` when the peer cannot be reached or answers badly.
     pub(crate) fn fetch(
         &self,
         name: &str,
         token: Option<&Token>,
+        warm: bool,
     ) -> Result<Arc<SegmentDescriptor>> {
         let body = handshake::request_with(
             name,
@@ -141,6 +145,9 @@ impl PeerCache {
         }
         // What the first transfer would set up (CUDA IPC imports) is set up now, outside the
         // cache's lock; a failure leaves it to that transfer.
+        if !warm {
+            return Ok(d);
+        }
         if let Err(e) = self.transport.warm_up(&d) {
             tracing::warn!(
                 segment = name,
@@ -253,7 +260,7 @@ impl Inner {
             segment = %self.name,
             "a slice failed on the peer's connection; fetching its descriptor again"
         );
-        let d = self.cache.fetch(&self.name, self.token.as_ref());
+        let d = self.cache.fetch(&self.name, self.token.as_ref(), false);
         if d.is_err() {
             // the peer is gone: drop what we hold for it now, not after the idle timeout
             self.cache.forget(&self.name);

@@ -200,7 +200,7 @@ fn child_importer() {
                 let (name, t) = how.rsplit_once(':').unwrap();
                 let mut ticket = [0u8; 16];
                 ticket.copy_from_slice(&unhex(t));
-                match fetch(name, &ticket, "exporter")
+                match fetch(name, &ticket, "exporter", None)
                     .map_err(|e| e.to_string())
                     .and_then(|(fd, sz)| {
                         assert_eq!(sz, size.parse::<u64>().unwrap());

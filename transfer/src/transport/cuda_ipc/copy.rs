@@ -125,12 +125,12 @@ impl CudaIpcTransport {
                 out
             };
             if !missing.is_empty() {
-                if let Err(e) = self.import(peer, host, &missing, &lane) {
-                    tracing::warn!(peer = %peer.name, "CUDA IPC handshake failed ({e}); these slices go over {}", self.inner.kind());
-                    let mut peers = self.peers.locked();
-                    if let Some(p) = peers.get_mut(&peer.name) {
-                        p.failed.extend(missing.iter().map(|m| m.0));
+                if let Err(e) = self.import(peer, host, &missing, dev, None) {
+                    if !self.import_failed(peer, &missing, &e) {
+                        fail(&mut group.iter().map(|(s, _)| s.id), &e);
+                        continue;
                     }
+                    tracing::warn!(peer = %peer.name, "CUDA IPC handshake failed ({e}); these slices go over {}", self.inner.kind());
                     fallback.extend(group.into_iter().map(|(s, _)| s));
                     continue;
                 }
@@ -209,6 +209,29 @@ impl CudaIpcTransport {
             }
         }
         fallback
+    }
+
+    /// After a post's import of `missing` failed with `e`: whether the allocations failed
+    /// (marked so: later posts send their slices to the fallback transport at once). A
+    /// `Timeout` (the turn behind another import, or a deadline) is a wait that ended, not
+    /// an allocation that failed: `false`, nothing is marked, and the next post asks again.
+    pub(super) fn import_failed(
+        &self,
+        peer: &SegmentDescriptor,
+        missing: &[(u64, u64, AllocationKind)],
+        e: &TransferError,
+    ) -> bool {
+        if matches!(e, TransferError::Timeout(_)) {
+            return false;
+        }
+        let mut peers = self.peers.locked();
+        if let Some(p) = peers
+            .get_mut(&peer.name)
+            .filter(|p| p.instance_id == peer.instance_id)
+        {
+            p.failed.extend(missing.iter().map(|m| m.0));
+        }
+        true
     }
 
     /// Enqueues `copies` on the lane's stream and records an event after them.

@@ -161,17 +161,31 @@ fn answer(s: &UnixStream, sh: &Shared) -> std::io::Result<()> {
     }
 }
 
+/// Longest wait for the server's answer: it answers one connection at a time, each within
+/// `IO_DEADLINE`, so one slow connection ahead of ours plus our own exchange.
+const FETCH_READ: Duration = Duration::from_secs(5);
+
 /// The peer's side: fetches the descriptor for `ticket` from socket `name`, within the socket
-/// deadline. Returns the descriptor and the allocation's size. Errors: `Io` for a socket
-/// failure; `Refused` (naming `segment`) for an unknown, used or expired ticket.
-pub fn fetch(name: &str, ticket: &[u8; 16], segment: &str) -> Result<(OwnedFd, u64)> {
+/// deadline (reads up to 5 s, writes up to 2 s) and by `by` where given (the caller's overall
+/// deadline: each wait ends at it). Returns the descriptor and the allocation's size. Errors:
+/// `Io` for a socket failure (a read past either deadline among them); `Timeout` when `by`
+/// has passed before the exchange starts; `Refused` (naming `segment`) for an unknown, used
+/// or expired ticket.
+pub fn fetch(
+    name: &str,
+    ticket: &[u8; 16],
+    segment: &str,
+    by: Option<Instant>,
+) -> Result<(OwnedFd, u64)> {
     let io = |what: &str, e| TransferError::io(format!("{what} (CUDA IPC socket {name})"), e);
+    let left = by.map_or(FETCH_READ, |b| b.saturating_duration_since(Instant::now()));
+    if left.is_zero() {
+        return Err(TransferError::Timeout(FETCH_READ));
+    }
     let addr = SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| io("name", e))?;
     let s = UnixStream::connect_addr(&addr).map_err(|e| io("connect", e))?;
-    // The server answers one connection at a time, each within IO_DEADLINE: wait for one
-    // slow connection ahead of ours, plus our own exchange.
-    s.set_read_timeout(Some(2 * IO_DEADLINE + Duration::from_secs(1)))
-        .and_then(|_| s.set_write_timeout(Some(IO_DEADLINE)))
+    s.set_read_timeout(Some(FETCH_READ.min(left)))
+        .and_then(|_| s.set_write_timeout(Some(IO_DEADLINE.min(left))))
         .map_err(|e| io("set deadlines", e))?;
     (&s).write_all(ticket).map_err(|e| io("send ticket", e))?;
     let mut size = [0u8; 8];
@@ -227,12 +241,12 @@ mod tests {
         let srv = FdServer::start().unwrap();
         let fd = Arc::new(memfd_with(b"kv bytes"));
         let t = srv.offer(fd, 4096).unwrap();
-        let (got, size) = fetch(srv.name(), &t, "peer:1").unwrap();
+        let (got, size) = fetch(srv.name(), &t, "peer:1", None).unwrap();
         assert_eq!(size, 4096);
         let mut s = String::new();
         std::fs::File::from(got).read_to_string(&mut s).unwrap();
         assert_eq!(s, "kv bytes", "the descriptor names the same file");
-        let again = fetch(srv.name(), &t, "peer:1").unwrap_err();
+        let again = fetch(srv.name(), &t, "peer:1", None).unwrap_err();
         assert!(matches!(again, TransferError::Refused { .. }), "{again}");
         assert_eq!(srv.outstanding(), 0);
     }
@@ -241,7 +255,7 @@ mod tests {
     fn an_unknown_ticket_gets_nothing() {
         let srv = FdServer::start().unwrap();
         srv.offer(Arc::new(memfd_with(b"x")), 1).unwrap();
-        let e = fetch(srv.name(), &[7u8; 16], "peer:1").unwrap_err();
+        let e = fetch(srv.name(), &[7u8; 16], "peer:1", None).unwrap_err();
         assert!(matches!(e, TransferError::Refused { .. }), "{e}");
         assert_eq!(srv.outstanding(), 1, "the real ticket is still there");
     }
@@ -253,8 +267,31 @@ mod tests {
         let _idle = UnixStream::connect_addr(&addr).unwrap();
         let t = srv.offer(Arc::new(memfd_with(b"y")), 1).unwrap();
         // served after the idle connection's read deadline
-        let (_, size) = fetch(srv.name(), &t, "peer:1").unwrap();
+        let (_, size) = fetch(srv.name(), &t, "peer:1", None).unwrap();
         assert_eq!(size, 1);
+    }
+
+    /// A caller's deadline ends the wait for a server that does not answer (its own read
+    /// deadline would let it wait 5 s).
+    #[test]
+    fn a_fetch_ends_at_the_callers_deadline() {
+        let srv = FdServer::start().unwrap();
+        let addr = SocketAddr::from_abstract_name(srv.name().as_bytes()).unwrap();
+        // The server serves one connection at a time: this silent one holds it for 2 s.
+        let _idle = UnixStream::connect_addr(&addr).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let t = srv.offer(Arc::new(memfd_with(b"w")), 1).unwrap();
+        let t0 = Instant::now();
+        let by = t0 + Duration::from_millis(300);
+        let e = fetch(srv.name(), &t, "peer:1", Some(by)).unwrap_err();
+        assert!(matches!(e, TransferError::Io(_)), "{e}");
+        assert!(
+            t0.elapsed() < Duration::from_millis(1500),
+            "{:?}",
+            t0.elapsed()
+        );
+        let e = fetch(srv.name(), &t, "peer:1", Some(t0)).unwrap_err();
+        assert!(matches!(e, TransferError::Timeout(_)), "{e}");
     }
 
     #[test]

@@ -15,6 +15,8 @@
 mod copy;
 pub mod fdpass;
 mod gate;
+#[cfg(test)]
+mod import_tests;
 pub mod keys;
 pub mod live;
 mod owner;

@@ -4,6 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvferry_cuda::ipc::{AllocationKind, ImportedVmm, LegacyHandle, OpenedLegacy};
 
@@ -11,7 +12,7 @@ use super::fdpass::{self, hex};
 use super::keys::HostIdentity;
 use super::live::LiveView;
 use super::state::{
-    allocs_bytes, gpu_err, parse_hex, AllocReply, Envelope, Lane, Mapped, Peer, Reply, Request,
+    allocs_bytes, gpu_err, parse_hex, AllocReply, Envelope, Mapped, Peer, Reply, Request,
     PROOF_LABEL,
 };
 use super::transport::CudaIpcTransport;
@@ -21,23 +22,36 @@ use crate::handshake::{self, FrameType};
 use crate::sync::MutexExt;
 
 impl CudaIpcTransport {
-    /// Asks `peer` for `allocs` and maps them (initiator side). Returns the peer state made or
-    /// updated; allocations that fail to map are marked failed (with a warning).
+    /// Asks `peer` for `allocs` and maps them for local device `dev` (initiator side).
+    /// Allocations that fail to map are marked failed (with a warning). Every wait is bounded:
+    /// the turn behind another import of this peer and the handle request by the handshake
+    /// timeout, each descriptor read by the socket's deadline, and all of them by `by` where
+    /// given (a warm-up's one budget). Errors: `Timeout` when the turn was not had in time or
+    /// `by` passed (what is not mapped then is not failed: a later import asks again); any
+    /// other: the request failed (the caller decides what that means for the allocations).
     pub(super) fn import(
         &self,
         desc: &SegmentDescriptor,
         host: &HostIdentity,
         allocs: &[(u64, u64, AllocationKind)],
-        lane: &Lane,
+        dev: u32,
+        by: Option<Instant>,
     ) -> Result<()> {
+        let h = self.handshake_timeout;
+        let left = || by.map_or(h, |b| b.saturating_duration_since(Instant::now()).min(h));
+        // A step that failed once `by` passed failed for the deadline, not for the peer.
+        let late = |e: TransferError| match by {
+            Some(b) if Instant::now() >= b => TransferError::Timeout(h),
+            _ => e,
+        };
         // One import at a time per peer; what another one mapped meanwhile is not asked for
         // again (a second mapping of an allocation would replace the first, unmapped once its
         // copies end).
-        let t0 = std::time::Instant::now();
+        let t0 = Instant::now();
         let _turn = self
             .importing
-            .turn(&desc.name, self.handshake_timeout)
-            .ok_or(TransferError::Timeout(self.handshake_timeout))?;
+            .turn(&desc.name, left())
+            .ok_or(TransferError::Timeout(h))?;
         let waited_us = t0.elapsed().as_micros() as u64;
         let allocs: Vec<(u64, u64, AllocationKind)> = {
             let peers = self.peers.locked();
@@ -83,13 +97,18 @@ impl CudaIpcTransport {
                 source: e.into(),
             })
         })?;
+        let window = left();
+        if window.is_zero() {
+            return Err(TransferError::Timeout(h));
+        }
         let reply = handshake::request_with(
             &desc.name,
             FrameType::Connect,
             &body,
-            self.handshake_timeout,
+            window,
             self.credential.as_ref(),
-        )?;
+        )
+        .map_err(late)?;
         let reply: Envelope<Reply> = serde_json::from_slice(&reply).map_err(|e| {
             TransferError::Protocol(ProtocolError::BadJson {
                 what: format!("CUDA IPC reply from {}", desc.name),
@@ -107,7 +126,8 @@ impl CudaIpcTransport {
             })
         };
         let asked_us = t0.elapsed().as_micros() as u64 - waited_us;
-        let (live_fd, _) = fdpass::fetch(&reply.socket, &ticket(&reply.live)?, &desc.name)?;
+        let (live_fd, _) =
+            fdpass::fetch(&reply.socket, &ticket(&reply.live)?, &desc.name, by).map_err(late)?;
         let live = LiveView::open(&live_fd)?;
         tracing::debug!(
             target: "kvferry::timing",
@@ -118,6 +138,13 @@ impl CudaIpcTransport {
             in_process,
             "cuda ipc import"
         );
+        // Made after the request (an in-process peer needs none, and a test of the waits no
+        // device), before the lock: a new lane compiles its kernels.
+        let lane = if in_process {
+            None
+        } else {
+            Some(self.lane(dev)?)
+        };
         let mut peers = self.peers.locked();
         let p = match peers.get_mut(&desc.name) {
             Some(p) if p.instance_id == desc.instance_id => {
@@ -144,7 +171,12 @@ impl CudaIpcTransport {
             }
             return Ok(());
         }
+        let Some(lane) = lane else { return Ok(()) };
         for (base, size, kind) in allocs {
+            if by.is_some_and(|b| Instant::now() >= b) {
+                // The rest stays unmapped, not failed: the first post that needs it asks.
+                return Err(TransferError::Timeout(h));
+            }
             let got = reply.allocs.iter().find(|a| a.base == *base);
             let mapped = match (got, kind) {
                 (Some(a), _) if a.size != *size => {
@@ -170,7 +202,7 @@ impl CudaIpcTransport {
                     })),
                 },
                 (Some(AllocReply { fd: Some(t), .. }), AllocationKind::VmmFd) => ticket(t)
-                    .and_then(|t| fdpass::fetch(&reply.socket, &t, &desc.name))
+                    .and_then(|t| fdpass::fetch(&reply.socket, &t, &desc.name, by))
                     .and_then(|(fd, sz)| {
                         if sz != *size {
                             return Err(TransferError::Protocol(ProtocolError::Mismatch {
@@ -195,6 +227,9 @@ impl CudaIpcTransport {
                 })),
             };
             match mapped {
+                Err(_) if by.is_some_and(|b| Instant::now() >= b) => {
+                    return Err(TransferError::Timeout(h));
+                }
                 Ok(m) => {
                     p.mapped.insert(*base, (*size, Arc::new(m)));
                 }

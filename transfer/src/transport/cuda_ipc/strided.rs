@@ -135,12 +135,10 @@ impl CudaIpcTransport {
             out
         };
         if !missing.is_empty() {
-            if let Err(e) = self.import(peer, host, &missing, &lane) {
-                // Later submits of these pairs take the per-copy path (to the fallback).
-                let mut peers = self.peers.locked();
-                if let Some(p) = peers.get_mut(&peer.name) {
-                    p.failed.extend(missing.iter().map(|m| m.0));
-                }
+            if let Err(e) = self.import(peer, host, &missing, dev, None) {
+                // Failed allocations: later submits of these pairs take the per-copy path (to
+                // the fallback); a timeout leaves them to the next post.
+                self.import_failed(peer, &missing, &e);
                 return Err(e);
             }
         }

@@ -60,15 +60,16 @@ pub(super) fn warm_plan(
 impl CudaIpcTransport {
     /// Imports the allocations of `peer` that posts from this engine's devices would copy
     /// through and that are not mapped yet ([`warm_plan`]): one handle request per local
-    /// device, each bounded by the handshake timeout (as a post's import). Returns how many
-    /// allocations were asked for. Errors: the first request that failed (the allocations it
-    /// named stay unmapped, not failed: the first post that needs them asks again).
+    /// device, all of them within one handshake timeout from the call (the turn behind
+    /// another import, the requests and the descriptor reads end at it). Returns how many
+    /// allocations were asked for. Errors: the first request that failed, or `Timeout` at the
+    /// deadline; what it left unmapped is not failed: the first post that needs it asks again.
     pub(super) fn warm(&self, peer: &Arc<SegmentDescriptor>) -> Result<usize> {
+        let by = Instant::now() + self.handshake_timeout;
         let devices: Vec<u32> = self.devices.locked().clone();
         if devices.is_empty() || peer.buffers.is_empty() {
             return Ok(0);
         }
-        let t0 = Instant::now();
         let buffers: Vec<(MemoryRegion, Decoded)> = peer
             .buffers
             .iter()
@@ -97,14 +98,25 @@ impl CudaIpcTransport {
             },
             |base| known.contains(&base),
         );
+        self.warm_parts(peer, &plan, by)
+    }
+
+    /// Imports `plan`'s parts in order, every wait ending by `by`; stops at the first that
+    /// fails. Returns how many allocations were asked for. Errors as [`Self::warm`].
+    pub(super) fn warm_parts(
+        &self,
+        peer: &SegmentDescriptor,
+        plan: &[WarmPart],
+        by: Instant,
+    ) -> Result<usize> {
+        let t0 = Instant::now();
         let mut asked = 0;
         for (dev, keys) in plan {
-            let lane = self.lane(dev)?;
             let allocs: Vec<(u64, u64, AllocationKind)> = keys
                 .iter()
                 .map(|k| (k.alloc_base, k.alloc_size, k.kind))
                 .collect();
-            self.import(peer, &keys[0].host, &allocs, &lane)?;
+            self.import(peer, &keys[0].host, &allocs, *dev, Some(by))?;
             asked += allocs.len();
         }
         tracing::debug!(

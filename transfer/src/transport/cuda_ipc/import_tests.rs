@@ -1,0 +1,157 @@
+//! The import's waits and what a failed import means for the allocations, without a GPU: a
+//! peer whose handshake listener never answers, and turns held by another import.
+
+use std::collections::{HashMap, HashSet};
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvferry_cuda::ipc::AllocationKind;
+
+use super::keys::{HostIdentity, IpcRegionKeys};
+use super::live::{LiveTable, LiveView};
+use super::state::Peer;
+use super::transport::CudaIpcTransport;
+use crate::config::EngineConfig;
+use crate::descriptor::{SegmentDescriptor, TransportInfo};
+use crate::error::TransferError;
+use crate::transport::{Transport, TransportContext};
+use crate::types::TransportKind;
+
+fn transport(handshake_timeout: Duration) -> Arc<CudaIpcTransport> {
+    let ctx = TransportContext {
+        config: EngineConfig {
+            handshake_timeout,
+            ..EngineConfig::default()
+        },
+        segment_name: "127.0.0.1:1".into(),
+        instance_id: 1,
+        registry: Arc::new(crate::memory::MemoryRegistry::new()),
+        memory: Arc::new(crate::memory::HostMemoryAccess),
+        auth: crate::auth::AuthState::new(None, "test"),
+    };
+    let inner: Arc<dyn Transport> =
+        Arc::new(crate::transport::tcp::TcpTransport::new(ctx.clone()).unwrap());
+    CudaIpcTransport::new(&ctx, inner).unwrap()
+}
+
+/// A peer at `name`, another process of some host.
+fn peer(name: String) -> SegmentDescriptor {
+    SegmentDescriptor {
+        name,
+        instance_id: 7,
+        transport: TransportInfo {
+            kind: TransportKind::Tcp,
+            details: serde_json::json!({}),
+        },
+        buffers: Vec::new(),
+    }
+}
+
+fn other_process() -> HostIdentity {
+    HostIdentity {
+        boot_id: "b".into(),
+        machine_id: "m".into(),
+        pid_ns: "pid:[1]".into(),
+        pid: 2,
+    }
+}
+
+fn keys(base: u64) -> Arc<IpcRegionKeys> {
+    Arc::new(IpcRegionKeys {
+        host: other_process(),
+        device_uuid: "00".repeat(16),
+        alloc_base: base,
+        alloc_size: 0x10000,
+        kind: AllocationKind::VmmFd,
+    })
+}
+
+/// A handshake listener that accepts (the kernel does) and never answers.
+fn silent_peer() -> (TcpListener, SegmentDescriptor) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let name = l.local_addr().unwrap().to_string();
+    (l, peer(name))
+}
+
+/// A peer state with nothing mapped yet (as after an import of other allocations).
+fn known_peer(t: &CudaIpcTransport, desc: &SegmentDescriptor) {
+    let table = LiveTable::new().unwrap();
+    t.peers.lock().unwrap().insert(
+        desc.name.clone(),
+        Peer {
+            instance_id: desc.instance_id,
+            live: LiveView::open(&table.fd()).unwrap(),
+            mapped: HashMap::new(),
+            failed: HashSet::new(),
+        },
+    );
+}
+
+/// One deadline for the whole warm-up: a peer that never answers costs it that deadline
+/// once, not one handshake timeout per local device.
+#[test]
+fn a_warm_up_ends_at_its_deadline_over_every_device() {
+    let t = transport(Duration::from_secs(20));
+    let (_listener, desc) = silent_peer();
+    let plan = vec![(0, vec![keys(0x10000)]), (1, vec![keys(0x40000)])];
+    let t0 = Instant::now();
+    let e = t
+        .warm_parts(&desc, &plan, t0 + Duration::from_millis(300))
+        .unwrap_err();
+    assert!(matches!(e, TransferError::Timeout(_)), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+}
+
+/// The wait for the turn behind another import of the peer ends at the warm-up's deadline,
+/// not after a handshake timeout of its own.
+#[test]
+fn the_turn_wait_ends_at_the_warm_ups_deadline() {
+    let t = transport(Duration::from_secs(20));
+    let (_listener, desc) = silent_peer();
+    let _other = t
+        .importing
+        .turn(&desc.name, Duration::from_secs(1))
+        .unwrap();
+    let t0 = Instant::now();
+    let allocs = [(0x10000, 0x10000, AllocationKind::VmmFd)];
+    let by = t0 + Duration::from_millis(200);
+    let e = t
+        .import(&desc, &other_process(), &allocs, 0, Some(by))
+        .unwrap_err();
+    assert!(matches!(e, TransferError::Timeout(_)), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+}
+
+/// A post that waited out its turn behind another import fails with `Timeout`, and the
+/// allocations stay importable: the next post asks again instead of taking the fallback.
+/// A request that failed marks them failed, as before.
+#[test]
+fn a_post_that_waits_out_its_turn_leaves_the_allocations_importable() {
+    let t = transport(Duration::from_millis(200));
+    let (_listener, desc) = silent_peer();
+    known_peer(&t, &desc);
+    let allocs = [(0x10000, 0x10000, AllocationKind::VmmFd)];
+    let turn = t
+        .importing
+        .turn(&desc.name, Duration::from_secs(1))
+        .unwrap();
+    let e = t
+        .import(&desc, &other_process(), &allocs, 0, None)
+        .unwrap_err();
+    assert!(matches!(e, TransferError::Timeout(_)), "{e}");
+    assert!(!t.import_failed(&desc, &allocs, &e));
+    assert!(t.peers.lock().unwrap()[&desc.name].failed.is_empty());
+    drop(turn);
+    // A peer that is not there: the request fails, not a wait.
+    let gone = peer("127.0.0.1:1".into());
+    known_peer(&t, &gone);
+    let e = t
+        .import(&gone, &other_process(), &allocs, 0, None)
+        .unwrap_err();
+    assert!(!matches!(e, TransferError::Timeout(_)), "{e}");
+    assert!(t.import_failed(&gone, &allocs, &e));
+    assert!(t.peers.lock().unwrap()[&gone.name]
+        .failed
+        .contains(&0x10000));
+}

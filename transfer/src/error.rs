@@ -450,6 +450,18 @@ pub enum ProtocolError {
         #[source]
         fault: CudaIpcReplyFault,
     },
+    /// A segment whose CUDA IPC keys name more than one process (a segment is one process).
+    #[error(
+        "segment {segment}'s CUDA IPC keys name more than one process (pids {first} and {other})"
+    )]
+    CudaIpcMixedProcesses {
+        /// The segment's name (`"h:p"`).
+        segment: String,
+        /// The pid the first key names.
+        first: u32,
+        /// The pid of a key that names another process (or the same pid on another host).
+        other: u32,
+    },
     /// A JSON message that does not decode (`source`: the decoder's error, naming the field).
     #[error("{what}: {source}")]
     BadJson {

@@ -247,7 +247,7 @@ pub trait Transport: Send + Sync + 'static {
     /// Prepares now what the first transfer to `peer` would otherwise set up itself (CUDA
     /// IPC: imports the peer's allocations that this engine's device memory copies through),
     /// called right after the engine fetched `peer`'s descriptor (`TransferEngine::open_segment`),
-    /// so that no transfer pays it. Each request it makes is bounded by the handshake timeout.
+    /// so that no transfer pays it. All of it ends within one handshake timeout.
     /// Returns how many items (allocations) it asked for. Errors: a failed request (the
     /// engine logs it); what it did not prepare, the first transfer prepares as before.
     /// Default: nothing (`Ok(0)`).

@@ -7,7 +7,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use kvferry_cuda::driver::Event;
-use kvferry_cuda::ipc::{self, AllocationKind, PieceTable};
+use kvferry_cuda::ipc::{self, PieceTable};
 
 use super::keys::IpcRegionKeys;
 use super::state::{gpu_err, Job, Lane, Mapped, COPY_DEADLINE};
@@ -99,7 +99,7 @@ impl CudaIpcTransport {
                 }
             };
             // Import what is missing, once per allocation.
-            let missing: Vec<(u64, u64, AllocationKind)> = {
+            let missing: Vec<&IpcRegionKeys> = {
                 let peers = self.peers.locked();
                 let p = peers
                     .get(&peer.name)
@@ -118,15 +118,15 @@ impl CudaIpcTransport {
                         continue;
                     }
                     seen.push(k.alloc_base);
-                    if p.is_none_or(|p| !p.mapped.contains_key(&k.alloc_base)) {
-                        out.push((k.alloc_base, k.alloc_size, k.kind));
+                    if p.is_none_or(|p| !p.mapped.contains_key(&(dev, k.alloc_base))) {
+                        out.push(*k);
                     }
                 }
                 out
             };
             if !missing.is_empty() {
-                if let Err(e) = self.import(peer, host, &missing, dev, None) {
-                    if !self.import_failed(peer, &missing, &e) {
+                if let Err(e) = self.import(peer, &missing, dev, None) {
+                    if !self.import_failed(peer, dev, &missing, &e) {
                         fail(&mut group.iter().map(|(s, _)| s.id), &e);
                         continue;
                     }
@@ -149,7 +149,7 @@ impl CudaIpcTransport {
                     let m = match last {
                         Some((b, m)) if b == k.alloc_base => m,
                         _ => {
-                            let Some((_, m)) = p.mapped.get(&k.alloc_base) else {
+                            let Some((_, m)) = p.mapped.get(&(dev, k.alloc_base)) else {
                                 fallback.push(s);
                                 continue;
                             };
@@ -211,14 +211,16 @@ impl CudaIpcTransport {
         fallback
     }
 
-    /// After a post's import of `missing` failed with `e`: whether the allocations failed
-    /// (marked so: later posts send their slices to the fallback transport at once). A
+    /// After a post's import of `missing` for local device `dev` failed with `e`: whether
+    /// the allocations failed (marked so for `dev`: its later posts send their slices to the
+    /// fallback transport at once). A
     /// `Timeout` (the turn behind another import, or a deadline) is a wait that ended, not
     /// an allocation that failed: `false`, nothing is marked, and the next post asks again.
     pub(super) fn import_failed(
         &self,
         peer: &SegmentDescriptor,
-        missing: &[(u64, u64, AllocationKind)],
+        dev: u32,
+        missing: &[&IpcRegionKeys],
         e: &TransferError,
     ) -> bool {
         if matches!(e, TransferError::Timeout(_)) {
@@ -229,7 +231,7 @@ impl CudaIpcTransport {
             .get_mut(&peer.name)
             .filter(|p| p.instance_id == peer.instance_id)
         {
-            p.failed.extend(missing.iter().map(|m| m.0));
+            p.failed.extend(missing.iter().map(|k| (dev, k.alloc_base)));
         }
         true
     }

@@ -114,11 +114,9 @@ fn the_turn_wait_ends_at_the_warm_ups_deadline() {
         .turn(&desc.name, Duration::from_secs(1))
         .unwrap();
     let t0 = Instant::now();
-    let allocs = [(0x10000, 0x10000, AllocationKind::VmmFd)];
+    let k = keys(0x10000);
     let by = t0 + Duration::from_millis(200);
-    let e = t
-        .import(&desc, &other_process(), &allocs, 0, Some(by))
-        .unwrap_err();
+    let e = t.import(&desc, &[&k], 0, Some(by)).unwrap_err();
     assert!(matches!(e, TransferError::Timeout(_)), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
 }
@@ -131,27 +129,52 @@ fn a_post_that_waits_out_its_turn_leaves_the_allocations_importable() {
     let t = transport(Duration::from_millis(200));
     let (_listener, desc) = silent_peer();
     known_peer(&t, &desc);
-    let allocs = [(0x10000, 0x10000, AllocationKind::VmmFd)];
+    let k = keys(0x10000);
+    let allocs = [&*k];
     let turn = t
         .importing
         .turn(&desc.name, Duration::from_secs(1))
         .unwrap();
-    let e = t
-        .import(&desc, &other_process(), &allocs, 0, None)
-        .unwrap_err();
+    let e = t.import(&desc, &allocs, 0, None).unwrap_err();
     assert!(matches!(e, TransferError::Timeout(_)), "{e}");
-    assert!(!t.import_failed(&desc, &allocs, &e));
+    assert!(!t.import_failed(&desc, 0, &allocs, &e));
     assert!(t.peers.lock().unwrap()[&desc.name].failed.is_empty());
     drop(turn);
-    // A peer that is not there: the request fails, not a wait.
+    // A peer that is not there: the request fails, not a wait; marked for this device only.
     let gone = peer("127.0.0.1:1".into());
     known_peer(&t, &gone);
-    let e = t
-        .import(&gone, &other_process(), &allocs, 0, None)
-        .unwrap_err();
+    let e = t.import(&gone, &allocs, 0, None).unwrap_err();
     assert!(!matches!(e, TransferError::Timeout(_)), "{e}");
-    assert!(t.import_failed(&gone, &allocs, &e));
-    assert!(t.peers.lock().unwrap()[&gone.name]
-        .failed
-        .contains(&0x10000));
+    assert!(t.import_failed(&gone, 0, &allocs, &e));
+    let peers = t.peers.lock().unwrap();
+    assert!(peers[&gone.name].failed.contains(&(0, 0x10000)));
+    assert!(!peers[&gone.name].failed.contains(&(1, 0x10000)));
+}
+
+/// A group whose keys name two processes (one of them this one) is refused with a typed
+/// error before anything is asked or mapped: mapped as one, one key's host would decide for
+/// all (an allocation of another process taken as this process's addresses, or the reverse).
+#[test]
+fn a_group_that_mixes_processes_is_refused() {
+    let t = transport(Duration::from_secs(20));
+    let (_listener, desc) = silent_peer();
+    let mut mine = (*keys(0x10000)).clone();
+    mine.host = HostIdentity::local().unwrap_or_else(other_process);
+    mine.host.pid = std::process::id();
+    let theirs = keys(0x40000);
+    let t0 = Instant::now();
+    let e = t.import(&desc, &[&mine, &theirs], 0, None).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            TransferError::Protocol(crate::error::ProtocolError::CudaIpcMixedProcesses { .. })
+        ),
+        "{e}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5), "nothing was asked");
+    assert!(t.peers.lock().unwrap().get(&desc.name).is_none());
+    // The same process throughout is one group.
+    assert!(super::peer::one_process("p", &[&theirs, &keys(0x50000)])
+        .unwrap()
+        .is_some());
 }

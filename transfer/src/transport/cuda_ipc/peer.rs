@@ -9,7 +9,7 @@ use std::time::Instant;
 use kvferry_cuda::ipc::{AllocationKind, ImportedVmm, LegacyHandle, OpenedLegacy};
 
 use super::fdpass::{self, hex};
-use super::keys::HostIdentity;
+use super::keys::{HostIdentity, IpcRegionKeys};
 use super::live::LiveView;
 use super::state::{
     allocs_bytes, gpu_err, parse_hex, AllocReply, Envelope, Mapped, Peer, Reply, Request,
@@ -22,7 +22,8 @@ use crate::handshake::{self, FrameType};
 use crate::sync::MutexExt;
 
 impl CudaIpcTransport {
-    /// Asks `peer` for `allocs` and maps them for local device `dev` (initiator side).
+    /// Asks `desc` for the allocations of `keys` (one process's: see [`one_process`]) and maps
+    /// them for local device `dev` (initiator side), each under (`dev`, its base).
     /// Allocations that fail to map are marked failed (with a warning). Every wait is bounded:
     /// the turn behind another import of this peer and the handle request by the handshake
     /// timeout, each descriptor read by the socket's deadline, and all of them by `by` where
@@ -32,11 +33,17 @@ impl CudaIpcTransport {
     pub(super) fn import(
         &self,
         desc: &SegmentDescriptor,
-        host: &HostIdentity,
-        allocs: &[(u64, u64, AllocationKind)],
+        keys: &[&IpcRegionKeys],
         dev: u32,
         by: Option<Instant>,
     ) -> Result<()> {
+        let Some(host) = one_process(&desc.name, keys)? else {
+            return Ok(());
+        };
+        let allocs: Vec<(u64, u64, AllocationKind)> = keys
+            .iter()
+            .map(|k| (k.alloc_base, k.alloc_size, k.kind))
+            .collect();
         let h = self.handshake_timeout;
         let left = || by.map_or(h, |b| b.saturating_duration_since(Instant::now()).min(h));
         // A step that failed once `by` passed failed for the deadline, not for the peer.
@@ -60,7 +67,7 @@ impl CudaIpcTransport {
                 .filter(|p| p.instance_id == desc.instance_id);
             allocs
                 .iter()
-                .filter(|a| p.is_none_or(|p| !p.mapped.contains_key(&a.0)))
+                .filter(|a| p.is_none_or(|p| !p.mapped.contains_key(&(dev, a.0))))
                 .copied()
                 .collect()
         };
@@ -167,7 +174,7 @@ impl CudaIpcTransport {
         if in_process {
             for (base, size, _) in allocs {
                 p.mapped
-                    .insert(*base, (*size, Arc::new(Mapped::InProcess(*base))));
+                    .insert((dev, *base), (*size, Arc::new(Mapped::InProcess(*base))));
             }
             return Ok(());
         }
@@ -231,7 +238,7 @@ impl CudaIpcTransport {
                     return Err(TransferError::Timeout(h));
                 }
                 Ok(m) => {
-                    p.mapped.insert(*base, (*size, Arc::new(m)));
+                    p.mapped.insert((dev, *base), (*size, Arc::new(m)));
                 }
                 Err(e) => {
                     tracing::warn!(
@@ -239,7 +246,7 @@ impl CudaIpcTransport {
                         "CUDA IPC import of allocation {base:#x} failed ({e}); its slices go over {}",
                         self.inner.kind()
                     );
-                    p.failed.insert(*base);
+                    p.failed.insert((dev, *base));
                 }
             }
         }
@@ -260,5 +267,28 @@ impl CudaIpcTransport {
     pub(super) fn drop_peer(&self, name: &str) {
         let gone = self.peers.locked().remove(name);
         drop(gone);
+    }
+}
+
+/// The process that all of `keys` (a group of one peer's keys) name; `None` for no keys.
+/// Errors: `Protocol(CudaIpcMixedProcesses)` naming `segment` when they name more than one
+/// (one segment is one process: mapping such a group as one would take a key that claims this
+/// process for another process's allocation, or the reverse).
+pub(super) fn one_process<'k>(
+    segment: &str,
+    keys: &[&'k IpcRegionKeys],
+) -> Result<Option<&'k HostIdentity>> {
+    let Some(first) = keys.first() else {
+        return Ok(None);
+    };
+    match keys.iter().find(|k| k.host != first.host) {
+        None => Ok(Some(&first.host)),
+        Some(other) => Err(TransferError::Protocol(
+            ProtocolError::CudaIpcMixedProcesses {
+                segment: segment.to_string(),
+                first: first.host.pid,
+                other: other.host.pid,
+            },
+        )),
     }
 }

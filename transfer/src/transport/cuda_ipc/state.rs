@@ -57,10 +57,14 @@ impl Mapped {
 pub(super) struct Peer {
     pub(super) instance_id: u64,
     pub(super) live: LiveView,
-    /// Allocation base (peer address) → (size, mapping).
-    pub(super) mapped: HashMap<u64, (u64, Arc<Mapped>)>,
-    /// Allocations whose import failed (sent to the fallback transport from then on).
-    pub(super) failed: HashSet<u64>,
+    /// (Local device, allocation base in the peer) → (size, mapping). Per device: a mapping
+    /// gives access to the device it was made for only (a VMM import sets access for that
+    /// device; a legacy open enables peer access from it), so another local device maps the
+    /// allocation again.
+    pub(super) mapped: HashMap<(u32, u64), (u64, Arc<Mapped>)>,
+    /// (Local device, allocation base) whose import failed: sent to the fallback transport
+    /// from then on.
+    pub(super) failed: HashSet<(u32, u64)>,
 }
 
 /// A handle request (`Connect` body `{"cuda_ipc": Request}`).

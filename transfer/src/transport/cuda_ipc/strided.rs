@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use kvferry_cuda::driver::Event;
-use kvferry_cuda::ipc::{self, AllocationKind, StridedCopies};
+use kvferry_cuda::ipc::{self, StridedCopies};
 
 use super::keys::{IpcRegionKeys, Route};
 use super::state::{gpu_err, Lane, Mapped};
@@ -99,7 +99,7 @@ impl CudaIpcTransport {
             let part: Vec<&(&StridedGroup, Arc<IpcRegionKeys>, u32)> =
                 work.iter().filter(|w| w.2 == dev).collect();
             let ids = || part.iter().map(|w| w.0.id);
-            if let Err(e) = self.post_device(peer, host, dev, &part, &done) {
+            if let Err(e) = self.post_device(peer, dev, &part, &done) {
                 done.fail_all(ids(), &e);
             }
         }
@@ -111,34 +111,33 @@ impl CudaIpcTransport {
     fn post_device(
         &self,
         peer: &Arc<SegmentDescriptor>,
-        host: &super::keys::HostIdentity,
         dev: u32,
         part: &[&(&StridedGroup, Arc<IpcRegionKeys>, u32)],
         done: &CompletionSink,
     ) -> Result<()> {
         let t0 = std::time::Instant::now();
         let lane = self.lane(dev)?;
-        let missing: Vec<(u64, u64, AllocationKind)> = {
+        let missing: Vec<&IpcRegionKeys> = {
             let peers = self.peers.locked();
             let p = peers
                 .get(&peer.name)
                 .filter(|p| p.instance_id == peer.instance_id);
-            let mut out: Vec<(u64, u64, AllocationKind)> = Vec::new();
+            let mut out: Vec<&IpcRegionKeys> = Vec::new();
             for (_, k, _) in part.iter().copied() {
-                if out.iter().any(|m| m.0 == k.alloc_base) {
+                if out.iter().any(|m| m.alloc_base == k.alloc_base) {
                     continue;
                 }
-                if p.is_none_or(|p| !p.mapped.contains_key(&k.alloc_base)) {
-                    out.push((k.alloc_base, k.alloc_size, k.kind));
+                if p.is_none_or(|p| !p.mapped.contains_key(&(dev, k.alloc_base))) {
+                    out.push(k);
                 }
             }
             out
         };
         if !missing.is_empty() {
-            if let Err(e) = self.import(peer, host, &missing, dev, None) {
+            if let Err(e) = self.import(peer, &missing, dev, None) {
                 // Failed allocations: later submits of these pairs take the per-copy path (to
                 // the fallback); a timeout leaves them to the next post.
-                self.import_failed(peer, &missing, &e);
+                self.import_failed(peer, dev, &missing, &e);
                 return Err(e);
             }
         }
@@ -151,7 +150,7 @@ impl CudaIpcTransport {
                 .ok_or_else(|| not_over_ipc(part[0].0.remote_buffer))?;
             let mut live = p.live.snapshot();
             for (g, k, _) in part.iter().copied() {
-                let Some((_, m)) = p.mapped.get(&k.alloc_base) else {
+                let Some((_, m)) = p.mapped.get(&(dev, k.alloc_base)) else {
                     done.complete(g.id, Err(not_over_ipc(g.remote_buffer)));
                     continue;
                 };

@@ -307,10 +307,12 @@ impl CudaIpcTransport {
         let Some(buffer) = peer.buffers.get(remote_buffer) else {
             return Route::Fallback(super::keys::FallbackWhy::NotExported);
         };
-        let failed = match k {
-            Some(Ok(k)) => self.peers.locked().get(&peer.name).is_some_and(|p| {
-                p.instance_id == peer.instance_id && p.failed.contains(&k.alloc_base)
-            }),
+        let failed = match (k, local.location) {
+            (Some(Ok(k)), Location::Cuda(d)) => {
+                self.peers.locked().get(&peer.name).is_some_and(|p| {
+                    p.instance_id == peer.instance_id && p.failed.contains(&(d, k.alloc_base))
+                })
+            }
             _ => false,
         };
         route(

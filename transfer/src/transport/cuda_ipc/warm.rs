@@ -8,8 +8,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvferry_cuda::ipc::AllocationKind;
-
 use super::keys::{IpcRegionKeys, Route};
 use super::transport::{CudaIpcTransport, Decoded};
 use crate::descriptor::SegmentDescriptor;
@@ -21,37 +19,38 @@ use crate::types::Location;
 /// One local device's share of a warm-up: the keys of the allocations it imports (each once).
 pub(super) type WarmPart = (u32, Vec<Arc<IpcRegionKeys>>);
 
-/// What a warm-up imports: for each of the peer's `buffers` (its region and decoded keys), the
-/// first of this engine's `devices` (ascending) from which `route_of(device, buffer index)`
-/// takes CUDA IPC or an in-process copy; each allocation once, under that device, and none
-/// that `known` (already mapped or failed for this peer instance). Devices with nothing to
-/// import are left out; so are buffers without keys or that route nowhere but the fallback.
+/// What a warm-up imports: for each of this engine's `devices` (ascending), each allocation of
+/// the peer's `buffers` (its region and decoded keys) from which `route_of(device, buffer
+/// index)` takes CUDA IPC or an in-process copy, once, unless `known(device, base)` (already
+/// mapped for that device, or failed there, for this peer instance). Every device that reaches
+/// an allocation maps it for itself: a mapping gives access to the device it was made for
+/// only. Devices with nothing to import are left out; so are buffers without keys or that
+/// route nowhere but the fallback.
 pub(super) fn warm_plan(
     devices: &[u32],
     buffers: &[(MemoryRegion, Decoded)],
     route_of: impl Fn(u32, usize) -> Route,
-    known: impl Fn(u64) -> bool,
+    known: impl Fn(u32, u64) -> bool,
 ) -> Vec<WarmPart> {
     let mut devices = devices.to_vec();
     devices.sort_unstable();
     devices.dedup();
-    let mut seen: HashSet<u64> = HashSet::new();
     let mut plan: Vec<WarmPart> = Vec::new();
-    for (i, (_, k)) in buffers.iter().enumerate() {
-        let Some(Ok(keys)) = k else { continue };
-        if seen.contains(&keys.alloc_base) || known(keys.alloc_base) {
-            continue;
+    for dev in devices {
+        let mut seen: HashSet<u64> = HashSet::new();
+        let mut keys: Vec<Arc<IpcRegionKeys>> = Vec::new();
+        for (i, (_, k)) in buffers.iter().enumerate() {
+            let Some(Ok(k)) = k else { continue };
+            if seen.contains(&k.alloc_base) || known(dev, k.alloc_base) {
+                continue;
+            }
+            if matches!(route_of(dev, i), Route::Ipc | Route::InProcess) {
+                seen.insert(k.alloc_base);
+                keys.push(k.clone());
+            }
         }
-        let Some(&dev) = devices
-            .iter()
-            .find(|&&d| matches!(route_of(d, i), Route::Ipc | Route::InProcess))
-        else {
-            continue;
-        };
-        seen.insert(keys.alloc_base);
-        match plan.iter_mut().find(|(d, _)| *d == dev) {
-            Some((_, ks)) => ks.push(keys.clone()),
-            None => plan.push((dev, vec![keys.clone()])),
+        if !keys.is_empty() {
+            plan.push((dev, keys));
         }
     }
     plan
@@ -76,7 +75,7 @@ impl CudaIpcTransport {
             .enumerate()
             .map(|(i, b)| (b.region, self.keys_of(peer, Some(peer), i)))
             .collect();
-        let known: HashSet<u64> = {
+        let known: HashSet<(u32, u64)> = {
             let peers = self.peers.locked();
             peers
                 .get(&peer.name)
@@ -96,7 +95,7 @@ impl CudaIpcTransport {
                 };
                 self.route_of(peer, &local, i, &buffers[i].1)
             },
-            |base| known.contains(&base),
+            |dev, base| known.contains(&(dev, base)),
         );
         self.warm_parts(peer, &plan, by)
     }
@@ -112,12 +111,9 @@ impl CudaIpcTransport {
         let t0 = Instant::now();
         let mut asked = 0;
         for (dev, keys) in plan {
-            let allocs: Vec<(u64, u64, AllocationKind)> = keys
-                .iter()
-                .map(|k| (k.alloc_base, k.alloc_size, k.kind))
-                .collect();
-            self.import(peer, &keys[0].host, &allocs, *dev, Some(by))?;
-            asked += allocs.len();
+            let keys: Vec<&IpcRegionKeys> = keys.iter().map(|k| &**k).collect();
+            self.import(peer, &keys, *dev, Some(by))?;
+            asked += keys.len();
         }
         tracing::debug!(
             target: "kvferry::timing",
@@ -134,6 +130,7 @@ impl CudaIpcTransport {
 mod tests {
     use super::super::keys::{route, FallbackWhy, HostIdentity};
     use super::*;
+    use kvferry_cuda::ipc::AllocationKind;
 
     fn id(pid: u32) -> HostIdentity {
         HostIdentity {
@@ -200,7 +197,7 @@ mod tests {
             buffer(0x10800, 0, 0x10000, id(2)),
             buffer(0x40000, 0, 0x40000, id(2)),
         ];
-        let plan = warm_plan(&[0], &buffers, route_from(&me, &buffers), |_| false);
+        let plan = warm_plan(&[0], &buffers, route_from(&me, &buffers), |_, _| false);
         assert_eq!(bases(&plan), vec![(0, vec![0x10000, 0x40000])]);
     }
 
@@ -211,9 +208,11 @@ mod tests {
             buffer(0x10000, 0, 0x10000, id(2)),
             buffer(0x40000, 0, 0x40000, id(2)),
         ];
-        let plan = warm_plan(&[0], &buffers, route_from(&me, &buffers), |b| b == 0x10000);
+        let plan = warm_plan(&[0], &buffers, route_from(&me, &buffers), |_, b| {
+            b == 0x10000
+        });
         assert_eq!(bases(&plan), vec![(0, vec![0x40000])]);
-        assert!(warm_plan(&[0], &buffers, route_from(&me, &buffers), |_| true).is_empty());
+        assert!(warm_plan(&[0], &buffers, route_from(&me, &buffers), |_, _| true).is_empty());
     }
 
     #[test]
@@ -243,28 +242,38 @@ mod tests {
             route_from(&me, &buffers)(0, 0),
             Route::Fallback(FallbackWhy::OtherHost)
         );
-        assert!(warm_plan(&[0], &buffers, route_from(&me, &buffers), |_| false).is_empty());
+        assert!(warm_plan(&[0], &buffers, route_from(&me, &buffers), |_, _| false).is_empty());
     }
 
     #[test]
     fn an_engine_without_device_memory_imports_nothing() {
         let me = id(1);
         let buffers = vec![buffer(0x10000, 0, 0x10000, id(2))];
-        assert!(warm_plan(&[], &buffers, route_from(&me, &buffers), |_| false).is_empty());
+        assert!(warm_plan(&[], &buffers, route_from(&me, &buffers), |_, _| false).is_empty());
     }
 
+    /// A mapping serves the device it was made for only: each device maps what it reaches
+    /// (here device 0 reaches every device, device 1 only itself), and what one device has
+    /// mapped is not known to another.
     #[test]
-    fn each_allocation_goes_under_the_first_device_that_reaches_it() {
+    fn each_device_imports_what_it_reaches_for_itself() {
         let me = id(1);
-        // Device 1 reaches only device 1; device 0 reaches every device.
         let buffers = vec![
             buffer(0x10000, 1, 0x10000, id(2)),
             buffer(0x40000, 2, 0x40000, id(2)),
         ];
-        let plan = warm_plan(&[1, 0, 1], &buffers, route_from(&me, &buffers), |_| false);
-        assert_eq!(bases(&plan), vec![(0, vec![0x10000, 0x40000])]);
+        let plan = warm_plan(&[1, 0, 1], &buffers, route_from(&me, &buffers), |_, _| {
+            false
+        });
+        assert_eq!(
+            bases(&plan),
+            vec![(0, vec![0x10000, 0x40000]), (1, vec![0x10000])]
+        );
+        // Device 0 mapped both: device 1 still maps its own.
+        let plan = warm_plan(&[0, 1], &buffers, route_from(&me, &buffers), |d, _| d == 0);
+        assert_eq!(bases(&plan), vec![(1, vec![0x10000])]);
         // Without device 0, device 1 takes what it reaches and the rest is left.
-        let plan = warm_plan(&[1], &buffers, route_from(&me, &buffers), |_| false);
+        let plan = warm_plan(&[1], &buffers, route_from(&me, &buffers), |_, _| false);
         assert_eq!(bases(&plan), vec![(1, vec![0x10000])]);
     }
 
@@ -273,7 +282,7 @@ mod tests {
         // Its import fetches only the live table, which the first post would wait for.
         let me = id(1);
         let buffers = vec![buffer(0x10000, 0, 0x10000, id(1))];
-        let plan = warm_plan(&[0], &buffers, route_from(&me, &buffers), |_| false);
+        let plan = warm_plan(&[0], &buffers, route_from(&me, &buffers), |_, _| false);
         assert_eq!(bases(&plan), vec![(0, vec![0x10000])]);
     }
 }

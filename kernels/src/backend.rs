@@ -82,18 +82,22 @@ impl GroupResult {
     /// so the results of a group's layers split in parts add up to the result over all of
     /// them, bit for bit (what checking each layer group as its copies land relies on). Keys
     /// only in `part` are taken as they are. Errors: [`PartMismatch`] when the group, the
-    /// first position or the number of values differ; `self` is unchanged then.
+    /// first position or the number of values differ (every list of `part` must have as many
+    /// values as this result's, or as its own first list when this result has no key yet,
+    /// an empty list included); `self` is unchanged then.
     pub fn absorb(&mut self, part: GroupResult) -> Result<(), PartMismatch> {
-        let len = self.values.values().next().map_or(0, Vec::len);
+        let mine = self.values.values().next().map(Vec::len);
+        // Every list of the part has this result's length (an empty one included: `zip`
+        // would drop the extra values); without a key here, the part's first list's.
+        let len = mine
+            .or_else(|| part.values.values().next().map(Vec::len))
+            .unwrap_or(0);
         let other_len = part.values.values().map(Vec::len).find(|&n| n != len);
-        if part.group_id != self.group_id
-            || part.start != self.start
-            || (len != 0 && other_len.is_some())
-        {
+        if part.group_id != self.group_id || part.start != self.start || other_len.is_some() {
             return Err(PartMismatch {
                 group: self.group_id,
                 start: self.start,
-                len,
+                len: mine.unwrap_or(0),
                 part_group: part.group_id,
                 part_start: part.start,
                 part_len: other_len

@@ -11,7 +11,8 @@ use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
 use kvferry_checksum::select::BlockSelection;
 use kvferry_kernels::oracle::direct_values;
 use kvferry_kernels::{
-    backend_for, ChecksumBackend, CpuBackend, GroupJob, JobFault, KernelError, LayerInput, Location,
+    backend_for, ChecksumBackend, CpuBackend, GroupJob, GroupResult, JobFault, KernelError,
+    LayerInput, Location,
 };
 
 struct Layer {
@@ -164,6 +165,37 @@ fn a_groups_layers_checked_in_parts_add_up_to_the_whole_bit_for_bit() {
     group.group_id += 1;
     assert!(first.absorb(group).is_err());
     assert_eq!(first, kept);
+}
+
+/// A part's lists must all have the result's length, also when the result's lists are
+/// empty or it has no key yet: `zip` would drop the extra values silently.
+#[test]
+fn a_part_whose_lists_differ_in_length_is_refused_even_against_empty_lists() {
+    let key = |index| ReplicaKey { replicas: 2, index };
+    let result = |lists: &[(u32, Vec<u64>)]| GroupResult {
+        group_id: 1,
+        start: 0,
+        values: lists.iter().map(|(k, v)| (key(*k), v.clone())).collect(),
+    };
+    let mut empty = result(&[(0, vec![])]);
+    let e = empty.absorb(result(&[(0, vec![1, 2])])).unwrap_err();
+    assert_eq!((e.len, e.part_len), (0, 2));
+    assert_eq!(empty, result(&[(0, vec![])]));
+    let e = empty
+        .absorb(result(&[(0, vec![]), (1, vec![3])]))
+        .unwrap_err();
+    assert_eq!((e.len, e.part_len), (0, 1));
+    let mut none = result(&[]);
+    let e = none
+        .absorb(result(&[(0, vec![1, 2]), (1, vec![3])]))
+        .unwrap_err();
+    assert_eq!((e.len, e.part_len), (0, 1));
+    assert_eq!(none, result(&[]));
+    // Equal lengths add (or are taken over) as before.
+    none.absorb(result(&[(0, vec![1, 2]), (1, vec![3, 4])]))
+        .unwrap();
+    none.absorb(result(&[(0, vec![1, 1])])).unwrap();
+    assert_eq!(none, result(&[(0, vec![2, 3]), (1, vec![3, 4])]));
 }
 
 #[test]

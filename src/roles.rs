@@ -161,7 +161,7 @@ pub fn load_failure_hint(
             ..
         } => return Some(REACH.to_string()),
         LoadError::Failed {
-            reason: FailReason::Producer(words),
+            reason: FailReason::Producer(words) | FailReason::LeaseMismatch(words),
             ..
         } => words.as_str(),
         _ => return None,
@@ -222,22 +222,18 @@ fn failure_line(error: &LoadError, earlier: bool) -> String {
 }
 
 /// Whether the producer refused a load because the two sides replay different prompts or
-/// models from their options (a block table or a group that does not match the lease): then
-/// every other request of the run is refused the same way.
+/// models from their options (a block table or a group that does not match the lease, which
+/// the producer says with its typed reason, `ErrorReason::LeaseMismatch`): then every other
+/// request of the run is refused the same way. A producer that gives no typed reason is not
+/// taken to say so: the run goes on.
 fn options_differ(error: &LoadError) -> bool {
-    let LoadError::Failed {
-        reason: FailReason::Producer(words),
-        ..
-    } = error
-    else {
-        return false;
-    };
-    let words = words.as_str();
-    words.contains("consumer expects producer block")
-        || words.contains("differ: producer")
-        // A group the producer never published: the sides' models (groups) differ. (A
-        // request not published in time is another matter: serve may be slower.)
-        || (words.contains("group ") && words.contains(" was not published") && !words.contains("in time"))
+    matches!(
+        error,
+        LoadError::Failed {
+            reason: FailReason::LeaseMismatch(_),
+            ..
+        }
+    )
 }
 
 /// The hint for a connect that failed with `why`: none where its message already gives the
@@ -659,7 +655,7 @@ mod tests {
     #[test]
     fn a_group_the_producer_never_published_names_the_shared_options() {
         // What a load with another --model than serve's gets (a hybrid model's second group).
-        let e = producer_error("transfer failed: group 1 was not published");
+        let e = mismatch_error("transfer failed: group 1 was not published");
         let hint = load_failure_hint(&e, false, 1, 2).unwrap_or_default();
         assert!(
             hint.contains("replay different prompts") && hint.contains("--model"),
@@ -667,18 +663,30 @@ mod tests {
         );
     }
 
+    /// A producer ERROR with `words` and the typed reason of a request that does not match
+    /// the lease.
+    fn mismatch_error(words: &str) -> LoadError {
+        LoadError::Failed {
+            request_id: "req-0".into(),
+            reason: FailReason::LeaseMismatch(kvferry_transfer::PeerText::from_bytes(
+                words.as_bytes(),
+            )),
+        }
+    }
+
     #[test]
     fn only_a_refusal_for_other_prompts_says_the_options_differ() {
-        for words in [
-            "request refused, nothing written: group 1 was not published",
-            "request refused, nothing written: group 0 position 0: consumer expects producer block 4, the producer holds block 5",
-        ] {
-            assert!(options_differ(&producer_error(words)), "{words}");
-        }
-        // Serve may only be slower: the other requests may still come.
+        let words = "request refused, nothing written: group 1 was not published";
+        assert!(options_differ(&mismatch_error(words)));
+        // The words alone decide nothing: without the typed reason (an older producer, or
+        // a refusal that only reads alike) the run goes on.
+        assert!(!options_differ(&producer_error(words)));
         let late = "request \"req-4\" was not published in time (publish wait 30s or the consumer's budget)";
         assert!(!options_differ(&producer_error(late)));
         assert!(!options_differ(&producer_error("lease expired after 120s")));
+        // The hint names the shared options either way it is told.
+        let hint = load_failure_hint(&mismatch_error(words), false, 1, 2).unwrap_or_default();
+        assert!(hint.contains("replay different prompts"), "{hint}");
     }
 
     #[test]

@@ -55,6 +55,11 @@ pub enum FailReason {
     /// The producer answered ERROR: its words (bounded, escaped).
     #[error("producer error: {0}")]
     Producer(PeerText),
+    /// The producer answered ERROR because the request does not match its lease
+    /// (`ErrorReason::LeaseMismatch`): the sides replay different prompts or models. Its
+    /// words (bounded, escaped).
+    #[error("producer error: {0}")]
+    LeaseMismatch(PeerText),
     /// A FINISH whose proof does not match the load's token (missing or wrong): it did not
     /// come from the producer the token was sent to, so its payload is not accepted.
     #[error("FINISH without a valid proof of the load's token; payload refused")]
@@ -458,7 +463,12 @@ impl ConsumerMachine {
                 }
                 ConsumerEvent::Failed {
                     load_id,
-                    reason: FailReason::Producer(why),
+                    reason: match reply.reason {
+                        Some(super::msg::ErrorReason::LeaseMismatch) => {
+                            FailReason::LeaseMismatch(why)
+                        }
+                        None => FailReason::Producer(why),
+                    },
                 }
             }
         }

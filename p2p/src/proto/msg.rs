@@ -370,6 +370,35 @@ pub struct Reply {
     /// may send the request again. Absent (false) from producers that do not say it.
     #[serde(default)]
     pub no_session: bool,
+    /// On ERROR: why, as a type, where the producer knows one (its words stay in `error`).
+    /// Absent from producers that do not say it, and read as absent when it names a reason
+    /// this side does not know (a newer producer's).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "known_reason"
+    )]
+    pub reason: Option<ErrorReason>,
+}
+
+/// Why the producer answered ERROR, as a type (a snake_case string on the wire).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorReason {
+    /// The request does not match what the producer published for it (a block the lease
+    /// does not hold at a position, a group it never published, KV that cannot be copied
+    /// byte for byte): the two sides replay different prompts or models, so the run's other
+    /// requests are refused the same way.
+    LeaseMismatch,
+}
+
+/// `Reply::reason` as read: a reason this side does not know is `None`, not a bad reply.
+fn known_reason<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<ErrorReason>, D::Error> {
+    let s: Option<String> = Option::deserialize(d)?;
+    Ok(match s.as_deref() {
+        Some("lease_mismatch") => Some(ErrorReason::LeaseMismatch),
+        _ => None,
+    })
 }
 
 /// HMAC label of the FINISH proof.
@@ -408,6 +437,7 @@ impl Reply {
             bytes_written: 0,
             proof: None,
             no_session: false,
+            reason: None,
         }
     }
 

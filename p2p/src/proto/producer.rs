@@ -526,10 +526,11 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
                 }
                 (reply, ReleaseReason::Served)
             }
-            Err(e) => (
-                Reply::error(request_id, load_id, format!("transfer failed: {e}")),
-                ReleaseReason::Failed(Shared::new(e)),
-            ),
+            Err(e) => {
+                let mut reply = Reply::error(request_id, load_id, format!("transfer failed: {e}"));
+                reply.reason = e.reason();
+                (reply, ReleaseReason::Failed(Shared::new(e)))
+            }
         };
         self.entries.insert(
             request_id.to_string(),
@@ -562,11 +563,12 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
         why: ServeFailure,
         lease: T,
     ) {
-        let reply = Reply::error(
+        let mut reply = Reply::error(
             request_id,
             load_id,
             format!("request refused, nothing written (the lease stays for a request that fits it): {why}"),
         );
+        reply.reason = why.reason();
         let mut unheld = Vec::new();
         match self.entries.remove(request_id) {
             Some(Entry::Serving {

@@ -8,6 +8,7 @@ use kvferry_checksum::group::RankInfo;
 use kvferry_checksum::layout::LayoutError;
 use kvferry_transfer::TransferError;
 
+use crate::proto::msg::ErrorReason;
 use crate::proto::plan::PlanError;
 use crate::proto::spec_checks::{DtypeError, TableError};
 use crate::proto::wire::Incompatible;
@@ -262,6 +263,25 @@ pub enum WriteErrorKind {
     /// The WRITEs failed or did not end within the deadline.
     #[error("transfer: {0}")]
     Transfer(#[source] TransferError),
+}
+
+impl ServeFailure {
+    /// The typed reason its ERROR reply carries (`Reply::reason`), where it has one: a
+    /// request that does not match the lease (a block it does not hold, a group never
+    /// published, a layer whose KV cannot be copied byte for byte) is `LeaseMismatch`.
+    pub fn reason(&self) -> Option<ErrorReason> {
+        match self {
+            ServeFailure::Plan(
+                ServeError::WrongBlock { .. }
+                | ServeError::NotPublished(_)
+                | ServeError::Layer {
+                    source: LayerError::Incompatible(_),
+                    ..
+                },
+            ) => Some(ErrorReason::LeaseMismatch),
+            _ => None,
+        }
+    }
 }
 
 /// Why serving one load failed, as the producer's state machine records it.

@@ -1069,3 +1069,79 @@ fn consumer_sends_a_budget_that_ends_before_its_own_deadline() {
     assert_eq!(sent.budget_ms, 9000);
     assert!(Duration::from_millis(sent.budget_ms) < Duration::from_secs(10));
 }
+
+/// The producer's ERROR for a request that does not match the lease carries the typed reason
+/// (one for another cause does not), and the consumer fails the load with it; a reply without
+/// it (an older producer's) or with a reason this side does not know (a newer one's) is a
+/// plain producer error, never a bad reply.
+#[test]
+fn a_lease_mismatch_is_typed_on_the_wire() {
+    use super::serve_error::ServeError;
+    let reasons = |e: &[Effect<u32, &'static str>]| -> Vec<Option<ErrorReason>> {
+        e.iter()
+            .filter_map(|e| match e {
+                Effect::Reply { reply, .. } => Some(reply.reason),
+                _ => None,
+            })
+            .collect()
+    };
+    let t0 = Instant::now();
+    let mut m = Machine::new(timeouts(), Duration::from_secs(2));
+    m.publish(t0, "a", "b").unwrap();
+    m.on_request(t0, 1, request("a", 1), &sess());
+    let wrong_block = ServeError::WrongBlock {
+        group: 0,
+        position: 0,
+        expected: 4,
+        held: Some(5),
+    };
+    m.handle_refused(t0, 1, "a", 1, ServeFailure::Plan(wrong_block), "b");
+    assert_eq!(
+        reasons(&m.drained()),
+        vec![Some(ErrorReason::LeaseMismatch)]
+    );
+    m.on_request(t0, 2, request("a", 2), &sess());
+    let token = ServeFailure::Token(kvferry_transfer::TransferError::Cancelled);
+    m.handle_refused(t0, 2, "a", 2, token, "b");
+    assert_eq!(reasons(&m.drained()), vec![None]);
+
+    let mut c = opened(ConsumerMachine::new(
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+        100,
+    ));
+    let (id, _) = start(&mut c, t0, request("x", 0));
+    let mut r = Reply::error("x", id, "nope");
+    r.reason = Some(ErrorReason::LeaseMismatch);
+    assert_eq!(
+        on_message(&mut c, t0, &encode(&r)),
+        ConsumerEvent::Failed {
+            load_id: id,
+            reason: FailReason::LeaseMismatch(PeerText::from_bytes(b"nope"))
+        }
+    );
+    // Without the field it is not written at all (older consumers read the same map).
+    let plain = encode(&Reply::error("y", 7, "nope"));
+    let v = rmpv::decode::read_value(&mut &plain[..]).unwrap();
+    let mut map = v.as_map().unwrap().clone();
+    assert!(!map.iter().any(|(k, _)| k.as_str() == Some("reason")));
+    let (id, _) = start(&mut c, t0, request("y", 0));
+    for (k, v) in map.iter_mut() {
+        if k.as_str() == Some("load_id") {
+            *v = rmpv::Value::from(id);
+        }
+    }
+    map.push((
+        rmpv::Value::from("reason"),
+        rmpv::Value::from("a_newer_reason"),
+    ));
+    let mut newer = Vec::new();
+    rmpv::encode::write_value(&mut newer, &rmpv::Value::Map(map)).unwrap();
+    assert_eq!(
+        on_message(&mut c, t0, &newer),
+        ConsumerEvent::Failed {
+            load_id: id,
+            reason: FailReason::Producer(PeerText::from_bytes(b"nope"))
+        }
+    );
+}

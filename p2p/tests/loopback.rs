@@ -383,7 +383,7 @@ async fn wrong_producer_block_id_is_refused_and_the_lease_stays_for_a_fitting_lo
     s.groups[0].remote_blocks[1] = Some(4);
     let err = pair.consumer.load(s).await.unwrap_err();
     assert!(
-        matches!(&err, LoadError::Failed { reason: FailReason::Producer(w), .. }
+        matches!(&err, LoadError::Failed { reason: FailReason::LeaseMismatch(w), .. }
             if w.as_str().contains("position 1: consumer expects producer block 4, the producer holds block 5")),
         "{err}"
     );

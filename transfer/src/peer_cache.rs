@@ -337,3 +337,73 @@ fn annotate(err: TransferError, retry: RetryOutcome) -> TransferError {
         retry,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::descriptor::TransportInfo;
+    use crate::memory::{MemoryRegion, RegionKeys};
+    use crate::types::TransportKind;
+
+    /// A transport that counts its warm-ups and moves nothing.
+    #[derive(Default)]
+    struct Counting {
+        warmed: AtomicUsize,
+    }
+
+    impl Transport for Counting {
+        fn kind(&self) -> TransportKind {
+            TransportKind::Tcp
+        }
+        fn local_info(&self) -> TransportInfo {
+            TransportInfo {
+                kind: TransportKind::Tcp,
+                details: serde_json::json!({}),
+            }
+        }
+        fn register(&self, _region: &MemoryRegion) -> Result<RegionKeys> {
+            Ok(RegionKeys::default())
+        }
+        fn deregister(&self, _region: &MemoryRegion) -> Result<()> {
+            Ok(())
+        }
+        fn on_handshake(&self, _peer: SocketAddr, _body: &[u8]) -> Result<Vec<u8>> {
+            Ok(Vec::new())
+        }
+        fn post(
+            &self,
+            _peer: &Arc<SegmentDescriptor>,
+            slices: &[Slice],
+            done: CompletionSink,
+            _token: Option<Token>,
+        ) {
+            done.fail_all(slices.iter().map(|s| s.id), &TransferError::Cancelled);
+        }
+        fn warm_up(&self, _peer: &Arc<SegmentDescriptor>) -> Result<usize> {
+            self.warmed.fetch_add(1, Ordering::SeqCst);
+            Ok(0)
+        }
+    }
+
+    /// Opening a segment warms up what the first transfer would set up; a fetch that must
+    /// return at once (a submit's re-fetch, a batch's retry) does not.
+    #[test]
+    fn only_a_fetch_asked_to_warms_up() {
+        let peer = crate::TransferEngine::new(crate::config::EngineConfig::default()).unwrap();
+        let t = Arc::new(Counting::default());
+        let cache = PeerCache::new(
+            t.clone(),
+            AuthState::new(None, "test"),
+            Duration::from_secs(5),
+            Duration::from_secs(60),
+            1,
+        );
+        cache.fetch(&peer.segment_name(), None, false).unwrap();
+        assert_eq!(t.warmed.load(Ordering::SeqCst), 0);
+        cache.fetch(&peer.segment_name(), None, true).unwrap();
+        assert_eq!(t.warmed.load(Ordering::SeqCst), 1);
+    }
+}

@@ -88,30 +88,42 @@ impl PendingFlips {
     pub fn take(&self, request_id: &str) -> Option<Flip> {
         self.0.locked().remove(request_id)
     }
+
+    /// Whether a flip is armed for `request_id`.
+    pub fn armed(&self, request_id: &str) -> bool {
+        self.0.locked().contains_key(request_id)
+    }
 }
 
 /// Installs on `consumer` a landed hook that applies the flip armed for the landed request
 /// (if any) to `ranks`, once; returns the flips to arm. A flip that cannot be applied is logged.
+/// The hook runs only for loads with a flip armed when they start: the others verify their
+/// layers as they land.
 pub fn install_hook(consumer: &Consumer, ranks: Arc<Mutex<Vec<RankKv>>>) -> PendingFlips {
     let pending = PendingFlips::default();
     let flips = pending.clone();
-    consumer.set_landed_hook(Some(Arc::new(move |landed: &Landed| {
-        if let Some(f) = flips.take(&landed.request_id) {
-            let mut r = ranks.lock().unwrap();
-            if let Err(e) = flip_bit(
-                &mut r[f.rank],
-                f.layer,
-                &f.blocks,
-                f.token,
-                f.head,
-                f.part,
-                f.byte,
-                f.bit,
-            ) {
-                tracing::error!(request = %landed.request_id, "fault injection failed: {e}");
+    let armed = pending.clone();
+    let runs_for = Arc::new(move |request_id: &str| armed.armed(request_id));
+    consumer.set_landed_hook_for(
+        Arc::new(move |landed: &Landed| {
+            if let Some(f) = flips.take(&landed.request_id) {
+                let mut r = ranks.lock().unwrap();
+                if let Err(e) = flip_bit(
+                    &mut r[f.rank],
+                    f.layer,
+                    &f.blocks,
+                    f.token,
+                    f.head,
+                    f.part,
+                    f.byte,
+                    f.bit,
+                ) {
+                    tracing::error!(request = %landed.request_id, "fault injection failed: {e}");
+                }
             }
-        }
-    })));
+        }),
+        runs_for,
+    );
     pending
 }
 

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use kvferry_checksum::fingerprint::layer_fingerprint;
+use kvferry_checksum::group::SkipReason;
 use kvferry_checksum::record::{GroupRecord, WorkerRecord};
 use kvferry_checksum::select::BlockSelection;
 use kvferry_kernels::{GroupJob, GroupResult, KernelError, Location};
@@ -39,53 +40,107 @@ pub async fn worker_record(
     timeout: Duration,
     after: Option<CallerStream>,
 ) -> Result<WorkerRecord, ChecksumError> {
-    let mut jobs = Vec::new();
-    let mut skipped = Vec::new();
-    let mut meta = BTreeMap::new();
+    let mut jobs = rank_jobs(worker, select, num_tokens, &|_, _| true);
+    let results = run_jobs(worker, std::mem::take(&mut jobs.jobs), timeout, after).await?;
+    jobs.record(worker, results)
+}
+
+/// One rank's checksum jobs over some of its layers, and what its record needs besides their
+/// results ([`rank_jobs`]).
+pub(crate) struct RankJobs {
+    /// One job per group with selected blocks, in the rank's group order.
+    pub(crate) jobs: Vec<GroupJob>,
+    skipped: Vec<(u32, SkipReason)>,
+    /// Group id → (block size, fingerprint) of each group with a job.
+    meta: BTreeMap<u32, (u64, Option<u64>)>,
+}
+
+/// The jobs that checksum the blocks `select(group)` picks of every group of `worker` (as
+/// [`worker_record`]), over the layers `keep(group id, layer index)` keeps (a job may have
+/// none).
+pub(crate) fn rank_jobs(
+    worker: &Worker,
+    select: &(dyn Fn(&WorkerGroup) -> Option<BlockSelection> + Sync),
+    num_tokens: u64,
+    keep: &dyn Fn(u32, usize) -> bool,
+) -> RankJobs {
+    let mut out = RankJobs {
+        jobs: Vec::new(),
+        skipped: Vec::new(),
+        meta: BTreeMap::new(),
+    };
     for g in &worker.groups {
         if let Some(reason) = g.skipped {
-            skipped.push((g.group_id, reason));
+            out.skipped.push((g.group_id, reason));
             continue;
         }
         let Some(selection) = select(g).filter(|s| !s.block_ids.is_empty()) else {
             continue;
         };
-        meta.insert(g.group_id, (g.block_size, group_fingerprint(g)));
-        jobs.push(GroupJob {
+        out.meta
+            .insert(g.group_id, (g.block_size, group_fingerprint(g)));
+        let layers = g.layers.iter().enumerate();
+        out.jobs.push(GroupJob {
             group_id: g.group_id,
             block_size: g.block_size,
-            layers: g.layers.clone(),
+            layers: layers
+                .filter(|(i, _)| keep(g.group_id, *i))
+                .map(|(_, l)| l.clone())
+                .collect(),
             selection,
             num_tokens,
             device: worker.device,
         });
     }
-    let mut record = WorkerRecord {
-        rank: worker.rank,
-        groups: Vec::new(),
-        skipped,
-    };
-    if jobs.is_empty() {
-        return Ok(record);
-    }
-    let results = if matches!(worker.device, Location::Cuda(_)) {
-        device_results(worker, jobs, timeout, after).await?
-    } else {
-        host_results(worker, jobs, timeout, after).await?
-    };
-    for r in results {
-        let Some(&(block_size, fingerprint)) = meta.get(&r.group_id) else {
-            return Err(ChecksumError::Unasked(r.group_id));
+    out
+}
+
+impl RankJobs {
+    /// The rank's record from the `results` of its jobs (one per job, over all of each
+    /// group's layers). Errors: [`ChecksumError::Unasked`] for a result of a group without
+    /// a job.
+    pub(crate) fn record(
+        self,
+        worker: &Worker,
+        results: Vec<GroupResult>,
+    ) -> Result<WorkerRecord, ChecksumError> {
+        let mut record = WorkerRecord {
+            rank: worker.rank,
+            groups: Vec::new(),
+            skipped: self.skipped,
         };
-        record.groups.push(GroupRecord {
-            group_id: r.group_id,
-            block_size,
-            start: r.start,
-            fingerprint,
-            values: r.values,
-        });
+        for r in results {
+            let Some(&(block_size, fingerprint)) = self.meta.get(&r.group_id) else {
+                return Err(ChecksumError::Unasked(r.group_id));
+            };
+            record.groups.push(GroupRecord {
+                group_id: r.group_id,
+                block_size,
+                start: r.start,
+                fingerprint,
+                values: r.values,
+            });
+        }
+        Ok(record)
     }
-    Ok(record)
+}
+
+/// Runs `jobs` on `worker`'s backend (none: no result), ordered after `after`. Errors as
+/// [`worker_record`].
+pub(crate) async fn run_jobs(
+    worker: &Worker,
+    jobs: Vec<GroupJob>,
+    timeout: Duration,
+    after: Option<CallerStream>,
+) -> Result<Vec<GroupResult>, ChecksumError> {
+    if jobs.is_empty() {
+        return Ok(Vec::new());
+    }
+    if matches!(worker.device, Location::Cuda(_)) {
+        device_results(worker, jobs, timeout, after).await
+    } else {
+        host_results(worker, jobs, timeout, after).await
+    }
 }
 
 /// How long a device checksum is waited for by yielding to the runtime between polls of its

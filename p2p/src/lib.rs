@@ -80,7 +80,8 @@ pub use error::{
 pub use proto::msg::{DEFAULT_MAX_ZMTP_MESSAGE, MAX_MESSAGE_BYTES};
 pub use proto::producer::{ProducerTimeouts, Refusal, ReleaseReason};
 pub use shell::consumer::{
-    Consumer, ConsumerConfig, Landed, LandedGroup, LandedHook, LoadGroup, LoadOutcome, LoadSpec,
+    Consumer, ConsumerConfig, HookFilter, Landed, LandedGroup, LandedHook, LoadGroup, LoadOutcome,
+    LoadSpec,
 };
 pub use shell::producer::Producer;
 pub use shell::producer_config::{

@@ -32,9 +32,10 @@ use std::time::{Duration, Instant};
 use kvferry_transfer::{PeerText, Secret, Shared};
 
 use super::msg::{
-    decode_reply, decode_welcome, encode, finish_proof, Hello, LoadRequest, MsgError, Reply,
-    Status, KIND_HELLO, PROTOCOL_VERSION,
+    decode_reply, decode_welcome, encode, finish_proof, Hello, LayerSpan, LoadRequest, MsgError,
+    Reply, Status, KIND_HELLO, PROTOCOL_VERSION,
 };
+use super::progress::{check_progress, layer_slots, ProgressError};
 use super::session::Session;
 
 /// Why a load failed before any verdict (transport or producer side).
@@ -121,6 +122,18 @@ pub enum ConsumerEvent {
     Progress {
         /// The load.
         load_id: u64,
+        /// The layers the reply says have landed (`proto::progress`), checked to follow on
+        /// from the ones named before; `None` when it names none.
+        landed: Option<LayerSpan>,
+    },
+    /// A CONTINUE whose layers cannot have landed in this order (`proto::progress`): the
+    /// reply deadline moved, but this load's progress is void from here on; every layer
+    /// the early checksums covered is verified again after the FINISH.
+    BadProgress {
+        /// The load.
+        load_id: u64,
+        /// Why.
+        error: ProgressError,
     },
     /// A reply for no pending load (late, after the load timed out): ignored.
     Stale {
@@ -171,6 +184,11 @@ struct Pending {
     reply_deadline: Instant,
     deadline: Instant,
     continued: bool,
+    /// Layer slots of the request, and one past the last a progress named.
+    slots: u32,
+    landed: u32,
+    /// A progress was bogus: later ones are ignored.
+    progress_void: bool,
 }
 
 /// The loads in flight on one producer connection.
@@ -385,6 +403,9 @@ impl ConsumerMachine {
                 reply_deadline: now + self.reply_timeout,
                 deadline: now + self.max_wait,
                 continued: false,
+                slots: layer_slots(&request).len().min(u32::MAX as usize) as u32,
+                landed: 0,
+                progress_void: false,
             },
         );
         self.transmits.push_back(Transmit {
@@ -426,7 +447,28 @@ impl ConsumerMachine {
             Status::Continue => {
                 p.reply_deadline = (now + self.reply_timeout).min(p.deadline);
                 p.continued = true;
-                ConsumerEvent::Progress { load_id }
+                let landed = match reply.landed {
+                    Some(span) if !p.progress_void => span,
+                    _ => {
+                        return ConsumerEvent::Progress {
+                            load_id,
+                            landed: None,
+                        }
+                    }
+                };
+                match check_progress(p.landed, p.slots, landed) {
+                    Ok(end) => {
+                        p.landed = end;
+                        ConsumerEvent::Progress {
+                            load_id,
+                            landed: Some(landed),
+                        }
+                    }
+                    Err(error) => {
+                        p.progress_void = true;
+                        ConsumerEvent::BadProgress { load_id, error }
+                    }
+                }
             }
             Status::Finish => {
                 let p = self.pending.remove(&load_id);

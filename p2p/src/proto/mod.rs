@@ -13,9 +13,11 @@ mod peer_segments;
 pub mod plan;
 pub mod producer;
 pub mod producer_effects;
+pub mod progress;
 pub mod request;
 pub mod serve;
 pub mod serve_error;
+pub mod serve_parts;
 pub mod session;
 pub mod sessions;
 pub mod spec_checks;
@@ -23,6 +25,8 @@ pub mod wire;
 
 #[cfg(test)]
 mod link_tests;
+#[cfg(test)]
+mod progress_tests;
 #[cfg(test)]
 mod serve_tests;
 #[cfg(test)]

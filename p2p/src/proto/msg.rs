@@ -379,6 +379,40 @@ pub struct Reply {
         deserialize_with = "known_reason"
     )]
     pub reason: Option<ErrorReason>,
+    /// On CONTINUE: the layers whose copies have all completed since the last progress
+    /// (`proto::progress`), so that the consumer checksums them while the rest is copied.
+    /// Absent from producers that do not say it, and read as absent when it is not a span
+    /// (a newer producer's form): no progress, every layer is verified after the FINISH.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "known_span"
+    )]
+    pub landed: Option<LayerSpan>,
+}
+
+/// Layer slots `[first, end)` of a request (`proto::progress::layer_slots`): the layers a
+/// progress reply says have landed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerSpan {
+    /// The first layer slot.
+    pub first: u32,
+    /// One past the last.
+    pub end: u32,
+}
+
+/// `Reply::landed` as read: anything but a span of two numbers is `None`, not a bad reply.
+fn known_span<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<LayerSpan>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Any {
+        Span(LayerSpan),
+        Other(serde::de::IgnoredAny),
+    }
+    Ok(match Option::<Any>::deserialize(d)? {
+        Some(Any::Span(s)) => Some(s),
+        _ => None,
+    })
 }
 
 /// Why the producer answered ERROR, as a type (a snake_case string on the wire).
@@ -438,6 +472,7 @@ impl Reply {
             proof: None,
             no_session: false,
             reason: None,
+            landed: None,
         }
     }
 

@@ -36,8 +36,9 @@ use std::time::{Duration, Instant};
 
 use kvferry_transfer::{Secret, Shared};
 
-use super::msg::{decode_consumer_message, ConsumerMessage, LoadRequest, Reply, Status};
+use super::msg::{decode_consumer_message, ConsumerMessage, LayerSpan, LoadRequest, Reply, Status};
 use super::peer_segments::PeerSegments;
+use super::producer_effects::{not_owner, owns};
 pub use super::producer_effects::{
     Effect, ProducerTimeouts, PublishError, Refusal, ReleaseReason, Warning,
 };
@@ -104,34 +105,6 @@ const TWICE: &str = "is already being loaded (KV is never fetched twice)";
 
 /// Most requests with load keys that may wait for one request id's publish.
 pub const MAX_WAITING_PER_REQUEST: usize = 8;
-
-/// Whether `request`, in `session`, may load a lease published with `key`: it proves the key
-/// for this session and load (constant-time compare).
-fn owns(key: &Option<String>, request: &LoadRequest, session: &Session) -> bool {
-    match key {
-        None => true,
-        Some(k) => session.check_key_proof(k, request),
-    }
-}
-
-/// The ERROR for a request that does not own its lease, after the warning that logs it.
-fn not_owner<P, T>(peer: P, request: &LoadRequest) -> [Effect<P, T>; 2] {
-    let id = &request.request_id;
-    let (why, refusal) = if request.key_proof.is_some() {
-        ("wrong", Refusal::KeyWrong(id.clone()))
-    } else {
-        ("missing", Refusal::KeyMissing(id.clone()))
-    };
-    let reply = Reply::error(
-        id,
-        request.load_id,
-        format!("request {id:?}: load key {why}; only the consumer the producer's lease names may load it"),
-    );
-    [
-        Effect::Warn(Warning::Load(refusal)),
-        Effect::Reply { peer, reply },
-    ]
-}
 
 impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
     /// An empty machine in open mode (no secret); `serve_margin` is the longest a transfer may
@@ -547,6 +520,33 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
         self.effects.push_back(Effect::Reply { peer, reply });
         let unheld = self.segments.serve_ended(segments);
         self.close_segments(unheld);
+    }
+
+    /// The copies of layers `landed` of the load `load_id` of `request_id` being served have
+    /// completed (`proto::progress`): its consumer gets a CONTINUE naming them, which also
+    /// counts as the heartbeat. Nothing happens for a load not being served (it ended).
+    pub fn handle_progress(
+        &mut self,
+        now: Instant,
+        request_id: &str,
+        load_id: u64,
+        landed: LayerSpan,
+    ) {
+        if let Some(Entry::Serving {
+            peer,
+            load_id: serving,
+            next_beat,
+            ..
+        }) = self.entries.get_mut(request_id)
+        {
+            if *serving == load_id {
+                *next_beat = now + self.timeouts.heartbeat;
+                let mut reply = Reply::new(Status::Continue, request_id, load_id);
+                reply.landed = Some(landed);
+                let peer = peer.clone();
+                self.effects.push_back(Effect::Reply { peer, reply });
+            }
+        }
     }
 
     /// Serving `request_id` was refused before anything was written (`why`: the request does

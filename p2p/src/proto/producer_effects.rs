@@ -8,6 +8,7 @@ use kvferry_transfer::Shared;
 
 use super::msg::{LoadRequest, MsgError, Reply, Welcome};
 use super::serve_error::ServeFailure;
+use super::session::Session;
 use super::sessions::SessionRefusal;
 
 /// Timeouts of the producer state machine.
@@ -134,4 +135,32 @@ pub enum PublishError {
     /// The request id is already published, being served, or finished recently.
     #[error("request {0:?} was already published")]
     Duplicate(String),
+}
+
+/// Whether `request`, in `session`, may load a lease published with `key`: it proves the key
+/// for this session and load (constant-time compare).
+pub(super) fn owns(key: &Option<String>, request: &LoadRequest, session: &Session) -> bool {
+    match key {
+        None => true,
+        Some(k) => session.check_key_proof(k, request),
+    }
+}
+
+/// The ERROR for a request that does not own its lease, after the warning that logs it.
+pub(super) fn not_owner<P, T>(peer: P, request: &LoadRequest) -> [Effect<P, T>; 2] {
+    let id = &request.request_id;
+    let (why, refusal) = if request.key_proof.is_some() {
+        ("wrong", Refusal::KeyWrong(id.clone()))
+    } else {
+        ("missing", Refusal::KeyMissing(id.clone()))
+    };
+    let reply = Reply::error(
+        id,
+        request.load_id,
+        format!("request {id:?}: load key {why}; only the consumer the producer's lease names may load it"),
+    );
+    [
+        Effect::Warn(Warning::Load(refusal)),
+        Effect::Reply { peer, reply },
+    ]
 }

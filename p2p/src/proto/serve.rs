@@ -36,6 +36,8 @@ pub struct RankPlan {
     /// The copies cut token by token (block sizes differ), producer address → consumer
     /// address.
     pub copies: Vec<Copy>,
+    /// The layer slot (`proto::progress`) of `copies`, in runs: `(slot, copies)` in order.
+    pub copy_layers: Vec<(u32, usize)>,
     /// The whole-block copies, one entry per run of layers sharing block 0's ranges.
     pub strided: Vec<BlockCopies>,
 }
@@ -50,6 +52,17 @@ pub struct BlockCopies {
     /// Each block's `(producer base, consumer base)`: the layer's array address plus the
     /// block's offset (`Geometry::block_stride` × block id).
     pub blocks: Vec<(u64, u64)>,
+    /// The layer slot (`proto::progress`) of `blocks`, in runs: `(slot, blocks)` in order.
+    pub layers: Vec<(u32, usize)>,
+}
+
+/// Appends `n` items of layer `slot` to `runs` (`(slot, items)` in order).
+pub(crate) fn push_run(runs: &mut Vec<(u32, usize)>, slot: u32, n: usize) {
+    match runs.last_mut() {
+        _ if n == 0 => {}
+        Some((s, m)) if *s == slot => *m += n,
+        _ => runs.push((slot, n)),
+    }
 }
 
 impl BlockCopies {
@@ -122,6 +135,8 @@ pub fn plan(
         group,
     };
     let mut plans: Vec<RankPlan> = Vec::new();
+    // Each layer's slot, in `proto::progress::layer_slots`'s order.
+    let mut slot = 0u32;
     for target in &req.ranks {
         for b in &req.blocks {
             let tg = target
@@ -135,7 +150,9 @@ pub fn plan(
                 })?;
             let heads = group_heads(producer, b.group_id).map_err(|i| without(i, b.group_id))?;
             for wl in &tg.layers {
-                layer_copies(producer, &heads, target, b, req.num_tokens, wl, &mut plans)?;
+                let at = (slot, wl);
+                layer_copies(producer, &heads, target, b, req.num_tokens, at, &mut plans)?;
+                slot = slot.saturating_add(1);
             }
         }
     }
@@ -276,16 +293,16 @@ pub fn check_ranks(req: &LoadRequest) -> Result<(), ServeError> {
     Ok(())
 }
 
-/// Appends the copies that fill consumer layer `wl` of rank `target` for blocks `b` (tokens
-/// below `num_tokens` when the block sizes differ); `heads` is the producer's head map of
-/// `b`'s group.
+/// Appends the copies that fill consumer layer `wl` (layer slot `slot`) of rank `target` for
+/// blocks `b` (tokens below `num_tokens` when the block sizes differ); `heads` is the
+/// producer's head map of `b`'s group.
 fn layer_copies(
     producer: &[RankLayout],
     heads: &HeadMap<'_>,
     target: &WireRank,
     b: &WireBlocks,
     num_tokens: u64,
-    wl: &WireLayer,
+    (slot, wl): (u32, &WireLayer),
     plans: &mut Vec<RankPlan>,
 ) -> Result<(), ServeError> {
     let at = |source: LayerError| ServeError::Layer {
@@ -368,12 +385,14 @@ fn layer_copies(
                     rank: ri,
                     segment: target.segment.clone(),
                     copies: Vec::new(),
+                    copy_layers: Vec::new(),
                     strided: Vec::new(),
                 });
                 plans.len() - 1
             }
         };
         if by_tokens {
+            let before = plans[i].copies.len();
             token_copies(
                 layer.addr,
                 ours,
@@ -386,6 +405,8 @@ fn layer_copies(
                 &mut plans[i].copies,
             )
             .map_err(at)?;
+            let added = plans[i].copies.len() - before;
+            push_run(&mut plans[i].copy_layers, slot, added);
             continue;
         }
         // Block 0's ranges once per layer; each block's are those moved by its offset. Layers
@@ -413,9 +434,17 @@ fn layer_copies(
         if ranges.is_empty() || blocks.is_empty() {
             continue;
         }
+        let n = blocks.len();
         match plans[i].strided.last_mut() {
-            Some(s) if s.ranges == ranges => s.blocks.extend(blocks),
-            _ => plans[i].strided.push(BlockCopies { ranges, blocks }),
+            Some(s) if s.ranges == ranges => {
+                s.blocks.extend(blocks);
+                push_run(&mut s.layers, slot, n);
+            }
+            _ => plans[i].strided.push(BlockCopies {
+                ranges,
+                blocks,
+                layers: vec![(slot, n)],
+            }),
         }
     }
     Ok(())

@@ -574,3 +574,67 @@ fn different_block_sizes_are_checked_against_the_lease() {
         Err(ServeError::WrongBlock { position: 1, .. })
     ));
 }
+
+/// A plan cut at layer groups (`proto::progress`): each part copies only into the consumer
+/// layers of its slots, the parts together copy every byte once and land every head, and the
+/// bytes per slot add up to the plan's, for one group, a few, and one per layer.
+#[test]
+fn layer_parts_copy_each_layer_once_into_its_own_slots() {
+    use super::progress::{layer_groups, layer_slots};
+    for (p, c) in [
+        ((1, 1), (1, 1)),
+        ((2, 1), (1, 1)),
+        ((1, 1), (2, 1)),
+        ((2, 2), (1, 3)),
+    ] {
+        let (producer, consumer) = (side(0, p.0, p.1, 4), side(1, c.0, c.1, 4));
+        let (remote, local) = ([4u64, 0, 5], [1u64, 3, 2]);
+        let req = request(&consumer, &remote, &local);
+        let plans = plan(&producer, &published(&remote), &req).unwrap();
+        let slots = layer_slots(&req);
+        let mut bytes = vec![0u64; slots.len()];
+        for pl in &plans {
+            pl.add_slot_bytes(&mut bytes);
+        }
+        let total: u64 = plans
+            .iter()
+            .flat_map(|p| p.all_copies())
+            .map(|c| c.len)
+            .sum();
+        assert_eq!(bytes.iter().sum::<u64>(), total);
+        let per = total / slots.len() as u64;
+        let mut splits: Vec<Vec<std::ops::Range<u32>>> = [0, total, 2 * per, per, 1]
+            .iter()
+            .map(|&g| layer_groups(&bytes, g))
+            .collect();
+        splits.push((0..slots.len() as u32).map(|i| i..i + 1).collect());
+        assert!(splits.iter().any(|s| s.len() > 2), "{splits:?}");
+        for groups in splits {
+            let mut src = Memory::of(&producer);
+            src.heads(&producer, &[(0, 4), (1, 0), (2, 5)], false);
+            let mut dst = Memory::of(&consumer);
+            let mut copied = 0;
+            for g in &groups {
+                let layers: Vec<_> = slots[g.start as usize..g.end as usize]
+                    .iter()
+                    .map(|s| {
+                        let rg = &req.ranks[s.rank].groups;
+                        let l = &rg.iter().find(|x| x.group_id == s.group_id).unwrap();
+                        (l.layers[s.layer].addr, l.layers[s.layer].len)
+                    })
+                    .collect();
+                for pl in &plans {
+                    for c in pl.layer_part(g).all_copies() {
+                        let inside = |&(a, n): &(u64, u64)| c.dst >= a && c.dst + c.len <= a + n;
+                        assert!(layers.iter().any(inside), "{c:?} outside {g:?}");
+                        copied += c.len;
+                        let b = src.at(c.src, c.len).to_vec();
+                        dst.at(c.dst, c.len).copy_from_slice(&b);
+                    }
+                }
+            }
+            assert_eq!(copied, total, "{groups:?}");
+            assert!(dst.heads(&consumer, &[(0, 1), (1, 3), (2, 2)], true));
+        }
+    }
+}

@@ -15,7 +15,7 @@ use super::serve_error::ServeFailure;
 use super::session::Session;
 
 /// The session the machine tests run in.
-fn sess() -> Session {
+pub(crate) fn sess() -> Session {
     Session {
         consumer_nonce: [1; 32],
         producer_nonce: [2; 32],
@@ -25,7 +25,7 @@ fn sess() -> Session {
 }
 
 /// `c` with `sess()` open (an open-mode producer's welcome).
-fn opened(mut c: ConsumerMachine) -> ConsumerMachine {
+pub(crate) fn opened(mut c: ConsumerMachine) -> ConsumerMachine {
     c.hello([1; 32], "tcp://p:1", "c:1");
     let w = Welcome {
         version: PROTOCOL_VERSION,
@@ -39,7 +39,7 @@ fn opened(mut c: ConsumerMachine) -> ConsumerMachine {
 }
 
 /// Starts a load of `r` on `c`: its id and the request it sends.
-fn start(c: &mut ConsumerMachine, now: Instant, r: LoadRequest) -> (u64, Vec<u8>) {
+pub(crate) fn start(c: &mut ConsumerMachine, now: Instant, r: LoadRequest) -> (u64, Vec<u8>) {
     let id = c.start(now, r, None).unwrap();
     let t = c.poll_transmit().unwrap();
     assert_eq!(t.load_id, id);
@@ -125,7 +125,7 @@ pub(crate) fn request(id: &str, load_id: u64) -> LoadRequest {
     }
 }
 
-fn timeouts() -> ProducerTimeouts {
+pub(crate) fn timeouts() -> ProducerTimeouts {
     ProducerTimeouts {
         lease: Duration::from_secs(10),
         publish_wait: Duration::from_secs(5),
@@ -815,7 +815,10 @@ fn consumer_continue_extends_but_not_past_overall_deadline() {
     let cont = encode(&Reply::new(Status::Continue, "a", id));
     assert_eq!(
         on_message(&mut c, t0 + Duration::from_millis(1500), &cont),
-        ConsumerEvent::Progress { load_id: id }
+        ConsumerEvent::Progress {
+            load_id: id,
+            landed: None
+        }
     );
     let mut rebuild = false;
     c.handle_timeout(t0 + Duration::from_millis(3000));

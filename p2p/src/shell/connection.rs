@@ -17,7 +17,8 @@ use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMess
 use crate::proto::consumer::{
     ConnectFailure, ConsumerEvent, ConsumerMachine, FailReason, LinkError,
 };
-use crate::proto::msg::{LoadRequest, Reply};
+use crate::proto::msg::{LayerSpan, LoadRequest, Reply};
+use crate::proto::progress::ProgressError;
 use crate::shell::consumer_config::ConsumerConfig;
 use crate::shell::sleep_until;
 use kvferry_transfer::{Secret, Shared};
@@ -34,7 +35,26 @@ pub(crate) struct LoadCmd {
     /// The lease's load key: proved in the session, never sent.
     pub(crate) load_key: Option<String>,
     pub(crate) respond: oneshot::Sender<Result<Reply, ConnFailure>>,
+    /// Where the load's progress goes while it waits (`None`: nobody listens). At most one
+    /// message per layer of the request: the machine takes only spans that follow on.
+    pub(crate) progress: Option<mpsc::UnboundedSender<LoadProgress>>,
 }
+
+/// What a waiting load hears of its progress ([`LoadCmd::progress`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LoadProgress {
+    /// These layer slots have landed (`proto::progress`).
+    Landed(LayerSpan),
+    /// The producer's progress was bogus: the load's early checksums are void.
+    Void(ProgressError),
+}
+
+/// A waiting load: its answer channel, its progress channel, and when it started here.
+type Waiter = (
+    oneshot::Sender<Result<Reply, ConnFailure>>,
+    Option<mpsc::UnboundedSender<LoadProgress>>,
+    Instant,
+);
 
 /// What a connection's task is told: start a load, or connect now (ahead of the first load)
 /// and say whether it could.
@@ -72,8 +92,9 @@ pub(crate) struct Connection {
     max_message_bytes: usize,
     sock: Option<Sock>,
     generation: u64,
-    /// Each load's answer channel and when it was started here (for its timing line).
-    waiters: HashMap<u64, (oneshot::Sender<Result<Reply, ConnFailure>>, Instant)>,
+    /// Each load's answer and progress channels and when it was started here (for its timing
+    /// line).
+    waiters: HashMap<u64, Waiter>,
 }
 
 /// A connection's first load id: random, so that the ids of a rebuilt or restarted consumer do
@@ -225,6 +246,7 @@ impl Connection {
             request,
             load_key,
             respond,
+            progress,
         } = cmd;
         let started = self.open(events).await.and_then(|()| {
             self.machine
@@ -233,7 +255,8 @@ impl Connection {
         });
         match started {
             Ok(load_id) => {
-                self.waiters.insert(load_id, (respond, Instant::now()));
+                self.waiters
+                    .insert(load_id, (respond, progress, Instant::now()));
             }
             Err(e) => {
                 let _ = respond.send(Err(e));
@@ -296,7 +319,19 @@ impl Connection {
                     }
                     self.answer(load_id, Err(ConnFailure::Failed(reason)))
                 }
-                ConsumerEvent::Progress { load_id } => debug!(load_id, "producer: CONTINUE"),
+                ConsumerEvent::Progress { load_id, landed } => {
+                    debug!(load_id, ?landed, "producer: CONTINUE");
+                    if let Some(span) = landed {
+                        self.progress(load_id, LoadProgress::Landed(span));
+                    }
+                }
+                ConsumerEvent::BadProgress { load_id, error } => {
+                    warn!(
+                        endpoint = self.endpoint,
+                        load_id, "bad progress from the producer, every layer is verified after the FINISH: {error}"
+                    );
+                    self.progress(load_id, LoadProgress::Void(error));
+                }
                 ConsumerEvent::Stale { load_id } => {
                     warn!(load_id, "late reply for a load that already ended; ignored")
                 }
@@ -315,8 +350,15 @@ impl Connection {
         }
     }
 
+    /// Tells the load `load_id` of its progress, if it listens.
+    fn progress(&self, load_id: u64, p: LoadProgress) {
+        if let Some((_, Some(tx), _)) = self.waiters.get(&load_id) {
+            let _ = tx.send(p);
+        }
+    }
+
     fn answer(&mut self, load_id: u64, result: Result<Reply, ConnFailure>) {
-        if let Some((w, started)) = self.waiters.remove(&load_id) {
+        if let Some((w, _, started)) = self.waiters.remove(&load_id) {
             debug!(
                 target: "kvferry::timing",
                 load_id,

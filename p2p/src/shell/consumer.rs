@@ -10,23 +10,23 @@ use std::time::Instant;
 use kvferry_checksum::payload::Payload;
 use kvferry_checksum::policy::Action;
 use kvferry_checksum::record::consumer_sums;
-use kvferry_checksum::select::consumer_blocks;
 use kvferry_checksum::verdict::{compare, log_verdict, UnverifiedReason, Verdict};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
 
-use crate::checksum::all_records;
 use crate::error::{LoadError, LoadSpecFault, P2pError};
 use crate::proto::consumer::ConnectFailure;
 use crate::proto::consumer::{FailReason, LinkError};
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::{LoadRequest, Reply};
+use crate::proto::progress::layer_slots;
 use crate::proto::request::{build_request, grant_ranges};
 pub use crate::proto::request::{Landed, LandedGroup, LoadGroup, LoadSpec};
-use crate::shell::connection::{ConnCmd, ConnFailure, Connection, LoadCmd};
+use crate::shell::connection::{ConnCmd, ConnFailure, Connection, LoadCmd, LoadProgress};
 use crate::shell::consumer_config::carrier_check;
 pub use crate::shell::consumer_config::{ConsumerConfig, LoadOutcome};
 use crate::shell::load_metrics::{record_load, Loaded};
+use crate::shell::verify_parts::{Parts, Selector};
 use crate::worker::{validate, Worker, WorkerGroup};
 use kvferry_transfer::sync::RwLockExt;
 use kvferry_transfer::{
@@ -35,7 +35,11 @@ use kvferry_transfer::{
 
 /// Called after a load's transfer finished and before its verification (fault
 /// injection: the demo flips bits here). Runs on the loading task; keep it short.
+/// A load the hook runs for verifies every layer after it, none as it lands.
 pub type LandedHook = Arc<dyn Fn(&Landed) + Send + Sync>;
+
+/// Which loads, by request id, a [`LandedHook`] runs for (asked when the load starts).
+pub type HookFilter = Arc<dyn Fn(&str) -> bool + Send + Sync>;
 
 /// A consumer: TP×PP workers and a DEALER per producer.
 pub struct Consumer {
@@ -47,7 +51,7 @@ pub struct Consumer {
     tp: u32,
     pp: u32,
     conns: tokio::sync::Mutex<HashMap<String, mpsc::UnboundedSender<ConnCmd>>>,
-    hook: RwLock<Option<LandedHook>>,
+    hook: RwLock<Option<(LandedHook, Option<HookFilter>)>>,
     /// The workers' shared secret: producers must prove it before any request goes to them.
     secret: Option<Secret>,
     /// This consumer's name in sessions: its first rank's segment.
@@ -88,9 +92,25 @@ impl Consumer {
         self.checksums
     }
 
-    /// Installs (or with `None` removes) the hook run after each transfer and before verification.
+    /// Installs (or with `None` removes) the hook run after each transfer and before
+    /// verification. Loads then verify every layer after the hook, none as it lands.
     pub fn set_landed_hook(&self, hook: Option<LandedHook>) {
-        *self.hook.write_locked() = hook;
+        *self.hook.write_locked() = hook.map(|h| (h, None));
+    }
+
+    /// Installs `hook` for the loads whose request id `runs_for` accepts when they start; the
+    /// others verify their layers as they land (docs/design.md §4.9).
+    pub fn set_landed_hook_for(&self, hook: LandedHook, runs_for: HookFilter) {
+        *self.hook.write_locked() = Some((hook, Some(runs_for)));
+    }
+
+    /// The hook to run after the load of `request_id` lands, if any.
+    fn hook_for(&self, request_id: &str) -> Option<LandedHook> {
+        match &*self.hook.read_locked() {
+            Some((h, None)) => Some(h.clone()),
+            Some((h, Some(f))) if f(request_id) => Some(h.clone()),
+            _ => None,
+        }
     }
 
     /// Loads `spec`: asks the producer to WRITE the blocks, waits for its reply
@@ -125,10 +145,40 @@ impl Consumer {
         })?;
         request.token = grants.first().map(|g| g.token().to_string());
         let grant_us = t_build.elapsed().as_micros() - build_us;
+        let hook = self.hook_for(&rid);
+        // Layers are verified as they land unless a hook runs between landing and verifying.
+        let (progress, mut heard) = mpsc::unbounded_channel();
+        let overlap = self.checksums && hook.is_none();
+        let mut parts = Parts::new(
+            self.workers.clone(),
+            Arc::new(Selector::new(&spec)),
+            if overlap {
+                layer_slots(&request)
+            } else {
+                Vec::new()
+            },
+            self.config.checksum_timeout,
+        );
         let started = Instant::now();
-        let reply = self
-            .send(&spec.producer, request, spec.load_key.clone())
-            .await;
+        let send = self.send(
+            &spec.producer,
+            request,
+            spec.load_key.clone(),
+            overlap.then_some(progress),
+        );
+        tokio::pin!(send);
+        let reply = loop {
+            tokio::select! {
+                biased;
+                r = &mut send => break r,
+                Some(p) = heard.recv() => parts.progress(p),
+            }
+        };
+        // Progress the connection passed on before the FINISH, not yet taken: those layers
+        // landed too.
+        while let Ok(p) = heard.try_recv() {
+            parts.progress(p);
+        }
         // The transfer is over (FINISH: every WRITE was acknowledged) or failed: revoke
         // before verifying, so that nothing lands in the blocks after they are checked.
         drop(grants);
@@ -144,7 +194,6 @@ impl Consumer {
             },
         })?;
         let transfer_seconds = started.elapsed().as_secs_f64();
-        let hook = self.hook.read_locked().clone();
         if let Some(hook) = hook {
             hook(&landed);
         }
@@ -156,16 +205,20 @@ impl Consumer {
                 bytes: reply.bytes_written,
                 transfer_seconds,
                 checksum_seconds: 0.0,
+                early_layers: 0,
             });
         }
         let started = Instant::now();
-        let verdict = self.verify(&spec, &reply).await;
+        let overlapped = parts.started();
+        let early_layers = parts.covered();
+        let verdict = self.verify(&spec, &reply, parts).await;
         let checksum_seconds = started.elapsed().as_secs_f64();
         debug!(
             target: "kvferry::timing",
             request_id = rid,
             build_us,
             grant_us,
+            overlapped,
             transfer_us = (transfer_seconds * 1e6) as u64,
             verify_us = (checksum_seconds * 1e6) as u64,
             "load phases"
@@ -186,6 +239,7 @@ impl Consumer {
             bytes: reply.bytes_written,
             transfer_seconds,
             checksum_seconds,
+            early_layers,
         })
     }
 
@@ -249,11 +303,18 @@ impl Consumer {
         producer: &str,
         request: LoadRequest,
         load_key: Option<String>,
+        progress: Option<mpsc::UnboundedSender<LoadProgress>>,
     ) -> Result<Reply, ConnFailure> {
         // Both attempts end by one deadline: a load never waits past its reply deadline.
         let until = Instant::now() + self.config.reply_deadline();
         let r = self
-            .send_once(producer, request.clone(), load_key.clone(), until)
+            .send_once(
+                producer,
+                request.clone(),
+                load_key.clone(),
+                until,
+                progress.clone(),
+            )
             .await;
         match r {
             // Refused before anything was served (the producer evicted our session): the
@@ -263,7 +324,8 @@ impl Consumer {
                     producer,
                     "session evicted by the producer ({why}); sending again"
                 );
-                self.send_once(producer, request, load_key, until).await
+                self.send_once(producer, request, load_key, until, progress)
+                    .await
             }
             r => r,
         }
@@ -275,6 +337,7 @@ impl Consumer {
         request: LoadRequest,
         load_key: Option<String>,
         until: Instant,
+        progress: Option<mpsc::UnboundedSender<LoadProgress>>,
     ) -> Result<Reply, ConnFailure> {
         let (respond, answer) = oneshot::channel();
         self.dispatch(
@@ -283,6 +346,7 @@ impl Consumer {
                 request,
                 load_key,
                 respond,
+                progress,
             })),
         )
         .await;
@@ -341,23 +405,14 @@ impl Consumer {
         }
     }
 
-    async fn verify(&self, spec: &LoadSpec, reply: &Reply) -> Verdict {
-        let tables: HashMap<u32, &LoadGroup> =
-            spec.groups.iter().map(|g| (g.group_id, g)).collect();
-        let (lc, nt) = (spec.num_local_computed, spec.num_tokens);
-        let select = |g: &WorkerGroup| {
-            let t = tables.get(&g.group_id)?;
-            consumer_blocks(&t.local_blocks, lc, nt, g.block_size, g.sliding_window)
-        };
+    /// Checksums the layers `parts` did not (all of them when none landed early), adds the
+    /// parts, and compares with `reply`'s payload.
+    async fn verify(&self, spec: &LoadSpec, reply: &Reply, parts: Parts) -> Verdict {
+        let nt = spec.num_tokens;
+        let selector = Selector::new(spec);
+        let select = |g: &WorkerGroup| selector.select(g);
         let t_records = Instant::now();
-        let (records, missing) = all_records(
-            &self.workers,
-            &select,
-            nt,
-            self.config.checksum_timeout,
-            None,
-        )
-        .await;
+        let (records, missing) = parts.finish().await;
         let records_us = t_records.elapsed().as_micros() as u64;
         if !missing.is_empty() {
             warn!(

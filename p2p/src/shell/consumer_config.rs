@@ -99,6 +99,10 @@ pub struct LoadOutcome {
     pub transfer_seconds: f64,
     /// Seconds spent checksumming the landed blocks and comparing.
     pub checksum_seconds: f64,
+    /// Layers (of all ranks) whose checksums started as they landed, before the FINISH
+    /// (docs/design.md §4.9); the rest were checksummed after it. 0 when the producer said no
+    /// progress, its progress was bogus, or a landed hook ran.
+    pub early_layers: u32,
 }
 
 /// §2.7: checksums with no carrier verify nothing (the checksum crate's

@@ -10,6 +10,7 @@ pub mod producer;
 pub mod producer_config;
 mod producer_loop;
 mod serve;
+mod verify_parts;
 
 use std::time::Instant;
 

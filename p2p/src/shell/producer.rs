@@ -93,6 +93,7 @@ impl Producer {
                 workers: workers.clone(),
                 layouts: layouts.clone(),
                 send_timeout: config.send_timeout,
+                layer_group_bytes: config.layer_group_bytes,
                 refusals: LogLimit::new(5, Duration::from_secs(10)),
                 peer_warnings: PeerWarnings::new(),
             }

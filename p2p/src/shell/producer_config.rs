@@ -60,7 +60,14 @@ pub struct ProducerConfig {
     /// oldest goes: its consumer's next request is answered `no_session` and it says hello
     /// again. Default [`MAX_SESSIONS`].
     pub max_sessions: usize,
+    /// Bytes of one layer group (docs/design.md §4.9): a load of at least twice this is
+    /// copied in layer groups of about this size (at most 4), and the consumer hears as each
+    /// lands, to verify it while the rest is copied; a smaller one in one go. 0: always in one
+    /// go. Default [`DEFAULT_LAYER_GROUP_BYTES`].
+    pub layer_group_bytes: u64,
 }
+
+pub use crate::proto::progress::DEFAULT_LAYER_GROUP_BYTES;
 
 /// Default [`ProducerConfig::max_sessions`].
 pub use crate::proto::sessions::MAX_SESSIONS;
@@ -84,6 +91,7 @@ impl Default for ProducerConfig {
             frame_timeout: Duration::from_secs(10),
             receive_budget_bytes: DEFAULT_RECEIVE_BUDGET,
             max_sessions: MAX_SESSIONS,
+            layer_group_bytes: DEFAULT_LAYER_GROUP_BYTES,
         }
     }
 }

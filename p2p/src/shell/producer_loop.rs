@@ -13,7 +13,7 @@ use tracing::{debug, warn};
 use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::proto::layout::RankLayout;
-use crate::proto::msg::encode;
+use crate::proto::msg::{encode, LayerSpan};
 use crate::proto::producer::{Effect, ProducerMachine, PublishError, ReleaseReason, Warning};
 use crate::proto::serve::Published;
 use crate::proto::serve_error::ServeFailure;
@@ -48,6 +48,12 @@ pub(super) enum Command {
         /// When the serve task was spawned (for the timing line of its way back).
         spawned: Instant,
     },
+    /// The layers `landed` of a load being served have landed (`proto::progress`).
+    Progress {
+        request_id: String,
+        load_id: u64,
+        landed: LayerSpan,
+    },
     LoadKey {
         request_id: String,
         respond: oneshot::Sender<Option<String>>,
@@ -68,6 +74,8 @@ pub(super) struct EventLoop {
     /// The workers as the planner sees them (same order).
     pub(super) layouts: Arc<Vec<RankLayout>>,
     pub(super) send_timeout: Duration,
+    /// Bytes of one layer group of a serve (`ProducerConfig::layer_group_bytes`).
+    pub(super) layer_group_bytes: u64,
     /// Rate limit of the WARN lines for refused hellos and requests.
     pub(super) refusals: LogLimit,
     /// Warnings a consumer (or anyone reaching the port) can trigger, at most one a second each.
@@ -117,6 +125,14 @@ impl EventLoop {
                         self.machine
                             .handle_publish(Instant::now(), &request_id, data, Some(key));
                     let _ = respond.send(r);
+                }
+                Event::Command(Some(Command::Progress {
+                    request_id,
+                    load_id,
+                    landed,
+                })) => {
+                    self.machine
+                        .handle_progress(Instant::now(), &request_id, load_id, landed);
                 }
                 Event::Command(Some(Command::LoadKey {
                     request_id,
@@ -273,8 +289,21 @@ impl EventLoop {
                     };
                     let (request_id, load_id) = (request.request_id.clone(), request.load_id);
                     let spawned = Instant::now();
-                    let serve =
-                        tokio::spawn(serve_load(workers, layouts, lease, request, deadline));
+                    let (tell, id) = (commands.downgrade(), request_id.clone());
+                    let progress = move |landed| {
+                        if let Some(c) = tell.upgrade() {
+                            let request_id = id.clone();
+                            let _ = c.send(Command::Progress {
+                                request_id,
+                                load_id,
+                                landed,
+                            });
+                        }
+                    };
+                    let groups = self.layer_group_bytes;
+                    let serve = tokio::spawn(serve_load(
+                        workers, layouts, lease, request, deadline, groups, progress,
+                    ));
                     // Whatever happens to the serve task, the consumer hears, and the lease
                     // ends or (refused before any WRITE) is held again.
                     tokio::spawn(async move {

@@ -4,12 +4,15 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvferry_transfer::{Op, StridedRange, StridedRequest, Token, TransferRequest};
+use std::ops::Range;
+
+use kvferry_transfer::{BatchId, Op, StridedRange, StridedRequest, Token, TransferRequest};
 use tracing::debug;
 
 use crate::proto::layout::RankLayout;
-use crate::proto::msg::LoadRequest;
+use crate::proto::msg::{LayerSpan, LoadRequest};
 use crate::proto::plan::Copy;
+use crate::proto::progress::{layer_groups, layer_slots};
 use crate::proto::serve::{plan, BlockCopies, Published, RankPlan};
 use crate::proto::serve_error::{ServeFailure, WriteError, WriteErrorKind};
 use crate::worker::Worker;
@@ -27,15 +30,18 @@ pub(crate) enum ServeEnd {
 
 /// Serves one load (a `Serve` effect of the producer machine): parses the request's grant
 /// token, plans the copies from `lease` to the consumer's ranks (`layouts`: the workers as the
-/// planner sees them, same order) and WRITEs them by `deadline` ([`write_all`]). A token that
-/// does not parse or a request the plan refuses gives the lease back ([`ServeEnd::Refused`]);
-/// otherwise the WRITEs' result ([`ServeEnd::Ran`]).
+/// planner sees them, same order) and WRITEs them by `deadline`: in layer groups of about
+/// `group_bytes` ([`write_grouped`], `progress` told as each but the last lands), or in one
+/// go ([`write_all`]). A token that does not parse or a request the plan refuses gives the
+/// lease back ([`ServeEnd::Refused`]); otherwise the WRITEs' result ([`ServeEnd::Ran`]).
 pub(crate) async fn serve_load(
     workers: Arc<Vec<Worker>>,
     layouts: Arc<Vec<RankLayout>>,
     lease: Published,
     request: LoadRequest,
     deadline: Instant,
+    group_bytes: u64,
+    progress: impl Fn(LayerSpan) + Send,
 ) -> ServeEnd {
     let token = match request.token.as_deref().map(str::parse::<Token>) {
         None => None,
@@ -55,9 +61,17 @@ pub(crate) async fn serve_load(
         Ok(plan) => plan,
         Err(e) => return ServeEnd::Refused(ServeFailure::Plan(e), lease),
     };
-    let written = write_all(workers, plan, deadline, token)
-        .await
-        .map_err(ServeFailure::from);
+    let mut slot_bytes = vec![0u64; layer_slots(&request).len()];
+    for p in &plan {
+        p.add_slot_bytes(&mut slot_bytes);
+    }
+    let groups = layer_groups(&slot_bytes, group_bytes);
+    let written = if groups.len() > 1 {
+        write_grouped(workers, plan, &groups, deadline, token, progress).await
+    } else {
+        write_all(workers, plan, deadline, token).await
+    }
+    .map_err(ServeFailure::from);
     debug!(
         target: "kvferry::timing",
         request_id = request.request_id,
@@ -96,6 +110,89 @@ pub(crate) async fn write_all(
     Ok(total)
 }
 
+/// WRITEs the plans in layer groups (`groups`: slot spans, in order, covering every slot): each
+/// group's copies as batches of their own, submitted in order (so that, on one stream, the
+/// first group lands first), then waited for in order, `progress` told as each group but the
+/// last has landed (the FINISH says the last). Every batch submitted is waited for, a failure
+/// or not, all by `deadline`. Returns the bytes written.
+pub(crate) async fn write_grouped(
+    workers: Arc<Vec<Worker>>,
+    plans: Vec<RankPlan>,
+    groups: &[Range<u32>],
+    deadline: Instant,
+    token: Option<Token>,
+    progress: impl Fn(LayerSpan),
+) -> Result<u64, WriteError> {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let submit = async {
+        let mut bytes = 0u64;
+        for (i, g) in groups.iter().enumerate() {
+            let parts = plans
+                .iter()
+                .map(|p| p.layer_part(g))
+                .filter(|p| !p.is_empty());
+            let submits = parts.map(|p| {
+                let w = &workers[p.rank];
+                bytes = bytes.saturating_add(plan_bytes(&p));
+                let plain = p.copies.chunks(per_batch(p.copies.len()).max(1));
+                let plain: Vec<_> = plain.map(|c| Submission::Plain(requests(c))).collect();
+                let strided = (!p.strided.is_empty()).then(|| strided_requests(p.strided));
+                let all = strided.map(Submission::Strided).into_iter().chain(plain);
+                let seg = p.segment;
+                futures::future::join_all(all.map(move |s| {
+                    let seg = seg.clone();
+                    async move { (w, submit(w, seg, s, deadline, token).await) }
+                }))
+            });
+            let submitted: Vec<_> = futures::future::join_all(submits).await;
+            let submitted: Vec<_> = submitted.into_iter().flatten().collect();
+            // No later group is submitted after a failure; those submitted are waited for.
+            let failed = submitted.iter().any(|(_, b)| b.is_err());
+            let _ = tx.send((i, submitted));
+            if failed {
+                break;
+            }
+        }
+        drop(tx);
+        bytes
+    };
+    let wait = async {
+        let mut failed = None;
+        while let Some((i, batches)) = rx.recv().await {
+            for (w, batch) in batches {
+                let r = match batch {
+                    Ok(b) => wait_batch(w, b, deadline).await,
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = r {
+                    failed.get_or_insert(e);
+                }
+            }
+            if failed.is_none() && i + 1 < groups.len() {
+                progress(LayerSpan {
+                    first: groups[i].start,
+                    end: groups[i].end,
+                });
+            }
+        }
+        failed
+    };
+    let (bytes, failed) = futures::future::join(submit, wait).await;
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(bytes),
+    }
+}
+
+/// Bytes of a plan's copies.
+fn plan_bytes(p: &RankPlan) -> u64 {
+    let plain = p.copies.iter().fold(0u64, |a, c| a.saturating_add(c.len));
+    p.strided.iter().fold(plain, |a, s| {
+        let per = s.ranges.iter().fold(0u64, |a, r| a.saturating_add(r.len));
+        a.saturating_add(per.saturating_mul(s.blocks.len() as u64))
+    })
+}
+
 /// Requests per engine batch of one rank's WRITEs: a load of many small copies (scattered
 /// blocks, per-token head slices) is cut into batches of this many, submitted on threads of
 /// their own, so that the host work per request (validation, slicing, the copy descriptors)
@@ -110,6 +207,11 @@ fn batches_for(n: usize) -> usize {
     n.div_ceil(REQUESTS_PER_BATCH).clamp(1, MAX_BATCHES)
 }
 
+/// Requests in each batch of `n` ([`batches_for`]).
+fn per_batch(n: usize) -> usize {
+    n.div_ceil(batches_for(n))
+}
+
 async fn write_rank(
     w: &Worker,
     segment: String,
@@ -121,7 +223,7 @@ async fn write_rank(
         return Ok(0);
     }
     let bytes: u64 = copies.iter().map(|c| c.len).sum();
-    let per = copies.len().div_ceil(batches_for(copies.len()));
+    let per = per_batch(copies.len());
     let runs = copies
         .chunks(per)
         .map(|part| write_batch(w, segment.clone(), part, deadline, token));
@@ -144,7 +246,17 @@ async fn write_strided(
     if strided.iter().all(BlockCopies::is_empty) {
         return Ok(0);
     }
-    let requests: Vec<StridedRequest> = strided
+    let requests = strided_requests(strided);
+    let bytes = requests
+        .iter()
+        .fold(0u64, |a, r| a.saturating_add(r.bytes()));
+    submit_and_wait(w, segment, Submission::Strided(requests), deadline, token).await?;
+    Ok(bytes)
+}
+
+/// The whole-block copies as the engine's strided requests (one per entry).
+fn strided_requests(strided: Vec<BlockCopies>) -> Vec<StridedRequest> {
+    strided
         .into_iter()
         .map(|s| StridedRequest {
             op: Op::Write,
@@ -159,12 +271,7 @@ async fn write_strided(
                 .collect(),
             blocks: s.blocks,
         })
-        .collect();
-    let bytes = requests
-        .iter()
-        .fold(0u64, |a, r| a.saturating_add(r.bytes()));
-    submit_and_wait(w, segment, Submission::Strided(requests), deadline, token).await?;
-    Ok(bytes)
+        .collect()
 }
 
 /// What one engine batch carries.
@@ -181,7 +288,13 @@ async fn write_batch(
     deadline: Instant,
     token: Option<Token>,
 ) -> Result<(), WriteError> {
-    let requests: Vec<TransferRequest> = copies
+    let requests = requests(copies);
+    submit_and_wait(w, segment, Submission::Plain(requests), deadline, token).await
+}
+
+/// Plain copies as the engine's WRITE requests.
+fn requests(copies: &[Copy]) -> Vec<TransferRequest> {
+    copies
         .iter()
         .map(|c| TransferRequest {
             op: Op::Write,
@@ -189,8 +302,7 @@ async fn write_batch(
             remote_addr: c.dst,
             len: c.len,
         })
-        .collect();
-    submit_and_wait(w, segment, Submission::Plain(requests), deadline, token).await
+        .collect()
 }
 
 /// Submits one batch (off the event loop) and waits for it, by `deadline`.
@@ -201,6 +313,18 @@ async fn submit_and_wait(
     deadline: Instant,
     token: Option<Token>,
 ) -> Result<(), WriteError> {
+    let batch = submit(w, segment, requests, deadline, token).await?;
+    wait_batch(w, batch, deadline).await
+}
+
+/// Submits one batch (off the event loop) by `deadline`, and returns its id.
+async fn submit(
+    w: &Worker,
+    segment: String,
+    requests: Submission,
+    deadline: Instant,
+    token: Option<Token>,
+) -> Result<BatchId, WriteError> {
     let rank = w.rank;
     let at = |kind: WriteErrorKind| WriteError { rank, kind };
     let engine = w.engine.clone();
@@ -228,11 +352,17 @@ async fn submit_and_wait(
         r
     });
     let left = deadline.saturating_duration_since(Instant::now());
-    let batch = match tokio::time::timeout(left, submit).await {
-        Err(_) => return Err(at(WriteErrorKind::OpenTimeout(left))),
-        Ok(Err(e)) => return Err(at(WriteErrorKind::Task(e))),
-        Ok(Ok(r)) => r.map_err(at)?,
-    };
+    match tokio::time::timeout(left, submit).await {
+        Err(_) => Err(at(WriteErrorKind::OpenTimeout(left))),
+        Ok(Err(e)) => Err(at(WriteErrorKind::Task(e))),
+        Ok(Ok(r)) => r.map_err(at),
+    }
+}
+
+/// Waits for `batch` of `w`'s engine, by `deadline`.
+async fn wait_batch(w: &Worker, batch: BatchId, deadline: Instant) -> Result<(), WriteError> {
+    let rank = w.rank;
+    let at = |kind: WriteErrorKind| WriteError { rank, kind };
     let left = deadline.saturating_duration_since(Instant::now());
     let t = Instant::now();
     w.engine

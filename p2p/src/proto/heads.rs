@@ -91,17 +91,22 @@ impl<'a> HeadMap<'a> {
     /// from: of the `n` arrays holding it, the `(tp_rank mod n)`-th (rank to rank when both
     /// sides have the same TP size). `None` when no rank holds the head.
     pub fn pick(&self, name: &str, head: u64, tp_rank: u32) -> Option<Holder<'a>> {
-        let holders = self.holders(name);
-        let n = holders.iter().filter(|h| h.holds(head)).count();
-        if n == 0 {
-            return None;
-        }
-        holders
-            .iter()
-            .filter(|h| h.holds(head))
-            .nth(tp_rank as usize % n)
-            .copied()
+        pick_from(self.holders(name), head, tp_rank)
     }
+}
+
+/// [`HeadMap::pick`] among `holders`, the arrays of one layer ([`HeadMap::holders`]): for a
+/// caller that picks many heads of one layer and looks the layer up once.
+pub fn pick_from<'a>(holders: &[Holder<'a>], head: u64, tp_rank: u32) -> Option<Holder<'a>> {
+    let n = holders.iter().filter(|h| h.holds(head)).count();
+    if n == 0 {
+        return None;
+    }
+    holders
+        .iter()
+        .filter(|h| h.holds(head))
+        .nth(tp_rank as usize % n)
+        .copied()
 }
 
 #[cfg(test)]

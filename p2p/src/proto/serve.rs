@@ -5,9 +5,9 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::proto::heads::HeadMap;
+use crate::proto::heads::{pick_from, HeadMap};
 use crate::proto::layout::{group_heads, RankLayout};
-use crate::proto::msg::{LoadRequest, WireBlocks, WireLayer, WireRank};
+use crate::proto::msg::{LoadRequest, WireBlocks, WireGeometry, WireLayer, WireRank};
 use crate::proto::plan::{pair_ranges, Copy};
 pub use crate::proto::serve_error::{LayerError, ServeError};
 use crate::proto::spec_checks::{check_distinct, check_dtype};
@@ -134,11 +134,14 @@ pub fn plan(
         rank: producer[i].rank,
         group,
     };
+    // The head map of each listed group, built once (when first needed, so that the errors
+    // come in the same order) for every consumer rank and the check.
+    let mut group_maps: Vec<Option<HeadMap<'_>>> = vec![None; req.blocks.len()];
     let mut plans: Vec<RankPlan> = Vec::new();
     // Each layer's slot, in `proto::progress::layer_slots`'s order.
     let mut slot = 0u32;
     for target in &req.ranks {
-        for b in &req.blocks {
+        for (b, heads) in req.blocks.iter().zip(group_maps.iter_mut()) {
             let tg = target
                 .groups
                 .iter()
@@ -148,18 +151,36 @@ pub fn plan(
                     pp_rank: target.pp_rank,
                     group: b.group_id,
                 })?;
-            let heads = group_heads(producer, b.group_id).map_err(|i| without(i, b.group_id))?;
+            let heads = match heads {
+                Some(h) => &*h,
+                None => heads
+                    .insert(group_heads(producer, b.group_id).map_err(|i| without(i, b.group_id))?),
+            };
+            let mut wire = WireCache::default();
+            let ids = BlockIds::of(b);
             for wl in &tg.layers {
-                let at = (slot, wl);
-                layer_copies(producer, &heads, target, b, req.num_tokens, at, &mut plans)?;
+                let theirs = wire.geometry(wl)?;
+                let layer = ConsumerLayer { slot, wl, theirs };
+                layer_copies(
+                    producer,
+                    heads,
+                    target,
+                    &ids,
+                    req.num_tokens,
+                    &layer,
+                    &mut plans,
+                )?;
                 slot = slot.saturating_add(1);
             }
         }
     }
     // Every producer layer must land somewhere, and the consumer's ranks must hold as many of
     // its KV heads as the producer's: else the consumer runs another model.
-    for b in &req.blocks {
-        let heads = group_heads(producer, b.group_id).map_err(|i| without(i, b.group_id))?;
+    for (b, heads) in req.blocks.iter().zip(group_maps) {
+        let heads = match heads {
+            Some(h) => h,
+            None => group_heads(producer, b.group_id).map_err(|i| without(i, b.group_id))?,
+        };
         // layer name → one past the last global head the consumer's ranks hold
         let mut consumer: HashMap<&str, u64> = HashMap::new();
         for r in &req.ranks {
@@ -189,6 +210,62 @@ pub fn plan(
         }
     }
     Ok(plans)
+}
+
+/// One group's block lists with their highest ids (the paired lists, as far as both go), so
+/// that each layer checks its arrays' bounds in O(1) and only a request that breaks them is
+/// walked block by block.
+struct BlockIds<'a> {
+    blocks: &'a WireBlocks,
+    highest_remote: u64,
+    highest_local: u64,
+}
+
+impl<'a> BlockIds<'a> {
+    fn of(blocks: &'a WireBlocks) -> BlockIds<'a> {
+        let (highest_remote, highest_local) = blocks
+            .remote_blocks
+            .iter()
+            .zip(&blocks.local_blocks)
+            .fold((0, 0), |(r, l), (&a, &b)| (r.max(a), l.max(b)));
+        BlockIds {
+            blocks,
+            highest_remote,
+            highest_local,
+        }
+    }
+}
+
+/// A consumer layer of the request with its layer slot (`proto::progress`) and its geometry
+/// read from the wire.
+struct ConsumerLayer<'a> {
+    slot: u32,
+    wl: &'a WireLayer,
+    theirs: &'a Geometry,
+}
+
+/// The last wire geometry read and what it gave: the layers of one rank's group share one
+/// geometry as a rule, so it is parsed once, not once per layer.
+#[derive(Default)]
+struct WireCache {
+    last: Option<(WireGeometry, Geometry)>,
+}
+
+impl WireCache {
+    /// `wl`'s geometry. Errors: the geometry does not parse ([`LayerError::Geometry`]).
+    fn geometry(&mut self, wl: &WireLayer) -> Result<&Geometry, ServeError> {
+        let last = match self.last.take() {
+            Some((w, g)) if w == wl.geometry => (w, g),
+            _ => {
+                let g = from_wire(&wl.geometry).map_err(|e| ServeError::Layer {
+                    name: wl.name.clone(),
+                    source: LayerError::Geometry(e),
+                })?;
+                (wl.geometry.clone(), g)
+            }
+        };
+        Ok(&self.last.insert(last).1)
+    }
 }
 
 /// One group's block lists against the lease: lengths, block sizes, the blocks at each position.
@@ -300,16 +377,17 @@ fn layer_copies(
     producer: &[RankLayout],
     heads: &HeadMap<'_>,
     target: &WireRank,
-    b: &WireBlocks,
+    ids: &BlockIds<'_>,
     num_tokens: u64,
-    (slot, wl): (u32, &WireLayer),
+    consumer: &ConsumerLayer<'_>,
     plans: &mut Vec<RankPlan>,
 ) -> Result<(), ServeError> {
+    let (slot, wl, theirs) = (consumer.slot, consumer.wl, consumer.theirs);
+    let b = ids.blocks;
     let at = |source: LayerError| ServeError::Layer {
         name: wl.name.clone(),
         source,
     };
-    let theirs = from_wire(&wl.geometry).map_err(|e| at(LayerError::Geometry(e)))?;
     if theirs.byte_len() > wl.len {
         return Err(at(LayerError::PastArray(wl.len)));
     }
@@ -319,9 +397,9 @@ fn layer_copies(
     let by_tokens = !b.remote_positions.is_empty();
     for h in holders {
         if by_tokens {
-            compatible_cells(&h.spec.geometry, &theirs)
+            compatible_cells(&h.spec.geometry, theirs)
         } else {
-            compatible(&h.spec.geometry, &theirs)
+            compatible(&h.spec.geometry, theirs)
         }
         .map_err(|e| at(e.into()))?;
         check_dtype(h.spec.dtype.as_deref(), wl.dtype.as_deref()).map_err(|e| at(e.into()))?;
@@ -348,7 +426,7 @@ fn layer_copies(
     // Runs of consecutive global heads taken from one producer array: (rank, layer, first, end).
     let mut runs: Vec<(usize, usize, u64, u64)> = Vec::new();
     for h in first..end {
-        let Some(k) = heads.pick(&wl.name, h, target.tp_rank) else {
+        let Some(k) = pick_from(holders, h, target.tp_rank) else {
             return Err(at(LayerError::HeadNotHeld {
                 head: h,
                 tp_rank: target.tp_rank,
@@ -397,7 +475,7 @@ fn layer_copies(
                 layer.addr,
                 ours,
                 wl.addr,
-                &theirs,
+                theirs,
                 b,
                 num_tokens,
                 &ph,
@@ -418,34 +496,46 @@ fn layer_copies(
         let (ps, cs) = (ours.block_stride(), theirs.block_stride());
         let mut ranges = Vec::new();
         pair_ranges(0, &ours0, 0, &theirs0, &mut ranges).map_err(|e| at(e.into()))?;
-        let mut blocks = Vec::with_capacity(b.local_blocks.len());
-        for (&remote, &local) in b.remote_blocks.iter().zip(&b.local_blocks) {
-            if remote >= ours.num_blocks() || local >= theirs.num_blocks() {
-                return Err(at(LayerError::BlockOutside {
-                    remote,
-                    local,
-                    producer_blocks: ours.num_blocks(),
-                    consumer_blocks: theirs.num_blocks(),
-                }));
-            }
-            // Inside the arrays (the blocks were checked against them): no overflow.
-            blocks.push((layer.addr + remote * ps, wl.addr + local * cs));
+        // Every block inside both arrays, checked before anything is planned: against the
+        // highest ids, and block by block only to name the first outside.
+        let (producer_blocks, consumer_blocks) = (ours.num_blocks(), theirs.num_blocks());
+        let outside = |(&r, &l): &(&u64, &u64)| r >= producer_blocks || l >= consumer_blocks;
+        if let Some((&remote, &local)) = (ids.highest_remote >= producer_blocks
+            || ids.highest_local >= consumer_blocks)
+            .then(|| b.remote_blocks.iter().zip(&b.local_blocks).find(outside))
+            .flatten()
+        {
+            return Err(at(LayerError::BlockOutside {
+                remote,
+                local,
+                producer_blocks,
+                consumer_blocks,
+            }));
         }
-        if ranges.is_empty() || blocks.is_empty() {
+        let n = b.remote_blocks.len().min(b.local_blocks.len());
+        if ranges.is_empty() || n == 0 {
             continue;
         }
-        let n = blocks.len();
-        match plans[i].strided.last_mut() {
-            Some(s) if s.ranges == ranges => {
-                s.blocks.extend(blocks);
-                push_run(&mut s.layers, slot, n);
-            }
-            _ => plans[i].strided.push(BlockCopies {
+        let strided = &mut plans[i].strided;
+        if !matches!(strided.last(), Some(s) if s.ranges == ranges) {
+            strided.push(BlockCopies {
                 ranges,
-                blocks,
-                layers: vec![(slot, n)],
-            }),
+                blocks: Vec::with_capacity(n),
+                layers: Vec::new(),
+            });
         }
+        let Some(s) = strided.last_mut() else {
+            continue; // pushed above
+        };
+        // Inside the arrays (the blocks were checked against them): no overflow.
+        let (pa, ca) = (layer.addr, wl.addr);
+        s.blocks.extend(
+            b.remote_blocks
+                .iter()
+                .zip(&b.local_blocks)
+                .map(|(&remote, &local)| (pa + remote * ps, ca + local * cs)),
+        );
+        push_run(&mut s.layers, slot, n);
     }
     Ok(())
 }

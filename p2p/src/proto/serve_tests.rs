@@ -292,6 +292,60 @@ fn requests_that_do_not_match_the_lease_are_refused() {
 }
 
 #[test]
+fn the_first_block_outside_the_arrays_is_named_not_the_highest() {
+    let (producer, consumer) = (side(0, 1, 1, 4), side(1, 1, 1, 4));
+    let (remote, local) = ([4u64, 0, 2], [1u64, 3, 5]);
+    let lease = published(&remote);
+    let mut r = request(&consumer, &remote, &local);
+    r.blocks[0].local_blocks[1] = BLOCKS;
+    r.blocks[0].local_blocks[2] = BLOCKS + 7;
+    assert!(matches!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::Layer {
+            source: LayerError::BlockOutside {
+                local: BLOCKS,
+                remote: 0,
+                ..
+            },
+            ..
+        })
+    ));
+}
+
+#[test]
+fn each_layer_s_wire_geometry_is_read_not_only_the_first() {
+    let (producer, consumer) = (side(0, 1, 1, 4), side(1, 1, 1, 4));
+    let (remote, local) = ([4u64, 0], [1u64, 3]);
+    let lease = published(&remote);
+    let req = request(&consumer, &remote, &local);
+    assert!(plan(&producer, &lease, &req).is_ok());
+    // Layer 1 says it is one byte shorter than its geometry: refused by name.
+    let mut r = req.clone();
+    let l1 = &mut r.ranks[0].groups[0].layers[1];
+    l1.len -= 1;
+    let name = l1.name.clone();
+    assert!(matches!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::Layer { name: n, source: LayerError::PastArray(_) }) if n == name
+    ));
+    // Layer 2's geometry does not parse while layers 0 and 1 share one that does.
+    let mut r = req.clone();
+    let l2 = &mut r.ranks[0].groups[0].layers[2];
+    l2.geometry.layout = "KV B Q H D".into();
+    let name = l2.name.clone();
+    assert!(matches!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::Layer { name: n, source: LayerError::Geometry(_) }) if n == name
+    ));
+    // Layer 2 with other strides (the same layout): its own geometry is used, and it does not
+    // match the producer's.
+    let mut r = req.clone();
+    let g = &mut r.ranks[0].groups[0].layers[2].geometry;
+    g.strides[1] *= 2;
+    assert!(plan(&producer, &lease, &r).is_err());
+}
+
+#[test]
 fn a_consumer_of_another_model_is_refused() {
     let producer = side(0, 2, 1, 4);
     let (remote, local) = ([4u64], [1u64]);

@@ -159,6 +159,14 @@ pub fn check_tables<'a>(
 
 /// The blocks a load writes (`positions[i]` → `blocks[i]`) name each block once.
 pub fn check_distinct(group: u32, positions: &[u64], blocks: &[u64]) -> Result<(), TableError> {
+    // Sorted ids with no two alike: no duplicate (the common case, without a hash per block).
+    // Else the walk below names the first duplicate in list order.
+    let n = positions.len().min(blocks.len());
+    let mut sorted = blocks[..n].to_vec();
+    sorted.sort_unstable();
+    if sorted.windows(2).all(|w| w[0] != w[1]) {
+        return Ok(());
+    }
     let mut seen: HashMap<u64, u64> = HashMap::with_capacity(blocks.len());
     for (&position, &block) in positions.iter().zip(blocks) {
         if let Some(&first) = seen.get(&block) {

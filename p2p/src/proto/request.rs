@@ -287,26 +287,40 @@ pub fn build_request(
 /// the request writes, of the rank's heads, in every layer of the loaded groups the rank holds
 /// (groups it does not hold give none). What the consumer grants the load's token WRITE on, so
 /// that the producer can write exactly these bytes and nothing else.
+///
+/// Listed layer by layer in address order, each of block 0's ranges for the ascending blocks
+/// in turn, and a range that starts where the one before ends joined to it: blocks that follow
+/// each other in the cache give one range, and the list comes ascending for the layouts whose
+/// parts lie one after another (the grant then merges it in one pass, without a sort).
 pub fn grant_ranges(rank: &RankLayout, request: &LoadRequest) -> Vec<(u64, u64)> {
-    let mut ranges = Vec::new();
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
     for b in &request.blocks {
         let Some(g) = rank.group(b.group_id) else {
             continue;
         };
-        // Ascending blocks, each of block 0's ranges for all of them in turn: the list comes in
-        // a few ascending runs, which the grant's sort merges instead of sorting anew.
         let mut blocks = b.local_blocks.clone();
         blocks.sort_unstable();
-        for l in &g.layers {
+        let mut layers: Vec<_> = g.layers.iter().collect();
+        layers.sort_by_key(|l| l.addr);
+        for l in layers {
             let geo = &l.spec.geometry;
             // Block 0's ranges once per layer, moved to each block.
             let first = geo.block_byte_ranges(0);
             let stride = geo.block_stride();
             let inside = blocks.partition_point(|&b| b < geo.num_blocks());
             for r in &first {
+                let len = r.end - r.start;
                 for &local in &blocks[..inside] {
-                    let base = l.addr + local * stride;
-                    ranges.push((base + r.start, r.end - r.start));
+                    let start = l.addr + local * stride + r.start;
+                    match ranges.last_mut() {
+                        Some(p) if p.0.checked_add(p.1) == Some(start) => {
+                            match p.1.checked_add(len) {
+                                Some(n) => p.1 = n,
+                                None => ranges.push((start, len)),
+                            }
+                        }
+                        _ => ranges.push((start, len)),
+                    }
                 }
             }
         }

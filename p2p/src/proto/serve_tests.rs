@@ -7,7 +7,7 @@ use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
 use kvferry_kernels::LayerInput;
 
 use super::layout::{RankLayout, WorkerGroup};
-use super::request::{build_request, LoadGroup, LoadSpec, SpecError};
+use super::request::{build_request, grant_ranges, LoadGroup, LoadSpec, SpecError};
 use super::serve::{plan, LayerError, Published, RankPlan, ServeError};
 use crate::proto::msg::LoadRequest;
 
@@ -343,6 +343,50 @@ fn each_layer_s_wire_geometry_is_read_not_only_the_first() {
     let g = &mut r.ranks[0].groups[0].layers[2].geometry;
     g.strides[1] *= 2;
     assert!(plan(&producer, &lease, &r).is_err());
+}
+
+/// `ranges` as sorted, merged `[start, end)` intervals.
+fn intervals(ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut r: Vec<(u64, u64)> = ranges.iter().map(|&(a, n)| (a, a + n)).collect();
+    r.sort();
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for (a, e) in r {
+        match out.last_mut() {
+            Some(m) if a <= m.1 => m.1 = m.1.max(e),
+            _ => out.push((a, e)),
+        }
+    }
+    out
+}
+
+#[test]
+fn the_grant_covers_the_loaded_blocks_ascending_and_joined() {
+    let mut consumer = side(1, 1, 1, 4);
+    let (remote, local) = ([4u64, 0, 5, 2], [3u64, 1, 2, 5]);
+    let req = request(&consumer, &remote, &local);
+    let want: Vec<(u64, u64)> = consumer[0].groups[0]
+        .layers
+        .iter()
+        .flat_map(|l| {
+            local.iter().flat_map(move |&b| {
+                let g = &l.spec.geometry;
+                g.block_byte_ranges(b)
+                    .into_iter()
+                    .map(move |r| (l.addr + r.start, r.end - r.start))
+            })
+        })
+        .collect();
+    // Layers listed in either address order: the same ranges, ascending, blocks 1, 2, 3 of
+    // each part of each layer joined into one range (and block 5 one of its own).
+    for reversed in [false, true] {
+        if reversed {
+            consumer[0].groups[0].layers.reverse();
+        }
+        let got = grant_ranges(&consumer[0], &req);
+        assert_eq!(intervals(&got), intervals(&want));
+        assert!(got.windows(2).all(|w| w[0].0 + w[0].1 < w[1].0), "{got:?}");
+        assert_eq!(got.len(), LAYERS as usize * 2 * 2, "{got:?}");
+    }
 }
 
 #[test]

@@ -139,11 +139,11 @@ impl Consumer {
         let build_us = t_build.elapsed().as_micros();
         let rid = spec.request_id.clone();
         // WRITE for exactly this load's block bytes, to this load's token, until it ends.
-        let grants = self.grant(&request).map_err(|e| LoadError::Spec {
+        let (token, grants) = self.grant(&request).map_err(|e| LoadError::Spec {
             request_id: rid.clone(),
             why: LoadSpecFault::Grant(Shared(Arc::new(e))),
         })?;
-        request.token = grants.first().map(|g| g.token().to_string());
+        request.token = token.map(|t| t.to_string());
         let grant_us = t_build.elapsed().as_micros() - build_us;
         let hook = self.hook_for(&rid);
         // Layers are verified as they land unless a hook runs between landing and verifying.
@@ -245,14 +245,28 @@ impl Consumer {
 
     /// Grants a fresh random token WRITE on every rank's bytes of the blocks `request` loads
     /// ([`grant_ranges`]), until the load's reply deadline ([`ConsumerConfig::reply_deadline`]);
-    /// the guards revoke it when dropped.
-    /// One grant per engine (ranks may share one).
-    fn grant(&self, request: &LoadRequest) -> Result<Vec<GrantGuard>, TransferError> {
+    /// the guards revoke it when dropped. One grant per engine (ranks may share one).
+    /// Returns the token for the request (`None`: no grant was made, the producer writes
+    /// without one) and the guards.
+    ///
+    /// An engine without a secret checks no grant (open mode: any peer may write its memory,
+    /// `kvferry_transfer::auth`), so none is made there: its ranges are not even listed. The
+    /// token still goes with the request when such an engine holds a rank, so that the
+    /// producer's FINISH proves it (`msg::finish_proof`) as before.
+    fn grant(
+        &self,
+        request: &LoadRequest,
+    ) -> Result<(Option<Token>, Vec<GrantGuard>), TransferError> {
         let t0 = Instant::now();
         let token = Token::random()?;
         // (engine, the (offset, length) ranges it grants)
         let mut per_engine: Vec<(&Arc<TransferEngine>, Vec<Range>)> = Vec::new();
+        let mut open = false;
         for (w, layout) in self.workers.iter().zip(&self.layouts) {
+            if !w.engine.is_authenticated() {
+                open = true;
+                continue;
+            }
             let ranges = grant_ranges(layout, request);
             match per_engine
                 .iter_mut()
@@ -268,7 +282,7 @@ impl Consumer {
             per_engine.iter().map(|(_, r)| r.len()).sum::<usize>(),
         );
         let ranges_us = t_insert.duration_since(t0).as_micros() as u64;
-        let grants = per_engine
+        let grants: Result<Vec<GrantGuard>, TransferError> = per_engine
             .into_iter()
             .filter(|(_, r)| !r.is_empty())
             .map(|(e, ranges)| {
@@ -288,7 +302,8 @@ impl Consumer {
             insert_us = t_insert.elapsed().as_micros() as u64,
             "grant phases"
         );
-        grants
+        let grants = grants?;
+        Ok(((open || !grants.is_empty()).then_some(token), grants))
     }
 
     fn build_request(&self, spec: &LoadSpec) -> Result<(LoadRequest, Landed), LoadError> {
@@ -454,3 +469,7 @@ impl Consumer {
         verdict
     }
 }
+
+#[cfg(test)]
+#[path = "consumer_grant_tests.rs"]
+mod grant_tests;

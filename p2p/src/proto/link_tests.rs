@@ -10,7 +10,11 @@
 //! * every load ends, by its overall deadline, exactly once;
 //! * CONTINUE vs the reply deadline: while the producer is alive and its messages arrive, a
 //!   CONTINUE comes at least every heartbeat, so a consumer whose reply timeout exceeds one
-//!   heartbeat plus the link's delays never gives up on a live producer (`NoReply`).
+//!   heartbeat plus the link's delays never gives up on a live producer (`NoReply`);
+//! * progress (`proto::progress`): transfers land in 1 to 4 layer groups and the producer
+//!   names each as it lands; whatever is lost or reordered, the spans a consumer takes follow
+//!   on from slot 0 within the request, each named by the producer for that load after its
+//!   layers landed, so no layer is taken twice or before it landed.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -21,7 +25,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::consumer::{ConsumerEvent, ConsumerMachine, FailReason};
-use super::msg::{encode, LoadRequest, KIND_TRANSFER_REQUEST, PROTOCOL_VERSION};
+use super::msg::{
+    encode, LayerSpan, LoadRequest, WireBlocks, WireRank, WireRankGroup, KIND_TRANSFER_REQUEST,
+    PROTOCOL_VERSION,
+};
 use super::producer::{Effect, ProducerMachine, ProducerTimeouts};
 use super::serve_error::{ServeFailure, WriteError, WriteErrorKind};
 
@@ -63,6 +70,8 @@ struct LoadRec {
     request_id: String,
     sent: Instant,
     ended: Vec<(Instant, Outcome)>,
+    /// The progress spans it took, and when.
+    spans: Vec<(Instant, LayerSpan)>,
 }
 
 /// One transfer the producer ran: whose load, and when its writes happened.
@@ -97,7 +106,14 @@ struct Sim {
     serving: Vec<(Instant, u32, String, u64, bool)>,
     loads: HashMap<(usize, u64), LoadRec>,
     writes: Vec<Write>,
+    /// Layer groups landing: when, and the load's request id, load id and span.
+    progress: Vec<(Instant, String, u64, LayerSpan)>,
+    /// Every span the producer named, by (request id, load id), with when it landed.
+    named: HashMap<(String, u64), Vec<(Instant, LayerSpan)>>,
 }
+
+/// Layer slots of the simulated requests.
+const SLOTS: u32 = 4;
 
 fn request(id: &str) -> LoadRequest {
     LoadRequest {
@@ -113,8 +129,31 @@ fn request(id: &str) -> LoadRequest {
         token: None,
         key_proof: None,
         proof: None,
-        blocks: Vec::new(),
-        ranks: Vec::new(),
+        blocks: vec![WireBlocks {
+            group_id: 0,
+            block_size: 16,
+            remote_block_size: 0,
+            positions: Vec::new(),
+            remote_blocks: Vec::new(),
+            remote_positions: Vec::new(),
+            local_blocks: Vec::new(),
+        }],
+        ranks: vec![WireRank {
+            tp_rank: 0,
+            pp_rank: 0,
+            segment: "c:1".into(),
+            groups: vec![WireRankGroup {
+                group_id: 0,
+                layers: (0..SLOTS as usize)
+                    .map(|i| {
+                        let mut l =
+                            super::tests::request("x", 0).ranks[0].groups[0].layers[0].clone();
+                        l.name = format!("model.layers.{i}.attn");
+                        l
+                    })
+                    .collect(),
+            }],
+        }],
     }
 }
 
@@ -151,6 +190,8 @@ impl Sim {
             serving: Vec::new(),
             loads: HashMap::new(),
             writes: Vec::new(),
+            progress: Vec::new(),
+            named: HashMap::new(),
             net,
             t0,
             now: t0,
@@ -193,6 +234,7 @@ impl Sim {
                 request_id: id.to_string(),
                 sent: self.now,
                 ended: Vec::new(),
+                spans: Vec::new(),
             },
         );
         self.drain_consumer(c);
@@ -212,6 +254,14 @@ impl Sim {
                 ConsumerEvent::Failed { load_id, reason } => (load_id, Outcome::Failed(reason)),
                 ConsumerEvent::RebuildSocket => {
                     self.peer_of[c] = None;
+                    continue;
+                }
+                ConsumerEvent::Progress {
+                    load_id,
+                    landed: Some(span),
+                } => {
+                    let rec = self.loads.get_mut(&(c, load_id)).expect("a started load");
+                    rec.spans.push((self.now, span));
                     continue;
                 }
                 _ => continue,
@@ -251,6 +301,20 @@ impl Sim {
                         request_id: request.request_id.clone(),
                         end,
                     });
+                    // The copies land in 1 to 4 layer groups; each but the last is named as
+                    // it lands (the FINISH names the last).
+                    let groups = self.rng.random_range(1..=SLOTS);
+                    for k in 1..groups {
+                        let at = self.now + took * k / groups;
+                        let span = LayerSpan {
+                            first: SLOTS * (k - 1) / groups,
+                            end: SLOTS * k / groups,
+                        };
+                        if at < end {
+                            let id = request.request_id.clone();
+                            self.progress.push((at, id, request.load_id, span));
+                        }
+                    }
                     self.serving
                         .push((end, peer, request.request_id, request.load_id, ok));
                 }
@@ -275,6 +339,7 @@ impl Sim {
                 todo.peek().map(|t| t.0),
                 self.link.keys().next().map(|k| k.0),
                 self.serving.iter().map(|s| s.0).min(),
+                self.progress.iter().map(|s| s.0).min(),
                 self.producer.poll_timeout(),
             ]
             .into_iter()
@@ -318,6 +383,14 @@ impl Sim {
                     }
                     None => {}
                 }
+                continue;
+            }
+            if let Some(i) = self.progress.iter().position(|s| s.0 <= self.now) {
+                let (at, id, load_id, span) = self.progress.swap_remove(i);
+                let named = self.named.entry((id.clone(), load_id)).or_default();
+                named.push((at, span));
+                self.producer.handle_progress(self.now, &id, load_id, span);
+                self.drain_producer();
                 continue;
             }
             if let Some(i) = self.serving.iter().position(|s| s.0 <= self.now) {
@@ -425,6 +498,30 @@ proptest! {
         for rec in sim.loads.values() {
             prop_assert_eq!(rec.ended.len(), 1, "{:?}", rec);
             prop_assert!(rec.ended[0].0 <= rec.sent + sim.net.max_wait, "{:?}", rec);
+        }
+    }
+
+    /// Progress over a lossy, reordering link: the spans a load takes follow on from slot 0,
+    /// within the request, each once, and each was named by the producer for this load after
+    /// its layers landed (so no layer is checksummed before it landed, nor twice).
+    #[test]
+    fn a_load_takes_only_spans_that_landed_each_once_in_order(
+        net in net(0.2), publishes in publishes(), loads in loads(2),
+    ) {
+        let mut sim = Sim::new(net, 2);
+        sim.run(&publishes, &loads);
+        for ((c, load_id), rec) in &sim.loads {
+            let mut landed = 0;
+            let named = sim.named.get(&(rec.request_id.clone(), *load_id));
+            for &(at, span) in &rec.spans {
+                prop_assert_eq!(span.first, landed, "{:?}", rec);
+                prop_assert!(span.end > span.first && span.end <= SLOTS, "{:?}", rec);
+                landed = span.end;
+                let when = named.and_then(|n| n.iter().find(|n| n.1 == span)).map(|n| n.0);
+                prop_assert!(when.is_some_and(|t| t <= at),
+                    "consumer {} took {:?}, not named (or named later) for this load: {:?}",
+                    c, span, named);
+            }
         }
     }
 

@@ -11,6 +11,8 @@ pub mod producer_config;
 mod producer_loop;
 mod serve;
 mod verify_parts;
+#[cfg(test)]
+mod verify_parts_tests;
 
 use std::time::Instant;
 

@@ -1,0 +1,179 @@
+//! The parts of a load's checksums on the CPU backend: however the layers are cut (one part
+//! per layer, a few, none, past the part cap), the records equal the whole-request checksum
+//! bit for bit; bogus progress drops the parts, so layers whose bytes changed after a false
+//! "landed" are checksummed as they are at the FINISH.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvferry_checksum::group::{LayerSpec, RankInfo, ReplicaKey};
+use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
+use kvferry_kernels::{CpuBackend, LayerInput, Location};
+use kvferry_transfer::{EngineConfig, TransferEngine, TransportKind};
+
+use super::verify_parts::{Parts, Selector, MAX_PARTS};
+use crate::checksum::all_records;
+use crate::proto::msg::LayerSpan;
+use crate::proto::progress::{ProgressError, Slot};
+use crate::proto::request::{LoadGroup, LoadSpec};
+use crate::shell::connection::LoadProgress;
+use crate::worker::{Worker, WorkerGroup};
+
+const LAYERS: usize = 20;
+const BLOCKS: u64 = 6;
+
+/// One CPU rank of `LAYERS` layers of seeded bytes (the buffers are returned to keep them).
+fn rank() -> (Worker, Vec<Box<[u8]>>) {
+    let engine = TransferEngine::new(EngineConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        transport: TransportKind::Tcp,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let layout = Layout::parse("KV B N H D").unwrap();
+    let g = Geometry::contiguous(layout, BLOCKS, 16, 2, 8, ElemBytes::Two, 1).unwrap();
+    let mut bufs = Vec::new();
+    let mut layers = Vec::new();
+    for l in 0..LAYERS {
+        let mut z = l as u64 + 1;
+        let buf: Box<[u8]> = (0..g.byte_len())
+            .map(|_| {
+                z = z
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (z >> 33) as u8
+            })
+            .collect();
+        layers.push(LayerInput {
+            spec: LayerSpec {
+                name: format!("model.layers.{l}.attn"),
+                layer: l as u32,
+                head_offset: 0,
+                geometry: g.clone(),
+                kind: Some("FullAttentionSpec".into()),
+                dtype: Some("torch.bfloat16".into()),
+                replica: ReplicaKey::NONE,
+            },
+            addr: buf.as_ptr() as u64,
+            len: buf.len() as u64,
+        });
+        bufs.push(buf);
+    }
+    let worker = Worker {
+        rank: RankInfo::SINGLE,
+        engine,
+        device: Location::Cpu,
+        groups: vec![WorkerGroup {
+            group_id: 0,
+            block_size: 16,
+            layers,
+            sliding_window: None,
+            skipped: None,
+        }],
+        backend: Arc::new(CpuBackend::new(2)),
+    };
+    (worker, bufs)
+}
+
+fn spec() -> LoadSpec {
+    LoadSpec {
+        request_id: "r".into(),
+        producer: "tcp://127.0.0.1:1".into(),
+        groups: vec![LoadGroup {
+            group_id: 0,
+            remote_blocks: vec![Some(0), Some(1), Some(2)],
+            local_blocks: vec![Some(4), Some(1), Some(3)],
+            remote_block_size: None,
+        }],
+        num_local_computed: 0,
+        num_tokens: 40,
+        load_key: None,
+    }
+}
+
+fn parts(workers: &Arc<Vec<Worker>>) -> Parts {
+    let slots = (0..LAYERS)
+        .map(|layer| Slot {
+            rank: 0,
+            group_id: 0,
+            layer,
+        })
+        .collect();
+    let select = Arc::new(Selector::new(&spec()));
+    Parts::new(workers.clone(), select, slots, Duration::from_secs(10))
+}
+
+fn landed(first: u32, end: u32) -> LoadProgress {
+    LoadProgress::Landed(LayerSpan { first, end })
+}
+
+/// The whole-request records of `workers` now.
+async fn whole(workers: &Arc<Vec<Worker>>) -> Vec<kvferry_checksum::record::WorkerRecord> {
+    let selector = Selector::new(&spec());
+    let select = |g: &WorkerGroup| selector.select(g);
+    let (records, missing) = all_records(workers, &select, 40, Duration::from_secs(10), None).await;
+    assert!(missing.is_empty(), "{missing:?}");
+    records
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parts_add_up_to_the_whole_request_checksum_for_any_cut() {
+    let (w, _bufs) = rank();
+    let workers = Arc::new(vec![w]);
+    let want = whole(&workers).await;
+    let n = LAYERS as u32;
+    let cuts: Vec<Vec<(u32, u32)>> = vec![
+        vec![],
+        vec![(0, n)],
+        vec![(0, 5)],
+        vec![(0, 5), (5, 10), (10, 15)],
+        vec![(0, 1), (1, 19)],
+        (0..n).map(|i| (i, i + 1)).collect(), // past the part cap
+    ];
+    for cut in cuts {
+        let mut p = parts(&workers);
+        for &(a, b) in &cut {
+            p.progress(landed(a, b));
+        }
+        // Past the cap, the layers of the later spans wait for the FINISH.
+        let covered = cut.iter().take(MAX_PARTS).last().map_or(0, |c| c.1);
+        assert_eq!(p.covered(), covered, "{cut:?}");
+        let (records, missing) = p.finish().await;
+        assert!(missing.is_empty(), "{missing:?}");
+        assert_eq!(records, want, "{cut:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bogus_progress_drops_the_parts() {
+    let bogus = [
+        vec![landed(0, 4), landed(2, 6)],
+        vec![landed(0, 4), landed(5, 6)],
+        vec![landed(0, 4), landed(4, 4)],
+        vec![landed(0, 4), landed(4, 21)],
+        vec![
+            landed(0, 4),
+            LoadProgress::Void(ProgressError::Empty { first: 4, end: 4 }),
+        ],
+    ];
+    for steps in bogus {
+        let (w, mut bufs) = rank();
+        let workers = Arc::new(vec![w]);
+        let mut p = parts(&workers);
+        p.progress(steps[0]);
+        // The part checksums layers 0-3 as they are now ...
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // ... but the bytes of layer 1 had not landed: they change before the FINISH.
+        bufs[1][5] ^= 0x40;
+        for s in &steps[1..] {
+            p.progress(*s);
+        }
+        assert_eq!(p.covered(), 0, "{steps:?}");
+        // Later progress is not taken either.
+        p.progress(landed(0, 2));
+        assert_eq!(p.covered(), 0, "{steps:?}");
+        let (records, _) = p.finish().await;
+        assert_eq!(records, whole(&workers).await, "{steps:?}");
+    }
+}

@@ -260,16 +260,22 @@ pub struct DemoArgs {
     /// Flip one random bit in N landed loads, after the transfer and before verification.
     #[arg(long, default_value_t = 0)]
     pub corrupt: u32,
-    /// Loads in flight at once (1..=64). The producer prefills and publishes as many requests
-    /// as both sides' blocks hold, then the consumer loads them keeping this many in flight
-    /// (the next one starts as one ends), as a decode instance loads the requests it
-    /// schedules; the reported GB/s is the bytes over the wall time of these loads, and 1
-    /// loads one request at a time (each load's latency alone). Default 4, as the transfer
-    /// engine's bench keeps 4 batches in flight. Each side holds blocks for this many of the
-    /// largest requests (twice this many with `--device cuda`, so that a stage holds more
-    /// requests than the window), never more than all the requests need.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
-    pub in_flight: u32,
+    /// Loads in flight at once (1..=64; default 4, 16 with `--device cuda`). The consumer loads
+    /// each stage's requests keeping this many in flight (the next starts as one ends), as a
+    /// decode instance loads the requests it schedules; 1 gives each load's latency alone.
+    /// Over CUDA IPC a load's host work (request, grant, reply, the wait for the checksum
+    /// kernels) takes about ten times its device copy (about 1 ms against 0.1 ms for 230 MB
+    /// on an H200), so about 16 loads keep the copies going; over TCP the copies bound it.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub in_flight: Option<u32>,
+    /// Most bytes of KV each side's block pool holds (e.g. 16G; K, M, G suffixes). The
+    /// producer prefills and publishes as many requests as both pools hold (all of them when
+    /// they fit, at most 1024) before that stage's loads start; a request that alone needs
+    /// more is a usage error. Default: 0.4 of the GPU's free memory and at most 0.25 of this
+    /// machine's memory with `--device cuda` (the KV is generated in a host copy), 0.0625 of
+    /// this machine's memory without.
+    #[arg(long, value_parser = size)]
+    pub pool_memory: Option<u64>,
     /// TP ranks of the producer (prefill).
     #[arg(long, default_value_t = 1, value_parser = ranks)]
     pub prefill_tp: u32,
@@ -611,6 +617,15 @@ pub fn parse_sizes(text: &str) -> Result<Vec<u64>, SizeError> {
         return Err(SizeError::Empty(text.to_string()));
     }
     Ok(out)
+}
+
+/// One size of [`parse_sizes`]' form (a number with an optional K, M or G), at least 1.
+/// Errors: not a size, or more than one.
+pub fn size(text: &str) -> Result<u64, SizeError> {
+    match parse_sizes(text)?.as_slice() {
+        [one] => Ok(*one),
+        _ => Err(SizeError::NotASize(text.to_string())),
+    }
 }
 
 /// Why a list of sizes does not parse ([`parse_sizes`]).

@@ -8,6 +8,7 @@
 //! Sources: docs/design.md §4 (flow), §2.7 (policy), §6 (the CLI).
 
 mod args;
+pub mod pools;
 
 use std::io::IsTerminal;
 use std::sync::{Arc, Mutex};
@@ -32,7 +33,10 @@ use crate::error::CliError;
 use crate::loads::{consumer_config, load_groups, producer_config, prompt_lengths};
 use crate::models::STATE_GROUP;
 use crate::models::{model_by_name, ModelShape};
-use crate::setup::{engine_config, memory_paths, side_config, side_workers, transfer_path};
+use crate::setup::{
+    device_free_memory, engine_config, memory_paths, physical_memory, side_config, side_workers,
+    transfer_path,
+};
 use crate::world::{
     build_side, fill_request, request_tables, sides_kv_equal, BlockPool, RankKv, WorldError,
 };
@@ -59,10 +63,22 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
 /// Tokio worker threads for `in_flight` loads on a machine of `available` cores: two per load
 /// in flight (the consumer's loading task and the producer's serving task of each load do host
 /// work at once), at least 2 (serial loads keep the runtime they always had) and at most the
-/// cores, capped at 8 (both sides share the process; more threads only spin on the same
-/// device).
+/// cores (many loads in flight are bound by that host work, not by the device).
 pub fn runtime_workers(in_flight: u32, available: usize) -> usize {
-    (2 * in_flight as usize).clamp(2, available.clamp(2, 8))
+    (2 * in_flight as usize).clamp(2, available.max(2))
+}
+
+/// `--in-flight`, else its default for the device: 16 with `--device cuda` (a load's host work
+/// takes about ten times its device copy over CUDA IPC), 4 on the host (the copies bound it, as
+/// the transfer engine's bench keeps 4 batches in flight); at most the requests.
+fn in_flight_of(args: &DemoArgs) -> u32 {
+    let default = match args.common.device {
+        DeviceArg::Cuda => 16,
+        DeviceArg::Cpu => 4,
+    };
+    args.in_flight
+        .unwrap_or(default)
+        .clamp(1, args.requests.max(1))
 }
 
 /// One request of a stage: its blocks on both sides, what it was given and how it is loaded.
@@ -79,10 +95,14 @@ struct Request {
 /// Runs the demo and returns its report (the tests use this).
 ///
 /// Requests go in stages: the producer fills and publishes as many requests as both sides'
-/// block pools hold (`--in-flight` of the largest requests, twice that with `--device cuda`), then the
-/// consumer loads them keeping `--in-flight` loads in flight (each on its own task, the next
-/// one started as one ends), then each outcome is checked and the blocks are freed. The load
-/// phase's time is the sum of the stages' wall times.
+/// block pools hold (sized by `--pool-memory` or its default share of memory: all the requests
+/// when they fit, at most [`pools::MAX_STAGE_REQUESTS`]), then the consumer loads them keeping
+/// `--in-flight` loads in flight (each on its own task, the next one started as one ends),
+/// then each outcome is checked and the blocks are freed. The load phase's time is the sum of
+/// the stages' wall times: prefill, publish and the checks are not in it.
+///
+/// Errors: as [`run`]; [`CliError::PoolBudget`] when a side's pool cannot hold the longest
+/// request.
 pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     args::check_args(args)?;
     let c = &args.common;
@@ -90,16 +110,25 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     let lengths = prompt_lengths(args.requests, args.min_tokens, args.max_tokens, args.seed);
     let pbs = args.prefill_block_size.unwrap_or(c.block_size);
     let cbs = args.decode_block_size.unwrap_or(c.block_size);
-    let in_flight = args.in_flight.clamp(1, args.requests.max(1));
-    // Stages of more requests than the window where the KV is on a GPU; host memory keeps
-    // the pools it had (a stage then holds the window's worth of the largest requests).
-    let slots = match c.device {
-        DeviceArg::Cuda => 2 * in_flight,
-        DeviceArg::Cpu => in_flight,
-    };
-    let num_blocks = |bs: u64| pool_blocks(&lengths, bs, slots);
+    let in_flight = in_flight_of(args);
+    const PRODUCER: &str = "producer (--prefill-tp/--prefill-pp/--prefill-block-size)";
+    const CONSUMER: &str = "consumer (--decode-tp/--decode-pp/--decode-block-size)";
+    let prod_blocks = side_pool(
+        args,
+        &model,
+        &lengths,
+        (args.prefill_tp, pbs, args.prefill_gpu),
+        PRODUCER,
+    )?;
+    let cons_blocks = side_pool(
+        args,
+        &model,
+        &lengths,
+        (args.decode_tp, cbs, args.decode_gpu),
+        CONSUMER,
+    )?;
     let engine_cfg = engine_config(c, "127.0.0.1")?;
-    let side = |tp, pp, bs, gpu| side_config(c, model.clone(), (tp, pp), bs, num_blocks(bs), gpu);
+    let side = |tp, pp, bs, n, gpu| side_config(c, model.clone(), (tp, pp), bs, n, gpu);
     // Name the side: the sizes and the layout checks are per side.
     if !args.json {
         eprintln!(
@@ -108,19 +137,28 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         );
     }
     let mut prod_ranks = build_side(
-        &side(args.prefill_tp, args.prefill_pp, pbs, args.prefill_gpu),
+        &side(
+            args.prefill_tp,
+            args.prefill_pp,
+            pbs,
+            prod_blocks,
+            args.prefill_gpu,
+        ),
         &engine_cfg,
     )
-    .map_err(side_error(
-        "producer (--prefill-tp/--prefill-pp/--prefill-block-size)",
-    ))?;
+    .map_err(side_error(PRODUCER))?;
     let cons_ranks = build_side(
-        &side(args.decode_tp, args.decode_pp, cbs, args.decode_gpu),
+        &side(
+            args.decode_tp,
+            args.decode_pp,
+            cbs,
+            cons_blocks,
+            args.decode_gpu,
+        ),
         &engine_cfg,
     )
-    .map_err(side_error(
-        "consumer (--decode-tp/--decode-pp/--decode-block-size)",
-    ))?;
+    .map_err(side_error(CONSUMER))?;
+    check_grants(&cons_ranks, &lengths, cbs, args.max_tokens)?;
     let transport_name = prod_ranks[0].engine.transport_name().to_string();
     let path = transfer_path(&prod_ranks[0], &cons_ranks[0]);
     let mut paths = memory_paths(&prod_ranks);
@@ -153,8 +191,8 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
             .map_err(CliError::p2p("starting the consumer"))?,
     );
 
-    let mut prod_pool = BlockPool::new(num_blocks(pbs), args.seed);
-    let mut cons_pool = BlockPool::new(num_blocks(cbs), args.seed ^ 1);
+    let mut prod_pool = BlockPool::new(prod_blocks, args.seed);
+    let mut cons_pool = BlockPool::new(cons_blocks, args.seed ^ 1);
     let mut report = DemoReport {
         transport: path.clone(),
         network_transport: transport_name,
@@ -211,7 +249,10 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         // Prefill and publish as many requests as both sides' blocks hold (not part of the
         // load phase's time).
         let mut requests = Vec::new();
-        while let Some(&tokens) = lengths.get(next) {
+        while let Some(&tokens) = lengths
+            .get(next)
+            .filter(|_| requests.len() < pools::MAX_STAGE_REQUESTS)
+        {
             let Some((pblocks, cblocks)) = take_blocks(
                 &mut prod_pool,
                 &mut cons_pool,
@@ -264,6 +305,7 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         if requests.is_empty() {
             return Err(CliError::failed("block pool exhausted"));
         }
+        report.stages += 1;
         // Load them `in_flight` at a time, the next one started as one ends.
         let specs: Vec<LoadSpec> = requests.iter().map(|r| r.spec.clone()).collect();
         let t1 = Instant::now();
@@ -380,20 +422,68 @@ async fn load_window(
         .collect()
 }
 
-/// Blocks of a side's pool for requests of `lengths` tokens in blocks of `block_size`: room
-/// for `slots` (at least two, as serial loads always had) of the largest, never more than all
-/// the requests together, plus one. With twice the loads in flight, a stage holds more requests
-/// than the window, so loads go on sliding while the stage's first ones end (the window
-/// drains once per stage). Saturating: a count past u64 (huge `--max-tokens`) is refused as
-/// too large by the side's layout, not wrapped to a small pool that runs out mid-run.
-fn pool_blocks(lengths: &[u64], block_size: u64, slots: u32) -> u64 {
-    let blocks = lengths.iter().map(|&t| t.div_ceil(block_size));
-    let largest = blocks.clone().max().unwrap_or(1);
-    let all = blocks.fold(0u64, u64::saturating_add).max(largest);
-    largest
-        .saturating_mul(u64::from(slots.max(2)))
-        .min(all)
-        .saturating_add(1)
+/// Blocks of one side's pool (`tp` ranks, blocks of `bs` tokens, on GPU `gpu` with `--device
+/// cuda`) for requests of `lengths` tokens: as many as its budget holds ([`pools`]). Errors:
+/// [`CliError::PoolBudget`] naming `side` when the longest request alone does not fit.
+fn side_pool(
+    args: &DemoArgs,
+    model: &ModelShape,
+    lengths: &[u64],
+    (tp, bs, gpu): (u32, u64, u32),
+    side: &'static str,
+) -> Result<u64, CliError> {
+    let (share, device) = match args.common.device {
+        DeviceArg::Cpu => (pools::HOST_SHARE_CPU, None),
+        DeviceArg::Cuda if args.pool_memory.is_some() => (pools::HOST_SHARE_CUDA, None),
+        DeviceArg::Cuda => {
+            match device_free_memory(gpu) {
+                Ok(free) => (pools::HOST_SHARE_CUDA, Some((gpu, free))),
+                Err(e) => {
+                    // Building the side then says what is wrong with the GPU.
+                    tracing::warn!("GPU {gpu}: free memory unknown ({e}); the pool's budget is the host's share");
+                    (pools::HOST_SHARE_CUDA, None)
+                }
+            }
+        }
+    };
+    let (budget, from) = pools::side_budget(args.pool_memory, share, physical_memory(), device);
+    let block_bytes = pools::side_block_bytes(model, tp, bs);
+    pools::pool_blocks(lengths, bs, block_bytes, budget).map_err(|t| CliError::PoolBudget {
+        side,
+        max_tokens: args.max_tokens,
+        need: t.need,
+        budget,
+        from,
+    })
+}
+
+/// Refuses, before any request is prefilled, a run whose longest prompt (of `lengths`, in
+/// blocks of `cbs` tokens) would make a consumer rank grant its load more byte ranges than a
+/// grant holds (each block's pieces in every layer of the rank, at most): every such load would
+/// fail at its grant. Errors: [`CliError::Usage`] naming `--max-tokens` (`max_tokens`).
+fn check_grants(
+    ranks: &[RankKv],
+    lengths: &[u64],
+    cbs: u64,
+    max_tokens: u64,
+) -> Result<(), CliError> {
+    use kvferry_transfer::auth::MAX_GRANT_RANGES;
+    let blocks = lengths.iter().max().map_or(0, |t| t.div_ceil(cbs));
+    for r in ranks {
+        let per_block: u64 = r
+            .layers
+            .iter()
+            .map(|l| l.spec.geometry.block_byte_ranges(0).len() as u64)
+            .sum();
+        let ranges = blocks.saturating_mul(per_block);
+        if ranges > MAX_GRANT_RANGES as u64 {
+            return Err(CliError::usage(format!(
+                "--max-tokens {max_tokens}: the longest prompt's load is too large: {blocks} blocks of {per_block} byte ranges each on the consumer's {}, {ranges} ranges, more than the {MAX_GRANT_RANGES} a load's grant holds; lower --max-tokens or raise --decode-block-size (--block-size)",
+                crate::world::rank_name(r.rank)
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Blocks for one request on both sides (`np` of the producer's pool, `nc` of the consumer's),
@@ -576,7 +666,7 @@ mod tests {
         assert!(matches!(e, CliError::SideMemory { .. }), "{e:?}");
         assert!(
             text.starts_with("producer (--prefill-tp): allocating 1099511627776 bytes")
-                && text.contains("--in-flight")
+                && text.contains("--pool-memory")
                 && text.contains("--max-tokens"),
             "{text}"
         );
@@ -588,23 +678,12 @@ mod tests {
         assert_eq!(runtime_workers(1, 16), 2);
         assert_eq!(runtime_workers(2, 16), 4);
         assert_eq!(runtime_workers(4, 16), 8);
-        // At most 8, and at most the cores, but never below 2.
-        assert_eq!(runtime_workers(64, 128), 8);
+        // At most the cores, but never below 2.
+        assert_eq!(runtime_workers(64, 128), 128);
+        assert_eq!(runtime_workers(16, 16), 16);
         assert_eq!(runtime_workers(3, 4), 4);
         assert_eq!(runtime_workers(8, 2), 2);
         assert_eq!(runtime_workers(8, 1), 2);
-    }
-
-    #[test]
-    fn a_pool_holds_its_slots_of_the_largest_requests_but_never_more_than_all() {
-        // Largest request 4 blocks of 16 tokens; all six together 16 blocks.
-        let lengths = [64, 20, 33, 16, 50, 17];
-        assert_eq!(pool_blocks(&lengths, 16, 2), 4 * 2 + 1);
-        assert_eq!(pool_blocks(&lengths, 16, 1), pool_blocks(&lengths, 16, 2));
-        // 6 slots would be 24 blocks: all the requests need only 16.
-        assert_eq!(pool_blocks(&lengths, 16, 6), 16 + 1);
-        assert_eq!(pool_blocks(&[64], 16, 16), 4 + 1);
-        assert_eq!(pool_blocks(&[u64::MAX, u64::MAX], 1, 128), u64::MAX);
     }
 
     #[test]

@@ -5,6 +5,7 @@ use kvferry_kernels::KernelError;
 use kvferry_p2p::P2pError;
 use kvferry_transfer::TransferError;
 
+use crate::demo::pools::BudgetFrom;
 use crate::payload_json::PayloadJsonError;
 use crate::spec::SpecError;
 use crate::world::WorldError;
@@ -34,13 +35,27 @@ pub enum CliError {
         source: WorldError,
     },
     /// One side of the demo could not allocate its KV memory (`side` names its options): the
-    /// blocks it holds grow with `--in-flight` and `--max-tokens`.
-    #[error("{side}: {source}; each side holds blocks for --in-flight of the longest prompts (--max-tokens): lower one of them")]
+    /// blocks it holds grow with `--pool-memory` (or its default share) and `--max-tokens`.
+    #[error("{side}: {source}; each side's pool holds as many of the prompts (up to --max-tokens) as --pool-memory or its default share of memory allows: lower one of them")]
     SideMemory {
         /// As in [`CliError::Side`].
         side: &'static str,
         /// The allocation's error ([`WorldError::Alloc`] or [`WorldError::GpuAlloc`]).
         source: WorldError,
+    },
+    /// A side's block pool cannot hold the demo's longest request: no stage could load it.
+    #[error("{side}: the longest prompt (of up to --max-tokens {max_tokens}) needs {need} bytes of KV, more than the {budget} bytes its pool may hold ({from}); lower --max-tokens or raise --pool-memory")]
+    PoolBudget {
+        /// As in [`CliError::Side`].
+        side: &'static str,
+        /// `--max-tokens`.
+        max_tokens: u64,
+        /// Bytes the longest request takes on that side (u64::MAX: past 2^64).
+        need: u64,
+        /// Bytes the side's pool may hold.
+        budget: u64,
+        /// Where the budget came from: `--pool-memory` or its default share.
+        from: BudgetFrom,
     },
     /// `--device cuda` where the CUDA checksum backend is unusable (the ranks' memory is on
     /// the GPU, so the CPU backend cannot read it).

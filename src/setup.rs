@@ -111,6 +111,27 @@ pub fn physical_memory() -> u64 {
     }
 }
 
+/// Free memory of GPU `ordinal` in bytes (`cuMemGetInfo`), read through its primary context.
+/// Errors: no driver, no such device, or the driver's refusal.
+pub fn device_free_memory(ordinal: u32) -> Result<u64, kvferry_cuda::CudaError> {
+    if !kvferry_cuda::driver_library_present() {
+        return Err(kvferry_cuda::CudaError::DriverLibraryMissing);
+    }
+    kvferry_cuda::guarded("reading the GPU's free memory", || {
+        let ctx = kvferry_cuda::driver::Context::new(ordinal)?;
+        ctx.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: out-pointers to live locals; the context is current on this thread.
+        unsafe {
+            kvferry_cuda::driver::check(
+                "cuMemGetInfo",
+                kvferry_cuda::sys::cuMemGetInfo_v2(&mut free, &mut total),
+            )?;
+        }
+        Ok(free as u64)
+    })
+}
+
 /// The host part of `HOST:PORT` (brackets kept off an IPv6 host), or the text itself.
 pub fn host_of(addr: &str) -> &str {
     let a = addr.strip_prefix("tcp://").unwrap_or(addr);

@@ -407,6 +407,72 @@ fn in_flight_is_reported_with_the_loads_latency() {
     }
 }
 
+/// The pools are sized by a memory budget: all the requests in one stage when they fit, more
+/// stages (every load still verified, corruptions still caught) under a small `--pool-memory`,
+/// and a budget that cannot hold the longest prompt is one usage error naming the flag.
+#[test]
+fn pools_hold_what_pool_memory_allows_in_stages() {
+    let all = demo(&[]);
+    assert_eq!(n(&all, "stages"), 1, "{all}");
+    // tiny: 32 KiB a block of 16 tokens; the longest of these prompts takes 19 blocks at most.
+    let small = demo(&["--pool-memory", "1M", "--corrupt", "3"]);
+    assert!(n(&small, "stages") >= 2, "{small}");
+    assert_eq!(
+        (n(&small, "verified"), n(&small, "mismatch")),
+        (7, 3),
+        "{small}"
+    );
+    assert_eq!(n(&small, "bytes"), n(&all, "bytes"), "{small}");
+    let out = kvferry()
+        .args(["demo", "--json", "--model", "tiny", "--requests", "10"])
+        .args(["--max-tokens", "300", "--pool-memory", "300K"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("more than the 307200 bytes its pool may hold (--pool-memory)")
+            && err.contains("--max-tokens 300"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// A prompt of more blocks than a load request may name, or whose load would grant more byte
+/// ranges than a grant holds, is refused up front, once, not load after load (the run would
+/// otherwise prefill every request and fail each).
+#[test]
+fn a_prompt_past_a_load_requests_blocks_is_one_usage_error() {
+    let out = kvferry()
+        .args(["demo", "--json", "--model", "tiny", "--requests", "2"])
+        .args(["--block-size", "1", "--min-tokens", "1100000"])
+        .args(["--max-tokens", "1100000", "--pool-memory", "8G"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("--max-tokens 1100000 in blocks of 1")
+            && err.contains("a load request names at most 1048576 blocks"),
+        "{err}"
+    );
+    // Fewer blocks, but each of tiny's 4 layers grants K and V apart: 1.6M ranges a load.
+    let out = kvferry()
+        .args(["demo", "--json", "--model", "tiny", "--requests", "2"])
+        .args(["--block-size", "1", "--min-tokens", "200000"])
+        .args(["--max-tokens", "200000", "--pool-memory", "8G"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("--max-tokens 200000: the longest prompt's load is too large")
+            && err.contains("1600000 ranges, more than the 1048576"),
+        "{err}"
+    );
+    assert!(!err.contains("load failed"), "{err}");
+}
+
 #[test]
 fn demo_rejects_bad_arguments_with_a_clear_error() {
     for (args, needle) in [
@@ -563,6 +629,9 @@ fn serve_and_load_as_two_processes() {
     assert!(status.success(), "serve failed: {}", stderr_of(&mut server));
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(n(&r, "verified"), 5, "{r}");
+    // The session was opened before the first load, outside the loads' time.
+    let connect = r["connect_seconds"].as_f64().unwrap_or(0.0);
+    assert!(connect > 0.0, "{r}");
 }
 
 /// A load with the wrong --model is refused before any byte moves, and leaves the producer's

@@ -3,6 +3,7 @@
 
 use crate::cli::{DemoArgs, DeviceArg, FailurePolicyArg};
 use crate::error::CliError;
+use kvferry_p2p::proto::msg::MAX_BLOCKS;
 
 /// Refuses options that cannot make a demo run that ends as expected. Errors: `CliError::Usage`
 /// naming the options.
@@ -38,6 +39,16 @@ pub(super) fn check_args(args: &DemoArgs) -> Result<(), CliError> {
     if pbs % cbs != 0 && cbs % pbs != 0 {
         return Err(CliError::usage(format!(
             "--prefill-block-size {pbs} / --decode-block-size {cbs}: one must be a multiple of the other (else no load can be verified)"
+        )));
+    }
+    // A load request names each of its blocks: one past the wire's bound would be refused by
+    // the producer load by load, so the run is refused here, once.
+    let blocks = args.max_tokens.div_ceil(pbs.min(cbs));
+    if blocks > MAX_BLOCKS as u64 {
+        return Err(CliError::usage(format!(
+            "--max-tokens {} in blocks of {}: a request of {blocks} blocks is too large (a load request names at most {MAX_BLOCKS} blocks); lower --max-tokens or raise the block size",
+            args.max_tokens,
+            pbs.min(cbs)
         )));
     }
     if args.common.device == DeviceArg::Cpu && (args.prefill_gpu != 0 || args.decode_gpu != 0) {

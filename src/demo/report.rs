@@ -55,6 +55,9 @@ pub struct DemoReport {
     pub in_flight: u32,
     /// Worker threads of the runtime both sides ran on (from `in_flight` and the cores).
     pub runtime_workers: u32,
+    /// Stages the requests went in: each prefilled and published as many requests as both
+    /// sides' pools hold (`--pool-memory`), then loaded them; 1 when they all fit.
+    pub stages: u32,
     /// KV bytes moved by the transfer engines.
     pub bytes: u64,
     /// Wall seconds of the load phase (request, transfer, reply, verification): the sum over
@@ -140,8 +143,9 @@ pub(super) fn print_summary(r: &DemoReport) {
         }
     );
     println!(
-        "  {} loads in flight at once; a load's latency {:.2} ms (median), {:.2} ms at most",
+        "  {} loads in flight at once, in {} stage(s); a load's latency {:.2} ms (median), {:.2} ms at most",
         r.in_flight,
+        r.stages,
         r.load_seconds_median * 1e3,
         r.load_seconds_max * 1e3
     );

@@ -65,6 +65,19 @@ impl TransferEngine {
         config: EngineConfig,
         memory: Arc<dyn MemoryAccess>,
     ) -> Result<Arc<TransferEngine>> {
+        Self::start(config, memory, |ctx| {
+            let chosen = crate::transport::select::choose(ctx)?;
+            Ok((chosen.transport, chosen.why.to_string()))
+        })
+    }
+
+    /// As `with_memory_access`, with the transport (and the reason the info line gives)
+    /// made by `choose` from the engine's transport context.
+    fn start(
+        config: EngineConfig,
+        memory: Arc<dyn MemoryAccess>,
+        choose: impl FnOnce(&TransportContext) -> Result<(Arc<dyn Transport>, String)>,
+    ) -> Result<Arc<TransferEngine>> {
         if config.slice_size == 0 {
             return Err(ConfigError::at_least("slice_size", 0, 1).into());
         }
@@ -84,9 +97,7 @@ impl TransferEngine {
             memory,
             auth: auth.clone(),
         };
-        let chosen = crate::transport::select::choose(&ctx)?;
-        let transport = chosen.transport;
-        let transport_reason = chosen.why.to_string();
+        let (transport, transport_reason) = choose(&ctx)?;
         tracing::info!(segment = %name, "kvferry transfer engine: transport {} ({}); {}", transport.kind(), transport_reason, auth.describe());
         let server = HandshakeService {
             name: name.clone(),
@@ -443,6 +454,23 @@ impl TransferEngine {
         crate::path::label_at(&self.registry, self.transport.kind(), first)
     }
 }
+
+#[cfg(test)]
+impl TransferEngine {
+    /// An engine on host memory whose transport `make` builds (tests of the engine's own
+    /// work with a transport of the test's).
+    pub(crate) fn with_transport(
+        config: EngineConfig,
+        make: impl FnOnce(&TransportContext) -> Arc<dyn Transport>,
+    ) -> Result<Arc<TransferEngine>> {
+        let memory: Arc<dyn MemoryAccess> = Arc::new(crate::memory::HostMemoryAccess);
+        Self::start(config, memory, |ctx| Ok((make(ctx), "test".to_string())))
+    }
+}
+
+#[cfg(test)]
+#[path = "engine_cost_tests.rs"]
+mod cost_tests;
 
 impl Drop for TransferEngine {
     fn drop(&mut self) {

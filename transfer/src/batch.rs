@@ -3,39 +3,51 @@
 //! engine tracks by id until they are waited on or freed.
 
 use crate::sync::MutexExt;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::batch_meter::BatchMeter;
 use crate::error::{ArgumentError, Result, TransferError};
+use crate::ids::NumMap;
 use crate::memory::{Cover, MemoryRegion, MemoryRegistry};
 use crate::transport::completion::BatchState;
 use crate::transport::Slice;
 use crate::types::{BatchId, TransferRequest};
 
-/// The batches of one engine by id. Ids start at 1 and are never reused.
+/// The batches of one engine by id, each with its meter until its end is recorded. Ids start
+/// at 1 and are never reused.
 pub(crate) struct BatchTable {
-    batches: Mutex<HashMap<u64, Arc<BatchState>>>,
+    batches: Mutex<NumMap<Entry>>,
     next: AtomicU64,
+}
+
+struct Entry {
+    state: Arc<BatchState>,
+    /// `None` once its end was recorded (a wait that timed out).
+    meter: Option<BatchMeter>,
 }
 
 impl BatchTable {
     pub(crate) fn new() -> Self {
         BatchTable {
-            batches: Mutex::new(HashMap::new()),
+            batches: Mutex::new(NumMap::default()),
             next: AtomicU64::new(1),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Arc<BatchState>>> {
+    fn lock(&self) -> MutexGuard<'_, NumMap<Entry>> {
         self.batches.locked()
     }
 
-    /// A new batch of `slices` slices, tracked under a fresh id.
-    pub(crate) fn start(&self, slices: u32) -> (BatchId, Arc<BatchState>) {
+    /// A new batch of `slices` slices, tracked under a fresh id, with its meter.
+    pub(crate) fn start(&self, slices: u32, meter: BatchMeter) -> (BatchId, Arc<BatchState>) {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let state = BatchState::new(slices);
-        self.lock().insert(id, state.clone());
+        let entry = Entry {
+            state: state.clone(),
+            meter: Some(meter),
+        };
+        self.lock().insert(id, entry);
         (BatchId(id), state)
     }
 
@@ -43,15 +55,37 @@ impl BatchTable {
     pub(crate) fn get(&self, id: BatchId) -> Result<Arc<BatchState>> {
         self.lock()
             .get(&id.0)
-            .cloned()
+            .map(|e| e.state.clone())
             .ok_or(TransferError::UnknownBatch(id.0))
     }
 
-    /// Forgets batch `id` and cancels it: its slices not yet sent are skipped.
+    /// Ends a wait for batch `id` with `r`: records its meter (once: a batch waited for again
+    /// after a timeout is not recorded again) and, unless it timed out, forgets and cancels
+    /// it, under one lock.
+    pub(crate) fn end(&self, id: BatchId, r: &Result<()>) {
+        let mut table = self.lock();
+        let (meter, gone) = if matches!(r, Err(TransferError::Timeout(_))) {
+            (table.get_mut(&id.0).and_then(|e| e.meter.take()), None)
+        } else {
+            match table.remove(&id.0) {
+                Some(mut e) => (e.meter.take(), Some(e.state)),
+                None => (None, None),
+            }
+        };
+        drop(table);
+        if let Some(state) = gone {
+            state.cancel();
+        }
+        if let Some(m) = meter {
+            m.record(r);
+        }
+    }
+
+    /// Forgets batch `id` unrecorded and cancels it: its slices not yet sent are skipped.
     pub(crate) fn free(&self, id: BatchId) {
         let b = self.lock().remove(&id.0);
         if let Some(b) = b {
-            b.cancel();
+            b.state.cancel();
         }
     }
 }
@@ -384,14 +418,41 @@ mod tests {
     #[test]
     fn a_freed_batch_is_unknown_and_ids_are_never_reused() {
         let t = BatchTable::new();
-        let (a, _) = t.start(0);
-        let (b, sb) = t.start(3);
+        let (a, _) = t.start(0, meter());
+        let (b, sb) = t.start(3, meter());
         assert_ne!(a, b);
         assert_eq!(t.get(b).unwrap().status(), sb.status());
         assert_eq!(sb.status(), BatchStatus::Waiting);
         t.free(b);
         assert!(matches!(t.get(b), Err(TransferError::UnknownBatch(_))));
-        let (c, _) = t.start(1);
+        let (c, _) = t.start(1, meter());
         assert!(c.0 > b.0);
+    }
+
+    fn meter() -> BatchMeter {
+        crate::batch_meter::SeriesCache::default().start_with(
+            std::time::Instant::now(),
+            "tcp",
+            "batch-table-test:1",
+            Op::Write,
+            1,
+            1,
+        )
+    }
+
+    #[test]
+    fn a_batch_ends_once_and_one_that_timed_out_stays() {
+        let t = BatchTable::new();
+        let (a, sa) = t.start(1, meter());
+        t.end(a, &Err(TransferError::Timeout(std::time::Duration::ZERO)));
+        assert!(t.lock().get(&a.0).is_some_and(|e| e.meter.is_none()));
+        assert!(
+            !sa.is_cancelled(),
+            "a timed-out batch stays, uncancelled by its end"
+        );
+        let (b, sb) = t.start(1, meter());
+        t.end(b, &Ok(()));
+        assert!(matches!(t.get(b), Err(TransferError::UnknownBatch(_))));
+        assert!(sb.is_cancelled());
     }
 }

@@ -14,7 +14,7 @@ use crate::auth::{AuthState, GrantGuard, GrantSpec, Token};
 use crate::batch::{self, BatchTable};
 use crate::config::EngineConfig;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{ConfigError, Result, TransferError};
+use crate::error::{ConfigError, Result};
 use crate::handshake::HandshakeServer;
 use crate::handshake_service::HandshakeService;
 use crate::memory::{MemoryAccess, MemoryRegion, MemoryRegistry};
@@ -42,8 +42,8 @@ pub struct TransferEngine {
     transport_reason: String,
     pub(crate) peers: Arc<PeerCache>,
     pub(crate) batches: BatchTable,
-    /// What the metrics need of each batch in flight (`crate::metrics`).
-    pub(crate) meters: crate::batch_meter::Meters,
+    /// The metrics series of the kinds of batch seen last (`crate::metrics`).
+    pub(crate) series: crate::batch_meter::SeriesCache,
     handshake: Option<HandshakeServer>,
     auth: Arc<AuthState>,
     /// Counts this engine in the process's peer fd budget (`crate::fd_budget`).
@@ -127,7 +127,7 @@ impl TransferEngine {
             transport_reason,
             peers,
             batches: BatchTable::new(),
-            meters: Default::default(),
+            series: Default::default(),
             handshake: Some(server),
             auth,
             _slot: crate::fd_budget::EngineSlot::new(),
@@ -377,14 +377,20 @@ impl TransferEngine {
         })?;
         // the local regions stay registered until the last slice is reported
         let pins = self.registry.pin(batch::region_starts(&slices))?;
-        let (id, state) = self.batches.start(slices.len() as u32);
-        state.hold(pins);
         let path = self.path_label_at(requests.first().map(|r| r.local_addr));
-        self.meters
-            .start(id, path, &desc.name, requests, slices.len() as u32);
-        self.peers.touch(&desc.name);
         let n_slices = slices.len();
-        let prep_us = t0.elapsed().as_micros() as u64;
+        let meter = self
+            .series
+            .start(t0, path, &desc.name, requests, n_slices as u32);
+        let (id, state) = self.batches.start(n_slices as u32, meter);
+        state.hold(pins);
+        self.peers.touch(&desc.name, t0);
+        let timing = tracing::enabled!(target: "kvferry::timing", tracing::Level::DEBUG);
+        let prep_us = if timing {
+            t0.elapsed().as_micros() as u64
+        } else {
+            0
+        };
         if !slices.is_empty() {
             // The refresh keeps the batch's slices (a retry finds them by id); the post borrows.
             let refresh = BatchRefresh::new(self.peers.clone(), &desc.name, slices, target.token);
@@ -396,13 +402,15 @@ impl TransferEngine {
                 target.token,
             );
         }
-        tracing::debug!(
-            target: "kvferry::timing",
-            slices = n_slices,
-            prep_us,
-            post_us = t0.elapsed().as_micros() as u64 - prep_us,
-            "engine submit"
-        );
+        if timing {
+            tracing::debug!(
+                target: "kvferry::timing",
+                slices = n_slices,
+                prep_us,
+                post_us = t0.elapsed().as_micros() as u64 - prep_us,
+                "engine submit"
+            );
+        }
         Ok(id)
     }
 
@@ -433,10 +441,7 @@ impl TransferEngine {
 
     /// Ends a wait with `r`: meters it, and frees the batch unless it timed out.
     fn finish(&self, batch: BatchId, r: Result<()>) -> Result<()> {
-        self.meters.end(batch, &r);
-        if !matches!(r, Err(TransferError::Timeout(_))) {
-            self.free_batch(batch);
-        }
+        self.batches.end(batch, &r);
         r
     }
 
@@ -444,7 +449,6 @@ impl TransferEngine {
     /// slices already on the wire finish unobserved.
     pub fn free_batch(&self, batch: BatchId) {
         self.batches.free(batch);
-        self.meters.forget(batch);
     }
 }
 

@@ -52,8 +52,6 @@ impl TransferEngine {
             }
         }
         let pins = self.registry.pin(starts)?;
-        let (id, state) = self.batches.start(groups.len() as u32);
-        state.hold(pins);
         let first = requests
             .iter()
             .find_map(|r| Some(r.blocks.first()?.0 + r.ranges.first()?.local));
@@ -62,21 +60,30 @@ impl TransferEngine {
             .iter()
             .fold(0u64, |a, r| a.saturating_add(r.bytes()));
         let path = self.path_label_at(first);
-        self.meters
-            .start_with(id, path, &desc.name, op, bytes, groups.len() as u32);
-        self.peers.touch(&desc.name);
-        let prep_us = t0.elapsed().as_micros() as u64;
+        let n = groups.len() as u32;
+        let meter = self.series.start_with(t0, path, &desc.name, op, bytes, n);
+        let (id, state) = self.batches.start(n, meter);
+        state.hold(pins);
+        self.peers.touch(&desc.name, t0);
+        let timing = tracing::enabled!(target: "kvferry::timing", tracing::Level::DEBUG);
+        let prep_us = if timing {
+            t0.elapsed().as_micros() as u64
+        } else {
+            0
+        };
         if !groups.is_empty() {
             self.transport
                 .post_strided(&desc, &groups, CompletionSink::new(state));
         }
-        tracing::debug!(
-            target: "kvferry::timing",
-            groups = groups.len(),
-            prep_us,
-            post_us = t0.elapsed().as_micros() as u64 - prep_us,
-            "engine submit strided"
-        );
+        if timing {
+            tracing::debug!(
+                target: "kvferry::timing",
+                groups = groups.len(),
+                prep_us,
+                post_us = t0.elapsed().as_micros() as u64 - prep_us,
+                "engine submit strided"
+            );
+        }
         Ok(id)
     }
 }

@@ -3,20 +3,44 @@
 //! unregistered only once nothing pins it, so the engine never touches memory its owner was
 //! told it may free.
 
+use crate::ids::NumMap;
 use crate::sync::MutexExt;
-use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// Pin counts by region start address.
 #[derive(Debug, Default)]
 pub(crate) struct InFlight {
-    counts: Mutex<HashMap<u64, usize>>,
+    counts: Mutex<Counts>,
     idle: Condvar,
 }
 
+#[derive(Debug, Default)]
+struct Counts {
+    by_start: NumMap<usize>,
+    /// Threads asleep on `idle` now: an unpin notifies only when one is (a notification is
+    /// a system call whether or not anybody waits).
+    sleepers: usize,
+    /// Notifications made (tests: none without a sleeper).
+    #[cfg(test)]
+    notified: usize,
+}
+
+impl std::ops::Deref for Counts {
+    type Target = NumMap<usize>;
+    fn deref(&self) -> &NumMap<usize> {
+        &self.by_start
+    }
+}
+
+impl std::ops::DerefMut for Counts {
+    fn deref_mut(&mut self) -> &mut NumMap<usize> {
+        &mut self.by_start
+    }
+}
+
 impl InFlight {
-    fn lock(&self) -> MutexGuard<'_, HashMap<u64, usize>> {
+    fn lock(&self) -> MutexGuard<'_, Counts> {
         self.counts.locked()
     }
 
@@ -51,7 +75,9 @@ impl InFlight {
             if n == 0 || left.is_zero() {
                 return n;
             }
+            c.sleepers += 1;
             c = crate::sync::wait_timeout(&self.idle, c, left.min(Duration::from_millis(100))).0;
+            c.sleepers -= 1;
         }
     }
 }
@@ -73,16 +99,24 @@ impl std::fmt::Debug for Pins {
 impl Drop for Pins {
     fn drop(&mut self) {
         let mut c = self.inflight.lock();
+        let mut idle = false;
         for s in &self.starts {
             if let Some(n) = c.get_mut(s) {
                 *n -= 1;
                 if *n == 0 {
                     c.remove(s);
+                    idle = true;
                 }
             }
         }
-        drop(c);
-        self.inflight.idle.notify_all();
+        if idle && c.sleepers > 0 {
+            #[cfg(test)]
+            {
+                c.notified += 1;
+            }
+            drop(c);
+            self.inflight.idle.notify_all();
+        }
     }
 }
 
@@ -107,5 +141,23 @@ mod tests {
         drop(b);
         assert_eq!(t.join().unwrap(), 0);
         assert_eq!(f.count(0x2000), 0);
+    }
+
+    #[test]
+    fn an_unpin_notifies_only_a_sleeping_waiter() {
+        let f = Arc::new(InFlight::default());
+        drop(f.pin([0x1000]));
+        assert_eq!(f.lock().notified, 0, "nobody waits: no notification");
+        let pins = f.pin([0x1000]);
+        let f2 = f.clone();
+        let t = std::thread::spawn(move || {
+            f2.wait_idle(0x1000, Instant::now() + Duration::from_secs(10))
+        });
+        while f.lock().sleepers == 0 {
+            std::thread::yield_now();
+        }
+        drop(pins);
+        assert_eq!(t.join().unwrap(), 0);
+        assert_eq!(f.lock().notified, 1, "the sleeper was woken");
     }
 }

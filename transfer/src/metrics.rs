@@ -101,6 +101,63 @@ pub struct Transfer<'a> {
     pub seconds: f64,
 }
 
+/// One (path, peer, op) series of [`Metrics`]'s transfer families, resolved once
+/// ([`Metrics::transfer_series`]): the handles share the families' values.
+pub(crate) struct TransferSeries {
+    /// The peer's segment name (its label may be `other`).
+    peer_name: String,
+    labels: TransferLabels,
+    /// The handles of a finished batch's series (time, bytes, slices, bytes total), made at
+    /// the first one: a series only ever failed shows only in the failure family.
+    ok: OnceLock<(Histogram, Histogram, Histogram, Counter)>,
+}
+
+impl TransferSeries {
+    /// Whether this is the series of `path`, the peer named `peer` and `op`.
+    pub(crate) fn is(&self, path: &str, peer: &str, op: &str) -> bool {
+        self.labels.path == path && self.labels.op == op && self.peer_name == peer
+    }
+
+    /// Records a finished batch of `bytes` in `slices` that took `seconds`: `Ok`, or the
+    /// failure's cause (counted in `m`'s failure family).
+    pub(crate) fn record(
+        &self,
+        m: &Metrics,
+        bytes: u64,
+        slices: u32,
+        seconds: f64,
+        result: Result<(), &str>,
+    ) {
+        match result {
+            Ok(()) => {
+                let (time, b, s, total) = self.ok.get_or_init(|| {
+                    let l = &self.labels;
+                    (
+                        m.xfer_time.get_or_create(l).clone(),
+                        m.xfer_bytes.get_or_create(l).clone(),
+                        m.xfer_slices.get_or_create(l).clone(),
+                        m.bytes_total.get_or_create(l).clone(),
+                    )
+                });
+                time.observe(seconds);
+                b.observe(bytes as f64);
+                s.observe(slices as f64);
+                total.inc_by(bytes);
+            }
+            Err(cause) => {
+                m.failed
+                    .get_or_create(&FailureLabels {
+                        path: self.labels.path.clone(),
+                        peer: self.labels.peer.clone(),
+                        op: self.labels.op.clone(),
+                        cause: cause.into(),
+                    })
+                    .inc();
+            }
+        }
+    }
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// The process's metrics.
@@ -224,31 +281,22 @@ impl Metrics {
 
     /// Records a finished batch `t`: `Ok` or the failure's cause.
     pub fn transfer(&self, t: &Transfer<'_>, result: Result<(), &str>) {
-        let (bytes, slices, seconds) = (t.bytes, t.slices, t.seconds);
-        let labels = TransferLabels {
-            path: t.path.into(),
-            peer: self.peer(t.peer),
-            op: t.op.into(),
-        };
-        match result {
-            Ok(()) => {
-                self.xfer_time.get_or_create(&labels).observe(seconds);
-                self.xfer_bytes.get_or_create(&labels).observe(bytes as f64);
-                self.xfer_slices
-                    .get_or_create(&labels)
-                    .observe(slices as f64);
-                self.bytes_total.get_or_create(&labels).inc_by(bytes);
-            }
-            Err(cause) => {
-                self.failed
-                    .get_or_create(&FailureLabels {
-                        path: labels.path,
-                        peer: labels.peer,
-                        op: labels.op,
-                        cause: cause.into(),
-                    })
-                    .inc();
-            }
+        self.transfer_series(t.path, t.peer, t.op)
+            .record(self, t.bytes, t.slices, t.seconds, result);
+    }
+
+    /// The series of batches on `path` to the peer named `peer` of `op` (its label as
+    /// `transfer` gives it), to record many batches in without a lookup each. Nothing
+    /// appears in the exposition until a batch is recorded in it.
+    pub(crate) fn transfer_series(&self, path: &str, peer: &str, op: &str) -> TransferSeries {
+        TransferSeries {
+            peer_name: peer.into(),
+            labels: TransferLabels {
+                path: path.into(),
+                peer: self.peer(peer),
+                op: op.into(),
+            },
+            ok: OnceLock::new(),
         }
     }
 
@@ -383,6 +431,44 @@ mod tests {
         );
         assert!(t.contains("kvferry_num_recomputed_total 1"));
         assert!(t.contains("kvferry_checksum_time_seconds_count 2"));
+    }
+
+    #[test]
+    fn a_series_kept_records_into_the_families_and_a_failed_one_only_as_failed() {
+        let m = Metrics::new();
+        let ok = m.transfer_series("tcp", "10.0.0.1:7", "write");
+        let bad = m.transfer_series("tcp", "10.0.0.3:7", "write");
+        assert!(ok.is("tcp", "10.0.0.1:7", "write") && !ok.is("tcp", "10.0.0.1:7", "read"));
+        ok.record(&m, 100, 1, 0.001, Ok(()));
+        ok.record(&m, 100, 1, 0.001, Ok(()));
+        // The same series through the public call: one set of values.
+        m.transfer(
+            &Transfer {
+                path: "tcp",
+                peer: "10.0.0.1:7",
+                op: "write",
+                bytes: 100,
+                slices: 1,
+                seconds: 0.001,
+            },
+            Ok(()),
+        );
+        bad.record(&m, 100, 1, 0.001, Err("io"));
+        let t = m.encode_text();
+        assert!(
+            t.contains(
+                r#"kvferry_transferred_bytes_total{path="tcp",peer="10.0.0.1:7",op="write"} 300"#
+            ),
+            "{t}"
+        );
+        assert!(t.contains(
+            r#"kvferry_num_failed_transfers_total{path="tcp",peer="10.0.0.3:7",op="write",cause="io"} 1"#
+        ));
+        assert!(
+            !t.lines()
+                .any(|l| l.starts_with("kvferry_xfer") && l.contains("10.0.0.3:7")),
+            "a series only failed has no success values: {t}"
+        );
     }
 
     #[test]

@@ -58,8 +58,13 @@ impl PeerCache {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        self.lock_at(Instant::now())
+    }
+
+    /// The entries, those idle at `now` dropped first.
+    fn lock_at(&self, now: Instant) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
         let mut m = self.entries.locked();
-        let (idle, now) = (self.idle, Instant::now());
+        let idle = self.idle;
         // One clock read for all entries (this runs at every submit).
         m.retain(|_, e| now.saturating_duration_since(e.used) < idle);
         m
@@ -73,10 +78,10 @@ impl PeerCache {
         })
     }
 
-    /// Marks `name` used (a submit to it).
-    pub(crate) fn touch(&self, name: &str) {
-        if let Some(e) = self.lock().get_mut(name) {
-            e.used = Instant::now();
+    /// Marks `name` used at `now` (a submit to it, which read the clock as it started).
+    pub(crate) fn touch(&self, name: &str, now: Instant) {
+        if let Some(e) = self.lock_at(now).get_mut(name) {
+            e.used = e.used.max(now);
         }
     }
 

@@ -19,6 +19,12 @@ struct Counts {
     first_error: Option<TransferError>,
     reported: Vec<bool>,
     timed_out: bool,
+    /// Threads asleep on `cond` now: a report notifies the condvar only when one is (a
+    /// notification is a system call whether or not anybody waits).
+    sleepers: u32,
+    /// The local regions the slices use, pinned until the last slice is reported (then they
+    /// may be unregistered): not when the waiter gives up, since slices on the wire still land.
+    pins: Option<crate::inflight::Pins>,
 }
 
 /// Shared state of one batch: slice counts, the first error, and wake-ups for sync (`Condvar`)
@@ -37,9 +43,9 @@ pub(crate) struct BatchState {
     soon: std::sync::atomic::AtomicBool,
     /// Set once every slice is reported (read without the counts' lock by a polling waiter).
     finished: std::sync::atomic::AtomicBool,
-    /// The local regions the slices use, pinned until the last slice is reported (then they
-    /// may be unregistered): not when the waiter gives up, since slices on the wire still land.
-    pins: Mutex<Option<crate::inflight::Pins>>,
+    /// Condvar notifications made (tests: none without a sleeper).
+    #[cfg(test)]
+    notified: std::sync::atomic::AtomicU32,
 }
 
 impl BatchState {
@@ -52,27 +58,40 @@ impl BatchState {
                 first_error: None,
                 reported: vec![false; total as usize],
                 timed_out: false,
+                sleepers: 0,
+                pins: None,
             }),
             cond: Condvar::new(),
             notify: tokio::sync::Notify::new(),
             cancelled: std::sync::atomic::AtomicBool::new(false),
             soon: std::sync::atomic::AtomicBool::new(false),
             finished: std::sync::atomic::AtomicBool::new(total == 0),
-            pins: Mutex::new(None),
+            #[cfg(test)]
+            notified: Default::default(),
         })
     }
 
     /// Holds `pins` until every slice is reported (at once when none is left).
     pub(crate) fn hold(&self, pins: crate::inflight::Pins) {
-        let c = self.lock();
+        let mut c = self.lock();
         if c.succeeded + c.failed < self.total {
-            *self.pins.locked() = Some(pins);
+            c.pins = Some(pins);
         }
     }
 
-    /// The last slice was reported: the regions are free.
-    fn unpin(&self) {
-        self.pins.locked().take();
+    /// After the last slice's report (`c` final): marks the batch finished, wakes its waiters
+    /// and returns the pins, to be dropped once the counts' lock is released.
+    fn finished(&self, c: &mut Counts) -> Option<crate::inflight::Pins> {
+        self.finished
+            .store(true, std::sync::atomic::Ordering::Release);
+        if c.sleepers > 0 {
+            #[cfg(test)]
+            self.notified
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.cond.notify_all();
+        }
+        self.notify.notify_waiters();
+        c.pins.take()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
@@ -88,6 +107,11 @@ impl BatchState {
     pub(crate) fn cancel(&self) {
         self.cancelled
             .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether the batch was cancelled (timed out or freed).
+    pub(crate) fn is_cancelled(&self) -> bool {
+        self.cancelled.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Current status (a timed-out batch stays `Timeout`).
@@ -133,13 +157,15 @@ impl BatchState {
     /// batch becomes `Timeout`). Uses only std primitives: fine on any thread (it does block a
     /// runtime worker if called from async code; use `wait_async` there).
     pub(crate) fn wait(&self, timeout: Duration) -> Result<(), TransferError> {
-        let deadline = Instant::now().checked_add(timeout);
-        if self.soon.load(std::sync::atomic::Ordering::Relaxed) {
+        // A batch already finished (the common case with batches kept in flight) costs no
+        // clock read.
+        let finished = || self.finished.load(std::sync::atomic::Ordering::Acquire);
+        let mut start = (!finished()).then(Instant::now);
+        if let Some(start) = start.filter(|_| self.soon.load(std::sync::atomic::Ordering::Relaxed))
+        {
             // Poll (yielding the core) while the copies are likely still short of done.
-            let until = Instant::now() + SOON_SPIN.min(timeout);
-            while !self.finished.load(std::sync::atomic::Ordering::Acquire)
-                && Instant::now() < until
-            {
+            let until = start + SOON_SPIN.min(timeout);
+            while !finished() && Instant::now() < until {
                 std::thread::yield_now();
             }
         }
@@ -149,6 +175,7 @@ impl BatchState {
             if s.is_final() {
                 return Self::finish(s, timeout);
             }
+            let deadline = start.get_or_insert_with(Instant::now).checked_add(timeout);
             let left = match deadline {
                 Some(d) => d.saturating_duration_since(Instant::now()),
                 None => Duration::from_secs(3600),
@@ -158,7 +185,9 @@ impl BatchState {
                 self.cancel();
                 return Err(TransferError::Timeout(timeout));
             }
+            c.sleepers += 1;
             c = crate::sync::wait_timeout(&self.cond, c, left).0;
+            c.sleepers -= 1;
         }
     }
 
@@ -219,15 +248,14 @@ impl BatchState {
                 ),
             }
         }
-        let all = c.succeeded + c.failed == self.total;
+        let pins = if c.succeeded + c.failed == self.total {
+            self.finished(&mut c)
+        } else {
+            None
+        };
         drop(c);
-        if all {
-            self.unpin();
-            self.finished
-                .store(true, std::sync::atomic::Ordering::Release);
-            self.cond.notify_all();
-            self.notify.notify_waiters();
-        }
+        // The regions are free (after the lock: unpinning takes the registry's).
+        drop(pins);
     }
 
     fn report(&self, id: u32, result: Result<(), TransferError>) {
@@ -253,15 +281,14 @@ impl BatchState {
                 }
             }
         }
-        let all = c.succeeded + c.failed == self.total;
+        let pins = if c.succeeded + c.failed == self.total {
+            self.finished(&mut c)
+        } else {
+            None
+        };
         drop(c);
-        if all {
-            self.unpin();
-            self.finished
-                .store(true, std::sync::atomic::Ordering::Release);
-            self.cond.notify_all();
-            self.notify.notify_waiters();
-        }
+        // The regions are free (after the lock: unpinning takes the registry's).
+        drop(pins);
     }
 }
 
@@ -345,9 +372,7 @@ impl CompletionSink {
     /// so a late transfer cannot land in memory the caller has already reused. Slices already
     /// on the wire may still land.
     pub fn is_cancelled(&self) -> bool {
-        self.state
-            .cancelled
-            .load(std::sync::atomic::Ordering::SeqCst)
+        self.state.is_cancelled()
     }
 
     /// Says that this batch's slices end within microseconds (device copies): its waiter polls
@@ -438,6 +463,31 @@ mod tests {
             Err(TransferError::Timeout(_))
         ));
         assert_eq!(st.status(), BatchStatus::Timeout);
+    }
+
+    #[test]
+    fn a_report_notifies_the_condvar_only_for_a_sleeping_waiter() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let st = BatchState::new(1);
+        CompletionSink::new(st.clone()).complete(0, Ok(()));
+        st.wait(Duration::from_secs(1)).unwrap();
+        assert_eq!(
+            st.notified.load(Relaxed),
+            0,
+            "nobody slept: no notification"
+        );
+        let st = BatchState::new(2);
+        let (sink, st2) = (CompletionSink::new(st.clone()), st.clone());
+        let t = std::thread::spawn(move || {
+            while st2.lock().sleepers == 0 {
+                std::thread::yield_now();
+            }
+            sink.succeed_all(&[0, 1]);
+        });
+        st.wait(Duration::from_secs(60)).unwrap();
+        t.join().unwrap();
+        assert_eq!(st.notified.load(Relaxed), 1, "the sleeper was woken");
+        assert_eq!(st.lock().sleepers, 0);
     }
 
     #[test]

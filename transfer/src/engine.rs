@@ -393,8 +393,7 @@ impl TransferEngine {
         };
         if !slices.is_empty() {
             // The refresh keeps the batch's slices (a retry finds them by id); the post borrows.
-            let refresh = BatchRefresh::new(self.peers.clone(), &desc.name, slices, target.token);
-            let refresh = Arc::new(refresh);
+            let refresh = BatchRefresh::new(self.peers.clone(), desc.clone(), slices, target.token);
             self.transport.post(
                 &desc,
                 refresh.slices(),

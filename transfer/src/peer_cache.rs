@@ -186,13 +186,11 @@ fn evict_over(m: &mut HashMap<String, Entry>, budget: usize, keep: &str) -> Vec<
 /// descriptor fetch (on its own thread, so no transport thread waits for a handshake); every
 /// slice that fails so, before or after, is posted again on the fetched descriptor, or fails
 /// with its own error and why the fetch failed.
+/// Made once per submit (one allocation: its name is the submitted descriptor's).
 pub(crate) struct BatchRefresh {
-    inner: Arc<Inner>,
-}
-
-struct Inner {
     cache: Arc<PeerCache>,
-    name: String,
+    /// The descriptor the batch was submitted on (its `name` is the segment's).
+    submitted: Arc<SegmentDescriptor>,
     /// The batch's slices by id.
     slices: Vec<Slice>,
     /// The grant token the batch was submitted with (`SegmentHandle::with_token`).
@@ -209,66 +207,69 @@ enum Phase {
 }
 
 impl BatchRefresh {
+    /// The retry of a batch of `slices` submitted on `submitted` with `token`.
     pub(crate) fn new(
         cache: Arc<PeerCache>,
-        name: &str,
+        submitted: Arc<SegmentDescriptor>,
         slices: Vec<Slice>,
         token: Option<Token>,
-    ) -> Self {
-        BatchRefresh {
-            inner: Arc::new(Inner {
-                cache,
-                name: name.to_string(),
-                slices,
-                token,
-                phase: Mutex::new(Phase::Idle),
-            }),
-        }
+    ) -> Arc<Self> {
+        Arc::new(BatchRefresh {
+            cache,
+            submitted,
+            slices,
+            token,
+            phase: Mutex::new(Phase::Idle),
+        })
     }
 
     /// The batch's slices by id, as given to `new`.
     pub(crate) fn slices(&self) -> &[Slice] {
-        &self.inner.slices
+        &self.slices
+    }
+
+    /// The peer's segment name.
+    fn name(&self) -> &str {
+        &self.submitted.name
     }
 }
 
 impl PeerRefresh for BatchRefresh {
-    fn retry(&self, id: u32, err: TransferError, sink: CompletionSink) {
-        crate::metrics::global().retry(&self.inner.name);
-        let mut phase = self.inner.phase.locked();
+    fn retry(self: Arc<Self>, id: u32, err: TransferError, sink: CompletionSink) {
+        crate::metrics::global().retry(self.name());
+        let mut phase = self.phase.locked();
         match &mut *phase {
             Phase::Fetching(w) => w.push((id, err, sink)),
             Phase::Done(d) => {
                 let d = d.clone();
                 drop(phase);
-                self.inner.resend(vec![(id, err, sink)], d);
+                self.resend(vec![(id, err, sink)], d);
             }
             Phase::Idle => {
                 *phase = Phase::Fetching(vec![(id, err, sink)]);
                 drop(phase);
-                let inner = self.inner.clone();
+                let this = self.clone();
                 let spawned = std::thread::Builder::new()
                     .name("kvferry-refresh".into())
-                    .spawn(move || inner.fetch_and_resend());
+                    .spawn(move || this.fetch_and_resend());
                 if let Err(e) = spawned {
-                    self.inner
-                        .finish(Err(TransferError::io("spawn descriptor refresh thread", e)));
+                    self.finish(Err(TransferError::io("spawn descriptor refresh thread", e)));
                 }
             }
         }
     }
 }
 
-impl Inner {
+impl BatchRefresh {
     fn fetch_and_resend(&self) {
         tracing::info!(
-            segment = %self.name,
+            segment = %self.name(),
             "a slice failed on the peer's connection; fetching its descriptor again"
         );
-        let d = self.cache.fetch(&self.name, self.token.as_ref(), false);
+        let d = self.cache.fetch(self.name(), self.token.as_ref(), false);
         if d.is_err() {
             // the peer is gone: drop what we hold for it now, not after the idle timeout
-            self.cache.forget(&self.name);
+            self.cache.forget(self.name());
         }
         self.finish(d);
     }

@@ -316,7 +316,7 @@ impl std::fmt::Debug for CompletionSink {
 /// (once per batch) and posts the slice again on `retry_sink` (which has no hook), or reports
 /// it failed.
 pub(crate) trait PeerRefresh: Send + Sync {
-    fn retry(&self, id: u32, err: TransferError, retry_sink: CompletionSink);
+    fn retry(self: Arc<Self>, id: u32, err: TransferError, retry_sink: CompletionSink);
 }
 
 impl CompletionSink {
@@ -344,7 +344,7 @@ impl CompletionSink {
     /// fails again, or a sink without the engine's hook, reports `err` as `complete` does.
     pub fn fail_peer(&self, id: u32, err: TransferError) {
         match &self.refresh {
-            Some(r) if !self.is_cancelled() => r.retry(
+            Some(r) if !self.is_cancelled() => r.clone().retry(
                 id,
                 err,
                 CompletionSink {

@@ -64,7 +64,7 @@ impl CudaIpcTransport {
         }
         // A reference into the post's keys (which outlive `slices`): no copy of its strings.
         let host = &slices[0].1.host;
-        if self.peer_gone(host) {
+        if self.peer_gone(host, Instant::now()) {
             self.drop_peer(&peer.name);
             let e = TransferError::Refused {
                 segment: peer.name.clone(),
@@ -187,7 +187,8 @@ impl CudaIpcTransport {
             if planned.is_empty() {
                 continue;
             }
-            let t_enq = Instant::now();
+            let timing = tracing::enabled!(target: "kvferry::timing", tracing::Level::DEBUG);
+            let t_enq = timing.then(Instant::now);
             // Slices come in id order unless a post mixed devices: check before sorting.
             if !planned.is_sorted_by_key(|p| p.id) {
                 planned.sort_by_key(|p| p.id);
@@ -196,13 +197,15 @@ impl CudaIpcTransport {
             let ids: Vec<u32> = planned.iter().map(|p| p.id).collect();
             let bytes: u64 = planned.iter().map(|p| p.len).sum();
             let enqueued = self.enqueue(&lane, &copies);
-            tracing::debug!(
-                target: "kvferry::timing",
-                planned = planned.len(),
-                copies = copies.len(),
-                enqueue_us = t_enq.elapsed().as_micros() as u64,
-                "cuda ipc enqueue"
-            );
+            if let Some(t_enq) = t_enq {
+                tracing::debug!(
+                    target: "kvferry::timing",
+                    planned = planned.len(),
+                    copies = copies.len(),
+                    enqueue_us = t_enq.elapsed().as_micros() as u64,
+                    "cuda ipc enqueue"
+                );
+            }
             match enqueued {
                 Ok(launched) => self.enqueue_job(&lane, done, ids, bytes, launched, keep),
                 Err(e) => fail(&mut ids.into_iter(), &e),
@@ -242,6 +245,7 @@ impl CudaIpcTransport {
         lane: &Lane,
         copies: &[ipc::Copy],
     ) -> Result<(Event, Option<PieceTable>)> {
+        let _enqueuing = lane.enqueuing();
         lane.ctx.bind().map_err(gpu_err)?;
         let s = lane.stream.raw();
         if let [one] = copies {

@@ -178,3 +178,37 @@ fn a_group_that_mixes_processes_is_refused() {
         .unwrap()
         .is_some());
 }
+
+/// A peer process seen alive is taken as alive for `ALIVE_FOR` without a system call per
+/// post; after that the next post asks again and finds it gone, and one gone is asked about
+/// every time.
+#[test]
+fn a_peer_seen_alive_is_asked_about_again_only_after_a_while() {
+    let t = transport(Duration::from_secs(1));
+    let Some(me) = HostIdentity::local().filter(|h| !h.pid_ns.is_empty()) else {
+        eprintln!("SKIPPED: no pid namespace to compare pids in");
+        return;
+    };
+    let mut child = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let host = HostIdentity {
+        pid: child.id(),
+        ..me
+    };
+    let t0 = Instant::now();
+    assert!(!t.peer_gone(&host, t0));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let alive_for = super::peer::ALIVE_FOR;
+    assert!(
+        !t.peer_gone(&host, t0 + alive_for / 2),
+        "seen alive a moment ago: not asked again"
+    );
+    assert!(t.peer_gone(&host, t0 + alive_for), "asked again: gone");
+    assert!(
+        t.peer_gone(&host, t0 + alive_for),
+        "gone: asked again, still gone"
+    );
+}

@@ -21,6 +21,11 @@ use crate::error::{CudaIpcReplyFault, ProtocolError, Result, TransferError};
 use crate::handshake::{self, FrameType};
 use crate::sync::MutexExt;
 
+/// How long a peer process seen alive is taken as alive without asking (`peer_gone`).
+pub(super) const ALIVE_FOR: std::time::Duration = std::time::Duration::from_micros(500);
+/// Peer processes remembered alive at most (more start the list afresh).
+const ALIVE_KEPT: usize = 64;
+
 impl CudaIpcTransport {
     /// Asks `desc` for the allocations of `keys` (one process's: see [`one_process`]) and maps
     /// them for local device `dev` (initiator side), each under (`dev`, its base).
@@ -254,14 +259,34 @@ impl CudaIpcTransport {
     }
 
     /// Whether the peer's process is gone (same pid namespace only; else unknown: false).
-    pub(super) fn peer_gone(&self, host: &HostIdentity) -> bool {
+    /// Whether the peer process `host` is gone, asked at `now`: `kill(pid, 0)` in the same pid
+    /// namespace, unless the process was seen alive less than `ALIVE_FOR` before `now` (a
+    /// system call per post costs more than a small copy; copies posted meanwhile to a peer
+    /// that just died land in the allocation its import keeps alive, as those it had queued
+    /// when it died do). A process seen gone is asked again every time.
+    pub(super) fn peer_gone(&self, host: &HostIdentity, now: Instant) -> bool {
         let Some(me) = &self.me else { return false };
         if !me.same_host(host) || me.pid_ns.is_empty() || me.pid_ns != host.pid_ns {
             return false;
         }
+        let fresh = |&(pid, at): &(u32, Instant)| {
+            pid == host.pid && now.saturating_duration_since(at) < ALIVE_FOR
+        };
+        if self.alive.locked().iter().any(fresh) {
+            return false;
+        }
         // SAFETY: signal 0 checks existence and permission only.
         let r = unsafe { libc::kill(host.pid as i32, 0) };
-        r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+        let gone = r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        let mut alive = self.alive.locked();
+        alive.retain(|(pid, _)| *pid != host.pid);
+        if !gone {
+            if alive.len() >= ALIVE_KEPT {
+                alive.clear();
+            }
+            alive.push((host.pid, now));
+        }
+        gone
     }
 
     pub(super) fn drop_peer(&self, name: &str) {

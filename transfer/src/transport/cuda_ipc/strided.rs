@@ -82,7 +82,7 @@ impl CudaIpcTransport {
             return;
         };
         let host = &first.host;
-        if self.peer_gone(host) {
+        if self.peer_gone(host, std::time::Instant::now()) {
             self.drop_peer(&peer.name);
             let e = TransferError::Refused {
                 segment: peer.name.clone(),
@@ -251,6 +251,7 @@ impl CudaIpcTransport {
         let kernel = lane.strided.as_ref().ok_or(TransferError::Unsupported(
             UnsupportedError::NoStridedKernel { ordinal: dev },
         ))?;
+        let _enqueuing = lane.enqueuing();
         lane.ctx.bind().map_err(gpu_err)?;
         let s = lane.stream.raw();
         let mut t = lane.take_table();

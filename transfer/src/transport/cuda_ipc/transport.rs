@@ -91,6 +91,8 @@ pub struct CudaIpcTransport {
     /// The devices (ordinals) of the `cuda:N` regions exported so far: where a warm-up
     /// (`Transport::warm_up`) imports a peer's allocations. Never more than the devices.
     pub(super) devices: Mutex<Vec<u32>>,
+    /// Peer processes (pid) seen alive, and when (`peer_gone`).
+    pub(super) alive: Mutex<Vec<(u32, std::time::Instant)>>,
 }
 
 /// A pair's keys when it goes over CUDA IPC, `None` when it goes to the wrapped transport.
@@ -152,6 +154,7 @@ impl CudaIpcTransport {
             fallback_order: Mutex::new(HashMap::new()),
             refused: Mutex::new(HashMap::new()),
             devices: Mutex::new(Vec::new()),
+            alive: Mutex::new(Vec::new()),
         }))
     }
 
@@ -194,6 +197,7 @@ impl CudaIpcTransport {
                 strided,
                 tables: Mutex::new(Vec::new()),
                 events: Mutex::new(Vec::new()),
+                enqueuing: Default::default(),
             })
         })
         .map_err(gpu_err)?;

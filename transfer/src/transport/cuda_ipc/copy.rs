@@ -55,6 +55,8 @@ impl CudaIpcTransport {
         done: &CompletionSink,
     ) -> Vec<Slice> {
         let fail = |ids: &mut dyn Iterator<Item = u32>, e: &TransferError| done.fail_all(ids, e);
+        // One clock read per post: the liveness check's and the jobs' deadlines.
+        let now = Instant::now();
         if done.is_cancelled() {
             fail(
                 &mut slices.iter().map(|(s, _)| s.id),
@@ -64,7 +66,7 @@ impl CudaIpcTransport {
         }
         // A reference into the post's keys (which outlive `slices`): no copy of its strings.
         let host = &slices[0].1.host;
-        if self.peer_gone(host, Instant::now()) {
+        if self.peer_gone(host, now) {
             self.drop_peer(&peer.name);
             let e = TransferError::Refused {
                 segment: peer.name.clone(),
@@ -207,7 +209,7 @@ impl CudaIpcTransport {
                 );
             }
             match enqueued {
-                Ok(launched) => self.enqueue_job(&lane, done, ids, bytes, launched, keep),
+                Ok(launched) => self.enqueue_job(&lane, done, (ids, bytes, now), launched, keep),
                 Err(e) => fail(&mut ids.into_iter(), &e),
             }
         }
@@ -278,19 +280,17 @@ impl CudaIpcTransport {
 
     /// Hands the copies enqueued on `lane` (`launched`: their event and table) to the
     /// completion thread, which reports `ids` on `done` when the event completes or fails them
-    /// at the deadline (`COPY_DEADLINE` plus 1 ns per byte of `bytes`); `keep` lives until
-    /// then. When the transport shut down meanwhile, waits for the copies (their memory must
-    /// outlive them) and fails `ids`.
+    /// at the deadline (`COPY_DEADLINE` plus 1 ns per byte of `bytes` after `now`, a moment
+    /// before they were enqueued); `keep` lives until then. When the transport shut down
+    /// meanwhile, waits for the copies (their memory must outlive them) and fails `ids`.
     pub(super) fn enqueue_job(
         &self,
         lane: &Arc<Lane>,
         done: &CompletionSink,
-        ids: Vec<u32>,
-        bytes: u64,
+        (ids, bytes, now): (Vec<u32>, u64, Instant),
         (event, table): (Event, Option<PieceTable>),
         keep: Vec<Arc<Mapped>>,
     ) {
-        let now = Instant::now();
         let job = Job {
             event,
             done: done.clone(),

@@ -225,7 +225,7 @@ impl CudaIpcTransport {
         let enqueue_us = t0.elapsed().as_micros() as u64 - resolve_us;
         match enqueued {
             Ok((event, table)) => {
-                self.enqueue_job(&lane, done, ids, bytes, (event, Some(table)), keep)
+                self.enqueue_job(&lane, done, (ids, bytes, t0), (event, Some(table)), keep)
             }
             Err(e) => done.fail_all(ids, &e),
         }

@@ -24,12 +24,15 @@ use crate::TransferEngine;
 /// completion thread, which polls its queue as the CUDA IPC completion thread does.
 struct AtOnce {
     inline: bool,
-    tx: std::sync::Mutex<Option<mpsc::Sender<(CompletionSink, Vec<u32>)>>>,
+    tx: std::sync::Mutex<Option<mpsc::Sender<Reports>>>,
 }
+
+/// What `AtOnce::post` hands its completion thread: the sink and the slice ids to succeed.
+type Reports = (CompletionSink, Vec<u32>);
 
 impl AtOnce {
     fn new(inline: bool) -> Arc<Self> {
-        let (tx, rx) = mpsc::channel::<(CompletionSink, Vec<u32>)>();
+        let (tx, rx) = mpsc::channel::<Reports>();
         if inline {
             drop(rx);
             return Arc::new(AtOnce {

@@ -247,7 +247,6 @@ impl CudaIpcTransport {
         lane: &Lane,
         copies: &[ipc::Copy],
     ) -> Result<(Event, Option<PieceTable>)> {
-        let _enqueuing = lane.enqueuing();
         lane.ctx.bind().map_err(gpu_err)?;
         let s = lane.stream.raw();
         if let [one] = copies {

@@ -3,7 +3,6 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -117,27 +116,9 @@ pub(super) struct Lane {
     /// Events of completed jobs, reused (an event per batch otherwise costs a create and a
     /// destroy in the driver).
     pub(super) events: Mutex<Vec<Event>>,
-    /// Threads enqueueing copies on the lane now (`Lane::enqueuing`): the completion thread
-    /// holds its queries back meanwhile (see `ask_now`).
-    pub(super) enqueuing: AtomicU32,
-}
-
-/// A thread's enqueue on a lane, from `Lane::enqueuing` until dropped.
-pub(super) struct Enqueuing<'a>(&'a AtomicU32);
-
-impl Drop for Enqueuing<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Release);
-    }
 }
 
 impl Lane {
-    /// Marks this thread's enqueue of copies on the lane until the guard drops.
-    pub(super) fn enqueuing(&self) -> Enqueuing<'_> {
-        self.enqueuing.fetch_add(1, Ordering::Acquire);
-        Enqueuing(&self.enqueuing)
-    }
-
     /// A spare table of this lane, or a new one (allocated on first use).
     pub(super) fn take_table(&self) -> PieceTable {
         self.tables.locked().pop().unwrap_or_default()
@@ -206,21 +187,6 @@ const HOT_AFTER_LAST: Duration = Duration::from_millis(2);
 /// about 1.3-1.5 µs on an H200 host, under locks the submitting threads' copies need.
 const POLL_GAP: Duration = Duration::from_micros(2);
 
-/// Longest a query is held back past the moment it was due while a thread enqueues on the
-/// job's lane: a little more than one copy call (about 4 µs on an H200 host), so that a lane
-/// enqueued on without pause is still asked.
-const ENQUEUE_DEFER: Duration = Duration::from_micros(5);
-
-/// Whether the completion thread asks a job's event at `now`: `due` is when it may be asked
-/// first (its bytes could not have been copied before, nor is a lane asked again sooner
-/// than `POLL_GAP`); while `enqueuing` (a thread enqueues copies on the job's lane) not
-/// before `ENQUEUE_DEFER` past `due`, since a query holds driver locks that the enqueue's
-/// copy call takes (it costs a submitting thread 0.7-1.5 µs a copy on an H200 host); at once
-/// past the job's `deadline`.
-fn ask_now(now: Instant, due: Instant, deadline: Instant, enqueuing: bool) -> bool {
-    now >= deadline || (now >= due && (!enqueuing || now >= due + ENQUEUE_DEFER))
-}
-
 /// The completion thread: polls each job's event until it completes or its deadline passes.
 pub(super) fn complete_jobs(rx: mpsc::Receiver<Job>) {
     let mut jobs: Vec<Job> = Vec::new();
@@ -278,9 +244,8 @@ pub(super) fn complete_jobs(rx: mpsc::Receiver<Job>) {
             }
             // Not yet: its copies cannot have ended, or the lane was asked a moment ago.
             let gap = gaps.iter().find(|(l, _)| *l == lane).map(|g| g.1);
-            let due = gap.map_or(jobs[i].ready_at, |g| g.max(jobs[i].ready_at));
-            let enqueuing = jobs[i].lane.enqueuing.load(Ordering::Acquire) > 0;
-            if !ask_now(now, due, jobs[i].deadline, enqueuing) {
+            let hold = gap.map_or(jobs[i].ready_at, |g| g.max(jobs[i].ready_at));
+            if now < hold && now < jobs[i].deadline {
                 waiting.push(lane);
                 i += 1;
                 continue;
@@ -344,26 +309,6 @@ pub(super) fn complete_jobs(rx: mpsc::Receiver<Job>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_job_is_asked_when_due_held_back_briefly_by_an_enqueue_and_at_once_when_late() {
-        let t = Instant::now();
-        let (due, deadline) = (t + Duration::from_micros(10), t + Duration::from_secs(30));
-        assert!(!ask_now(t, due, deadline, false), "not due yet");
-        assert!(ask_now(due, due, deadline, false), "due, lane idle");
-        assert!(
-            !ask_now(due, due, deadline, true),
-            "due, but a thread enqueues on the lane: held back"
-        );
-        assert!(
-            ask_now(due + ENQUEUE_DEFER, due, deadline, true),
-            "held back no longer than ENQUEUE_DEFER"
-        );
-        assert!(
-            ask_now(deadline, deadline + ENQUEUE_DEFER, deadline, true),
-            "late: at once"
-        );
-    }
 
     #[test]
     fn hex_parsing_is_strict() {

@@ -251,7 +251,6 @@ impl CudaIpcTransport {
         let kernel = lane.strided.as_ref().ok_or(TransferError::Unsupported(
             UnsupportedError::NoStridedKernel { ordinal: dev },
         ))?;
-        let _enqueuing = lane.enqueuing();
         lane.ctx.bind().map_err(gpu_err)?;
         let s = lane.stream.raw();
         let mut t = lane.take_table();

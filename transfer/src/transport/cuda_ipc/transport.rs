@@ -197,7 +197,6 @@ impl CudaIpcTransport {
                 strided,
                 tables: Mutex::new(Vec::new()),
                 events: Mutex::new(Vec::new()),
-                enqueuing: Default::default(),
             })
         })
         .map_err(gpu_err)?;

@@ -133,7 +133,7 @@ where
 {
     let mut slices = Vec::with_capacity(requests.len());
     // Submits name few pairs of regions: the last answer is almost always the one wanted.
-    let mut sizes: Vec<(u64, usize, u64)> = Vec::new();
+    let mut sizes: smallvec::SmallVec<[(u64, usize, u64); 2]> = smallvec::SmallVec::new();
     let mut size_of = |region: &MemoryRegion, buffer: usize| -> u64 {
         if let Some(&(_, _, s)) = sizes
             .iter()
@@ -254,8 +254,8 @@ fn too_many_slices() -> TransferError {
 
 /// The start addresses of the local regions `slices` use, each run of slices sharing a region
 /// adding its region once (slices of one region are adjacent, as `slice_requests` cuts them).
-pub(crate) fn region_starts(slices: &[Slice]) -> Vec<u64> {
-    let mut starts: Vec<u64> = Vec::new();
+pub(crate) fn region_starts(slices: &[Slice]) -> smallvec::SmallVec<[u64; 2]> {
+    let mut starts: smallvec::SmallVec<[u64; 2]> = smallvec::SmallVec::new();
     for s in slices {
         if starts.last() != Some(&s.local_region.addr) {
             starts.push(s.local_region.addr);

@@ -376,7 +376,7 @@ impl TransferEngine {
             self.transport.slice_size(&desc, l, b, default)
         })?;
         // the local regions stay registered until the last slice is reported
-        let pins = self.registry.pin(batch::region_starts(&slices))?;
+        let pins = self.registry.pin(&batch::region_starts(&slices))?;
         let path = self.path_label_at(requests.first().map(|r| r.local_addr));
         let n_slices = slices.len();
         let meter = self

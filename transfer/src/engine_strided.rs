@@ -45,13 +45,13 @@ impl TransferEngine {
             Validated::Compact(g) => g,
             Validated::Expand => return self.submit(target, &strided::expand(requests)?),
         };
-        let mut starts: Vec<u64> = Vec::new();
+        let mut starts: smallvec::SmallVec<[u64; 2]> = smallvec::SmallVec::new();
         for g in &groups {
             if !starts.contains(&g.local_region.addr) {
                 starts.push(g.local_region.addr);
             }
         }
-        let pins = self.registry.pin(starts)?;
+        let pins = self.registry.pin(&starts)?;
         let first = requests
             .iter()
             .find_map(|r| Some(r.blocks.first()?.0 + r.ranges.first()?.local));

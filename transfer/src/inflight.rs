@@ -47,7 +47,7 @@ impl InFlight {
     /// Pins the regions starting at `starts` (once each per call) until the returned `Pins`
     /// drops. The caller holds the registry's read lock, so none of them is being removed.
     pub(crate) fn pin(self: &Arc<Self>, starts: impl IntoIterator<Item = u64>) -> Pins {
-        let mut starts: Vec<u64> = starts.into_iter().collect();
+        let mut starts: Starts = starts.into_iter().collect();
         starts.sort_unstable();
         starts.dedup();
         let mut c = self.lock();
@@ -85,8 +85,11 @@ impl InFlight {
 /// The regions one batch pins; dropping it (when the batch's last slice is reported) unpins.
 pub(crate) struct Pins {
     inflight: Arc<InFlight>,
-    starts: Vec<u64>,
+    starts: Starts,
 }
+
+/// The regions of one batch (inline for the few a batch usually uses).
+type Starts = smallvec::SmallVec<[u64; 2]>;
 
 impl std::fmt::Debug for Pins {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

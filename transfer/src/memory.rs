@@ -226,12 +226,12 @@ impl MemoryRegistry {
 
     /// Pins the regions starting at `starts` for a batch until the returned pins drop.
     /// Errors: `NotRegistered` when one was unregistered meanwhile (nothing is pinned then).
-    pub(crate) fn pin(&self, starts: Vec<u64>) -> Result<crate::inflight::Pins> {
+    pub(crate) fn pin(&self, starts: &[u64]) -> Result<crate::inflight::Pins> {
         let map = self.regions.read_locked();
         if let Some(&addr) = starts.iter().find(|s| !map.contains_key(s)) {
             return Err(TransferError::NotRegistered { addr, len: 1 });
         }
-        Ok(self.inflight.pin(starts))
+        Ok(self.inflight.pin(starts.iter().copied()))
     }
 
     /// As `remove`, once no batch pins the region: waits up to `wait` for the batches in

@@ -17,7 +17,8 @@ struct Counts {
     succeeded: u32,
     failed: u32,
     first_error: Option<TransferError>,
-    reported: Vec<bool>,
+    /// Inline for the few slices of a common batch (a batch is made per submit).
+    reported: smallvec::SmallVec<[bool; 16]>,
     timed_out: bool,
     /// Threads asleep on `cond` now: a report notifies the condvar only when one is (a
     /// notification is a system call whether or not anybody waits).
@@ -56,7 +57,7 @@ impl BatchState {
                 succeeded: 0,
                 failed: 0,
                 first_error: None,
-                reported: vec![false; total as usize],
+                reported: smallvec::smallvec![false; total as usize],
                 timed_out: false,
                 sleepers: 0,
                 pins: None,

@@ -4,6 +4,8 @@
 
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc};
+
+use smallvec::SmallVec;
 use std::time::{Duration, Instant};
 
 use kvferry_cuda::driver::Event;
@@ -26,9 +28,16 @@ pub(super) struct Planned {
     pub(super) len: u64,
 }
 
+/// The CUDA IPC slices of one post with their keys: inline for a few (no allocation per post).
+pub(super) type IpcSlices<'k> = SmallVec<[(Slice, &'k IpcRegionKeys); 2]>;
+/// The slice ids of one job (inline for a few).
+pub(super) type JobIds = SmallVec<[u32; 4]>;
+/// The mappings one job keeps alive (inline for a few).
+pub(super) type Keep = SmallVec<[Arc<Mapped>; 2]>;
+
 /// Merges consecutive slices (in id order) whose both sides continue each other.
-pub(super) fn coalesce(planned: &[Planned]) -> Vec<ipc::Copy> {
-    let mut out: Vec<ipc::Copy> = Vec::new();
+pub(super) fn coalesce(planned: &[Planned]) -> SmallVec<[ipc::Copy; 2]> {
+    let mut out: SmallVec<[ipc::Copy; 2]> = SmallVec::new();
     for p in planned {
         if let Some(last) = out.last_mut() {
             if last.dst + last.len as u64 == p.dst && last.src + last.len as u64 == p.src {
@@ -51,7 +60,7 @@ impl CudaIpcTransport {
     pub(super) fn post_ipc(
         &self,
         peer: &Arc<SegmentDescriptor>,
-        slices: Vec<(Slice, &IpcRegionKeys)>,
+        slices: IpcSlices<'_>,
         done: &CompletionSink,
     ) -> Vec<Slice> {
         let fail = |ids: &mut dyn Iterator<Item = u32>, e: &TransferError| done.fail_all(ids, e);
@@ -81,9 +90,10 @@ impl CudaIpcTransport {
             _ => unreachable!("routed to CUDA IPC only with device memory on both sides"),
         };
         let first = dev_of(&slices[0].0);
-        type Group<'k> = Vec<(Slice, &'k IpcRegionKeys)>;
-        let by_dev: Vec<(u32, Group)> = if slices.iter().all(|(s, _)| dev_of(s) == first) {
-            vec![(first, slices)]
+        type Group<'k> = IpcSlices<'k>;
+        let by_dev: SmallVec<[(u32, Group); 1]> = if slices.iter().all(|(s, _)| dev_of(s) == first)
+        {
+            smallvec::smallvec![(first, slices)]
         } else {
             let mut m: HashMap<u32, Group> = HashMap::new();
             for (s, k) in slices {
@@ -108,7 +118,7 @@ impl CudaIpcTransport {
                     .filter(|p| p.instance_id == peer.instance_id);
                 // Slices of one allocation come in runs: each allocation is looked at once
                 // per run, not once per slice.
-                let mut seen: Vec<u64> = Vec::new();
+                let mut seen: SmallVec<[u64; 4]> = SmallVec::new();
                 let mut out = Vec::new();
                 let mut prev = None;
                 for (_, k) in &group {
@@ -137,8 +147,8 @@ impl CudaIpcTransport {
                     continue;
                 }
             }
-            let mut planned = Vec::with_capacity(group.len());
-            let mut keep: Vec<Arc<Mapped>> = Vec::new();
+            let mut planned: SmallVec<[Planned; 2]> = SmallVec::with_capacity(group.len());
+            let mut keep = Keep::new();
             {
                 let peers = self.peers.locked();
                 let Some(p) = peers.get(&peer.name) else {
@@ -196,7 +206,7 @@ impl CudaIpcTransport {
                 planned.sort_by_key(|p| p.id);
             }
             let copies = coalesce(&planned);
-            let ids: Vec<u32> = planned.iter().map(|p| p.id).collect();
+            let ids: JobIds = planned.iter().map(|p| p.id).collect();
             let bytes: u64 = planned.iter().map(|p| p.len).sum();
             let enqueued = self.enqueue(&lane, &copies);
             if let Some(t_enq) = t_enq {
@@ -286,9 +296,9 @@ impl CudaIpcTransport {
         &self,
         lane: &Arc<Lane>,
         done: &CompletionSink,
-        (ids, bytes, now): (Vec<u32>, u64, Instant),
+        (ids, bytes, now): (JobIds, u64, Instant),
         (event, table): (Event, Option<PieceTable>),
-        keep: Vec<Arc<Mapped>>,
+        keep: Keep,
     ) {
         let job = Job {
             event,

@@ -124,7 +124,7 @@ impl LiveView {
     /// owner mid-update) gives an empty list after a bounded number of tries.
     pub fn snapshot(&self) -> LiveSnapshot {
         let w = words(&self.map);
-        let mut regions = Vec::new();
+        let mut regions = SnapshotRegions::new();
         for _ in 0..1000 {
             let s1 = w[0].load(Ordering::Acquire);
             if s1 & 1 == 1 {
@@ -145,15 +145,18 @@ impl LiveView {
             }
         }
         LiveSnapshot {
-            regions: Vec::new(),
+            regions: SnapshotRegions::new(),
             last: 0,
         }
     }
 }
 
+/// A snapshot's regions: inline for the few an owner usually has (a snapshot is read per post).
+type SnapshotRegions = smallvec::SmallVec<[(u64, u64); 8]>;
+
 /// The live regions at one moment ([`LiveView::snapshot`]).
 pub struct LiveSnapshot {
-    regions: Vec<(u64, u64)>,
+    regions: SnapshotRegions,
     /// The region that covered the last slice asked about: slices come in runs of one region.
     last: usize,
 }

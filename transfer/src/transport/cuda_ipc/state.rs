@@ -142,14 +142,14 @@ impl Lane {
 pub(super) struct Job {
     pub(super) event: Event,
     pub(super) done: CompletionSink,
-    pub(super) ids: Vec<u32>,
+    pub(super) ids: super::copy::JobIds,
     pub(super) deadline: Instant,
     /// Before this its copies cannot have ended (their bytes at the device's copy rate): not
     /// asked about until then.
     pub(super) ready_at: Instant,
     pub(super) lane: Arc<Lane>,
     pub(super) table: Option<PieceTable>,
-    pub(super) _keep: Vec<Arc<Mapped>>,
+    pub(super) _keep: super::copy::Keep,
 }
 
 /// Nonces of handle requests seen (a set for lookup, a queue for age), against replay.

@@ -29,6 +29,7 @@ use std::time::Duration;
 
 use kvferry_cuda::driver::{Context, Stream};
 use kvferry_cuda::ipc::{self, PieceKernel};
+use smallvec::SmallVec;
 
 use super::fdpass::FdServer;
 use super::keys::{route, HostIdentity, IpcRegionKeys, Route};
@@ -478,8 +479,9 @@ impl Transport for CudaIpcTransport {
         // The route depends on the two regions only: decided once per pair (a submit names
         // few pairs, and consecutive slices almost always share one: the last pair is tried
         // first). `which[i]`: the index in `routes` of slice i's pair.
-        let mut routes: Vec<((u64, usize), RouteKeys)> = Vec::new();
-        let mut which: Vec<u32> = Vec::with_capacity(slices.len());
+        // Inline for the few pairs and slices of a common post: no allocation per post.
+        let mut routes: SmallVec<[((u64, usize), RouteKeys); 2]> = SmallVec::new();
+        let mut which: SmallVec<[u32; 8]> = SmallVec::with_capacity(slices.len());
         let mut index: HashMap<(u64, usize), usize> = HashMap::new();
         let mut last = usize::MAX;
         for s in slices {
@@ -515,7 +517,7 @@ impl Transport for CudaIpcTransport {
             which.push(last as u32);
         }
         let mut fallback = Vec::new();
-        let mut ipc_slices: Vec<(Slice, &IpcRegionKeys)> = Vec::with_capacity(slices.len());
+        let mut ipc_slices: super::copy::IpcSlices = SmallVec::with_capacity(slices.len());
         for (&s, w) in slices.iter().zip(which) {
             match &routes[w as usize].1 {
                 Some(k) => ipc_slices.push((s, &**k)),

@@ -12,7 +12,7 @@ use kvferry_cuda::driver::Event;
 use kvferry_cuda::ipc::{self, PieceTable};
 
 use super::keys::IpcRegionKeys;
-use super::state::{gpu_err, Job, Lane, Mapped, COPY_DEADLINE};
+use super::state::{gpu_err, IpcSlices, Job, JobIds, Keep, Lane, Mapped, COPY_DEADLINE};
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Refusal, Result, TransferError, UnsupportedError};
@@ -27,13 +27,6 @@ pub(super) struct Planned {
     pub(super) src: u64,
     pub(super) len: u64,
 }
-
-/// The CUDA IPC slices of one post with their keys: inline for a few (no allocation per post).
-pub(super) type IpcSlices<'k> = SmallVec<[(Slice, &'k IpcRegionKeys); 2]>;
-/// The slice ids of one job (inline for a few).
-pub(super) type JobIds = SmallVec<[u32; 4]>;
-/// The mappings one job keeps alive (inline for a few).
-pub(super) type Keep = SmallVec<[Arc<Mapped>; 2]>;
 
 /// Merges consecutive slices (in id order) whose both sides continue each other.
 pub(super) fn coalesce(planned: &[Planned]) -> SmallVec<[ipc::Copy; 2]> {

@@ -12,10 +12,14 @@ use serde::{Deserialize, Serialize};
 use kvferry_cuda::driver::{Context, Event, EventState, Stream};
 use kvferry_cuda::ipc::{ImportedVmm, LegacyHandle, OpenedLegacy, PieceKernel, PieceTable};
 
+use smallvec::SmallVec;
+
+use super::keys::IpcRegionKeys;
 use super::live::LiveView;
 use crate::error::{Result, TransferError};
 use crate::sync::MutexExt;
 use crate::transport::CompletionSink;
+use crate::transport::Slice;
 
 /// HMAC label of a handle request's proof.
 pub(super) const PROOF_LABEL: &str = "kvferry cuda-ipc handles v1";
@@ -25,6 +29,13 @@ pub(super) const NONCES_KEPT: usize = 4096;
 pub(super) const MAX_ALLOCS_PER_REQUEST: usize = 1024;
 /// Longest wait for one batch's device copies (plus 1 ns per byte).
 pub(super) const COPY_DEADLINE: Duration = Duration::from_secs(30);
+
+/// The CUDA IPC slices of one post with their keys: inline for a few (no allocation per post).
+pub(super) type IpcSlices<'k> = SmallVec<[(Slice, &'k IpcRegionKeys); 2]>;
+/// The slice ids of one job (inline for a few).
+pub(super) type JobIds = SmallVec<[u32; 4]>;
+/// The mappings one job keeps alive (inline for a few).
+pub(super) type Keep = SmallVec<[Arc<Mapped>; 2]>;
 
 /// One exported allocation (owner side).
 pub(super) struct Export {
@@ -142,14 +153,14 @@ impl Lane {
 pub(super) struct Job {
     pub(super) event: Event,
     pub(super) done: CompletionSink,
-    pub(super) ids: super::copy::JobIds,
+    pub(super) ids: JobIds,
     pub(super) deadline: Instant,
     /// Before this its copies cannot have ended (their bytes at the device's copy rate): not
     /// asked about until then.
     pub(super) ready_at: Instant,
     pub(super) lane: Arc<Lane>,
     pub(super) table: Option<PieceTable>,
-    pub(super) _keep: super::copy::Keep,
+    pub(super) _keep: Keep,
 }
 
 /// Nonces of handle requests seen (a set for lookup, a queue for age), against replay.

@@ -141,7 +141,7 @@ impl CudaIpcTransport {
                 return Err(e);
             }
         }
-        let mut keep = super::copy::Keep::new();
+        let mut keep = super::state::Keep::new();
         let mut resolved: Vec<Resolved<'_>> = Vec::with_capacity(part.len());
         {
             let peers = self.peers.locked();
@@ -209,7 +209,7 @@ impl CudaIpcTransport {
         if resolved.is_empty() {
             return Ok(());
         }
-        let ids: super::copy::JobIds = resolved.iter().map(|r| r.id).collect();
+        let ids: super::state::JobIds = resolved.iter().map(|r| r.id).collect();
         let bytes = resolved.iter().fold(0u64, |a, r| a.saturating_add(r.bytes));
         let launch: Vec<StridedCopies<'_>> = resolved
             .iter()

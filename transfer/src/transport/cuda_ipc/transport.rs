@@ -517,7 +517,7 @@ impl Transport for CudaIpcTransport {
             which.push(last as u32);
         }
         let mut fallback = Vec::new();
-        let mut ipc_slices: super::copy::IpcSlices = SmallVec::with_capacity(slices.len());
+        let mut ipc_slices: super::state::IpcSlices = SmallVec::with_capacity(slices.len());
         for (&s, w) in slices.iter().zip(which) {
             match &routes[w as usize].1 {
                 Some(k) => ipc_slices.push((s, &**k)),

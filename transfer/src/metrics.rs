@@ -104,9 +104,13 @@ pub struct Transfer<'a> {
 /// One (path, peer, op) series of [`Metrics`]'s transfer families, resolved once
 /// ([`Metrics::transfer_series`]): the handles share the families' values.
 pub(crate) struct TransferSeries {
+    path: String,
     /// The peer's segment name (its label may be `other`).
     peer_name: String,
-    labels: TransferLabels,
+    op: String,
+    /// The labels, made at the first batch recorded: a peer takes one of the `MAX_PEERS`
+    /// labels only once a batch of it is recorded, as through `Metrics::transfer`.
+    labels: OnceLock<TransferLabels>,
     /// The handles of a finished batch's series (time, bytes, slices, bytes total), made at
     /// the first one: a series only ever failed shows only in the failure family.
     ok: OnceLock<(Histogram, Histogram, Histogram, Counter)>,
@@ -115,7 +119,15 @@ pub(crate) struct TransferSeries {
 impl TransferSeries {
     /// Whether this is the series of `path`, the peer named `peer` and `op`.
     pub(crate) fn is(&self, path: &str, peer: &str, op: &str) -> bool {
-        self.labels.path == path && self.labels.op == op && self.peer_name == peer
+        self.path == path && self.op == op && self.peer_name == peer
+    }
+
+    fn labels(&self, m: &Metrics) -> &TransferLabels {
+        self.labels.get_or_init(|| TransferLabels {
+            path: self.path.clone(),
+            peer: m.peer(&self.peer_name),
+            op: self.op.clone(),
+        })
     }
 
     /// Records a finished batch of `bytes` in `slices` that took `seconds`: `Ok`, or the
@@ -131,7 +143,7 @@ impl TransferSeries {
         match result {
             Ok(()) => {
                 let (time, b, s, total) = self.ok.get_or_init(|| {
-                    let l = &self.labels;
+                    let l = self.labels(m);
                     (
                         m.xfer_time.get_or_create(l).clone(),
                         m.xfer_bytes.get_or_create(l).clone(),
@@ -145,11 +157,12 @@ impl TransferSeries {
                 total.inc_by(bytes);
             }
             Err(cause) => {
+                let l = self.labels(m);
                 m.failed
                     .get_or_create(&FailureLabels {
-                        path: self.labels.path.clone(),
-                        peer: self.labels.peer.clone(),
-                        op: self.labels.op.clone(),
+                        path: l.path.clone(),
+                        peer: l.peer.clone(),
+                        op: l.op.clone(),
                         cause: cause.into(),
                     })
                     .inc();
@@ -290,12 +303,10 @@ impl Metrics {
     /// appears in the exposition until a batch is recorded in it.
     pub(crate) fn transfer_series(&self, path: &str, peer: &str, op: &str) -> TransferSeries {
         TransferSeries {
+            path: path.into(),
             peer_name: peer.into(),
-            labels: TransferLabels {
-                path: path.into(),
-                peer: self.peer(peer),
-                op: op.into(),
-            },
+            op: op.into(),
+            labels: OnceLock::new(),
             ok: OnceLock::new(),
         }
     }
@@ -438,6 +449,7 @@ mod tests {
         let m = Metrics::new();
         let ok = m.transfer_series("tcp", "10.0.0.1:7", "write");
         let bad = m.transfer_series("tcp", "10.0.0.3:7", "write");
+        let _never = m.transfer_series("tcp", "10.0.0.4:7", "write");
         assert!(ok.is("tcp", "10.0.0.1:7", "write") && !ok.is("tcp", "10.0.0.1:7", "read"));
         ok.record(&m, 100, 1, 0.001, Ok(()));
         ok.record(&m, 100, 1, 0.001, Ok(()));
@@ -468,6 +480,10 @@ mod tests {
             !t.lines()
                 .any(|l| l.starts_with("kvferry_xfer") && l.contains("10.0.0.3:7")),
             "a series only failed has no success values: {t}"
+        );
+        assert!(
+            !m.peers.locked().contains("10.0.0.4:7"),
+            "a series never recorded takes no peer label"
         );
     }
 

@@ -206,12 +206,18 @@ impl Payload {
     }
 }
 
+/// Deepest nesting of lists a payload may have (it has three: the payload, its groups, a group).
+const MAX_PAYLOAD_NESTING: usize = 16;
+
 fn decode_exact<T: serde::de::DeserializeOwned>(
     bytes: &[u8],
     exact: bool,
 ) -> Result<T, PayloadError> {
     // A Cursor reader grows buffers only as bytes arrive, so a forged length cannot allocate.
     let mut de = rmp_serde::Deserializer::new(std::io::Cursor::new(bytes));
+    // A payload nests three deep; rmp-serde's own bound (1024) takes more than a 2 MiB thread
+    // stack in a debug build, so a nest of lists in a skipped field aborted the process.
+    de.set_max_depth(MAX_PAYLOAD_NESTING);
     let v = T::deserialize(&mut de).map_err(|e| PayloadError::Malformed(e.to_string()))?;
     if exact {
         let used = de.position() as usize;

@@ -227,3 +227,22 @@ proptest! {
         }
     }
 }
+
+/// A payload whose skipped fields nest lists deeper than any payload does is refused as
+/// malformed, not decoded down to rmp-serde's own bound (1024 deep took more than a 2 MiB
+/// thread stack in a debug build: the process aborted).
+#[test]
+fn a_deep_nest_is_malformed_not_a_stack_overflow() {
+    // [1, [[[[...nil...]]]]]: the version, then a nest where the head skips the rest.
+    let mut bytes = vec![0x92, 0x01];
+    bytes.extend(std::iter::repeat_n(0x91u8, 4096));
+    bytes.push(0xc0);
+    let e = std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(move || Payload::from_bytes(&bytes).map(|_| ()))
+        .unwrap()
+        .join()
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(e, PayloadError::Malformed(_)), "{e:?}");
+}

@@ -410,3 +410,49 @@ async fn large_frames_of_all_connections_share_one_receive_budget() {
     a_load_verifies(&producer, &c, "budget-spent").await;
     producer.shutdown().await;
 }
+
+/// A message nested deeper than any of the protocol's (a field holding a list in a list, 4096
+/// deep) is refused as a bad message: the decoders bound the nesting far below what a
+/// worker thread's stack holds (rmp-serde's own bound, 1024, overflowed a 2 MiB stack in a
+/// debug build and aborted the producer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deeply_nested_message_is_refused_and_the_producer_keeps_serving() {
+    let p = Side::new(1, 1, 8, Some(7));
+    let c = Side::new(1, 1, 12, Some(99));
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let addr = tcp_addr(producer.endpoint());
+    tokio::task::spawn_blocking(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        handshake(&mut s);
+        // {"version": 2, "kind": "transfer_request", "zzz": [[[[...nil...]]]]}
+        let mut body = vec![0x83];
+        for (k, v) in [("version", None), ("kind", Some("transfer_request"))] {
+            body.push(0xa0 | k.len() as u8);
+            body.extend_from_slice(k.as_bytes());
+            match v {
+                None => body.push(0x02),
+                Some(v) => {
+                    body.push(0xa0 | v.len() as u8);
+                    body.extend_from_slice(v.as_bytes());
+                }
+            }
+        }
+        body.extend_from_slice(&[0xa3, b'z', b'z', b'z']);
+        body.extend(std::iter::repeat_n(0x91u8, 4096));
+        body.push(0xc0);
+        let mut frame = vec![0x02];
+        frame.extend_from_slice(&(body.len() as u64).to_be_bytes());
+        frame.extend_from_slice(&body);
+        s.write_all(&frame).unwrap();
+        // The producer answers or not; it must not abort.
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut b = [0u8; 256];
+        let _ = s.read(&mut b);
+    })
+    .await
+    .unwrap();
+    a_load_verifies(&producer, &c, "after-nest").await;
+    producer.shutdown().await;
+}

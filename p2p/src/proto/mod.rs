@@ -9,6 +9,7 @@ pub mod heads;
 pub mod layout;
 pub mod msg;
 mod msg_header;
+mod msg_span;
 mod peer_segments;
 pub mod plan;
 pub mod producer;

@@ -5,7 +5,7 @@
 //! ([`MAX_GROUPS`], [`MAX_RANKS`], [`MAX_LAYERS`], [`MAX_BLOCKS`], [`MAX_STRIDES`]) before
 //! its elements are read, so a decoded message holds a small multiple of its bytes.
 
-use super::msg_header::{leading_header, Header};
+use super::msg_header::{from_msgpack, leading_header, Header};
 use kvferry_transfer::Shared;
 
 use serde::{Deserialize, Serialize};
@@ -401,18 +401,10 @@ pub struct LayerSpan {
     pub end: u32,
 }
 
-/// `Reply::landed` as read: anything but a span of two numbers is `None`, not a bad reply.
+/// `Reply::landed` as read: anything but a span of two numbers is `None`, not a bad reply, and
+/// is skipped as it is read, never held (`msg_span`).
 fn known_span<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<LayerSpan>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Any {
-        Span(LayerSpan),
-        Other(serde::de::IgnoredAny),
-    }
-    Ok(match Option::<Any>::deserialize(d)? {
-        Some(Any::Span(s)) => Some(s),
-        _ => None,
-    })
+    Ok(super::msg_span::read_span(d)?.map(|(first, end)| LayerSpan { first, end }))
 }
 
 /// Why the producer answered ERROR, as a type (a snake_case string on the wire).
@@ -497,7 +489,7 @@ fn header(bytes: &[u8]) -> Result<Header, MsgError> {
     }
     let header: Header = match leading_header(bytes) {
         Some(h) => h,
-        None => rmp_serde::from_slice(bytes).map_err(MsgError::decode)?,
+        None => from_msgpack(bytes).map_err(MsgError::decode)?,
     };
     if header.version != Some(PROTOCOL_VERSION as u64) {
         return Err(MsgError::WrongVersion {
@@ -527,7 +519,7 @@ pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
 /// Decodes a transfer request: size, version and kind are checked before the body.
 pub fn decode_request(bytes: &[u8]) -> Result<LoadRequest, MsgError> {
     check_header(bytes, KIND_TRANSFER_REQUEST)?;
-    rmp_serde::from_slice(bytes).map_err(MsgError::decode)
+    from_msgpack(bytes).map_err(MsgError::decode)
 }
 
 /// A message on the producer's socket: a session's `hello` or a transfer request.
@@ -552,7 +544,7 @@ pub fn decode_consumer_message(bytes: &[u8]) -> Result<ConsumerMessage, MsgError
     let h = header(bytes)?;
     match h.kind.as_deref() {
         Some(KIND_HELLO) => hello_body(bytes).map(ConsumerMessage::Hello),
-        Some(KIND_TRANSFER_REQUEST) => rmp_serde::from_slice(bytes)
+        Some(KIND_TRANSFER_REQUEST) => from_msgpack(bytes)
             .map(ConsumerMessage::Request)
             .map_err(MsgError::decode),
         _ => Err(MsgError::WrongKind {
@@ -570,7 +562,7 @@ pub fn decode_hello(bytes: &[u8]) -> Result<Hello, MsgError> {
 
 /// A `hello` whose header was checked: its nonce and names.
 fn hello_body(bytes: &[u8]) -> Result<Hello, MsgError> {
-    let h: Hello = rmp_serde::from_slice(bytes).map_err(MsgError::decode)?;
+    let h: Hello = from_msgpack(bytes).map_err(MsgError::decode)?;
     let max = MAX_NAME_BYTES;
     if h.nonce.len() != NONCE_BYTES || h.producer.len() > max || h.consumer.len() > max {
         return Err(MsgError::BadHello {
@@ -585,7 +577,7 @@ fn hello_body(bytes: &[u8]) -> Result<Hello, MsgError> {
 /// Decodes a `welcome`: header first; a nonce of 32 bytes unless refused, a proof of 32 if any.
 pub fn decode_welcome(bytes: &[u8]) -> Result<Welcome, MsgError> {
     check_header(bytes, KIND_WELCOME)?;
-    let w: Welcome = rmp_serde::from_slice(bytes).map_err(MsgError::decode)?;
+    let w: Welcome = from_msgpack(bytes).map_err(MsgError::decode)?;
     let nonce_ok = w.nonce.len() == NONCE_BYTES || w.error.is_some();
     if !nonce_ok || w.proof.as_ref().is_some_and(|p| p.len() != 32) {
         return Err(MsgError::BadWelcome {
@@ -599,7 +591,7 @@ pub fn decode_welcome(bytes: &[u8]) -> Result<Welcome, MsgError> {
 /// Decodes a reply: size, version and kind are checked before the body; the status must be 0, 1 or 2.
 pub fn decode_reply(bytes: &[u8]) -> Result<Reply, MsgError> {
     check_header(bytes, KIND_REPLY)?;
-    let reply: Reply = rmp_serde::from_slice(bytes).map_err(MsgError::decode)?;
+    let reply: Reply = from_msgpack(bytes).map_err(MsgError::decode)?;
     if Status::from_code(reply.status).is_none() {
         return Err(MsgError::BadStatus(reply.status));
     }

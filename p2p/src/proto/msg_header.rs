@@ -4,6 +4,22 @@
 //! checksum payload), once per check. Anything else (other order, other types, a short map)
 //! goes to the full decode, so the answer is always the one serde would give.
 
+/// Deepest nesting of lists and maps a control message may have. The deepest message, a
+/// transfer request, nests about ten (request, ranks, rank, groups, group, layers, layer,
+/// geometry, its lists); rmp-serde's own bound (1024) takes more than a 2 MiB thread stack in
+/// a debug build, so a peer's nest of lists aborted the process before the bound refused it.
+pub const MAX_NESTING: usize = 32;
+
+/// Decodes a control message (or any msgpack from a peer) from `bytes` with lists and maps
+/// nested at most [`MAX_NESTING`] deep. Errors: rmp-serde's (malformed, or nested deeper).
+pub(crate) fn from_msgpack<'a, T: serde::Deserialize<'a>>(
+    bytes: &'a [u8],
+) -> Result<T, rmp_serde::decode::Error> {
+    let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
+    de.set_max_depth(MAX_NESTING);
+    T::deserialize(&mut de)
+}
+
 /// The two header fields (`None`: absent).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
 pub(crate) struct Header {

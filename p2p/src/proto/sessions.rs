@@ -230,7 +230,7 @@ struct Ids {
 /// reason instead of waiting for its deadline.
 pub fn salvage_ids(body: &[u8]) -> (Option<String>, Option<u64>) {
     let ids: Ids = if body.len() <= MAX_MESSAGE_BYTES {
-        rmp_serde::from_slice(body).unwrap_or_default()
+        super::msg_header::from_msgpack(body).unwrap_or_default()
     } else {
         Ids::default()
     };

@@ -460,7 +460,9 @@ fn side_pool(
 /// Refuses, before any request is prefilled, a run whose longest prompt (of `lengths`, in
 /// blocks of `cbs` tokens) would make a consumer rank grant its load more byte ranges than a
 /// grant holds (each block's pieces in every layer of the rank, at most): every such load would
-/// fail at its grant. Errors: [`CliError::Usage`] naming `--max-tokens` (`max_tokens`).
+/// fail at its grant. A rank whose engine runs open (no secret) grants nothing (the consumer
+/// makes no grant there), so it is not counted. Errors: [`CliError::Usage`] naming
+/// `--max-tokens` (`max_tokens`).
 fn check_grants(
     ranks: &[RankKv],
     lengths: &[u64],
@@ -469,7 +471,7 @@ fn check_grants(
 ) -> Result<(), CliError> {
     use kvferry_transfer::auth::MAX_GRANT_RANGES;
     let blocks = lengths.iter().max().map_or(0, |t| t.div_ceil(cbs));
-    for r in ranks {
+    for r in ranks.iter().filter(|r| r.engine.is_authenticated()) {
         let per_block: u64 = r
             .layers
             .iter()
@@ -694,6 +696,38 @@ mod tests {
         // The consumer's pool has 1 block left: the producer's 4 stay free.
         assert!(take_blocks(&mut p, &mut c, 4, 2).is_none());
         assert!(take_blocks(&mut p, &mut c, 4, 1).is_some());
+    }
+
+    /// A tiny consumer side of one rank with a few blocks of 1 token, its engine open or with a
+    /// secret.
+    fn tiny_side(secret: bool) -> Vec<RankKv> {
+        use clap::Parser;
+        let cli = crate::cli::Cli::try_parse_from(["kvferry", "demo", "--model", "tiny"]).unwrap();
+        let crate::cli::Command::Demo(args) = cli.command else {
+            unreachable!("parsed as demo")
+        };
+        let c = &args.common;
+        let mut engine = engine_config(c, "127.0.0.1").unwrap();
+        if secret {
+            engine.auth.secret = Some(kvferry_transfer::Secret::from_bytes(&[7u8; 32]).unwrap());
+        }
+        let model = model_by_name("tiny").unwrap().clone();
+        build_side(&side_config(c, model, (1, 1), 1, 4, 0), &engine).unwrap()
+    }
+
+    #[test]
+    fn only_an_authenticated_consumer_counts_a_loads_grant_ranges() {
+        // tiny grants K and V apart in each of its 4 layers: 8 ranges a block, 1.6M for 200000
+        // blocks of 1 token, more than a grant holds.
+        let lengths = [200_000];
+        let e = check_grants(&tiny_side(true), &lengths, 1, 200_000).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("1600000 ranges, more than the 1048576"),
+            "{e}"
+        );
+        // An open engine checks no grant and the consumer makes none there: nothing to refuse.
+        check_grants(&tiny_side(false), &lengths, 1, 200_000).unwrap();
     }
 
     #[test]

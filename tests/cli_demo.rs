@@ -456,9 +456,14 @@ fn a_prompt_past_a_load_requests_blocks_is_one_usage_error() {
             && err.contains("a load request names at most 1048576 blocks"),
         "{err}"
     );
-    // Fewer blocks, but each of tiny's 4 layers grants K and V apart: 1.6M ranges a load.
+    // Fewer blocks, but each of tiny's 4 layers grants K and V apart: 1.6M ranges a load, on
+    // engines with a secret (an open engine checks no grant, and the consumer makes none).
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "the shared secret of the demo's sides\n").unwrap();
     let out = kvferry()
         .args(["demo", "--json", "--model", "tiny", "--requests", "2"])
+        .args(["--secret-file", secret.to_str().unwrap()])
         .args(["--block-size", "1", "--min-tokens", "200000"])
         .args(["--max-tokens", "200000", "--pool-memory", "8G"])
         .output()

@@ -391,6 +391,13 @@ fn layer_copies(
     if theirs.byte_len() > wl.len {
         return Err(at(LayerError::PastArray(wl.len)));
     }
+    // Every address planned below lies in `[addr, addr + byte_len)`: none overflows.
+    if wl.addr.checked_add(wl.len).is_none() {
+        return Err(at(LayerError::AddressWraps {
+            addr: wl.addr,
+            len: wl.len,
+        }));
+    }
     let holders = heads.holders(&wl.name);
     // Whole blocks are copied byte for byte between equal block geometries; with different
     // block sizes the cells are copied token by token, so only the cell layout must agree.

@@ -164,6 +164,15 @@ pub enum LayerError {
     /// The consumer's geometry spans more than its array.
     #[error("consumer geometry spans more than its {0} bytes")]
     PastArray(u64),
+    /// The consumer's array runs past the end of the address space (`addr + len` overflows
+    /// u64), so no address inside it can be computed.
+    #[error("consumer array at {addr:#x} of {len} bytes runs past the end of the address space")]
+    AddressWraps {
+        /// The array's address.
+        addr: u64,
+        /// Its bytes.
+        len: u64,
+    },
     /// The two sides' arrays cannot be copied byte-for-byte.
     #[error(transparent)]
     Incompatible(#[from] Incompatible),

@@ -736,3 +736,121 @@ fn layer_parts_copy_each_layer_once_into_its_own_slots() {
         }
     }
 }
+
+/// A consumer array whose address plus length overflows (a peer's request) is refused with a
+/// typed reason before any address in it is computed (the sum overflowed: a panic in a debug
+/// build, a wrapped address in a release one).
+#[test]
+fn a_consumer_array_past_the_end_of_the_address_space_is_refused() {
+    let (producer, consumer) = (side(0, 1, 1, 4), side(1, 1, 1, 4));
+    let (remote, local) = ([4u64, 0, 2], [1u64, 3, 5]);
+    let lease = published(&remote);
+    let mut r = request(&consumer, &remote, &local);
+    for l in &mut r.ranks[0].groups[0].layers {
+        l.addr = u64::MAX - 100;
+    }
+    assert!(matches!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::Layer {
+            source: LayerError::AddressWraps {
+                addr,
+                ..
+            },
+            ..
+        }) if addr == u64::MAX - 100
+    ));
+}
+
+/// Requests with numbers a peer chose (extremes and random values in addresses, lengths,
+/// geometries, block ids and positions) are planned or refused, never a panic, and a plan's
+/// layer parts cut without one either.
+#[test]
+fn mutated_requests_never_panic_the_plan() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+    let extremes = [
+        0u64,
+        1,
+        2,
+        3,
+        7,
+        16,
+        63,
+        64,
+        1 << 20,
+        u32::MAX as u64,
+        (1u64 << 63),
+        u64::MAX - 1,
+        u64::MAX,
+    ];
+    for round in 0..5000 {
+        let (producer, consumer) = (side(0, 2, 1, 4), side(1, 1, 1, 4));
+        let (remote, local) = ([4u64, 0, 2], [1u64, 3, 5]);
+        let lease = published(&remote);
+        let mut r = request(&consumer, &remote, &local);
+        let n = rng.random_range(1..4);
+        for _ in 0..n {
+            let v = if rng.random_bool(0.6) {
+                extremes[rng.random_range(0..extremes.len())]
+            } else {
+                rng.random::<u64>() >> rng.random_range(0..64)
+            };
+            let l = &mut r.ranks[0].groups[0].layers[rng.random_range(0..2)];
+            let b = &mut r.blocks[0];
+            match rng.random_range(0..18) {
+                0 => l.addr = v,
+                1 => l.len = v,
+                2 => l.head_offset = v as u32,
+                3 => l.geometry.num_kernel_blocks = v,
+                4 => l.geometry.tokens_per_kernel_block = v,
+                5 => l.geometry.heads = v,
+                6 => l.geometry.head_dim = v,
+                7 => l.geometry.elem_bytes = v,
+                8 => l.geometry.kernel_blocks_per_block = v,
+                9 => {
+                    if !l.geometry.strides.is_empty() {
+                        let i = rng.random_range(0..l.geometry.strides.len());
+                        l.geometry.strides[i] = v
+                    }
+                }
+                10 => b.block_size = v,
+                11 => b.remote_block_size = v,
+                12 => {
+                    let i = rng.random_range(0..b.remote_blocks.len());
+                    b.remote_blocks[i] = v
+                }
+                13 => {
+                    let i = rng.random_range(0..b.local_blocks.len());
+                    b.local_blocks[i] = v
+                }
+                14 => r.num_tokens = v,
+                15 => {
+                    b.remote_positions = vec![v, v.wrapping_add(1)];
+                }
+                16 => {
+                    let i = rng.random_range(0..b.positions.len());
+                    b.positions[i] = v
+                }
+                _ => r.num_local_computed = v,
+            }
+        }
+        let res = std::panic::catch_unwind(|| {
+            let p = plan(&producer, &lease, &r);
+            if let Ok(plans) = &p {
+                let mut slot_bytes = vec![0u64; crate::proto::progress::layer_slots(&r).len()];
+                for q in plans {
+                    q.add_slot_bytes(&mut slot_bytes);
+                }
+                let g = crate::proto::progress::layer_groups(&slot_bytes, 1);
+                for q in plans {
+                    for gg in &g {
+                        let _ = q.layer_part(gg);
+                    }
+                }
+            }
+        });
+        if res.is_err() {
+            panic!("round {round}: {:?}", r.blocks[0]);
+        }
+    }
+}

@@ -269,6 +269,9 @@ pub enum WriteErrorKind {
     /// cancelled).
     #[error("the task that opens and submits failed: {0}")]
     Task(#[source] tokio::task::JoinError),
+    /// A thread that opened and submitted one of a layer group's batches panicked.
+    #[error("the thread that opens and submits a batch panicked")]
+    SubmitPanicked,
     /// The WRITEs failed or did not end within the deadline.
     #[error("transfer: {0}")]
     Transfer(#[source] TransferError),

@@ -288,6 +288,7 @@ impl EventLoop {
                         continue; // the producer is being dropped
                     };
                     let (request_id, load_id) = (request.request_id.clone(), request.load_id);
+                    let peer_of_panicked = peer.clone();
                     let spawned = Instant::now();
                     let (tell, id) = (commands.downgrade(), request_id.clone());
                     let progress = move |landed| {
@@ -301,22 +302,33 @@ impl EventLoop {
                         }
                     };
                     let groups = self.layer_group_bytes;
-                    let serve = tokio::spawn(serve_load(
-                        workers, layouts, lease, request, deadline, groups, progress,
-                    ));
-                    // Whatever happens to the serve task, the consumer hears, and the lease
-                    // ends or (refused before any WRITE) is held again.
-                    tokio::spawn(async move {
-                        let result = serve
-                            .await
-                            .unwrap_or_else(|e| ServeEnd::Ran(Err(ServeFailure::Task(e))));
-                        let _ = commands.send(Command::Served {
+                    let (back, id) = (commands.clone(), request_id.clone());
+                    // The serve task tells the loop itself (one hop back, not two).
+                    let serve = tokio::spawn(async move {
+                        let result = serve_load(
+                            workers, layouts, lease, request, deadline, groups, progress,
+                        )
+                        .await;
+                        let _ = back.send(Command::Served {
                             peer,
-                            request_id,
+                            request_id: id,
                             load_id,
                             result,
                             spawned,
                         });
+                    });
+                    // Whatever happens to the serve task (a panic), the consumer hears, and the
+                    // lease ends.
+                    tokio::spawn(async move {
+                        if let Err(e) = serve.await {
+                            let _ = commands.send(Command::Served {
+                                peer: peer_of_panicked,
+                                request_id,
+                                load_id,
+                                result: ServeEnd::Ran(Err(ServeFailure::Task(e))),
+                                spawned,
+                            });
+                        }
                     });
                 }
             }

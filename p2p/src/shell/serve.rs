@@ -41,7 +41,7 @@ pub(crate) async fn serve_load(
     request: LoadRequest,
     deadline: Instant,
     group_bytes: u64,
-    progress: impl Fn(LayerSpan) + Send,
+    progress: impl Fn(LayerSpan) + Send + 'static,
 ) -> ServeEnd {
     let token = match request.token.as_deref().map(str::parse::<Token>) {
         None => None,
@@ -110,78 +110,152 @@ pub(crate) async fn write_all(
     Ok(total)
 }
 
-/// WRITEs the plans in layer groups (`groups`: slot spans, in order, covering every slot): each
-/// group's copies as batches of their own, submitted in order (so that, on one stream, the
-/// first group lands first), then waited for in order, `progress` told as each group but the
-/// last has landed (the FINISH says the last). Every batch submitted is waited for, a failure
-/// or not, all by `deadline`. Returns the bytes written.
+/// WRITEs the plans in layer groups (`groups`: slot spans, in order, covering every slot) from
+/// one blocking task: each group's copies as batches of their own, submitted in order (so
+/// that, on one stream, the first group lands first; a group of several batches submits them
+/// on threads of their own), then waited for in order there, `progress` told from that thread
+/// as each group but the last has landed (the FINISH says the last). One hop off the event loop
+/// per load instead of one per batch: on a device path a submit is a few tens of microseconds,
+/// less than the hop. Every batch submitted is waited for, a failure or not, all by `deadline`;
+/// no group is submitted after a failure. Returns the bytes written.
 pub(crate) async fn write_grouped(
     workers: Arc<Vec<Worker>>,
     plans: Vec<RankPlan>,
     groups: &[Range<u32>],
     deadline: Instant,
     token: Option<Token>,
-    progress: impl Fn(LayerSpan),
+    progress: impl Fn(LayerSpan) + Send + 'static,
 ) -> Result<u64, WriteError> {
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let submit = async {
-        let mut bytes = 0u64;
-        for (i, g) in groups.iter().enumerate() {
-            let parts = plans
-                .iter()
-                .map(|p| p.layer_part(g))
-                .filter(|p| !p.is_empty());
-            let submits = parts.map(|p| {
-                let w = &workers[p.rank];
-                bytes = bytes.saturating_add(plan_bytes(&p));
-                let plain = p.copies.chunks(per_batch(p.copies.len()).max(1));
-                let plain: Vec<_> = plain.map(|c| Submission::Plain(requests(c))).collect();
-                let strided = (!p.strided.is_empty()).then(|| strided_requests(p.strided));
-                let all = strided.map(Submission::Strided).into_iter().chain(plain);
-                let seg = p.segment;
-                futures::future::join_all(all.map(move |s| {
-                    let seg = seg.clone();
-                    async move { (w, submit(w, seg, s, deadline, token).await) }
-                }))
-            });
-            let submitted: Vec<_> = futures::future::join_all(submits).await;
-            let submitted: Vec<_> = submitted.into_iter().flatten().collect();
-            // No later group is submitted after a failure; those submitted are waited for.
-            let failed = submitted.iter().any(|(_, b)| b.is_err());
-            let _ = tx.send((i, submitted));
-            if failed {
-                break;
+    let Some(first) = plans.first().map(|p| workers[p.rank].rank) else {
+        return Ok(0);
+    };
+    let groups = groups.to_vec();
+    let run = tokio::task::spawn_blocking(move || {
+        write_groups_blocking(&workers, &plans, &groups, deadline, token, &progress)
+    });
+    let left = deadline.saturating_duration_since(Instant::now());
+    let at = |kind: WriteErrorKind| WriteError { rank: first, kind };
+    match tokio::time::timeout(left, run).await {
+        // The task still waits for what it submitted, by the same deadline.
+        Err(_) => Err(at(WriteErrorKind::OpenTimeout(left))),
+        Ok(Err(e)) => Err(at(WriteErrorKind::Task(e))),
+        Ok(Ok(r)) => r,
+    }
+}
+
+/// One batch of a group: the rank's index into the workers, the consumer segment, the requests.
+struct Job {
+    rank: usize,
+    segment: String,
+    requests: Submission,
+}
+
+/// The body of [`write_grouped`], on a thread that may block.
+fn write_groups_blocking(
+    workers: &[Worker],
+    plans: &[RankPlan],
+    groups: &[Range<u32>],
+    deadline: Instant,
+    token: Option<Token>,
+    progress: &dyn Fn(LayerSpan),
+) -> Result<u64, WriteError> {
+    let mut bytes = 0u64;
+    let mut failed = None;
+    let mut submitted: Vec<Vec<(usize, BatchId)>> = Vec::with_capacity(groups.len());
+    for g in groups {
+        let mut jobs = Vec::new();
+        for p in plans.iter().map(|p| p.layer_part(g)).filter(|p| !p.is_empty()) {
+            bytes = bytes.saturating_add(plan_bytes(&p));
+            let seg = &p.segment;
+            for c in p.copies.chunks(per_batch(p.copies.len()).max(1)) {
+                let requests = Submission::Plain(requests(c));
+                jobs.push((p.rank, seg.clone(), requests));
+            }
+            if !p.strided.is_empty() {
+                let requests = Submission::Strided(strided_requests(p.strided));
+                jobs.push((p.rank, p.segment, requests));
             }
         }
-        drop(tx);
-        bytes
-    };
-    let wait = async {
-        let mut failed = None;
-        while let Some((i, batches)) = rx.recv().await {
-            for (w, batch) in batches {
-                let r = match batch {
-                    Ok(b) => wait_batch(w, b, deadline).await,
-                    Err(e) => Err(e),
-                };
-                if let Err(e) = r {
+        let jobs = jobs.into_iter().map(|(rank, segment, requests)| Job {
+            rank,
+            segment,
+            requests,
+        });
+        let results: Vec<_> = match jobs.len() {
+            0 | 1 => jobs.map(|j| submit_job(workers, j, token)).collect(),
+            _ => std::thread::scope(|s| {
+                let running: Vec<_> = jobs
+                    .map(|j| (j.rank, s.spawn(move || submit_job(workers, j, token))))
+                    .collect();
+                running
+                    .into_iter()
+                    .map(|(rank, h)| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(WriteError {
+                                rank: workers[rank].rank,
+                                kind: WriteErrorKind::SubmitPanicked,
+                            })
+                        })
+                    })
+                    .collect()
+            }),
+        };
+        let mut batches = Vec::with_capacity(results.len());
+        for r in results {
+            match r {
+                Ok(b) => batches.push(b),
+                Err(e) => {
                     failed.get_or_insert(e);
                 }
             }
-            if failed.is_none() && i + 1 < groups.len() {
-                progress(LayerSpan {
-                    first: groups[i].start,
-                    end: groups[i].end,
+        }
+        submitted.push(batches);
+        if failed.is_some() {
+            break;
+        }
+    }
+    for (i, batches) in submitted.into_iter().enumerate() {
+        for (rank, batch) in batches {
+            let w = &workers[rank];
+            let left = deadline.saturating_duration_since(Instant::now());
+            let t = Instant::now();
+            let r = w.engine.wait(batch, left);
+            tracing::debug!(
+                target: "kvferry::timing",
+                wait_us = t.elapsed().as_micros() as u64,
+                "serve waited"
+            );
+            if let Err(e) = r {
+                failed.get_or_insert(WriteError {
+                    rank: w.rank,
+                    kind: WriteErrorKind::Transfer(e),
                 });
             }
         }
-        failed
-    };
-    let (bytes, failed) = futures::future::join(submit, wait).await;
+        if failed.is_none() && i + 1 < groups.len() {
+            progress(LayerSpan {
+                first: groups[i].start,
+                end: groups[i].end,
+            });
+        }
+    }
     match failed {
         Some(e) => Err(e),
         None => Ok(bytes),
     }
+}
+
+/// Opens the job's segment and submits its batch, on the calling thread (which may block).
+/// Returns the rank's index and the batch.
+fn submit_job(
+    workers: &[Worker],
+    job: Job,
+    token: Option<Token>,
+) -> Result<(usize, BatchId), WriteError> {
+    let w = &workers[job.rank];
+    submit_blocking(&w.engine, job.segment, &job.requests, token)
+        .map(|b| (job.rank, b))
+        .map_err(|kind| WriteError { rank: w.rank, kind })
 }
 
 /// Bytes of a plan's copies.
@@ -328,35 +402,45 @@ async fn submit(
     let rank = w.rank;
     let at = |kind: WriteErrorKind| WriteError { rank, kind };
     let engine = w.engine.clone();
-    let submit = tokio::task::spawn_blocking(move || {
-        let handle = match token {
-            Some(t) => engine.open_segment_with_token(&segment, t),
-            None => engine.open_segment(&segment),
-        }
-        .map_err(|source| WriteErrorKind::Open {
-            segment: segment.clone(),
-            source,
-        })?;
-        let t = Instant::now();
-        let (r, n) = match &requests {
-            Submission::Plain(r) => (engine.submit(&handle, r), r.len()),
-            Submission::Strided(r) => (engine.submit_strided(&handle, r), r.len()),
-        };
-        let r = r.map_err(|source| WriteErrorKind::Submit { segment, source });
-        tracing::debug!(
-            target: "kvferry::timing",
-            requests = n,
-            submit_us = t.elapsed().as_micros() as u64,
-            "serve submitted"
-        );
-        r
-    });
+    let submit =
+        tokio::task::spawn_blocking(move || submit_blocking(&engine, segment, &requests, token));
     let left = deadline.saturating_duration_since(Instant::now());
     match tokio::time::timeout(left, submit).await {
         Err(_) => Err(at(WriteErrorKind::OpenTimeout(left))),
         Ok(Err(e)) => Err(at(WriteErrorKind::Task(e))),
         Ok(Ok(r)) => r.map_err(at),
     }
+}
+
+/// Opens `segment` on `engine` (with the consumer's grant `token`, if any) and submits
+/// `requests` as one batch, on the calling thread (which may block: an open may connect).
+fn submit_blocking(
+    engine: &kvferry_transfer::TransferEngine,
+    segment: String,
+    requests: &Submission,
+    token: Option<Token>,
+) -> Result<BatchId, WriteErrorKind> {
+    let handle = match token {
+        Some(t) => engine.open_segment_with_token(&segment, t),
+        None => engine.open_segment(&segment),
+    }
+    .map_err(|source| WriteErrorKind::Open {
+        segment: segment.clone(),
+        source,
+    })?;
+    let t = Instant::now();
+    let (r, n) = match requests {
+        Submission::Plain(r) => (engine.submit(&handle, r), r.len()),
+        Submission::Strided(r) => (engine.submit_strided(&handle, r), r.len()),
+    };
+    let r = r.map_err(|source| WriteErrorKind::Submit { segment, source });
+    tracing::debug!(
+        target: "kvferry::timing",
+        requests = n,
+        submit_us = t.elapsed().as_micros() as u64,
+        "serve submitted"
+    );
+    r
 }
 
 /// Waits for `batch` of `w`'s engine, by `deadline`.

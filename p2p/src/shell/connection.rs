@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
-use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
@@ -68,15 +67,44 @@ enum SockEvent {
     Lost(LinkError),
 }
 
-/// A connected DEALER; dropping it closes the socket (its reader is aborted).
+/// A connected DEALER, received from on the connection's own task (no reader task between the
+/// socket and the machine: a reply wakes one task, not two); dropping it closes the socket.
 struct Sock {
     send: zeromq::DealerSendHalf,
-    reader: JoinHandle<()>,
+    recv: zeromq::DealerRecvHalf,
+    monitor: futures::channel::mpsc::Receiver<SocketEvent>,
+    /// The socket failed or its peer went: nothing more is read from it (until the machine
+    /// has it rebuilt), so that a failed socket is not polled in a loop.
+    lost: bool,
 }
 
-impl Drop for Sock {
-    fn drop(&mut self) {
-        self.reader.abort();
+impl Sock {
+    /// The socket's next message or loss; pending forever once lost. Cancel-safe: the DEALER's
+    /// receive takes a message only when it returns it, and so does the monitor.
+    async fn next(&mut self) -> SockEvent {
+        if self.lost {
+            return std::future::pending().await;
+        }
+        let ev = loop {
+            tokio::select! {
+                m = self.recv.recv() => match m {
+                    Ok(m) => {
+                        if let Some(body) = m.into_vec().pop() {
+                            break SockEvent::Message(body);
+                        }
+                    }
+                    Err(e) => break SockEvent::Lost(LinkError::Socket(Shared(Arc::new(e)))),
+                },
+                ev = self.monitor.next() => match ev {
+                    Some(SocketEvent::Disconnected(_)) | None => {
+                        break SockEvent::Lost(LinkError::Disconnected)
+                    }
+                    Some(_) => {}
+                },
+            }
+        };
+        self.lost = matches!(ev, SockEvent::Lost(_));
+        ev
     }
 }
 
@@ -152,15 +180,12 @@ impl Connection {
         }
     }
 
-    async fn connect(
-        &mut self,
-        events: &mpsc::UnboundedSender<(u64, SockEvent)>,
-    ) -> Result<(), ConnectFailure> {
+    async fn connect(&mut self) -> Result<(), ConnectFailure> {
         let mut options = SocketOptions::default();
         options.connect_timeout(self.connect_timeout);
         options.max_message_size(self.max_message_bytes);
         let mut socket = zeromq::DealerSocket::with_options(options);
-        let mut monitor = socket.monitor();
+        let monitor = socket.monitor();
         // ZeroMQ retries a refused connect until its timeout and then only says it timed out;
         // a plain TCP probe beside it remembers what the last attempt saw, so that a producer
         // that is not running is told from a slow one (the whole timeout is still waited: a
@@ -208,47 +233,27 @@ impl Connection {
             .map_err(ConnectFailure::Session)?;
         self.generation += 1;
         let generation = self.generation;
-        let (send, mut recv) = socket.split();
-        let events = events.clone();
-        let reader = tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    m = recv.recv() => match m {
-                        Ok(m) => {
-                            if let Some(body) = m.into_vec().pop() {
-                                let _ = events.send((generation, SockEvent::Message(body)));
-                            }
-                        }
-                        Err(e) => {
-                            let _ = events.send((generation, SockEvent::Lost(LinkError::Socket(Shared(Arc::new(e))))));
-                            break;
-                        }
-                    },
-                    ev = monitor.next() => match ev {
-                        Some(SocketEvent::Disconnected(_)) | None => {
-                            let _ = events.send((generation, SockEvent::Lost(LinkError::Disconnected)));
-                            break;
-                        }
-                        Some(_) => {}
-                    },
-                }
-            }
+        let (send, recv) = socket.split();
+        self.sock = Some(Sock {
+            send,
+            recv,
+            monitor,
+            lost: false,
         });
-        self.sock = Some(Sock { send, reader });
         debug!(endpoint = self.endpoint, generation, "DEALER connected");
         Ok(())
     }
 
     /// A new load: connects unless connected (or the producer is down), then starts it on the
     /// machine; a load that cannot start is answered at once.
-    async fn start(&mut self, cmd: LoadCmd, events: &mpsc::UnboundedSender<(u64, SockEvent)>) {
+    async fn start(&mut self, cmd: LoadCmd) {
         let LoadCmd {
             request,
             load_key,
             respond,
             progress,
         } = cmd;
-        let started = self.open(events).await.and_then(|()| {
+        let started = self.open().await.and_then(|()| {
             self.machine
                 .start(Instant::now(), request, load_key.as_deref())
                 .ok_or(ConnFailure::Connect(ConnectFailure::NoSession))
@@ -265,17 +270,14 @@ impl Connection {
     }
 
     /// Connects the socket unless it is open.
-    async fn open(
-        &mut self,
-        events: &mpsc::UnboundedSender<(u64, SockEvent)>,
-    ) -> Result<(), ConnFailure> {
+    async fn open(&mut self) -> Result<(), ConnFailure> {
         if self.sock.is_some() {
             return Ok(());
         }
         self.machine
             .admit(Instant::now())
             .map_err(|why| ConnFailure::Connect(ConnectFailure::Unreachable(why)))?;
-        if let Err(e) = self.connect(events).await {
+        if let Err(e) = self.connect().await {
             // Debug, not a warning: every load waiting on this connect gets `e` as its
             // `LoadError::Connect` and its caller reports it; a warning would say it twice.
             debug!(endpoint = self.endpoint, "cannot reach the producer: {e}");
@@ -371,40 +373,48 @@ impl Connection {
 
     /// Runs until `commands` closes (the consumer dropped it).
     pub(crate) async fn run(mut self, mut commands: mpsc::UnboundedReceiver<ConnCmd>) {
-        let (ev_tx, mut events) = mpsc::unbounded_channel::<(u64, SockEvent)>();
         loop {
-            tokio::select! {
-                cmd = commands.recv() => match cmd {
-                    None => break,
-                    Some(ConnCmd::Load(cmd)) => self.start(*cmd, &ev_tx).await,
-                    Some(ConnCmd::Connect(respond)) => {
-                        let r = self.open(&ev_tx).await.map_err(|f| match f {
-                            ConnFailure::Connect(why) => why,
-                            ConnFailure::Failed(_) => ConnectFailure::NoSession,
-                        });
-                        let _ = respond.send(r);
+            let event = tokio::select! {
+                cmd = commands.recv() => Event::Command(cmd),
+                ev = async {
+                    match self.sock.as_mut() {
+                        Some(sock) => sock.next().await,
+                        None => std::future::pending().await,
                     }
-                },
-                ev = events.recv() => {
-                    let Some((generation, ev)) = ev else { break };
-                    if generation != self.generation {
-                        continue; // from a socket already replaced
-                    }
-                    match ev {
-                        SockEvent::Message(body) => self.machine.handle_message(Instant::now(), &body),
-                        SockEvent::Lost(why) => {
-                            if self.machine.pending() > 0 {
-                                warn!(endpoint = self.endpoint, "control connection lost: {why}");
-                            } else {
-                                debug!(endpoint = self.endpoint, "control connection closed while idle: {why}");
-                            }
-                            self.machine.handle_connection_lost(why);
-                        }
-                    }
+                } => Event::Sock(ev),
+                _ = sleep_until(self.machine.poll_timeout()) => Event::Tick,
+            };
+            match event {
+                Event::Command(None) => break,
+                Event::Command(Some(ConnCmd::Load(cmd))) => self.start(*cmd).await,
+                Event::Command(Some(ConnCmd::Connect(respond))) => {
+                    let r = self.open().await.map_err(|f| match f {
+                        ConnFailure::Connect(why) => why,
+                        ConnFailure::Failed(_) => ConnectFailure::NoSession,
+                    });
+                    let _ = respond.send(r);
                 }
-                _ = sleep_until(self.machine.poll_timeout()) => self.machine.handle_timeout(Instant::now()),
+                Event::Sock(SockEvent::Message(body)) => {
+                    self.machine.handle_message(Instant::now(), &body)
+                }
+                Event::Sock(SockEvent::Lost(why)) => {
+                    if self.machine.pending() > 0 {
+                        warn!(endpoint = self.endpoint, "control connection lost: {why}");
+                    } else {
+                        debug!(endpoint = self.endpoint, "control connection closed while idle: {why}");
+                    }
+                    self.machine.handle_connection_lost(why);
+                }
+                Event::Tick => self.machine.handle_timeout(Instant::now()),
             }
             self.drain().await;
         }
     }
+}
+
+/// What woke a connection's task.
+enum Event {
+    Command(Option<ConnCmd>),
+    Sock(SockEvent),
+    Tick,
 }

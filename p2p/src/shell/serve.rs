@@ -161,19 +161,44 @@ fn write_groups_blocking(
 ) -> Result<u64, WriteError> {
     let mut bytes = 0u64;
     let mut failed = None;
-    let mut submitted: Vec<Vec<(usize, BatchId)>> = Vec::with_capacity(groups.len());
-    for g in groups {
+    let mut submitted = std::collections::VecDeque::with_capacity(groups.len());
+    // Waits for group `i`'s batches (by the deadline), then tells its progress unless it is
+    // the last group or something failed.
+    let settle = |i: usize, batches: Vec<(usize, BatchId)>, failed: &mut Option<WriteError>| {
+        for (rank, batch) in batches {
+            let w = &workers[rank];
+            let left = deadline.saturating_duration_since(Instant::now());
+            let t = Instant::now();
+            let r = w.engine.wait(batch, left);
+            tracing::debug!(
+                target: "kvferry::timing",
+                wait_us = t.elapsed().as_micros() as u64,
+                "serve waited"
+            );
+            if let Err(e) = r {
+                failed.get_or_insert(WriteError {
+                    rank: w.rank,
+                    kind: WriteErrorKind::Transfer(e),
+                });
+            }
+        }
+        if failed.is_none() && i + 1 < groups.len() {
+            progress(LayerSpan {
+                first: groups[i].start,
+                end: groups[i].end,
+            });
+        }
+    };
+    for (i, g) in groups.iter().enumerate() {
         let mut jobs = Vec::new();
         for p in plans.iter().map(|p| p.layer_part(g)).filter(|p| !p.is_empty()) {
             bytes = bytes.saturating_add(plan_bytes(&p));
-            let seg = &p.segment;
-            for c in p.copies.chunks(per_batch(p.copies.len()).max(1)) {
-                let requests = Submission::Plain(requests(c));
-                jobs.push((p.rank, seg.clone(), requests));
-            }
             if !p.strided.is_empty() {
                 let requests = Submission::Strided(strided_requests(p.strided));
-                jobs.push((p.rank, p.segment, requests));
+                jobs.push((p.rank, p.segment.clone(), requests));
+            }
+            for c in p.copies.chunks(per_batch(p.copies.len()).max(1)) {
+                jobs.push((p.rank, p.segment.clone(), Submission::Plain(requests(c))));
             }
         }
         let jobs = jobs.into_iter().map(|(rank, segment, requests)| Job {
@@ -209,35 +234,28 @@ fn write_groups_blocking(
                 }
             }
         }
-        submitted.push(batches);
+        submitted.push_back((i, batches));
+        if failed.is_some() {
+            break;
+        }
+        // The earlier groups that have landed meanwhile are told now, not after the last
+        // submit: their layers are checksummed while the rest is copied.
+        while let Some((j, batches)) = submitted.pop_front() {
+            let done = batches
+                .iter()
+                .all(|(rank, b)| workers[*rank].engine.status(*b).is_final());
+            if !done || j == i {
+                submitted.push_front((j, batches));
+                break;
+            }
+            settle(j, batches, &mut failed);
+        }
         if failed.is_some() {
             break;
         }
     }
-    for (i, batches) in submitted.into_iter().enumerate() {
-        for (rank, batch) in batches {
-            let w = &workers[rank];
-            let left = deadline.saturating_duration_since(Instant::now());
-            let t = Instant::now();
-            let r = w.engine.wait(batch, left);
-            tracing::debug!(
-                target: "kvferry::timing",
-                wait_us = t.elapsed().as_micros() as u64,
-                "serve waited"
-            );
-            if let Err(e) = r {
-                failed.get_or_insert(WriteError {
-                    rank: w.rank,
-                    kind: WriteErrorKind::Transfer(e),
-                });
-            }
-        }
-        if failed.is_none() && i + 1 < groups.len() {
-            progress(LayerSpan {
-                first: groups[i].start,
-                end: groups[i].end,
-            });
-        }
+    for (j, batches) in submitted {
+        settle(j, batches, &mut failed);
     }
     match failed {
         Some(e) => Err(e),

@@ -401,7 +401,10 @@ impl Connection {
                     if self.machine.pending() > 0 {
                         warn!(endpoint = self.endpoint, "control connection lost: {why}");
                     } else {
-                        debug!(endpoint = self.endpoint, "control connection closed while idle: {why}");
+                        debug!(
+                            endpoint = self.endpoint,
+                            "control connection closed while idle: {why}"
+                        );
                     }
                     self.machine.handle_connection_lost(why);
                 }

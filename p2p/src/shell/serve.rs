@@ -191,7 +191,11 @@ fn write_groups_blocking(
     };
     for (i, g) in groups.iter().enumerate() {
         let mut jobs = Vec::new();
-        for p in plans.iter().map(|p| p.layer_part(g)).filter(|p| !p.is_empty()) {
+        for p in plans
+            .iter()
+            .map(|p| p.layer_part(g))
+            .filter(|p| !p.is_empty())
+        {
             bytes = bytes.saturating_add(plan_bytes(&p));
             if !p.strided.is_empty() {
                 let requests = Submission::Strided(strided_requests(p.strided));

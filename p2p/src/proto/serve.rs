@@ -126,7 +126,12 @@ pub fn plan(
             published: published.num_tokens,
         });
     }
+    // Each group once: a second listing would copy the lease's blocks again.
+    let mut listed = HashSet::with_capacity(req.blocks.len());
     for b in &req.blocks {
+        if !listed.insert(b.group_id) {
+            return Err(ServeError::GroupTwice(b.group_id));
+        }
         check_blocks(producer, published, b)?;
     }
     check_ranks(req)?;

@@ -30,6 +30,10 @@ pub enum ServeError {
     /// The lease has no block table for the group.
     #[error("group {0} was not published")]
     NotPublished(u32),
+    /// The request lists a group's blocks more than once (each listing would copy the lease's
+    /// blocks again).
+    #[error("group {0} is listed more than once")]
+    GroupTwice(u32),
     /// The producer's ranks have no such group.
     #[error("producer has no group {0}")]
     NoGroup(u32),

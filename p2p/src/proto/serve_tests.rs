@@ -854,3 +854,25 @@ fn mutated_requests_never_panic_the_plan() {
         }
     }
 }
+
+/// A request that lists a group twice (no consumer builds one: `build_request` refuses it) is
+/// refused: each listing would copy the lease's blocks again, so one lease could make the
+/// producer write its bytes thousands of times (up to `MAX_GROUPS` listings).
+#[test]
+fn a_group_listed_twice_is_refused() {
+    let (producer, consumer) = (side(0, 1, 1, 4), side(1, 1, 1, 4));
+    let (remote, local) = ([4u64, 0, 2], [1u64, 3, 5]);
+    let lease = published(&remote);
+    let mut r = request(&consumer, &remote, &local);
+    let once = plan(&producer, &lease, &r).unwrap();
+    let copies = |p: &[RankPlan]| p.iter().map(|p| p.copy_count()).sum::<usize>();
+    assert!(copies(&once) > 0);
+    let b = r.blocks[0].clone();
+    r.blocks.extend(std::iter::repeat_n(b, 63));
+    let r = plan(&producer, &lease, &r);
+    assert!(
+        matches!(r, Err(ServeError::GroupTwice(0))),
+        "{:?}",
+        r.map(|p| copies(&p))
+    );
+}

@@ -170,6 +170,7 @@ fn write_groups_blocking(
             let left = deadline.saturating_duration_since(Instant::now());
             let t = Instant::now();
             let r = w.engine.wait(batch, left);
+            free_if_timed_out(w, batch, &r);
             tracing::debug!(
                 target: "kvferry::timing",
                 wait_us = t.elapsed().as_micros() as u64,
@@ -471,16 +472,25 @@ async fn wait_batch(w: &Worker, batch: BatchId, deadline: Instant) -> Result<(),
     let at = |kind: WriteErrorKind| WriteError { rank, kind };
     let left = deadline.saturating_duration_since(Instant::now());
     let t = Instant::now();
-    w.engine
-        .wait_async(batch, left)
-        .await
-        .map_err(|e| at(WriteErrorKind::Transfer(e)))?;
+    let r = w.engine.wait_async(batch, left).await;
+    free_if_timed_out(w, batch, &r);
+    r.map_err(|e| at(WriteErrorKind::Transfer(e)))?;
     tracing::debug!(
         target: "kvferry::timing",
         wait_us = t.elapsed().as_micros() as u64,
         "serve waited"
     );
     Ok(())
+}
+
+/// Frees `batch` when its wait ended in a timeout (`r`): the engine keeps a timed-out batch
+/// for a later wait, but a serve never waits past its deadline, so without this every load
+/// that timed out would leave its batches in the engine's table for the producer's life.
+/// Freeing also skips the batch's slices not yet sent.
+fn free_if_timed_out(w: &Worker, batch: BatchId, r: &kvferry_transfer::Result<()>) {
+    if matches!(r, Err(kvferry_transfer::TransferError::Timeout(_))) {
+        w.engine.free_batch(batch);
+    }
 }
 
 #[cfg(test)]
@@ -494,5 +504,65 @@ mod tests {
         assert_eq!(batches_for(REQUESTS_PER_BATCH + 1), 2);
         assert_eq!(batches_for(16384), MAX_BATCHES);
         assert_eq!(batches_for(1 << 20), MAX_BATCHES);
+    }
+
+    /// A serve's wait that runs past its deadline frees the batch: the engine keeps a
+    /// timed-out batch for a later wait, which a serve never makes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_whose_wait_timed_out_is_freed() {
+        use kvferry_checksum::group::RankInfo;
+        use kvferry_kernels::{CpuBackend, Location};
+        use kvferry_transfer::{BatchStatus, EngineConfig, TransferEngine, TransportKind};
+        let engine = || {
+            TransferEngine::new(EngineConfig {
+                host: "127.0.0.1".into(),
+                port: 0,
+                transport: TransportKind::Tcp,
+                ..EngineConfig::default()
+            })
+            .unwrap()
+        };
+        let (a, b) = (engine(), engine());
+        const LEN: u64 = 64 << 20;
+        let (src, dst) = (vec![1u8; LEN as usize], vec![0u8; LEN as usize]);
+        let (s, d) = (src.as_ptr() as u64, dst.as_ptr() as u64);
+        // SAFETY: both buffers outlive the engines' use of them (unregistered below, which
+        // waits for the accesses in flight, before they drop).
+        unsafe {
+            a.register_memory(s, LEN, Location::Cpu).unwrap();
+            b.register_memory(d, LEN, Location::Cpu).unwrap();
+        }
+        let target = a.open_segment(&b.segment_name()).unwrap();
+        let w = Worker {
+            rank: RankInfo::SINGLE,
+            engine: a.clone(),
+            device: Location::Cpu,
+            groups: Vec::new(),
+            backend: Arc::new(CpuBackend::new(1)),
+        };
+        let copy = |i: u64| TransferRequest {
+            op: Op::Write,
+            local_addr: s + i * (LEN / 64),
+            remote_addr: d + i * (LEN / 64),
+            len: LEN / 64,
+        };
+        let requests: Vec<_> = (0..64).map(copy).collect();
+        let batch = a.submit(&target, &requests).unwrap();
+        // A deadline already passed: 64 MiB over loopback is not done the moment it is
+        // submitted, so the wait times out.
+        let r = wait_batch(&w, batch, Instant::now()).await;
+        assert!(
+            matches!(
+                &r,
+                Err(WriteError {
+                    kind: WriteErrorKind::Transfer(kvferry_transfer::TransferError::Timeout(_)),
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        assert_eq!(a.status(batch), BatchStatus::Invalid);
+        a.unregister_memory(s).unwrap();
+        b.unregister_memory(d).unwrap();
     }
 }

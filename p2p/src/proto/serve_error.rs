@@ -253,6 +253,10 @@ pub enum WriteErrorKind {
     /// Opening the consumer's segment and submitting did not end within the load's deadline.
     #[error("opening the consumer segment took over {0:?}")]
     OpenTimeout(Duration),
+    /// A large load's layer groups (submitted and waited for on a task of their own) did not
+    /// all land within the load's deadline: some WRITE or its wait ran past it.
+    #[error("the load's layer groups did not land within {0:?}")]
+    GroupsTimeout(Duration),
     /// The consumer's segment could not be opened.
     #[error("open segment {segment}: {source}")]
     Open {

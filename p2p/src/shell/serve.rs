@@ -137,7 +137,7 @@ pub(crate) async fn write_grouped(
     let at = |kind: WriteErrorKind| WriteError { rank: first, kind };
     match tokio::time::timeout(left, run).await {
         // The task still waits for what it submitted, by the same deadline.
-        Err(_) => Err(at(WriteErrorKind::OpenTimeout(left))),
+        Err(_) => Err(at(WriteErrorKind::GroupsTimeout(left))),
         Ok(Err(e)) => Err(at(WriteErrorKind::Task(e))),
         Ok(Ok(r)) => r,
     }
@@ -564,5 +564,46 @@ mod tests {
         assert_eq!(a.status(batch), BatchStatus::Invalid);
         a.unregister_memory(s).unwrap();
         b.unregister_memory(d).unwrap();
+    }
+
+    /// A grouped load that runs past its deadline says so, not that opening the consumer's
+    /// segment took too long (the groups' task opens, submits and waits).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_grouped_load_past_its_deadline_names_the_groups() {
+        use kvferry_checksum::group::RankInfo;
+        use kvferry_kernels::{CpuBackend, Location};
+        use kvferry_transfer::{EngineConfig, TransferEngine, TransportKind};
+        let engine = TransferEngine::new(EngineConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            transport: TransportKind::Tcp,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let workers = Arc::new(vec![Worker {
+            rank: RankInfo::SINGLE,
+            engine,
+            device: Location::Cpu,
+            groups: Vec::new(),
+            backend: Arc::new(CpuBackend::new(1)),
+        }]);
+        // A segment whose listener never answers: the task's open waits for its handshake.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let plan = RankPlan {
+            rank: 0,
+            segment: silent.local_addr().unwrap().to_string(),
+            copies: vec![Copy {
+                src: 0,
+                dst: 0,
+                len: 1,
+            }],
+            copy_layers: vec![(0, 1)],
+            strided: Vec::new(),
+        };
+        let groups = [Range { start: 0, end: 1 }];
+        let r = write_grouped(workers, vec![plan], &groups, Instant::now(), None, |_| {}).await;
+        let e = r.unwrap_err();
+        assert!(matches!(e.kind, WriteErrorKind::GroupsTimeout(_)), "{e:?}");
+        assert!(e.to_string().contains("layer groups did not land"), "{e}");
     }
 }

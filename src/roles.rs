@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use kvferry_checksum::verdict::Verdict;
 use kvferry_p2p::proto::consumer::{ConnectFailure, FailReason, SessionError};
 use kvferry_p2p::{derive_load_key, Consumer, LoadError, LoadSpec, Producer, ReleaseReason};
-use kvferry_transfer::Secret;
+use kvferry_transfer::{Secret, TransferPath};
 use rand::SeedableRng;
 use serde::Serialize;
 
@@ -28,7 +28,8 @@ use crate::error::CliError;
 use crate::loads::{consumer_config, load_groups, producer_config, prompt_lengths, LoadCounts};
 use crate::models::{model_by_name, ModelShape};
 use crate::setup::{
-    engine_config, host_of, local_addr_towards, physical_memory, secret, side_config, side_workers,
+    engine_config, host_of, local_addr_towards, memory_paths, physical_memory, secret, side_config,
+    side_workers,
 };
 use crate::world::{build_side, fill_request, request_tables, BlockPool};
 
@@ -376,8 +377,14 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
 /// Result of `kvferry load`, printed as JSON with `--json`.
 #[derive(Debug, Default, Serialize)]
 pub struct LoadReport {
-    /// Transport the engine used.
+    /// What carried the KV ([`carried_by`]): the path the producer's FINISH names
+    /// (`cuda-ipc`, `tcp` or `rdma`), `mixed` when loads named different ones, or this side's
+    /// network transport when none named one (an older producer, or no load finished).
     pub transport: String,
+    /// The network transport this side's engine uses (`tcp` or `rdma`).
+    pub network_transport: String,
+    /// The registration paths of this side's KV memory ([`memory_paths`]).
+    pub memory_paths: Vec<String>,
     /// Requests loaded.
     pub requests: u32,
     /// Verdict and action counts (top-level JSON fields).
@@ -396,6 +403,16 @@ pub struct LoadReport {
     pub corrupted: u32,
     /// Of those, the ones whose verdict was a mismatch (the rest went unnoticed or failed).
     pub caught: u32,
+}
+
+/// What carried a run's KV: the one path its loads' FINISHes named, `mixed` for several, or
+/// `network` (the engine's transport) when none named one.
+pub fn carried_by(paths: &[TransferPath], network: &str) -> String {
+    match paths.split_first() {
+        None => network.to_string(),
+        Some((first, rest)) if rest.iter().all(|p| p == first) => first.to_string(),
+        Some(_) => "mixed".to_string(),
+    }
 }
 
 /// `kvferry load`: load every request from a `kvferry serve` producer and verify it.
@@ -462,7 +479,9 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
     }
     let ranks = build_side(&side, &engine_config(c, &default_host)?)?;
     let (workers, _) = side_workers(&ranks, c, &model, c.block_size, 0)?;
-    let transport = ranks[0].engine.transport_name().to_string();
+    let network_transport = ranks[0].engine.transport_name().to_string();
+    let memory_paths = memory_paths(&ranks);
+    let mut carried = Vec::new();
     let rt = tokio::runtime::Runtime::new().map_err(CliError::Runtime)?;
     let consumer = Consumer::new(consumer_config(c), workers)
         .map_err(CliError::p2p("starting the consumer"))?;
@@ -485,7 +504,8 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
     let mut rng = rand::rngs::SmallRng::seed_from_u64(args.seed ^ 0xc0ff_ee00);
     let corrupt = crate::corrupt::choose(&mut rng, args.requests, args.corrupt);
     let mut report = LoadReport {
-        transport,
+        network_transport,
+        memory_paths,
         connect_seconds,
         requests: args.requests,
         corrupted: args.corrupt,
@@ -530,6 +550,7 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
         match outcome {
             Ok(o) => {
                 report.bytes += o.bytes;
+                carried.extend(o.path);
                 report.counts.record(o.verdict.as_ref(), o.action);
                 if corrupted && matches!(o.verdict, Some(Verdict::Mismatch { .. })) {
                     report.caught += 1;
@@ -557,6 +578,7 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
             }
         }
     }
+    report.transport = carried_by(&carried, &report.network_transport);
     report.gb_per_s = if report.seconds > 0.0 {
         report.bytes as f64 / report.seconds / 1e9
     } else {
@@ -595,6 +617,17 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `load --json`'s `transport` says what carried the KV (as the demo's does), not the
+    /// engine's network transport.
+    #[test]
+    fn the_transport_is_the_path_the_finishes_name() {
+        use TransferPath::{CudaIpc, Tcp};
+        assert_eq!(carried_by(&[CudaIpc, CudaIpc], "tcp"), "cuda-ipc");
+        assert_eq!(carried_by(&[Tcp], "tcp"), "tcp");
+        assert_eq!(carried_by(&[CudaIpc, Tcp], "tcp"), "mixed");
+        assert_eq!(carried_by(&[], "rdma"), "rdma");
+    }
 
     #[test]
     fn block_counts_no_machine_holds_are_a_usage_error_not_a_panic() {

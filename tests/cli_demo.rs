@@ -637,6 +637,10 @@ fn serve_and_load_as_two_processes() {
     // The session was opened before the first load, outside the loads' time.
     let connect = r["connect_seconds"].as_f64().unwrap_or(0.0);
     assert!(connect > 0.0, "{r}");
+    // What carried the KV, as the producer's FINISHes name it, and this side's memory.
+    assert_eq!(r["transport"], "tcp", "{r}");
+    assert_eq!(r["network_transport"], "tcp", "{r}");
+    assert_eq!(r["memory_paths"], serde_json::json!(["host"]), "{r}");
 }
 
 /// A load with the wrong --model is refused before any byte moves, and leaves the producer's

@@ -186,3 +186,21 @@ async fn a_landed_hook_turns_the_overlap_off_for_the_loads_it_runs_for() {
     );
     pair.producer.shutdown().await;
 }
+
+/// The outcome says what carried the KV, as the producer's FINISH names it, whether the load
+/// was copied in one go or in layer groups (TP 2: two ranks submit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_outcome_names_the_path_that_carried_the_kv() {
+    for (tp, group_bytes) in [(1, 0), (1, 1), (2, 0), (2, 1)] {
+        let pair = pair(tp, 1, group_bytes).await;
+        let out = load(&pair, "r").await;
+        assert_eq!(out.verdict, Some(Verdict::Verified));
+        let what = format!("TP {tp}, groups of {group_bytes} bytes");
+        assert_eq!(
+            out.path,
+            Some(kvferry_transfer::TransferPath::Tcp),
+            "{what}"
+        );
+        pair.producer.shutdown().await;
+    }
+}

@@ -396,7 +396,7 @@ impl Sim {
             if let Some(i) = self.serving.iter().position(|s| s.0 <= self.now) {
                 let (_, peer, id, load_id, ok) = self.serving.swap_remove(i);
                 let result = if ok {
-                    Ok((1, None))
+                    Ok((1, None, None))
                 } else {
                     Err(ServeFailure::Write(WriteError {
                         rank: RankInfo::SINGLE,

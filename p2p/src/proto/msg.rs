@@ -6,7 +6,7 @@
 //! its elements are read, so a decoded message holds a small multiple of its bytes.
 
 use super::msg_header::{from_msgpack, leading_header, Header};
-use kvferry_transfer::Shared;
+use kvferry_transfer::{Shared, TransferPath};
 
 use serde::{Deserialize, Serialize};
 
@@ -389,6 +389,17 @@ pub struct Reply {
         deserialize_with = "known_span"
     )]
     pub landed: Option<LayerSpan>,
+    /// On FINISH: the path that carried the load's bytes (the first producer rank's into
+    /// its first consumer rank: `cuda-ipc`, `tcp` or `rdma`), so that the consumer can say
+    /// what carried its KV. Absent from producers that do not say it, and read as absent when
+    /// it names a path this side does not know. Not covered by the FINISH proof: it is a
+    /// report, nothing is decided on it.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "known_path"
+    )]
+    pub path: Option<TransferPath>,
 }
 
 /// Layer slots `[first, end)` of a request (`proto::progress::layer_slots`): the layers a
@@ -416,6 +427,17 @@ pub enum ErrorReason {
     /// byte for byte): the two sides replay different prompts or models, so the run's other
     /// requests are refused the same way.
     LeaseMismatch,
+}
+
+/// `Reply::path` as read: a path this side does not know is `None`, not a bad reply.
+fn known_path<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<TransferPath>, D::Error> {
+    let s: Option<String> = Option::deserialize(d)?;
+    Ok(match s.as_deref() {
+        Some("cuda-ipc") => Some(TransferPath::CudaIpc),
+        Some("tcp") => Some(TransferPath::Tcp),
+        Some("rdma") => Some(TransferPath::Rdma),
+        _ => None,
+    })
 }
 
 /// `Reply::reason` as read: a reason this side does not know is `None`, not a bad reply.
@@ -465,6 +487,7 @@ impl Reply {
             no_session: false,
             reason: None,
             landed: None,
+            path: None,
         }
     }
 

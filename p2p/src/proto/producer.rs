@@ -38,7 +38,7 @@ use kvferry_transfer::{Secret, Shared};
 
 use super::msg::{decode_consumer_message, ConsumerMessage, LayerSpan, LoadRequest, Reply, Status};
 use super::peer_segments::PeerSegments;
-use super::producer_effects::{not_owner, owns};
+use super::producer_effects::{not_owner, owns, ServedLoad};
 pub use super::producer_effects::{
     Effect, ProducerTimeouts, PublishError, Refusal, ReleaseReason, Warning,
 };
@@ -474,7 +474,7 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
         peer: P,
         request_id: &str,
         load_id: u64,
-        result: Result<(u64, Option<Vec<u8>>), ServeFailure>,
+        result: Result<ServedLoad, ServeFailure>,
     ) {
         let forget_at = now + self.timeouts.tombstone;
         let (token, segments) = match self.entries.get_mut(request_id) {
@@ -490,10 +490,11 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
             _ => (None, Vec::new()),
         };
         let (reply, reason) = match result {
-            Ok((bytes, checksums)) => {
+            Ok((bytes, checksums, path)) => {
                 let mut reply = Reply::new(Status::Finish, request_id, load_id);
                 reply.bytes_written = bytes;
                 reply.checksums = checksums;
+                reply.path = path;
                 if let Some((t, sid)) = token {
                     reply.proof = Some(super::msg::finish_proof(&t, &sid, &reply).to_vec());
                 }

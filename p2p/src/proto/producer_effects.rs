@@ -4,12 +4,16 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry_transfer::Shared;
+use kvferry_transfer::{Shared, TransferPath};
 
 use super::msg::{LoadRequest, MsgError, Reply, Welcome};
 use super::serve_error::ServeFailure;
 use super::session::Session;
 use super::sessions::SessionRefusal;
+
+/// What a serve that ran gives [`super::producer::ProducerMachine::handle_served`]: the bytes
+/// written, the lease's checksum payload and the path that carried the load (for its FINISH).
+pub type ServedLoad = (u64, Option<Vec<u8>>, Option<TransferPath>);
 
 /// Timeouts of the producer state machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -84,7 +84,7 @@ fn the_producer_names_landed_layers_only_to_the_load_it_serves() {
     }
     // It counts as the heartbeat.
     assert_eq!(m.poll_timeout(), Some(t0 + timeouts().heartbeat));
-    m.handle_served(t0, 1, "a", 7, Ok((1, None)));
+    m.handle_served(t0, 1, "a", 7, Ok((1, None, None)));
     while m.poll_effect().is_some() {}
     m.handle_progress(t0, "a", 7, span);
     assert_eq!(m.poll_effect(), None, "no progress after the FINISH");

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry_transfer::PeerText;
+use kvferry_transfer::{PeerText, TransferPath};
 use proptest::prelude::*;
 use serde::Serialize;
 
@@ -152,7 +152,7 @@ trait Drive {
         peer: u32,
         id: &str,
         load_id: u64,
-        r: Result<(u64, Option<Vec<u8>>), ServeFailure>,
+        r: Result<super::producer_effects::ServedLoad, ServeFailure>,
     ) -> Effects;
     fn on_tick(&mut self, now: Instant) -> Effects;
     fn drained(&mut self) -> Effects;
@@ -178,7 +178,7 @@ impl Drive for Machine {
         peer: u32,
         id: &str,
         load_id: u64,
-        r: Result<(u64, Option<Vec<u8>>), ServeFailure>,
+        r: Result<super::producer_effects::ServedLoad, ServeFailure>,
     ) -> Effects {
         self.handle_served(now, peer, id, load_id, r);
         self.drained()
@@ -474,7 +474,7 @@ fn published_lease_is_served_once() {
     let e = m.on_request(t0, 2, request("a", 2), &sess());
     assert_eq!(serves(&e), vec![]);
     assert_eq!(replies(&e)[0].1, Status::Error);
-    let e = m.on_served(t0, 1, "a", 1, Ok((100, Some(vec![9]))));
+    let e = m.on_served(t0, 1, "a", 1, Ok((100, Some(vec![9]), None)));
     let r = replies(&e);
     assert_eq!(r[0].1, Status::Finish);
     assert!(e.contains(&Effect::Released {
@@ -615,7 +615,7 @@ fn a_refused_request_leaves_the_lease_for_one_that_fits() {
     // Another consumer, whose request fits, gets the same blocks.
     let e = m.on_request(t0 + Duration::from_secs(1), 2, request("a", 2), &sess());
     assert_eq!(serves(&e), vec![(2, "a".to_string(), "b")]);
-    let e = m.on_served(t0 + Duration::from_secs(1), 2, "a", 2, Ok((1, None)));
+    let e = m.on_served(t0 + Duration::from_secs(1), 2, "a", 2, Ok((1, None, None)));
     assert!(e.contains(&Effect::Released {
         request_id: "a".into(),
         reason: ReleaseReason::Served
@@ -994,7 +994,7 @@ fn waiting_and_serving_requests_get_heartbeats() {
     beats.sort();
     assert_eq!(beats, vec![1, 2]);
     // Once served, no more heartbeats for it.
-    m.on_served(t0, 2, "a", 2, Ok((1, None)));
+    m.on_served(t0, 2, "a", 2, Ok((1, None, None)));
     assert_eq!(continues(&m.on_tick(t0 + Duration::from_secs(2))), vec![1]);
 }
 
@@ -1147,4 +1147,48 @@ fn a_lease_mismatch_is_typed_on_the_wire() {
             reason: FailReason::Producer(PeerText::from_bytes(b"nope"))
         }
     );
+}
+
+/// The FINISH names the path the serve reports (what carried the KV), and it is read back from
+/// the wire; a reply without it (an older producer's) or naming a path this side does not know
+/// (a newer one's) reads as no path, never as a bad reply.
+#[test]
+fn a_finish_names_the_path_that_carried_the_load() {
+    let t0 = Instant::now();
+    let mut m = Machine::new(timeouts(), Duration::from_secs(2));
+    m.publish(t0, "a", "b").unwrap();
+    m.on_request(t0, 1, request("a", 1), &sess());
+    let e = m.on_served(t0, 1, "a", 1, Ok((8, None, Some(TransferPath::CudaIpc))));
+    let finish = e
+        .iter()
+        .find_map(|e| match e {
+            Effect::Reply { reply, .. } if reply.status() == Status::Finish => Some(reply.clone()),
+            _ => None,
+        })
+        .expect("a FINISH");
+    assert_eq!(finish.path, Some(TransferPath::CudaIpc));
+    let wire = encode(&finish);
+    assert_eq!(
+        decode_reply(&wire).unwrap().path,
+        Some(TransferPath::CudaIpc)
+    );
+
+    let v = rmpv::decode::read_value(&mut &wire[..]).unwrap();
+    let mut map = v.as_map().unwrap().clone();
+    for (k, v) in map.iter_mut() {
+        if k.as_str() == Some("path") {
+            *v = rmpv::Value::from("a-newer-path");
+        }
+    }
+    let mut newer = Vec::new();
+    rmpv::encode::write_value(&mut newer, &rmpv::Value::Map(map)).unwrap();
+    assert_eq!(decode_reply(&newer).unwrap().path, None);
+    let older = encode(&Reply::new(Status::Finish, "a", 1));
+    let v = rmpv::decode::read_value(&mut &older[..]).unwrap();
+    assert!(!v
+        .as_map()
+        .unwrap()
+        .iter()
+        .any(|(k, _)| k.as_str() == Some("path")));
+    assert_eq!(decode_reply(&older).unwrap().path, None);
 }

@@ -206,6 +206,7 @@ impl Consumer {
                 transfer_seconds,
                 checksum_seconds: 0.0,
                 early_layers: 0,
+                path: reply.path,
             });
         }
         let started = Instant::now();
@@ -240,6 +241,7 @@ impl Consumer {
             transfer_seconds,
             checksum_seconds,
             early_layers,
+            path: reply.path,
         })
     }
 

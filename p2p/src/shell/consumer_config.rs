@@ -103,6 +103,9 @@ pub struct LoadOutcome {
     /// (docs/design.md §4.9); the rest were checksummed after it. 0 when the producer said no
     /// progress, its progress was bogus, or a landed hook ran.
     pub early_layers: u32,
+    /// What carried the KV, as the producer's FINISH says (`cuda-ipc`, `tcp` or `rdma`; the
+    /// path of its first batch); `None` from a producer that does not say it.
+    pub path: Option<kvferry_transfer::TransferPath>,
 }
 
 /// §2.7: checksums with no carrier verify nothing (the checksum crate's

@@ -1,17 +1,20 @@
 //! Serving one load on the producer (docs/design.md §4): plan the copies with
 //! [`crate::proto::serve::plan`] and WRITE them through each producer rank's engine.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use std::ops::Range;
 
-use kvferry_transfer::{BatchId, Op, StridedRange, StridedRequest, Token, TransferRequest};
+use kvferry_transfer::{
+    BatchId, Op, StridedRange, StridedRequest, Token, TransferPath, TransferRequest,
+};
 use tracing::debug;
 
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::{LayerSpan, LoadRequest};
 use crate::proto::plan::Copy;
+use crate::proto::producer_effects::ServedLoad;
 use crate::proto::progress::{layer_groups, layer_slots};
 use crate::proto::serve::{plan, BlockCopies, Published, RankPlan};
 use crate::proto::serve_error::{ServeFailure, WriteError, WriteErrorKind};
@@ -20,9 +23,10 @@ use crate::worker::Worker;
 /// How serving one load ended ([`serve_load`]).
 #[derive(Debug)]
 pub(crate) enum ServeEnd {
-    /// The WRITEs ran: the bytes written and the lease's checksum payload (for the reply), or
-    /// why they failed (the lease ends: bytes may have landed).
-    Ran(Result<(u64, Option<Vec<u8>>), ServeFailure>),
+    /// The WRITEs ran: the bytes written, the lease's checksum payload and the path that
+    /// carried the first batch submitted (for the reply), or why they failed (the lease ends:
+    /// bytes may have landed).
+    Ran(Result<ServedLoad, ServeFailure>),
     /// Refused before any WRITE (a grant token that does not parse, a request the plan
     /// refuses): why, and the lease, untouched, to be held again.
     Refused(ServeFailure, Published),
@@ -66,10 +70,12 @@ pub(crate) async fn serve_load(
         p.add_slot_bytes(&mut slot_bytes);
     }
     let groups = layer_groups(&slot_bytes, group_bytes);
+    let carried = Arc::new(OnceLock::new());
     let written = if groups.len() > 1 {
-        write_grouped(workers, plan, &groups, deadline, token, progress).await
+        let carried = carried.clone();
+        write_grouped(workers, plan, &groups, deadline, token, progress, carried).await
     } else {
-        write_all(workers, plan, deadline, token).await
+        write_all(workers, plan, deadline, token, carried.clone()).await
     }
     .map_err(ServeFailure::from);
     debug!(
@@ -78,26 +84,30 @@ pub(crate) async fn serve_load(
         serve_us = t_plan.elapsed().as_micros() as u64,
         "serve done"
     );
-    ServeEnd::Ran(written.map(|bytes| (bytes, lease.payload)))
+    let path = carried.get().copied();
+    ServeEnd::Ran(written.map(|bytes| (bytes, lease.payload, path)))
 }
 
 /// WRITEs every plan through its producer rank's engine, all concurrently, all
 /// done by `deadline`. Returns the bytes written.
 /// `token`: the consumer's grant token for this load, attached to every WRITE (`None`: the
-/// consumer granted nothing; only an open consumer accepts the WRITEs then).
+/// consumer granted nothing; only an open consumer accepts the WRITEs then). `carried`: set to
+/// the path of the first batch submitted.
 pub(crate) async fn write_all(
     workers: Arc<Vec<Worker>>,
     plans: Vec<RankPlan>,
     deadline: Instant,
     token: Option<Token>,
+    carried: Arc<OnceLock<TransferPath>>,
 ) -> Result<u64, WriteError> {
     let runs = plans.into_iter().map(|p| {
         let workers = workers.clone();
+        let carried = carried.clone();
         async move {
             let w = &workers[p.rank];
             let (strided, copies) = futures::future::join(
-                write_strided(w, p.segment.clone(), p.strided, deadline, token),
-                write_rank(w, p.segment, p.copies, deadline, token),
+                write_strided(w, p.segment.clone(), p.strided, deadline, token, &carried),
+                write_rank(w, p.segment, p.copies, deadline, token, &carried),
             )
             .await;
             Ok::<u64, WriteError>(strided? + copies?)
@@ -117,7 +127,8 @@ pub(crate) async fn write_all(
 /// as each group but the last has landed (the FINISH says the last). One hop off the event loop
 /// per load instead of one per batch: on a device path a submit is a few tens of microseconds,
 /// less than the hop. Every batch submitted is waited for, a failure or not, all by `deadline`;
-/// no group is submitted after a failure. Returns the bytes written.
+/// no group is submitted after a failure. Returns the bytes written; `carried` is set to the
+/// path of the first batch submitted.
 pub(crate) async fn write_grouped(
     workers: Arc<Vec<Worker>>,
     plans: Vec<RankPlan>,
@@ -125,13 +136,15 @@ pub(crate) async fn write_grouped(
     deadline: Instant,
     token: Option<Token>,
     progress: impl Fn(LayerSpan) + Send + 'static,
+    carried: Arc<OnceLock<TransferPath>>,
 ) -> Result<u64, WriteError> {
     let Some(first) = plans.first().map(|p| workers[p.rank].rank) else {
         return Ok(0);
     };
     let groups = groups.to_vec();
     let run = tokio::task::spawn_blocking(move || {
-        write_groups_blocking(&workers, &plans, &groups, deadline, token, &progress)
+        let submit = |j| submit_job(&workers, j, token, &carried);
+        write_groups_blocking(&workers, &plans, &groups, deadline, &submit, &progress)
     });
     let left = deadline.saturating_duration_since(Instant::now());
     let at = |kind: WriteErrorKind| WriteError { rank: first, kind };
@@ -156,7 +169,7 @@ fn write_groups_blocking(
     plans: &[RankPlan],
     groups: &[Range<u32>],
     deadline: Instant,
-    token: Option<Token>,
+    submit: &(dyn Fn(Job) -> Result<(usize, BatchId), WriteError> + Sync),
     progress: &dyn Fn(LayerSpan),
 ) -> Result<u64, WriteError> {
     let mut bytes = 0u64;
@@ -212,11 +225,9 @@ fn write_groups_blocking(
             requests,
         });
         let results: Vec<_> = match jobs.len() {
-            0 | 1 => jobs.map(|j| submit_job(workers, j, token)).collect(),
+            0 | 1 => jobs.map(submit).collect(),
             _ => std::thread::scope(|s| {
-                let running: Vec<_> = jobs
-                    .map(|j| (j.rank, s.spawn(move || submit_job(workers, j, token))))
-                    .collect();
+                let running: Vec<_> = jobs.map(|j| (j.rank, s.spawn(move || submit(j)))).collect();
                 running
                     .into_iter()
                     .map(|(rank, h)| {
@@ -274,9 +285,10 @@ fn submit_job(
     workers: &[Worker],
     job: Job,
     token: Option<Token>,
+    carried: &OnceLock<TransferPath>,
 ) -> Result<(usize, BatchId), WriteError> {
     let w = &workers[job.rank];
-    submit_blocking(&w.engine, job.segment, &job.requests, token)
+    submit_blocking(&w.engine, job.segment, &job.requests, token, carried)
         .map(|b| (job.rank, b))
         .map_err(|kind| WriteError { rank: w.rank, kind })
 }
@@ -315,6 +327,7 @@ async fn write_rank(
     copies: Vec<Copy>,
     deadline: Instant,
     token: Option<Token>,
+    carried: &Arc<OnceLock<TransferPath>>,
 ) -> Result<u64, WriteError> {
     if copies.is_empty() {
         return Ok(0);
@@ -323,7 +336,7 @@ async fn write_rank(
     let per = per_batch(copies.len());
     let runs = copies
         .chunks(per)
-        .map(|part| write_batch(w, segment.clone(), part, deadline, token));
+        .map(|part| write_batch(w, segment.clone(), part, deadline, token, carried));
     for r in futures::future::join_all(runs).await {
         r?;
     }
@@ -339,6 +352,7 @@ async fn write_strided(
     strided: Vec<BlockCopies>,
     deadline: Instant,
     token: Option<Token>,
+    carried: &Arc<OnceLock<TransferPath>>,
 ) -> Result<u64, WriteError> {
     if strided.iter().all(BlockCopies::is_empty) {
         return Ok(0);
@@ -347,7 +361,8 @@ async fn write_strided(
     let bytes = requests
         .iter()
         .fold(0u64, |a, r| a.saturating_add(r.bytes()));
-    submit_and_wait(w, segment, Submission::Strided(requests), deadline, token).await?;
+    let requests = Submission::Strided(requests);
+    submit_and_wait(w, segment, requests, deadline, token, carried).await?;
     Ok(bytes)
 }
 
@@ -384,9 +399,10 @@ async fn write_batch(
     copies: &[Copy],
     deadline: Instant,
     token: Option<Token>,
+    carried: &Arc<OnceLock<TransferPath>>,
 ) -> Result<(), WriteError> {
-    let requests = requests(copies);
-    submit_and_wait(w, segment, Submission::Plain(requests), deadline, token).await
+    let requests = Submission::Plain(requests(copies));
+    submit_and_wait(w, segment, requests, deadline, token, carried).await
 }
 
 /// Plain copies as the engine's WRITE requests.
@@ -409,8 +425,9 @@ async fn submit_and_wait(
     requests: Submission,
     deadline: Instant,
     token: Option<Token>,
+    carried: &Arc<OnceLock<TransferPath>>,
 ) -> Result<(), WriteError> {
-    let batch = submit(w, segment, requests, deadline, token).await?;
+    let batch = submit(w, segment, requests, deadline, token, carried.clone()).await?;
     wait_batch(w, batch, deadline).await
 }
 
@@ -421,12 +438,14 @@ async fn submit(
     requests: Submission,
     deadline: Instant,
     token: Option<Token>,
+    carried: Arc<OnceLock<TransferPath>>,
 ) -> Result<BatchId, WriteError> {
     let rank = w.rank;
     let at = |kind: WriteErrorKind| WriteError { rank, kind };
     let engine = w.engine.clone();
-    let submit =
-        tokio::task::spawn_blocking(move || submit_blocking(&engine, segment, &requests, token));
+    let submit = tokio::task::spawn_blocking(move || {
+        submit_blocking(&engine, segment, &requests, token, &carried)
+    });
     let left = deadline.saturating_duration_since(Instant::now());
     match tokio::time::timeout(left, submit).await {
         Err(_) => Err(at(WriteErrorKind::OpenTimeout(left))),
@@ -436,12 +455,14 @@ async fn submit(
 }
 
 /// Opens `segment` on `engine` (with the consumer's grant `token`, if any) and submits
-/// `requests` as one batch, on the calling thread (which may block: an open may connect).
+/// `requests` as one batch, on the calling thread (which may block: an open may connect); sets
+/// `carried` to the path of the batch's first copy unless it is set.
 fn submit_blocking(
     engine: &kvferry_transfer::TransferEngine,
     segment: String,
     requests: &Submission,
     token: Option<Token>,
+    carried: &OnceLock<TransferPath>,
 ) -> Result<BatchId, WriteErrorKind> {
     let handle = match token {
         Some(t) => engine.open_segment_with_token(&segment, t),
@@ -451,6 +472,12 @@ fn submit_blocking(
         segment: segment.clone(),
         source,
     })?;
+    if carried.get().is_none() {
+        if let Some(Ok(p)) = first_copy(requests).map(|(l, r)| engine.transfer_path(&handle, l, r))
+        {
+            let _ = carried.set(p);
+        }
+    }
     let t = Instant::now();
     let (r, n) = match requests {
         Submission::Plain(r) => (engine.submit(&handle, r), r.len()),
@@ -464,6 +491,22 @@ fn submit_blocking(
         "serve submitted"
     );
     r
+}
+
+/// The local and remote address of a batch's first copy (`None`: no copy, or one whose
+/// address does not fit in 64 bits).
+fn first_copy(requests: &Submission) -> Option<(u64, u64)> {
+    match requests {
+        Submission::Plain(r) => r.first().map(|r| (r.local_addr, r.remote_addr)),
+        Submission::Strided(r) => {
+            let r = r.first()?;
+            let (range, (local, remote)) = (r.ranges.first()?, r.blocks.first()?);
+            Some((
+                local.checked_add(range.local)?,
+                remote.checked_add(range.remote)?,
+            ))
+        }
+    }
 }
 
 /// Waits for `batch` of `w`'s engine, by `deadline`.
@@ -601,7 +644,17 @@ mod tests {
             strided: Vec::new(),
         };
         let groups = [Range { start: 0, end: 1 }];
-        let r = write_grouped(workers, vec![plan], &groups, Instant::now(), None, |_| {}).await;
+        let carried = Arc::new(OnceLock::new());
+        let r = write_grouped(
+            workers,
+            vec![plan],
+            &groups,
+            Instant::now(),
+            None,
+            |_| {},
+            carried,
+        );
+        let r = r.await;
         let e = r.unwrap_err();
         assert!(matches!(e.kind, WriteErrorKind::GroupsTimeout(_)), "{e:?}");
         assert!(e.to_string().contains("layer groups did not land"), "{e}");

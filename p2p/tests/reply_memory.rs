@@ -123,3 +123,57 @@ fn a_deep_nest_is_a_bad_reply_not_a_stack_overflow() {
     out.extend_from_slice(&nest);
     assert!(decode_reply(&out).is_err());
 }
+
+/// A FINISH (or ERROR) whose optional `path` or `reason` comes in a form this side does not
+/// know (a number, a list, a map, a long string) reads as not said, as an unknown word does,
+/// instead of failing the whole reply (the load then waited for its deadline).
+#[test]
+fn an_unknown_form_of_path_or_reason_reads_as_not_said() {
+    use kvferry_p2p::proto::msg::ErrorReason;
+    use kvferry_transfer::TransferPath;
+    let with = |status: Status, field: &str, value: &[u8]| {
+        let mut plain = Reply::new(status, "r", 7);
+        plain.path = Some(TransferPath::Tcp);
+        plain.reason = Some(ErrorReason::LeaseMismatch);
+        let bytes = encode(&plain);
+        let v = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
+        let map = v.as_map().unwrap();
+        let mut out = Vec::new();
+        rmp_write_map_len(&mut out, map.len() as u32);
+        for (k, val) in map {
+            rmpv::encode::write_value(&mut out, k).unwrap();
+            if k.as_str() == Some(field) {
+                out.extend_from_slice(value);
+            } else {
+                rmpv::encode::write_value(&mut out, val).unwrap();
+            }
+        }
+        out
+    };
+    let long = {
+        let mut s = vec![0xd9, 200];
+        s.extend(std::iter::repeat_n(b'x', 200));
+        s
+    };
+    for value in [
+        &[0x07][..],
+        &[0x92, 0x01, 0x02],
+        &[0x81, 0xa1, b'a', 0x01],
+        &long,
+    ] {
+        let r = decode_reply(&with(Status::Finish, "path", value)).unwrap();
+        assert_eq!(r.path, None, "{value:?}");
+        let r = decode_reply(&with(Status::Error, "reason", value)).unwrap();
+        assert_eq!(r.reason, None, "{value:?}");
+    }
+    // The words themselves still read.
+    let r = decode_reply(&with(
+        Status::Finish,
+        "path",
+        &[0xa4, b'r', b'd', b'm', b'a'],
+    ))
+    .unwrap();
+    assert_eq!(r.path, Some(TransferPath::Rdma));
+    let r = decode_reply(&with(Status::Error, "x", &[0xc0])).unwrap();
+    assert_eq!(r.reason, Some(ErrorReason::LeaseMismatch));
+}

@@ -429,9 +429,10 @@ pub enum ErrorReason {
     LeaseMismatch,
 }
 
-/// `Reply::path` as read: a path this side does not know is `None`, not a bad reply.
+/// `Reply::path` as read: a path this side does not know, or a value that is no word, is
+/// `None`, not a bad reply (`msg_span::read_word`).
 fn known_path<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<TransferPath>, D::Error> {
-    let s: Option<String> = Option::deserialize(d)?;
+    let s = super::msg_span::read_word(d)?;
     Ok(match s.as_deref() {
         Some("cuda-ipc") => Some(TransferPath::CudaIpc),
         Some("tcp") => Some(TransferPath::Tcp),
@@ -440,9 +441,10 @@ fn known_path<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<TransferP
     })
 }
 
-/// `Reply::reason` as read: a reason this side does not know is `None`, not a bad reply.
+/// `Reply::reason` as read: a reason this side does not know, or a value that is no word, is
+/// `None`, not a bad reply (`msg_span::read_word`).
 fn known_reason<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<ErrorReason>, D::Error> {
-    let s: Option<String> = Option::deserialize(d)?;
+    let s = super::msg_span::read_word(d)?;
     Ok(match s.as_deref() {
         Some("lease_mismatch") => Some(ErrorReason::LeaseMismatch),
         _ => None,

@@ -1,7 +1,9 @@
-//! Reading a reply's optional layer span (`msg::Reply::landed`) from peer input: a map with
-//! `first` and `end`, or a pair, each a `u32`; anything else, of any size or shape, is skipped
-//! as it is read (never buffered: serde's untagged enums buffer a whole value, 32 bytes for
-//! every byte of a msgpack list of nils) and reads as no span.
+//! Reading a reply's optional fields from peer input without failing the reply on a form this
+//! side does not know: the layer span (`msg::Reply::landed`: a map with `first` and `end`, or a
+//! pair, each a `u32`) and short words (`msg::Reply::path`, `msg::Reply::reason`). Anything
+//! else, of any size or shape, is skipped as it is read (never buffered: serde's untagged
+//! enums buffer a whole value, 32 bytes for every byte of a msgpack list of nils) and reads as
+//! absent.
 
 use std::fmt;
 
@@ -12,6 +14,65 @@ use serde::de::{self, Deserializer, EnumAccess, IgnoredAny, MapAccess, SeqAccess
 /// past its depth limit), as for any other field.
 pub(super) fn read_span<'de, D: Deserializer<'de>>(d: D) -> Result<Option<(u32, u32)>, D::Error> {
     d.deserialize_any(SpanVisitor)
+}
+
+/// Longest word [`read_word`] returns: longer strings are no word this side knows.
+const MAX_WORD: usize = 64;
+
+/// Reads a string of at most [`MAX_WORD`] bytes from `d`, or `None` for anything else (a longer
+/// string, another type), which is skipped without being held. Errors: only the deserializer's
+/// own, as for any other field.
+pub(super) fn read_word<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    d.deserialize_any(WordVisitor)
+}
+
+/// The visitor of [`read_word`].
+struct WordVisitor;
+
+impl<'de> Visitor<'de> for WordVisitor {
+    type Value = Option<String>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a word")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok((v.len() <= MAX_WORD).then(|| v.to_string()))
+    }
+    fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+    fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(IgnoredAny).map(|_| None)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+        IgnoredAny.visit_seq(seq).map(|_| None)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        IgnoredAny.visit_map(map).map(|_| None)
+    }
+    fn visit_enum<A: EnumAccess<'de>>(self, data: A) -> Result<Self::Value, A::Error> {
+        IgnoredAny.visit_enum(data).map(|_| None)
+    }
 }
 
 /// One value: `Some` for an integer within `u32`, `None` for anything else (skipped).

@@ -27,24 +27,51 @@ fn stretch_seed(seed: u64, request: u64, layer: u32, head: u64, stretch: u64) ->
     x
 }
 
+/// Why a request's KV could not be filled.
+#[derive(Debug, thiserror::Error)]
+pub enum FillError {
+    /// The OS refused a thread to fill some of the layers (out of threads or memory).
+    #[error("starting a thread to fill a request's layers: {0}")]
+    NoThread(#[source] std::io::Error),
+}
+
 /// Fills request `request`'s KV into `blocks` (block ids in request order) of each layer:
 /// `layers` holds each layer's whole array (its geometry's `byte_len` bytes) with its spec.
 /// Every slot of every block is written (also those past the prompt's end). The layers are
 /// spread over up to [`MAX_THREADS`] threads (bounded by the cores); the bytes do not depend
 /// on how. Returns the bytes written.
+///
+/// Errors: [`FillError::NoThread`] when the OS refuses a fill thread (the layers' bytes are
+/// then partly written).
 pub fn fill_layers(
     layers: Vec<(&mut [u8], &LayerSpec)>,
     seed: u64,
     request: u64,
     blocks: &[u64],
-) -> u64 {
+) -> Result<u64, FillError> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = cores.min(MAX_THREADS).min(layers.len()).max(1);
+    let thread = || std::thread::Builder::new().name("kvferry-fill".into());
+    fill_layers_on(
+        layers,
+        cores.min(MAX_THREADS),
+        thread,
+        (seed, request, blocks),
+    )
+}
+
+/// [`fill_layers`] on up to `threads` threads from `thread`.
+fn fill_layers_on(
+    layers: Vec<(&mut [u8], &LayerSpec)>,
+    threads: usize,
+    thread: impl Fn() -> std::thread::Builder,
+    (seed, request, blocks): (u64, u64, &[u64]),
+) -> Result<u64, FillError> {
+    let threads = threads.min(layers.len()).max(1);
     if threads == 1 {
-        return layers
+        return Ok(layers
             .into_iter()
             .map(|(bytes, spec)| fill_layer(bytes, spec, seed, request, blocks))
-            .sum();
+            .sum());
     }
     // Round robin: layers of one side are alike in size.
     let mut shares: Vec<Vec<(&mut [u8], &LayerSpec)>> = (0..threads).map(|_| Vec::new()).collect();
@@ -52,23 +79,33 @@ pub fn fill_layers(
         shares[i % threads].push(layer);
     }
     std::thread::scope(|s| {
-        let handles: Vec<_> = shares
-            .into_iter()
-            .map(|share| {
-                s.spawn(move || {
-                    share
-                        .into_iter()
-                        .map(|(bytes, spec)| fill_layer(bytes, spec, seed, request, blocks))
-                        .sum::<u64>()
-                })
-            })
-            .collect();
+        let mut handles = Vec::with_capacity(threads);
+        let mut refused = None;
+        for share in shares {
+            let run = move || {
+                share
+                    .into_iter()
+                    .map(|(bytes, spec)| fill_layer(bytes, spec, seed, request, blocks))
+                    .sum::<u64>()
+            };
+            match thread().spawn_scoped(s, run) {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    refused = Some(FillError::NoThread(e));
+                    break;
+                }
+            }
+        }
         // A fill thread only indexes inside its own layer's array: a panic there is a bug of
         // this file, raised again here as it would be without threads.
-        handles
+        let written = handles
             .into_iter()
             .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .sum()
+            .sum();
+        match refused {
+            Some(e) => Err(e),
+            None => Ok(written),
+        }
     })
 }
 
@@ -109,4 +146,53 @@ fn fill_layer(bytes: &mut [u8], spec: &LayerSpec, seed: u64, request: u64, block
         }
     }
     written
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvferry_checksum::group::ReplicaKey;
+    use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
+
+    fn spec(layer: u32) -> LayerSpec {
+        let layout = Layout::parse("KV B N H D").unwrap();
+        LayerSpec {
+            name: format!("model.layers.{layer}.self_attn.attn"),
+            layer,
+            head_offset: 0,
+            geometry: Geometry::contiguous(layout, 4, 16, 2, 8, ElemBytes::Two, 1).unwrap(),
+            kind: None,
+            dtype: None,
+            replica: ReplicaKey::NONE,
+        }
+    }
+
+    /// The bytes do not depend on the number of fill threads.
+    #[test]
+    fn threads_do_not_change_the_bytes() {
+        let specs: Vec<LayerSpec> = (0..3).map(spec).collect();
+        let len = specs[0].geometry.byte_len() as usize;
+        let fill = |threads| {
+            let mut arrays = vec![vec![0u8; len]; specs.len()];
+            let layers = arrays.iter_mut().map(|a| &mut a[..]).zip(&specs).collect();
+            let thread = std::thread::Builder::new;
+            let n = fill_layers_on(layers, threads, thread, (7, 3, &[2, 0])).unwrap();
+            (n, arrays)
+        };
+        assert_eq!(fill(1), fill(2));
+        assert!(fill(1).0 > 0);
+    }
+
+    /// A fill thread the OS refuses (a stack no address space holds) fails the fill with a
+    /// typed error instead of panicking the process.
+    #[test]
+    fn a_fill_thread_the_os_refuses_is_an_error() {
+        let specs: Vec<LayerSpec> = (0..2).map(spec).collect();
+        let len = specs[0].geometry.byte_len() as usize;
+        let mut arrays = vec![vec![0u8; len]; specs.len()];
+        let layers = arrays.iter_mut().map(|a| &mut a[..]).zip(&specs).collect();
+        let refused = || std::thread::Builder::new().stack_size(1 << 60);
+        let e = fill_layers_on(layers, 2, refused, (7, 3, &[2, 0])).unwrap_err();
+        assert!(matches!(e, FillError::NoThread(_)), "{e:?}");
+    }
 }

@@ -203,6 +203,9 @@ pub enum WorldError {
         /// Why.
         source: TransferError,
     },
+    /// A request's KV could not be generated ("prefill").
+    #[error(transparent)]
+    Fill(#[from] crate::fill::FillError),
     /// A rank's KV memory could not be registered with its engine.
     #[error("registering KV memory of {}: {source}", rank_name(*.rank))]
     Register {
@@ -469,7 +472,7 @@ impl Drop for RankKv {
 /// sides of different block sizes ([`crate::fill`], the layers on threads of their own).
 /// Returns the bytes written.
 ///
-/// Errors: a failed upload to GPU memory.
+/// Errors: a fill thread the OS refuses ([`WorldError::Fill`]), a failed upload to GPU memory.
 pub fn fill_request(
     rank: &mut RankKv,
     seed: u64,
@@ -488,7 +491,7 @@ pub fn fill_request(
         parts.push((layer, &l.spec));
         (rest, at) = (tail, l.offset + l.spec.geometry.byte_len());
     }
-    let written = crate::fill::fill_layers(parts, seed, request, blocks);
+    let written = crate::fill::fill_layers(parts, seed, request, blocks)?;
     rank.copy_blocks(blocks, true)?;
     Ok(written)
 }

@@ -22,6 +22,9 @@ pub struct CpuBackend {
     /// Test hook: the worker that reaches this layer index (of any job) panics.
     #[cfg(any(test, feature = "test-tools"))]
     panic_at_layer: Option<usize>,
+    /// Test hook: the layers' worker threads ask for this stack size (bytes).
+    #[cfg(any(test, feature = "test-tools"))]
+    worker_stack: Option<usize>,
 }
 
 impl Default for CpuBackend {
@@ -41,6 +44,8 @@ impl CpuBackend {
             threads: threads.max(1),
             #[cfg(any(test, feature = "test-tools"))]
             panic_at_layer: None,
+            #[cfg(any(test, feature = "test-tools"))]
+            worker_stack: None,
         }
     }
 
@@ -51,6 +56,37 @@ impl CpuBackend {
     pub fn panicking_at_layer(mut self, layer: usize) -> CpuBackend {
         self.panic_at_layer = Some(layer);
         self
+    }
+
+    /// Test hook (feature `test-tools`): the threads a job's layers are spread over ask for a
+    /// stack of `bytes`; one the OS cannot give (e.g. `1 << 60`) makes their start fail, as
+    /// when it is out of threads. The submission then ends in [`KernelError::NoThread`].
+    #[cfg(any(test, feature = "test-tools"))]
+    pub fn with_worker_stack(mut self, bytes: usize) -> CpuBackend {
+        self.worker_stack = Some(bytes);
+        self
+    }
+}
+
+/// What a submission's thread needs of the backend's settings (test hooks included).
+#[derive(Debug, Clone, Copy)]
+struct JobSettings {
+    /// Threads a job's layers are spread over.
+    threads: usize,
+    /// Test hook: the layer index whose worker panics.
+    panic_at: Option<usize>,
+    /// Test hook: the layer workers' stack size.
+    worker_stack: Option<usize>,
+}
+
+impl JobSettings {
+    /// A thread for some of a job's layers.
+    fn worker(&self) -> std::thread::Builder {
+        let b = std::thread::Builder::new().name("kvferry-cpu-checksum-layers".into());
+        match self.worker_stack {
+            Some(bytes) => b.stack_size(bytes),
+            None => b,
+        }
     }
 }
 
@@ -97,17 +133,17 @@ unsafe fn layer_values(
     (l.spec.replica, values)
 }
 
-/// Runs one validated job, spreading its layers over `threads`. A worker thread that panics
-/// makes the whole job fail ([`KernelError::WorkerPanicked`]): values missing its layers would
-/// read as a mismatch.
+/// Runs one validated job, spreading its layers over `settings.threads`. A worker thread that
+/// panics makes the whole job fail ([`KernelError::WorkerPanicked`]): values missing its layers
+/// would read as a mismatch. A worker thread the OS refuses fails it too
+/// ([`KernelError::NoThread`]), after the workers already started have ended.
 ///
 /// # Safety
 /// As [`ChecksumBackend::submit`].
-unsafe fn run_job(
-    job: &GroupJob,
-    threads: usize,
-    panic_at: Option<usize>,
-) -> Result<GroupResult, KernelError> {
+unsafe fn run_job(job: &GroupJob, settings: JobSettings) -> Result<GroupResult, KernelError> {
+    let JobSettings {
+        threads, panic_at, ..
+    } = settings;
     let n = job.selection.block_ids.len();
     let per_layer: Vec<(ReplicaKey, Vec<u64>)> = if threads <= 1 || job.layers.len() <= 1 {
         (0..job.layers.len())
@@ -117,18 +153,24 @@ unsafe fn run_job(
     } else {
         let chunk = job.layers.len().div_ceil(threads);
         std::thread::scope(|s| {
-            let handles: Vec<_> = (0..job.layers.len())
-                .step_by(chunk)
-                .map(|from| {
-                    s.spawn(move || {
-                        (from..(from + chunk).min(job.layers.len()))
-                            // SAFETY: forwarded from this function's contract; the scope
-                            // joins every thread before `run_job` returns.
-                            .map(|i| unsafe { layer_values(job, i, panic_at) })
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
+            let mut handles = Vec::new();
+            let mut refused = None;
+            for from in (0..job.layers.len()).step_by(chunk) {
+                let run = move || {
+                    (from..(from + chunk).min(job.layers.len()))
+                        // SAFETY: forwarded from this function's contract; the scope
+                        // joins every thread before `run_job` returns.
+                        .map(|i| unsafe { layer_values(job, i, panic_at) })
+                        .collect::<Vec<_>>()
+                };
+                match settings.worker().spawn_scoped(s, run) {
+                    Ok(h) => handles.push(h),
+                    Err(e) => {
+                        refused = Some(KernelError::NoThread(e.kind()));
+                        break;
+                    }
+                }
+            }
             // Join every handle (no early return) so no panic is left for the scope to rethrow.
             let mut out = Vec::with_capacity(job.layers.len());
             let mut panicked = None;
@@ -138,12 +180,13 @@ unsafe fn run_job(
                     Err(payload) => panicked = Some(panic_text(payload.as_ref())),
                 }
             }
-            match panicked {
-                None => Ok(out),
-                Some(text) => Err(KernelError::WorkerPanicked {
+            match (panicked, refused) {
+                (Some(text), _) => Err(KernelError::WorkerPanicked {
                     group_id: job.group_id,
                     why: text,
                 }),
+                (None, Some(e)) => Err(e),
+                (None, None) => Ok(out),
             }
         })?
     };
@@ -203,11 +246,18 @@ impl ChecksumBackend for CpuBackend {
             }
             validate_job(job)?;
         }
-        let threads = self.threads;
         #[cfg(any(test, feature = "test-tools"))]
-        let panic_at = self.panic_at_layer;
+        let settings = JobSettings {
+            threads: self.threads,
+            panic_at: self.panic_at_layer,
+            worker_stack: self.worker_stack,
+        };
         #[cfg(not(any(test, feature = "test-tools")))]
-        let panic_at = None;
+        let settings = JobSettings {
+            threads: self.threads,
+            panic_at: None,
+            worker_stack: None,
+        };
         let (tx, rx) = mpsc::channel();
         let handle = std::thread::Builder::new()
             .name("kvferry-cpu-checksum".into())
@@ -218,7 +268,7 @@ impl ChecksumBackend for CpuBackend {
                     jobs.iter()
                         // SAFETY: forwarded from `submit`'s contract; `CpuPending` joins this
                         // thread on drop, so the memory is not read after the caller lets go.
-                        .map(|j| unsafe { run_job(j, threads, panic_at) })
+                        .map(|j| unsafe { run_job(j, settings) })
                         .collect::<Result<Vec<_>, _>>()
                 }))
                 .unwrap_or_else(|payload| {

@@ -309,6 +309,24 @@ fn a_panicked_worker_is_an_error_not_missing_layers() {
     }
 }
 
+/// A layer thread the OS refuses (the `test-tools` hook asks for a stack no address space
+/// holds) fails the submission with a typed error instead of panicking the caller.
+#[test]
+fn a_layer_thread_the_os_refuses_is_an_error() {
+    let layers = model();
+    let sel = BlockSelection {
+        start: 0,
+        block_ids: vec![1, 2],
+    };
+    let backend = CpuBackend::new(2).with_worker_stack(1 << 60);
+    // SAFETY: `layers` outlives the wait.
+    let pending = unsafe { backend.submit(vec![job(&layers, sel, 40)]) }.unwrap();
+    match pending.wait(Duration::from_secs(60)) {
+        Err(KernelError::NoThread(_)) => {}
+        other => panic!("expected NoThread, got {other:?}"),
+    }
+}
+
 /// The CUDA launch plan (pure host code) says why a layer cannot be planned in a typed cause.
 #[test]
 fn launch_plan_refusals_are_typed() {

@@ -126,9 +126,10 @@ impl Initiator<'_> {
         let start = Instant::now();
         let result: Result<(), CliError> = std::thread::scope(|sc| {
             let mut handles = Vec::new();
+            let mut refused = None;
             for t in 0..s.threads {
                 let (stop, lat, cks, finished) = (&stop, &latencies, &checksum_secs, &finished);
-                handles.push(sc.spawn(move || -> Result<(), CliError> {
+                let run = move || -> Result<(), CliError> {
                     // Counted as finished however this thread ends (an error too).
                     struct Finished<'f>(&'f AtomicU64);
                     impl Drop for Finished<'_> {
@@ -168,18 +169,35 @@ impl Initiator<'_> {
                         }
                     }
                     Ok(())
-                }));
+                };
+                let thread = std::thread::Builder::new().name(format!("kvferry-bench-{t}"));
+                match thread.spawn_scoped(sc, run) {
+                    Ok(h) => handles.push(h),
+                    Err(e) => {
+                        // The threads started stop at once; the point fails with the OS's reason.
+                        refused = Some(CliError::io(format!("starting bench thread {t}"))(e));
+                        stop.store(true, Ordering::Relaxed);
+                        break;
+                    }
+                }
             }
             let until = start + Duration::from_secs_f64(seconds);
-            while Instant::now() < until && finished.load(Ordering::SeqCst) < s.threads {
+            while refused.is_none()
+                && Instant::now() < until
+                && finished.load(Ordering::SeqCst) < s.threads
+            {
                 let left = until.saturating_duration_since(Instant::now());
                 std::thread::sleep(left.min(Duration::from_millis(10)));
             }
             stop.store(true, Ordering::Relaxed);
-            handles.into_iter().try_for_each(|h| {
+            let joined = handles.into_iter().try_for_each(|h| {
                 h.join()
                     .map_err(|_| CliError::failed("a bench thread panicked"))?
-            })
+            });
+            match refused {
+                Some(e) => Err(e),
+                None => joined,
+            }
         });
         result?;
         let elapsed = start.elapsed().as_secs_f64();

@@ -280,6 +280,10 @@ pub enum WriteErrorKind {
     /// A thread that opened and submitted one of a layer group's batches panicked.
     #[error("the thread that opens and submits a batch panicked")]
     SubmitPanicked,
+    /// The OS refused a thread to open and submit one of a layer group's batches (out of
+    /// threads or memory); the group's batches not yet started were not submitted.
+    #[error("starting a thread to submit a batch: {0}")]
+    NoThread(#[source] std::io::Error),
     /// The WRITEs failed or did not end within the deadline.
     #[error("transfer: {0}")]
     Transfer(#[source] TransferError),

@@ -251,13 +251,21 @@ impl EventLoop {
                 Effect::Warn(Warning::Load(refusal)) => self.refused(&refusal.to_string()),
                 Effect::CloseSegments { segments } => {
                     // Off the event loop: an RDMA transport destroys its queue pairs there.
+                    // tokio's spawn_blocking panics when its pool has no thread and the OS
+                    // refuses one; from a task of its own that panic ends that task (the
+                    // connections stay open until the engine drops), not the event loop.
                     let workers = self.workers.clone();
-                    tokio::task::spawn_blocking(move || {
-                        for s in &segments {
-                            debug!(segment = %s, "consumer gone; closing its data connections");
-                            for w in workers.iter() {
-                                w.engine.close_segment(s);
+                    tokio::spawn(async move {
+                        let closed = tokio::task::spawn_blocking(move || {
+                            for s in &segments {
+                                debug!(segment = %s, "consumer gone; closing its data connections");
+                                for w in workers.iter() {
+                                    w.engine.close_segment(s);
+                                }
                             }
+                        });
+                        if let Err(e) = closed.await {
+                            warn!("closing a gone consumer's data connections failed: {e}");
                         }
                     });
                 }

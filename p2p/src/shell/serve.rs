@@ -144,7 +144,15 @@ pub(crate) async fn write_grouped(
     let groups = groups.to_vec();
     let run = tokio::task::spawn_blocking(move || {
         let submit = |j| submit_job(&workers, j, token, &carried);
-        write_groups_blocking(&workers, &plans, &groups, deadline, &submit, &progress)
+        write_groups_blocking(
+            &workers,
+            &plans,
+            &groups,
+            deadline,
+            &submit,
+            &progress,
+            submit_thread,
+        )
     });
     let left = deadline.saturating_duration_since(Instant::now());
     let at = |kind: WriteErrorKind| WriteError { rank: first, kind };
@@ -163,7 +171,14 @@ struct Job {
     requests: Submission,
 }
 
-/// The body of [`write_grouped`], on a thread that may block.
+/// A thread that opens and submits one batch of a layer group.
+fn submit_thread() -> std::thread::Builder {
+    std::thread::Builder::new().name("kvferry-submit".into())
+}
+
+/// The body of [`write_grouped`], on a thread that may block. A group of several batches
+/// submits each on a thread from `thread`; one the OS refuses fails the load
+/// ([`WriteErrorKind::NoThread`]) instead of the process.
 fn write_groups_blocking(
     workers: &[Worker],
     plans: &[RankPlan],
@@ -171,6 +186,7 @@ fn write_groups_blocking(
     deadline: Instant,
     submit: &(dyn Fn(Job) -> Result<(usize, BatchId), WriteError> + Sync),
     progress: &dyn Fn(LayerSpan),
+    thread: fn() -> std::thread::Builder,
 ) -> Result<u64, WriteError> {
     let mut bytes = 0u64;
     let mut failed = None;
@@ -227,8 +243,24 @@ fn write_groups_blocking(
         let results: Vec<_> = match jobs.len() {
             0 | 1 => jobs.map(submit).collect(),
             _ => std::thread::scope(|s| {
-                let running: Vec<_> = jobs.map(|j| (j.rank, s.spawn(move || submit(j)))).collect();
-                running
+                // A thread the OS refuses ends the group there: the jobs not yet started are
+                // never submitted, those started are waited for (below) as after any failure.
+                let mut running = Vec::new();
+                let mut refused = None;
+                for j in jobs {
+                    let rank = j.rank;
+                    match thread().spawn_scoped(s, move || submit(j)) {
+                        Ok(h) => running.push((rank, h)),
+                        Err(e) => {
+                            refused = Some(WriteError {
+                                rank: workers[rank].rank,
+                                kind: WriteErrorKind::NoThread(e),
+                            });
+                            break;
+                        }
+                    }
+                }
+                let mut joined: Vec<_> = running
                     .into_iter()
                     .map(|(rank, h)| {
                         h.join().unwrap_or_else(|_| {
@@ -238,7 +270,9 @@ fn write_groups_blocking(
                             })
                         })
                     })
-                    .collect()
+                    .collect();
+                joined.extend(refused.map(Err));
+                joined
             }),
         };
         let mut batches = Vec::with_capacity(results.len());
@@ -607,6 +641,74 @@ mod tests {
         assert_eq!(a.status(batch), BatchStatus::Invalid);
         a.unregister_memory(s).unwrap();
         b.unregister_memory(d).unwrap();
+    }
+
+    /// A builder whose thread the OS cannot start: a stack larger than any address space.
+    fn refused_thread() -> std::thread::Builder {
+        std::thread::Builder::new().stack_size(1 << 60)
+    }
+
+    /// A layer group of several batches whose submit thread the OS refuses fails the load
+    /// with a typed error, submitting nothing more, instead of panicking the producer.
+    #[test]
+    fn a_submit_thread_the_os_refuses_fails_the_load() {
+        use kvferry_checksum::group::RankInfo;
+        use kvferry_kernels::{CpuBackend, Location};
+        use kvferry_transfer::{EngineConfig, TransferEngine, TransportKind};
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let engine = TransferEngine::new(EngineConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            transport: TransportKind::Tcp,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let workers = vec![Worker {
+            rank: RankInfo::SINGLE,
+            engine,
+            device: Location::Cpu,
+            groups: Vec::new(),
+            backend: Arc::new(CpuBackend::new(1)),
+        }];
+        let one = Copy {
+            src: 0,
+            dst: 0,
+            len: 1,
+        };
+        // One plain copy and one strided block in the same layer: two batches, two threads.
+        let plan = RankPlan {
+            rank: 0,
+            segment: "127.0.0.1:1".into(),
+            copies: vec![one],
+            copy_layers: vec![(0, 1)],
+            strided: vec![BlockCopies {
+                ranges: vec![one],
+                blocks: vec![(0, 0)],
+                layers: vec![(0, 1)],
+            }],
+        };
+        let submitted = AtomicUsize::new(0);
+        let submit = |_job: Job| -> Result<(usize, BatchId), WriteError> {
+            submitted.fetch_add(1, Ordering::SeqCst);
+            Err(WriteError {
+                rank: RankInfo::SINGLE,
+                kind: WriteErrorKind::SubmitPanicked,
+            })
+        };
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        let r = write_groups_blocking(
+            &workers,
+            &[plan],
+            &[Range { start: 0, end: 1 }],
+            deadline,
+            &submit,
+            &|_| {},
+            refused_thread,
+        );
+        let e = r.unwrap_err();
+        assert!(matches!(e.kind, WriteErrorKind::NoThread(_)), "{e:?}");
+        assert!(e.to_string().contains("starting a thread"), "{e}");
+        assert_eq!(submitted.load(Ordering::SeqCst), 0);
     }
 
     /// A grouped load that runs past its deadline says so, not that opening the consumer's

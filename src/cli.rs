@@ -186,8 +186,8 @@ pub enum FailurePolicyArg {
 /// Options shared by the roles: model, ranks, transport, policy.
 #[derive(Debug, Clone, Args)]
 pub struct CommonArgs {
-    /// Model shape: qwen3-0.6b, llama3-8b, deepseek-v2-lite (MLA), tiny.
-    #[arg(long, default_value = "qwen3-0.6b")]
+    /// Model shape: a built-in KV cache geometry (seeded random bytes in it, no weights).
+    #[arg(long, default_value = "qwen3-0.6b", value_parser = crate::models::model_parser())]
     pub model: String,
     /// Tokens per block of this side (demo: of both sides, unless `--prefill-block-size` /
     /// `--decode-block-size` say otherwise).
@@ -556,7 +556,7 @@ pub struct DoctorArgs {
     #[arg(long)]
     pub kv_bytes: Option<String>,
     /// Model shape whose KV the pools hold (without `--kv-bytes`).
-    #[arg(long, default_value = "qwen3-0.6b")]
+    #[arg(long, default_value = "qwen3-0.6b", value_parser = crate::models::model_parser())]
     pub model: String,
     /// Tokens per block (without `--kv-bytes`).
     #[arg(long, default_value_t = 16)]
@@ -645,6 +645,54 @@ pub enum SizeError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::models::MODELS;
+
+    /// Every subcommand that takes `--model` lists every model of the table in its help
+    /// (short and long), and takes each of them.
+    #[test]
+    fn every_model_option_lists_the_model_table() {
+        use clap::CommandFactory;
+        let mut cli = Cli::command();
+        cli.build();
+        let mut seen = 0;
+        for sub in cli.get_subcommands_mut() {
+            let Some(arg) = sub.get_arguments().find(|a| a.get_id() == "model") else {
+                continue;
+            };
+            let listed: Vec<String> = arg
+                .get_possible_values()
+                .iter()
+                .map(|v| v.get_name().to_string())
+                .collect();
+            let names: Vec<String> = MODELS.iter().map(|m| m.name.to_string()).collect();
+            assert_eq!(listed, names, "{}", sub.get_name());
+            let (short, long) = (
+                sub.render_help().to_string(),
+                sub.render_long_help().to_string(),
+            );
+            for m in MODELS {
+                assert!(
+                    short.contains(m.name),
+                    "{} -h lacks {}",
+                    sub.get_name(),
+                    m.name
+                );
+                assert!(
+                    long.contains(&m.details()),
+                    "{} --help lacks {m}",
+                    sub.get_name()
+                );
+            }
+            seen += 1;
+        }
+        // demo, serve, load, doctor.
+        assert!(seen >= 4, "{seen}");
+        for m in MODELS {
+            Cli::try_parse_from(["kvferry", "demo", "--model", m.name]).unwrap();
+        }
+        let e = Cli::try_parse_from(["kvferry", "load", "--model", "gpt-9"]).unwrap_err();
+        assert!(e.to_string().contains("tiny-hybrid"), "{e}");
+    }
 
     #[test]
     fn sizes_parse_with_suffixes() {

@@ -91,29 +91,34 @@ impl ModelShape {
     }
 }
 
-impl fmt::Display for ModelShape {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} ({} layers, {} KV heads, head size {}, {}{})",
-            self.name,
+impl ModelShape {
+    /// The shape without the name: "28 layers, 8 KV heads, head size 128, bfloat16" (with
+    /// ", MLA", the sliding window and the state layers where the model has them).
+    pub fn details(&self) -> String {
+        let mut d = format!(
+            "{} layers, {} KV heads, head size {}, {}{}",
             self.layers,
             self.kv_heads,
             self.head_dim,
             self.dtype.trim_start_matches("torch."),
             if self.mla { ", MLA" } else { "" }
-        )?;
+        );
         if let Some((period, window)) = self.sliding {
-            write!(
-                f,
+            d += &format!(
                 ", sliding window {window} on {} of {period} layers",
                 period - 1
-            )?;
+            );
         }
         if self.state_layers > 0 {
-            write!(f, ", {} state layers", self.state_layers)?;
+            d += &format!(", {} state layers", self.state_layers);
         }
-        Ok(())
+        d
+    }
+}
+
+impl fmt::Display for ModelShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.name, self.details())
     }
 }
 
@@ -201,6 +206,16 @@ pub fn model_by_name(name: &str) -> Result<&'static ModelShape, UnknownModel> {
         .ok_or_else(|| UnknownModel(name.to_string()))
 }
 
+/// `--model`'s parser: the names of [`MODELS`] as clap's possible values, each with its shape
+/// as help, so that every command's help lists them from this one table.
+pub fn model_parser() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(
+        MODELS
+            .iter()
+            .map(|m| clap::builder::PossibleValue::new(m.name).help(m.details())),
+    )
+}
+
 /// A `--model` name not in the built-in table; the message lists the known ones.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("unknown --model {name:?}; known: {}", MODELS.iter().map(|m| m.name).collect::<Vec<_>>().join(", "), name = .0)]
@@ -220,6 +235,31 @@ mod tests {
         assert_eq!(
             model_by_name("deepseek-v2-lite").unwrap().bytes_per_token(),
             27 * 576 * 2
+        );
+    }
+
+    /// README's synopsis of `demo` lists the same models as the table, in its order.
+    #[test]
+    fn readme_lists_every_model() {
+        let readme = include_str!("../README.md");
+        let at = readme.find("[--model ").expect("README names --model") + "[--model ".len();
+        let listed = &readme[at..][..readme[at..].find(']').unwrap()];
+        let names: Vec<&str> = MODELS.iter().map(|m| m.name).collect();
+        assert_eq!(listed.split('|').collect::<Vec<_>>(), names);
+    }
+
+    #[test]
+    fn details_leave_out_the_name() {
+        let m = model_by_name("deepseek-v2-lite").unwrap();
+        assert_eq!(
+            m.details(),
+            "27 layers, 1 KV heads, head size 576, bfloat16, MLA"
+        );
+        let h = model_by_name("tiny-hybrid").unwrap();
+        assert_eq!(
+            h.to_string(),
+            "tiny-hybrid (4 layers, 2 KV heads, head size 64, bfloat16, sliding window 48 on 1 of 2 \
+             layers, 2 state layers)"
         );
     }
 

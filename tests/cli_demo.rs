@@ -481,7 +481,7 @@ fn a_prompt_past_a_load_requests_blocks_is_one_usage_error() {
 #[test]
 fn demo_rejects_bad_arguments_with_a_clear_error() {
     for (args, needle) in [
-        (vec!["--model", "gpt-9"], "unknown --model"),
+        (vec!["--model", "gpt-9"], "possible values: qwen3-0.6b"),
         (vec!["--corrupt", "11"], "--corrupt"),
         (vec!["--min-tokens", "0"], "--min-tokens"),
         (vec!["--prefill-tp", "3"], "TP"),

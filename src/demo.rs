@@ -12,12 +12,12 @@ pub mod pools;
 
 use std::io::IsTerminal;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kvferry_checksum::policy::Action;
 use kvferry_checksum::verdict::Verdict;
-use kvferry_p2p::{Consumer, LoadError, LoadOutcome, LoadSpec, Producer};
+use kvferry_p2p::{Consumer, LoadError, LoadOutcome, LoadSpec, Producer, ProducerConfig};
 use kvferry_transfer::sync::MutexExt;
 use rand::SeedableRng;
 
@@ -183,7 +183,10 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     let corrupt = crate::corrupt::choose(&mut rng, args.requests, args.corrupt);
 
     let producer = rt
-        .block_on(Producer::start(producer_config(c), prod_workers))
+        .block_on(Producer::start(
+            demo_producer_config(args, in_flight as usize),
+            prod_workers,
+        ))
         .map_err(CliError::p2p("starting the producer"))?;
     let endpoint = producer.endpoint().to_string();
     let consumer = Arc::new(
@@ -246,12 +249,14 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
     let pending_flips = crate::corrupt::install_hook(&consumer, cons_ranks.clone());
     let mut next = 0usize;
     while next < lengths.len() {
-        // Prefill and publish as many requests as both sides' blocks hold (not part of the
-        // load phase's time).
-        let mut requests = Vec::new();
+        // Prefill as many requests as both sides' blocks hold, then publish them (neither
+        // part of the load phase's time). All are prefilled first so that a lease runs only
+        // through steps with deadlines: the stage's other publishes and its loads
+        // ([`demo_producer_config`]).
+        let mut prefilled = Vec::new();
         while let Some(&tokens) = lengths
             .get(next)
-            .filter(|_| requests.len() < pools::MAX_STAGE_REQUESTS)
+            .filter(|_| prefilled.len() < pools::MAX_STAGE_REQUESTS)
         {
             let Some((pblocks, cblocks)) = take_blocks(
                 &mut prod_pool,
@@ -268,6 +273,10 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
                 fill_request(r, args.seed, i as u64, &pblocks)?;
             }
             report.prefill_seconds += t0.elapsed().as_secs_f64();
+            prefilled.push((i, tokens, pblocks, cblocks));
+        }
+        let mut requests = Vec::with_capacity(prefilled.len());
+        for (i, tokens, pblocks, cblocks) in prefilled {
             let request_id = format!("req-{i}");
             let (ptables, ctables) = (
                 request_tables(&model, &pblocks, tokens, pbs),
@@ -366,6 +375,28 @@ pub fn run_report(args: &DemoArgs) -> Result<DemoReport, CliError> {
         }
     };
     Ok(report)
+}
+
+/// Room for a publish's waits besides its checksums (the producer loop's answer, 10 s at most).
+const PUBLISH_MARGIN: Duration = Duration::from_secs(15);
+
+/// The demo's producer settings: [`producer_config`] with a lease sized by a stage. A stage
+/// publishes up to [`pools::MAX_STAGE_REQUESTS`] requests (all prefilled before the first
+/// publish), then loads them `in_flight` at a time; the lease taken at a request's publish
+/// must outlast the stage's later publishes (each within the producer's checksum deadline and
+/// [`PUBLISH_MARGIN`]) and the loads before and including its own (each within the consumer's
+/// load deadline). On a slow link a stage outlives the default lease (1024 loads of 2 s, 16 in
+/// flight, take 128 s), and the last loads would find their blocks freed. Leases only guard
+/// against a consumer that never comes; the demo's consumer loads every request it published.
+fn demo_producer_config(args: &DemoArgs, in_flight: usize) -> ProducerConfig {
+    let mut cfg = producer_config(&args.common);
+    let stage = (args.requests as usize).min(pools::MAX_STAGE_REQUESTS) as u32;
+    let rounds = stage.div_ceil(in_flight.max(1) as u32);
+    let load = consumer_config(&args.common).load_deadline();
+    let publish = cfg.checksum_timeout + PUBLISH_MARGIN;
+    let stage_bound = load * rounds + publish * stage;
+    cfg.timeouts.lease = cfg.timeouts.lease.max(stage_bound);
+    cfg
 }
 
 /// The median (the upper one of an even count) and the largest of `v` (sorted in place);
@@ -672,6 +703,37 @@ mod tests {
                 && text.contains("--max-tokens"),
             "{text}"
         );
+    }
+
+    /// A stage's leases outlast the stage: every later publish and every load of the stage
+    /// each within its deadline. The default lease (120 s) does not: 1024 loads of 2 s, 16 in
+    /// flight, end 128 s after the last publish.
+    #[test]
+    fn a_stage_ends_before_its_leases() {
+        use crate::cli::{Cli, Command};
+        use clap::Parser;
+        for (requests, in_flight, timeout) in [(1024u32, 16usize, 60.0), (100_000, 1, 5.0)] {
+            let (n, t) = (requests.to_string(), timeout.to_string());
+            let argv = ["kvferry", "demo", "--requests", &n, "--timeout", &t];
+            let Command::Demo(args) = Cli::try_parse_from(argv).unwrap().command else {
+                unreachable!()
+            };
+            let cfg = demo_producer_config(&args, in_flight);
+            let stage = (requests as usize).min(pools::MAX_STAGE_REQUESTS) as u32;
+            let loads =
+                consumer_config(&args.common).load_deadline() * stage.div_ceil(in_flight as u32);
+            let publishes = cfg.checksum_timeout * stage;
+            assert!(cfg.timeouts.lease >= loads + publishes, "{cfg:?}");
+            let slow_tcp = Duration::from_secs(2) * stage.div_ceil(in_flight as u32);
+            assert!(cfg.timeouts.lease > slow_tcp, "{cfg:?}");
+        }
+        // A short demo keeps at least the default lease.
+        let argv = ["kvferry", "demo", "--requests", "1", "--timeout", "1"];
+        let Command::Demo(args) = Cli::try_parse_from(argv).unwrap().command else {
+            unreachable!()
+        };
+        let default = producer_config(&args.common).timeouts.lease;
+        assert!(demo_producer_config(&args, 1).timeouts.lease >= default);
     }
 
     #[test]

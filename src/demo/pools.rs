@@ -20,8 +20,8 @@ pub const HOST_SHARE_CUDA: f64 = 0.25;
 /// the loads), beside the transport's buffers; a sixteenth keeps the default demo's peak where
 /// pools of four of the longest prompts had it on a 24 GiB machine (about 4 GB).
 pub const HOST_SHARE_CPU: f64 = 0.0625;
-/// Most requests one stage prefills and publishes before its loads start, so that the last
-/// lease of a stage is taken long before the first expires (leases last 120 s by default).
+/// Most requests one stage prefills and publishes before its loads start. It bounds a stage's
+/// publishes and loads, and with them the demo producer's lease, which must outlast a stage.
 pub const MAX_STAGE_REQUESTS: usize = 1024;
 
 /// Where a side's pool budget came from (what a budget error names).

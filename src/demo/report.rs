@@ -100,9 +100,17 @@ pub struct DemoReport {
     pub unexpected: u32,
 }
 
-/// Prints the report `r` as a few lines on stdout.
+/// Prints the report `r` as a few lines on stdout ([`summary`]).
 pub(super) fn print_summary(r: &DemoReport) {
-    println!(
+    print!("{}", summary(r));
+}
+
+/// The report `r` as a few lines for a person, each ending in a newline.
+pub(super) fn summary(r: &DemoReport) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
         "kvferry demo: {} — producer TP{}×PP{} → consumer TP{}×PP{}, block sizes {} → {}",
         r.model,
         r.prefill_tp,
@@ -117,20 +125,23 @@ pub(super) fn print_summary(r: &DemoReport) {
     } else {
         format!(" (to other hosts: {})", r.network_transport)
     };
-    println!(
+    let _ = writeln!(
+        out,
         "  transport {}{} (KV memory: {}), checksums on {}",
         r.transport,
         network,
         r.memory_paths.join(", "),
         r.checksum_backend
     );
-    println!(
+    let _ = writeln!(
+        out,
         "  {} requests, {} prompt tokens, {:.2} GB of KV moved",
         r.requests,
         r.tokens,
         r.bytes as f64 / 1e9
     );
-    println!(
+    let _ = writeln!(
+        out,
         "  loads: {:.3} s, {:.2} GB/s; raw copy ({}) on this machine {:.2} GB/s (loads at {:.2} of it)",
         r.seconds,
         r.gb_per_s,
@@ -142,25 +153,29 @@ pub(super) fn print_summary(r: &DemoReport) {
             0.0
         }
     );
-    println!(
+    let _ = writeln!(
+        out,
         "  {} loads in flight at once, in {} stage(s); a load's latency {:.2} ms (median), {:.2} ms at most",
         r.in_flight,
         r.stages,
         r.load_seconds_median * 1e3,
         r.load_seconds_max * 1e3
     );
-    println!(
+    let _ = writeln!(
+        out,
         "  verification: {:.0}% of a load's time (median; largest {:.0}%), {:.3} s in all",
         r.verify_share_median * 100.0,
         r.verify_share_max * 100.0,
         r.verify_seconds
     );
-    println!(
+    let _ = writeln!(
+        out,
         "  not in the loads: producer checksums at publish {:.3} s; KV generation (seeded random bytes) {:.3} s",
         r.checksum_seconds - r.verify_seconds,
         r.prefill_seconds
     );
-    println!(
+    let _ = writeln!(
+        out,
         "  verdicts: {} verified, {} mismatch, {} unverified; actions: {} completed, {} failed, {} recomputed",
         r.counts.verified,
         r.counts.mismatch,
@@ -170,12 +185,61 @@ pub(super) fn print_summary(r: &DemoReport) {
         r.counts.recomputed
     );
     if r.corrupted > 0 {
-        println!("  {} corruptions injected", r.corrupted);
+        let _ = writeln!(out, "  {} corruptions injected", r.corrupted);
     }
     if let Some(eq) = r.kv_equal_after_recompute {
-        println!(
+        let _ = writeln!(
+            out,
             "  consumer KV equals producer KV after recovery: {}",
             if eq { "yes" } else { "NO" }
         );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Numbers as `#`, so that a run's lines compare with another run's by their words.
+    fn shape(line: &str) -> String {
+        let mut s: String = line
+            .chars()
+            .map(|c| if c.is_ascii_digit() { '#' } else { c })
+            .collect();
+        while s.contains("##") || s.contains("#.#") {
+            s = s.replace("##", "#").replace("#.#", "#");
+        }
+        s
+    }
+
+    /// README's sample of the demo's output has every line the summary prints for such a run,
+    /// word for word (numbers aside), so it cannot go stale unnoticed.
+    #[test]
+    fn readme_sample_has_the_summarys_lines() {
+        let readme = include_str!("../../README.md");
+        let sample: Vec<String> = readme
+            .split("```text\n")
+            .find(|b| b.starts_with("kvferry demo: "))
+            .and_then(|b| b.split("```").next())
+            .expect("README has the demo's sample output")
+            .lines()
+            .map(shape)
+            .collect();
+        let r = DemoReport {
+            transport: "tcp".into(),
+            network_transport: "tcp".into(),
+            memory_paths: vec!["host".into()],
+            checksum_backend: "cpu".into(),
+            model: "qwen3-0.6b".into(),
+            copy_reference: "host memcpy".into(),
+            ..DemoReport::default()
+        };
+        for line in summary(&r).lines() {
+            assert!(
+                sample.contains(&shape(line)),
+                "README's demo sample lacks {line:?}"
+            );
+        }
     }
 }

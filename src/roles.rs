@@ -147,13 +147,14 @@ const REACH: &str =
 
 /// The likely cause of a failed load and the options that fix it, from the error (the
 /// producer's reason travels as text, so a producer ERROR is read by its words), this side's
-/// secret mode and seed; `None` when the error names none of the causes below, or already
+/// secret mode, seed and `replay` options (as a command line gives them, for a refusal of other
+/// prompts to show beside serve's); `None` when the error names none of the causes below, or already
 /// gives the advice itself (a refused connect asks whether `kvferry serve` runs there).
 pub fn load_failure_hint(
     error: &LoadError,
     has_secret: bool,
     seed: u64,
-    requests: u32,
+    replay: &str,
 ) -> Option<String> {
     let words = match error {
         LoadError::Connect { why, .. } => return connect_hint(why),
@@ -187,7 +188,7 @@ pub fn load_failure_hint(
     }
     if options_differ(error) {
         return Some(format!(
-            "serve and load replay different prompts: they must be given the same {SHARED_OPTIONS} (this side: --seed {seed} --requests {requests})"
+            "serve and load replay different prompts: they must be given the same {SHARED_OPTIONS} (this side: {replay})"
         ));
     }
     if words.contains("already loaded") {
@@ -203,6 +204,19 @@ pub fn load_failure_hint(
         return Some("load's --timeout leaves the producer less than its transfer deadline (half of serve's --timeout): give both the same --timeout".to_string());
     }
     None
+}
+
+/// The options of `args` that decide the prompts and block tables `load` replays, as a command
+/// line gives them, to hold beside serve's when they differ.
+fn replay_options(args: &LoadArgs) -> String {
+    let c = &args.common;
+    let producer_block = args
+        .producer_block_size
+        .map_or(String::new(), |b| format!(" --producer-block-size {b}"));
+    format!(
+        "--seed {} --requests {} --min-tokens {} --max-tokens {} --model {} --layout {:?} --block-size {}{producer_block}",
+        args.seed, args.requests, args.min_tokens, args.max_tokens, c.model, c.layout, c.block_size
+    )
 }
 
 /// What `load` prints of a failed load: the error, except for a load refused at once because
@@ -562,7 +576,8 @@ pub fn load(args: &LoadArgs) -> Result<(), CliError> {
                     failure_line(&e, report.counts.failed > 0)
                 );
                 // Once, at the first failure: the likely cause and the options that fix it.
-                let hint = load_failure_hint(&e, secret.is_some(), args.seed, args.requests);
+                let hint =
+                    load_failure_hint(&e, secret.is_some(), args.seed, &replay_options(args));
                 if let (0, Some(h)) = (report.counts.failed, hint) {
                     eprintln!("kvferry load: {h}");
                 }
@@ -697,11 +712,39 @@ mod tests {
         }
     }
 
+    /// The hint for other prompts gives this side's values of every option serve must share.
+    #[test]
+    fn a_refusal_for_other_prompts_names_this_sides_options() {
+        use crate::cli::{Cli, Command};
+        use clap::Parser;
+        let argv = [
+            "kvferry",
+            "load",
+            "--producer",
+            "h:1",
+            "--model",
+            "tiny-hybrid",
+        ];
+        let Command::Load(args) = Cli::try_parse_from(argv).unwrap().command else {
+            unreachable!()
+        };
+        let replay = replay_options(&args);
+        assert_eq!(
+            replay,
+            "--seed 1 --requests 8 --min-tokens 100 --max-tokens 4000 --model tiny-hybrid \
+             --layout \"KV B N H D\" --block-size 16"
+        );
+        let e = mismatch_error("layer model.layers.0.self_attn.attn: head size differ");
+        let hint = load_failure_hint(&e, false, 1, &replay).unwrap_or_default();
+        assert!(hint.contains("this side: --seed 1 --requests 8"), "{hint}");
+        assert!(hint.contains("--model tiny-hybrid"), "{hint}");
+    }
+
     #[test]
     fn a_group_the_producer_never_published_names_the_shared_options() {
         // What a load with another --model than serve's gets (a hybrid model's second group).
         let e = mismatch_error("transfer failed: group 1 was not published");
-        let hint = load_failure_hint(&e, false, 1, 2).unwrap_or_default();
+        let hint = load_failure_hint(&e, false, 1, "--seed 1 --requests 2").unwrap_or_default();
         assert!(
             hint.contains("replay different prompts") && hint.contains("--model"),
             "{hint}"
@@ -730,27 +773,28 @@ mod tests {
         assert!(!options_differ(&producer_error(late)));
         assert!(!options_differ(&producer_error("lease expired after 120s")));
         // The hint names the shared options either way it is told.
-        let hint = load_failure_hint(&mismatch_error(words), false, 1, 2).unwrap_or_default();
+        let hint = load_failure_hint(&mismatch_error(words), false, 1, "--seed 1 --requests 2")
+            .unwrap_or_default();
         assert!(hint.contains("replay different prompts"), "{hint}");
     }
 
     #[test]
     fn a_load_of_requests_already_served_or_expired_is_told_why() {
         let again = producer_error("request \"req-0\": already loaded (KV is never fetched twice)");
-        let hint = load_failure_hint(&again, false, 1, 1).unwrap_or_default();
+        let hint = load_failure_hint(&again, false, 1, "--seed 1 --requests 1").unwrap_or_default();
         assert!(hint.contains("restart `kvferry serve`"), "{hint}");
         let late =
             producer_error("request \"req-0\": lease expired after 120s; its blocks were freed");
-        let hint = load_failure_hint(&late, false, 1, 1).unwrap_or_default();
+        let hint = load_failure_hint(&late, false, 1, "--seed 1 --requests 1").unwrap_or_default();
         assert!(hint.contains("--lease"), "{hint}");
     }
 
     #[test]
     fn a_load_without_the_producers_secret_is_told_to_give_it() {
         let e = producer_error("the request does not prove the shared secret over this session");
-        let hint = load_failure_hint(&e, false, 1, 1).unwrap_or_default();
+        let hint = load_failure_hint(&e, false, 1, "--seed 1 --requests 1").unwrap_or_default();
         assert!(hint.contains("KVFERRY_SECRET_FILE"), "{hint}");
-        let hint = load_failure_hint(&e, true, 1, 1).unwrap_or_default();
+        let hint = load_failure_hint(&e, true, 1, "--seed 1 --requests 1").unwrap_or_default();
         assert!(hint.contains("the same secret"), "{hint}");
     }
 
@@ -770,7 +814,7 @@ mod tests {
             .to_string()
             .contains("kvferry serve"));
         assert_eq!(
-            load_failure_hint(&connect(refused.clone()), false, 1, 1),
+            load_failure_hint(&connect(refused.clone()), false, 1, "--seed 1 --requests 1"),
             None
         );
         let after = ConnectFailure::Unreachable(kvferry_p2p::proto::consumer::Unreachable {
@@ -778,7 +822,7 @@ mod tests {
             why: Box::new(refused.clone()),
         });
         assert_eq!(
-            load_failure_hint(&connect(after.clone()), false, 1, 1),
+            load_failure_hint(&connect(after.clone()), false, 1, "--seed 1 --requests 1"),
             None
         );
         // The loads refused at once after it say so briefly, without the cause again.
@@ -792,7 +836,8 @@ mod tests {
         assert!(failure_line(&connect(after), false).contains("kvferry serve"));
         // A producer with another secret: the secret, not whether serve runs.
         let unproven = connect(ConnectFailure::Session(SessionError::Unproven));
-        let hint = load_failure_hint(&unproven, true, 1, 1).unwrap_or_default();
+        let hint =
+            load_failure_hint(&unproven, true, 1, "--seed 1 --requests 1").unwrap_or_default();
         assert!(
             hint.contains("--secret-file") && !hint.contains("running"),
             "{hint}"
@@ -800,7 +845,8 @@ mod tests {
         // A connect that only timed out says nothing of serve: the hint does.
         let timeout = connect(ConnectFailure::Timeout(Duration::from_secs(2)));
         assert!(!timeout.to_string().contains("kvferry serve"));
-        let hint = load_failure_hint(&timeout, false, 1, 1).unwrap_or_default();
+        let hint =
+            load_failure_hint(&timeout, false, 1, "--seed 1 --requests 1").unwrap_or_default();
         assert!(hint.contains("kvferry serve"), "{hint}");
     }
 }

@@ -103,12 +103,14 @@ impl CudaIpcTransport {
                     continue;
                 }
             };
-            // Import what is missing, once per allocation.
+            // Import what is missing, once per allocation. The peer found is kept to plan
+            // the copies when nothing is missing (the common case): one lock and one lookup
+            // per post.
+            let mut peers = self.peers.locked();
+            let found = peers
+                .get(&peer.name)
+                .filter(|p| p.instance_id == peer.instance_id);
             let missing: Vec<&IpcRegionKeys> = {
-                let peers = self.peers.locked();
-                let p = peers
-                    .get(&peer.name)
-                    .filter(|p| p.instance_id == peer.instance_id);
                 // Slices of one allocation come in runs: each allocation is looked at once
                 // per run, not once per slice.
                 let mut seen: SmallVec<[u64; 4]> = SmallVec::new();
@@ -123,28 +125,33 @@ impl CudaIpcTransport {
                         continue;
                     }
                     seen.push(k.alloc_base);
-                    if p.is_none_or(|p| !p.mapped.contains_key(&(dev, k.alloc_base))) {
+                    if found.is_none_or(|p| !p.mapped.contains_key(&(dev, k.alloc_base))) {
                         out.push(*k);
                     }
                 }
                 out
             };
-            if !missing.is_empty() {
-                if let Err(e) = self.import(peer, &missing, dev, None) {
-                    if !self.import_failed(peer, dev, &missing, &e) {
-                        fail(&mut group.iter().map(|(s, _)| s.id), &e);
-                        continue;
-                    }
-                    tracing::warn!(peer = %peer.name, "CUDA IPC handshake failed ({e}); these slices go over {}", self.inner.kind());
-                    fallback.extend(group.into_iter().map(|(s, _)| s));
-                    continue;
-                }
-            }
             let mut planned: SmallVec<[Planned; 2]> = SmallVec::with_capacity(group.len());
             let mut keep = Keep::new();
             {
-                let peers = self.peers.locked();
-                let Some(p) = peers.get(&peer.name) else {
+                let found = match (missing.is_empty(), found) {
+                    (true, Some(p)) => Some(p),
+                    _ => {
+                        drop(peers);
+                        if let Err(e) = self.import(peer, &missing, dev, None) {
+                            if !self.import_failed(peer, dev, &missing, &e) {
+                                fail(&mut group.iter().map(|(s, _)| s.id), &e);
+                                continue;
+                            }
+                            tracing::warn!(peer = %peer.name, "CUDA IPC handshake failed ({e}); these slices go over {}", self.inner.kind());
+                            fallback.extend(group.into_iter().map(|(s, _)| s));
+                            continue;
+                        }
+                        peers = self.peers.locked();
+                        peers.get(&peer.name)
+                    }
+                };
+                let Some(p) = found else {
                     fallback.extend(group.into_iter().map(|(s, _)| s));
                     continue;
                 };
@@ -189,6 +196,8 @@ impl CudaIpcTransport {
                     });
                 }
             }
+            // Not held across the driver calls.
+            drop(peers);
             if planned.is_empty() {
                 continue;
             }
@@ -240,6 +249,7 @@ impl CudaIpcTransport {
             .filter(|p| p.instance_id == peer.instance_id)
         {
             p.failed.extend(missing.iter().map(|k| (dev, k.alloc_base)));
+            self.routes_changed();
         }
         true
     }

@@ -164,6 +164,8 @@ impl CudaIpcTransport {
                 p
             }
             _ => {
+                // Another instance's failed imports go with it.
+                self.routes_changed();
                 peers.insert(
                     desc.name.clone(),
                     Peer {
@@ -252,6 +254,7 @@ impl CudaIpcTransport {
                         self.inner.kind()
                     );
                     p.failed.insert((dev, *base));
+                    self.routes_changed();
                 }
             }
         }
@@ -291,6 +294,9 @@ impl CudaIpcTransport {
 
     pub(super) fn drop_peer(&self, name: &str) {
         let gone = self.peers.locked().remove(name);
+        if gone.is_some() {
+            self.routes_changed();
+        }
         drop(gone);
     }
 }

@@ -5,6 +5,8 @@
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use kvferry_cuda::driver::Event;
 use kvferry_cuda::ipc::{self, StridedCopies};
 
@@ -24,7 +26,7 @@ use crate::types::{Location, Op};
 /// and which side is the destination.
 struct Resolved<'g> {
     id: u32,
-    ranges: Vec<ipc::Copy>,
+    ranges: SmallVec<[ipc::Copy; 2]>,
     blocks: &'g [(u64, u64)],
     /// Write: the remote base (second of a block's pair) is the destination.
     dst_second: bool,
@@ -43,9 +45,8 @@ impl CudaIpcTransport {
         let Location::Cuda(dev) = local.location else {
             return false;
         };
-        let k = self.keys_of(peer, None, remote_buffer);
         matches!(
-            self.route_of(peer, local, remote_buffer, &k),
+            self.route_keys(peer, None, local, remote_buffer).0,
             Route::Ipc | Route::InProcess
         ) && self.lane(dev).is_ok_and(|l| l.strided.is_some())
     }
@@ -66,11 +67,10 @@ impl CudaIpcTransport {
         }
         // The route was decided at submit; a descriptor change meanwhile fails the group
         // (the per-copy path would have retried it on the fallback transport).
-        let mut work: Vec<(&StridedGroup, Arc<IpcRegionKeys>, u32)> =
-            Vec::with_capacity(groups.len());
+        // Inline for the few groups of a common post (no allocation per post).
+        let mut work: SmallVec<[Work<'_>; 2]> = SmallVec::with_capacity(groups.len());
         for g in groups {
-            let k = self.keys_of(peer, Some(peer), g.remote_buffer);
-            let route = self.route_of(peer, &g.local_region, g.remote_buffer, &k);
+            let (route, k) = self.route_keys(peer, Some(peer), &g.local_region, g.remote_buffer);
             match (k, g.local_region.location, route) {
                 (Some(Ok(k)), Location::Cuda(d), Route::Ipc | Route::InProcess) => {
                     work.push((g, k, d))
@@ -91,13 +91,12 @@ impl CudaIpcTransport {
             done.fail_all(work.iter().map(|w| w.0.id), &e);
             return;
         }
-        let mut devices: Vec<u32> = work.iter().map(|w| w.2).collect();
+        let mut devices: SmallVec<[u32; 2]> = work.iter().map(|w| w.2).collect();
         devices.sort_unstable();
         devices.dedup();
         done.expect_soon();
         for dev in devices {
-            let part: Vec<&(&StridedGroup, Arc<IpcRegionKeys>, u32)> =
-                work.iter().filter(|w| w.2 == dev).collect();
+            let part: SmallVec<[&Work<'_>; 2]> = work.iter().filter(|w| w.2 == dev).collect();
             let ids = || part.iter().map(|w| w.0.id);
             if let Err(e) = self.post_device(peer, dev, &part, &done) {
                 done.fail_all(ids(), &e);
@@ -112,13 +111,15 @@ impl CudaIpcTransport {
         &self,
         peer: &Arc<SegmentDescriptor>,
         dev: u32,
-        part: &[&(&StridedGroup, Arc<IpcRegionKeys>, u32)],
+        part: &[&Work<'_>],
         done: &CompletionSink,
     ) -> Result<()> {
         let t0 = std::time::Instant::now();
         let lane = self.lane(dev)?;
+        // The peers' lock is held on to resolve the groups when nothing is missing (the
+        // common case): one lock per post.
+        let mut peers = self.peers.locked();
         let missing: Vec<&IpcRegionKeys> = {
-            let peers = self.peers.locked();
             let p = peers
                 .get(&peer.name)
                 .filter(|p| p.instance_id == peer.instance_id);
@@ -134,7 +135,11 @@ impl CudaIpcTransport {
             out
         };
         if !missing.is_empty() {
-            if let Err(e) = self.import(peer, &missing, dev, None) {
+            drop(peers);
+            let imported = self.import(peer, &missing, dev, None);
+            peers = self.peers.locked();
+            if let Err(e) = imported {
+                drop(peers);
                 // Failed allocations: later submits of these pairs take the per-copy path (to
                 // the fallback); a timeout leaves them to the next post.
                 self.import_failed(peer, dev, &missing, &e);
@@ -142,9 +147,8 @@ impl CudaIpcTransport {
             }
         }
         let mut keep = super::state::Keep::new();
-        let mut resolved: Vec<Resolved<'_>> = Vec::with_capacity(part.len());
+        let mut resolved: SmallVec<[Resolved<'_>; 2]> = SmallVec::with_capacity(part.len());
         {
-            let peers = self.peers.locked();
             let p = peers
                 .get(&peer.name)
                 .ok_or_else(|| not_over_ipc(part[0].0.remote_buffer))?;
@@ -206,12 +210,14 @@ impl CudaIpcTransport {
                 });
             }
         }
+        // Not held across the driver calls.
+        drop(peers);
         if resolved.is_empty() {
             return Ok(());
         }
         let ids: super::state::JobIds = resolved.iter().map(|r| r.id).collect();
         let bytes = resolved.iter().fold(0u64, |a, r| a.saturating_add(r.bytes));
-        let launch: Vec<StridedCopies<'_>> = resolved
+        let launch: SmallVec<[StridedCopies<'_>; 2]> = resolved
             .iter()
             .map(|r| StridedCopies {
                 ranges: &r.ranges,
@@ -220,9 +226,12 @@ impl CudaIpcTransport {
                 shift: r.shift,
             })
             .collect();
-        let resolve_us = t0.elapsed().as_micros() as u64;
+        // No clock read for the timing line when it is off.
+        let timing = tracing::enabled!(target: "kvferry::timing", tracing::Level::DEBUG);
+        let us = || t0.elapsed().as_micros() as u64;
+        let resolve_us = if timing { us() } else { 0 };
         let enqueued = self.enqueue_strided(dev, &lane, &launch);
-        let enqueue_us = t0.elapsed().as_micros() as u64 - resolve_us;
+        let enqueue_us = if timing { us() - resolve_us } else { 0 };
         match enqueued {
             Ok((event, table)) => {
                 self.enqueue_job(&lane, done, (ids, bytes, t0), (event, Some(table)), keep)
@@ -231,13 +240,15 @@ impl CudaIpcTransport {
         }
         // Where a strided post's host time goes: imports, checks and table inputs; the table
         // written and the launch enqueued; the hand-off to the completion thread.
-        tracing::debug!(
-            target: "kvferry::timing",
-            resolve_us,
-            enqueue_us,
-            job_us = t0.elapsed().as_micros() as u64 - resolve_us - enqueue_us,
-            "cuda ipc strided post"
-        );
+        if timing {
+            tracing::debug!(
+                target: "kvferry::timing",
+                resolve_us,
+                enqueue_us,
+                job_us = us() - resolve_us - enqueue_us,
+                "cuda ipc strided post"
+            );
+        }
         Ok(())
     }
 
@@ -287,6 +298,9 @@ fn first_dead_block(
         .find(|(_, rb)| rb.checked_add(lo).is_none_or(|a| !live.covers(a, hi - lo)))
         .map(|&(_, rb)| rb)
 }
+
+/// A group of a strided post with the keys of its peer buffer and its local device.
+type Work<'g> = (&'g StridedGroup, Arc<IpcRegionKeys>, u32);
 
 fn not_over_ipc(buffer: usize) -> TransferError {
     TransferError::Unsupported(UnsupportedError::NotOverCudaIpc { buffer })

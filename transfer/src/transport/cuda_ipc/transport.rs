@@ -94,7 +94,29 @@ pub struct CudaIpcTransport {
     pub(super) devices: Mutex<Vec<u32>>,
     /// Peer processes (pid) seen alive, and when (`peer_gone`).
     pub(super) alive: Mutex<Vec<(u32, std::time::Instant)>>,
+    /// Routes decided lately (`route_keys`): a submit asks for the route of a pair twice (its
+    /// slice size, then its post), and the next submit for the same pair again.
+    routes: Mutex<SmallVec<[RouteMemo; ROUTES_KEPT]>>,
+    /// Bumped whenever what a route depends on beside the descriptor and the two regions
+    /// changes (a peer's failed imports, a peer forgotten or replaced): routes remembered
+    /// before are decided again.
+    pub(super) route_epoch: std::sync::atomic::AtomicU64,
 }
+
+/// A route remembered (`CudaIpcTransport::route_keys`): of the pair (`local`, the buffer
+/// `buffer` of the descriptor `desc` points at), decided at `epoch`, with the buffer's keys.
+struct RouteMemo {
+    /// Whose buffer: a live `Weak` also says that the descriptor at its address is this one.
+    desc: std::sync::Weak<SegmentDescriptor>,
+    local: MemoryRegion,
+    buffer: usize,
+    epoch: u64,
+    route: Route,
+    keys: Decoded,
+}
+
+/// Routes remembered at most (the oldest goes first).
+const ROUTES_KEPT: usize = 8;
 
 /// A pair's keys when it goes over CUDA IPC, `None` when it goes to the wrapped transport.
 type RouteKeys = Option<Arc<IpcRegionKeys>>;
@@ -156,6 +178,8 @@ impl CudaIpcTransport {
             refused: Mutex::new(HashMap::new()),
             devices: Mutex::new(Vec::new()),
             alive: Mutex::new(Vec::new()),
+            routes: Mutex::new(SmallVec::new()),
+            route_epoch: Default::default(),
         }))
     }
 
@@ -279,6 +303,79 @@ impl CudaIpcTransport {
         k
     }
 
+    /// The route of a slice between `local` and the peer's buffer `remote_buffer`, with that
+    /// buffer's keys: remembered per pair until the peer's state changes (`route_epoch`), so
+    /// that a submit's slice size and its post, and later submits of the pair, decide it
+    /// once. `held`: the descriptor's `Arc`, when the caller has it (a pair is remembered only
+    /// for a descriptor known alive by a `Weak`).
+    pub(super) fn route_keys(
+        &self,
+        peer: &SegmentDescriptor,
+        held: Option<&Arc<SegmentDescriptor>>,
+        local: &MemoryRegion,
+        remote_buffer: usize,
+    ) -> (Route, Decoded) {
+        use std::sync::atomic::Ordering;
+        let at = peer as *const SegmentDescriptor;
+        let epoch = self.route_epoch.load(Ordering::Acquire);
+        {
+            let memo = self.routes.locked();
+            // A live `Weak` to `at`: the descriptor there is the one remembered (two live
+            // values never share an address).
+            if let Some(m) = memo
+                .iter()
+                .rev()
+                .find(|m| m.desc.as_ptr() == at && m.local == *local && m.buffer == remote_buffer)
+            {
+                if m.epoch == epoch && m.desc.strong_count() > 0 {
+                    return (m.route.clone(), m.keys.clone());
+                }
+            }
+        }
+        let keys = self.keys_of(peer, held, remote_buffer);
+        let route = self.route_of(peer, local, remote_buffer, &keys);
+        let desc = match held {
+            Some(a) => Some(Arc::downgrade(a)),
+            None => self.decoded_weak(peer),
+        };
+        if let Some(desc) = desc {
+            let mut memo = self.routes.locked();
+            memo.retain(|m| {
+                m.desc.strong_count() > 0
+                    && !(m.desc.as_ptr() == at && m.local == *local && m.buffer == remote_buffer)
+            });
+            if memo.len() >= ROUTES_KEPT {
+                memo.remove(0);
+            }
+            memo.push(RouteMemo {
+                desc,
+                local: *local,
+                buffer: remote_buffer,
+                epoch,
+                route: route.clone(),
+                keys: keys.clone(),
+            });
+        }
+        (route, keys)
+    }
+
+    /// The `Weak` the keys' memory holds of `peer` (`keys_of`), if it is alive.
+    fn decoded_weak(&self, peer: &SegmentDescriptor) -> Option<std::sync::Weak<SegmentDescriptor>> {
+        let at = peer as *const SegmentDescriptor as usize;
+        self.decoded
+            .locked()
+            .get(&at)
+            .map(|(w, _)| w.clone())
+            .filter(|w| w.strong_count() > 0 && std::ptr::eq(w.as_ptr(), peer))
+    }
+
+    /// Says that a peer's failed imports or the peers held changed: remembered routes are
+    /// decided again. Called with the peers' lock held or right after the change.
+    pub(super) fn routes_changed(&self) {
+        self.route_epoch
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
     /// Whether local device `a` can access the device of `uuid` (remembered).
     fn peer_access(&self, a: u32, uuid: &str) -> bool {
         if let Some(&ok) = self.access.locked().get(&a).and_then(|m| m.get(uuid)) {
@@ -340,12 +437,7 @@ impl Transport for CudaIpcTransport {
         local: &MemoryRegion,
         remote_buffer: usize,
     ) -> crate::types::TransferPath {
-        match self.route_of(
-            peer,
-            local,
-            remote_buffer,
-            &self.keys_of(peer, None, remote_buffer),
-        ) {
+        match self.route_keys(peer, None, local, remote_buffer).0 {
             Route::Ipc | Route::InProcess => crate::types::TransferPath::CudaIpc,
             Route::Fallback(_) => self.inner.path(peer, local, remote_buffer),
         }
@@ -358,12 +450,7 @@ impl Transport for CudaIpcTransport {
         remote_buffer: usize,
         default: u64,
     ) -> u64 {
-        match self.route_of(
-            peer,
-            local,
-            remote_buffer,
-            &self.keys_of(peer, None, remote_buffer),
-        ) {
+        match self.route_keys(peer, None, local, remote_buffer).0 {
             Route::Ipc | Route::InProcess => self.ipc_slice.max(default),
             Route::Fallback(_) => self.inner.slice_size(peer, local, remote_buffer, default),
         }
@@ -497,8 +584,9 @@ impl Transport for CudaIpcTransport {
                 last = match found {
                     Some(i) => i,
                     None => {
-                        let k = self.keys_of(peer, Some(peer), s.remote_buffer);
-                        let d = match self.route_of(peer, &s.local_region, s.remote_buffer, &k) {
+                        let (route, k) =
+                            self.route_keys(peer, Some(peer), &s.local_region, s.remote_buffer);
+                        let d = match route {
                             Route::Ipc | Route::InProcess => k.and_then(|r| r.ok()),
                             Route::Fallback(_) => None,
                         };
@@ -574,6 +662,7 @@ impl Transport for CudaIpcTransport {
             let _ = t.join();
         }
         self.peers.locked().clear();
+        self.routes_changed();
         self.inner.shutdown();
     }
 }

@@ -7,6 +7,7 @@ use super::*;
 use crate::auth::{Credential, GrantOps, GrantSpec, Secret, Token};
 use crate::config::{AuthConfig, EngineConfig};
 use crate::handshake::{self, FrameType};
+use std::collections::{HashMap, HashSet};
 
 fn secret() -> Secret {
     Secret::from_bytes(b"0123456789abcdef0123").unwrap()
@@ -233,4 +234,107 @@ fn a_refused_export_keeps_its_typed_error_until_deregistered() {
     assert!(t.not_exported(region.addr + 1).is_none());
     t.deregister(&region).unwrap();
     assert!(t.not_exported(region.addr).is_none());
+}
+
+/// A remembered route is decided again when what it depends on beside the two regions
+/// changes: an import of the peer's allocation failing sends the pair to the fallback, and
+/// the peer forgotten (its failed imports with it) brings it back to CUDA IPC. A route of
+/// another descriptor at the same pair is never the remembered one.
+#[test]
+fn a_remembered_route_follows_failed_imports_and_forgotten_peers() {
+    let ctx = TransportContext {
+        config: EngineConfig::default(),
+        segment_name: "127.0.0.1:1".into(),
+        instance_id: 1,
+        registry: Arc::new(crate::memory::MemoryRegistry::new()),
+        memory: Arc::new(AnyLocation),
+        auth: crate::auth::AuthState::new(None, "test"),
+    };
+    let inner: Arc<dyn Transport> =
+        Arc::new(crate::transport::tcp::TcpTransport::new(ctx.clone()).unwrap());
+    let t = CudaIpcTransport::new(&ctx, inner).unwrap();
+    let Some(me) = t.me.clone() else {
+        return; // no host identity here: nothing goes over CUDA IPC
+    };
+    let uuid = "00".repeat(16);
+    // Device 0 reaches the peer's device (the driver's answer, remembered: none asked here).
+    t.access
+        .lock()
+        .unwrap()
+        .entry(0)
+        .or_default()
+        .insert(uuid.clone(), true);
+    let keys = super::super::keys::IpcRegionKeys {
+        host: super::super::keys::HostIdentity {
+            pid: me.pid.wrapping_add(1),
+            ..me
+        },
+        device_uuid: uuid,
+        alloc_base: 0x10000,
+        alloc_size: 0x10000,
+        kind: kvferry_cuda::ipc::AllocationKind::VmmFd,
+    };
+    let remote = MemoryRegion {
+        addr: 0x10000,
+        len: 0x1000,
+        location: Location::Cuda(0),
+    };
+    let mut m = serde_json::Map::new();
+    m.insert(KEYS_FIELD.into(), serde_json::to_value(&keys).unwrap());
+    let published: crate::memory::TransportKeys =
+        serde_json::from_value(serde_json::Value::Object(m)).unwrap();
+    let desc = |keys: crate::memory::TransportKeys| {
+        Arc::new(SegmentDescriptor {
+            name: "127.0.0.1:9".into(),
+            instance_id: 7,
+            transport: TransportInfo {
+                kind: TransportKind::Tcp,
+                details: serde_json::json!({}),
+            },
+            buffers: vec![crate::descriptor::BufferDesc {
+                region: remote,
+                keys: crate::memory::RegionKeys::new(Default::default(), keys),
+            }],
+        })
+    };
+    let d = desc(published);
+    let local = MemoryRegion {
+        addr: 0x7000_0000,
+        len: 4096,
+        location: Location::Cuda(0),
+    };
+    let route =
+        |d: &Arc<SegmentDescriptor>, held: bool| t.route_keys(d, held.then_some(d), &local, 0).0;
+    assert_eq!(route(&d, true), Route::Ipc);
+    assert_eq!(route(&d, false), Route::Ipc, "remembered");
+    // The import failed: the pair goes to the fallback from then on.
+    let table = super::super::live::LiveTable::new().unwrap();
+    t.peers.lock().unwrap().insert(
+        d.name.clone(),
+        super::super::state::Peer {
+            instance_id: d.instance_id,
+            live: super::super::live::LiveView::open(&table.fd()).unwrap(),
+            mapped: HashMap::new(),
+            failed: HashSet::new(),
+        },
+    );
+    let e = TransferError::Handshake {
+        peer: d.name.clone(),
+        source: crate::error::HandshakeError::Closed,
+    };
+    assert!(t.import_failed(&d, 0, &[&keys], &e));
+    assert_eq!(
+        route(&d, false),
+        Route::Fallback(super::super::keys::FallbackWhy::ImportFailed)
+    );
+    // Forgotten: its failed imports go with it.
+    t.drop_peer(&d.name);
+    assert_eq!(route(&d, true), Route::Ipc);
+    // Another descriptor (the same pair, no keys published): its own route.
+    let other = desc(crate::memory::TransportKeys::none());
+    assert_eq!(
+        route(&other, true),
+        Route::Fallback(super::super::keys::FallbackWhy::NotExported)
+    );
+    assert_eq!(route(&d, false), Route::Ipc);
 }

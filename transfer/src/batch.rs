@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::batch_meter::BatchMeter;
 use crate::error::{ArgumentError, Result, TransferError};
 use crate::ids::NumMap;
-use crate::memory::{Cover, MemoryRegion, MemoryRegistry};
+use crate::memory::{Covers, MemoryRegion, MemoryRegistry};
 use crate::transport::completion::BatchState;
 use crate::transport::Slice;
 use crate::types::{BatchId, TransferRequest};
@@ -96,7 +96,7 @@ impl BatchTable {
 pub(crate) fn local_covers(
     registry: &MemoryRegistry,
     requests: &[TransferRequest],
-) -> Result<Vec<Cover<MemoryRegion>>> {
+) -> Result<Covers<MemoryRegion>> {
     if let Some(r) = requests.iter().find(|r| r.len == 0) {
         return Err(ArgumentError::ZeroLengthRequest {
             local_addr: r.local_addr,
@@ -126,12 +126,12 @@ pub(crate) fn slice_requests<L, R>(
     local: &[L],
     remote: &[R],
     mut slice_size: impl FnMut(&MemoryRegion, usize) -> u64,
-) -> Result<Vec<Slice>>
+) -> Result<Slices>
 where
     L: AsRef<[(u64, u64, MemoryRegion)]>,
     R: AsRef<[(u64, u64, usize)]>,
 {
-    let mut slices = Vec::with_capacity(requests.len());
+    let mut slices = Slices::with_capacity(requests.len());
     // Submits name few pairs of regions: the last answer is almost always the one wanted.
     let mut sizes: smallvec::SmallVec<[(u64, usize, u64); 2]> = smallvec::SmallVec::new();
     let mut size_of = |region: &MemoryRegion, buffer: usize| -> u64 {
@@ -165,7 +165,7 @@ fn cut_request(
     local: &[(u64, u64, MemoryRegion)],
     remote: &[(u64, u64, usize)],
     slice_size: &mut impl FnMut(&MemoryRegion, usize) -> u64,
-    out: &mut Vec<Slice>,
+    out: &mut Slices,
 ) -> Result<()> {
     let (mut li, mut ri) = (0usize, 0usize);
     let (mut lo, mut ro) = (0u64, 0u64); // offsets consumed within the current pieces
@@ -216,7 +216,7 @@ fn cut_run(
     size: u64,
     region: MemoryRegion,
     buffer: usize,
-    out: &mut Vec<Slice>,
+    out: &mut Slices,
 ) -> Result<()> {
     let mut at = 0u64;
     let full = chunk / size;
@@ -243,6 +243,9 @@ fn cut_run(
     }
     Ok(())
 }
+
+/// A batch's slices (inline for one: a contiguous request on a device-copy route is one).
+pub(crate) type Slices = smallvec::SmallVec<[Slice; 1]>;
 
 /// A batch of more slices than its `u32` slice ids can count.
 fn too_many_slices() -> TransferError {
@@ -291,7 +294,7 @@ mod tests {
             (1100, 200, region(1100, 200)),
         ];
         let remote = [(5000, 250, 0usize), (5250, 50, 1usize)];
-        let mut out = Vec::new();
+        let mut out = Slices::new();
         cut_request(&req, &local, &remote, &mut |_, _| 64, &mut out).unwrap();
         let spans: Vec<(u64, u64)> = out.iter().map(|s| (s.local_addr - 1000, s.len)).collect();
         // chunk [0,100): 64 + 36 (36 > 16, not merged); [100,250): 64+64+22; [250,300): 50
@@ -314,7 +317,7 @@ mod tests {
             len: 64 * 3 + 16,
             ..req
         };
-        let mut out = Vec::new();
+        let mut out = Slices::new();
         cut_request(
             &req,
             &[(1000, req.len, region(1000, 1000))],

@@ -13,7 +13,7 @@ use crate::error::{
     DescriptorError, HandshakeError, ProtocolError, Result, TransferError, UnsupportedError,
 };
 use crate::handshake::MAX_FRAME_BODY;
-use crate::memory::{cover_sorted, Cover, MemoryRegion, MemoryRegistry, RegionKeys};
+use crate::memory::{cover_sorted, Covers, MemoryRegion, MemoryRegistry, RegionKeys};
 use crate::types::{TransferRequest, TransportKind};
 
 /// One buffer a segment advertises: a registered memory region and its transport keys.
@@ -155,7 +155,7 @@ impl SegmentDescriptor {
     /// The peer-side covers `(addr, len, buffer index)` of every request's remote range, in
     /// order. Errors: `RemoteOutOfRange` for the first request some byte of which no buffer
     /// holds.
-    pub(crate) fn remote_covers(&self, requests: &[TransferRequest]) -> Result<Vec<Cover<usize>>> {
+    pub(crate) fn remote_covers(&self, requests: &[TransferRequest]) -> Result<Covers<usize>> {
         // Built only for a request that spans buffers (most lie in one: no O(buffers) work
         // per submit then).
         let idx: std::cell::OnceCell<Vec<(usize, &BufferDesc)>> = std::cell::OnceCell::new();

@@ -384,7 +384,7 @@ impl TransferEngine {
             .start(t0, path, &desc.name, requests, n_slices as u32);
         let (id, state) = self.batches.start(n_slices as u32, meter);
         state.hold(pins);
-        self.peers.touch(&desc.name, t0);
+        self.peers.touch(&desc, t0);
         let timing = tracing::enabled!(target: "kvferry::timing", tracing::Level::DEBUG);
         let prep_us = if timing {
             t0.elapsed().as_micros() as u64

@@ -64,7 +64,7 @@ impl TransferEngine {
         let meter = self.series.start_with(t0, path, &desc.name, op, bytes, n);
         let (id, state) = self.batches.start(n, meter);
         state.hold(pins);
-        self.peers.touch(&desc.name, t0);
+        self.peers.touch(&desc, t0);
         let timing = tracing::enabled!(target: "kvferry::timing", tracing::Level::DEBUG);
         let prep_us = if timing {
             t0.elapsed().as_micros() as u64

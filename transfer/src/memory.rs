@@ -290,7 +290,7 @@ impl MemoryRegistry {
     pub(crate) fn cover_regions(
         &self,
         ranges: impl Iterator<Item = (u64, u64)>,
-    ) -> Vec<Option<Cover<MemoryRegion>>> {
+    ) -> smallvec::SmallVec<[Option<Cover<MemoryRegion>>; 1]> {
         let map = self.regions.read_locked();
         let mut entries: Option<Vec<&RegistryEntry>> = None;
         // Requests of one submit mostly lie in one region: the last one is tried first.
@@ -330,6 +330,10 @@ fn find_in(map: &BTreeMap<u64, RegistryEntry>, addr: u64, len: u64) -> Option<&R
 /// The pieces `(addr, len, item)` one request's range is cut into at region boundaries:
 /// almost always one, held without a heap allocation.
 pub(crate) type Cover<T> = smallvec::SmallVec<[(u64, u64, T); 1]>;
+
+/// The covers of a submit's requests, one per request (inline for one: a submit of one
+/// request allocates no list).
+pub(crate) type Covers<T> = smallvec::SmallVec<[Cover<T>; 1]>;
 
 /// Cuts `[addr, addr+len)` at the boundaries of `items` (sorted by address, non-overlapping):
 /// `(piece addr, piece len, item)` in order, or `None` when some byte is not covered or the

@@ -5,6 +5,7 @@
 
 use crate::sync::MutexExt;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -33,7 +34,17 @@ pub(crate) struct PeerCache {
     /// Fds the connections to one peer hold at most: a TCP data connection holds its socket,
     /// the reader's clone and the closer's clone; RDMA queue pairs hold none.
     fds_per_peer: usize,
+    /// The descriptor touched last (its address) and when (ns after `epoch`): a touch of the
+    /// same descriptor less than `touch_gap` later leaves its entry as it is (no lock, no
+    /// hash of its name per submit), so an entry is dropped at most `touch_gap` before
+    /// `idle` has passed since its last use.
+    last_touch: (AtomicUsize, AtomicU64),
+    epoch: Instant,
+    touch_gap: Duration,
 }
+
+/// The longest `PeerCache::touch_gap`: a sixteenth of the idle timeout, at most this.
+const TOUCH_GAP_MAX: Duration = Duration::from_millis(100);
 
 impl PeerCache {
     pub(crate) fn new(
@@ -54,6 +65,9 @@ impl PeerCache {
             auth,
             handshake_timeout,
             idle,
+            last_touch: (AtomicUsize::new(0), AtomicU64::new(0)),
+            epoch: Instant::now(),
+            touch_gap: (idle / 16).min(TOUCH_GAP_MAX),
         }
     }
 
@@ -79,10 +93,23 @@ impl PeerCache {
     }
 
     /// Marks `name` used at `now` (a submit to it, which read the clock as it started).
-    pub(crate) fn touch(&self, name: &str, now: Instant) {
-        if let Some(e) = self.lock_at(now).get_mut(name) {
+    /// A descriptor touched less than `touch_gap` before is left as it is (see `last_touch`).
+    pub(crate) fn touch(&self, desc: &Arc<SegmentDescriptor>, now: Instant) {
+        let at = Arc::as_ptr(desc) as usize;
+        let t = now.saturating_duration_since(self.epoch).as_nanos() as u64;
+        let (last, when) = &self.last_touch;
+        // The time is stored before the address (release): an address read (acquire) comes
+        // with a time at least as late as its touch.
+        if last.load(Ordering::Acquire) == at
+            && t.saturating_sub(when.load(Ordering::Relaxed)) < self.touch_gap.as_nanos() as u64
+        {
+            return;
+        }
+        if let Some(e) = self.lock_at(now).get_mut(&desc.name) {
             e.used = e.used.max(now);
         }
+        when.store(t, Ordering::Relaxed);
+        last.store(at, Ordering::Release);
     }
 
     /// Cached descriptors now (after dropping idle ones).
@@ -192,7 +219,7 @@ pub(crate) struct BatchRefresh {
     /// The descriptor the batch was submitted on (its `name` is the segment's).
     submitted: Arc<SegmentDescriptor>,
     /// The batch's slices by id.
-    slices: Vec<Slice>,
+    slices: crate::batch::Slices,
     /// The grant token the batch was submitted with (`SegmentHandle::with_token`).
     token: Option<Token>,
     phase: Mutex<Phase>,
@@ -211,7 +238,7 @@ impl BatchRefresh {
     pub(crate) fn new(
         cache: Arc<PeerCache>,
         submitted: Arc<SegmentDescriptor>,
-        slices: Vec<Slice>,
+        slices: crate::batch::Slices,
         token: Option<Token>,
     ) -> Arc<Self> {
         Arc::new(BatchRefresh {
@@ -411,5 +438,45 @@ mod tests {
         assert_eq!(t.warmed.load(Ordering::SeqCst), 0);
         cache.fetch(&peer.segment_name(), None, true).unwrap();
         assert_eq!(t.warmed.load(Ordering::SeqCst), 1);
+    }
+
+    /// A touch of the descriptor touched last is skipped within the gap only: one after it
+    /// counts, so an entry in use never expires.
+    #[test]
+    fn a_touch_is_skipped_only_within_the_gap() {
+        let cache = PeerCache::new(
+            Arc::new(Counting::default()),
+            AuthState::new(None, "test"),
+            Duration::from_secs(5),
+            Duration::from_millis(1600),
+            1,
+        );
+        assert_eq!(cache.touch_gap, Duration::from_millis(100));
+        let d = Arc::new(SegmentDescriptor {
+            name: "127.0.0.1:9".into(),
+            instance_id: 1,
+            transport: TransportInfo {
+                kind: TransportKind::Tcp,
+                details: serde_json::json!({}),
+            },
+            buffers: Vec::new(),
+        });
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        cache.entries.locked().insert(
+            d.name.clone(),
+            Entry {
+                desc: d.clone(),
+                used: t0,
+            },
+        );
+        cache.touch(&d, t0);
+        cache.touch(&d, ms(50));
+        assert_eq!(cache.entries.locked()[&d.name].used, t0, "within the gap");
+        cache.touch(&d, ms(150));
+        assert_eq!(cache.entries.locked()[&d.name].used, ms(150));
+        // Idle 1600 ms after t0, not after its last use: kept.
+        assert!(cache.lock_at(ms(1700)).contains_key(&d.name));
+        assert!(!cache.lock_at(ms(1800)).contains_key(&d.name));
     }
 }

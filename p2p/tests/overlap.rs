@@ -107,8 +107,9 @@ async fn layers_verified_as_they_land_add_up_to_the_whole_request_checksum() {
             assert_eq!(out.verdict, Some(Verdict::Verified), "{what}");
             assert_eq!(out.bytes, bytes, "{what}");
             assert_eq!(out.early_layers > 0, early, "{what}: {out:?}");
-            // Every layer was checksummed, some after the FINISH (the last group's).
-            assert!(out.early_layers < SHAPE.0 * tp, "{what}: {out:?}");
+            // At most every layer was checksummed as it landed (the last group's CONTINUE
+            // comes before the FINISH, and is left for after it when heard late).
+            assert!(out.early_layers <= SHAPE.0 * tp, "{what}: {out:?}");
             assert_landed(&pair);
             pair.producer.shutdown().await;
         }

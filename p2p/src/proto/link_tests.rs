@@ -301,16 +301,17 @@ impl Sim {
                         request_id: request.request_id.clone(),
                         end,
                     });
-                    // The copies land in 1 to 4 layer groups; each but the last is named as
-                    // it lands (the FINISH names the last).
+                    // The copies land in 1 to 4 layer groups; with more than one, each is named
+                    // as it lands, the last one too (ahead of the FINISH, when all landed).
                     let groups = self.rng.random_range(1..=SLOTS);
-                    for k in 1..groups {
+                    let named = if groups > 1 { groups } else { 0 };
+                    for k in 1..=named {
                         let at = self.now + took * k / groups;
                         let span = LayerSpan {
                             first: SLOTS * (k - 1) / groups,
                             end: SLOTS * k / groups,
                         };
-                        if at < end {
+                        if at < end || (k == groups && ok) {
                             let id = request.request_id.clone();
                             self.progress.push((at, id, request.load_id, span));
                         }

@@ -167,17 +167,26 @@ impl Consumer {
             overlap.then_some(progress),
         );
         tokio::pin!(send);
+        // Progress first: the connection passes a load's progress on before its FINISH, so the
+        // spans heard in one burst with the FINISH still start their checksums before it is
+        // taken (each is a launch queued behind the others, never waited for in turn).
+        let mut last_heard = None;
         let reply = loop {
             tokio::select! {
                 biased;
+                Some(p) = heard.recv() => {
+                    parts.progress(p);
+                    last_heard = Some(Instant::now());
+                }
                 r = &mut send => break r,
-                Some(p) = heard.recv() => parts.progress(p),
             }
         };
+        // How long before the FINISH the last progress was taken (the head start of its part).
+        let lead_us = last_heard.map_or(0, |t| t.elapsed().as_micros() as u64);
         // Progress the connection passed on before the FINISH, not yet taken: those layers
-        // landed too.
+        // landed too, and are checksummed with the rest (bogus progress still voids the parts).
         while let Ok(p) = heard.try_recv() {
-            parts.progress(p);
+            parts.late(p);
         }
         // The transfer is over (FINISH: every WRITE was acknowledged) or failed: revoke
         // before verifying, so that nothing lands in the blocks after they are checked.
@@ -220,6 +229,7 @@ impl Consumer {
             build_us,
             grant_us,
             overlapped,
+            lead_us,
             transfer_us = (transfer_seconds * 1e6) as u64,
             verify_us = (checksum_seconds * 1e6) as u64,
             "load phases"
@@ -429,8 +439,9 @@ impl Consumer {
         let selector = Selector::new(spec);
         let select = |g: &WorkerGroup| selector.select(g);
         let t_records = Instant::now();
-        let (records, missing) = parts.finish().await;
+        let finished = parts.finish().await;
         let records_us = t_records.elapsed().as_micros() as u64;
+        let (records, missing) = (finished.records, finished.missing);
         if !missing.is_empty() {
             warn!(
                 request_id = spec.request_id,
@@ -464,6 +475,10 @@ impl Consumer {
             target: "kvferry::timing",
             request_id = spec.request_id,
             records_us,
+            parts_done = finished.parts_done,
+            parts_us = finished.parts_us,
+            rest_us = finished.rest_us,
+            rest_layers = finished.rest_layers,
             sums_us,
             compare_us = (t_sums.elapsed().as_micros() as u64).saturating_sub(sums_us),
             "verify phases"

@@ -35,7 +35,7 @@ pub(crate) enum ServeEnd {
 /// Serves one load (a `Serve` effect of the producer machine): parses the request's grant
 /// token, plans the copies from `lease` to the consumer's ranks (`layouts`: the workers as the
 /// planner sees them, same order) and WRITEs them by `deadline`: in layer groups of about
-/// `group_bytes` ([`write_grouped`], `progress` told as each but the last lands), or in one
+/// `group_bytes` ([`write_grouped`], `progress` told as each lands), or in one
 /// go ([`write_all`]). A token that does not parse or a request the plan refuses gives the
 /// lease back ([`ServeEnd::Refused`]); otherwise the WRITEs' result ([`ServeEnd::Ran`]).
 pub(crate) async fn serve_load(
@@ -124,7 +124,9 @@ pub(crate) async fn write_all(
 /// one blocking task: each group's copies as batches of their own, submitted in order (so
 /// that, on one stream, the first group lands first; a group of several batches submits them
 /// on threads of their own), then waited for in order there, `progress` told from that thread
-/// as each group but the last has landed (the FINISH says the last). One hop off the event loop
+/// as each group has landed, the last one included: its CONTINUE reaches the consumer ahead of
+/// the FINISH, which goes through the serve task and the loop first, so the consumer starts the
+/// last group's checksums that much earlier. One hop off the event loop
 /// per load instead of one per batch: on a device path a submit is a few tens of microseconds,
 /// less than the hop. Every batch submitted is waited for, a failure or not, all by `deadline`;
 /// no group is submitted after a failure. Returns the bytes written; `carried` is set to the
@@ -191,8 +193,8 @@ fn write_groups_blocking(
     let mut bytes = 0u64;
     let mut failed = None;
     let mut submitted = std::collections::VecDeque::with_capacity(groups.len());
-    // Waits for group `i`'s batches (by the deadline), then tells its progress unless it is
-    // the last group or something failed.
+    // Waits for group `i`'s batches (by the deadline), then tells its progress unless something
+    // failed.
     let settle = |i: usize, batches: Vec<(usize, BatchId)>, failed: &mut Option<WriteError>| {
         for (rank, batch) in batches {
             let w = &workers[rank];
@@ -212,7 +214,7 @@ fn write_groups_blocking(
                 });
             }
         }
-        if failed.is_none() && i + 1 < groups.len() {
+        if failed.is_none() {
             progress(LayerSpan {
                 first: groups[i].start,
                 end: groups[i].end,

@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvferry_checksum::record::WorkerRecord;
 use kvferry_checksum::select::{consumer_blocks, BlockSelection};
@@ -73,6 +73,8 @@ pub(crate) struct Parts {
     void: bool,
     /// [`MAX_PARTS`] were started: later progress is left for after the FINISH.
     full: bool,
+    /// One past the last slot of the progress heard after the FINISH ([`Parts::late`]).
+    heard: Option<u32>,
     tasks: Vec<JoinHandle<PartResult>>,
 }
 
@@ -102,6 +104,7 @@ impl Parts {
             covered: 0,
             void: false,
             full: false,
+            heard: None,
             tasks: Vec::new(),
         }
     }
@@ -158,70 +161,97 @@ impl Parts {
         }
     }
 
+    /// Progress heard after the FINISH: bogus progress still voids the parts; a span that
+    /// landed is left for [`Parts::finish`], which checksums every layer no part started in
+    /// one submission (a part of its own would be one more launch and one more task to wait
+    /// for, queued behind the others, before the rest could start).
+    pub(crate) fn late(&mut self, p: LoadProgress) {
+        let span = match p {
+            _ if self.void => return,
+            LoadProgress::Void(_) => return self.drop_parts(),
+            LoadProgress::Landed(_) if self.full => return,
+            LoadProgress::Landed(span) => span,
+        };
+        // Checked as a part's span would be: what it names must follow on from what was heard.
+        let slots = self.slots.len().min(u32::MAX as usize) as u32;
+        match check_progress(self.heard.unwrap_or(self.covered), slots, span) {
+            Ok(_) => self.heard = Some(span.end),
+            Err(_) => self.drop_parts(),
+        }
+    }
+
     /// After the FINISH: checksums the layers no part covered, adds the parts, and returns the
     /// records of the workers that reported and, for each that did not, its rank and why (as
-    /// `checksum::all_records`).
-    pub(crate) async fn finish(mut self) -> (Vec<WorkerRecord>, Vec<String>) {
+    /// `checksum::all_records`). The rest is submitted before the parts are waited for: on a
+    /// device its kernels queue behind the parts' on the backend's stream instead of starting
+    /// only once the last part's results are back on the host.
+    pub(crate) async fn finish(mut self) -> Finished {
+        let t0 = Instant::now();
         let n = self.workers.len();
-        // Each worker's group results over the layers the parts covered.
-        let mut merged: Vec<Result<BTreeMap<u32, GroupResult>, String>> =
-            (0..n).map(|_| Ok(BTreeMap::new())).collect();
-        let limit = self.timeout + Duration::from_secs(1);
-        for task in std::mem::take(&mut self.tasks) {
-            let part = match tokio::time::timeout(limit, task).await {
-                Ok(Ok(part)) => part,
-                Ok(Err(e)) => vec![Err(ChecksumError::Task(e))],
-                Err(_) => vec![Err(ChecksumError::Timeout(self.timeout))],
-            };
-            // A part that failed as a whole (its task) leaves every worker without a record.
-            let whole = part.len() != n;
-            for (i, m) in merged.iter_mut().enumerate() {
-                let r = if whole { &part[0] } else { &part[i] };
-                // A failure stays in `m`: that worker reports none.
-                let _ = add_part(m, r);
-            }
-        }
         let keep = per_worker(&self.slots[..self.covered as usize], n);
+        let rest_layers = self.slots.len() - self.covered as usize;
         let select = self.select.clone();
-        let runs = self
-            .workers
-            .iter()
-            .zip(merged)
-            .zip(&keep)
-            .map(|((w, m), keep)| {
-                let select = select.clone();
-                async move {
-                    let m = m?;
-                    let sel = |g: &WorkerGroup| select.select(g);
-                    let mut jobs =
-                        rank_jobs(w, &sel, select.num_tokens, &|g, l| !keep.contains(&(g, l)));
-                    let order: Vec<u32> = jobs.jobs.iter().map(|j| j.group_id).collect();
-                    // A job whose layers the parts all covered is left out; one with no layer at
-                    // all, and no part, still runs (as the whole-request checksum does).
-                    jobs.jobs
-                        .retain(|j| !j.layers.is_empty() || !m.contains_key(&j.group_id));
-                    let rest = run_jobs(w, std::mem::take(&mut jobs.jobs), self.timeout, None)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    let mut m = m;
-                    add_part(&mut Ok(&mut m), &Ok(rest))?;
-                    let mut results = Vec::with_capacity(order.len());
-                    for g in order {
-                        results.extend(m.remove(&g));
-                    }
-                    if let Some((&g, _)) = m.iter().next() {
-                        return Err(ChecksumError::Unasked(g).to_string());
-                    }
-                    jobs.record(w, results).map_err(|e| e.to_string())
+        let timeout = self.timeout;
+        let tasks = std::mem::take(&mut self.tasks);
+        let parts_done = tasks.iter().filter(|t| t.is_finished()).count();
+        let rests = self.workers.iter().zip(&keep).map(|(w, keep)| {
+            // Groups some part checksummed layers of (on this worker): their results come from
+            // the parts.
+            let parted: HashSet<u32> = keep.iter().map(|(g, _)| *g).collect();
+            let sel = |g: &WorkerGroup| select.select(g);
+            let mut jobs = rank_jobs(w, &sel, select.num_tokens, &|g, l| !keep.contains(&(g, l)));
+            let order: Vec<u32> = jobs.jobs.iter().map(|j| j.group_id).collect();
+            // A job whose layers the parts all covered is left out; one with no layer at all,
+            // and no part, still runs (as the whole-request checksum does).
+            jobs.jobs
+                .retain(|j| !j.layers.is_empty() || !parted.contains(&j.group_id));
+            let run = std::mem::take(&mut jobs.jobs);
+            async move {
+                let r = run_jobs(w, run, timeout, None).await;
+                (r, jobs, order, t0.elapsed())
+            }
+        });
+        // Polled first, so that the rest is submitted before any part is waited for.
+        let rests = futures::future::join_all(rests);
+        let limit = self.timeout + Duration::from_secs(1);
+        let parts = async move {
+            // Each worker's group results over the layers the parts covered.
+            let mut merged: Vec<Result<BTreeMap<u32, GroupResult>, String>> =
+                (0..n).map(|_| Ok(BTreeMap::new())).collect();
+            for task in tasks {
+                let part = match tokio::time::timeout(limit, task).await {
+                    Ok(Ok(part)) => part,
+                    Ok(Err(e)) => vec![Err(ChecksumError::Task(e))],
+                    Err(_) => vec![Err(ChecksumError::Timeout(timeout))],
+                };
+                // A part that failed as a whole (its task) leaves every worker without a record.
+                let whole = part.len() != n;
+                for (i, m) in merged.iter_mut().enumerate() {
+                    let r = if whole { &part[0] } else { &part[i] };
+                    // A failure stays in `m`: that worker reports none.
+                    let _ = add_part(m, r);
                 }
-            });
+            }
+            (merged, t0.elapsed())
+        };
+        let (rests, (merged, parts_waited)) = futures::future::join(rests, parts).await;
         let mut records = Vec::new();
         let mut missing = Vec::new();
-        for (w, r) in self
-            .workers
-            .iter()
-            .zip(futures::future::join_all(runs).await)
-        {
+        let mut rest_waited = Duration::ZERO;
+        for ((w, m), (rest, jobs, order, waited)) in self.workers.iter().zip(merged).zip(rests) {
+            rest_waited = rest_waited.max(waited);
+            let r = m.and_then(|mut m| {
+                let rest = rest.map_err(|e| e.to_string())?;
+                add_part(&mut Ok(&mut m), &Ok(rest))?;
+                let mut results = Vec::with_capacity(order.len());
+                for g in order {
+                    results.extend(m.remove(&g));
+                }
+                if let Some((&g, _)) = m.iter().next() {
+                    return Err(ChecksumError::Unasked(g).to_string());
+                }
+                jobs.record(w, results).map_err(|e| e.to_string())
+            });
             match r {
                 Ok(rec) => records.push(rec),
                 Err(e) => missing.push(format!(
@@ -230,8 +260,31 @@ impl Parts {
                 )),
             }
         }
-        (records, missing)
+        Finished {
+            records,
+            missing,
+            rest_layers,
+            parts_done,
+            parts_us: parts_waited.as_micros() as u64,
+            rest_us: rest_waited.as_micros() as u64,
+        }
     }
+}
+
+/// What [`Parts::finish`] gives: the records, the workers without one, and its timing.
+pub(crate) struct Finished {
+    /// The records of the workers that reported.
+    pub(crate) records: Vec<WorkerRecord>,
+    /// For each worker that did not report: its rank and why.
+    pub(crate) missing: Vec<String>,
+    /// Layer slots checksummed after the FINISH (every slot when no part started).
+    pub(crate) rest_layers: usize,
+    /// Parts whose checksums had ended when the call came (the FINISH).
+    pub(crate) parts_done: usize,
+    /// Microseconds from the call until every part's results were in.
+    pub(crate) parts_us: u64,
+    /// Microseconds from the call until the last worker's rest was in.
+    pub(crate) rest_us: u64,
 }
 
 /// Per worker (of `n`), the (group id, layer index) of `slots`.

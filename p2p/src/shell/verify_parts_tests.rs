@@ -3,12 +3,16 @@
 //! bit for bit; bogus progress drops the parts, so layers whose bytes changed after a false
 //! "landed" are checksummed as they are at the FINISH.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvferry_checksum::group::{LayerSpec, RankInfo, ReplicaKey};
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
-use kvferry_kernels::{CpuBackend, LayerInput, Location};
+use kvferry_kernels::{
+    ChecksumBackend, CpuBackend, GroupJob, GroupResult, KernelError, LayerInput, Location, Pending,
+    PendingChecksums,
+};
 use kvferry_transfer::{EngineConfig, TransferEngine, TransportKind};
 
 use super::verify_parts::{Parts, Selector, MAX_PARTS};
@@ -139,9 +143,9 @@ async fn parts_add_up_to_the_whole_request_checksum_for_any_cut() {
         // Past the cap, the layers of the later spans wait for the FINISH.
         let covered = cut[..cut.len().min(MAX_PARTS)].last().map_or(0, |c| c.1);
         assert_eq!(p.covered(), covered, "{cut:?}");
-        let (records, missing) = p.finish().await;
-        assert!(missing.is_empty(), "{missing:?}");
-        assert_eq!(records, want, "{cut:?}");
+        let f = p.finish().await;
+        assert!(f.missing.is_empty(), "{:?}", f.missing);
+        assert_eq!(f.records, want, "{cut:?}");
     }
 }
 
@@ -173,7 +177,136 @@ async fn bogus_progress_drops_the_parts() {
         // Later progress is not taken either.
         p.progress(landed(0, 2));
         assert_eq!(p.covered(), 0, "{steps:?}");
-        let (records, _) = p.finish().await;
+        let records = p.finish().await.records;
         assert_eq!(records, whole(&workers).await, "{steps:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_heard_after_the_finish_goes_with_the_rest() {
+    let (w, _bufs) = rank();
+    let workers = Arc::new(vec![w]);
+    let want = whole(&workers).await;
+    let mut p = parts(&workers);
+    p.progress(landed(0, 5));
+    p.late(landed(5, 10));
+    p.late(landed(10, 15));
+    // No part was started for the late spans: their layers are checksummed with the rest.
+    assert_eq!((p.started(), p.covered()), (1, 5));
+    let f = p.finish().await;
+    assert!(f.missing.is_empty(), "{:?}", f.missing);
+    assert_eq!(f.rest_layers, LAYERS - 5);
+    assert_eq!(f.records, want);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bogus_progress_heard_after_the_finish_drops_the_parts() {
+    let bogus = [
+        vec![landed(6, 8)],
+        vec![landed(4, 8), landed(4, 8)],
+        vec![landed(4, 21)],
+        vec![LoadProgress::Void(ProgressError::Empty {
+            first: 4,
+            end: 4,
+        })],
+    ];
+    for late in bogus {
+        let (w, mut bufs) = rank();
+        let workers = Arc::new(vec![w]);
+        let mut p = parts(&workers);
+        p.progress(landed(0, 4));
+        // The part checksums layers 0-3 as they are now ...
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // ... but the bytes of layer 1 had not landed: they change before the FINISH.
+        bufs[1][5] ^= 0x40;
+        for s in &late {
+            p.late(*s);
+        }
+        assert_eq!(p.covered(), 0, "{late:?}");
+        let f = p.finish().await;
+        assert_eq!(f.rest_layers, LAYERS, "{late:?}");
+        assert_eq!(f.records, whole(&workers).await, "{late:?}");
+    }
+}
+
+/// Counts submissions; the first one's results are held back until a second submission came
+/// (or a few seconds passed), and it records whether one did.
+struct Gated {
+    inner: CpuBackend,
+    submits: Arc<AtomicUsize>,
+    rest_while_part_ran: Arc<AtomicBool>,
+}
+
+struct GatedPending {
+    inner: Option<PendingChecksums>,
+    first: bool,
+    submits: Arc<AtomicUsize>,
+    rest_while_part_ran: Arc<AtomicBool>,
+}
+
+impl Pending for GatedPending {
+    fn poll(&mut self) -> Option<Result<Vec<GroupResult>, KernelError>> {
+        if self.first && self.submits.load(Ordering::SeqCst) < 2 {
+            return None;
+        }
+        self.inner.as_mut()?.poll()
+    }
+    fn wait(&mut self, timeout: Duration) -> Result<Vec<GroupResult>, KernelError> {
+        if self.first {
+            let until = Instant::now() + Duration::from_secs(3);
+            while self.submits.load(Ordering::SeqCst) < 2 && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            self.rest_while_part_ran
+                .store(self.submits.load(Ordering::SeqCst) >= 2, Ordering::SeqCst);
+        }
+        match self.inner.take() {
+            Some(p) => p.wait(timeout),
+            None => Err(KernelError::Lost),
+        }
+    }
+}
+
+impl ChecksumBackend for Gated {
+    fn name(&self) -> &'static str {
+        "gated"
+    }
+    unsafe fn submit(&self, jobs: Vec<GroupJob>) -> Result<PendingChecksums, KernelError> {
+        let n = self.submits.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: forwarded from this function's contract.
+        let inner = unsafe { self.inner.submit(jobs) }?;
+        Ok(PendingChecksums::new(Box::new(GatedPending {
+            inner: Some(inner),
+            first: n == 0,
+            submits: self.submits.clone(),
+            rest_while_part_ran: self.rest_while_part_ran.clone(),
+        })))
+    }
+}
+
+/// The rest is submitted before the parts are waited for: on a device its kernels queue
+/// behind the parts' instead of waiting for their results to come back to the host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rest_is_submitted_while_a_part_still_runs() {
+    let (mut w, _bufs) = rank();
+    // The same seeded bytes, checksummed whole on a rank of its own.
+    let (twin, _twin_bufs) = rank();
+    let want = whole(&Arc::new(vec![twin])).await;
+    let (submits, seen) = (
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    w.backend = Arc::new(Gated {
+        inner: CpuBackend::new(2),
+        submits: submits.clone(),
+        rest_while_part_ran: seen.clone(),
+    });
+    let workers = Arc::new(vec![w]);
+    let mut p = parts(&workers);
+    p.progress(landed(0, 5));
+    let f = p.finish().await;
+    assert!(f.missing.is_empty(), "{:?}", f.missing);
+    assert_eq!(f.records, want);
+    assert_eq!(submits.load(Ordering::SeqCst), 2);
+    assert!(seen.load(Ordering::SeqCst), "the rest waited for the part");
 }

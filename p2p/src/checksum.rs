@@ -9,7 +9,7 @@ use kvferry_checksum::fingerprint::layer_fingerprint;
 use kvferry_checksum::group::SkipReason;
 use kvferry_checksum::record::{GroupRecord, WorkerRecord};
 use kvferry_checksum::select::BlockSelection;
-use kvferry_kernels::{GroupJob, GroupResult, KernelError, Location};
+use kvferry_kernels::{GroupJob, GroupResult, KernelError, Location, PendingChecksums};
 
 use crate::worker::{Worker, WorkerGroup};
 
@@ -163,23 +163,47 @@ async fn device_results(
     after: Option<CallerStream>,
 ) -> Result<Vec<GroupResult>, ChecksumError> {
     let start = Instant::now();
-    let mut pending = match after {
+    let pending = submit_device(worker, jobs, after)?;
+    wait_device(pending, start, timeout).await
+}
+
+/// Submits `jobs` to a device worker's backend, ordered after `after`, and returns at once
+/// (the backend only enqueues: no host wait). Errors: the backend's.
+pub(crate) fn submit_device(
+    worker: &Worker,
+    jobs: Vec<GroupJob>,
+    after: Option<CallerStream>,
+) -> Result<PendingChecksums, ChecksumError> {
+    Ok(match after {
         // SAFETY: as below, and a CallerStream is 0 or a live stream of the device.
         Some(stream) => unsafe { worker.backend.submit_after(jobs, stream.raw()) }?,
         // SAFETY: every LayerInput describes memory the embedder keeps valid while the
-        // worker is in use (the Worker contract); the result is taken here or the pending
-        // work dropped, which keeps its buffers until the device is done.
+        // worker is in use (the Worker contract); the result is taken by [`wait_device`] or the
+        // pending work dropped, which keeps its buffers until the device is done.
         None => unsafe { worker.backend.submit(jobs) }?,
-    };
+    })
+}
+
+/// Waits for device checksums submitted at `start` ([`submit_device`]) until `start +
+/// timeout`: polls their completion, yielding to the runtime between polls for the first
+/// [`DEVICE_SPIN`] of this wait (however long ago they were submitted), then every
+/// [`DEVICE_POLL`]. Errors: the backend's, or [`ChecksumError::Timeout`] (the pending work is
+/// dropped).
+pub(crate) async fn wait_device(
+    mut pending: PendingChecksums,
+    start: Instant,
+    timeout: Duration,
+) -> Result<Vec<GroupResult>, ChecksumError> {
+    let spin_until = Instant::now() + DEVICE_SPIN;
     loop {
         if let Some(r) = pending.poll() {
             return Ok(r?);
         }
-        let waited = start.elapsed();
+        let (now, waited) = (Instant::now(), start.elapsed());
         if waited >= timeout {
             return Err(ChecksumError::Timeout(timeout));
         }
-        if waited < DEVICE_SPIN {
+        if now < spin_until {
             tokio::task::yield_now().await;
         } else {
             tokio::time::sleep(DEVICE_POLL.min(timeout - waited)).await;

@@ -1,6 +1,7 @@
 //! Verifying a load's layers as they land (docs/design.md §4.9): on each progress reply the
 //! consumer starts the checksums of the layers it names on every rank (the kernels run while
-//! the producer copies the next layers); after the FINISH it checksums the layers no progress
+//! the producer copies the next layers; on a device they are only submitted then, and their
+//! results polled after the FINISH); after the FINISH it checksums the layers no progress
 //! named, adds each group's parts with `GroupResult::absorb` (a group's value is the sum of its
 //! layers', so the parts add up to the whole-request checksum bit for bit) and builds each
 //! rank's record as `checksum::worker_record` would have.
@@ -15,10 +16,10 @@ use std::time::{Duration, Instant};
 
 use kvferry_checksum::record::WorkerRecord;
 use kvferry_checksum::select::{consumer_blocks, BlockSelection};
-use kvferry_kernels::GroupResult;
+use kvferry_kernels::{GroupResult, Location, PendingChecksums};
 use tokio::task::JoinHandle;
 
-use crate::checksum::{rank_jobs, run_jobs, ChecksumError};
+use crate::checksum::{rank_jobs, run_jobs, submit_device, wait_device, ChecksumError};
 use crate::proto::progress::{check_progress, Slot};
 use crate::proto::request::{LoadGroup, LoadSpec};
 use crate::shell::connection::LoadProgress;
@@ -58,8 +59,58 @@ impl Selector {
     }
 }
 
-/// Per worker: its groups' results over the part's layers, or why it has none.
-type PartResult = Vec<Result<Vec<GroupResult>, ChecksumError>>;
+/// One worker's checksums of one part.
+enum Running {
+    /// Submitted to the worker's device; polled only after the FINISH (no task spins on it
+    /// while the copies run, nor takes the driver's locks the producer's submits need).
+    Device {
+        pending: PendingChecksums,
+        since: Instant,
+    },
+    /// Host memory: computed on the blocking pool by a task of its own.
+    Task(JoinHandle<Result<Vec<GroupResult>, ChecksumError>>),
+    /// Already known: nothing to checksum, a result taken early, or why it failed.
+    Done(Result<Vec<GroupResult>, ChecksumError>),
+}
+
+impl Running {
+    /// Takes the result if it is there (never waits); whether it is.
+    fn try_finish(&mut self) -> bool {
+        match self {
+            Running::Done(_) => true,
+            Running::Task(t) => t.is_finished(),
+            Running::Device { pending, .. } => match pending.poll() {
+                None => false,
+                Some(r) => {
+                    *self = Running::Done(r.map_err(ChecksumError::from));
+                    true
+                }
+            },
+        }
+    }
+
+    /// The result, by `timeout` after its submission (a task: after the wait starts, plus a
+    /// second for the task itself).
+    async fn result(self, timeout: Duration) -> Result<Vec<GroupResult>, ChecksumError> {
+        match self {
+            Running::Done(r) => r,
+            Running::Device { pending, since } => wait_device(pending, since, timeout).await,
+            Running::Task(t) => {
+                match tokio::time::timeout(timeout + Duration::from_secs(1), t).await {
+                    Ok(Ok(r)) => r,
+                    Ok(Err(e)) => Err(ChecksumError::Task(e)),
+                    Err(_) => Err(ChecksumError::Timeout(timeout)),
+                }
+            }
+        }
+    }
+
+    fn abort(&self) {
+        if let Running::Task(t) = self {
+            t.abort();
+        }
+    }
+}
 
 /// A load's checksums started as its layers land.
 pub(crate) struct Parts {
@@ -75,14 +126,15 @@ pub(crate) struct Parts {
     full: bool,
     /// One past the last slot of the progress heard after the FINISH ([`Parts::late`]).
     heard: Option<u32>,
-    tasks: Vec<JoinHandle<PartResult>>,
+    /// Per part, per worker.
+    tasks: Vec<Vec<Running>>,
 }
 
 impl Drop for Parts {
     fn drop(&mut self) {
         // A load that ends without a verdict leaves no checksum running (a device part's
         // pending work keeps its buffers until the device is done with them).
-        for t in &self.tasks {
+        for t in self.tasks.iter().flatten() {
             t.abort();
         }
     }
@@ -139,24 +191,43 @@ impl Parts {
             return;
         }
         let keep = per_worker(layers, self.workers.len());
-        let (workers, select, timeout) = (self.workers.clone(), self.select.clone(), self.timeout);
-        self.tasks.push(tokio::spawn(async move {
-            let runs = workers.iter().zip(&keep).map(|(w, keep)| {
-                let sel = |g: &WorkerGroup| select.select(g);
+        let select = &self.select;
+        let sel = |g: &WorkerGroup| select.select(g);
+        let part = self
+            .workers
+            .iter()
+            .zip(&keep)
+            .enumerate()
+            .map(|(i, (w, keep))| {
                 let mut jobs =
                     rank_jobs(w, &sel, select.num_tokens, &|g, l| keep.contains(&(g, l)));
                 jobs.jobs.retain(|j| !j.layers.is_empty());
-                run_jobs(w, std::mem::take(&mut jobs.jobs), timeout, None)
-            });
-            futures::future::join_all(runs).await
-        }));
+                let jobs = std::mem::take(&mut jobs.jobs);
+                if jobs.is_empty() {
+                    return Running::Done(Ok(Vec::new()));
+                }
+                if matches!(w.device, Location::Cuda(_)) {
+                    // On this task: the backend only enqueues.
+                    let since = Instant::now();
+                    return match submit_device(w, jobs, None) {
+                        Ok(pending) => Running::Device { pending, since },
+                        Err(e) => Running::Done(Err(e)),
+                    };
+                }
+                let (workers, timeout) = (self.workers.clone(), self.timeout);
+                Running::Task(tokio::spawn(async move {
+                    run_jobs(&workers[i], jobs, timeout, None).await
+                }))
+            })
+            .collect();
+        self.tasks.push(part);
         self.covered = span.end;
     }
 
     fn drop_parts(&mut self) {
         self.void = true;
         self.covered = 0;
-        for t in self.tasks.drain(..) {
+        for t in self.tasks.drain(..).flatten() {
             t.abort();
         }
     }
@@ -192,8 +263,11 @@ impl Parts {
         let rest_layers = self.slots.len() - self.covered as usize;
         let select = self.select.clone();
         let timeout = self.timeout;
-        let tasks = std::mem::take(&mut self.tasks);
-        let parts_done = tasks.iter().filter(|t| t.is_finished()).count();
+        let mut tasks = std::mem::take(&mut self.tasks);
+        let parts_done = tasks
+            .iter_mut()
+            .filter_map(|p| p.iter_mut().all(Running::try_finish).then_some(()))
+            .count();
         let rests = self.workers.iter().zip(&keep).map(|(w, keep)| {
             // Groups some part checksummed layers of (on this worker): their results come from
             // the parts.
@@ -213,23 +287,15 @@ impl Parts {
         });
         // Polled first, so that the rest is submitted before any part is waited for.
         let rests = futures::future::join_all(rests);
-        let limit = self.timeout + Duration::from_secs(1);
         let parts = async move {
             // Each worker's group results over the layers the parts covered.
             let mut merged: Vec<Result<BTreeMap<u32, GroupResult>, String>> =
                 (0..n).map(|_| Ok(BTreeMap::new())).collect();
-            for task in tasks {
-                let part = match tokio::time::timeout(limit, task).await {
-                    Ok(Ok(part)) => part,
-                    Ok(Err(e)) => vec![Err(ChecksumError::Task(e))],
-                    Err(_) => vec![Err(ChecksumError::Timeout(timeout))],
-                };
-                // A part that failed as a whole (its task) leaves every worker without a record.
-                let whole = part.len() != n;
-                for (i, m) in merged.iter_mut().enumerate() {
-                    let r = if whole { &part[0] } else { &part[i] };
+            for part in tasks {
+                let part = futures::future::join_all(part.into_iter().map(|r| r.result(timeout)));
+                for (m, r) in merged.iter_mut().zip(part.await) {
                     // A failure stays in `m`: that worker reports none.
-                    let _ = add_part(m, r);
+                    let _ = add_part(m, &r);
                 }
             }
             (merged, t0.elapsed())

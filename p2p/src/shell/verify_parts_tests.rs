@@ -310,3 +310,71 @@ async fn the_rest_is_submitted_while_a_part_still_runs() {
     assert_eq!(submits.load(Ordering::SeqCst), 2);
     assert!(seen.load(Ordering::SeqCst), "the rest waited for the part");
 }
+
+/// A "device" backend for tests: runs the jobs on the CPU backend (as host jobs) and counts
+/// how often their results are polled.
+struct Polled {
+    inner: CpuBackend,
+    polls: Arc<AtomicUsize>,
+}
+
+struct PolledPending {
+    inner: PendingChecksums,
+    polls: Arc<AtomicUsize>,
+}
+
+impl Pending for PolledPending {
+    fn poll(&mut self) -> Option<Result<Vec<GroupResult>, KernelError>> {
+        self.polls.fetch_add(1, Ordering::SeqCst);
+        self.inner.poll()
+    }
+    fn wait(&mut self, _timeout: Duration) -> Result<Vec<GroupResult>, KernelError> {
+        Err(KernelError::Lost)
+    }
+}
+
+impl ChecksumBackend for Polled {
+    fn name(&self) -> &'static str {
+        "polled"
+    }
+    unsafe fn submit(&self, mut jobs: Vec<GroupJob>) -> Result<PendingChecksums, KernelError> {
+        for j in &mut jobs {
+            j.device = Location::Cpu;
+        }
+        // SAFETY: forwarded from this function's contract (the memory is host memory).
+        let inner = unsafe { self.inner.submit(jobs) }?;
+        Ok(PendingChecksums::new(Box::new(PolledPending {
+            inner,
+            polls: self.polls.clone(),
+        })))
+    }
+}
+
+/// On a device, a part is submitted when its layers land and polled only after the FINISH: no
+/// task spins on it while the copies run (each poll takes the driver's locks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_part_is_polled_only_after_the_finish() {
+    let (mut w, _bufs) = rank();
+    let (twin, _twin_bufs) = rank();
+    let want = whole(&Arc::new(vec![twin])).await;
+    let polls = Arc::new(AtomicUsize::new(0));
+    w.device = Location::Cuda(0);
+    w.backend = Arc::new(Polled {
+        inner: CpuBackend::new(2),
+        polls: polls.clone(),
+    });
+    let workers = Arc::new(vec![w]);
+    let mut p = parts(&workers);
+    p.progress(landed(0, 5));
+    p.progress(landed(5, 12));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        polls.load(Ordering::SeqCst),
+        0,
+        "a part was polled before the FINISH"
+    );
+    let f = p.finish().await;
+    assert!(f.missing.is_empty(), "{:?}", f.missing);
+    assert_eq!(f.records, want);
+    assert!(polls.load(Ordering::SeqCst) > 0);
+}

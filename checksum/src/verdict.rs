@@ -55,23 +55,27 @@ impl Verdict {
 
 /// Sums `values` (blocks of `bs` tokens from position `start`) into chunks of `l` tokens: chunk
 /// q → (sum, tokens in chunk) for chunks whose blocks holding tokens `< num_tokens` are all present.
+/// Returned densely: the first chunk `q0` and, for each chunk from it, its entry or `None` (a chunk
+/// left out); at most `values.len() + 1` entries (`l` is a multiple of `bs`), so a lookup is an
+/// index, not a tree walk (a 4096-token load compares 256 chunks per check).
 fn chunk_sums(
     values: &[u64],
     start: u64,
     bs: u64,
     l: u64,
     num_tokens: u64,
-) -> BTreeMap<u64, (u64, u64)> {
+) -> (u64, Vec<Option<(u64, u64)>>) {
     let per = l / bs;
     let end = start + values.len() as u64;
-    let mut out = BTreeMap::new();
     if values.is_empty() {
-        return out;
+        return (0, Vec::new());
     }
     let (q0, q1) = (start * bs / l, (end * bs).div_ceil(l));
+    let mut out = Vec::with_capacity((q1 - q0) as usize);
     for q in q0..q1 {
         let tokens = num_tokens.saturating_sub(q * l).min(l);
         if tokens == 0 {
+            out.push(None);
             continue;
         }
         let mut sum = 0u64;
@@ -86,11 +90,9 @@ fn chunk_sums(
             }
             sum = sum.wrapping_add(values[(pos - start) as usize]);
         }
-        if whole {
-            out.insert(q, (sum, tokens));
-        }
+        out.push(whole.then_some((sum, tokens)));
     }
-    out
+    (q0, out)
 }
 
 /// Compares one group present on both sides; `Ok(positions)` lists mismatching consumer positions.
@@ -125,21 +127,25 @@ fn compare_group(
     if cbs < pbs && (cstart * cbs) % pbs != 0 {
         return Err(UnverifiedReason::UnalignedStart);
     }
-    let prod = chunk_sums(&p.values, p.start, pbs, l, p_tokens);
+    let (p0, prod) = chunk_sums(&p.values, p.start, pbs, l, p_tokens);
     let mut bad: BTreeSet<u64> = BTreeSet::new();
     let mut compared = false;
     for check in checks {
-        let cons = chunk_sums(check, cstart, cbs, l, c_tokens);
-        for (q, (csum, ctok)) in &cons {
-            let Some((psum, ptok)) = prod.get(q) else {
+        let (c0, cons) = chunk_sums(check, cstart, cbs, l, c_tokens);
+        for (q, c) in (c0..).zip(&cons) {
+            let Some((csum, ctok)) = c else {
                 continue;
             };
-            if ptok != ctok {
+            let at = q.checked_sub(p0).and_then(|i| usize::try_from(i).ok());
+            let Some((psum, ptok)) = at.and_then(|i| prod.get(i)).copied().flatten() else {
+                continue;
+            };
+            if ptok != *ctok {
                 continue;
             }
             compared = true;
-            if psum != csum {
-                bad.insert(*q);
+            if psum != *csum {
+                bad.insert(q);
             }
         }
     }

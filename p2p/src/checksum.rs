@@ -40,7 +40,7 @@ pub async fn worker_record(
     timeout: Duration,
     after: Option<CallerStream>,
 ) -> Result<WorkerRecord, ChecksumError> {
-    let mut jobs = rank_jobs(worker, select, num_tokens, &|_, _| true);
+    let mut jobs = rank_jobs(worker, select, num_tokens, &|_, _| true, &group_fingerprint);
     let results = run_jobs(worker, std::mem::take(&mut jobs.jobs), timeout, after).await?;
     jobs.record(worker, results)
 }
@@ -57,12 +57,14 @@ pub(crate) struct RankJobs {
 
 /// The jobs that checksum the blocks `select(group)` picks of every group of `worker` (as
 /// [`worker_record`]), over the layers `keep(group id, layer index)` keeps (a job may have
-/// none).
+/// none). `fingerprint`: the group's fingerprint for the record ([`group_fingerprint`], or the
+/// same value remembered: it hashes every layer of the group).
 pub(crate) fn rank_jobs(
     worker: &Worker,
     select: &(dyn Fn(&WorkerGroup) -> Option<BlockSelection> + Sync),
     num_tokens: u64,
     keep: &dyn Fn(u32, usize) -> bool,
+    fingerprint: &dyn Fn(&WorkerGroup) -> Option<u64>,
 ) -> RankJobs {
     let mut out = RankJobs {
         jobs: Vec::new(),
@@ -77,8 +79,7 @@ pub(crate) fn rank_jobs(
         let Some(selection) = select(g).filter(|s| !s.block_ids.is_empty()) else {
             continue;
         };
-        out.meta
-            .insert(g.group_id, (g.block_size, group_fingerprint(g)));
+        out.meta.insert(g.group_id, (g.block_size, fingerprint(g)));
         let layers = g.layers.iter().enumerate();
         out.jobs.push(GroupJob {
             group_id: g.group_id,

@@ -19,7 +19,9 @@ use kvferry_checksum::select::{consumer_blocks, BlockSelection};
 use kvferry_kernels::{GroupResult, Location, PendingChecksums};
 use tokio::task::JoinHandle;
 
-use crate::checksum::{rank_jobs, run_jobs, submit_device, wait_device, ChecksumError};
+use crate::checksum::{
+    group_fingerprint, rank_jobs, run_jobs, submit_device, wait_device, ChecksumError,
+};
 use crate::proto::progress::{check_progress, Slot};
 use crate::proto::request::{LoadGroup, LoadSpec};
 use crate::shell::connection::LoadProgress;
@@ -128,6 +130,10 @@ pub(crate) struct Parts {
     heard: Option<u32>,
     /// Per part, per worker.
     tasks: Vec<Vec<Running>>,
+    /// Per worker, its groups' fingerprints (`checksum::group_fingerprint`, a SHA-256 per
+    /// layer), computed once per load at its first part, not at each part and again after the
+    /// FINISH.
+    fingerprints: Option<Vec<HashMap<u32, Option<u64>>>>,
 }
 
 impl Drop for Parts {
@@ -158,7 +164,24 @@ impl Parts {
             full: false,
             heard: None,
             tasks: Vec::new(),
+            fingerprints: None,
         }
+    }
+
+    /// Each worker's group fingerprints, computed on first use.
+    fn fingerprints(&mut self) -> &[HashMap<u32, Option<u64>>] {
+        let workers = &self.workers;
+        self.fingerprints.get_or_insert_with(|| {
+            workers
+                .iter()
+                .map(|w| {
+                    w.groups
+                        .iter()
+                        .map(|g| (g.group_id, group_fingerprint(g)))
+                        .collect()
+                })
+                .collect()
+        })
     }
 
     /// Parts started (0 once void).
@@ -191,6 +214,8 @@ impl Parts {
             return;
         }
         let keep = per_worker(layers, self.workers.len());
+        self.fingerprints();
+        let fps = self.fingerprints.as_deref().unwrap_or_default();
         let select = &self.select;
         let sel = |g: &WorkerGroup| select.select(g);
         let part = self
@@ -199,8 +224,14 @@ impl Parts {
             .zip(&keep)
             .enumerate()
             .map(|(i, (w, keep))| {
-                let mut jobs =
-                    rank_jobs(w, &sel, select.num_tokens, &|g, l| keep.contains(&(g, l)));
+                let fp = |g: &WorkerGroup| fingerprint_of(fps.get(i), g);
+                let mut jobs = rank_jobs(
+                    w,
+                    &sel,
+                    select.num_tokens,
+                    &|g, l| keep.contains(&(g, l)),
+                    &fp,
+                );
                 jobs.jobs.retain(|j| !j.layers.is_empty());
                 let jobs = std::mem::take(&mut jobs.jobs);
                 if jobs.is_empty() {
@@ -263,28 +294,42 @@ impl Parts {
         let rest_layers = self.slots.len() - self.covered as usize;
         let select = self.select.clone();
         let timeout = self.timeout;
+        self.fingerprints();
+        let fps = self.fingerprints.as_deref().unwrap_or_default();
         let mut tasks = std::mem::take(&mut self.tasks);
         let parts_done = tasks
             .iter_mut()
             .filter_map(|p| p.iter_mut().all(Running::try_finish).then_some(()))
             .count();
-        let rests = self.workers.iter().zip(&keep).map(|(w, keep)| {
-            // Groups some part checksummed layers of (on this worker): their results come from
-            // the parts.
-            let parted: HashSet<u32> = keep.iter().map(|(g, _)| *g).collect();
-            let sel = |g: &WorkerGroup| select.select(g);
-            let mut jobs = rank_jobs(w, &sel, select.num_tokens, &|g, l| !keep.contains(&(g, l)));
-            let order: Vec<u32> = jobs.jobs.iter().map(|j| j.group_id).collect();
-            // A job whose layers the parts all covered is left out; one with no layer at all,
-            // and no part, still runs (as the whole-request checksum does).
-            jobs.jobs
-                .retain(|j| !j.layers.is_empty() || !parted.contains(&j.group_id));
-            let run = std::mem::take(&mut jobs.jobs);
-            async move {
-                let r = run_jobs(w, run, timeout, None).await;
-                (r, jobs, order, t0.elapsed())
-            }
-        });
+        let rests = self
+            .workers
+            .iter()
+            .zip(&keep)
+            .enumerate()
+            .map(|(i, (w, keep))| {
+                // Groups some part checksummed layers of (on this worker): their results come from
+                // the parts.
+                let parted: HashSet<u32> = keep.iter().map(|(g, _)| *g).collect();
+                let sel = |g: &WorkerGroup| select.select(g);
+                let fp = |g: &WorkerGroup| fingerprint_of(fps.get(i), g);
+                let mut jobs = rank_jobs(
+                    w,
+                    &sel,
+                    select.num_tokens,
+                    &|g, l| !keep.contains(&(g, l)),
+                    &fp,
+                );
+                let order: Vec<u32> = jobs.jobs.iter().map(|j| j.group_id).collect();
+                // A job whose layers the parts all covered is left out; one with no layer at all,
+                // and no part, still runs (as the whole-request checksum does).
+                jobs.jobs
+                    .retain(|j| !j.layers.is_empty() || !parted.contains(&j.group_id));
+                let run = std::mem::take(&mut jobs.jobs);
+                async move {
+                    let r = run_jobs(w, run, timeout, None).await;
+                    (r, jobs, order, t0.elapsed())
+                }
+            });
         // Polled first, so that the rest is submitted before any part is waited for.
         let rests = futures::future::join_all(rests);
         let parts = async move {
@@ -351,6 +396,14 @@ pub(crate) struct Finished {
     pub(crate) parts_us: u64,
     /// Microseconds from the call until the last worker's rest was in.
     pub(crate) rest_us: u64,
+}
+
+/// `g`'s fingerprint from a worker's remembered ones (`None`, or a group not in them: computed).
+fn fingerprint_of(known: Option<&HashMap<u32, Option<u64>>>, g: &WorkerGroup) -> Option<u64> {
+    match known.and_then(|k| k.get(&g.group_id)) {
+        Some(&fp) => fp,
+        None => group_fingerprint(g),
+    }
 }
 
 /// Per worker (of `n`), the (group id, layer index) of `slots`.

@@ -21,6 +21,7 @@ pub mod keys;
 pub mod live;
 mod owner;
 mod peer;
+mod routes;
 mod state;
 mod strided;
 pub mod transport;

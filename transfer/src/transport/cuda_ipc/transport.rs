@@ -32,7 +32,7 @@ use kvferry_cuda::ipc::{self, PieceKernel};
 use smallvec::SmallVec;
 
 use super::fdpass::FdServer;
-use super::keys::{route, HostIdentity, IpcRegionKeys, Route};
+use super::keys::{HostIdentity, IpcRegionKeys, Route};
 use super::live::LiveTable;
 use super::state::{complete_jobs, gpu_err, Export, Job, Lane, Nonces, Peer};
 use crate::auth::AuthState;
@@ -78,11 +78,11 @@ pub struct CudaIpcTransport {
     /// Peers' region keys as decoded, per descriptor (its address, kept valid by the `Weak`)
     /// and buffer index: a descriptor does not change, and decoding its JSON per submit
     /// costs microseconds.
-    decoded: Mutex<HashMap<usize, DecodedOf>>,
+    pub(super) decoded: Mutex<HashMap<usize, DecodedOf>>,
     /// Whether local device `a` reaches the device of UUID `b` (a fact of this host that
     /// costs several driver calls to find), by local device, then UUID (looked up by `&str`:
     /// no key is built per submit).
-    access: Mutex<HashMap<u32, HashMap<String, bool>>>,
+    pub(super) access: Mutex<HashMap<u32, HashMap<String, bool>>>,
     /// Caller-stream points (`Transport::order_after`) per local device that slices handed to
     /// the wrapped transport have not waited for yet: it reads device memory from the host.
     fallback_order: Mutex<HashMap<u32, (StreamPoint, Duration)>>,
@@ -96,7 +96,7 @@ pub struct CudaIpcTransport {
     pub(super) alive: Mutex<Vec<(u32, std::time::Instant)>>,
     /// Routes decided lately (`route_keys`): a submit asks for the route of a pair twice (its
     /// slice size, then its post), and the next submit for the same pair again.
-    routes: Mutex<SmallVec<[RouteMemo; ROUTES_KEPT]>>,
+    pub(super) routes: Mutex<SmallVec<[RouteMemo; ROUTES_KEPT]>>,
     /// Bumped whenever what a route depends on beside the descriptor and the two regions
     /// changes (a peer's failed imports, a peer forgotten or replaced): routes remembered
     /// before are decided again.
@@ -105,30 +105,30 @@ pub struct CudaIpcTransport {
 
 /// A route remembered (`CudaIpcTransport::route_keys`): of the pair (`local`, the buffer
 /// `buffer` of the descriptor `desc` points at), decided at `epoch`, with the buffer's keys.
-struct RouteMemo {
+pub(super) struct RouteMemo {
     /// Whose buffer: a live `Weak` also says that the descriptor at its address is this one.
-    desc: std::sync::Weak<SegmentDescriptor>,
-    local: MemoryRegion,
-    buffer: usize,
-    epoch: u64,
-    route: Route,
-    keys: Decoded,
+    pub(super) desc: std::sync::Weak<SegmentDescriptor>,
+    pub(super) local: MemoryRegion,
+    pub(super) buffer: usize,
+    pub(super) epoch: u64,
+    pub(super) route: Route,
+    pub(super) keys: Decoded,
 }
 
 /// Routes remembered at most (the oldest goes first).
-const ROUTES_KEPT: usize = 8;
+pub(super) const ROUTES_KEPT: usize = 8;
 
 /// A pair's keys when it goes over CUDA IPC, `None` when it goes to the wrapped transport.
-type RouteKeys = Option<Arc<IpcRegionKeys>>;
+pub(super) type RouteKeys = Option<Arc<IpcRegionKeys>>;
 /// A peer's keys as `decode_keys` gives them: shared, so that a submit's route lookups copy
 /// no host identity (four strings) per call.
 pub(super) type Decoded = Option<std::result::Result<Arc<IpcRegionKeys>, ()>>;
 /// The decoded keys of one descriptor's buffers.
-type DecodedOf = (std::sync::Weak<SegmentDescriptor>, HashMap<usize, Decoded>);
+pub(super) type DecodedOf = (std::sync::Weak<SegmentDescriptor>, HashMap<usize, Decoded>);
 /// Descriptors and device pairs remembered at most (more start the memory afresh).
-const DECODED_KEPT: usize = 64;
+pub(super) const DECODED_KEPT: usize = 64;
 /// Pairs of regions one post looks up by a search of its list before it builds a map.
-const PAIRS_SEARCHED: usize = 8;
+pub(super) const PAIRS_SEARCHED: usize = 8;
 
 /// The largest slice asked for on a CUDA IPC route: large enough that host work per slice is
 /// nothing beside the copy (a 64 MiB copy takes about 30 µs on an H200).
@@ -255,178 +255,6 @@ impl CudaIpcTransport {
             }
         }
         Ok(())
-    }
-}
-
-/// The CUDA IPC keys of the peer's buffer `i`: `None` when it publishes none, `Some(Err)` when
-/// they do not decode.
-fn decode_keys(peer: &SegmentDescriptor, i: usize) -> Decoded {
-    let v = peer.buffers.get(i)?.keys.transport.get(KEYS_FIELD)?;
-    Some(
-        serde_json::from_value::<IpcRegionKeys>(v.clone())
-            .map(Arc::new)
-            .map_err(|_| ()),
-    )
-}
-
-impl CudaIpcTransport {
-    /// `decode_keys(peer, i)`, remembered per descriptor: `held` (the descriptor's `Arc`, when
-    /// the caller has it) lets a descriptor seen for the first time be remembered.
-    pub(super) fn keys_of(
-        &self,
-        peer: &SegmentDescriptor,
-        held: Option<&Arc<SegmentDescriptor>>,
-        i: usize,
-    ) -> Decoded {
-        let at = peer as *const SegmentDescriptor as usize;
-        let mut cache = self.decoded.locked();
-        if let Some((_, m)) = cache.get(&at) {
-            if let Some(k) = m.get(&i) {
-                return k.clone();
-            }
-        }
-        let k = decode_keys(peer, i);
-        if !cache.contains_key(&at) {
-            let Some(a) = held else { return k };
-            // Entries of descriptors gone are dropped; past the bound, all.
-            cache.retain(|_, (w, _)| w.strong_count() > 0);
-            if cache.len() >= DECODED_KEPT {
-                cache.clear();
-            }
-            cache.insert(at, (Arc::downgrade(a), HashMap::new()));
-        }
-        if let Some((_, m)) = cache.get_mut(&at) {
-            if m.len() < peer.buffers.len() {
-                m.insert(i, k.clone());
-            }
-        }
-        k
-    }
-
-    /// The route of a slice between `local` and the peer's buffer `remote_buffer`, with that
-    /// buffer's keys: remembered per pair until the peer's state changes (`route_epoch`), so
-    /// that a submit's slice size and its post, and later submits of the pair, decide it
-    /// once. `held`: the descriptor's `Arc`, when the caller has it (a pair is remembered only
-    /// for a descriptor known alive by a `Weak`).
-    pub(super) fn route_keys(
-        &self,
-        peer: &SegmentDescriptor,
-        held: Option<&Arc<SegmentDescriptor>>,
-        local: &MemoryRegion,
-        remote_buffer: usize,
-    ) -> (Route, Decoded) {
-        use std::sync::atomic::Ordering;
-        let at = peer as *const SegmentDescriptor;
-        let epoch = self.route_epoch.load(Ordering::Acquire);
-        {
-            let memo = self.routes.locked();
-            // A live `Weak` to `at`: the descriptor there is the one remembered (two live
-            // values never share an address).
-            if let Some(m) = memo
-                .iter()
-                .rev()
-                .find(|m| m.desc.as_ptr() == at && m.local == *local && m.buffer == remote_buffer)
-            {
-                if m.epoch == epoch && m.desc.strong_count() > 0 {
-                    return (m.route.clone(), m.keys.clone());
-                }
-            }
-        }
-        let keys = self.keys_of(peer, held, remote_buffer);
-        let route = self.route_of(peer, local, remote_buffer, &keys);
-        let desc = match held {
-            Some(a) => Some(Arc::downgrade(a)),
-            None => self.decoded_weak(peer),
-        };
-        if let Some(desc) = desc {
-            let mut memo = self.routes.locked();
-            memo.retain(|m| {
-                m.desc.strong_count() > 0
-                    && !(m.desc.as_ptr() == at && m.local == *local && m.buffer == remote_buffer)
-            });
-            if memo.len() >= ROUTES_KEPT {
-                memo.remove(0);
-            }
-            memo.push(RouteMemo {
-                desc,
-                local: *local,
-                buffer: remote_buffer,
-                epoch,
-                route: route.clone(),
-                keys: keys.clone(),
-            });
-        }
-        (route, keys)
-    }
-
-    /// The `Weak` the keys' memory holds of `peer` (`keys_of`), if it is alive.
-    fn decoded_weak(&self, peer: &SegmentDescriptor) -> Option<std::sync::Weak<SegmentDescriptor>> {
-        let at = peer as *const SegmentDescriptor as usize;
-        self.decoded
-            .locked()
-            .get(&at)
-            .map(|(w, _)| w.clone())
-            .filter(|w| w.strong_count() > 0 && std::ptr::eq(w.as_ptr(), peer))
-    }
-
-    /// Says that a peer's failed imports or the peers held changed: remembered routes are
-    /// decided again. Called with the peers' lock held or right after the change.
-    pub(super) fn routes_changed(&self) {
-        self.route_epoch
-            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-    }
-
-    /// Whether local device `a` can access the device of `uuid` (remembered).
-    fn peer_access(&self, a: u32, uuid: &str) -> bool {
-        if let Some(&ok) = self.access.locked().get(&a).and_then(|m| m.get(uuid)) {
-            return ok;
-        }
-        let ok = kvferry_cuda::guarded("peer access", || {
-            Ok(match ipc::ordinal_of_uuid(uuid) {
-                Some(b) => ipc::can_access_peer(a, b).unwrap_or(false),
-                None => false,
-            })
-        })
-        .unwrap_or(false);
-        let mut m = self.access.locked();
-        if m.values().map(HashMap::len).sum::<usize>() >= DECODED_KEPT {
-            m.clear();
-        }
-        m.entry(a).or_default().insert(uuid.to_string(), ok);
-        ok
-    }
-
-    /// The route of a slice between `local` and the peer's buffer `remote_buffer` whose keys
-    /// decoded to `k`.
-    pub(super) fn route_of(
-        &self,
-        peer: &SegmentDescriptor,
-        local: &MemoryRegion,
-        remote_buffer: usize,
-        k: &Decoded,
-    ) -> Route {
-        let Some(buffer) = peer.buffers.get(remote_buffer) else {
-            return Route::Fallback(super::keys::FallbackWhy::NotExported);
-        };
-        let failed = match (k, local.location) {
-            (Some(Ok(k)), Location::Cuda(d)) => {
-                self.peers.locked().get(&peer.name).is_some_and(|p| {
-                    p.instance_id == peer.instance_id && p.failed.contains(&(d, k.alloc_base))
-                })
-            }
-            _ => false,
-        };
-        route(
-            self.me.as_ref(),
-            local,
-            &buffer.region,
-            k.as_ref().map(|r| r.as_deref().map_err(|_| ())),
-            |a, _| match k.as_ref() {
-                Some(Ok(k)) => self.peer_access(a, &k.device_uuid),
-                _ => false,
-            },
-            failed,
-        )
     }
 }
 

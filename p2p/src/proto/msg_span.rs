@@ -26,6 +26,77 @@ pub(super) fn read_word<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String
     d.deserialize_any(WordVisitor)
 }
 
+/// Visitor methods that read each listed kind of value as absent (`None`), skipping what it
+/// holds as it is read (nothing is kept): the kinds a visitor does not take.
+macro_rules! absent {
+    ($de:lifetime: $($kind:ident)*) => { $(absent!(@ $de $kind);)* };
+    (@ $de:lifetime bool) => {
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    };
+    (@ $de:lifetime i64) => {
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    };
+    (@ $de:lifetime u64) => {
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    };
+    (@ $de:lifetime f64) => {
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    };
+    (@ $de:lifetime str) => {
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    };
+    (@ $de:lifetime bytes) => {
+        fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    };
+    (@ $de:lifetime unit) => {
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    };
+    (@ $de:lifetime none) => {
+        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    };
+    (@ $de:lifetime some) => {
+        fn visit_some<D: Deserializer<$de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_any(IgnoredAny).map(|_| None)
+        }
+    };
+    (@ $de:lifetime newtype) => {
+        fn visit_newtype_struct<D: Deserializer<$de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_any(IgnoredAny).map(|_| None)
+        }
+    };
+    (@ $de:lifetime seq) => {
+        fn visit_seq<A: SeqAccess<$de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+            IgnoredAny.visit_seq(seq).map(|_| None)
+        }
+    };
+    (@ $de:lifetime map) => {
+        fn visit_map<A: MapAccess<$de>>(self, map: A) -> Result<Self::Value, A::Error> {
+            IgnoredAny.visit_map(map).map(|_| None)
+        }
+    };
+    (@ $de:lifetime variant) => {
+        fn visit_enum<A: EnumAccess<$de>>(self, data: A) -> Result<Self::Value, A::Error> {
+            IgnoredAny.visit_enum(data).map(|_| None)
+        }
+    };
+}
+
 /// The visitor of [`read_word`].
 struct WordVisitor;
 
@@ -37,42 +108,10 @@ impl<'de> Visitor<'de> for WordVisitor {
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
         Ok((v.len() <= MAX_WORD).then(|| v.to_string()))
     }
-    fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
     fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_any(self)
     }
-    fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(IgnoredAny).map(|_| None)
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
-        IgnoredAny.visit_seq(seq).map(|_| None)
-    }
-    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-        IgnoredAny.visit_map(map).map(|_| None)
-    }
-    fn visit_enum<A: EnumAccess<'de>>(self, data: A) -> Result<Self::Value, A::Error> {
-        IgnoredAny.visit_enum(data).map(|_| None)
-    }
+    absent!('de: bytes bool i64 u64 f64 unit none newtype seq map variant);
 }
 
 /// One value: `Some` for an integer within `u32`, `None` for anything else (skipped).
@@ -106,42 +145,7 @@ impl<'de> de::Deserialize<'de> for Key {
                     _ => None,
                 })
             }
-            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-                Ok(None)
-            }
-            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-                Ok(None)
-            }
-            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-                Ok(None)
-            }
-            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-                Ok(None)
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-                Ok(None)
-            }
-            fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
-                Ok(None)
-            }
-            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-                d.deserialize_any(IgnoredAny).map(|_| None)
-            }
-            fn visit_newtype_struct<D: Deserializer<'de>>(
-                self,
-                d: D,
-            ) -> Result<Self::Value, D::Error> {
-                d.deserialize_any(IgnoredAny).map(|_| None)
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
-                IgnoredAny.visit_seq(seq).map(|_| None)
-            }
-            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-                IgnoredAny.visit_map(map).map(|_| None)
-            }
-            fn visit_enum<A: EnumAccess<'de>>(self, data: A) -> Result<Self::Value, A::Error> {
-                IgnoredAny.visit_enum(data).map(|_| None)
-            }
+            absent!('de: bool i64 u64 f64 unit none some newtype seq map variant);
         }
         d.deserialize_any(KeyVisitor).map(Key)
     }
@@ -161,39 +165,7 @@ impl<'de, F: FnOnce(Option<u64>) -> Option<u32>> Visitor<'de> for Skip<F> {
     fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
         Ok((self.0)(u64::try_from(v).ok()))
     }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(IgnoredAny).map(|_| None)
-    }
-    fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(IgnoredAny).map(|_| None)
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
-        IgnoredAny.visit_seq(seq).map(|_| None)
-    }
-    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-        IgnoredAny.visit_map(map).map(|_| None)
-    }
-    fn visit_enum<A: EnumAccess<'de>>(self, data: A) -> Result<Self::Value, A::Error> {
-        IgnoredAny.visit_enum(data).map(|_| None)
-    }
+    absent!('de: bool f64 str bytes unit none some newtype seq map variant);
 }
 
 /// The span itself: a map of `first` and `end` (other keys skipped) or a pair; anything else,
@@ -246,34 +218,5 @@ impl<'de> Visitor<'de> for SpanVisitor {
     fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_any(self)
     }
-    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(IgnoredAny).map(|_| None)
-    }
-    fn visit_enum<A: EnumAccess<'de>>(self, data: A) -> Result<Self::Value, A::Error> {
-        IgnoredAny.visit_enum(data).map(|_| None)
-    }
+    absent!('de: none unit bool i64 u64 f64 str bytes newtype variant);
 }

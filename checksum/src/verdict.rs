@@ -95,6 +95,16 @@ fn chunk_sums(
     (q0, out)
 }
 
+/// Whether `len` blocks of `bs` tokens from position `start`, rounded up to chunks of `l`
+/// tokens, end at a token offset a `u64` holds (what [`chunk_sums`] computes with).
+fn positions_fit(start: u64, len: usize, bs: u64, l: u64) -> bool {
+    start
+        .checked_add(len as u64)
+        .and_then(|end| end.checked_mul(bs))
+        .and_then(|t| t.checked_add(l))
+        .is_some()
+}
+
 /// Compares one group present on both sides; `Ok(positions)` lists mismatching consumer positions.
 fn compare_group(
     p: &PayloadGroup,
@@ -123,6 +133,17 @@ fn compare_group(
     let l = pbs.max(cbs);
     if l % pbs.min(cbs) != 0 {
         return Err(UnverifiedReason::BlockSizesIncompatible);
+    }
+    // The producer's start and block size come off the wire: positions whose token offsets do
+    // not fit in a u64 are not what a producer writes (chunk_sums' arithmetic would overflow).
+    if !positions_fit(p.start, p.values.len(), pbs, l) {
+        return Err(UnverifiedReason::InvalidChecksums);
+    }
+    if checks
+        .iter()
+        .any(|c| !positions_fit(cstart, c.len(), cbs, l))
+    {
+        return Err(UnverifiedReason::NoCommonPosition);
     }
     if cbs < pbs && (cstart * cbs) % pbs != 0 {
         return Err(UnverifiedReason::UnalignedStart);

@@ -463,6 +463,25 @@ fn load_level_outcomes() {
     );
 }
 
+/// A producer's start whose token offsets overflow a u64 (off the wire, never checked when
+/// decoded) makes the group unverified instead of panicking the consumer.
+#[test]
+fn producer_positions_past_u64_are_invalid_not_a_panic() {
+    let c = sums(40, vec![(0, checked(16, 0, &[&[1, 2]]))]);
+    for (start, values) in [
+        (u64::MAX / 16, &[1u64, 2][..]),
+        (u64::MAX / 16, &[1][..]),
+        (u64::MAX, &[1][..]),
+        (u64::MAX / 16 + 1, &[][..]),
+    ] {
+        assert_eq!(
+            compare(Ok(Some(&payload(40, vec![pg(0, 16, start, values)]))), &c),
+            unv(Some(0), UnverifiedReason::InvalidChecksums),
+            "start {start}"
+        );
+    }
+}
+
 #[test]
 fn equal_block_sizes_compare_common_positions() {
     // Producer 0..3, consumer loads 1..3.

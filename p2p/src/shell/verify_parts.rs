@@ -65,10 +65,7 @@ impl Selector {
 enum Running {
     /// Submitted to the worker's device; polled only after the FINISH (no task spins on it
     /// while the copies run, nor takes the driver's locks the producer's submits need).
-    Device {
-        pending: PendingChecksums,
-        since: Instant,
-    },
+    Device(PendingChecksums),
     /// Host memory: computed on the blocking pool by a task of its own.
     Task(JoinHandle<Result<Vec<GroupResult>, ChecksumError>>),
     /// Already known: nothing to checksum, a result taken early, or why it failed.
@@ -81,7 +78,7 @@ impl Running {
         match self {
             Running::Done(_) => true,
             Running::Task(t) => t.is_finished(),
-            Running::Device { pending, .. } => match pending.poll() {
+            Running::Device(pending) => match pending.poll() {
                 None => false,
                 Some(r) => {
                     *self = Running::Done(r.map_err(ChecksumError::from));
@@ -91,12 +88,13 @@ impl Running {
         }
     }
 
-    /// The result, by `timeout` after its submission (a task: after the wait starts, plus a
-    /// second for the task itself).
+    /// The result, by `timeout` after the wait starts (a task: plus a second for the task
+    /// itself). Counted from the wait, not the submission: a part submitted at a CONTINUE
+    /// waits through the rest of the copy first, which may take longer than `timeout`.
     async fn result(self, timeout: Duration) -> Result<Vec<GroupResult>, ChecksumError> {
         match self {
             Running::Done(r) => r,
-            Running::Device { pending, since } => wait_device(pending, since, timeout).await,
+            Running::Device(pending) => wait_device(pending, Instant::now(), timeout).await,
             Running::Task(t) => {
                 match tokio::time::timeout(timeout + Duration::from_secs(1), t).await {
                     Ok(Ok(r)) => r,
@@ -239,9 +237,8 @@ impl Parts {
                 }
                 if matches!(w.device, Location::Cuda(_)) {
                     // On this task: the backend only enqueues.
-                    let since = Instant::now();
                     return match submit_device(w, jobs, None) {
-                        Ok(pending) => Running::Device { pending, since },
+                        Ok(pending) => Running::Device(pending),
                         Err(e) => Running::Done(Err(e)),
                     };
                 }

@@ -575,6 +575,31 @@ fn free_if_timed_out(w: &Worker, batch: BatchId, r: &kvferry_transfer::Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvferry_checksum::group::RankInfo;
+    use kvferry_kernels::{CpuBackend, Location};
+    use kvferry_transfer::{EngineConfig, TransferEngine, TransportKind};
+
+    /// An engine on a loopback TCP port the OS picks.
+    fn loopback() -> Arc<TransferEngine> {
+        TransferEngine::new(EngineConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            transport: TransportKind::Tcp,
+            ..EngineConfig::default()
+        })
+        .unwrap()
+    }
+
+    /// The single rank's worker on `engine`, with host KV and one checksum thread.
+    fn host_worker(engine: Arc<TransferEngine>) -> Worker {
+        Worker {
+            rank: RankInfo::SINGLE,
+            engine,
+            device: Location::Cpu,
+            groups: Vec::new(),
+            backend: Arc::new(CpuBackend::new(1)),
+        }
+    }
 
     #[test]
     fn small_loads_go_in_one_batch_large_ones_in_a_bounded_number() {
@@ -589,19 +614,8 @@ mod tests {
     /// timed-out batch for a later wait, which a serve never makes.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batch_whose_wait_timed_out_is_freed() {
-        use kvferry_checksum::group::RankInfo;
-        use kvferry_kernels::{CpuBackend, Location};
-        use kvferry_transfer::{BatchStatus, EngineConfig, TransferEngine, TransportKind};
-        let engine = || {
-            TransferEngine::new(EngineConfig {
-                host: "127.0.0.1".into(),
-                port: 0,
-                transport: TransportKind::Tcp,
-                ..EngineConfig::default()
-            })
-            .unwrap()
-        };
-        let (a, b) = (engine(), engine());
+        use kvferry_transfer::BatchStatus;
+        let (a, b) = (loopback(), loopback());
         const LEN: u64 = 64 << 20;
         let (src, dst) = (vec![1u8; LEN as usize], vec![0u8; LEN as usize]);
         let (s, d) = (src.as_ptr() as u64, dst.as_ptr() as u64);
@@ -612,13 +626,7 @@ mod tests {
             b.register_memory(d, LEN, Location::Cpu).unwrap();
         }
         let target = a.open_segment(&b.segment_name()).unwrap();
-        let w = Worker {
-            rank: RankInfo::SINGLE,
-            engine: a.clone(),
-            device: Location::Cpu,
-            groups: Vec::new(),
-            backend: Arc::new(CpuBackend::new(1)),
-        };
+        let w = host_worker(a.clone());
         let copy = |i: u64| TransferRequest {
             op: Op::Write,
             local_addr: s + i * (LEN / 64),
@@ -654,24 +662,8 @@ mod tests {
     /// with a typed error, submitting nothing more, instead of panicking the producer.
     #[test]
     fn a_submit_thread_the_os_refuses_fails_the_load() {
-        use kvferry_checksum::group::RankInfo;
-        use kvferry_kernels::{CpuBackend, Location};
-        use kvferry_transfer::{EngineConfig, TransferEngine, TransportKind};
         use std::sync::atomic::{AtomicUsize, Ordering};
-        let engine = TransferEngine::new(EngineConfig {
-            host: "127.0.0.1".into(),
-            port: 0,
-            transport: TransportKind::Tcp,
-            ..EngineConfig::default()
-        })
-        .unwrap();
-        let workers = vec![Worker {
-            rank: RankInfo::SINGLE,
-            engine,
-            device: Location::Cpu,
-            groups: Vec::new(),
-            backend: Arc::new(CpuBackend::new(1)),
-        }];
+        let workers = vec![host_worker(loopback())];
         let one = Copy {
             src: 0,
             dst: 0,
@@ -717,23 +709,7 @@ mod tests {
     /// segment took too long (the groups' task opens, submits and waits).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_grouped_load_past_its_deadline_names_the_groups() {
-        use kvferry_checksum::group::RankInfo;
-        use kvferry_kernels::{CpuBackend, Location};
-        use kvferry_transfer::{EngineConfig, TransferEngine, TransportKind};
-        let engine = TransferEngine::new(EngineConfig {
-            host: "127.0.0.1".into(),
-            port: 0,
-            transport: TransportKind::Tcp,
-            ..EngineConfig::default()
-        })
-        .unwrap();
-        let workers = Arc::new(vec![Worker {
-            rank: RankInfo::SINGLE,
-            engine,
-            device: Location::Cpu,
-            groups: Vec::new(),
-            backend: Arc::new(CpuBackend::new(1)),
-        }]);
+        let workers = Arc::new(vec![host_worker(loopback())]);
         // A segment whose listener never answers: the task's open waits for its handshake.
         let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let plan = RankPlan {

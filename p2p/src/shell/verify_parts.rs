@@ -22,6 +22,7 @@ use tokio::task::JoinHandle;
 use crate::checksum::{
     group_fingerprint, rank_jobs, run_jobs, submit_device, wait_device, ChecksumError,
 };
+use crate::proto::msg::LayerSpan;
 use crate::proto::progress::{check_progress, Slot};
 use crate::proto::request::{LoadGroup, LoadSpec};
 use crate::shell::connection::LoadProgress;
@@ -196,16 +197,9 @@ impl Parts {
     /// parts (bogus progress, a span that does not follow on). Past [`MAX_PARTS`], progress
     /// is ignored: those layers are checksummed after the FINISH.
     pub(crate) fn progress(&mut self, p: LoadProgress) {
-        let span = match p {
-            _ if self.void => return,
-            LoadProgress::Void(_) => return self.drop_parts(),
-            LoadProgress::Landed(_) if self.full => return,
-            LoadProgress::Landed(span) => span,
+        let Some(span) = self.follow_on(p, self.covered) else {
+            return;
         };
-        let slots = self.slots.len().min(u32::MAX as usize) as u32;
-        if check_progress(self.covered, slots, span).is_err() {
-            return self.drop_parts();
-        }
         let layers = &self.slots[span.first as usize..span.end as usize];
         if self.tasks.len() >= MAX_PARTS {
             self.full = true;
@@ -265,18 +259,31 @@ impl Parts {
     /// one submission (a part of its own would be one more launch and one more task to wait
     /// for, queued behind the others, before the rest could start).
     pub(crate) fn late(&mut self, p: LoadProgress) {
+        // Checked as a part's span would be: what it names must follow on from what was heard.
+        if let Some(span) = self.follow_on(p, self.heard.unwrap_or(self.covered)) {
+            self.heard = Some(span.end);
+        }
+    }
+
+    /// The span `p` names when it lands right after slot `from` and within the slots; `None`
+    /// when there is nothing to take: the parts are void or full, or `p` voids them (a Void,
+    /// or a span that does not follow on from `from`, which drops the parts here).
+    fn follow_on(&mut self, p: LoadProgress, from: u32) -> Option<LayerSpan> {
         let span = match p {
-            _ if self.void => return,
-            LoadProgress::Void(_) => return self.drop_parts(),
-            LoadProgress::Landed(_) if self.full => return,
+            _ if self.void => return None,
+            LoadProgress::Void(_) => {
+                self.drop_parts();
+                return None;
+            }
+            LoadProgress::Landed(_) if self.full => return None,
             LoadProgress::Landed(span) => span,
         };
-        // Checked as a part's span would be: what it names must follow on from what was heard.
         let slots = self.slots.len().min(u32::MAX as usize) as u32;
-        match check_progress(self.heard.unwrap_or(self.covered), slots, span) {
-            Ok(_) => self.heard = Some(span.end),
-            Err(_) => self.drop_parts(),
+        if check_progress(from, slots, span).is_err() {
+            self.drop_parts();
+            return None;
         }
+        Some(span)
     }
 
     /// After the FINISH: checksums the layers no part covered, adds the parts, and returns the

@@ -196,11 +196,9 @@ impl AnyLocation {
     }
 }
 
-/// A `cuda:N` region whose export fails (here: no driver) is registered over the wrapped
-/// transport, and why it was not exported stays the export's typed error, not its text,
-/// until the region is deregistered.
-#[test]
-fn a_refused_export_keeps_its_typed_error_until_deregistered() {
+/// A CUDA IPC transport over a TCP one, with default config and no secret, on a segment no
+/// peer reaches (nothing here connects).
+fn tcp_wrapped() -> Arc<CudaIpcTransport> {
     let ctx = TransportContext {
         config: EngineConfig::default(),
         segment_name: "127.0.0.1:1".into(),
@@ -211,7 +209,15 @@ fn a_refused_export_keeps_its_typed_error_until_deregistered() {
     };
     let inner: Arc<dyn Transport> =
         Arc::new(crate::transport::tcp::TcpTransport::new(ctx.clone()).unwrap());
-    let t = CudaIpcTransport::new(&ctx, inner).unwrap();
+    CudaIpcTransport::new(&ctx, inner).unwrap()
+}
+
+/// A `cuda:N` region whose export fails (here: no driver) is registered over the wrapped
+/// transport, and why it was not exported stays the export's typed error, not its text,
+/// until the region is deregistered.
+#[test]
+fn a_refused_export_keeps_its_typed_error_until_deregistered() {
+    let t = tcp_wrapped();
     assert_eq!(t.mode, CudaIpcMode::Auto);
     let region = MemoryRegion {
         addr: 0x7000_0000,
@@ -242,17 +248,7 @@ fn a_refused_export_keeps_its_typed_error_until_deregistered() {
 /// another descriptor at the same pair is never the remembered one.
 #[test]
 fn a_remembered_route_follows_failed_imports_and_forgotten_peers() {
-    let ctx = TransportContext {
-        config: EngineConfig::default(),
-        segment_name: "127.0.0.1:1".into(),
-        instance_id: 1,
-        registry: Arc::new(crate::memory::MemoryRegistry::new()),
-        memory: Arc::new(AnyLocation),
-        auth: crate::auth::AuthState::new(None, "test"),
-    };
-    let inner: Arc<dyn Transport> =
-        Arc::new(crate::transport::tcp::TcpTransport::new(ctx.clone()).unwrap());
-    let t = CudaIpcTransport::new(&ctx, inner).unwrap();
+    let t = tcp_wrapped();
     let Some(me) = t.me.clone() else {
         return; // no host identity here: nothing goes over CUDA IPC
     };

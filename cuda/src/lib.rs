@@ -20,6 +20,7 @@ pub mod ipc;
 pub mod location;
 pub mod nvrtc;
 pub mod probe;
+pub mod staging;
 
 pub use error::{CudaError, InvalidArg};
 pub use location::{Location, ParseLocationError};

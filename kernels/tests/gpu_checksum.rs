@@ -605,3 +605,84 @@ fn gpu_backend_for_picks_cuda_when_usable() {
         None => assert_eq!(b.name(), "cuda"),
     }
 }
+
+/// Submissions in flight up to the slots allocated with the backend take no allocation,
+/// which would synchronise the device: with a 2 s spin queued on a stream of its own, 100
+/// submissions all return while it still runs, and their results are right.
+#[test]
+fn gpu_submissions_in_flight_never_wait_for_other_streams() {
+    let _serial = serial();
+    let Some((backend, tools)) = gpu("gpu_submissions_in_flight_never_wait_for_other_streams")
+    else {
+        return;
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    let case = fixed_case(&mut rng, "KV B N H D", 64, 16, 8, 128, ElemBytes::Two, 4);
+    let (buf, addrs) = upload_case(&tools, &case);
+    let want = want_results(std::slice::from_ref(&case));
+    let other = tools.stream().unwrap();
+    let flag = tools.alloc(8).unwrap();
+    let spun = tools.event(false).unwrap();
+    // SAFETY: `flag` is a live device buffer and `other` a live stream of the backend's context.
+    unsafe { tools.spin(2_000_000_000, flag.ptr(), other.raw()) }.unwrap();
+    // SAFETY: `other` is a live stream of the event's context.
+    unsafe { spun.record(other.raw()).unwrap() };
+    let pending: Vec<_> = (0..100)
+        .map(|_| {
+            // SAFETY: the job's layers are device buffers of this test that outlive the waits.
+            unsafe { backend.submit(vec![job(&case, 0, Location::Cuda(0), &addrs)]) }.unwrap()
+        })
+        .collect();
+    assert_eq!(
+        spun.query().unwrap(),
+        EventState::Pending,
+        "a submit waited for another stream's work (an allocation on the submit path)"
+    );
+    for p in pending {
+        assert_eq!(p.wait(WAIT).unwrap(), want);
+    }
+    other.synchronize().unwrap();
+    drop(buf);
+}
+
+/// Parts allocated ahead are disjoint, 256-byte aligned and each its own: what goes up
+/// from one part's host bytes lands in that part's device bytes only. Tables allocated
+/// ahead hold what they were asked for.
+#[test]
+fn gpu_staging_parts_are_disjoint() {
+    use kvferry_cuda::ipc::PieceTable;
+    use kvferry_cuda::staging::Staging;
+    use kvferry_kernels::cuda::driver::Context;
+    let _serial = serial();
+    let Some((_backend, tools)) = gpu("gpu_staging_parts_are_disjoint") else {
+        return;
+    };
+    let ctx = Context::new(0).unwrap();
+    let parts = Staging::ahead(&ctx, 1000, 8).unwrap();
+    assert_eq!(parts.len(), 8);
+    for (i, p) in parts.iter().enumerate() {
+        assert_eq!(p.len(), 1024, "rounded up to 256 bytes");
+        assert_eq!(p.dev() % 256, 0);
+        if i > 0 {
+            assert_eq!(p.dev(), parts[i - 1].dev() + 1024);
+            assert_eq!(p.host() as usize, parts[i - 1].host() as usize + 1024);
+        }
+        // SAFETY: the part's host bytes are its own and live while `parts` does.
+        unsafe { std::ptr::write_bytes(p.host(), i as u8 + 1, p.len()) };
+    }
+    for p in &parts {
+        // SAFETY: as above; nothing else writes them meanwhile.
+        let host = unsafe { std::slice::from_raw_parts(p.host(), p.len()) };
+        tools.upload(p.dev(), host).unwrap();
+    }
+    for (i, p) in parts.iter().enumerate() {
+        let got = tools.download(p.dev(), p.len()).unwrap();
+        assert!(got.iter().all(|&b| b == i as u8 + 1), "part {i}");
+    }
+    assert!(Staging::ahead(&ctx, 0, 8).unwrap().is_empty());
+    assert!(Staging::ahead(&ctx, 64, 0).unwrap().is_empty());
+    let tables = PieceTable::ahead(&ctx, 256 << 10, 4).unwrap();
+    assert_eq!(tables.len(), 4);
+    assert!(tables.iter().all(|t| t.capacity() == 256 << 10));
+    assert_eq!(PieceTable::new().capacity(), 0);
+}

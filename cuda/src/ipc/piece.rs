@@ -5,9 +5,8 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys;
 
-use crate::driver::{
-    Context, DeviceBuffer, DriverResult, Event, Function, Module, PinnedBuffer, Stream,
-};
+use crate::driver::{Context, DriverResult, Event, Function, Module, Stream};
+use crate::staging::Staging;
 
 /// Threads per block of every piece kernel launch.
 const THREADS: u32 = 256;
@@ -27,17 +26,46 @@ pub struct Copy {
 /// and the event that marks its upload done. Reused only after the launch that read it has
 /// completed.
 pub struct PieceTable {
-    bufs: Option<(PinnedBuffer, DeviceBuffer)>,
+    mem: Option<Staging>,
+    /// Memory outgrown, kept until the table drops: freeing pinned or device memory
+    /// synchronises the whole device, which must not happen on the submit path.
+    outgrown: Vec<Staging>,
     uploaded: Option<Event>,
 }
+
+/// Bytes a table grows to at the least.
+const TABLE_MIN_BYTES: usize = 64 << 10;
 
 impl PieceTable {
     /// An empty table (allocated on first use).
     pub fn new() -> PieceTable {
         PieceTable {
-            bufs: None,
+            mem: None,
+            outgrown: Vec::new(),
             uploaded: None,
         }
+    }
+
+    /// `count` tables of `bytes` bytes of table each, from one allocation made now in `ctx`
+    /// (current here), with their upload events: allocating ahead keeps allocations, which
+    /// synchronise the device, off the submit path. Errors: the driver's.
+    pub fn ahead(ctx: &Context, bytes: usize, count: usize) -> DriverResult<Vec<PieceTable>> {
+        ctx.bind()?;
+        Staging::ahead(ctx, bytes, count)?
+            .into_iter()
+            .map(|mem| {
+                Ok(PieceTable {
+                    mem: Some(mem),
+                    outgrown: Vec::new(),
+                    uploaded: Some(Event::new(ctx, false)?),
+                })
+            })
+            .collect()
+    }
+
+    /// Bytes of table a launch may use without growing it (0 before its first use).
+    pub fn capacity(&self) -> usize {
+        self.mem.as_ref().map_or(0, Staging::len)
     }
 }
 
@@ -48,19 +76,16 @@ impl Default for PieceTable {
 }
 
 impl PieceTable {
-    /// The table's pinned host buffer and device buffer, grown (to a power of two, at least
-    /// 64 KiB) to hold `bytes`. Errors: the driver's allocation failures.
-    pub(crate) fn ensure(
-        &mut self,
-        ctx: &Context,
-        bytes: usize,
-    ) -> DriverResult<(&PinnedBuffer, &DeviceBuffer)> {
-        if self.bufs.as_ref().is_none_or(|(h, _)| h.len() < bytes) {
-            let cap = bytes.next_power_of_two().max(64 << 10);
-            self.bufs = Some((PinnedBuffer::new(ctx, cap)?, DeviceBuffer::new(ctx, cap)?));
+    /// The table's memory, grown (to a power of two, at least 64 KiB) to hold `bytes`.
+    /// Errors: the driver's allocation failures.
+    pub(crate) fn ensure(&mut self, ctx: &Context, bytes: usize) -> DriverResult<&Staging> {
+        if self.mem.as_ref().is_none_or(|m| m.len() < bytes) {
+            let grown = Staging::new(ctx, bytes.next_power_of_two().max(TABLE_MIN_BYTES))?;
+            // Nothing reads the old memory any more (the previous launch completed), but
+            // freeing it would synchronise the device: it stays until the table drops.
+            self.outgrown.extend(self.mem.replace(grown));
         }
-        let (h, d) = self.bufs.as_ref().expect("made above");
-        Ok((h, d))
+        Ok(self.mem.as_ref().expect("made above"))
     }
 }
 
@@ -125,12 +150,11 @@ impl LoadedKernel {
         stream: sys::CUstream,
     ) -> DriverResult<u64> {
         let bytes = words * 8;
-        let (host, dev) = table.ensure(&self.ctx, bytes)?;
-        // SAFETY: the pinned table (page-aligned) holds at least `bytes`; its previous launch
-        // has completed (contract), so nothing reads it now.
-        fill(unsafe { std::slice::from_raw_parts_mut(host.as_ptr() as *mut u64, words) });
-        let dev = dev.ptr();
-        let host = host.as_ptr();
+        let mem = table.ensure(&self.ctx, bytes)?;
+        let (host, dev) = (mem.host(), mem.dev());
+        // SAFETY: the pinned table (256-byte aligned) holds at least `bytes`; its previous
+        // launch has completed (contract), so nothing reads it now.
+        fill(unsafe { std::slice::from_raw_parts_mut(host as *mut u64, words) });
         if table.uploaded.is_none() {
             table.uploaded = Some(Event::new(&self.ctx, false)?);
         }

@@ -24,8 +24,9 @@ use crate::backend::{validate_job, ChecksumBackend, Pending, PendingChecksums};
 use crate::sync::MutexExt;
 use crate::{GroupJob, GroupResult, JobFault, KernelError, Location};
 use cudarc::driver::sys;
-use driver::{Context, DeviceBuffer, Event, EventState, Function, Module, PinnedBuffer, Stream};
+use driver::{Context, Event, EventState, Function, Module, Stream};
 use kvferry_checksum::group::{LayerSpec, ReplicaKey};
+use kvferry_cuda::staging::Staging;
 use kvferry_cuda::CudaError;
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
@@ -105,17 +106,17 @@ pub fn unavailable_reason() -> Option<CudaError> {
     }
 }
 
-/// Slots allocated with the backend (submissions in flight at once without allocating).
-const PREALLOCATED_SLOTS: usize = 4;
-/// Bytes per preallocated slot: views, block ids and outputs of a typical submission
-/// (e.g. 64 layers and 4096 blocks).
-const PREALLOCATED_BYTES: usize = 256 << 10;
+/// Slots allocated with the backend, in one piece (submissions in flight at once without
+/// allocating, which synchronises the device): 16 loads in flight hold up to 5 each.
+const PREALLOCATED_SLOTS: usize = 128;
+/// Bytes per preallocated slot: views, block ids and outputs of a part of a load (e.g. 32
+/// layers and 2048 blocks).
+const PREALLOCATED_BYTES: usize = 128 << 10;
 
 /// Buffers of one submission: parameters (views, block ids) then outputs, in pinned host
 /// memory and device memory at the same offsets, and its events.
 struct Slot {
-    host: PinnedBuffer,
-    dev: DeviceBuffer,
+    mem: Staging,
     ready: Event,
     done: Event,
     kstart: Event,
@@ -208,8 +209,9 @@ impl CudaBackend {
             };
             // Allocate slots now: allocating pinned or device memory may synchronise the
             // device, which must not happen on the submit path.
-            let slots = (0..PREALLOCATED_SLOTS)
-                .map(|_| inner.new_slot(PREALLOCATED_BYTES))
+            let slots = Staging::ahead(&inner.ctx, PREALLOCATED_BYTES, PREALLOCATED_SLOTS)?
+                .into_iter()
+                .map(|mem| inner.slot_in(mem))
                 .collect::<Result<Vec<_>, _>>()?;
             inner.pool.locked().free.extend(slots);
             Ok(CudaBackend {
@@ -315,7 +317,7 @@ impl CudaBackend {
         let out_len = o - out_base;
         inner.ctx.bind().map_err(kerr)?;
         let slot = inner.take_slot(o)?;
-        let host = slot.host.as_ptr();
+        let host = slot.mem.host();
         for ((_, p), &(v, ids)) in plans.iter().zip(&param_offs) {
             // SAFETY: the slot's pinned buffer holds at least `o` bytes (take_slot); the views
             // and block ids fit at their offsets, computed above from these lengths, and no
@@ -394,24 +396,33 @@ impl Inner {
                 .free
                 .iter()
                 .enumerate()
-                .filter(|(_, s)| s.host.len() >= need)
-                .min_by_key(|(_, s)| s.host.len())
+                .filter(|(_, s)| s.mem.len() >= need)
+                .min_by_key(|(_, s)| s.mem.len())
                 .map(|(i, _)| i);
             if let Some(i) = best {
                 return Ok(pool.free.swap_remove(i));
             }
         }
         // Allocation happens only when the pool has no free slot large enough (more
-        // submissions in flight than slots, or a larger one than before).
-        self.new_slot(need.next_power_of_two().max(PREALLOCATED_BYTES))
-            .map_err(kerr)
+        // submissions in flight than slots, or a larger one than before). It synchronises
+        // the device: the submit waits for the work queued on every stream.
+        let t = Instant::now();
+        let cap = need.next_power_of_two().max(PREALLOCATED_BYTES);
+        let slot = Staging::new(&self.ctx, cap).and_then(|mem| self.slot_in(mem));
+        tracing::debug!(
+            target: "kvferry::timing",
+            bytes = cap,
+            alloc_us = t.elapsed().as_micros() as u64,
+            "checksum slot allocated on the submit path"
+        );
+        slot.map_err(kerr)
     }
 
-    fn new_slot(&self, cap: usize) -> Result<Slot, CudaError> {
+    /// A slot over `mem`, with its events.
+    fn slot_in(&self, mem: Staging) -> Result<Slot, CudaError> {
         let ctx = &self.ctx;
         Ok(Slot {
-            host: PinnedBuffer::new(ctx, cap)?,
-            dev: DeviceBuffer::new(ctx, cap)?,
+            mem,
             ready: Event::new(ctx, false)?,
             done: Event::new(ctx, false)?,
             kstart: Event::new(ctx, true)?,
@@ -443,9 +454,9 @@ impl Inner {
                 slot.ready.record(caller)?;
                 driver::stream_wait(s, &slot.ready)?;
             }
-            let dev = slot.dev.ptr();
+            let dev = slot.mem.dev();
             if params_len > 0 {
-                driver::copy_htod_async(dev, slot.host.as_ptr(), params_len, s)?;
+                driver::copy_htod_async(dev, slot.mem.host(), params_len, s)?;
             }
             if out_len > 0 {
                 driver::memset_async(dev + out_base as u64, 0, out_len, s)?;
@@ -491,7 +502,7 @@ impl Inner {
             }
             if out_len > 0 {
                 driver::copy_dtoh_async(
-                    slot.host.as_ptr().add(out_base),
+                    slot.mem.host().add(out_base),
                     dev + out_base as u64,
                     out_len,
                     s,
@@ -525,7 +536,7 @@ impl CudaPending {
                 if slot.timed {
                     self.kernel_ms = Event::elapsed_ms(&slot.kstart, &slot.kend).ok();
                 }
-                let host = slot.host.as_ptr();
+                let host = slot.mem.host();
                 let results = self
                     .groups
                     .iter()

@@ -171,12 +171,16 @@ impl Consumer {
         // spans heard in one burst with the FINISH still start their checksums before it is
         // taken (each is a launch queued behind the others, never waited for in turn).
         let mut last_heard = None;
+        // Time spent starting parts on this task (their jobs built and submitted).
+        let mut progress_time = std::time::Duration::ZERO;
         let reply = loop {
             tokio::select! {
                 biased;
                 Some(p) = heard.recv() => {
+                    let t = Instant::now();
                     parts.progress(p);
                     last_heard = Some(Instant::now());
+                    progress_time += t.elapsed();
                 }
                 r = &mut send => break r,
             }
@@ -230,6 +234,7 @@ impl Consumer {
             grant_us,
             overlapped,
             lead_us,
+            progress_us = progress_time.as_micros() as u64,
             transfer_us = (transfer_seconds * 1e6) as u64,
             verify_us = (checksum_seconds * 1e6) as u64,
             "load phases"

@@ -129,10 +129,41 @@ pub(super) struct Lane {
     pub(super) events: Mutex<Vec<Event>>,
 }
 
+/// Bytes of table each of a lane's tables is allocated with ahead of its first launch: a
+/// strided table of about 16,000 blocks, or a piece table of about 10,000 pieces.
+pub(super) const TABLE_AHEAD_BYTES: usize = 256 << 10;
+/// Tables a lane allocates (in one piece) when it is made: launches in flight at once that
+/// take no allocation on the submit path (16 loads of 4 layer groups, say).
+pub(super) const TABLES_AHEAD: usize = 64;
+/// Most spare tables a lane keeps; one more returned is freed (a burst past it is rare).
+const TABLES_KEPT: usize = 256;
+
 impl Lane {
-    /// A spare table of this lane, or a new one (allocated on first use).
+    /// The largest spare table of this lane, or a new one, allocated on its first use (on
+    /// the submit path, where the allocation synchronises the device: only past
+    /// [`TABLES_AHEAD`] launches in flight).
     pub(super) fn take_table(&self) -> PieceTable {
-        self.tables.locked().pop().unwrap_or_default()
+        let mut spare = self.tables.locked();
+        match (0..spare.len()).max_by_key(|&i| spare[i].capacity()) {
+            Some(i) => spare.swap_remove(i),
+            None => {
+                drop(spare);
+                tracing::debug!(
+                    target: "kvferry::timing",
+                    "cuda ipc: no spare table, one is allocated on the submit path"
+                );
+                PieceTable::new()
+            }
+        }
+    }
+
+    /// Gives a table back once the launch that read it has completed: kept for the next
+    /// launch, up to [`TABLES_KEPT`].
+    pub(super) fn give_table(&self, table: PieceTable) {
+        let mut spare = self.tables.locked();
+        if spare.len() < TABLES_KEPT {
+            spare.push(table);
+        }
     }
 
     /// Records an event (a spare one, or a new one) on the lane's stream after the work
@@ -276,7 +307,7 @@ pub(super) fn complete_jobs(rx: mpsc::Receiver<Job>) {
                     // sleep, tens of microseconds, longer than the copies queued behind).
                     idle_since = None;
                     if let Some(t) = j.table {
-                        j.lane.tables.locked().push(t);
+                        j.lane.give_table(t);
                     }
                     let mut spare = j.lane.events.locked();
                     if spare.len() < EVENTS_KEPT {

@@ -34,7 +34,9 @@ use smallvec::SmallVec;
 use super::fdpass::FdServer;
 use super::keys::{HostIdentity, IpcRegionKeys, Route};
 use super::live::LiveTable;
-use super::state::{complete_jobs, gpu_err, Export, Job, Lane, Nonces, Peer};
+use super::state::{
+    complete_jobs, gpu_err, Export, Job, Lane, Nonces, Peer, TABLES_AHEAD, TABLE_AHEAD_BYTES,
+};
 use crate::auth::AuthState;
 use crate::config::CudaIpcMode;
 use crate::descriptor::SegmentDescriptor;
@@ -215,12 +217,22 @@ impl CudaIpcTransport {
                     None
                 }
             };
+            // Tables for the launches of the first submits, allocated now: an allocation
+            // synchronises the device, which must not happen while others' copies run.
+            let ahead = if kernel.is_some() || strided.is_some() {
+                ipc::PieceTable::ahead(&ctx, TABLE_AHEAD_BYTES, TABLES_AHEAD).unwrap_or_else(|e| {
+                    tracing::warn!("cuda:{ordinal}: no tables allocated ahead ({e}); each is allocated on its first launch");
+                    Vec::new()
+                })
+            } else {
+                Vec::new()
+            };
             Ok(Lane {
                 ctx,
                 stream,
                 kernel,
                 strided,
-                tables: Mutex::new(Vec::new()),
+                tables: Mutex::new(ahead),
                 events: Mutex::new(Vec::new()),
             })
         })

@@ -22,9 +22,11 @@ pub struct Staging {
 }
 
 impl Staging {
-    /// `len` bytes (at least 1) of pinned host memory and `len` of device memory in `ctx`,
-    /// allocated now (each allocation synchronises the device). Errors: the driver's.
+    /// `len` bytes (at least 1) of pinned host memory and `len` of device memory in `ctx`
+    /// (made current on this thread), allocated now (each allocation synchronises the
+    /// device). Errors: the driver's.
     pub fn new(ctx: &Context, len: usize) -> DriverResult<Staging> {
+        ctx.bind()?;
         let pair = Pair {
             host: PinnedBuffer::new(ctx, len)?,
             dev: DeviceBuffer::new(ctx, len)?,

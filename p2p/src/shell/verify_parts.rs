@@ -289,8 +289,8 @@ impl Parts {
     /// After the FINISH: checksums the layers no part covered, adds the parts, and returns the
     /// records of the workers that reported and, for each that did not, its rank and why (as
     /// `checksum::all_records`). The rest is submitted before the parts are waited for: on a
-    /// device its kernels queue behind the parts' on the backend's stream instead of starting
-    /// only once the last part's results are back on the host.
+    /// device its kernels queue on the backend's side streams beside or behind the parts'
+    /// instead of starting only once the last part's results are back on the host.
     pub(crate) async fn finish(mut self) -> Finished {
         let t0 = Instant::now();
         let n = self.workers.len();

@@ -1,0 +1,92 @@
+//! The checksum backend's slots: the pinned and device buffers and events of one submission,
+//! allocated ahead with the backend and reused, because an allocation on the submit path
+//! synchronises the device.
+
+use std::time::Instant;
+
+use kvferry_cuda::staging::Staging;
+use kvferry_cuda::CudaError;
+
+use std::sync::Mutex;
+
+use kvferry_cuda::driver::{Context, Event, EventState};
+
+use crate::sync::MutexExt;
+
+/// Slots allocated with the backend, in one piece (submissions in flight at once without
+/// allocating, which synchronises the device): 16 loads in flight hold up to 5 each.
+pub(super) const PREALLOCATED_SLOTS: usize = 128;
+/// Bytes per preallocated slot: views, block ids and outputs of a part of a load (e.g. 32
+/// layers and 2048 blocks).
+pub(super) const PREALLOCATED_BYTES: usize = 128 << 10;
+
+/// Buffers of one submission: parameters (views, block ids) then outputs, in pinned host
+/// memory and device memory at the same offsets, and its events.
+pub(super) struct Slot {
+    pub(super) mem: Staging,
+    pub(super) ready: Event,
+    pub(super) done: Event,
+    pub(super) kstart: Event,
+    pub(super) kend: Event,
+    pub(super) timed: bool,
+}
+
+#[derive(Default)]
+pub(super) struct Pool {
+    pub(super) free: Vec<Slot>,
+    /// Slots whose pending result was dropped before completion: reused once `done` completes.
+    pub(super) retiring: Vec<Slot>,
+}
+
+/// A free slot of `pool` of at least `need` bytes (the smallest that fits), after moving the
+/// retiring slots whose work completed to the free ones; or, when none fits, one allocated
+/// now in `ctx` (current on this thread). Errors: the driver's.
+pub(super) fn take_slot(pool: &Mutex<Pool>, ctx: &Context, need: usize) -> Result<Slot, CudaError> {
+    {
+        let mut pool = pool.locked();
+        let mut k = 0;
+        while k < pool.retiring.len() {
+            if matches!(pool.retiring[k].done.query(), Ok(EventState::Done)) {
+                let s = pool.retiring.swap_remove(k);
+                pool.free.push(s);
+            } else {
+                k += 1;
+            }
+        }
+        let best = pool
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.mem.len() >= need)
+            .min_by_key(|(_, s)| s.mem.len())
+            .map(|(i, _)| i);
+        if let Some(i) = best {
+            return Ok(pool.free.swap_remove(i));
+        }
+    }
+    // Allocation happens only when the pool has no free slot large enough (more
+    // submissions in flight than slots, or a larger one than before). It synchronises
+    // the device: the submit waits for the work queued on every stream.
+    let t = Instant::now();
+    let cap = need.next_power_of_two().max(PREALLOCATED_BYTES);
+    let slot = Staging::new(ctx, cap).and_then(|mem| slot_in(ctx, mem));
+    tracing::debug!(
+        target: "kvferry::timing",
+        bytes = cap,
+        alloc_us = t.elapsed().as_micros() as u64,
+        "checksum slot allocated on the submit path"
+    );
+    slot
+}
+
+/// A slot over `mem`, with its events made in `ctx`. Errors: the driver's.
+pub(super) fn slot_in(ctx: &Context, mem: Staging) -> Result<Slot, CudaError> {
+    Ok(Slot {
+        mem,
+        ready: Event::new(ctx, false)?,
+        done: Event::new(ctx, false)?,
+        kstart: Event::new(ctx, true)?,
+        kend: Event::new(ctx, true)?,
+        timed: false,
+    })
+}

@@ -115,9 +115,12 @@ const SIDE_STREAMS: usize = 2;
 /// The side streams a backend made now takes: [`SIDE_STREAMS`], or `KVFERRY_CHECKSUM_STREAMS`
 /// when it holds a number from 1 to 16 (anything else is ignored).
 fn side_streams() -> usize {
-    std::env::var("KVFERRY_CHECKSUM_STREAMS")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
+    side_streams_of(std::env::var("KVFERRY_CHECKSUM_STREAMS").ok().as_deref())
+}
+
+/// [`side_streams`] for the variable's value `v`.
+fn side_streams_of(v: Option<&str>) -> usize {
+    v.and_then(|v| v.trim().parse::<usize>().ok())
         .filter(|n| (1..=16).contains(n))
         .unwrap_or(SIDE_STREAMS)
 }
@@ -626,5 +629,23 @@ impl ChecksumBackend for CudaBackend {
             // SAFETY: forwarded from the trait's contract: `after` is a live stream or 0.
             unsafe { CudaBackend::submit_after(self, jobs, Some(after as RawStream)) }?,
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{side_streams_of, SIDE_STREAMS};
+
+    /// The override takes 1 to 16 streams; anything else (none, 0, too many, not a number)
+    /// leaves the default.
+    #[test]
+    fn side_streams_take_the_override_within_bounds_only() {
+        assert_eq!(side_streams_of(None), SIDE_STREAMS);
+        assert_eq!(side_streams_of(Some("1")), 1);
+        assert_eq!(side_streams_of(Some(" 4 ")), 4);
+        assert_eq!(side_streams_of(Some("16")), 16);
+        for bad in ["0", "17", "-1", "two", "", "99999999999999999999"] {
+            assert_eq!(side_streams_of(Some(bad)), SIDE_STREAMS, "{bad:?}");
+        }
     }
 }

@@ -392,7 +392,10 @@ pub(crate) struct Finished {
     pub(crate) records: Vec<WorkerRecord>,
     /// For each worker that did not report: its rank and why.
     pub(crate) missing: Vec<String>,
-    /// Layer slots checksummed after the FINISH (every slot when no part started).
+    /// Layer slots checksummed after the FINISH that no part covered: every slot when no
+    /// part started, and 0 for a load not verified as its layers land (a landed hook runs
+    /// between landing and verifying): its slots are not numbered, and all its layers go
+    /// after the FINISH.
     pub(crate) rest_layers: usize,
     /// Parts whose checksums had ended when the call came (the FINISH).
     pub(crate) parts_done: usize,

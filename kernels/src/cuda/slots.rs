@@ -36,6 +36,8 @@ pub(super) struct Pool {
     pub(super) free: Vec<Slot>,
     /// Slots whose pending result was dropped before completion: reused once `done` completes.
     pub(super) retiring: Vec<Slot>,
+    /// Slots allocated on the submit path so far (a warning at 1, 2, 4, ...).
+    pub(super) late: u64,
 }
 
 /// A free slot of `pool` of at least `need` bytes (the smallest that fits), after moving the
@@ -70,12 +72,25 @@ pub(super) fn take_slot(pool: &Mutex<Pool>, ctx: &Context, need: usize) -> Resul
     let t = Instant::now();
     let cap = need.next_power_of_two().max(PREALLOCATED_BYTES);
     let slot = Staging::new(ctx, cap).and_then(|mem| slot_in(ctx, mem));
+    let alloc_us = t.elapsed().as_micros() as u64;
     tracing::debug!(
         target: "kvferry::timing",
         bytes = cap,
-        alloc_us = t.elapsed().as_micros() as u64,
+        alloc_us,
         "checksum slot allocated on the submit path"
     );
+    let late = {
+        let mut pool = pool.locked();
+        pool.late += 1;
+        pool.late
+    };
+    if late.is_power_of_two() {
+        tracing::warn!(
+            "checksum slot {late} allocated on the submit path ({alloc_us} µs: the allocation \
+             waits for all the device's queued work): more checksum submissions in flight than \
+             the {PREALLOCATED_SLOTS} allocated ahead, or one over {PREALLOCATED_BYTES} bytes"
+        );
+    }
     slot
 }
 

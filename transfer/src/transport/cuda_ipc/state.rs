@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -124,6 +125,8 @@ pub(super) struct Lane {
     /// per-copy path without it.
     pub(super) strided: Option<kvferry_cuda::ipc::StridedKernel>,
     pub(super) tables: Mutex<Vec<PieceTable>>,
+    /// Tables allocated on the submit path so far (a warning at 1, 2, 4, ...).
+    pub(super) late_tables: AtomicU64,
     /// Events of completed jobs, reused (an event per batch otherwise costs a create and a
     /// destroy in the driver).
     pub(super) events: Mutex<Vec<Event>>,
@@ -148,10 +151,14 @@ impl Lane {
             Some(i) => spare.swap_remove(i),
             None => {
                 drop(spare);
-                tracing::debug!(
-                    target: "kvferry::timing",
-                    "cuda ipc: no spare table, one is allocated on the submit path"
-                );
+                let late = self.late_tables.fetch_add(1, Ordering::Relaxed) + 1;
+                if late.is_power_of_two() {
+                    tracing::warn!(
+                        "cuda ipc: piece table {late} allocated on the submit path (the \
+                         allocation waits for all the device's queued work): more launches in \
+                         flight on this device than the {TABLES_AHEAD} tables allocated ahead"
+                    );
+                }
                 PieceTable::new()
             }
         }

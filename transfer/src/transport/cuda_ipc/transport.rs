@@ -233,6 +233,7 @@ impl CudaIpcTransport {
                 kernel,
                 strided,
                 tables: Mutex::new(ahead),
+                late_tables: Default::default(),
                 events: Mutex::new(Vec::new()),
             })
         })

@@ -528,9 +528,17 @@ fn gpu_dropped_pending_is_safe() {
     let Some((backend, tools)) = gpu("gpu_dropped_pending_is_safe") else {
         return;
     };
+    dropped_pending_is_safe(&backend, &tools);
+    // With 2 slots ahead: the submissions past them allocate on the submit path, and the
+    // dropped ones' slots are retired, then reused once their work completed.
+    let small = CudaBackend::with_slots(0, 2).unwrap();
+    dropped_pending_is_safe(&small, &tools);
+}
+
+fn dropped_pending_is_safe(backend: &CudaBackend, tools: &Tools) {
     let mut rng = ChaCha8Rng::seed_from_u64(6);
     let case = fixed_case(&mut rng, "B KV H N D", 64, 16, 8, 128, ElemBytes::Two, 4);
-    let (buf, addrs) = upload_case(&tools, &case);
+    let (buf, addrs) = upload_case(tools, &case);
     let want = want_results(std::slice::from_ref(&case));
     let caller = tools.stream().unwrap();
     let flag = tools.alloc(8).unwrap();
@@ -641,6 +649,11 @@ fn gpu_submissions_in_flight_never_wait_for_other_streams() {
     for p in pending {
         assert_eq!(p.wait(WAIT).unwrap(), want);
     }
+    assert_eq!(
+        spun.query().unwrap(),
+        EventState::Pending,
+        "the results waited for another stream's work"
+    );
     other.synchronize().unwrap();
     drop(buf);
 }
@@ -663,6 +676,7 @@ fn gpu_staging_parts_are_disjoint() {
     for (i, p) in parts.iter().enumerate() {
         assert_eq!(p.len(), 1024, "rounded up to 256 bytes");
         assert_eq!(p.dev() % 256, 0);
+        assert_eq!(p.host() as usize % 256, 0);
         if i > 0 {
             assert_eq!(p.dev(), parts[i - 1].dev() + 1024);
             assert_eq!(p.host() as usize, parts[i - 1].host() as usize + 1024);

@@ -26,7 +26,7 @@ enum State {
 
 /// Checksums being computed (from ``kvferry.checksum.submit``): one value per block id, once
 /// ready. CPU tensors are checksummed when submitted, so their result is ready at once; CUDA
-/// tensors are checksummed on kvferry's side stream after the work queued on the caller's
+/// tensors are checksummed on kvferry's side streams after the work queued on the caller's
 /// stream, and nothing here synchronises that stream. The tensors are kept alive until the
 /// result is taken; they must not be written meanwhile if the values are to mean anything.
 #[pyclass(module = "kvferry")]

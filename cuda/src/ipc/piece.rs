@@ -67,6 +67,20 @@ impl PieceTable {
     pub fn capacity(&self) -> usize {
         self.mem.as_ref().map_or(0, Staging::len)
     }
+
+    /// The memory this table outgrew, as tables of their own (their upload events made at
+    /// their first launch), once the launch that used this table has completed: a part
+    /// allocated ahead that a table outgrew is a spare table again.
+    pub fn take_outgrown(&mut self) -> Vec<PieceTable> {
+        self.outgrown
+            .drain(..)
+            .map(|mem| PieceTable {
+                mem: Some(mem),
+                outgrown: Vec::new(),
+                uploaded: None,
+            })
+            .collect()
+    }
 }
 
 impl Default for PieceTable {

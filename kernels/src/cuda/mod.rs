@@ -114,12 +114,12 @@ const SIDE_STREAMS: usize = 2;
 
 /// The side streams a backend made now takes: [`SIDE_STREAMS`], or `KVFERRY_CHECKSUM_STREAMS`
 /// when it holds a number from 1 to 16 (anything else is ignored).
-fn side_streams() -> usize {
-    side_streams_of(std::env::var("KVFERRY_CHECKSUM_STREAMS").ok().as_deref())
+fn side_stream_count() -> usize {
+    side_stream_count_of(std::env::var("KVFERRY_CHECKSUM_STREAMS").ok().as_deref())
 }
 
-/// [`side_streams`] for the variable's value `v`.
-fn side_streams_of(v: Option<&str>) -> usize {
+/// [`side_stream_count`] for the variable's value `v`.
+fn side_stream_count_of(v: Option<&str>) -> usize {
     v.and_then(|v| v.trim().parse::<usize>().ok())
         .filter(|n| (1..=16).contains(n))
         .unwrap_or(SIDE_STREAMS)
@@ -182,6 +182,21 @@ impl CudaBackend {
 
     /// [`CudaBackend::new`] launching kernel `variant`.
     pub fn with_variant(ordinal: u32, variant: KernelVariant) -> Result<CudaBackend, KernelError> {
+        CudaBackend::build(ordinal, variant, PREALLOCATED_SLOTS)
+    }
+
+    /// [`CudaBackend::new`] with only `slots` slots allocated ahead, so that tests reach the
+    /// allocations on the submit path and the slots retired behind dropped results.
+    #[cfg(feature = "test-tools")]
+    pub fn with_slots(ordinal: u32, slots: usize) -> Result<CudaBackend, KernelError> {
+        CudaBackend::build(ordinal, KernelVariant::DEFAULT, slots)
+    }
+
+    fn build(
+        ordinal: u32,
+        variant: KernelVariant,
+        ahead: usize,
+    ) -> Result<CudaBackend, KernelError> {
         if let Some(why) = unavailable_reason() {
             return Err(kerr(why));
         }
@@ -199,7 +214,7 @@ impl CudaBackend {
                 (k4, sms * k4.occupancy(THREADS)?),
                 (k8, sms * k8.occupancy(THREADS)?),
             ];
-            let streams = (0..side_streams())
+            let streams = (0..side_stream_count())
                 .map(|_| Stream::new(&ctx))
                 .collect::<Result<Vec<_>, _>>()?;
             let inner = Inner {
@@ -214,7 +229,7 @@ impl CudaBackend {
             };
             // Allocate slots now: allocating pinned or device memory may synchronise the
             // device, which must not happen on the submit path.
-            let slots = Staging::ahead(&inner.ctx, PREALLOCATED_BYTES, PREALLOCATED_SLOTS)?
+            let slots = Staging::ahead(&inner.ctx, PREALLOCATED_BYTES, ahead)?
                 .into_iter()
                 .map(|mem| slots::slot_in(&inner.ctx, mem))
                 .collect::<Result<Vec<_>, _>>()?;
@@ -242,9 +257,10 @@ impl CudaBackend {
         &self.inner.ctx
     }
 
-    /// The first side stream the checksums run on (there may be more, taken in turn).
-    pub fn side_stream(&self) -> RawStream {
-        self.inner.streams[0].raw()
+    /// The side streams the checksums run on, taken in turn by the submissions: waiting for
+    /// every one of them covers every checksum queued so far.
+    pub fn side_streams(&self) -> Vec<RawStream> {
+        self.inner.streams.iter().map(Stream::raw).collect()
     }
 
     /// Records device-side kernel time for each later submission ([`CudaPending::kernel_ms`]);
@@ -363,7 +379,8 @@ impl CudaBackend {
         slot.timed = timed;
         if let Err(e) = r {
             // Whatever was queued may still run: retire the slot behind a fresh record.
-            // SAFETY: the backend's own stream, of the event's context.
+            // SAFETY: `side`, the stream this submission took, is the backend's own and of
+            // the event's context.
             let _ = unsafe { slot.done.record(side) };
             inner.pool.locked().retiring.push(slot);
             return Err(kerr(e));
@@ -522,7 +539,7 @@ impl CudaPending {
                         }
                     })
                     .collect();
-                self.inner.pool.locked().free.push(slot);
+                slots::give_back(&self.inner.pool, slot);
                 Some(Ok(results))
             }
         }
@@ -634,18 +651,18 @@ impl ChecksumBackend for CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{side_streams_of, SIDE_STREAMS};
+    use super::{side_stream_count_of, SIDE_STREAMS};
 
     /// The override takes 1 to 16 streams; anything else (none, 0, too many, not a number)
     /// leaves the default.
     #[test]
     fn side_streams_take_the_override_within_bounds_only() {
-        assert_eq!(side_streams_of(None), SIDE_STREAMS);
-        assert_eq!(side_streams_of(Some("1")), 1);
-        assert_eq!(side_streams_of(Some(" 4 ")), 4);
-        assert_eq!(side_streams_of(Some("16")), 16);
+        assert_eq!(side_stream_count_of(None), SIDE_STREAMS);
+        assert_eq!(side_stream_count_of(Some("1")), 1);
+        assert_eq!(side_stream_count_of(Some(" 4 ")), 4);
+        assert_eq!(side_stream_count_of(Some("16")), 16);
         for bad in ["0", "17", "-1", "two", "", "99999999999999999999"] {
-            assert_eq!(side_streams_of(Some(bad)), SIDE_STREAMS, "{bad:?}");
+            assert_eq!(side_stream_count_of(Some(bad)), SIDE_STREAMS, "{bad:?}");
         }
     }
 }

@@ -14,7 +14,9 @@ use kvferry_cuda::driver::{Context, Event, EventState};
 use crate::sync::MutexExt;
 
 /// Slots allocated with the backend, in one piece (submissions in flight at once without
-/// allocating, which synchronises the device): 16 loads in flight hold up to 5 each.
+/// allocating, which synchronises the device): 16 loads in flight hold up to 5 each when
+/// their producers name 4 layer groups (a producer naming more, up to the consumer's limit of
+/// parts, makes its loads hold more: past these slots, submits allocate and wait).
 pub(super) const PREALLOCATED_SLOTS: usize = 128;
 /// Bytes per preallocated slot: views, block ids and outputs of a part of a load (e.g. 32
 /// layers and 2048 blocks).
@@ -40,12 +42,32 @@ pub(super) struct Pool {
     pub(super) late: u64,
 }
 
-/// A free slot of `pool` of at least `need` bytes (the smallest that fits), after moving the
-/// retiring slots whose work completed to the free ones; or, when none fits, one allocated
-/// now in `ctx` (current on this thread). Errors: the driver's.
+/// Most free slots a backend keeps; one more given back is freed (after a burst past the
+/// slots allocated ahead, the pool shrinks back to this).
+const SLOTS_KEPT: usize = 256;
+
+/// The smallest free slot of at least `need` bytes, taken out of `pool`.
+fn best_free(pool: &mut Pool, need: usize) -> Option<Slot> {
+    let best = pool
+        .free
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.mem.len() >= need)
+        .min_by_key(|(_, s)| s.mem.len())
+        .map(|(i, _)| i)?;
+    Some(pool.free.swap_remove(best))
+}
+
+/// A free slot of `pool` of at least `need` bytes (the smallest that fits); when none fits,
+/// the same after moving the retiring slots whose work completed to the free ones (each
+/// asked about under the lock: only then); or, when none fits still, one allocated now in
+/// `ctx` (current on this thread). Errors: the driver's.
 pub(super) fn take_slot(pool: &Mutex<Pool>, ctx: &Context, need: usize) -> Result<Slot, CudaError> {
     {
         let mut pool = pool.locked();
+        if let Some(s) = best_free(&mut pool, need) {
+            return Ok(s);
+        }
         let mut k = 0;
         while k < pool.retiring.len() {
             if matches!(pool.retiring[k].done.query(), Ok(EventState::Done)) {
@@ -55,15 +77,8 @@ pub(super) fn take_slot(pool: &Mutex<Pool>, ctx: &Context, need: usize) -> Resul
                 k += 1;
             }
         }
-        let best = pool
-            .free
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.mem.len() >= need)
-            .min_by_key(|(_, s)| s.mem.len())
-            .map(|(i, _)| i);
-        if let Some(i) = best {
-            return Ok(pool.free.swap_remove(i));
+        if let Some(s) = best_free(&mut pool, need) {
+            return Ok(s);
         }
     }
     // Allocation happens only when the pool has no free slot large enough (more
@@ -71,7 +86,7 @@ pub(super) fn take_slot(pool: &Mutex<Pool>, ctx: &Context, need: usize) -> Resul
     // the device: the submit waits for the work queued on every stream.
     let t = Instant::now();
     let cap = need.next_power_of_two().max(PREALLOCATED_BYTES);
-    let slot = Staging::new(ctx, cap).and_then(|mem| slot_in(ctx, mem));
+    let slot = Staging::new(ctx, cap).and_then(|mem| slot_in(ctx, mem))?;
     let alloc_us = t.elapsed().as_micros() as u64;
     tracing::debug!(
         target: "kvferry::timing",
@@ -91,7 +106,7 @@ pub(super) fn take_slot(pool: &Mutex<Pool>, ctx: &Context, need: usize) -> Resul
              the {PREALLOCATED_SLOTS} allocated ahead, or one over {PREALLOCATED_BYTES} bytes"
         );
     }
-    slot
+    Ok(slot)
 }
 
 /// A slot over `mem`, with its events made in `ctx`. Errors: the driver's.
@@ -104,4 +119,16 @@ pub(super) fn slot_in(ctx: &Context, mem: Staging) -> Result<Slot, CudaError> {
         kend: Event::new(ctx, true)?,
         timed: false,
     })
+}
+
+/// Gives `slot` back once its work completed: kept for the next submission, up to
+/// [`SLOTS_KEPT`] free ones; past that it is freed here (outside the lock).
+pub(super) fn give_back(pool: &Mutex<Pool>, slot: Slot) {
+    let mut p = pool.locked();
+    if p.free.len() < SLOTS_KEPT {
+        p.free.push(slot);
+    } else {
+        drop(p);
+        drop(slot);
+    }
 }

@@ -140,6 +140,11 @@ pub(super) const TABLE_AHEAD_BYTES: usize = 256 << 10;
 pub(super) const TABLES_AHEAD: usize = 64;
 /// Most spare tables a lane keeps; one more returned is freed (a burst past it is rare).
 const TABLES_KEPT: usize = 256;
+/// Most spare tables larger than [`TABLE_AHEAD_BYTES`] a lane keeps, and the largest it keeps:
+/// a table grows with the launch (a peer's request sets how large), so what stays after a
+/// burst of large launches is bounded (at most 16 MiB of pinned and of device memory).
+const LARGE_TABLES_KEPT: usize = 4;
+const LARGE_TABLE_KEPT_BYTES: usize = 4 << 20;
 
 impl Lane {
     /// The largest spare table of this lane, or a new one, allocated on its first use (on
@@ -164,13 +169,32 @@ impl Lane {
         }
     }
 
-    /// Gives a table back once the launch that read it has completed: kept for the next
-    /// launch, up to [`TABLES_KEPT`].
-    pub(super) fn give_table(&self, table: PieceTable) {
+    /// Gives a table back once the launch that read it has completed, with the memory it
+    /// outgrew as tables of their own: kept for the next launches, up to [`TABLES_KEPT`], of
+    /// which up to [`LARGE_TABLES_KEPT`] larger than [`TABLE_AHEAD_BYTES`] (none over
+    /// [`LARGE_TABLE_KEPT_BYTES`]); the rest is freed here, outside the lock.
+    pub(super) fn give_table(&self, mut table: PieceTable) {
+        let outgrown = table.take_outgrown();
+        let mut freed = Vec::new();
         let mut spare = self.tables.locked();
-        if spare.len() < TABLES_KEPT {
-            spare.push(table);
+        for t in std::iter::once(table).chain(outgrown) {
+            let large = t.capacity() > TABLE_AHEAD_BYTES;
+            let keep = spare.len() < TABLES_KEPT
+                && (!large
+                    || (t.capacity() <= LARGE_TABLE_KEPT_BYTES
+                        && spare
+                            .iter()
+                            .filter(|s| s.capacity() > TABLE_AHEAD_BYTES)
+                            .count()
+                            < LARGE_TABLES_KEPT));
+            if keep {
+                spare.push(t);
+            } else {
+                freed.push(t);
+            }
         }
+        drop(spare);
+        drop(freed);
     }
 
     /// Records an event (a spare one, or a new one) on the lane's stream after the work

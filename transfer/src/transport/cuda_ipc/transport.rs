@@ -193,7 +193,10 @@ impl CudaIpcTransport {
     }
 
     pub(super) fn lane(&self, ordinal: u32) -> Result<Arc<Lane>> {
-        if let Some(l) = self.lanes.locked().get(&ordinal) {
+        // Held while a lane is made (once per device, at its first registration): two first
+        // users must not both allocate its tables, each allocation waiting for the device.
+        let mut lanes = self.lanes.locked();
+        if let Some(l) = lanes.get(&ordinal) {
             return Ok(l.clone());
         }
         let made = kvferry_cuda::guarded("CUDA IPC lane", || {
@@ -239,7 +242,7 @@ impl CudaIpcTransport {
         })
         .map_err(gpu_err)?;
         let l = Arc::new(made);
-        self.lanes.locked().insert(ordinal, l.clone());
+        lanes.insert(ordinal, l.clone());
         Ok(l)
     }
 }

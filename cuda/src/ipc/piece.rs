@@ -47,10 +47,10 @@ impl PieceTable {
     }
 
     /// `count` tables of `bytes` bytes of table each, from one allocation made now in `ctx`
-    /// (current here), with their upload events: allocating ahead keeps allocations, which
-    /// synchronise the device, off the submit path. Errors: the driver's.
+    /// (made current here, by the allocation), with their upload events: allocating ahead
+    /// keeps allocations, which synchronise the device, off the submit path. Errors: the
+    /// driver's, or [`Staging::ahead`]'s.
     pub fn ahead(ctx: &Context, bytes: usize, count: usize) -> DriverResult<Vec<PieceTable>> {
-        ctx.bind()?;
         Staging::ahead(ctx, bytes, count)?
             .into_iter()
             .map(|mem| {

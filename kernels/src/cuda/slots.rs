@@ -2,14 +2,12 @@
 //! allocated ahead with the backend and reused, because an allocation on the submit path
 //! synchronises the device.
 
+use std::sync::Mutex;
 use std::time::Instant;
 
+use kvferry_cuda::driver::{Context, Event, EventState};
 use kvferry_cuda::staging::Staging;
 use kvferry_cuda::CudaError;
-
-use std::sync::Mutex;
-
-use kvferry_cuda::driver::{Context, Event, EventState};
 
 use crate::sync::MutexExt;
 

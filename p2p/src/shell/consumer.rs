@@ -179,8 +179,9 @@ impl Consumer {
                 Some(p) = heard.recv() => {
                     let t = Instant::now();
                     parts.progress(p);
-                    last_heard = Some(Instant::now());
-                    progress_time += t.elapsed();
+                    let now = Instant::now();
+                    progress_time += now - t;
+                    last_heard = Some(now);
                 }
                 r = &mut send => break r,
             }

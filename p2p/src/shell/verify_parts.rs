@@ -20,7 +20,7 @@ use kvferry_kernels::{GroupResult, Location, PendingChecksums};
 use tokio::task::JoinHandle;
 
 use crate::checksum::{
-    group_fingerprint, rank_jobs, run_jobs, submit_device, wait_device, ChecksumError,
+    group_fingerprint, rank_jobs, run_jobs, submit_device, wait_device, ChecksumError, RankJobs,
 };
 use crate::proto::msg::LayerSpan;
 use crate::proto::progress::{check_progress, Slot};
@@ -52,6 +52,19 @@ impl Selector {
             num_local_computed: spec.num_local_computed,
             num_tokens: spec.num_tokens,
         }
+    }
+
+    /// The jobs of `w` over the layers `keep(group id, layer index)` keeps, its groups'
+    /// fingerprints taken from `fps` where known (`checksum::rank_jobs`).
+    fn jobs(
+        &self,
+        w: &Worker,
+        fps: Option<&HashMap<u32, Option<u64>>>,
+        keep: &dyn Fn(u32, usize) -> bool,
+    ) -> RankJobs {
+        let sel = |g: &WorkerGroup| self.select(g);
+        let fp = |g: &WorkerGroup| fingerprint_of(fps, g);
+        rank_jobs(w, &sel, self.num_tokens, keep, &fp)
     }
 
     /// The blocks of `g` the load verifies (`None`: the group is not loaded or has none).
@@ -167,22 +180,6 @@ impl Parts {
         }
     }
 
-    /// Each worker's group fingerprints, computed on first use.
-    fn fingerprints(&mut self) -> &[HashMap<u32, Option<u64>>] {
-        let workers = &self.workers;
-        self.fingerprints.get_or_insert_with(|| {
-            workers
-                .iter()
-                .map(|w| {
-                    w.groups
-                        .iter()
-                        .map(|g| (g.group_id, group_fingerprint(g)))
-                        .collect()
-                })
-                .collect()
-        })
-    }
-
     /// Parts started (0 once void).
     pub(crate) fn started(&self) -> usize {
         self.tasks.len()
@@ -206,24 +203,16 @@ impl Parts {
             return;
         }
         let keep = per_worker(layers, self.workers.len());
-        self.fingerprints();
-        let fps = self.fingerprints.as_deref().unwrap_or_default();
-        let select = &self.select;
-        let sel = |g: &WorkerGroup| select.select(g);
+        let fps = fingerprints(&mut self.fingerprints, &self.workers);
         let part = self
             .workers
             .iter()
             .zip(&keep)
             .enumerate()
             .map(|(i, (w, keep))| {
-                let fp = |g: &WorkerGroup| fingerprint_of(fps.get(i), g);
-                let mut jobs = rank_jobs(
-                    w,
-                    &sel,
-                    select.num_tokens,
-                    &|g, l| keep.contains(&(g, l)),
-                    &fp,
-                );
+                let mut jobs = self
+                    .select
+                    .jobs(w, fps.get(i), &|g, l| keep.contains(&(g, l)));
                 jobs.jobs.retain(|j| !j.layers.is_empty());
                 let jobs = std::mem::take(&mut jobs.jobs);
                 if jobs.is_empty() {
@@ -298,8 +287,7 @@ impl Parts {
         let rest_layers = self.slots.len() - self.covered as usize;
         let select = self.select.clone();
         let timeout = self.timeout;
-        self.fingerprints();
-        let fps = self.fingerprints.as_deref().unwrap_or_default();
+        let fps = fingerprints(&mut self.fingerprints, &self.workers);
         let mut tasks = std::mem::take(&mut self.tasks);
         let parts_done = tasks
             .iter_mut()
@@ -314,15 +302,7 @@ impl Parts {
                 // Groups some part checksummed layers of (on this worker): their results come from
                 // the parts.
                 let parted: HashSet<u32> = keep.iter().map(|(g, _)| *g).collect();
-                let sel = |g: &WorkerGroup| select.select(g);
-                let fp = |g: &WorkerGroup| fingerprint_of(fps.get(i), g);
-                let mut jobs = rank_jobs(
-                    w,
-                    &sel,
-                    select.num_tokens,
-                    &|g, l| !keep.contains(&(g, l)),
-                    &fp,
-                );
+                let mut jobs = select.jobs(w, fps.get(i), &|g, l| !keep.contains(&(g, l)));
                 let order: Vec<u32> = jobs.jobs.iter().map(|j| j.group_id).collect();
                 // A job whose layers the parts all covered is left out; one with no layer at all,
                 // and no part, still runs (as the whole-request checksum does).
@@ -403,6 +383,24 @@ pub(crate) struct Finished {
     pub(crate) parts_us: u64,
     /// Microseconds from the call until the last worker's rest was in.
     pub(crate) rest_us: u64,
+}
+
+/// Each worker's group fingerprints (`cache`, computed on first use: a SHA-256 per layer).
+fn fingerprints<'a>(
+    cache: &'a mut Option<Vec<HashMap<u32, Option<u64>>>>,
+    workers: &[Worker],
+) -> &'a [HashMap<u32, Option<u64>>] {
+    cache.get_or_insert_with(|| {
+        workers
+            .iter()
+            .map(|w| {
+                w.groups
+                    .iter()
+                    .map(|g| (g.group_id, group_fingerprint(g)))
+                    .collect()
+            })
+            .collect()
+    })
 }
 
 /// `g`'s fingerprint from a worker's remembered ones (`None`, or a group not in them: computed).

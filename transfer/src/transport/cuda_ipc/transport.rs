@@ -121,7 +121,7 @@ pub(super) struct RouteMemo {
 pub(super) const ROUTES_KEPT: usize = 8;
 
 /// A pair's keys when it goes over CUDA IPC, `None` when it goes to the wrapped transport.
-pub(super) type RouteKeys = Option<Arc<IpcRegionKeys>>;
+type RouteKeys = Option<Arc<IpcRegionKeys>>;
 /// A peer's keys as `decode_keys` gives them: shared, so that a submit's route lookups copy
 /// no host identity (four strings) per call.
 pub(super) type Decoded = Option<std::result::Result<Arc<IpcRegionKeys>, ()>>;
@@ -130,7 +130,7 @@ pub(super) type DecodedOf = (std::sync::Weak<SegmentDescriptor>, HashMap<usize, 
 /// Descriptors and device pairs remembered at most (more start the memory afresh).
 pub(super) const DECODED_KEPT: usize = 64;
 /// Pairs of regions one post looks up by a search of its list before it builds a map.
-pub(super) const PAIRS_SEARCHED: usize = 8;
+const PAIRS_SEARCHED: usize = 8;
 
 /// The largest slice asked for on a CUDA IPC route: large enough that host work per slice is
 /// nothing beside the copy (a 64 MiB copy takes about 30 µs on an H200).

@@ -70,8 +70,12 @@ fn accept_loop(listener: TcpListener, busy: Arc<AtomicUsize>) {
         let spawned = std::thread::Builder::new()
             .name("kvferry-metrics-conn".into())
             .spawn(move || {
-                let _ = serve_one(stream);
+                let mut stream = stream;
+                let _ = serve_one(&mut stream);
+                // The place is free before the peer sees the close: a client that reads the
+                // end of an answer and connects again finds it free.
                 conn_busy.fetch_sub(1, Ordering::AcqRel);
+                drop(stream);
             });
         if spawned.is_err() {
             busy.fetch_sub(1, Ordering::AcqRel);
@@ -80,7 +84,7 @@ fn accept_loop(listener: TcpListener, busy: Arc<AtomicUsize>) {
 }
 
 /// Reads one request head within the deadline and answers it.
-fn serve_one(mut s: TcpStream) -> std::io::Result<()> {
+fn serve_one(s: &mut TcpStream) -> std::io::Result<()> {
     let end = Instant::now() + DEADLINE;
     let mut head = Vec::with_capacity(512);
     let mut buf = [0u8; 1024];
@@ -100,7 +104,7 @@ fn serve_one(mut s: TcpStream) -> std::io::Result<()> {
         }
         if head.len() > MAX_REQUEST_BYTES {
             return answer(
-                &mut s,
+                s,
                 end,
                 "431 Request Header Fields Too Large",
                 "text/plain",
@@ -114,7 +118,7 @@ fn serve_one(mut s: TcpStream) -> std::io::Result<()> {
     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     if method != "GET" && method != "HEAD" {
         return answer(
-            &mut s,
+            s,
             end,
             "405 Method Not Allowed",
             "text/plain",
@@ -122,18 +126,12 @@ fn serve_one(mut s: TcpStream) -> std::io::Result<()> {
         );
     }
     if path != "/metrics" && !path.starts_with("/metrics?") {
-        return answer(
-            &mut s,
-            end,
-            "404 Not Found",
-            "text/plain",
-            b"see /metrics\n",
-        );
+        return answer(s, end, "404 Not Found", "text/plain", b"see /metrics\n");
     }
     let body = kvferry_transfer::metrics::encode_text();
     let body = if method == "HEAD" { "" } else { body.as_str() };
     answer(
-        &mut s,
+        s,
         end,
         "200 OK",
         kvferry_transfer::metrics::CONTENT_TYPE,

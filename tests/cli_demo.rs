@@ -715,7 +715,9 @@ fn a_load_with_no_producer_listening_says_the_connection_was_refused() {
 }
 
 /// A producer that starts listening while the load is connecting is still waited for: the
-/// refusals seen before it listened do not end the connect early.
+/// refusals seen before it listened do not end the connect early, and the retries between them
+/// stay short (it listens 3.5 s into the load's 5 s connect timeout: a backoff that doubled
+/// without a short cap slept from 3.2 s to 6.4 s and missed it).
 #[test]
 fn a_load_started_before_its_producer_connects_once_it_listens() {
     let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
@@ -737,7 +739,7 @@ fn a_load_started_before_its_producer_connects_once_it_listens() {
         .spawn()
         .unwrap();
     let mut load = KillOnDrop(load);
-    std::thread::sleep(Duration::from_millis(1500));
+    std::thread::sleep(Duration::from_millis(3500));
     let mut server = spawn_serve(&addr, &[&common[..], &["--exit-after", "2"]].concat());
     let status = wait_at_most(&mut load, 60).expect("load still running after 60 s");
     let err = stderr_of(&mut load);

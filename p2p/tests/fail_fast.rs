@@ -69,8 +69,9 @@ async fn queued_loads_fail_at_once_when_the_producer_is_gone() {
     assert!(consumer.load(first).await.is_ok());
 
     producer.shutdown().await;
-    // Let the consumer see the connection drop (a load sent before it would wait for its send).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Let the consumer see the connection drop (a load sent before it would wait for its send);
+    // generous for a loaded machine: no retry is due for 30 s.
+    tokio::time::sleep(Duration::from_millis(2000)).await;
     let results = futures::future::join_all(
         (0..QUEUED).map(|i| consumer.load(spec(&format!("gone-{i}"), &endpoint))),
     )
@@ -112,7 +113,9 @@ async fn a_consumer_recovers_when_the_producer_returns() {
             max_wait: Duration::from_secs(20),
             connect_timeout: Duration::from_millis(500),
             send_timeout: Duration::from_secs(2),
-            reconnect_interval: Duration::from_millis(200),
+            // Long enough that the second load below reaches the connection before a retry
+            // is due, even on a loaded machine.
+            reconnect_interval: Duration::from_secs(2),
             ..ConsumerConfig::default()
         },
         c.workers.clone(),

@@ -240,7 +240,7 @@ def test_the_call_deadline_ends_a_load_waiting_for_its_publish(pair):
     try:
         start = time.monotonic()
         # Never published: the producer holds the request for its publish; the call's timeout ends it.
-        out = consumer.load("never", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-never", timeout=0.5)
+        out = consumer.load("never", producer.endpoint, [REMOTE], [LOCAL], PROMPT, load_key="key-never", timeout=2.0)
         end = time.monotonic()
     finally:
         stop.set()

@@ -245,9 +245,12 @@ pub(crate) async fn connect_forever(
     // Exponential backoff that starts small and grows, so a peer whose port is
     // not bound yet (ConnectionRefused) is reached after a few short sleeps
     // rather than waiting out a large opening delay. Mirrors the semantics of
-    // `ReconnectConfig` (capped, exponential, jittered).
+    // `ReconnectConfig` (capped, exponential, jittered). The cap is short (as
+    // libzmq's 100 ms reconnect interval): a caller bounds the connect with its
+    // own timeout, and a peer that starts listening within it must be reached,
+    // not missed by a sleep that outlasts the timeout.
     const INITIAL: Duration = Duration::from_millis(50);
-    const MAX: Duration = Duration::from_secs(30);
+    const MAX: Duration = Duration::from_millis(500);
     let mut delay = INITIAL;
     loop {
         match transport::connect(&endpoint, Arc::clone(&options)).await {

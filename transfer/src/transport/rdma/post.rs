@@ -286,6 +286,10 @@ fn post_chain(s: &Shared, ep: &Arc<Endpoint>, qi: usize, chain: Chain) -> Option
     if let Some(last) = wrs.last_mut() {
         last.signaled = true;
     }
+    // Counted before the post, as the chain goes on `sent`: under soft-RoCE the post runs the
+    // protocol inline and its completion may be polled (and the batch seen complete) before the
+    // post call returns; the entries the provider refuses are taken off below.
+    s.posted.fetch_add(wrs.len() as u64, Ordering::Relaxed);
     let res = {
         let qp = q.qp.locked();
         // in the queue before the post: the completion thread may see a completion at once
@@ -299,7 +303,8 @@ fn post_chain(s: &Shared, ep: &Arc<Endpoint>, qi: usize, chain: Chain) -> Option
         Ok(()) => (wrs.len(), 0),
         Err(e) => e,
     };
-    s.posted.fetch_add(posted as u64, Ordering::Relaxed);
+    s.posted
+        .fetch_sub((wrs.len() - posted) as u64, Ordering::Relaxed);
     if errno == 0 {
         return None;
     }

@@ -382,7 +382,7 @@ impl CudaBackend {
             // SAFETY: `side`, the stream this submission took, is the backend's own and of
             // the event's context.
             let _ = unsafe { slot.done.record(side) };
-            inner.pool.locked().retiring.push(slot);
+            slots::retire(&inner.pool, slot);
             return Err(kerr(e));
         }
         let groups = plans
@@ -503,7 +503,7 @@ impl CudaPending {
             Ok(EventState::Pending) => None,
             Err(e) => {
                 let slot = self.slot.take().expect("checked above");
-                self.inner.pool.locked().retiring.push(slot);
+                slots::retire(&self.inner.pool, slot);
                 Some(Err(kerr(e)))
             }
             Ok(EventState::Done) => {
@@ -598,7 +598,7 @@ impl CudaPending {
 impl Drop for CudaPending {
     fn drop(&mut self) {
         if let Some(slot) = self.slot.take() {
-            self.inner.pool.locked().retiring.push(slot);
+            slots::retire(&self.inner.pool, slot);
         }
     }
 }

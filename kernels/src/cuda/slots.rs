@@ -35,9 +35,9 @@ pub(super) struct Slot {
 pub(super) struct Pool {
     pub(super) free: Vec<Slot>,
     /// Slots whose pending result was dropped before completion: reused once `done` completes.
-    pub(super) retiring: Vec<Slot>,
+    retiring: Vec<Slot>,
     /// Slots allocated on the submit path so far (a warning at 1, 2, 4, ...).
-    pub(super) late: u64,
+    late: u64,
 }
 
 /// Most free slots a backend keeps; one more given back is freed (after a burst past the
@@ -129,4 +129,10 @@ pub(super) fn give_back(pool: &Mutex<Pool>, slot: Slot) {
         drop(p);
         drop(slot);
     }
+}
+
+/// Retires `slot`, whose work may still run (its result was dropped, or its submit or poll
+/// failed): [`take_slot`] reuses it once its `done` event has completed.
+pub(super) fn retire(pool: &Mutex<Pool>, slot: Slot) {
+    pool.locked().retiring.push(slot);
 }

@@ -300,14 +300,12 @@ fn post_chain(s: &Shared, ep: &Arc<Endpoint>, qi: usize, chain: Chain) -> Option
         unsafe { verbs::post_send_list(&qp, &wrs) }
     };
     let (posted, errno) = match res {
-        Ok(()) => (wrs.len(), 0),
+        Ok(()) => return None,
         Err(e) => e,
     };
+    // The refused entries were counted above.
     s.posted
         .fetch_sub((wrs.len() - posted) as u64, Ordering::Relaxed);
-    if errno == 0 {
-        return None;
-    }
     // none of the chain's entries stays on `sent`: the refused ones were never posted, the
     // posted ones have no signalled entry after them
     q.sent

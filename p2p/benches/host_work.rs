@@ -23,8 +23,17 @@ const BLOCK: u64 = 16;
 /// Blocks per layer array (both sides).
 const CACHE_BLOCKS: u64 = 1024;
 
-/// One TP 1 side of `layers` layers at `base` (each array `CACHE_BLOCKS` blocks).
-fn side(base: u64, layers: u32, segment: &str) -> Vec<RankLayout> {
+/// One side of `tp` ranks (8 KV heads split among them) of `layers` layers at `base` (each
+/// array `CACHE_BLOCKS` blocks).
+fn side(base: u64, layers: u32, segment: &str, tp: u32) -> Vec<RankLayout> {
+    (0..tp)
+        .map(|r| rank(base + ((r as u64) << 36), layers, segment, r, tp))
+        .collect()
+}
+
+/// TP rank `r` of `tp`: its share of the 8 KV heads in `layers` arrays from `base`.
+fn rank(base: u64, layers: u32, segment: &str, r: u32, tp: u32) -> RankLayout {
+    let heads = 8 / tp as u64;
     let mut addr = base;
     let layers = (0..layers)
         .map(|layer| {
@@ -32,7 +41,7 @@ fn side(base: u64, layers: u32, segment: &str) -> Vec<RankLayout> {
                 Layout::parse("KV B N H D").unwrap(),
                 CACHE_BLOCKS,
                 BLOCK,
-                8,
+                heads,
                 128,
                 ElemBytes::new(2).unwrap(),
                 1,
@@ -43,7 +52,7 @@ fn side(base: u64, layers: u32, segment: &str) -> Vec<RankLayout> {
                 spec: LayerSpec {
                     name: format!("model.layers.{layer}.attn"),
                     layer,
-                    head_offset: 0,
+                    head_offset: r * heads as u32,
                     geometry,
                     kind: None,
                     dtype: None,
@@ -56,10 +65,10 @@ fn side(base: u64, layers: u32, segment: &str) -> Vec<RankLayout> {
             l
         })
         .collect();
-    vec![RankLayout {
+    RankLayout {
         rank: RankInfo {
-            tp_rank: 0,
-            tp_size: 1,
+            tp_rank: r,
+            tp_size: tp,
             pp_rank: 0,
             pp_size: 1,
         },
@@ -71,12 +80,14 @@ fn side(base: u64, layers: u32, segment: &str) -> Vec<RankLayout> {
             sliding_window: None,
             skipped: None,
         }],
-    }]
+    }
 }
 
-fn bench_model(c: &mut Criterion, name: &str, layers: u32, tokens: u64) {
-    let producer = side(1 << 40, layers, "10.0.0.1:7000");
-    let consumer = side(2 << 40, layers, "10.0.0.2:7000");
+/// A load of `tokens` tokens of a model of `layers` layers from a producer of `tp` ranks to a
+/// consumer of one; with `tp` > 1 only the producer's plan (every head copied token by token).
+fn bench_model(c: &mut Criterion, name: &str, layers: u32, tokens: u64, tp: u32) {
+    let producer = side(1 << 40, layers, "10.0.0.1:7000", tp);
+    let consumer = side(2 << 40, layers, "10.0.0.2:7000", 1);
     let n = tokens.div_ceil(BLOCK);
     // Scattered tables, as a serving engine's allocator leaves them: every other block.
     let remote: Vec<Option<u64>> = (0..n).map(|i| Some(i * 2 + 1)).collect();
@@ -114,6 +125,13 @@ fn bench_model(c: &mut Criterion, name: &str, layers: u32, tokens: u64) {
     let mut g = c.benchmark_group(name);
     g.measurement_time(Duration::from_secs(3));
     g.warm_up_time(Duration::from_millis(500));
+    if tp > 1 {
+        g.bench_function("plan", |b| {
+            b.iter(|| plan(&producer, &published, &request).unwrap())
+        });
+        g.finish();
+        return;
+    }
     g.bench_function("build_request", |b| {
         b.iter(|| build_request(&consumer, 1, 1, &spec).unwrap())
     });
@@ -142,8 +160,9 @@ fn bench_model(c: &mut Criterion, name: &str, layers: u32, tokens: u64) {
 }
 
 fn bench(c: &mut Criterion) {
-    bench_model(c, "llama3-8b-4096", 32, 4096);
-    bench_model(c, "qwen3-0.6b-1936", 28, 1936);
+    bench_model(c, "llama3-8b-4096", 32, 4096, 1);
+    bench_model(c, "llama3-8b-4096-tp2", 32, 4096, 2);
+    bench_model(c, "qwen3-0.6b-1936", 28, 1936, 1);
 }
 
 criterion_group!(benches, bench);

@@ -4,11 +4,12 @@
 //! producer's ranks come as [`RankLayout`]s, the result is a list of copies per rank pair.
 
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 
 use crate::proto::heads::{pick_from, HeadMap};
 use crate::proto::layout::{group_heads, RankLayout};
 use crate::proto::msg::{LoadRequest, WireBlocks, WireGeometry, WireLayer, WireRank};
-use crate::proto::plan::{pair_ranges, Copy};
+use crate::proto::plan::{pair_ranges, Copy, PlanError};
 pub use crate::proto::serve_error::{LayerError, ServeError};
 use crate::proto::spec_checks::{check_distinct, check_dtype};
 use crate::proto::wire::{compatible, compatible_cells, from_wire};
@@ -143,6 +144,7 @@ pub fn plan(
     // come in the same order) for every consumer rank and the check.
     let mut group_maps: Vec<Option<HeadMap<'_>>> = vec![None; req.blocks.len()];
     let mut plans: Vec<RankPlan> = Vec::new();
+    let mut ranges = RangeCache::default();
     // Each layer's slot, in `proto::progress::layer_slots`'s order.
     let mut slot = 0u32;
     for target in &req.ranks {
@@ -163,9 +165,14 @@ pub fn plan(
             };
             let mut wire = WireCache::default();
             let ids = BlockIds::of(b);
-            for wl in &tg.layers {
+            for (i, wl) in tg.layers.iter().enumerate() {
                 let theirs = wire.geometry(wl)?;
-                let layer = ConsumerLayer { slot, wl, theirs };
+                let layer = ConsumerLayer {
+                    slot,
+                    wl,
+                    theirs,
+                    layers_left: tg.layers.len() - i,
+                };
                 layer_copies(
                     producer,
                     heads,
@@ -173,6 +180,7 @@ pub fn plan(
                     &ids,
                     req.num_tokens,
                     &layer,
+                    &mut ranges,
                     &mut plans,
                 )?;
                 slot = slot.saturating_add(1);
@@ -241,12 +249,74 @@ impl<'a> BlockIds<'a> {
     }
 }
 
-/// A consumer layer of the request with its layer slot (`proto::progress`) and its geometry
-/// read from the wire.
+/// A consumer layer of the request with its layer slot (`proto::progress`), its geometry
+/// read from the wire, and how many of its rank's group's layers are left, itself included.
 struct ConsumerLayer<'a> {
     slot: u32,
     wl: &'a WireLayer,
     theirs: &'a Geometry,
+    layers_left: usize,
+}
+
+/// Block 0's paired ranges of the last few (producer geometry, producer heads, consumer
+/// geometry, consumer heads) seen: every layer of a model pairs alike, so they are worked out
+/// once per pair of arrays' shapes, not once per layer (with TP sizes that differ, a layer
+/// pairs one consumer array with several producer ranks' in turn: a few entries, not one).
+#[derive(Default)]
+struct RangeCache {
+    entries: Vec<(RangeKey, Vec<Copy>)>,
+}
+
+/// What block 0's paired ranges depend on.
+#[derive(PartialEq, Eq)]
+struct RangeKey {
+    ours: Geometry,
+    ph: Range<u64>,
+    theirs: Geometry,
+    ch: Range<u64>,
+}
+
+impl RangeCache {
+    /// Entries kept: a consumer layer takes its heads from at most this many producer arrays
+    /// as a rule (one per producer rank); past it the oldest goes.
+    const ENTRIES: usize = 8;
+
+    /// Block 0's ranges of `ours`' heads `ph` paired with `theirs`' heads `ch`
+    /// ([`pair_ranges`]), from the cache or worked out and cached. Errors: as [`pair_ranges`].
+    fn pair(
+        &mut self,
+        ours: &Geometry,
+        ph: &Range<u64>,
+        theirs: &Geometry,
+        ch: &Range<u64>,
+    ) -> Result<&[Copy], PlanError> {
+        let hit = self.entries.iter().position(|(k, _)| {
+            k.ph == *ph && k.ch == *ch && k.ours == *ours && k.theirs == *theirs
+        });
+        let at = match hit {
+            Some(at) => at,
+            None => {
+                let (ours0, theirs0) = (
+                    ours.block_head_byte_ranges(0, ph.clone()),
+                    theirs.block_head_byte_ranges(0, ch.clone()),
+                );
+                let mut ranges = Vec::new();
+                pair_ranges(0, &ours0, 0, &theirs0, &mut ranges)?;
+                if self.entries.len() == Self::ENTRIES {
+                    self.entries.remove(0);
+                }
+                let key = RangeKey {
+                    ours: ours.clone(),
+                    ph: ph.clone(),
+                    theirs: theirs.clone(),
+                    ch: ch.clone(),
+                };
+                self.entries.push((key, ranges));
+                self.entries.len() - 1
+            }
+        };
+        Ok(&self.entries[at].1)
+    }
 }
 
 /// The last wire geometry read and what it gave: the layers of one rank's group share one
@@ -385,6 +455,7 @@ fn layer_copies(
     ids: &BlockIds<'_>,
     num_tokens: u64,
     consumer: &ConsumerLayer<'_>,
+    cache: &mut RangeCache,
     plans: &mut Vec<RankPlan>,
 ) -> Result<(), ServeError> {
     let (slot, wl, theirs) = (consumer.slot, consumer.wl, consumer.theirs);
@@ -501,13 +572,10 @@ fn layer_copies(
         }
         // Block 0's ranges once per layer; each block's are those moved by its offset. Layers
         // whose block 0 pairs alike (every layer of a model, as a rule) share one entry.
-        let (ours0, theirs0) = (
-            ours.block_head_byte_ranges(0, ph.clone()),
-            theirs.block_head_byte_ranges(0, ch.clone()),
-        );
+        let ranges = cache
+            .pair(ours, &ph, theirs, &ch)
+            .map_err(|e| at(e.into()))?;
         let (ps, cs) = (ours.block_stride(), theirs.block_stride());
-        let mut ranges = Vec::new();
-        pair_ranges(0, &ours0, 0, &theirs0, &mut ranges).map_err(|e| at(e.into()))?;
         // Every block inside both arrays, checked before anything is planned: against the
         // highest ids, and block by block only to name the first outside.
         let (producer_blocks, consumer_blocks) = (ours.num_blocks(), theirs.num_blocks());
@@ -531,7 +599,7 @@ fn layer_copies(
         let strided = &mut plans[i].strided;
         if !matches!(strided.last(), Some(s) if s.ranges == ranges) {
             strided.push(BlockCopies {
-                ranges,
+                ranges: ranges.to_vec(),
                 blocks: Vec::with_capacity(n),
                 layers: Vec::new(),
             });
@@ -539,6 +607,11 @@ fn layer_copies(
         let Some(s) = strided.last_mut() else {
             continue; // pushed above
         };
+        // A second layer sharing the entry: the rest of the group's layers will too, as a
+        // rule, so their blocks are made room for at once, not by doubling layer by layer.
+        if s.blocks.capacity() - s.blocks.len() < n {
+            s.blocks.reserve(n.saturating_mul(consumer.layers_left));
+        }
         // Inside the arrays (the blocks were checked against them): no overflow.
         let (pa, ca) = (layer.addr, wl.addr);
         s.blocks.extend(

@@ -226,6 +226,47 @@ fn other_tp_and_pp_sizes_land_every_head() {
     }
 }
 
+/// `side` with layer 1's arrays holding two blocks more on every rank (moved past the others):
+/// its value plane starts elsewhere, so its block 0 ranges differ from the other layers'.
+fn side_with_a_longer_layer(side_no: u64, tp: u32, kv_heads: u64) -> Vec<RankLayout> {
+    let mut ranks = side(side_no, tp, 1, kv_heads);
+    for r in &mut ranks {
+        let l = &mut r.groups[0].layers[1];
+        let g = &l.spec.geometry;
+        l.spec.geometry = Geometry::contiguous(
+            Layout::parse("KV B N H D").unwrap(),
+            BLOCKS + 2,
+            g.tokens_per_kernel_block,
+            g.heads,
+            g.head_dim,
+            ElemBytes::new(2).unwrap(),
+            1,
+        )
+        .unwrap();
+        l.addr += 1 << 30;
+        l.len = l.spec.geometry.byte_len();
+    }
+    ranks
+}
+
+/// Layers whose arrays differ in shape on either side each get their own ranges (the plan
+/// works block 0's ranges out once per pair of shapes, not once per layer).
+#[test]
+fn a_layer_shaped_unlike_the_others_lands_on_either_side() {
+    for (p, c) in [(1, 1), (2, 1), (1, 2)] {
+        let (ok, _) = lands(&side_with_a_longer_layer(0, p, 4), &side(1, c, 1, 4));
+        assert!(
+            ok,
+            "producer TP {p}, consumer TP {c}: producer layer longer"
+        );
+        let (ok, _) = lands(&side(0, p, 1, 4), &side_with_a_longer_layer(1, c, 4));
+        assert!(
+            ok,
+            "producer TP {p}, consumer TP {c}: consumer layer longer"
+        );
+    }
+}
+
 #[test]
 fn replicated_heads_are_taken_from_the_c_mod_n_th_holder() {
     // Producer TP 4 over 2 KV heads: ranks 0,1 hold head 0, ranks 2,3 head 1.

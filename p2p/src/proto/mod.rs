@@ -19,6 +19,7 @@ pub mod request;
 pub mod serve;
 pub mod serve_error;
 pub mod serve_parts;
+mod serve_ranges;
 pub mod session;
 pub mod sessions;
 pub mod spec_checks;

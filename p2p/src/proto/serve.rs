@@ -4,13 +4,13 @@
 //! producer's ranks come as [`RankLayout`]s, the result is a list of copies per rank pair.
 
 use std::collections::{HashMap, HashSet};
-use std::ops::Range;
 
 use crate::proto::heads::{pick_from, HeadMap};
 use crate::proto::layout::{group_heads, RankLayout};
 use crate::proto::msg::{LoadRequest, WireBlocks, WireGeometry, WireLayer, WireRank};
-use crate::proto::plan::{pair_ranges, Copy, PlanError};
+use crate::proto::plan::{pair_ranges, Copy};
 pub use crate::proto::serve_error::{LayerError, ServeError};
+use crate::proto::serve_ranges::RangeCache;
 use crate::proto::spec_checks::{check_distinct, check_dtype};
 use crate::proto::wire::{compatible, compatible_cells, from_wire};
 use kvferry_checksum::group::SkipReason;
@@ -143,8 +143,7 @@ pub fn plan(
     // The head map of each listed group, built once (when first needed, so that the errors
     // come in the same order) for every consumer rank and the check.
     let mut group_maps: Vec<Option<HeadMap<'_>>> = vec![None; req.blocks.len()];
-    let mut plans: Vec<RankPlan> = Vec::new();
-    let mut ranges = RangeCache::default();
+    let mut out = Planned::default();
     // Each layer's slot, in `proto::progress::layer_slots`'s order.
     let mut slot = 0u32;
     for target in &req.ranks {
@@ -180,8 +179,7 @@ pub fn plan(
                     &ids,
                     req.num_tokens,
                     &layer,
-                    &mut ranges,
-                    &mut plans,
+                    &mut out,
                 )?;
                 slot = slot.saturating_add(1);
             }
@@ -222,7 +220,7 @@ pub fn plan(
             }
         }
     }
-    Ok(plans)
+    Ok(out.plans)
 }
 
 /// One group's block lists with their highest ids (the paired lists, as far as both go), so
@@ -258,65 +256,12 @@ struct ConsumerLayer<'a> {
     layers_left: usize,
 }
 
-/// Block 0's paired ranges of the last few (producer geometry, producer heads, consumer
-/// geometry, consumer heads) seen: every layer of a model pairs alike, so they are worked out
-/// once per pair of arrays' shapes, not once per layer (with TP sizes that differ, a layer
-/// pairs one consumer array with several producer ranks' in turn: a few entries, not one).
+/// What the plan has made so far: a plan per (producer rank, consumer segment), and the
+/// ranges it worked out.
 #[derive(Default)]
-struct RangeCache {
-    entries: Vec<(RangeKey, Vec<Copy>)>,
-}
-
-/// What block 0's paired ranges depend on.
-#[derive(PartialEq, Eq)]
-struct RangeKey {
-    ours: Geometry,
-    ph: Range<u64>,
-    theirs: Geometry,
-    ch: Range<u64>,
-}
-
-impl RangeCache {
-    /// Entries kept: a consumer layer takes its heads from at most this many producer arrays
-    /// as a rule (one per producer rank); past it the oldest goes.
-    const ENTRIES: usize = 8;
-
-    /// Block 0's ranges of `ours`' heads `ph` paired with `theirs`' heads `ch`
-    /// ([`pair_ranges`]), from the cache or worked out and cached. Errors: as [`pair_ranges`].
-    fn pair(
-        &mut self,
-        ours: &Geometry,
-        ph: &Range<u64>,
-        theirs: &Geometry,
-        ch: &Range<u64>,
-    ) -> Result<&[Copy], PlanError> {
-        let hit = self.entries.iter().position(|(k, _)| {
-            k.ph == *ph && k.ch == *ch && k.ours == *ours && k.theirs == *theirs
-        });
-        let at = match hit {
-            Some(at) => at,
-            None => {
-                let (ours0, theirs0) = (
-                    ours.block_head_byte_ranges(0, ph.clone()),
-                    theirs.block_head_byte_ranges(0, ch.clone()),
-                );
-                let mut ranges = Vec::new();
-                pair_ranges(0, &ours0, 0, &theirs0, &mut ranges)?;
-                if self.entries.len() == Self::ENTRIES {
-                    self.entries.remove(0);
-                }
-                let key = RangeKey {
-                    ours: ours.clone(),
-                    ph: ph.clone(),
-                    theirs: theirs.clone(),
-                    ch: ch.clone(),
-                };
-                self.entries.push((key, ranges));
-                self.entries.len() - 1
-            }
-        };
-        Ok(&self.entries[at].1)
-    }
+struct Planned {
+    plans: Vec<RankPlan>,
+    ranges: RangeCache,
 }
 
 /// The last wire geometry read and what it gave: the layers of one rank's group share one
@@ -455,9 +400,12 @@ fn layer_copies(
     ids: &BlockIds<'_>,
     num_tokens: u64,
     consumer: &ConsumerLayer<'_>,
-    cache: &mut RangeCache,
-    plans: &mut Vec<RankPlan>,
+    out: &mut Planned,
 ) -> Result<(), ServeError> {
+    let Planned {
+        plans,
+        ranges: cache,
+    } = out;
     let (slot, wl, theirs) = (consumer.slot, consumer.wl, consumer.theirs);
     let b = ids.blocks;
     let at = |source: LayerError| ServeError::Layer {

@@ -73,6 +73,11 @@ impl<'a> HeadMap<'a> {
         self.layers.keys().copied()
     }
 
+    /// Number of distinct layers the map holds.
+    pub fn layer_count(&self) -> usize {
+        self.layers.len()
+    }
+
     /// Every array of layer `name` (empty when no rank holds it).
     pub fn holders(&self, name: &str) -> &[Holder<'a>] {
         self.layers.get(name).map_or(&[], Vec::as_slice)

@@ -164,13 +164,22 @@ pub fn plan(
             };
             let mut wire = WireCache::default();
             let ids = BlockIds::of(b);
+            let mut listed = HashSet::with_capacity(tg.layers.len());
             for (i, wl) in tg.layers.iter().enumerate() {
+                if !listed.insert(wl.name.as_str()) {
+                    return Err(ServeError::LayerTwice {
+                        tp_rank: target.tp_rank,
+                        pp_rank: target.pp_rank,
+                        name: wl.name.clone(),
+                        group: b.group_id,
+                    });
+                }
                 let theirs = wire.geometry(wl)?;
                 let layer = ConsumerLayer {
                     slot,
                     wl,
                     theirs,
-                    layers_left: tg.layers.len() - i,
+                    layers_left: (tg.layers.len() - i).min(heads.layer_count()),
                 };
                 layer_copies(
                     producer,
@@ -248,7 +257,9 @@ impl<'a> BlockIds<'a> {
 }
 
 /// A consumer layer of the request with its layer slot (`proto::progress`), its geometry
-/// read from the wire, and how many of its rank's group's layers are left, itself included.
+/// read from the wire, and how many of its rank's group's layers are left, itself included,
+/// at most the producer's layers of the group (room is made for that many ahead: a request
+/// that lists a layer again and again gets no more than a real model's layers).
 struct ConsumerLayer<'a> {
     slot: u32,
     wl: &'a WireLayer,
@@ -557,8 +568,10 @@ fn layer_copies(
         };
         // A second layer sharing the entry: the rest of the group's layers will too, as a
         // rule, so their blocks are made room for at once, not by doubling layer by layer.
+        // Only room asked for: where the memory is not there, the list grows as before (a
+        // failed reservation must not abort the producer).
         if s.blocks.capacity() - s.blocks.len() < n {
-            s.blocks.reserve(n.saturating_mul(consumer.layers_left));
+            let _ = s.blocks.try_reserve(n.saturating_mul(consumer.layers_left));
         }
         // Inside the arrays (the blocks were checked against them): no overflow.
         let (pa, ca) = (layer.addr, wl.addr);

@@ -129,6 +129,18 @@ pub enum ServeError {
         /// The group.
         group: u32,
     },
+    /// A consumer rank listed a layer of a group twice (its blocks would be written twice).
+    #[error("consumer rank tp={tp_rank} pp={pp_rank} lists layer {name:?} of group {group} twice")]
+    LayerTwice {
+        /// The rank's TP index.
+        tp_rank: u32,
+        /// The rank's PP index.
+        pp_rank: u32,
+        /// The layer.
+        name: String,
+        /// The group.
+        group: u32,
+    },
     /// A consumer layer the producer does not hold.
     #[error("producer has no layer {name:?} in group {group}")]
     NoProducerLayer {

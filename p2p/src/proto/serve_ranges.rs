@@ -10,7 +10,7 @@ use crate::proto::plan::{pair_ranges, Copy, PlanError};
 /// Block 0's paired ranges of the last few (producer geometry, producer heads, consumer
 /// geometry, consumer heads) seen: every layer of a model pairs alike, so they are worked out
 /// once per pair of arrays' shapes, not once per layer (with TP sizes that differ, a layer
-/// pairs one consumer array with several producer ranks' in turn: a few entries, not one).
+/// pairs one consumer array with several producer ranks' in turn: several entries, not one).
 #[derive(Default)]
 pub(crate) struct RangeCache {
     entries: Vec<(RangeKey, Vec<Copy>)>,
@@ -26,9 +26,11 @@ struct RangeKey {
 }
 
 impl RangeCache {
-    /// Entries kept: a consumer layer takes its heads from at most this many producer arrays
-    /// as a rule (one per producer rank); past it the oldest goes.
-    const ENTRIES: usize = 8;
+    /// Entries kept: a consumer layer takes its heads from one producer array per producer
+    /// rank holding them, in turn, and every layer does the same; the cache holds that cycle
+    /// up to 64 producer ranks (past that, the oldest entry goes, and each layer works its
+    /// ranges out again: slower, not wrong). Each lookup compares at most this many keys.
+    const ENTRIES: usize = 64;
 
     /// Block 0's ranges of `ours`' heads `ph` paired with `theirs`' heads `ch`
     /// ([`pair_ranges`]), from the cache or worked out and cached. Errors: as [`pair_ranges`].

@@ -321,6 +321,14 @@ fn requests_that_do_not_match_the_lease_are_refused() {
         plan(&producer, &lease, &r),
         Err(ServeError::RankCount { named: 2, .. })
     ));
+    // A layer listed again: its blocks would be written twice (and each listing planned).
+    let mut r = req.clone();
+    let again = r.ranks[0].groups[0].layers[0].clone();
+    r.ranks[0].groups[0].layers.push(again.clone());
+    assert!(matches!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::LayerTwice { name, group: 0, .. }) if name == again.name
+    ));
     let mut r = req.clone();
     r.blocks[0].local_blocks[0] = BLOCKS;
     assert!(matches!(

@@ -243,8 +243,19 @@ fn write_groups_blocking(
             segment,
             requests,
         });
+        // A job run on this thread whose submit panics fails the load as one on a thread of
+        // its own does, and the batches submitted before it are still waited for.
+        let here = |j: Job| {
+            let rank = workers[j.rank].rank;
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| submit(j))).unwrap_or(Err(
+                WriteError {
+                    rank,
+                    kind: WriteErrorKind::SubmitPanicked,
+                },
+            ))
+        };
         let results: Vec<_> = match jobs.len() {
-            0 | 1 => jobs.map(submit).collect(),
+            0 | 1 => jobs.map(here).collect(),
             _ => std::thread::scope(|s| {
                 // The last job runs on this thread, beside the others: one thread fewer to
                 // start per group (a start costs tens of microseconds, about a device submit).
@@ -268,7 +279,7 @@ fn write_groups_blocking(
                         }
                     }
                 }
-                let inline = last.filter(|_| refused.is_none()).map(submit);
+                let inline = last.filter(|_| refused.is_none()).map(here);
                 let mut joined: Vec<_> = running
                     .into_iter()
                     .map(|(rank, h)| {
@@ -713,23 +724,39 @@ mod tests {
         assert_eq!(submitted.load(Ordering::SeqCst), 0);
     }
 
-    /// A load of two layer groups, each of two batches (a plain copy and a strided block, one
-    /// submitted on a thread of its own, one on the groups' thread): both groups land, each is
-    /// told once and in order, and the bytes are equal.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_grouped_load_lands_and_tells_each_group_in_order() {
-        const LEN: u64 = 1 << 20;
-        let (a, b) = (loopback(), loopback());
-        let src: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
-        let dst = vec![0u8; LEN as usize];
-        let (s, d) = (src.as_ptr() as u64, dst.as_ptr() as u64);
-        // SAFETY: both buffers outlive the engines' use of them (unregistered below, which
-        // waits for the accesses in flight, before they drop).
-        unsafe {
-            a.register_memory(s, LEN, Location::Cpu).unwrap();
-            b.register_memory(d, LEN, Location::Cpu).unwrap();
+    /// A producer engine `a` and a consumer engine `b` on loopback, each with [`GROUPED_LEN`]
+    /// bytes registered (`src`: a pattern, `dst`: zeros), and the `plan` of two layer groups
+    /// of two batches each: a plain copy and a strided block, a quarter of the bytes each.
+    struct Grouped {
+        a: Arc<TransferEngine>,
+        b: Arc<TransferEngine>,
+        src: Vec<u8>,
+        dst: Vec<u8>,
+        plan: RankPlan,
+    }
+
+    impl Grouped {
+        /// Unregisters both buffers (waiting for the accesses in flight); returns them.
+        fn end(self) -> (Vec<u8>, Vec<u8>) {
+            self.a.unregister_memory(self.src.as_ptr() as u64).unwrap();
+            self.b.unregister_memory(self.dst.as_ptr() as u64).unwrap();
+            (self.src, self.dst)
         }
-        const Q: u64 = LEN / 4;
+    }
+
+    /// Registers the buffers and plans the load of a [`Grouped`].
+    fn two_groups_of_two_batches() -> Grouped {
+        const Q: u64 = GROUPED_LEN / 4;
+        let (a, b) = (loopback(), loopback());
+        let src: Vec<u8> = (0..GROUPED_LEN).map(|i| (i % 251) as u8).collect();
+        let dst = vec![0u8; GROUPED_LEN as usize];
+        let (s, d) = (src.as_ptr() as u64, dst.as_ptr() as u64);
+        // SAFETY: both buffers outlive the engines' use of them (the callers unregister them,
+        // which waits for the accesses in flight, before they drop).
+        unsafe {
+            a.register_memory(s, GROUPED_LEN, Location::Cpu).unwrap();
+            b.register_memory(d, GROUPED_LEN, Location::Cpu).unwrap();
+        }
         let quarter = |i: u64| Copy {
             src: s + i * Q,
             dst: d + i * Q,
@@ -750,23 +777,96 @@ mod tests {
                 layers: vec![(0, 1), (1, 1)],
             }],
         };
-        let told = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let tell = told.clone();
-        let r = write_grouped(
-            Arc::new(vec![host_worker(a.clone())]),
-            vec![plan],
+        Grouped {
+            a,
+            b,
+            src,
+            dst,
+            plan,
+        }
+    }
+
+    const GROUPED_LEN: u64 = 1 << 20;
+
+    /// A load of two layer groups of two batches each (one submitted on a thread of its own,
+    /// one on the groups' thread): both land, each group is told once and in order, every
+    /// batch submitted is waited for (a waited batch is freed), and the bytes are equal.
+    #[test]
+    fn a_grouped_load_waits_for_every_batch_and_tells_each_group_in_order() {
+        let g = two_groups_of_two_batches();
+        let workers = vec![host_worker(g.a.clone())];
+        let carried = OnceLock::new();
+        let batches = std::sync::Mutex::new(Vec::new());
+        let submit = |j: Job| {
+            let r = submit_job(&workers, j, None, &carried);
+            if let Ok((_, batch)) = &r {
+                batches.lock().unwrap().push(*batch);
+            }
+            r
+        };
+        let told = std::sync::Mutex::new(Vec::new());
+        let r = write_groups_blocking(
+            &workers,
+            std::slice::from_ref(&g.plan),
             &[Range { start: 0, end: 1 }, Range { start: 1, end: 2 }],
             Instant::now() + std::time::Duration::from_secs(20),
-            None,
-            move |span| tell.lock().unwrap().push((span.first, span.end)),
-            Arc::new(OnceLock::new()),
-        )
-        .await;
-        assert_eq!(r.unwrap(), LEN);
+            &submit,
+            &|span| told.lock().unwrap().push((span.first, span.end)),
+            submit_thread,
+        );
+        assert_eq!(r.unwrap(), GROUPED_LEN);
         assert_eq!(*told.lock().unwrap(), [(0, 1), (1, 2)]);
-        a.unregister_memory(s).unwrap();
-        b.unregister_memory(d).unwrap();
+        let batches = batches.into_inner().unwrap();
+        assert_eq!(batches.len(), 4);
+        for batch in batches {
+            assert_eq!(
+                g.a.status(batch),
+                kvferry_transfer::BatchStatus::Invalid,
+                "never waited for"
+            );
+        }
+        let (src, dst) = g.end();
         assert!(src == dst, "the bytes differ");
+    }
+
+    /// A submit that panics on the groups' own thread fails the load with a typed error, and
+    /// the batch submitted beside it on a thread of its own is still waited for.
+    #[test]
+    fn a_submit_panicking_on_the_groups_thread_fails_the_load_and_waits_for_the_rest() {
+        let g = two_groups_of_two_batches();
+        let workers = vec![host_worker(g.a.clone())];
+        let carried = OnceLock::new();
+        let batches = std::sync::Mutex::new(Vec::new());
+        // The plain copy is a group's last job (run on the groups' thread): it panics.
+        let submit = |j: Job| {
+            if matches!(j.requests, Submission::Plain(_)) {
+                panic!("a submit that panics");
+            }
+            let r = submit_job(&workers, j, None, &carried);
+            if let Ok((_, batch)) = &r {
+                batches.lock().unwrap().push(*batch);
+            }
+            r
+        };
+        let r = write_groups_blocking(
+            &workers,
+            std::slice::from_ref(&g.plan),
+            &[Range { start: 0, end: 1 }, Range { start: 1, end: 2 }],
+            Instant::now() + std::time::Duration::from_secs(20),
+            &submit,
+            &|_| {},
+            submit_thread,
+        );
+        let e = r.unwrap_err();
+        assert!(matches!(e.kind, WriteErrorKind::SubmitPanicked), "{e:?}");
+        let batches = batches.into_inner().unwrap();
+        assert_eq!(batches.len(), 1, "no group after the failed one");
+        assert_eq!(
+            g.a.status(batches[0]),
+            kvferry_transfer::BatchStatus::Invalid,
+            "never waited for"
+        );
+        g.end();
     }
 
     /// A grouped load that runs past its deadline says so, not that opening the consumer's

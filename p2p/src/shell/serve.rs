@@ -727,15 +727,52 @@ mod tests {
     /// A producer engine `a` and a consumer engine `b` on loopback, each with [`GROUPED_LEN`]
     /// bytes registered (`src`: a pattern, `dst`: zeros), and the `plan` of two layer groups
     /// of two batches each: a plain copy and a strided block, a quarter of the bytes each.
+    /// The producer's worker on `a`, and the batches its submits made (`submit`).
     struct Grouped {
         a: Arc<TransferEngine>,
         b: Arc<TransferEngine>,
         src: Vec<u8>,
         dst: Vec<u8>,
         plan: RankPlan,
+        workers: Vec<Worker>,
+        carried: OnceLock<TransferPath>,
+        batches: std::sync::Mutex<Vec<BatchId>>,
     }
 
     impl Grouped {
+        /// Submits `j` through the worker, noting the batch.
+        fn submit(&self, j: Job) -> Result<(usize, BatchId), WriteError> {
+            let r = submit_job(&self.workers, j, None, &self.carried);
+            if let Ok((_, batch)) = &r {
+                self.batches.lock().unwrap().push(*batch);
+            }
+            r
+        }
+
+        /// Writes the two groups through `submit` by a deadline 20 s away.
+        fn run(
+            &self,
+            submit: &(dyn Fn(Job) -> Result<(usize, BatchId), WriteError> + Sync),
+            progress: &dyn Fn(LayerSpan),
+        ) -> Result<u64, WriteError> {
+            write_groups_blocking(
+                &self.workers,
+                std::slice::from_ref(&self.plan),
+                &[Range { start: 0, end: 1 }, Range { start: 1, end: 2 }],
+                Instant::now() + std::time::Duration::from_secs(20),
+                submit,
+                progress,
+                submit_thread,
+            )
+        }
+
+        /// The batches submitted; each, if waited for, is freed (`Invalid`) by now.
+        fn batches_waited_for(&self) -> Vec<bool> {
+            let batches = self.batches.lock().unwrap();
+            let invalid = |b: &BatchId| self.a.status(*b) == kvferry_transfer::BatchStatus::Invalid;
+            batches.iter().map(invalid).collect()
+        }
+
         /// Unregisters both buffers (waiting for the accesses in flight); returns them.
         fn end(self) -> (Vec<u8>, Vec<u8>) {
             self.a.unregister_memory(self.src.as_ptr() as u64).unwrap();
@@ -778,11 +815,14 @@ mod tests {
             }],
         };
         Grouped {
+            workers: vec![host_worker(a.clone())],
             a,
             b,
             src,
             dst,
             plan,
+            carried: OnceLock::new(),
+            batches: std::sync::Mutex::new(Vec::new()),
         }
     }
 
@@ -794,37 +834,13 @@ mod tests {
     #[test]
     fn a_grouped_load_waits_for_every_batch_and_tells_each_group_in_order() {
         let g = two_groups_of_two_batches();
-        let workers = vec![host_worker(g.a.clone())];
-        let carried = OnceLock::new();
-        let batches = std::sync::Mutex::new(Vec::new());
-        let submit = |j: Job| {
-            let r = submit_job(&workers, j, None, &carried);
-            if let Ok((_, batch)) = &r {
-                batches.lock().unwrap().push(*batch);
-            }
-            r
-        };
         let told = std::sync::Mutex::new(Vec::new());
-        let r = write_groups_blocking(
-            &workers,
-            std::slice::from_ref(&g.plan),
-            &[Range { start: 0, end: 1 }, Range { start: 1, end: 2 }],
-            Instant::now() + std::time::Duration::from_secs(20),
-            &submit,
-            &|span| told.lock().unwrap().push((span.first, span.end)),
-            submit_thread,
-        );
+        let r = g.run(&|j| g.submit(j), &|span| {
+            told.lock().unwrap().push((span.first, span.end))
+        });
         assert_eq!(r.unwrap(), GROUPED_LEN);
         assert_eq!(*told.lock().unwrap(), [(0, 1), (1, 2)]);
-        let batches = batches.into_inner().unwrap();
-        assert_eq!(batches.len(), 4);
-        for batch in batches {
-            assert_eq!(
-                g.a.status(batch),
-                kvferry_transfer::BatchStatus::Invalid,
-                "never waited for"
-            );
-        }
+        assert_eq!(g.batches_waited_for(), [true; 4]);
         let (src, dst) = g.end();
         assert!(src == dst, "the bytes differ");
     }
@@ -834,38 +850,17 @@ mod tests {
     #[test]
     fn a_submit_panicking_on_the_groups_thread_fails_the_load_and_waits_for_the_rest() {
         let g = two_groups_of_two_batches();
-        let workers = vec![host_worker(g.a.clone())];
-        let carried = OnceLock::new();
-        let batches = std::sync::Mutex::new(Vec::new());
         // The plain copy is a group's last job (run on the groups' thread): it panics.
         let submit = |j: Job| {
             if matches!(j.requests, Submission::Plain(_)) {
                 panic!("a submit that panics");
             }
-            let r = submit_job(&workers, j, None, &carried);
-            if let Ok((_, batch)) = &r {
-                batches.lock().unwrap().push(*batch);
-            }
-            r
+            g.submit(j)
         };
-        let r = write_groups_blocking(
-            &workers,
-            std::slice::from_ref(&g.plan),
-            &[Range { start: 0, end: 1 }, Range { start: 1, end: 2 }],
-            Instant::now() + std::time::Duration::from_secs(20),
-            &submit,
-            &|_| {},
-            submit_thread,
-        );
-        let e = r.unwrap_err();
+        let e = g.run(&submit, &|_| {}).unwrap_err();
         assert!(matches!(e.kind, WriteErrorKind::SubmitPanicked), "{e:?}");
-        let batches = batches.into_inner().unwrap();
-        assert_eq!(batches.len(), 1, "no group after the failed one");
-        assert_eq!(
-            g.a.status(batches[0]),
-            kvferry_transfer::BatchStatus::Invalid,
-            "never waited for"
-        );
+        // One batch, of the first group only: none is submitted after a failure.
+        assert_eq!(g.batches_waited_for(), [true]);
         g.end();
     }
 

@@ -130,6 +130,10 @@ struct Shared {
     /// Clones of served sockets, to close them in `close_served`.
     conns: Mutex<HashMap<u64, TcpStream>>,
     next_conn: AtomicU64,
+    /// Tests: how long a connection's thread pauses right after closing its socket, to widen
+    /// the window in which a reconnecting peer would find the place still held.
+    #[cfg(test)]
+    close_linger_ms: AtomicU64,
 }
 
 impl Listener {
@@ -153,6 +157,8 @@ impl Listener {
             sources: Sources::new(limits.per_source),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
+            #[cfg(test)]
+            close_linger_ms: AtomicU64::new(0),
         });
         let sh = shared.clone();
         let accept = std::thread::Builder::new()
@@ -246,9 +252,16 @@ fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
                     peer,
                     first_frame_deadline,
                 });
-                sh2.conns.locked().remove(&id);
+                // The place is free before the clone in `conns`, the socket's last fd, is
+                // closed: a peer that sees the close and connects again finds it free.
                 drop(ticket);
                 sh2.active.fetch_sub(1, Ordering::SeqCst);
+                let clone = sh2.conns.locked().remove(&id);
+                drop(clone);
+                #[cfg(test)]
+                std::thread::sleep(Duration::from_millis(
+                    sh2.close_linger_ms.load(Ordering::SeqCst),
+                ));
             });
         if let Err(e) = spawned {
             sh.conns.locked().remove(&id);
@@ -273,5 +286,46 @@ mod tests {
         assert!(s.admit(b).is_some(), "another source still admitted");
         drop(t1);
         assert!(s.admit(a).is_some(), "a closed connection frees its place");
+    }
+
+    /// A peer that reads the server's close and connects again at once is served: the place
+    /// is freed before the socket closes. Without that order the reconnect races the
+    /// release; the pause after the close makes the reconnect win that race.
+    #[test]
+    fn a_peer_that_sees_the_close_and_reconnects_is_served() {
+        use std::io::{Read, Write};
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let limits = Limits {
+            max_connections: 1,
+            per_source: 1,
+            first_frame: Duration::from_secs(5),
+        };
+        let names = Names {
+            label: "test",
+            accept_thread: "test-accept",
+            conn_thread: "test-conn",
+        };
+        let serve = |mut a: Admitted| {
+            let mut b = [0u8; 1];
+            if a.stream.read_exact(&mut b).is_ok() {
+                let _ = a.stream.write_all(&b);
+            }
+        };
+        let l = Listener::start(listener, names, limits, Arc::new(serve)).unwrap();
+        l.shared.close_linger_ms.store(20, Ordering::SeqCst);
+        let addr = l.local_addr();
+        for round in 0..20u32 {
+            let mut c = TcpStream::connect(addr).unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            c.write_all(&[round as u8]).unwrap();
+            let mut got = Vec::new();
+            // A connection closed at accept reads as an empty answer (or a reset).
+            let _ = c.read_to_end(&mut got);
+            assert_eq!(
+                got,
+                [round as u8],
+                "round {round}: served, answered, closed"
+            );
+        }
     }
 }

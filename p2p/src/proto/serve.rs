@@ -351,6 +351,9 @@ fn check_blocks(
     if by_tokens && b.remote_positions.windows(2).any(|w| w[0] >= w[1]) {
         return Err(ServeError::RemoteOrder(b.group_id));
     }
+    if b.positions.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(ServeError::PositionOrder(b.group_id));
+    }
     check_distinct(b.group_id, &b.positions, &b.local_blocks)?;
     let remote_positions = if by_tokens {
         &b.remote_positions

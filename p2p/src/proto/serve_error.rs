@@ -59,6 +59,10 @@ pub enum ServeError {
     /// With different block sizes, the producer positions are not strictly ascending.
     #[error("group {0}: remote_positions not strictly ascending")]
     RemoteOrder(u32),
+    /// The consumer's block positions are not strictly ascending: a position named twice
+    /// would copy one producer block again for every repeat.
+    #[error("group {0}: positions not strictly ascending")]
+    PositionOrder(u32),
     /// The consumer names a producer block the lease does not hold at that position.
     #[error("group {group} position {position}: consumer expects producer block {expected}, the producer holds {}", .held.map_or_else(|| "no block there".to_string(), |h| format!("block {h}")))]
     WrongBlock {

@@ -704,6 +704,21 @@ fn different_block_sizes_are_checked_against_the_lease() {
     r.blocks[0].remote_positions.swap(0, 1);
     r.blocks[0].remote_blocks.swap(0, 1);
     assert_eq!(plan(&producer, &lease, &r), Err(ServeError::RemoteOrder(0)));
+    // A consumer position named twice (into two distinct local blocks) would copy one
+    // producer block twice: refused, as is a descending order.
+    let mut r = req.clone();
+    r.blocks[0].positions[1] = r.blocks[0].positions[0];
+    assert_eq!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::PositionOrder(0))
+    );
+    let mut r = req.clone();
+    r.blocks[0].positions.swap(0, 1);
+    r.blocks[0].local_blocks.swap(0, 1);
+    assert_eq!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::PositionOrder(0))
+    );
     let mut r = req.clone();
     r.blocks[0].remote_block_size = 0;
     assert!(matches!(

@@ -98,7 +98,9 @@ pub(crate) struct Admitted {
     pub first_frame_deadline: Instant,
 }
 
-/// Serves one admitted connection until it ends; its place is freed when this returns.
+/// Serves one admitted connection until it ends; its place is freed when this returns. It
+/// must not shut the socket down: the listener closes it after freeing the place, so that a
+/// peer that sees the close and connects again finds the place free.
 pub(crate) type Serve = dyn Fn(Admitted) + Send + Sync;
 
 /// Thread names and the log label of a [`Listener`].
@@ -130,8 +132,9 @@ struct Shared {
     /// Clones of served sockets, to close them in `close_served`.
     conns: Mutex<HashMap<u64, TcpStream>>,
     next_conn: AtomicU64,
-    /// Tests: how long a connection's thread pauses right after closing its socket, to widen
-    /// the window in which a reconnecting peer would find the place still held.
+    /// Tests: how long a connection's thread pauses after the serve function returns and
+    /// again after closing the socket, to widen the windows in which a reconnecting peer
+    /// would find the place still held.
     #[cfg(test)]
     close_linger_ms: AtomicU64,
 }
@@ -207,6 +210,23 @@ impl Listener {
     }
 }
 
+#[cfg(test)]
+impl Shared {
+    fn linger(&self) {
+        std::thread::sleep(Duration::from_millis(
+            self.close_linger_ms.load(Ordering::SeqCst),
+        ));
+    }
+}
+
+#[cfg(test)]
+impl Listener {
+    /// Tests: the pauses of [`Shared::close_linger_ms`], in milliseconds.
+    pub(crate) fn close_linger_for_tests(&self, ms: u64) {
+        self.shared.close_linger_ms.store(ms, Ordering::SeqCst);
+    }
+}
+
 impl Drop for Listener {
     fn drop(&mut self) {
         self.stop();
@@ -252,6 +272,8 @@ fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
                     peer,
                     first_frame_deadline,
                 });
+                #[cfg(test)]
+                sh2.linger();
                 // The place is free before the clone in `conns`, the socket's last fd, is
                 // closed: a peer that sees the close and connects again finds it free.
                 drop(ticket);
@@ -259,9 +281,7 @@ fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
                 let clone = sh2.conns.locked().remove(&id);
                 drop(clone);
                 #[cfg(test)]
-                std::thread::sleep(Duration::from_millis(
-                    sh2.close_linger_ms.load(Ordering::SeqCst),
-                ));
+                sh2.linger();
             });
         if let Err(e) = spawned {
             sh.conns.locked().remove(&id);
@@ -312,7 +332,7 @@ mod tests {
             }
         };
         let l = Listener::start(listener, names, limits, Arc::new(serve)).unwrap();
-        l.shared.close_linger_ms.store(20, Ordering::SeqCst);
+        l.close_linger_for_tests(20);
         let addr = l.local_addr();
         for round in 0..20u32 {
             let mut c = TcpStream::connect(addr).unwrap();

@@ -154,6 +154,8 @@ pub fn legacy_handle(base: u64) -> Result<LegacyHandle, ExportRefused> {
 /// Another process's `cuMemAlloc` allocation opened in this one; closed on drop.
 pub struct OpenedLegacy {
     ptr: u64,
+    /// Bytes mapped at `ptr`, as the driver reports them.
+    size: u64,
     ctx: sys::CUcontext,
 }
 // SAFETY: a device address, usable from any thread with its context bound.
@@ -183,15 +185,34 @@ impl OpenedLegacy {
                 ),
             )?
         };
-        Ok(OpenedLegacy {
+        let mut opened = OpenedLegacy {
             ptr,
+            size: 0,
             ctx: ctx.raw(),
-        })
+        };
+        // What was mapped, not what the peer says it exported: copies are bounded by it.
+        // (On an error `opened` is dropped, which closes the handle.)
+        let (mut base, mut size) = (0, 0usize);
+        // SAFETY: out-pointers to live locals; `ptr` was just mapped in the current context.
+        unsafe {
+            check(
+                "cuMemGetAddressRange",
+                sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr),
+            )?
+        };
+        opened.size = if base == ptr { size as u64 } else { 0 };
+        Ok(opened)
     }
 
     /// The allocation's base in this process.
     pub fn ptr(&self) -> u64 {
         self.ptr
+    }
+
+    /// Bytes mapped from [`OpenedLegacy::ptr`] on (0 where the driver placed the handle's
+    /// memory elsewhere than at the returned address).
+    pub fn size(&self) -> u64 {
+        self.size
     }
 }
 

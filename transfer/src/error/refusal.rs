@@ -24,6 +24,10 @@ pub enum Refusal {
     /// expired.
     #[error("CUDA IPC ticket unknown, used or expired")]
     UnknownTicket,
+    /// CUDA IPC: the peer's keys name this very process, but the peer is none of this
+    /// process's engines (its device addresses would be taken as ours).
+    #[error("its CUDA IPC keys claim this process, but it is not one of this process's engines")]
+    ForgedIdentity,
     /// CUDA IPC: a peer asked for an allocation this engine did not export.
     #[error("allocation {base:#x} is not exported for CUDA IPC")]
     NotExported {

@@ -13,6 +13,7 @@ use kvferry_cuda::ipc::{self, PieceTable};
 
 use super::keys::IpcRegionKeys;
 use super::state::{gpu_err, IpcSlices, Job, JobIds, Keep, Lane, Mapped, COPY_DEADLINE};
+use super::strided::inside_mapping;
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Refusal, Result, TransferError, UnsupportedError};
@@ -156,23 +157,27 @@ impl CudaIpcTransport {
                     continue;
                 };
                 let mut live = p.live.snapshot();
-                let mut last: Option<(u64, &Arc<Mapped>)> = None;
+                let mut last: Option<(u64, u64, &Arc<Mapped>)> = None;
                 for (s, k) in group {
-                    let m = match last {
-                        Some((b, m)) if b == k.alloc_base => m,
+                    let (size, m) = match last {
+                        Some((b, size, m)) if b == k.alloc_base => (size, m),
                         _ => {
-                            let Some((_, m)) = p.mapped.get(&(dev, k.alloc_base)) else {
+                            let Some((size, m)) = p.mapped.get(&(dev, k.alloc_base)) else {
                                 fallback.push(s);
                                 continue;
                             };
                             if !keep.iter().any(|x| Arc::ptr_eq(x, m)) {
                                 keep.push(m.clone());
                             }
-                            last = Some((k.alloc_base, m));
-                            m
+                            last = Some((k.alloc_base, *size, m));
+                            (*size, m)
                         }
                     };
-                    if !live.covers(s.remote_addr, s.len) {
+                    // Inside the peer's live regions and inside the allocation as mapped here:
+                    // a peer's keys for another buffer of the same base may claim more bytes.
+                    if !live.covers(s.remote_addr, s.len)
+                        || !inside_mapping(k.alloc_base, size, s.remote_addr, s.len)
+                    {
                         done.complete(
                             s.id,
                             Err(TransferError::RemoteOutOfRange {

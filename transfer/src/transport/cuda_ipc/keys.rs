@@ -86,6 +86,46 @@ impl IpcRegionKeys {
     }
 }
 
+/// The transfer engines of this process, by segment name and instance id. A peer's host
+/// identity is what its descriptor says, and another process on the host can copy this
+/// process's (boot id, pid): only a descriptor fetched from one of these engines (its name is
+/// the address dialled, its instance id this engine's random one) is taken as this process.
+pub struct OwnEngines;
+
+static OWN_ENGINES: std::sync::Mutex<Vec<(String, u64)>> = std::sync::Mutex::new(Vec::new());
+
+impl OwnEngines {
+    /// Notes the engine `(segment_name, instance_id)` of this process (at its transport's
+    /// creation); [`OwnEngines::remove`] forgets it.
+    pub fn add(segment_name: &str, instance_id: u64) {
+        use crate::sync::MutexExt;
+        OWN_ENGINES
+            .locked()
+            .push((segment_name.to_string(), instance_id));
+    }
+
+    /// Forgets one note of `(segment_name, instance_id)`.
+    pub fn remove(segment_name: &str, instance_id: u64) {
+        use crate::sync::MutexExt;
+        let mut v = OWN_ENGINES.locked();
+        if let Some(i) = v
+            .iter()
+            .position(|(n, id)| *id == instance_id && n == segment_name)
+        {
+            v.swap_remove(i);
+        }
+    }
+
+    /// Whether the peer named `segment_name` with `instance_id` is an engine of this process.
+    pub fn contains(segment_name: &str, instance_id: u64) -> bool {
+        use crate::sync::MutexExt;
+        OWN_ENGINES
+            .locked()
+            .iter()
+            .any(|(n, id)| *id == instance_id && n == segment_name)
+    }
+}
+
 /// How one slice moves.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Route {
@@ -114,6 +154,8 @@ pub enum FallbackWhy {
     NoPeerAccess,
     /// Importing the peer's allocation failed before.
     ImportFailed,
+    /// The peer's keys name this process, but the peer is none of this process's engines.
+    ForgedIdentity,
 }
 
 impl std::fmt::Display for FallbackWhy {
@@ -126,6 +168,9 @@ impl std::fmt::Display for FallbackWhy {
             FallbackWhy::NoIdentity => "this process has no host identity",
             FallbackWhy::NoPeerAccess => "the two GPUs cannot access each other",
             FallbackWhy::ImportFailed => "importing the peer's allocation failed",
+            FallbackWhy::ForgedIdentity => {
+                "the peer's keys claim this process, but it is none of its engines"
+            }
         })
     }
 }
@@ -135,7 +180,9 @@ impl std::fmt::Display for FallbackWhy {
 /// not decode). `me`: this process's identity. `peer_access(a, b)`: whether device `a` here can
 /// access device `b` (given as the peer region's location ordinal after mapping by UUID;
 /// callers pass `true` for one device). `import_failed`: an earlier import of that
-/// allocation failed.
+/// allocation failed. `own_engine`: the peer is one of this process's own engines (its
+/// segment name and instance id registered here, [`OwnEngines`]); only then does a peer whose
+/// keys name this process take the in-process copy, since identities are the peer's word.
 pub fn route(
     me: Option<&HostIdentity>,
     local: &MemoryRegion,
@@ -143,6 +190,7 @@ pub fn route(
     remote_keys: Option<Result<&IpcRegionKeys, ()>>,
     peer_access: impl FnOnce(u32, u32) -> bool,
     import_failed: bool,
+    own_engine: bool,
 ) -> Route {
     let (Location::Cuda(a), Location::Cuda(b)) = (local.location, remote.location) else {
         return Route::Fallback(FallbackWhy::HostMemory);
@@ -165,6 +213,9 @@ pub fn route(
         return Route::Fallback(FallbackWhy::NoPeerAccess);
     }
     if me.same_process(&keys.host) {
+        if !own_engine {
+            return Route::Fallback(FallbackWhy::ForgedIdentity);
+        }
         return Route::InProcess;
     }
     if import_failed {
@@ -209,7 +260,7 @@ mod tests {
         let k = keys(id("b", 2));
         let r =
             |local: &MemoryRegion, remote: &MemoryRegion, k: Option<Result<&IpcRegionKeys, ()>>| {
-                route(Some(&me), local, remote, k, |_, _| true, false)
+                route(Some(&me), local, remote, k, |_, _| true, false, false)
             };
         assert_eq!(r(&gpu, &gpu, Some(Ok(&k))), Route::Ipc);
         let host = region(0x1000, Location::Cpu);
@@ -241,7 +292,7 @@ mod tests {
             Route::Fallback(FallbackWhy::OtherHost)
         );
         assert_eq!(
-            route(None, &gpu, &gpu, Some(Ok(&k)), |_, _| true, false),
+            route(None, &gpu, &gpu, Some(Ok(&k)), |_, _| true, false, false),
             Route::Fallback(FallbackWhy::NoIdentity)
         );
     }
@@ -253,7 +304,15 @@ mod tests {
         // the allocation is [0x1000, 0x2000): a region reaching past it is not covered
         let past = region(0x1f9d, Location::Cuda(0));
         assert_eq!(
-            route(Some(&me), &past, &past, Some(Ok(&k)), |_, _| true, false),
+            route(
+                Some(&me),
+                &past,
+                &past,
+                Some(Ok(&k)),
+                |_, _| true,
+                false,
+                false
+            ),
             Route::Fallback(FallbackWhy::BadKeys)
         );
         let mut wrap = k.clone();
@@ -267,21 +326,92 @@ mod tests {
         let gpu = region(0x1000, Location::Cuda(0));
         let mine = keys(id("b", 1));
         assert_eq!(
-            route(Some(&me), &gpu, &gpu, Some(Ok(&mine)), |_, _| true, true),
+            route(
+                Some(&me),
+                &gpu,
+                &gpu,
+                Some(Ok(&mine)),
+                |_, _| true,
+                true,
+                true
+            ),
             Route::InProcess
         );
         // another pid namespace: never taken for this process even with an equal pid
         let mut ns = keys(id("b", 1));
         ns.host.pid_ns = "pid:[2]".into();
         assert_eq!(
-            route(Some(&me), &gpu, &gpu, Some(Ok(&ns)), |_, _| true, false),
+            route(
+                Some(&me),
+                &gpu,
+                &gpu,
+                Some(Ok(&ns)),
+                |_, _| true,
+                false,
+                false
+            ),
             Route::Ipc
         );
         let theirs = keys(id("b", 2));
         assert_eq!(
-            route(Some(&me), &gpu, &gpu, Some(Ok(&theirs)), |_, _| true, true),
+            route(
+                Some(&me),
+                &gpu,
+                &gpu,
+                Some(Ok(&theirs)),
+                |_, _| true,
+                true,
+                false
+            ),
             Route::Fallback(FallbackWhy::ImportFailed)
         );
+    }
+
+    /// Another process on the host can copy this process's identity into its keys (boot id,
+    /// machine id and pid are readable): without being one of this process's engines it
+    /// never gets the in-process copy, which would take its addresses as ours.
+    #[test]
+    fn a_peer_claiming_this_process_is_refused_unless_it_is_one_of_its_engines() {
+        let me = id("b", 1);
+        let gpu = region(0x1000, Location::Cuda(0));
+        let claimed = keys(id("b", 1));
+        assert_eq!(
+            route(
+                Some(&me),
+                &gpu,
+                &gpu,
+                Some(Ok(&claimed)),
+                |_, _| true,
+                false,
+                false
+            ),
+            Route::Fallback(FallbackWhy::ForgedIdentity)
+        );
+        assert_eq!(
+            route(
+                Some(&me),
+                &gpu,
+                &gpu,
+                Some(Ok(&claimed)),
+                |_, _| true,
+                false,
+                true
+            ),
+            Route::InProcess
+        );
+    }
+
+    #[test]
+    fn this_processs_engines_are_known_by_name_and_instance() {
+        OwnEngines::add("10.0.0.9:4000", 77);
+        assert!(OwnEngines::contains("10.0.0.9:4000", 77));
+        assert!(!OwnEngines::contains("10.0.0.9:4001", 77), "another name");
+        assert!(
+            !OwnEngines::contains("10.0.0.9:4000", 78),
+            "another instance"
+        );
+        OwnEngines::remove("10.0.0.9:4000", 77);
+        assert!(!OwnEngines::contains("10.0.0.9:4000", 77));
     }
 
     #[test]
@@ -298,6 +428,7 @@ mod tests {
                 asked = Some((a, b));
                 false
             },
+            false,
             false,
         );
         assert_eq!(r, Route::Fallback(FallbackWhy::NoPeerAccess));

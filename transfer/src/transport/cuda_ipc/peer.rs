@@ -9,7 +9,7 @@ use std::time::Instant;
 use kvferry_cuda::ipc::{AllocationKind, ImportedVmm, LegacyHandle, OpenedLegacy};
 
 use super::fdpass::{self, hex};
-use super::keys::{HostIdentity, IpcRegionKeys};
+use super::keys::{HostIdentity, IpcRegionKeys, OwnEngines};
 use super::live::LiveView;
 use super::state::{
     allocs_bytes, gpu_err, parse_hex, AllocReply, Envelope, Mapped, Peer, Reply, Request,
@@ -17,7 +17,7 @@ use super::state::{
 };
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
-use crate::error::{CudaIpcReplyFault, ProtocolError, Result, TransferError};
+use crate::error::{CudaIpcReplyFault, ProtocolError, Refusal, Result, TransferError};
 use crate::handshake::{self, FrameType};
 use crate::sync::MutexExt;
 
@@ -84,6 +84,13 @@ impl CudaIpcTransport {
         let nonce = crate::auth::random_bytes::<32>()?;
         let bases: Vec<u64> = allocs.iter().map(|a| a.0).collect();
         let in_process = self.me.as_ref().is_some_and(|m| m.same_process(host));
+        if in_process && !OwnEngines::contains(&desc.name, desc.instance_id) {
+            // Its keys copy this process's identity: its addresses would be taken as ours.
+            return Err(TransferError::Refused {
+                segment: desc.name.clone(),
+                why: Refusal::ForgedIdentity,
+            });
+        }
         // In-process peers need only the live table.
         let wanted: Vec<u64> = if in_process {
             Vec::new()
@@ -207,8 +214,19 @@ impl CudaIpcTransport {
                     AllocationKind::Legacy,
                 ) => match parse_hex::<64>(h) {
                     Some(b) => OpenedLegacy::open(&lane.ctx, &LegacyHandle(b))
-                        .map(Mapped::Legacy)
-                        .map_err(gpu_err),
+                        .map_err(gpu_err)
+                        .and_then(|o| {
+                            // Copies are bounded by the size the keys claim: refuse a claim
+                            // past what the handle mapped.
+                            if o.size() < *size {
+                                return Err(TransferError::Protocol(ProtocolError::Mismatch {
+                                    what: format!("allocation {base:#x}: bytes mapped"),
+                                    got: o.size(),
+                                    expected: format!("{size} (the descriptor's)"),
+                                }));
+                            }
+                            Ok(Mapped::Legacy(o))
+                        }),
                     None => Err(TransferError::Protocol(ProtocolError::BadField {
                         what: format!("allocation {base:#x}: legacy handle"),
                         value: format!("of {} characters", h.len()),

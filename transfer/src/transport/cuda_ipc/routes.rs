@@ -185,6 +185,7 @@ impl CudaIpcTransport {
                 _ => false,
             },
             failed,
+            super::keys::OwnEngines::contains(&peer.name, peer.instance_id),
         )
     }
 }

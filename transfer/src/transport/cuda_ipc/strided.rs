@@ -154,15 +154,19 @@ impl CudaIpcTransport {
                 .ok_or_else(|| not_over_ipc(part[0].0.remote_buffer))?;
             let mut live = p.live.snapshot();
             for (g, k, _) in part.iter().copied() {
-                let Some((_, m)) = p.mapped.get(&(dev, k.alloc_base)) else {
+                let Some((size, m)) = p.mapped.get(&(dev, k.alloc_base)) else {
                     done.complete(g.id, Err(not_over_ipc(g.remote_buffer)));
                     continue;
                 };
                 // Every copy's remote side lies in the block's span, which lies in one buffer
-                // (checked at submit): the span inside the live table covers every copy.
+                // (checked at submit): the span inside the live table and inside the
+                // allocation as mapped (a peer's keys may claim more) covers every copy.
                 let lo = g.ranges.iter().map(|r| r.remote).min().unwrap_or(0);
                 let hi = g.ranges.iter().map(|r| r.remote + r.len).max().unwrap_or(0);
-                if let Some(rb) = first_dead_block(&mut live, &g.blocks, lo, hi) {
+                let outside = first_dead_block(&mut live, &g.blocks, lo, hi).or_else(|| {
+                    first_block_outside_mapping(&g.blocks, lo, hi, k.alloc_base, *size)
+                });
+                if let Some(rb) = outside {
                     done.complete(
                         g.id,
                         Err(TransferError::RemoteOutOfRange {
@@ -283,19 +287,51 @@ fn first_dead_block(
     lo: u64,
     hi: u64,
 ) -> Option<u64> {
+    first_block_outside(blocks, lo, hi, |a, n| live.covers(a, n))
+}
+
+/// As [`first_dead_block`], against the allocation mapped here, `[base, base + size)`: the
+/// bytes a copy may touch, whatever the peer's keys and live table say of its regions.
+fn first_block_outside_mapping(
+    blocks: &[(u64, u64)],
+    lo: u64,
+    hi: u64,
+    base: u64,
+    size: u64,
+) -> Option<u64> {
+    first_block_outside(blocks, lo, hi, |a, n| inside_mapping(base, size, a, n))
+}
+
+/// Whether `[addr, addr + len)` lies inside the mapped allocation `[base, base + size)`.
+pub(super) fn inside_mapping(base: u64, size: u64, addr: u64, len: u64) -> bool {
+    addr >= base
+        && addr
+            .checked_add(len)
+            .zip(base.checked_add(size))
+            .is_some_and(|(e, end)| e <= end)
+}
+
+/// The remote base of the first block whose span `[base + lo, base + hi)` `covers` refuses
+/// (an interval test: asked once for the hull of all spans, then per block).
+fn first_block_outside(
+    blocks: &[(u64, u64)],
+    lo: u64,
+    hi: u64,
+    mut covers: impl FnMut(u64, u64) -> bool,
+) -> Option<u64> {
     let (_, (r0, r1)) = base_bounds(blocks);
     let hull = r0
         .checked_add(lo)
         .zip(r1.checked_add(hi))
         .filter(|(a, e)| a < e);
     if let Some((a, e)) = hull {
-        if live.covers(a, e - a) {
+        if covers(a, e - a) {
             return None;
         }
     }
     blocks
         .iter()
-        .find(|(_, rb)| rb.checked_add(lo).is_none_or(|a| !live.covers(a, hi - lo)))
+        .find(|(_, rb)| rb.checked_add(lo).is_none_or(|a| !covers(a, hi - lo)))
         .map(|&(_, rb)| rb)
 }
 
@@ -364,6 +400,36 @@ mod tests {
         assert_eq!(
             first_dead_block(&mut v.snapshot(), &[b(u64::MAX - 0x20)], lo, hi),
             Some(u64::MAX - 0x20)
+        );
+    }
+
+    /// A peer's keys can claim an allocation larger than the one mapped here (two buffers of
+    /// one base with different sizes): blocks past the mapping are refused, whatever the live
+    /// table says.
+    #[test]
+    fn a_block_past_the_mapped_allocation_is_found() {
+        let (lo, hi) = (0x10, 0x90);
+        let b = |rb: u64| (0u64, rb);
+        let (base, size) = (0x10000, 0x1000);
+        assert_eq!(
+            first_block_outside_mapping(&[b(0x10000), b(0x10f00)], lo, hi, base, size),
+            None
+        );
+        // 0x10f71 + 0x90 = 0x11001: one byte past the mapping.
+        assert_eq!(
+            first_block_outside_mapping(&[b(0x10000), b(0x10f71)], lo, hi, base, size),
+            Some(0x10f71)
+        );
+        // Below the base.
+        assert_eq!(
+            first_block_outside_mapping(&[b(0xff00), b(0x10000)], lo, hi, base, size),
+            Some(0xff00)
+        );
+        assert!(inside_mapping(base, size, 0x10000, 0x1000));
+        assert!(!inside_mapping(base, size, 0x10000, 0x1001));
+        assert!(
+            !inside_mapping(u64::MAX - 4, 8, u64::MAX - 4, 4),
+            "end past u64::MAX"
         );
     }
 }

@@ -32,7 +32,7 @@ use kvferry_cuda::ipc::{self, PieceKernel};
 use smallvec::SmallVec;
 
 use super::fdpass::FdServer;
-use super::keys::{HostIdentity, IpcRegionKeys, Route};
+use super::keys::{HostIdentity, IpcRegionKeys, OwnEngines, Route};
 use super::live::LiveTable;
 use super::state::{
     complete_jobs, gpu_err, Export, Job, Lane, Nonces, Peer, TABLES_AHEAD, TABLE_AHEAD_BYTES,
@@ -58,6 +58,8 @@ pub const REFUSED_FIELD: &str = "cuda_ipc_refused";
 /// The transport (see the module doc).
 pub struct CudaIpcTransport {
     pub(super) inner: Arc<dyn Transport>,
+    /// This engine's segment name and instance id, noted in [`OwnEngines`] while it lives.
+    own: (String, u64),
     pub(super) mode: CudaIpcMode,
     pub(super) me: Option<HostIdentity>,
     pub(super) auth: Arc<AuthState>,
@@ -156,8 +158,10 @@ impl CudaIpcTransport {
             .name("kvferry-cuda-ipc-done".into())
             .spawn(move || complete_jobs(rx))
             .map_err(|e| TransferError::io("start the CUDA IPC completion thread", e))?;
+        OwnEngines::add(&ctx.segment_name, ctx.instance_id);
         Ok(Arc::new(CudaIpcTransport {
             inner,
+            own: (ctx.segment_name.clone(), ctx.instance_id),
             mode: ctx.config.cuda_ipc,
             me: HostIdentity::local(),
             auth: ctx.auth.clone(),
@@ -508,6 +512,12 @@ impl Transport for CudaIpcTransport {
         self.peers.locked().clear();
         self.routes_changed();
         self.inner.shutdown();
+    }
+}
+
+impl Drop for CudaIpcTransport {
+    fn drop(&mut self) {
+        OwnEngines::remove(&self.own.0, self.own.1);
     }
 }
 

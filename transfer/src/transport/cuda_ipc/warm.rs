@@ -178,6 +178,7 @@ mod tests {
                 keys,
                 |a, b| a == 0 || a == b,
                 false,
+                true,
             )
         }
     }

@@ -70,7 +70,7 @@ impl CudaIpcTransport {
         // A reference into the post's keys (which outlive `slices`): no copy of its strings.
         let host = &slices[0].1.host;
         if self.peer_gone(host, now) {
-            self.drop_peer(&peer.name);
+            self.drop_instance(&peer.name, peer.instance_id);
             let e = TransferError::Refused {
                 segment: peer.name.clone(),
                 why: Refusal::ProcessExited { pid: host.pid },
@@ -149,7 +149,10 @@ impl CudaIpcTransport {
                             continue;
                         }
                         peers = self.peers.locked();
-                        peers.get(&peer.name)
+                        // Only this instance's entry: a restarted peer's is not ours to use.
+                        peers
+                            .get(&peer.name)
+                            .filter(|p| p.instance_id == peer.instance_id)
                     }
                 };
                 let Some(p) = found else {

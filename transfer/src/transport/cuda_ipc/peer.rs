@@ -164,39 +164,18 @@ impl CudaIpcTransport {
         } else {
             Some(self.lane(dev)?)
         };
-        let mut peers = self.peers.locked();
-        let p = match peers.get_mut(&desc.name) {
-            Some(p) if p.instance_id == desc.instance_id => {
-                p.live = live;
-                p
-            }
-            _ => {
-                // Another instance's failed imports go with it.
-                self.routes_changed();
-                peers.insert(
-                    desc.name.clone(),
-                    Peer {
-                        instance_id: desc.instance_id,
-                        live,
-                        mapped: HashMap::new(),
-                        failed: HashSet::new(),
-                    },
-                );
-                peers.get_mut(&desc.name).expect("inserted")
-            }
-        };
-        if in_process {
-            for (base, size, _) in allocs {
-                p.mapped
-                    .insert((dev, *base), (*size, Arc::new(Mapped::InProcess(*base))));
-            }
-            return Ok(());
-        }
-        let Some(lane) = lane else { return Ok(()) };
-        for (base, size, kind) in allocs {
+        // Each allocation is fetched and mapped with no lock held (the peer's turn keeps a
+        // second import of it out): a peer that stalls its descriptors, or a slow driver
+        // import, holds up this import only, not every post to every peer.
+        let mut results: Vec<(u64, u64, Result<Mapped>)> = Vec::with_capacity(allocs.len());
+        // The budget ran out: the rest stays unmapped, not failed (the first post that needs
+        // it asks); what was mapped is kept.
+        let mut timed_out = false;
+        for (base, size, kind) in allocs.iter().filter(|_| !in_process) {
+            let Some(lane) = lane.as_ref() else { break };
             if by.is_some_and(|b| Instant::now() >= b) {
-                // The rest stays unmapped, not failed: the first post that needs it asks.
-                return Err(TransferError::Timeout(h));
+                timed_out = true;
+                break;
             }
             let got = reply.allocs.iter().find(|a| a.base == *base);
             let mapped = match (got, kind) {
@@ -258,12 +237,44 @@ impl CudaIpcTransport {
                     },
                 })),
             };
+            if mapped.is_err() && by.is_some_and(|b| Instant::now() >= b) {
+                timed_out = true;
+                break;
+            }
+            results.push((*base, *size, mapped));
+        }
+        let mut peers = self.peers.locked();
+        let p = match peers.get_mut(&desc.name) {
+            Some(p) if p.instance_id == desc.instance_id => {
+                p.live = live;
+                p
+            }
+            _ => {
+                // Another instance's failed imports go with it.
+                self.routes_changed();
+                peers.insert(
+                    desc.name.clone(),
+                    Peer {
+                        instance_id: desc.instance_id,
+                        live,
+                        mapped: HashMap::new(),
+                        failed: HashSet::new(),
+                    },
+                );
+                peers.get_mut(&desc.name).expect("inserted")
+            }
+        };
+        if in_process {
+            for (base, size, _) in allocs {
+                p.mapped
+                    .insert((dev, *base), (*size, Arc::new(Mapped::InProcess(*base))));
+            }
+            return Ok(());
+        }
+        for (base, size, mapped) in results {
             match mapped {
-                Err(_) if by.is_some_and(|b| Instant::now() >= b) => {
-                    return Err(TransferError::Timeout(h));
-                }
                 Ok(m) => {
-                    p.mapped.insert((dev, *base), (*size, Arc::new(m)));
+                    p.mapped.insert((dev, base), (size, Arc::new(m)));
                 }
                 Err(e) => {
                     tracing::warn!(
@@ -271,10 +282,13 @@ impl CudaIpcTransport {
                         "CUDA IPC import of allocation {base:#x} failed ({e}); its slices go over {}",
                         self.inner.kind()
                     );
-                    p.failed.insert((dev, *base));
+                    p.failed.insert((dev, base));
                     self.routes_changed();
                 }
             }
+        }
+        if timed_out {
+            return Err(TransferError::Timeout(h));
         }
         Ok(())
     }
@@ -310,8 +324,26 @@ impl CudaIpcTransport {
         gone
     }
 
+    /// Forgets the peer held under `name` with its mappings (each unmapped once the copies
+    /// that hold it end).
     pub(super) fn drop_peer(&self, name: &str) {
-        let gone = self.peers.locked().remove(name);
+        self.drop_peer_if(name, |_| true);
+    }
+
+    /// As [`Self::drop_peer`], only where the peer held under `name` is `instance_id`: a
+    /// process seen gone is that instance, not one that restarted under its name since.
+    pub(super) fn drop_instance(&self, name: &str, instance_id: u64) {
+        self.drop_peer_if(name, |p| p.instance_id == instance_id);
+    }
+
+    fn drop_peer_if(&self, name: &str, which: impl FnOnce(&Peer) -> bool) {
+        let gone = {
+            let mut peers = self.peers.locked();
+            match peers.get(name) {
+                Some(p) if which(p) => peers.remove(name),
+                _ => None,
+            }
+        };
         if gone.is_some() {
             self.routes_changed();
         }

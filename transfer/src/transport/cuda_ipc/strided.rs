@@ -83,7 +83,7 @@ impl CudaIpcTransport {
         };
         let host = &first.host;
         if self.peer_gone(host, std::time::Instant::now()) {
-            self.drop_peer(&peer.name);
+            self.drop_instance(&peer.name, peer.instance_id);
             let e = TransferError::Refused {
                 segment: peer.name.clone(),
                 why: Refusal::ProcessExited { pid: host.pid },
@@ -149,8 +149,10 @@ impl CudaIpcTransport {
         let mut keep = super::state::Keep::new();
         let mut resolved: SmallVec<[Resolved<'_>; 2]> = SmallVec::with_capacity(part.len());
         {
+            // Only this instance's entry: a restarted peer's is not ours to use.
             let p = peers
                 .get(&peer.name)
+                .filter(|p| p.instance_id == peer.instance_id)
                 .ok_or_else(|| not_over_ipc(part[0].0.remote_buffer))?;
             let mut live = p.live.snapshot();
             for (g, k, _) in part.iter().copied() {

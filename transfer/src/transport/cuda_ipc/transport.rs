@@ -59,7 +59,7 @@ pub const REFUSED_FIELD: &str = "cuda_ipc_refused";
 pub struct CudaIpcTransport {
     pub(super) inner: Arc<dyn Transport>,
     /// This engine's segment name and instance id, noted in [`OwnEngines`] while it lives.
-    own: (String, u64),
+    pub(super) own: (String, u64),
     pub(super) mode: CudaIpcMode,
     pub(super) me: Option<HostIdentity>,
     pub(super) auth: Arc<AuthState>,

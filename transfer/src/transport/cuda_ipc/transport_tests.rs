@@ -199,10 +199,14 @@ impl AnyLocation {
 /// A CUDA IPC transport over a TCP one, with default config and no secret, on a segment no
 /// peer reaches (nothing here connects).
 fn tcp_wrapped() -> Arc<CudaIpcTransport> {
+    tcp_wrapped_as("127.0.0.1:1", 1)
+}
+
+fn tcp_wrapped_as(segment_name: &str, instance_id: u64) -> Arc<CudaIpcTransport> {
     let ctx = TransportContext {
         config: EngineConfig::default(),
-        segment_name: "127.0.0.1:1".into(),
-        instance_id: 1,
+        segment_name: segment_name.into(),
+        instance_id,
         registry: Arc::new(crate::memory::MemoryRegistry::new()),
         memory: Arc::new(AnyLocation),
         auth: crate::auth::AuthState::new(None, "test"),
@@ -333,4 +337,41 @@ fn a_remembered_route_follows_failed_imports_and_forgotten_peers() {
         Route::Fallback(super::super::keys::FallbackWhy::NotExported)
     );
     assert_eq!(route(&d, false), Route::Ipc);
+}
+
+/// A process seen gone is the instance that posted, not a peer that restarted under its name
+/// since: only that instance's mappings are forgotten.
+#[test]
+fn a_gone_instance_drops_only_its_own_entry() {
+    let t = tcp_wrapped();
+    let table = super::super::live::LiveTable::new().unwrap();
+    let name = "127.0.0.1:9".to_string();
+    t.peers.lock().unwrap().insert(
+        name.clone(),
+        super::super::state::Peer {
+            instance_id: 8,
+            live: super::super::live::LiveView::open(&table.fd()).unwrap(),
+            mapped: HashMap::new(),
+            failed: HashSet::new(),
+        },
+    );
+    t.drop_instance(&name, 7);
+    assert!(
+        t.peers.lock().unwrap().contains_key(&name),
+        "the newer instance stays"
+    );
+    t.drop_instance(&name, 8);
+    assert!(!t.peers.lock().unwrap().contains_key(&name));
+}
+
+/// The engine a transport belongs to is this process's own while the transport lives (the
+/// in-process route asks), and no longer once it is dropped.
+#[test]
+fn a_transport_notes_its_engine_as_this_processs_while_it_lives() {
+    use super::super::keys::OwnEngines;
+    let t = tcp_wrapped_as("127.0.0.1:2", 0x5eed);
+    let (name, id) = t.own.clone();
+    assert!(OwnEngines::contains(&name, id));
+    drop(t);
+    assert!(!OwnEngines::contains(&name, id));
 }

@@ -6,19 +6,21 @@
 //!
 //! Exchange: the peer connects and sends its 16-byte ticket; the server answers 8 bytes (the
 //! allocation's size, little-endian) with the descriptor attached, or 8 zero bytes and no
-//! descriptor when the ticket is unknown, used or expired. Every read and write has a deadline
-//! and at most [`MAX_TICKETS`] tickets are outstanding.
+//! descriptor when the ticket is unknown, used or expired. Every connect, read and write has a
+//! deadline and at most [`MAX_TICKETS`] tickets are outstanding. A received descriptor is
+//! close-on-exec from the moment it exists, so a child the process forks and execs elsewhere
+//! never inherits a peer's allocation.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use sendfd::{RecvWithFd, SendWithFd};
+use sendfd::SendWithFd;
 
 use crate::error::{Refusal, Result, TransferError, UnsupportedError};
 use crate::sync::MutexExt;
@@ -166,11 +168,12 @@ fn answer(s: &UnixStream, sh: &Shared) -> std::io::Result<()> {
 const FETCH_READ: Duration = Duration::from_secs(5);
 
 /// The peer's side: fetches the descriptor for `ticket` from socket `name`, within the socket
-/// deadline (reads up to 5 s, writes up to 2 s) and by `by` where given (the caller's overall
-/// deadline: each wait ends at it). Returns the descriptor and the allocation's size. Errors:
-/// `Io` for a socket failure (a read past either deadline among them); `Timeout` when `by`
-/// has passed before the exchange starts; `Refused` (naming `segment`) for an unknown, used
-/// or expired ticket.
+/// deadline (connecting and writing up to 2 s, reading up to 5 s) and by `by` where given (the
+/// caller's overall deadline: each wait ends at it). Returns the descriptor (close-on-exec) and
+/// the allocation's size. Errors: `Io` for a socket failure (a read or write past either
+/// deadline among them); `Timeout` when `by` has passed before the exchange starts, or when
+/// the server's queue of connections has no place for ours within the connect deadline;
+/// `Refused` (naming `segment`) for an unknown, used or expired ticket.
 pub fn fetch(
     name: &str,
     ticket: &[u8; 16],
@@ -178,23 +181,22 @@ pub fn fetch(
     by: Option<Instant>,
 ) -> Result<(OwnedFd, u64)> {
     let io = |what: &str, e| TransferError::io(format!("{what} (CUDA IPC socket {name})"), e);
-    let left = by.map_or(FETCH_READ, |b| b.saturating_duration_since(Instant::now()));
-    if left.is_zero() {
+    let left = |now: Instant| by.map_or(FETCH_READ, |b| b.saturating_duration_since(now));
+    let before = left(Instant::now());
+    if before.is_zero() {
         return Err(TransferError::Timeout(FETCH_READ));
     }
-    let addr = SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| io("name", e))?;
-    let s = UnixStream::connect_addr(&addr).map_err(|e| io("connect", e))?;
-    s.set_read_timeout(Some(FETCH_READ.min(left)))
-        .and_then(|_| s.set_write_timeout(Some(IO_DEADLINE.min(left))))
+    let s = connect(name, IO_DEADLINE.min(before))?;
+    let after = left(Instant::now());
+    if after.is_zero() {
+        return Err(TransferError::Timeout(FETCH_READ));
+    }
+    s.set_read_timeout(Some(FETCH_READ.min(after)))
+        .and_then(|_| s.set_write_timeout(Some(IO_DEADLINE.min(after))))
         .map_err(|e| io("set deadlines", e))?;
     (&s).write_all(ticket).map_err(|e| io("send ticket", e))?;
     let mut size = [0u8; 8];
-    let mut fds: [RawFd; 1] = [-1];
-    let (n, nfd) = s
-        .recv_with_fd(&mut size, &mut fds)
-        .map_err(|e| io("receive descriptor", e))?;
-    // SAFETY: a received descriptor is new in this process and owned by nobody else.
-    let fd = (nfd == 1 && fds[0] >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fds[0]) });
+    let (n, fd) = recv_fd(&s, &mut size).map_err(|e| io("receive descriptor", e))?;
     if n != 8 {
         return Err(io(
             "receive size",
@@ -208,6 +210,136 @@ pub fn fetch(
             why: Refusal::UnknownTicket,
         }),
     }
+}
+
+/// The address of the abstract socket `name` (no leading NUL; the bytes as given, as
+/// `SocketAddr::from_abstract_name` takes them) and its length. Errors: `InvalidInput` for a
+/// name too long for an address.
+fn abstract_addr(name: &str) -> std::io::Result<(libc::sockaddr_un, libc::socklen_t)> {
+    // The same check, and so the same error, as the std socket address the server binds.
+    SocketAddr::from_abstract_name(name.as_bytes())?;
+    // SAFETY: sockaddr_un is plain data, valid all zero.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let path = name.as_bytes();
+    // The leading NUL (left zero) puts the name in the abstract namespace.
+    let dst = addr
+        .sun_path
+        .get_mut(1..1 + path.len())
+        .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    for (d, b) in dst.iter_mut().zip(path) {
+        *d = *b as libc::c_char;
+    }
+    // The length counts the name's bytes exactly: an abstract name is not NUL-terminated.
+    let len = std::mem::offset_of!(libc::sockaddr_un, sun_path) + 1 + path.len();
+    Ok((addr, len as libc::socklen_t))
+}
+
+/// Connects to the abstract socket `name`, waiting at most `wait` for the server to take the
+/// connection into its queue. A blocking connect to a listener whose queue is full waits until
+/// the listener accepts, which one that never does never would; Linux ends that wait at the
+/// socket's send timeout (`EAGAIN`), so it is set before connecting. Errors: `Timeout(wait)`
+/// when the queue had no place within `wait`; `Io` otherwise.
+fn connect(name: &str, wait: Duration) -> Result<UnixStream> {
+    let io = |what: &str, e| TransferError::io(format!("{what} (CUDA IPC socket {name})"), e);
+    let (addr, len) = abstract_addr(name).map_err(|e| io("name", e))?;
+    // SAFETY: socket() takes no pointers; the descriptor it returns is owned below.
+    let raw = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err(io("socket", std::io::Error::last_os_error()));
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    let s = UnixStream::from(unsafe { OwnedFd::from_raw_fd(raw) });
+    let until = Instant::now() + wait;
+    loop {
+        let rem = until.saturating_duration_since(Instant::now());
+        if rem.is_zero() {
+            return Err(TransferError::Timeout(wait));
+        }
+        // SO_SNDTIMEO: the wait of a blocking AF_UNIX connect (std rounds below 1 µs up, so it
+        // is never 0, which would mean no limit).
+        s.set_write_timeout(Some(rem))
+            .map_err(|e| io("set connect deadline", e))?;
+        // SAFETY: `addr` is an initialised sockaddr_un and `len` is within it.
+        let r = unsafe {
+            libc::connect(
+                s.as_raw_fd(),
+                (&raw const addr).cast::<libc::sockaddr>(),
+                len,
+            )
+        };
+        if r == 0 {
+            return Ok(s);
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            // An interrupted AF_UNIX connect leaves the socket unconnected: try again for the
+            // time that is left.
+            Some(libc::EINTR) => continue,
+            Some(libc::EAGAIN) => return Err(TransferError::Timeout(wait)),
+            _ => return Err(io("connect", e)),
+        }
+    }
+}
+
+/// One `recvmsg` on `s` into `buf`, with at most one descriptor (`SCM_RIGHTS`): the bytes read
+/// and the descriptor, if one came. The descriptor is received close-on-exec
+/// (`MSG_CMSG_CLOEXEC`: no window in which a concurrent fork and exec inherits it); any more
+/// the sender attached are closed by the kernel, or here should one get through.
+fn recv_fd(s: &UnixStream, buf: &mut [u8]) -> std::io::Result<(usize, Option<OwnedFd>)> {
+    const FD_BYTES: u32 = std::mem::size_of::<libc::c_int>() as u32;
+    // u64s: aligned for a cmsghdr; larger than one descriptor's control message.
+    let mut control = [0u64; 8];
+    // SAFETY: CMSG_SPACE is arithmetic on its argument; it touches no memory.
+    let space = unsafe { libc::CMSG_SPACE(FD_BYTES) } as usize;
+    let control_len = space.min(std::mem::size_of_val(&control));
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: msghdr is plain data, valid all zero.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &raw mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = control_len as _;
+    // SAFETY: `msg` points at `iov` (over `buf`) and `control`, which outlive the call, with
+    // their true lengths.
+    let n = unsafe { libc::recvmsg(s.as_raw_fd(), &raw mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut fd = None;
+    // SAFETY: `msg` is the header recvmsg filled: its control pointer and length describe the
+    // control messages the kernel wrote into `control`.
+    let mut h = unsafe { libc::CMSG_FIRSTHDR(&raw const msg) };
+    while !h.is_null() {
+        // SAFETY: a non-null header CMSG_FIRSTHDR/CMSG_NXTHDR returned lies inside `control`.
+        let (level, kind, cmsg_len) = unsafe { ((*h).cmsg_level, (*h).cmsg_type, (*h).cmsg_len) };
+        if level == libc::SOL_SOCKET && kind == libc::SCM_RIGHTS {
+            // SAFETY: the header lies inside `control` (above).
+            let data = unsafe { libc::CMSG_DATA(h) };
+            let header = (data as usize).saturating_sub(h as usize);
+            let end = (control.as_ptr() as usize + control_len).saturating_sub(data as usize);
+            // cmsg_len is a size_t on glibc and a u32 on musl.
+            #[allow(clippy::unnecessary_cast)]
+            let bytes = (cmsg_len as usize).saturating_sub(header).min(end);
+            for i in 0..bytes / FD_BYTES as usize {
+                // SAFETY: within this message's data, inside `control` (bounded above).
+                let raw = unsafe { data.cast::<libc::c_int>().add(i).read_unaligned() };
+                if raw >= 0 {
+                    // SAFETY: a descriptor the kernel just installed in this process for us;
+                    // nothing else owns it.
+                    let got = unsafe { OwnedFd::from_raw_fd(raw) };
+                    // The first is the answer; any other is dropped (closed) here.
+                    fd.get_or_insert(got);
+                }
+            }
+        }
+        // SAFETY: `msg` and `h` as above; CMSG_NXTHDR returns null past the last header.
+        h = unsafe { libc::CMSG_NXTHDR(&raw const msg, h) };
+    }
+    Ok((n as usize, fd))
 }
 
 /// Lower-case hex of `b`.
@@ -243,6 +375,7 @@ mod tests {
         let t = srv.offer(fd, 4096).unwrap();
         let (got, size) = fetch(srv.name(), &t, "peer:1", None).unwrap();
         assert_eq!(size, 4096);
+        assert!(cloexec(&got), "a fetched descriptor is close-on-exec");
         let mut s = String::new();
         std::fs::File::from(got).read_to_string(&mut s).unwrap();
         assert_eq!(s, "kv bytes", "the descriptor names the same file");
@@ -292,6 +425,106 @@ mod tests {
         );
         let e = fetch(srv.name(), &t, "peer:1", Some(t0)).unwrap_err();
         assert!(matches!(e, TransferError::Timeout(_)), "{e}");
+    }
+
+    fn cloexec(fd: &OwnedFd) -> bool {
+        // SAFETY: fcntl on a descriptor we borrow, no argument.
+        let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFD) };
+        assert!(flags >= 0, "{}", std::io::Error::last_os_error());
+        flags & libc::FD_CLOEXEC != 0
+    }
+
+    /// A descriptor is close-on-exec as soon as it is received, so a fork and exec elsewhere in
+    /// the process cannot hand a peer's allocation to the child.
+    #[test]
+    fn a_received_descriptor_is_close_on_exec() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let f = memfd_with(b"c");
+        assert!(!cloexec(&f), "the sender's copy is inheritable");
+        a.send_with_fd(&9u64.to_le_bytes(), &[f.as_raw_fd()])
+            .unwrap();
+        let mut buf = [0u8; 8];
+        let (n, fd) = recv_fd(&b, &mut buf).unwrap();
+        assert_eq!((n, u64::from_le_bytes(buf)), (8, 9));
+        assert!(cloexec(&fd.expect("a descriptor")));
+        // Bytes without a descriptor: none.
+        (&a).write_all(&[1u8; 8]).unwrap();
+        let (n, fd) = recv_fd(&b, &mut buf).unwrap();
+        assert_eq!(n, 8);
+        assert!(fd.is_none());
+    }
+
+    /// A listener whose queue is full and that never accepts: a blocking connect would wait
+    /// for it forever; the fetch ends at its deadline instead.
+    #[test]
+    fn a_full_queue_ends_the_connect_at_the_deadline() {
+        let name = format!(
+            "kvferry-cuda-ipc-test-{}",
+            hex(&crate::auth::random_bytes::<8>().unwrap())
+        );
+        let (addr, len) = abstract_addr(&name).unwrap();
+        let sock = |flags| {
+            // SAFETY: socket() takes no pointers; the descriptor is owned at once.
+            let raw = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | flags, 0) };
+            assert!(raw >= 0, "{}", std::io::Error::last_os_error());
+            // SAFETY: a fresh descriptor nothing else owns.
+            unsafe { OwnedFd::from_raw_fd(raw) }
+        };
+        let listener = sock(libc::SOCK_CLOEXEC);
+        // SAFETY: `addr` is an initialised sockaddr_un of `len` bytes.
+        let r = unsafe {
+            libc::bind(
+                listener.as_raw_fd(),
+                (&raw const addr).cast::<libc::sockaddr>(),
+                len,
+            )
+        };
+        assert_eq!(r, 0, "bind: {}", std::io::Error::last_os_error());
+        // SAFETY: listen on our own socket.
+        assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0);
+        // Fill the queue: non-blocking connects until one finds no place (EAGAIN).
+        let mut queued = Vec::new();
+        let mut full = false;
+        for _ in 0..16 {
+            let c = sock(libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK);
+            // SAFETY: as for bind.
+            let r = unsafe {
+                libc::connect(
+                    c.as_raw_fd(),
+                    (&raw const addr).cast::<libc::sockaddr>(),
+                    len,
+                )
+            };
+            if r == 0 {
+                queued.push(c);
+                continue;
+            }
+            let e = std::io::Error::last_os_error();
+            assert_eq!(e.raw_os_error(), Some(libc::EAGAIN), "{e}");
+            full = true;
+            break;
+        }
+        assert!(full && !queued.is_empty(), "{} queued", queued.len());
+
+        // On a thread, so that a fetch that hangs fails the test instead of blocking it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t0 = Instant::now();
+        let by = t0 + Duration::from_secs(1);
+        std::thread::spawn(move || {
+            let _ = tx.send(fetch(&name, &[1u8; 16], "peer:1", Some(by)).map(|_| ()));
+        });
+        let got = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("fetch still connecting 10 s after its 1 s deadline");
+        let e = got.unwrap_err();
+        assert!(matches!(e, TransferError::Timeout(_)), "{e}");
+        let took = t0.elapsed();
+        assert!(
+            took >= Duration::from_millis(900) && took < Duration::from_secs(10),
+            "{took:?}"
+        );
+        drop(queued);
+        drop(listener);
     }
 
     #[test]

@@ -6,6 +6,12 @@
 //!
 //! A memfd of [`TABLE_BYTES`], a seqlock: `u64 seq` (odd while the owner writes), `u64 count`,
 //! then `count` × (`u64 addr`, `u64 len`). At most [`MAX_LIVE`] regions.
+//!
+//! The memfd is sealed against shrinking and growing ([`REQUIRED_SEALS`]), and a peer maps
+//! only a descriptor that carries those seals: a file the owner could truncate under the
+//! peer's mapping would make the peer's next read of it a SIGBUS, and a file of another file
+//! system (FUSE) could stall it. Seals cannot be removed once added, so the check holds for
+//! as long as the mapping lives.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
@@ -17,6 +23,8 @@ use crate::error::{ProtocolError, Result, TransferError, UnsupportedError};
 pub const TABLE_BYTES: usize = 64 << 10;
 /// Regions the table holds at most.
 pub const MAX_LIVE: usize = TABLE_BYTES / 16 - 1;
+/// Seals a table's memfd must carry before a peer maps it: its size is fixed for good.
+pub const REQUIRED_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
 
 fn words(map: &[u8]) -> &[AtomicU64] {
     // SAFETY: the mapping is TABLE_BYTES long and page-aligned (so 8-aligned); AtomicU64 has
@@ -31,11 +39,17 @@ pub struct LiveTable {
 }
 
 impl LiveTable {
-    /// A fresh, empty table. Errors: `Io` (memfd, size, map).
+    /// A fresh, empty table: a memfd of [`TABLE_BYTES`] sealed with [`REQUIRED_SEALS`] and
+    /// `F_SEAL_SEAL`, so neither this process nor a peer can change its size. Errors: `Io`
+    /// (memfd, size, seal, map).
     pub fn new() -> Result<LiveTable> {
         // SAFETY: a NUL-terminated name; the returned descriptor is owned below.
-        let raw =
-            unsafe { libc::memfd_create(c"kvferry-cuda-ipc-live".as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe {
+            libc::memfd_create(
+                c"kvferry-cuda-ipc-live".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         if raw < 0 {
             return Err(TransferError::io(
                 "memfd_create for the CUDA IPC live table",
@@ -47,6 +61,23 @@ impl LiveTable {
         let file = std::fs::File::from(fd.try_clone().map_err(|e| TransferError::io("dup", e))?);
         file.set_len(TABLE_BYTES as u64)
             .map_err(|e| TransferError::io("size the CUDA IPC live table", e))?;
+        // Peers refuse a table without these (LiveView::open). The seals also keep a peer that
+        // holds the descriptor from truncating it under our own mapping; F_SEAL_SEAL keeps
+        // anyone from adding seals of their own later.
+        // SAFETY: fcntl on a descriptor we own; F_ADD_SEALS takes an int and touches no memory.
+        let sealed = unsafe {
+            libc::fcntl(
+                fd.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                REQUIRED_SEALS | libc::F_SEAL_SEAL,
+            )
+        };
+        if sealed < 0 {
+            return Err(TransferError::io(
+                "seal the CUDA IPC live table",
+                std::io::Error::last_os_error(),
+            ));
+        }
         // SAFETY: a shared mapping of our own memfd; peers map it read-only.
         let map = unsafe { memmap2::MmapMut::map_mut(&file) }
             .map_err(|e| TransferError::io("map the CUDA IPC live table", e))?;
@@ -91,9 +122,28 @@ pub struct LiveView {
 }
 
 impl LiveView {
-    /// Maps `fd` (the owner's table) read-only. Errors: `Io`; `Protocol` when it is not a
-    /// table's size.
+    /// Maps `fd` (the owner's table) read-only, once it is known to be a memfd sealed with
+    /// [`REQUIRED_SEALS`] (its size cannot change under the mapping). Nothing is mapped when
+    /// a check fails. Errors: `Io` when its seals cannot be read (`InvalidInput`: not a file
+    /// that can be sealed, such as a regular or FUSE file), or on dup, stat or map; `Protocol`
+    /// (`BadField`) when it lacks a required seal, (`Mismatch`) when it is not a table's size.
     pub fn open(fd: &OwnedFd) -> Result<LiveView> {
+        // SAFETY: fcntl on a descriptor we borrow; F_GET_SEALS takes no argument and touches no
+        // memory.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 {
+            return Err(TransferError::io(
+                "read the seals of the CUDA IPC live table (a sealed memfd is required)",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        if seals & REQUIRED_SEALS != REQUIRED_SEALS {
+            return Err(TransferError::Protocol(ProtocolError::BadField {
+                what: "CUDA IPC live table seals".into(),
+                value: format!("{seals:#x}"),
+                expected: "F_SEAL_SHRINK and F_SEAL_GROW",
+            }));
+        }
         let file = std::fs::File::from(fd.try_clone().map_err(|e| TransferError::io("dup", e))?);
         let len = file
             .metadata()
@@ -106,10 +156,10 @@ impl LiveView {
                 expected: TABLE_BYTES.to_string(),
             }));
         }
-        // SAFETY: a read-only shared mapping; the owner writes it only through atomics.
+        // SAFETY: a read-only shared mapping; the owner writes it only through atomics, and the
+        // seals checked above keep the file from being truncated under it.
         let map = unsafe { memmap2::Mmap::map(&file) }
             .map_err(|e| TransferError::io("map the CUDA IPC live table", e))?;
-        let _ = fd.as_raw_fd();
         Ok(LiveView { map })
     }
 
@@ -223,12 +273,118 @@ mod tests {
         t.publish(&many[..MAX_LIVE]).unwrap();
     }
 
-    #[test]
-    fn a_file_of_another_size_is_refused() {
+    /// A memfd of `len` bytes carrying `seals` (none: not even sealable).
+    fn memfd(len: u64, seals: Option<libc::c_int>) -> OwnedFd {
+        let flags = if seals.is_some() {
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING
+        } else {
+            libc::MFD_CLOEXEC
+        };
         // SAFETY: a NUL-terminated name; the descriptor is owned below.
-        let raw = unsafe { libc::memfd_create(c"x".as_ptr(), 0) };
+        let raw = unsafe { libc::memfd_create(c"x".as_ptr(), flags) };
+        assert!(raw >= 0, "memfd_create");
         // SAFETY: fresh descriptor.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        assert!(LiveView::open(&fd).is_err());
+        std::fs::File::from(fd.try_clone().unwrap())
+            .set_len(len)
+            .unwrap();
+        if let Some(seals) = seals {
+            // SAFETY: fcntl on our own descriptor with an int argument.
+            let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) };
+            assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        }
+        fd
+    }
+
+    fn seals(fd: &OwnedFd) -> libc::c_int {
+        // SAFETY: fcntl on a descriptor we borrow, no argument.
+        let s = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        assert!(s >= 0, "{}", std::io::Error::last_os_error());
+        s
+    }
+
+    #[test]
+    fn a_file_of_another_size_is_refused() {
+        let fd = memfd(TABLE_BYTES as u64 / 2, Some(REQUIRED_SEALS));
+        let e = LiveView::open(&fd).err().expect("a short table is refused");
+        assert!(
+            matches!(e, TransferError::Protocol(ProtocolError::Mismatch { .. })),
+            "{e}"
+        );
+    }
+
+    /// The owner's table carries the seals peers require, and a peer maps and reads it.
+    #[test]
+    fn the_owners_table_is_sealed_and_a_peer_reads_it() {
+        let mut t = LiveTable::new().unwrap();
+        let want = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        assert_eq!(seals(&t.fd()) & want, want, "seals {:#x}", seals(&t.fd()));
+        let v = LiveView::open(&t.fd()).unwrap();
+        t.publish(&[(0x2000, 0x40)]).unwrap();
+        assert!(v.covers(0x2000, 0x40));
+        assert!(!v.covers(0x2000, 0x41));
+    }
+
+    /// A table an owner could truncate under our mapping (a SIGBUS on our next read) is not
+    /// mapped: no seals, a seal missing, or a file that cannot be sealed at all.
+    #[test]
+    fn a_table_that_can_change_size_is_refused() {
+        let bytes = TABLE_BYTES as u64;
+        for (fd, what) in [
+            (memfd(bytes, None), "not sealable"),
+            (memfd(bytes, Some(0)), "sealable, no seals"),
+            (memfd(bytes, Some(libc::F_SEAL_GROW)), "may shrink"),
+            (memfd(bytes, Some(libc::F_SEAL_SHRINK)), "may grow"),
+        ] {
+            let e = LiveView::open(&fd).err().expect(what);
+            assert!(
+                matches!(e, TransferError::Protocol(ProtocolError::BadField { .. })),
+                "{what}: {e}"
+            );
+        }
+        // A regular file of the right size: no seals to read at all (on tmpfs, seals that
+        // say it is sealed against sealing only).
+        let path = std::env::temp_dir().join(format!(
+            "kvferry-live-test-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let file = std::fs::File::create_new(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        file.set_len(bytes).unwrap();
+        let e = LiveView::open(&OwnedFd::from(file))
+            .err()
+            .expect("a regular file");
+        let refused = match &e {
+            TransferError::Io(_) => e.io_error_kind() == Some(std::io::ErrorKind::InvalidInput),
+            TransferError::Protocol(ProtocolError::BadField { .. }) => true,
+            _ => false,
+        };
+        assert!(refused, "{e}");
+    }
+
+    /// The owner's guarantee behind the peer's check: the table's size cannot change, so a
+    /// peer's mapping stays readable.
+    #[test]
+    fn a_sealed_table_cannot_be_truncated() {
+        let mut t = LiveTable::new().unwrap();
+        let v = LiveView::open(&t.fd()).unwrap();
+        let fd = t.fd();
+        for len in [
+            0,
+            TABLE_BYTES as libc::off_t / 2,
+            2 * TABLE_BYTES as libc::off_t,
+        ] {
+            // SAFETY: ftruncate on a descriptor we borrow.
+            let r = unsafe { libc::ftruncate(fd.as_raw_fd(), len) };
+            let e = std::io::Error::last_os_error();
+            assert_eq!(r, -1, "ftruncate to {len} succeeded");
+            assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+        }
+        // SAFETY: fcntl on a descriptor we borrow, with an int argument.
+        let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
+        assert_eq!(r, -1, "F_SEAL_SEAL keeps the seals as they are");
+        t.publish(&[(0x1000, 0x10)]).unwrap();
+        assert!(v.covers(0x1000, 0x10), "the mapping still reads");
     }
 }

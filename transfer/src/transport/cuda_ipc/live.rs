@@ -39,7 +39,8 @@ pub struct LiveTable {
 }
 
 impl LiveTable {
-    /// A fresh, empty table: a memfd of [`TABLE_BYTES`] sealed with [`REQUIRED_SEALS`] and
+    /// A fresh, empty table: a memfd of [`TABLE_BYTES`] sealed with [`REQUIRED_SEALS`],
+    /// `F_SEAL_FUTURE_WRITE` (after this process mapped it: no one else can write it) and
     /// `F_SEAL_SEAL`, so neither this process nor a peer can change its size. Errors: `Io`
     /// (memfd, size, seal, map).
     pub fn new() -> Result<LiveTable> {
@@ -62,25 +63,28 @@ impl LiveTable {
         file.set_len(TABLE_BYTES as u64)
             .map_err(|e| TransferError::io("size the CUDA IPC live table", e))?;
         // Peers refuse a table without these (LiveView::open). The seals also keep a peer that
-        // holds the descriptor from truncating it under our own mapping; F_SEAL_SEAL keeps
-        // anyone from adding seals of their own later.
-        // SAFETY: fcntl on a descriptor we own; F_ADD_SEALS takes an int and touches no memory.
-        let sealed = unsafe {
-            libc::fcntl(
-                fd.as_raw_fd(),
-                libc::F_ADD_SEALS,
-                REQUIRED_SEALS | libc::F_SEAL_SEAL,
-            )
+        // holds the descriptor from truncating it under our own mapping.
+        let seal = |seals: libc::c_int| {
+            // SAFETY: fcntl on a descriptor we own; F_ADD_SEALS takes an int, no memory.
+            let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) };
+            (r == 0)
+                .then_some(())
+                .ok_or_else(std::io::Error::last_os_error)
         };
-        if sealed < 0 {
-            return Err(TransferError::io(
-                "seal the CUDA IPC live table",
-                std::io::Error::last_os_error(),
-            ));
-        }
+        seal(REQUIRED_SEALS).map_err(|e| TransferError::io("seal the CUDA IPC live table", e))?;
         // SAFETY: a shared mapping of our own memfd; peers map it read-only.
         let map = unsafe { memmap2::MmapMut::map_mut(&file) }
             .map_err(|e| TransferError::io("map the CUDA IPC live table", e))?;
+        // Every peer gets the descriptor: once our own writable mapping exists, no one may
+        // make another or write() to it (F_SEAL_FUTURE_WRITE, Linux 5.1), so only this
+        // process writes the list other peers check their slices against; F_SEAL_SEAL keeps
+        // anyone from changing the seals later. A kernel without F_SEAL_FUTURE_WRITE still
+        // gets F_SEAL_SEAL (the size stays fixed), with a warning.
+        if let Err(e) = seal(libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL) {
+            tracing::warn!("the CUDA IPC live table cannot be sealed against writes by peers ({e}): a peer holding it could change the region list other peers read");
+            seal(libc::F_SEAL_SEAL)
+                .map_err(|e| TransferError::io("seal the CUDA IPC live table", e))?;
+        }
         Ok(LiveTable {
             map,
             fd: Arc::new(fd),
@@ -323,6 +327,21 @@ mod tests {
         t.publish(&[(0x2000, 0x40)]).unwrap();
         assert!(v.covers(0x2000, 0x40));
         assert!(!v.covers(0x2000, 0x41));
+    }
+
+    /// Every peer holds the table's descriptor: none can map it writable or write to it (the
+    /// list other peers trust), while the owner's own mapping still publishes.
+    #[test]
+    fn a_peer_cannot_write_the_owners_table() {
+        use std::io::Write;
+        let mut t = LiveTable::new().unwrap();
+        let peer = std::fs::File::from(t.fd().try_clone().unwrap());
+        // SAFETY: a test mapping of a memfd; refused before anything is mapped.
+        let writable = unsafe { memmap2::MmapMut::map_mut(&peer) };
+        assert!(writable.is_err(), "writable mapping");
+        assert!((&peer).write_all(&[1u8; 16]).is_err(), "write()");
+        t.publish(&[(0x3000, 0x40)]).unwrap();
+        assert!(LiveView::open(&t.fd()).unwrap().covers(0x3000, 0x40));
     }
 
     /// A table an owner could truncate under our mapping (a SIGBUS on our next read) is not

@@ -22,7 +22,8 @@ struct Entry {
 }
 
 /// Descriptors by segment name. An entry not used (opened or submitted to) for `idle` is
-/// dropped; one whose peer cannot be reached any more is dropped at once (`forget`). At most
+/// dropped with the transport's connections to it (`Transport::disconnect`); one whose peer
+/// cannot be reached any more is dropped at once (`forget`). At most
 /// `crate::fd_budget::peer_budget` peers are held: past it the least recently used one goes
 /// with its connections, so peers that come and go never exhaust the process's fds.
 pub(crate) struct PeerCache {
@@ -71,24 +72,44 @@ impl PeerCache {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
-        self.lock_at(Instant::now())
-    }
-
-    /// The entries, those idle at `now` dropped first.
-    fn lock_at(&self, now: Instant) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
-        let mut m = self.entries.locked();
-        let idle = self.idle;
-        // One clock read for all entries (this runs at every submit).
-        m.retain(|_, e| now.saturating_duration_since(e.used) < idle);
-        m
+    /// Runs `f` on the entries under the cache's lock, those idle at `now` dropped first. The
+    /// transport's connections to the dropped ones are dropped after the lock is released (as
+    /// `fetch` does for the ones it evicts): left alone, a departed CUDA IPC peer's imported
+    /// allocations would stay mapped for the life of the process.
+    fn with_entries<R>(&self, now: Instant, f: impl FnOnce(&mut HashMap<String, Entry>) -> R) -> R {
+        let (r, expired) = {
+            let mut m = self.entries.locked();
+            let idle = self.idle;
+            let mut expired = Vec::new();
+            // One clock read for all entries (this runs at every submit); `expired` allocates
+            // only when an entry goes.
+            m.retain(|name, e| {
+                let keep = now.saturating_duration_since(e.used) < idle;
+                if !keep {
+                    expired.push(name.clone());
+                }
+                keep
+            });
+            (f(&mut m), expired)
+        };
+        // Outside the lock: a transport's disconnect takes its own locks and may wait on them.
+        // An entry `f` put back under the same name (a fetch) loses its connections too; its
+        // next transfer sets them up again, as after any disconnect.
+        for name in expired {
+            tracing::debug!(segment = %name, idle = ?self.idle, "peer idle; dropping its descriptor and connections");
+            self.transport.disconnect(&name);
+        }
+        r
     }
 
     /// The cached descriptor of `name` (marked used), if any.
     pub(crate) fn get(&self, name: &str) -> Option<Arc<SegmentDescriptor>> {
-        self.lock().get_mut(name).map(|e| {
-            e.used = Instant::now();
-            e.desc.clone()
+        let now = Instant::now();
+        self.with_entries(now, |m| {
+            m.get_mut(name).map(|e| {
+                e.used = now;
+                e.desc.clone()
+            })
         })
     }
 
@@ -105,21 +126,23 @@ impl PeerCache {
         {
             return;
         }
-        if let Some(e) = self.lock_at(now).get_mut(&desc.name) {
-            e.used = e.used.max(now);
-        }
+        self.with_entries(now, |m| {
+            if let Some(e) = m.get_mut(&desc.name) {
+                e.used = e.used.max(now);
+            }
+        });
         when.store(t, Ordering::Relaxed);
         last.store(at, Ordering::Release);
     }
 
     /// Cached descriptors now (after dropping idle ones).
     pub(crate) fn len(&self) -> usize {
-        self.lock().len()
+        self.with_entries(Instant::now(), |m| m.len())
     }
 
     /// Drops `name`'s descriptor and the transport's connections to it.
     pub(crate) fn forget(&self, name: &str) {
-        self.lock().remove(name);
+        self.with_entries(Instant::now(), |m| m.remove(name));
         self.transport.disconnect(name);
     }
 
@@ -152,18 +175,18 @@ impl PeerCache {
                 },
             })?;
         let d = Arc::new(d.validate(name)?);
-        let (old, evicted) = {
-            let mut m = self.lock();
+        let now = Instant::now();
+        let (old, evicted) = self.with_entries(now, |m| {
             let old = m.insert(
                 name.to_string(),
                 Entry {
                     desc: d.clone(),
-                    used: Instant::now(),
+                    used: now,
                 },
             );
             let budget = crate::fd_budget::peer_budget(self.fds_per_peer);
-            (old, evict_over(&mut m, budget, name))
-        };
+            (old, evict_over(m, budget, name))
+        });
         for e in evicted {
             tracing::debug!(segment = %e, budget_fds = crate::fd_budget::nofile_limit(), "peer budget reached; dropping the least recently used peer's connections");
             self.transport.disconnect(&e);
@@ -381,10 +404,14 @@ mod tests {
     use crate::memory::{MemoryRegion, RegionKeys};
     use crate::types::TransportKind;
 
-    /// A transport that counts its warm-ups and moves nothing.
+    /// A transport that counts its warm-ups, records its disconnects and moves nothing.
     #[derive(Default)]
     struct Counting {
         warmed: AtomicUsize,
+        /// Each disconnected name, and whether `cache`'s lock was free at the time.
+        disconnected: Mutex<Vec<(String, bool)>>,
+        /// The cache this transport serves, when a test wants its lock checked.
+        cache: std::sync::OnceLock<std::sync::Weak<PeerCache>>,
     }
 
     impl Transport for Counting {
@@ -419,6 +446,31 @@ mod tests {
             self.warmed.fetch_add(1, Ordering::SeqCst);
             Ok(0)
         }
+        fn disconnect(&self, name: &str) {
+            // A transport may take its own locks and call back into the engine here: the cache
+            // must not hold its lock while it calls out.
+            let unlocked = self
+                .cache
+                .get()
+                .and_then(std::sync::Weak::upgrade)
+                .is_none_or(|c| c.entries.try_lock().is_ok());
+            self.disconnected
+                .locked()
+                .push((name.to_string(), unlocked));
+        }
+    }
+
+    /// A TCP descriptor of segment `name` with no buffers.
+    fn descriptor(name: &str) -> Arc<SegmentDescriptor> {
+        Arc::new(SegmentDescriptor {
+            name: name.into(),
+            instance_id: 1,
+            transport: TransportInfo {
+                kind: TransportKind::Tcp,
+                details: serde_json::json!({}),
+            },
+            buffers: Vec::new(),
+        })
     }
 
     /// Opening a segment warms up what the first transfer would set up; a fetch that must
@@ -476,7 +528,41 @@ mod tests {
         cache.touch(&d, ms(150));
         assert_eq!(cache.entries.locked()[&d.name].used, ms(150));
         // Idle 1600 ms after t0, not after its last use: kept.
-        assert!(cache.lock_at(ms(1700)).contains_key(&d.name));
-        assert!(!cache.lock_at(ms(1800)).contains_key(&d.name));
+        assert!(cache.with_entries(ms(1700), |m| m.contains_key(&d.name)));
+        assert!(!cache.with_entries(ms(1800), |m| m.contains_key(&d.name)));
+    }
+
+    /// An entry dropped for idleness has the transport's connections to it dropped too (for
+    /// CUDA IPC: the peer's imported allocations unmapped), after the cache's lock is
+    /// released; an entry still in use keeps its connections.
+    #[test]
+    fn an_entry_dropped_for_idleness_is_disconnected() {
+        let t = Arc::new(Counting::default());
+        let cache = Arc::new(PeerCache::new(
+            t.clone(),
+            AuthState::new(None, "test"),
+            Duration::from_secs(5),
+            Duration::from_millis(1600),
+            1,
+        ));
+        t.cache.set(Arc::downgrade(&cache)).unwrap();
+        let (gone, kept) = (descriptor("127.0.0.1:9"), descriptor("127.0.0.1:10"));
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        for (d, used) in [(&gone, t0), (&kept, ms(1000))] {
+            cache.entries.locked().insert(
+                d.name.clone(),
+                Entry {
+                    desc: d.clone(),
+                    used,
+                },
+            );
+        }
+        // 1700 ms after its last use `gone` is past the idle timeout; `kept` (700 ms) is not.
+        cache.touch(&kept, ms(1700));
+        assert_eq!(*t.disconnected.locked(), [(gone.name.clone(), true)]);
+        let m = cache.entries.locked();
+        assert!(!m.contains_key(&gone.name));
+        assert_eq!(m[&kept.name].used, ms(1700));
     }
 }

@@ -15,9 +15,7 @@ use super::state::{
     MAX_ALLOCS_PER_REQUEST, NONCES_KEPT, PROOF_LABEL,
 };
 use super::transport::CudaIpcTransport;
-use crate::error::{
-    ArgumentError, ProtocolError, Refusal, Result, TransferError, UnsupportedError,
-};
+use crate::error::{ArgumentError, ProtocolError, Result, TransferError, UnsupportedError};
 use crate::memory::MemoryRegion;
 use crate::sync::MutexExt;
 
@@ -171,13 +169,9 @@ impl CudaIpcTransport {
         let live = hex(&srv.offer(live_fd, super::live::TABLE_BYTES as u64)?);
         let ex = self.exports.locked();
         let mut allocs = Vec::with_capacity(req.allocs.len());
-        for base in &req.allocs {
-            let e = ex.get(base).ok_or_else(|| TransferError::Refused {
-                segment: "this engine".into(),
-                why: Refusal::NotExported { base: *base },
-            })?;
+        for (base, e) in offered(&req.allocs, |b| ex.get(&b)) {
             allocs.push(AllocReply {
-                base: *base,
+                base,
                 size: e.size,
                 legacy: e.legacy.map(|h| hex(&h.0)),
                 fd: match &e.fd {
@@ -213,5 +207,134 @@ impl CudaIpcTransport {
         for b in empty {
             ex.remove(&b);
         }
+    }
+}
+
+/// The bases of `asked` (a handle request's allocations, as sent) that get an answer, each with
+/// what `export` finds for it, in the order of their first appearance. A base listed again is
+/// answered once: each answer may mint a ticket, and a peer repeating one base must not eat the
+/// ticket budget (`fdpass::MAX_TICKETS`) that other peers need. A base with no export (e.g.
+/// unregistered since the peer read the descriptor) is left out rather than failing the whole
+/// request: the importer fails that allocation alone (`CudaIpcReplyFault::NotListed`), and
+/// nothing is minted for it.
+fn offered<'e, E>(asked: &[u64], export: impl Fn(u64) -> Option<&'e E>) -> Vec<(u64, &'e E)> {
+    // `asked` holds at most `MAX_ALLOCS_PER_REQUEST` bases (checked before).
+    let mut seen = HashSet::with_capacity(asked.len());
+    asked
+        .iter()
+        .filter(|b| seen.insert(**b))
+        .filter_map(|&b| match export(b) {
+            Some(e) => Some((b, e)),
+            None => {
+                tracing::debug!(
+                    base = format_args!("{b:#x}"),
+                    "CUDA IPC handle request: allocation not exported; left out of the reply"
+                );
+                None
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    //! The handle service's answer, with no GPU: exports made of any file descriptor stand in
+    //! for exported allocations (the tickets and the reply do not look inside them).
+
+    use std::os::fd::OwnedFd;
+
+    use super::super::state::{Export, Request};
+    use super::*;
+    use crate::auth::{AuthState, Secret};
+    use crate::config::EngineConfig;
+    use crate::transport::{Transport, TransportContext};
+
+    /// A CUDA IPC transport over a TCP one (`secret` as its auth), with an empty live table
+    /// published and an export (one file descriptor) of `size` 1 at each of `bases`.
+    fn owner(secret: Option<Secret>, bases: &[u64]) -> Arc<CudaIpcTransport> {
+        let ctx = TransportContext {
+            config: EngineConfig::default(),
+            segment_name: "127.0.0.1:1".into(),
+            instance_id: 1,
+            registry: Arc::new(crate::memory::MemoryRegistry::new()),
+            memory: Arc::new(crate::memory::HostMemoryAccess),
+            auth: AuthState::new(secret, "test"),
+        };
+        let inner: Arc<dyn Transport> =
+            Arc::new(crate::transport::tcp::TcpTransport::new(ctx.clone()).unwrap());
+        let t = CudaIpcTransport::new(&ctx, inner).unwrap();
+        t.publish_live(&[]).unwrap();
+        let fd: Arc<OwnedFd> = Arc::new(std::fs::File::open("/dev/null").unwrap().into());
+        for &base in bases {
+            t.exports.locked().insert(
+                base,
+                Export {
+                    size: 1,
+                    regions: HashSet::from([base]),
+                    legacy: None,
+                    fd: Some(fd.clone()),
+                },
+            );
+        }
+        t
+    }
+
+    /// A request for `allocs` as a peer sends it (proven with `secret` when given).
+    fn request(allocs: Vec<u64>, secret: Option<&Secret>) -> Vec<u8> {
+        let nonce = crate::auth::random_bytes::<32>().unwrap();
+        serde_json::to_vec(&Envelope {
+            cuda_ipc: Request {
+                version: 1,
+                nonce: hex(&nonce),
+                proof: secret
+                    .map(|s| hex(&s.prove(PROOF_LABEL, &[&nonce, &allocs_bytes(&allocs)]))),
+                allocs,
+            },
+        })
+        .unwrap()
+    }
+
+    fn reply(body: &[u8]) -> Reply {
+        serde_json::from_slice::<Envelope<Reply>>(body)
+            .unwrap()
+            .cuda_ipc
+    }
+
+    /// A request that lists one base many times gets it once and costs one ticket for it (with
+    /// the live table's), so repeating a base cannot eat the ticket budget honest peers need;
+    /// the secret's proof still covers the list as sent.
+    #[test]
+    fn a_base_listed_many_times_gets_one_ticket() {
+        let secret = Secret::from_bytes(b"0123456789abcdef0123").unwrap();
+        let t = owner(Some(secret.clone()), &[0x1000]);
+        let body = request(vec![0x1000; MAX_ALLOCS_PER_REQUEST], Some(&secret));
+        let r = reply(&t.handle_request(&body).unwrap());
+        // The count first: without de-duplication it reads 1025, the reply 1024 answers.
+        assert_eq!(
+            t.fd_server().unwrap().outstanding(),
+            2,
+            "the live table's and one"
+        );
+        let bases: Vec<u64> = r.allocs.iter().map(|a| a.base).collect();
+        assert_eq!(bases, [0x1000]);
+        assert!(r.allocs[0].fd.is_some());
+    }
+
+    /// A base with no export (unregistered since the peer read the descriptor) is left out of
+    /// the reply and costs no ticket; the others are answered, in the order asked (the importer
+    /// fails the missing one alone).
+    #[test]
+    fn an_unknown_base_is_left_out_of_the_reply() {
+        let t = owner(None, &[0x1000, 0x3000]);
+        let body = request(vec![0x3000, 0x2000, 0x1000], None);
+        let r = reply(&t.handle_request(&body).unwrap());
+        let bases: Vec<u64> = r.allocs.iter().map(|a| a.base).collect();
+        assert_eq!(bases, [0x3000, 0x1000]);
+        assert!(r.allocs.iter().all(|a| a.fd.is_some() && a.size == 1));
+        assert_eq!(
+            t.fd_server().unwrap().outstanding(),
+            3,
+            "the live table's and two"
+        );
     }
 }

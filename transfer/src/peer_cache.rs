@@ -22,7 +22,7 @@ struct Entry {
 }
 
 /// Descriptors by segment name. An entry not used (opened or submitted to) for `idle` is
-/// dropped with the transport's connections to it (`Transport::disconnect`); one whose peer
+/// dropped, and the transport told (`Transport::forget_idle`); one whose peer
 /// cannot be reached any more is dropped at once (`forget`). At most
 /// `crate::fd_budget::peer_budget` peers are held: past it the least recently used one goes
 /// with its connections, so peers that come and go never exhaust the process's fds.
@@ -73,9 +73,9 @@ impl PeerCache {
     }
 
     /// Runs `f` on the entries under the cache's lock, those idle at `now` dropped first. The
-    /// transport's connections to the dropped ones are dropped after the lock is released (as
-    /// `fetch` does for the ones it evicts): left alone, a departed CUDA IPC peer's imported
-    /// allocations would stay mapped for the life of the process.
+    /// transport is told of the dropped ones after the lock is released
+    /// (`Transport::forget_idle`): left alone, a departed CUDA IPC peer's imported allocations
+    /// would stay mapped for the life of the process.
     fn with_entries<R>(&self, now: Instant, f: impl FnOnce(&mut HashMap<String, Entry>) -> R) -> R {
         let (r, expired) = {
             let mut m = self.entries.locked();
@@ -92,12 +92,12 @@ impl PeerCache {
             });
             (f(&mut m), expired)
         };
-        // Outside the lock: a transport's disconnect takes its own locks and may wait on them.
-        // An entry `f` put back under the same name (a fetch) loses its connections too; its
-        // next transfer sets them up again, as after any disconnect.
+        // Outside the lock: a transport takes its own locks and may wait on them. An entry `f`
+        // put back under the same name (a fetch) is forgotten by the transport too; its next
+        // transfer sets up again what it needs.
         for name in expired {
-            tracing::debug!(segment = %name, idle = ?self.idle, "peer idle; dropping its descriptor and connections");
-            self.transport.disconnect(&name);
+            tracing::debug!(segment = %name, idle = ?self.idle, "peer idle; dropping its descriptor");
+            self.transport.forget_idle(&name);
         }
         r
     }
@@ -408,10 +408,26 @@ mod tests {
     #[derive(Default)]
     struct Counting {
         warmed: AtomicUsize,
-        /// Each disconnected name, and whether `cache`'s lock was free at the time.
-        disconnected: Mutex<Vec<(String, bool)>>,
+        /// Each name disconnected or forgotten for idleness (which of the two), and whether
+        /// `cache`'s lock was free at the time.
+        disconnected: Mutex<Vec<(String, &'static str, bool)>>,
         /// The cache this transport serves, when a test wants its lock checked.
         cache: std::sync::OnceLock<std::sync::Weak<PeerCache>>,
+    }
+
+    impl Counting {
+        fn record(&self, name: &str, how: &'static str) {
+            // A transport may take its own locks and call back into the engine here: the cache
+            // must not hold its lock while it calls out.
+            let unlocked = self
+                .cache
+                .get()
+                .and_then(std::sync::Weak::upgrade)
+                .is_none_or(|c| c.entries.try_lock().is_ok());
+            self.disconnected
+                .locked()
+                .push((name.to_string(), how, unlocked));
+        }
     }
 
     impl Transport for Counting {
@@ -447,16 +463,10 @@ mod tests {
             Ok(0)
         }
         fn disconnect(&self, name: &str) {
-            // A transport may take its own locks and call back into the engine here: the cache
-            // must not hold its lock while it calls out.
-            let unlocked = self
-                .cache
-                .get()
-                .and_then(std::sync::Weak::upgrade)
-                .is_none_or(|c| c.entries.try_lock().is_ok());
-            self.disconnected
-                .locked()
-                .push((name.to_string(), unlocked));
+            self.record(name, "disconnect");
+        }
+        fn forget_idle(&self, name: &str) {
+            self.record(name, "forget_idle");
         }
     }
 
@@ -532,11 +542,11 @@ mod tests {
         assert!(!cache.with_entries(ms(1800), |m| m.contains_key(&d.name)));
     }
 
-    /// An entry dropped for idleness has the transport's connections to it dropped too (for
-    /// CUDA IPC: the peer's imported allocations unmapped), after the cache's lock is
-    /// released; an entry still in use keeps its connections.
+    /// An entry dropped for idleness is forgotten by the transport too (for CUDA IPC: the
+    /// peer's imported allocations unmapped), after the cache's lock is released; an entry
+    /// still in use is not.
     #[test]
-    fn an_entry_dropped_for_idleness_is_disconnected() {
+    fn an_entry_dropped_for_idleness_is_forgotten_by_the_transport() {
         let t = Arc::new(Counting::default());
         let cache = Arc::new(PeerCache::new(
             t.clone(),
@@ -560,7 +570,10 @@ mod tests {
         }
         // 1700 ms after its last use `gone` is past the idle timeout; `kept` (700 ms) is not.
         cache.touch(&kept, ms(1700));
-        assert_eq!(*t.disconnected.locked(), [(gone.name.clone(), true)]);
+        assert_eq!(
+            *t.disconnected.locked(),
+            [(gone.name.clone(), "forget_idle", true)]
+        );
         let m = cache.entries.locked();
         assert!(!m.contains_key(&gone.name));
         assert_eq!(m[&kept.name].used, ms(1700));

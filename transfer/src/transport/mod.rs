@@ -259,6 +259,13 @@ pub trait Transport: Send + Sync + 'static {
     /// descriptor changed, e.g. the peer restarted). Default: nothing.
     fn disconnect(&self, _name: &str) {}
 
+    /// The engine dropped segment `name`'s descriptor after `EngineConfig::peer_idle_timeout`
+    /// without an open or a submit: drop what is held for it that has no idle limit of its own
+    /// (CUDA IPC: the peer's imported allocations, which would otherwise stay mapped for the
+    /// life of the process). Transfers still in flight to it must not fail for it (unlike
+    /// `disconnect`). Default: nothing (TCP connections and RDMA endpoints time out alone).
+    fn forget_idle(&self, _name: &str) {}
+
     /// Counts of the connection state held now (`TransferEngine::stats`). Default: zeros.
     fn stats(&self) -> TransportStats {
         TransportStats::default()

@@ -496,6 +496,12 @@ impl Transport for CudaIpcTransport {
         self.inner.disconnect(name);
     }
 
+    fn forget_idle(&self, name: &str) {
+        // Copies in flight hold their mappings until their events complete.
+        self.drop_peer(name);
+        self.inner.forget_idle(name);
+    }
+
     fn stats(&self) -> TransportStats {
         let mut s = self.inner.stats();
         let peers = self.peers.locked();

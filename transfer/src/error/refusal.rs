@@ -28,6 +28,15 @@ pub enum Refusal {
     /// process's engines (its device addresses would be taken as ours).
     #[error("its CUDA IPC keys claim this process, but it is not one of this process's engines")]
     ForgedIdentity,
+    /// CUDA IPC: a handle request names another instance of this engine's segment (the
+    /// asker's descriptor is from before a restart).
+    #[error("the request names instance {asked:#x}, this engine is instance {current:#x}")]
+    OtherInstance {
+        /// The instance id the asker's descriptor holds.
+        asked: u64,
+        /// This engine's instance id.
+        current: u64,
+    },
     /// CUDA IPC: a peer asked for an allocation this engine did not export.
     #[error("allocation {base:#x} is not exported for CUDA IPC")]
     NotExported {

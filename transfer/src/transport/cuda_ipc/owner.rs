@@ -118,6 +118,15 @@ impl CudaIpcTransport {
                 speaks: 1,
             }));
         }
+        if let Some(asked) = req.instance.filter(|&i| i != self.own.1) {
+            return Err(TransferError::Refused {
+                segment: self.own.0.clone(),
+                why: crate::error::Refusal::OtherInstance {
+                    asked,
+                    current: self.own.1,
+                },
+            });
+        }
         if req.allocs.len() > MAX_ALLOCS_PER_REQUEST {
             return Err(TransferError::Protocol(ProtocolError::TooLarge {
                 what: "CUDA IPC handle request's allocations".into(),
@@ -289,6 +298,7 @@ mod tests {
                 proof: secret
                     .map(|s| hex(&s.prove(PROOF_LABEL, &[&nonce, &allocs_bytes(&allocs)]))),
                 allocs,
+                instance: None,
             },
         })
         .unwrap()
@@ -318,6 +328,36 @@ mod tests {
         let bases: Vec<u64> = r.allocs.iter().map(|a| a.base).collect();
         assert_eq!(bases, [0x1000]);
         assert!(r.allocs[0].fd.is_some());
+    }
+
+    /// A peer whose descriptor names another instance of this segment (from before a restart)
+    /// gets nothing: its batch was planned for the process that was here then. A request
+    /// naming this instance, or none (an older peer), is answered.
+    #[test]
+    fn a_request_for_another_instance_is_refused() {
+        let t = owner(None, &[0x1000]);
+        let ask = |instance| {
+            let mut r: Envelope<Request> =
+                serde_json::from_slice(&request(vec![0x1000], None)).unwrap();
+            r.cuda_ipc.instance = instance;
+            t.handle_request(&serde_json::to_vec(&r).unwrap())
+        };
+        let e = ask(Some(2)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                TransferError::Refused {
+                    why: crate::error::Refusal::OtherInstance {
+                        asked: 2,
+                        current: 1
+                    },
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(ask(Some(1)).is_ok());
+        assert!(ask(None).is_ok());
     }
 
     /// A base with no export (unregistered since the peer read the descriptor) is left out of

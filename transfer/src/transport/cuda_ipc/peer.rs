@@ -108,6 +108,7 @@ impl CudaIpcTransport {
                 nonce: hex(&nonce),
                 proof,
                 allocs: wanted,
+                instance: Some(desc.instance_id),
             },
         })
         .map_err(|e| {

@@ -89,6 +89,11 @@ pub(super) struct Request {
     pub(super) proof: Option<String>,
     /// Allocation bases wanted.
     pub(super) allocs: Vec<u64>,
+    /// The owner's instance id as the asking peer's descriptor names it (absent from older
+    /// peers): an owner restarted under the same name since refuses, so that a batch
+    /// planned on the old descriptor never maps the new process's allocations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) instance: Option<u64>,
 }
 
 #[derive(Serialize, Deserialize)]

@@ -25,6 +25,7 @@ fn ask(
             nonce: hex(&nonce),
             proof: proof_with.map(|s| hex(&s.prove(PROOF_LABEL, &[&nonce, &allocs_bytes(&[])]))),
             allocs: vec![],
+            instance: None,
         },
     })
     .unwrap();
@@ -152,6 +153,7 @@ fn a_malformed_request_is_refused_not_fatal() {
             nonce: hex(&[1u8; 32]),
             proof: None,
             allocs: many,
+            instance: None,
         },
     })
     .unwrap();

@@ -103,17 +103,17 @@ pub(crate) fn local_covers(
         }
         .into());
     }
-    registry
-        .cover_regions(requests.iter().map(|r| (r.local_addr, r.len)))
-        .into_iter()
-        .zip(requests)
-        .map(|(c, r)| {
-            c.ok_or(TransferError::NotRegistered {
-                addr: r.local_addr,
-                len: r.len,
-            })
-        })
-        .collect()
+    let covers = registry.cover_regions(requests.iter().map(|r| (r.local_addr, r.len)));
+    // Collected with room for every request at once: collecting `Result`s grows the list by
+    // doubling (a batch of thousands of pieces copied it a dozen times over).
+    let mut out = Covers::with_capacity(requests.len());
+    for (c, r) in covers.into_iter().zip(requests) {
+        out.push(c.ok_or_else(|| TransferError::NotRegistered {
+            addr: r.local_addr,
+            len: r.len,
+        })?);
+    }
+    Ok(out)
 }
 
 /// The slices of `requests` (ids 0..n in request order), given each request's local and

@@ -162,31 +162,33 @@ impl SegmentDescriptor {
         let refs: std::cell::OnceCell<Vec<&(usize, &BufferDesc)>> = std::cell::OnceCell::new();
         // Requests of one submit mostly lie in one buffer: the last one is tried first.
         let mut last = usize::MAX;
-        requests
-            .iter()
-            .map(|r| {
-                let one = match self.buffers.get(last) {
-                    Some(b) if b.region.contains(r.remote_addr, r.len) => Some(last),
-                    _ => self.find_buffer_index(r.remote_addr, r.len),
-                };
-                if let Some(i) = one {
-                    last = i;
-                    return Ok(smallvec::smallvec![(r.remote_addr, r.len, i)]);
-                }
-                let refs = refs.get_or_init(|| {
-                    idx.get_or_init(|| self.buffers.iter().enumerate().collect())
-                        .iter()
-                        .collect()
-                });
-                cover_sorted(refs, |(_, b)| &b.region, r.remote_addr, r.len)
-                    .map(|v| v.into_iter().map(|(a, l, (i, _))| (a, l, *i)).collect())
-                    .ok_or_else(|| TransferError::RemoteOutOfRange {
-                        segment: self.name.clone(),
-                        addr: r.remote_addr,
-                        len: r.len,
-                    })
-            })
-            .collect()
+        // Room for every request at once (collecting `Result`s would grow it by doubling).
+        let mut out = Covers::with_capacity(requests.len());
+        for r in requests {
+            let one = match self.buffers.get(last) {
+                Some(b) if b.region.contains(r.remote_addr, r.len) => Some(last),
+                _ => self.find_buffer_index(r.remote_addr, r.len),
+            };
+            if let Some(i) = one {
+                last = i;
+                out.push(smallvec::smallvec![(r.remote_addr, r.len, i)]);
+                continue;
+            }
+            let refs = refs.get_or_init(|| {
+                idx.get_or_init(|| self.buffers.iter().enumerate().collect())
+                    .iter()
+                    .collect()
+            });
+            let cover = cover_sorted(refs, |(_, b)| &b.region, r.remote_addr, r.len)
+                .map(|v| v.into_iter().map(|(a, l, (i, _))| (a, l, *i)).collect())
+                .ok_or_else(|| TransferError::RemoteOutOfRange {
+                    segment: self.name.clone(),
+                    addr: r.remote_addr,
+                    len: r.len,
+                })?;
+            out.push(cover);
+        }
+        Ok(out)
     }
 
     /// `Ok` when this segment speaks transport `local` (two segments talk only over one

@@ -4,7 +4,9 @@
 //! (speed is compared between builds, side by side):
 //!
 //! `cargo test --release -p kvferry-transfer --lib engine_host_cost -- --ignored --nocapture`
-//! (`KVF_COST_BATCHES`: batches per figure, default 200000).
+//! (`KVF_COST_BATCHES`: batches per figure, default 200000), and per request of a batch of
+//! many scattered pieces (as Mooncake's `batch_transfer_sync_write` hands them):
+//! `cargo test --release -p kvferry-transfer --lib engine_piece_cost -- --ignored --nocapture`.
 
 use std::net::SocketAddr;
 use std::sync::mpsc;
@@ -190,5 +192,61 @@ fn engine_host_cost() {
                 if inline { "inline" } else { "thread" }
             );
         }
+    }
+}
+
+/// Nanoseconds per request of one batch of `n` pieces of `piece` bytes at every other offset on
+/// both sides (nothing coalesces), submitted and waited for `batches` times: (whole loop, submit
+/// alone).
+fn per_piece(p: &Pair, n: usize, piece: usize, batches: usize) -> (f64, f64) {
+    let reqs: Vec<TransferRequest> = (0..n)
+        .map(|i| TransferRequest {
+            op: Op::Write,
+            local_addr: p.src.as_ptr() as u64 + (2 * i * piece) as u64,
+            remote_addr: p.dst.as_ptr() as u64 + (2 * i * piece) as u64,
+            len: piece as u64,
+        })
+        .collect();
+    let run = || {
+        let s = Instant::now();
+        let id = p.a.submit(&p.seg, &reqs).unwrap();
+        let submitted = s.elapsed();
+        p.a.wait(id, Duration::from_secs(10)).unwrap();
+        p.a.free_batch(id);
+        submitted
+    };
+    run();
+    let mut submitting = Duration::ZERO;
+    let t = Instant::now();
+    for _ in 0..batches {
+        submitting += run();
+    }
+    let n = (batches * n) as f64;
+    (
+        t.elapsed().as_nanos() as f64 / n,
+        submitting.as_nanos() as f64 / n,
+    )
+}
+
+#[test]
+#[ignore = "a benchmark: prints the engine's host time per request of a scattered batch"]
+fn engine_piece_cost() {
+    let (n, piece) = (4096, 4096);
+    let batches = std::env::var("KVF_COST_BATCHES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let modes = match std::env::var("KVF_COST_MODE").as_deref() {
+        Ok("inline") => vec![true],
+        Ok("thread") => vec![false],
+        _ => vec![true, false],
+    };
+    for inline in modes {
+        let p = pair(inline, 2 * n * piece);
+        let (all, submit) = per_piece(&p, n, piece, batches);
+        println!(
+            "engine piece cost: completion {}: {n} pieces a batch: {all:.1} ns/request, submit {submit:.1} ns/request",
+            if inline { "inline" } else { "thread" }
+        );
     }
 }

@@ -103,17 +103,12 @@ pub(crate) fn local_covers(
         }
         .into());
     }
-    let covers = registry.cover_regions(requests.iter().map(|r| (r.local_addr, r.len)));
-    // Collected with room for every request at once: collecting `Result`s grows the list by
-    // doubling (a batch of thousands of pieces copied it a dozen times over).
-    let mut out = Covers::with_capacity(requests.len());
-    for (c, r) in covers.into_iter().zip(requests) {
-        out.push(c.ok_or_else(|| TransferError::NotRegistered {
-            addr: r.local_addr,
-            len: r.len,
-        })?);
-    }
-    Ok(out)
+    registry
+        .cover_regions(requests.iter().map(|r| (r.local_addr, r.len)))
+        .map_err(|i| TransferError::NotRegistered {
+            addr: requests[i].local_addr,
+            len: requests[i].len,
+        })
 }
 
 /// The slices of `requests` (ids 0..n in request order), given each request's local and

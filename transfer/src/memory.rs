@@ -286,30 +286,35 @@ impl MemoryRegistry {
     }
 
     /// As `cover` for every range of `ranges` under one read lock, with the regions only (no
-    /// keys are cloned): a submit of thousands of requests takes the lock once.
+    /// keys are cloned): a submit of thousands of requests takes the lock once. Errors: the
+    /// index of the first range some byte of which no region holds.
     pub(crate) fn cover_regions(
         &self,
-        ranges: impl Iterator<Item = (u64, u64)>,
-    ) -> smallvec::SmallVec<[Option<Cover<MemoryRegion>>; 1]> {
+        ranges: impl ExactSizeIterator<Item = (u64, u64)>,
+    ) -> std::result::Result<Covers<MemoryRegion>, usize> {
         let map = self.regions.read_locked();
         let mut entries: Option<Vec<&RegistryEntry>> = None;
         // Requests of one submit mostly lie in one region: the last one is tried first.
         let mut last: Option<&RegistryEntry> = None;
-        ranges
-            .map(|(addr, len)| {
-                // Most requests lie inside one region: one tree lookup, no allocation.
-                if let Some(e) = last.filter(|e| e.region.contains(addr, len)) {
-                    return Some(smallvec::smallvec![(addr, len, e.region)]);
-                }
-                if let Some(e) = find_in(&map, addr, len) {
-                    last = Some(e);
-                    return Some(smallvec::smallvec![(addr, len, e.region)]);
-                }
-                let all = entries.get_or_insert_with(|| map.values().collect());
-                cover_sorted(all, |e| &e.region, addr, len)
-                    .map(|v| v.into_iter().map(|(a, l, e)| (a, l, e.region)).collect())
-            })
-            .collect()
+        let mut out = Covers::with_capacity(ranges.len());
+        for (i, (addr, len)) in ranges.enumerate() {
+            // Most requests lie inside one region: one tree lookup, no allocation.
+            if let Some(e) = last.filter(|e| e.region.contains(addr, len)) {
+                out.push(smallvec::smallvec![(addr, len, e.region)]);
+                continue;
+            }
+            if let Some(e) = find_in(&map, addr, len) {
+                last = Some(e);
+                out.push(smallvec::smallvec![(addr, len, e.region)]);
+                continue;
+            }
+            let all = entries.get_or_insert_with(|| map.values().collect());
+            match cover_sorted(all, |e| &e.region, addr, len) {
+                Some(v) => out.push(v.into_iter().map(|(a, l, e)| (a, l, e.region)).collect()),
+                None => return Err(i),
+            }
+        }
+        Ok(out)
     }
 
     /// Cuts `[addr, addr+len)` at region boundaries: the pieces `(addr, len, entry)` covering

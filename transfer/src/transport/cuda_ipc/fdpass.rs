@@ -142,11 +142,27 @@ fn serve(listener: UnixListener, sh: Arc<Shared>) {
 }
 
 fn answer(s: &UnixStream, sh: &Shared) -> std::io::Result<()> {
+    // One deadline for the whole exchange, not one per read: the server answers one
+    // connection at a time, and a client trickling its ticket a byte a read would hold it
+    // for sixteen read deadlines.
+    let deadline = Instant::now() + IO_DEADLINE;
     s.set_nonblocking(false)?;
-    s.set_read_timeout(Some(IO_DEADLINE))?;
     s.set_write_timeout(Some(IO_DEADLINE))?;
     let mut ticket = [0u8; 16];
-    (&*s).read_exact(&mut ticket)?;
+    let mut got = 0;
+    while got < ticket.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        s.set_read_timeout(Some(left))?;
+        match (&*s).read(&mut ticket[got..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
     let offer = {
         let mut t = sh.tickets.locked();
         t.remove(&ticket).filter(|o| o.expires > Instant::now())
@@ -402,6 +418,37 @@ mod tests {
         // served after the idle connection's read deadline
         let (_, size) = fetch(srv.name(), &t, "peer:1", None).unwrap();
         assert_eq!(size, 1);
+    }
+
+    /// A client that trickles its ticket a byte at a time (each read well within the read
+    /// deadline) is cut off at one deadline for the whole exchange, not held for sixteen: the
+    /// server answers one connection at a time.
+    #[test]
+    fn a_trickling_client_is_cut_off_at_one_deadline() {
+        let srv = FdServer::start().unwrap();
+        let addr = SocketAddr::from_abstract_name(srv.name().as_bytes()).unwrap();
+        let mut c = UnixStream::connect_addr(&addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let t0 = Instant::now();
+        // 16 bytes, 300 ms apart: 4.5 s in all, each gap well under the 2 s deadline.
+        let mut sent = 0;
+        for i in 0..16u8 {
+            if i > 0 {
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            if c.write_all(&[i]).is_err() {
+                break;
+            }
+            sent += 1;
+        }
+        let mut reply = Vec::new();
+        let _ = c.read_to_end(&mut reply);
+        assert!(
+            sent < 16 || reply.is_empty(),
+            "served after {:?}: {sent} bytes sent, {} answered",
+            t0.elapsed(),
+            reply.len()
+        );
     }
 
     /// A caller's deadline ends the wait for a server that does not answer (its own read

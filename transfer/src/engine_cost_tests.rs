@@ -171,18 +171,25 @@ fn per_batch(p: &Pair, batches: usize, window: usize) -> (f64, f64) {
     )
 }
 
-#[test]
-#[ignore = "a benchmark: prints the engine's host time per batch"]
-fn engine_host_cost() {
+/// The figures' settings: batches (`KVF_COST_BATCHES`, else `default`) and completion modes
+/// (`KVF_COST_MODE`: `inline`, `thread`, else both; `true` is inline).
+fn settings(default: usize) -> (usize, Vec<bool>) {
     let batches = std::env::var("KVF_COST_BATCHES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(200_000);
+        .unwrap_or(default);
     let modes = match std::env::var("KVF_COST_MODE").as_deref() {
         Ok("inline") => vec![true],
         Ok("thread") => vec![false],
         _ => vec![true, false],
     };
+    (batches, modes)
+}
+
+#[test]
+#[ignore = "a benchmark: prints the engine's host time per batch"]
+fn engine_host_cost() {
+    let (batches, modes) = settings(200_000);
     for inline in modes {
         let p = pair(inline, 1 << 20);
         for window in [1, 4] {
@@ -232,15 +239,7 @@ fn per_piece(p: &Pair, n: usize, piece: usize, batches: usize) -> (f64, f64) {
 #[ignore = "a benchmark: prints the engine's host time per request of a scattered batch"]
 fn engine_piece_cost() {
     let (n, piece) = (4096, 4096);
-    let batches = std::env::var("KVF_COST_BATCHES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(200);
-    let modes = match std::env::var("KVF_COST_MODE").as_deref() {
-        Ok("inline") => vec![true],
-        Ok("thread") => vec![false],
-        _ => vec![true, false],
-    };
+    let (batches, modes) = settings(200);
     for inline in modes {
         let p = pair(inline, 2 * n * piece);
         let (all, submit) = per_piece(&p, n, piece, batches);

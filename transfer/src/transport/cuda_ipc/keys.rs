@@ -243,6 +243,20 @@ mod tests {
             location,
         }
     }
+    /// The route from `me` between two regions at 0x1000 on device 0, the peer's keys `k`,
+    /// peer access granted.
+    fn on_gpu(me: &HostIdentity, k: &IpcRegionKeys, import_failed: bool, own: bool) -> Route {
+        let gpu = region(0x1000, Location::Cuda(0));
+        route(
+            Some(me),
+            &gpu,
+            &gpu,
+            Some(Ok(k)),
+            |_, _| true,
+            import_failed,
+            own,
+        )
+    }
     fn keys(host: HostIdentity) -> IpcRegionKeys {
         IpcRegionKeys {
             host,
@@ -323,46 +337,15 @@ mod tests {
     #[test]
     fn the_same_process_copies_in_place_and_a_failed_import_falls_back() {
         let me = id("b", 1);
-        let gpu = region(0x1000, Location::Cuda(0));
         let mine = keys(id("b", 1));
-        assert_eq!(
-            route(
-                Some(&me),
-                &gpu,
-                &gpu,
-                Some(Ok(&mine)),
-                |_, _| true,
-                true,
-                true
-            ),
-            Route::InProcess
-        );
+        assert_eq!(on_gpu(&me, &mine, true, true), Route::InProcess);
         // another pid namespace: never taken for this process even with an equal pid
         let mut ns = keys(id("b", 1));
         ns.host.pid_ns = "pid:[2]".into();
-        assert_eq!(
-            route(
-                Some(&me),
-                &gpu,
-                &gpu,
-                Some(Ok(&ns)),
-                |_, _| true,
-                false,
-                false
-            ),
-            Route::Ipc
-        );
+        assert_eq!(on_gpu(&me, &ns, false, false), Route::Ipc);
         let theirs = keys(id("b", 2));
         assert_eq!(
-            route(
-                Some(&me),
-                &gpu,
-                &gpu,
-                Some(Ok(&theirs)),
-                |_, _| true,
-                true,
-                false
-            ),
+            on_gpu(&me, &theirs, true, false),
             Route::Fallback(FallbackWhy::ImportFailed)
         );
     }
@@ -373,32 +356,12 @@ mod tests {
     #[test]
     fn a_peer_claiming_this_process_is_refused_unless_it_is_one_of_its_engines() {
         let me = id("b", 1);
-        let gpu = region(0x1000, Location::Cuda(0));
         let claimed = keys(id("b", 1));
         assert_eq!(
-            route(
-                Some(&me),
-                &gpu,
-                &gpu,
-                Some(Ok(&claimed)),
-                |_, _| true,
-                false,
-                false
-            ),
+            on_gpu(&me, &claimed, false, false),
             Route::Fallback(FallbackWhy::ForgedIdentity)
         );
-        assert_eq!(
-            route(
-                Some(&me),
-                &gpu,
-                &gpu,
-                Some(Ok(&claimed)),
-                |_, _| true,
-                false,
-                true
-            ),
-            Route::InProcess
-        );
+        assert_eq!(on_gpu(&me, &claimed, false, true), Route::InProcess);
     }
 
     #[test]

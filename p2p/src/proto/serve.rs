@@ -136,6 +136,18 @@ pub fn plan(
         check_blocks(producer, published, b)?;
     }
     check_ranks(req)?;
+    // Never a write into the producer's own memory, whatever a consumer names.
+    if let Some(r) = req
+        .ranks
+        .iter()
+        .find(|r| producer.iter().any(|p| p.segment == r.segment))
+    {
+        return Err(ServeError::OwnSegment {
+            tp_rank: r.tp_rank,
+            pp_rank: r.pp_rank,
+            segment: r.segment.clone(),
+        });
+    }
     let without = |i: usize, group: u32| ServeError::ProducerRankWithoutGroup {
         rank: producer[i].rank,
         group,

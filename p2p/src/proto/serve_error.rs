@@ -107,6 +107,17 @@ pub enum ServeError {
         /// The consumer's PP size.
         pp: u32,
     },
+    /// A consumer rank names one of the producer's own segments: the producer would write
+    /// the lease's blocks over its own KV memory (inside one process, with no grant checked).
+    #[error("consumer rank tp={tp_rank} pp={pp_rank} names the producer's own segment {segment}")]
+    OwnSegment {
+        /// The rank's TP index.
+        tp_rank: u32,
+        /// The rank's PP index.
+        pp_rank: u32,
+        /// The segment it names.
+        segment: String,
+    },
     /// A consumer rank sent no layers for a loaded group.
     #[error("consumer rank tp={tp_rank} pp={pp_rank} sent no layers for group {group}")]
     RankWithoutGroup {

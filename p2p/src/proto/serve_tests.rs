@@ -298,6 +298,14 @@ fn requests_that_do_not_match_the_lease_are_refused() {
         plan(&producer, &lease, &r),
         Err(ServeError::TooManyTokens { .. })
     ));
+    // A consumer rank naming one of the producer's own segments: the producer would write
+    // the lease over its own KV.
+    let mut r = req.clone();
+    r.ranks[0].segment = producer[1].segment.clone();
+    assert!(matches!(
+        plan(&producer, &lease, &r),
+        Err(ServeError::OwnSegment { .. })
+    ));
     let mut r = req.clone();
     r.blocks[0].remote_blocks[1] = 5;
     assert_eq!(

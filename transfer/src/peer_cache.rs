@@ -514,15 +514,7 @@ mod tests {
             1,
         );
         assert_eq!(cache.touch_gap, Duration::from_millis(100));
-        let d = Arc::new(SegmentDescriptor {
-            name: "127.0.0.1:9".into(),
-            instance_id: 1,
-            transport: TransportInfo {
-                kind: TransportKind::Tcp,
-                details: serde_json::json!({}),
-            },
-            buffers: Vec::new(),
-        });
+        let d = descriptor("127.0.0.1:9");
         let t0 = Instant::now();
         let ms = |n| t0 + Duration::from_millis(n);
         cache.entries.locked().insert(

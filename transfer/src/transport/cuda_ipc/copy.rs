@@ -11,9 +11,8 @@ use std::time::{Duration, Instant};
 use kvferry_cuda::driver::Event;
 use kvferry_cuda::ipc::{self, PieceTable};
 
-use super::keys::IpcRegionKeys;
+use super::keys::{within, IpcRegionKeys};
 use super::state::{gpu_err, IpcSlices, Job, JobIds, Keep, Lane, Mapped, COPY_DEADLINE};
-use super::strided::inside_mapping;
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Refusal, Result, TransferError, UnsupportedError};
@@ -179,7 +178,7 @@ impl CudaIpcTransport {
                     // Inside the peer's live regions and inside the allocation as mapped here:
                     // a peer's keys for another buffer of the same base may claim more bytes.
                     if !live.covers(s.remote_addr, s.len)
-                        || !inside_mapping(k.alloc_base, size, s.remote_addr, s.len)
+                        || !within(k.alloc_base, size, s.remote_addr, s.len)
                     {
                         done.complete(
                             s.id,

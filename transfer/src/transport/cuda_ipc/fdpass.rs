@@ -259,13 +259,7 @@ fn abstract_addr(name: &str) -> std::io::Result<(libc::sockaddr_un, libc::sockle
 fn connect(name: &str, wait: Duration) -> Result<UnixStream> {
     let io = |what: &str, e| TransferError::io(format!("{what} (CUDA IPC socket {name})"), e);
     let (addr, len) = abstract_addr(name).map_err(|e| io("name", e))?;
-    // SAFETY: socket() takes no pointers; the descriptor it returns is owned below.
-    let raw = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if raw < 0 {
-        return Err(io("socket", std::io::Error::last_os_error()));
-    }
-    // SAFETY: a fresh descriptor nothing else owns.
-    let s = UnixStream::from(unsafe { OwnedFd::from_raw_fd(raw) });
+    let s = UnixStream::from(unix_socket(libc::SOCK_CLOEXEC).map_err(|e| io("socket", e))?);
     let until = Instant::now() + wait;
     loop {
         let rem = until.saturating_duration_since(Instant::now());
@@ -276,18 +270,9 @@ fn connect(name: &str, wait: Duration) -> Result<UnixStream> {
         // is never 0, which would mean no limit).
         s.set_write_timeout(Some(rem))
             .map_err(|e| io("set connect deadline", e))?;
-        // SAFETY: `addr` is an initialised sockaddr_un and `len` is within it.
-        let r = unsafe {
-            libc::connect(
-                s.as_raw_fd(),
-                (&raw const addr).cast::<libc::sockaddr>(),
-                len,
-            )
-        };
-        if r == 0 {
+        let Err(e) = connect_to(&s, &addr, len) else {
             return Ok(s);
-        }
-        let e = std::io::Error::last_os_error();
+        };
         match e.raw_os_error() {
             // An interrupted AF_UNIX connect leaves the socket unconnected: try again for the
             // time that is left.
@@ -295,6 +280,40 @@ fn connect(name: &str, wait: Duration) -> Result<UnixStream> {
             Some(libc::EAGAIN) => return Err(TransferError::Timeout(wait)),
             _ => return Err(io("connect", e)),
         }
+    }
+}
+
+/// A new `AF_UNIX` stream socket, with `flags` (`SOCK_CLOEXEC`, `SOCK_NONBLOCK`). Errors: the
+/// OS's.
+fn unix_socket(flags: libc::c_int) -> std::io::Result<OwnedFd> {
+    // SAFETY: socket() takes no pointers; the descriptor it returns is owned at once.
+    let raw = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | flags, 0) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// One `connect(2)` of `s` to `addr` (`len` bytes of it, from [`abstract_addr`]). Errors: the
+/// OS's (`EAGAIN`: the listener's queue is full; `EINTR`).
+fn connect_to(
+    s: &impl AsRawFd,
+    addr: &libc::sockaddr_un,
+    len: libc::socklen_t,
+) -> std::io::Result<()> {
+    // SAFETY: `addr` is an initialised sockaddr_un and `len` is within it.
+    let r = unsafe {
+        libc::connect(
+            s.as_raw_fd(),
+            (addr as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -510,14 +529,7 @@ mod tests {
             hex(&crate::auth::random_bytes::<8>().unwrap())
         );
         let (addr, len) = abstract_addr(&name).unwrap();
-        let sock = |flags| {
-            // SAFETY: socket() takes no pointers; the descriptor is owned at once.
-            let raw = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | flags, 0) };
-            assert!(raw >= 0, "{}", std::io::Error::last_os_error());
-            // SAFETY: a fresh descriptor nothing else owns.
-            unsafe { OwnedFd::from_raw_fd(raw) }
-        };
-        let listener = sock(libc::SOCK_CLOEXEC);
+        let listener = unix_socket(libc::SOCK_CLOEXEC).unwrap();
         // SAFETY: `addr` is an initialised sockaddr_un of `len` bytes.
         let r = unsafe {
             libc::bind(
@@ -533,20 +545,11 @@ mod tests {
         let mut queued = Vec::new();
         let mut full = false;
         for _ in 0..16 {
-            let c = sock(libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK);
-            // SAFETY: as for bind.
-            let r = unsafe {
-                libc::connect(
-                    c.as_raw_fd(),
-                    (&raw const addr).cast::<libc::sockaddr>(),
-                    len,
-                )
-            };
-            if r == 0 {
+            let c = unix_socket(libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK).unwrap();
+            let Err(e) = connect_to(&c, &addr, len) else {
                 queued.push(c);
                 continue;
-            }
-            let e = std::io::Error::last_os_error();
+            };
             assert_eq!(e.raw_os_error(), Some(libc::EAGAIN), "{e}");
             full = true;
             break;

@@ -80,10 +80,19 @@ impl IpcRegionKeys {
     /// Whether `region` lies inside the published allocation (a peer's keys are checked before
     /// anything is mapped from them).
     pub fn covers(&self, region: &MemoryRegion) -> bool {
-        self.alloc_base
-            .checked_add(self.alloc_size)
-            .is_some_and(|end| region.addr >= self.alloc_base && region.end() <= end)
+        within(self.alloc_base, self.alloc_size, region.addr, region.len)
     }
+}
+
+/// Whether `[addr, addr + len)` lies inside `[start, start + size)`, where either end may lie
+/// past `u64::MAX` (then: no). Every bound of a peer's ranges here is this one check: its keys'
+/// allocation, its live regions, the allocation as mapped here.
+pub(super) fn within(start: u64, size: u64, addr: u64, len: u64) -> bool {
+    addr >= start
+        && addr
+            .checked_add(len)
+            .zip(start.checked_add(size))
+            .is_some_and(|(e, end)| e <= end)
 }
 
 /// The transfer engines of this process, by segment name and instance id. A peer's host

@@ -17,6 +17,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use super::keys::within;
 use crate::error::{ProtocolError, Result, TransferError, UnsupportedError};
 
 /// Bytes of the shared table.
@@ -64,13 +65,7 @@ impl LiveTable {
             .map_err(|e| TransferError::io("size the CUDA IPC live table", e))?;
         // Peers refuse a table without these (LiveView::open). The seals also keep a peer that
         // holds the descriptor from truncating it under our own mapping.
-        let seal = |seals: libc::c_int| {
-            // SAFETY: fcntl on a descriptor we own; F_ADD_SEALS takes an int, no memory.
-            let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) };
-            (r == 0)
-                .then_some(())
-                .ok_or_else(std::io::Error::last_os_error)
-        };
+        let seal = |seals| add_seals(&fd, seals);
         seal(REQUIRED_SEALS).map_err(|e| TransferError::io("seal the CUDA IPC live table", e))?;
         // SAFETY: a shared mapping of our own memfd; peers map it read-only.
         let map = unsafe { memmap2::MmapMut::map_mut(&file) }
@@ -120,6 +115,26 @@ impl LiveTable {
     }
 }
 
+/// Adds `seals` (`F_SEAL_*`) to the memfd `fd`. Errors: the OS's (`EPERM` once `F_SEAL_SEAL`
+/// is set or for a seal the file refuses, `EINVAL` for a file that cannot be sealed).
+fn add_seals(fd: &OwnedFd, seals: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: fcntl on a descriptor we borrow; F_ADD_SEALS takes an int and touches no memory.
+    let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) };
+    (r == 0)
+        .then_some(())
+        .ok_or_else(std::io::Error::last_os_error)
+}
+
+/// The seals (`F_SEAL_*`) of `fd`. Errors: the OS's (`EINVAL` for a file that cannot be sealed).
+fn get_seals(fd: &OwnedFd) -> std::io::Result<libc::c_int> {
+    // SAFETY: fcntl on a descriptor we borrow; F_GET_SEALS takes no argument, touches no memory.
+    let s = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if s < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(s)
+}
+
 /// A peer's read-only view of an owner's table.
 pub struct LiveView {
     map: memmap2::Mmap,
@@ -132,15 +147,12 @@ impl LiveView {
     /// that can be sealed, such as a regular or FUSE file), or on dup, stat or map; `Protocol`
     /// (`BadField`) when it lacks a required seal, (`Mismatch`) when it is not a table's size.
     pub fn open(fd: &OwnedFd) -> Result<LiveView> {
-        // SAFETY: fcntl on a descriptor we borrow; F_GET_SEALS takes no argument and touches no
-        // memory.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 {
-            return Err(TransferError::io(
+        let seals = get_seals(fd).map_err(|e| {
+            TransferError::io(
                 "read the seals of the CUDA IPC live table (a sealed memfd is required)",
-                std::io::Error::last_os_error(),
-            ));
-        }
+                e,
+            )
+        })?;
         if seals & REQUIRED_SEALS != REQUIRED_SEALS {
             return Err(TransferError::Protocol(ProtocolError::BadField {
                 what: "CUDA IPC live table seals".into(),
@@ -218,12 +230,7 @@ pub struct LiveSnapshot {
 impl LiveSnapshot {
     /// Whether `[addr, addr+len)` lies inside one region of the snapshot.
     pub fn covers(&mut self, addr: u64, len: u64) -> bool {
-        let inside = |&(a, l): &(u64, u64)| {
-            addr >= a
-                && addr
-                    .checked_add(len)
-                    .is_some_and(|e| a.checked_add(l).is_some_and(|re| e <= re))
-        };
+        let inside = |&(a, l): &(u64, u64)| within(a, l, addr, len);
         if self.regions.get(self.last).is_some_and(inside) {
             return true;
         }
@@ -293,18 +300,13 @@ mod tests {
             .set_len(len)
             .unwrap();
         if let Some(seals) = seals {
-            // SAFETY: fcntl on our own descriptor with an int argument.
-            let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) };
-            assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+            add_seals(&fd, seals).unwrap();
         }
         fd
     }
 
     fn seals(fd: &OwnedFd) -> libc::c_int {
-        // SAFETY: fcntl on a descriptor we borrow, no argument.
-        let s = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        assert!(s >= 0, "{}", std::io::Error::last_os_error());
-        s
+        get_seals(fd).unwrap()
     }
 
     #[test]
@@ -400,9 +402,10 @@ mod tests {
             assert_eq!(r, -1, "ftruncate to {len} succeeded");
             assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
         }
-        // SAFETY: fcntl on a descriptor we borrow, with an int argument.
-        let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
-        assert_eq!(r, -1, "F_SEAL_SEAL keeps the seals as they are");
+        assert!(
+            add_seals(&fd, libc::F_SEAL_WRITE).is_err(),
+            "F_SEAL_SEAL keeps the seals as they are"
+        );
         t.publish(&[(0x1000, 0x10)]).unwrap();
         assert!(v.covers(0x1000, 0x10), "the mapping still reads");
     }

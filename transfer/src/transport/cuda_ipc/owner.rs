@@ -254,24 +254,12 @@ mod tests {
 
     use super::super::state::{Export, Request};
     use super::*;
-    use crate::auth::{AuthState, Secret};
-    use crate::config::EngineConfig;
-    use crate::transport::{Transport, TransportContext};
+    use crate::auth::Secret;
 
     /// A CUDA IPC transport over a TCP one (`secret` as its auth), with an empty live table
     /// published and an export (one file descriptor) of `size` 1 at each of `bases`.
     fn owner(secret: Option<Secret>, bases: &[u64]) -> Arc<CudaIpcTransport> {
-        let ctx = TransportContext {
-            config: EngineConfig::default(),
-            segment_name: "127.0.0.1:1".into(),
-            instance_id: 1,
-            registry: Arc::new(crate::memory::MemoryRegistry::new()),
-            memory: Arc::new(crate::memory::HostMemoryAccess),
-            auth: AuthState::new(secret, "test"),
-        };
-        let inner: Arc<dyn Transport> =
-            Arc::new(crate::transport::tcp::TcpTransport::new(ctx.clone()).unwrap());
-        let t = CudaIpcTransport::new(&ctx, inner).unwrap();
+        let t = super::super::transport::tests::tcp_wrapped_as("127.0.0.1:1", 1, secret);
         t.publish_live(&[]).unwrap();
         let fd: Arc<OwnedFd> = Arc::new(std::fs::File::open("/dev/null").unwrap().into());
         for &base in bases {

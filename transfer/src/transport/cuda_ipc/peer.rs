@@ -172,7 +172,8 @@ impl CudaIpcTransport {
         // The budget ran out: the rest stays unmapped, not failed (the first post that needs
         // it asks); what was mapped is kept.
         let mut timed_out = false;
-        for (base, size, kind) in allocs.iter().filter(|_| !in_process) {
+        for (base, size, kind) in allocs {
+            // No lane: an in-process peer, which maps nothing.
             let Some(lane) = lane.as_ref() else { break };
             if by.is_some_and(|b| Instant::now() >= b) {
                 timed_out = true;

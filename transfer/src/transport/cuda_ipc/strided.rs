@@ -10,7 +10,7 @@ use smallvec::SmallVec;
 use kvferry_cuda::driver::Event;
 use kvferry_cuda::ipc::{self, StridedCopies};
 
-use super::keys::{IpcRegionKeys, Route};
+use super::keys::{within, IpcRegionKeys, Route};
 use super::state::{gpu_err, Lane};
 use super::transport::CudaIpcTransport;
 use crate::descriptor::SegmentDescriptor;
@@ -301,16 +301,7 @@ fn first_block_outside_mapping(
     base: u64,
     size: u64,
 ) -> Option<u64> {
-    first_block_outside(blocks, lo, hi, |a, n| inside_mapping(base, size, a, n))
-}
-
-/// Whether `[addr, addr + len)` lies inside the mapped allocation `[base, base + size)`.
-pub(super) fn inside_mapping(base: u64, size: u64, addr: u64, len: u64) -> bool {
-    addr >= base
-        && addr
-            .checked_add(len)
-            .zip(base.checked_add(size))
-            .is_some_and(|(e, end)| e <= end)
+    first_block_outside(blocks, lo, hi, |a, n| within(base, size, a, n))
 }
 
 /// The remote base of the first block whose span `[base + lo, base + hi)` `covers` refuses
@@ -427,10 +418,10 @@ mod tests {
             first_block_outside_mapping(&[b(0xff00), b(0x10000)], lo, hi, base, size),
             Some(0xff00)
         );
-        assert!(inside_mapping(base, size, 0x10000, 0x1000));
-        assert!(!inside_mapping(base, size, 0x10000, 0x1001));
+        assert!(within(base, size, 0x10000, 0x1000));
+        assert!(!within(base, size, 0x10000, 0x1001));
         assert!(
-            !inside_mapping(u64::MAX - 4, 8, u64::MAX - 4, 4),
+            !within(u64::MAX - 4, 8, u64::MAX - 4, 4),
             "end past u64::MAX"
         );
     }

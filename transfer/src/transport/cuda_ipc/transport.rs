@@ -529,4 +529,4 @@ impl Drop for CudaIpcTransport {
 
 #[cfg(test)]
 #[path = "transport_tests.rs"]
-mod tests;
+pub(super) mod tests;

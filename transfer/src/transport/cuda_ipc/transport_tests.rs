@@ -201,21 +201,45 @@ impl AnyLocation {
 /// A CUDA IPC transport over a TCP one, with default config and no secret, on a segment no
 /// peer reaches (nothing here connects).
 fn tcp_wrapped() -> Arc<CudaIpcTransport> {
-    tcp_wrapped_as("127.0.0.1:1", 1)
+    tcp_wrapped_as("127.0.0.1:1", 1, None)
 }
 
-fn tcp_wrapped_as(segment_name: &str, instance_id: u64) -> Arc<CudaIpcTransport> {
+/// As [`tcp_wrapped`], for engine `segment_name` of `instance_id`, with `secret` when given.
+pub(in crate::transport::cuda_ipc) fn tcp_wrapped_as(
+    segment_name: &str,
+    instance_id: u64,
+    secret: Option<Secret>,
+) -> Arc<CudaIpcTransport> {
     let ctx = TransportContext {
         config: EngineConfig::default(),
         segment_name: segment_name.into(),
         instance_id,
         registry: Arc::new(crate::memory::MemoryRegistry::new()),
         memory: Arc::new(AnyLocation),
-        auth: crate::auth::AuthState::new(None, "test"),
+        auth: crate::auth::AuthState::new(secret, "test"),
     };
     let inner: Arc<dyn Transport> =
         Arc::new(crate::transport::tcp::TcpTransport::new(ctx.clone()).unwrap());
     CudaIpcTransport::new(&ctx, inner).unwrap()
+}
+
+/// Holds peer `name` of `instance_id` in `t` as an import would, with `table` as its live
+/// table and nothing mapped.
+fn hold_peer(
+    t: &CudaIpcTransport,
+    name: &str,
+    instance_id: u64,
+    table: &super::super::live::LiveTable,
+) {
+    t.peers.lock().unwrap().insert(
+        name.to_string(),
+        super::super::state::Peer {
+            instance_id,
+            live: super::super::live::LiveView::open(&table.fd()).unwrap(),
+            mapped: HashMap::new(),
+            failed: HashSet::new(),
+        },
+    );
 }
 
 /// A `cuda:N` region whose export fails (here: no driver) is registered over the wrapped
@@ -311,15 +335,7 @@ fn a_remembered_route_follows_failed_imports_and_forgotten_peers() {
     assert_eq!(route(&d, false), Route::Ipc, "remembered");
     // The import failed: the pair goes to the fallback from then on.
     let table = super::super::live::LiveTable::new().unwrap();
-    t.peers.lock().unwrap().insert(
-        d.name.clone(),
-        super::super::state::Peer {
-            instance_id: d.instance_id,
-            live: super::super::live::LiveView::open(&table.fd()).unwrap(),
-            mapped: HashMap::new(),
-            failed: HashSet::new(),
-        },
-    );
+    hold_peer(&t, &d.name, d.instance_id, &table);
     let e = TransferError::Handshake {
         peer: d.name.clone(),
         source: crate::error::HandshakeError::Closed,
@@ -348,15 +364,7 @@ fn a_gone_instance_drops_only_its_own_entry() {
     let t = tcp_wrapped();
     let table = super::super::live::LiveTable::new().unwrap();
     let name = "127.0.0.1:9".to_string();
-    t.peers.lock().unwrap().insert(
-        name.clone(),
-        super::super::state::Peer {
-            instance_id: 8,
-            live: super::super::live::LiveView::open(&table.fd()).unwrap(),
-            mapped: HashMap::new(),
-            failed: HashSet::new(),
-        },
-    );
+    hold_peer(&t, &name, 8, &table);
     t.drop_instance(&name, 7);
     assert!(
         t.peers.lock().unwrap().contains_key(&name),
@@ -371,7 +379,7 @@ fn a_gone_instance_drops_only_its_own_entry() {
 #[test]
 fn a_transport_notes_its_engine_as_this_processs_while_it_lives() {
     use super::super::keys::OwnEngines;
-    let t = tcp_wrapped_as("127.0.0.1:2", 0x5eed);
+    let t = tcp_wrapped_as("127.0.0.1:2", 0x5eed, None);
     let (name, id) = t.own.clone();
     assert!(OwnEngines::contains(&name, id));
     drop(t);

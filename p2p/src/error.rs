@@ -62,6 +62,16 @@ pub enum LoadError {
         /// Why.
         why: crate::proto::consumer::ConnectFailure,
     },
+    /// Reading the producer's blocks failed (docs/design.md §4.10): the rank whose reads
+    /// failed and why. Blocks may hold part of the KV: nothing of it is used.
+    #[error("load {request_id:?}: reading the producer's blocks failed: {why}")]
+    Read {
+        /// The request.
+        request_id: String,
+        /// Which consumer rank's reads failed, and why.
+        #[source]
+        why: kvferry_transfer::Shared<crate::proto::serve_error::WriteError>,
+    },
     /// The transfer failed: ERROR reply, no reply, or a lost connection.
     #[error("load {request_id:?}: {reason}")]
     Failed {
@@ -78,6 +88,7 @@ impl LoadError {
         match self {
             LoadError::Spec { request_id, .. }
             | LoadError::Connect { request_id, .. }
+            | LoadError::Read { request_id, .. }
             | LoadError::Failed { request_id, .. } => request_id,
         }
     }

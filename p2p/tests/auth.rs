@@ -233,6 +233,7 @@ async fn fake_producer(
                     reply.proof = proof(req.token.as_deref(), &sid, &reply);
                     encode(&reply)
                 }
+                ConsumerMessage::ReadDone(_) => continue,
             };
             let mut msg = ZmqMessage::from(frames[0].clone());
             msg.push_back(answer.into());

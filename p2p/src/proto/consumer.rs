@@ -61,6 +61,11 @@ pub enum FailReason {
     /// words (bounded, escaped).
     #[error("producer error: {0}")]
     LeaseMismatch(PeerText),
+    /// The producer answered ERROR to a request to read (`ErrorReason::ReadRefused`: planned
+    /// with a layout not its own, or a lease not published yet): nothing was served, and the
+    /// load may go again by WRITE. Its words.
+    #[error("producer error: {0}")]
+    ReadRefused(PeerText),
     /// A FINISH whose proof does not match the load's token (missing or wrong): it did not
     /// come from the producer the token was sent to, so its payload is not accepted.
     #[error("FINISH without a valid proof of the load's token; payload refused")]
@@ -506,6 +511,7 @@ impl ConsumerMachine {
                 ConsumerEvent::Failed {
                     load_id,
                     reason: match reply.reason {
+                        Some(super::msg::ErrorReason::ReadRefused) => FailReason::ReadRefused(why),
                         Some(super::msg::ErrorReason::LeaseMismatch) => {
                             FailReason::LeaseMismatch(why)
                         }
@@ -579,6 +585,19 @@ impl ConsumerMachine {
             self.hello = None;
             self.transmits.clear();
             self.events.push_back(ConsumerEvent::RebuildSocket);
+        }
+    }
+
+    /// Queues the `read_done` of load `load_id` of `request_id`, which this consumer read
+    /// itself (docs/design.md §4.10): its producer's lease ends. Sent only on a session: a
+    /// socket rebuilt since has lost the load's session, and the lease ends at its deadline.
+    pub fn read_done(&mut self, request_id: &str, load_id: u64) {
+        if self.session.is_some() {
+            let done = super::msg_read::ReadDone::new(request_id, load_id);
+            self.transmits.push_back(Transmit {
+                load_id,
+                bytes: super::msg::encode(&done),
+            });
         }
     }
 

@@ -129,6 +129,9 @@ fn request(id: &str) -> LoadRequest {
         token: None,
         key_proof: None,
         proof: None,
+        read: false,
+        want_layout: false,
+        layout_digest: None,
         blocks: vec![WireBlocks {
             group_id: 0,
             block_size: 16,

@@ -8,7 +8,9 @@ pub mod consumer;
 pub mod heads;
 pub mod layout;
 pub mod msg;
+mod msg_body;
 mod msg_header;
+pub mod msg_read;
 mod msg_span;
 mod peer_segments;
 pub mod plan;
@@ -29,6 +31,8 @@ pub mod wire;
 mod link_tests;
 #[cfg(test)]
 mod progress_tests;
+#[cfg(test)]
+mod read_tests;
 #[cfg(test)]
 mod serve_tests;
 #[cfg(test)]

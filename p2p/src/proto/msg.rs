@@ -10,29 +10,11 @@ use kvferry_transfer::{Shared, TransferPath};
 
 use serde::{Deserialize, Serialize};
 
-/// Version of the control-channel protocol this crate speaks.
-pub const PROTOCOL_VERSION: u32 = 2;
-
-/// Largest control message accepted (bytes). Block tables of long prompts fit
-/// easily; anything larger is refused before decoding.
-pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
-
-/// Default largest ZeroMQ message (all its frames) or command a peer may send on the control
-/// channel, in bytes: [`MAX_MESSAGE_BYTES`] and 4 KiB of envelope. A frame header declaring more
-/// is refused by the ZMTP decoder before anything is reserved, and the connection is dropped
-/// (`ProducerConfig::max_message_bytes`, `ConsumerConfig::max_message_bytes`).
-pub const DEFAULT_MAX_ZMTP_MESSAGE: usize = MAX_MESSAGE_BYTES + 4096;
-
-/// Most KV cache groups a request names (its `blocks`, a rank's `groups`).
-pub const MAX_GROUPS: usize = 4096;
-/// Most consumer ranks (TP × PP) a request lists.
-pub const MAX_RANKS: usize = 4096;
-/// Most layers of one group on one rank.
-pub const MAX_LAYERS: usize = 65536;
-/// Most blocks of one group in one request (16M tokens at block size 16).
-pub const MAX_BLOCKS: usize = 1 << 20;
-/// Most strides of a geometry (one per layout dimension; layouts have at most 5).
-pub const MAX_STRIDES: usize = 16;
+pub use super::msg_body::{
+    WireBlocks, WireGeometry, WireLayer, WireRank, WireRankGroup, DEFAULT_MAX_ZMTP_MESSAGE,
+    MAX_BLOCKS, MAX_GROUPS, MAX_LAYERS, MAX_MESSAGE_BYTES, MAX_RANKS, MAX_STRIDES,
+    PROTOCOL_VERSION,
+};
 
 /// `kind` of a consumer → producer transfer request.
 pub const KIND_TRANSFER_REQUEST: &str = "transfer_request";
@@ -153,106 +135,6 @@ impl MsgError {
 /// [`Shared`]'s (the same error, or the same text).
 pub type DecodeError = Shared<rmp_serde::decode::Error>;
 
-/// A layer's cache array geometry on the wire: the checksum crate's `Geometry`
-/// (docs/design.md §2.2) flattened into plain numbers.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireGeometry {
-    /// Layout text, e.g. `"KV B N H D"`.
-    pub layout: String,
-    /// B: kernel blocks in the array.
-    pub num_kernel_blocks: u64,
-    /// N: tokens per kernel block.
-    pub tokens_per_kernel_block: u64,
-    /// H: KV heads on this rank (1 when the layout has none).
-    pub heads: u64,
-    /// D: elements per head.
-    pub head_dim: u64,
-    /// Bytes per element: 1, 2, 4 or 8.
-    pub elem_bytes: u64,
-    /// Kernel blocks per logical block.
-    pub kernel_blocks_per_block: u64,
-    /// Byte stride per layout dimension, outermost first.
-    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_STRIDES>")]
-    pub strides: Vec<u64>,
-}
-
-/// One layer of one consumer rank: where its array lives and how it is laid out.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireLayer {
-    /// Layer name (`model.layers.12.self_attn.attn`); pairs the layer with the producer's.
-    pub name: String,
-    /// Base address of the layer's array in the consumer's memory (registered with its engine).
-    pub addr: u64,
-    /// Bytes the array spans.
-    pub len: u64,
-    /// Global KV head index of the array's head 0 on this rank (the checksum crate's
-    /// `LayerSpec::head_offset`): the producer maps heads between ranks with it.
-    pub head_offset: u32,
-    /// The array's geometry on the consumer.
-    pub geometry: WireGeometry,
-    /// The layer's element type (e.g. `torch.bfloat16`, the checksum crate's
-    /// `LayerSpec::dtype`), `None` when the consumer names none; the producer refuses a pair
-    /// whose types differ (`proto::spec_checks`).
-    #[serde(default)]
-    pub dtype: Option<String>,
-}
-
-/// One KV cache group's layers on one consumer rank.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireRankGroup {
-    /// KV cache group id.
-    pub group_id: u32,
-    /// Layers of the group held by this rank.
-    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_LAYERS>")]
-    pub layers: Vec<WireLayer>,
-}
-
-/// One consumer rank: its transfer engine segment and its KV memory.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireRank {
-    /// TP rank.
-    pub tp_rank: u32,
-    /// PP rank.
-    pub pp_rank: u32,
-    /// The rank's transfer engine segment name (`host:port`).
-    pub segment: String,
-    /// The rank's groups.
-    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_GROUPS>")]
-    pub groups: Vec<WireRankGroup>,
-}
-
-/// Which blocks of one group to write: parallel lists, one entry per block.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireBlocks {
-    /// KV cache group id.
-    pub group_id: u32,
-    /// Block size (tokens) on the consumer.
-    pub block_size: u64,
-    /// The producer's block size (tokens) as the consumer was told it (vLLM: in the producer's
-    /// `kv_transfer_params`); 0 (or absent): the same as `block_size`. The producer refuses a
-    /// value other than its own. When the sizes differ, it fills each consumer block token by
-    /// token from its own blocks (docs/design.md §4.5).
-    #[serde(default)]
-    pub remote_block_size: u64,
-    /// Block positions in the request (block `p` holds tokens `[p·block_size, (p+1)·block_size)`).
-    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_BLOCKS>")]
-    pub positions: Vec<u64>,
-    /// The producer's block ids, as the consumer was told them: at each of `positions`, or,
-    /// when `remote_positions` is not empty, at each of those.
-    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_BLOCKS>")]
-    pub remote_blocks: Vec<u64>,
-    /// With different block sizes: the producer block position (in producer blocks) of each of
-    /// `remote_blocks`, ascending. Empty (or absent): `remote_blocks` is parallel to `positions`.
-    #[serde(
-        default,
-        deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_BLOCKS>"
-    )]
-    pub remote_positions: Vec<u64>,
-    /// The consumer's block id at each position (the write target).
-    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_BLOCKS>")]
-    pub local_blocks: Vec<u64>,
-}
-
 /// Consumer → producer: "write request `request_id`'s blocks into my memory" (the wire form of a
 /// load; the engine's `kvferry_transfer::TransferRequest` is one READ or WRITE).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -301,6 +183,25 @@ pub struct LoadRequest {
     /// no request without a valid one.
     #[serde(default, with = "serde_bytes")]
     pub proof: Option<Vec<u8>>,
+    /// The consumer READs the blocks itself (docs/design.md §4.10): the producer checks the
+    /// request against its lease only (`ranks` may be empty), answers FINISH with the payload
+    /// at once, and holds the lease until the consumer's `read_done` or the serve margin.
+    /// Absent (false): the producer WRITEs, as before.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub read: bool,
+    /// Asks for the producer's layout ([`Reply::layout`]) with the FINISH, so that later
+    /// loads may read. Absent (false): none is sent.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub want_layout: bool,
+    /// With `read`: the digest of the producer layout the consumer planned its reads with
+    /// (`msg_read::layout_digest`); a producer whose layout differs (it restarted with other
+    /// memory) answers ERROR with `read_refused`, nothing served, the lease untouched.
+    #[serde(default, with = "serde_bytes", skip_serializing_if = "Option::is_none")]
+    pub layout_digest: Option<Vec<u8>>,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// Consumer → producer, the first message on a connection: opens a session
@@ -400,6 +301,14 @@ pub struct Reply {
         deserialize_with = "known_path"
     )]
     pub path: Option<TransferPath>,
+    /// On FINISH to a request with `want_layout`: the producer's ranks and KV memory
+    /// (docs/design.md §4.10), covered by the FINISH proof. Empty (absent): not sent.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_RANKS>"
+    )]
+    pub layout: super::msg_read::WireProducerLayout,
 }
 
 /// Layer slots `[first, end)` of a request (`proto::progress::layer_slots`): the layers a
@@ -427,6 +336,12 @@ pub enum ErrorReason {
     /// byte for byte): the two sides replay different prompts or models, so the run's other
     /// requests are refused the same way.
     LeaseMismatch,
+    /// A request to read (docs/design.md §4.10) that the producer will not serve by read: it
+    /// was planned with another layout than the producer's (which restarted with other
+    /// memory), or its lease is not published yet (reads made before the publish could predate
+    /// the KV). Nothing was served, the lease is untouched: the consumer asks for the layout
+    /// again and loads by WRITE.
+    ReadRefused,
 }
 
 /// `Reply::path` as read: a path this side does not know, or a value that is no word, is
@@ -447,6 +362,7 @@ fn known_reason<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<ErrorRe
     let s = super::msg_span::read_word(d)?;
     Ok(match s.as_deref() {
         Some("lease_mismatch") => Some(ErrorReason::LeaseMismatch),
+        Some("read_refused") => Some(ErrorReason::ReadRefused),
         _ => None,
     })
 }
@@ -455,22 +371,39 @@ fn known_reason<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<ErrorRe
 const FINISH_LABEL: &[u8] = b"kvferry/finish/v2";
 
 /// The FINISH proof: `HMAC-SHA256(token, label ‖ session id ‖ request_id ‖ load_id ‖
-/// bytes_written ‖ has_checksums ‖ checksums)` (each part length-prefixed), 32 bytes. It binds
+/// bytes_written ‖ has_checksums ‖ checksums [‖ layout])` (each part length-prefixed; the
+/// layout as encoded, a part only when one is sent), 32 bytes. It binds
 /// the payload to the load (of this session, `proto::session::Session::id`) whose token only
 /// the consumer and the producer it asked know.
 pub fn finish_proof(token: &str, session_id: &[u8; 32], reply: &Reply) -> [u8; 32] {
-    kvferry_transfer::auth::hmac_sha256(
-        token.as_bytes(),
-        &[
-            FINISH_LABEL,
-            session_id,
-            reply.request_id.as_bytes(),
-            &reply.load_id.to_le_bytes(),
-            &reply.bytes_written.to_le_bytes(),
-            &[reply.checksums.is_some() as u8],
-            reply.checksums.as_deref().unwrap_or_default(),
-        ],
-    )
+    let layout = layout_bytes(&reply.layout);
+    let load_id = reply.load_id.to_le_bytes();
+    let bytes = reply.bytes_written.to_le_bytes();
+    let has = [reply.checksums.is_some() as u8];
+    let mut parts: Vec<&[u8]> = vec![
+        FINISH_LABEL,
+        session_id,
+        reply.request_id.as_bytes(),
+        &load_id,
+        &bytes,
+        &has,
+        reply.checksums.as_deref().unwrap_or_default(),
+    ];
+    // A FINISH without a layout proves exactly what it proved before layouts were sent.
+    if !reply.layout.is_empty() {
+        parts.push(&layout);
+    }
+    kvferry_transfer::auth::hmac_sha256(token.as_bytes(), &parts)
+}
+
+/// The layout's part of the FINISH proof: its msgpack form, or nothing when none is sent (so
+/// that a FINISH without a layout proves what it proved before).
+fn layout_bytes(layout: &super::msg_read::WireProducerLayout) -> Vec<u8> {
+    if layout.is_empty() {
+        Vec::new()
+    } else {
+        encode(layout)
+    }
 }
 
 impl Reply {
@@ -490,6 +423,7 @@ impl Reply {
             reason: None,
             landed: None,
             path: None,
+            layout: Vec::new(),
         }
     }
 
@@ -554,6 +488,8 @@ pub enum ConsumerMessage {
     Hello(Hello),
     /// Asks for a load.
     Request(LoadRequest),
+    /// Ends the lease of a load the consumer read (docs/design.md §4.10).
+    ReadDone(super::msg_read::ReadDone),
 }
 
 /// Length of a session nonce, bytes.
@@ -571,6 +507,9 @@ pub fn decode_consumer_message(bytes: &[u8]) -> Result<ConsumerMessage, MsgError
         Some(KIND_HELLO) => hello_body(bytes).map(ConsumerMessage::Hello),
         Some(KIND_TRANSFER_REQUEST) => from_msgpack(bytes)
             .map(ConsumerMessage::Request)
+            .map_err(MsgError::decode),
+        Some(super::msg_read::KIND_READ_DONE) => from_msgpack(bytes)
+            .map(ConsumerMessage::ReadDone)
             .map_err(MsgError::decode),
         _ => Err(MsgError::WrongKind {
             got: h.kind,

@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 use kvferry_transfer::{Secret, Shared};
 
 use super::msg::{decode_consumer_message, ConsumerMessage, LayerSpan, LoadRequest, Reply, Status};
+use super::msg_read::WireProducerLayout;
 use super::peer_segments::PeerSegments;
 use super::producer_effects::{not_owner, owns, ServedLoad};
 pub use super::producer_effects::{
@@ -67,6 +68,13 @@ enum Entry<P, T> {
         session_id: [u8; 32],
         /// The consumer segments the load writes to (held open until it ends).
         segments: Vec<String>,
+        /// The consumer reads the blocks itself (docs/design.md §4.10).
+        read: bool,
+        /// The FINISH carries the producer's layout.
+        want_layout: bool,
+        /// A read load whose FINISH went out: its lease ends at the consumer's `read_done`,
+        /// or at this time.
+        read_until: Option<Instant>,
     },
     /// The lease ended (served, failed or expired); a request for it again is answered from
     /// `reason` (`ProducerMachine::ended_text`).
@@ -99,7 +107,16 @@ pub struct ProducerMachine<P, T> {
     effects: VecDeque<Effect<P, T>>,
     /// The consumer segments each session and each load in flight hold.
     segments: PeerSegments<P>,
+    /// The producer's ranks, sent in a FINISH to a request that asks (`want_layout`).
+    layout: WireProducerLayout,
+    /// `layout`'s digest, which a request to read must name.
+    layout_digest: [u8; 32],
 }
+
+#[path = "producer_read.rs"]
+mod read;
+#[path = "producer_time.rs"]
+mod time;
 
 const TWICE: &str = "is already being loaded (KV is never fetched twice)";
 
@@ -119,7 +136,18 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
             sessions: Sessions::new(None, "", "", os_nonces()),
             effects: VecDeque::new(),
             segments: PeerSegments::default(),
+            layout: Vec::new(),
+            layout_digest: [0; 32],
         }
+    }
+
+    /// The producer's ranks (`msg_read::layout_to_wire`), sent in the FINISH of a request
+    /// that asks for them so that its consumer may read later loads itself (docs/design.md
+    /// §4.10). Without it (empty), no layout is sent and consumers never read.
+    pub fn with_layout(mut self, layout: WireProducerLayout) -> Self {
+        self.layout_digest = super::msg_read::layout_digest(&layout);
+        self.layout = layout;
+        self
     }
 
     /// Holds at most `max` sessions (at least 1; default [`super::sessions::MAX_SESSIONS`]): past it the oldest
@@ -170,6 +198,9 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
                     self.session_ended(&old);
                 }
                 self.effects.push_back(Effect::Welcome { peer, welcome });
+            }
+            Ok(ConsumerMessage::ReadDone(done)) => {
+                self.handle_read_done(now, &peer, &done.request_id, done.load_id)
             }
             Ok(ConsumerMessage::Request(req)) => match self.sessions.admit(&peer, &req) {
                 Ok(session) => {
@@ -293,6 +324,9 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
                 token: request.token.clone(),
                 session_id: session.id(),
                 segments: self.segments.serve_started(&request),
+                read: request.read,
+                want_layout: request.want_layout,
+                read_until: None,
             },
         );
         Effect::Serve {
@@ -392,6 +426,9 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
     ) -> Vec<Effect<P, T>> {
         let id = request.request_id.clone();
         let load_id = request.load_id;
+        if let Some(reply) = self.stale_layout(&request) {
+            return vec![Effect::Reply { peer, reply }];
+        }
         let consumer_deadline = Self::consumer_deadline(now, &request);
         match self.entries.remove(&id) {
             Some(Entry::Held { data, expires, key }) => {
@@ -418,6 +455,13 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
                 let reply = Reply::error(&id, load_id, format!("request {id:?}: {why}"));
                 self.entries.insert(id, Entry::Done { reason, forget_at });
                 vec![Effect::Reply { peer, reply }]
+            }
+            None if request.read => {
+                // Reads made before the publish could predate the KV: by WRITE, it may wait.
+                vec![Effect::Reply {
+                    peer,
+                    reply: Self::read_refused(&request, "not published yet"),
+                }]
             }
             None => {
                 // A keyed request may wait beside others (the key is checked at publish), so
@@ -477,17 +521,21 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
         result: Result<ServedLoad, ServeFailure>,
     ) {
         let forget_at = now + self.timeouts.tombstone;
-        let (token, segments) = match self.entries.get_mut(request_id) {
+        let (token, segments, read, want_layout) = match self.entries.get_mut(request_id) {
             Some(Entry::Serving {
                 token,
                 session_id,
                 segments,
+                read,
+                want_layout,
                 ..
             }) => (
                 token.clone().map(|t| (t, *session_id)),
                 std::mem::take(segments),
+                *read,
+                *want_layout,
             ),
-            _ => (None, Vec::new()),
+            _ => (None, Vec::new(), false, false),
         };
         let (reply, reason) = match result {
             Ok((bytes, checksums, path)) => {
@@ -495,6 +543,9 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
                 reply.bytes_written = bytes;
                 reply.checksums = checksums;
                 reply.path = path;
+                if want_layout {
+                    reply.layout = self.layout.clone();
+                }
                 if let Some((t, sid)) = token {
                     reply.proof = Some(super::msg::finish_proof(&t, &sid, &reply).to_vec());
                 }
@@ -506,6 +557,14 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
                 (reply, ReleaseReason::Failed(Shared::new(e)))
             }
         };
+        if read && reason == ReleaseReason::Served {
+            // The consumer reads now: the lease holds until it says so, or the margin ends.
+            if let Some(Entry::Serving { read_until, .. }) = self.entries.get_mut(request_id) {
+                *read_until = Some(now + self.serve_margin);
+            }
+            self.effects.push_back(Effect::Reply { peer, reply });
+            return;
+        }
         self.entries.insert(
             request_id.to_string(),
             Entry::Done {
@@ -605,83 +664,5 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
         }
         self.effects.push_back(Effect::Reply { peer, reply });
         self.close_segments(unheld);
-    }
-
-    /// Time passed: expire leases and waits, send heartbeats, forget old ids.
-    pub fn handle_timeout(&mut self, now: Instant) {
-        let mut effects = Vec::new();
-        let beat = self.timeouts.heartbeat;
-        let mut expired = Vec::new();
-        for (id, e) in self.entries.iter_mut() {
-            match e {
-                Entry::Held { expires, .. } if *expires <= now => expired.push(id.clone()),
-                Entry::Serving {
-                    peer,
-                    load_id,
-                    next_beat,
-                    ..
-                } if *next_beat <= now => {
-                    *next_beat = now + beat;
-                    effects.push(Effect::Reply {
-                        peer: peer.clone(),
-                        reply: Reply::new(Status::Continue, id, *load_id),
-                    });
-                }
-                _ => {}
-            }
-        }
-        expired.sort();
-        for id in expired {
-            self.entries.insert(
-                id.clone(),
-                Entry::Done {
-                    reason: ReleaseReason::Expired,
-                    forget_at: now + self.timeouts.tombstone,
-                },
-            );
-            effects.push(Effect::Released {
-                request_id: id,
-                reason: ReleaseReason::Expired,
-            });
-        }
-        self.entries
-            .retain(|_, e| !matches!(e, Entry::Done { forget_at, .. } if *forget_at <= now));
-        let (late, keep): (Vec<_>, Vec<_>) = self.parked.drain(..).partition(|p| p.deadline <= now);
-        self.parked = keep;
-        for p in late {
-            let id = p.request.request_id;
-            effects.push(Effect::Warn(Warning::Load(Refusal::NotPublished(
-                id.clone(),
-            ))));
-            let reply = Reply::error(
-                &id,
-                p.request.load_id,
-                format!("request {id:?} was not published in time (publish wait {:?} or the consumer's budget)", self.timeouts.publish_wait),
-            );
-            effects.push(Effect::Reply {
-                peer: p.peer,
-                reply,
-            });
-        }
-        for p in self.parked.iter_mut().filter(|p| p.next_beat <= now) {
-            p.next_beat = now + beat;
-            effects.push(Effect::Reply {
-                peer: p.peer.clone(),
-                reply: Reply::new(Status::Continue, &p.request.request_id, p.request.load_id),
-            });
-        }
-        self.effects.extend(effects);
-    }
-
-    /// The earliest time at which [`Self::handle_timeout`] has something to do.
-    pub fn poll_timeout(&self) -> Option<Instant> {
-        let entries = self.entries.values().map(|e| match e {
-            Entry::Held { expires, .. } => *expires,
-            Entry::Done { forget_at, .. } => *forget_at,
-            Entry::Serving { next_beat, .. } => *next_beat,
-        });
-        entries
-            .chain(self.parked.iter().map(|p| p.deadline.min(p.next_beat)))
-            .min()
     }
 }

@@ -279,6 +279,9 @@ pub fn build_request(
         token: None,     // set by the caller with the grants
         key_proof: None, // set with the session (the connection's state machine)
         proof: None,     // idem
+        read: false,     // set by the consumer where it reads (§4.10)
+        want_layout: false,
+        layout_digest: None,
     };
     Ok((request, landed))
 }

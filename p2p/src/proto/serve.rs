@@ -121,20 +121,7 @@ pub fn plan(
     published: &Published,
     req: &LoadRequest,
 ) -> Result<Vec<RankPlan>, ServeError> {
-    if req.num_tokens > published.num_tokens {
-        return Err(ServeError::TooManyTokens {
-            asked: req.num_tokens,
-            published: published.num_tokens,
-        });
-    }
-    // Each group once: a second listing would copy the lease's blocks again.
-    let mut listed = HashSet::with_capacity(req.blocks.len());
-    for b in &req.blocks {
-        if !listed.insert(b.group_id) {
-            return Err(ServeError::GroupTwice(b.group_id));
-        }
-        check_blocks(producer, published, b)?;
-    }
+    check_lease(producer, published, req)?;
     check_ranks(req)?;
     // Never a write into the producer's own memory, whatever a consumer names.
     if let Some(r) = req
@@ -309,6 +296,33 @@ impl WireCache {
         };
         Ok(&self.last.insert(last).1)
     }
+}
+
+/// The request's tokens and block lists against the lease (what [`plan`] checks first, and all
+/// that the producer checks of a request the consumer reads itself, docs/design.md §4.10):
+/// no more tokens than published, each group once, and per group the lists' lengths, the
+/// block sizes, the positions' order and at each position the block the lease holds. Errors
+/// name the first problem.
+pub fn check_lease(
+    producer: &[RankLayout],
+    published: &Published,
+    req: &LoadRequest,
+) -> Result<(), ServeError> {
+    if req.num_tokens > published.num_tokens {
+        return Err(ServeError::TooManyTokens {
+            asked: req.num_tokens,
+            published: published.num_tokens,
+        });
+    }
+    // Each group once: a second listing would copy the lease's blocks again.
+    let mut listed = HashSet::with_capacity(req.blocks.len());
+    for b in &req.blocks {
+        if !listed.insert(b.group_id) {
+            return Err(ServeError::GroupTwice(b.group_id));
+        }
+        check_blocks(producer, published, b)?;
+    }
+    Ok(())
 }
 
 /// One group's block lists against the lease: lengths, block sizes, the blocks at each position.

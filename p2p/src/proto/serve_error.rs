@@ -263,11 +263,12 @@ pub enum LayerError {
     Pair(#[from] PlanError),
 }
 
-/// Why a producer rank's WRITEs into one consumer rank failed.
+/// Why one rank's copies failed: a producer rank's WRITEs into a consumer rank, or a consumer
+/// rank's READs from a producer rank (docs/design.md §4.10).
 #[derive(Debug, thiserror::Error)]
 #[error("rank tp={} pp={}: {kind}", .rank.tp_rank, .rank.pp_rank)]
 pub struct WriteError {
-    /// The producer rank.
+    /// The rank that copied: the producer's when it writes, the consumer's when it reads.
     pub rank: RankInfo,
     /// What failed.
     #[source]

@@ -88,6 +88,9 @@ pub(crate) fn request(id: &str, load_id: u64) -> LoadRequest {
         token: None,
         key_proof: None,
         proof: None,
+        read: false,
+        want_layout: false,
+        layout_digest: None,
         blocks: vec![WireBlocks {
             group_id: 0,
             block_size: 16,
@@ -134,11 +137,11 @@ pub(crate) fn timeouts() -> ProducerTimeouts {
     }
 }
 
-type Machine = ProducerMachine<u32, &'static str>;
-type Effects = Vec<Effect<u32, &'static str>>;
+pub(crate) type Machine = ProducerMachine<u32, &'static str>;
+pub(crate) type Effects = Vec<Effect<u32, &'static str>>;
 
 /// Each producer input followed by the effects it gives (drained as the shell drains them).
-trait Drive {
+pub(crate) trait Drive {
     fn publish(
         &mut self,
         now: Instant,
@@ -192,7 +195,7 @@ impl Drive for Machine {
     }
 }
 
-fn replies(effects: &[Effect<u32, &'static str>]) -> Vec<(u32, Status, Option<String>)> {
+pub(crate) fn replies(effects: &[Effect<u32, &'static str>]) -> Vec<(u32, Status, Option<String>)> {
     effects
         .iter()
         .filter_map(|e| match e {
@@ -202,7 +205,7 @@ fn replies(effects: &[Effect<u32, &'static str>]) -> Vec<(u32, Status, Option<St
         .collect()
 }
 
-fn serves(effects: &[Effect<u32, &'static str>]) -> Vec<(u32, String, &'static str)> {
+pub(crate) fn serves(effects: &[Effect<u32, &'static str>]) -> Vec<(u32, String, &'static str)> {
     effects
         .iter()
         .filter_map(|e| match e {

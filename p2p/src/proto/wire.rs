@@ -3,7 +3,7 @@
 
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout, LayoutError};
 
-use crate::proto::msg::WireGeometry;
+use crate::proto::msg_body::WireGeometry;
 
 /// The wire form of a geometry.
 pub fn to_wire(g: &Geometry) -> WireGeometry {

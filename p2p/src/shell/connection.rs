@@ -60,6 +60,11 @@ type Waiter = (
 pub(crate) enum ConnCmd {
     Load(Box<LoadCmd>),
     Connect(oneshot::Sender<Result<(), ConnectFailure>>),
+    /// A load this consumer read itself is over: tell the producer (its lease ends).
+    ReadDone {
+        request_id: String,
+        load_id: u64,
+    },
 }
 
 enum SockEvent {
@@ -387,6 +392,10 @@ impl Connection {
             match event {
                 Event::Command(None) => break,
                 Event::Command(Some(ConnCmd::Load(cmd))) => self.start(*cmd).await,
+                Event::Command(Some(ConnCmd::ReadDone {
+                    request_id,
+                    load_id,
+                })) => self.machine.read_done(&request_id, load_id),
                 Event::Command(Some(ConnCmd::Connect(respond))) => {
                     let r = self.open().await.map_err(|f| match f {
                         ConnFailure::Connect(why) => why,

@@ -24,7 +24,7 @@ use crate::proto::request::{build_request, grant_ranges};
 pub use crate::proto::request::{Landed, LandedGroup, LoadGroup, LoadSpec};
 use crate::shell::connection::{ConnCmd, ConnFailure, Connection, LoadCmd, LoadProgress};
 use crate::shell::consumer_config::carrier_check;
-pub use crate::shell::consumer_config::{ConsumerConfig, LoadOutcome};
+pub use crate::shell::consumer_config::{ConsumerConfig, LoadOutcome, ReadMode};
 use crate::shell::load_metrics::{record_load, Loaded};
 use crate::shell::verify_parts::{Parts, Selector};
 use crate::worker::{validate, Worker, WorkerGroup};
@@ -56,6 +56,9 @@ pub struct Consumer {
     secret: Option<Secret>,
     /// This consumer's name in sessions: its first rank's segment.
     name: String,
+    /// Per producer endpoint: whether its loads are read here, with its layout
+    /// (docs/design.md §4.10). A producer not listed is asked for its layout.
+    reads: std::sync::Mutex<HashMap<String, read::Reads>>,
 }
 
 /// A byte range of a registered region: (offset, length).
@@ -84,6 +87,7 @@ impl Consumer {
             pp,
             conns: tokio::sync::Mutex::new(HashMap::new()),
             hook: RwLock::new(None),
+            reads: std::sync::Mutex::new(HashMap::new()),
         })
     }
 
@@ -137,6 +141,18 @@ impl Consumer {
         let t_build = Instant::now();
         let (mut request, landed) = self.build_request(&spec)?;
         let build_us = t_build.elapsed().as_micros();
+        let hook = self.hook_for(&spec.request_id);
+        // A hook runs between landing and verifying: such a load is written, never read.
+        if hook.is_none() {
+            if let Some(reads) = self.read_plan(&spec.producer, &request) {
+                match self.load_by_read(&spec, request.clone(), reads).await {
+                    Err(read::ReadEnd::Refused) => {} // by WRITE, below
+                    Err(read::ReadEnd::Failed(e)) => return Err(e),
+                    Ok(o) => return Ok(o),
+                }
+            }
+        }
+        request.want_layout = self.wants_layout(&spec.producer);
         let rid = spec.request_id.clone();
         // WRITE for exactly this load's block bytes, to this load's token, until it ends.
         let (token, grants) = self.grant(&request).map_err(|e| LoadError::Spec {
@@ -145,7 +161,6 @@ impl Consumer {
         })?;
         request.token = token.map(|t| t.to_string());
         let grant_us = t_build.elapsed().as_micros() - build_us;
-        let hook = self.hook_for(&rid);
         // Layers are verified as they land unless a hook runs between landing and verifying.
         let (progress, mut heard) = mpsc::unbounded_channel();
         let overlap = self.checksums && hook.is_none();
@@ -160,6 +175,7 @@ impl Consumer {
             self.config.checksum_timeout,
         );
         let started = Instant::now();
+        let want_layout = request.want_layout;
         let send = self.send(
             &spec.producer,
             request,
@@ -196,23 +212,56 @@ impl Consumer {
         // The transfer is over (FINISH: every WRITE was acknowledged) or failed: revoke
         // before verifying, so that nothing lands in the blocks after they are checked.
         drop(grants);
-        let reply = reply.map_err(|f| match f {
-            ConnFailure::Connect(why) => LoadError::Connect {
-                request_id: rid.clone(),
-                producer: spec.producer.clone(),
-                why,
-            },
-            ConnFailure::Failed(reason) => LoadError::Failed {
-                request_id: rid.clone(),
-                reason,
-            },
-        })?;
+        let reply = reply.map_err(|f| self.load_error(&spec, f))?;
         let transfer_seconds = started.elapsed().as_secs_f64();
+        if want_layout {
+            self.learn_layout(&spec.producer, &reply).await;
+        }
         if let Some(hook) = hook {
             hook(&landed);
         }
+        let phases = Phases {
+            build_us,
+            grant_us,
+            lead_us,
+            progress_us: progress_time.as_micros() as u64,
+        };
+        let path = reply.path;
+        Ok(self
+            .judge(&spec, &reply, parts, transfer_seconds, phases, path, false)
+            .await)
+    }
+
+    /// The [`LoadError`] of a load whose reply failed (`f`).
+    fn load_error(&self, spec: &LoadSpec, f: ConnFailure) -> LoadError {
+        let request_id = spec.request_id.clone();
+        match f {
+            ConnFailure::Connect(why) => LoadError::Connect {
+                request_id,
+                producer: spec.producer.clone(),
+                why,
+            },
+            ConnFailure::Failed(reason) => LoadError::Failed { request_id, reason },
+        }
+    }
+
+    /// A landed load's outcome: without checksums, complete; else the layers `parts` did not
+    /// checksum are, the parts added, compared with `reply`'s payload, the verdict logged and
+    /// the policy applied. `read`: this consumer read the blocks itself, `path` carried them.
+    #[allow(clippy::too_many_arguments)] // the load's parts, each its own
+    async fn judge(
+        &self,
+        spec: &LoadSpec,
+        reply: &Reply,
+        parts: Parts,
+        transfer_seconds: f64,
+        phases: Phases,
+        path: Option<kvferry_transfer::TransferPath>,
+        read: bool,
+    ) -> LoadOutcome {
+        let rid = spec.request_id.clone();
         if !self.checksums {
-            return Ok(LoadOutcome {
+            return LoadOutcome {
                 request_id: rid,
                 verdict: None,
                 action: Action::Complete,
@@ -220,22 +269,24 @@ impl Consumer {
                 transfer_seconds,
                 checksum_seconds: 0.0,
                 early_layers: 0,
-                path: reply.path,
-            });
+                path,
+                read,
+            };
         }
         let started = Instant::now();
         let overlapped = parts.started();
         let early_layers = parts.covered();
-        let verdict = self.verify(&spec, &reply, parts).await;
+        let verdict = self.verify(spec, reply, parts).await;
         let checksum_seconds = started.elapsed().as_secs_f64();
         debug!(
             target: "kvferry::timing",
             request_id = rid,
-            build_us,
-            grant_us,
+            build_us = phases.build_us,
+            grant_us = phases.grant_us,
             overlapped,
-            lead_us,
-            progress_us = progress_time.as_micros() as u64,
+            lead_us = phases.lead_us,
+            progress_us = phases.progress_us,
+            read,
             transfer_us = (transfer_seconds * 1e6) as u64,
             verify_us = (checksum_seconds * 1e6) as u64,
             "load phases"
@@ -249,7 +300,7 @@ impl Consumer {
                 "load not completed (fail-closed)"
             );
         }
-        Ok(LoadOutcome {
+        LoadOutcome {
             request_id: rid,
             verdict: Some(verdict),
             action,
@@ -257,8 +308,9 @@ impl Consumer {
             transfer_seconds,
             checksum_seconds,
             early_layers,
-            path: reply.path,
-        })
+            path,
+            read,
+        }
     }
 
     /// Grants a fresh random token WRITE on every rank's bytes of the blocks `request` loads
@@ -492,6 +544,18 @@ impl Consumer {
         verdict
     }
 }
+
+/// Host times of a load's first phases, for its timing line (µs).
+#[derive(Debug, Clone, Copy, Default)]
+struct Phases {
+    build_us: u128,
+    grant_us: u128,
+    lead_us: u64,
+    progress_us: u64,
+}
+
+#[path = "consumer_read.rs"]
+mod read;
 
 #[cfg(test)]
 #[path = "consumer_grant_tests.rs"]

@@ -40,6 +40,9 @@ pub struct ConsumerConfig {
     /// a frame header declaring more drops the connection (its loads fail) before anything
     /// is reserved. Default [`DEFAULT_MAX_ZMTP_MESSAGE`].
     pub max_message_bytes: usize,
+    /// Whether this consumer READs a load's blocks itself (docs/design.md §4.10) instead of
+    /// asking the producer to WRITE them. Default [`ReadMode::Auto`].
+    pub read: ReadMode,
 }
 
 impl ConsumerConfig {
@@ -80,8 +83,28 @@ impl Default for ConsumerConfig {
             send_timeout: Duration::from_secs(5),
             reconnect_interval: Duration::from_secs(1),
             max_message_bytes: DEFAULT_MAX_ZMTP_MESSAGE,
+            read: ReadMode::Auto,
         }
     }
+}
+
+/// When a consumer READs a load's blocks itself (docs/design.md §4.10): it plans the copies
+/// from the producer's layout (sent once, in the FINISH of a load that asked for it) and reads
+/// them while its request is on its way, then checksums each layer group as its copies
+/// complete; the producer only checks the request against its lease and answers with the
+/// payload. It never applies to a load whose layout this consumer does not hold yet (the
+/// first to each producer) or that a landed hook runs for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReadMode {
+    /// Read where every producer rank's memory is reached over CUDA IPC from the consumer
+    /// ranks that need it (device memory of both, one host); else the producer WRITEs.
+    #[default]
+    Auto,
+    /// Read over whatever path the engines take. Over TCP or RDMA the producer's engines grant
+    /// no READ in secret mode, so such loads fail there: for open mode (and tests) only.
+    Always,
+    /// Never read: the producer WRITEs every load (and no layout is asked for).
+    Never,
 }
 
 /// The result of a load that landed.
@@ -106,6 +129,9 @@ pub struct LoadOutcome {
     /// What carried the KV, as the producer's FINISH says (`cuda-ipc`, `tcp` or `rdma`; the
     /// path of its first batch); `None` from a producer that does not say it.
     pub path: Option<kvferry_transfer::TransferPath>,
+    /// Whether this consumer read the blocks itself (docs/design.md §4.10) instead of the
+    /// producer writing them; `path` then is the path of its own first read.
+    pub read: bool,
 }
 
 /// §2.7: checksums with no carrier verify nothing (the checksum crate's

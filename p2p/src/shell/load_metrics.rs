@@ -49,6 +49,7 @@ fn verdict_labels(r: &Result<Loaded<'_>, &LoadError>) -> (&'static str, String) 
             match e {
                 LoadError::Spec { .. } => "spec".into(),
                 LoadError::Connect { .. } => "connect".into(),
+                LoadError::Read { .. } => "read".into(),
                 LoadError::Failed { reason, .. } => snake(&format!("{reason:?}")),
             },
         ),

@@ -14,6 +14,7 @@ use zeromq::Socket;
 
 use crate::checksum::{all_records, CallerStream};
 use crate::error::{BindFailure, P2pError, PublishFailure};
+use crate::proto::msg_read::layout_to_wire;
 
 use crate::proto::layout::RankLayout;
 use crate::proto::producer::ProducerMachine;
@@ -85,7 +86,8 @@ impl Producer {
             EventLoop {
                 machine: ProducerMachine::new(config.timeouts, config.transfer_timeout)
                     .with_control(secret, &endpoint, &config.bind, os_nonces())
-                    .with_max_sessions(config.max_sessions),
+                    .with_max_sessions(config.max_sessions)
+                    .with_layout(layout_to_wire(&layouts)),
                 socket,
                 monitor,
                 commands: tx.downgrade(),

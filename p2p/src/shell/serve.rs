@@ -16,7 +16,7 @@ use crate::proto::msg::{LayerSpan, LoadRequest};
 use crate::proto::plan::Copy;
 use crate::proto::producer_effects::ServedLoad;
 use crate::proto::progress::{layer_groups, layer_slots};
-use crate::proto::serve::{plan, BlockCopies, Published, RankPlan};
+use crate::proto::serve::{check_lease, plan, BlockCopies, Published, RankPlan};
 use crate::proto::serve_error::{ServeFailure, WriteError, WriteErrorKind};
 use crate::worker::Worker;
 
@@ -52,6 +52,15 @@ pub(crate) async fn serve_load(
         Some(Ok(t)) => Some(t),
         Some(Err(e)) => return ServeEnd::Refused(ServeFailure::Token(e), lease),
     };
+    if request.read {
+        // The consumer reads the blocks itself: only the lease is checked, nothing is copied
+        // here; the FINISH carries the payload, and the lease holds until the consumer's
+        // read_done (docs/design.md §4.10).
+        return match check_lease(&layouts, &lease, &request) {
+            Ok(()) => ServeEnd::Ran(Ok((0, lease.payload, None))),
+            Err(e) => ServeEnd::Refused(ServeFailure::Plan(e), lease),
+        };
+    }
     let t_plan = Instant::now();
     let planned = plan(&layouts, &lease, &request);
     debug!(
@@ -73,7 +82,11 @@ pub(crate) async fn serve_load(
     let carried = Arc::new(OnceLock::new());
     let written = if groups.len() > 1 {
         let carried = carried.clone();
-        write_grouped(workers, plan, &groups, deadline, token, progress, carried).await
+        let write = Op::Write;
+        write_grouped(
+            workers, plan, &groups, write, deadline, token, progress, carried,
+        )
+        .await
     } else {
         write_all(workers, plan, deadline, token, carried.clone()).await
     }
@@ -131,10 +144,12 @@ pub(crate) async fn write_all(
 /// less than the hop. Every batch submitted is waited for, a failure or not, all by `deadline`;
 /// no group is submitted after a failure. Returns the bytes written; `carried` is set to the
 /// path of the first batch submitted.
+#[allow(clippy::too_many_arguments)] // the load's parts, each its own
 pub(crate) async fn write_grouped(
     workers: Arc<Vec<Worker>>,
     plans: Vec<RankPlan>,
     groups: &[Range<u32>],
+    op: Op,
     deadline: Instant,
     token: Option<Token>,
     progress: impl Fn(LayerSpan) + Send + 'static,
@@ -150,6 +165,7 @@ pub(crate) async fn write_grouped(
             &workers,
             &plans,
             &groups,
+            op,
             deadline,
             &submit,
             &progress,
@@ -182,10 +198,12 @@ fn submit_thread() -> std::thread::Builder {
 /// submits each but the last on a thread from `thread`, the last on this one; a thread the OS
 /// refuses fails the load
 /// ([`WriteErrorKind::NoThread`]) instead of the process.
+#[allow(clippy::too_many_arguments)] // the load's parts, each its own
 fn write_groups_blocking(
     workers: &[Worker],
     plans: &[RankPlan],
     groups: &[Range<u32>],
+    op: Op,
     deadline: Instant,
     submit: &(dyn Fn(Job) -> Result<(usize, BatchId), WriteError> + Sync),
     progress: &dyn Fn(LayerSpan),
@@ -231,11 +249,15 @@ fn write_groups_blocking(
         {
             bytes = bytes.saturating_add(plan_bytes(&p));
             if !p.strided.is_empty() {
-                let requests = Submission::Strided(strided_requests(p.strided));
+                let requests = Submission::Strided(strided_requests(p.strided, op));
                 jobs.push((p.rank, p.segment.clone(), requests));
             }
             for c in p.copies.chunks(per_batch(p.copies.len()).max(1)) {
-                jobs.push((p.rank, p.segment.clone(), Submission::Plain(requests(c))));
+                jobs.push((
+                    p.rank,
+                    p.segment.clone(),
+                    Submission::Plain(requests(c, op)),
+                ));
             }
         }
         let jobs = jobs.into_iter().map(|(rank, segment, requests)| Job {
@@ -412,7 +434,7 @@ async fn write_strided(
     if strided.iter().all(BlockCopies::is_empty) {
         return Ok(0);
     }
-    let requests = strided_requests(strided);
+    let requests = strided_requests(strided, Op::Write);
     let bytes = requests
         .iter()
         .fold(0u64, |a, r| a.saturating_add(r.bytes()));
@@ -421,12 +443,13 @@ async fn write_strided(
     Ok(bytes)
 }
 
-/// The whole-block copies as the engine's strided requests (one per entry).
-fn strided_requests(strided: Vec<BlockCopies>) -> Vec<StridedRequest> {
+/// The whole-block copies as the engine's strided requests (one per entry): `op` (a copy's
+/// `src` offsets and block bases are local, its `dst` ones remote).
+fn strided_requests(strided: Vec<BlockCopies>, op: Op) -> Vec<StridedRequest> {
     strided
         .into_iter()
         .map(|s| StridedRequest {
-            op: Op::Write,
+            op,
             ranges: s
                 .ranges
                 .iter()
@@ -456,16 +479,16 @@ async fn write_batch(
     token: Option<Token>,
     carried: &Arc<OnceLock<TransferPath>>,
 ) -> Result<(), WriteError> {
-    let requests = Submission::Plain(requests(copies));
+    let requests = Submission::Plain(requests(copies, Op::Write));
     submit_and_wait(w, segment, requests, deadline, token, carried).await
 }
 
-/// Plain copies as the engine's WRITE requests.
-fn requests(copies: &[Copy]) -> Vec<TransferRequest> {
+/// Plain copies as the engine's requests: `op`, each copy's `src` local and `dst` remote.
+fn requests(copies: &[Copy], op: Op) -> Vec<TransferRequest> {
     copies
         .iter()
         .map(|c| TransferRequest {
-            op: Op::Write,
+            op,
             local_addr: c.src,
             remote_addr: c.dst,
             len: c.len,
@@ -713,6 +736,7 @@ mod tests {
             &workers,
             &[plan],
             &[Range { start: 0, end: 1 }],
+            Op::Write,
             deadline,
             &submit,
             &|_| {},
@@ -759,6 +783,7 @@ mod tests {
                 &self.workers,
                 std::slice::from_ref(&self.plan),
                 &[Range { start: 0, end: 1 }, Range { start: 1, end: 2 }],
+                Op::Write,
                 Instant::now() + std::time::Duration::from_secs(20),
                 submit,
                 progress,
@@ -888,6 +913,7 @@ mod tests {
             workers,
             vec![plan],
             &groups,
+            Op::Write,
             Instant::now(),
             None,
             |_| {},

@@ -1,0 +1,420 @@
+//! Loads the consumer reads itself (docs/design.md §4.10). Where the producer's KV memory is
+//! reached over CUDA IPC, a load is fastest when no producer hop sits before the first copy or
+//! between a copy and its checksum: the consumer plans the copies from the producer's layout
+//! (sent once, in a FINISH), sends its request and reads at once, and checksums each layer
+//! group as soon as its copies complete. The producer checks the request against its lease and
+//! answers with the payload while the copies run; `read_done` ends its lease.
+
+use std::ops::Range;
+use std::sync::{Arc, OnceLock};
+use std::task::Poll;
+use std::time::Instant;
+
+use kvferry_transfer::sync::MutexExt;
+use kvferry_transfer::{Op, Shared, Token, TransferError, TransferPath};
+use tokio::sync::mpsc;
+use tracing::{debug, info, warn};
+
+use super::{Consumer, Phases};
+use crate::error::{LoadError, LoadSpecFault};
+use crate::proto::consumer::FailReason;
+use crate::proto::layout::RankLayout;
+use crate::proto::msg::{LoadRequest, Reply};
+use crate::proto::msg_read::{layout_digest, layout_from_wire};
+use crate::proto::progress::{layer_groups, layer_slots};
+use crate::proto::serve::{plan, BlockCopies, Published, RankPlan};
+use crate::shell::connection::{ConnCmd, ConnFailure, LoadProgress};
+use crate::shell::consumer_config::{LoadOutcome, ReadMode};
+use crate::shell::serve::write_grouped;
+use crate::shell::verify_parts::{Parts, Selector};
+use crate::LoadSpec;
+
+/// Bytes of one layer group of a read load: each group's checksums start once its copies
+/// complete, beside the next group's copies (as the producer's `layer_group_bytes`).
+const READ_GROUP_BYTES: u64 = 64 << 20;
+
+/// Most positions of one group's table this side builds to plan a read (16M tokens at block
+/// size 16): a request past it is written by the producer instead.
+const MAX_OWN_POSITIONS: u64 = 1 << 20;
+
+/// Whether a producer's loads are read here.
+pub(super) enum Reads {
+    /// Read, planned with this layout.
+    Yes(Arc<ProducerLayout>),
+    /// Written by the producer (it sends no layout, or this side does not reach its memory
+    /// as [`ReadMode`] asks).
+    No,
+}
+
+/// A producer's layout as the plan reads it, and the digest a read request names.
+pub(super) struct ProducerLayout {
+    ranks: Vec<RankLayout>,
+    digest: [u8; 32],
+}
+
+/// A load planned to be read: the copies per (consumer rank, producer segment), local
+/// addresses as `src`, and the layer groups they land in.
+pub(super) struct ReadPlan {
+    plans: Vec<RankPlan>,
+    groups: Vec<Range<u32>>,
+    digest: [u8; 32],
+}
+
+/// How a load by read ended without an outcome.
+pub(super) enum ReadEnd {
+    /// The producer will not serve it by read (`FailReason::ReadRefused`): nothing was served,
+    /// and the load goes by WRITE.
+    Refused,
+    /// The load failed.
+    Failed(LoadError),
+}
+
+/// Why this consumer does not read a producer's loads (logged once per producer).
+#[derive(Debug, thiserror::Error)]
+enum NoRead {
+    #[error("its layout cannot be planned with: {0}")]
+    Layout(#[from] crate::proto::msg_read::LayoutFromWireError),
+    #[error("a rank holds no KV memory")]
+    NoMemory,
+    #[error("this side's KV memory is not device memory exported over CUDA IPC")]
+    NotExported,
+    #[error("segment {segment}: {source}")]
+    Open {
+        segment: String,
+        source: TransferError,
+    },
+    #[error("segment {segment} is reached over {path}, not CUDA IPC")]
+    Path { segment: String, path: TransferPath },
+    #[error("checking the path did not end in time")]
+    Timeout,
+}
+
+impl Consumer {
+    /// Whether a load to `producer` asks for its layout: reads are not off and nothing is
+    /// known of it yet.
+    pub(super) fn wants_layout(&self, producer: &str) -> bool {
+        self.config.read != ReadMode::Never && !self.reads.locked().contains_key(producer)
+    }
+
+    /// Takes the layout `reply` (a FINISH to a load that asked) carries, and decides once
+    /// whether `producer`'s loads are read here: its layout parses and, unless reads are
+    /// [`ReadMode::Always`], every consumer rank reaches every producer rank's memory over
+    /// CUDA IPC (checked by opening the segments, within twice the connect timeout).
+    pub(super) async fn learn_layout(&self, producer: &str, reply: &Reply) {
+        let decided = if reply.layout.is_empty() {
+            Err(None)
+        } else {
+            self.readable(reply).await.map_err(Some)
+        };
+        let reads = match decided {
+            Ok(layout) => {
+                info!(
+                    producer,
+                    "loads from this producer are read here (its KV is reached over CUDA IPC)"
+                );
+                Reads::Yes(Arc::new(layout))
+            }
+            Err(why) => {
+                if let Some(why) = why {
+                    debug!(
+                        producer,
+                        "loads from this producer are written by it: {why}"
+                    );
+                }
+                Reads::No
+            }
+        };
+        self.reads.locked().insert(producer.to_string(), reads);
+    }
+
+    /// `reply`'s layout, if this side reads with it.
+    async fn readable(&self, reply: &Reply) -> Result<ProducerLayout, NoRead> {
+        let ranks = layout_from_wire(&reply.layout)?;
+        let layout = ProducerLayout {
+            ranks,
+            digest: layout_digest(&reply.layout),
+        };
+        if self.config.read == ReadMode::Always {
+            return Ok(layout);
+        }
+        let first = |r: &RankLayout| {
+            r.groups
+                .iter()
+                .flat_map(|g| &g.layers)
+                .next()
+                .map(|l| l.addr)
+        };
+        let mut pairs = Vec::new();
+        for w in self.workers.iter() {
+            let local = w
+                .groups
+                .iter()
+                .flat_map(|g| &g.layers)
+                .next()
+                .ok_or(NoRead::NoMemory)?
+                .addr;
+            // Only device memory exported over CUDA IPC here can be read into that way: a
+            // host-memory consumer opens nothing.
+            if w.engine.region_cuda_ipc(local).is_none_or(|r| r.is_err()) {
+                return Err(NoRead::NotExported);
+            }
+            for r in &layout.ranks {
+                let remote = first(r).ok_or(NoRead::NoMemory)?;
+                pairs.push((w.engine.clone(), local, r.segment.clone(), remote));
+            }
+        }
+        let check = tokio::task::spawn_blocking(move || {
+            for (engine, local, segment, remote) in pairs {
+                let open = |source| NoRead::Open {
+                    segment: segment.clone(),
+                    source,
+                };
+                let handle = engine.open_segment(&segment).map_err(open)?;
+                let path = engine.transfer_path(&handle, local, remote).map_err(open)?;
+                if path != TransferPath::CudaIpc {
+                    return Err(NoRead::Path { segment, path });
+                }
+            }
+            Ok(())
+        });
+        let limit = self.config.connect_timeout.saturating_mul(2);
+        match tokio::time::timeout(limit, check).await {
+            Ok(Ok(r)) => r.map(|()| layout),
+            _ => Err(NoRead::Timeout),
+        }
+    }
+
+    /// The plan to read `request` from `producer`, where its loads are read here and the
+    /// plan holds (else `None`: the producer writes, and refuses what does not fit with its
+    /// reason). The consumer trusts its own block tables here; the producer checks them
+    /// against its lease before it answers.
+    pub(super) fn read_plan(&self, producer: &str, request: &LoadRequest) -> Option<ReadPlan> {
+        if self.config.read == ReadMode::Never {
+            return None;
+        }
+        let layout = match self.reads.locked().get(producer) {
+            Some(Reads::Yes(l)) => l.clone(),
+            _ => return None,
+        };
+        let t = Instant::now();
+        let published = own_view(request)?;
+        let plans = match plan(&layout.ranks, &published, request) {
+            Ok(p) => p,
+            Err(e) => {
+                debug!(request_id = request.request_id, "not read, written: {e}");
+                return None;
+            }
+        };
+        let plans = plans
+            .into_iter()
+            .map(|p| self.reversed(p, &layout.ranks))
+            .collect::<Option<Vec<_>>>()?;
+        let mut slot_bytes = vec![0u64; layer_slots(request).len()];
+        for p in &plans {
+            p.add_slot_bytes(&mut slot_bytes);
+        }
+        let groups = layer_groups(&slot_bytes, READ_GROUP_BYTES);
+        debug!(
+            target: "kvferry::timing",
+            request_id = request.request_id,
+            plan_us = t.elapsed().as_micros() as u64,
+            groups = groups.len(),
+            "read planned"
+        );
+        Some(ReadPlan {
+            plans,
+            groups,
+            digest: layout.digest,
+        })
+    }
+
+    /// A producer rank's copies into one consumer segment as that consumer rank's reads: its
+    /// worker (the first on that segment's engine), the producer's segment, and every copy with
+    /// the consumer's address as `src` (local) and the producer's as `dst` (remote).
+    fn reversed(&self, p: RankPlan, producer: &[RankLayout]) -> Option<RankPlan> {
+        let rank = self.layouts.iter().position(|l| l.segment == p.segment)?;
+        let segment = producer.get(p.rank)?.segment.clone();
+        let swap = |c: crate::proto::plan::Copy| crate::proto::plan::Copy {
+            src: c.dst,
+            dst: c.src,
+            len: c.len,
+        };
+        Some(RankPlan {
+            rank,
+            segment,
+            copies: p.copies.into_iter().map(swap).collect(),
+            copy_layers: p.copy_layers,
+            strided: p
+                .strided
+                .into_iter()
+                .map(|s| BlockCopies {
+                    ranges: s.ranges.into_iter().map(swap).collect(),
+                    blocks: s.blocks.into_iter().map(|(p, c)| (c, p)).collect(),
+                    layers: s.layers,
+                })
+                .collect(),
+        })
+    }
+
+    /// Loads `spec` by reading (`reads`, planned from `request`): sends the request to read
+    /// and reads at once, checksums each layer group as it lands, waits for both the reads and
+    /// the producer's answer (by the reply deadline), tells the producer it has read, then
+    /// verifies as any load. [`ReadEnd::Refused`]: the producer will not serve it by read
+    /// (nothing served; this side forgets the layout and the load goes by WRITE).
+    pub(super) async fn load_by_read(
+        &self,
+        spec: &LoadSpec,
+        mut request: LoadRequest,
+        reads: ReadPlan,
+    ) -> Result<LoadOutcome, ReadEnd> {
+        let rid = spec.request_id.clone();
+        let started = Instant::now();
+        let token = Token::random().map_err(|e| {
+            ReadEnd::Failed(LoadError::Spec {
+                request_id: rid.clone(),
+                why: LoadSpecFault::Grant(Shared(Arc::new(e))),
+            })
+        })?;
+        let slots = if self.checksums {
+            layer_slots(&request)
+        } else {
+            Vec::new()
+        };
+        // The producer needs the blocks, not this side's memory: a smaller request.
+        request.ranks = Vec::new();
+        request.read = true;
+        request.layout_digest = Some(reads.digest.to_vec());
+        request.token = Some(token.to_string());
+        let deadline = started + self.config.reply_deadline();
+        let mut parts = Parts::new(
+            self.workers.clone(),
+            Arc::new(Selector::new(spec)),
+            slots,
+            self.config.checksum_timeout,
+        );
+        let send = self.send(&spec.producer, request, spec.load_key.clone(), None);
+        tokio::pin!(send);
+        // The request goes out first: the producer's answer comes back while the copies run.
+        let mut reply = match futures::poll!(&mut send) {
+            Poll::Ready(r) => Some(r),
+            Poll::Pending => None,
+        };
+        let (progress, mut heard) = mpsc::unbounded_channel();
+        let tell = move |span| {
+            let _ = progress.send(LoadProgress::Landed(span));
+        };
+        let carried = Arc::new(OnceLock::new());
+        let (workers, read) = (self.workers.clone(), Op::Read);
+        let reading = write_grouped(
+            workers,
+            reads.plans,
+            &reads.groups,
+            read,
+            deadline,
+            None,
+            tell,
+            carried.clone(),
+        );
+        tokio::pin!(reading);
+        let mut bytes = None;
+        let mut progress_time = std::time::Duration::ZERO;
+        while reply.is_none() || bytes.is_none() {
+            tokio::select! {
+                biased;
+                Some(p) = heard.recv() => {
+                    let t = Instant::now();
+                    parts.progress(p);
+                    progress_time += t.elapsed();
+                }
+                r = &mut reading, if bytes.is_none() => bytes = Some(r),
+                r = &mut send, if reply.is_none() => reply = Some(r),
+            }
+        }
+        while let Ok(p) = heard.try_recv() {
+            parts.late(p);
+        }
+        let transfer_seconds = started.elapsed().as_secs_f64();
+        let (Some(reply), Some(bytes)) = (reply, bytes) else {
+            return Err(ReadEnd::Refused); // the loop above ends with both
+        };
+        let mut reply = match reply {
+            Ok(r) => r,
+            Err(ConnFailure::Failed(FailReason::ReadRefused(why))) => {
+                debug!(
+                    request_id = rid,
+                    "not served by read ({why}); loading by WRITE"
+                );
+                self.reads.locked().remove(&spec.producer);
+                return Err(ReadEnd::Refused);
+            }
+            Err(f) => return Err(ReadEnd::Failed(self.load_error(spec, f))),
+        };
+        // The reads are over, whatever they gave: the producer's lease may end.
+        self.dispatch(
+            &spec.producer,
+            ConnCmd::ReadDone {
+                request_id: reply.request_id.clone(),
+                load_id: reply.load_id,
+            },
+        )
+        .await;
+        reply.bytes_written = match bytes {
+            Ok(b) => b,
+            Err(e) => {
+                warn!(
+                    request_id = rid,
+                    "reading the producer's blocks failed: {e}"
+                );
+                return Err(ReadEnd::Failed(LoadError::Read {
+                    request_id: rid,
+                    why: Shared(Arc::new(e)),
+                }));
+            }
+        };
+        let phases = Phases {
+            progress_us: progress_time.as_micros() as u64,
+            ..Phases::default()
+        };
+        let path = carried.get().copied();
+        Ok(self
+            .judge(spec, &reply, parts, transfer_seconds, phases, path, true)
+            .await)
+    }
+}
+
+/// The lease as this side sees it: its own request's block tables and tokens, so that the plan
+/// checks the request's shape (the producer checks it against the real lease). `None` for a
+/// table past [`MAX_OWN_POSITIONS`].
+fn own_view(request: &LoadRequest) -> Option<Published> {
+    let groups = request
+        .blocks
+        .iter()
+        .map(|b| b.group_id)
+        .max()
+        .map_or(0, |g| g as usize + 1);
+    if groups > crate::proto::msg::MAX_GROUPS {
+        return None;
+    }
+    let mut blocks: Vec<Vec<Option<u64>>> = vec![Vec::new(); groups];
+    for b in &request.blocks {
+        let positions = if b.remote_positions.is_empty() {
+            &b.positions
+        } else {
+            &b.remote_positions
+        };
+        let end = positions.iter().max().map_or(0, |p| p.saturating_add(1));
+        if end > MAX_OWN_POSITIONS {
+            return None;
+        }
+        let table = blocks.get_mut(b.group_id as usize)?;
+        table.resize(end as usize, None);
+        for (&p, &r) in positions.iter().zip(&b.remote_blocks) {
+            table[p as usize] = Some(r);
+        }
+    }
+    Some(Published {
+        blocks,
+        num_tokens: request.num_tokens,
+        payload: None,
+    })
+}

@@ -637,6 +637,7 @@ impl Checks {
             report.state_landed = Some(report.state_landed.unwrap_or(true) && equal);
         }
         report.bytes += o.bytes;
+        report.read_loads += u32::from(o.read);
         report.checksum_seconds += o.checksum_seconds;
         report.verify_seconds += o.checksum_seconds;
         if load_seconds > 0.0 {

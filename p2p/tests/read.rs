@@ -31,7 +31,10 @@ async fn load(producer: &Producer, consumer: &Consumer, id: &str) -> LoadOutcome
         .publish(id, published_blocks(), common::NUM_TOKENS)
         .await
         .unwrap();
-    consumer.load(spec(id, producer).await).await.unwrap()
+    let out = consumer.load(spec(id, producer).await).await.unwrap();
+    // A layout that came with the FINISH is taken on a task of its own.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    out
 }
 
 /// Waits (up to 5 s) until `producer` released `id`; returns why.

@@ -18,6 +18,9 @@ pub struct DemoReport {
     pub memory_paths: Vec<String>,
     /// The same as `transport` (kept for scripts that read it).
     pub transfer_path: String,
+    /// Loads the consumer read itself (docs/design.md §4.10: same-host GPU KV over CUDA IPC,
+    /// from the second load to a producer on); the others the producer wrote.
+    pub read_loads: u32,
     /// Checksum backend ("cpu" or "cuda").
     pub checksum_backend: String,
     /// Model shape.
@@ -133,6 +136,13 @@ pub(super) fn summary(r: &DemoReport) -> String {
         r.memory_paths.join(", "),
         r.checksum_backend
     );
+    if r.read_loads > 0 {
+        let _ = writeln!(
+            out,
+            "  {} of {} loads read by the consumer, the others written by the producer",
+            r.read_loads, r.requests
+        );
+    }
     let _ = writeln!(
         out,
         "  {} requests, {} prompt tokens, {:.2} GB of KV moved",

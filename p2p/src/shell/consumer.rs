@@ -58,7 +58,7 @@ pub struct Consumer {
     name: String,
     /// Per producer endpoint: whether its loads are read here, with its layout
     /// (docs/design.md §4.10). A producer not listed is asked for its layout.
-    reads: std::sync::Mutex<HashMap<String, read::Reads>>,
+    reads: Arc<std::sync::Mutex<HashMap<String, read::Reads>>>,
 }
 
 /// A byte range of a registered region: (offset, length).
@@ -87,7 +87,7 @@ impl Consumer {
             pp,
             conns: tokio::sync::Mutex::new(HashMap::new()),
             hook: RwLock::new(None),
-            reads: std::sync::Mutex::new(HashMap::new()),
+            reads: Arc::new(std::sync::Mutex::new(HashMap::new())),
         })
     }
 
@@ -152,7 +152,6 @@ impl Consumer {
                 }
             }
         }
-        request.want_layout = self.wants_layout(&spec.producer);
         let rid = spec.request_id.clone();
         // WRITE for exactly this load's block bytes, to this load's token, until it ends.
         let (token, grants) = self.grant(&request).map_err(|e| LoadError::Spec {
@@ -175,6 +174,8 @@ impl Consumer {
             self.config.checksum_timeout,
         );
         let started = Instant::now();
+        // Asked last: nothing below returns before the reply, which settles it.
+        request.want_layout = self.wants_layout(&spec.producer);
         let want_layout = request.want_layout;
         let send = self.send(
             &spec.producer,
@@ -212,10 +213,15 @@ impl Consumer {
         // The transfer is over (FINISH: every WRITE was acknowledged) or failed: revoke
         // before verifying, so that nothing lands in the blocks after they are checked.
         drop(grants);
-        let reply = reply.map_err(|f| self.load_error(&spec, f))?;
+        let reply = reply.map_err(|f| {
+            if want_layout {
+                self.layout_not_heard(&spec.producer);
+            }
+            self.load_error(&spec, f)
+        })?;
         let transfer_seconds = started.elapsed().as_secs_f64();
         if want_layout {
-            self.learn_layout(&spec.producer, &reply).await;
+            self.learn_layout(&spec.producer, &reply);
         }
         if let Some(hook) = hook {
             hook(&landed);

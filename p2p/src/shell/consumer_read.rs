@@ -39,6 +39,8 @@ const MAX_OWN_POSITIONS: u64 = 1 << 20;
 
 /// Whether a producer's loads are read here.
 pub(super) enum Reads {
+    /// A load asked for its layout; not decided yet (loads go by WRITE).
+    Asked,
     /// Read, planned with this layout.
     Yes(Arc<ProducerLayout>),
     /// Written by the producer (it sends no layout, or this side does not reach its memory
@@ -55,6 +57,7 @@ pub(super) struct ProducerLayout {
 /// A load planned to be read: the copies per (consumer rank, producer segment), local
 /// addresses as `src`, and the layer groups they land in.
 pub(super) struct ReadPlan {
+    plan_us: u64,
     plans: Vec<RankPlan>,
     groups: Vec<Range<u32>>,
     digest: [u8; 32],
@@ -91,97 +94,63 @@ enum NoRead {
 
 impl Consumer {
     /// Whether a load to `producer` asks for its layout: reads are not off and nothing is
-    /// known of it yet.
+    /// known of it yet. One load asks (the others go by WRITE meanwhile); if it gets no
+    /// FINISH, [`Consumer::layout_not_heard`] lets a later one ask again.
     pub(super) fn wants_layout(&self, producer: &str) -> bool {
-        self.config.read != ReadMode::Never && !self.reads.locked().contains_key(producer)
+        if self.config.read == ReadMode::Never {
+            return false;
+        }
+        let mut reads = self.reads.locked();
+        if reads.contains_key(producer) {
+            return false;
+        }
+        reads.insert(producer.to_string(), Reads::Asked);
+        true
     }
 
-    /// Takes the layout `reply` (a FINISH to a load that asked) carries, and decides once
-    /// whether `producer`'s loads are read here: its layout parses and, unless reads are
-    /// [`ReadMode::Always`], every consumer rank reaches every producer rank's memory over
-    /// CUDA IPC (checked by opening the segments, within twice the connect timeout).
-    pub(super) async fn learn_layout(&self, producer: &str, reply: &Reply) {
-        let decided = if reply.layout.is_empty() {
-            Err(None)
-        } else {
-            self.readable(reply).await.map_err(Some)
-        };
-        let reads = match decided {
-            Ok(layout) => {
-                info!(
-                    producer,
-                    "loads from this producer are read here (its KV is reached over CUDA IPC)"
-                );
-                Reads::Yes(Arc::new(layout))
-            }
-            Err(why) => {
-                if let Some(why) = why {
+    /// The load that asked `producer` for its layout got no FINISH: a later load asks again.
+    pub(super) fn layout_not_heard(&self, producer: &str) {
+        let mut reads = self.reads.locked();
+        if matches!(reads.get(producer), Some(Reads::Asked)) {
+            reads.remove(producer);
+        }
+    }
+
+    /// Takes the layout `reply` (a FINISH to a load that asked) carries, and decides once,
+    /// on a task of its own (the load does not wait), whether `producer`'s loads are read
+    /// here ([`readable`]). Loads go by WRITE until it is decided.
+    pub(super) fn learn_layout(&self, producer: &str, reply: &Reply) {
+        let reads = self.reads.clone();
+        let producer = producer.to_string();
+        if reply.layout.is_empty() {
+            reads.locked().insert(producer, Reads::No);
+            return;
+        }
+        let layout = reply.layout.clone();
+        let workers = self.workers.clone();
+        let (mode, limit) = (
+            self.config.read,
+            self.config.connect_timeout.saturating_mul(2),
+        );
+        tokio::spawn(async move {
+            let r = match readable(&workers, &layout, mode, limit).await {
+                Ok(layout) => {
+                    info!(
+                        producer,
+                        "loads from this producer are read here (its KV is reached over CUDA IPC)"
+                    );
+                    Reads::Yes(Arc::new(layout))
+                }
+                Err(why) => {
                     debug!(
                         producer,
                         "loads from this producer are written by it: {why}"
                     );
+                    Reads::No
                 }
-                Reads::No
-            }
-        };
-        self.reads.locked().insert(producer.to_string(), reads);
-    }
-
-    /// `reply`'s layout, if this side reads with it.
-    async fn readable(&self, reply: &Reply) -> Result<ProducerLayout, NoRead> {
-        let ranks = layout_from_wire(&reply.layout)?;
-        let layout = ProducerLayout {
-            ranks,
-            digest: layout_digest(&reply.layout),
-        };
-        if self.config.read == ReadMode::Always {
-            return Ok(layout);
-        }
-        let first = |r: &RankLayout| {
-            r.groups
-                .iter()
-                .flat_map(|g| &g.layers)
-                .next()
-                .map(|l| l.addr)
-        };
-        let mut pairs = Vec::new();
-        for w in self.workers.iter() {
-            let local = w
-                .groups
-                .iter()
-                .flat_map(|g| &g.layers)
-                .next()
-                .ok_or(NoRead::NoMemory)?
-                .addr;
-            // Only device memory exported over CUDA IPC here can be read into that way: a
-            // host-memory consumer opens nothing.
-            if w.engine.region_cuda_ipc(local).is_none_or(|r| r.is_err()) {
-                return Err(NoRead::NotExported);
-            }
-            for r in &layout.ranks {
-                let remote = first(r).ok_or(NoRead::NoMemory)?;
-                pairs.push((w.engine.clone(), local, r.segment.clone(), remote));
-            }
-        }
-        let check = tokio::task::spawn_blocking(move || {
-            for (engine, local, segment, remote) in pairs {
-                let open = |source| NoRead::Open {
-                    segment: segment.clone(),
-                    source,
-                };
-                let handle = engine.open_segment(&segment).map_err(open)?;
-                let path = engine.transfer_path(&handle, local, remote).map_err(open)?;
-                if path != TransferPath::CudaIpc {
-                    return Err(NoRead::Path { segment, path });
-                }
-            }
-            Ok(())
+            };
+            reads.locked().insert(producer, r);
         });
-        let limit = self.config.connect_timeout.saturating_mul(2);
-        match tokio::time::timeout(limit, check).await {
-            Ok(Ok(r)) => r.map(|()| layout),
-            _ => Err(NoRead::Timeout),
-        }
     }
 
     /// The plan to read `request` from `producer`, where its loads are read here and the
@@ -222,6 +191,7 @@ impl Consumer {
             "read planned"
         );
         Some(ReadPlan {
+            plan_us: t.elapsed().as_micros() as u64,
             plans,
             groups,
             digest: layout.digest,
@@ -295,6 +265,7 @@ impl Consumer {
         let send = self.send(&spec.producer, request, spec.load_key.clone(), None);
         tokio::pin!(send);
         // The request goes out first: the producer's answer comes back while the copies run.
+        let reads_plan_us = reads.plan_us;
         let mut reply = match futures::poll!(&mut send) {
             Poll::Ready(r) => Some(r),
             Poll::Pending => None,
@@ -318,6 +289,7 @@ impl Consumer {
         tokio::pin!(reading);
         let mut bytes = None;
         let mut progress_time = std::time::Duration::ZERO;
+        let (mut read_at, mut reply_at) = Default::default();
         while reply.is_none() || bytes.is_none() {
             tokio::select! {
                 biased;
@@ -326,10 +298,24 @@ impl Consumer {
                     parts.progress(p);
                     progress_time += t.elapsed();
                 }
-                r = &mut reading, if bytes.is_none() => bytes = Some(r),
-                r = &mut send, if reply.is_none() => reply = Some(r),
+                r = &mut reading, if bytes.is_none() => {
+                    bytes = Some(r);
+                    read_at = started.elapsed();
+                }
+                r = &mut send, if reply.is_none() => {
+                    reply = Some(r);
+                    reply_at = started.elapsed();
+                }
             }
         }
+        debug!(
+            target: "kvferry::timing",
+            request_id = rid,
+            plan_us = reads_plan_us,
+            read_us = read_at.as_micros() as u64,
+            reply_us = reply_at.as_micros() as u64,
+            "read phases"
+        );
         while let Ok(p) = heard.try_recv() {
             parts.late(p);
         }
@@ -379,6 +365,69 @@ impl Consumer {
         Ok(self
             .judge(spec, &reply, parts, transfer_seconds, phases, path, true)
             .await)
+    }
+}
+
+/// `layout` (a producer's, from its FINISH), if `workers` read with it in `mode`: it parses
+/// and, unless `mode` is [`ReadMode::Always`], every worker reaches every producer rank's
+/// memory over CUDA IPC (checked by opening the segments, within `limit`).
+async fn readable(
+    workers: &Arc<Vec<crate::worker::Worker>>,
+    layout: &crate::proto::msg_read::WireProducerLayout,
+    mode: ReadMode,
+    limit: std::time::Duration,
+) -> Result<ProducerLayout, NoRead> {
+    let ranks = layout_from_wire(layout)?;
+    let layout = ProducerLayout {
+        ranks,
+        digest: layout_digest(layout),
+    };
+    if mode == ReadMode::Always {
+        return Ok(layout);
+    }
+    let first = |r: &RankLayout| {
+        r.groups
+            .iter()
+            .flat_map(|g| &g.layers)
+            .next()
+            .map(|l| l.addr)
+    };
+    let mut pairs = Vec::new();
+    for w in workers.iter() {
+        let local = w
+            .groups
+            .iter()
+            .flat_map(|g| &g.layers)
+            .next()
+            .ok_or(NoRead::NoMemory)?
+            .addr;
+        // Only device memory exported over CUDA IPC here can be read into that way: a
+        // host-memory consumer opens nothing.
+        if w.engine.region_cuda_ipc(local).is_none_or(|r| r.is_err()) {
+            return Err(NoRead::NotExported);
+        }
+        for r in &layout.ranks {
+            let remote = first(r).ok_or(NoRead::NoMemory)?;
+            pairs.push((w.engine.clone(), local, r.segment.clone(), remote));
+        }
+    }
+    let check = tokio::task::spawn_blocking(move || {
+        for (engine, local, segment, remote) in pairs {
+            let open = |source| NoRead::Open {
+                segment: segment.clone(),
+                source,
+            };
+            let handle = engine.open_segment(&segment).map_err(open)?;
+            let path = engine.transfer_path(&handle, local, remote).map_err(open)?;
+            if path != TransferPath::CudaIpc {
+                return Err(NoRead::Path { segment, path });
+            }
+        }
+        Ok(())
+    });
+    match tokio::time::timeout(limit, check).await {
+        Ok(Ok(r)) => r.map(|()| layout),
+        _ => Err(NoRead::Timeout),
     }
 }
 

@@ -33,6 +33,8 @@ use crate::verdict::{action_name, KVChecksumVerdict};
 /// - bytes: KV bytes the producer wrote.
 /// - transfer_seconds: from sending the request to the producer's FINISH.
 /// - checksum_seconds: checksumming the landed blocks and comparing.
+/// - read: whether this consumer read the blocks itself (same-host GPU KV over CUDA IPC,
+///   docs/design.md §4.10) instead of the producer writing them.
 #[pyclass(frozen, get_all, module = "kvferry")]
 pub struct LoadOutcome {
     /// The request.
@@ -51,6 +53,8 @@ pub struct LoadOutcome {
     transfer_seconds: f64,
     /// Seconds spent checksumming the landed blocks and comparing.
     checksum_seconds: f64,
+    /// Whether this consumer read the blocks itself (docs/design.md §4.10).
+    read: bool,
 }
 
 #[pymethods]
@@ -351,6 +355,7 @@ impl Consumer {
             bytes: 0,
             transfer_seconds: 0.0,
             checksum_seconds: 0.0,
+            read: false,
         };
         match block_on(py, deadline, || self.inner.load(spec)) {
             Ok(o) => Ok(LoadOutcome {
@@ -365,6 +370,7 @@ impl Consumer {
                 bytes: o.bytes,
                 transfer_seconds: o.transfer_seconds,
                 checksum_seconds: o.checksum_seconds,
+                read: o.read,
             }),
             Err(Blocked::Runtime(e)) => Err(e),
             // The call's own deadline: the load did not land, as any failed load.

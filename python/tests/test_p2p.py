@@ -82,6 +82,8 @@ def test_a_load_lands_the_producers_bytes_and_verifies(pair):
     assert out.verdict.status == "verified" and out.action == "complete"
     assert out.bytes == LAYERS * len(REMOTE) * 2 * BLOCK * HEADS * D * 2
     assert out.transfer_seconds > 0 and out.checksum_seconds > 0
+    # Host memory: the producer writes (only same-host GPU KV is read by the consumer).
+    assert out.read is False
     for r, l in zip(REMOTE, LOCAL):
         for layer in range(LAYERS):
             assert np.array_equal(carr[layer][:, l].view(np.uint16), parr[layer][:, r].view(np.uint16))

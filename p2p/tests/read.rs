@@ -175,3 +175,25 @@ async fn a_producer_restarted_with_other_memory_is_loaded_by_write_then_read_aga
     producer.shutdown().await;
     drop(old);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_that_gets_no_finish_lets_a_later_one_ask_for_the_layout() {
+    let p = Side::new(1, 1, BLOCKS, Some(7));
+    let c = Side::new(1, 1, BLOCKS, None);
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let consumer = Consumer::new(reading(ReadMode::Always), c.workers.clone()).unwrap();
+    // The first load asks for the layout and is refused (another load key): no FINISH.
+    producer
+        .publish("a", published_blocks(), common::NUM_TOKENS)
+        .await
+        .unwrap();
+    let mut wrong = spec("a", &producer).await;
+    wrong.load_key = Some("not the key".into());
+    assert!(consumer.load(wrong).await.is_err());
+    // The next asks again, and the one after reads.
+    assert!(!load(&producer, &consumer, "b").await.read);
+    assert!(load(&producer, &consumer, "c").await.read);
+    producer.shutdown().await;
+}

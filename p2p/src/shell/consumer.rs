@@ -175,8 +175,10 @@ impl Consumer {
         );
         let started = Instant::now();
         // Asked last: nothing below returns before the reply, which settles it.
-        request.want_layout = self.wants_layout(&spec.producer);
-        let want_layout = request.want_layout;
+        // Held until the reply: a load that ends without one (failed, or dropped by its
+        // caller) lets a later load ask again.
+        let asked = self.ask_layout(&spec.producer);
+        request.want_layout = asked.is_some();
         let send = self.send(
             &spec.producer,
             request,
@@ -213,15 +215,10 @@ impl Consumer {
         // The transfer is over (FINISH: every WRITE was acknowledged) or failed: revoke
         // before verifying, so that nothing lands in the blocks after they are checked.
         drop(grants);
-        let reply = reply.map_err(|f| {
-            if want_layout {
-                self.layout_not_heard(&spec.producer);
-            }
-            self.load_error(&spec, f)
-        })?;
+        let reply = reply.map_err(|f| self.load_error(&spec, f))?;
         let transfer_seconds = started.elapsed().as_secs_f64();
-        if want_layout {
-            self.learn_layout(&spec.producer, &reply);
+        if let Some(asked) = asked {
+            self.learn_layout(asked, &reply);
         }
         if let Some(hook) = hook {
             hook(&landed);

@@ -37,10 +37,30 @@ const READ_GROUP_BYTES: u64 = 64 << 20;
 /// size 16): a request past it is written by the producer instead.
 const MAX_OWN_POSITIONS: u64 = 1 << 20;
 
+/// A load's question for a producer's layout ([`Consumer::ask_layout`]): dropped while the
+/// producer is still [`Reads::Asked`] (the load got no FINISH, or its caller dropped it), it
+/// lets a later load ask again.
+pub(super) struct Asked {
+    reads: Arc<std::sync::Mutex<std::collections::HashMap<String, Reads>>>,
+    producer: String,
+}
+
+impl Drop for Asked {
+    fn drop(&mut self) {
+        let mut reads = self.reads.locked();
+        if matches!(reads.get(&self.producer), Some(Reads::Asked)) {
+            reads.remove(&self.producer);
+        }
+    }
+}
+
 /// Whether a producer's loads are read here.
 pub(super) enum Reads {
-    /// A load asked for its layout; not decided yet (loads go by WRITE).
+    /// A load asked for its layout (loads go by WRITE).
     Asked,
+    /// Its layout came; whether this side reaches its memory is being checked (loads go by
+    /// WRITE).
+    Deciding,
     /// Read, planned with this layout.
     Yes(Arc<ProducerLayout>),
     /// Written by the producer (it sends no layout, or this side does not reach its memory
@@ -93,39 +113,36 @@ enum NoRead {
 }
 
 impl Consumer {
-    /// Whether a load to `producer` asks for its layout: reads are not off and nothing is
-    /// known of it yet. One load asks (the others go by WRITE meanwhile); if it gets no
-    /// FINISH, [`Consumer::layout_not_heard`] lets a later one ask again.
-    pub(super) fn wants_layout(&self, producer: &str) -> bool {
+    /// Whether a load to `producer` asks for its layout: `Some` when reads are not off and
+    /// nothing is known of it yet. One load asks (the others go by WRITE meanwhile); the
+    /// [`Asked`] it holds lets a later load ask again unless its FINISH is taken
+    /// ([`Consumer::learn_layout`]).
+    pub(super) fn ask_layout(&self, producer: &str) -> Option<Asked> {
         if self.config.read == ReadMode::Never {
-            return false;
+            return None;
         }
         let mut reads = self.reads.locked();
         if reads.contains_key(producer) {
-            return false;
+            return None;
         }
         reads.insert(producer.to_string(), Reads::Asked);
-        true
-    }
-
-    /// The load that asked `producer` for its layout got no FINISH: a later load asks again.
-    pub(super) fn layout_not_heard(&self, producer: &str) {
-        let mut reads = self.reads.locked();
-        if matches!(reads.get(producer), Some(Reads::Asked)) {
-            reads.remove(producer);
-        }
+        Some(Asked {
+            reads: self.reads.clone(),
+            producer: producer.to_string(),
+        })
     }
 
     /// Takes the layout `reply` (a FINISH to a load that asked) carries, and decides once,
     /// on a task of its own (the load does not wait), whether `producer`'s loads are read
     /// here ([`readable`]). Loads go by WRITE until it is decided.
-    pub(super) fn learn_layout(&self, producer: &str, reply: &Reply) {
-        let reads = self.reads.clone();
-        let producer = producer.to_string();
+    pub(super) fn learn_layout(&self, asked: Asked, reply: &Reply) {
+        let reads = asked.reads.clone();
+        let producer = asked.producer.clone();
         if reply.layout.is_empty() {
             reads.locked().insert(producer, Reads::No);
             return;
         }
+        reads.locked().insert(producer.clone(), Reads::Deciding);
         let layout = reply.layout.clone();
         let workers = self.workers.clone();
         let (mode, limit) = (

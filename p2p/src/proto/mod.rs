@@ -17,6 +17,7 @@ pub mod plan;
 pub mod producer;
 pub mod producer_effects;
 pub mod progress;
+pub mod read_plan;
 pub mod request;
 pub mod serve;
 pub mod serve_error;

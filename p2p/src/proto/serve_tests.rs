@@ -948,3 +948,62 @@ fn a_group_listed_twice_is_refused() {
         r.map(|p| copies(&p))
     );
 }
+
+/// A read's template gives the very copies the turned-round plan gives, for every layout, grid
+/// and block list tried: the blocks' pairs from each part's bases and strides.
+#[test]
+fn a_read_template_gives_the_turned_round_plans_copies() {
+    use super::read_plan::{read_plans, ReadTemplate};
+    let layouts = ["KV B N H D", "B KV N H D", "B KV H N D", "B H N KV D"];
+    let grids = [
+        ((1, 1), (1, 1)),
+        ((2, 1), (1, 1)),
+        ((1, 1), (2, 1)),
+        ((2, 2), (1, 3)),
+        ((4, 1), (2, 1)),
+    ];
+    for layout in layouts {
+        for ((ptp, ppp), (ctp, cpp)) in grids {
+            let producer = side_with(0, ptp, ppp, 4, layout, BLOCK, BLOCK, 16);
+            let consumer = side_with(1, ctp, cpp, 4, layout, BLOCK, BLOCK, 16);
+            let segments: Vec<String> = consumer.iter().map(|r| r.segment.clone()).collect();
+            let what = format!("{layout} TP×PP {ptp}×{ppp} → {ctp}×{cpp}");
+            let shape = request(&consumer, &[1, 2], &[3, 4]);
+            let t = ReadTemplate::of(&producer, &segments, &shape).expect(&what);
+            for (remote, local) in [
+                (vec![4u64, 0, 5], vec![1u64, 3, 2]),
+                (vec![15, 14, 0, 7, 9], vec![0, 15, 1, 2, 3]),
+                (vec![6], vec![6]),
+            ] {
+                let req = request(&consumer, &remote, &local);
+                let want = read_plans(&producer, &segments, &req).unwrap().unwrap();
+                let got = t.reads(&req);
+                let copies = |p: &[RankPlan]| -> Vec<_> {
+                    p.iter()
+                        .map(|p| (p.rank, p.segment.clone(), p.all_copies()))
+                        .collect()
+                };
+                assert_eq!(copies(&got), copies(&want), "{what} {remote:?}");
+                let runs = |p: &[RankPlan]| -> Vec<Vec<(u32, usize)>> {
+                    p.iter()
+                        .map(|p| p.strided.iter().flat_map(|s| s.layers.clone()).collect())
+                        .collect()
+                };
+                assert_eq!(runs(&got), runs(&want), "{what} {remote:?}");
+            }
+        }
+    }
+}
+
+/// No template where block sizes differ (token copies), and the plan's errors stay the plan's.
+#[test]
+fn a_read_template_needs_equal_block_sizes() {
+    use super::read_plan::ReadTemplate;
+    let producer = side_with(0, 1, 1, 4, "KV B N H D", 8, 8, 16);
+    let consumer = side_with(1, 1, 1, 4, "KV B N H D", 4, 4, 16);
+    let segments: Vec<String> = consumer.iter().map(|r| r.segment.clone()).collect();
+    let mut req = request(&consumer, &[1, 2], &[3, 4]);
+    assert_eq!(ReadTemplate::of(&producer, &segments, &req), None);
+    req.blocks[0].remote_positions = vec![0];
+    assert_eq!(ReadTemplate::of(&producer, &segments, &req), None);
+}

@@ -22,7 +22,8 @@ use crate::proto::layout::RankLayout;
 use crate::proto::msg::{LoadRequest, Reply};
 use crate::proto::msg_read::{layout_digest, layout_from_wire};
 use crate::proto::progress::{layer_groups, layer_slots};
-use crate::proto::serve::{plan, BlockCopies, Published, RankPlan};
+use crate::proto::read_plan::{read_plans, ReadTemplate};
+use crate::proto::serve::RankPlan;
 use crate::shell::connection::{ConnCmd, ConnFailure, LoadProgress};
 use crate::shell::consumer_config::{LoadOutcome, ReadMode};
 use crate::shell::serve::write_grouped;
@@ -32,10 +33,6 @@ use crate::LoadSpec;
 /// Bytes of one layer group of a read load: each group's checksums start once its copies
 /// complete, beside the next group's copies (as the producer's `layer_group_bytes`).
 const READ_GROUP_BYTES: u64 = 64 << 20;
-
-/// Most positions of one group's table this side builds to plan a read (16M tokens at block
-/// size 16): a request past it is written by the producer instead.
-const MAX_OWN_POSITIONS: u64 = 1 << 20;
 
 /// A load's question for a producer's layout ([`Consumer::ask_layout`]): dropped while the
 /// producer is still [`Reads::Asked`] (the load got no FINISH, or its caller dropped it), it
@@ -72,6 +69,36 @@ pub(super) enum Reads {
 pub(super) struct ProducerLayout {
     ranks: Vec<RankLayout>,
     digest: [u8; 32],
+    /// The reads of the request shape last planned, for later loads of that shape.
+    template: std::sync::Mutex<Option<(Shape, Arc<ReadTemplate>)>>,
+}
+
+/// What a [`ReadTemplate`] depends on in a request: its ranks (this side's memory) and, per
+/// group, its id and both block sizes.
+struct Shape {
+    ranks: Vec<crate::proto::msg::WireRank>,
+    groups: Vec<(u32, u64, u64)>,
+}
+
+impl Shape {
+    fn groups(request: &LoadRequest) -> impl Iterator<Item = (u32, u64, u64)> + '_ {
+        request
+            .blocks
+            .iter()
+            .map(|b| (b.group_id, b.block_size, b.remote_block_size))
+    }
+
+    fn of(request: &LoadRequest) -> Shape {
+        Shape {
+            ranks: request.ranks.clone(),
+            groups: Shape::groups(request).collect(),
+        }
+    }
+
+    /// Whether `request` has this shape.
+    fn fits(&self, request: &LoadRequest) -> bool {
+        self.ranks == request.ranks && Shape::groups(request).eq(self.groups.iter().copied())
+    }
 }
 
 /// A load planned to be read: the copies per (consumer rank, producer segment), local
@@ -183,18 +210,36 @@ impl Consumer {
             _ => return None,
         };
         let t = Instant::now();
-        let published = own_view(request)?;
-        let plans = match plan(&layout.ranks, &published, request) {
-            Ok(p) => p,
-            Err(e) => {
-                debug!(request_id = request.request_id, "not read, written: {e}");
-                return None;
+        let segments = || {
+            self.layouts
+                .iter()
+                .map(|l| l.segment.clone())
+                .collect::<Vec<_>>()
+        };
+        // A request of the shape last read: its blocks' pairs from the template, no plan.
+        let cached = {
+            let template = layout.template.locked();
+            template
+                .as_ref()
+                .filter(|(k, _)| k.fits(request))
+                .map(|(_, t)| t.clone())
+        };
+        let plans = match cached {
+            Some(t) => t.reads(request),
+            None => {
+                let plans = match read_plans(&layout.ranks, &segments(), request) {
+                    Ok(p) => p?,
+                    Err(e) => {
+                        debug!(request_id = request.request_id, "not read, written: {e}");
+                        return None;
+                    }
+                };
+                if let Some(t) = ReadTemplate::of(&layout.ranks, &segments(), request) {
+                    *layout.template.locked() = Some((Shape::of(request), Arc::new(t)));
+                }
+                plans
             }
         };
-        let plans = plans
-            .into_iter()
-            .map(|p| self.reversed(p, &layout.ranks))
-            .collect::<Option<Vec<_>>>()?;
         let mut slot_bytes = vec![0u64; layer_slots(request).len()];
         for p in &plans {
             p.add_slot_bytes(&mut slot_bytes);
@@ -212,34 +257,6 @@ impl Consumer {
             plans,
             groups,
             digest: layout.digest,
-        })
-    }
-
-    /// A producer rank's copies into one consumer segment as that consumer rank's reads: its
-    /// worker (the first on that segment's engine), the producer's segment, and every copy with
-    /// the consumer's address as `src` (local) and the producer's as `dst` (remote).
-    fn reversed(&self, p: RankPlan, producer: &[RankLayout]) -> Option<RankPlan> {
-        let rank = self.layouts.iter().position(|l| l.segment == p.segment)?;
-        let segment = producer.get(p.rank)?.segment.clone();
-        let swap = |c: crate::proto::plan::Copy| crate::proto::plan::Copy {
-            src: c.dst,
-            dst: c.src,
-            len: c.len,
-        };
-        Some(RankPlan {
-            rank,
-            segment,
-            copies: p.copies.into_iter().map(swap).collect(),
-            copy_layers: p.copy_layers,
-            strided: p
-                .strided
-                .into_iter()
-                .map(|s| BlockCopies {
-                    ranges: s.ranges.into_iter().map(swap).collect(),
-                    blocks: s.blocks.into_iter().map(|(p, c)| (c, p)).collect(),
-                    layers: s.layers,
-                })
-                .collect(),
         })
     }
 
@@ -398,6 +415,7 @@ async fn readable(
     let layout = ProducerLayout {
         ranks,
         digest: layout_digest(layout),
+        template: std::sync::Mutex::new(None),
     };
     if mode == ReadMode::Always {
         return Ok(layout);
@@ -446,41 +464,4 @@ async fn readable(
         Ok(Ok(r)) => r.map(|()| layout),
         _ => Err(NoRead::Timeout),
     }
-}
-
-/// The lease as this side sees it: its own request's block tables and tokens, so that the plan
-/// checks the request's shape (the producer checks it against the real lease). `None` for a
-/// table past [`MAX_OWN_POSITIONS`].
-fn own_view(request: &LoadRequest) -> Option<Published> {
-    let groups = request
-        .blocks
-        .iter()
-        .map(|b| b.group_id)
-        .max()
-        .map_or(0, |g| g as usize + 1);
-    if groups > crate::proto::msg::MAX_GROUPS {
-        return None;
-    }
-    let mut blocks: Vec<Vec<Option<u64>>> = vec![Vec::new(); groups];
-    for b in &request.blocks {
-        let positions = if b.remote_positions.is_empty() {
-            &b.positions
-        } else {
-            &b.remote_positions
-        };
-        let end = positions.iter().max().map_or(0, |p| p.saturating_add(1));
-        if end > MAX_OWN_POSITIONS {
-            return None;
-        }
-        let table = blocks.get_mut(b.group_id as usize)?;
-        table.resize(end as usize, None);
-        for (&p, &r) in positions.iter().zip(&b.remote_blocks) {
-            table[p as usize] = Some(r);
-        }
-    }
-    Some(Published {
-        blocks,
-        num_tokens: request.num_tokens,
-        payload: None,
-    })
 }

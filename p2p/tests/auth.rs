@@ -224,6 +224,7 @@ async fn fake_producer(
                         nonce: vec![5; 32],
                         proof: None,
                         error: None,
+                        reads: false,
                     })
                 }
                 ConsumerMessage::Request(req) => {

@@ -426,6 +426,7 @@ async fn silent_producer_fails_within_the_reply_deadline() {
                     nonce: vec![1; 32],
                     proof: None,
                     error: None,
+                    reads: false,
                 };
                 let mut msg = zeromq::ZmqMessage::from(frames[0].clone());
                 msg.push_back(encode(&w).into());

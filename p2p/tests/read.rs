@@ -197,3 +197,32 @@ async fn a_load_that_gets_no_finish_lets_a_later_one_ask_for_the_layout() {
     assert!(load(&producer, &consumer, "c").await.read);
     producer.shutdown().await;
 }
+
+#[test]
+fn reads_on_every_path_are_refused_with_a_secret() {
+    let secret = kvferry_transfer::Secret::from_bytes(b"p2p test shared secret, 32 bytes").unwrap();
+    let c = Side::authenticated(1, 1, BLOCKS, None, secret);
+    let e = Consumer::new(reading(ReadMode::Always), c.workers.clone()).err();
+    assert!(
+        matches!(e, Some(kvferry_p2p::P2pError::Config(ref f)) if f.to_string().contains("ReadMode::Auto")),
+        "{e:?}"
+    );
+    assert!(Consumer::new(reading(ReadMode::Auto), c.workers.clone()).is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_load_the_producer_refuses_makes_the_next_ask_for_the_layout_again() {
+    let p = Side::new(1, 1, BLOCKS, Some(7));
+    let c = Side::new(1, 1, BLOCKS, None);
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let consumer = Consumer::new(reading(ReadMode::Always), c.workers.clone()).unwrap();
+    load(&producer, &consumer, "a").await;
+    assert!(load(&producer, &consumer, "b").await.read);
+    // "b" again: read, and refused (already loaded). The layout is not trusted any more.
+    assert!(consumer.load(spec("b", &producer).await).await.is_err());
+    assert!(!load(&producer, &consumer, "c").await.read);
+    assert!(load(&producer, &consumer, "d").await.read);
+    producer.shutdown().await;
+}

@@ -100,6 +100,10 @@ pub enum ConfigFault {
     /// Some workers' transfer engines have another shared secret (or none) than the others.
     #[error("the workers' transfer engines do not all have the same shared secret")]
     SecretsDiffer,
+    /// `ReadMode::Always` with a shared secret: over TCP or RDMA the producer's engines grant
+    /// no READ in secret mode, so every load read would fail.
+    #[error("reads on every path (ReadMode::Always) need open engines: with a shared secret only CUDA IPC serves reads (use ReadMode::Auto)")]
+    AlwaysReadWithSecret,
 }
 
 /// Why the control socket could not be bound.

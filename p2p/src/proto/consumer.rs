@@ -61,11 +61,16 @@ pub enum FailReason {
     /// words (bounded, escaped).
     #[error("producer error: {0}")]
     LeaseMismatch(PeerText),
-    /// The producer answered ERROR to a request to read (`ErrorReason::ReadRefused`: planned
-    /// with a layout not its own, or a lease not published yet): nothing was served, and the
-    /// load may go again by WRITE. Its words.
+    /// A request to read was refused (`ErrorReason::ReadRefused`: planned with a layout not the
+    /// producer's; or, without sending it, a producer whose welcome does not say it serves
+    /// reads): nothing was served, and the load may go again by WRITE. The words.
     #[error("producer error: {0}")]
     ReadRefused(PeerText),
+    /// The producer answered ERROR to a request to read for a lease it has not published yet
+    /// (`ErrorReason::ReadEarly`): nothing was served, and the load may go again by WRITE,
+    /// which waits for the publish. Its words.
+    #[error("producer error: {0}")]
+    ReadEarly(PeerText),
     /// A FINISH whose proof does not match the load's token (missing or wrong): it did not
     /// come from the producer the token was sent to, so its payload is not accepted.
     #[error("FINISH without a valid proof of the load's token; payload refused")]
@@ -210,9 +215,18 @@ pub struct ConsumerMachine {
     hello: Option<Session>,
     /// The session of the current socket.
     session: Option<Session>,
+    /// Whether that session's producer serves reads (its welcome says so).
+    peer_reads: bool,
     /// Outputs not yet polled.
     transmits: VecDeque<Transmit>,
     events: VecDeque<ConsumerEvent>,
+}
+
+/// The budget a consumer that waits at most `max_wait` for a load sends with it
+/// ([`ConsumerMachine::budget`]): `max_wait` less a grace of 1 s, at most a quarter of it. A
+/// consumer that reads a load itself reads within it (the producer holds the lease that long).
+pub fn budget_of(max_wait: Duration) -> Duration {
+    max_wait - (max_wait / 4).min(Duration::from_secs(1))
 }
 
 /// Why the control connection could not be made, or a load could not start on it.
@@ -281,6 +295,7 @@ impl ConsumerMachine {
             secret: None,
             hello: None,
             session: None,
+            peer_reads: false,
             transmits: VecDeque::new(),
             events: VecDeque::new(),
         }
@@ -334,6 +349,7 @@ impl ConsumerMachine {
             }
         }
         self.session = Some(s);
+        self.peer_reads = w.reads;
         Ok(())
     }
 
@@ -375,7 +391,7 @@ impl ConsumerMachine {
     /// trip (1 s, at most a quarter of `max_wait`), so that the producer's last write
     /// ends before this side's overall deadline.
     pub fn budget(&self) -> Duration {
-        self.max_wait - (self.max_wait / 4).min(Duration::from_secs(1))
+        budget_of(self.max_wait)
     }
 
     /// Registers a load on the open session: assigns `request.load_id`, sets its budget, the
@@ -392,6 +408,19 @@ impl ConsumerMachine {
         let load_id = self.next_load_id;
         self.next_load_id = self.next_load_id.wrapping_add(1);
         request.load_id = load_id;
+        if !self.peer_reads {
+            // A producer that did not say it serves reads does not know these fields: its
+            // proof of the request would not cover them (secret mode refuses it).
+            request.want_layout = false;
+            if request.read {
+                let why = b"the producer does not serve reads (its welcome does not say so)";
+                self.events.push_back(ConsumerEvent::Failed {
+                    load_id,
+                    reason: FailReason::ReadRefused(PeerText::from_bytes(why)),
+                });
+                return Some(load_id);
+            }
+        }
         request.budget_ms = self.budget().as_millis().min(u64::MAX as u128) as u64;
         request.key_proof =
             load_key.map(|k| session.key_proof(k, &request.request_id, load_id).to_vec());
@@ -512,6 +541,7 @@ impl ConsumerMachine {
                     load_id,
                     reason: match reply.reason {
                         Some(super::msg::ErrorReason::ReadRefused) => FailReason::ReadRefused(why),
+                        Some(super::msg::ErrorReason::ReadEarly) => FailReason::ReadEarly(why),
                         Some(super::msg::ErrorReason::LeaseMismatch) => {
                             FailReason::LeaseMismatch(why)
                         }

@@ -238,6 +238,11 @@ pub struct Welcome {
     /// Why the `hello` was refused (no session).
     #[serde(default)]
     pub error: Option<String>,
+    /// The producer serves loads its consumer reads (docs/design.md §4.10): a request may ask
+    /// for its layout. Absent (false) from producers that do not, whose proof of a request
+    /// would not cover the fields they do not know.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub reads: bool,
 }
 
 /// Producer → consumer reply.
@@ -336,11 +341,13 @@ pub enum ErrorReason {
     /// byte for byte): the two sides replay different prompts or models, so the run's other
     /// requests are refused the same way.
     LeaseMismatch,
-    /// A request to read (docs/design.md §4.10) that the producer will not serve by read: it
-    /// was planned with another layout than the producer's (which restarted with other
-    /// memory), or its lease is not published yet (reads made before the publish could predate
-    /// the KV). Nothing was served, the lease is untouched: the consumer asks for the layout
-    /// again and loads by WRITE.
+    /// A request to read for a lease not published yet (reads made before the publish could
+    /// predate the KV): nothing was served, the lease untouched; the consumer loads by WRITE
+    /// (which may wait for the publish) and keeps the layout.
+    ReadEarly,
+    /// A request to read (docs/design.md §4.10) planned with another layout than the
+    /// producer's (which restarted with other memory, or sends none): nothing was served, the
+    /// lease untouched; the consumer forgets the layout, asks for it again and loads by WRITE.
     ReadRefused,
 }
 
@@ -363,6 +370,7 @@ fn known_reason<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<ErrorRe
     Ok(match s.as_deref() {
         Some("lease_mismatch") => Some(ErrorReason::LeaseMismatch),
         Some("read_refused") => Some(ErrorReason::ReadRefused),
+        Some("read_early") => Some(ErrorReason::ReadEarly),
         _ => None,
     })
 }

@@ -9,11 +9,16 @@ use kvferry_checksum::layout::LayoutError;
 use kvferry_kernels::LayerInput;
 
 use super::layout::{RankLayout, WorkerGroup};
-use super::msg_body::{WireLayer, MAX_GROUPS, MAX_LAYERS, MAX_RANKS, PROTOCOL_VERSION};
+use super::msg_body::{WireLayer, MAX_RANKS, PROTOCOL_VERSION};
 use super::wire::{from_wire, to_wire};
 
 /// `kind` of a consumer → producer `read_done`.
 pub const KIND_READ_DONE: &str = "read_done";
+
+/// Most KV cache groups of one rank in a producer's layout.
+pub const MAX_LAYOUT_GROUPS: usize = 256;
+/// Most layers of one group of one rank in a producer's layout.
+pub const MAX_LAYOUT_LAYERS: usize = 4096;
 
 /// One KV cache group of one producer rank, as a consumer that reads needs it to plan.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -28,7 +33,7 @@ pub struct WireProducerGroup {
     pub state: bool,
     /// The rank's layers of the group: name, array address and length in the producer's
     /// memory, head offset, geometry and element type.
-    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_LAYERS>")]
+    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_LAYOUT_LAYERS>")]
     pub layers: Vec<WireLayer>,
 }
 
@@ -43,7 +48,7 @@ pub struct WireProducerRank {
     /// The rank's transfer engine segment name (`host:port`), where a consumer reads.
     pub segment: String,
     /// The rank's groups.
-    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_GROUPS>")]
+    #[serde(deserialize_with = "kvferry_checksum::bounded::vec::<_, _, MAX_LAYOUT_GROUPS>")]
     pub groups: Vec<WireProducerGroup>,
 }
 
@@ -132,6 +137,26 @@ pub enum LayoutFromWireError {
         #[source]
         source: LayoutError,
     },
+    /// Two ranks at one TP/PP place.
+    #[error("the producer's layout lists rank tp={tp_rank} pp={pp_rank} twice")]
+    RankTwice {
+        /// TP rank.
+        tp_rank: u32,
+        /// PP rank.
+        pp_rank: u32,
+    },
+    /// A layer whose array's blocks hold another number of tokens than its group's blocks.
+    #[error(
+        "producer layer {name:?}: its array's blocks hold {array} tokens, its group's {group}"
+    )]
+    BlockSize {
+        /// The layer.
+        name: String,
+        /// Tokens per block of the array (kernel blocks per block × tokens per kernel block).
+        array: u64,
+        /// The group's block size.
+        group: u64,
+    },
     /// A layer's array does not fit its length, or its end does not fit in 64 bits.
     #[error("producer layer {name:?}: {len} bytes at {addr:#x} do not hold its geometry")]
     Array {
@@ -150,6 +175,13 @@ pub enum LayoutFromWireError {
 pub fn layout_from_wire(w: &[WireProducerRank]) -> Result<Vec<RankLayout>, LayoutFromWireError> {
     if w.is_empty() || w.len() > MAX_RANKS {
         return Err(LayoutFromWireError::RankCount(w.len()));
+    }
+    let mut places = std::collections::HashSet::with_capacity(w.len());
+    if let Some(r) = w.iter().find(|r| !places.insert((r.tp_rank, r.pp_rank))) {
+        return Err(LayoutFromWireError::RankTwice {
+            tp_rank: r.tp_rank,
+            pp_rank: r.pp_rank,
+        });
     }
     let (tp_size, pp_size) = w.iter().fold((0, 0), |(t, p), r| {
         (
@@ -173,6 +205,14 @@ pub fn layout_from_wire(w: &[WireProducerRank]) -> Result<Vec<RankLayout>, Layou
                                     source,
                                 }
                             })?;
+                            // A state group's arrays hold one state per block, not tokens.
+                            if !g.state && geometry.block_size() != g.block_size {
+                                return Err(LayoutFromWireError::BlockSize {
+                                    name: l.name.clone(),
+                                    array: geometry.block_size(),
+                                    group: g.block_size,
+                                });
+                            }
                             if geometry.byte_len() > l.len || l.addr.checked_add(l.len).is_none() {
                                 return Err(LayoutFromWireError::Array {
                                     name: l.name.clone(),

@@ -36,7 +36,9 @@ use std::time::{Duration, Instant};
 
 use kvferry_transfer::{Secret, Shared};
 
-use super::msg::{decode_consumer_message, ConsumerMessage, LayerSpan, LoadRequest, Reply, Status};
+use super::msg::{
+    decode_consumer_message, ConsumerMessage, ErrorReason, LayerSpan, LoadRequest, Reply, Status,
+};
 use super::msg_read::WireProducerLayout;
 use super::peer_segments::PeerSegments;
 use super::producer_effects::{not_owner, owns, ServedLoad};
@@ -75,6 +77,8 @@ enum Entry<P, T> {
         /// A read load whose FINISH went out: its lease ends at the consumer's `read_done`,
         /// or at this time.
         read_until: Option<Instant>,
+        /// The consumer's budget for the load (it reads within it), at most the lease's time.
+        read_hold: Option<Instant>,
     },
     /// The lease ended (served, failed or expired); a request for it again is answered from
     /// `reason` (`ProducerMachine::ended_text`).
@@ -190,7 +194,8 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
     pub fn handle_message(&mut self, now: Instant, peer: P, body: &[u8]) {
         match decode_consumer_message(body) {
             Ok(ConsumerMessage::Hello(hello)) => {
-                let (welcome, evicted, refused) = self.sessions.hello(now, &peer, hello);
+                let (mut welcome, evicted, refused) = self.sessions.hello(now, &peer, hello);
+                welcome.reads = welcome.error.is_none() && !self.layout.is_empty();
                 if let Some(why) = refused {
                     self.effects.push_back(Effect::Warn(Warning::Refused(why)));
                 }
@@ -327,6 +332,8 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
                 read: request.read,
                 want_layout: request.want_layout,
                 read_until: None,
+                read_hold: Self::consumer_deadline(now, &request)
+                    .map(|d| d.min(now + self.timeouts.lease)),
             },
         );
         Effect::Serve {
@@ -460,7 +467,11 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
                 // Reads made before the publish could predate the KV: by WRITE, it may wait.
                 vec![Effect::Reply {
                     peer,
-                    reply: Self::read_refused(&request, "not published yet"),
+                    reply: Self::read_refused(
+                        &request,
+                        ErrorReason::ReadEarly,
+                        "not published yet",
+                    ),
                 }]
             }
             None => {
@@ -559,8 +570,16 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
         };
         if read && reason == ReleaseReason::Served {
             // The consumer reads now: the lease holds until it says so, or the margin ends.
-            if let Some(Entry::Serving { read_until, .. }) = self.entries.get_mut(request_id) {
-                *read_until = Some(now + self.serve_margin);
+            if let Some(Entry::Serving {
+                read_until,
+                read_hold,
+                ..
+            }) = self.entries.get_mut(request_id)
+            {
+                // At least the serve margin; as long as the consumer may still read (its
+                // budget), within the lease's time.
+                let margin = now + self.serve_margin;
+                *read_until = Some(read_hold.map_or(margin, |h| h.max(margin)));
             }
             self.effects.push_back(Effect::Reply { peer, reply });
             return;

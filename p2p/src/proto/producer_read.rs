@@ -9,17 +9,20 @@ use super::{Effect, Entry, ProducerMachine, ReleaseReason, Reply};
 
 impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
     /// `peer` has read load `load_id` of `request_id` (its `read_done`): the lease ends
-    /// (`Released` as served). Ignored unless that load is being read by `peer` (its FINISH
-    /// went out): a late, repeated or foreign `read_done` changes nothing.
+    /// (`Released` as served). Ignored unless that load is being read by `peer` in the session
+    /// it asked in (its FINISH went out): a late, repeated or foreign `read_done`, or one from
+    /// a later session of the same peer, changes nothing.
     pub fn handle_read_done(&mut self, now: Instant, peer: &P, request_id: &str, load_id: u64) {
+        let session = self.sessions.id_of(peer);
         let reading = matches!(
             self.entries.get(request_id),
             Some(Entry::Serving {
                 peer: p,
                 load_id: l,
                 read_until: Some(_),
+                session_id,
                 ..
-            }) if p == peer && *l == load_id
+            }) if p == peer && *l == load_id && session == Some(*session_id)
         );
         if reading {
             self.end_read(now, request_id);
@@ -50,20 +53,21 @@ impl<P: Clone + Eq + Hash, T> ProducerMachine<P, T> {
         (request.read && !ours).then(|| {
             Self::read_refused(
                 request,
+                ErrorReason::ReadRefused,
                 "the layout it was planned with is not this producer's (it restarted, or sends none)",
             )
         })
     }
 
-    /// The ERROR (`read_refused`) for a request this producer will not serve by read: `why`.
+    /// The ERROR (with `reason`) for a request this producer will not serve by read: `why`.
     /// Nothing is served; the consumer loads by WRITE.
-    pub(super) fn read_refused(request: &LoadRequest, why: &str) -> Reply {
+    pub(super) fn read_refused(request: &LoadRequest, reason: ErrorReason, why: &str) -> Reply {
         let mut reply = Reply::error(
             &request.request_id,
             request.load_id,
             format!("not served by read, nothing served: {why}"),
         );
-        reply.reason = Some(ErrorReason::ReadRefused);
+        reply.reason = Some(reason);
         reply
     }
 }

@@ -27,8 +27,42 @@ fn layout() -> Vec<WireProducerRank> {
 
 const MARGIN: Duration = Duration::from_secs(2);
 
+/// A machine serving reads, with `sess()` open for peer 1 (its hello, the producer's nonce
+/// `sess()`'s).
 fn machine() -> Machine {
-    Machine::new(timeouts(), MARGIN).with_layout(layout())
+    let mut m = Machine::new(timeouts(), MARGIN)
+        .with_control(None, "tcp://p:1", "", {
+            // The first session is `sess()` (producer nonce 2); later ones differ.
+            let mut n = 1u8;
+            Box::new(move || {
+                n = n.wrapping_add(1);
+                Ok([n; 32])
+            })
+        })
+        .with_layout(layout());
+    hello(&mut m, 1);
+    m
+}
+
+/// `peer` says hello as `sess()`'s consumer; the welcome says the producer serves reads.
+fn hello(m: &mut Machine, peer: u32) {
+    let h = Hello {
+        version: PROTOCOL_VERSION,
+        kind: KIND_HELLO.to_string(),
+        nonce: vec![1; 32],
+        producer: "tcp://p:1".into(),
+        consumer: "c:1".into(),
+    };
+    m.handle_message(Instant::now(), peer, &encode(&h));
+    let welcomes: Vec<_> = m
+        .drained()
+        .into_iter()
+        .filter_map(|e| match e {
+            Effect::Welcome { welcome, .. } => Some(welcome),
+            _ => None,
+        })
+        .collect();
+    assert!(welcomes.len() == 1 && welcomes[0].reads, "{welcomes:?}");
 }
 
 /// A request to read `id` planned with `layout()`.
@@ -99,8 +133,10 @@ fn a_read_loads_lease_holds_past_its_finish_until_the_consumers_read_done() {
     assert_eq!(the_reply(&e).status(), Status::Finish);
     assert!(released(&e).is_empty(), "released at the FINISH: {e:?}");
     // Another peer's, or another load's, read_done changes nothing.
+    hello(&mut m, 2);
     assert!(read_done(&mut m, t0, 2, "a", 1).is_empty());
     assert!(read_done(&mut m, t0, 1, "a", 9).is_empty());
+
     // No heartbeat after the FINISH, and nothing before the margin.
     assert!(m.on_tick(t0 + MARGIN / 2).is_empty());
     let e = read_done(&mut m, t0 + MARGIN / 2, 1, "a", 1);
@@ -133,7 +169,7 @@ fn a_read_planned_with_another_layout_or_before_the_publish_is_refused_lease_unt
     let e = m.on_request(t0, 1, read_request("a", 1), &sess());
     let r = the_reply(&e);
     assert_eq!(r.status(), Status::Error);
-    assert_eq!(r.reason, Some(ErrorReason::ReadRefused));
+    assert_eq!(r.reason, Some(ErrorReason::ReadEarly));
     m.publish(t0, "a", "blocks").unwrap();
     // Another layout's digest, or none: refused, and the lease is still held.
     for digest in [Some(vec![0u8; 32]), None] {
@@ -180,4 +216,101 @@ fn the_finish_proof_covers_the_layout_and_is_unchanged_without_one() {
         ],
     );
     assert_eq!(bare, old);
+}
+
+#[test]
+fn a_read_done_before_the_finish_or_from_a_later_session_changes_nothing() {
+    let t0 = Instant::now();
+    let mut m = machine();
+    m.publish(t0, "a", "blocks").unwrap();
+    m.on_request(t0, 1, read_request("a", 1), &sess());
+    // Before the FINISH: the lease is not the consumer's to end yet.
+    assert!(read_done(&mut m, t0, 1, "a", 1).is_empty());
+    m.on_served(t0, 1, "a", 1, Ok((0, None, None)));
+    // The peer's connection closed and it said hello again: another session.
+    m.handle_disconnected(&1);
+    hello(&mut m, 1);
+    assert!(read_done(&mut m, t0, 1, "a", 1).is_empty());
+    // The lease still ends at the margin.
+    assert_eq!(released(&m.on_tick(t0 + MARGIN)), vec!["a".to_string()]);
+}
+
+#[test]
+fn a_read_loads_lease_holds_for_the_consumers_budget_within_the_lease() {
+    let t0 = Instant::now();
+    for (budget_ms, held) in [
+        (0, MARGIN),
+        (2_500, Duration::from_millis(2_500)),
+        (5_000, Duration::from_secs(5)),
+        (60_000, timeouts().lease),
+    ] {
+        let mut m = machine();
+        m.publish(t0, "a", "blocks").unwrap();
+        let mut r = read_request("a", 1);
+        r.budget_ms = budget_ms;
+        m.on_request(t0, 1, r, &sess());
+        m.on_served(t0, 1, "a", 1, Ok((0, None, None)));
+        assert_eq!(m.poll_timeout(), Some(t0 + held), "budget {budget_ms} ms");
+    }
+}
+
+#[test]
+fn a_stranger_asking_to_read_leaves_the_lease_to_its_owner() {
+    let t0 = Instant::now();
+    let mut m = machine();
+    m.handle_publish(t0, "a", "blocks", Some("the key".into()))
+        .unwrap();
+    m.drained();
+    let e = m.on_request(t0, 1, read_request("a", 1), &sess());
+    assert!(serves(&e).is_empty());
+    assert_eq!(replies(&e)[0].1, Status::Error);
+    assert_eq!(m.held(), 1);
+}
+
+/// A consumer machine with a session whose welcome says `reads`.
+fn consumer(reads: bool) -> super::consumer::ConsumerMachine {
+    let mut c =
+        super::consumer::ConsumerMachine::new(Duration::from_secs(10), Duration::from_secs(60), 1);
+    c.hello([1; 32], "tcp://p:1", "c:1");
+    let w = Welcome {
+        version: PROTOCOL_VERSION,
+        kind: KIND_WELCOME.to_string(),
+        nonce: vec![2; 32],
+        proof: None,
+        error: None,
+        reads,
+    };
+    c.handle_welcome(&encode(&w)).unwrap();
+    c
+}
+
+#[test]
+fn a_producer_that_does_not_say_it_serves_reads_is_never_asked_to() {
+    use super::consumer::{ConsumerEvent, FailReason};
+    let t0 = Instant::now();
+    for reads in [false, true] {
+        let mut c = consumer(reads);
+        // The layout is asked for only of a producer that serves reads: an older one's proof
+        // of the request would not cover the field.
+        let mut r = request("a", 0);
+        r.want_layout = true;
+        c.start(t0, r, None).unwrap();
+        let sent = decode_request(&c.poll_transmit().unwrap().bytes).unwrap();
+        assert_eq!(sent.want_layout, reads);
+        // A request to read goes only to one; to another it fails at once, nothing sent.
+        let id = c.start(t0, read_request("b", 0), None).unwrap();
+        if reads {
+            assert!(
+                decode_request(&c.poll_transmit().unwrap().bytes)
+                    .unwrap()
+                    .read
+            );
+        } else {
+            assert!(c.poll_transmit().is_none());
+            assert!(matches!(
+                c.poll_event(),
+                Some(ConsumerEvent::Failed { load_id, reason: FailReason::ReadRefused(_) }) if load_id == id
+            ));
+        }
+    }
 }

@@ -285,6 +285,9 @@ pub enum WriteErrorKind {
     /// all land within the load's deadline: some WRITE or its wait ran past it.
     #[error("the load's layer groups did not land within {0:?}")]
     GroupsTimeout(Duration),
+    /// The load was dropped by its caller: the layer groups not yet submitted never will be.
+    #[error("the load was dropped; its remaining layer groups were not submitted")]
+    Stopped,
     /// The consumer's segment could not be opened.
     #[error("open segment {segment}: {source}")]
     Open {

@@ -1007,3 +1007,61 @@ fn a_read_template_needs_equal_block_sizes() {
     req.blocks[0].remote_positions = vec![0];
     assert_eq!(ReadTemplate::of(&producer, &segments, &req), None);
 }
+
+/// A producer's layout survives the wire: the consumer plans with what it reads back exactly
+/// the copies the producer would; a layout that cannot be planned with is refused by name.
+#[test]
+fn a_producers_layout_read_back_plans_the_same_copies_and_bad_ones_are_refused() {
+    use super::msg_read::{layout_from_wire, layout_to_wire, LayoutFromWireError};
+    for ((ptp, ppp), (ctp, cpp)) in [((1, 1), (1, 1)), ((2, 1), (1, 1)), ((2, 2), (1, 3))] {
+        let producer = side(0, ptp, ppp, 4);
+        let consumer = side(1, ctp, cpp, 4);
+        let back = layout_from_wire(&layout_to_wire(&producer)).unwrap();
+        let (remote, local) = ([4u64, 0, 5], [1u64, 3, 2]);
+        let req = request(&consumer, &remote, &local);
+        let copies =
+            |p: Vec<RankPlan>| -> Vec<_> { p.iter().map(|p| (p.rank, p.all_copies())).collect() };
+        assert_eq!(
+            copies(plan(&back, &published(&remote), &req).unwrap()),
+            copies(plan(&producer, &published(&remote), &req).unwrap())
+        );
+    }
+    let good = layout_to_wire(&side(0, 2, 1, 4));
+    assert!(matches!(
+        layout_from_wire(&[]),
+        Err(LayoutFromWireError::RankCount(0))
+    ));
+    let mut twice = good.clone();
+    twice[1].tp_rank = 0;
+    assert!(matches!(
+        layout_from_wire(&twice),
+        Err(LayoutFromWireError::RankTwice {
+            tp_rank: 0,
+            pp_rank: 0
+        })
+    ));
+    let mut short = good.clone();
+    short[0].groups[0].layers[0].len -= 1;
+    assert!(matches!(
+        layout_from_wire(&short),
+        Err(LayoutFromWireError::Array { .. })
+    ));
+    let mut wraps = good.clone();
+    wraps[0].groups[0].layers[0].addr = u64::MAX - 8;
+    assert!(matches!(
+        layout_from_wire(&wraps),
+        Err(LayoutFromWireError::Array { .. })
+    ));
+    let mut odd = good.clone();
+    odd[0].groups[0].layers[0].geometry.layout = "KV B X".into();
+    assert!(matches!(
+        layout_from_wire(&odd),
+        Err(LayoutFromWireError::Geometry { .. })
+    ));
+    let mut sized = good;
+    sized[0].groups[0].block_size += 1;
+    assert!(matches!(
+        layout_from_wire(&sized),
+        Err(LayoutFromWireError::BlockSize { .. })
+    ));
+}

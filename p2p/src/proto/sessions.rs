@@ -107,6 +107,11 @@ impl<P: Clone + Eq + Hash> Sessions<P> {
         self.open.contains_key(peer)
     }
 
+    /// The id (`Session::id`) of `peer`'s open session, if any.
+    pub fn id_of(&self, peer: &P) -> Option<[u8; 32]> {
+        self.open.get(peer).map(|s| s.session.id())
+    }
+
     /// Open sessions.
     pub fn len(&self) -> usize {
         self.open.len()
@@ -132,6 +137,7 @@ impl<P: Clone + Eq + Hash> Sessions<P> {
             nonce: Vec::new(),
             proof: None,
             error: None,
+            reads: false,
         };
         let mut refused = None;
         if self.open.contains_key(peer) {

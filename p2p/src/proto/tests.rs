@@ -33,6 +33,7 @@ pub(crate) fn opened(mut c: ConsumerMachine) -> ConsumerMachine {
         nonce: vec![2; 32],
         proof: None,
         error: None,
+        reads: false,
     };
     c.handle_welcome(&encode(&w)).unwrap();
     c
@@ -324,6 +325,7 @@ fn a_bad_hello_or_welcome_is_refused_with_its_lengths() {
         nonce: vec![0; 32],
         proof: Some(vec![0; 5]),
         error: None,
+        reads: false,
     };
     let e = decode_welcome(&encode(&welcome)).unwrap_err();
     assert_eq!(

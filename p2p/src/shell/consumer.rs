@@ -72,6 +72,11 @@ impl Consumer {
         let (tp, pp, workers) = validate(workers)?;
         let checksums = carrier_check(&config)?;
         let secret = crate::shell::producer_config::workers_secret(&workers)?;
+        if secret.is_some() && config.read == ReadMode::Always {
+            return Err(P2pError::Config(
+                crate::error::ConfigFault::AlwaysReadWithSecret,
+            ));
+        }
         let name = workers
             .first()
             .map(|w| w.engine.segment_name())

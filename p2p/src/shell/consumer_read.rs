@@ -6,6 +6,7 @@
 //! answers with the payload while the copies run; `read_done` ends its lease.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::Poll;
 use std::time::Instant;
@@ -202,7 +203,8 @@ impl Consumer {
     /// reason). The consumer trusts its own block tables here; the producer checks them
     /// against its lease before it answers.
     pub(super) fn read_plan(&self, producer: &str, request: &LoadRequest) -> Option<ReadPlan> {
-        if self.config.read == ReadMode::Never {
+        // A read that raced a publish or a reused lease is caught only by the checksums.
+        if self.config.read == ReadMode::Never || !self.checksums {
             return None;
         }
         let layout = match self.reads.locked().get(producer) {
@@ -260,6 +262,15 @@ impl Consumer {
         })
     }
 
+    /// Forgets `producer`'s layout if it is still the one of `digest` (a newer one stays): its
+    /// next load goes by WRITE and asks for the layout again.
+    fn forget_reads(&self, producer: &str, digest: &[u8; 32]) {
+        let mut reads = self.reads.locked();
+        if matches!(reads.get(producer), Some(Reads::Yes(l)) if l.digest == *digest) {
+            reads.remove(producer);
+        }
+    }
+
     /// Loads `spec` by reading (`reads`, planned from `request`): sends the request to read
     /// and reads at once, checksums each layer group as it lands, waits for both the reads and
     /// the producer's answer (by the reply deadline), tells the producer it has read, then
@@ -289,7 +300,9 @@ impl Consumer {
         request.read = true;
         request.layout_digest = Some(reads.digest.to_vec());
         request.token = Some(token.to_string());
-        let deadline = started + self.config.reply_deadline();
+        // Within the budget sent with the request: the producer holds the lease that long.
+        let budget = crate::proto::consumer::budget_of(self.config.max_wait);
+        let deadline = started + budget.min(self.config.reply_deadline());
         let mut parts = Parts::new(
             self.workers.clone(),
             Arc::new(Selector::new(spec)),
@@ -310,6 +323,8 @@ impl Consumer {
         };
         let carried = Arc::new(OnceLock::new());
         let (workers, read) = (self.workers.clone(), Op::Read);
+        // Dropped with this load (its caller gave up): no layer group is submitted after.
+        let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
         let reading = write_grouped(
             workers,
             reads.plans,
@@ -319,6 +334,7 @@ impl Consumer {
             None,
             tell,
             carried.clone(),
+            stop.0.clone(),
         );
         tokio::pin!(reading);
         let mut bytes = None;
@@ -359,15 +375,29 @@ impl Consumer {
         };
         let mut reply = match reply {
             Ok(r) => r,
+            Err(ConnFailure::Failed(FailReason::ReadEarly(why))) => {
+                debug!(
+                    request_id = rid,
+                    "not served by read ({why}); loading by WRITE"
+                );
+                return Err(ReadEnd::Refused);
+            }
             Err(ConnFailure::Failed(FailReason::ReadRefused(why))) => {
                 debug!(
                     request_id = rid,
                     "not served by read ({why}); loading by WRITE"
                 );
-                self.reads.locked().remove(&spec.producer);
+                self.forget_reads(&spec.producer, &reads.digest);
                 return Err(ReadEnd::Refused);
             }
-            Err(f) => return Err(ReadEnd::Failed(self.load_error(spec, f))),
+            Err(f) => {
+                // Not a refusal of this request's shape (a lease mismatch is the lease's):
+                // the next load goes by WRITE and asks for the layout again.
+                if !matches!(f, ConnFailure::Failed(FailReason::LeaseMismatch(_))) {
+                    self.forget_reads(&spec.producer, &reads.digest);
+                }
+                return Err(ReadEnd::Failed(self.load_error(spec, f)));
+            }
         };
         // The reads are over, whatever they gave: the producer's lease may end.
         self.dispatch(
@@ -383,8 +413,9 @@ impl Consumer {
             Err(e) => {
                 warn!(
                     request_id = rid,
-                    "reading the producer's blocks failed: {e}"
+                    "reading the producer's blocks failed: {e}; its next loads are written"
                 );
+                self.forget_reads(&spec.producer, &reads.digest);
                 return Err(ReadEnd::Failed(LoadError::Read {
                     request_id: rid,
                     why: Shared(Arc::new(e)),
@@ -399,6 +430,15 @@ impl Consumer {
         Ok(self
             .judge(spec, &reply, parts, transfer_seconds, phases, path, true)
             .await)
+    }
+}
+
+/// Sets its flag when dropped.
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
     }
 }
 

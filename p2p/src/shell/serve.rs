@@ -1,6 +1,7 @@
 //! Serving one load on the producer (docs/design.md §4): plan the copies with
 //! [`crate::proto::serve::plan`] and WRITE them through each producer rank's engine.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
@@ -82,9 +83,9 @@ pub(crate) async fn serve_load(
     let carried = Arc::new(OnceLock::new());
     let written = if groups.len() > 1 {
         let carried = carried.clone();
-        let write = Op::Write;
+        let (write, stop) = (Op::Write, Arc::new(AtomicBool::new(false)));
         write_grouped(
-            workers, plan, &groups, write, deadline, token, progress, carried,
+            workers, plan, &groups, write, deadline, token, progress, carried, stop,
         )
         .await
     } else {
@@ -133,7 +134,7 @@ pub(crate) async fn write_all(
     Ok(total)
 }
 
-/// WRITEs the plans in layer groups (`groups`: slot spans, in order, covering every slot) from
+/// Copies (`op`) the plans in layer groups (`groups`: slot spans, in order, covering every slot) from
 /// one blocking task: each group's copies as batches of their own, submitted in order (so
 /// that, on one stream, the first group lands first; a group of several batches submits them
 /// side by side, on threads of their own and this one), then waited for in order there, `progress` told from that thread
@@ -154,6 +155,7 @@ pub(crate) async fn write_grouped(
     token: Option<Token>,
     progress: impl Fn(LayerSpan) + Send + 'static,
     carried: Arc<OnceLock<TransferPath>>,
+    stop: Arc<AtomicBool>,
 ) -> Result<u64, WriteError> {
     let Some(first) = plans.first().map(|p| workers[p.rank].rank) else {
         return Ok(0);
@@ -170,6 +172,7 @@ pub(crate) async fn write_grouped(
             &submit,
             &progress,
             submit_thread,
+            &stop,
         )
     });
     let left = deadline.saturating_duration_since(Instant::now());
@@ -208,6 +211,7 @@ fn write_groups_blocking(
     submit: &(dyn Fn(Job) -> Result<(usize, BatchId), WriteError> + Sync),
     progress: &dyn Fn(LayerSpan),
     thread: fn() -> std::thread::Builder,
+    stop: &AtomicBool,
 ) -> Result<u64, WriteError> {
     let mut bytes = 0u64;
     let mut failed = None;
@@ -241,6 +245,17 @@ fn write_groups_blocking(
         }
     };
     for (i, g) in groups.iter().enumerate() {
+        // Set when the load was dropped: no group is submitted after it (a consumer's reads
+        // would land in blocks its caller may have given to another request).
+        if stop.load(Ordering::Acquire) {
+            if let Some(p) = plans.first() {
+                failed.get_or_insert(WriteError {
+                    rank: workers[p.rank].rank,
+                    kind: WriteErrorKind::Stopped,
+                });
+            }
+            break;
+        }
         let mut jobs = Vec::new();
         for p in plans
             .iter()
@@ -741,10 +756,53 @@ mod tests {
             &submit,
             &|_| {},
             refused_thread,
+            &AtomicBool::new(false),
         );
         let e = r.unwrap_err();
         assert!(matches!(e.kind, WriteErrorKind::NoThread(_)), "{e:?}");
         assert!(e.to_string().contains("starting a thread"), "{e}");
+        assert_eq!(submitted.load(Ordering::SeqCst), 0);
+    }
+
+    /// A load dropped by its caller (its stop flag set) submits no further layer group and
+    /// fails with `Stopped`.
+    #[test]
+    fn a_stopped_load_submits_nothing_more() {
+        use std::sync::atomic::AtomicUsize;
+        let workers = vec![host_worker(loopback())];
+        let one = Copy {
+            src: 0,
+            dst: 0,
+            len: 1,
+        };
+        let plan = RankPlan {
+            rank: 0,
+            segment: "127.0.0.1:1".into(),
+            copies: vec![one, one],
+            copy_layers: vec![(0, 1), (1, 1)],
+            strided: Vec::new(),
+        };
+        let submitted = AtomicUsize::new(0);
+        let submit = |_job: Job| -> Result<(usize, BatchId), WriteError> {
+            submitted.fetch_add(1, Ordering::SeqCst);
+            Err(WriteError {
+                rank: RankInfo::SINGLE,
+                kind: WriteErrorKind::SubmitPanicked,
+            })
+        };
+        let r = write_groups_blocking(
+            &workers,
+            &[plan],
+            &[Range { start: 0, end: 1 }, Range { start: 1, end: 2 }],
+            Op::Read,
+            Instant::now() + std::time::Duration::from_secs(5),
+            &submit,
+            &|_| {},
+            submit_thread,
+            &AtomicBool::new(true),
+        );
+        let e = r.unwrap_err();
+        assert!(matches!(e.kind, WriteErrorKind::Stopped), "{e:?}");
         assert_eq!(submitted.load(Ordering::SeqCst), 0);
     }
 
@@ -788,6 +846,7 @@ mod tests {
                 submit,
                 progress,
                 submit_thread,
+                &AtomicBool::new(false),
             )
         }
 
@@ -918,6 +977,7 @@ mod tests {
             None,
             |_| {},
             carried,
+            Arc::new(AtomicBool::new(false)),
         );
         let r = r.await;
         let e = r.unwrap_err();

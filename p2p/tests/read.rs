@@ -26,6 +26,17 @@ fn reading(mode: ReadMode) -> ConsumerConfig {
     }
 }
 
+/// A TP 1 producer (seeded KV) and a TP 1 consumer reading in `mode`, with their sides.
+async fn pair(mode: ReadMode) -> (Producer, Consumer, Side, Side) {
+    let p = Side::new(1, 1, BLOCKS, Some(7));
+    let c = Side::new(1, 1, BLOCKS, None);
+    let producer = Producer::start(producer_config(), p.workers.clone())
+        .await
+        .unwrap();
+    let consumer = Consumer::new(reading(mode), c.workers.clone()).unwrap();
+    (producer, consumer, p, c)
+}
+
 async fn load(producer: &Producer, consumer: &Consumer, id: &str) -> LoadOutcome {
     producer
         .publish(id, published_blocks(), common::NUM_TOKENS)
@@ -101,12 +112,7 @@ async fn loads_read_by_the_consumer_land_byte_for_byte_verify_and_end_the_lease(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_byte_in_the_producers_blocks_is_caught_when_read() {
-    let p = Side::new(1, 1, BLOCKS, Some(7));
-    let c = Side::new(1, 1, BLOCKS, None);
-    let producer = Producer::start(producer_config(), p.workers.clone())
-        .await
-        .unwrap();
-    let consumer = Consumer::new(reading(ReadMode::Always), c.workers.clone()).unwrap();
+    let (producer, consumer, p, _c) = pair(ReadMode::Always).await;
     load(&producer, &consumer, "first").await;
     producer
         .publish("bad", published_blocks(), common::NUM_TOKENS)
@@ -178,12 +184,7 @@ async fn a_producer_restarted_with_other_memory_is_loaded_by_write_then_read_aga
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_load_that_gets_no_finish_lets_a_later_one_ask_for_the_layout() {
-    let p = Side::new(1, 1, BLOCKS, Some(7));
-    let c = Side::new(1, 1, BLOCKS, None);
-    let producer = Producer::start(producer_config(), p.workers.clone())
-        .await
-        .unwrap();
-    let consumer = Consumer::new(reading(ReadMode::Always), c.workers.clone()).unwrap();
+    let (producer, consumer, _p, _c) = pair(ReadMode::Always).await;
     // The first load asks for the layout and is refused (another load key): no FINISH.
     producer
         .publish("a", published_blocks(), common::NUM_TOKENS)
@@ -212,12 +213,7 @@ fn reads_on_every_path_are_refused_with_a_secret() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_load_the_producer_refuses_makes_the_next_ask_for_the_layout_again() {
-    let p = Side::new(1, 1, BLOCKS, Some(7));
-    let c = Side::new(1, 1, BLOCKS, None);
-    let producer = Producer::start(producer_config(), p.workers.clone())
-        .await
-        .unwrap();
-    let consumer = Consumer::new(reading(ReadMode::Always), c.workers.clone()).unwrap();
+    let (producer, consumer, _p, _c) = pair(ReadMode::Always).await;
     load(&producer, &consumer, "a").await;
     assert!(load(&producer, &consumer, "b").await.read);
     // "b" again: read, and refused (already loaded). The layout is not trusted any more.

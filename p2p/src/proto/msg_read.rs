@@ -10,7 +10,7 @@ use kvferry_kernels::LayerInput;
 
 use super::layout::{RankLayout, WorkerGroup};
 use super::msg_body::{WireLayer, MAX_RANKS, PROTOCOL_VERSION};
-use super::wire::{from_wire, to_wire};
+use super::wire::{from_wire, to_wire_layer};
 
 /// `kind` of a consumer → producer `read_done`.
 pub const KIND_READ_DONE: &str = "read_done";
@@ -96,18 +96,7 @@ pub fn layout_to_wire(ranks: &[RankLayout]) -> WireProducerLayout {
                     group_id: g.group_id,
                     block_size: g.block_size,
                     state: g.skipped == Some(SkipReason::NoPerTokenBlocks),
-                    layers: g
-                        .layers
-                        .iter()
-                        .map(|l| WireLayer {
-                            name: l.spec.name.clone(),
-                            addr: l.addr,
-                            len: l.len,
-                            head_offset: l.spec.head_offset,
-                            geometry: to_wire(&l.spec.geometry),
-                            dtype: l.spec.dtype.clone(),
-                        })
-                        .collect(),
+                    layers: g.layers.iter().map(to_wire_layer).collect(),
                 })
                 .collect(),
         })

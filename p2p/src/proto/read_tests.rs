@@ -269,19 +269,9 @@ fn a_stranger_asking_to_read_leaves_the_lease_to_its_owner() {
 
 /// A consumer machine with a session whose welcome says `reads`.
 fn consumer(reads: bool) -> super::consumer::ConsumerMachine {
-    let mut c =
+    let c =
         super::consumer::ConsumerMachine::new(Duration::from_secs(10), Duration::from_secs(60), 1);
-    c.hello([1; 32], "tcp://p:1", "c:1");
-    let w = Welcome {
-        version: PROTOCOL_VERSION,
-        kind: KIND_WELCOME.to_string(),
-        nonce: vec![2; 32],
-        proof: None,
-        error: None,
-        reads,
-    };
-    c.handle_welcome(&encode(&w)).unwrap();
-    c
+    super::tests::opened_with(c, reads)
 }
 
 #[test]

@@ -8,13 +8,12 @@ use kvferry_checksum::group::SkipReason;
 
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::{
-    LoadRequest, WireBlocks, WireLayer, WireRank, WireRankGroup, KIND_TRANSFER_REQUEST,
-    PROTOCOL_VERSION,
+    LoadRequest, WireBlocks, WireRank, WireRankGroup, KIND_TRANSFER_REQUEST, PROTOCOL_VERSION,
 };
 use crate::proto::spec_checks::{
     blocks_needed, cache_blocks, check_distinct, check_table, TableError,
 };
-use crate::proto::wire::to_wire;
+use crate::proto::wire::to_wire_layer;
 
 /// One group of a load: the block tables of both sides, position by position
 /// from the request's first token (`None` = null block).
@@ -248,18 +247,7 @@ pub fn build_request(
                 .filter(|g| seen.contains(&g.group_id))
                 .map(|g| WireRankGroup {
                     group_id: g.group_id,
-                    layers: g
-                        .layers
-                        .iter()
-                        .map(|l| WireLayer {
-                            name: l.spec.name.clone(),
-                            addr: l.addr,
-                            len: l.len,
-                            head_offset: l.spec.head_offset,
-                            geometry: to_wire(&l.spec.geometry),
-                            dtype: l.spec.dtype.clone(),
-                        })
-                        .collect(),
+                    layers: g.layers.iter().map(to_wire_layer).collect(),
                 })
                 .collect(),
         })

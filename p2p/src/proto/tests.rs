@@ -25,7 +25,12 @@ pub(crate) fn sess() -> Session {
 }
 
 /// `c` with `sess()` open (an open-mode producer's welcome).
-pub(crate) fn opened(mut c: ConsumerMachine) -> ConsumerMachine {
+pub(crate) fn opened(c: ConsumerMachine) -> ConsumerMachine {
+    opened_with(c, false)
+}
+
+/// `c` with `sess()` open, its producer's welcome saying `reads` (docs/design.md §4.10).
+pub(crate) fn opened_with(mut c: ConsumerMachine, reads: bool) -> ConsumerMachine {
     c.hello([1; 32], "tcp://p:1", "c:1");
     let w = Welcome {
         version: PROTOCOL_VERSION,
@@ -33,7 +38,7 @@ pub(crate) fn opened(mut c: ConsumerMachine) -> ConsumerMachine {
         nonce: vec![2; 32],
         proof: None,
         error: None,
-        reads: false,
+        reads,
     };
     c.handle_welcome(&encode(&w)).unwrap();
     c

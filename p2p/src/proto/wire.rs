@@ -3,7 +3,21 @@
 
 use kvferry_checksum::layout::{ElemBytes, Geometry, Layout, LayoutError};
 
-use crate::proto::msg_body::WireGeometry;
+use kvferry_kernels::LayerInput;
+
+use crate::proto::msg_body::{WireGeometry, WireLayer};
+
+/// The wire form of a layer: its name, array, head offset, geometry and element type.
+pub fn to_wire_layer(l: &LayerInput) -> WireLayer {
+    WireLayer {
+        name: l.spec.name.clone(),
+        addr: l.addr,
+        len: l.len,
+        head_offset: l.spec.head_offset,
+        geometry: to_wire(&l.spec.geometry),
+        dtype: l.spec.dtype.clone(),
+    }
+}
 
 /// The wire form of a geometry.
 pub fn to_wire(g: &Geometry) -> WireGeometry {

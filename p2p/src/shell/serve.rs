@@ -719,33 +719,10 @@ mod tests {
     /// with a typed error, submitting nothing more, instead of panicking the producer.
     #[test]
     fn a_submit_thread_the_os_refuses_fails_the_load() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
         let workers = vec![host_worker(loopback())];
-        let one = Copy {
-            src: 0,
-            dst: 0,
-            len: 1,
-        };
         // One plain copy and one strided block in the same layer: two batches, two threads.
-        let plan = RankPlan {
-            rank: 0,
-            segment: "127.0.0.1:1".into(),
-            copies: vec![one],
-            copy_layers: vec![(0, 1)],
-            strided: vec![BlockCopies {
-                ranges: vec![one],
-                blocks: vec![(0, 0)],
-                layers: vec![(0, 1)],
-            }],
-        };
-        let submitted = AtomicUsize::new(0);
-        let submit = |_job: Job| -> Result<(usize, BatchId), WriteError> {
-            submitted.fetch_add(1, Ordering::SeqCst);
-            Err(WriteError {
-                rank: RankInfo::SINGLE,
-                kind: WriteErrorKind::SubmitPanicked,
-            })
-        };
+        let plan = two_copies(0);
+        let (submitted, submit) = counting_submit();
         let deadline = Instant::now() + std::time::Duration::from_secs(5);
         let r = write_groups_blocking(
             &workers,
@@ -768,31 +745,11 @@ mod tests {
     /// fails with `Stopped`.
     #[test]
     fn a_stopped_load_submits_nothing_more() {
-        use std::sync::atomic::AtomicUsize;
         let workers = vec![host_worker(loopback())];
-        let one = Copy {
-            src: 0,
-            dst: 0,
-            len: 1,
-        };
-        let plan = RankPlan {
-            rank: 0,
-            segment: "127.0.0.1:1".into(),
-            copies: vec![one, one],
-            copy_layers: vec![(0, 1), (1, 1)],
-            strided: Vec::new(),
-        };
-        let submitted = AtomicUsize::new(0);
-        let submit = |_job: Job| -> Result<(usize, BatchId), WriteError> {
-            submitted.fetch_add(1, Ordering::SeqCst);
-            Err(WriteError {
-                rank: RankInfo::SINGLE,
-                kind: WriteErrorKind::SubmitPanicked,
-            })
-        };
+        let (submitted, submit) = counting_submit();
         let r = write_groups_blocking(
             &workers,
-            &[plan],
+            &[two_copies(1)],
             &[Range { start: 0, end: 1 }, Range { start: 1, end: 2 }],
             Op::Read,
             Instant::now() + std::time::Duration::from_secs(5),
@@ -804,6 +761,44 @@ mod tests {
         let e = r.unwrap_err();
         assert!(matches!(e.kind, WriteErrorKind::Stopped), "{e:?}");
         assert_eq!(submitted.load(Ordering::SeqCst), 0);
+    }
+
+    /// One plain copy (layer slot 0) and one strided block (slot `strided_slot`) of one byte.
+    fn two_copies(strided_slot: u32) -> RankPlan {
+        let one = Copy {
+            src: 0,
+            dst: 0,
+            len: 1,
+        };
+        RankPlan {
+            rank: 0,
+            segment: "127.0.0.1:1".into(),
+            copies: vec![one],
+            copy_layers: vec![(0, 1)],
+            strided: vec![BlockCopies {
+                ranges: vec![one],
+                blocks: vec![(0, 0)],
+                layers: vec![(strided_slot, 1)],
+            }],
+        }
+    }
+
+    /// A submit that counts its calls (the first value) and fails each.
+    #[allow(clippy::type_complexity)] // a counter and a closure, for two tests
+    fn counting_submit() -> (
+        Arc<std::sync::atomic::AtomicUsize>,
+        impl Fn(Job) -> Result<(usize, BatchId), WriteError> + Sync,
+    ) {
+        let n = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = n.clone();
+        let submit = move |_job: Job| -> Result<(usize, BatchId), WriteError> {
+            count.fetch_add(1, Ordering::SeqCst);
+            Err(WriteError {
+                rank: RankInfo::SINGLE,
+                kind: WriteErrorKind::SubmitPanicked,
+            })
+        };
+        (n, submit)
     }
 
     /// A producer engine `a` and a consumer engine `b` on loopback, each with [`GROUPED_LEN`]

@@ -250,6 +250,22 @@ pub trait ChecksumBackend: Send + Sync {
         // SAFETY: forwarded from this function's contract.
         unsafe { self.submit(jobs) }
     }
+
+    /// As [`ChecksumBackend::submit`], ordered on the device after each of `events` (events
+    /// recorded on streams of the jobs' device after the work that writes the layers, e.g. a
+    /// transport's copies into them) where the backend reads device memory: no host waits for
+    /// them. Default (host memory: nothing on a device writes it): `submit`.
+    ///
+    /// # Safety
+    /// As `submit`; every event is of the jobs' device's primary context and was recorded.
+    unsafe fn submit_after_events(
+        &self,
+        jobs: Vec<GroupJob>,
+        _events: &[&kvferry_cuda::driver::Event],
+    ) -> Result<PendingChecksums, KernelError> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.submit(jobs) }
+    }
 }
 
 /// A backend's in-flight work. Implemented by each backend; wrapped in [`PendingChecksums`].

@@ -185,6 +185,21 @@ pub(crate) fn submit_device(
     })
 }
 
+/// Submits `jobs` to a device worker's backend, ordered on the device after each of `points`
+/// (events after a transport's copies into the layers: `submit_strided_with_points`), and
+/// returns at once: the kernels start when the copies end, with no host round trip. Errors:
+/// the backend's.
+pub(crate) fn submit_device_after_points(
+    worker: &Worker,
+    jobs: Vec<GroupJob>,
+    points: &[kvferry_transfer::StreamPoint],
+) -> Result<PendingChecksums, ChecksumError> {
+    let events: Vec<&kvferry_kernels::cuda::driver::Event> = points.iter().map(|p| &**p).collect();
+    // SAFETY: as in `submit_device`; each point is an event the transport recorded on a stream
+    // of the worker's device (its primary context) after copies into its memory.
+    Ok(unsafe { worker.backend.submit_after_events(jobs, &events) }?)
+}
+
 /// Waits for device checksums submitted at `start` ([`submit_device`]) until `start +
 /// timeout`: polls their completion, yielding to the runtime between polls for the first
 /// [`DEVICE_SPIN`] of this wait (however long ago they were submitted), then every

@@ -26,6 +26,33 @@ impl TransferEngine {
         target: &SegmentHandle,
         requests: &[StridedRequest],
     ) -> Result<BatchId> {
+        self.submit_strided_inner(target, requests, false)
+            .map(|(id, _)| id)
+    }
+
+    /// As [`TransferEngine::submit_strided`], and also returns the batch's device points when
+    /// it has them: events on the transport's own streams after which every copy of the batch
+    /// is in place on the device (CUDA IPC copies enqueued at submit), for ordering device
+    /// work that reads the landed bytes (a checksum kernel: `cuStreamWaitEvent`) without a
+    /// host round trip. `None` when any copy of the batch has no such event (TCP, RDMA, a
+    /// pair that went to the fallback, a group failed before its copies were enqueued): wait
+    /// for the batch on the host then. The batch is still waited for as any (`wait`), which
+    /// alone says whether the copies succeeded: a point only says where they end.
+    /// Errors: as `submit_strided`.
+    pub fn submit_strided_with_points(
+        &self,
+        target: &SegmentHandle,
+        requests: &[StridedRequest],
+    ) -> Result<(BatchId, Option<Vec<crate::transport::StreamPoint>>)> {
+        self.submit_strided_inner(target, requests, true)
+    }
+
+    fn submit_strided_inner(
+        &self,
+        target: &SegmentHandle,
+        requests: &[StridedRequest],
+        points: bool,
+    ) -> Result<(BatchId, Option<Vec<crate::transport::StreamPoint>>)> {
         let t0 = std::time::Instant::now();
         let desc = target.descriptor.clone();
         let validated = if desc.check_kind(self.transport.kind()).is_err() {
@@ -43,7 +70,9 @@ impl TransferEngine {
         };
         let groups = match validated {
             Validated::Compact(g) => g,
-            Validated::Expand => return self.submit(target, &strided::expand(requests)?),
+            Validated::Expand => {
+                return Ok((self.submit(target, &strided::expand(requests)?)?, None));
+            }
         };
         let mut starts: smallvec::SmallVec<[u64; 2]> = smallvec::SmallVec::new();
         for g in &groups {
@@ -71,10 +100,14 @@ impl TransferEngine {
         } else {
             0
         };
+        if points {
+            state.want_points();
+        }
         if !groups.is_empty() {
             self.transport
-                .post_strided(&desc, &groups, CompletionSink::new(state));
+                .post_strided(&desc, &groups, CompletionSink::new(state.clone()));
         }
+        let points = if points { state.take_points() } else { None };
         if timing {
             tracing::debug!(
                 target: "kvferry::timing",
@@ -84,6 +117,6 @@ impl TransferEngine {
                 "engine submit strided"
             );
         }
-        Ok(id)
+        Ok((id, points))
     }
 }

@@ -72,5 +72,7 @@ pub use memory::{
 pub use ports::{host_port, PortRange, PortRangeError};
 pub use segment::SegmentHandle;
 pub use strided::{StridedGroup, StridedRange, StridedRequest};
-pub use transport::{CompletionSink, Slice, Transport, TransportContext, TransportStats};
+pub use transport::{
+    CompletionSink, Slice, StreamPoint, Transport, TransportContext, TransportStats,
+};
 pub use types::{BatchId, BatchStatus, Location, Op, TransferPath, TransferRequest, TransportKind};

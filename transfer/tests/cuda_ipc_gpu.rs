@@ -856,3 +856,78 @@ fn engine_cuda_ipc_in_one_process() {
         .unwrap();
     assert!(download(&ctx, b.ptr(), len) == pattern(11, len));
 }
+
+/// A strided READ's device points order device work after its copies: a stream that waits on
+/// them and then reads the landed bytes back sees them all, even with the lane busy with
+/// earlier copies when the READ is submitted (no host wait between the submit and the read
+/// back).
+#[test]
+fn strided_points_order_device_work_after_the_copies() {
+    let _one = serial();
+    let Some(ctx) = gpu("strided_points_order_device_work_after_the_copies") else {
+        return;
+    };
+    const PART: usize = 64 << 20;
+    let len = 3 * PART;
+    let a = DeviceBuffer::new(&ctx, len).unwrap();
+    let b = DeviceBuffer::new(&ctx, len).unwrap();
+    upload(&ctx, a.ptr(), &pattern(13, PART));
+    upload(&ctx, b.ptr(), &vec![0u8; PART]);
+    let ea = TransferEngine::new(EngineConfig::default()).unwrap();
+    let eb = TransferEngine::new(EngineConfig::default()).unwrap();
+    // SAFETY: both buffers outlive the engines' use of them.
+    unsafe {
+        ea.register_memory(a.ptr(), len as u64, Location::Cuda(0))
+            .unwrap();
+        eb.register_memory(b.ptr(), len as u64, Location::Cuda(0))
+            .unwrap();
+    }
+    let seg = eb.open_segment(&ea.segment_name()).unwrap();
+    // Earlier copies on the same engine, not waited for: the READ queues behind them.
+    let busy: Vec<_> = (0..8)
+        .map(|i| {
+            let off = PART as u64 + (i % 2) * PART as u64;
+            let req = TransferRequest {
+                op: Op::Write,
+                local_addr: b.ptr() + off,
+                remote_addr: a.ptr() + off,
+                len: PART as u64,
+            };
+            eb.submit(&seg, &[req]).unwrap()
+        })
+        .collect();
+    let block = 1u64 << 20;
+    let read = StridedRequest {
+        op: Op::Read,
+        ranges: vec![StridedRange {
+            local: 0,
+            remote: 0,
+            len: block,
+        }],
+        blocks: (0..PART as u64 / block)
+            .map(|i| (b.ptr() + i * block, a.ptr() + i * block))
+            .collect(),
+    };
+    let (id, points) = eb.submit_strided_with_points(&seg, &[read]).unwrap();
+    let points = points.expect("CUDA IPC copies have device points");
+    assert!(!points.is_empty());
+    let s = Stream::new(&ctx).unwrap();
+    let mut back = vec![0u8; PART];
+    // SAFETY: the points are events of this device; `b` has PART bytes; the stream is
+    // synchronised before `back` is read.
+    unsafe {
+        for p in &points {
+            kvferry_cuda::driver::stream_wait(s.raw(), p).unwrap();
+        }
+        copy_dtoh_async(back.as_mut_ptr(), b.ptr(), PART, s.raw()).unwrap();
+    }
+    s.synchronize().unwrap();
+    assert!(
+        back == pattern(13, PART),
+        "read back before the copies ended"
+    );
+    eb.wait(id, Duration::from_secs(60)).unwrap();
+    for id in busy {
+        eb.wait(id, Duration::from_secs(60)).unwrap();
+    }
+}

@@ -290,3 +290,30 @@ fn an_engine_can_target_its_own_segment() {
         .unwrap();
     assert_same(&dst.bytes, &src.bytes, "write to self");
 }
+
+/// Copies over TCP have no device points: a submitter that asks for them is told to wait on
+/// the host, and the batch moves its bytes as `submit_strided` would.
+#[test]
+fn a_strided_batch_over_tcp_has_no_device_points() {
+    let (a, b) = (engine(), engine());
+    let src = Buf::new(64 << 10, 9);
+    let dst = Buf::zeroed(64 << 10);
+    src.register(&a);
+    dst.register(&b);
+    let seg = a.open_segment(&b.segment_name()).unwrap();
+    let req = kvferry_transfer::StridedRequest {
+        op: Op::Write,
+        ranges: vec![kvferry_transfer::StridedRange {
+            local: 0,
+            remote: 0,
+            len: 4096,
+        }],
+        blocks: (0..16u64)
+            .map(|i| (src.addr() + i * 4096, dst.addr() + i * 4096))
+            .collect(),
+    };
+    let (id, points) = a.submit_strided_with_points(&seg, &[req]).unwrap();
+    assert!(points.is_none());
+    a.wait(id, Duration::from_secs(10)).unwrap();
+    assert_same(&dst.bytes, &src.bytes, "strided write with points asked");
+}

@@ -20,6 +20,7 @@ use super::{Consumer, Phases};
 use crate::error::{LoadError, LoadSpecFault};
 use crate::proto::consumer::FailReason;
 use crate::proto::layout::RankLayout;
+use crate::proto::msg::LayerSpan;
 use crate::proto::msg::{LoadRequest, Reply};
 use crate::proto::msg_read::{layout_digest, layout_from_wire};
 use crate::proto::progress::{layer_groups, layer_slots};
@@ -27,7 +28,7 @@ use crate::proto::read_plan::{read_plans, ReadTemplate};
 use crate::proto::serve::RankPlan;
 use crate::shell::connection::{ConnCmd, ConnFailure, LoadProgress};
 use crate::shell::consumer_config::{LoadOutcome, ReadMode};
-use crate::shell::serve::write_grouped;
+use crate::shell::serve::{write_grouped, Queued};
 use crate::shell::verify_parts::{Parts, Selector};
 use crate::LoadSpec;
 
@@ -318,9 +319,22 @@ impl Consumer {
             Poll::Pending => None,
         };
         let (progress, mut heard) = mpsc::unbounded_channel();
+        let queued = progress.clone();
         let tell = move |span| {
-            let _ = progress.send(LoadProgress::Landed(span));
+            let _ = progress.send(Heard::Landed(span));
         };
+        // A group whose copies are all device work is checksummed by kernels ordered after
+        // them on the device, submitted as soon as the copies are: no host round trip between
+        // a copy's end and its checksum's start. Host memory is checksummed as it lands.
+        let device = self
+            .workers
+            .iter()
+            .all(|w| matches!(w.device, kvferry_kernels::Location::Cuda(_)));
+        let queued: Option<Queued> = (device && self.checksums).then(|| {
+            Box::new(move |span, points| {
+                let _ = queued.send(Heard::Queued(span, points));
+            }) as Queued
+        });
         let carried = Arc::new(OnceLock::new());
         let (workers, read) = (self.workers.clone(), Op::Read);
         // Dropped with this load (its caller gave up): no layer group is submitted after.
@@ -333,6 +347,7 @@ impl Consumer {
             deadline,
             None,
             tell,
+            queued,
             carried.clone(),
             stop.0.clone(),
         );
@@ -343,9 +358,12 @@ impl Consumer {
         while reply.is_none() || bytes.is_none() {
             tokio::select! {
                 biased;
-                Some(p) = heard.recv() => {
+                Some(h) = heard.recv() => {
                     let t = Instant::now();
-                    parts.progress(p);
+                    match h {
+                        Heard::Landed(span) => parts.progress(LoadProgress::Landed(span)),
+                        Heard::Queued(span, points) => parts.queued(span, &points),
+                    }
                     progress_time += t.elapsed();
                 }
                 r = &mut reading, if bytes.is_none() => {
@@ -366,8 +384,8 @@ impl Consumer {
             reply_us = reply_at.as_micros() as u64,
             "read phases"
         );
-        while let Ok(p) = heard.try_recv() {
-            parts.late(p);
+        while let Ok(Heard::Landed(span) | Heard::Queued(span, _)) = heard.try_recv() {
+            parts.late(LoadProgress::Landed(span));
         }
         let transfer_seconds = started.elapsed().as_secs_f64();
         let (Some(reply), Some(bytes)) = (reply, bytes) else {
@@ -431,6 +449,15 @@ impl Consumer {
             .judge(spec, &reply, parts, transfer_seconds, phases, path, true)
             .await)
     }
+}
+
+/// What the reads tell the load of a layer group.
+enum Heard {
+    /// Its copies completed.
+    Landed(LayerSpan),
+    /// Its copies were all enqueued on this side's devices, in place at these device points
+    /// per worker ([`Queued`]).
+    Queued(LayerSpan, Vec<Vec<kvferry_transfer::StreamPoint>>),
 }
 
 /// Sets its flag when dropped.

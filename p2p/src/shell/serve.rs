@@ -8,7 +8,7 @@ use std::time::Instant;
 use std::ops::Range;
 
 use kvferry_transfer::{
-    BatchId, Op, StridedRange, StridedRequest, Token, TransferPath, TransferRequest,
+    BatchId, Op, StreamPoint, StridedRange, StridedRequest, Token, TransferPath, TransferRequest,
 };
 use tracing::debug;
 
@@ -85,7 +85,7 @@ pub(crate) async fn serve_load(
         let carried = carried.clone();
         let (write, stop) = (Op::Write, Arc::new(AtomicBool::new(false)));
         write_grouped(
-            workers, plan, &groups, write, deadline, token, progress, carried, stop,
+            workers, plan, &groups, write, deadline, token, progress, None, carried, stop,
         )
         .await
     } else {
@@ -154,6 +154,7 @@ pub(crate) async fn write_grouped(
     deadline: Instant,
     token: Option<Token>,
     progress: impl Fn(LayerSpan) + Send + 'static,
+    queued: Option<Queued>,
     carried: Arc<OnceLock<TransferPath>>,
     stop: Arc<AtomicBool>,
 ) -> Result<u64, WriteError> {
@@ -162,7 +163,8 @@ pub(crate) async fn write_grouped(
     };
     let groups = groups.to_vec();
     let run = tokio::task::spawn_blocking(move || {
-        let submit = |j| submit_job(&workers, j, token, &carried);
+        let points = queued.is_some();
+        let submit = |j| submit_job(&workers, j, token, &carried, points);
         write_groups_blocking(
             &workers,
             &plans,
@@ -171,6 +173,7 @@ pub(crate) async fn write_grouped(
             deadline,
             &submit,
             &progress,
+            queued.as_deref(),
             submit_thread,
             &stop,
         )
@@ -184,6 +187,17 @@ pub(crate) async fn write_grouped(
         Ok(Ok(r)) => r,
     }
 }
+
+/// Told that a layer group's copies were all enqueued as device work on this side, with the
+/// device points after which they are in place, per worker (indexed as the workers; empty for
+/// a worker nothing was copied into): work ordered after those points on the device (the
+/// group's checksums) may start before the copies end ([`write_grouped`]).
+pub(crate) type Queued = Box<dyn Fn(LayerSpan, Vec<Vec<StreamPoint>>) + Send>;
+
+/// What one submit made: the rank's index into the workers, the batch, and its device points
+/// where they were asked for and cover the whole batch
+/// (`TransferEngine::submit_strided_with_points`).
+type Submitted = (usize, BatchId, Option<Vec<StreamPoint>>);
 
 /// One batch of a group: the rank's index into the workers, the consumer segment, the requests.
 struct Job {
@@ -208,17 +222,22 @@ fn write_groups_blocking(
     groups: &[Range<u32>],
     op: Op,
     deadline: Instant,
-    submit: &(dyn Fn(Job) -> Result<(usize, BatchId), WriteError> + Sync),
+    submit: &(dyn Fn(Job) -> Result<Submitted, WriteError> + Sync),
     progress: &dyn Fn(LayerSpan),
+    queued: Option<&(dyn Fn(LayerSpan, Vec<Vec<StreamPoint>>) + Send)>,
     thread: fn() -> std::thread::Builder,
     stop: &AtomicBool,
 ) -> Result<u64, WriteError> {
     let mut bytes = 0u64;
     let mut failed = None;
     let mut submitted = std::collections::VecDeque::with_capacity(groups.len());
+    // Groups are told as queued while each has every batch's device points, from the first on:
+    // a group told as landed must come before any later one is told (spans follow on).
+    let mut queueing = queued.is_some();
     // Waits for group `i`'s batches (by the deadline), then tells its progress unless something
-    // failed.
-    let settle = |i: usize, batches: Vec<(usize, BatchId)>, failed: &mut Option<WriteError>| {
+    // failed or it was told as queued.
+    let settle = |(i, batches, told): (usize, Vec<(usize, BatchId)>, bool),
+                  failed: &mut Option<WriteError>| {
         for (rank, batch) in batches {
             let w = &workers[rank];
             let left = deadline.saturating_duration_since(Instant::now());
@@ -237,7 +256,7 @@ fn write_groups_blocking(
                 });
             }
         }
-        if failed.is_none() {
+        if failed.is_none() && !told {
             progress(LayerSpan {
                 first: groups[i].start,
                 end: groups[i].end,
@@ -334,36 +353,57 @@ fn write_groups_blocking(
             }),
         };
         let mut batches = Vec::with_capacity(results.len());
+        let mut points = vec![Vec::new(); workers.len()];
         for r in results {
             match r {
-                Ok(b) => batches.push(b),
+                Ok((rank, batch, p)) => {
+                    batches.push((rank, batch));
+                    match p {
+                        Some(p) => points[rank].extend(p),
+                        None => queueing = false,
+                    }
+                }
                 Err(e) => {
                     failed.get_or_insert(e);
                 }
             }
         }
-        submitted.push_back((i, batches));
+        let told = match queued {
+            Some(tell) if queueing && failed.is_none() => {
+                tell(
+                    LayerSpan {
+                        first: g.start,
+                        end: g.end,
+                    },
+                    points,
+                );
+                true
+            }
+            _ => false,
+        };
+        submitted.push_back((i, batches, told));
         if failed.is_some() {
             break;
         }
         // The earlier groups that have landed meanwhile are told now, not after the last
         // submit: their layers are checksummed while the rest is copied.
-        while let Some((j, batches)) = submitted.pop_front() {
-            let done = batches
+        while let Some(group) = submitted.pop_front() {
+            let done = group
+                .1
                 .iter()
                 .all(|(rank, b)| workers[*rank].engine.status(*b).is_final());
-            if !done || j == i {
-                submitted.push_front((j, batches));
+            if !done || group.0 == i {
+                submitted.push_front(group);
                 break;
             }
-            settle(j, batches, &mut failed);
+            settle(group, &mut failed);
         }
         if failed.is_some() {
             break;
         }
     }
-    for (j, batches) in submitted {
-        settle(j, batches, &mut failed);
+    for group in submitted {
+        settle(group, &mut failed);
     }
     match failed {
         Some(e) => Err(e),
@@ -371,18 +411,26 @@ fn write_groups_blocking(
     }
 }
 
-/// Opens the job's segment and submits its batch, on the calling thread (which may block).
-/// Returns the rank's index and the batch.
+/// Opens the job's segment and submits its batch, on the calling thread (which may block),
+/// asking for its device points if `points`. Returns the rank's index, the batch and its points.
 fn submit_job(
     workers: &[Worker],
     job: Job,
     token: Option<Token>,
     carried: &OnceLock<TransferPath>,
-) -> Result<(usize, BatchId), WriteError> {
+    points: bool,
+) -> Result<Submitted, WriteError> {
     let w = &workers[job.rank];
-    submit_blocking(&w.engine, job.segment, &job.requests, token, carried)
-        .map(|b| (job.rank, b))
-        .map_err(|kind| WriteError { rank: w.rank, kind })
+    submit_blocking(
+        &w.engine,
+        job.segment,
+        &job.requests,
+        token,
+        carried,
+        points,
+    )
+    .map(|(b, p)| (job.rank, b, p))
+    .map_err(|kind| WriteError { rank: w.rank, kind })
 }
 
 /// Bytes of a plan's copies.
@@ -537,7 +585,7 @@ async fn submit(
     let at = |kind: WriteErrorKind| WriteError { rank, kind };
     let engine = w.engine.clone();
     let submit = tokio::task::spawn_blocking(move || {
-        submit_blocking(&engine, segment, &requests, token, &carried)
+        submit_blocking(&engine, segment, &requests, token, &carried, false).map(|(b, _)| b)
     });
     let left = deadline.saturating_duration_since(Instant::now());
     match tokio::time::timeout(left, submit).await {
@@ -549,14 +597,17 @@ async fn submit(
 
 /// Opens `segment` on `engine` (with the consumer's grant `token`, if any) and submits
 /// `requests` as one batch, on the calling thread (which may block: an open may connect); sets
-/// `carried` to the path of the batch's first copy unless it is set.
+/// `carried` to the path of the batch's first copy unless it is set. With `points`, a strided
+/// batch's device points where it has them (`TransferEngine::submit_strided_with_points`;
+/// plain copies have none).
 fn submit_blocking(
     engine: &kvferry_transfer::TransferEngine,
     segment: String,
     requests: &Submission,
     token: Option<Token>,
     carried: &OnceLock<TransferPath>,
-) -> Result<BatchId, WriteErrorKind> {
+    points: bool,
+) -> Result<(BatchId, Option<Vec<StreamPoint>>), WriteErrorKind> {
     let handle = match token {
         Some(t) => engine.open_segment_with_token(&segment, t),
         None => engine.open_segment(&segment),
@@ -573,8 +624,14 @@ fn submit_blocking(
     }
     let t = Instant::now();
     let (r, n) = match requests {
-        Submission::Plain(r) => (engine.submit(&handle, r), r.len()),
-        Submission::Strided(r) => (engine.submit_strided(&handle, r), r.len()),
+        Submission::Plain(r) => (engine.submit(&handle, r).map(|b| (b, None)), r.len()),
+        Submission::Strided(r) if points => {
+            (engine.submit_strided_with_points(&handle, r), r.len())
+        }
+        Submission::Strided(r) => (
+            engine.submit_strided(&handle, r).map(|b| (b, None)),
+            r.len(),
+        ),
     };
     let r = r.map_err(|source| WriteErrorKind::Submit { segment, source });
     tracing::debug!(
@@ -732,6 +789,7 @@ mod tests {
             deadline,
             &submit,
             &|_| {},
+            None,
             refused_thread,
             &AtomicBool::new(false),
         );
@@ -755,6 +813,7 @@ mod tests {
             Instant::now() + std::time::Duration::from_secs(5),
             &submit,
             &|_| {},
+            None,
             submit_thread,
             &AtomicBool::new(true),
         );
@@ -787,11 +846,11 @@ mod tests {
     #[allow(clippy::type_complexity)] // a counter and a closure, for two tests
     fn counting_submit() -> (
         Arc<std::sync::atomic::AtomicUsize>,
-        impl Fn(Job) -> Result<(usize, BatchId), WriteError> + Sync,
+        impl Fn(Job) -> Result<Submitted, WriteError> + Sync,
     ) {
         let n = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let count = n.clone();
-        let submit = move |_job: Job| -> Result<(usize, BatchId), WriteError> {
+        let submit = move |_job: Job| -> Result<Submitted, WriteError> {
             count.fetch_add(1, Ordering::SeqCst);
             Err(WriteError {
                 rank: RankInfo::SINGLE,
@@ -818,9 +877,9 @@ mod tests {
 
     impl Grouped {
         /// Submits `j` through the worker, noting the batch.
-        fn submit(&self, j: Job) -> Result<(usize, BatchId), WriteError> {
-            let r = submit_job(&self.workers, j, None, &self.carried);
-            if let Ok((_, batch)) = &r {
+        fn submit(&self, j: Job) -> Result<Submitted, WriteError> {
+            let r = submit_job(&self.workers, j, None, &self.carried, false);
+            if let Ok((_, batch, _)) = &r {
                 self.batches.lock().unwrap().push(*batch);
             }
             r
@@ -829,8 +888,9 @@ mod tests {
         /// Writes the two groups through `submit` by a deadline 20 s away.
         fn run(
             &self,
-            submit: &(dyn Fn(Job) -> Result<(usize, BatchId), WriteError> + Sync),
+            submit: &(dyn Fn(Job) -> Result<Submitted, WriteError> + Sync),
             progress: &dyn Fn(LayerSpan),
+            queued: Option<&(dyn Fn(LayerSpan, Vec<Vec<StreamPoint>>) + Send)>,
         ) -> Result<u64, WriteError> {
             write_groups_blocking(
                 &self.workers,
@@ -840,6 +900,7 @@ mod tests {
                 Instant::now() + std::time::Duration::from_secs(20),
                 submit,
                 progress,
+                queued,
                 submit_thread,
                 &AtomicBool::new(false),
             )
@@ -914,14 +975,62 @@ mod tests {
     fn a_grouped_load_waits_for_every_batch_and_tells_each_group_in_order() {
         let g = two_groups_of_two_batches();
         let told = std::sync::Mutex::new(Vec::new());
-        let r = g.run(&|j| g.submit(j), &|span| {
-            told.lock().unwrap().push((span.first, span.end))
-        });
+        let r = g.run(
+            &|j| g.submit(j),
+            &|span| told.lock().unwrap().push((span.first, span.end)),
+            None,
+        );
         assert_eq!(r.unwrap(), GROUPED_LEN);
         assert_eq!(*told.lock().unwrap(), [(0, 1), (1, 2)]);
         assert_eq!(g.batches_waited_for(), [true; 4]);
         let (src, dst) = g.end();
         assert!(src == dst, "the bytes differ");
+    }
+
+    /// A group whose every batch has device points is told as queued at its submit, and not
+    /// again as it lands; from the first group with a batch without them, every group is told
+    /// as it lands (a span told as landed must come before any later one: spans follow on).
+    #[test]
+    fn groups_with_device_points_are_told_queued_once_until_one_has_none() {
+        type Spans = Vec<(u32, u32)>;
+        let cases: [(Option<usize>, Spans, Spans); 3] = [
+            (None, vec![(0, 1), (1, 2)], vec![]),
+            (Some(1), vec![(0, 1)], vec![(1, 2)]),
+            (Some(0), vec![], vec![(0, 1), (1, 2)]),
+        ];
+        for (without, want_queued, want_landed) in cases {
+            let g = two_groups_of_two_batches();
+            // Two jobs a group, the groups in turn: the n-th submit is of group n / 2.
+            let n = std::sync::atomic::AtomicUsize::new(0);
+            let submit = |j: Job| {
+                let group = n.fetch_add(1, Ordering::SeqCst) / 2;
+                let (rank, batch, _) = g.submit(j)?;
+                Ok((rank, batch, (Some(group) != without).then(Vec::new)))
+            };
+            let (queued, landed) = (
+                std::sync::Mutex::new(Vec::new()),
+                std::sync::Mutex::new(Vec::new()),
+            );
+            let tell = |span: LayerSpan, points: Vec<Vec<StreamPoint>>| {
+                assert_eq!(points.len(), 1, "one list a worker");
+                queued.lock().unwrap().push((span.first, span.end));
+            };
+            let r = g.run(
+                &submit,
+                &|span| landed.lock().unwrap().push((span.first, span.end)),
+                Some(&tell),
+            );
+            assert_eq!(r.unwrap(), GROUPED_LEN);
+            assert_eq!(*queued.lock().unwrap(), want_queued, "{without:?}");
+            assert_eq!(*landed.lock().unwrap(), want_landed, "{without:?}");
+            assert_eq!(
+                g.batches_waited_for(),
+                [true; 4],
+                "every batch is still waited for"
+            );
+            let (src, dst) = g.end();
+            assert!(src == dst, "the bytes differ");
+        }
     }
 
     /// A submit that panics on the groups' own thread fails the load with a typed error, and
@@ -936,7 +1045,7 @@ mod tests {
             }
             g.submit(j)
         };
-        let e = g.run(&submit, &|_| {}).unwrap_err();
+        let e = g.run(&submit, &|_| {}, None).unwrap_err();
         assert!(matches!(e.kind, WriteErrorKind::SubmitPanicked), "{e:?}");
         // One batch, of the first group only: none is submitted after a failure.
         assert_eq!(g.batches_waited_for(), [true]);
@@ -971,6 +1080,7 @@ mod tests {
             Instant::now(),
             None,
             |_| {},
+            None,
             carried,
             Arc::new(AtomicBool::new(false)),
         );

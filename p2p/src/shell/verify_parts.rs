@@ -19,8 +19,11 @@ use kvferry_checksum::select::{consumer_blocks, BlockSelection};
 use kvferry_kernels::{GroupResult, Location, PendingChecksums};
 use tokio::task::JoinHandle;
 
+use kvferry_transfer::StreamPoint;
+
 use crate::checksum::{
-    group_fingerprint, rank_jobs, run_jobs, submit_device, wait_device, ChecksumError, RankJobs,
+    group_fingerprint, rank_jobs, run_jobs, submit_device, submit_device_after_points, wait_device,
+    ChecksumError, RankJobs,
 };
 use crate::proto::msg::LayerSpan;
 use crate::proto::progress::{check_progress, Slot};
@@ -194,9 +197,34 @@ impl Parts {
     /// parts (bogus progress, a span that does not follow on). Past [`MAX_PARTS`], progress
     /// is ignored: those layers are checksummed after the FINISH.
     pub(crate) fn progress(&mut self, p: LoadProgress) {
+        self.start(p, None);
+    }
+
+    /// The layers of `span` are being copied into this side's device memory by its own
+    /// transport, and in place once the device reaches each worker's `points` (indexed as the
+    /// workers; a worker without any had nothing copied into it for `span`): starts their
+    /// checksums now, ordered after those points on the device, so that they run as soon as
+    /// the copies end. A span that does not follow on voids the parts, as in
+    /// [`Parts::progress`]; so does a worker whose memory is not device memory (its host
+    /// checksum would run before the copies end).
+    pub(crate) fn queued(&mut self, span: LayerSpan, points: &[Vec<StreamPoint>]) {
+        self.start(LoadProgress::Landed(span), Some(points));
+    }
+
+    /// [`Parts::progress`], or [`Parts::queued`] with `points`.
+    fn start(&mut self, p: LoadProgress, points: Option<&[Vec<StreamPoint>]>) {
         let Some(span) = self.follow_on(p, self.covered) else {
             return;
         };
+        if points.is_some()
+            && self
+                .workers
+                .iter()
+                .any(|w| !matches!(w.device, Location::Cuda(_)))
+        {
+            self.drop_parts();
+            return;
+        }
         let layers = &self.slots[span.first as usize..span.end as usize];
         if self.tasks.len() >= MAX_PARTS {
             self.full = true;
@@ -220,7 +248,11 @@ impl Parts {
                 }
                 if matches!(w.device, Location::Cuda(_)) {
                     // On this task: the backend only enqueues.
-                    return match submit_device(w, jobs, None) {
+                    let submitted = match points.and_then(|p| p.get(i)) {
+                        Some(p) => submit_device_after_points(w, jobs, p),
+                        None => submit_device(w, jobs, None),
+                    };
+                    return match submitted {
                         Ok(pending) => Running::Device(pending),
                         Err(e) => Running::Done(Err(e)),
                     };

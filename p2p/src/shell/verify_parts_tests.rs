@@ -378,3 +378,78 @@ async fn a_device_part_is_polled_only_after_the_finish() {
     assert_eq!(f.records, want);
     assert!(polls.load(Ordering::SeqCst) > 0);
 }
+
+/// A span queued on host memory voids the parts: a host checksum started then would read the
+/// layers before their copies end (only device work can be ordered after the copies).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_span_queued_on_host_memory_voids_the_parts() {
+    let (w, _bufs) = rank();
+    let workers = Arc::new(vec![w]);
+    let want = whole(&workers).await;
+    let mut p = parts(&workers);
+    p.queued(LayerSpan { first: 0, end: 4 }, &[Vec::new()]);
+    assert_eq!((p.started(), p.covered()), (0, 0));
+    p.progress(landed(0, 4));
+    assert_eq!(p.covered(), 0, "void parts take nothing later");
+    assert_eq!(p.finish().await.records, want);
+}
+
+/// Counts the submissions ordered after device points and the unordered ones.
+struct Ordered {
+    inner: CpuBackend,
+    after_points: Arc<AtomicUsize>,
+    unordered: Arc<AtomicUsize>,
+}
+
+impl ChecksumBackend for Ordered {
+    fn name(&self) -> &'static str {
+        "ordered"
+    }
+    unsafe fn submit(&self, mut jobs: Vec<GroupJob>) -> Result<PendingChecksums, KernelError> {
+        self.unordered.fetch_add(1, Ordering::SeqCst);
+        for j in &mut jobs {
+            j.device = Location::Cpu;
+        }
+        // SAFETY: forwarded from this function's contract (the memory is host memory).
+        unsafe { self.inner.submit(jobs) }
+    }
+    unsafe fn submit_after_events(
+        &self,
+        mut jobs: Vec<GroupJob>,
+        _events: &[&kvferry_kernels::cuda::driver::Event],
+    ) -> Result<PendingChecksums, KernelError> {
+        self.after_points.fetch_add(1, Ordering::SeqCst);
+        for j in &mut jobs {
+            j.device = Location::Cpu;
+        }
+        // SAFETY: forwarded from this function's contract (the memory is host memory).
+        unsafe { self.inner.submit(jobs) }
+    }
+}
+
+/// On a device, a queued span's checksums are submitted ordered after the worker's points,
+/// a landed span's unordered; the parts add up to the whole-request checksum as ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_span_is_checksummed_after_its_points() {
+    let (mut w, _bufs) = rank();
+    let (twin, _twin_bufs) = rank();
+    let want = whole(&Arc::new(vec![twin])).await;
+    let (after_points, unordered) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    w.device = Location::Cuda(0);
+    w.backend = Arc::new(Ordered {
+        inner: CpuBackend::new(2),
+        after_points: after_points.clone(),
+        unordered: unordered.clone(),
+    });
+    let workers = Arc::new(vec![w]);
+    let mut p = parts(&workers);
+    p.queued(LayerSpan { first: 0, end: 5 }, &[Vec::new()]);
+    p.queued(LayerSpan { first: 5, end: 9 }, &[Vec::new()]);
+    p.progress(landed(9, 12));
+    assert_eq!((p.started(), p.covered()), (3, 12));
+    assert_eq!(after_points.load(Ordering::SeqCst), 2);
+    assert_eq!(unordered.load(Ordering::SeqCst), 1);
+    let f = p.finish().await;
+    assert!(f.missing.is_empty(), "{:?}", f.missing);
+    assert_eq!(f.records, want);
+}

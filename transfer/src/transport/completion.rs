@@ -28,6 +28,45 @@ struct Counts {
     pins: Option<crate::inflight::Pins>,
 }
 
+/// A device point as the transports make it (`super::StreamPoint`, named here without
+/// importing the module that imports this one).
+type Point = Arc<kvferry_cuda::driver::Event>;
+
+/// Device points added to a batch ([`BatchState::want_points`]) and the slices they cover.
+struct PointTally<P> {
+    points: smallvec::SmallVec<[P; 2]>,
+    slices: u32,
+}
+
+impl<P> std::fmt::Debug for PointTally<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PointTally")
+            .field("points", &self.points.len())
+            .field("slices", &self.slices)
+            .finish()
+    }
+}
+
+impl<P> PointTally<P> {
+    fn new() -> Self {
+        PointTally {
+            points: smallvec::SmallVec::new(),
+            slices: 0,
+        }
+    }
+
+    /// `point` covers `slices` more slices.
+    fn add(&mut self, point: P, slices: u32) {
+        self.points.push(point);
+        self.slices = self.slices.saturating_add(slices);
+    }
+
+    /// The points, when they cover all `total` slices of the batch.
+    fn covering(self, total: u32) -> Option<Vec<P>> {
+        (self.slices == total).then(|| self.points.into_vec())
+    }
+}
+
 /// Shared state of one batch: slice counts, the first error, and wake-ups for sync (`Condvar`)
 /// and async (`tokio::sync::Notify`, usable without a runtime on the notifying side) waiters.
 #[derive(Debug)]
@@ -44,6 +83,9 @@ pub(crate) struct BatchState {
     soon: std::sync::atomic::AtomicBool,
     /// Set once every slice is reported (read without the counts' lock by a polling waiter).
     finished: std::sync::atomic::AtomicBool,
+    /// The device points of the batch's copies, kept only where the submitter asks for them
+    /// (`want_points`, before the post): `None` otherwise.
+    points: Mutex<Option<PointTally<Point>>>,
     /// Condvar notifications made (tests: none without a sleeper).
     #[cfg(test)]
     notified: std::sync::atomic::AtomicU32,
@@ -67,6 +109,7 @@ impl BatchState {
             cancelled: std::sync::atomic::AtomicBool::new(false),
             soon: std::sync::atomic::AtomicBool::new(false),
             finished: std::sync::atomic::AtomicBool::new(total == 0),
+            points: Mutex::new(None),
             #[cfg(test)]
             notified: Default::default(),
         })
@@ -97,6 +140,19 @@ impl BatchState {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
         self.counts.locked()
+    }
+
+    /// Keeps the device points transports add for this batch (`CompletionSink::add_point`),
+    /// for [`BatchState::take_points`]. Called before the batch is posted.
+    pub(crate) fn want_points(&self) {
+        *self.points.locked() = Some(PointTally::new());
+    }
+
+    /// The device points of the batch's copies when every slice has one (each was enqueued as
+    /// device work with an event recorded after it), else `None` (some slice went another way
+    /// or failed before its copies were enqueued, or nobody asked).
+    pub(crate) fn take_points(&self) -> Option<Vec<Point>> {
+        self.points.locked().take()?.covering(self.total)
     }
 
     /// Marks the batch as one whose slices end within microseconds (see `soon`).
@@ -382,6 +438,17 @@ impl CompletionSink {
         self.state.expect_soon();
     }
 
+    /// Says that `slices` of this batch's slices are in place once the device reaches
+    /// `point` (an event recorded on the transport's stream after their copies), so that the
+    /// submitter may order its own device work after them without a host wait
+    /// (`TransferEngine::submit_strided_with_points`). Kept only where the submitter asked;
+    /// the slices are still reported with `complete` as ever.
+    pub fn add_point(&self, point: &Point, slices: u32) {
+        if let Some(t) = self.state.points.locked().as_mut() {
+            t.add(point.clone(), slices);
+        }
+    }
+
     /// The error for a slice skipped because its batch was cancelled.
     pub fn cancelled_error() -> TransferError {
         TransferError::Cancelled
@@ -430,6 +497,26 @@ mod tests {
             st.wait(Duration::from_millis(1)),
             Err(TransferError::Failed { .. })
         ));
+    }
+
+    /// Points are given only when they cover every slice of the batch: a slice that went
+    /// another way (no point) leaves the submitter to wait on the host.
+    #[test]
+    fn points_are_given_only_when_they_cover_every_slice() {
+        let mut t = PointTally::new();
+        t.add('a', 2);
+        assert_eq!(t.covering(3), None);
+        let mut t = PointTally::new();
+        t.add('a', 2);
+        t.add('b', 1);
+        assert_eq!(t.covering(3), Some(vec!['a', 'b']));
+        assert_eq!(PointTally::<char>::new().covering(0), Some(vec![]));
+        // Nobody asked: nothing is kept, nothing given.
+        let st = BatchState::new(0);
+        assert!(st.take_points().is_none());
+        st.want_points();
+        assert_eq!(st.take_points().map(|p| p.len()), Some(0));
+        assert!(st.take_points().is_none(), "taken once");
     }
 
     #[test]

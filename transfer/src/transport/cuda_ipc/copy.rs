@@ -310,6 +310,8 @@ impl CudaIpcTransport {
         (event, table): (Event, Option<PieceTable>),
         keep: Keep,
     ) {
+        let event = Arc::new(event);
+        done.add_point(&event, ids.len() as u32);
         let job = Job {
             event,
             done: done.clone(),

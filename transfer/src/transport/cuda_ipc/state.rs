@@ -218,7 +218,10 @@ impl Lane {
 
 /// Device copies in flight: their event, slices and what must live until they end.
 pub(super) struct Job {
-    pub(super) event: Event,
+    /// Shared with a submitter that orders device work after the copies
+    /// (`CompletionSink::add_point`): the lane takes it back as a spare only once nobody else
+    /// holds it, so it is never recorded again while someone may still wait on it.
+    pub(super) event: Arc<Event>,
     pub(super) done: CompletionSink,
     pub(super) ids: JobIds,
     pub(super) deadline: Instant,
@@ -345,9 +348,11 @@ pub(super) fn complete_jobs(rx: mpsc::Receiver<Job>) {
                     if let Some(t) = j.table {
                         j.lane.give_table(t);
                     }
-                    let mut spare = j.lane.events.locked();
-                    if spare.len() < EVENTS_KEPT {
-                        spare.push(j.event);
+                    if let Ok(event) = Arc::try_unwrap(j.event) {
+                        let mut spare = j.lane.events.locked();
+                        if spare.len() < EVENTS_KEPT {
+                            spare.push(event);
+                        }
                     }
                 }
                 Ok(EventState::Pending) if now < jobs[i].deadline => {

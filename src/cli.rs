@@ -237,6 +237,11 @@ pub struct CommonArgs {
     /// memory): trusted networks only.
     #[arg(long, env = "KVFERRY_SECRET_FILE")]
     pub secret_file: Option<PathBuf>,
+    /// MiB of one layer group of a load the consumer reads itself (same-host GPU KV over CUDA
+    /// IPC): each group's copies go as batches of their own, its checksums queued behind them;
+    /// a load of at least twice this is read in up to 4 groups, 0 reads every load in one.
+    #[arg(long, default_value_t = 64)]
+    pub read_group_mib: u64,
 }
 
 /// `kvferry demo`.

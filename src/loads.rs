@@ -21,6 +21,7 @@ pub(crate) fn consumer_config(c: &CommonArgs) -> ConsumerConfig {
         reply_timeout: timeout,
         max_wait: timeout,
         connect_timeout: timeout.min(Duration::from_secs(5)),
+        read_group_bytes: c.read_group_mib.saturating_mul(1 << 20),
         ..ConsumerConfig::default()
     }
 }

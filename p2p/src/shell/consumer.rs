@@ -24,7 +24,9 @@ use crate::proto::request::{build_request, grant_ranges};
 pub use crate::proto::request::{Landed, LandedGroup, LoadGroup, LoadSpec};
 use crate::shell::connection::{ConnCmd, ConnFailure, Connection, LoadCmd, LoadProgress};
 use crate::shell::consumer_config::carrier_check;
-pub use crate::shell::consumer_config::{ConsumerConfig, LoadOutcome, ReadMode};
+pub use crate::shell::consumer_config::{
+    ConsumerConfig, LoadOutcome, ReadMode, DEFAULT_READ_GROUP_BYTES,
+};
 use crate::shell::load_metrics::{record_load, Loaded};
 use crate::shell::verify_parts::{Parts, Selector};
 use crate::worker::{validate, Worker, WorkerGroup};
@@ -143,6 +145,7 @@ impl Consumer {
     }
 
     async fn load_unmetered(&self, spec: LoadSpec) -> Result<LoadOutcome, LoadError> {
+        debug!(target: "kvferry::timing", request_id = spec.request_id, "load started");
         let t_build = Instant::now();
         let (mut request, landed) = self.build_request(&spec)?;
         let build_us = t_build.elapsed().as_micros();

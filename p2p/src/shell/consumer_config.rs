@@ -43,7 +43,15 @@ pub struct ConsumerConfig {
     /// Whether this consumer READs a load's blocks itself (docs/design.md §4.10) instead of
     /// asking the producer to WRITE them. Default [`ReadMode::Auto`].
     pub read: ReadMode,
+    /// Bytes of one layer group of a load read here: each group's copies are submitted as
+    /// batches of their own, and its checksums start as they are queued (device memory) or as
+    /// they land. A load of at least twice this is read in groups of about this size (at most
+    /// 4); 0: always one group. Default [`DEFAULT_READ_GROUP_BYTES`].
+    pub read_group_bytes: u64,
 }
+
+/// Default [`ConsumerConfig::read_group_bytes`].
+pub const DEFAULT_READ_GROUP_BYTES: u64 = 64 << 20;
 
 impl ConsumerConfig {
     /// The longest a load waits for its producer's reply, from [`Consumer::load`]'s call:
@@ -84,6 +92,7 @@ impl Default for ConsumerConfig {
             reconnect_interval: Duration::from_secs(1),
             max_message_bytes: DEFAULT_MAX_ZMTP_MESSAGE,
             read: ReadMode::Auto,
+            read_group_bytes: DEFAULT_READ_GROUP_BYTES,
         }
     }
 }

@@ -32,10 +32,6 @@ use crate::shell::serve::{write_grouped, Queued};
 use crate::shell::verify_parts::{Parts, Selector};
 use crate::LoadSpec;
 
-/// Bytes of one layer group of a read load: each group's checksums start once its copies
-/// complete, beside the next group's copies (as the producer's `layer_group_bytes`).
-const READ_GROUP_BYTES: u64 = 64 << 20;
-
 /// A load's question for a producer's layout ([`Consumer::ask_layout`]): dropped while the
 /// producer is still [`Reads::Asked`] (the load got no FINISH, or its caller dropped it), it
 /// lets a later load ask again.
@@ -247,7 +243,7 @@ impl Consumer {
         for p in &plans {
             p.add_slot_bytes(&mut slot_bytes);
         }
-        let groups = layer_groups(&slot_bytes, READ_GROUP_BYTES);
+        let groups = layer_groups(&slot_bytes, self.config.read_group_bytes);
         debug!(
             target: "kvferry::timing",
             request_id = request.request_id,
@@ -291,33 +287,9 @@ impl Consumer {
                 why: LoadSpecFault::Grant(Shared(Arc::new(e))),
             })
         })?;
-        let slots = if self.checksums {
-            layer_slots(&request)
-        } else {
-            Vec::new()
-        };
-        // The producer needs the blocks, not this side's memory: a smaller request.
-        request.ranks = Vec::new();
-        request.read = true;
-        request.layout_digest = Some(reads.digest.to_vec());
-        request.token = Some(token.to_string());
         // Within the budget sent with the request: the producer holds the lease that long.
         let budget = crate::proto::consumer::budget_of(self.config.max_wait);
         let deadline = started + budget.min(self.config.reply_deadline());
-        let mut parts = Parts::new(
-            self.workers.clone(),
-            Arc::new(Selector::new(spec)),
-            slots,
-            self.config.checksum_timeout,
-        );
-        let send = self.send(&spec.producer, request, spec.load_key.clone(), None);
-        tokio::pin!(send);
-        // The request goes out first: the producer's answer comes back while the copies run.
-        let reads_plan_us = reads.plan_us;
-        let mut reply = match futures::poll!(&mut send) {
-            Poll::Ready(r) => Some(r),
-            Poll::Pending => None,
-        };
         let (progress, mut heard) = mpsc::unbounded_channel();
         let queued = progress.clone();
         let tell = move |span| {
@@ -339,6 +311,8 @@ impl Consumer {
         let (workers, read) = (self.workers.clone(), Op::Read);
         // Dropped with this load (its caller gave up): no layer group is submitted after.
         let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
+        // The reads start first (their task submits the first group while the request is
+        // built and sent here): what they read is proved by the checksums, not by the order.
         let reading = write_grouped(
             workers,
             reads.plans,
@@ -351,6 +325,30 @@ impl Consumer {
             carried.clone(),
             stop.0.clone(),
         );
+        let slots = if self.checksums {
+            layer_slots(&request)
+        } else {
+            Vec::new()
+        };
+        // The producer needs the blocks, not this side's memory: a smaller request.
+        request.ranks = Vec::new();
+        request.read = true;
+        request.layout_digest = Some(reads.digest.to_vec());
+        request.token = Some(token.to_string());
+        let mut parts = Parts::new(
+            self.workers.clone(),
+            Arc::new(Selector::new(spec)),
+            slots,
+            self.config.checksum_timeout,
+        );
+        let send = self.send(&spec.producer, request, spec.load_key.clone(), None);
+        tokio::pin!(send);
+        // The request goes out next: the producer's answer comes back while the copies run.
+        let reads_plan_us = reads.plan_us;
+        let mut reply = match futures::poll!(&mut send) {
+            Poll::Ready(r) => Some(r),
+            Poll::Pending => None,
+        };
         tokio::pin!(reading);
         let mut bytes = None;
         let mut progress_time = std::time::Duration::ZERO;

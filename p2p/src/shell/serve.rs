@@ -134,19 +134,22 @@ pub(crate) async fn write_all(
     Ok(total)
 }
 
-/// Copies (`op`) the plans in layer groups (`groups`: slot spans, in order, covering every slot) from
-/// one blocking task: each group's copies as batches of their own, submitted in order (so
-/// that, on one stream, the first group lands first; a group of several batches submits them
-/// side by side, on threads of their own and this one), then waited for in order there, `progress` told from that thread
-/// as each group has landed, the last one included: its CONTINUE reaches the consumer ahead of
-/// the FINISH, which goes through the serve task and the loop first, so the consumer starts the
-/// last group's checksums that much earlier. One hop off the event loop
-/// per load instead of one per batch: on a device path a submit is a few tens of microseconds,
-/// less than the hop. Every batch submitted is waited for, a failure or not, all by `deadline`;
-/// no group is submitted after a failure. Returns the bytes written; `carried` is set to the
-/// path of the first batch submitted.
+/// Copies (`op`) the plans in layer groups (`groups`: slot spans, in order, covering every
+/// slot) from one blocking task, started at this call (not at the first poll: the caller's own
+/// setup runs beside the first group's submit): each group's copies as batches of their own,
+/// submitted in order (so that, on one stream, the first group lands first; a group of several
+/// batches submits them side by side, on threads of their own and this one), then waited for in
+/// order there, `progress` told from that thread as each group has landed, the last one
+/// included: its CONTINUE reaches the consumer ahead of the FINISH, which goes through the serve
+/// task and the loop first, so the consumer starts the last group's checksums that much
+/// earlier. With `queued`, a group whose batches all have device points is told there at its
+/// submit instead ([`Queued`]). One hop off the event loop per load instead of one per batch:
+/// on a device path a submit is a few tens of microseconds, less than the hop. Every batch
+/// submitted is waited for, a failure or not, all by `deadline`; no group is submitted after a
+/// failure. The future gives the bytes written; `carried` is set to the path of the first batch
+/// submitted.
 #[allow(clippy::too_many_arguments)] // the load's parts, each its own
-pub(crate) async fn write_grouped(
+pub(crate) fn write_grouped(
     workers: Arc<Vec<Worker>>,
     plans: Vec<RankPlan>,
     groups: &[Range<u32>],
@@ -157,34 +160,39 @@ pub(crate) async fn write_grouped(
     queued: Option<Queued>,
     carried: Arc<OnceLock<TransferPath>>,
     stop: Arc<AtomicBool>,
-) -> Result<u64, WriteError> {
-    let Some(first) = plans.first().map(|p| workers[p.rank].rank) else {
-        return Ok(0);
-    };
+) -> impl std::future::Future<Output = Result<u64, WriteError>> {
+    let first = plans.first().map(|p| workers[p.rank].rank);
     let groups = groups.to_vec();
-    let run = tokio::task::spawn_blocking(move || {
-        let points = queued.is_some();
-        let submit = |j| submit_job(&workers, j, token, &carried, points);
-        write_groups_blocking(
-            &workers,
-            &plans,
-            &groups,
-            op,
-            deadline,
-            &submit,
-            &progress,
-            queued.as_deref(),
-            submit_thread,
-            &stop,
-        )
+    let run = first.map(|_| {
+        tokio::task::spawn_blocking(move || {
+            let points = queued.is_some();
+            let submit = |j| submit_job(&workers, j, token, &carried, points);
+            write_groups_blocking(
+                &workers,
+                &plans,
+                &groups,
+                op,
+                deadline,
+                &submit,
+                &progress,
+                queued.as_deref(),
+                submit_thread,
+                &stop,
+            )
+        })
     });
-    let left = deadline.saturating_duration_since(Instant::now());
-    let at = |kind: WriteErrorKind| WriteError { rank: first, kind };
-    match tokio::time::timeout(left, run).await {
-        // The task still waits for what it submitted, by the same deadline.
-        Err(_) => Err(at(WriteErrorKind::GroupsTimeout(left))),
-        Ok(Err(e)) => Err(at(WriteErrorKind::Task(e))),
-        Ok(Ok(r)) => r,
+    async move {
+        let (Some(first), Some(run)) = (first, run) else {
+            return Ok(0);
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        let at = |kind: WriteErrorKind| WriteError { rank: first, kind };
+        match tokio::time::timeout(left, run).await {
+            // The task still waits for what it submitted, by the same deadline.
+            Err(_) => Err(at(WriteErrorKind::GroupsTimeout(left))),
+            Ok(Err(e)) => Err(at(WriteErrorKind::Task(e))),
+            Ok(Ok(r)) => r,
+        }
     }
 }
 

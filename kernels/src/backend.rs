@@ -158,6 +158,11 @@ pub enum KernelError {
     /// The worker computing the result went away without one.
     #[error("checksum worker ended without a result")]
     Lost,
+    /// Asked to wait for device events (`submit_after_events`) that this backend cannot
+    /// order its work after: it would read the layers before the work behind those events
+    /// ends.
+    #[error("this checksum backend cannot order its work after device events")]
+    Unordered,
 }
 
 /// Why a job cannot be run as given ([`KernelError::InvalidJob`]); a layer is named by its
@@ -254,15 +259,19 @@ pub trait ChecksumBackend: Send + Sync {
     /// As [`ChecksumBackend::submit`], ordered on the device after each of `events` (events
     /// recorded on streams of the jobs' device after the work that writes the layers, e.g. a
     /// transport's copies into them) where the backend reads device memory: no host waits for
-    /// them. Default (host memory: nothing on a device writes it): `submit`.
+    /// them. Default: `submit` when `events` is empty, else [`KernelError::Unordered`] (a
+    /// backend that cannot wait on the device must not read before the events' work ends).
     ///
     /// # Safety
     /// As `submit`; every event is of the jobs' device's primary context and was recorded.
     unsafe fn submit_after_events(
         &self,
         jobs: Vec<GroupJob>,
-        _events: &[&kvferry_cuda::driver::Event],
+        events: &[&kvferry_cuda::driver::Event],
     ) -> Result<PendingChecksums, KernelError> {
+        if !events.is_empty() {
+            return Err(KernelError::Unordered);
+        }
         // SAFETY: forwarded from this function's contract.
         unsafe { self.submit(jobs) }
     }

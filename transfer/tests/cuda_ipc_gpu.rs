@@ -822,6 +822,18 @@ fn engine_cuda_ipc_peer_killed_mid_transfer() {
     assert!(e.to_string().contains("exited"), "{e}");
 }
 
+/// An engine of this process with `buf`'s `len` bytes registered (the caller keeps `buf` past
+/// the engine: declared before it, it drops after).
+fn engine_of(buf: &DeviceBuffer, len: usize) -> Arc<TransferEngine> {
+    let e = TransferEngine::new(EngineConfig::default()).unwrap();
+    // SAFETY: the caller keeps `buf` alive past the engine's use of it.
+    unsafe {
+        e.register_memory(buf.ptr(), len as u64, Location::Cuda(0))
+            .unwrap();
+    }
+    e
+}
+
 /// Two engines of one process: device memory moves as in-process device copies.
 #[test]
 fn engine_cuda_ipc_in_one_process() {
@@ -833,15 +845,7 @@ fn engine_cuda_ipc_in_one_process() {
     let a = DeviceBuffer::new(&ctx, len).unwrap();
     let b = DeviceBuffer::new(&ctx, len).unwrap();
     upload(&ctx, a.ptr(), &pattern(11, len));
-    let ea = TransferEngine::new(EngineConfig::default()).unwrap();
-    let eb = TransferEngine::new(EngineConfig::default()).unwrap();
-    // SAFETY: both buffers outlive the engines' use of them.
-    unsafe {
-        ea.register_memory(a.ptr(), len as u64, Location::Cuda(0))
-            .unwrap();
-        eb.register_memory(b.ptr(), len as u64, Location::Cuda(0))
-            .unwrap();
-    }
+    let (ea, eb) = (engine_of(&a, len), engine_of(&b, len));
     let seg = ea.open_segment(&eb.segment_name()).unwrap();
     assert_eq!(
         ea.stats().connections,
@@ -873,15 +877,7 @@ fn strided_points_order_device_work_after_the_copies() {
     let b = DeviceBuffer::new(&ctx, len).unwrap();
     upload(&ctx, a.ptr(), &pattern(13, PART));
     upload(&ctx, b.ptr(), &vec![0u8; PART]);
-    let ea = TransferEngine::new(EngineConfig::default()).unwrap();
-    let eb = TransferEngine::new(EngineConfig::default()).unwrap();
-    // SAFETY: both buffers outlive the engines' use of them.
-    unsafe {
-        ea.register_memory(a.ptr(), len as u64, Location::Cuda(0))
-            .unwrap();
-        eb.register_memory(b.ptr(), len as u64, Location::Cuda(0))
-            .unwrap();
-    }
+    let (ea, eb) = (engine_of(&a, len), engine_of(&b, len));
     let seg = eb.open_segment(&ea.segment_name()).unwrap();
     // Earlier copies on the same engine, not waited for: the READ queues behind them.
     let busy: Vec<_> = (0..8)

@@ -320,6 +320,21 @@ pub enum WriteErrorKind {
     Transfer(#[source] TransferError),
 }
 
+impl WriteError {
+    /// Whether copies it leaves may still land: every batch submitted was waited for to its
+    /// end except where a wait ran out of time or the task that waits ended early (a copy of
+    /// an ended wait is over: it succeeded or failed, and writes nothing more).
+    pub fn may_still_land(&self) -> bool {
+        matches!(
+            self.kind,
+            WriteErrorKind::OpenTimeout(_)
+                | WriteErrorKind::GroupsTimeout(_)
+                | WriteErrorKind::Task(_)
+                | WriteErrorKind::Transfer(TransferError::Timeout(_))
+        )
+    }
+}
+
 impl ServeFailure {
     /// The typed reason its ERROR reply carries (`Reply::reason`), where it has one: a
     /// request that does not match the lease (a block it does not hold, a group never
@@ -354,4 +369,38 @@ pub enum ServeFailure {
     /// The serve task ended abnormally (it panicked or was cancelled).
     #[error("serve task failed: {0}")]
     Task(#[source] tokio::task::JoinError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a wait that ran out of time (or never ran to its end) leaves copies that may still
+    /// land; a failure the waits saw to its end leaves none.
+    #[test]
+    fn only_unfinished_waits_leave_copies_that_may_still_land() {
+        let at = |kind| WriteError {
+            rank: RankInfo::SINGLE,
+            kind,
+        };
+        let d = Duration::from_secs(1);
+        for kind in [
+            WriteErrorKind::OpenTimeout(d),
+            WriteErrorKind::GroupsTimeout(d),
+            WriteErrorKind::Transfer(TransferError::Timeout(d)),
+        ] {
+            assert!(at(kind).may_still_land());
+        }
+        for kind in [
+            WriteErrorKind::Stopped,
+            WriteErrorKind::SubmitPanicked,
+            WriteErrorKind::Transfer(TransferError::Cancelled),
+            WriteErrorKind::Submit {
+                segment: "127.0.0.1:1".into(),
+                source: TransferError::UnknownBatch(1),
+            },
+        ] {
+            assert!(!at(kind).may_still_land());
+        }
+    }
 }

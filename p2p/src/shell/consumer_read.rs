@@ -1,9 +1,10 @@
 //! Loads the consumer reads itself (docs/design.md §4.10). Where the producer's KV memory is
 //! reached over CUDA IPC, a load is fastest when no producer hop sits before the first copy or
 //! between a copy and its checksum: the consumer plans the copies from the producer's layout
-//! (sent once, in a FINISH), sends its request and reads at once, and checksums each layer
-//! group as soon as its copies complete. The producer checks the request against its lease and
-//! answers with the payload while the copies run; `read_done` ends its lease.
+//! (sent once, in a FINISH), starts the reads and sends its request beside them, and checksums
+//! each layer group as soon as its copies complete (on a device: kernels queued behind the
+//! copies at their submit). The producer checks the request against its lease and answers with
+//! the payload while the copies run; `read_done` ends its lease.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -268,11 +269,12 @@ impl Consumer {
         }
     }
 
-    /// Loads `spec` by reading (`reads`, planned from `request`): sends the request to read
-    /// and reads at once, checksums each layer group as it lands, waits for both the reads and
-    /// the producer's answer (by the reply deadline), tells the producer it has read, then
-    /// verifies as any load. [`ReadEnd::Refused`]: the producer will not serve it by read
-    /// (nothing served; this side forgets the layout and the load goes by WRITE).
+    /// Loads `spec` by reading (`reads`, planned from `request`): starts the reads, sends the
+    /// request to read, checksums each layer group as it is queued on a device or lands, waits
+    /// for both the reads and the producer's answer (by the reply deadline), tells the producer
+    /// it has read, then verifies as any load. [`ReadEnd::Refused`]: the producer will not
+    /// serve it by read and every read has ended (nothing served; after `read_refused` this
+    /// side forgets the layout; the load goes by WRITE); reads that may still land fail it.
     pub(super) async fn load_by_read(
         &self,
         spec: &LoadSpec,
@@ -297,16 +299,19 @@ impl Consumer {
         };
         // A group whose copies are all device work is checksummed by kernels ordered after
         // them on the device, submitted as soon as the copies are: no host round trip between
-        // a copy's end and its checksum's start. Host memory is checksummed as it lands.
+        // a copy's end and its checksum's start. Host memory is checksummed as it lands, and
+        // so are ranks that share an engine (one rank's reads land in the other's memory too,
+        // so its points are not the other's).
         let device = self
             .workers
             .iter()
             .all(|w| matches!(w.device, kvferry_kernels::Location::Cuda(_)));
-        let queued: Option<Queued> = (device && self.checksums).then(|| {
-            Box::new(move |span, points| {
-                let _ = queued.send(Heard::Queued(span, points));
-            }) as Queued
-        });
+        let queued: Option<Queued> =
+            (device && self.checksums && own_engines(&self.workers)).then(|| {
+                Box::new(move |span, points| {
+                    let _ = queued.send(Heard::Queued(span, points));
+                }) as Queued
+            });
         let carried = Arc::new(OnceLock::new());
         let (workers, read) = (self.workers.clone(), Op::Read);
         // Dropped with this load (its caller gave up): no layer group is submitted after.
@@ -389,6 +394,24 @@ impl Consumer {
         let (Some(reply), Some(bytes)) = (reply, bytes) else {
             return Err(ReadEnd::Refused); // the loop above ends with both
         };
+        // Reads whose copies may still land end the load even where the producer refused it:
+        // they would land over what a WRITE into the same blocks brings.
+        let refused = matches!(
+            &reply,
+            Err(ConnFailure::Failed(
+                FailReason::ReadEarly(_) | FailReason::ReadRefused(_)
+            ))
+        );
+        let bytes = match bytes {
+            Err(e) if refused && e.may_still_land() => {
+                self.forget_reads(&spec.producer, &reads.digest);
+                return Err(ReadEnd::Failed(LoadError::Read {
+                    request_id: rid,
+                    why: Shared(Arc::new(e)),
+                }));
+            }
+            b => b,
+        };
         let mut reply = match reply {
             Ok(r) => r,
             Err(ConnFailure::Failed(FailReason::ReadEarly(why))) => {
@@ -455,7 +478,15 @@ enum Heard {
     Landed(LayerSpan),
     /// Its copies were all enqueued on this side's devices, in place at these device points
     /// per worker ([`Queued`]).
-    Queued(LayerSpan, Vec<Vec<kvferry_transfer::StreamPoint>>),
+    Queued(LayerSpan, Vec<Option<Vec<kvferry_transfer::StreamPoint>>>),
+}
+
+/// Whether every worker reads through an engine of its own (no two share a segment): a read
+/// plan submits a rank's copies through the first worker of its segment, so where two share
+/// one, the device points of a batch are not only its submitter's memory's.
+fn own_engines(workers: &[crate::worker::Worker]) -> bool {
+    let mut seen = std::collections::HashSet::new();
+    workers.iter().all(|w| seen.insert(w.engine.segment_name()))
 }
 
 /// Sets its flag when dropped.

@@ -197,10 +197,15 @@ pub(crate) fn write_grouped(
 }
 
 /// Told that a layer group's copies were all enqueued as device work on this side, with the
-/// device points after which they are in place, per worker (indexed as the workers; empty for
-/// a worker nothing was copied into): work ordered after those points on the device (the
-/// group's checksums) may start before the copies end ([`write_grouped`]).
-pub(crate) type Queued = Box<dyn Fn(LayerSpan, Vec<Vec<StreamPoint>>) + Send>;
+/// device points after which they are in place, per worker (indexed as the workers) whose
+/// engine submitted any of them (`None`: none was submitted through that worker; its memory
+/// may still be written through another's, so nothing may be ordered after it): work ordered
+/// after those points on the device (the group's checksums) may start before the copies end
+/// ([`write_grouped`]).
+pub(crate) type Queued = Box<TellQueued<'static>>;
+
+/// The function a [`Queued`] boxes: the group's span and its points per worker.
+pub(crate) type TellQueued<'a> = dyn Fn(LayerSpan, Vec<Option<Vec<StreamPoint>>>) + Send + 'a;
 
 /// What one submit made: the rank's index into the workers, the batch, and its device points
 /// where they were asked for and cover the whole batch
@@ -232,7 +237,7 @@ fn write_groups_blocking(
     deadline: Instant,
     submit: &(dyn Fn(Job) -> Result<Submitted, WriteError> + Sync),
     progress: &dyn Fn(LayerSpan),
-    queued: Option<&(dyn Fn(LayerSpan, Vec<Vec<StreamPoint>>) + Send)>,
+    queued: Option<&TellQueued<'_>>,
     thread: fn() -> std::thread::Builder,
     stop: &AtomicBool,
 ) -> Result<u64, WriteError> {
@@ -361,13 +366,13 @@ fn write_groups_blocking(
             }),
         };
         let mut batches = Vec::with_capacity(results.len());
-        let mut points = vec![Vec::new(); workers.len()];
+        let mut points: Vec<Option<Vec<StreamPoint>>> = vec![None; workers.len()];
         for r in results {
             match r {
                 Ok((rank, batch, p)) => {
                     batches.push((rank, batch));
                     match p {
-                        Some(p) => points[rank].extend(p),
+                        Some(p) => points[rank].get_or_insert_with(Vec::new).extend(p),
                         None => queueing = false,
                     }
                 }
@@ -898,7 +903,7 @@ mod tests {
             &self,
             submit: &(dyn Fn(Job) -> Result<Submitted, WriteError> + Sync),
             progress: &dyn Fn(LayerSpan),
-            queued: Option<&(dyn Fn(LayerSpan, Vec<Vec<StreamPoint>>) + Send)>,
+            queued: Option<&TellQueued<'_>>,
         ) -> Result<u64, WriteError> {
             write_groups_blocking(
                 &self.workers,
@@ -1001,26 +1006,32 @@ mod tests {
     #[test]
     fn groups_with_device_points_are_told_queued_once_until_one_has_none() {
         type Spans = Vec<(u32, u32)>;
-        let cases: [(Option<usize>, Spans, Spans); 3] = [
+        // The submit (0..4, two a group, the groups in turn) whose batch has no points: one of
+        // group 1's makes that group a mixed one, which goes by landed.
+        let cases: [(Option<usize>, Spans, Spans); 4] = [
             (None, vec![(0, 1), (1, 2)], vec![]),
-            (Some(1), vec![(0, 1)], vec![(1, 2)]),
+            (Some(2), vec![(0, 1)], vec![(1, 2)]),
+            (Some(3), vec![(0, 1)], vec![(1, 2)]),
             (Some(0), vec![], vec![(0, 1), (1, 2)]),
         ];
         for (without, want_queued, want_landed) in cases {
             let g = two_groups_of_two_batches();
-            // Two jobs a group, the groups in turn: the n-th submit is of group n / 2.
             let n = std::sync::atomic::AtomicUsize::new(0);
             let submit = |j: Job| {
-                let group = n.fetch_add(1, Ordering::SeqCst) / 2;
+                let i = n.fetch_add(1, Ordering::SeqCst);
                 let (rank, batch, _) = g.submit(j)?;
-                Ok((rank, batch, (Some(group) != without).then(Vec::new)))
+                Ok((rank, batch, (Some(i) != without).then(Vec::new)))
             };
             let (queued, landed) = (
                 std::sync::Mutex::new(Vec::new()),
                 std::sync::Mutex::new(Vec::new()),
             );
-            let tell = |span: LayerSpan, points: Vec<Vec<StreamPoint>>| {
+            let tell = |span: LayerSpan, points: Vec<Option<Vec<StreamPoint>>>| {
                 assert_eq!(points.len(), 1, "one list a worker");
+                assert!(
+                    points[0].is_some(),
+                    "the worker submitted the group's batches"
+                );
                 queued.lock().unwrap().push((span.first, span.end));
             };
             let r = g.run(

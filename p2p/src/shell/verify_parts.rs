@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use kvferry_checksum::record::WorkerRecord;
 use kvferry_checksum::select::{consumer_blocks, BlockSelection};
-use kvferry_kernels::{GroupResult, Location, PendingChecksums};
+use kvferry_kernels::{GroupJob, GroupResult, Location, PendingChecksums};
 use tokio::task::JoinHandle;
 
 use kvferry_transfer::StreamPoint;
@@ -202,17 +202,18 @@ impl Parts {
 
     /// The layers of `span` are being copied into this side's device memory by its own
     /// transport, and in place once the device reaches each worker's `points` (indexed as the
-    /// workers; a worker without any had nothing copied into it for `span`): starts their
-    /// checksums now, ordered after those points on the device, so that they run as soon as
-    /// the copies end. A span that does not follow on voids the parts, as in
+    /// workers; `None` for a worker whose engine submitted none of the span's copies): starts
+    /// their checksums now, ordered after those points on the device, so that they run as
+    /// soon as the copies end. A span that does not follow on voids the parts, as in
     /// [`Parts::progress`]; so does a worker whose memory is not device memory (its host
-    /// checksum would run before the copies end).
-    pub(crate) fn queued(&mut self, span: LayerSpan, points: &[Vec<StreamPoint>]) {
+    /// checksum would run before the copies end), and one with layers to checksum in `span`
+    /// but no points (what writes its memory is not known here).
+    pub(crate) fn queued(&mut self, span: LayerSpan, points: &[Option<Vec<StreamPoint>>]) {
         self.start(LoadProgress::Landed(span), Some(points));
     }
 
     /// [`Parts::progress`], or [`Parts::queued`] with `points`.
-    fn start(&mut self, p: LoadProgress, points: Option<&[Vec<StreamPoint>]>) {
+    fn start(&mut self, p: LoadProgress, points: Option<&[Option<Vec<StreamPoint>>]>) {
         let Some(span) = self.follow_on(p, self.covered) else {
             return;
         };
@@ -232,7 +233,7 @@ impl Parts {
         }
         let keep = per_worker(layers, self.workers.len());
         let fps = fingerprints(&mut self.fingerprints, &self.workers);
-        let part = self
+        let jobs: Vec<Vec<GroupJob>> = self
             .workers
             .iter()
             .zip(&keep)
@@ -242,15 +243,33 @@ impl Parts {
                     .select
                     .jobs(w, fps.get(i), &|g, l| keep.contains(&(g, l)));
                 jobs.jobs.retain(|j| !j.layers.is_empty());
-                let jobs = std::mem::take(&mut jobs.jobs);
+                std::mem::take(&mut jobs.jobs)
+            })
+            .collect();
+        // Queued: a worker with layers to checksum whose engine submitted none of the span's
+        // copies has no points of its own to wait for (another's copies may write its memory):
+        // nothing is started early, every layer waits for the FINISH.
+        let unordered = |(i, jobs): (usize, &Vec<GroupJob>)| {
+            !jobs.is_empty() && !matches!(points.and_then(|p| p.get(i)), Some(Some(_)))
+        };
+        if points.is_some() && jobs.iter().enumerate().any(unordered) {
+            self.drop_parts();
+            return;
+        }
+        let part = self
+            .workers
+            .iter()
+            .zip(jobs)
+            .enumerate()
+            .map(|(i, (w, jobs))| {
                 if jobs.is_empty() {
                     return Running::Done(Ok(Vec::new()));
                 }
                 if matches!(w.device, Location::Cuda(_)) {
                     // On this task: the backend only enqueues.
                     let submitted = match points.and_then(|p| p.get(i)) {
-                        Some(p) => submit_device_after_points(w, jobs, p),
-                        None => submit_device(w, jobs, None),
+                        Some(Some(p)) => submit_device_after_points(w, jobs, p),
+                        _ => submit_device(w, jobs, None),
                     };
                     return match submitted {
                         Ok(pending) => Running::Device(pending),

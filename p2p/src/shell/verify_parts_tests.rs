@@ -387,7 +387,7 @@ async fn a_span_queued_on_host_memory_voids_the_parts() {
     let workers = Arc::new(vec![w]);
     let want = whole(&workers).await;
     let mut p = parts(&workers);
-    p.queued(LayerSpan { first: 0, end: 4 }, &[Vec::new()]);
+    p.queued(LayerSpan { first: 0, end: 4 }, &[Some(Vec::new())]);
     assert_eq!((p.started(), p.covered()), (0, 0));
     p.progress(landed(0, 4));
     assert_eq!(p.covered(), 0, "void parts take nothing later");
@@ -443,8 +443,8 @@ async fn a_queued_span_is_checksummed_after_its_points() {
     });
     let workers = Arc::new(vec![w]);
     let mut p = parts(&workers);
-    p.queued(LayerSpan { first: 0, end: 5 }, &[Vec::new()]);
-    p.queued(LayerSpan { first: 5, end: 9 }, &[Vec::new()]);
+    p.queued(LayerSpan { first: 0, end: 5 }, &[Some(Vec::new())]);
+    p.queued(LayerSpan { first: 5, end: 9 }, &[Some(Vec::new())]);
     p.progress(landed(9, 12));
     assert_eq!((p.started(), p.covered()), (3, 12));
     assert_eq!(after_points.load(Ordering::SeqCst), 2);
@@ -452,4 +452,34 @@ async fn a_queued_span_is_checksummed_after_its_points() {
     let f = p.finish().await;
     assert!(f.missing.is_empty(), "{:?}", f.missing);
     assert_eq!(f.records, want);
+}
+
+/// A queued span with layers to checksum on a worker whose engine submitted none of its copies
+/// (no points: another worker's engine may be writing its memory) voids the parts: nothing
+/// of it is checksummed before the FINISH, and the records still equal the whole request's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_span_without_a_workers_points_voids_the_parts() {
+    let (mut w, _bufs) = rank();
+    let (twin, _twin_bufs) = rank();
+    let want = whole(&Arc::new(vec![twin])).await;
+    let (after_points, unordered) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    w.device = Location::Cuda(0);
+    w.backend = Arc::new(Ordered {
+        inner: CpuBackend::new(2),
+        after_points: after_points.clone(),
+        unordered: unordered.clone(),
+    });
+    let workers = Arc::new(vec![w]);
+    for points in [&[None][..], &[]] {
+        let mut p = parts(&workers);
+        p.queued(LayerSpan { first: 0, end: 5 }, points);
+        assert_eq!((p.started(), p.covered()), (0, 0), "{} lists", points.len());
+        let f = p.finish().await;
+        assert_eq!(f.records, want);
+    }
+    assert_eq!(
+        after_points.load(Ordering::SeqCst),
+        0,
+        "no part was started"
+    );
 }

@@ -134,8 +134,13 @@ impl CudaBackend {
             }
         }
         let timed = inner.timing.load(Ordering::Relaxed);
-        let side =
-            inner.streams[inner.next.fetch_add(1, Ordering::Relaxed) % inner.streams.len()].raw();
+        let side = match after {
+            After::Events(e) if !e.is_empty() => inner.ordered.raw(),
+            _ => {
+                let next = inner.next.fetch_add(1, Ordering::Relaxed);
+                inner.streams[next % inner.streams.len()].raw()
+            }
+        };
         // SAFETY: forwarded from this function's contract (the layers' device memory, `after`);
         // `side` is one of the backend's streams.
         let r = unsafe {

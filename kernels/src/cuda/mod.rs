@@ -133,6 +133,10 @@ struct Inner {
     /// The side streams the checksums run on, taken in turn: a launch does not wait for the
     /// previous one's last tiles, which a single stream would serialise.
     streams: Vec<Stream>,
+    /// The stream of submissions ordered after a writer's events (`submit_after_events`): its
+    /// waits hold back only work that waits too, never a checksum of bytes already in place
+    /// queued behind them on a shared stream.
+    ordered: Stream,
     /// The next of `streams` to take.
     next: AtomicUsize,
     _module: Module,
@@ -217,9 +221,11 @@ impl CudaBackend {
             let streams = (0..side_stream_count())
                 .map(|_| Stream::new(&ctx))
                 .collect::<Result<Vec<_>, _>>()?;
+            let ordered = Stream::new(&ctx)?;
             let inner = Inner {
                 ctx,
                 streams,
+                ordered,
                 next: AtomicUsize::new(0),
                 _module: module,
                 kernels,
@@ -257,10 +263,12 @@ impl CudaBackend {
         &self.inner.ctx
     }
 
-    /// The side streams the checksums run on, taken in turn by the submissions: waiting for
-    /// every one of them covers every checksum queued so far.
+    /// The side streams the checksums run on (taken in turn by the submissions, and last the
+    /// one of those ordered after a writer's events): waiting for every one of them covers
+    /// every checksum queued so far.
     pub fn side_streams(&self) -> Vec<RawStream> {
-        self.inner.streams.iter().map(Stream::raw).collect()
+        let all = self.inner.streams.iter().chain([&self.inner.ordered]);
+        all.map(Stream::raw).collect()
     }
 
     /// Records device-side kernel time for each later submission ([`CudaPending::kernel_ms`]);
@@ -388,7 +396,7 @@ impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.ctx.bind();
         // Buffers may still be in use by queued work: wait for the side streams before freeing.
-        for s in &self.streams {
+        for s in self.streams.iter().chain([&self.ordered]) {
             let _ = s.synchronize();
         }
     }

@@ -196,12 +196,10 @@ pub(crate) fn write_grouped(
     }
 }
 
-/// Told that a layer group's copies were all enqueued as device work on this side, with the
-/// device points after which they are in place, per worker (indexed as the workers) whose
-/// engine submitted any of them (`None`: none was submitted through that worker; its memory
-/// may still be written through another's, so nothing may be ordered after it): work ordered
-/// after those points on the device (the group's checksums) may start before the copies end
-/// ([`write_grouped`]).
+/// Told that a layer group's copies were all enqueued as device work here, with the device
+/// points after which they are in place, per worker whose engine submitted any (`None`: none
+/// did, though another's may write its memory): work ordered after them on the device (the
+/// group's checksums) may start before the copies end ([`write_grouped`]).
 pub(crate) type Queued = Box<TellQueued<'static>>;
 
 /// The function a [`Queued`] boxes: the group's span and its points per worker.

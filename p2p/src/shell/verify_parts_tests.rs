@@ -427,22 +427,47 @@ impl ChecksumBackend for Ordered {
     }
 }
 
+/// A device rank on the [`Ordered`] backend, its counters, and the records of the whole
+/// request on a twin of its bytes.
+struct OrderedRank {
+    workers: Arc<Vec<Worker>>,
+    want: Vec<kvferry_checksum::record::WorkerRecord>,
+    after_points: Arc<AtomicUsize>,
+    unordered: Arc<AtomicUsize>,
+    _bufs: Vec<Box<[u8]>>,
+}
+
+impl OrderedRank {
+    async fn new() -> OrderedRank {
+        let (mut w, bufs) = rank();
+        let (twin, _twin_bufs) = rank();
+        let want = whole(&Arc::new(vec![twin])).await;
+        let (after_points, unordered) =
+            (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        w.device = Location::Cuda(0);
+        w.backend = Arc::new(Ordered {
+            inner: CpuBackend::new(2),
+            after_points: after_points.clone(),
+            unordered: unordered.clone(),
+        });
+        OrderedRank {
+            workers: Arc::new(vec![w]),
+            want,
+            after_points,
+            unordered,
+            _bufs: bufs,
+        }
+    }
+}
+
 /// On a device, a queued span's checksums are submitted ordered after the worker's points,
 /// a landed span's unordered; the parts add up to the whole-request checksum as ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queued_span_is_checksummed_after_its_points() {
-    let (mut w, _bufs) = rank();
-    let (twin, _twin_bufs) = rank();
-    let want = whole(&Arc::new(vec![twin])).await;
-    let (after_points, unordered) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    w.device = Location::Cuda(0);
-    w.backend = Arc::new(Ordered {
-        inner: CpuBackend::new(2),
-        after_points: after_points.clone(),
-        unordered: unordered.clone(),
-    });
-    let workers = Arc::new(vec![w]);
-    let mut p = parts(&workers);
+    let o = OrderedRank::new().await;
+    let (workers, want) = (&o.workers, &o.want);
+    let (after_points, unordered) = (&o.after_points, &o.unordered);
+    let mut p = parts(workers);
     p.queued(LayerSpan { first: 0, end: 5 }, &[Some(Vec::new())]);
     p.queued(LayerSpan { first: 5, end: 9 }, &[Some(Vec::new())]);
     p.progress(landed(9, 12));
@@ -451,7 +476,7 @@ async fn a_queued_span_is_checksummed_after_its_points() {
     assert_eq!(unordered.load(Ordering::SeqCst), 1);
     let f = p.finish().await;
     assert!(f.missing.is_empty(), "{:?}", f.missing);
-    assert_eq!(f.records, want);
+    assert_eq!(&f.records, want);
 }
 
 /// A queued span with layers to checksum on a worker whose engine submitted none of its copies
@@ -459,23 +484,15 @@ async fn a_queued_span_is_checksummed_after_its_points() {
 /// of it is checksummed before the FINISH, and the records still equal the whole request's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queued_span_without_a_workers_points_voids_the_parts() {
-    let (mut w, _bufs) = rank();
-    let (twin, _twin_bufs) = rank();
-    let want = whole(&Arc::new(vec![twin])).await;
-    let (after_points, unordered) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    w.device = Location::Cuda(0);
-    w.backend = Arc::new(Ordered {
-        inner: CpuBackend::new(2),
-        after_points: after_points.clone(),
-        unordered: unordered.clone(),
-    });
-    let workers = Arc::new(vec![w]);
+    let o = OrderedRank::new().await;
+    let (workers, want) = (&o.workers, &o.want);
+    let after_points = &o.after_points;
     for points in [&[None][..], &[]] {
-        let mut p = parts(&workers);
+        let mut p = parts(workers);
         p.queued(LayerSpan { first: 0, end: 5 }, points);
         assert_eq!((p.started(), p.covered()), (0, 0), "{} lists", points.len());
         let f = p.finish().await;
-        assert_eq!(f.records, want);
+        assert_eq!(&f.records, want);
     }
     assert_eq!(
         after_points.load(Ordering::SeqCst),

@@ -1,5 +1,6 @@
 //! Host work per load, without I/O or memory: the consumer's request build and grant ranges,
-//! the request's encode and decode, the producer's plan, and the engine's grant insert, for a
+//! the request's encode and decode, the producer's plan, the engine's grant insert, and a read
+//! load's plan (in full, from the shape's template, cut into four layer groups), for a
 //! Llama-3-8B load of 4,096 tokens (32 layers × 8 KV heads × 128, bf16, `KV B N H D`, 256
 //! blocks of 16 tokens: 512 MiB) and a Qwen3-0.6B load of 1,936 tokens (28 layers: 230 MB).
 //! The arrays are never touched: their addresses are made up.
@@ -15,6 +16,7 @@ use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
 use kvferry_kernels::LayerInput;
 use kvferry_p2p::proto::layout::{RankLayout, WorkerGroup};
 use kvferry_p2p::proto::msg::{decode_request, encode};
+use kvferry_p2p::proto::read_plan::{read_plans, ReadTemplate};
 use kvferry_p2p::proto::request::{build_request, grant_ranges, LoadGroup, LoadSpec};
 use kvferry_p2p::proto::serve::{plan, Published};
 use kvferry_transfer::{EngineConfig, GrantOps, GrantSpec, Token, TransferEngine, TransportKind};
@@ -149,6 +151,26 @@ fn bench_model(c: &mut Criterion, name: &str, layers: u32, tokens: u64, tp: u32)
                     ttl: Duration::from_secs(10),
                 })
                 .unwrap()
+        })
+    });
+    // The consumer's side of a read load: its plan from the producer's layout, the plan of a
+    // shape seen before (the template), and the cut into four layer groups.
+    let segments = vec!["10.0.0.2:7000".to_string()];
+    let template = ReadTemplate::of(&producer, &segments, &request).unwrap();
+    g.bench_function("read_plans", |b| {
+        b.iter(|| read_plans(&producer, &segments, &request).unwrap().unwrap())
+    });
+    g.bench_function("read_template", |b| b.iter(|| template.reads(&request)));
+    let reads = template.reads(&request);
+    let quarters: Vec<_> = (0..4u32)
+        .map(|i| i * layers / 4..(i + 1) * layers / 4)
+        .collect();
+    g.bench_function("read_layer_parts", |b| {
+        b.iter(|| {
+            quarters
+                .iter()
+                .flat_map(|q| reads.iter().map(|p| p.layer_part(q)))
+                .collect::<Vec<_>>()
         })
     });
     g.bench_function("encode", |b| b.iter(|| encode(&request)));

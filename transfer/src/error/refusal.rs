@@ -24,6 +24,10 @@ pub enum Refusal {
     /// expired.
     #[error("CUDA IPC ticket unknown, used or expired")]
     UnknownTicket,
+    /// CUDA IPC: the owner's descriptor socket answers only processes of its own user, and
+    /// this process runs as another (or the kernel could not say which).
+    #[error("the CUDA IPC owner hands descriptors only to processes of its own user")]
+    OtherUser,
     /// CUDA IPC: the peer's keys name this very process, but the peer is none of this
     /// process's engines (its device addresses would be taken as ours).
     #[error("its CUDA IPC keys claim this process, but it is not one of this process's engines")]

@@ -6,8 +6,10 @@
 //!
 //! Exchange: the peer connects and sends its 16-byte ticket; the server answers 8 bytes (the
 //! allocation's size, little-endian) with the descriptor attached, or 8 zero bytes and no
-//! descriptor when the ticket is unknown, used or expired. Every connect, read and write has a
-//! deadline and at most [`MAX_TICKETS`] tickets are outstanding. A received descriptor is
+//! descriptor when the ticket is unknown, used or expired. A process of another user (the
+//! socket's `SO_PEERCRED`; abstract sockets have no file permissions) is answered 8 bytes of
+//! `0xff` at once, before anything is read, so it holds the server no time. Every connect,
+//! read and write has a deadline and at most [`MAX_TICKETS`] tickets are outstanding. A received descriptor is
 //! close-on-exec from the moment it exists, so a child the process forks and execs elsewhere
 //! never inherits a peer's allocation.
 
@@ -31,6 +33,8 @@ pub const MAX_TICKETS: usize = 4096;
 pub const TICKET_LIFETIME: Duration = Duration::from_secs(10);
 /// Deadline of each read and write on the socket.
 const IO_DEADLINE: Duration = Duration::from_secs(2);
+/// The answer to a process of another user: no allocation is this large.
+const OTHER_USER: [u8; 8] = [0xff; 8];
 
 /// A descriptor offered to one peer: the shared export and the allocation's size.
 struct Offer {
@@ -125,6 +129,15 @@ impl Drop for FdServer {
 fn serve(listener: UnixListener, sh: Arc<Shared>) {
     while !sh.stop.load(Ordering::SeqCst) {
         match listener.accept() {
+            Ok((s, _)) if peer_uid(&s) != Some(own_uid()) => {
+                // Refused before anything is read: a fresh socket's buffer takes the 8 bytes.
+                let _ = s.set_nonblocking(true);
+                let _ = (&s).write_all(&OTHER_USER);
+                tracing::debug!(
+                    uid = ?peer_uid(&s),
+                    "CUDA IPC descriptor request from another user refused"
+                );
+            }
             Ok((s, _)) => {
                 if let Err(e) = answer(&s, &sh) {
                     tracing::debug!("CUDA IPC descriptor request: {e}");
@@ -139,6 +152,36 @@ fn serve(listener: UnixListener, sh: Arc<Shared>) {
             }
         }
     }
+}
+
+/// The effective user id of the process at the other end of `s` (`SO_PEERCRED`, as it was
+/// when that process connected); `None` when the kernel does not say.
+fn peer_uid(s: &UnixStream) -> Option<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let size = std::mem::size_of::<libc::ucred>();
+    let mut len = size as libc::socklen_t;
+    // SAFETY: `cred` and `len` are live locals, `len` holding `cred`'s size; the descriptor
+    // is the stream's own, open for this call.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (r == 0 && len as usize == size).then_some(cred.uid)
+}
+
+/// This process's effective user id.
+fn own_uid() -> u32 {
+    // SAFETY: geteuid takes no arguments and cannot fail.
+    unsafe { libc::geteuid() }
 }
 
 fn answer(s: &UnixStream, sh: &Shared) -> std::io::Result<()> {
@@ -223,7 +266,10 @@ pub fn fetch(
         Some(fd) => Ok((fd, u64::from_le_bytes(size))),
         None => Err(TransferError::Refused {
             segment: segment.to_string(),
-            why: Refusal::UnknownTicket,
+            why: match size {
+                OTHER_USER => Refusal::OtherUser,
+                _ => Refusal::UnknownTicket,
+            },
         }),
     }
 }
@@ -426,6 +472,46 @@ mod tests {
         let e = fetch(srv.name(), &[7u8; 16], "peer:1", None).unwrap_err();
         assert!(matches!(e, TransferError::Refused { .. }), "{e}");
         assert_eq!(srv.outstanding(), 1, "the real ticket is still there");
+    }
+
+    /// A process of another user is answered at once with the refusal, before it sends
+    /// anything (so it cannot hold the server), and never gets a descriptor. Needs root (to
+    /// start that process as `nobody`) and python3 (a client that is not this code).
+    #[test]
+    fn another_users_process_is_refused_at_once() {
+        // SAFETY: geteuid takes no arguments and cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIPPED another_users_process_is_refused_at_once: not root");
+            return;
+        }
+        let srv = FdServer::start().unwrap();
+        srv.offer(Arc::new(memfd_with(b"z")), 1).unwrap();
+        let client = "import socket, sys\n\
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n\
+            s.settimeout(10)\n\
+            s.connect('\\0' + sys.argv[1])\n\
+            print(s.recv(8).hex())\n";
+        use std::os::unix::process::CommandExt;
+        let out = match std::process::Command::new("python3")
+            .args(["-c", client, srv.name()])
+            .uid(65534)
+            .gid(65534)
+            .output()
+        {
+            Ok(o) => o,
+            Err(e) => {
+                eprintln!("SKIPPED another_users_process_is_refused_at_once: python3: {e}");
+                return;
+            }
+        };
+        let answer = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            answer.trim(),
+            "ffffffffffffffff",
+            "stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(srv.outstanding(), 1, "the ticket is still there");
     }
 
     #[test]

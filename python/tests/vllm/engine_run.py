@@ -107,8 +107,12 @@ def model_kind(scenario: str) -> str:
 def mla_args(scenario: str) -> dict:
     """``make_llm`` arguments of the MLA engines: vLLM 0.32's CPU MLA output depends on the batch
     (one prompt alone and batched with others gives other tokens, docs/vllm-connector-notes.md
-    §9), so one sequence at a time makes runs comparable."""
-    return {"block_size": MLA_BLOCK_SIZE, "max_num_seqs": 1} if is_mla(scenario) else {}
+    §9), so one sequence at a time makes runs comparable. The reference backend (CPU_MLA) is
+    asked for by name: where the CPU has AMX tiles vLLM prefers AMX_MLA, whose weight packing
+    takes bf16, fp16 or int8 weights only, not this float32 model's."""
+    if not is_mla(scenario):
+        return {}
+    return {"block_size": MLA_BLOCK_SIZE, "max_num_seqs": 1, "attention_backend": "CPU_MLA"}
 
 
 def write_model(path: str, kind: str = "qwen3") -> None:
@@ -217,7 +221,8 @@ LEASE_S = 15.0
 
 def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1, port: int = PORT,
              name: str | None = None, head_splits: int = 1, block_size: int = BLOCK_SIZE, max_num_seqs: int = 4,
-             lease: float = LEASE_S, secret_file: str | None = None, log_stats: bool = False):
+             lease: float = LEASE_S, secret_file: str | None = None, log_stats: bool = False,
+             attention_backend: str | None = None):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -232,10 +237,12 @@ def make_llm(model: str, role: str | None, policy: str = "fail", tp: int = 1, po
         )
         if secret_file is not None:
             ktc.kv_connector_extra_config["secret_file"] = secret_file
+    # Only where asked: other engines keep vLLM's own choice.
+    backend = {"attention_config": {"backend": attention_backend}} if attention_backend else {}
     llm = LLM(model=model, load_format="safetensors", skip_tokenizer_init=True, dtype="float32",
               max_model_len=256, enforce_eager=True, seed=0, block_size=block_size,
               max_num_seqs=max_num_seqs, enable_prefix_caching=False, kv_transfer_config=ktc,
-              tensor_parallel_size=tp, disable_log_stats=not log_stats)
+              tensor_parallel_size=tp, disable_log_stats=not log_stats, **backend)
     return llm
 
 

@@ -173,12 +173,24 @@ async fn a_landed_hook_turns_the_overlap_off_for_the_loads_it_runs_for() {
         matches!(out.verdict, Some(Verdict::Mismatch { .. })),
         "{out:?}"
     );
-    // A hook for other loads only: this one overlaps.
+    // A hook for other loads only: these overlap. Whether a load's progress is taken before
+    // its FINISH is timing (a starved host may take both at once), so of a few such loads at
+    // least one must have started layers early, and all verify.
     pair.consumer
         .set_landed_hook_for(flip.clone(), Arc::new(|id: &str| id == "other"));
-    let out = load(&pair, "free").await;
-    assert!(out.early_layers > 0, "{out:?}");
-    assert_eq!(out.verdict, Some(Verdict::Verified));
+    let mut early = Vec::new();
+    for i in 0..5 {
+        let out = load(&pair, &format!("free-{i}")).await;
+        assert_eq!(out.verdict, Some(Verdict::Verified), "{out:?}");
+        early.push(out.early_layers);
+        if out.early_layers > 0 {
+            break;
+        }
+    }
+    assert!(
+        early.iter().any(|&n| n > 0),
+        "no load overlapped: {early:?}"
+    );
     let out = load(&pair, "other").await;
     assert_eq!(out.early_layers, 0);
     assert!(

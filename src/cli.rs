@@ -240,7 +240,7 @@ pub struct CommonArgs {
     /// MiB of one layer group of a load the consumer reads itself (same-host GPU KV over CUDA
     /// IPC): each group's copies go as batches of their own, its checksums queued behind them;
     /// a load of at least twice this is read in up to 4 groups, 0 reads every load in one.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = kvferry_p2p::DEFAULT_READ_GROUP_BYTES >> 20)]
     pub read_group_mib: u64,
 }
 

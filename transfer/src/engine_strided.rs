@@ -107,7 +107,8 @@ impl TransferEngine {
             self.transport
                 .post_strided(&desc, &groups, CompletionSink::new(state.clone()));
         }
-        let points = if points { state.take_points() } else { None };
+        // `None` unless asked for above (`want_points`).
+        let points = state.take_points();
         if timing {
             tracing::debug!(
                 target: "kvferry::timing",

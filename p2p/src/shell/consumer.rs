@@ -61,6 +61,9 @@ pub struct Consumer {
     /// Per producer endpoint: whether its loads are read here, with its layout
     /// (docs/design.md §4.10). A producer not listed is asked for its layout.
     reads: Arc<std::sync::Mutex<HashMap<String, read::Reads>>>,
+    /// Whether a read load's checksums are queued on the device behind its copies
+    /// ([`read::queues_checksums`]): a property of the workers, worked out once.
+    queue_checksums: bool,
 }
 
 /// A byte range of a registered region: (offset, length).
@@ -83,7 +86,9 @@ impl Consumer {
             .first()
             .map(|w| w.engine.segment_name())
             .unwrap_or_default();
+        let queue_checksums = checksums && read::queues_checksums(&workers);
         Ok(Consumer {
+            queue_checksums,
             secret,
             name,
             config,

@@ -297,21 +297,11 @@ impl Consumer {
         let tell = move |span| {
             let _ = progress.send(Heard::Landed(span));
         };
-        // A group whose copies are all device work is checksummed by kernels ordered after
-        // them on the device, submitted as soon as the copies are: no host round trip between
-        // a copy's end and its checksum's start. Host memory is checksummed as it lands, and
-        // so are ranks that share an engine (one rank's reads land in the other's memory too,
-        // so its points are not the other's).
-        let device = self
-            .workers
-            .iter()
-            .all(|w| matches!(w.device, kvferry_kernels::Location::Cuda(_)));
-        let queued: Option<Queued> =
-            (device && self.checksums && own_engines(&self.workers)).then(|| {
-                Box::new(move |span, points| {
-                    let _ = queued.send(Heard::Queued(span, points));
-                }) as Queued
-            });
+        let queued: Option<Queued> = self.queue_checksums.then(|| {
+            Box::new(move |span, points| {
+                let _ = queued.send(Heard::Queued(span, points));
+            }) as Queued
+        });
         let carried = Arc::new(OnceLock::new());
         let (workers, read) = (self.workers.clone(), Op::Read);
         // Dropped with this load (its caller gave up): no layer group is submitted after.
@@ -481,12 +471,19 @@ enum Heard {
     Queued(LayerSpan, Vec<Option<Vec<kvferry_transfer::StreamPoint>>>),
 }
 
-/// Whether every worker reads through an engine of its own (no two share a segment): a read
-/// plan submits a rank's copies through the first worker of its segment, so where two share
-/// one, the device points of a batch are not only its submitter's memory's.
-fn own_engines(workers: &[crate::worker::Worker]) -> bool {
+/// Whether a read load's layer groups are checksummed by kernels ordered after their copies on
+/// the device, submitted as soon as the copies are (no host round trip between a copy's end
+/// and its checksum's start): where every worker's KV is device memory and every worker reads
+/// through an engine of its own. Host memory is checksummed as it lands, and so are ranks that
+/// share an engine: a read plan submits a rank's copies through the first worker of its
+/// segment, so one rank's reads land in the other's memory too and its points are not the
+/// other's.
+pub(super) fn queues_checksums(workers: &[crate::worker::Worker]) -> bool {
+    let device = workers
+        .iter()
+        .all(|w| matches!(w.device, kvferry_kernels::Location::Cuda(_)));
     let mut seen = std::collections::HashSet::new();
-    workers.iter().all(|w| seen.insert(w.engine.segment_name()))
+    device && workers.iter().all(|w| seen.insert(w.engine.segment_name()))
 }
 
 /// Sets its flag when dropped.

@@ -9,9 +9,9 @@
 //! descriptor when the ticket is unknown, used or expired. A process of another user (the
 //! socket's `SO_PEERCRED`; abstract sockets have no file permissions) is answered 8 bytes of
 //! `0xff` at once, before anything is read, so it holds the server no time. Every connect,
-//! read and write has a deadline and at most [`MAX_TICKETS`] tickets are outstanding. A received descriptor is
-//! close-on-exec from the moment it exists, so a child the process forks and execs elsewhere
-//! never inherits a peer's allocation.
+//! read and write has a deadline and at most [`MAX_TICKETS`] tickets are outstanding. A
+//! received descriptor is close-on-exec from the moment it exists, so a child the process
+//! forks and execs elsewhere never inherits a peer's allocation.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -127,22 +127,26 @@ impl Drop for FdServer {
 }
 
 fn serve(listener: UnixListener, sh: Arc<Shared>) {
+    let own = own_uid();
     while !sh.stop.load(Ordering::SeqCst) {
         match listener.accept() {
-            Ok((s, _)) if peer_uid(&s) != Some(own_uid()) => {
-                // Refused before anything is read: a fresh socket's buffer takes the 8 bytes.
-                let _ = s.set_nonblocking(true);
-                let _ = (&s).write_all(&OTHER_USER);
-                tracing::debug!(
-                    uid = ?peer_uid(&s),
-                    "CUDA IPC descriptor request from another user refused"
-                );
-            }
-            Ok((s, _)) => {
-                if let Err(e) = answer(&s, &sh) {
-                    tracing::debug!("CUDA IPC descriptor request: {e}");
+            Ok((s, _)) => match peer_uid(&s) {
+                Some(uid) if uid == own => {
+                    if let Err(e) = answer(&s, &sh) {
+                        tracing::debug!("CUDA IPC descriptor request: {e}");
+                    }
                 }
-            }
+                uid => {
+                    // Refused before anything is read: a fresh socket's buffer takes the 8
+                    // bytes.
+                    let _ = s.set_nonblocking(true);
+                    let _ = (&s).write_all(&OTHER_USER);
+                    tracing::debug!(
+                        ?uid,
+                        "CUDA IPC descriptor request from another user refused"
+                    );
+                }
+            },
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(2));
             }

@@ -411,7 +411,9 @@ fn median_max(v: &mut [f64]) -> (f64, f64) {
 
 /// Loads `specs` keeping `window` (at least 1) loads in flight, each on a task of its own: the
 /// next one starts as soon as one ends. Returns each outcome with its load's seconds, in the
-/// order of `specs`. A task that ended without an outcome (it panicked) is a failed load.
+/// order of `specs`: the time of the `Consumer::load` call on its task, as an embedder that
+/// awaits it sees it (the task's spawn and join are this harness's, not the load's). A task
+/// that ended without an outcome (it panicked) is a failed load, timed from its spawn.
 async fn load_window(
     consumer: &Arc<Consumer>,
     specs: Vec<LoadSpec>,
@@ -430,7 +432,11 @@ async fn load_window(
                  (i, spec): (usize, LoadSpec)| {
         let consumer = consumer.clone();
         let t = Instant::now();
-        let h = tasks.spawn(async move { consumer.load(spec).await });
+        let h = tasks.spawn(async move {
+            let t = Instant::now();
+            let o = consumer.load(spec).await;
+            (o, t.elapsed().as_secs_f64())
+        });
         started.insert(h.id(), (i, t));
     };
     for item in queue.by_ref().take(window.max(1)) {
@@ -438,11 +444,14 @@ async fn load_window(
     }
     while let Some(joined) = tasks.join_next_with_id().await {
         let (id, end) = match joined {
-            Ok((id, o)) => (id, Ok(o)),
+            Ok((id, (o, seconds))) => (id, Ok((o, seconds))),
             Err(e) => (e.id(), Err(Some(e))),
         };
         if let Some((i, t)) = started.remove(&id) {
-            out[i] = Some((end, t.elapsed().as_secs_f64()));
+            out[i] = Some(match end {
+                Ok((o, seconds)) => (Ok(o), seconds),
+                Err(e) => (Err(e), t.elapsed().as_secs_f64()),
+            });
         }
         if let Some(item) = queue.next() {
             start(&mut tasks, &mut started, item);

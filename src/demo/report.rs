@@ -71,8 +71,8 @@ pub struct DemoReport {
     pub seconds: f64,
     /// bytes / seconds, in GB/s (10^9): the loads' throughput with `in_flight` loads at once.
     pub gb_per_s: f64,
-    /// One load's latency (request to verdict), seconds: the median over all loads (the
-    /// upper one of an even count), failed ones included.
+    /// One load's latency (request to verdict: the `Consumer::load` call), seconds: the
+    /// median over all loads (the upper one of an even count), failed ones included.
     pub load_seconds_median: f64,
     /// The same, the largest.
     pub load_seconds_max: f64,

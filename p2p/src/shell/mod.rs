@@ -10,6 +10,7 @@ pub mod producer;
 pub mod producer_config;
 mod producer_loop;
 mod serve;
+mod serve_batch;
 mod verify_parts;
 #[cfg(test)]
 mod verify_parts_tests;

@@ -7,11 +7,13 @@ use std::time::Instant;
 
 use std::ops::Range;
 
-use kvferry_transfer::{
-    BatchId, Op, StreamPoint, StridedRange, StridedRequest, Token, TransferPath, TransferRequest,
-};
+use kvferry_transfer::{BatchId, Op, StreamPoint, Token, TransferPath};
 use tracing::debug;
 
+use super::serve_batch::{
+    free_if_timed_out, per_batch, plan_bytes, requests, strided_requests, submit_blocking,
+    submit_job, Job, Submission, Submitted,
+};
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::{LayerSpan, LoadRequest};
 use crate::proto::plan::Copy;
@@ -204,18 +206,6 @@ pub(crate) type Queued = Box<TellQueued<'static>>;
 
 /// The function a [`Queued`] boxes: the group's span and its points per worker.
 pub(crate) type TellQueued<'a> = dyn Fn(LayerSpan, Vec<Option<Vec<StreamPoint>>>) + Send + 'a;
-
-/// What one submit made: the rank's index into the workers, the batch, and its device points
-/// where they were asked for and cover the whole batch
-/// (`TransferEngine::submit_strided_with_points`).
-type Submitted = (usize, BatchId, Option<Vec<StreamPoint>>);
-
-/// One batch of a group: the rank's index into the workers, the consumer segment, the requests.
-struct Job {
-    rank: usize,
-    segment: String,
-    requests: Submission,
-}
 
 /// A thread that opens and submits one batch of a layer group.
 fn submit_thread() -> std::thread::Builder {
@@ -422,56 +412,6 @@ fn write_groups_blocking(
     }
 }
 
-/// Opens the job's segment and submits its batch, on the calling thread (which may block),
-/// asking for its device points if `points`. Returns the rank's index, the batch and its points.
-fn submit_job(
-    workers: &[Worker],
-    job: Job,
-    token: Option<Token>,
-    carried: &OnceLock<TransferPath>,
-    points: bool,
-) -> Result<Submitted, WriteError> {
-    let w = &workers[job.rank];
-    submit_blocking(
-        &w.engine,
-        job.segment,
-        &job.requests,
-        token,
-        carried,
-        points,
-    )
-    .map(|(b, p)| (job.rank, b, p))
-    .map_err(|kind| WriteError { rank: w.rank, kind })
-}
-
-/// Bytes of a plan's copies.
-fn plan_bytes(p: &RankPlan) -> u64 {
-    let plain = p.copies.iter().fold(0u64, |a, c| a.saturating_add(c.len));
-    p.strided.iter().fold(plain, |a, s| {
-        let per = s.ranges.iter().fold(0u64, |a, r| a.saturating_add(r.len));
-        a.saturating_add(per.saturating_mul(s.blocks.len() as u64))
-    })
-}
-
-/// Requests per engine batch of one rank's WRITEs: a load of many small copies (scattered
-/// blocks, per-token head slices) is cut into batches of this many, submitted on threads of
-/// their own, so that the host work per request (validation, slicing, the copy descriptors)
-/// runs on several cores and the first batch's copies start while later ones are prepared.
-const REQUESTS_PER_BATCH: usize = 2048;
-/// At most this many batches per rank and load (one per core of a typical host, with room).
-const MAX_BATCHES: usize = 8;
-
-/// How many batches `n` requests go in: one up to [`REQUESTS_PER_BATCH`], then one per
-/// [`REQUESTS_PER_BATCH`] up to [`MAX_BATCHES`].
-fn batches_for(n: usize) -> usize {
-    n.div_ceil(REQUESTS_PER_BATCH).clamp(1, MAX_BATCHES)
-}
-
-/// Requests in each batch of `n` ([`batches_for`]).
-fn per_batch(n: usize) -> usize {
-    n.div_ceil(batches_for(n))
-}
-
 async fn write_rank(
     w: &Worker,
     segment: String,
@@ -517,33 +457,6 @@ async fn write_strided(
     Ok(bytes)
 }
 
-/// The whole-block copies as the engine's strided requests (one per entry): `op` (a copy's
-/// `src` offsets and block bases are local, its `dst` ones remote).
-fn strided_requests(strided: Vec<BlockCopies>, op: Op) -> Vec<StridedRequest> {
-    strided
-        .into_iter()
-        .map(|s| StridedRequest {
-            op,
-            ranges: s
-                .ranges
-                .iter()
-                .map(|r| StridedRange {
-                    local: r.src,
-                    remote: r.dst,
-                    len: r.len,
-                })
-                .collect(),
-            blocks: s.blocks,
-        })
-        .collect()
-}
-
-/// What one engine batch carries.
-enum Submission {
-    Plain(Vec<TransferRequest>),
-    Strided(Vec<StridedRequest>),
-}
-
 /// Submits `copies` as one engine batch (off the event loop) and waits for it, by `deadline`.
 async fn write_batch(
     w: &Worker,
@@ -555,19 +468,6 @@ async fn write_batch(
 ) -> Result<(), WriteError> {
     let requests = Submission::Plain(requests(copies, Op::Write));
     submit_and_wait(w, segment, requests, deadline, token, carried).await
-}
-
-/// Plain copies as the engine's requests: `op`, each copy's `src` local and `dst` remote.
-fn requests(copies: &[Copy], op: Op) -> Vec<TransferRequest> {
-    copies
-        .iter()
-        .map(|c| TransferRequest {
-            op,
-            local_addr: c.src,
-            remote_addr: c.dst,
-            len: c.len,
-        })
-        .collect()
 }
 
 /// Submits one batch (off the event loop) and waits for it, by `deadline`.
@@ -611,65 +511,6 @@ async fn submit(
 /// `carried` to the path of the batch's first copy unless it is set. With `points`, a strided
 /// batch's device points where it has them (`TransferEngine::submit_strided_with_points`;
 /// plain copies have none).
-fn submit_blocking(
-    engine: &kvferry_transfer::TransferEngine,
-    segment: String,
-    requests: &Submission,
-    token: Option<Token>,
-    carried: &OnceLock<TransferPath>,
-    points: bool,
-) -> Result<(BatchId, Option<Vec<StreamPoint>>), WriteErrorKind> {
-    let handle = match token {
-        Some(t) => engine.open_segment_with_token(&segment, t),
-        None => engine.open_segment(&segment),
-    }
-    .map_err(|source| WriteErrorKind::Open {
-        segment: segment.clone(),
-        source,
-    })?;
-    if carried.get().is_none() {
-        if let Some(Ok(p)) = first_copy(requests).map(|(l, r)| engine.transfer_path(&handle, l, r))
-        {
-            let _ = carried.set(p);
-        }
-    }
-    let t = Instant::now();
-    let (r, n) = match requests {
-        Submission::Plain(r) => (engine.submit(&handle, r).map(|b| (b, None)), r.len()),
-        Submission::Strided(r) if points => {
-            (engine.submit_strided_with_points(&handle, r), r.len())
-        }
-        Submission::Strided(r) => (
-            engine.submit_strided(&handle, r).map(|b| (b, None)),
-            r.len(),
-        ),
-    };
-    let r = r.map_err(|source| WriteErrorKind::Submit { segment, source });
-    tracing::debug!(
-        target: "kvferry::timing",
-        requests = n,
-        submit_us = t.elapsed().as_micros() as u64,
-        "serve submitted"
-    );
-    r
-}
-
-/// The local and remote address of a batch's first copy (`None`: no copy, or one whose
-/// address does not fit in 64 bits).
-fn first_copy(requests: &Submission) -> Option<(u64, u64)> {
-    match requests {
-        Submission::Plain(r) => r.first().map(|r| (r.local_addr, r.remote_addr)),
-        Submission::Strided(r) => {
-            let r = r.first()?;
-            let (range, (local, remote)) = (r.ranges.first()?, r.blocks.first()?);
-            Some((
-                local.checked_add(range.local)?,
-                remote.checked_add(range.remote)?,
-            ))
-        }
-    }
-}
-
 /// Waits for `batch` of `w`'s engine, by `deadline`.
 async fn wait_batch(w: &Worker, batch: BatchId, deadline: Instant) -> Result<(), WriteError> {
     let rank = w.rank;
@@ -687,22 +528,12 @@ async fn wait_batch(w: &Worker, batch: BatchId, deadline: Instant) -> Result<(),
     Ok(())
 }
 
-/// Frees `batch` when its wait ended in a timeout (`r`): the engine keeps a timed-out batch
-/// for a later wait, but a serve never waits past its deadline, so without this every load
-/// that timed out would leave its batches in the engine's table for the producer's life.
-/// Freeing also skips the batch's slices not yet sent.
-fn free_if_timed_out(w: &Worker, batch: BatchId, r: &kvferry_transfer::Result<()>) {
-    if matches!(r, Err(kvferry_transfer::TransferError::Timeout(_))) {
-        w.engine.free_batch(batch);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use kvferry_checksum::group::RankInfo;
     use kvferry_kernels::{CpuBackend, Location};
-    use kvferry_transfer::{EngineConfig, TransferEngine, TransportKind};
+    use kvferry_transfer::{EngineConfig, TransferEngine, TransferRequest, TransportKind};
 
     /// An engine on a loopback TCP port the OS picks.
     fn loopback() -> Arc<TransferEngine> {
@@ -724,15 +555,6 @@ mod tests {
             groups: Vec::new(),
             backend: Arc::new(CpuBackend::new(1)),
         }
-    }
-
-    #[test]
-    fn small_loads_go_in_one_batch_large_ones_in_a_bounded_number() {
-        assert_eq!(batches_for(1), 1);
-        assert_eq!(batches_for(REQUESTS_PER_BATCH), 1);
-        assert_eq!(batches_for(REQUESTS_PER_BATCH + 1), 2);
-        assert_eq!(batches_for(16384), MAX_BATCHES);
-        assert_eq!(batches_for(1 << 20), MAX_BATCHES);
     }
 
     /// A serve's wait that runs past its deadline frees the batch: the engine keeps a

@@ -297,6 +297,13 @@ impl TransferEngine {
         self.open(name, None)
     }
 
+    /// Whether segment `name`'s descriptor is cached: `open_segment` then answers at once,
+    /// with no handshake (a caller that must not block for one asks first). A cached
+    /// descriptor may still be dropped before the open (idle, or its peer unreachable).
+    pub fn has_segment(&self, name: &str) -> bool {
+        self.peers.get(name).is_some()
+    }
+
     /// As `open_segment`, for a peer that granted `token` (`crate::auth`): an uncached
     /// descriptor is fetched presenting the token (or this engine's secret proof, when it has
     /// a secret), and the returned handle carries the token into every request submitted with

@@ -145,11 +145,12 @@ pub(crate) async fn write_all(
 /// included: its CONTINUE reaches the consumer ahead of the FINISH, which goes through the serve
 /// task and the loop first, so the consumer starts the last group's checksums that much
 /// earlier. With `queued`, a group whose batches all have device points is told there at its
-/// submit instead ([`Queued`]). One hop off the event loop per load instead of one per batch:
-/// on a device path a submit is a few tens of microseconds, less than the hop. Every batch
-/// submitted is waited for, a failure or not, all by `deadline`; no group is submitted after a
-/// failure. The future gives the bytes written; `carried` is set to the path of the first batch
-/// submitted.
+/// submit instead ([`Queued`]), and the first group, when it is one batch to a segment already
+/// open, is submitted on the caller's thread at this call: a device submit only enqueues (tens
+/// of microseconds), less than the hop to the blocking pool it saves before the first copy.
+/// One hop off the event loop per load instead of one per batch. Every batch submitted is
+/// waited for, a failure or not, all by `deadline`; no group is submitted after a failure. The
+/// future gives the bytes written; `carried` is set to the path of the first batch submitted.
 #[allow(clippy::too_many_arguments)] // the load's parts, each its own
 pub(crate) fn write_grouped(
     workers: Arc<Vec<Worker>>,
@@ -166,21 +167,44 @@ pub(crate) fn write_grouped(
     let first = plans.first().map(|p| workers[p.rank].rank);
     let groups = groups.to_vec();
     let run = first.map(|_| {
-        tokio::task::spawn_blocking(move || {
-            let points = queued.is_some();
+        let points = queued.is_some();
+        let mut carry = Carry::new(points);
+        if points {
             let submit = |j| submit_job(&workers, j, token, &carried, points);
-            write_groups_blocking(
-                &workers,
-                &plans,
-                &groups,
+            GroupRun {
+                workers: &workers,
+                plans: &plans,
+                groups: &groups,
                 op,
                 deadline,
-                &submit,
-                &progress,
-                queued.as_deref(),
-                submit_thread,
-                &stop,
-            )
+                submit: &submit,
+                progress: &progress,
+                queued: queued.as_deref(),
+                thread: submit_thread,
+                stop: &stop,
+            }
+            .submit(
+                &mut carry,
+                1,
+                Some(&|j: &Job| workers[j.rank].engine.has_segment(&j.segment)),
+            );
+        }
+        tokio::task::spawn_blocking(move || {
+            let submit = |j| submit_job(&workers, j, token, &carried, points);
+            let run = GroupRun {
+                workers: &workers,
+                plans: &plans,
+                groups: &groups,
+                op,
+                deadline,
+                submit: &submit,
+                progress: &progress,
+                queued: queued.as_deref(),
+                thread: submit_thread,
+                stop: &stop,
+            };
+            run.submit(&mut carry, groups.len(), None);
+            run.settle_all(carry)
         })
     });
     async move {
@@ -212,10 +236,9 @@ fn submit_thread() -> std::thread::Builder {
     std::thread::Builder::new().name("kvferry-submit".into())
 }
 
-/// The body of [`write_grouped`], on a thread that may block. A group of several batches
-/// submits each but the last on a thread from `thread`, the last on this one; a thread the OS
-/// refuses fails the load
-/// ([`WriteErrorKind::NoThread`]) instead of the process.
+/// [`write_grouped`]'s work on one thread that may block: every group submitted, then each
+/// waited for.
+#[cfg(test)]
 #[allow(clippy::too_many_arguments)] // the load's parts, each its own
 fn write_groups_blocking(
     workers: &[Worker],
@@ -229,19 +252,73 @@ fn write_groups_blocking(
     thread: fn() -> std::thread::Builder,
     stop: &AtomicBool,
 ) -> Result<u64, WriteError> {
-    let mut bytes = 0u64;
-    let mut failed = None;
-    let mut submitted = std::collections::VecDeque::with_capacity(groups.len());
-    // Groups are told as queued while each has every batch's device points, from the first on:
-    // a group told as landed must come before any later one is told (spans follow on).
-    let mut queueing = queued.is_some();
-    // Waits for group `i`'s batches (by the deadline), then tells its progress unless something
-    // failed or it was told as queued.
-    let settle = |(i, batches, told): (usize, Vec<(usize, BatchId)>, bool),
-                  failed: &mut Option<WriteError>| {
+    let run = GroupRun {
+        workers,
+        plans,
+        groups,
+        op,
+        deadline,
+        submit,
+        progress,
+        queued,
+        thread,
+        stop,
+    };
+    let mut carry = Carry::new(queued.is_some());
+    run.submit(&mut carry, groups.len(), None);
+    run.settle_all(carry)
+}
+
+/// A grouped write's parts ([`write_grouped`]). A group of several batches submits each but
+/// the last on a thread from `thread`, the last on the calling one; a thread the OS refuses
+/// fails the load ([`WriteErrorKind::NoThread`]) instead of the process.
+struct GroupRun<'a> {
+    workers: &'a [Worker],
+    plans: &'a [RankPlan],
+    groups: &'a [Range<u32>],
+    op: Op,
+    deadline: Instant,
+    submit: &'a (dyn Fn(Job) -> Result<Submitted, WriteError> + Sync),
+    progress: &'a dyn Fn(LayerSpan),
+    queued: Option<&'a TellQueued<'a>>,
+    thread: fn() -> std::thread::Builder,
+    stop: &'a AtomicBool,
+}
+
+/// Where a grouped write stands between calls of [`GroupRun::submit`]: the bytes of the groups
+/// submitted, the first failure, the groups not waited for yet (index, batches, told as
+/// queued), whether groups are still told as queued, and the next group to submit.
+struct Carry {
+    bytes: u64,
+    failed: Option<WriteError>,
+    submitted: std::collections::VecDeque<(usize, Vec<(usize, BatchId)>, bool)>,
+    queueing: bool,
+    next: usize,
+}
+
+impl Carry {
+    fn new(queueing: bool) -> Carry {
+        Carry {
+            bytes: 0,
+            failed: None,
+            submitted: std::collections::VecDeque::new(),
+            queueing,
+            next: 0,
+        }
+    }
+}
+
+impl GroupRun<'_> {
+    /// Waits for group `i`'s batches (by the deadline), then tells its progress unless something
+    /// failed or it was told as queued.
+    fn settle(
+        &self,
+        (i, batches, told): (usize, Vec<(usize, BatchId)>, bool),
+        failed: &mut Option<WriteError>,
+    ) {
         for (rank, batch) in batches {
-            let w = &workers[rank];
-            let left = deadline.saturating_duration_since(Instant::now());
+            let w = &self.workers[rank];
+            let left = self.deadline.saturating_duration_since(Instant::now());
             let t = Instant::now();
             let r = w.engine.wait(batch, left);
             free_if_timed_out(w, batch, &r);
@@ -258,157 +335,179 @@ fn write_groups_blocking(
             }
         }
         if failed.is_none() && !told {
-            progress(LayerSpan {
-                first: groups[i].start,
-                end: groups[i].end,
+            (self.progress)(LayerSpan {
+                first: self.groups[i].start,
+                end: self.groups[i].end,
             });
         }
-    };
-    for (i, g) in groups.iter().enumerate() {
-        // Set when the load was dropped: no group is submitted after it (a consumer's reads
-        // would land in blocks its caller may have given to another request).
-        if stop.load(Ordering::Acquire) {
-            if let Some(p) = plans.first() {
-                failed.get_or_insert(WriteError {
-                    rank: workers[p.rank].rank,
-                    kind: WriteErrorKind::Stopped,
-                });
-            }
-            break;
+    }
+
+    /// Waits for every group submitted and not waited for yet; the bytes written, or the first
+    /// failure.
+    fn settle_all(&self, mut c: Carry) -> Result<u64, WriteError> {
+        for group in std::mem::take(&mut c.submitted) {
+            self.settle(group, &mut c.failed);
         }
-        let mut jobs = Vec::new();
-        for p in plans
-            .iter()
-            .map(|p| p.layer_part(g))
-            .filter(|p| !p.is_empty())
-        {
-            bytes = bytes.saturating_add(plan_bytes(&p));
-            if !p.strided.is_empty() {
-                let requests = Submission::Strided(strided_requests(p.strided, op));
-                jobs.push((p.rank, p.segment.clone(), requests));
-            }
-            for c in p.copies.chunks(per_batch(p.copies.len()).max(1)) {
-                jobs.push((
-                    p.rank,
-                    p.segment.clone(),
-                    Submission::Plain(requests(c, op)),
-                ));
-            }
+        match c.failed {
+            Some(e) => Err(e),
+            None => Ok(c.bytes),
         }
-        let jobs = jobs.into_iter().map(|(rank, segment, requests)| Job {
-            rank,
-            segment,
-            requests,
-        });
-        // A job run on this thread whose submit panics fails the load as one on a thread of
-        // its own does, and the batches submitted before it are still waited for.
-        let here = |j: Job| {
-            let rank = workers[j.rank].rank;
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| submit(j))).unwrap_or(Err(
-                WriteError {
-                    rank,
-                    kind: WriteErrorKind::SubmitPanicked,
-                },
-            ))
-        };
-        let results: Vec<_> = match jobs.len() {
-            0 | 1 => jobs.map(here).collect(),
-            _ => std::thread::scope(|s| {
-                // The last job runs on this thread, beside the others: one thread fewer to
-                // start per group (a start costs tens of microseconds, about a device submit).
-                // A thread the OS refuses ends the group there: the jobs not yet started, the
-                // last one included, are never submitted; those started are waited for (below)
-                // as after any failure.
-                let mut jobs: Vec<Job> = jobs.collect();
-                let last = jobs.pop();
-                let mut running = Vec::new();
-                let mut refused = None;
-                for j in jobs {
-                    let rank = j.rank;
-                    match thread().spawn_scoped(s, move || submit(j)) {
-                        Ok(h) => running.push((rank, h)),
-                        Err(e) => {
-                            refused = Some(WriteError {
-                                rank: workers[rank].rank,
-                                kind: WriteErrorKind::NoThread(e),
-                            });
-                            break;
-                        }
-                    }
+    }
+
+    /// Submits groups `c.next..upto` in order (none after a failure, nor once the load is
+    /// stopped), telling each as queued where it has every batch's device points, and waits
+    /// for (and tells) the earlier groups that have landed meanwhile. With `only`, a group is
+    /// submitted only if it is one batch that `only` accepts; else nothing more is, and
+    /// `c.next` stays at it.
+    fn submit(&self, c: &mut Carry, upto: usize, only: Option<&dyn Fn(&Job) -> bool>) {
+        let (workers, submit) = (self.workers, self.submit);
+        while c.next < upto.min(self.groups.len()) && c.failed.is_none() {
+            let (i, g) = (c.next, &self.groups[c.next]);
+            // Set when the load was dropped: no group is submitted after it (a consumer's reads
+            // would land in blocks its caller may have given to another request).
+            if self.stop.load(Ordering::Acquire) {
+                if let Some(p) = self.plans.first() {
+                    c.failed.get_or_insert(WriteError {
+                        rank: workers[p.rank].rank,
+                        kind: WriteErrorKind::Stopped,
+                    });
                 }
-                let inline = last.filter(|_| refused.is_none()).map(here);
-                let mut joined: Vec<_> = running
-                    .into_iter()
-                    .map(|(rank, h)| {
-                        h.join().unwrap_or_else(|_| {
-                            Err(WriteError {
-                                rank: workers[rank].rank,
-                                kind: WriteErrorKind::SubmitPanicked,
-                            })
-                        })
-                    })
-                    .collect();
-                joined.extend(inline);
-                joined.extend(refused.map(Err));
-                joined
-            }),
-        };
-        let mut batches = Vec::with_capacity(results.len());
-        let mut points: Vec<Option<Vec<StreamPoint>>> = vec![None; workers.len()];
-        for r in results {
-            match r {
-                Ok((rank, batch, p)) => {
-                    batches.push((rank, batch));
-                    match p {
-                        Some(p) => points[rank].get_or_insert_with(Vec::new).extend(p),
-                        None => queueing = false,
-                    }
-                }
-                Err(e) => {
-                    failed.get_or_insert(e);
-                }
-            }
-        }
-        let told = match queued {
-            Some(tell) if queueing && failed.is_none() => {
-                tell(
-                    LayerSpan {
-                        first: g.start,
-                        end: g.end,
-                    },
-                    points,
-                );
-                true
-            }
-            _ => false,
-        };
-        submitted.push_back((i, batches, told));
-        if failed.is_some() {
-            break;
-        }
-        // The earlier groups that have landed meanwhile are told now, not after the last
-        // submit: their layers are checksummed while the rest is copied.
-        while let Some(group) = submitted.pop_front() {
-            let done = group
-                .1
-                .iter()
-                .all(|(rank, b)| workers[*rank].engine.status(*b).is_final());
-            if !done || group.0 == i {
-                submitted.push_front(group);
                 break;
             }
-            settle(group, &mut failed);
+            let mut jobs = Vec::new();
+            let mut bytes = 0u64;
+            for p in self
+                .plans
+                .iter()
+                .map(|p| p.layer_part(g))
+                .filter(|p| !p.is_empty())
+            {
+                bytes = bytes.saturating_add(plan_bytes(&p));
+                if !p.strided.is_empty() {
+                    let requests = Submission::Strided(strided_requests(p.strided, self.op));
+                    jobs.push(Job {
+                        rank: p.rank,
+                        segment: p.segment.clone(),
+                        requests,
+                    });
+                }
+                for chunk in p.copies.chunks(per_batch(p.copies.len()).max(1)) {
+                    jobs.push(Job {
+                        rank: p.rank,
+                        segment: p.segment.clone(),
+                        requests: Submission::Plain(requests(chunk, self.op)),
+                    });
+                }
+            }
+            if let Some(only) = only {
+                if jobs.len() != 1 || !only(&jobs[0]) {
+                    return;
+                }
+            }
+            c.bytes = c.bytes.saturating_add(bytes);
+            c.next = i + 1;
+            // A job run on this thread whose submit panics fails the load as one on a thread
+            // of its own does, and the batches submitted before it are still waited for.
+            let here = |j: Job| {
+                let rank = workers[j.rank].rank;
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| submit(j))).unwrap_or(Err(
+                    WriteError {
+                        rank,
+                        kind: WriteErrorKind::SubmitPanicked,
+                    },
+                ))
+            };
+            let results: Vec<_> = match jobs.len() {
+                0 | 1 => jobs.into_iter().map(here).collect(),
+                _ => std::thread::scope(|s| {
+                    // The last job runs on this thread, beside the others: one thread fewer to
+                    // start per group (a start costs tens of microseconds, about a device
+                    // submit). A thread the OS refuses ends the group there: the jobs not yet
+                    // started, the last one included, are never submitted; those started are
+                    // waited for (below) as after any failure.
+                    let last = jobs.pop();
+                    let mut running = Vec::new();
+                    let mut refused = None;
+                    for j in jobs {
+                        let rank = j.rank;
+                        match (self.thread)().spawn_scoped(s, move || submit(j)) {
+                            Ok(h) => running.push((rank, h)),
+                            Err(e) => {
+                                refused = Some(WriteError {
+                                    rank: workers[rank].rank,
+                                    kind: WriteErrorKind::NoThread(e),
+                                });
+                                break;
+                            }
+                        }
+                    }
+                    let inline = last.filter(|_| refused.is_none()).map(here);
+                    let mut joined: Vec<_> = running
+                        .into_iter()
+                        .map(|(rank, h)| {
+                            h.join().unwrap_or_else(|_| {
+                                Err(WriteError {
+                                    rank: workers[rank].rank,
+                                    kind: WriteErrorKind::SubmitPanicked,
+                                })
+                            })
+                        })
+                        .collect();
+                    joined.extend(inline);
+                    joined.extend(refused.map(Err));
+                    joined
+                }),
+            };
+            let mut batches = Vec::with_capacity(results.len());
+            let mut points: Vec<Option<Vec<StreamPoint>>> = vec![None; workers.len()];
+            for r in results {
+                match r {
+                    Ok((rank, batch, p)) => {
+                        batches.push((rank, batch));
+                        match p {
+                            Some(p) => points[rank].get_or_insert_with(Vec::new).extend(p),
+                            None => c.queueing = false,
+                        }
+                    }
+                    Err(e) => {
+                        c.failed.get_or_insert(e);
+                    }
+                }
+            }
+            // Groups are told as queued while each has every batch's device points, from the
+            // first on: a group told as landed must come before any later one is told (spans
+            // follow on).
+            let told = match self.queued {
+                Some(tell) if c.queueing && c.failed.is_none() => {
+                    tell(
+                        LayerSpan {
+                            first: g.start,
+                            end: g.end,
+                        },
+                        points,
+                    );
+                    true
+                }
+                _ => false,
+            };
+            c.submitted.push_back((i, batches, told));
+            if c.failed.is_some() {
+                break;
+            }
+            // The earlier groups that have landed meanwhile are told now, not after the last
+            // submit: their layers are checksummed while the rest is copied.
+            while let Some(group) = c.submitted.pop_front() {
+                let done = group
+                    .1
+                    .iter()
+                    .all(|(rank, b)| workers[*rank].engine.status(*b).is_final());
+                if !done || group.0 == i {
+                    c.submitted.push_front(group);
+                    break;
+                }
+                self.settle(group, &mut c.failed);
+            }
         }
-        if failed.is_some() {
-            break;
-        }
-    }
-    for group in submitted {
-        settle(group, &mut failed);
-    }
-    match failed {
-        Some(e) => Err(e),
-        None => Ok(bytes),
     }
 }
 
@@ -691,6 +790,46 @@ mod tests {
             })
         };
         (n, submit)
+    }
+
+    /// The first group goes on the caller's thread only when it is one batch that the caller
+    /// accepts (a segment already open): otherwise nothing is submitted there, and the
+    /// blocking task starts from that group.
+    #[test]
+    fn a_group_is_submitted_on_the_callers_thread_only_as_one_accepted_batch() {
+        let workers = vec![host_worker(loopback())];
+        let (submitted, submit) = counting_submit();
+        let groups = [Range { start: 0, end: 1 }, Range { start: 1, end: 2 }];
+        let stop = AtomicBool::new(false);
+        let run = |plans| GroupRun {
+            workers: &workers,
+            plans,
+            groups: &groups,
+            op: Op::Read,
+            deadline: Instant::now() + std::time::Duration::from_secs(5),
+            submit: &submit,
+            progress: &|_| {},
+            queued: None,
+            thread: submit_thread,
+            stop: &stop,
+        };
+        let count = || submitted.load(Ordering::SeqCst);
+        // Group 0 a plain copy (one batch), group 1 a strided block.
+        let one = [two_copies(1)];
+        let mut c = Carry::new(false);
+        run(&one).submit(&mut c, 1, Some(&|_: &Job| false));
+        assert_eq!((c.next, count()), (0, 0));
+        run(&one).submit(&mut c, 1, Some(&|j: &Job| j.segment == "127.0.0.1:1"));
+        assert_eq!((c.next, count()), (1, 1));
+        // Its submit failed: nothing more is submitted, whoever asks.
+        run(&one).submit(&mut c, 2, None);
+        assert_eq!((c.next, count()), (1, 1));
+        assert!(run(&one).settle_all(c).is_err());
+        // Both copies in group 0: two batches, never on the caller's thread.
+        let two = [two_copies(0)];
+        let mut c = Carry::new(false);
+        run(&two).submit(&mut c, 1, Some(&|_: &Job| true));
+        assert_eq!((c.next, count()), (0, 1));
     }
 
     /// A producer engine `a` and a consumer engine `b` on loopback, each with [`GROUPED_LEN`]

@@ -260,6 +260,26 @@ impl Consumer {
         })
     }
 
+    /// A load whose reads failed (`e`): logged, and its producer's next loads are written
+    /// (`digest`'s layout forgotten).
+    fn read_failed(
+        &self,
+        spec: &LoadSpec,
+        digest: &[u8; 32],
+        e: crate::proto::serve_error::WriteError,
+    ) -> ReadEnd {
+        let rid = &spec.request_id;
+        warn!(
+            request_id = rid,
+            "reading the producer's blocks failed: {e}; its next loads are written"
+        );
+        self.forget_reads(&spec.producer, digest);
+        ReadEnd::Failed(LoadError::Read {
+            request_id: rid.clone(),
+            why: Shared(Arc::new(e)),
+        })
+    }
+
     /// Forgets `producer`'s layout if it is still the one of `digest` (a newer one stays): its
     /// next load goes by WRITE and asks for the layout again.
     fn forget_reads(&self, producer: &str, digest: &[u8; 32]) {
@@ -348,7 +368,12 @@ impl Consumer {
         let mut bytes = None;
         let mut progress_time = std::time::Duration::ZERO;
         let (mut read_at, mut reply_at) = Default::default();
-        while reply.is_none() || bytes.is_none() {
+        // Until both are in, or until the verdict can be worked out before the reads' task
+        // ends: the producer answered and every layer's checksums are started or queued
+        // behind its copies.
+        while (reply.is_none() || bytes.is_none())
+            && !(bytes.is_none() && matches!(reply, Some(Ok(_))) && parts.complete())
+        {
             tokio::select! {
                 biased;
                 Some(h) = heard.recv() => {
@@ -369,14 +394,38 @@ impl Consumer {
                 }
             }
         }
-        debug!(
-            target: "kvferry::timing",
-            request_id = rid,
-            plan_us = reads_plan_us,
-            read_us = read_at.as_micros() as u64,
-            reply_us = reply_at.as_micros() as u64,
-            "read phases"
-        );
+        let phases = Phases {
+            progress_us: progress_time.as_micros() as u64,
+            ..Phases::default()
+        };
+        if let (None, Some(Ok(reply))) = (&bytes, &reply) {
+            // The host's wait for the copies' end (the reads' task) is off the load's path: the
+            // parts' results come no earlier, being ordered after the copies or started after
+            // they landed. The verdict stands only if every read succeeded.
+            let verify_at = started.elapsed().as_secs_f64();
+            let verdict = self.judge(spec, reply, parts, verify_at, phases, None, true);
+            let read = async { ((&mut reading).await, started.elapsed()) };
+            let (mut outcome, (bytes, read_at)) = futures::join!(verdict, read);
+            read_phases(&rid, reads_plan_us, read_at, reply_at);
+            self.dispatch(
+                &spec.producer,
+                ConnCmd::ReadDone {
+                    request_id: reply.request_id.clone(),
+                    load_id: reply.load_id,
+                },
+            )
+            .await;
+            return match bytes {
+                Ok(b) => {
+                    outcome.bytes = b;
+                    outcome.transfer_seconds = read_at.as_secs_f64();
+                    outcome.path = carried.get().copied();
+                    Ok(outcome)
+                }
+                Err(e) => Err(self.read_failed(spec, &reads.digest, e)),
+            };
+        }
+        read_phases(&rid, reads_plan_us, read_at, reply_at);
         while let Ok(Heard::Landed(span) | Heard::Queued(span, _)) = heard.try_recv() {
             parts.late(LoadProgress::Landed(span));
         }
@@ -439,27 +488,31 @@ impl Consumer {
         .await;
         reply.bytes_written = match bytes {
             Ok(b) => b,
-            Err(e) => {
-                warn!(
-                    request_id = rid,
-                    "reading the producer's blocks failed: {e}; its next loads are written"
-                );
-                self.forget_reads(&spec.producer, &reads.digest);
-                return Err(ReadEnd::Failed(LoadError::Read {
-                    request_id: rid,
-                    why: Shared(Arc::new(e)),
-                }));
-            }
-        };
-        let phases = Phases {
-            progress_us: progress_time.as_micros() as u64,
-            ..Phases::default()
+            Err(e) => return Err(self.read_failed(spec, &reads.digest, e)),
         };
         let path = carried.get().copied();
         Ok(self
             .judge(spec, &reply, parts, transfer_seconds, phases, path, true)
             .await)
     }
+}
+
+/// The timing line of a read load's phases (µs from its start): the plan, the reads' end as
+/// the host saw it, the producer's answer.
+fn read_phases(
+    rid: &str,
+    plan_us: u64,
+    read_at: std::time::Duration,
+    reply_at: std::time::Duration,
+) {
+    debug!(
+        target: "kvferry::timing",
+        request_id = rid,
+        plan_us,
+        read_us = read_at.as_micros() as u64,
+        reply_us = reply_at.as_micros() as u64,
+        "read phases"
+    );
 }
 
 /// What the reads tell the load of a layer group.

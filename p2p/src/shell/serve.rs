@@ -291,10 +291,14 @@ struct GroupRun<'a> {
 struct Carry {
     bytes: u64,
     failed: Option<WriteError>,
-    submitted: std::collections::VecDeque<(usize, Vec<(usize, BatchId)>, bool)>,
+    submitted: std::collections::VecDeque<SubmittedGroup>,
     queueing: bool,
     next: usize,
 }
+
+/// A group submitted and not yet waited for: its index, its batches (the rank's index into
+/// the workers and the batch), and whether it was told as queued.
+type SubmittedGroup = (usize, Vec<(usize, BatchId)>, bool);
 
 impl Carry {
     fn new(queueing: bool) -> Carry {
@@ -313,7 +317,7 @@ impl GroupRun<'_> {
     /// failed or it was told as queued.
     fn settle(
         &self,
-        (i, batches, told): (usize, Vec<(usize, BatchId)>, bool),
+        (i, batches, told): SubmittedGroup,
         failed: &mut Option<WriteError>,
     ) {
         for (rank, batch) in batches {

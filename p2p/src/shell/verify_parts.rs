@@ -193,6 +193,14 @@ impl Parts {
         self.covered
     }
 
+    /// Whether a part covers every layer (none is void): [`Parts::finish`] then reads no
+    /// layer itself, and each part's checksums were started after its layers landed or are
+    /// ordered after their copies on the device, so the verdict may be worked out before the
+    /// host has seen the copies end.
+    pub(crate) fn complete(&self) -> bool {
+        !self.void && !self.slots.is_empty() && self.covered as usize == self.slots.len()
+    }
+
     /// The producer's progress: starts the checksums of the layers that landed, or voids the
     /// parts (bogus progress, a span that does not follow on). Past [`MAX_PARTS`], progress
     /// is ignored: those layers are checksummed after the FINISH.

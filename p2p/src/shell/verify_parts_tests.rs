@@ -500,3 +500,35 @@ async fn a_queued_span_without_a_workers_points_voids_the_parts() {
         "no part was started"
     );
 }
+
+/// A verdict is worked out before the reads' task ends only when every layer is a part's:
+/// never while a layer is still to land, nor after bogus progress (the rest would read
+/// layers that may not have landed), nor for a load of no layer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parts_are_complete_only_when_they_cover_every_layer() {
+    let (w, _bufs) = rank();
+    let workers = Arc::new(vec![w]);
+    let n = LAYERS as u32;
+    let mut p = parts(&workers);
+    assert!(!p.complete());
+    p.progress(landed(0, n - 1));
+    assert!(!p.complete(), "one layer still to land");
+    p.progress(landed(n - 1, n));
+    assert!(p.complete());
+    // Bogus progress after: void, so not complete.
+    p.progress(landed(0, 1));
+    assert!(!p.complete());
+    // Past the parts' cap, later layers go with the rest: not complete.
+    let mut p = parts(&workers);
+    for l in 0..n {
+        p.progress(landed(l, l + 1));
+    }
+    assert_eq!(p.complete(), n as usize <= MAX_PARTS);
+    let none = Parts::new(
+        workers.clone(),
+        Arc::new(Selector::new(&spec())),
+        Vec::new(),
+        Duration::from_secs(10),
+    );
+    assert!(!none.complete());
+}

@@ -220,10 +220,15 @@ impl Consumer {
         };
         // How long before the FINISH the last progress was taken (the head start of its part).
         let lead_us = last_heard.map_or(0, |t| t.elapsed().as_micros() as u64);
-        // Progress the connection passed on before the FINISH, not yet taken: those layers
-        // landed too, and are checksummed with the rest (bogus progress still voids the parts).
+        // Progress the connection passed on before the FINISH but not taken above: its sends
+        // and the answer fell between this task's polls of the two (another thread runs the
+        // connection). Those layers landed before the FINISH and are taken as if heard first,
+        // so that which layers a load verifies early does not depend on that race (bogus
+        // progress still voids the parts; a failed load starts nothing).
         while let Ok(p) = heard.try_recv() {
-            parts.late(p);
+            if reply.is_ok() {
+                parts.progress(p);
+            }
         }
         // The transfer is over (FINISH: every WRITE was acknowledged) or failed: revoke
         // before verifying, so that nothing lands in the blocks after they are checked.

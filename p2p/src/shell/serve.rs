@@ -315,11 +315,7 @@ impl Carry {
 impl GroupRun<'_> {
     /// Waits for group `i`'s batches (by the deadline), then tells its progress unless something
     /// failed or it was told as queued.
-    fn settle(
-        &self,
-        (i, batches, told): SubmittedGroup,
-        failed: &mut Option<WriteError>,
-    ) {
+    fn settle(&self, (i, batches, told): SubmittedGroup, failed: &mut Option<WriteError>) {
         for (rank, batch) in batches {
             let w = &self.workers[rank];
             let left = self.deadline.saturating_duration_since(Instant::now());

@@ -29,7 +29,7 @@ use crate::proto::read_plan::{read_plans, ReadTemplate};
 use crate::proto::serve::RankPlan;
 use crate::shell::connection::{ConnCmd, ConnFailure, LoadProgress};
 use crate::shell::consumer_config::{LoadOutcome, ReadMode};
-use crate::shell::serve::{write_grouped, Queued};
+use crate::shell::serve::{GroupedWrite, Queued};
 use crate::shell::verify_parts::{Parts, Selector};
 use crate::LoadSpec;
 
@@ -326,20 +326,6 @@ impl Consumer {
         let (workers, read) = (self.workers.clone(), Op::Read);
         // Dropped with this load (its caller gave up): no layer group is submitted after.
         let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
-        // The reads start first (their task submits the first group while the request is
-        // built and sent here): what they read is proved by the checksums, not by the order.
-        let reading = write_grouped(
-            workers,
-            reads.plans,
-            &reads.groups,
-            read,
-            deadline,
-            None,
-            tell,
-            queued,
-            carried.clone(),
-            stop.0.clone(),
-        );
         let slots = if self.checksums {
             layer_slots(&request)
         } else {
@@ -358,15 +344,47 @@ impl Consumer {
         );
         let send = self.send(&spec.producer, request, spec.load_key.clone(), None);
         tokio::pin!(send);
-        // The request goes out next: the producer's answer comes back while the copies run.
+        // The request goes out first (a hand-off to the connection's task), then the reads
+        // start (the first group submitted here, at the call): the producer's answer comes
+        // back while the copies run, and what they read is proved by the checksums, not by
+        // the order.
         let reads_plan_us = reads.plan_us;
         let mut reply = match futures::poll!(&mut send) {
             Poll::Ready(r) => Some(r),
             Poll::Pending => None,
         };
+        let mut write = GroupedWrite::new(
+            workers,
+            reads.plans,
+            &reads.groups,
+            read,
+            deadline,
+            None,
+            tell,
+            queued,
+            carried.clone(),
+            stop.0.clone(),
+        );
+        let mut progress_time = std::time::Duration::ZERO;
+        let mut take = |parts: &mut Parts, h: Heard| {
+            let t = Instant::now();
+            match h {
+                Heard::Landed(span) => parts.progress(LoadProgress::Landed(span)),
+                Heard::Queued(span, points) => parts.queued(span, &points),
+            }
+            progress_time += t.elapsed();
+        };
+        // Where the copies are device work, this task submits the groups it can and queues
+        // each one's checksums behind its copies before the next one's: the device hears one
+        // thread, in order, with no hand-off per group. The rest goes to the reads' task.
+        while write.submit_here() {
+            while let Ok(h) = heard.try_recv() {
+                take(&mut parts, h);
+            }
+        }
+        let reading = write.finish();
         tokio::pin!(reading);
         let mut bytes = None;
-        let mut progress_time = std::time::Duration::ZERO;
         let (mut read_at, mut reply_at) = Default::default();
         // Until both are in, or until the verdict can be worked out before the reads' task
         // ends: the producer answered and every layer's checksums are started or queued
@@ -376,14 +394,7 @@ impl Consumer {
         {
             tokio::select! {
                 biased;
-                Some(h) = heard.recv() => {
-                    let t = Instant::now();
-                    match h {
-                        Heard::Landed(span) => parts.progress(LoadProgress::Landed(span)),
-                        Heard::Queued(span, points) => parts.queued(span, &points),
-                    }
-                    progress_time += t.elapsed();
-                }
+                Some(h) = heard.recv() => take(&mut parts, h),
                 r = &mut reading, if bytes.is_none() => {
                     bytes = Some(r);
                     read_at = started.elapsed();

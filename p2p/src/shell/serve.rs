@@ -145,12 +145,11 @@ pub(crate) async fn write_all(
 /// included: its CONTINUE reaches the consumer ahead of the FINISH, which goes through the serve
 /// task and the loop first, so the consumer starts the last group's checksums that much
 /// earlier. With `queued`, a group whose batches all have device points is told there at its
-/// submit instead ([`Queued`]), and the first group, when it is one batch to a segment already
-/// open, is submitted on the caller's thread at this call: a device submit only enqueues (tens
-/// of microseconds), less than the hop to the blocking pool it saves before the first copy.
-/// One hop off the event loop per load instead of one per batch. Every batch submitted is
-/// waited for, a failure or not, all by `deadline`; no group is submitted after a failure. The
-/// future gives the bytes written; `carried` is set to the path of the first batch submitted.
+/// submit instead ([`Queued`]), and the first group is submitted on the caller's thread at
+/// this call where [`GroupedWrite::submit_here`] takes it. One hop off the event loop per load
+/// instead of one per batch. Every batch submitted is waited for, a failure or not, all by
+/// `deadline`; no group is submitted after a failure. The future gives the bytes written;
+/// `carried` is set to the path of the first batch submitted.
 #[allow(clippy::too_many_arguments)] // the load's parts, each its own
 pub(crate) fn write_grouped(
     workers: Arc<Vec<Worker>>,
@@ -164,60 +163,139 @@ pub(crate) fn write_grouped(
     carried: Arc<OnceLock<TransferPath>>,
     stop: Arc<AtomicBool>,
 ) -> impl std::future::Future<Output = Result<u64, WriteError>> {
-    let first = plans.first().map(|p| workers[p.rank].rank);
-    let groups = groups.to_vec();
-    let run = first.map(|_| {
-        let points = queued.is_some();
-        let mut carry = Carry::new(points);
-        if points {
-            let submit = |j| submit_job(&workers, j, token, &carried, points);
-            GroupRun {
-                workers: &workers,
-                plans: &plans,
-                groups: &groups,
-                op,
-                deadline,
-                submit: &submit,
-                progress: &progress,
-                queued: queued.as_deref(),
-                thread: submit_thread,
-                stop: &stop,
-            }
-            .submit(
-                &mut carry,
-                1,
-                Some(&|j: &Job| workers[j.rank].engine.has_segment(&j.segment)),
-            );
+    let mut write = GroupedWrite::new(
+        workers, plans, groups, op, deadline, token, progress, queued, carried, stop,
+    );
+    write.submit_here();
+    write.finish()
+}
+
+/// A layer-grouped copy ([`write_grouped`]) whose groups may be submitted on the caller's
+/// thread before the rest goes to a blocking task ([`GroupedWrite::finish`]).
+pub(crate) struct GroupedWrite<P> {
+    workers: Arc<Vec<Worker>>,
+    plans: Vec<RankPlan>,
+    groups: Vec<Range<u32>>,
+    op: Op,
+    deadline: Instant,
+    token: Option<Token>,
+    progress: P,
+    queued: Option<Queued>,
+    carried: Arc<OnceLock<TransferPath>>,
+    stop: Arc<AtomicBool>,
+    carry: Carry,
+}
+
+impl<P: Fn(LayerSpan) + Send + 'static> GroupedWrite<P> {
+    /// Nothing submitted yet; the arguments as [`write_grouped`]'s.
+    #[allow(clippy::too_many_arguments)] // the load's parts, each its own
+    pub(crate) fn new(
+        workers: Arc<Vec<Worker>>,
+        plans: Vec<RankPlan>,
+        groups: &[Range<u32>],
+        op: Op,
+        deadline: Instant,
+        token: Option<Token>,
+        progress: P,
+        queued: Option<Queued>,
+        carried: Arc<OnceLock<TransferPath>>,
+        stop: Arc<AtomicBool>,
+    ) -> Self {
+        let carry = Carry::new(queued.is_some());
+        GroupedWrite {
+            workers,
+            plans,
+            groups: groups.to_vec(),
+            op,
+            deadline,
+            token,
+            progress,
+            queued,
+            carried,
+            stop,
+            carry,
         }
-        tokio::task::spawn_blocking(move || {
-            let submit = |j| submit_job(&workers, j, token, &carried, points);
-            let run = GroupRun {
-                workers: &workers,
-                plans: &plans,
-                groups: &groups,
-                op,
-                deadline,
-                submit: &submit,
-                progress: &progress,
-                queued: queued.as_deref(),
-                thread: submit_thread,
-                stop: &stop,
+    }
+
+    /// Submits the next group on this thread, where its copies are told as queued device work
+    /// (`queued`) and it is one batch to a segment already open: a device submit only enqueues
+    /// (tens of microseconds), less than a hop to the blocking pool, and the caller may queue
+    /// the group's checksums from the same thread before the next group's copies (no two
+    /// threads taking the driver's locks in turn). Whether it did: else that group and the
+    /// rest go to the blocking task, as does everything after a failure.
+    pub(crate) fn submit_here(&mut self) -> bool {
+        if self.queued.is_none() || self.carry.failed.is_some() {
+            return false;
+        }
+        let next = self.carry.next;
+        let (workers, carried, token) = (&self.workers, &self.carried, self.token);
+        let submit = |j| submit_job(workers, j, token, carried, true);
+        let open = |j: &Job| workers[j.rank].engine.has_segment(&j.segment);
+        GroupRun {
+            workers,
+            plans: &self.plans,
+            groups: &self.groups,
+            op: self.op,
+            deadline: self.deadline,
+            submit: &submit,
+            progress: &self.progress,
+            queued: self.queued.as_deref(),
+            thread: submit_thread,
+            stop: &self.stop,
+        }
+        .submit(&mut self.carry, next + 1, Some(&open));
+        self.carry.next > next && self.carry.failed.is_none()
+    }
+
+    /// The groups not submitted yet, submitted on a blocking task, and every group waited for
+    /// there: the future gives the bytes written, or the first failure.
+    pub(crate) fn finish(self) -> impl std::future::Future<Output = Result<u64, WriteError>> {
+        let GroupedWrite {
+            workers,
+            plans,
+            groups,
+            op,
+            deadline,
+            token,
+            progress,
+            queued,
+            carried,
+            stop,
+            mut carry,
+        } = self;
+        let first = plans.first().map(|p| workers[p.rank].rank);
+        let run = first.map(|_| {
+            tokio::task::spawn_blocking(move || {
+                let points = queued.is_some();
+                let submit = |j| submit_job(&workers, j, token, &carried, points);
+                let run = GroupRun {
+                    workers: &workers,
+                    plans: &plans,
+                    groups: &groups,
+                    op,
+                    deadline,
+                    submit: &submit,
+                    progress: &progress,
+                    queued: queued.as_deref(),
+                    thread: submit_thread,
+                    stop: &stop,
+                };
+                run.submit(&mut carry, groups.len(), None);
+                run.settle_all(carry)
+            })
+        });
+        async move {
+            let (Some(first), Some(run)) = (first, run) else {
+                return Ok(0);
             };
-            run.submit(&mut carry, groups.len(), None);
-            run.settle_all(carry)
-        })
-    });
-    async move {
-        let (Some(first), Some(run)) = (first, run) else {
-            return Ok(0);
-        };
-        let left = deadline.saturating_duration_since(Instant::now());
-        let at = |kind: WriteErrorKind| WriteError { rank: first, kind };
-        match tokio::time::timeout(left, run).await {
-            // The task still waits for what it submitted, by the same deadline.
-            Err(_) => Err(at(WriteErrorKind::GroupsTimeout(left))),
-            Ok(Err(e)) => Err(at(WriteErrorKind::Task(e))),
-            Ok(Ok(r)) => r,
+            let left = deadline.saturating_duration_since(Instant::now());
+            let at = |kind: WriteErrorKind| WriteError { rank: first, kind };
+            match tokio::time::timeout(left, run).await {
+                // The task still waits for what it submitted, by the same deadline.
+                Err(_) => Err(at(WriteErrorKind::GroupsTimeout(left))),
+                Ok(Err(e)) => Err(at(WriteErrorKind::Task(e))),
+                Ok(Ok(r)) => r,
+            }
         }
     }
 }

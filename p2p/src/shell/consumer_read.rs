@@ -353,6 +353,10 @@ impl Consumer {
             Poll::Ready(r) => Some(r),
             Poll::Pending => None,
         };
+        // The connection's task, woken by that hand-off, waits in this worker's next-task slot
+        // (which no other worker steals) until this task yields: it sends the request now, not
+        // after the submits below.
+        tokio::task::yield_now().await;
         let mut write = GroupedWrite::new(
             workers,
             reads.plans,

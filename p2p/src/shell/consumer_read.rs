@@ -260,6 +260,16 @@ impl Consumer {
         })
     }
 
+    /// Tells `producer` that the reads of the load `reply` answered are over (`read_done`):
+    /// its lease may end.
+    async fn read_done(&self, producer: &str, reply: &Reply) {
+        let done = ConnCmd::ReadDone {
+            request_id: reply.request_id.clone(),
+            load_id: reply.load_id,
+        };
+        self.dispatch(producer, done).await;
+    }
+
     /// A load whose reads failed (`e`): logged, and its producer's next loads are written
     /// (`digest`'s layout forgotten).
     fn read_failed(
@@ -422,14 +432,7 @@ impl Consumer {
             let read = async { ((&mut reading).await, started.elapsed()) };
             let (mut outcome, (bytes, read_at)) = futures::join!(verdict, read);
             read_phases(&rid, reads_plan_us, read_at, reply_at);
-            self.dispatch(
-                &spec.producer,
-                ConnCmd::ReadDone {
-                    request_id: reply.request_id.clone(),
-                    load_id: reply.load_id,
-                },
-            )
-            .await;
+            self.read_done(&spec.producer, reply).await;
             return match bytes {
                 Ok(b) => {
                     outcome.bytes = b;
@@ -493,14 +496,7 @@ impl Consumer {
             }
         };
         // The reads are over, whatever they gave: the producer's lease may end.
-        self.dispatch(
-            &spec.producer,
-            ConnCmd::ReadDone {
-                request_id: reply.request_id.clone(),
-                load_id: reply.load_id,
-            },
-        )
-        .await;
+        self.read_done(&spec.producer, &reply).await;
         reply.bytes_written = match bytes {
             Ok(b) => b,
             Err(e) => return Err(self.read_failed(spec, &reads.digest, e)),

@@ -38,7 +38,7 @@ pub(crate) enum ServeEnd {
 /// Serves one load (a `Serve` effect of the producer machine): parses the request's grant
 /// token, plans the copies from `lease` to the consumer's ranks (`layouts`: the workers as the
 /// planner sees them, same order) and WRITEs them by `deadline`: in layer groups of about
-/// `group_bytes` ([`write_grouped`], `progress` told as each lands), or in one
+/// `group_bytes` ([`GroupedWrite`], `progress` told as each lands), or in one
 /// go ([`write_all`]). A token that does not parse or a request the plan refuses gives the
 /// lease back ([`ServeEnd::Refused`]); otherwise the WRITEs' result ([`ServeEnd::Ran`]).
 pub(crate) async fn serve_load(
@@ -86,9 +86,10 @@ pub(crate) async fn serve_load(
     let written = if groups.len() > 1 {
         let carried = carried.clone();
         let (write, stop) = (Op::Write, Arc::new(AtomicBool::new(false)));
-        write_grouped(
+        GroupedWrite::new(
             workers, plan, &groups, write, deadline, token, progress, None, carried, stop,
         )
+        .finish()
         .await
     } else {
         write_all(workers, plan, deadline, token, carried.clone()).await
@@ -136,42 +137,20 @@ pub(crate) async fn write_all(
     Ok(total)
 }
 
-/// Copies (`op`) the plans in layer groups (`groups`: slot spans, in order, covering every
-/// slot) from one blocking task, started at this call (not at the first poll: the caller's own
-/// setup runs beside the first group's submit): each group's copies as batches of their own,
-/// submitted in order (so that, on one stream, the first group lands first; a group of several
-/// batches submits them side by side, on threads of their own and this one), then waited for in
-/// order there, `progress` told from that thread as each group has landed, the last one
-/// included: its CONTINUE reaches the consumer ahead of the FINISH, which goes through the serve
-/// task and the loop first, so the consumer starts the last group's checksums that much
-/// earlier. With `queued`, a group whose batches all have device points is told there at its
-/// submit instead ([`Queued`]), and the first group is submitted on the caller's thread at
-/// this call where [`GroupedWrite::submit_here`] takes it. One hop off the event loop per load
-/// instead of one per batch. Every batch submitted is waited for, a failure or not, all by
-/// `deadline`; no group is submitted after a failure. The future gives the bytes written;
-/// `carried` is set to the path of the first batch submitted.
-#[allow(clippy::too_many_arguments)] // the load's parts, each its own
-pub(crate) fn write_grouped(
-    workers: Arc<Vec<Worker>>,
-    plans: Vec<RankPlan>,
-    groups: &[Range<u32>],
-    op: Op,
-    deadline: Instant,
-    token: Option<Token>,
-    progress: impl Fn(LayerSpan) + Send + 'static,
-    queued: Option<Queued>,
-    carried: Arc<OnceLock<TransferPath>>,
-    stop: Arc<AtomicBool>,
-) -> impl std::future::Future<Output = Result<u64, WriteError>> {
-    let mut write = GroupedWrite::new(
-        workers, plans, groups, op, deadline, token, progress, queued, carried, stop,
-    );
-    write.submit_here();
-    write.finish()
-}
-
-/// A layer-grouped copy ([`write_grouped`]) whose groups may be submitted on the caller's
-/// thread before the rest goes to a blocking task ([`GroupedWrite::finish`]).
+/// A copy (`op`) of the plans in layer groups (`groups`: slot spans, in order, covering every
+/// slot) from one blocking task, started at [`GroupedWrite::finish`] (not at the first poll:
+/// the caller's own setup runs beside the first group's submit): each group's copies as
+/// batches of their own, submitted in order (so that, on one stream, the first group lands
+/// first; a group of several batches submits them side by side, on threads of their own and
+/// this one), then waited for in order there, `progress` told from that thread as each group
+/// has landed, the last one included: its CONTINUE reaches the consumer ahead of the FINISH,
+/// which goes through the serve task and the loop first, so the consumer starts the last
+/// group's checksums that much earlier. With `queued`, a group whose batches all have device
+/// points is told there at its submit instead ([`Queued`]), and the caller may submit groups
+/// on its own thread first ([`GroupedWrite::submit_here`]). One hop off the event loop per
+/// load instead of one per batch. Every batch submitted is waited for, a failure or not, all
+/// by `deadline`; no group is submitted after a failure. `finish`'s future gives the bytes
+/// written; `carried` is set to the path of the first batch submitted.
 pub(crate) struct GroupedWrite<P> {
     workers: Arc<Vec<Worker>>,
     plans: Vec<RankPlan>,
@@ -187,7 +166,7 @@ pub(crate) struct GroupedWrite<P> {
 }
 
 impl<P: Fn(LayerSpan) + Send + 'static> GroupedWrite<P> {
-    /// Nothing submitted yet; the arguments as [`write_grouped`]'s.
+    /// Nothing submitted yet.
     #[allow(clippy::too_many_arguments)] // the load's parts, each its own
     pub(crate) fn new(
         workers: Arc<Vec<Worker>>,
@@ -303,7 +282,7 @@ impl<P: Fn(LayerSpan) + Send + 'static> GroupedWrite<P> {
 /// Told that a layer group's copies were all enqueued as device work here, with the device
 /// points after which they are in place, per worker whose engine submitted any (`None`: none
 /// did, though another's may write its memory): work ordered after them on the device (the
-/// group's checksums) may start before the copies end ([`write_grouped`]).
+/// group's checksums) may start before the copies end ([`GroupedWrite`]).
 pub(crate) type Queued = Box<TellQueued<'static>>;
 
 /// The function a [`Queued`] boxes: the group's span and its points per worker.
@@ -314,7 +293,7 @@ fn submit_thread() -> std::thread::Builder {
     std::thread::Builder::new().name("kvferry-submit".into())
 }
 
-/// [`write_grouped`]'s work on one thread that may block: every group submitted, then each
+/// A [`GroupedWrite`]'s work on one thread that may block: every group submitted, then each
 /// waited for.
 #[cfg(test)]
 #[allow(clippy::too_many_arguments)] // the load's parts, each its own
@@ -347,7 +326,7 @@ fn write_groups_blocking(
     run.settle_all(carry)
 }
 
-/// A grouped write's parts ([`write_grouped`]). A group of several batches submits each but
+/// A grouped write's parts ([`GroupedWrite`]). A group of several batches submits each but
 /// the last on a thread from `thread`, the last on the calling one; a thread the OS refuses
 /// fails the load ([`WriteErrorKind::NoThread`]) instead of the process.
 struct GroupRun<'a> {
@@ -1128,7 +1107,7 @@ mod tests {
         };
         let groups = [Range { start: 0, end: 1 }];
         let carried = Arc::new(OnceLock::new());
-        let r = write_grouped(
+        let r = GroupedWrite::new(
             workers,
             vec![plan],
             &groups,
@@ -1139,7 +1118,8 @@ mod tests {
             None,
             carried,
             Arc::new(AtomicBool::new(false)),
-        );
+        )
+        .finish();
         let r = r.await;
         let e = r.unwrap_err();
         assert!(matches!(e.kind, WriteErrorKind::GroupsTimeout(_)), "{e:?}");

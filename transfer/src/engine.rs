@@ -297,9 +297,12 @@ impl TransferEngine {
         self.open(name, None)
     }
 
-    /// Whether segment `name`'s descriptor is cached: `open_segment` then answers at once,
-    /// with no handshake (a caller that must not block for one asks first). A cached
-    /// descriptor may still be dropped before the open (idle, or its peer unreachable).
+    /// Whether segment `name`'s descriptor is cached: `open_segment` then answers without a
+    /// handshake (a caller that must not block for one asks first). Like an open, it marks
+    /// the descriptor used and drops idle ones (which may wait for the transport's locks). A
+    /// cached descriptor may still be dropped before the open (idle, or its peer
+    /// unreachable), and a submit to it may still block: a transport's first transfers to a
+    /// peer can set up its side (CUDA IPC imports the peer's allocations then).
     pub fn has_segment(&self, name: &str) -> bool {
         self.peers.get(name).is_some()
     }

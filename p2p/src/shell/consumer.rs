@@ -220,6 +220,9 @@ impl Consumer {
         };
         // How long before the FINISH the last progress was taken (the head start of its part).
         let lead_us = last_heard.map_or(0, |t| t.elapsed().as_micros() as u64);
+        // The transfer is over (FINISH: every WRITE was acknowledged) or failed: revoke
+        // before verifying, so that nothing lands in the blocks after they are checked.
+        drop(grants);
         // Progress the connection passed on before the FINISH but not taken above: its sends
         // and the answer fell between this task's polls of the two (another thread runs the
         // connection). Those layers landed before the FINISH and are taken as if heard first,
@@ -230,9 +233,6 @@ impl Consumer {
                 parts.progress(p);
             }
         }
-        // The transfer is over (FINISH: every WRITE was acknowledged) or failed: revoke
-        // before verifying, so that nothing lands in the blocks after they are checked.
-        drop(grants);
         let reply = reply.map_err(|f| self.load_error(&spec, f))?;
         let transfer_seconds = started.elapsed().as_secs_f64();
         if let Some(asked) = asked {

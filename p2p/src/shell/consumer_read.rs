@@ -70,6 +70,9 @@ pub(super) struct ProducerLayout {
     digest: [u8; 32],
     /// The reads of the request shape last planned, for later loads of that shape.
     template: std::sync::Mutex<Option<(Shape, Arc<ReadTemplate>)>>,
+    /// A load read with this layout succeeded: the producer's memory is mapped here, so a
+    /// later load's submits only enqueue (the load's own task may make them).
+    warm: AtomicBool,
 }
 
 /// What a [`ReadTemplate`] depends on in a request: its ranks (this side's memory) and, per
@@ -107,6 +110,7 @@ pub(super) struct ReadPlan {
     plans: Vec<RankPlan>,
     groups: Vec<Range<u32>>,
     digest: [u8; 32],
+    producer: Arc<ProducerLayout>,
 }
 
 /// How a load by read ended without an outcome.
@@ -257,6 +261,7 @@ impl Consumer {
             plans,
             groups,
             digest: layout.digest,
+            producer: layout.clone(),
         })
     }
 
@@ -388,10 +393,13 @@ impl Consumer {
             }
             progress_time += t.elapsed();
         };
-        // Where the copies are device work, this task submits the groups it can and queues
-        // each one's checksums behind its copies before the next one's: the device hears one
-        // thread, in order, with no hand-off per group. The rest goes to the reads' task.
-        while write.submit_here() {
+        // Where the copies are device work and an earlier read from this producer succeeded
+        // (its memory is mapped here: a submit only enqueues), this task submits the groups
+        // it can and queues each one's checksums behind its copies before the next one's: the
+        // device hears one thread, in order, with no hand-off per group. The rest goes to the
+        // reads' task.
+        let warm = reads.producer.warm.load(Ordering::Acquire);
+        while warm && write.submit_here() {
             while let Ok(h) = heard.try_recv() {
                 take(&mut parts, h);
             }
@@ -429,12 +437,32 @@ impl Consumer {
             // they landed. The verdict stands only if every read succeeded.
             let verify_at = started.elapsed().as_secs_f64();
             let verdict = self.judge(spec, reply, parts, verify_at, phases, None, true);
-            let read = async { ((&mut reading).await, started.elapsed()) };
-            let (mut outcome, (bytes, read_at)) = futures::join!(verdict, read);
+            tokio::pin!(verdict);
+            // The reads' end, then `read_done` at once: the producer's lease may end while the
+            // verdict is still being worked out. Reads that failed drop the verdict unawaited.
+            let read = async {
+                let r = (&mut reading).await;
+                let at = started.elapsed();
+                self.read_done(&spec.producer, reply).await;
+                (r, at)
+            };
+            tokio::pin!(read);
+            let mut early = None;
+            let (bytes, read_at) = loop {
+                tokio::select! {
+                    biased;
+                    r = &mut read => break r,
+                    o = &mut verdict, if early.is_none() => early = Some(o),
+                }
+            };
             read_phases(&rid, reads_plan_us, read_at, reply_at);
-            self.read_done(&spec.producer, reply).await;
             return match bytes {
                 Ok(b) => {
+                    reads.producer.warm.store(true, Ordering::Release);
+                    let mut outcome = match early {
+                        Some(o) => o,
+                        None => verdict.await,
+                    };
                     outcome.bytes = b;
                     outcome.transfer_seconds = read_at.as_secs_f64();
                     outcome.path = carried.get().copied();
@@ -501,6 +529,7 @@ impl Consumer {
             Ok(b) => b,
             Err(e) => return Err(self.read_failed(spec, &reads.digest, e)),
         };
+        reads.producer.warm.store(true, Ordering::Release);
         let path = carried.get().copied();
         Ok(self
             .judge(spec, &reply, parts, transfer_seconds, phases, path, true)
@@ -573,6 +602,7 @@ async fn readable(
         ranks,
         digest: layout_digest(layout),
         template: std::sync::Mutex::new(None),
+        warm: AtomicBool::new(false),
     };
     if mode == ReadMode::Always {
         return Ok(layout);

@@ -158,11 +158,12 @@ pub(crate) struct GroupedWrite<P> {
     op: Op,
     deadline: Instant,
     token: Option<Token>,
-    progress: P,
+    progress: Option<P>,
     queued: Option<Queued>,
     carried: Arc<OnceLock<TransferPath>>,
     stop: Arc<AtomicBool>,
-    carry: Carry,
+    /// `None` once [`GroupedWrite::finish`] took it (with `progress`).
+    carry: Option<Carry>,
 }
 
 impl<P: Fn(LayerSpan) + Send + 'static> GroupedWrite<P> {
@@ -188,25 +189,31 @@ impl<P: Fn(LayerSpan) + Send + 'static> GroupedWrite<P> {
             op,
             deadline,
             token,
-            progress,
+            progress: Some(progress),
             queued,
             carried,
             stop,
-            carry,
+            carry: Some(carry),
         }
     }
 
     /// Submits the next group on this thread, where its copies are told as queued device work
-    /// (`queued`) and it is one batch to a segment already open: a device submit only enqueues
-    /// (tens of microseconds), less than a hop to the blocking pool, and the caller may queue
-    /// the group's checksums from the same thread before the next group's copies (no two
-    /// threads taking the driver's locks in turn). Whether it did: else that group and the
-    /// rest go to the blocking task, as does everything after a failure.
+    /// (`queued`, and every group before it was) and it is one batch to a segment already
+    /// open: a device submit only enqueues (tens of microseconds), less than a hop to the
+    /// blocking pool, and the caller may queue the group's checksums from the same thread
+    /// before the next group's copies (no two threads taking the driver's locks in turn).
+    /// Whether it did: else that group and the rest go to the blocking task, as does
+    /// everything after a failure. A submit may still block where the peer's memory is not
+    /// mapped here yet (its first transfers import it, within the engine's handshake
+    /// timeout): callers ask only where an earlier transfer to it succeeded.
     pub(crate) fn submit_here(&mut self) -> bool {
-        if self.queued.is_none() || self.carry.failed.is_some() {
+        let (Some(carry), Some(progress)) = (self.carry.as_mut(), self.progress.as_ref()) else {
+            return false;
+        };
+        if self.queued.is_none() || !carry.queueing || carry.failed.is_some() {
             return false;
         }
-        let next = self.carry.next;
+        let next = carry.next;
         let (workers, carried, token) = (&self.workers, &self.carried, self.token);
         let submit = |j| submit_job(workers, j, token, carried, true);
         let open = |j: &Job| workers[j.rank].engine.has_segment(&j.segment);
@@ -217,52 +224,46 @@ impl<P: Fn(LayerSpan) + Send + 'static> GroupedWrite<P> {
             op: self.op,
             deadline: self.deadline,
             submit: &submit,
-            progress: &self.progress,
+            progress,
             queued: self.queued.as_deref(),
             thread: submit_thread,
             stop: &self.stop,
         }
-        .submit(&mut self.carry, next + 1, Some(&open));
-        self.carry.next > next && self.carry.failed.is_none()
+        .submit(carry, next + 1, Some(&open));
+        carry.next > next && carry.failed.is_none()
     }
 
     /// The groups not submitted yet, submitted on a blocking task, and every group waited for
     /// there: the future gives the bytes written, or the first failure.
-    pub(crate) fn finish(self) -> impl std::future::Future<Output = Result<u64, WriteError>> {
-        let GroupedWrite {
-            workers,
-            plans,
-            groups,
-            op,
-            deadline,
-            token,
-            progress,
-            queued,
-            carried,
-            stop,
-            mut carry,
-        } = self;
+    pub(crate) fn finish(mut self) -> impl std::future::Future<Output = Result<u64, WriteError>> {
+        let (workers, plans) = (self.workers.clone(), std::mem::take(&mut self.plans));
+        let groups = std::mem::take(&mut self.groups);
+        let (op, deadline, token) = (self.op, self.deadline, self.token);
+        let (queued, carried, stop) = (self.queued.take(), self.carried.clone(), self.stop.clone());
+        let (carry, progress) = (self.carry.take(), self.progress.take());
         let first = plans.first().map(|p| workers[p.rank].rank);
-        let run = first.map(|_| {
-            tokio::task::spawn_blocking(move || {
-                let points = queued.is_some();
-                let submit = |j| submit_job(&workers, j, token, &carried, points);
-                let run = GroupRun {
-                    workers: &workers,
-                    plans: &plans,
-                    groups: &groups,
-                    op,
-                    deadline,
-                    submit: &submit,
-                    progress: &progress,
-                    queued: queued.as_deref(),
-                    thread: submit_thread,
-                    stop: &stop,
-                };
-                run.submit(&mut carry, groups.len(), None);
-                run.settle_all(carry)
-            })
-        });
+        let run = first
+            .zip(carry.zip(progress))
+            .map(|(_, (mut carry, progress))| {
+                tokio::task::spawn_blocking(move || {
+                    let points = queued.is_some();
+                    let submit = |j| submit_job(&workers, j, token, &carried, points);
+                    let run = GroupRun {
+                        workers: &workers,
+                        plans: &plans,
+                        groups: &groups,
+                        op,
+                        deadline,
+                        submit: &submit,
+                        progress: &progress,
+                        queued: queued.as_deref(),
+                        thread: submit_thread,
+                        stop: &stop,
+                    };
+                    run.submit(&mut carry, groups.len(), None);
+                    run.settle_all(carry)
+                })
+            });
         async move {
             let (Some(first), Some(run)) = (first, run) else {
                 return Ok(0);
@@ -275,6 +276,34 @@ impl<P: Fn(LayerSpan) + Send + 'static> GroupedWrite<P> {
                 Ok(Err(e)) => Err(at(WriteErrorKind::Task(e))),
                 Ok(Ok(r)) => r,
             }
+        }
+    }
+}
+
+impl<P> Drop for GroupedWrite<P> {
+    /// Dropped before [`GroupedWrite::finish`] (its caller unwound): the batches submitted here
+    /// are still waited for, by the deadline, on the blocking pool where a runtime runs (else
+    /// here). Their copies may still land, and an engine keeps a batch until a wait ends it.
+    fn drop(&mut self) {
+        let Some(carry) = self.carry.take() else {
+            return;
+        };
+        if carry.submitted.is_empty() {
+            return;
+        }
+        let (workers, deadline) = (self.workers.clone(), self.deadline);
+        let settle = move || {
+            for (rank, batch) in carry.submitted.into_iter().flat_map(|g| g.1) {
+                let w = &workers[rank];
+                let r = w
+                    .engine
+                    .wait(batch, deadline.saturating_duration_since(Instant::now()));
+                free_if_timed_out(w, batch, &r);
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => drop(h.spawn_blocking(settle)),
+            Err(_) => settle(),
         }
     }
 }
@@ -662,11 +691,6 @@ async fn submit(
     }
 }
 
-/// Opens `segment` on `engine` (with the consumer's grant `token`, if any) and submits
-/// `requests` as one batch, on the calling thread (which may block: an open may connect); sets
-/// `carried` to the path of the batch's first copy unless it is set. With `points`, a strided
-/// batch's device points where it has them (`TransferEngine::submit_strided_with_points`;
-/// plain copies have none).
 /// Waits for `batch` of `w`'s engine, by `deadline`.
 async fn wait_batch(w: &Worker, batch: BatchId, deadline: Instant) -> Result<(), WriteError> {
     let rank = w.rank;
@@ -948,6 +972,43 @@ mod tests {
             self.b.unregister_memory(self.dst.as_ptr() as u64).unwrap();
             (self.src, self.dst)
         }
+    }
+
+    /// A grouped write dropped before `finish` (its caller unwound between submits) still
+    /// waits for the batches it submitted on the caller's thread: the engine frees each
+    /// once waited for, and their copies end before the bytes could be reused.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_grouped_write_dropped_unfinished_waits_for_what_it_submitted() {
+        let g = two_groups_of_two_batches();
+        // One batch a group: the plain copies only.
+        let mut plan = g.plan.clone();
+        plan.strided.clear();
+        g.a.open_segment(&plan.segment).unwrap();
+        let queued: Queued = Box::new(|_, _| {});
+        let mut w = GroupedWrite::new(
+            Arc::new(g.workers.clone()),
+            vec![plan],
+            &[Range { start: 0, end: 1 }, Range { start: 1, end: 2 }],
+            Op::Write,
+            Instant::now() + std::time::Duration::from_secs(20),
+            None,
+            |_| {},
+            Some(queued),
+            Arc::new(OnceLock::new()),
+            Arc::new(AtomicBool::new(false)),
+        );
+        assert!(w.submit_here(), "one batch to an open segment");
+        // TCP gives no device points: the next group is not the caller's.
+        assert!(!w.submit_here());
+        let carry = w.carry.as_ref().unwrap();
+        let batch = carry.submitted[0].1[0].1;
+        drop(w);
+        let until = Instant::now() + std::time::Duration::from_secs(10);
+        while g.a.status(batch) != kvferry_transfer::BatchStatus::Invalid {
+            assert!(Instant::now() < until, "never waited for");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        g.end();
     }
 
     /// Registers the buffers and plans the load of a [`Grouped`].

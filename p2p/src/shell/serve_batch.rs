@@ -115,6 +115,11 @@ pub(super) fn requests(copies: &[Copy], op: Op) -> Vec<TransferRequest> {
         .collect()
 }
 
+/// Opens `segment` on `engine` (with the consumer's grant `token`, if any) and submits
+/// `requests` as one batch, on the calling thread (which may block: an open may connect); sets
+/// `carried` to the path of the batch's first copy unless it is set. With `points`, a strided
+/// batch's device points where it has them (`TransferEngine::submit_strided_with_points`;
+/// plain copies have none).
 pub(super) fn submit_blocking(
     engine: &kvferry_transfer::TransferEngine,
     segment: String,

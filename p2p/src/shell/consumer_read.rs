@@ -360,9 +360,8 @@ impl Consumer {
         let send = self.send(&spec.producer, request, spec.load_key.clone(), None);
         tokio::pin!(send);
         // The request goes out first (a hand-off to the connection's task), then the reads
-        // start (the first group submitted here, at the call): the producer's answer comes
-        // back while the copies run, and what they read is proved by the checksums, not by
-        // the order.
+        // start (below): the producer's answer comes back while the copies run, and what they
+        // read is proved by the checksums, not by the order.
         let reads_plan_us = reads.plan_us;
         let mut reply = match futures::poll!(&mut send) {
             Poll::Ready(r) => Some(r),

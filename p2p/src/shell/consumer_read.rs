@@ -434,8 +434,9 @@ impl Consumer {
             // The host's wait for the copies' end (the reads' task) is off the load's path: the
             // parts' results come no earlier, being ordered after the copies or started after
             // they landed. The verdict stands only if every read succeeded.
-            let verify_at = started.elapsed().as_secs_f64();
-            let verdict = self.judge(spec, reply, parts, verify_at, phases, None, true);
+            // Every group is submitted by now: `carried` holds the first read's path.
+            let (verify_at, path) = (started.elapsed().as_secs_f64(), carried.get().copied());
+            let verdict = self.judge(spec, reply, parts, verify_at, phases, path, true);
             tokio::pin!(verdict);
             // The reads' end, then `read_done` at once: the producer's lease may end while the
             // verdict is still being worked out. Reads that failed drop the verdict unawaited.
@@ -464,7 +465,6 @@ impl Consumer {
                     };
                     outcome.bytes = b;
                     outcome.transfer_seconds = read_at.as_secs_f64();
-                    outcome.path = carried.get().copied();
                     Ok(outcome)
                 }
                 Err(e) => Err(self.read_failed(spec, &reads.digest, e)),

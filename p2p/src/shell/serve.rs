@@ -158,11 +158,11 @@ pub(crate) struct GroupedWrite<P> {
     op: Op,
     deadline: Instant,
     token: Option<Token>,
-    progress: Option<P>,
+    progress: P,
     queued: Option<Queued>,
     carried: Arc<OnceLock<TransferPath>>,
     stop: Arc<AtomicBool>,
-    /// `None` once [`GroupedWrite::finish`] took it (with `progress`).
+    /// `None` once [`GroupedWrite::finish`]'s task took it.
     carry: Option<Carry>,
 }
 
@@ -189,7 +189,7 @@ impl<P: Fn(LayerSpan) + Send + 'static> GroupedWrite<P> {
             op,
             deadline,
             token,
-            progress: Some(progress),
+            progress,
             queued,
             carried,
             stop,
@@ -207,7 +207,7 @@ impl<P: Fn(LayerSpan) + Send + 'static> GroupedWrite<P> {
     /// mapped here yet (its first transfers import it, within the engine's handshake
     /// timeout): callers ask only where an earlier transfer to it succeeded.
     pub(crate) fn submit_here(&mut self) -> bool {
-        let (Some(carry), Some(progress)) = (self.carry.as_mut(), self.progress.as_ref()) else {
+        let Some(carry) = self.carry.as_mut() else {
             return false;
         };
         if self.queued.is_none() || !carry.queueing || carry.failed.is_some() {
@@ -224,7 +224,7 @@ impl<P: Fn(LayerSpan) + Send + 'static> GroupedWrite<P> {
             op: self.op,
             deadline: self.deadline,
             submit: &submit,
-            progress,
+            progress: &self.progress,
             queued: self.queued.as_deref(),
             thread: submit_thread,
             stop: &self.stop,
@@ -236,34 +236,32 @@ impl<P: Fn(LayerSpan) + Send + 'static> GroupedWrite<P> {
     /// The groups not submitted yet, submitted on a blocking task, and every group waited for
     /// there: the future gives the bytes written, or the first failure.
     pub(crate) fn finish(mut self) -> impl std::future::Future<Output = Result<u64, WriteError>> {
-        let (workers, plans) = (self.workers.clone(), std::mem::take(&mut self.plans));
-        let groups = std::mem::take(&mut self.groups);
-        let (op, deadline, token) = (self.op, self.deadline, self.token);
-        let (queued, carried, stop) = (self.queued.take(), self.carried.clone(), self.stop.clone());
-        let (carry, progress) = (self.carry.take(), self.progress.take());
-        let first = plans.first().map(|p| workers[p.rank].rank);
-        let run = first
-            .zip(carry.zip(progress))
-            .map(|(_, (mut carry, progress))| {
-                tokio::task::spawn_blocking(move || {
-                    let points = queued.is_some();
-                    let submit = |j| submit_job(&workers, j, token, &carried, points);
-                    let run = GroupRun {
-                        workers: &workers,
-                        plans: &plans,
-                        groups: &groups,
-                        op,
-                        deadline,
-                        submit: &submit,
-                        progress: &progress,
-                        queued: queued.as_deref(),
-                        thread: submit_thread,
-                        stop: &stop,
-                    };
-                    run.submit(&mut carry, groups.len(), None);
-                    run.settle_all(carry)
-                })
-            });
+        let deadline = self.deadline;
+        let first = self.plans.first().map(|p| self.workers[p.rank].rank);
+        let run = first.map(|_| {
+            tokio::task::spawn_blocking(move || {
+                let Some(mut carry) = self.carry.take() else {
+                    return Ok(0); // taken only here
+                };
+                let points = self.queued.is_some();
+                let (workers, carried, token) = (&self.workers, &self.carried, self.token);
+                let submit = |j| submit_job(workers, j, token, carried, points);
+                let run = GroupRun {
+                    workers,
+                    plans: &self.plans,
+                    groups: &self.groups,
+                    op: self.op,
+                    deadline,
+                    submit: &submit,
+                    progress: &self.progress,
+                    queued: self.queued.as_deref(),
+                    thread: submit_thread,
+                    stop: &self.stop,
+                };
+                run.submit(&mut carry, self.groups.len(), None);
+                run.settle_all(carry)
+            })
+        });
         async move {
             let (Some(first), Some(run)) = (first, run) else {
                 return Ok(0);

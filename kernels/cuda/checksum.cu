@@ -8,6 +8,11 @@
 // the sum into out[block index * num_slots + replica slot]. Addition mod 2^64 is
 // associative and commutative, so the result does not depend on the order.
 //
+// The copy variants (kvf_copy_checksum*) first copy each chunk they checksum from a source
+// array of the same layout (another process's KV mapped here, say): every chunk is loaded
+// from the source, stored into the layer, and the stored registers are summed. Only the
+// vector paths copy; the host never sends a generic-path layer with a source.
+//
 // Definition (seed, docs/design.md §2.1): token t of the request, piece p of its cell (the
 // cell is the head's K elements then its V elements, split into little-endian 8-byte
 // pieces, P per cell) has index j = t*P + p; s = sum x_j (2j+1); c = sum m*s with
@@ -20,7 +25,7 @@ typedef unsigned int u32;
 // Layer tables up to this many layers are staged in shared memory.
 #define KVF_SMEM_LAYERS 64
 
-// Mirrors `LayerView` in kernels/src/cuda/view.rs (repr(C), 120 bytes).
+// Mirrors `LayerView` in kernels/src/cuda/view.rs (repr(C), 144 bytes).
 struct LayerView {
     u64 base;       // device address of the layer's array
     u64 s_block;    // byte stride of the kernel-block dim B
@@ -45,6 +50,9 @@ struct LayerView {
     u32 regular;    // 0, or 1 | log2(R) << 8 | log2(n_inner) << 16 when each thread keeps
                     // one chunk column and inner index for the whole tile (see tile_regular)
     u32 pad;
+    u64 src_base;     // copy variants: device address of the source array (same layout)
+    u64 src_s_block;  // its byte stride of B
+    u64 src_s_part;   // its byte stride of KV
 };
 
 __device__ __forceinline__ u64 warp_sum(u64 v) {
@@ -96,8 +104,12 @@ __device__ __forceinline__ Tile decode(const LayerView* tab, u32 num_layers, u32
 // row along the inner (smaller-stride) dim, so a warp's loads are coalesced. U loads per
 // thread are issued before the first is used; the index walk is replayed to weight them
 // (cheaper in registers than keeping U weights alive across the loads).
-template <int V, int U>
-__device__ __forceinline__ u64 tile_vec(const LayerView& L, u64 base, u32 part, u64 t0, u32 nt) {
+//
+// C: each chunk is loaded from `src` (the same offset from it as from `base`) and stored at
+// `base` once the U loads are in flight; the sum is of the stored registers.
+template <int V, int U, bool C>
+__device__ __forceinline__ u64 tile_vec(const LayerView& L, u64 base, u64 src, u32 part, u64 t0, u32 nt) {
+    const u64 from = C ? src : base;
     const u32 R = (L.d * L.elem) / V;  // chunks per row
     const u64 p_part = (u64)part * ((L.d * L.elem) >> 3);
     const bool ot = L.outer_is_token != 0;
@@ -118,7 +130,7 @@ __device__ __forceinline__ u64 tile_vec(const LayerView& L, u64 base, u32 part, 
 #pragma unroll
             for (int k = 0; k < U; ++k) {
                 const u32 n = ot ? o : i;
-                x[k] = (o < n_o && n < nt) ? __ldcs((const ulonglong2*)(base + (u64)o * s_o + (u64)i * s_i + (u64)c * 16))
+                x[k] = (o < n_o && n < nt) ? __ldcs((const ulonglong2*)(from + (u64)o * s_o + (u64)i * s_i + (u64)c * 16))
                                            : make_ulonglong2(0ull, 0ull);
                 KVF_STEP();
             }
@@ -127,6 +139,7 @@ __device__ __forceinline__ u64 tile_vec(const LayerView& L, u64 base, u32 part, 
             for (int k = 0; k < U; ++k) {
                 const u32 n = ot ? o : i;
                 const u32 h = ot ? i : o;
+                if (C && o < n_o && n < nt) *(ulonglong2*)(base + (u64)o * s_o + (u64)i * s_i + (u64)c * 16) = x[k];
                 const u64 j = (t0 + n) * P + p_part + (u64)c * 2;
                 // x0 (2j+1) + x1 (2j+3) = (x0 + x1)(2j+1) + 2 x1; masked lanes loaded zeros.
                 const u64 s = (x[k].x + x[k].y) * (2ull * j + 1ull) + 2ull * x[k].y;
@@ -138,7 +151,7 @@ __device__ __forceinline__ u64 tile_vec(const LayerView& L, u64 base, u32 part, 
 #pragma unroll
             for (int k = 0; k < U; ++k) {
                 const u32 n = ot ? o : i;
-                x[k] = (o < n_o && n < nt) ? __ldcs((const u64*)(base + (u64)o * s_o + (u64)i * s_i + (u64)c * 8)) : 0ull;
+                x[k] = (o < n_o && n < nt) ? __ldcs((const u64*)(from + (u64)o * s_o + (u64)i * s_i + (u64)c * 8)) : 0ull;
                 KVF_STEP();
             }
             c = c0; i = i0; o = o0;
@@ -146,6 +159,7 @@ __device__ __forceinline__ u64 tile_vec(const LayerView& L, u64 base, u32 part, 
             for (int k = 0; k < U; ++k) {
                 const u32 n = ot ? o : i;
                 const u32 h = ot ? i : o;
+                if (C && o < n_o && n < nt) *(u64*)(base + (u64)o * s_o + (u64)i * s_i + (u64)c * 8) = x[k];
                 const u64 j = (t0 + n) * P + p_part + (u64)c;
                 acc += (mb + 2ull * h) * (x[k] * (2ull * j + 1ull));
                 KVF_STEP();
@@ -165,8 +179,9 @@ __device__ __forceinline__ u64 tile_vec(const LayerView& L, u64 base, u32 part, 
 //   OT:  sum = M * ((2 t0 P + 2q + 1) U + 2P W + 2X)            (M = m of head i)
 //   !OT: sum = m0 (J U + 2X) + 2 (J W + 2Y)                     (J = 2 (t0 + i) P + 2q + 1)
 // with U = sum y, W = sum o y, X = sum x1, Y = sum o x1 (x1 = 0 when V = 8).
-template <int V, int U, bool OT>
-__device__ __forceinline__ u64 tile_regular(const LayerView& L, u64 base, u32 part, u64 t0, u32 nt) {
+// C: loads from `src`, stores at `base` (as tile_vec).
+template <int V, int U, bool OT, bool C>
+__device__ __forceinline__ u64 tile_regular(const LayerView& L, u64 base, u64 src, u32 part, u64 t0, u32 nt) {
     const u32 rs = (L.regular >> 8) & 0xffu, nis = (L.regular >> 16) & 0xffu;
     const u32 c = threadIdx.x & ((1u << rs) - 1u);
     const u32 row = threadIdx.x >> rs;
@@ -176,17 +191,20 @@ __device__ __forceinline__ u64 tile_regular(const LayerView& L, u64 base, u32 pa
     const u32 n_o = OT ? nt : L.n_outer;
     if (!OT && i >= nt) return 0;  // this thread's token is past num_tokens
     const u64 step = (u64)so * L.s_outer;
-    u64 a = base + (u64)o * L.s_outer + (u64)i * L.s_inner + (u64)c * V;
+    const u64 rel = (u64)o * L.s_outer + (u64)i * L.s_inner + (u64)c * V;
+    u64 a = base + rel;
+    u64 sa = (C ? src : base) + rel;
     u64 su = 0, sw = 0, sx = 0, sy = 0;
     while (o < n_o) {
         if (V == 16) {
             ulonglong2 x[U];
 #pragma unroll
             for (int k = 0; k < U; ++k)
-                x[k] = (o + k * so < n_o) ? __ldcs((const ulonglong2*)(a + k * step)) : make_ulonglong2(0ull, 0ull);
+                x[k] = (o + k * so < n_o) ? __ldcs((const ulonglong2*)(sa + k * step)) : make_ulonglong2(0ull, 0ull);
 #pragma unroll
             for (int k = 0; k < U; ++k) {
                 const u64 ok = o + k * so;
+                if (C && ok < n_o) *(ulonglong2*)(a + k * step) = x[k];
                 const u64 y = x[k].x + x[k].y;
                 su += y;
                 sw += ok * y;
@@ -196,15 +214,17 @@ __device__ __forceinline__ u64 tile_regular(const LayerView& L, u64 base, u32 pa
         } else {
             u64 x[U];
 #pragma unroll
-            for (int k = 0; k < U; ++k) x[k] = (o + k * so < n_o) ? __ldcs((const u64*)(a + k * step)) : 0ull;
+            for (int k = 0; k < U; ++k) x[k] = (o + k * so < n_o) ? __ldcs((const u64*)(sa + k * step)) : 0ull;
 #pragma unroll
             for (int k = 0; k < U; ++k) {
+                if (C && o + k * so < n_o) *(u64*)(a + k * step) = x[k];
                 su += x[k];
                 sw += (u64)(o + k * so) * x[k];
             }
         }
         o += U * so;
         a += U * step;
+        sa += U * step;
     }
     const u64 P = L.pieces;
     const u64 q = (u64)part * ((L.d * L.elem) >> 3) + (u64)c * (V / 8);
@@ -217,13 +237,13 @@ __device__ __forceinline__ u64 tile_regular(const LayerView& L, u64 base, u32 pa
     }
 }
 
-template <int V, int U>
-__device__ __forceinline__ u64 tile_fast(const LayerView& L, u64 base, u32 part, u64 t0, u32 nt) {
+template <int V, int U, bool C>
+__device__ __forceinline__ u64 tile_fast(const LayerView& L, u64 base, u64 src, u32 part, u64 t0, u32 nt) {
     if (L.regular) {
-        return L.outer_is_token ? tile_regular<V, U, true>(L, base, part, t0, nt)
-                                : tile_regular<V, U, false>(L, base, part, t0, nt);
+        return L.outer_is_token ? tile_regular<V, U, true, C>(L, base, src, part, t0, nt)
+                                : tile_regular<V, U, false, C>(L, base, src, part, t0, nt);
     }
-    return tile_vec<V, 4>(L, base, part, t0, nt);
+    return tile_vec<V, 4, C>(L, base, src, part, t0, nt);
 }
 
 // Any strides and any D*elem: each piece is gathered byte by byte (pieces may straddle
@@ -266,15 +286,17 @@ __device__ __forceinline__ void flush(u64 acc, u64 oi, u64* out) {
 }
 
 // layers: num_layers views (tile_begin ascending); block_ids: num_blocks logical block
-// ids, block_ids[b] at position start + b; out: num_blocks * num_slots u64, zeroed
+// ids, block_ids[b] at position start + b; C: src_block_ids[b], the source's block at that
+// position (each layer's chunks are copied from its src_base view first); out: num_blocks * num_slots u64, zeroed
 // before the launch. The num_blocks * tiles_per_group tiles are split into one
 // contiguous range per thread block; tiles are block-major, so consecutive tiles mostly
 // add into the same output: each thread keeps a running sum in a register and its warp
 // flushes it (shuffle reduction, one atomicAdd) only when the output changes. No
 // barrier inside the loop: warps run ahead independently.
-template <int U>
+template <int U, bool C>
 __device__ __forceinline__ void checksum_tiles(const LayerView* __restrict__ layers, u32 num_layers,
-                                               const u64* __restrict__ block_ids, u32 num_blocks, u64 start,
+                                               const u64* __restrict__ block_ids,
+                                               const u64* __restrict__ src_block_ids, u32 num_blocks, u64 start,
                                                u64 num_tokens, u32 num_slots, u32 tiles_per_group,
                                                u64* __restrict__ out) {
     __shared__ LayerView sl[KVF_SMEM_LAYERS];
@@ -290,7 +312,7 @@ __device__ __forceinline__ void checksum_tiles(const LayerView* __restrict__ lay
     const u64 total = (u64)num_blocks * tiles_per_group;
     const u32 lo = (u32)((u64)blockIdx.x * total / gridDim.x);
     const u32 hi = (u32)((u64)(blockIdx.x + 1) * total / gridDim.x);
-    u64 acc = 0, oi = ~0ull, bid = 0;
+    u64 acc = 0, oi = ~0ull, bid = 0, sbid = 0;
     u32 last_bidx = ~0u;
     if (lo >= hi) return;
     // Full decode of the first tile; later tiles advance (layer, local, bidx) by one.
@@ -311,15 +333,17 @@ __device__ __forceinline__ void checksum_tiles(const LayerView* __restrict__ lay
         if (t0 < num_tokens) {  // uniform across the block
             if (bidx != last_bidx) {
                 bid = block_ids[bidx];
+                if (C) sbid = src_block_ids[bidx];
                 last_bidx = bidx;
             }
             const u64 left = num_tokens - t0;
             const u32 nt = left < (u64)L.tokens ? (u32)left : L.tokens;
             const u64 kb = bid * L.kb_per_block + kk;
             const u64 base = L.base + kb * L.s_block + (u64)part * L.s_part;
-            if (L.mode == 0) acc += tile_fast<16, U>(L, base, part, t0, nt);
-            else if (L.mode == 1) acc += tile_fast<8, U>(L, base, part, t0, nt);
-            else acc += tile_generic(L, base, t0, nt);
+            const u64 src = C ? L.src_base + (sbid * L.kb_per_block + kk) * L.src_s_block + (u64)part * L.src_s_part : 0;
+            if (L.mode == 0) acc += tile_fast<16, U, C>(L, base, src, part, t0, nt);
+            else if (L.mode == 1) acc += tile_fast<8, U, C>(L, base, src, part, t0, nt);
+            else if (!C) acc += tile_generic(L, base, t0, nt);
         }
         if (++local == L.tiles_per_block) {
             local = 0;
@@ -333,12 +357,28 @@ __device__ __forceinline__ void checksum_tiles(const LayerView* __restrict__ lay
 extern "C" __global__ void __launch_bounds__(KVF_THREADS)
 kvf_checksum(const LayerView* __restrict__ layers, u32 num_layers, const u64* __restrict__ block_ids, u32 num_blocks,
              u64 start, u64 num_tokens, u32 num_slots, u32 tiles_per_group, u64* __restrict__ out) {
-    checksum_tiles<4>(layers, num_layers, block_ids, num_blocks, start, num_tokens, num_slots, tiles_per_group, out);
+    checksum_tiles<4, false>(layers, num_layers, block_ids, nullptr, num_blocks, start, num_tokens, num_slots, tiles_per_group, out);
 }
 
 // Eight loads in flight per thread on the regular path.
 extern "C" __global__ void __launch_bounds__(KVF_THREADS)
 kvf_checksum_u8(const LayerView* __restrict__ layers, u32 num_layers, const u64* __restrict__ block_ids, u32 num_blocks,
                 u64 start, u64 num_tokens, u32 num_slots, u32 tiles_per_group, u64* __restrict__ out) {
-    checksum_tiles<8>(layers, num_layers, block_ids, num_blocks, start, num_tokens, num_slots, tiles_per_group, out);
+    checksum_tiles<8, false>(layers, num_layers, block_ids, nullptr, num_blocks, start, num_tokens, num_slots, tiles_per_group, out);
+}
+
+// kvf_checksum, copying each chunk from the layer's source first.
+extern "C" __global__ void __launch_bounds__(KVF_THREADS)
+kvf_copy_checksum(const LayerView* __restrict__ layers, u32 num_layers, const u64* __restrict__ block_ids,
+                  const u64* __restrict__ src_block_ids, u32 num_blocks, u64 start, u64 num_tokens, u32 num_slots,
+                  u32 tiles_per_group, u64* __restrict__ out) {
+    checksum_tiles<4, true>(layers, num_layers, block_ids, src_block_ids, num_blocks, start, num_tokens, num_slots, tiles_per_group, out);
+}
+
+// kvf_checksum_u8, copying each chunk from the layer's source first.
+extern "C" __global__ void __launch_bounds__(KVF_THREADS)
+kvf_copy_checksum_u8(const LayerView* __restrict__ layers, u32 num_layers, const u64* __restrict__ block_ids,
+                     const u64* __restrict__ src_block_ids, u32 num_blocks, u64 start, u64 num_tokens, u32 num_slots,
+                     u32 tiles_per_group, u64* __restrict__ out) {
+    checksum_tiles<8, true>(layers, num_layers, block_ids, src_block_ids, num_blocks, start, num_tokens, num_slots, tiles_per_group, out);
 }

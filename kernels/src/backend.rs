@@ -43,6 +43,27 @@ pub struct GroupJob {
     pub device: Location,
 }
 
+/// A [`GroupJob`] that first copies what it checksums ([`ChecksumBackend::submit_copying`]):
+/// every chunk of `job`'s layers the checksum covers (its selected blocks, tokens before
+/// `num_tokens`) is copied from the layer's source, then summed as stored. The checksum is of
+/// the bytes the kernel stored into the layers, from the registers it stored them from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CopyJob {
+    /// The checksum, over the layers the chunks are copied into.
+    pub job: GroupJob,
+    /// One per layer of `job.layers`, in order: the array its chunks are copied from, at an
+    /// address this process's kernels read on the job's device (device memory there, or
+    /// another process's allocation mapped into this one). Its layout must be the layer's
+    /// but for its block count ([`crate::cuda::view::copy_plan`]).
+    pub sources: Vec<LayerInput>,
+    /// The source's block id at each position of `job.selection` (as many ids).
+    pub source_blocks: Vec<u64>,
+}
+
+/// What a copy job's launch keeps alive until the device is done with it (a mapping of its
+/// sources, say), even when its pending result is dropped before.
+pub type Keep = Vec<std::sync::Arc<dyn std::any::Any + Send + Sync>>;
+
 /// A job's result: replica key → one value per position from `start` (`selection.block_ids.len()`
 /// values). Keys are those of the job's layers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -163,6 +184,10 @@ pub enum KernelError {
     /// ends.
     #[error("this checksum backend cannot order its work after device events")]
     Unordered,
+    /// Asked to copy what it checksums (`submit_copying`): this backend only reads (the CPU
+    /// backend; the copy is then the transport's).
+    #[error("this checksum backend does not copy")]
+    NoCopy,
 }
 
 /// Why a job cannot be run as given ([`KernelError::InvalidJob`]); a layer is named by its
@@ -274,6 +299,27 @@ pub trait ChecksumBackend: Send + Sync {
         }
         // SAFETY: forwarded from this function's contract.
         unsafe { self.submit(jobs) }
+    }
+
+    /// Starts jobs that copy each chunk they checksum from a source into their layers, then
+    /// sum the stored values ([`CopyJob`]): one pass over the bytes where a copy then a
+    /// checksum would read them twice. `keep` is held until the device is done with the
+    /// launch, even past a dropped result. Unordered (the sources must be final and the layers
+    /// free when it is called). Errors: as `submit`, a source that does not pair up with its
+    /// layer, and [`KernelError::NoCopy`] from a backend that only reads (the default).
+    ///
+    /// # Safety
+    /// As `submit` for the layers and the sources (readable device memory of the jobs' device
+    /// over each source geometry's span until the device is done with the launch); nothing
+    /// else may touch the layers' covered bytes until the result is taken, nor write the
+    /// sources' if the values are to mean anything.
+    unsafe fn submit_copying(
+        &self,
+        jobs: Vec<CopyJob>,
+        keep: Keep,
+    ) -> Result<PendingChecksums, KernelError> {
+        drop((jobs, keep));
+        Err(KernelError::NoCopy)
     }
 }
 

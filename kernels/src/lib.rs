@@ -14,8 +14,8 @@ pub mod sync;
 use std::sync::Arc;
 
 pub use backend::{
-    validate_job, ChecksumBackend, GroupJob, GroupResult, JobFault, KernelError, LayerInput,
-    Location, PartMismatch, Pending, PendingChecksums,
+    validate_job, ChecksumBackend, CopyJob, GroupJob, GroupResult, JobFault, Keep, KernelError,
+    LayerInput, Location, PartMismatch, Pending, PendingChecksums,
 };
 pub use cpu::CpuBackend;
 

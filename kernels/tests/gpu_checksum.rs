@@ -700,3 +700,116 @@ fn gpu_staging_parts_are_disjoint() {
     assert!(tables.iter().all(|t| t.capacity() == 256 << 10));
     assert_eq!(PieceTable::new().capacity(), 0);
 }
+
+/// Every cell of `dst`'s selected blocks (tokens before `num_tokens`) with `src`'s at the
+/// paired block, element by element through the geometries' strides: an independent copy.
+#[allow(clippy::too_many_arguments)]
+fn copy_cells(
+    dst: &Geometry,
+    dmem: &mut [u8],
+    src: &Geometry,
+    smem: &[u8],
+    ids: &[u64],
+    src_ids: &[u64],
+    num_tokens: u64,
+) {
+    use kvferry_checksum::layout::Dim;
+    let (n, e) = (dst.tokens_per_kernel_block, dst.elem.get() as usize);
+    for (b, (&id, &sid)) in ids.iter().zip(src_ids).enumerate() {
+        for t in 0..dst
+            .block_size()
+            .min(num_tokens.saturating_sub(b as u64 * dst.block_size()))
+        {
+            for h in 0..dst.heads {
+                for part in 0..dst.parts() {
+                    for d in 0..dst.head_dim {
+                        let at = |g: &Geometry, block: u64| {
+                            ((block * g.kernel_blocks_per_block + t / n) * g.stride_of(Dim::B)
+                                + part * g.stride_of(Dim::Kv)
+                                + (t % n) * g.stride_of(Dim::N)
+                                + h * g.stride_of(Dim::H)
+                                + d * g.stride_of(Dim::D)) as usize
+                        };
+                        let (o, so) = (at(dst, id), at(src, sid));
+                        dmem[o..o + e].copy_from_slice(&smem[so..so + e]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The copy kernels on real model shapes: each moves exactly the cells it checksums from the
+/// source's blocks into the layer's (another block count, so other `B`/`KV` strides), and
+/// its values are the oracle's over the source's blocks; every variant.
+#[test]
+fn gpu_copy_checksum_moves_what_it_sums() {
+    let _serial = serial();
+    let Some((backend, tools)) = gpu("gpu_copy_checksum_moves_what_it_sums") else {
+        return;
+    };
+    let others = other_variants();
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let shapes: Vec<(&str, u64, u64, u64, ElemBytes)> = vec![
+        ("KV B N H D", 16, 8, 128, ElemBytes::Two),
+        ("B KV N H D", 16, 8, 128, ElemBytes::Two),
+        ("B KV H N D", 16, 8, 128, ElemBytes::Two),
+        ("B N D", 64, 1, 576, ElemBytes::Two),
+        ("B N D", 4, 1, 4096, ElemBytes::Four),
+        ("KV B N H D", 32, 4, 128, ElemBytes::One),
+    ];
+    for (layout, n, h, d, e) in shapes {
+        let src = fixed_case(&mut rng, layout, 40, n, h, d, e, 3);
+        let mut dst = fixed_case(&mut rng, layout, 30, n, h, d, e, 3);
+        // Distinct blocks to write; the source's own (random) blocks to read.
+        let mut ids: Vec<u64> = (0..30).collect();
+        ids.sort_by_key(|_| rng.random::<u32>());
+        ids.truncate(src.block_ids.len());
+        dst.block_ids = ids.clone();
+        dst.num_tokens = src.num_tokens;
+        let (sbuf, saddrs) = upload_case(&tools, &src);
+        let want = want_results(std::slice::from_ref(&src));
+        let mut want_bytes = dst.host.clone();
+        for (l, w) in want_bytes.iter_mut().enumerate() {
+            let (dg, sg) = (&dst.specs[l].geometry, &src.specs[l].geometry);
+            copy_cells(
+                dg,
+                w,
+                sg,
+                &src.host[l],
+                &ids,
+                &src.block_ids,
+                src.num_tokens,
+            );
+        }
+        for b in std::iter::once(&backend).chain(&others) {
+            let (dbuf, daddrs) = upload_case(&tools, &dst);
+            let copy = kvferry_kernels::CopyJob {
+                job: job(&dst, 0, Location::Cuda(0), &daddrs),
+                sources: job(&src, 0, Location::Cuda(0), &saddrs).layers,
+                source_blocks: src.block_ids.clone(),
+            };
+            // SAFETY: both sides are device buffers of this test that outlive the wait.
+            let got = unsafe { b.submit_copying(vec![copy], Vec::new()) }
+                .unwrap()
+                .wait(WAIT)
+                .unwrap();
+            assert_eq!(got, want, "{layout} n={n} h={h} d={d} e={e:?}");
+            for (l, w) in want_bytes.iter().enumerate() {
+                let bytes = tools.download(daddrs[l], w.len()).unwrap();
+                assert!(bytes == *w, "{layout} layer {l}: landed bytes differ");
+            }
+            drop(dbuf);
+        }
+        drop(sbuf);
+    }
+}
+
+/// The CPU backend does not copy: a copy job is refused, nothing touched.
+#[test]
+fn the_cpu_backend_refuses_copy_jobs() {
+    let cpu = backend_for(Location::Cpu);
+    // SAFETY: refused before any memory is read.
+    let r = unsafe { cpu.submit_copying(Vec::new(), Vec::new()) };
+    assert!(matches!(r, Err(KernelError::NoCopy)), "{r:?}");
+}

@@ -4,11 +4,11 @@
 
 use std::ffi::c_void;
 
-use super::view::{launch_plan, LayerView};
+use super::view::{copy_plan, launch_plan, LayerView};
 use super::{
-    align, chunks_per_thread, driver, kerr, slots, validate_job, CudaBackend, CudaPending, Event,
-    GroupJob, Inner, JobFault, KernelError, KernelVariant, LaunchPlan, Location, Ordering,
-    PendingGroup, RawStream, Slot, THREADS,
+    align, chunks_per_thread, driver, kerr, slots, validate_job, CopyJob, CudaBackend, CudaPending,
+    Event, GroupJob, Inner, JobFault, Keep, KernelError, KernelVariant, LaunchPlan, Location,
+    Ordering, PendingGroup, RawStream, Slot, THREADS,
 };
 use kvferry_checksum::group::LayerSpec;
 use kvferry_cuda::CudaError;
@@ -64,20 +64,9 @@ impl CudaBackend {
         jobs: Vec<GroupJob>,
         after: After<'_>,
     ) -> Result<CudaPending, KernelError> {
-        let inner = &self.inner;
-        let ordinal = inner.ctx.ordinal();
         let mut plans: Vec<(u32, LaunchPlan)> = Vec::with_capacity(jobs.len());
         for job in &jobs {
-            if job.device != Location::Cuda(ordinal) {
-                return Err(KernelError::InvalidJob {
-                    group_id: job.group_id,
-                    why: JobFault::WrongDevice {
-                        job: job.device,
-                        backend: Location::Cuda(ordinal),
-                    },
-                });
-            }
-            validate_job(job)?;
+            self.check_job(job)?;
             let layers: Vec<(&LayerSpec, u64, u64)> = job
                 .layers
                 .iter()
@@ -95,13 +84,94 @@ impl CudaBackend {
             })?;
             plans.push((job.group_id, plan));
         }
-        // Byte layout of the slot: [views, block ids]* then [outputs]*.
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.submit_plans(plans, after, Keep::new()) }
+    }
+
+    /// [`crate::ChecksumBackend::submit_copying`]: each job's launch copies every chunk it
+    /// checksums from its sources first (`kvf_copy_checksum`), on the next side stream,
+    /// unordered; `keep` stays with the submission's slot until its work completed. Errors
+    /// as `submit_after`, and a source that does not pair up with its layer
+    /// ([`super::view::copy_plan`]).
+    ///
+    /// # Safety
+    /// As the trait method's.
+    pub unsafe fn submit_copying(
+        &self,
+        jobs: Vec<CopyJob>,
+        keep: Keep,
+    ) -> Result<CudaPending, KernelError> {
+        let mut plans: Vec<(u32, LaunchPlan)> = Vec::with_capacity(jobs.len());
+        for CopyJob {
+            job,
+            sources,
+            source_blocks,
+        } in &jobs
+        {
+            self.check_job(job)?;
+            // The sources as a job of their own: the same checks of their arrays and blocks.
+            self.check_job(&GroupJob {
+                layers: sources.clone(),
+                selection: kvferry_checksum::select::BlockSelection {
+                    start: job.selection.start,
+                    block_ids: source_blocks.clone(),
+                },
+                ..job.clone()
+            })?;
+            let layers: Vec<(&LayerSpec, u64, u64)> = job.layers.iter().map(triple).collect();
+            let from: Vec<(&LayerSpec, u64, u64)> = sources.iter().map(triple).collect();
+            let plan = copy_plan(
+                &layers,
+                &from,
+                &job.selection.block_ids,
+                source_blocks,
+                job.selection.start,
+                job.num_tokens,
+            )
+            .map_err(|e| KernelError::InvalidJob {
+                group_id: job.group_id,
+                why: JobFault::Plan(e),
+            })?;
+            plans.push((job.group_id, plan));
+        }
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.submit_plans(plans, After::Nothing, keep) }
+    }
+
+    /// A job for this backend's device that [`validate_job`] accepts.
+    fn check_job(&self, job: &GroupJob) -> Result<(), KernelError> {
+        let ordinal = self.inner.ctx.ordinal();
+        if job.device != Location::Cuda(ordinal) {
+            return Err(KernelError::InvalidJob {
+                group_id: job.group_id,
+                why: JobFault::WrongDevice {
+                    job: job.device,
+                    backend: Location::Cuda(ordinal),
+                },
+            });
+        }
+        validate_job(job)
+    }
+
+    /// Enqueues `plans` (one launch each) on a side stream after `after`, their slot keeping
+    /// `keep`.
+    ///
+    /// # Safety
+    /// As `submit_after`'s, for every plan's layers and sources.
+    unsafe fn submit_plans(
+        &self,
+        plans: Vec<(u32, LaunchPlan)>,
+        after: After<'_>,
+        keep: Keep,
+    ) -> Result<CudaPending, KernelError> {
+        let inner = &self.inner;
+        // Byte layout of the slot: [views, block ids, source block ids]* then [outputs]*.
         let mut off = 0usize;
         let mut param_offs = Vec::with_capacity(plans.len());
         for (_, p) in &plans {
             let v = align(off, 16);
             let ids = align(v + p.views.len() * std::mem::size_of::<LayerView>(), 8);
-            off = ids + p.block_ids.len() * 8;
+            off = ids + (p.block_ids.len() + p.src_block_ids.len()) * 8;
             param_offs.push((v, ids));
         }
         let params_len = off;
@@ -131,6 +201,11 @@ impl CudaBackend {
                     host.add(ids),
                     p.block_ids.len() * 8,
                 );
+                std::ptr::copy_nonoverlapping(
+                    p.src_block_ids.as_ptr() as *const u8,
+                    host.add(ids + p.block_ids.len() * 8),
+                    p.src_block_ids.len() * 8,
+                );
             }
         }
         let timed = inner.timing.load(Ordering::Relaxed);
@@ -159,6 +234,7 @@ impl CudaBackend {
         };
         let mut slot = slot;
         slot.timed = timed;
+        slot.keep = keep;
         if let Err(e) = r {
             // Whatever was queued may still run: retire the slot behind a fresh record.
             // SAFETY: `side`, the stream this submission took, is the backend's own and of
@@ -185,6 +261,11 @@ impl CudaBackend {
             kernel_ms: None,
         })
     }
+}
+
+/// A layer as the launch plans take it.
+fn triple(l: &crate::LayerInput) -> (&LayerSpec, u64, u64) {
+    (&l.spec, l.addr, l.len)
 }
 
 /// What a submission's kernels wait for on the device before they read the layers.
@@ -247,16 +328,21 @@ impl Inner {
                 let mut a_views = dev + v as u64;
                 let mut a_nl = p.views.len() as u32;
                 let mut a_ids = dev + ids as u64;
+                let mut a_src = dev + ids as u64 + p.block_ids.len() as u64 * 8;
                 let mut a_nb = p.block_ids.len() as u32;
                 let mut a_start = p.start;
                 let mut a_nt = p.num_tokens;
                 let mut a_ns = p.keys.len() as u32;
                 let mut a_tpg = p.tiles_per_group;
                 let mut a_out = dev + out as u64;
-                let mut args: [*mut c_void; 9] = [
+                let copies = !p.src_block_ids.is_empty();
+                // `kvf_checksum`'s nine arguments; `kvf_copy_checksum` takes the source block
+                // ids after the block ids.
+                let mut all: [*mut c_void; 10] = [
                     &mut a_views as *mut u64 as *mut c_void,
                     &mut a_nl as *mut u32 as *mut c_void,
                     &mut a_ids as *mut u64 as *mut c_void,
+                    &mut a_src as *mut u64 as *mut c_void,
                     &mut a_nb as *mut u32 as *mut c_void,
                     &mut a_start as *mut u64 as *mut c_void,
                     &mut a_nt as *mut u64 as *mut c_void,
@@ -264,14 +350,22 @@ impl Inner {
                     &mut a_tpg as *mut u32 as *mut c_void,
                     &mut a_out as *mut u64 as *mut c_void,
                 ];
+                if !copies {
+                    all.copy_within(4.., 3);
+                }
+                let args = &mut all[..if copies { 10 } else { 9 }];
                 let u8 = match self.variant {
                     KernelVariant::Unroll4 => false,
                     KernelVariant::Unroll8 => true,
                     KernelVariant::Auto => chunks_per_thread(p) > 4,
                 };
-                let (kernel, grid_cap) = self.kernels[u8 as usize];
+                let (kernel, grid_cap) = if copies {
+                    self.copy_kernels[u8 as usize]
+                } else {
+                    self.kernels[u8 as usize]
+                };
                 let grid = p.total_tiles.min(grid_cap).max(1);
-                kernel.launch(s, grid, THREADS, &mut args)?;
+                kernel.launch(s, grid, THREADS, args)?;
             }
             if timed {
                 slot.kend.record(s)?;

@@ -22,7 +22,7 @@ pub mod view;
 
 use crate::backend::{validate_job, ChecksumBackend, Pending, PendingChecksums};
 use crate::sync::MutexExt;
-use crate::{GroupJob, GroupResult, JobFault, KernelError, Location};
+use crate::{CopyJob, GroupJob, GroupResult, JobFault, Keep, KernelError, Location};
 use cudarc::driver::sys;
 use driver::{Context, Event, EventState, Function, Module, Stream};
 use kvferry_checksum::group::ReplicaKey;
@@ -142,6 +142,8 @@ struct Inner {
     _module: Module,
     /// `kvf_checksum` (unroll 4) and `kvf_checksum_u8`, with their grid caps.
     kernels: [(Function, u32); 2],
+    /// `kvf_copy_checksum` (unroll 4) and `kvf_copy_checksum_u8`, with their grid caps.
+    copy_kernels: [(Function, u32); 2],
     variant: KernelVariant,
     pool: Mutex<Pool>,
     timing: AtomicBool,
@@ -218,6 +220,12 @@ impl CudaBackend {
                 (k4, sms * k4.occupancy(THREADS)?),
                 (k8, sms * k8.occupancy(THREADS)?),
             ];
+            let c4 = module.function("kvf_copy_checksum")?;
+            let c8 = module.function("kvf_copy_checksum_u8")?;
+            let copy_kernels = [
+                (c4, sms * c4.occupancy(THREADS)?),
+                (c8, sms * c8.occupancy(THREADS)?),
+            ];
             let streams = (0..side_stream_count())
                 .map(|_| Stream::new(&ctx))
                 .collect::<Result<Vec<_>, _>>()?;
@@ -229,6 +237,7 @@ impl CudaBackend {
                 next: AtomicUsize::new(0),
                 _module: module,
                 kernels,
+                copy_kernels,
                 variant,
                 pool: Mutex::new(Pool::default()),
                 timing: AtomicBool::new(false),
@@ -445,6 +454,17 @@ impl ChecksumBackend for CudaBackend {
         Ok(PendingChecksums::new(Box::new(
             // SAFETY: forwarded from the trait's contract: recorded events of this device.
             unsafe { CudaBackend::submit_after_events(self, jobs, events) }?,
+        )))
+    }
+
+    unsafe fn submit_copying(
+        &self,
+        jobs: Vec<CopyJob>,
+        keep: Keep,
+    ) -> Result<PendingChecksums, KernelError> {
+        Ok(PendingChecksums::new(Box::new(
+            // SAFETY: forwarded from the trait's contract.
+            unsafe { CudaBackend::submit_copying(self, jobs, keep) }?,
         )))
     }
 }

@@ -29,6 +29,8 @@ pub(super) struct Slot {
     pub(super) kstart: Event,
     pub(super) kend: Event,
     pub(super) timed: bool,
+    /// What the submission's work needs alive until `done` (a copy launch's sources).
+    pub(super) keep: crate::Keep,
 }
 
 #[derive(Default)]
@@ -69,7 +71,8 @@ pub(super) fn take_slot(pool: &Mutex<Pool>, ctx: &Context, need: usize) -> Resul
         let mut k = 0;
         while k < pool.retiring.len() {
             if matches!(pool.retiring[k].done.query(), Ok(EventState::Done)) {
-                let s = pool.retiring.swap_remove(k);
+                let mut s = pool.retiring.swap_remove(k);
+                s.keep.clear();
                 pool.free.push(s);
             } else {
                 k += 1;
@@ -116,12 +119,14 @@ pub(super) fn slot_in(ctx: &Context, mem: Staging) -> Result<Slot, CudaError> {
         kstart: Event::new(ctx, true)?,
         kend: Event::new(ctx, true)?,
         timed: false,
+        keep: Vec::new(),
     })
 }
 
 /// Gives `slot` back once its work completed: kept for the next submission, up to
 /// [`SLOTS_KEPT`] free ones; past that it is freed here (outside the lock).
-pub(super) fn give_back(pool: &Mutex<Pool>, slot: Slot) {
+pub(super) fn give_back(pool: &Mutex<Pool>, mut slot: Slot) {
+    slot.keep.clear();
     let mut p = pool.locked();
     if p.free.len() < SLOTS_KEPT {
         p.free.push(slot);

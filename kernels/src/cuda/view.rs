@@ -9,7 +9,7 @@ use kvferry_checksum::group::{LayerSpec, ReplicaKey};
 use kvferry_checksum::layout::Dim;
 
 /// One layer as the kernel sees it. Mirrors `struct LayerView` in
-/// `kernels/cuda/checksum.cu` field for field (`repr(C)`, 120 bytes).
+/// `kernels/cuda/checksum.cu` field for field (`repr(C)`, 144 bytes).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct LayerView {
@@ -58,6 +58,13 @@ pub struct LayerView {
     pub regular: u32,
     /// Keeps the size a multiple of 8.
     pub pad: u32,
+    /// Copy launches ([`copy_plan`]): device address of the array the layer's chunks are
+    /// copied from (0 otherwise).
+    pub src_base: u64,
+    /// Its byte stride of `B` (its block count may differ from the layer's).
+    pub src_s_block: u64,
+    /// Its byte stride of `KV`.
+    pub src_s_part: u64,
 }
 
 /// Threads per block of the checksum kernel (`KVF_THREADS` in checksum.cu).
@@ -78,6 +85,9 @@ pub struct LaunchPlan {
     pub views: Vec<LayerView>,
     /// Logical block ids; `block_ids[b]` sits at position `start + b`.
     pub block_ids: Vec<u64>,
+    /// Copy launches ([`copy_plan`]): the source's block id at each position of `block_ids`
+    /// (empty otherwise).
+    pub src_block_ids: Vec<u64>,
     /// Position of `block_ids[0]`.
     pub start: u64,
     /// Tokens of the request; later tokens are not checksummed.
@@ -142,6 +152,17 @@ pub enum PlanError {
     /// The layer's last head index does not fit in u32.
     #[error("layer {0}: head index past u32")]
     HeadIndex(String),
+    /// A copy launch's source cannot be copied chunk for chunk into the layer: `what` of the
+    /// two differs (a dimension, a stride inside a block, the layer or head numbers, the
+    /// load path), or the layer is read byte by byte (the copy needs the vector paths), or
+    /// the sources and block lists do not pair up with the layers and blocks.
+    #[error("layer {layer}: its source differs in {what}")]
+    Source {
+        /// The layer.
+        layer: String,
+        /// What differs.
+        what: &'static str,
+    },
 }
 
 fn to_u32(what: &'static str, layer: &str, v: u64) -> Result<u32, PlanError> {
@@ -249,6 +270,9 @@ pub fn layer_view(spec: &LayerSpec, addr: u64, len: u64) -> Result<LayerView, Pl
         slot: 0,
         regular: regular(mode, row_bytes, n_inner),
         pad: 0,
+        src_base: 0,
+        src_s_block: 0,
+        src_s_part: 0,
         // row_bytes fits because d and e do and D*e was checked above
     })
     .and_then(|v| {
@@ -313,12 +337,100 @@ pub fn launch_plan(
     Ok(LaunchPlan {
         views,
         block_ids: block_ids.to_vec(),
+        src_block_ids: Vec::new(),
         start,
         num_tokens,
         keys,
         tiles_per_group,
         total_tiles,
     })
+}
+
+/// As [`launch_plan`], for a launch that first copies every chunk it checksums from a source
+/// array into the layer, then sums the stored values: layer `l`'s chunk of block
+/// `block_ids[b]` comes from `sources[l]` (`(spec, device address, byte length)`: the source
+/// array as this process reaches it) at block `src_block_ids[b]`, at the same offset within
+/// the block. Only tokens before `num_tokens` are copied, the bytes the checksum covers.
+///
+/// The source must have the layer's layout in every respect but its block count (so also
+/// its `B` and `KV` strides): the same layer and head numbers, dimensions, element size,
+/// strides within a block and load path (alignment included); layers read byte by byte are
+/// refused. Errors: what [`launch_plan`] refuses for the layers and for the sources (a
+/// source's block id past its blocks included), and [`PlanError::Source`].
+pub fn copy_plan(
+    layers: &[(&LayerSpec, u64, u64)],
+    sources: &[(&LayerSpec, u64, u64)],
+    block_ids: &[u64],
+    src_block_ids: &[u64],
+    start: u64,
+    num_tokens: u64,
+) -> Result<LaunchPlan, PlanError> {
+    let mut plan = launch_plan(layers, block_ids, start, num_tokens)?;
+    let name = |i: usize| {
+        layers
+            .get(i)
+            .map_or("(group)", |l| l.0.name.as_str())
+            .to_string()
+    };
+    if sources.len() != layers.len() || src_block_ids.len() != block_ids.len() {
+        return Err(PlanError::Source {
+            layer: name(0),
+            what: "count (sources per layer, source blocks per block)",
+        });
+    }
+    for (i, (v, (spec, addr, len))) in plan.views.iter_mut().zip(sources).enumerate() {
+        let s = layer_view(spec, *addr, *len)?;
+        let nblocks = spec.geometry.num_blocks();
+        if let Some(&bad) = src_block_ids.iter().find(|&&b| b >= nblocks) {
+            return Err(PlanError::BlockOutOfRange {
+                layer: spec.name.clone(),
+                id: bad,
+                blocks: nblocks,
+            });
+        }
+        let mine = layers[i].0;
+        let differs = if v.mode == MODE_GENERIC {
+            Some("load path (the layer is read byte by byte)")
+        } else if (spec.layer, spec.head_offset) != (mine.layer, mine.head_offset) {
+            Some("layer or head numbers")
+        } else if s.mode != v.mode || s.regular != v.regular {
+            Some("load path")
+        } else if (s.s_outer, s.s_inner, s.s_d) != (v.s_outer, v.s_inner, v.s_d) {
+            Some("strides within a block")
+        } else if (
+            s.n_outer,
+            s.n_inner,
+            s.outer_is_token,
+            s.d,
+            s.elem,
+            s.parts,
+            s.tokens,
+        ) != (
+            v.n_outer,
+            v.n_inner,
+            v.outer_is_token,
+            v.d,
+            v.elem,
+            v.parts,
+            v.tokens,
+        ) || (s.kb_per_block, s.pieces, s.m_base) != (v.kb_per_block, v.pieces, v.m_base)
+        {
+            Some("dimensions")
+        } else {
+            None
+        };
+        if let Some(what) = differs {
+            return Err(PlanError::Source {
+                layer: name(i),
+                what,
+            });
+        }
+        v.src_base = s.base;
+        v.src_s_block = s.s_block;
+        v.src_s_part = s.s_part;
+    }
+    plan.src_block_ids = src_block_ids.to_vec();
+    Ok(plan)
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! checked here, without a GPU.
 use super::*;
 use crate::oracle::direct_values;
-use kvferry_checksum::layout::{ElemBytes, Geometry, Layout};
+use kvferry_checksum::layout::{Dim, ElemBytes, Geometry, Layout};
 use kvferry_checksum::select::BlockSelection;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -22,7 +22,7 @@ fn rd(mem: &[u8], base: u64, addr: u64, n: usize) -> u64 {
 #[allow(clippy::too_many_arguments)]
 fn tile_vec(
     l: &LayerView,
-    mem: &[u8],
+    rd: &mut dyn FnMut(u64, usize) -> u64,
     base: u64,
     part: u32,
     t0: u64,
@@ -50,9 +50,9 @@ fn tile_vec(
             let j = (t0 + n as u64) * l.pieces + p_part + c as u64 * (v as u64 / 8);
             let m = l.m_base.wrapping_add(2 * h as u64);
             if ok {
-                let x0 = rd(mem, l.base, addr, 8);
+                let x0 = rd(addr, 8);
                 let s = if v == 16 {
-                    let x1 = rd(mem, l.base, addr + 8, 8);
+                    let x1 = rd(addr + 8, 8);
                     x0.wrapping_add(x1)
                         .wrapping_mul(j.wrapping_mul(2).wrapping_add(1))
                         .wrapping_add(x1.wrapping_mul(2))
@@ -78,7 +78,14 @@ fn tile_vec(
     acc
 }
 
-fn tile_generic(l: &LayerView, mem: &[u8], base: u64, t0: u64, nt: u32, tid: u32) -> u64 {
+fn tile_generic(
+    l: &LayerView,
+    rd: &mut dyn FnMut(u64, usize) -> u64,
+    base: u64,
+    t0: u64,
+    nt: u32,
+    tid: u32,
+) -> u64 {
     let p = l.pieces as u32;
     let part_bytes = l.d * l.elem;
     let n_o = if l.outer_is_token != 0 { nt } else { l.n_outer };
@@ -100,7 +107,7 @@ fn tile_generic(l: &LayerView, mem: &[u8], base: u64, t0: u64, nt: u32, tid: u32
                 let d = rem / l.elem;
                 let eb = rem - d * l.elem;
                 let a = rb + part as u64 * l.s_part + d as u64 * l.s_d + eb as u64;
-                x |= rd(mem, l.base, a, 1) << (8 * b);
+                x |= rd(a, 1) << (8 * b);
             }
             let jj = (t0 + n as u64) * l.pieces + pc as u64;
             acc = acc.wrapping_add(
@@ -118,7 +125,7 @@ fn tile_generic(l: &LayerView, mem: &[u8], base: u64, t0: u64, nt: u32, tid: u32
 #[allow(clippy::too_many_arguments)]
 fn tile_regular(
     l: &LayerView,
-    mem: &[u8],
+    rd: &mut dyn FnMut(u64, usize) -> u64,
     base: u64,
     part: u32,
     t0: u64,
@@ -146,12 +153,8 @@ fn tile_regular(
     let (mut su, mut sw, mut sx, mut sy) = (0u64, 0u64, 0u64, 0u64);
     while o < n_o {
         let a = base + o as u64 * l.s_outer + i as u64 * l.s_inner + c as u64 * v as u64;
-        let x0 = rd(mem, l.base, a, 8);
-        let x1 = if v == 16 {
-            rd(mem, l.base, a + 8, 8)
-        } else {
-            0
-        };
+        let x0 = rd(a, 8);
+        let x1 = if v == 16 { rd(a + 8, 8) } else { 0 };
         let y = x0.wrapping_add(x1);
         su = su.wrapping_add(y);
         sw = sw.wrapping_add((o as u64).wrapping_mul(y));
@@ -182,6 +185,25 @@ fn tile_regular(
 
 /// CPU replay of kvf_checksum over all tiles; `mems[l]` backs layer l.
 fn replay(plan: &LaunchPlan, mems: &[&[u8]]) -> Vec<u64> {
+    replay_with(plan, &mut |li, l, _, a, n| rd(mems[li], l.base, a, n))
+}
+
+/// CPU replay of kvf_copy_checksum: each chunk read from `srcs[l]` (based at the view's
+/// `src_base`, block `src_block_ids[b]`) and written into `dsts[l]` before it is summed.
+fn replay_copy(plan: &LaunchPlan, dsts: &mut [Vec<u8>], srcs: &[&[u8]]) -> Vec<u64> {
+    replay_with(plan, &mut |li, l, (base, src), a, n| {
+        let x = rd(srcs[li], l.src_base, src + (a - base), n);
+        let o = (a - l.base) as usize;
+        dsts[li][o..o + n].copy_from_slice(&x.to_le_bytes()[..n]);
+        x
+    })
+}
+
+/// The tile walk of both kernels: `read(layer index, view, (tile base, tile source base),
+/// address, bytes)` gives each chunk's value.
+type Reader<'a> = dyn FnMut(usize, &LayerView, (u64, u64), u64, usize) -> u64 + 'a;
+
+fn replay_with(plan: &LaunchPlan, read: &mut Reader<'_>) -> Vec<u64> {
     let ns = plan.keys.len();
     let mut out = vec![0u64; plan.block_ids.len() * ns];
     for tile in 0..plan.total_tiles {
@@ -203,18 +225,22 @@ fn replay(plan: &LaunchPlan, mems: &[&[u8]]) -> Vec<u64> {
         let nt = (plan.num_tokens - t0).min(l.tokens as u64) as u32;
         let kb = plan.block_ids[bidx as usize] * l.kb_per_block as u64 + kk as u64;
         let base = l.base + kb * l.s_block + part as u64 * l.s_part;
+        let src = plan.src_block_ids.get(bidx as usize).map_or(0, |&sb| {
+            l.src_base
+                + (sb * l.kb_per_block as u64 + kk as u64) * l.src_s_block
+                + part as u64 * l.src_s_part
+        });
+        let mut rd = |a: u64, n: usize| read(li, l, (base, src), a, n);
         let mut sum = 0u64;
         for tid in 0..THREADS {
             let a = match l.mode {
                 MODE_VEC16 if l.regular != 0 => {
-                    tile_regular(l, mems[li], base, part, t0, nt, 16, tid)
+                    tile_regular(l, &mut rd, base, part, t0, nt, 16, tid)
                 }
-                MODE_VEC8 if l.regular != 0 => {
-                    tile_regular(l, mems[li], base, part, t0, nt, 8, tid)
-                }
-                MODE_VEC16 => tile_vec(l, mems[li], base, part, t0, nt, 16, tid),
-                MODE_VEC8 => tile_vec(l, mems[li], base, part, t0, nt, 8, tid),
-                _ => tile_generic(l, mems[li], base, t0, nt, tid),
+                MODE_VEC8 if l.regular != 0 => tile_regular(l, &mut rd, base, part, t0, nt, 8, tid),
+                MODE_VEC16 => tile_vec(l, &mut rd, base, part, t0, nt, 16, tid),
+                MODE_VEC8 => tile_vec(l, &mut rd, base, part, t0, nt, 8, tid),
+                _ => tile_generic(l, &mut rd, base, t0, nt, tid),
             };
             sum = sum.wrapping_add(a);
         }
@@ -404,6 +430,273 @@ fn refuses_bad_blocks_and_short_arrays() {
 }
 
 #[test]
-fn view_is_120_bytes() {
-    assert_eq!(std::mem::size_of::<LayerView>(), 120);
+fn view_is_144_bytes() {
+    assert_eq!(std::mem::size_of::<LayerView>(), 144);
+}
+
+/// `g` with `blocks` logical blocks: the same strides within a block, the dimensions outside
+/// `B` spanning the new count (padding between them kept).
+fn with_blocks(g: &Geometry, blocks: u64) -> Geometry {
+    let dims = g.layout.dims().to_vec();
+    let b = g.layout.position(Dim::B).unwrap();
+    let kb = blocks * g.kernel_blocks_per_block;
+    let mut strides = g.strides.clone();
+    for k in (0..b).rev() {
+        let size = |d: Dim| if d == Dim::B { kb } else { g.size_of(d) };
+        let pad = g.strides[k] - g.strides[k + 1] * g.size_of(dims[k + 1]);
+        strides[k] = strides[k + 1] * size(dims[k + 1]) + pad;
+    }
+    let mut out = g.clone();
+    out.num_kernel_blocks = kb;
+    out.with_strides(strides).unwrap()
+}
+
+/// An independent copy of what a copy launch moves: every cell of every selected block's
+/// tokens before `num_tokens`, element by element through the geometries' strides.
+#[allow(clippy::too_many_arguments)]
+fn reference_copy(
+    dst: &Geometry,
+    dmem: &mut [u8],
+    src: &Geometry,
+    smem: &[u8],
+    ids: &[u64],
+    src_ids: &[u64],
+    start: u64,
+    num_tokens: u64,
+) {
+    let (n, kbpb, e) = (
+        dst.tokens_per_kernel_block,
+        dst.kernel_blocks_per_block,
+        dst.elem.get(),
+    );
+    for (b, (&id, &sid)) in ids.iter().zip(src_ids).enumerate() {
+        for t in 0..dst.block_size() {
+            if (start + b as u64) * dst.block_size() + t >= num_tokens {
+                break;
+            }
+            let (kk, tok) = (t / n, t % n);
+            for h in 0..dst.heads {
+                for part in 0..dst.parts() {
+                    for d in 0..dst.head_dim {
+                        let at = |g: &Geometry, block: u64| {
+                            ((block * kbpb + kk) * g.stride_of(Dim::B)
+                                + part * g.stride_of(Dim::Kv)
+                                + tok * g.stride_of(Dim::N)
+                                + h * g.stride_of(Dim::H)
+                                + d * g.stride_of(Dim::D)) as usize
+                        };
+                        let (o, so) = (at(dst, id), at(src, sid));
+                        dmem[o..o + e as usize].copy_from_slice(&smem[so..so + e as usize]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The copy kernel, replayed: it moves exactly the cells the checksum covers, from the source's
+/// blocks into the layer's (nothing else of the layer changes), and its values are the
+/// definition's over the bytes it stored, for sources with other block counts, padded
+/// strides and every vector load path; what the copy cannot do chunk for chunk is refused.
+#[test]
+fn replayed_copy_moves_what_it_checksums() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let (mut copied, mut refused, mut regular) = (0usize, 0usize, 0usize);
+    let mut modes = [0usize; 3];
+    for case in 0..300 {
+        let nl = rng.random_range(1..4);
+        let specs: Vec<LayerSpec> = (0..nl)
+            .map(|l| random_spec(&mut rng, l as u32 * 5 + 2, ReplicaKey::NONE))
+            .collect();
+        let sources: Vec<LayerSpec> = specs
+            .iter()
+            .map(|s| {
+                let blocks = rng.random_range(1..6);
+                LayerSpec {
+                    geometry: with_blocks(&s.geometry, blocks),
+                    ..s.clone()
+                }
+            })
+            .collect();
+        let shift = [0u64, 8, 1][rng.random_range(0..3)];
+        let fill = |rng: &mut ChaCha8Rng, g: &Geometry| -> Vec<u8> {
+            (0..g.byte_len()).map(|_| rng.random::<u8>()).collect()
+        };
+        let dmems: Vec<Vec<u8>> = specs.iter().map(|s| fill(&mut rng, &s.geometry)).collect();
+        let smems: Vec<Vec<u8>> = sources
+            .iter()
+            .map(|s| fill(&mut rng, &s.geometry))
+            .collect();
+        let dbases: Vec<u64> = (0..nl as u64)
+            .map(|l| (l + 1) * (1 << 40) + shift)
+            .collect();
+        let sbases: Vec<u64> = (0..nl as u64)
+            .map(|l| (l + 9) * (1 << 40) + shift)
+            .collect();
+        let nb = specs.iter().map(|s| s.geometry.num_blocks()).min().unwrap();
+        let snb = sources
+            .iter()
+            .map(|s| s.geometry.num_blocks())
+            .min()
+            .unwrap();
+        let count = rng.random_range(0..=nb.min(snb));
+        // Distinct destination blocks: two positions never write one block.
+        let mut ids: Vec<u64> = (0..nb).collect();
+        ids.sort_by_key(|_| rng.random::<u32>());
+        ids.truncate(count as usize);
+        let src_ids: Vec<u64> = (0..count).map(|_| rng.random_range(0..snb)).collect();
+        let start = rng.random_range(0..3);
+        let bs = specs[0].geometry.block_size();
+        let num_tokens = ((start + count) * bs).saturating_sub(rng.random_range(0..bs.max(1)));
+        let layers: Vec<(&LayerSpec, u64, u64)> = specs
+            .iter()
+            .zip(&dbases)
+            .zip(&dmems)
+            .map(|((s, &b), m)| (s, b, m.len() as u64))
+            .collect();
+        let from: Vec<(&LayerSpec, u64, u64)> = sources
+            .iter()
+            .zip(&sbases)
+            .zip(&smems)
+            .map(|((s, &b), m)| (s, b, m.len() as u64))
+            .collect();
+        let plan = match copy_plan(&layers, &from, &ids, &src_ids, start, num_tokens) {
+            Ok(p) => p,
+            Err(e @ PlanError::Source { .. }) => {
+                // Only a layer the checksum reads byte by byte, or one whose rows are strided
+                // over all blocks (a dimension of the row outside `B`): everything else pairs up.
+                let plain = launch_plan(&layers, &ids, start, num_tokens).unwrap();
+                let srcv = launch_plan(&from, &src_ids, start, num_tokens).unwrap();
+                let explained = plain.views.iter().zip(&srcv.views).any(|(d, s)| {
+                    d.mode == MODE_GENERIC || (d.s_outer, d.s_inner) != (s.s_outer, s.s_inner)
+                });
+                assert!(explained, "case {case}: refused ({e}) {:?}", plain.views);
+                refused += 1;
+                continue;
+            }
+            Err(e) => panic!("case {case}: {e}"),
+        };
+        copied += 1;
+        regular += plan.views.iter().filter(|v| v.regular != 0).count();
+        for v in &plan.views {
+            modes[v.mode as usize] += 1;
+        }
+        let mut got_mems = dmems.clone();
+        let slices: Vec<&[u8]> = smems.iter().map(|m| m.as_slice()).collect();
+        let got = replay_copy(&plan, &mut got_mems, &slices);
+        let mut want_mems = dmems.clone();
+        for l in 0..nl {
+            let (d, s) = (&specs[l].geometry, &sources[l].geometry);
+            reference_copy(
+                d,
+                &mut want_mems[l],
+                s,
+                &smems[l],
+                &ids,
+                &src_ids,
+                start,
+                num_tokens,
+            );
+            assert!(
+                got_mems[l] == want_mems[l],
+                "case {case} layer {l}: bytes differ"
+            );
+        }
+        let pairs: Vec<(&LayerSpec, &[u8])> = specs
+            .iter()
+            .zip(&want_mems)
+            .map(|(s, m)| (s, m.as_slice()))
+            .collect();
+        let selection = BlockSelection {
+            start,
+            block_ids: ids.clone(),
+        };
+        let want = direct_values(&pairs, &selection, num_tokens);
+        for bi in 0..ids.len() {
+            assert_eq!(
+                got[bi],
+                want[&ReplicaKey::NONE][bi],
+                "case {case} block {bi}"
+            );
+        }
+    }
+    assert!(
+        copied > 60 && refused > 10 && regular > 20 && modes[0] > 10 && modes[1] > 10,
+        "{copied} {refused} {regular} {modes:?}"
+    );
+}
+
+/// A source that differs from its layer in anything but its block count is refused, and so is
+/// a source block past the source's blocks.
+#[test]
+fn a_copy_source_of_another_layout_is_refused() {
+    let g = Geometry::contiguous(
+        Layout::parse("KV B N H D").unwrap(),
+        4,
+        16,
+        8,
+        128,
+        ElemBytes::Two,
+        1,
+    )
+    .unwrap();
+    let spec = LayerSpec {
+        name: "l".into(),
+        layer: 3,
+        head_offset: 0,
+        geometry: g.clone(),
+        kind: None,
+        dtype: None,
+        replica: ReplicaKey::NONE,
+    };
+    let len = g.byte_len();
+    let plan = |src: &LayerSpec, slen: u64, sid: u64| {
+        copy_plan(
+            &[(&spec, 1 << 40, len)],
+            &[(src, 1 << 41, slen)],
+            &[1],
+            &[sid],
+            0,
+            16,
+        )
+    };
+    let more = LayerSpec {
+        geometry: with_blocks(&g, 9),
+        ..spec.clone()
+    };
+    let ok = plan(&more, more.geometry.byte_len(), 8).unwrap();
+    assert_eq!(ok.views[0].src_s_part, more.geometry.stride_of(Dim::Kv));
+    assert!(matches!(
+        plan(&more, more.geometry.byte_len(), 9),
+        Err(PlanError::BlockOutOfRange { .. })
+    ));
+    let other_heads = LayerSpec {
+        head_offset: 8,
+        ..spec.clone()
+    };
+    let fewer_heads = LayerSpec {
+        geometry: Geometry::contiguous(g.layout.clone(), 4, 16, 4, 128, ElemBytes::Two, 1).unwrap(),
+        ..spec.clone()
+    };
+    let other_layout = LayerSpec {
+        geometry: Geometry::contiguous(
+            Layout::parse("KV B H N D").unwrap(),
+            4,
+            16,
+            8,
+            128,
+            ElemBytes::Two,
+            1,
+        )
+        .unwrap(),
+        ..spec.clone()
+    };
+    for bad in [&other_heads, &fewer_heads, &other_layout] {
+        let r = plan(bad, bad.geometry.byte_len(), 0);
+        assert!(matches!(r, Err(PlanError::Source { .. })), "{r:?}");
+    }
+    assert!(matches!(
+        copy_plan(&[(&spec, 1 << 40, len)], &[], &[1], &[0], 0, 16),
+        Err(PlanError::Source { .. })
+    ));
 }

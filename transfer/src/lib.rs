@@ -73,6 +73,6 @@ pub use ports::{host_port, PortRange, PortRangeError};
 pub use segment::SegmentHandle;
 pub use strided::{StridedGroup, StridedRange, StridedRequest};
 pub use transport::{
-    CompletionSink, Slice, StreamPoint, Transport, TransportContext, TransportStats,
+    CompletionSink, MappedRange, Slice, StreamPoint, Transport, TransportContext, TransportStats,
 };
 pub use types::{BatchId, BatchStatus, Location, Op, TransferPath, TransferRequest, TransportKind};

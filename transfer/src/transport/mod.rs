@@ -255,6 +255,24 @@ pub trait Transport: Send + Sync + 'static {
         Ok(0)
     }
 
+    /// `[remote_addr, remote_addr + len)` of `peer`'s registered device memory as an address
+    /// that kernels of this process on local device `device` read directly, mapped as long as
+    /// the returned [`MappedRange`] lives (CUDA IPC: the peer's allocation as imported here).
+    /// Sets nothing up: `None` where this transport maps no peer memory (TCP, RDMA: the
+    /// default) or has not mapped that allocation for `device` yet (its first transfer there
+    /// does). Errors: `RemoteOutOfRange` when the range is not inside one buffer of `peer`,
+    /// inside what the peer has registered now (its live table), and inside the allocation as
+    /// mapped here.
+    fn mapped(
+        &self,
+        _peer: &Arc<SegmentDescriptor>,
+        _device: u32,
+        _remote_addr: u64,
+        _len: u64,
+    ) -> Option<Result<MappedRange>> {
+        None
+    }
+
     /// Drops cached connections/endpoints to segment `name` (the engine calls it when the peer's
     /// descriptor changed, e.g. the peer restarted). Default: nothing.
     fn disconnect(&self, _name: &str) {}
@@ -282,6 +300,38 @@ pub trait Transport: Send + Sync + 'static {
     /// on the host for the event, up to `deadline`. Errors: `Timeout`, a driver failure.
     fn order_after(&self, _device: u32, point: &StreamPoint, deadline: Duration) -> Result<()> {
         wait_point(point, deadline)
+    }
+}
+
+/// A peer's device memory as this process's kernels reach it ([`Transport::mapped`]): the
+/// mapping stays while this value (or a clone of [`MappedRange::keep`]) lives.
+#[derive(Clone)]
+pub struct MappedRange {
+    ptr: u64,
+    keep: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+impl MappedRange {
+    /// A range at `ptr` kept mapped by `keep`.
+    pub fn new(ptr: u64, keep: Arc<dyn std::any::Any + Send + Sync>) -> MappedRange {
+        MappedRange { ptr, keep }
+    }
+
+    /// The range's first byte as a device address in this process.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// What keeps the range mapped: hold it until the device is done reading (a kernel that
+    /// reads the range may outlive this value).
+    pub fn keep(&self) -> Arc<dyn std::any::Any + Send + Sync> {
+        self.keep.clone()
+    }
+}
+
+impl std::fmt::Debug for MappedRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MappedRange({:#x})", self.ptr)
     }
 }
 

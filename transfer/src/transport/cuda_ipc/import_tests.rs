@@ -212,3 +212,70 @@ fn a_peer_seen_alive_is_asked_about_again_only_after_a_while() {
         "gone: asked again, still gone"
     );
 }
+
+/// A peer's range as this process's kernels read it: only inside one of its buffers, what
+/// its live table holds and the allocation as mapped for that device; `None` (nothing set
+/// up) before the allocation is mapped for that device; the mapping kept by the range.
+#[test]
+fn a_mapped_range_is_only_what_is_registered_and_mapped() {
+    use crate::memory::{MemoryRegion, RegionKeys, RegistrationPath};
+    use crate::transport::Transport;
+    use crate::types::Location;
+    let t = transport(Duration::from_secs(1));
+    let (base, size) = (0x10000u64, 0x10000u64);
+    let mut desc = peer("127.0.0.1:9".into());
+    let field = super::transport::KEYS_FIELD;
+    let keys_json = crate::memory::TransportKeys::encode(
+        &serde_json::json!({ field: serde_json::to_value(&*keys(base)).unwrap() }),
+    )
+    .unwrap();
+    desc.buffers.push(crate::descriptor::BufferDesc {
+        region: MemoryRegion {
+            addr: base,
+            len: size,
+            location: Location::Cuda(0),
+        },
+        keys: RegionKeys::new(RegistrationPath::default(), keys_json),
+    });
+    let desc = Arc::new(desc);
+    assert!(t.mapped(&desc, 0, base, 64).is_none(), "no peer state yet");
+    let mut table = LiveTable::new().unwrap();
+    // Registered now: the first half only.
+    table.publish(&[(base, size / 2)]).unwrap();
+    let mapping = Arc::new(super::state::Mapped::InProcess(0x7000_0000));
+    t.peers.lock().unwrap().insert(
+        desc.name.clone(),
+        Peer {
+            instance_id: desc.instance_id,
+            live: LiveView::open(&table.fd()).unwrap(),
+            mapped: HashMap::from([((0, base), (size, mapping.clone()))]),
+            failed: HashSet::new(),
+        },
+    );
+    let r = t.mapped(&desc, 0, base + 0x100, 64).unwrap().unwrap();
+    assert_eq!(r.ptr(), 0x7000_0100);
+    assert_eq!(
+        Arc::strong_count(&mapping),
+        3,
+        "the range keeps the mapping"
+    );
+    assert!(
+        t.mapped(&desc, 1, base, 64).is_none(),
+        "not mapped for device 1"
+    );
+    let out = |addr, len| {
+        matches!(
+            t.mapped(&desc, 0, addr, len),
+            Some(Err(TransferError::RemoteOutOfRange { .. }))
+        )
+    };
+    assert!(out(base + size / 2 - 8, 16), "past what is registered now");
+    assert!(out(base - 8, 16), "outside the buffer");
+    assert!(out(base + size, 8), "past the buffer");
+    // Another instance of the peer (restarted): its entry is not this one's.
+    let other = Arc::new(SegmentDescriptor {
+        instance_id: 8,
+        ..(*desc).clone()
+    });
+    assert!(t.mapped(&other, 0, base, 64).is_none());
+}

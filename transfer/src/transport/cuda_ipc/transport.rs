@@ -480,6 +480,16 @@ impl Transport for CudaIpcTransport {
         Ok(warmed + self.inner.warm_up(peer)?)
     }
 
+    fn mapped(
+        &self,
+        peer: &Arc<SegmentDescriptor>,
+        device: u32,
+        remote_addr: u64,
+        len: u64,
+    ) -> Option<Result<crate::transport::MappedRange>> {
+        self.mapped_range(peer, device, remote_addr, len)
+    }
+
     fn order_after(&self, device: u32, point: &StreamPoint, deadline: Duration) -> Result<()> {
         let lane = self.lane(device)?;
         // SAFETY: the lane's stream and the event are live; a stream may wait for an event of

@@ -270,22 +270,22 @@ impl TransferEngine {
         crate::path::transfer_path(&self.registry, t, target, local_addr, remote_addr)
     }
 
-    /// `[remote_addr, remote_addr + len)` of `target`'s registered device memory as an address
-    /// that this process's kernels on `cuda:device` read directly, mapped while the returned
-    /// value lives (`Transport::mapped`): what a kernel that reads a peer's KV itself needs.
-    /// Never imports or blocks for one: `Ok(None)` where the transport maps no peer memory
-    /// (TCP, RDMA) or has not mapped that allocation for `device` yet (a transfer between
-    /// them does). Errors: `RemoteOutOfRange` when the range is not inside one buffer of
-    /// `target`, what the peer has registered now, and the allocation as mapped here.
+    /// Ranges `(remote address, length)` of `target`'s registered device memory as addresses
+    /// that this process's kernels on `cuda:device` read directly, one per range, each mapped
+    /// while its value lives (`Transport::mapped`): what a kernel that reads a peer's KV
+    /// itself needs. Never imports or blocks for one: `Ok(None)` where the transport maps no
+    /// peer memory (TCP, RDMA) or has not mapped some range's allocation for `device` yet (a
+    /// transfer between them does). Errors: `RemoteOutOfRange` for a range not inside one
+    /// buffer of `target`, what the peer has registered now, and the allocation as mapped
+    /// here.
     pub fn mapped(
         &self,
         target: &SegmentHandle,
         device: u32,
-        remote_addr: u64,
-        len: u64,
-    ) -> Result<Option<crate::transport::MappedRange>> {
+        ranges: &[(u64, u64)],
+    ) -> Result<Option<Vec<crate::transport::MappedRange>>> {
         self.transport
-            .mapped(&target.descriptor, device, remote_addr, len)
+            .mapped(&target.descriptor, device, ranges)
             .transpose()
     }
 

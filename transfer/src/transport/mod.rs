@@ -255,21 +255,20 @@ pub trait Transport: Send + Sync + 'static {
         Ok(0)
     }
 
-    /// `[remote_addr, remote_addr + len)` of `peer`'s registered device memory as an address
-    /// that kernels of this process on local device `device` read directly, mapped as long as
-    /// the returned [`MappedRange`] lives (CUDA IPC: the peer's allocation as imported here).
-    /// Sets nothing up: `None` where this transport maps no peer memory (TCP, RDMA: the
-    /// default) or has not mapped that allocation for `device` yet (its first transfer there
-    /// does). Errors: `RemoteOutOfRange` when the range is not inside one buffer of `peer`,
-    /// inside what the peer has registered now (its live table), and inside the allocation as
-    /// mapped here.
+    /// Ranges `(remote address, length)` of `peer`'s registered device memory as addresses
+    /// that kernels of this process on local device `device` read directly, one per range,
+    /// each mapped as long as its [`MappedRange`] lives (CUDA IPC: the peer's allocation as
+    /// imported here). Sets nothing up: `None` where this transport maps no peer memory (TCP,
+    /// RDMA: the default) or has not mapped some range's allocation for `device` yet (its
+    /// first transfer there does). Errors: `RemoteOutOfRange` for the first range not inside
+    /// one buffer of `peer`, what the peer has registered now (its live table), and the
+    /// allocation as mapped here.
     fn mapped(
         &self,
         _peer: &Arc<SegmentDescriptor>,
         _device: u32,
-        _remote_addr: u64,
-        _len: u64,
-    ) -> Option<Result<MappedRange>> {
+        _ranges: &[(u64, u64)],
+    ) -> Option<Result<Vec<MappedRange>>> {
         None
     }
 

@@ -238,7 +238,11 @@ fn a_mapped_range_is_only_what_is_registered_and_mapped() {
         keys: RegionKeys::new(RegistrationPath::default(), keys_json),
     });
     let desc = Arc::new(desc);
-    assert!(t.mapped(&desc, 0, base, 64).is_none(), "no peer state yet");
+    let one = |t: &CudaIpcTransport, d: &Arc<SegmentDescriptor>, dev, addr, len| {
+        t.mapped(d, dev, &[(addr, len)])
+            .map(|r| r.map(|mut v| v.remove(0)))
+    };
+    assert!(one(&t, &desc, 0, base, 64).is_none(), "no peer state yet");
     let mut table = LiveTable::new().unwrap();
     // Registered now: the first half only.
     table.publish(&[(base, size / 2)]).unwrap();
@@ -252,23 +256,36 @@ fn a_mapped_range_is_only_what_is_registered_and_mapped() {
             failed: HashSet::new(),
         },
     );
-    let r = t.mapped(&desc, 0, base + 0x100, 64).unwrap().unwrap();
+    let r = one(&t, &desc, 0, base + 0x100, 64).unwrap().unwrap();
     assert_eq!(r.ptr(), 0x7000_0100);
     assert_eq!(
         Arc::strong_count(&mapping),
         3,
         "the range keeps the mapping"
     );
+    let two = t
+        .mapped(&desc, 0, &[(base, 8), (base + 0x200, 8)])
+        .unwrap()
+        .unwrap();
+    let ptrs: Vec<u64> = two.iter().map(|r| r.ptr()).collect();
+    assert_eq!(ptrs, [0x7000_0000, 0x7000_0200]);
     assert!(
-        t.mapped(&desc, 1, base, 64).is_none(),
+        one(&t, &desc, 1, base, 64).is_none(),
         "not mapped for device 1"
     );
     let out = |addr, len| {
         matches!(
-            t.mapped(&desc, 0, addr, len),
+            one(&t, &desc, 0, addr, len),
             Some(Err(TransferError::RemoteOutOfRange { .. }))
         )
     };
+    assert!(
+        matches!(
+            t.mapped(&desc, 0, &[(base, 8), (base + size / 2, 8)]),
+            Some(Err(TransferError::RemoteOutOfRange { .. }))
+        ),
+        "one range of many outside: all refused"
+    );
     assert!(out(base + size / 2 - 8, 16), "past what is registered now");
     assert!(out(base - 8, 16), "outside the buffer");
     assert!(out(base + size, 8), "past the buffer");
@@ -277,5 +294,5 @@ fn a_mapped_range_is_only_what_is_registered_and_mapped() {
         instance_id: 8,
         ..(*desc).clone()
     });
-    assert!(t.mapped(&other, 0, base, 64).is_none());
+    assert!(one(&t, &other, 0, base, 64).is_none());
 }

@@ -258,43 +258,50 @@ impl CudaIpcTransport {
         Ok(())
     }
 
-    /// `Transport::mapped`: the range's allocation as mapped for `dev`, after the same checks a
-    /// strided post makes (one buffer of the peer, its live table, the mapping's bounds).
-    pub(super) fn mapped_range(
+    /// `Transport::mapped`: each range's allocation as mapped for `dev`, after the same checks
+    /// a strided post makes (one buffer of the peer, its live table, the mapping's bounds),
+    /// under one lock of the peers.
+    pub(super) fn mapped_ranges(
         &self,
         peer: &Arc<SegmentDescriptor>,
         dev: u32,
-        addr: u64,
-        len: u64,
-    ) -> Option<Result<crate::transport::MappedRange>> {
-        let outside = || {
-            Some(Err(TransferError::RemoteOutOfRange {
+        ranges: &[(u64, u64)],
+    ) -> Option<Result<Vec<crate::transport::MappedRange>>> {
+        let mut keys = Vec::with_capacity(ranges.len());
+        for &(addr, len) in ranges {
+            let outside = TransferError::RemoteOutOfRange {
                 segment: peer.name.clone(),
                 addr,
                 len,
-            }))
-        };
-        let Some(buffer) = peer
-            .buffers
-            .iter()
-            .position(|b| b.region.contains(addr, len))
-        else {
-            return outside();
-        };
-        let Some(Ok(k)) = self.keys_of(peer, Some(peer), buffer) else {
-            return None;
-        };
+            };
+            let Some(buffer) = peer
+                .buffers
+                .iter()
+                .position(|b| b.region.contains(addr, len))
+            else {
+                return Some(Err(outside));
+            };
+            let Some(Ok(k)) = self.keys_of(peer, Some(peer), buffer) else {
+                return None;
+            };
+            keys.push((k, outside));
+        }
         let peers = self.peers.locked();
         // Only this instance's entry: a restarted peer's is not ours to use.
         let p = peers
             .get(&peer.name)
             .filter(|p| p.instance_id == peer.instance_id)?;
-        let (size, m) = p.mapped.get(&(dev, k.alloc_base))?;
-        if !within(k.alloc_base, *size, addr, len) || !p.live.covers(addr, len) {
-            return outside();
+        let mut live = p.live.snapshot();
+        let mut out = Vec::with_capacity(ranges.len());
+        for (&(addr, len), (k, outside)) in ranges.iter().zip(keys) {
+            let (size, m) = p.mapped.get(&(dev, k.alloc_base))?;
+            if !within(k.alloc_base, *size, addr, len) || !live.covers(addr, len) {
+                return Some(Err(outside));
+            }
+            let ptr = m.ptr().wrapping_add(addr - k.alloc_base);
+            out.push(crate::transport::MappedRange::new(ptr, m.clone()));
         }
-        let ptr = m.ptr().wrapping_add(addr - k.alloc_base);
-        Some(Ok(crate::transport::MappedRange::new(ptr, m.clone())))
+        Some(Ok(out))
     }
 
     /// One launch of the strided kernel for `groups` on the lane's stream, and an event after.

@@ -484,10 +484,9 @@ impl Transport for CudaIpcTransport {
         &self,
         peer: &Arc<SegmentDescriptor>,
         device: u32,
-        remote_addr: u64,
-        len: u64,
-    ) -> Option<Result<crate::transport::MappedRange>> {
-        self.mapped_range(peer, device, remote_addr, len)
+        ranges: &[(u64, u64)],
+    ) -> Option<Result<Vec<crate::transport::MappedRange>>> {
+        self.mapped_ranges(peer, device, ranges)
     }
 
     fn order_after(&self, device: u32, point: &StreamPoint, deadline: Duration) -> Result<()> {

@@ -242,6 +242,21 @@ pub struct CommonArgs {
     /// a load of at least twice this is read in up to 4 groups, 0 reads every load in one.
     #[arg(long, default_value_t = kvferry_p2p::DEFAULT_READ_GROUP_BYTES >> 20)]
     pub read_group_mib: u64,
+    /// How a load the consumer reads itself over CUDA IPC is checksummed: `one-pass` (the
+    /// checksum kernel copies each chunk from the producer's blocks and sums what it stored,
+    /// where both sides lay each layer out alike) or `after-landing` (the transport copies,
+    /// the checksum kernels read the landed bytes after).
+    #[arg(long, value_enum, default_value_t = ReadCheckArg::OnePass)]
+    pub read_check: ReadCheckArg,
+}
+
+/// How a load read over CUDA IPC is checksummed (docs/design.md §4.10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReadCheckArg {
+    /// The checksum kernel copies and sums what it stored: one pass over the bytes.
+    OnePass,
+    /// The transport copies; the checksums read the landed bytes after: two passes.
+    AfterLanding,
 }
 
 /// `kvferry demo`.

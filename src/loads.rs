@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use kvferry_checksum::policy::{Action, LoadFailurePolicy, Policy};
 use kvferry_checksum::verdict::Verdict;
-use kvferry_p2p::{ConsumerConfig, LoadGroup, ProducerConfig};
+use kvferry_p2p::{ConsumerConfig, LoadGroup, ProducerConfig, ReadCheck};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::cli::{CommonArgs, FailurePolicyArg};
+use crate::cli::{CommonArgs, FailurePolicyArg, ReadCheckArg};
 use crate::models::ModelShape;
 
 /// The consumer's settings for the common options: every wait bounded by `--timeout`.
@@ -22,6 +22,10 @@ pub(crate) fn consumer_config(c: &CommonArgs) -> ConsumerConfig {
         max_wait: timeout,
         connect_timeout: timeout.min(Duration::from_secs(5)),
         read_group_bytes: c.read_group_mib.saturating_mul(1 << 20),
+        read_check: match c.read_check {
+            ReadCheckArg::OnePass => ReadCheck::OnePass,
+            ReadCheckArg::AfterLanding => ReadCheck::AfterLanding,
+        },
         ..ConsumerConfig::default()
     }
 }

@@ -428,6 +428,50 @@ fn run_shape(
             kernel[vi].push(p.kernel_ms().expect("kernel timing on") as f64);
         }
     }
+    // The copy launches (`submit_copying`): the same blocks copied from a second set of arrays
+    // into these and checksummed as stored, against twice the bytes moved at read bandwidth.
+    let sources: Vec<DeviceBuffer> = (0..layers)
+        .map(|_| tools.alloc(layer_bytes as usize).unwrap())
+        .collect();
+    for (i, b) in sources.iter().enumerate() {
+        // SAFETY: `b` is a live device buffer of `b.len()` bytes and `s` a live stream.
+        unsafe { tools.fill_random(b.ptr(), b.len(), 77 + i as u64, s) }.unwrap();
+    }
+    stream.synchronize().unwrap();
+    let mut copy = vec![vec![]; nv];
+    for _ in 0..a.runs {
+        for (vi, (_, backend)) in backends.iter().enumerate() {
+            let job = new_job(&mut rng);
+            let from = new_job(&mut rng).selection.block_ids;
+            let copy_job = kvferry_kernels::CopyJob {
+                sources: job
+                    .layers
+                    .iter()
+                    .zip(&sources)
+                    .map(|(l, b)| LayerInput {
+                        addr: b.ptr(),
+                        ..l.clone()
+                    })
+                    .collect(),
+                source_blocks: from,
+                job,
+            };
+            // SAFETY: both sides are device buffers that outlive the wait.
+            let mut p = unsafe { backend.submit_copying(vec![copy_job], Vec::new()) }.unwrap();
+            p.wait_mut(Duration::from_secs(10)).unwrap();
+            copy[vi].push(p.kernel_ms().expect("kernel timing on") as f64);
+        }
+    }
+    drop(sources);
+    for (vi, (v, _)) in backends.iter().enumerate() {
+        println!(
+            "  {v:?}: copy + checksum kernel {:.4} ms (p10-p90 {:.4}-{:.4}); reading and writing the bytes once at read bandwidth {:.4} ms",
+            median(copy[vi].clone()),
+            spread(&copy[vi]).0,
+            spread(&copy[vi]).1,
+            2.0 * median(read.clone()),
+        );
+    }
     for (_, b) in backends {
         b.set_kernel_timing(false);
     }

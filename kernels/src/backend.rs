@@ -435,13 +435,25 @@ impl Pending for Channel {
 /// Checks a job against its layers before any byte is read: every layer's array fits in its
 /// `len`, has whole pieces and the job's block size, and every block id exists.
 pub fn validate_job(job: &GroupJob) -> Result<(), KernelError> {
-    let bad = |why: JobFault| {
-        Err(KernelError::InvalidJob {
-            group_id: job.group_id,
-            why,
-        })
-    };
-    for l in &job.layers {
+    validate_layers(
+        job.group_id,
+        job.block_size,
+        &job.layers,
+        &job.selection.block_ids,
+    )
+}
+
+/// [`validate_job`] over `layers` and `block_ids` (a job's, or its sources' with their own
+/// blocks): O(layers + blocks), the largest block id found once.
+pub(crate) fn validate_layers(
+    group_id: u32,
+    block_size: u64,
+    layers: &[LayerInput],
+    block_ids: &[u64],
+) -> Result<(), KernelError> {
+    let bad = |why: JobFault| Err(KernelError::InvalidJob { group_id, why });
+    let largest = block_ids.iter().copied().max();
+    for l in layers {
         let g = &l.spec.geometry;
         let layer = || l.spec.name.clone();
         if g.pieces_per_cell().is_none() {
@@ -450,11 +462,11 @@ pub fn validate_job(job: &GroupJob) -> Result<(), KernelError> {
                 cell_bytes: g.cell_bytes(),
             });
         }
-        if g.block_size() != job.block_size {
+        if g.block_size() != block_size {
             return bad(JobFault::BlockSize {
                 layer: layer(),
                 layer_block_size: g.block_size(),
-                group_block_size: job.block_size,
+                group_block_size: block_size,
             });
         }
         if g.byte_len() > l.len {
@@ -467,16 +479,14 @@ pub fn validate_job(job: &GroupJob) -> Result<(), KernelError> {
         if l.addr.checked_add(l.len).is_none() {
             return bad(JobFault::Overflow { layer: layer() });
         }
-        if let Some(&id) = job
-            .selection
-            .block_ids
-            .iter()
-            .find(|&&id| id >= g.num_blocks())
-        {
+        let blocks = g.num_blocks();
+        if largest.is_some_and(|m| m >= blocks) {
+            // The first id out of range, as the error names it.
+            let id = block_ids.iter().copied().find(|&id| id >= blocks).unwrap_or(0);
             return bad(JobFault::BlockOutOfRange {
                 layer: layer(),
                 id,
-                blocks: g.num_blocks(),
+                blocks,
             });
         }
     }

@@ -19,6 +19,7 @@ use kvferry_kernels::sync::MutexExt;
 use kvferry_kernels::{
     backend_for, ChecksumBackend, GroupJob, GroupResult, KernelError, LayerInput, Location,
 };
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::time::Duration;
@@ -763,7 +764,7 @@ fn gpu_copy_checksum_moves_what_it_sums() {
         let mut dst = fixed_case(&mut rng, layout, 30, n, h, d, e, 3);
         // Distinct blocks to write; the source's own (random) blocks to read.
         let mut ids: Vec<u64> = (0..30).collect();
-        ids.sort_by_key(|_| rng.random::<u32>());
+        ids.shuffle(&mut rng);
         ids.truncate(src.block_ids.len());
         dst.block_ids = ids.clone();
         dst.num_tokens = src.num_tokens;

@@ -81,7 +81,7 @@ pub use proto::msg::{DEFAULT_MAX_ZMTP_MESSAGE, MAX_MESSAGE_BYTES};
 pub use proto::producer::{ProducerTimeouts, Refusal, ReleaseReason};
 pub use shell::consumer::{
     Consumer, ConsumerConfig, HookFilter, Landed, LandedGroup, LandedHook, LoadGroup, LoadOutcome,
-    LoadSpec, ReadMode, DEFAULT_READ_GROUP_BYTES,
+    LoadSpec, ReadCheck, ReadMode, DEFAULT_READ_GROUP_BYTES,
 };
 pub use shell::producer::Producer;
 pub use shell::producer_config::{

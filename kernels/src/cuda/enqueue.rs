@@ -109,15 +109,8 @@ impl CudaBackend {
         } in &jobs
         {
             self.check_job(job)?;
-            // The sources as a job of their own: the same checks of their arrays and blocks.
-            self.check_job(&GroupJob {
-                layers: sources.clone(),
-                selection: kvferry_checksum::select::BlockSelection {
-                    start: job.selection.start,
-                    block_ids: source_blocks.clone(),
-                },
-                ..job.clone()
-            })?;
+            // The sources: the same checks of their arrays and of their own blocks.
+            crate::backend::validate_layers(job.group_id, job.block_size, sources, source_blocks)?;
             let layers: Vec<(&LayerSpec, u64, u64)> = job.layers.iter().map(triple).collect();
             let from: Vec<(&LayerSpec, u64, u64)> = sources.iter().map(triple).collect();
             let plan = copy_plan(
@@ -134,8 +127,11 @@ impl CudaBackend {
             })?;
             plans.push((job.group_id, plan));
         }
+        let t = std::time::Instant::now();
         // SAFETY: forwarded from this function's contract.
-        unsafe { self.submit_plans(plans, After::Nothing, keep) }
+        let r = unsafe { self.submit_plans(plans, After::Nothing, keep) };
+        tracing::debug!(target: "kvferry::timing", enqueue_us = t.elapsed().as_micros() as u64, "copy launch enqueued");
+        r
     }
 
     /// A job for this backend's device that [`validate_job`] accepts.

@@ -1,7 +1,7 @@
 //! Host side of one checksum launch (docs/design.md §5): the table of layer views the kernel
 //! in `kernels/cuda/checksum.cu` reads, built and checked from a group's layers.
 //!
-//! Pure (no CUDA): the tests in `view_replay.rs` replay the kernel's index arithmetic on the
+//! Pure (no CUDA): the tests in `view_replay_tests.rs` replay the kernel's index arithmetic on the
 //! CPU against `kvferry_checksum::definition`, so the plan is tested on machines without a GPU.
 
 use kvferry_checksum::definition::head_factor;
@@ -314,16 +314,10 @@ pub fn launch_plan(
     to_u32("blocks", "(group)", nb)?;
     let mut views = Vec::with_capacity(layers.len());
     let mut tiles: u64 = 0;
+    let largest = block_ids.iter().copied().max();
     for (spec, addr, len) in layers {
         let mut v = layer_view(spec, *addr, *len)?;
-        let nblocks = spec.geometry.num_blocks();
-        if let Some(&bad) = block_ids.iter().find(|&&b| b >= nblocks) {
-            return Err(PlanError::BlockOutOfRange {
-                layer: spec.name.clone(),
-                id: bad,
-                blocks: nblocks,
-            });
-        }
+        check_blocks(spec, block_ids, largest)?;
         if spec.head_offset as u64 + spec.geometry.heads - 1 > u32::MAX as u64 {
             return Err(PlanError::HeadIndex(spec.name.clone()));
         }
@@ -343,6 +337,21 @@ pub fn launch_plan(
         keys,
         tiles_per_group,
         total_tiles,
+    })
+}
+
+/// Every id of `block_ids` (the largest: `largest`, found once for all layers) inside the
+/// layer's blocks.
+fn check_blocks(spec: &LayerSpec, block_ids: &[u64], largest: Option<u64>) -> Result<(), PlanError> {
+    let blocks = spec.geometry.num_blocks();
+    if largest.is_none_or(|m| m < blocks) {
+        return Ok(());
+    }
+    let id = block_ids.iter().copied().find(|&b| b >= blocks).unwrap_or(0);
+    Err(PlanError::BlockOutOfRange {
+        layer: spec.name.clone(),
+        id,
+        blocks,
     })
 }
 
@@ -378,16 +387,10 @@ pub fn copy_plan(
             what: "count (sources per layer, source blocks per block)",
         });
     }
+    let largest = src_block_ids.iter().copied().max();
     for (i, (v, (spec, addr, len))) in plan.views.iter_mut().zip(sources).enumerate() {
         let s = layer_view(spec, *addr, *len)?;
-        let nblocks = spec.geometry.num_blocks();
-        if let Some(&bad) = src_block_ids.iter().find(|&&b| b >= nblocks) {
-            return Err(PlanError::BlockOutOfRange {
-                layer: spec.name.clone(),
-                id: bad,
-                blocks: nblocks,
-            });
-        }
+        check_blocks(spec, src_block_ids, largest)?;
         let mine = layers[i].0;
         let differs = if v.mode == MODE_GENERIC {
             Some("load path (the layer is read byte by byte)")
@@ -434,5 +437,5 @@ pub fn copy_plan(
 }
 
 #[cfg(test)]
-#[path = "view_replay.rs"]
+#[path = "view_replay_tests.rs"]
 mod replay;

@@ -318,6 +318,10 @@ pub enum WriteErrorKind {
     /// The WRITEs failed or did not end within the deadline.
     #[error("transfer: {0}")]
     Transfer(#[source] TransferError),
+    /// A one-pass read's kernel (it copies the producer's blocks and checksums what it
+    /// stored, docs/design.md §4.10) could not be started or failed.
+    #[error("the kernel that copies and checksums the load: {0}")]
+    Copy(#[source] kvferry_kernels::KernelError),
 }
 
 impl WriteError {
@@ -331,6 +335,8 @@ impl WriteError {
                 | WriteErrorKind::GroupsTimeout(_)
                 | WriteErrorKind::Task(_)
                 | WriteErrorKind::Transfer(TransferError::Timeout(_))
+                // Another rank's launch may have been queued before this one failed.
+                | WriteErrorKind::Copy(_)
         )
     }
 }

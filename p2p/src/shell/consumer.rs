@@ -25,7 +25,7 @@ pub use crate::proto::request::{Landed, LandedGroup, LoadGroup, LoadSpec};
 use crate::shell::connection::{ConnCmd, ConnFailure, Connection, LoadCmd, LoadProgress};
 use crate::shell::consumer_config::carrier_check;
 pub use crate::shell::consumer_config::{
-    ConsumerConfig, LoadOutcome, ReadMode, DEFAULT_READ_GROUP_BYTES,
+    ConsumerConfig, LoadOutcome, ReadCheck, ReadMode, DEFAULT_READ_GROUP_BYTES,
 };
 use crate::shell::load_metrics::{record_load, Loaded};
 use crate::shell::verify_parts::{Parts, Selector};
@@ -64,6 +64,8 @@ pub struct Consumer {
     /// Whether a read load's checksums are queued on the device behind its copies
     /// ([`read::queues_checksums`]): a property of the workers, worked out once.
     queue_checksums: bool,
+    /// The workers' group fingerprints, computed once (every load's record names them).
+    fingerprints: crate::shell::verify_parts::Fingerprints,
 }
 
 /// A byte range of a registered region: (offset, length).
@@ -87,7 +89,9 @@ impl Consumer {
             .map(|w| w.engine.segment_name())
             .unwrap_or_default();
         let queue_checksums = checksums && read::queues_checksums(&workers);
+        let fingerprints = crate::shell::verify_parts::worker_fingerprints(&workers);
         Ok(Consumer {
+            fingerprints,
             queue_checksums,
             secret,
             name,
@@ -185,7 +189,8 @@ impl Consumer {
                 Vec::new()
             },
             self.config.checksum_timeout,
-        );
+        )
+        .with_fingerprints(self.fingerprints.clone());
         let started = Instant::now();
         // Asked last: nothing below returns before the reply, which settles it.
         // Held until the reply: a load that ends without one (failed, or dropped by its
@@ -577,6 +582,8 @@ struct Phases {
 
 #[path = "consumer_read.rs"]
 mod read;
+#[path = "consumer_copy.rs"]
+mod copy;
 
 #[cfg(test)]
 #[path = "consumer_grant_tests.rs"]

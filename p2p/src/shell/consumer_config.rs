@@ -48,6 +48,24 @@ pub struct ConsumerConfig {
     /// they land. A load of at least twice this is read in groups of about this size (at most
     /// 4); 0: always one group. Default [`DEFAULT_READ_GROUP_BYTES`].
     pub read_group_bytes: u64,
+    /// How a load read here over CUDA IPC is checksummed. Default [`ReadCheck::OnePass`].
+    pub read_check: ReadCheck,
+}
+
+/// How a load this consumer reads over CUDA IPC is checksummed (docs/design.md §4.10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReadCheck {
+    /// Where both sides hold every layer of the load in the same layout (block counts aside)
+    /// and the producer's memory is mapped here already, the checksum kernel copies each chunk
+    /// from the producer's blocks into this side's and sums the registers it stored: the
+    /// bytes cross device memory once. The checksum is of what was stored into this side's
+    /// blocks, at the addresses the verification reads, not of a second read after landing.
+    /// Elsewhere, as [`ReadCheck::AfterLanding`].
+    #[default]
+    OnePass,
+    /// The transport copies; the checksum kernels read the landed bytes after the copies end
+    /// (ordered on the device): two passes over the bytes.
+    AfterLanding,
 }
 
 /// Default [`ConsumerConfig::read_group_bytes`].
@@ -93,6 +111,7 @@ impl Default for ConsumerConfig {
             max_message_bytes: DEFAULT_MAX_ZMTP_MESSAGE,
             read: ReadMode::Auto,
             read_group_bytes: DEFAULT_READ_GROUP_BYTES,
+            read_check: ReadCheck::OnePass,
         }
     }
 }

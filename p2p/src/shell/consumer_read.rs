@@ -28,7 +28,10 @@ use crate::proto::progress::{layer_groups, layer_slots};
 use crate::proto::read_plan::{read_plans, ReadTemplate};
 use crate::proto::serve::RankPlan;
 use crate::shell::connection::{ConnCmd, ConnFailure, LoadProgress};
-use crate::shell::consumer_config::{LoadOutcome, ReadMode};
+use crate::shell::consumer_config::{LoadOutcome, ReadCheck, ReadMode};
+use super::copy::plan_copy;
+use futures::future::Either;
+use futures::TryFutureExt;
 use crate::shell::serve::{GroupedWrite, Queued};
 use crate::shell::verify_parts::{Parts, Selector};
 use crate::LoadSpec;
@@ -356,7 +359,37 @@ impl Consumer {
             Arc::new(Selector::new(spec)),
             slots,
             self.config.checksum_timeout,
-        );
+        )
+        .with_fingerprints(self.fingerprints.clone());
+        // An earlier read from this producer succeeded: its memory is mapped here.
+        let warm = reads.producer.warm.load(Ordering::Acquire);
+        let copy = (warm && self.queue_checksums && self.config.read_check == ReadCheck::OnePass)
+            .then(|| {
+                let t = Instant::now();
+                let jobs = parts.whole_jobs();
+                debug!(target: "kvferry::timing", jobs_us = t.elapsed().as_micros() as u64, "one pass jobs");
+                plan_copy(&self.workers, jobs, &reads.producer.ranks, &request)
+                    .inspect_err(|why| {
+                        debug!(request_id = rid, "read in two passes, not one: {why}")
+                    })
+                    .ok()
+            })
+            .flatten();
+        // One pass: the kernels are queued first (this task only enqueues), before the request
+        // goes out: they need nothing of the producer's answer, which comes back while they
+        // run, and what they read is proved by the checksums, not by the order.
+        let planned_us = started.elapsed().as_micros() as u64;
+        let submitted = copy.map(|c| {
+            let s = c.submit(&self.workers);
+            debug!(
+                target: "kvferry::timing",
+                request_id = rid,
+                planned_us,
+                submit_us = started.elapsed().as_micros() as u64,
+                "read in one pass"
+            );
+            s
+        });
         let send = self.send(&spec.producer, request, spec.load_key.clone(), None);
         tokio::pin!(send);
         // The request goes out first (a hand-off to the connection's task), then the reads
@@ -371,17 +404,11 @@ impl Consumer {
         // (which no other worker steals) until this task yields: it sends the request now, not
         // after the submits below.
         tokio::task::yield_now().await;
-        let mut write = GroupedWrite::new(
-            workers,
-            reads.plans,
-            &reads.groups,
-            read,
-            deadline,
-            None,
-            tell,
-            queued,
-            carried.clone(),
-            stop.0.clone(),
+        debug!(
+            target: "kvferry::timing",
+            request_id = rid,
+            handed_us = started.elapsed().as_micros() as u64,
+            "read request handed over"
         );
         let mut progress_time = std::time::Duration::ZERO;
         let mut take = |parts: &mut Parts, h: Heard| {
@@ -392,18 +419,36 @@ impl Consumer {
             }
             progress_time += t.elapsed();
         };
-        // Where the copies are device work and an earlier read from this producer succeeded
-        // (its memory is mapped here: a submit only enqueues), this task submits the groups
-        // it can and queues each one's checksums behind its copies before the next one's: the
-        // device hears one thread, in order, with no hand-off per group. The rest goes to the
-        // reads' task.
-        let warm = reads.producer.warm.load(Ordering::Acquire);
-        while warm && write.submit_here() {
-            while let Ok(h) = heard.try_recv() {
-                take(&mut parts, h);
+        let reading = match submitted {
+            Some(submitted) => {
+                let _ = carried.set(TransferPath::CudaIpc);
+                Either::Left(submitted.wait(deadline).map_ok(|(b, r)| (b, Some(r))))
             }
-        }
-        let reading = write.finish();
+            None => {
+                let mut write = GroupedWrite::new(
+                    workers,
+                    reads.plans,
+                    &reads.groups,
+                    read,
+                    deadline,
+                    None,
+                    tell,
+                    queued,
+                    carried.clone(),
+                    stop.0.clone(),
+                );
+                // Where the copies are device work and the producer's memory is mapped here (a
+                // submit only enqueues), this task submits the groups it can and queues each
+                // one's checksums behind its copies before the next one's: the device hears one
+                // thread, in order, with no hand-off per group. The rest goes to the reads' task.
+                while warm && write.submit_here() {
+                    while let Ok(h) = heard.try_recv() {
+                        take(&mut parts, h);
+                    }
+                }
+                Either::Right(write.finish().map_ok(|b| (b, None)))
+            }
+        };
         tokio::pin!(reading);
         let mut bytes = None;
         let (mut read_at, mut reply_at) = Default::default();
@@ -417,7 +462,12 @@ impl Consumer {
                 biased;
                 Some(h) = heard.recv() => take(&mut parts, h),
                 r = &mut reading, if bytes.is_none() => {
-                    bytes = Some(r);
+                    bytes = Some(r.map(|(b, copied)| {
+                        if let Some(results) = copied {
+                            parts.copied(results);
+                        }
+                        b
+                    }));
                     read_at = started.elapsed();
                 }
                 r = &mut send, if reply.is_none() => {
@@ -441,7 +491,7 @@ impl Consumer {
             // The reads' end, then `read_done` at once: the producer's lease may end while the
             // verdict is still being worked out. Reads that failed drop the verdict unawaited.
             let read = async {
-                let r = (&mut reading).await;
+                let r = (&mut reading).await.map(|(b, _)| b);
                 let at = started.elapsed();
                 self.read_done(&spec.producer, reply).await;
                 (r, at)

@@ -148,7 +148,26 @@ pub(crate) struct Parts {
     /// Per worker, its groups' fingerprints (`checksum::group_fingerprint`, a SHA-256 per
     /// layer), computed once per load at its first part, not at each part and again after the
     /// FINISH.
-    fingerprints: Option<Vec<HashMap<u32, Option<u64>>>>,
+    fingerprints: Option<Fingerprints>,
+}
+
+/// Per worker (indexed as the workers), its groups' fingerprints ([`worker_fingerprints`]).
+pub(crate) type Fingerprints = Arc<Vec<HashMap<u32, Option<u64>>>>;
+
+/// Each worker's group fingerprints (a SHA-256 per layer): fixed by the workers, so a
+/// consumer computes them once for all its loads ([`Parts::with_fingerprints`]).
+pub(crate) fn worker_fingerprints(workers: &[Worker]) -> Fingerprints {
+    Arc::new(
+        workers
+            .iter()
+            .map(|w| {
+                w.groups
+                    .iter()
+                    .map(|g| (g.group_id, group_fingerprint(g)))
+                    .collect()
+            })
+            .collect(),
+    )
 }
 
 impl Drop for Parts {
@@ -183,6 +202,13 @@ impl Parts {
         }
     }
 
+    /// These parts with the workers' fingerprints computed already ([`worker_fingerprints`]
+    /// of the same workers), instead of once per load.
+    pub(crate) fn with_fingerprints(mut self, fps: Fingerprints) -> Parts {
+        self.fingerprints = Some(fps);
+        self
+    }
+
     /// Parts started (0 once void).
     pub(crate) fn started(&self) -> usize {
         self.tasks.len()
@@ -199,6 +225,31 @@ impl Parts {
     /// host has seen the copies end.
     pub(crate) fn complete(&self) -> bool {
         !self.void && !self.slots.is_empty() && self.covered as usize == self.slots.len()
+    }
+
+    /// Each worker's jobs (indexed as the workers) over every layer of the load: what a
+    /// one-pass read copies and checksums (`consumer_copy`).
+    pub(crate) fn whole_jobs(&mut self) -> Vec<Vec<GroupJob>> {
+        let fps = fingerprints(&mut self.fingerprints, &self.workers);
+        self.workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| self.select.jobs(w, fps.get(i), &|_, _| true).jobs)
+            .collect()
+    }
+
+    /// Every layer's checksums came with its copy (a one-pass read): `results[i]` is worker
+    /// `i`'s, over all of [`Parts::whole_jobs`], one part covering every layer. Where parts
+    /// were started before (nothing of a one-pass read starts any), they are voided instead,
+    /// and every layer is checksummed from the landed bytes after the FINISH.
+    pub(crate) fn copied(&mut self, results: Vec<Vec<GroupResult>>) {
+        if self.void || !self.tasks.is_empty() || results.len() != self.workers.len() {
+            self.drop_parts();
+            return;
+        }
+        let part = results.into_iter().map(|r| Running::Done(Ok(r))).collect();
+        self.tasks.push(part);
+        self.covered = self.slots.len().min(u32::MAX as usize) as u32;
     }
 
     /// The producer's progress: starts the checksums of the layers that landed, or voids the
@@ -446,20 +497,10 @@ pub(crate) struct Finished {
 
 /// Each worker's group fingerprints (`cache`, computed on first use: a SHA-256 per layer).
 fn fingerprints<'a>(
-    cache: &'a mut Option<Vec<HashMap<u32, Option<u64>>>>,
+    cache: &'a mut Option<Fingerprints>,
     workers: &[Worker],
 ) -> &'a [HashMap<u32, Option<u64>>] {
-    cache.get_or_insert_with(|| {
-        workers
-            .iter()
-            .map(|w| {
-                w.groups
-                    .iter()
-                    .map(|g| (g.group_id, group_fingerprint(g)))
-                    .collect()
-            })
-            .collect()
-    })
+    cache.get_or_insert_with(|| worker_fingerprints(workers))
 }
 
 /// `g`'s fingerprint from a worker's remembered ones (`None`, or a group not in them: computed).

@@ -482,7 +482,11 @@ pub(crate) fn validate_layers(
         let blocks = g.num_blocks();
         if largest.is_some_and(|m| m >= blocks) {
             // The first id out of range, as the error names it.
-            let id = block_ids.iter().copied().find(|&id| id >= blocks).unwrap_or(0);
+            let id = block_ids
+                .iter()
+                .copied()
+                .find(|&id| id >= blocks)
+                .unwrap_or(0);
             return bad(JobFault::BlockOutOfRange {
                 layer: layer(),
                 id,

@@ -342,12 +342,20 @@ pub fn launch_plan(
 
 /// Every id of `block_ids` (the largest: `largest`, found once for all layers) inside the
 /// layer's blocks.
-fn check_blocks(spec: &LayerSpec, block_ids: &[u64], largest: Option<u64>) -> Result<(), PlanError> {
+fn check_blocks(
+    spec: &LayerSpec,
+    block_ids: &[u64],
+    largest: Option<u64>,
+) -> Result<(), PlanError> {
     let blocks = spec.geometry.num_blocks();
     if largest.is_none_or(|m| m < blocks) {
         return Ok(());
     }
-    let id = block_ids.iter().copied().find(|&b| b >= blocks).unwrap_or(0);
+    let id = block_ids
+        .iter()
+        .copied()
+        .find(|&b| b >= blocks)
+        .unwrap_or(0);
     Err(PlanError::BlockOutOfRange {
         layer: spec.name.clone(),
         id,

@@ -580,10 +580,10 @@ struct Phases {
     progress_us: u64,
 }
 
-#[path = "consumer_read.rs"]
-mod read;
 #[path = "consumer_copy.rs"]
 mod copy;
+#[path = "consumer_read.rs"]
+mod read;
 
 #[cfg(test)]
 #[path = "consumer_grant_tests.rs"]

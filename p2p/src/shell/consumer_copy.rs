@@ -55,6 +55,10 @@ pub(super) enum NoCopy {
     /// The producer's memory is not mapped here for this device yet (a read maps it).
     #[error("segment {0}: its memory is not mapped here yet")]
     NotMapped(String),
+    /// A load's jobs are not those of the request shape's template (this side's groups
+    /// changed).
+    #[error("the load's layer groups are not its shape's")]
+    Shape,
     /// The producer's layers lie outside what it has registered and this side mapped.
     #[error("segment {segment}: {source}")]
     Map {
@@ -69,147 +73,210 @@ pub(super) enum NoCopy {
     Layout(#[from] PlanError),
 }
 
-/// The one-pass reads of `request` (this side's block tables as `jobs` select them: per worker,
-/// its jobs over every layer) from `producer` (its layout), where every layer and block pairs
-/// up; else why not. Asks each worker's engine only for what is open and mapped already: never
-/// blocks on a handshake or an import.
-pub(super) fn plan_copy(
-    workers: &[Worker],
-    jobs: Vec<Vec<GroupJob>>,
-    producer: &[RankLayout],
-    request: &LoadRequest,
-) -> Result<CopyReads, NoCopy> {
-    let mut out = CopyReads {
-        jobs: Vec::with_capacity(workers.len()),
-        keep: Vec::with_capacity(workers.len()),
-        bytes: 0,
-    };
-    let t0 = Instant::now();
-    let (mut blocks_us, mut sources_us, mut check_us) = (0u128, 0u128, 0u128);
-    for (i, (w, jobs)) in workers.iter().zip(jobs).enumerate() {
-        let Location::Cuda(dev) = w.device else {
-            return Err(NoCopy::Host(i));
-        };
-        let mut copies = Vec::with_capacity(jobs.len());
-        let mut keep = Keep::new();
-        // Every group of the load this rank holds is checksummed over all its layers and over
-        // exactly the blocks the load moves: the copies then move all of it.
-        for b in &request.blocks {
-            let Some(g) = w.groups.iter().find(|g| g.group_id == b.group_id) else {
-                continue;
-            };
-            if g.skipped.is_some() {
-                return Err(NoCopy::Unchecked(g.group_id));
-            }
-            if !b.remote_positions.is_empty() || ![0, b.block_size].contains(&b.remote_block_size)
-            {
-                return Err(NoCopy::BlockSizes(g.group_id));
-            }
-            let job = jobs.iter().find(|j| j.group_id == g.group_id);
-            if job.is_none_or(|j| j.layers.len() != g.layers.len()) {
-                return Err(NoCopy::Blocks(g.group_id));
-            }
-        }
-        for job in jobs {
-            let group = job.group_id;
-            let wire = request.blocks.iter().find(|b| b.group_id == group);
-            let Some(wire) = wire.filter(|b| b.positions.len() == job.selection.block_ids.len())
-            else {
-                return Err(NoCopy::Blocks(group));
-            };
-            let remote: HashMap<u64, u64> = wire
-                .positions
-                .iter()
-                .copied()
-                .zip(wire.remote_blocks.iter().copied())
-                .collect();
-            let start = job.selection.start;
-            let source_blocks = (start..start + job.selection.block_ids.len() as u64)
-                .map(|p| remote.get(&p).copied())
-                .collect::<Option<Vec<u64>>>()
-                .ok_or(NoCopy::Blocks(group))?;
-            let t = Instant::now();
-            let sources = sources(w, dev, producer, &job, &mut keep)?;
-            sources_us += t.elapsed().as_micros();
-            let t = Instant::now();
-            let layers: Vec<_> = job.layers.iter().map(triple).collect();
-            let from: Vec<_> = sources.iter().map(triple).collect();
-            let ids = &job.selection.block_ids;
-            copy_plan(&layers, &from, ids, &source_blocks, start, job.num_tokens)?;
-            check_us += t.elapsed().as_micros();
-            out.bytes += copied_bytes(&job);
-            copies.push(CopyJob {
-                job,
-                sources,
-                source_blocks,
-            });
-        }
-        out.jobs.push(copies);
-        out.keep.push(keep);
-    }
-    blocks_us = t0.elapsed().as_micros() - sources_us - check_us - blocks_us;
-    tracing::debug!(target: "kvferry::timing", blocks_us, sources_us, check_us, "one pass planned");
-    Ok(out)
+/// What a load's one-pass reads depend on besides its blocks, worked out once per request
+/// shape (its groups and block sizes) and producer layout: which producer layer each of this
+/// side's layers is copied from, checked to pair up chunk for chunk. Not the mappings: each
+/// load asks the engine for those, checked against what the producer has registered then.
+pub(super) struct CopyTemplate {
+    /// Per worker (indexed as the workers).
+    workers: Vec<WorkerTemplate>,
 }
 
-/// The producer layer each of `job`'s layers is copied from (the same name and heads), at the
-/// address worker `w`'s device `dev` reads it, its mappings added to `keep`.
-fn sources(
-    w: &Worker,
-    dev: u32,
-    producer: &[RankLayout],
-    job: &GroupJob,
-    keep: &mut Keep,
-) -> Result<Vec<LayerInput>, NoCopy> {
-    // Per producer segment: the layers it holds (index into the job's) and their ranges.
-    let mut by_segment: Vec<(&str, Vec<(usize, &LayerInput)>)> = Vec::new();
-    for (k, l) in job.layers.iter().enumerate() {
-        // Layers pair by name, as the planners pair them (a layout carries no layer numbers).
-        let same = |p: &&LayerInput| {
-            (&p.spec.name, p.spec.head_offset, p.spec.geometry.heads)
-                == (&l.spec.name, l.spec.head_offset, l.spec.geometry.heads)
-        };
-        let found = producer.iter().find_map(|r| {
-            let p = r.group(job.group_id)?.layers.iter().find(same)?;
-            Some((r.segment.as_str(), p))
-        });
-        let (segment, p) = found.ok_or_else(|| NoCopy::NoSource(l.spec.name.clone()))?;
-        match by_segment.iter_mut().find(|(s, _)| *s == segment) {
-            Some((_, v)) => v.push((k, p)),
-            None => by_segment.push((segment, vec![(k, p)])),
-        }
-    }
-    let mut out: Vec<Option<LayerInput>> = vec![None; job.layers.len()];
-    for (segment, layers) in by_segment {
-        if !w.engine.has_segment(segment) {
-            return Err(NoCopy::NotOpen(segment.to_string()));
-        }
-        let map = |source| NoCopy::Map {
-            segment: segment.to_string(),
-            source,
-        };
-        let handle = w.engine.open_segment(segment).map_err(map)?;
-        let ranges: Vec<(u64, u64)> = layers.iter().map(|(_, p)| (p.addr, p.len)).collect();
-        let mapped = w
-            .engine
-            .mapped(&handle, dev, &ranges)
-            .map_err(map)?
-            .ok_or_else(|| NoCopy::NotMapped(segment.to_string()))?;
-        for ((k, p), m) in layers.into_iter().zip(mapped) {
-            keep.push(m.keep());
-            // This side's layer as the producer holds it: its own geometry (block count,
-            // strides) at its address as mapped here.
-            out[k] = Some(LayerInput {
-                spec: kvferry_checksum::group::LayerSpec {
-                    geometry: p.spec.geometry.clone(),
-                    ..job.layers[k].spec.clone()
-                },
-                addr: m.ptr(),
-                len: p.len,
+/// One worker's part of a [`CopyTemplate`].
+struct WorkerTemplate {
+    /// Per job (in the order its jobs come): the group id and its layer count.
+    jobs: Vec<(u32, usize)>,
+    /// Per producer segment: (job index, layer index, the source layer at the producer's
+    /// address).
+    segments: Vec<(String, Vec<(usize, usize, LayerInput)>)>,
+}
+
+impl CopyTemplate {
+    /// The template of `request`'s shape (`jobs`: per worker, its jobs over every layer) read
+    /// from `producer` (its layout), where every layer pairs up; else why not.
+    pub(super) fn of(
+        workers: &[Worker],
+        jobs: &[Vec<GroupJob>],
+        producer: &[RankLayout],
+        request: &LoadRequest,
+    ) -> Result<CopyTemplate, NoCopy> {
+        let mut out = Vec::with_capacity(workers.len());
+        for (i, (w, jobs)) in workers.iter().zip(jobs).enumerate() {
+            if !matches!(w.device, Location::Cuda(_)) {
+                return Err(NoCopy::Host(i));
+            }
+            // Every group of the load this rank holds is checksummed over all its layers: the
+            // copies then move all of it.
+            for b in &request.blocks {
+                let Some(g) = w.groups.iter().find(|g| g.group_id == b.group_id) else {
+                    continue;
+                };
+                if g.skipped.is_some() {
+                    return Err(NoCopy::Unchecked(g.group_id));
+                }
+                if !b.remote_positions.is_empty()
+                    || ![0, b.block_size].contains(&b.remote_block_size)
+                {
+                    return Err(NoCopy::BlockSizes(g.group_id));
+                }
+                let job = jobs.iter().find(|j| j.group_id == g.group_id);
+                if job.is_none_or(|j| j.layers.len() != g.layers.len()) {
+                    return Err(NoCopy::Blocks(g.group_id));
+                }
+            }
+            let mut segments: Vec<(String, Vec<(usize, usize, LayerInput)>)> = Vec::new();
+            for (j, job) in jobs.iter().enumerate() {
+                let sources = pair(producer, job)?;
+                // Chunk for chunk, whatever the blocks (one block of each checks the layouts).
+                let layers: Vec<_> = job.layers.iter().map(triple).collect();
+                let from: Vec<_> = sources.iter().map(|(_, l)| triple(l)).collect();
+                copy_plan(&layers, &from, &[0], &[0], 0, 1)?;
+                for (k, (segment, l)) in sources.into_iter().enumerate() {
+                    match segments.iter_mut().find(|(s, _)| *s == segment) {
+                        Some((_, v)) => v.push((j, k, l)),
+                        None => segments.push((segment, vec![(j, k, l)])),
+                    }
+                }
+            }
+            out.push(WorkerTemplate {
+                jobs: jobs.iter().map(|j| (j.group_id, j.layers.len())).collect(),
+                segments,
             });
         }
+        Ok(CopyTemplate { workers: out })
     }
-    Ok(out.into_iter().flatten().collect())
+
+    /// The one-pass reads of `request` (of this template's shape; `jobs`: per worker, its jobs
+    /// over every layer, from this side's block tables) where every block pairs up; else why
+    /// not. Asks each worker's engine for the producer's memory as mapped here now, checked
+    /// against what the producer has registered: never a handshake or an import.
+    pub(super) fn reads(
+        &self,
+        workers: &[Worker],
+        jobs: Vec<Vec<GroupJob>>,
+        request: &LoadRequest,
+    ) -> Result<CopyReads, NoCopy> {
+        let mut out = CopyReads {
+            jobs: Vec::with_capacity(workers.len()),
+            keep: Vec::with_capacity(workers.len()),
+            bytes: 0,
+        };
+        for ((w, jobs), t) in workers.iter().zip(jobs).zip(&self.workers) {
+            let Location::Cuda(dev) = w.device else {
+                return Err(NoCopy::Host(0));
+            };
+            let same = jobs.len() == t.jobs.len()
+                && jobs
+                    .iter()
+                    .zip(&t.jobs)
+                    .all(|(j, &(g, n))| j.group_id == g && j.layers.len() == n);
+            if !same {
+                return Err(NoCopy::Shape);
+            }
+            let mut sources: Vec<Vec<Option<LayerInput>>> =
+                jobs.iter().map(|j| vec![None; j.layers.len()]).collect();
+            let mut keep = Keep::new();
+            for (segment, layers) in &t.segments {
+                if !w.engine.has_segment(segment) {
+                    return Err(NoCopy::NotOpen(segment.clone()));
+                }
+                let map = |source| NoCopy::Map {
+                    segment: segment.clone(),
+                    source,
+                };
+                let handle = w.engine.open_segment(segment).map_err(map)?;
+                let ranges: Vec<(u64, u64)> =
+                    layers.iter().map(|(_, _, l)| (l.addr, l.len)).collect();
+                let mapped = w
+                    .engine
+                    .mapped(&handle, dev, &ranges)
+                    .map_err(map)?
+                    .ok_or_else(|| NoCopy::NotMapped(segment.clone()))?;
+                for ((j, k, l), m) in layers.iter().zip(mapped) {
+                    keep.push(m.keep());
+                    sources[*j][*k] = Some(LayerInput {
+                        spec: l.spec.clone(),
+                        addr: m.ptr(),
+                        len: l.len,
+                    });
+                }
+            }
+            let mut copies = Vec::with_capacity(jobs.len());
+            for (job, sources) in jobs.into_iter().zip(sources) {
+                let source_blocks = source_blocks(&job, request)?;
+                out.bytes += copied_bytes(&job);
+                copies.push(CopyJob {
+                    job,
+                    sources: sources.into_iter().flatten().collect(),
+                    source_blocks,
+                });
+            }
+            out.jobs.push(copies);
+            out.keep.push(keep);
+        }
+        Ok(out)
+    }
+}
+
+/// The producer's block at each position `job` checksums (its selection): those the request
+/// names, all of them being the blocks the load moves; else [`NoCopy::Blocks`] (a window or a
+/// local prefix clips what is checksummed, or a position has no producer block).
+fn source_blocks(job: &GroupJob, request: &LoadRequest) -> Result<Vec<u64>, NoCopy> {
+    let group = job.group_id;
+    let ids = &job.selection.block_ids;
+    let wire = request.blocks.iter().find(|b| b.group_id == group);
+    let Some(wire) = wire.filter(|b| b.positions.len() == ids.len()) else {
+        return Err(NoCopy::Blocks(group));
+    };
+    let start = job.selection.start;
+    let positions = start..start + ids.len() as u64;
+    // Mostly the positions in order: read straight off; else looked up.
+    if wire.positions.iter().copied().eq(positions.clone()) && wire.remote_blocks.len() == ids.len()
+    {
+        return Ok(wire.remote_blocks.clone());
+    }
+    let remote: HashMap<u64, u64> = wire
+        .positions
+        .iter()
+        .copied()
+        .zip(wire.remote_blocks.iter().copied())
+        .collect();
+    positions
+        .map(|p| remote.get(&p).copied())
+        .collect::<Option<Vec<u64>>>()
+        .ok_or(NoCopy::Blocks(group))
+}
+
+/// The producer layer (and its segment) each of `job`'s layers is copied from: the same name
+/// and heads, as this side's layer but for the producer's geometry (block count, strides), at
+/// the producer's address.
+fn pair(producer: &[RankLayout], job: &GroupJob) -> Result<Vec<(String, LayerInput)>, NoCopy> {
+    job.layers
+        .iter()
+        .map(|l| {
+            // Layers pair by name, as the planners pair them (a layout carries no layer numbers).
+            let same = |p: &&LayerInput| {
+                (&p.spec.name, p.spec.head_offset, p.spec.geometry.heads)
+                    == (&l.spec.name, l.spec.head_offset, l.spec.geometry.heads)
+            };
+            producer
+                .iter()
+                .find_map(|r| {
+                    let p = r.group(job.group_id)?.layers.iter().find(same)?;
+                    let spec = kvferry_checksum::group::LayerSpec {
+                        geometry: p.spec.geometry.clone(),
+                        ..l.spec.clone()
+                    };
+                    let source = LayerInput {
+                        spec,
+                        addr: p.addr,
+                        len: p.len,
+                    };
+                    Some((r.segment.clone(), source))
+                })
+                .ok_or_else(|| NoCopy::NoSource(l.spec.name.clone()))
+        })
+        .collect()
 }
 
 /// A layer as the launch plans take it.
@@ -230,7 +297,9 @@ fn copied_bytes(job: &GroupJob) -> u64 {
         .iter()
         .map(|l| {
             let g = &l.spec.geometry;
-            tokens.saturating_mul(g.heads).saturating_mul(g.cell_bytes())
+            tokens
+                .saturating_mul(g.heads)
+                .saturating_mul(g.cell_bytes())
         })
         .fold(0, u64::saturating_add)
 }

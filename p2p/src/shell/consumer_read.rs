@@ -17,6 +17,7 @@ use kvferry_transfer::{Op, Shared, Token, TransferError, TransferPath};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
+use super::copy::{CopyReads, CopyTemplate};
 use super::{Consumer, Phases};
 use crate::error::{LoadError, LoadSpecFault};
 use crate::proto::consumer::FailReason;
@@ -29,12 +30,11 @@ use crate::proto::read_plan::{read_plans, ReadTemplate};
 use crate::proto::serve::RankPlan;
 use crate::shell::connection::{ConnCmd, ConnFailure, LoadProgress};
 use crate::shell::consumer_config::{LoadOutcome, ReadCheck, ReadMode};
-use super::copy::plan_copy;
-use futures::future::Either;
-use futures::TryFutureExt;
 use crate::shell::serve::{GroupedWrite, Queued};
 use crate::shell::verify_parts::{Parts, Selector};
 use crate::LoadSpec;
+use futures::future::Either;
+use futures::TryFutureExt;
 
 /// A load's question for a producer's layout ([`Consumer::ask_layout`]): dropped while the
 /// producer is still [`Reads::Asked`] (the load got no FINISH, or its caller dropped it), it
@@ -76,6 +76,9 @@ pub(super) struct ProducerLayout {
     /// A load read with this layout succeeded: the producer's memory is mapped here, so a
     /// later load's submits only enqueue (the load's own task may make them).
     warm: AtomicBool,
+    /// The one-pass reads of the request shape last read (`None`: that shape's layers do not
+    /// pair up, it is read in two passes).
+    copies: std::sync::Mutex<Option<(Vec<(u32, u64, u64)>, Option<Arc<CopyTemplate>>)>>,
 }
 
 /// What a [`ReadTemplate`] depends on in a request: its ranks (this side's memory) and, per
@@ -268,6 +271,41 @@ impl Consumer {
         })
     }
 
+    /// The one-pass reads of `request` from `producer` (its template made once per request
+    /// shape), where its layers and blocks pair up; else `None` (why: a debug line), and the
+    /// load is read in two passes.
+    fn copy_reads(
+        &self,
+        producer: &ProducerLayout,
+        parts: &mut Parts,
+        request: &LoadRequest,
+    ) -> Option<CopyReads> {
+        let jobs = parts.whole_jobs();
+        let rid = &request.request_id;
+        let cached = producer
+            .copies
+            .locked()
+            .as_ref()
+            .filter(|(shape, _)| Shape::groups(request).eq(shape.iter().copied()))
+            .map(|(_, t)| t.clone());
+        let template = match cached {
+            Some(t) => t?,
+            None => {
+                let t = CopyTemplate::of(&self.workers, &jobs, &producer.ranks, request)
+                    .inspect_err(|why| debug!(request_id = rid, "read in two passes: {why}"))
+                    .ok()
+                    .map(Arc::new);
+                let shape = Shape::groups(request).collect();
+                *producer.copies.locked() = Some((shape, t.clone()));
+                t?
+            }
+        };
+        template
+            .reads(&self.workers, jobs, request)
+            .inspect_err(|why| debug!(request_id = rid, "read in two passes: {why}"))
+            .ok()
+    }
+
     /// Tells `producer` that the reads of the load `reply` answered are over (`read_done`):
     /// its lease may end.
     async fn read_done(&self, producer: &str, reply: &Reply) {
@@ -363,17 +401,9 @@ impl Consumer {
         .with_fingerprints(self.fingerprints.clone());
         // An earlier read from this producer succeeded: its memory is mapped here.
         let warm = reads.producer.warm.load(Ordering::Acquire);
-        let copy = (warm && self.queue_checksums && self.config.read_check == ReadCheck::OnePass)
-            .then(|| {
-                let t = Instant::now();
-                let jobs = parts.whole_jobs();
-                debug!(target: "kvferry::timing", jobs_us = t.elapsed().as_micros() as u64, "one pass jobs");
-                plan_copy(&self.workers, jobs, &reads.producer.ranks, &request)
-                    .inspect_err(|why| {
-                        debug!(request_id = rid, "read in two passes, not one: {why}")
-                    })
-                    .ok()
-            })
+        let one_pass = warm && self.queue_checksums && self.config.read_check == ReadCheck::OnePass;
+        let copy = one_pass
+            .then(|| self.copy_reads(&reads.producer, &mut parts, &request))
             .flatten();
         // One pass: the kernels are queued first (this task only enqueues), before the request
         // goes out: they need nothing of the producer's answer, which comes back while they
@@ -652,6 +682,7 @@ async fn readable(
         digest: layout_digest(layout),
         template: std::sync::Mutex::new(None),
         warm: AtomicBool::new(false),
+        copies: std::sync::Mutex::new(None),
     };
     if mode == ReadMode::Always {
         return Ok(layout);

@@ -88,8 +88,12 @@ struct WorkerTemplate {
     jobs: Vec<(u32, usize)>,
     /// Per producer segment: (job index, layer index, the source layer at the producer's
     /// address).
-    segments: Vec<(String, Vec<(usize, usize, LayerInput)>)>,
+    segments: Vec<(String, Vec<Source>)>,
 }
+
+/// A layer's source in a [`WorkerTemplate`]: (job index, layer index, the producer's layer at
+/// its address there, with this side's spec but the producer's geometry).
+type Source = (usize, usize, LayerInput);
 
 impl CopyTemplate {
     /// The template of `request`'s shape (`jobs`: per worker, its jobs over every layer) read
@@ -124,7 +128,7 @@ impl CopyTemplate {
                     return Err(NoCopy::Blocks(g.group_id));
                 }
             }
-            let mut segments: Vec<(String, Vec<(usize, usize, LayerInput)>)> = Vec::new();
+            let mut segments: Vec<(String, Vec<Source>)> = Vec::new();
             for (j, job) in jobs.iter().enumerate() {
                 let sources = pair(producer, job)?;
                 // Chunk for chunk, whatever the blocks (one block of each checks the layouts).
@@ -371,3 +375,7 @@ impl Submitted {
         Ok((self.bytes, out))
     }
 }
+
+#[cfg(test)]
+#[path = "consumer_copy_tests.rs"]
+mod tests;

@@ -78,8 +78,12 @@ pub(super) struct ProducerLayout {
     warm: AtomicBool,
     /// The one-pass reads of the request shape last read (`None`: that shape's layers do not
     /// pair up, it is read in two passes).
-    copies: std::sync::Mutex<Option<(Vec<(u32, u64, u64)>, Option<Arc<CopyTemplate>>)>>,
+    copies: std::sync::Mutex<Option<ShapeTemplate>>,
 }
+
+/// A request shape (its groups' id, block size and producer block size) and its one-pass
+/// template (`None`: its layers do not pair up).
+type ShapeTemplate = (Vec<(u32, u64, u64)>, Option<Arc<CopyTemplate>>);
 
 /// What a [`ReadTemplate`] depends on in a request: its ranks (this side's memory) and, per
 /// group, its id and both block sizes.

@@ -6,7 +6,15 @@
 //! checksum of the landed bytes read them twice.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
+
+use kvferry_transfer::sync::MutexExt;
+use tracing::debug;
+
+use super::read::{ProducerLayout, Shape};
+use super::Consumer;
+use crate::shell::verify_parts::Parts;
 
 use kvferry_kernels::cuda::view::{copy_plan, PlanError};
 use kvferry_kernels::{CopyJob, GroupJob, GroupResult, Keep, LayerInput, Location};
@@ -17,6 +25,47 @@ use crate::proto::layout::RankLayout;
 use crate::proto::msg::LoadRequest;
 use crate::proto::serve_error::{WriteError, WriteErrorKind};
 use crate::worker::Worker;
+
+/// A request shape (its groups' id, block size and producer block size) and its one-pass
+/// template (`None`: its layers do not pair up).
+pub(super) type ShapeTemplate = (Vec<(u32, u64, u64)>, Option<Arc<CopyTemplate>>);
+
+impl Consumer {
+    /// The one-pass reads of `request` from `producer` (its template made once per request
+    /// shape), where its layers and blocks pair up; else `None` (why: a debug line), and the
+    /// load is read in two passes.
+    pub(super) fn copy_reads(
+        &self,
+        producer: &ProducerLayout,
+        parts: &mut Parts,
+        request: &LoadRequest,
+    ) -> Option<CopyReads> {
+        let jobs = parts.whole_jobs();
+        let rid = &request.request_id;
+        let cached = producer
+            .copies
+            .locked()
+            .as_ref()
+            .filter(|(shape, _)| Shape::groups(request).eq(shape.iter().copied()))
+            .map(|(_, t)| t.clone());
+        let template = match cached {
+            Some(t) => t?,
+            None => {
+                let t = CopyTemplate::of(&self.workers, &jobs, &producer.ranks, request)
+                    .inspect_err(|why| debug!(request_id = rid, "read in two passes: {why}"))
+                    .ok()
+                    .map(Arc::new);
+                let shape = Shape::groups(request).collect();
+                *producer.copies.locked() = Some((shape, t.clone()));
+                t?
+            }
+        };
+        template
+            .reads(&self.workers, jobs, request)
+            .inspect_err(|why| debug!(request_id = rid, "read in two passes: {why}"))
+            .ok()
+    }
+}
 
 /// A load's one-pass reads: each worker's copy jobs over every layer of the load, and the
 /// producer's mappings they read.

@@ -17,7 +17,7 @@ use kvferry_transfer::{Op, Shared, Token, TransferError, TransferPath};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use super::copy::{CopyReads, CopyTemplate};
+use super::copy::ShapeTemplate;
 use super::{Consumer, Phases};
 use crate::error::{LoadError, LoadSpecFault};
 use crate::proto::consumer::FailReason;
@@ -69,7 +69,7 @@ pub(super) enum Reads {
 
 /// A producer's layout as the plan reads it, and the digest a read request names.
 pub(super) struct ProducerLayout {
-    ranks: Vec<RankLayout>,
+    pub(super) ranks: Vec<RankLayout>,
     digest: [u8; 32],
     /// The reads of the request shape last planned, for later loads of that shape.
     template: std::sync::Mutex<Option<(Shape, Arc<ReadTemplate>)>>,
@@ -78,22 +78,18 @@ pub(super) struct ProducerLayout {
     warm: AtomicBool,
     /// The one-pass reads of the request shape last read (`None`: that shape's layers do not
     /// pair up, it is read in two passes).
-    copies: std::sync::Mutex<Option<ShapeTemplate>>,
+    pub(super) copies: std::sync::Mutex<Option<ShapeTemplate>>,
 }
-
-/// A request shape (its groups' id, block size and producer block size) and its one-pass
-/// template (`None`: its layers do not pair up).
-type ShapeTemplate = (Vec<(u32, u64, u64)>, Option<Arc<CopyTemplate>>);
 
 /// What a [`ReadTemplate`] depends on in a request: its ranks (this side's memory) and, per
 /// group, its id and both block sizes.
-struct Shape {
+pub(super) struct Shape {
     ranks: Vec<crate::proto::msg::WireRank>,
     groups: Vec<(u32, u64, u64)>,
 }
 
 impl Shape {
-    fn groups(request: &LoadRequest) -> impl Iterator<Item = (u32, u64, u64)> + '_ {
+    pub(super) fn groups(request: &LoadRequest) -> impl Iterator<Item = (u32, u64, u64)> + '_ {
         request
             .blocks
             .iter()
@@ -275,41 +271,6 @@ impl Consumer {
         })
     }
 
-    /// The one-pass reads of `request` from `producer` (its template made once per request
-    /// shape), where its layers and blocks pair up; else `None` (why: a debug line), and the
-    /// load is read in two passes.
-    fn copy_reads(
-        &self,
-        producer: &ProducerLayout,
-        parts: &mut Parts,
-        request: &LoadRequest,
-    ) -> Option<CopyReads> {
-        let jobs = parts.whole_jobs();
-        let rid = &request.request_id;
-        let cached = producer
-            .copies
-            .locked()
-            .as_ref()
-            .filter(|(shape, _)| Shape::groups(request).eq(shape.iter().copied()))
-            .map(|(_, t)| t.clone());
-        let template = match cached {
-            Some(t) => t?,
-            None => {
-                let t = CopyTemplate::of(&self.workers, &jobs, &producer.ranks, request)
-                    .inspect_err(|why| debug!(request_id = rid, "read in two passes: {why}"))
-                    .ok()
-                    .map(Arc::new);
-                let shape = Shape::groups(request).collect();
-                *producer.copies.locked() = Some((shape, t.clone()));
-                t?
-            }
-        };
-        template
-            .reads(&self.workers, jobs, request)
-            .inspect_err(|why| debug!(request_id = rid, "read in two passes: {why}"))
-            .ok()
-    }
-
     /// Tells `producer` that the reads of the load `reply` answered are over (`read_done`):
     /// its lease may end.
     async fn read_done(&self, producer: &str, reply: &Reply) {
@@ -438,12 +399,6 @@ impl Consumer {
         // (which no other worker steals) until this task yields: it sends the request now, not
         // after the submits below.
         tokio::task::yield_now().await;
-        debug!(
-            target: "kvferry::timing",
-            request_id = rid,
-            handed_us = started.elapsed().as_micros() as u64,
-            "read request handed over"
-        );
         let mut progress_time = std::time::Duration::ZERO;
         let mut take = |parts: &mut Parts, h: Heard| {
             let t = Instant::now();

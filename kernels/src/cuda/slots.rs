@@ -63,25 +63,20 @@ fn best_free(pool: &mut Pool, need: usize) -> Option<Slot> {
 /// asked about under the lock: only then); or, when none fits still, one allocated now in
 /// `ctx` (current on this thread). Errors: the driver's.
 pub(super) fn take_slot(pool: &Mutex<Pool>, ctx: &Context, need: usize) -> Result<Slot, CudaError> {
-    {
+    let released = {
         let mut pool = pool.locked();
         if let Some(s) = best_free(&mut pool, need) {
             return Ok(s);
         }
-        let mut k = 0;
-        while k < pool.retiring.len() {
-            if matches!(pool.retiring[k].done.query(), Ok(EventState::Done)) {
-                let mut s = pool.retiring.swap_remove(k);
-                s.keep.clear();
-                pool.free.push(s);
-            } else {
-                k += 1;
-            }
-        }
+        let released = reap(&mut pool);
         if let Some(s) = best_free(&mut pool, need) {
+            drop(pool);
+            drop(released);
             return Ok(s);
         }
-    }
+        released
+    };
+    drop(released);
     // Allocation happens only when the pool has no free slot large enough (more
     // submissions in flight than slots, or a larger one than before). It synchronises
     // the device: the submit waits for the work queued on every stream.
@@ -110,6 +105,24 @@ pub(super) fn take_slot(pool: &Mutex<Pool>, ctx: &Context, need: usize) -> Resul
     Ok(slot)
 }
 
+/// Moves the retiring slots whose work completed to the free ones (each asked about under the
+/// lock) and returns what they kept, to be dropped once the lock is released (dropping a
+/// mapping may wait for the driver).
+fn reap(pool: &mut Pool) -> Vec<crate::Keep> {
+    let mut released = Vec::new();
+    let mut k = 0;
+    while k < pool.retiring.len() {
+        if matches!(pool.retiring[k].done.query(), Ok(EventState::Done)) {
+            let mut s = pool.retiring.swap_remove(k);
+            released.push(std::mem::take(&mut s.keep));
+            pool.free.push(s);
+        } else {
+            k += 1;
+        }
+    }
+    released
+}
+
 /// A slot over `mem`, with its events made in `ctx`. Errors: the driver's.
 pub(super) fn slot_in(ctx: &Context, mem: Staging) -> Result<Slot, CudaError> {
     Ok(Slot {
@@ -126,14 +139,23 @@ pub(super) fn slot_in(ctx: &Context, mem: Staging) -> Result<Slot, CudaError> {
 /// Gives `slot` back once its work completed: kept for the next submission, up to
 /// [`SLOTS_KEPT`] free ones; past that it is freed here (outside the lock).
 pub(super) fn give_back(pool: &Mutex<Pool>, mut slot: Slot) {
-    slot.keep.clear();
+    let kept = std::mem::take(&mut slot.keep);
     let mut p = pool.locked();
+    // Slots retired with their work still running hold what their launches read (a copy's
+    // sources): reaped here too, not only when a submit runs short of slots.
+    let released = if p.retiring.is_empty() {
+        Vec::new()
+    } else {
+        reap(&mut p)
+    };
     if p.free.len() < SLOTS_KEPT {
         p.free.push(slot);
+        drop(p);
     } else {
         drop(p);
         drop(slot);
     }
+    drop((kept, released));
 }
 
 /// Retires `slot`, whose work may still run (its result was dropped, or its submit or poll

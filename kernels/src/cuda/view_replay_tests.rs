@@ -504,6 +504,7 @@ fn replayed_copy_moves_what_it_checksums() {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     let (mut copied, mut refused, mut regular) = (0usize, 0usize, 0usize);
     let mut modes = [0usize; 3];
+    let mut swapped = 0usize;
     for case in 0..300 {
         let nl = rng.random_range(1..4);
         let specs: Vec<LayerSpec> = (0..nl)
@@ -513,8 +514,29 @@ fn replayed_copy_moves_what_it_checksums() {
             .iter()
             .map(|s| {
                 let blocks = rng.random_range(1..6);
+                // Sometimes the other order of KV and B (the same strides within a block).
+                let g = &s.geometry;
+                let (n, h, d, e, k) = (
+                    g.tokens_per_kernel_block,
+                    g.heads,
+                    g.head_dim,
+                    g.elem,
+                    g.kernel_blocks_per_block,
+                );
+                let plain =
+                    |l: &str, b| Geometry::contiguous(Layout::parse(l).unwrap(), b, n, h, d, e, k);
+                let swap = [("KV B N H D", "B KV N H D"), ("B KV N H D", "KV B N H D")]
+                    .into_iter()
+                    .find(|(from, _)| plain(from, g.num_kernel_blocks).is_ok_and(|p| p == *g));
+                let geometry = match swap {
+                    Some((_, to)) if rng.random_bool(0.5) => {
+                        swapped += 1;
+                        plain(to, blocks * k).unwrap()
+                    }
+                    _ => with_blocks(g, blocks),
+                };
                 LayerSpec {
-                    geometry: with_blocks(&s.geometry, blocks),
+                    geometry,
                     ..s.clone()
                 }
             })
@@ -624,6 +646,10 @@ fn replayed_copy_moves_what_it_checksums() {
     assert!(
         copied > 60 && refused > 10 && regular > 20 && modes[0] > 10 && modes[1] > 10,
         "{copied} {refused} {regular} {modes:?}"
+    );
+    assert!(
+        swapped > 5,
+        "sources in the other order of KV and B: {swapped}"
     );
 }
 

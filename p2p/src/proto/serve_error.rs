@@ -319,7 +319,8 @@ pub enum WriteErrorKind {
     #[error("transfer: {0}")]
     Transfer(#[source] TransferError),
     /// A one-pass read's kernel (it copies the producer's blocks and checksums what it
-    /// stored, docs/design.md §4.10) could not be started or failed.
+    /// stored, docs/design.md §4.10) could not be started or failed; every launch queued
+    /// beside it was waited for (one that ran out of time is `GroupsTimeout` instead).
     #[error("the kernel that copies and checksums the load: {0}")]
     Copy(#[source] kvferry_kernels::KernelError),
 }
@@ -335,8 +336,6 @@ impl WriteError {
                 | WriteErrorKind::GroupsTimeout(_)
                 | WriteErrorKind::Task(_)
                 | WriteErrorKind::Transfer(TransferError::Timeout(_))
-                // Another rank's launch may have been queued before this one failed.
-                | WriteErrorKind::Copy(_)
         )
     }
 }

@@ -31,6 +31,34 @@ use crate::worker::Worker;
 pub(super) type ShapeTemplate = (Vec<(u32, u64, u64)>, Option<Arc<CopyTemplate>>);
 
 impl Consumer {
+    /// Starts `copy` ([`CopyReads::submit`]) for the load of `rid` that started at `started`
+    /// and planned it by `planned_us`; `None` when its launch was refused before anything
+    /// was queued (why: a debug line), and the load is read in two passes.
+    pub(super) fn submit_copy(
+        &self,
+        copy: CopyReads,
+        rid: &str,
+        started: Instant,
+        planned_us: u64,
+    ) -> Option<Submitted> {
+        match copy.submit(&self.workers) {
+            Ok(s) => {
+                debug!(
+                    target: "kvferry::timing",
+                    request_id = rid,
+                    planned_us,
+                    submit_us = started.elapsed().as_micros() as u64,
+                    "read in one pass"
+                );
+                Some(s)
+            }
+            Err(why) => {
+                debug!(request_id = rid, "read in two passes: {why}");
+                None
+            }
+        }
+    }
+
     /// The one-pass reads of `request` from `producer` (its template made once per request
     /// shape), where its layers and blocks pair up; else `None` (why: a debug line), and the
     /// load is read in two passes.
@@ -51,10 +79,17 @@ impl Consumer {
         let template = match cached {
             Some(t) => t?,
             None => {
-                let t = CopyTemplate::of(&self.workers, &jobs, &producer.ranks, request)
-                    .inspect_err(|why| debug!(request_id = rid, "read in two passes: {why}"))
-                    .ok()
-                    .map(Arc::new);
+                let t = match CopyTemplate::of(&self.workers, &jobs, &producer.ranks, request) {
+                    Ok(t) => Some(Arc::new(t)),
+                    Err(why) => {
+                        debug!(request_id = rid, "read in two passes: {why}");
+                        // Only a refusal of the whole shape is remembered.
+                        if !why.lasting() {
+                            return None;
+                        }
+                        None
+                    }
+                };
                 let shape = Shape::groups(request).collect();
                 *producer.copies.locked() = Some((shape, t.clone()));
                 t?
@@ -117,9 +152,30 @@ pub(super) enum NoCopy {
         source: TransferError,
     },
     /// A layer cannot be copied chunk for chunk from its producer layer (its layout differs
-    /// beyond its block count, or the kernel reads it byte by byte).
+    /// beyond its block count, or the kernel reads it byte by byte), or a block of the load is
+    /// outside a layer's or its source's blocks.
     #[error(transparent)]
     Layout(#[from] PlanError),
+    /// The backend refused the launch before queuing anything (no copy kernel in it, or a
+    /// driver failure).
+    #[error("the copy launch was refused: {0}")]
+    Refused(kvferry_kernels::KernelError),
+}
+
+impl NoCopy {
+    /// Whether every load of the request shape is refused the same way (the shape is then
+    /// read in two passes without asking again); else it depends on the load or on the
+    /// moment (a mapping not made yet, this load's blocks).
+    pub(super) fn lasting(&self) -> bool {
+        matches!(
+            self,
+            NoCopy::Host(_)
+                | NoCopy::Unchecked(_)
+                | NoCopy::BlockSizes(_)
+                | NoCopy::NoSource(_)
+                | NoCopy::Layout(_)
+        )
+    }
 }
 
 /// What a load's one-pass reads depend on besides its blocks, worked out once per request
@@ -179,7 +235,7 @@ impl CopyTemplate {
             }
             let mut segments: Vec<(String, Vec<Source>)> = Vec::new();
             for (j, job) in jobs.iter().enumerate() {
-                let sources = pair(producer, job)?;
+                let sources = pair(producer, job, w.rank.tp_rank)?;
                 // Chunk for chunk, whatever the blocks (one block of each checks the layouts).
                 let layers: Vec<_> = job.layers.iter().map(triple).collect();
                 let from: Vec<_> = sources.iter().map(|(_, l)| triple(l)).collect();
@@ -257,10 +313,18 @@ impl CopyTemplate {
             let mut copies = Vec::with_capacity(jobs.len());
             for (job, sources) in jobs.into_iter().zip(sources) {
                 let source_blocks = source_blocks(&job, request)?;
+                let sources: Vec<LayerInput> = sources.into_iter().flatten().collect();
+                // What the backend checks before it queues anything, checked here: a refusal
+                // then sends the load to two passes instead of failing it.
+                kvferry_kernels::validate_job(&job).map_err(NoCopy::Refused)?;
+                let layers: Vec<_> = job.layers.iter().map(triple).collect();
+                let from: Vec<_> = sources.iter().map(triple).collect();
+                let (ids, start) = (&job.selection.block_ids, job.selection.start);
+                copy_plan(&layers, &from, ids, &source_blocks, start, job.num_tokens)?;
                 out.bytes += copied_bytes(&job);
                 copies.push(CopyJob {
                     job,
-                    sources: sources.into_iter().flatten().collect(),
+                    sources,
                     source_blocks,
                 });
             }
@@ -300,34 +364,52 @@ fn source_blocks(job: &GroupJob, request: &LoadRequest) -> Result<Vec<u64>, NoCo
         .ok_or(NoCopy::Blocks(group))
 }
 
-/// The producer layer (and its segment) each of `job`'s layers is copied from: the same name
-/// and heads, as this side's layer but for the producer's geometry (block count, strides), at
-/// the producer's address.
-fn pair(producer: &[RankLayout], job: &GroupJob) -> Result<Vec<(String, LayerInput)>, NoCopy> {
+/// The producer layer (and its segment) each of `job`'s layers is copied from, as the
+/// planners pick it for TP rank `tp_rank` (`proto::heads::pick_from`): of the `n` producer
+/// layers of the same name that hold its first KV head (replicas: MLA, GQA with TP above the
+/// head count), the `(tp_rank mod n)`-th, which must hold exactly its heads; as this side's
+/// layer but for the producer's geometry (block count, strides), at the producer's address.
+fn pair(
+    producer: &[RankLayout],
+    job: &GroupJob,
+    tp_rank: u32,
+) -> Result<Vec<(String, LayerInput)>, NoCopy> {
     job.layers
         .iter()
         .map(|l| {
+            let head = l.spec.head_offset as u64;
             // Layers pair by name, as the planners pair them (a layout carries no layer numbers).
-            let same = |p: &&LayerInput| {
-                (&p.spec.name, p.spec.head_offset, p.spec.geometry.heads)
-                    == (&l.spec.name, l.spec.head_offset, l.spec.geometry.heads)
-            };
-            producer
+            let holders: Vec<(&RankLayout, &LayerInput)> = producer
                 .iter()
-                .find_map(|r| {
-                    let p = r.group(job.group_id)?.layers.iter().find(same)?;
-                    let spec = kvferry_checksum::group::LayerSpec {
-                        geometry: p.spec.geometry.clone(),
-                        ..l.spec.clone()
-                    };
-                    let source = LayerInput {
-                        spec,
-                        addr: p.addr,
-                        len: p.len,
-                    };
-                    Some((r.segment.clone(), source))
+                .filter_map(|r| {
+                    let g = r.group(job.group_id)?;
+                    let p = g.layers.iter().find(|p| p.spec.name == l.spec.name)?;
+                    let held = p.spec.head_offset as u64
+                        ..p.spec.head_offset as u64 + p.spec.geometry.heads;
+                    held.contains(&head).then_some((r, p))
                 })
-                .ok_or_else(|| NoCopy::NoSource(l.spec.name.clone()))
+                .collect();
+            let picked = match holders.len() {
+                0 => None,
+                n => Some(holders[tp_rank as usize % n]),
+            };
+            let exact = |p: &&LayerInput| {
+                (p.spec.head_offset, p.spec.geometry.heads)
+                    == (l.spec.head_offset, l.spec.geometry.heads)
+            };
+            let (r, p) = picked
+                .filter(|(_, p)| exact(p))
+                .ok_or_else(|| NoCopy::NoSource(l.spec.name.clone()))?;
+            let spec = kvferry_checksum::group::LayerSpec {
+                geometry: p.spec.geometry.clone(),
+                ..l.spec.clone()
+            };
+            let source = LayerInput {
+                spec,
+                addr: p.addr,
+                len: p.len,
+            };
+            Ok((r.segment.clone(), source))
         })
         .collect()
 }
@@ -359,9 +441,10 @@ fn copied_bytes(job: &GroupJob) -> u64 {
 
 impl CopyReads {
     /// Starts every worker's launches on this task (the backends only enqueue: no host wait)
-    /// and returns what to wait for. A worker whose submit fails fails the reads; launches
-    /// already queued still run to their end (their slots keep the producer's mappings).
-    pub(super) fn submit(self, workers: &[Worker]) -> Submitted {
+    /// and returns what to wait for. Errors: the first worker's backend refused its launch,
+    /// so nothing was queued (the load goes in two passes). A later worker's refusal is kept
+    /// for [`Submitted::wait`], which waits for the launches queued before it.
+    pub(super) fn submit(self, workers: &[Worker]) -> Result<Submitted, NoCopy> {
         let at = Instant::now();
         let mut pending = Vec::with_capacity(workers.len());
         for ((w, jobs), keep) in workers.iter().zip(self.jobs).zip(self.keep) {
@@ -369,18 +452,20 @@ impl CopyReads {
             // while it is in use, and this load's blocks are its own until it ends); the sources
             // are the producer's registered memory as mapped here, checked against its live
             // table, and `keep` holds those mappings until the device is done with the launch.
-            let p = unsafe { w.backend.submit_copying(jobs, keep) };
-            let failed = p.is_err();
-            pending.push((w.rank, p.map_err(ChecksumError::from)));
-            if failed {
-                break;
+            match unsafe { w.backend.submit_copying(jobs, keep) } {
+                Ok(p) => pending.push((w.rank, Ok(p))),
+                Err(e) if pending.is_empty() => return Err(NoCopy::Refused(e)),
+                Err(e) => {
+                    pending.push((w.rank, Err(ChecksumError::from(e))));
+                    break;
+                }
             }
         }
-        Submitted {
+        Ok(Submitted {
             at,
             pending,
             bytes: self.bytes,
-        }
+        })
     }
 }
 
@@ -395,15 +480,18 @@ pub(super) struct Submitted {
 }
 
 impl Submitted {
-    /// Waits for every worker's launches until `deadline`: the bytes copied and each
-    /// worker's results (indexed as the workers). Errors: the first worker's that failed or
-    /// did not end in time; whatever still runs keeps its buffers and mappings until it ends.
+    /// Waits for every worker's launches until `deadline`, all of them even after one failed
+    /// (none of them writes after this returns, unless it ran out of time): the bytes copied
+    /// and each worker's results (indexed as the workers). Errors: the first worker's that
+    /// failed (`Copy`: its kernel refused or failed) or did not end in time
+    /// (`GroupsTimeout`: it may still write).
     pub(super) async fn wait(
         self,
         deadline: Instant,
     ) -> Result<(u64, Vec<Vec<GroupResult>>), WriteError> {
         let timeout = deadline.saturating_duration_since(self.at);
         let mut out = Vec::with_capacity(self.pending.len());
+        let mut first: Option<WriteError> = None;
         for (rank, p) in self.pending {
             let r = match p {
                 Ok(p) => wait_device(p, self.at, timeout).await,
@@ -419,9 +507,16 @@ impl Submitted {
                 // Not from a device wait; taken as a launch that may still run.
                 Err(_) => WriteErrorKind::GroupsTimeout(timeout),
             };
-            return Err(WriteError { rank, kind });
+            // A timeout outranks a failure: what may still land must be said.
+            let later = matches!(kind, WriteErrorKind::GroupsTimeout(_));
+            if first.is_none() || later {
+                first = Some(WriteError { rank, kind });
+            }
         }
-        Ok((self.bytes, out))
+        match first {
+            Some(e) => Err(e),
+            None => Ok((self.bytes, out)),
+        }
     }
 }
 

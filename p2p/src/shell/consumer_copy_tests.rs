@@ -248,3 +248,35 @@ fn reads_need_the_producers_segment_open_and_mapped_here() {
     other[0][0].layers.pop();
     assert!(matches!(t.reads(&workers, other, &r), Err(NoCopy::Shape)));
 }
+
+/// Replicated heads (MLA, or GQA with TP above the head count): each consumer rank reads the
+/// replica the planners pick for its TP rank (the `tp_rank mod n`-th holder), not the first.
+#[test]
+fn replicated_heads_pair_as_the_planners_pick_them() {
+    let mine = layers("B N D", 2, 1, 40, 1 << 40);
+    let mut w = worker(group(mine), Location::Cuda(0));
+    w.rank = RankInfo {
+        tp_rank: 1,
+        tp_size: 2,
+        pp_rank: 0,
+        pp_size: 1,
+    };
+    let ranks: Vec<RankLayout> = (0..2u32)
+        .map(|i| RankLayout {
+            rank: RankInfo {
+                tp_rank: i,
+                tp_size: 2,
+                pp_rank: 0,
+                pp_size: 1,
+            },
+            segment: format!("127.0.0.1:{}", 9 + i),
+            groups: vec![group(layers("B N D", 2, 1, 64, (1 << 41) * (i as u64 + 1)))],
+        })
+        .collect();
+    let r = request(&w, 64);
+    let t = CopyTemplate::of(std::slice::from_ref(&w), &[vec![job(&w, &r)]], &ranks, &r).unwrap();
+    let segs = &t.workers[0].segments;
+    assert_eq!(segs.len(), 1);
+    assert_eq!(segs[0].0, "127.0.0.1:10", "rank 1 reads the second replica");
+    assert!(segs[0].1.iter().all(|(_, _, l)| l.addr >= 1 << 42));
+}

@@ -374,17 +374,7 @@ impl Consumer {
         // goes out: they need nothing of the producer's answer, which comes back while they
         // run, and what they read is proved by the checksums, not by the order.
         let planned_us = started.elapsed().as_micros() as u64;
-        let submitted = copy.map(|c| {
-            let s = c.submit(&self.workers);
-            debug!(
-                target: "kvferry::timing",
-                request_id = rid,
-                planned_us,
-                submit_us = started.elapsed().as_micros() as u64,
-                "read in one pass"
-            );
-            s
-        });
+        let submitted = copy.and_then(|c| self.submit_copy(c, &rid, started, planned_us));
         let send = self.send(&spec.producer, request, spec.load_key.clone(), None);
         tokio::pin!(send);
         // The request goes out first (a hand-off to the connection's task), then the reads
@@ -480,6 +470,7 @@ impl Consumer {
             // The reads' end, then `read_done` at once: the producer's lease may end while the
             // verdict is still being worked out. Reads that failed drop the verdict unawaited.
             let read = async {
+                // One-pass results end the loop above: the parts are complete only with them.
                 let r = (&mut reading).await.map(|(b, _)| b);
                 let at = started.elapsed();
                 self.read_done(&spec.producer, reply).await;

@@ -532,3 +532,48 @@ async fn parts_are_complete_only_when_they_cover_every_layer() {
     );
     assert!(!none.complete());
 }
+
+/// A one-pass read's results (one part over every layer, `Parts::copied`) are the records as
+/// they are, each layer counted once, nothing checksummed again; results that cannot be the
+/// load's (another worker count) or that come after parts started void them, and every layer
+/// is checksummed from memory instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copied_results_are_the_whole_load_counted_once() {
+    let (w, mut bufs) = rank();
+    let workers = Arc::new(vec![w]);
+    let want = whole(&workers).await;
+    let mut p = parts(&workers);
+    let jobs = p.whole_jobs();
+    assert_eq!(jobs[0][0].layers.len(), LAYERS);
+    // SAFETY: the jobs' layers are `bufs`, alive until the wait below.
+    let results = unsafe { workers[0].backend.submit(jobs[0].clone()) }
+        .unwrap()
+        .wait(Duration::from_secs(10))
+        .unwrap();
+    p.copied(vec![results.clone()]);
+    assert_eq!(p.covered(), LAYERS as u32);
+    assert!(p.complete());
+    // A byte changed after the kernel is not seen: nothing is read again.
+    bufs[3][519] ^= 1;
+    let f = p.finish().await;
+    assert!(f.missing.is_empty(), "{:?}", f.missing);
+    assert_eq!(f.records, want, "the copied results, counted once");
+    bufs[3][519] ^= 1;
+
+    // Results for another number of workers: void, checksummed from memory.
+    let mut p = parts(&workers);
+    p.copied(vec![results.clone(), results.clone()]);
+    assert_eq!(p.covered(), 0);
+    bufs[3][519] ^= 1;
+    let changed = whole(&workers).await;
+    assert_ne!(changed, want);
+    assert_eq!(p.finish().await.records, changed);
+    bufs[3][519] ^= 1;
+
+    // After a part started: void as well.
+    let mut p = parts(&workers);
+    p.progress(landed(0, 5));
+    p.copied(vec![results]);
+    assert_eq!(p.covered(), 0);
+    assert_eq!(p.finish().await.records, want);
+}

@@ -78,10 +78,7 @@ impl CudaBackend {
                 job.selection.start,
                 job.num_tokens,
             )
-            .map_err(|e| KernelError::InvalidJob {
-                group_id: job.group_id,
-                why: JobFault::Plan(e),
-            })?;
+            .map_err(plan_error(job.group_id))?;
             plans.push((job.group_id, plan));
         }
         // SAFETY: forwarded from this function's contract.
@@ -113,18 +110,9 @@ impl CudaBackend {
             crate::backend::validate_layers(job.group_id, job.block_size, sources, source_blocks)?;
             let layers: Vec<(&LayerSpec, u64, u64)> = job.layers.iter().map(triple).collect();
             let from: Vec<(&LayerSpec, u64, u64)> = sources.iter().map(triple).collect();
-            let plan = copy_plan(
-                &layers,
-                &from,
-                &job.selection.block_ids,
-                source_blocks,
-                job.selection.start,
-                job.num_tokens,
-            )
-            .map_err(|e| KernelError::InvalidJob {
-                group_id: job.group_id,
-                why: JobFault::Plan(e),
-            })?;
+            let (ids, start) = (&job.selection.block_ids, job.selection.start);
+            let plan = copy_plan(&layers, &from, ids, source_blocks, start, job.num_tokens)
+                .map_err(plan_error(job.group_id))?;
             plans.push((job.group_id, plan));
         }
         let t = std::time::Instant::now();
@@ -256,6 +244,14 @@ impl CudaBackend {
             groups,
             kernel_ms: None,
         })
+    }
+}
+
+/// Group `group_id`'s job refused for its launch plan's error.
+fn plan_error(group_id: u32) -> impl Fn(super::view::PlanError) -> KernelError {
+    move |e| KernelError::InvalidJob {
+        group_id,
+        why: JobFault::Plan(e),
     }
 }
 

@@ -330,6 +330,27 @@ fn random_spec(rng: &mut ChaCha8Rng, layer: u32, replica: ReplicaKey) -> LayerSp
     }
 }
 
+/// The definition's values of `specs` over `mems` (layer `l` in `mems[l]`) for the blocks
+/// `block_ids` from position `start`.
+fn oracle(
+    specs: &[LayerSpec],
+    mems: &[Vec<u8>],
+    start: u64,
+    block_ids: &[u64],
+    num_tokens: u64,
+) -> std::collections::BTreeMap<ReplicaKey, Vec<u64>> {
+    let pairs: Vec<(&LayerSpec, &[u8])> = specs
+        .iter()
+        .zip(mems)
+        .map(|(s, m)| (s, m.as_slice()))
+        .collect();
+    let selection = BlockSelection {
+        start,
+        block_ids: block_ids.to_vec(),
+    };
+    direct_values(&pairs, &selection, num_tokens)
+}
+
 #[test]
 fn replayed_kernel_matches_definition() {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
@@ -390,16 +411,7 @@ fn replayed_kernel_matches_definition() {
         let slices: Vec<&[u8]> = mems.iter().map(|m| m.as_slice()).collect();
         let got = replay(&plan, &slices);
         let ns = plan.keys.len();
-        let pairs: Vec<(&LayerSpec, &[u8])> = specs
-            .iter()
-            .zip(&mems)
-            .map(|(s, m)| (s, m.as_slice()))
-            .collect();
-        let selection = BlockSelection {
-            start,
-            block_ids: block_ids.clone(),
-        };
-        let want = direct_values(&pairs, &selection, num_tokens);
+        let want = oracle(&specs, &mems, start, &block_ids, num_tokens);
         for bi in 0..block_ids.len() {
             for (k, key) in plan.keys.iter().enumerate() {
                 assert_eq!(
@@ -625,16 +637,7 @@ fn replayed_copy_moves_what_it_checksums() {
                 "case {case} layer {l}: bytes differ"
             );
         }
-        let pairs: Vec<(&LayerSpec, &[u8])> = specs
-            .iter()
-            .zip(&want_mems)
-            .map(|(s, m)| (s, m.as_slice()))
-            .collect();
-        let selection = BlockSelection {
-            start,
-            block_ids: ids.clone(),
-        };
-        let want = direct_values(&pairs, &selection, num_tokens);
+        let want = oracle(&specs, &want_mems, start, &ids, num_tokens);
         for bi in 0..ids.len() {
             assert_eq!(
                 got[bi],

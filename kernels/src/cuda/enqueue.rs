@@ -21,7 +21,7 @@ impl CudaBackend {
     /// host never blocks on the device here.
     ///
     /// Errors: a job for another device, a layer the kernel cannot read (see
-    /// [`view::launch_plan`]), or a driver failure.
+    /// [`super::view::launch_plan`]), or a driver failure.
     ///
     /// # Safety
     /// Every layer's `[addr, addr + len)` is device memory of this device that stays

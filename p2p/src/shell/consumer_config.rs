@@ -144,7 +144,9 @@ pub struct LoadOutcome {
     pub verdict: Option<Verdict>,
     /// What the embedder does now (§2.7): complete, fail the request, or recompute.
     pub action: Action,
-    /// Bytes the producer wrote.
+    /// Bytes the producer wrote, or that this side read (`read`): whole blocks, except a load
+    /// read in one pass ([`ReadCheck::OnePass`]), which copies only the request's tokens (the
+    /// cells its checksum covers).
     pub bytes: u64,
     /// Seconds from sending the request to the producer's FINISH.
     pub transfer_seconds: f64,

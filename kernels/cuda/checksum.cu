@@ -106,7 +106,8 @@ __device__ __forceinline__ Tile decode(const LayerView* tab, u32 num_layers, u32
 // (cheaper in registers than keeping U weights alive across the loads).
 //
 // C: each chunk is loaded from `src` (the same offset from it as from `base`) and stored at
-// `base` once the U loads are in flight; the sum is of the stored registers.
+// `base` once the U loads are in flight; the sum is of the stored registers. The stores are
+// streaming (evict-first): nothing here reads the landed bytes again.
 template <int V, int U, bool C>
 __device__ __forceinline__ u64 tile_vec(const LayerView& L, u64 base, u64 src, u32 part, u64 t0, u32 nt) {
     const u64 from = C ? src : base;
@@ -139,7 +140,7 @@ __device__ __forceinline__ u64 tile_vec(const LayerView& L, u64 base, u64 src, u
             for (int k = 0; k < U; ++k) {
                 const u32 n = ot ? o : i;
                 const u32 h = ot ? i : o;
-                if (C && o < n_o && n < nt) *(ulonglong2*)(base + (u64)o * s_o + (u64)i * s_i + (u64)c * 16) = x[k];
+                if (C && o < n_o && n < nt) __stcs((ulonglong2*)(base + (u64)o * s_o + (u64)i * s_i + (u64)c * 16), x[k]);
                 const u64 j = (t0 + n) * P + p_part + (u64)c * 2;
                 // x0 (2j+1) + x1 (2j+3) = (x0 + x1)(2j+1) + 2 x1; masked lanes loaded zeros.
                 const u64 s = (x[k].x + x[k].y) * (2ull * j + 1ull) + 2ull * x[k].y;
@@ -159,7 +160,7 @@ __device__ __forceinline__ u64 tile_vec(const LayerView& L, u64 base, u64 src, u
             for (int k = 0; k < U; ++k) {
                 const u32 n = ot ? o : i;
                 const u32 h = ot ? i : o;
-                if (C && o < n_o && n < nt) *(u64*)(base + (u64)o * s_o + (u64)i * s_i + (u64)c * 8) = x[k];
+                if (C && o < n_o && n < nt) __stcs((u64*)(base + (u64)o * s_o + (u64)i * s_i + (u64)c * 8), x[k]);
                 const u64 j = (t0 + n) * P + p_part + (u64)c;
                 acc += (mb + 2ull * h) * (x[k] * (2ull * j + 1ull));
                 KVF_STEP();
@@ -204,7 +205,7 @@ __device__ __forceinline__ u64 tile_regular(const LayerView& L, u64 base, u64 sr
 #pragma unroll
             for (int k = 0; k < U; ++k) {
                 const u64 ok = o + k * so;
-                if (C && ok < n_o) *(ulonglong2*)(a + k * step) = x[k];
+                if (C && ok < n_o) __stcs((ulonglong2*)(a + k * step), x[k]);
                 const u64 y = x[k].x + x[k].y;
                 su += y;
                 sw += ok * y;
@@ -217,7 +218,7 @@ __device__ __forceinline__ u64 tile_regular(const LayerView& L, u64 base, u64 sr
             for (int k = 0; k < U; ++k) x[k] = (o + k * so < n_o) ? __ldcs((const u64*)(sa + k * step)) : 0ull;
 #pragma unroll
             for (int k = 0; k < U; ++k) {
-                if (C && o + k * so < n_o) *(u64*)(a + k * step) = x[k];
+                if (C && o + k * so < n_o) __stcs((u64*)(a + k * step), x[k]);
                 su += x[k];
                 sw += (u64)(o + k * so) * x[k];
             }
@@ -278,6 +279,43 @@ __device__ u64 tile_generic(const LayerView& L, u64 base, u64 t0, u32 nt) {
         acc += (L.m_base + 2ull * h) * (x * (2ull * jj + 1ull));
     }
     return acc;
+}
+
+// C: the source lines of the tile that follows `tile` (layer `layer`, local tile `local`,
+// block index `bidx`) in this thread block's range, asked into L2 before this tile's loads are
+// waited for, so that twice the bytes are in flight per thread (the copy kernels keep fewer
+// threads resident than the checksum kernels: each holds its loaded chunks until stored).
+// Regular layers only: the lanes whose chunk starts a 128-byte line ask for the lines the
+// thread block will load, in tile_regular's order. A prefetch is a hint: it changes no value.
+__device__ __forceinline__ void prefetch_next(const LayerView* tab, u32 num_layers, u32 layer, u32 local, u32 bidx,
+                                              const u64* __restrict__ src_block_ids, u64 start, u64 num_tokens) {
+    u32 nl = layer, nloc = local + 1, nb = bidx;
+    if (nloc == tab[layer].tiles_per_block) {
+        nloc = 0;
+        if (++nl == num_layers) { nl = 0; ++nb; }
+    }
+    const LayerView& N = tab[nl];
+    if (!N.regular || N.mode == 2) return;
+    const u32 kk = N.parts == 2 ? nloc >> 1 : nloc;
+    const u32 part = nloc - kk * N.parts;
+    const u64 t0 = (start + nb) * ((u64)N.kb_per_block * N.tokens) + (u64)kk * N.tokens;
+    if (t0 >= num_tokens) return;
+    const u64 left = num_tokens - t0;
+    const u32 nt = left < (u64)N.tokens ? (u32)left : N.tokens;
+    const u32 V = N.mode == 0 ? 16u : 8u;
+    const u32 rs = (N.regular >> 8) & 0xffu, nis = (N.regular >> 16) & 0xffu;
+    const u32 c = threadIdx.x & ((1u << rs) - 1u);
+    if (((c * V) & 127u) != 0) return;
+    const u32 row = threadIdx.x >> rs;
+    const u32 i = row & ((1u << nis) - 1u);
+    u32 o = row >> nis;
+    if (!N.outer_is_token && i >= nt) return;
+    const u32 so = (blockDim.x >> rs) >> nis;
+    const u32 n_o = N.outer_is_token ? nt : N.n_outer;
+    const u64 src = N.src_base + (src_block_ids[nb] * N.kb_per_block + kk) * N.src_s_block + (u64)part * N.src_s_part;
+    u64 a = src + (u64)o * N.s_outer + (u64)i * N.s_inner + (u64)c * V;
+    const u64 step = (u64)so * N.s_outer;
+    for (; o < n_o; o += so, a += step) asm volatile("prefetch.global.L2 [%0];" :: "l"(a));
 }
 
 __device__ __forceinline__ void flush(u64 acc, u64 oi, u64* out) {
@@ -341,6 +379,7 @@ __device__ __forceinline__ void checksum_tiles(const LayerView* __restrict__ lay
             const u64 kb = bid * L.kb_per_block + kk;
             const u64 base = L.base + kb * L.s_block + (u64)part * L.s_part;
             const u64 src = C ? L.src_base + (sbid * L.kb_per_block + kk) * L.src_s_block + (u64)part * L.src_s_part : 0;
+            if (C && tile + 1 < hi) prefetch_next(tab, num_layers, layer, local, bidx, src_block_ids, start, num_tokens);
             if (L.mode == 0) acc += tile_fast<16, U, C>(L, base, src, part, t0, nt);
             else if (L.mode == 1) acc += tile_fast<8, U, C>(L, base, src, part, t0, nt);
             else if (!C) acc += tile_generic(L, base, t0, nt);

@@ -161,8 +161,18 @@ impl Consumer {
         let hook = self.hook_for(&spec.request_id);
         // A hook runs between landing and verifying: such a load is written, never read.
         if hook.is_none() {
-            if let Some(reads) = self.read_plan(&spec.producer, &request) {
-                match self.load_by_read(&spec, request.clone(), reads).await {
+            // A shape read in one pass before: its launch is queued first, before the rest of
+            // the load's host work.
+            let early = self.launch_early(&spec, &request, t_build);
+            let reads = match &early {
+                Some(e) => Some(read::ReadPlan::launched(e.producer.clone())),
+                None => self.read_plan(&spec.producer, &request),
+            };
+            if let Some(reads) = reads {
+                match self
+                    .load_by_read(&spec, request.clone(), reads, early)
+                    .await
+                {
                     Err(read::ReadEnd::Refused) => {} // by WRITE, below
                     Err(read::ReadEnd::Failed(e)) => return Err(e),
                     Ok(o) => return Ok(o),

@@ -6,15 +6,19 @@
 //! checksum of the landed bytes read them twice.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 use kvferry_transfer::sync::MutexExt;
 use tracing::debug;
 
-use super::read::{ProducerLayout, Shape};
+use super::read::{ProducerLayout, Reads, Shape};
 use super::Consumer;
-use crate::shell::verify_parts::Parts;
+use crate::proto::progress::layer_slots;
+use crate::shell::consumer_config::{ReadCheck, ReadMode};
+use crate::shell::verify_parts::{Parts, Selector};
+use crate::LoadSpec;
 
 use kvferry_kernels::cuda::view::{copy_plan, PlanError};
 use kvferry_kernels::{CopyJob, GroupJob, GroupResult, Keep, LayerInput, Location};
@@ -30,7 +34,68 @@ use crate::worker::Worker;
 /// template (`None`: its layers do not pair up).
 pub(super) type ShapeTemplate = (Vec<(u32, u64, u64)>, Option<Arc<CopyTemplate>>);
 
+/// A load's one-pass launch queued at its start ([`Consumer::launch_early`]).
+pub(super) struct Early {
+    /// The load's parts, whose jobs the launch runs.
+    pub(super) parts: Parts,
+    /// The launch.
+    pub(super) submitted: Submitted,
+    /// The producer's layout it reads with.
+    pub(super) producer: Arc<ProducerLayout>,
+}
+
 impl Consumer {
+    /// Queues the one-pass launch of `request` (built from `spec`, the load that started at
+    /// `started`) at once, where an earlier load of its shape from that producer was read in
+    /// one pass (its template is made then) and reads are on; else `None`, and the load goes
+    /// its usual way (why: a debug line where the launch was refused).
+    pub(super) fn launch_early(
+        &self,
+        spec: &LoadSpec,
+        request: &LoadRequest,
+        started: Instant,
+    ) -> Option<Early> {
+        let on = self.config.read != ReadMode::Never
+            && self.checksums
+            && self.queue_checksums
+            && self.config.read_check == ReadCheck::OnePass;
+        if !on {
+            return None;
+        }
+        let producer = match self.reads.locked().get(&spec.producer) {
+            Some(Reads::Yes(l)) => l.clone(),
+            _ => return None,
+        };
+        if !producer.warm.load(Ordering::Acquire) {
+            return None;
+        }
+        let template = producer
+            .copies
+            .locked()
+            .as_ref()
+            .filter(|(shape, _)| Shape::groups(request).eq(shape.iter().copied()))
+            .and_then(|(_, t)| t.clone())?;
+        let mut parts = Parts::new(
+            self.workers.clone(),
+            Arc::new(Selector::new(spec)),
+            layer_slots(request),
+            self.config.checksum_timeout,
+        )
+        .with_fingerprints(self.fingerprints.clone());
+        let rid = &spec.request_id;
+        let copy = template
+            .reads(&self.workers, parts.whole_jobs(), request)
+            .inspect_err(|why| debug!(request_id = rid, "read in two passes: {why}"))
+            .ok()?;
+        let planned_us = started.elapsed().as_micros() as u64;
+        let submitted = self.submit_copy(copy, rid, started, planned_us)?;
+        Some(Early {
+            parts,
+            submitted,
+            producer,
+        })
+    }
+
     /// Starts `copy` ([`CopyReads::submit`]) for the load of `rid` that started at `started`
     /// and planned it by `planned_us`; `None` when its launch was refused before anything
     /// was queued (why: a debug line), and the load is read in two passes.

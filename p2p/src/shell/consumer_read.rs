@@ -75,7 +75,7 @@ pub(super) struct ProducerLayout {
     template: std::sync::Mutex<Option<(Shape, Arc<ReadTemplate>)>>,
     /// A load read with this layout succeeded: the producer's memory is mapped here, so a
     /// later load's submits only enqueue (the load's own task may make them).
-    warm: AtomicBool,
+    pub(super) warm: AtomicBool,
     /// The one-pass reads of the request shape last read (`None`: that shape's layers do not
     /// pair up, it is read in two passes).
     pub(super) copies: std::sync::Mutex<Option<ShapeTemplate>>,
@@ -110,13 +110,28 @@ impl Shape {
 }
 
 /// A load planned to be read: the copies per (consumer rank, producer segment), local
-/// addresses as `src`, and the layer groups they land in.
+/// addresses as `src`, and the layer groups they land in; none where its one-pass launch was
+/// queued already ([`ReadPlan::launched`]).
 pub(super) struct ReadPlan {
     plan_us: u64,
     plans: Vec<RankPlan>,
     groups: Vec<Range<u32>>,
     digest: [u8; 32],
     producer: Arc<ProducerLayout>,
+}
+
+impl ReadPlan {
+    /// The plan of a load whose one-pass launch is queued already ([`Consumer::launch_early`]):
+    /// nothing left for the transport to copy.
+    pub(super) fn launched(producer: Arc<ProducerLayout>) -> ReadPlan {
+        ReadPlan {
+            plan_us: 0,
+            plans: Vec::new(),
+            groups: Vec::new(),
+            digest: producer.digest,
+            producer,
+        }
+    }
 }
 
 /// How a load by read ended without an outcome.
@@ -316,11 +331,14 @@ impl Consumer {
     /// it has read, then verifies as any load. [`ReadEnd::Refused`]: the producer will not
     /// serve it by read and every read has ended (nothing served; after `read_refused` this
     /// side forgets the layout; the load goes by WRITE); reads that may still land fail it.
+    /// `early`: the load's one-pass launch, queued already with its parts (`reads` then plans
+    /// nothing).
     pub(super) async fn load_by_read(
         &self,
         spec: &LoadSpec,
         mut request: LoadRequest,
         reads: ReadPlan,
+        early: Option<super::copy::Early>,
     ) -> Result<LoadOutcome, ReadEnd> {
         let rid = spec.request_id.clone();
         let started = Instant::now();
@@ -347,34 +365,42 @@ impl Consumer {
         let (workers, read) = (self.workers.clone(), Op::Read);
         // Dropped with this load (its caller gave up): no layer group is submitted after.
         let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
-        let slots = if self.checksums {
-            layer_slots(&request)
-        } else {
-            Vec::new()
+        // An earlier read from this producer succeeded: its memory is mapped here.
+        let warm = reads.producer.warm.load(Ordering::Acquire);
+        let (mut parts, submitted) = match early {
+            Some(e) => (e.parts, Some(e.submitted)),
+            None => {
+                let slots = if self.checksums {
+                    layer_slots(&request)
+                } else {
+                    Vec::new()
+                };
+                let mut parts = Parts::new(
+                    self.workers.clone(),
+                    Arc::new(Selector::new(spec)),
+                    slots,
+                    self.config.checksum_timeout,
+                )
+                .with_fingerprints(self.fingerprints.clone());
+                let one_pass =
+                    warm && self.queue_checksums && self.config.read_check == ReadCheck::OnePass;
+                let copy = one_pass
+                    .then(|| self.copy_reads(&reads.producer, &mut parts, &request))
+                    .flatten();
+                // One pass: the kernels are queued first (this task only enqueues), before the
+                // request goes out: they need nothing of the producer's answer, which comes
+                // back while they run, and what they read is proved by the checksums, not by
+                // the order.
+                let planned_us = started.elapsed().as_micros() as u64;
+                let submitted = copy.and_then(|c| self.submit_copy(c, &rid, started, planned_us));
+                (parts, submitted)
+            }
         };
         // The producer needs the blocks, not this side's memory: a smaller request.
         request.ranks = Vec::new();
         request.read = true;
         request.layout_digest = Some(reads.digest.to_vec());
         request.token = Some(token.to_string());
-        let mut parts = Parts::new(
-            self.workers.clone(),
-            Arc::new(Selector::new(spec)),
-            slots,
-            self.config.checksum_timeout,
-        )
-        .with_fingerprints(self.fingerprints.clone());
-        // An earlier read from this producer succeeded: its memory is mapped here.
-        let warm = reads.producer.warm.load(Ordering::Acquire);
-        let one_pass = warm && self.queue_checksums && self.config.read_check == ReadCheck::OnePass;
-        let copy = one_pass
-            .then(|| self.copy_reads(&reads.producer, &mut parts, &request))
-            .flatten();
-        // One pass: the kernels are queued first (this task only enqueues), before the request
-        // goes out: they need nothing of the producer's answer, which comes back while they
-        // run, and what they read is proved by the checksums, not by the order.
-        let planned_us = started.elapsed().as_micros() as u64;
-        let submitted = copy.and_then(|c| self.submit_copy(c, &rid, started, planned_us));
         let send = self.send(&spec.producer, request, spec.load_key.clone(), None);
         tokio::pin!(send);
         // The request goes out first (a hand-off to the connection's task), then the reads

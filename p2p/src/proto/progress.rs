@@ -14,7 +14,8 @@
 
 use std::ops::Range;
 
-use super::msg::{LayerSpan, LoadRequest};
+use super::layout::RankLayout;
+use super::msg::{LayerSpan, LoadRequest, WireBlocks};
 
 /// One layer of a request: where it sits in the request's lists.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +36,25 @@ pub fn layer_slots(req: &LoadRequest) -> Vec<Slot> {
     for (rank, target) in req.ranks.iter().enumerate() {
         for b in &req.blocks {
             let Some(tg) = target.groups.iter().find(|g| g.group_id == b.group_id) else {
+                continue;
+            };
+            slots.extend((0..tg.layers.len()).map(|layer| Slot {
+                rank,
+                group_id: b.group_id,
+                layer,
+            }));
+        }
+    }
+    slots
+}
+
+/// [`layer_slots`] of a request with `blocks` into `ranks` (this side's layouts, which its
+/// `ranks` are built from: [`super::request::wire_ranks`]), without building them.
+pub fn layer_slots_of(ranks: &[RankLayout], blocks: &[WireBlocks]) -> Vec<Slot> {
+    let mut slots = Vec::new();
+    for (rank, target) in ranks.iter().enumerate() {
+        for b in blocks {
+            let Some(tg) = target.group(b.group_id) else {
                 continue;
             };
             slots.extend((0..tg.layers.len()).map(|layer| Slot {

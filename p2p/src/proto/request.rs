@@ -126,6 +126,21 @@ pub fn build_request(
     pp: u32,
     spec: &LoadSpec,
 ) -> Result<(LoadRequest, Landed), SpecError> {
+    let (mut request, landed) = build_blocks(ranks, tp, pp, spec)?;
+    request.ranks = wire_ranks(ranks, &request);
+    Ok((request, landed))
+}
+
+/// [`build_request`] less the ranks' layers (`ranks` left empty, for [`wire_ranks`]): every
+/// check of `spec` made, its blocks listed. A consumer that reads the producer's blocks itself
+/// sends no layers; one that starts a copy before anything else needs only the blocks.
+/// Errors: [`SpecError`].
+pub fn build_blocks(
+    ranks: &[RankLayout],
+    tp: u32,
+    pp: u32,
+    spec: &LoadSpec,
+) -> Result<(LoadRequest, Landed), SpecError> {
     if spec.num_local_computed >= spec.num_tokens {
         return Err(SpecError::NothingToLoad {
             num_local_computed: spec.num_local_computed,
@@ -235,7 +250,33 @@ pub fn build_request(
         });
         blocks.push(wb);
     }
-    let ranks = ranks
+    let request = LoadRequest {
+        version: PROTOCOL_VERSION,
+        kind: KIND_TRANSFER_REQUEST.to_string(),
+        request_id: spec.request_id.clone(),
+        load_id: 0,
+        tp_size: tp,
+        pp_size: pp,
+        num_local_computed: spec.num_local_computed,
+        num_tokens: spec.num_tokens,
+        budget_ms: 0, // set by the connection's state machine
+        blocks,
+        ranks: Vec::new(), // [`wire_ranks`]
+        token: None,       // set by the caller with the grants
+        key_proof: None,   // set with the session (the connection's state machine)
+        proof: None,       // idem
+        read: false,       // set by the consumer where it reads (§4.10)
+        want_layout: false,
+        layout_digest: None,
+    };
+    Ok((request, landed))
+}
+
+/// The request's `ranks`: every rank of `ranks` with its layers of the groups `request` loads
+/// (in the ranks' order), as the producer's plan takes them.
+pub fn wire_ranks(ranks: &[RankLayout], request: &LoadRequest) -> Vec<WireRank> {
+    let seen: HashSet<u32> = request.blocks.iter().map(|b| b.group_id).collect();
+    ranks
         .iter()
         .map(|r| WireRank {
             tp_rank: r.rank.tp_rank,
@@ -251,27 +292,7 @@ pub fn build_request(
                 })
                 .collect(),
         })
-        .collect();
-    let request = LoadRequest {
-        version: PROTOCOL_VERSION,
-        kind: KIND_TRANSFER_REQUEST.to_string(),
-        request_id: spec.request_id.clone(),
-        load_id: 0,
-        tp_size: tp,
-        pp_size: pp,
-        num_local_computed: spec.num_local_computed,
-        num_tokens: spec.num_tokens,
-        budget_ms: 0, // set by the connection's state machine
-        blocks,
-        ranks,
-        token: None,     // set by the caller with the grants
-        key_proof: None, // set with the session (the connection's state machine)
-        proof: None,     // idem
-        read: false,     // set by the consumer where it reads (§4.10)
-        want_layout: false,
-        layout_digest: None,
-    };
-    Ok((request, landed))
+        .collect()
 }
 
 /// The bytes a load of `request` touches on `rank`: `(address, length)` of every whole block

@@ -484,6 +484,28 @@ fn a_consumer_of_another_model_is_refused() {
     ));
 }
 
+/// The request built in two steps (blocks, then the ranks' layers) is the one built at once,
+/// and its slots are found from the layouts alone as from its ranks, on every TP × PP grid.
+#[test]
+fn blocks_then_ranks_build_the_same_request_and_slots() {
+    for (tp, pp) in [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)] {
+        let consumer = side(1, tp, pp, 8);
+        let s = spec(&[4, 0, 5, 2], &[1, 3, 2, 0], 3 * BLOCK + 1);
+        let (whole, landed) = build_request(&consumer, tp, pp, &s).unwrap();
+        let (mut blocks, landed_too) =
+            crate::proto::request::build_blocks(&consumer, tp, pp, &s).unwrap();
+        assert!(blocks.ranks.is_empty());
+        assert_eq!(landed, landed_too);
+        assert_eq!(
+            crate::proto::progress::layer_slots_of(&consumer, &blocks.blocks),
+            crate::proto::progress::layer_slots(&whole),
+            "tp {tp} pp {pp}"
+        );
+        blocks.ranks = crate::proto::request::wire_ranks(&consumer, &blocks);
+        assert_eq!(blocks, whole);
+    }
+}
+
 #[test]
 fn the_request_leaves_out_the_local_prefix_and_null_blocks() {
     let consumer = side(1, 2, 1, 4);

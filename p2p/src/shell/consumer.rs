@@ -20,7 +20,7 @@ use crate::proto::consumer::{FailReason, LinkError};
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::{LoadRequest, Reply};
 use crate::proto::progress::layer_slots;
-use crate::proto::request::{build_request, grant_ranges};
+use crate::proto::request::{build_blocks, grant_ranges, wire_ranks};
 pub use crate::proto::request::{Landed, LandedGroup, LoadGroup, LoadSpec};
 use crate::shell::connection::{ConnCmd, ConnFailure, Connection, LoadCmd, LoadProgress};
 use crate::shell::consumer_config::carrier_check;
@@ -166,7 +166,10 @@ impl Consumer {
             let early = self.launch_early(&spec, &request, t_build);
             let reads = match &early {
                 Some(e) => Some(read::ReadPlan::launched(e.producer.clone())),
-                None => self.read_plan(&spec.producer, &request),
+                None => {
+                    self.with_ranks(&mut request);
+                    self.read_plan(&spec.producer, &request)
+                }
             };
             if let Some(reads) = reads {
                 match self
@@ -179,6 +182,7 @@ impl Consumer {
                 }
             }
         }
+        self.with_ranks(&mut request);
         let rid = spec.request_id.clone();
         // WRITE for exactly this load's block bytes, to this load's token, until it ends.
         let (token, grants) = self.grant(&request).map_err(|e| LoadError::Spec {
@@ -412,11 +416,20 @@ impl Consumer {
         Ok(((open || !grants.is_empty()).then_some(token), grants))
     }
 
+    /// The request of `spec` less its ranks' layers ([`Consumer::with_ranks`] adds them).
     fn build_request(&self, spec: &LoadSpec) -> Result<(LoadRequest, Landed), LoadError> {
-        build_request(&self.layouts, self.tp, self.pp, spec).map_err(|e| LoadError::Spec {
+        build_blocks(&self.layouts, self.tp, self.pp, spec).map_err(|e| LoadError::Spec {
             request_id: spec.request_id.clone(),
             why: LoadSpecFault::Spec(e),
         })
+    }
+
+    /// Adds this side's layers to `request` where it has none yet: what a request the producer
+    /// writes, or a read plan, needs (a one-pass launch needs only the blocks).
+    fn with_ranks(&self, request: &mut LoadRequest) {
+        if request.ranks.is_empty() {
+            request.ranks = wire_ranks(&self.layouts, request);
+        }
     }
 
     async fn send(

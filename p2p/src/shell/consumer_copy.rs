@@ -15,7 +15,7 @@ use tracing::debug;
 
 use super::read::{ProducerLayout, Reads, Shape};
 use super::Consumer;
-use crate::proto::progress::layer_slots;
+use crate::proto::progress::layer_slots_of;
 use crate::shell::consumer_config::{ReadCheck, ReadMode};
 use crate::shell::verify_parts::{Parts, Selector};
 use crate::LoadSpec;
@@ -78,7 +78,7 @@ impl Consumer {
         let mut parts = Parts::new(
             self.workers.clone(),
             Arc::new(Selector::new(spec)),
-            layer_slots(request),
+            layer_slots_of(&self.layouts, &request.blocks),
             self.config.checksum_timeout,
         )
         .with_fingerprints(self.fingerprints.clone());

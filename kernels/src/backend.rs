@@ -321,6 +321,22 @@ pub trait ChecksumBackend: Send + Sync {
         drop((jobs, keep));
         Err(KernelError::NoCopy)
     }
+
+    /// As [`ChecksumBackend::submit_copying`], for launches planned ahead
+    /// ([`crate::CopyPlans`]: made only by the same checks), so that none is checked or
+    /// planned again here. Errors: plans for another device, a driver failure, and
+    /// [`KernelError::NoCopy`] from a backend that only reads (the default).
+    ///
+    /// # Safety
+    /// As `submit_copying`, for the layers and sources the plans were made from.
+    unsafe fn submit_planned(
+        &self,
+        plans: crate::CopyPlans,
+        keep: Keep,
+    ) -> Result<PendingChecksums, KernelError> {
+        drop((plans, keep));
+        Err(KernelError::NoCopy)
+    }
 }
 
 /// A backend's in-flight work. Implemented by each backend; wrapped in [`PendingChecksums`].

@@ -5,6 +5,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+mod copy_plans;
 pub mod cpu;
 pub mod cuda;
 #[cfg(any(test, feature = "test-tools"))]
@@ -17,6 +18,7 @@ pub use backend::{
     validate_job, ChecksumBackend, CopyJob, GroupJob, GroupResult, JobFault, Keep, KernelError,
     LayerInput, Location, PartMismatch, Pending, PendingChecksums,
 };
+pub use copy_plans::{CopyPlans, JobBlocks};
 pub use cpu::CpuBackend;
 
 /// The backend for KV on `device`: CPU for host memory. For a CUDA device, the CUDA backend when

@@ -4,12 +4,13 @@
 
 use std::ffi::c_void;
 
-use super::view::{copy_plan, launch_plan, LayerView};
+use super::view::{launch_plan, LayerView};
 use super::{
     align, chunks_per_thread, driver, kerr, slots, validate_job, CopyJob, CudaBackend, CudaPending,
     Event, GroupJob, Inner, JobFault, Keep, KernelError, KernelVariant, LaunchPlan, Location,
     Ordering, PendingGroup, RawStream, Slot, THREADS,
 };
+use crate::CopyPlans;
 use kvferry_checksum::group::LayerSpec;
 use kvferry_cuda::CudaError;
 
@@ -98,28 +99,34 @@ impl CudaBackend {
         jobs: Vec<CopyJob>,
         keep: Keep,
     ) -> Result<CudaPending, KernelError> {
-        let mut plans: Vec<(u32, LaunchPlan)> = Vec::with_capacity(jobs.len());
-        for CopyJob {
-            job,
-            sources,
-            source_blocks,
-        } in &jobs
-        {
-            self.check_job(job)?;
-            // The sources: the same checks of their arrays and of their own blocks.
-            crate::backend::validate_layers(job.group_id, job.block_size, sources, source_blocks)?;
-            let layers: Vec<(&LayerSpec, u64, u64)> = job.layers.iter().map(triple).collect();
-            let from: Vec<(&LayerSpec, u64, u64)> = sources.iter().map(triple).collect();
-            let (ids, start) = (&job.selection.block_ids, job.selection.start);
-            let plan = copy_plan(&layers, &from, ids, source_blocks, start, job.num_tokens)
-                .map_err(plan_error(job.group_id))?;
-            plans.push((job.group_id, plan));
-        }
-        let t = std::time::Instant::now();
+        let plans = CopyPlans::new(Location::Cuda(self.inner.ctx.ordinal()), &jobs)?;
         // SAFETY: forwarded from this function's contract.
-        let r = unsafe { self.submit_plans(plans, After::Nothing, keep) };
-        tracing::debug!(target: "kvferry::timing", enqueue_us = t.elapsed().as_micros() as u64, "copy launch enqueued");
-        r
+        unsafe { self.submit_planned(plans, keep) }
+    }
+
+    /// [`crate::ChecksumBackend::submit_planned`]: `plans` (checked when made) on the next
+    /// side stream, unordered, as [`CudaBackend::submit_copying`]. Errors: plans for another
+    /// device, or a driver failure.
+    ///
+    /// # Safety
+    /// As the trait method's.
+    pub unsafe fn submit_planned(
+        &self,
+        plans: CopyPlans,
+        keep: Keep,
+    ) -> Result<CudaPending, KernelError> {
+        let backend = Location::Cuda(self.inner.ctx.ordinal());
+        if plans.device() != backend {
+            return Err(KernelError::InvalidJob {
+                group_id: 0,
+                why: JobFault::WrongDevice {
+                    job: plans.device(),
+                    backend,
+                },
+            });
+        }
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.submit_plans(plans.into_launches(), After::Nothing, keep) }
     }
 
     /// A job for this backend's device that [`validate_job`] accepts.
@@ -257,11 +264,6 @@ fn plan_error(group_id: u32) -> impl Fn(super::view::PlanError) -> KernelError {
         group_id,
         why: JobFault::Plan(e),
     }
-}
-
-/// A layer as the launch plans take it.
-fn triple(l: &crate::LayerInput) -> (&LayerSpec, u64, u64) {
-    (&l.spec, l.addr, l.len)
 }
 
 /// What a submission's kernels wait for on the device before they read the layers.

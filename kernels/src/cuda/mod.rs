@@ -467,6 +467,17 @@ impl ChecksumBackend for CudaBackend {
             unsafe { CudaBackend::submit_copying(self, jobs, keep) }?,
         )))
     }
+
+    unsafe fn submit_planned(
+        &self,
+        plans: crate::CopyPlans,
+        keep: Keep,
+    ) -> Result<PendingChecksums, KernelError> {
+        Ok(PendingChecksums::new(Box::new(
+            // SAFETY: forwarded from the trait's contract.
+            unsafe { CudaBackend::submit_planned(self, plans, keep) }?,
+        )))
+    }
 }
 
 #[cfg(test)]

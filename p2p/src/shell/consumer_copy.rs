@@ -20,8 +20,12 @@ use crate::shell::consumer_config::{ReadCheck, ReadMode};
 use crate::shell::verify_parts::{Parts, Selector};
 use crate::LoadSpec;
 
+use kvferry_checksum::select::BlockSelection;
 use kvferry_kernels::cuda::view::{copy_plan, PlanError};
-use kvferry_kernels::{CopyJob, GroupJob, GroupResult, Keep, LayerInput, Location};
+use kvferry_kernels::{
+    CopyJob, CopyPlans, GroupJob, GroupResult, JobBlocks, JobFault, Keep, KernelError, LayerInput,
+    Location,
+};
 use kvferry_transfer::TransferError;
 
 use crate::checksum::{wait_device, ChecksumError};
@@ -75,7 +79,7 @@ impl Consumer {
             .as_ref()
             .filter(|(shape, _)| Shape::groups(request).eq(shape.iter().copied()))
             .and_then(|(_, t)| t.clone())?;
-        let mut parts = Parts::new(
+        let parts = Parts::new(
             self.workers.clone(),
             Arc::new(Selector::new(spec)),
             layer_slots_of(&self.layouts, &request.blocks),
@@ -84,7 +88,12 @@ impl Consumer {
         .with_fingerprints(self.fingerprints.clone());
         let rid = &spec.request_id;
         let copy = template
-            .reads(&self.workers, parts.whole_jobs(), request)
+            .reads(
+                &self.workers,
+                parts.selections(),
+                parts.num_tokens(),
+                request,
+            )
             .inspect_err(|why| debug!(request_id = rid, "read in two passes: {why}"))
             .ok()?;
         let planned_us = started.elapsed().as_micros() as u64;
@@ -133,7 +142,6 @@ impl Consumer {
         parts: &mut Parts,
         request: &LoadRequest,
     ) -> Option<CopyReads> {
-        let jobs = parts.whole_jobs();
         let rid = &request.request_id;
         let cached = producer
             .copies
@@ -144,6 +152,7 @@ impl Consumer {
         let template = match cached {
             Some(t) => t?,
             None => {
+                let jobs = parts.whole_jobs();
                 let t = match CopyTemplate::of(&self.workers, &jobs, &producer.ranks, request) {
                     Ok(t) => Some(Arc::new(t)),
                     Err(why) => {
@@ -161,7 +170,12 @@ impl Consumer {
             }
         };
         template
-            .reads(&self.workers, jobs, request)
+            .reads(
+                &self.workers,
+                parts.selections(),
+                parts.num_tokens(),
+                request,
+            )
             .inspect_err(|why| debug!(request_id = rid, "read in two passes: {why}"))
             .ok()
     }
@@ -170,8 +184,8 @@ impl Consumer {
 /// A load's one-pass reads: each worker's copy jobs over every layer of the load, and the
 /// producer's mappings they read.
 pub(super) struct CopyReads {
-    /// Per worker (indexed as the workers).
-    jobs: Vec<Vec<CopyJob>>,
+    /// Per worker (indexed as the workers): its launches, checked and planned.
+    plans: Vec<CopyPlans>,
     /// Per worker: what keeps the producer's memory mapped until its launches end.
     keep: Vec<Keep>,
     /// Bytes the launches copy: the cells of the load's tokens.
@@ -245,8 +259,10 @@ impl NoCopy {
 
 /// What a load's one-pass reads depend on besides its blocks, worked out once per request
 /// shape (its groups and block sizes) and producer layout: which producer layer each of this
-/// side's layers is copied from, checked to pair up chunk for chunk. Not the mappings: each
-/// load asks the engine for those, checked against what the producer has registered then.
+/// side's layers is copied from, checked to pair up chunk for chunk, and the launches planned
+/// for the producer's memory as last mapped. Not the mappings: each load asks the engine for
+/// those, checked against what the producer has registered then; where they moved, the
+/// launches are planned again.
 pub(super) struct CopyTemplate {
     /// Per worker (indexed as the workers).
     workers: Vec<WorkerTemplate>,
@@ -254,11 +270,16 @@ pub(super) struct CopyTemplate {
 
 /// One worker's part of a [`CopyTemplate`].
 struct WorkerTemplate {
-    /// Per job (in the order its jobs come): the group id and its layer count.
-    jobs: Vec<(u32, usize)>,
+    /// Per job (in the order its jobs come): the group id, its block size and the bytes of one
+    /// token over its layers (each layer's heads × cell bytes).
+    jobs: Vec<(u32, u64, u64)>,
     /// Per producer segment: (job index, layer index, the source layer at the producer's
     /// address).
     segments: Vec<(String, Vec<Source>)>,
+    /// The launches last planned, with the sources' addresses here they were planned for (in
+    /// the order of `segments`' layers): a later load whose sources are mapped at the same
+    /// addresses gives them its blocks only ([`CopyPlans::with_blocks`]).
+    planned: std::sync::Mutex<Option<(Vec<u64>, Arc<CopyPlans>)>>,
 }
 
 /// A layer's source in a [`WorkerTemplate`]: (job index, layer index, the producer's layer at
@@ -312,43 +333,60 @@ impl CopyTemplate {
                     }
                 }
             }
+            let token_bytes = |j: &GroupJob| {
+                j.layers
+                    .iter()
+                    .map(|l| {
+                        l.spec
+                            .geometry
+                            .heads
+                            .saturating_mul(l.spec.geometry.cell_bytes())
+                    })
+                    .fold(0, u64::saturating_add)
+            };
             out.push(WorkerTemplate {
-                jobs: jobs.iter().map(|j| (j.group_id, j.layers.len())).collect(),
+                jobs: jobs
+                    .iter()
+                    .map(|j| (j.group_id, j.block_size, token_bytes(j)))
+                    .collect(),
                 segments,
+                planned: std::sync::Mutex::new(None),
             });
         }
         Ok(CopyTemplate { workers: out })
     }
 
-    /// The one-pass reads of `request` (of this template's shape; `jobs`: per worker, its jobs
-    /// over every layer, from this side's block tables) where every block pairs up; else why
-    /// not. Asks each worker's engine for the producer's memory as mapped here now, checked
-    /// against what the producer has registered: never a handshake or an import.
+    /// The one-pass reads of `request` (of this template's shape; `selections`: per worker,
+    /// each group's selected blocks, as its jobs come; `num_tokens`: the request's), where
+    /// every block pairs up; else why not. Asks each worker's engine for the producer's memory
+    /// as mapped here now, checked against what the producer has registered: never a
+    /// handshake or an import. The launches are planned once per mapping; a load gives them
+    /// its blocks, checked again.
     pub(super) fn reads(
         &self,
         workers: &[Worker],
-        jobs: Vec<Vec<GroupJob>>,
+        selections: Vec<Vec<(u32, BlockSelection)>>,
+        num_tokens: u64,
         request: &LoadRequest,
     ) -> Result<CopyReads, NoCopy> {
         let mut out = CopyReads {
-            jobs: Vec::with_capacity(workers.len()),
+            plans: Vec::with_capacity(workers.len()),
             keep: Vec::with_capacity(workers.len()),
             bytes: 0,
         };
-        for ((w, jobs), t) in workers.iter().zip(jobs).zip(&self.workers) {
+        for ((w, selections), t) in workers.iter().zip(selections).zip(&self.workers) {
             let Location::Cuda(dev) = w.device else {
                 return Err(NoCopy::Host(0));
             };
-            let same = jobs.len() == t.jobs.len()
-                && jobs
+            let same = selections.len() == t.jobs.len()
+                && selections
                     .iter()
                     .zip(&t.jobs)
-                    .all(|(j, &(g, n))| j.group_id == g && j.layers.len() == n);
+                    .all(|((g, _), &(tg, _, _))| *g == tg);
             if !same {
                 return Err(NoCopy::Shape);
             }
-            let mut sources: Vec<Vec<Option<LayerInput>>> =
-                jobs.iter().map(|j| vec![None; j.layers.len()]).collect();
+            let mut addrs = Vec::new();
             let mut keep = Keep::new();
             for (segment, layers) in &t.segments {
                 if !w.engine.has_segment(segment) {
@@ -366,51 +404,127 @@ impl CopyTemplate {
                     .mapped(&handle, dev, &ranges)
                     .map_err(map)?
                     .ok_or_else(|| NoCopy::NotMapped(segment.clone()))?;
-                for ((j, k, l), m) in layers.iter().zip(mapped) {
+                for m in mapped {
+                    addrs.push(m.ptr());
                     keep.push(m.keep());
-                    sources[*j][*k] = Some(LayerInput {
-                        spec: l.spec.clone(),
-                        addr: m.ptr(),
-                        len: l.len,
-                    });
                 }
             }
-            let mut copies = Vec::with_capacity(jobs.len());
-            for (job, sources) in jobs.into_iter().zip(sources) {
-                let source_blocks = source_blocks(&job, request)?;
-                let sources: Vec<LayerInput> = sources.into_iter().flatten().collect();
-                // What the backend checks before it queues anything, checked here: a refusal
-                // then sends the load to two passes instead of failing it.
-                kvferry_kernels::validate_job(&job).map_err(NoCopy::Refused)?;
-                let layers: Vec<_> = job.layers.iter().map(triple).collect();
-                let from: Vec<_> = sources.iter().map(triple).collect();
-                let (ids, start) = (&job.selection.block_ids, job.selection.start);
-                copy_plan(&layers, &from, ids, &source_blocks, start, job.num_tokens)?;
-                out.bytes += copied_bytes(&job);
-                copies.push(CopyJob {
-                    job,
-                    sources,
-                    source_blocks,
+            let mut blocks = Vec::with_capacity(selections.len());
+            for ((group, sel), &(_, block_size, token_bytes)) in selections.into_iter().zip(&t.jobs)
+            {
+                let src_block_ids = source_blocks(group, &sel, request)?;
+                out.bytes = out.bytes.saturating_add(
+                    copied_tokens(&sel, block_size, num_tokens).saturating_mul(token_bytes),
+                );
+                blocks.push(JobBlocks {
+                    start: sel.start,
+                    block_ids: sel.block_ids,
+                    src_block_ids,
+                    num_tokens,
                 });
             }
-            out.jobs.push(copies);
+            let planned = t
+                .planned
+                .locked()
+                .as_ref()
+                .filter(|(at, _)| *at == addrs)
+                .map(|(_, p)| p.clone());
+            let plans = match planned {
+                Some(p) => p.with_blocks(blocks),
+                None => {
+                    let jobs = t.copy_jobs(w, &addrs, blocks)?;
+                    let p = CopyPlans::new(w.device, &jobs);
+                    if let Ok(p) = &p {
+                        *t.planned.locked() = Some((addrs, Arc::new(p.clone())));
+                    }
+                    p
+                }
+            };
+            // What the backend checks before it queues anything, checked here: a refusal
+            // then sends the load to two passes instead of failing it.
+            out.plans.push(plans.map_err(|e| match e {
+                KernelError::InvalidJob {
+                    why: JobFault::Plan(p),
+                    ..
+                } => NoCopy::Layout(p),
+                e => NoCopy::Refused(e),
+            })?);
             out.keep.push(keep);
         }
         Ok(out)
     }
 }
 
-/// The producer's block at each position `job` checksums (its selection): those the request
-/// names, all of them being the blocks the load moves; else [`NoCopy::Blocks`] (a window or a
-/// local prefix clips what is checksummed, or a position has no producer block).
-fn source_blocks(job: &GroupJob, request: &LoadRequest) -> Result<Vec<u64>, NoCopy> {
-    let group = job.group_id;
-    let ids = &job.selection.block_ids;
+impl WorkerTemplate {
+    /// The copy jobs of `w` over `blocks` (per job), its sources at `addrs` (as mapped here,
+    /// in the order of `segments`' layers): what [`CopyPlans::new`] plans when the sources
+    /// moved, or at the shape's first load.
+    fn copy_jobs(
+        &self,
+        w: &Worker,
+        addrs: &[u64],
+        blocks: Vec<JobBlocks>,
+    ) -> Result<Vec<CopyJob>, NoCopy> {
+        let mut sources: Vec<Vec<Option<LayerInput>>> = Vec::with_capacity(self.jobs.len());
+        let mut layers = Vec::with_capacity(self.jobs.len());
+        for &(group, _, _) in &self.jobs {
+            let g = w
+                .groups
+                .iter()
+                .find(|g| g.group_id == group)
+                .ok_or(NoCopy::Shape)?;
+            sources.push(vec![None; g.layers.len()]);
+            layers.push(g);
+        }
+        let all = self.segments.iter().flat_map(|(_, l)| l);
+        for ((j, k, l), &addr) in all.zip(addrs) {
+            let slot = sources
+                .get_mut(*j)
+                .and_then(|s| s.get_mut(*k))
+                .ok_or(NoCopy::Shape)?;
+            *slot = Some(LayerInput {
+                spec: l.spec.clone(),
+                addr,
+                len: l.len,
+            });
+        }
+        let mut jobs = Vec::with_capacity(blocks.len());
+        for ((g, sources), b) in layers.into_iter().zip(sources).zip(blocks) {
+            let sources: Option<Vec<LayerInput>> = sources.into_iter().collect();
+            jobs.push(CopyJob {
+                job: GroupJob {
+                    group_id: g.group_id,
+                    block_size: g.block_size,
+                    layers: g.layers.clone(),
+                    selection: BlockSelection {
+                        start: b.start,
+                        block_ids: b.block_ids,
+                    },
+                    num_tokens: b.num_tokens,
+                    device: w.device,
+                },
+                sources: sources.ok_or(NoCopy::Shape)?,
+                source_blocks: b.src_block_ids,
+            });
+        }
+        Ok(jobs)
+    }
+}
+
+/// The producer's block at each position group `group`'s selection `sel` checksums: those the
+/// request names, all of them being the blocks the load moves; else [`NoCopy::Blocks`] (a
+/// window or a local prefix clips what is checksummed, or a position has no producer block).
+fn source_blocks(
+    group: u32,
+    sel: &BlockSelection,
+    request: &LoadRequest,
+) -> Result<Vec<u64>, NoCopy> {
+    let ids = &sel.block_ids;
     let wire = request.blocks.iter().find(|b| b.group_id == group);
     let Some(wire) = wire.filter(|b| b.positions.len() == ids.len()) else {
         return Err(NoCopy::Blocks(group));
     };
-    let start = job.selection.start;
+    let start = sel.start;
     let positions = start..start + ids.len() as u64;
     // Mostly the positions in order: read straight off; else looked up.
     if wire.positions.iter().copied().eq(positions.clone()) && wire.remote_blocks.len() == ids.len()
@@ -484,24 +598,14 @@ fn triple(l: &LayerInput) -> (&kvferry_checksum::group::LayerSpec, u64, u64) {
     (&l.spec, l.addr, l.len)
 }
 
-/// Bytes a copy launch of `job` moves: each layer's cells of the selected blocks' tokens.
-fn copied_bytes(job: &GroupJob) -> u64 {
-    let bs = job.block_size;
-    let start = job.selection.start;
-    let n = job.selection.block_ids.len() as u64;
-    let tokens = job
-        .num_tokens
-        .min((start + n).saturating_mul(bs))
-        .saturating_sub(start.saturating_mul(bs));
-    job.layers
-        .iter()
-        .map(|l| {
-            let g = &l.spec.geometry;
-            tokens
-                .saturating_mul(g.heads)
-                .saturating_mul(g.cell_bytes())
-        })
-        .fold(0, u64::saturating_add)
+/// Tokens a copy launch of `sel` (blocks of `block_size` tokens) moves: those of its blocks
+/// before `num_tokens`.
+fn copied_tokens(sel: &BlockSelection, block_size: u64, num_tokens: u64) -> u64 {
+    let start = sel.start;
+    let n = sel.block_ids.len() as u64;
+    num_tokens
+        .min(start.saturating_add(n).saturating_mul(block_size))
+        .saturating_sub(start.saturating_mul(block_size))
 }
 
 impl CopyReads {
@@ -512,12 +616,12 @@ impl CopyReads {
     pub(super) fn submit(self, workers: &[Worker]) -> Result<Submitted, NoCopy> {
         let at = Instant::now();
         let mut pending = Vec::with_capacity(workers.len());
-        for ((w, jobs), keep) in workers.iter().zip(self.jobs).zip(self.keep) {
+        for ((w, plans), keep) in workers.iter().zip(self.plans).zip(self.keep) {
             // SAFETY: the layers are this worker's KV (the Worker contract: valid and registered
             // while it is in use, and this load's blocks are its own until it ends); the sources
             // are the producer's registered memory as mapped here, checked against its live
             // table, and `keep` holds those mappings until the device is done with the launch.
-            match unsafe { w.backend.submit_copying(jobs, keep) } {
+            match unsafe { w.backend.submit_planned(plans, keep) } {
                 Ok(p) => pending.push((w.rank, Ok(p))),
                 Err(e) if pending.is_empty() => return Err(NoCopy::Refused(e)),
                 Err(e) => {

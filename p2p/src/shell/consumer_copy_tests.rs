@@ -144,13 +144,16 @@ fn layers_pair_by_name_with_the_producers_geometry() {
         assert_eq!(l.addr, (1 << 41) + *k as u64 * l.len.next_multiple_of(256));
     }
     let j = job(&w, &r);
-    assert_eq!(source_blocks(&j, &r).unwrap(), (0..7).collect::<Vec<u64>>());
+    assert_eq!(
+        source_blocks(j.group_id, &j.selection, &r).unwrap(),
+        (0..7).collect::<Vec<u64>>()
+    );
     // Positions out of order: looked up.
     let mut r2 = r.clone();
     r2.blocks[0].positions.reverse();
     r2.blocks[0].remote_blocks.reverse();
     assert_eq!(
-        source_blocks(&j, &r2).unwrap(),
+        source_blocks(j.group_id, &j.selection, &r2).unwrap(),
         (0..7).collect::<Vec<u64>>()
     );
 }
@@ -213,11 +216,17 @@ fn blocks_that_do_not_pair_up_are_refused() {
     let r = request(&w, 64);
     let mut j = job(&w, &r);
     j.selection.block_ids.pop();
-    assert!(matches!(source_blocks(&j, &r), Err(NoCopy::Blocks(0))));
+    assert!(matches!(
+        source_blocks(j.group_id, &j.selection, &r),
+        Err(NoCopy::Blocks(0))
+    ));
     let j = job(&w, &r);
     let mut moved = r.clone();
     moved.blocks[0].positions[1] = 99;
-    assert!(matches!(source_blocks(&j, &moved), Err(NoCopy::Blocks(0))));
+    assert!(matches!(
+        source_blocks(j.group_id, &j.selection, &moved),
+        Err(NoCopy::Blocks(0))
+    ));
 }
 
 /// A template's reads ask the engine for the producer's memory as mapped now: a segment not
@@ -234,7 +243,17 @@ fn reads_need_the_producers_segment_open_and_mapped_here() {
     let jobs = vec![vec![job(&workers[0], &r)]];
     let t = CopyTemplate::of(&workers, &jobs, &producer(theirs), &r).unwrap();
     let started = std::time::Instant::now();
-    let e = t.reads(&workers, jobs.clone(), &r).err().unwrap();
+    let sels = |jobs: &[Vec<GroupJob>]| -> Vec<Vec<(u32, BlockSelection)>> {
+        jobs.iter()
+            .map(|js| {
+                js.iter()
+                    .map(|j| (j.group_id, j.selection.clone()))
+                    .collect()
+            })
+            .collect()
+    };
+    let tokens = jobs[0][0].num_tokens;
+    let e = t.reads(&workers, sels(&jobs), tokens, &r).err().unwrap();
     assert!(
         matches!(e, NoCopy::NotOpen(ref s) if s == "127.0.0.1:9"),
         "{e}"
@@ -243,10 +262,17 @@ fn reads_need_the_producers_segment_open_and_mapped_here() {
         started.elapsed() < std::time::Duration::from_secs(1),
         "no handshake"
     );
-    // Jobs of another shape than the template's.
-    let mut other = jobs.clone();
-    other[0][0].layers.pop();
-    assert!(matches!(t.reads(&workers, other, &r), Err(NoCopy::Shape)));
+    // Selections of another shape than the template's: another group, or none.
+    let mut other = sels(&jobs);
+    other[0][0].0 = 7;
+    assert!(matches!(
+        t.reads(&workers, other, tokens, &r),
+        Err(NoCopy::Shape)
+    ));
+    assert!(matches!(
+        t.reads(&workers, vec![Vec::new()], tokens, &r),
+        Err(NoCopy::Shape)
+    ));
 }
 
 /// Replicated heads (MLA, or GQA with TP above the head count): each consumer rank reads the

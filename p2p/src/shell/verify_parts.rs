@@ -238,6 +238,31 @@ impl Parts {
             .collect()
     }
 
+    /// Each worker's selected blocks per group (indexed as the workers), in the order and for
+    /// the groups of [`Parts::whole_jobs`] (skipped groups and groups with nothing selected
+    /// left out), without the jobs' layers: what a one-pass launch planned ahead needs of a
+    /// load.
+    pub(crate) fn selections(&self) -> Vec<Vec<(u32, BlockSelection)>> {
+        self.workers
+            .iter()
+            .map(|w| {
+                w.groups
+                    .iter()
+                    .filter(|g| g.skipped.is_none())
+                    .filter_map(|g| {
+                        let sel = self.select.select(g)?;
+                        (!sel.block_ids.is_empty()).then_some((g.group_id, sel))
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The load's tokens (every job's `num_tokens`).
+    pub(crate) fn num_tokens(&self) -> u64 {
+        self.select.num_tokens
+    }
+
     /// Every layer's checksums came with its copy (a one-pass read): `results[i]` is worker
     /// `i`'s, over all of [`Parts::whole_jobs`], one part covering every layer. Where parts
     /// were started before (nothing of a one-pass read starts any), they are voided instead,

@@ -577,3 +577,39 @@ async fn copied_results_are_the_whole_load_counted_once() {
     assert_eq!(p.covered(), 0);
     assert_eq!(p.finish().await.records, want);
 }
+
+/// A one-pass launch planned ahead takes each load's selections instead of its jobs: the same
+/// groups, in the same order, with the same blocks, whatever groups a worker skips or the load
+/// does not name.
+#[test]
+fn selections_are_the_whole_jobs_without_their_layers() {
+    let (mut w, _bufs) = rank();
+    let first = w.groups[0].clone();
+    w.groups.insert(
+        0,
+        WorkerGroup {
+            group_id: 5,
+            skipped: Some(kvferry_checksum::group::SkipReason::Compressed),
+            ..first.clone()
+        },
+    );
+    // Not named by the load: nothing selected.
+    w.groups.push(WorkerGroup {
+        group_id: 6,
+        ..first
+    });
+    let workers = Arc::new(vec![w]);
+    let mut p = parts(&workers);
+    let jobs = p.whole_jobs();
+    let want: Vec<Vec<(u32, kvferry_checksum::select::BlockSelection)>> = jobs
+        .iter()
+        .map(|js| {
+            js.iter()
+                .map(|j| (j.group_id, j.selection.clone()))
+                .collect()
+        })
+        .collect();
+    assert_eq!(want[0].len(), 1);
+    assert_eq!(p.selections(), want);
+    assert_eq!(p.num_tokens(), jobs[0][0].num_tokens);
+}

@@ -3,8 +3,8 @@
 //! made again. A consumer that reads every load of a shape in one pass plans its layers once,
 //! not per load: what differs between its loads is which blocks they copy.
 
-use crate::backend::{validate_job, validate_layers, CopyJob, JobFault, KernelError, Location};
 use crate::cuda::view::{copy_plan, LaunchPlan, PlanError};
+use crate::job::{validate_job, validate_layers, CopyJob, JobFault, KernelError, Location};
 use kvferry_checksum::group::LayerSpec;
 
 /// Copy launches checked and planned for one device: one plan per job, in order. Made only by

@@ -8,6 +8,7 @@ pub mod backend;
 mod copy_plans;
 pub mod cpu;
 pub mod cuda;
+pub mod job;
 #[cfg(any(test, feature = "test-tools"))]
 pub mod oracle;
 pub mod sync;

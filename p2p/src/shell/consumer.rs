@@ -60,7 +60,7 @@ pub struct Consumer {
     name: String,
     /// Per producer endpoint: whether its loads are read here, with its layout
     /// (docs/design.md §4.10). A producer not listed is asked for its layout.
-    reads: Arc<std::sync::Mutex<HashMap<String, read::Reads>>>,
+    reads: Arc<std::sync::Mutex<HashMap<String, layout::Reads>>>,
     /// Whether a read load's checksums are queued on the device behind its copies
     /// ([`read::queues_checksums`]): a property of the workers, worked out once.
     queue_checksums: bool,
@@ -605,6 +605,8 @@ struct Phases {
 
 #[path = "consumer_copy.rs"]
 mod copy;
+#[path = "consumer_layout.rs"]
+mod layout;
 #[path = "consumer_read.rs"]
 mod read;
 

@@ -13,7 +13,7 @@ use std::time::Instant;
 use kvferry_transfer::sync::MutexExt;
 use tracing::debug;
 
-use super::read::{ProducerLayout, Reads, Shape};
+use super::layout::{ProducerLayout, Reads, Shape};
 use super::Consumer;
 use crate::proto::progress::layer_slots_of;
 use crate::shell::consumer_config::{ReadCheck, ReadMode};

@@ -17,7 +17,7 @@ use kvferry_transfer::{Op, Shared, Token, TransferError, TransferPath};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use super::copy::ShapeTemplate;
+use super::layout::{Asked, ProducerLayout, Reads, Shape};
 use super::{Consumer, Phases};
 use crate::error::{LoadError, LoadSpecFault};
 use crate::proto::consumer::FailReason;
@@ -35,79 +35,6 @@ use crate::shell::verify_parts::{Parts, Selector};
 use crate::LoadSpec;
 use futures::future::Either;
 use futures::TryFutureExt;
-
-/// A load's question for a producer's layout ([`Consumer::ask_layout`]): dropped while the
-/// producer is still [`Reads::Asked`] (the load got no FINISH, or its caller dropped it), it
-/// lets a later load ask again.
-pub(super) struct Asked {
-    reads: Arc<std::sync::Mutex<std::collections::HashMap<String, Reads>>>,
-    producer: String,
-}
-
-impl Drop for Asked {
-    fn drop(&mut self) {
-        let mut reads = self.reads.locked();
-        if matches!(reads.get(&self.producer), Some(Reads::Asked)) {
-            reads.remove(&self.producer);
-        }
-    }
-}
-
-/// Whether a producer's loads are read here.
-pub(super) enum Reads {
-    /// A load asked for its layout (loads go by WRITE).
-    Asked,
-    /// Its layout came; whether this side reaches its memory is being checked (loads go by
-    /// WRITE).
-    Deciding,
-    /// Read, planned with this layout.
-    Yes(Arc<ProducerLayout>),
-    /// Written by the producer (it sends no layout, or this side does not reach its memory
-    /// as [`ReadMode`] asks).
-    No,
-}
-
-/// A producer's layout as the plan reads it, and the digest a read request names.
-pub(super) struct ProducerLayout {
-    pub(super) ranks: Vec<RankLayout>,
-    digest: [u8; 32],
-    /// The reads of the request shape last planned, for later loads of that shape.
-    template: std::sync::Mutex<Option<(Shape, Arc<ReadTemplate>)>>,
-    /// A load read with this layout succeeded: the producer's memory is mapped here, so a
-    /// later load's submits only enqueue (the load's own task may make them).
-    pub(super) warm: AtomicBool,
-    /// The one-pass reads of the request shape last read (`None`: that shape's layers do not
-    /// pair up, it is read in two passes).
-    pub(super) copies: std::sync::Mutex<Option<ShapeTemplate>>,
-}
-
-/// What a [`ReadTemplate`] depends on in a request: its ranks (this side's memory) and, per
-/// group, its id and both block sizes.
-pub(super) struct Shape {
-    ranks: Vec<crate::proto::msg::WireRank>,
-    groups: Vec<(u32, u64, u64)>,
-}
-
-impl Shape {
-    pub(super) fn groups(request: &LoadRequest) -> impl Iterator<Item = (u32, u64, u64)> + '_ {
-        request
-            .blocks
-            .iter()
-            .map(|b| (b.group_id, b.block_size, b.remote_block_size))
-    }
-
-    fn of(request: &LoadRequest) -> Shape {
-        Shape {
-            ranks: request.ranks.clone(),
-            groups: Shape::groups(request).collect(),
-        }
-    }
-
-    /// Whether `request` has this shape.
-    fn fits(&self, request: &LoadRequest) -> bool {
-        self.ranks == request.ranks && Shape::groups(request).eq(self.groups.iter().copied())
-    }
-}
 
 /// A load planned to be read: the copies per (consumer rank, producer segment), local
 /// addresses as `src`, and the layer groups they land in; none where its one-pass launch was
@@ -342,15 +269,23 @@ impl Consumer {
     ) -> Result<LoadOutcome, ReadEnd> {
         let rid = spec.request_id.clone();
         let started = Instant::now();
-        let token = Token::random().map_err(|e| {
-            ReadEnd::Failed(LoadError::Spec {
-                request_id: rid.clone(),
-                why: LoadSpecFault::Grant(Shared(Arc::new(e))),
-            })
-        })?;
         // Within the budget sent with the request: the producer holds the lease that long.
         let budget = crate::proto::consumer::budget_of(self.config.max_wait);
         let deadline = started + budget.min(self.config.reply_deadline());
+        let token = match Token::random() {
+            Ok(t) => t,
+            Err(e) => {
+                // A launch queued already writes this load's blocks: it ends before the load
+                // does, so that nothing lands in them after the caller takes them back.
+                if let Some(e) = early {
+                    let _ = e.submitted.wait(deadline).await;
+                }
+                return Err(ReadEnd::Failed(LoadError::Spec {
+                    request_id: rid,
+                    why: LoadSpecFault::Grant(Shared(Arc::new(e))),
+                }));
+            }
+        };
         let (progress, mut heard) = mpsc::unbounded_channel();
         let queued = progress.clone();
         let tell = move |span| {

@@ -285,8 +285,10 @@ __device__ u64 tile_generic(const LayerView& L, u64 base, u64 t0, u32 nt) {
 // block index `bidx`) in this thread block's range, asked into L2 before this tile's loads are
 // waited for, so that twice the bytes are in flight per thread (the copy kernels keep fewer
 // threads resident than the checksum kernels: each holds its loaded chunks until stored).
-// Regular layers only: the lanes whose chunk starts a 128-byte line ask for the lines the
-// thread block will load, in tile_regular's order. A prefetch is a hint: it changes no value.
+// Regular layers only, in tile_regular's order: one lane in every 128 bytes of a row asks (a
+// row not aligned to 128 bytes may leave a line unasked: the load then waits for it as
+// before). A prefetch is a hint: it changes no value, and it asks only for lines the next
+// tile loads.
 __device__ __forceinline__ void prefetch_next(const LayerView* tab, u32 num_layers, u32 layer, u32 local, u32 bidx,
                                               const u64* __restrict__ src_block_ids, u64 start, u64 num_tokens) {
     u32 nl = layer, nloc = local + 1, nb = bidx;

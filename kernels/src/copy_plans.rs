@@ -147,6 +147,11 @@ impl CopyPlans {
         self.device
     }
 
+    /// The group of the first job (0 with none): what an error about the whole plans names.
+    pub(crate) fn first_group(&self) -> u32 {
+        self.jobs.first().map_or(0, |j| j.group_id)
+    }
+
     /// The launches, one per job: (group id, plan).
     pub(crate) fn into_launches(self) -> Vec<(u32, LaunchPlan)> {
         self.jobs

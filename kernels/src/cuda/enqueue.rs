@@ -118,7 +118,7 @@ impl CudaBackend {
         let backend = Location::Cuda(self.inner.ctx.ordinal());
         if plans.device() != backend {
             return Err(KernelError::InvalidJob {
-                group_id: 0,
+                group_id: plans.first_group(),
                 why: JobFault::WrongDevice {
                     job: plans.device(),
                     backend,

@@ -165,8 +165,10 @@ impl Consumer {
             // the load's host work.
             let early = self.launch_early(&spec, &request, t_build);
             let reads = match &early {
-                Some(e) => Some(read::ReadPlan::launched(e.producer.clone())),
-                None => {
+                copy::EarlyLaunch::Launched(e) => {
+                    Some(read::ReadPlan::launched(e.producer.clone()))
+                }
+                _ => {
                     self.with_ranks(&mut request);
                     self.read_plan(&spec.producer, &request)
                 }
@@ -605,6 +607,8 @@ struct Phases {
 
 #[path = "consumer_copy.rs"]
 mod copy;
+#[path = "consumer_copy_plan.rs"]
+mod copy_plan;
 #[path = "consumer_layout.rs"]
 mod layout;
 #[path = "consumer_read.rs"]

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use kvferry_transfer::sync::MutexExt;
 
-use super::copy::ShapeTemplate;
+use super::copy_plan::ShapeTemplate;
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::LoadRequest;
 use crate::proto::read_plan::ReadTemplate;

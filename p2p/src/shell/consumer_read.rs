@@ -17,6 +17,7 @@ use kvferry_transfer::{Op, Shared, Token, TransferError, TransferPath};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
+use super::copy::EarlyLaunch;
 use super::layout::{Asked, ProducerLayout, Reads, Shape};
 use super::{Consumer, Phases};
 use crate::error::{LoadError, LoadSpecFault};
@@ -259,13 +260,13 @@ impl Consumer {
     /// serve it by read and every read has ended (nothing served; after `read_refused` this
     /// side forgets the layout; the load goes by WRITE); reads that may still land fail it.
     /// `early`: the load's one-pass launch, queued already with its parts (`reads` then plans
-    /// nothing).
+    /// nothing), or tried and refused.
     pub(super) async fn load_by_read(
         &self,
         spec: &LoadSpec,
         mut request: LoadRequest,
         reads: ReadPlan,
-        early: Option<super::copy::Early>,
+        early: EarlyLaunch,
     ) -> Result<LoadOutcome, ReadEnd> {
         let rid = spec.request_id.clone();
         let started = Instant::now();
@@ -277,7 +278,7 @@ impl Consumer {
             Err(e) => {
                 // A launch queued already writes this load's blocks: it ends before the load
                 // does, so that nothing lands in them after the caller takes them back.
-                if let Some(e) = early {
+                if let EarlyLaunch::Launched(e) = early {
                     let _ = e.submitted.wait(deadline).await;
                 }
                 return Err(ReadEnd::Failed(LoadError::Spec {
@@ -303,8 +304,8 @@ impl Consumer {
         // An earlier read from this producer succeeded: its memory is mapped here.
         let warm = reads.producer.warm.load(Ordering::Acquire);
         let (mut parts, submitted) = match early {
-            Some(e) => (e.parts, Some(e.submitted)),
-            None => {
+            EarlyLaunch::Launched(e) => (e.parts, Some(e.submitted)),
+            tried => {
                 let slots = if self.checksums {
                     layer_slots(&request)
                 } else {
@@ -317,8 +318,11 @@ impl Consumer {
                     self.config.checksum_timeout,
                 )
                 .with_fingerprints(self.fingerprints.clone());
-                let one_pass =
-                    warm && self.queue_checksums && self.config.read_check == ReadCheck::OnePass;
+                // Tried at the load's start and refused: not again.
+                let one_pass = !matches!(tried, EarlyLaunch::Refused)
+                    && warm
+                    && self.queue_checksums
+                    && self.config.read_check == ReadCheck::OnePass;
                 let copy = one_pass
                     .then(|| self.copy_reads(&reads.producer, &mut parts, &request))
                     .flatten();

@@ -570,6 +570,16 @@ async fn copied_results_are_the_whole_load_counted_once() {
     assert_eq!(p.finish().await.records, changed);
     bufs[3][519] ^= 1;
 
+    // Results of a group the load did not ask for: not taken as the record (that worker
+    // reports none, as when a part's results name another group).
+    let mut p = parts(&workers);
+    let mut other = results.clone();
+    other[0].group_id = 9;
+    p.copied(vec![other]);
+    let f = p.finish().await;
+    assert!(f.records.is_empty());
+    assert_eq!(f.missing.len(), 1, "{:?}", f.missing);
+
     // After a part started: void as well.
     let mut p = parts(&workers);
     p.progress(landed(0, 5));

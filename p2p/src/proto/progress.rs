@@ -32,32 +32,34 @@ pub struct Slot {
 /// does not hold a group of `blocks` contributes no slot for it (the plan refuses such a
 /// request).
 pub fn layer_slots(req: &LoadRequest) -> Vec<Slot> {
-    let mut slots = Vec::new();
-    for (rank, target) in req.ranks.iter().enumerate() {
-        for b in &req.blocks {
-            let Some(tg) = target.groups.iter().find(|g| g.group_id == b.group_id) else {
-                continue;
-            };
-            slots.extend((0..tg.layers.len()).map(|layer| Slot {
-                rank,
-                group_id: b.group_id,
-                layer,
-            }));
-        }
-    }
-    slots
+    slots_by(req.ranks.len(), &req.blocks, |rank, group| {
+        let groups = &req.ranks.get(rank)?.groups;
+        Some(groups.iter().find(|g| g.group_id == group)?.layers.len())
+    })
 }
 
 /// [`layer_slots`] of a request with `blocks` into `ranks` (this side's layouts, which its
 /// `ranks` are built from: [`super::request::wire_ranks`]), without building them.
 pub fn layer_slots_of(ranks: &[RankLayout], blocks: &[WireBlocks]) -> Vec<Slot> {
+    slots_by(ranks.len(), blocks, |rank, group| {
+        Some(ranks.get(rank)?.group(group)?.layers.len())
+    })
+}
+
+/// The slots of `ranks` ranks over `blocks`' groups in slot order, `layers(rank, group)` being
+/// how many layers of the group the rank holds (`None`: it does not hold the group).
+fn slots_by(
+    ranks: usize,
+    blocks: &[WireBlocks],
+    layers: impl Fn(usize, u32) -> Option<usize>,
+) -> Vec<Slot> {
     let mut slots = Vec::new();
-    for (rank, target) in ranks.iter().enumerate() {
+    for rank in 0..ranks {
         for b in blocks {
-            let Some(tg) = target.group(b.group_id) else {
+            let Some(n) = layers(rank, b.group_id) else {
                 continue;
             };
-            slots.extend((0..tg.layers.len()).map(|layer| Slot {
+            slots.extend((0..n).map(|layer| Slot {
                 rank,
                 group_id: b.group_id,
                 layer,

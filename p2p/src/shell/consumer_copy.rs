@@ -72,13 +72,7 @@ impl Consumer {
         if !producer.warm.load(Ordering::Acquire) {
             return EarlyLaunch::No;
         }
-        let template = producer
-            .copies
-            .locked()
-            .as_ref()
-            .filter(|(shape, _)| Shape::groups(request).eq(shape.iter().copied()))
-            .map(|(_, t)| t.clone());
-        let template = match template {
+        let template = match producer.copy_template(request) {
             Some(Some(t)) => t,
             // The shape's layers do not pair up: two passes, as remembered.
             Some(None) => return EarlyLaunch::Refused,
@@ -154,13 +148,7 @@ impl Consumer {
         request: &LoadRequest,
     ) -> Option<CopyReads> {
         let rid = &request.request_id;
-        let cached = producer
-            .copies
-            .locked()
-            .as_ref()
-            .filter(|(shape, _)| Shape::groups(request).eq(shape.iter().copied()))
-            .map(|(_, t)| t.clone());
-        let template = match cached {
+        let template = match producer.copy_template(request) {
             Some(t) => t?,
             None => {
                 let jobs = parts.whole_jobs();

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use kvferry_transfer::sync::MutexExt;
 
-use super::copy_plan::ShapeTemplate;
+use super::copy_plan::{CopyTemplate, ShapeTemplate};
 use crate::proto::layout::RankLayout;
 use crate::proto::msg::LoadRequest;
 use crate::proto::read_plan::ReadTemplate;
@@ -56,6 +56,19 @@ pub(super) struct ProducerLayout {
     /// The one-pass reads of the request shape last read (`None`: that shape's layers do not
     /// pair up, it is read in two passes).
     pub(super) copies: std::sync::Mutex<Option<ShapeTemplate>>,
+}
+
+impl ProducerLayout {
+    /// The one-pass template of `request`'s shape where that shape was planned before
+    /// (`Some(None)`: its layers do not pair up, it is read in two passes); `None` where it
+    /// was not.
+    pub(super) fn copy_template(&self, request: &LoadRequest) -> Option<Option<Arc<CopyTemplate>>> {
+        self.copies
+            .locked()
+            .as_ref()
+            .filter(|(shape, _)| Shape::groups(request).eq(shape.iter().copied()))
+            .map(|(_, t)| t.clone())
+    }
 }
 
 /// What a [`ReadTemplate`] depends on in a request: its ranks (this side's memory) and, per

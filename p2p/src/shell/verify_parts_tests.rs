@@ -609,7 +609,18 @@ fn selections_are_the_whole_jobs_without_their_layers() {
         ..first
     });
     let workers = Arc::new(vec![w]);
-    let mut p = parts(&workers);
+    // The load names the skipped group too: it still has no job.
+    let mut named = spec();
+    named.groups.push(LoadGroup {
+        group_id: 5,
+        ..named.groups[0].clone()
+    });
+    let mut p = Parts::new(
+        workers.clone(),
+        Arc::new(Selector::new(&named)),
+        Vec::new(),
+        Duration::from_secs(10),
+    );
     let jobs = p.whole_jobs();
     let want: Vec<Vec<(u32, kvferry_checksum::select::BlockSelection)>> = jobs
         .iter()

@@ -4,7 +4,10 @@
 //! not per load: what differs between its loads is which blocks they copy.
 
 use crate::cuda::view::{copy_plan, LaunchPlan, PlanError};
-use crate::job::{validate_job, validate_layers, CopyJob, JobFault, KernelError, Location};
+use crate::job::{
+    plan_error, validate_job_on, validate_layers, CopyJob, JobFault, KernelError, LayerInput,
+    Location,
+};
 use kvferry_checksum::group::LayerSpec;
 
 /// Copy launches checked and planned for one device: one plan per job, in order. Made only by
@@ -45,7 +48,7 @@ pub struct JobBlocks {
 impl CopyPlans {
     /// Checks and plans `jobs` for `device`, as [`crate::ChecksumBackend::submit_copying`]
     /// does before it queues anything. Errors: [`KernelError::InvalidJob`] (a job for another
-    /// device, a layer or source that fails [`validate_job`]'s checks, a source that does not
+    /// device, a layer or source that fails [`crate::validate_job`]'s checks, a source that does not
     /// pair up with its layer: [`copy_plan`]).
     pub fn new(device: Location, jobs: &[CopyJob]) -> Result<CopyPlans, KernelError> {
         let mut out = Vec::with_capacity(jobs.len());
@@ -56,25 +59,15 @@ impl CopyPlans {
         } in jobs
         {
             let group_id = job.group_id;
-            if job.device != device {
-                return Err(KernelError::InvalidJob {
-                    group_id,
-                    why: JobFault::WrongDevice {
-                        job: job.device,
-                        backend: device,
-                    },
-                });
-            }
-            validate_job(job)?;
+            validate_job_on(job, device)?;
             validate_layers(group_id, job.block_size, sources, source_blocks)?;
-            let layers: Vec<(&LayerSpec, u64, u64)> = job.layers.iter().map(triple).collect();
-            let from: Vec<(&LayerSpec, u64, u64)> = sources.iter().map(triple).collect();
+            let layers: Vec<(&LayerSpec, u64, u64)> =
+                job.layers.iter().map(LayerInput::as_plan_layer).collect();
+            let from: Vec<(&LayerSpec, u64, u64)> =
+                sources.iter().map(LayerInput::as_plan_layer).collect();
             let (ids, start) = (&job.selection.block_ids, job.selection.start);
             let plan = copy_plan(&layers, &from, ids, source_blocks, start, job.num_tokens)
-                .map_err(|e| KernelError::InvalidJob {
-                    group_id,
-                    why: JobFault::Plan(e),
-                })?;
+                .map_err(plan_error(group_id))?;
             out.push(PlannedJob {
                 group_id,
                 plan,
@@ -161,11 +154,6 @@ impl CopyPlans {
     }
 }
 
-/// A layer as the launch plans take it.
-fn triple(l: &crate::LayerInput) -> (&LayerSpec, u64, u64) {
-    (&l.spec, l.addr, l.len)
-}
-
 /// The fewest blocks among `layers`' arrays and the name of a layer with that many (none:
 /// `u64::MAX`, no block id is refused: a job without layers reads nothing).
 fn fewest_blocks(layers: &[crate::LayerInput]) -> (u64, String) {
@@ -177,7 +165,7 @@ fn fewest_blocks(layers: &[crate::LayerInput]) -> (u64, String) {
 }
 
 /// Every id of `ids` below `limit`'s block count; else the first one that is not, named as
-/// [`validate_job`] names it.
+/// [`crate::validate_job`] names it.
 fn in_range(group_id: u32, limit: &(u64, String), ids: &[u64]) -> Result<(), KernelError> {
     let blocks = limit.0;
     match ids.iter().copied().find(|&id| id >= blocks) {

@@ -22,6 +22,14 @@ pub struct LayerInput {
     pub len: u64,
 }
 
+impl LayerInput {
+    /// The layer as the launch plans take it ([`crate::cuda::view::launch_plan`],
+    /// [`crate::cuda::view::copy_plan`]): (spec, address, byte length).
+    pub fn as_plan_layer(&self) -> (&LayerSpec, u64, u64) {
+        (&self.spec, self.addr, self.len)
+    }
+}
+
 /// Where a job's KV lives: kvferry-cuda's one type for where memory lives (`Location::Cpu`,
 /// or `Location::Cuda(ordinal)`).
 pub use kvferry_cuda::Location;
@@ -250,6 +258,29 @@ pub enum JobFault {
     /// The CUDA kernel cannot checksum the layers (its launch plan's error).
     #[error("{0}")]
     Plan(crate::cuda::view::PlanError),
+}
+
+/// [`validate_job`] for a backend that reads on `device` only: a job for another device is
+/// refused first ([`JobFault::WrongDevice`]).
+pub(crate) fn validate_job_on(job: &GroupJob, device: Location) -> Result<(), KernelError> {
+    if job.device != device {
+        return Err(KernelError::InvalidJob {
+            group_id: job.group_id,
+            why: JobFault::WrongDevice {
+                job: job.device,
+                backend: device,
+            },
+        });
+    }
+    validate_job(job)
+}
+
+/// Group `group_id`'s job refused for its launch plan's error ([`JobFault::Plan`]).
+pub(crate) fn plan_error(group_id: u32) -> impl Fn(crate::cuda::view::PlanError) -> KernelError {
+    move |e| KernelError::InvalidJob {
+        group_id,
+        why: JobFault::Plan(e),
+    }
 }
 
 /// Checks a job against its layers before any byte is read: every layer's array fits in its

@@ -6,11 +6,12 @@ use std::ffi::c_void;
 
 use super::view::{launch_plan, LayerView};
 use super::{
-    align, chunks_per_thread, driver, kerr, slots, validate_job, CopyJob, CudaBackend, CudaPending,
-    Event, GroupJob, Inner, JobFault, Keep, KernelError, KernelVariant, LaunchPlan, Location,
-    Ordering, PendingGroup, RawStream, Slot, THREADS,
+    align, chunks_per_thread, driver, kerr, slots, CopyJob, CudaBackend, CudaPending, Event,
+    GroupJob, Inner, JobFault, Keep, KernelError, KernelVariant, LaunchPlan, Location, Ordering,
+    PendingGroup, RawStream, Slot, THREADS,
 };
-use crate::CopyPlans;
+use crate::job::plan_error;
+use crate::{CopyPlans, LayerInput};
 use kvferry_checksum::group::LayerSpec;
 use kvferry_cuda::CudaError;
 
@@ -67,12 +68,9 @@ impl CudaBackend {
     ) -> Result<CudaPending, KernelError> {
         let mut plans: Vec<(u32, LaunchPlan)> = Vec::with_capacity(jobs.len());
         for job in &jobs {
-            self.check_job(job)?;
-            let layers: Vec<(&LayerSpec, u64, u64)> = job
-                .layers
-                .iter()
-                .map(|l| (&l.spec, l.addr, l.len))
-                .collect();
+            crate::job::validate_job_on(job, Location::Cuda(self.inner.ctx.ordinal()))?;
+            let layers: Vec<(&LayerSpec, u64, u64)> =
+                job.layers.iter().map(LayerInput::as_plan_layer).collect();
             let plan = launch_plan(
                 &layers,
                 &job.selection.block_ids,
@@ -127,21 +125,6 @@ impl CudaBackend {
         }
         // SAFETY: forwarded from this function's contract.
         unsafe { self.submit_plans(plans.into_launches(), After::Nothing, keep) }
-    }
-
-    /// A job for this backend's device that [`validate_job`] accepts.
-    fn check_job(&self, job: &GroupJob) -> Result<(), KernelError> {
-        let ordinal = self.inner.ctx.ordinal();
-        if job.device != Location::Cuda(ordinal) {
-            return Err(KernelError::InvalidJob {
-                group_id: job.group_id,
-                why: JobFault::WrongDevice {
-                    job: job.device,
-                    backend: Location::Cuda(ordinal),
-                },
-            });
-        }
-        validate_job(job)
     }
 
     /// Enqueues `plans` (one launch each) on a side stream after `after`, their slot keeping
@@ -255,14 +238,6 @@ impl CudaBackend {
             groups,
             kernel_ms: None,
         })
-    }
-}
-
-/// Group `group_id`'s job refused for its launch plan's error.
-fn plan_error(group_id: u32) -> impl Fn(super::view::PlanError) -> KernelError {
-    move |e| KernelError::InvalidJob {
-        group_id,
-        why: JobFault::Plan(e),
     }
 }
 

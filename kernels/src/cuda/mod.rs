@@ -20,7 +20,7 @@ pub mod load;
 pub mod tools;
 pub mod view;
 
-use crate::backend::{validate_job, ChecksumBackend, Pending, PendingChecksums};
+use crate::backend::{ChecksumBackend, Pending, PendingChecksums};
 use crate::sync::MutexExt;
 use crate::{CopyJob, GroupJob, GroupResult, JobFault, Keep, KernelError, Location};
 use cudarc::driver::sys;

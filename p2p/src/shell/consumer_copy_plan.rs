@@ -164,8 +164,8 @@ impl CopyTemplate {
             for (j, job) in jobs.iter().enumerate() {
                 let sources = pair(producer, job, w.rank.tp_rank)?;
                 // Chunk for chunk, whatever the blocks (one block of each checks the layouts).
-                let layers: Vec<_> = job.layers.iter().map(triple).collect();
-                let from: Vec<_> = sources.iter().map(|(_, l)| triple(l)).collect();
+                let layers: Vec<_> = job.layers.iter().map(LayerInput::as_plan_layer).collect();
+                let from: Vec<_> = sources.iter().map(|(_, l)| l.as_plan_layer()).collect();
                 copy_plan(&layers, &from, &[0], &[0], 0, 1)?;
                 for (k, (segment, l)) in sources.into_iter().enumerate() {
                     match segments.iter_mut().find(|(s, _)| *s == segment) {
@@ -432,11 +432,6 @@ fn pair(
             Ok((r.segment.clone(), source))
         })
         .collect()
-}
-
-/// A layer as the launch plans take it.
-fn triple(l: &LayerInput) -> (&kvferry_checksum::group::LayerSpec, u64, u64) {
-    (&l.spec, l.addr, l.len)
 }
 
 /// Tokens a copy launch of `sel` (blocks of `block_size` tokens) moves: those of its blocks

@@ -78,7 +78,7 @@ impl Consumer {
             Some(None) => return EarlyLaunch::Refused,
             None => return EarlyLaunch::No,
         };
-        let parts = Parts::new(
+        let mut parts = Parts::new(
             self.workers.clone(),
             Arc::new(Selector::new(spec)),
             layer_slots_of(&self.layouts, &request.blocks),

@@ -149,6 +149,10 @@ pub(crate) struct Parts {
     /// layer), computed once per load at its first part, not at each part and again after the
     /// FINISH.
     fingerprints: Option<Fingerprints>,
+    /// Per worker, its jobs over no layer (the load's selections and what its record names),
+    /// worked out once when a one-pass read asks for the selections ([`Parts::selections`])
+    /// and taken for its records ([`Parts::finish`]).
+    selected: Option<Vec<RankJobs>>,
 }
 
 /// Per worker (indexed as the workers), its groups' fingerprints ([`worker_fingerprints`]).
@@ -199,6 +203,7 @@ impl Parts {
             heard: None,
             tasks: Vec::new(),
             fingerprints: None,
+            selected: None,
         }
     }
 
@@ -239,22 +244,32 @@ impl Parts {
     }
 
     /// Each worker's selected blocks per group (indexed as the workers), in the order and for
-    /// the groups of [`Parts::whole_jobs`] (skipped groups and groups with nothing selected
-    /// left out), without the jobs' layers: what a one-pass launch planned ahead needs of a
-    /// load.
-    pub(crate) fn selections(&self) -> Vec<Vec<(u32, BlockSelection)>> {
-        self.workers
+    /// the groups of [`Parts::whole_jobs`] (the same jobs, over no layer), without the jobs'
+    /// layers: what a one-pass launch planned ahead needs of a load. The jobs are kept for
+    /// the load's records.
+    pub(crate) fn selections(&mut self) -> Vec<Vec<(u32, BlockSelection)>> {
+        let jobs = self.selected_jobs();
+        let out = jobs
             .iter()
-            .map(|w| {
-                w.groups
+            .map(|j| {
+                j.jobs
                     .iter()
-                    .filter(|g| g.skipped.is_none())
-                    .filter_map(|g| {
-                        let sel = self.select.select(g)?;
-                        (!sel.block_ids.is_empty()).then_some((g.group_id, sel))
-                    })
+                    .map(|g| (g.group_id, g.selection.clone()))
                     .collect()
             })
+            .collect();
+        self.selected = Some(jobs);
+        out
+    }
+
+    /// Each worker's jobs over no layer: those [`Parts::selections`] kept, or worked out now.
+    fn selected_jobs(&mut self) -> Vec<RankJobs> {
+        if let Some(jobs) = self.selected.take() {
+            return jobs;
+        }
+        let fps = fingerprints(&mut self.fingerprints, &self.workers);
+        (self.workers.iter().enumerate())
+            .map(|(i, w)| self.select.jobs(w, fps.get(i), &|_, _| false))
             .collect()
     }
 
@@ -517,10 +532,7 @@ impl Parts {
         if !whole {
             return None;
         }
-        let fps = fingerprints(&mut self.fingerprints, &self.workers);
-        let jobs: Vec<_> = (self.workers.iter().enumerate())
-            .map(|(i, w)| self.select.jobs(w, fps.get(i), &|_, _| false))
-            .collect();
+        let jobs = self.selected_jobs();
         let fits = self.tasks[0].iter().zip(&jobs).all(|(r, j)| {
             matches!(r, Running::Done(Ok(res)) if res.len() == j.jobs.len()
                 && res.iter().zip(&j.jobs).all(|(a, b)| a.group_id == b.group_id))

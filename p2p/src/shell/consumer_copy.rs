@@ -72,12 +72,10 @@ impl Consumer {
         if !producer.warm.load(Ordering::Acquire) {
             return EarlyLaunch::No;
         }
-        let template = match producer.copy_template(request) {
-            Some(Some(t)) => t,
-            // The shape's layers do not pair up: two passes, as remembered.
-            Some(None) => return EarlyLaunch::Refused,
-            None => return EarlyLaunch::No,
-        };
+        // A shape not planned yet is planned by the load's usual way, which launches it too.
+        if producer.copy_template(request).is_none() {
+            return EarlyLaunch::No;
+        }
         let mut parts = Parts::new(
             self.workers.clone(),
             Arc::new(Selector::new(spec)),
@@ -85,22 +83,11 @@ impl Consumer {
             self.config.checksum_timeout,
         )
         .with_fingerprints(self.fingerprints.clone());
-        let rid = &spec.request_id;
-        let copy = template.reads(
-            &self.workers,
-            parts.selections(),
-            parts.num_tokens(),
-            request,
-        );
-        let copy = match copy {
-            Ok(c) => c,
-            Err(why) => {
-                debug!(request_id = rid, "read in two passes: {why}");
-                return EarlyLaunch::Refused;
-            }
-        };
+        // `None` for a shape whose layers do not pair up, as for a load refused.
+        let copy = self.copy_reads(&producer, &mut parts, request);
         let planned_us = started.elapsed().as_micros() as u64;
-        match self.submit_copy(copy, rid, started, planned_us) {
+        let rid = &spec.request_id;
+        match copy.and_then(|c| self.submit_copy(c, rid, started, planned_us)) {
             Some(submitted) => EarlyLaunch::Launched(Early {
                 parts,
                 submitted,
